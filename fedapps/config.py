@@ -1,0 +1,332 @@
+"""Experiment configuration: one YAML file plus dotted overrides -> one validated, typed config.
+
+Every key is checked here, once, on the server; clients receive the parts they need inside messages.
+A bad value raises :class:`ConfigError` naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+APP_DIR = Path(__file__).resolve().parent.parent
+
+
+class ConfigError(ValueError):
+    """An invalid experiment configuration; the message names the key and the fix."""
+
+
+@dataclass
+class StrategyConfig:
+    """Which strategy runs, how clients are sampled, and the strategy's own parameters."""
+
+    name: str = "fedavg"
+    fraction: float = 1.0  # fraction of the connected clients sampled per round, in (0, 1]
+    min_clients: int = 1  # never sample fewer than this many clients (if connected)
+    timeout: float = 600.0  # seconds to wait for the replies of one round
+    params: dict[str, Any] = field(default_factory=dict)  # strategy-specific, validated by the strategy
+
+
+@dataclass
+class DataConfig:
+    """The data source and how it is split among clients (sent verbatim to every client)."""
+
+    source: str = "mnist5k"
+    root: str = "~/.cache/fedapps/data"
+    download: bool = False
+    partition: str = "iid"
+    num_clients: int = 20
+    classes_per_client: int = 2
+    alpha: float = 0.1
+    min_samples: int = 40
+    groups: int = 5
+    redistribute_fraction: float = 0.1
+    test_fraction: float = 0.25
+    public_fraction: float = 0.0
+    seed: int = 1
+    synthetic_classes: int = 10
+    synthetic_shape: list[int] = field(default_factory=lambda: [3, 32, 32])
+    synthetic_samples: int = 2000
+
+
+@dataclass
+class ModelConfig:
+    """The client model architecture (one for all, or a per-client list for model-agnostic strategies)."""
+
+    name: str = "cnn"
+    per_client: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ClientConfig:
+    """Local training hyper-parameters."""
+
+    epochs: int = 1
+    batch_size: int = 10
+    lr: float = 0.05
+    optimizer: str = "sgd"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    drop_last: bool = True
+    device: str = "auto"
+
+
+@dataclass
+class ExperimentConfig:
+    """A whole experiment."""
+
+    run_name: str = ""
+    seed: int = 0
+    rounds: int = 20
+    output_dir: str = "results"
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+
+    def resolved_run_name(self) -> str:
+        """The run name, or one derived from strategy, data and seed when none is given."""
+        if self.run_name:
+            return self.run_name
+        d = self.data
+        return f"{self.strategy.name}-{d.source}-{d.partition}-s{self.seed}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (what config.yaml in the results folder holds)."""
+        return dataclasses.asdict(self)
+
+
+OPTIMIZERS = ("sgd", "adam")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | str | None = None) -> ExperimentConfig:
+    """Read a YAML file (None: all defaults), apply ``key.sub=value`` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = resolve_config_path(path)
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p}: not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p}: the top level must be a mapping of keys, got {type(loaded).__name__}")
+        raw = loaded
+    for item in split_overrides(overrides):
+        apply_override(raw, item)
+    return config_from_dict(raw)
+
+
+def resolve_config_path(path: str | os.PathLike) -> Path:
+    """An absolute path as is; a relative one against the working directory, then the app folder."""
+    p = Path(path).expanduser()
+    candidates = [p] if p.is_absolute() else [Path.cwd() / p, APP_DIR / p]
+    for c in candidates:
+        if c.is_file():
+            return c
+    tried = ", ".join(str(c) for c in candidates)
+    raise ConfigError(f"config file '{path}' not found (looked at: {tried}); pass an existing YAML file")
+
+
+def split_overrides(overrides: list[str] | str | None) -> list[str]:
+    """Overrides as a list: a list stays, a string is split on whitespace."""
+    if not overrides:
+        return []
+    if isinstance(overrides, str):
+        return overrides.split()
+    return [o for item in overrides for o in item.split()] if any(" " in o for o in overrides) else list(overrides)
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set ``a.b.c=value`` in a nested dict; the value is parsed as YAML (numbers, lists, booleans)."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' must look like key=value (e.g. client.lr=0.01)")
+    key, _, text = item.partition("=")
+    key = key.strip().replace("-", "_")
+    if not key:
+        raise ConfigError(f"override '{item}' has an empty key")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override '{item}': value is not valid YAML: {exc}") from exc
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{item}': '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def config_from_dict(raw: Mapping[str, Any]) -> ExperimentConfig:
+    """Build and validate a config from a nested dict (unknown keys are errors)."""
+    cfg = _build_dataclass(ExperimentConfig, raw, prefix="")
+    validate(cfg)
+    return cfg
+
+
+def _build_dataclass(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"'{prefix.rstrip('.') or 'config'}' must be a mapping, got {raw!r}")
+    known = {f.name: f for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ConfigError(
+                f"unknown key '{prefix}{key}'; allowed keys here: {', '.join(sorted(known))}"
+            )
+        f = known[name]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+        if dataclasses.is_dataclass(default):
+            kwargs[name] = _build_dataclass(type(default), value or {}, prefix=f"{prefix}{name}.")
+        elif name == "params":
+            if value is None:
+                value = {}
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"'{prefix}params' must be a mapping, got {value!r}")
+            kwargs[name] = {str(k).replace("-", "_"): v for k, v in value.items()}
+        else:
+            kwargs[name] = _coerce(f"{prefix}{name}", value, default)
+    return cls(**kwargs)
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    """Check a scalar/list against the type of its default."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"'{key}' must be true or false, got {value!r}")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"'{key}' must be an integer, got {value!r}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"'{key}' must be a number, got {value!r}")
+        if not math.isfinite(float(value)):
+            raise ConfigError(f"'{key}' must be finite, got {value!r}")
+        return float(value)
+    if isinstance(default, str):
+        if value is None:
+            return ""
+        if not isinstance(value, (str, int, float)):
+            raise ConfigError(f"'{key}' must be a string, got {value!r}")
+        return str(value)
+    if isinstance(default, list):
+        if isinstance(value, str):
+            value = [v for v in value.replace(",", " ").split() if v]
+        if not isinstance(value, list):
+            raise ConfigError(f"'{key}' must be a list, got {value!r}")
+        return list(value)
+    return value
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...] | list[str]) -> None:
+    _check(value in allowed, f"'{key}' is '{value}', which is not known; allowed: {', '.join(allowed)}")
+
+
+def validate(cfg: ExperimentConfig) -> None:
+    """Raise ConfigError on the first invalid value; also validates the strategy's params."""
+    from fedapps.data import PARTITIONS, SOURCES, source_info
+    from fedapps.models import MODEL_NAMES
+    from strategies import STRATEGIES
+
+    _check(cfg.rounds > 0, f"'rounds' must be a positive integer, got {cfg.rounds}")
+    _check(cfg.seed >= 0, f"'seed' must be >= 0, got {cfg.seed}")
+    _check(bool(cfg.output_dir), "'output_dir' must not be empty")
+    _check("/" not in cfg.run_name, f"'run_name' must not contain '/', got '{cfg.run_name}'")
+
+    s = cfg.strategy
+    _one_of("strategy.name", s.name, sorted(STRATEGIES))
+    _check(0.0 < s.fraction <= 1.0, f"'strategy.fraction' must be in (0, 1], got {s.fraction}")
+    _check(s.min_clients >= 1, f"'strategy.min_clients' must be >= 1, got {s.min_clients}")
+    _check(s.timeout > 0, f"'strategy.timeout' must be > 0 seconds, got {s.timeout}")
+
+    d = cfg.data
+    _one_of("data.source", d.source, SOURCES)
+    d.root = str(Path(d.root).expanduser().resolve())  # clients may run in another working directory
+    _one_of("data.partition", d.partition, PARTITIONS)
+    _check(d.num_clients > 0, f"'data.num_clients' must be a positive integer, got {d.num_clients}")
+    _check(
+        s.min_clients <= d.num_clients,
+        f"'strategy.min_clients' ({s.min_clients}) exceeds 'data.num_clients' ({d.num_clients})",
+    )
+    _check(len(d.synthetic_shape) == 3 and all(isinstance(v, int) and v > 0 for v in d.synthetic_shape),
+           f"'data.synthetic_shape' must be three positive integers C H W, got {d.synthetic_shape}")
+    _check(d.synthetic_classes >= 2, f"'data.synthetic_classes' must be >= 2, got {d.synthetic_classes}")
+    _check(d.synthetic_samples > 0, f"'data.synthetic_samples' must be positive, got {d.synthetic_samples}")
+    num_classes, input_shape = source_info(d.source, d.synthetic_classes, tuple(d.synthetic_shape))
+    if d.partition == "pathological":
+        _check(d.classes_per_client > 0, f"'data.classes_per_client' must be positive, got {d.classes_per_client}")
+        _check(
+            d.classes_per_client <= num_classes,
+            f"'data.classes_per_client' is {d.classes_per_client} but '{d.source}' has only {num_classes} classes",
+        )
+    if d.partition in ("dirichlet", "cosmos-groups"):
+        _check(d.alpha > 0, f"'data.alpha' must be > 0 for the {d.partition} partition, got {d.alpha}")
+    if d.partition == "cosmos-groups":
+        _check(1 <= d.groups <= min(num_classes, d.num_clients),
+               f"'data.groups' must be in [1, min(classes, clients)] = [1, {min(num_classes, d.num_clients)}], got {d.groups}")
+        _check(0.0 <= d.redistribute_fraction < 1.0,
+               f"'data.redistribute_fraction' must be in [0, 1), got {d.redistribute_fraction}")
+    _check(d.min_samples >= 1, f"'data.min_samples' must be >= 1, got {d.min_samples}")
+    _check(0.0 < d.test_fraction < 1.0, f"'data.test_fraction' must be in (0, 1), got {d.test_fraction}")
+    _check(0.0 <= d.public_fraction < 1.0, f"'data.public_fraction' must be in [0, 1), got {d.public_fraction}")
+
+    m = cfg.model
+    _one_of("model.name", m.name, MODEL_NAMES)
+    for i, name in enumerate(m.per_client):
+        _one_of(f"model.per_client[{i}]", name, MODEL_NAMES)
+
+    c = cfg.client
+    _check(c.epochs >= 0, f"'client.epochs' must be >= 0, got {c.epochs}")
+    _check(c.batch_size > 0, f"'client.batch_size' must be a positive integer, got {c.batch_size}")
+    _check(c.lr > 0, f"'client.lr' must be > 0, got {c.lr}")
+    _one_of("client.optimizer", c.optimizer, OPTIMIZERS)
+    _check(c.momentum >= 0, f"'client.momentum' must be >= 0, got {c.momentum}")
+    _check(c.weight_decay >= 0, f"'client.weight_decay' must be >= 0, got {c.weight_decay}")
+    _one_of("client.device", c.device, DEVICES)
+
+    strategy_cls = STRATEGIES[s.name]
+    s.params = strategy_cls.parse_params(s.params, cfg)
+    strategy_cls.check_config(cfg)
+    del input_shape
+
+
+def params_from_dict(cls: type, raw: Mapping[str, Any], prefix: str = "strategy.params.") -> Any:
+    """Build a strategy's params dataclass from a dict; unknown keys and wrong types are errors."""
+    return _build_dataclass(cls, raw, prefix)
+
+
+def dump_yaml(cfg: ExperimentConfig) -> str:
+    """The resolved config as YAML (strategy params included)."""
+    d = cfg.to_dict()
+    params = cfg.strategy.params
+    if dataclasses.is_dataclass(params):
+        d["strategy"]["params"] = dataclasses.asdict(params)
+    return yaml.safe_dump(d, sort_keys=False)

@@ -1,0 +1,255 @@
+"""A federation: a source split into a public set U and per-client train/test data, from one data spec.
+
+Procedure (deterministic for `seed`): load the source (train+test merged) → if public_fraction > 0 take a
+stratified public set U → partition the rest over clients → split each client's samples into train/test
+(stratified within the client; train keeps at least one sample).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import DataError
+from .partition import (
+    PARTITIONS,
+    _check_alpha,
+    _check_fraction,
+    _check_int,
+    partition_cosmos_groups,
+    partition_dirichlet,
+    partition_iid,
+    partition_pathological,
+    stratified_split,
+)
+from .sources import SOURCES, load_source, source_info
+
+log = logging.getLogger("fedapps.data")
+
+SPEC_KEYS: tuple[str, ...] = (
+    "source", "root", "download", "partition", "num_clients", "classes_per_client", "alpha",
+    "min_samples", "groups", "redistribute_fraction", "test_fraction", "public_fraction", "seed",
+    "synthetic_classes", "synthetic_shape", "synthetic_samples",
+)
+
+
+@dataclass
+class ClientData:
+    """One client's private data as in-memory tensors (train and test from the client's own distribution)."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+
+    @property
+    def num_train(self) -> int:
+        """Number of training samples."""
+        return int(self.train_y.shape[0])
+
+    @property
+    def num_test(self) -> int:
+        """Number of test samples."""
+        return int(self.test_y.shape[0])
+
+
+@dataclass
+class Federation:
+    """All clients' data, the public set U and partition statistics for one data spec."""
+
+    num_classes: int
+    input_shape: tuple[int, int, int]
+    num_clients: int
+    public_x: torch.Tensor | None
+    public_y: torch.Tensor | None  # true labels of U: for an explicitly named oracle option only
+    train_counts: np.ndarray  # num_clients × num_classes, int64
+    test_counts: np.ndarray  # num_clients × num_classes, int64
+    groups: np.ndarray | None  # group of each client (cosmos-groups), else None
+    fingerprint: str  # short sha256 of U (shape + bytes), "" without U
+    spec: dict[str, Any]
+    train_indices: list[np.ndarray] = field(repr=False)  # indices into the merged source
+    test_indices: list[np.ndarray] = field(repr=False)
+    public_indices: np.ndarray | None = field(repr=False)
+    _clients: list[ClientData] = field(repr=False)
+
+    def client(self, i: int) -> ClientData:
+        """The data of client `i` (0 ≤ i < num_clients)."""
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.num_clients:
+            raise DataError(f"client id {i!r} is out of range: expected an integer in 0..{self.num_clients - 1} "
+                            f"(data.num_clients={self.num_clients})")
+        return self._clients[int(i)]
+
+    def stats_rows(self) -> list[dict[str, Any]]:
+        """Per client and split (train/test): sample count per class, as rows for a CSV."""
+        rows = []
+        for i in range(self.num_clients):
+            for split, counts in (("train", self.train_counts[i]), ("test", self.test_counts[i])):
+                row: dict[str, Any] = {"client": i, "split": split}
+                if self.groups is not None:
+                    row["group"] = int(self.groups[i])
+                row["total"] = int(counts.sum())
+                row.update({f"class_{k}": int(c) for k, c in enumerate(counts)})
+                rows.append(row)
+        return rows
+
+
+def _validate(spec: dict[str, Any]) -> dict[str, Any]:
+    """Check every key of a data spec; return a normalised copy (plain Python types)."""
+    if not isinstance(spec, dict):
+        raise DataError(f"data spec must be a dict with keys {', '.join(SPEC_KEYS)}; got {type(spec).__name__}")
+    missing = [k for k in SPEC_KEYS if k not in spec]
+    if missing:
+        raise DataError(f"data spec is missing keys: {', '.join(missing)} (required: {', '.join(SPEC_KEYS)})")
+    unknown = sorted(set(spec) - set(SPEC_KEYS))
+    if unknown:
+        raise DataError(f"data spec has unknown keys: {', '.join(unknown)} (allowed: {', '.join(SPEC_KEYS)})")
+    s = dict(spec)
+    if s["source"] not in SOURCES:
+        raise DataError(f"data.source={s['source']!r} is unknown; allowed: {', '.join(SOURCES)}")
+    if s["partition"] not in PARTITIONS:
+        raise DataError(f"data.partition={s['partition']!r} is unknown; allowed: {', '.join(PARTITIONS)}")
+    if not isinstance(s["root"], (str, os.PathLike)) or not str(s["root"]):
+        raise DataError(f"data.root={s['root']!r} must be a non-empty path string")
+    s["root"] = str(s["root"])
+    if not isinstance(s["download"], bool):
+        raise DataError(f"data.download={s['download']!r} must be true or false")
+    s["num_clients"] = _check_int("num_clients", s["num_clients"], 1)
+    s["classes_per_client"] = _check_int("classes_per_client", s["classes_per_client"], 1)
+    s["alpha"] = _check_alpha(s["alpha"])
+    s["min_samples"] = _check_int("min_samples", s["min_samples"], 0)
+    s["groups"] = _check_int("groups", s["groups"], 1)
+    s["redistribute_fraction"] = _check_fraction("redistribute_fraction", s["redistribute_fraction"])
+    s["test_fraction"] = _check_fraction("test_fraction", s["test_fraction"], allow_one=False)
+    s["public_fraction"] = _check_fraction("public_fraction", s["public_fraction"], allow_one=False)
+    if isinstance(s["seed"], bool) or not isinstance(s["seed"], (int, np.integer)) or s["seed"] < 0:
+        raise DataError(f"data.seed={s['seed']!r} must be a non-negative integer")
+    s["seed"] = int(s["seed"])
+    s["synthetic_classes"] = _check_int("synthetic_classes", s["synthetic_classes"], 2)
+    shape = s["synthetic_shape"]
+    if (not isinstance(shape, (list, tuple)) or len(shape) != 3
+            or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in shape)):
+        raise DataError(f"data.synthetic_shape={shape!r} must be a list of 3 positive integers [C, H, W]")
+    s["synthetic_shape"] = [int(d) for d in shape]
+    s["synthetic_samples"] = _check_int("synthetic_samples", s["synthetic_samples"], s["synthetic_classes"])
+
+    num_classes, _ = source_info(s["source"], s["synthetic_classes"], s["synthetic_shape"])
+    if s["partition"] == "pathological" and s["classes_per_client"] > num_classes:
+        raise DataError(f"data.classes_per_client={s['classes_per_client']} exceeds the {num_classes} classes "
+                        f"of data.source={s['source']!r}; allowed: 1..{num_classes}")
+    if s["partition"] == "cosmos-groups" and s["groups"] > min(num_classes, s["num_clients"]):
+        raise DataError(f"data.groups={s['groups']} must be at most min(num_classes={num_classes}, "
+                        f"num_clients={s['num_clients']}) for partition 'cosmos-groups'")
+    return s
+
+
+def _fingerprint(x: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    h.update(repr(tuple(x.shape)).encode())
+    h.update(str(x.dtype).encode())
+    h.update(x.contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def build_federation(spec: dict[str, Any]) -> Federation:
+    """Load, split off U, partition and split per client, as the data spec says (deterministic for its seed)."""
+    s = _validate(spec)
+    t0 = time.perf_counter()
+    ds = load_source(s["source"], s["root"], download=s["download"], synthetic_classes=s["synthetic_classes"],
+                     synthetic_shape=s["synthetic_shape"], synthetic_samples=s["synthetic_samples"],
+                     seed=s["seed"])
+    labels = ds.y.numpy()
+    k = ds.num_classes
+    rng_public, rng_partition, rng_split = (np.random.default_rng(c)
+                                            for c in np.random.SeedSequence(s["seed"]).spawn(3))
+
+    public_idx: np.ndarray | None = None
+    if s["public_fraction"] > 0:
+        public_idx, pool = stratified_split(labels, s["public_fraction"], rng_public)
+    else:
+        pool = np.arange(labels.size, dtype=np.int64)
+    pool_labels = labels[pool]
+
+    groups: np.ndarray | None = None
+    m, part = s["num_clients"], s["partition"]
+    if m > pool.size:
+        raise DataError(f"data.num_clients={m} exceeds the {pool.size} samples left for clients "
+                        f"(source {s['source']!r}, public_fraction={s['public_fraction']})")
+    if part == "iid":
+        local = partition_iid(pool_labels, m, rng_partition)
+    elif part == "pathological":
+        local = partition_pathological(pool_labels, m, k, s["classes_per_client"], rng_partition)
+    elif part == "dirichlet":
+        local = partition_dirichlet(pool_labels, m, k, s["alpha"], s["min_samples"], rng_partition)
+    else:
+        local, groups = partition_cosmos_groups(pool_labels, m, k, s["alpha"], s["groups"],
+                                                s["redistribute_fraction"], rng_partition)
+
+    clients: list[ClientData] = []
+    train_indices, test_indices = [], []
+    train_counts = np.zeros((m, k), dtype=np.int64)
+    test_counts = np.zeros((m, k), dtype=np.int64)
+    for i, loc in enumerate(local):
+        if loc.size == 0:
+            raise DataError(f"client {i} received no samples with partition {part!r} "
+                            f"(num_clients={m}, alpha={s['alpha']}); use fewer clients or another partition")
+        idx = pool[loc]
+        test_loc, train_loc = stratified_split(labels[idx], s["test_fraction"], rng_split)
+        if train_loc.size == 0:  # tiny client: keep one sample for training
+            train_loc, test_loc = test_loc[:1], test_loc[1:]
+        tr, te = idx[train_loc], idx[test_loc]
+        train_indices.append(tr)
+        test_indices.append(te)
+        train_counts[i] = np.bincount(labels[tr], minlength=k)
+        test_counts[i] = np.bincount(labels[te], minlength=k)
+        trt, tet = torch.from_numpy(tr), torch.from_numpy(te)
+        clients.append(ClientData(ds.x[trt], ds.y[trt], ds.x[tet], ds.y[tet]))
+
+    public_x = public_y = None
+    fingerprint = ""
+    if public_idx is not None:
+        pt = torch.from_numpy(public_idx)
+        public_x, public_y = ds.x[pt], ds.y[pt]
+        fingerprint = _fingerprint(public_x)
+    log.info("data: %s / %s, %d clients, train %d, test %d, public %d (%.2fs)", s["source"], part, m,
+             int(train_counts.sum()), int(test_counts.sum()), 0 if public_idx is None else public_idx.size,
+             time.perf_counter() - t0)
+    return Federation(
+        num_classes=k, input_shape=ds.input_shape, num_clients=m, public_x=public_x, public_y=public_y,
+        train_counts=train_counts, test_counts=test_counts, groups=groups, fingerprint=fingerprint, spec=s,
+        train_indices=train_indices, test_indices=test_indices, public_indices=public_idx, _clients=clients,
+    )
+
+
+_CACHE: dict[str, Federation] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def spec_key(spec: dict[str, Any]) -> str:
+    """Canonical JSON of a validated data spec: the cache key, and a stable identity for the data."""
+    return json.dumps(_validate(spec), sort_keys=True, separators=(",", ":"))
+
+
+def get_federation(spec: dict[str, Any]) -> Federation:
+    """`build_federation`, cached per process on the canonical spec (each process loads and partitions once)."""
+    key = spec_key(spec)
+    with _CACHE_LOCK:
+        fed = _CACHE.get(key)
+        if fed is None:
+            fed = build_federation(spec)
+            _CACHE[key] = fed
+        return fed
+
+
+def clear_federation_cache() -> None:
+    """Forget every cached federation (frees memory; tests)."""
+    with _CACHE_LOCK:
+        _CACHE.clear()

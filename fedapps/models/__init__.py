@@ -1,0 +1,19 @@
+"""Model zoo: the papers' CNN / MLP and small-image torchvision variants, behind one registry."""
+
+from .zoo import (
+    MODEL_NAMES,
+    ModelError,
+    build_model,
+    classifier_name,
+    count_parameters,
+    top_level_children,
+)
+
+__all__ = [
+    "MODEL_NAMES",
+    "ModelError",
+    "build_model",
+    "classifier_name",
+    "count_parameters",
+    "top_level_children",
+]

@@ -1,0 +1,215 @@
+"""The client operations on in-memory tensors: train, distill, predict, evaluate, and their losses.
+
+All loops share :func:`run_epochs`; the operations differ only in the loss they hand it.
+Regularisers (WDR for cwFedAvg, proximal terms, r_B for COSMOS) are small pure functions here too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+Regulariser = Callable[[nn.Module], Tensor]
+BatchLoss = Callable[[nn.Module, Tensor, Tensor, Tensor | None], Tensor]
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> CUDA when present, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("client.device is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+    return torch.device(name)
+
+
+@dataclass
+class OptimSettings:
+    """What a training loop needs besides the data and the loss."""
+
+    epochs: int = 1
+    batch_size: int = 10
+    lr: float = 0.05
+    optimizer: str = "sgd"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    drop_last: bool = False
+    clip_norm: float = 0.0  # 0: no gradient clipping
+
+
+def make_optimizer(params, s: OptimSettings) -> torch.optim.Optimizer:
+    """SGD or Adam with the given settings."""
+    if s.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
+    if s.optimizer == "adam":
+        return torch.optim.Adam(params, lr=s.lr, weight_decay=s.weight_decay)
+    raise ValueError(f"unknown optimizer '{s.optimizer}'; allowed: sgd, adam")
+
+
+def batches(n: int, batch_size: int, shuffle: bool, drop_last: bool, generator: torch.Generator | None) -> Iterator[Tensor]:
+    """Index batches over n samples (a DataLoader without the process overhead)."""
+    order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+    stop = n - (n % batch_size) if drop_last and n >= batch_size else n
+    for start in range(0, stop, batch_size):
+        yield order[start:start + batch_size]
+
+
+def run_epochs(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    loss_fn: BatchLoss,
+    settings: OptimSettings,
+    weights: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
+    """The one training loop: shuffled minibatches of (x, y[, weights]) through ``loss_fn``; returns mean loss."""
+    device = next(model.parameters()).device
+    model.train()
+    opt = make_optimizer(model.parameters(), settings)
+    total, steps = 0.0, 0
+    for _ in range(settings.epochs):
+        for idx in batches(len(x), settings.batch_size, True, settings.drop_last, generator):
+            xb, yb = x[idx].to(device, non_blocking=True), y[idx].to(device, non_blocking=True)
+            wb = weights[idx].to(device) if weights is not None else None
+            if len(xb) < 2 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+                continue  # BatchNorm cannot train on a single sample
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model, xb, yb, wb)
+            loss.backward()
+            if settings.clip_norm > 0:
+                nn.utils.clip_grad_norm_(model.parameters(), settings.clip_norm)
+            opt.step()
+            total += float(loss.detach())
+            steps += 1
+    return {"loss": total / max(steps, 1), "steps": float(steps)}
+
+
+# --------------------------------------------------------------------------- losses and regularisers
+
+
+def class_distribution_from_rows(weight: Tensor) -> Tensor:
+    """cwFedAvg's p̃: the L2 norm of each classifier row, normalised to sum to one (last dim = features)."""
+    norms = weight.norm(dim=-1)
+    return norms / norms.sum(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+def wdr_penalty(weight: Tensor, target_distribution: Tensor, lam: float) -> Tensor:
+    """WDR: (λ/2)·‖p − p̃‖₂ (Euclidean norm, not squared) on the classifier rows."""
+    return 0.5 * lam * torch.linalg.vector_norm(target_distribution - class_distribution_from_rows(weight))
+
+
+def proximal_penalty(model: nn.Module, anchor: dict[str, Tensor], mu: float) -> Tensor:
+    """(μ/2)·‖w − anchor‖² over the parameters named in ``anchor`` (gradient flows into w)."""
+    terms = [((p - anchor[n]) ** 2).sum() for n, p in model.named_parameters() if n in anchor]
+    return 0.5 * mu * torch.stack(terms).sum() if terms else torch.zeros(())
+
+
+def kl_to_targets(logits: Tensor, target_probs: Tensor, sample_weights: Tensor | None = None) -> Tensor:
+    """KL(target ‖ softmax(logits)) per sample, averaged (weighted when weights are given; 'batchmean')."""
+    log_q = F.log_softmax(logits, dim=-1)
+    per_sample = (target_probs * (torch.log(target_probs.clamp_min(1e-12)) - log_q)).sum(dim=-1)
+    return weighted_mean(per_sample, sample_weights)
+
+
+def weighted_mean(values: Tensor, weights: Tensor | None) -> Tensor:
+    """Mean of per-sample values; with weights, normalised by the weights' sum in the batch."""
+    if weights is None:
+        return values.mean()
+    return (values * weights).sum() / weights.sum().clamp_min(1e-12)
+
+
+def robustness_penalty(model: nn.Module, x: Tensor, logits: Tensor, sigma: float, lo: float = -1.0, hi: float = 1.0) -> Tensor:
+    """COSMOS r_B: MSE between softmax on clean and noisy inputs, gradient through the clean branch."""
+    with torch.no_grad():
+        noisy = (x + sigma * torch.randn_like(x)).clamp(lo, hi)
+        p_noisy = F.softmax(model(noisy), dim=-1)
+    return F.mse_loss(F.softmax(logits, dim=-1), p_noisy)
+
+
+# --------------------------------------------------------------------------- operations
+
+
+def train(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    settings: OptimSettings,
+    regulariser: Regulariser | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
+    """Supervised training with cross-entropy (+ an optional regulariser on the model)."""
+
+    def loss_fn(m: nn.Module, xb: Tensor, yb: Tensor, _w: Tensor | None) -> Tensor:
+        loss = F.cross_entropy(m(xb), yb)
+        return loss + regulariser(m) if regulariser is not None else loss
+
+    return run_epochs(model, x, y, loss_fn, settings, generator=generator)
+
+
+@dataclass
+class DistillSettings:
+    """How to fit the public set U towards server targets."""
+
+    loss: str = "kl"  # kl: KL(target‖model) on probabilities; mae: L1 on logits; ce: cross-entropy on hard labels
+    rb_lambda: float = 0.0  # weight of the robustness regulariser r_B (COSMOS); 0 = off
+    rb_sigma: float = 0.05
+
+
+def distill(
+    model: nn.Module,
+    x: Tensor,
+    targets: Tensor,
+    optim: OptimSettings,
+    settings: DistillSettings,
+    sample_weights: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
+    """Fit the model on U towards targets (probabilities, logits or hard labels) with optional weights."""
+    if settings.loss not in ("kl", "mae", "ce"):
+        raise ValueError(f"unknown distillation loss '{settings.loss}'; allowed: kl, mae, ce")
+
+    def loss_fn(m: nn.Module, xb: Tensor, tb: Tensor, wb: Tensor | None) -> Tensor:
+        logits = m(xb)
+        if settings.loss == "kl":
+            loss = kl_to_targets(logits, tb, wb)
+        elif settings.loss == "mae":
+            loss = weighted_mean((logits - tb).abs().mean(dim=-1), wb)
+        else:
+            loss = weighted_mean(F.cross_entropy(logits, tb, reduction="none"), wb)
+        if settings.rb_lambda > 0:
+            loss = loss + settings.rb_lambda * robustness_penalty(m, xb, logits, settings.rb_sigma)
+        return loss
+
+    return run_epochs(model, x, targets, loss_fn, optim, weights=sample_weights, generator=generator)
+
+
+@torch.no_grad()
+def predict(model: nn.Module, x: Tensor, batch_size: int = 256, output: str = "probs") -> Tensor:
+    """Model outputs on x: 'probs' (softmax), 'logits' or 'labels' (argmax); returned on the CPU."""
+    device = next(model.parameters()).device
+    model.eval()
+    outs = [model(x[i:i + batch_size].to(device)).float().cpu() for i in range(0, len(x), batch_size)]
+    logits = torch.cat(outs) if outs else torch.zeros((0, 0))
+    if output == "logits":
+        return logits
+    if output == "probs":
+        return F.softmax(logits, dim=-1)
+    if output == "labels":
+        return logits.argmax(dim=-1)
+    raise ValueError(f"unknown prediction output '{output}'; allowed: probs, logits, labels")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 256) -> dict[str, float]:
+    """Accuracy, mean cross-entropy and sample count on (x, y)."""
+    if len(x) == 0:
+        return {"acc": 0.0, "loss": 0.0, "n": 0.0, "correct": 0.0}
+    logits = predict(model, x, batch_size, output="logits")
+    loss = F.cross_entropy(logits, y.cpu()).item()
+    correct = (logits.argmax(dim=-1) == y.cpu()).sum().item()
+    return {"acc": correct / len(x), "loss": loss if math.isfinite(loss) else 1e9, "n": float(len(x)), "correct": float(correct)}

@@ -1,0 +1,192 @@
+"""Record and key names shared by the server and the generic client, message building, reply validation.
+
+A message to a client carries:
+  ``config``  (ConfigRecord) the operations to run in order (``ops``), the round, and settings flattened as
+              ``data.*``, ``model.*``, ``client.*``, ``train.*``, ``distill.*``, ``predict.*``, ``eval.*``;
+  ``arrays``  (ArrayRecord, optional) model parameters: loaded into the client's own model when
+              ``load-arrays`` is true, or evaluated in a separate model (op ``evaluate-received``);
+  ``targets`` (ArrayRecord, optional) encoded pseudo-labels on U for ``distill`` (+ optional ``indices``).
+A reply carries ``metrics`` (MetricRecord: ``client-id``, ``num-examples``, evaluation results, timings),
+and optionally ``arrays`` (the client's model) and ``predictions`` (encoded predictions on U) with ``info``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+log = logging.getLogger("fedapps")
+
+# record names
+CONFIG = "config"
+ARRAYS = "arrays"
+TARGETS = "targets"
+METRICS = "metrics"
+PREDICTIONS = "predictions"
+INFO = "info"
+
+# operations the generic client knows
+OPS = ("evaluate", "train", "distill", "predict", "evaluate-received")
+
+MESSAGE_TYPE = "train"  # every round message is one Flower "train" message
+EVAL_MESSAGE_TYPE = "evaluate"  # evaluation-only messages (e.g. COSMOS cluster models)
+
+
+def flatten(prefix: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """{'lr': 0.1} -> {'prefix.lr': 0.1}; None values are dropped (ConfigRecord has no null)."""
+    return {f"{prefix}.{k}": v for k, v in values.items() if v is not None}
+
+
+def section(config: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """Inverse of :func:`flatten` for one prefix."""
+    p = prefix + "."
+    return {k[len(p):]: v for k, v in config.items() if k.startswith(p)}
+
+
+def op_name(op: str) -> tuple[str, str]:
+    """'evaluate:after' -> ('evaluate', 'after'); 'evaluate' -> ('evaluate', 'eval')."""
+    base, _, tag = op.partition(":")
+    if base not in OPS:
+        raise ValueError(f"unknown client operation '{op}'; known: {', '.join(OPS)}")
+    default_tag = {"evaluate": "eval", "evaluate-received": "received"}.get(base, base)
+    return base, tag or default_tag
+
+
+def build_message(
+    node_id: int,
+    server_round: int,
+    ops: Iterable[str],
+    config: Mapping[str, Any],
+    arrays: ArrayRecord | None = None,
+    targets: ArrayRecord | None = None,
+    message_type: str = MESSAGE_TYPE,
+) -> Message:
+    """One message for one node: operations, settings and optional arrays/targets."""
+    ops = list(ops)
+    for op in ops:
+        op_name(op)
+    cfg = ConfigRecord({"ops": ops, "round": int(server_round), **dict(config)})
+    content = RecordDict({CONFIG: cfg})
+    if arrays is not None:
+        content[ARRAYS] = arrays
+    if targets is not None:
+        content[TARGETS] = targets
+    return Message(content=content, dst_node_id=node_id, message_type=message_type, group_id=str(server_round))
+
+
+def record_nbytes(content: RecordDict) -> int:
+    """Payload bytes of a RecordDict: array buffers plus an estimate for metrics/configs."""
+    total = 0
+    for rec in content.values():
+        if isinstance(rec, ArrayRecord):
+            total += sum(len(a.data) for a in rec.values())
+        else:
+            for v in rec.values():
+                if isinstance(v, (bytes, str)):
+                    total += len(v)
+                elif isinstance(v, list):
+                    total += 8 * len(v)
+                else:
+                    total += 8
+    return total
+
+
+@dataclass
+class ClientReply:
+    """A validated reply: who sent it, how much data it has, what it measured and returned."""
+
+    node_id: int
+    client_id: int
+    num_examples: int
+    metrics: dict[str, Any]
+    arrays: dict[str, np.ndarray] | None = None
+    predictions: dict[str, np.ndarray] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+class ReplyError(ValueError):
+    """A reply that must not be used; the message says why."""
+
+
+def parse_reply(msg: Message, expect_arrays: bool = False, expect_predictions: bool = False) -> ClientReply:
+    """Validate a reply (error flag, keys, finite numbers) and unpack it; raise ReplyError if unusable."""
+    if msg.has_error():
+        raise ReplyError(f"client error {msg.error.code}: {msg.error.reason}")
+    content = msg.content
+    if METRICS not in content:
+        raise ReplyError("reply without a 'metrics' record")
+    metrics = dict(content[METRICS])
+    for key in ("client-id", "num-examples"):
+        if key not in metrics:
+            raise ReplyError(f"reply metrics lack '{key}'")
+    for key, value in metrics.items():
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise ReplyError(f"metric '{key}' is not finite: {value}")
+    num_examples = int(metrics["num-examples"])
+    if num_examples < 0:
+        raise ReplyError(f"negative num-examples {num_examples}")
+    arrays = None
+    if ARRAYS in content:
+        arrays = {k: v.numpy() for k, v in content[ARRAYS].items()}
+        for k, a in arrays.items():
+            if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a)):
+                raise ReplyError(f"array '{k}' has non-finite values")
+    elif expect_arrays:
+        raise ReplyError("reply lacks the model arrays it was asked for")
+    predictions = None
+    if PREDICTIONS in content:
+        predictions = {k: v.numpy() for k, v in content[PREDICTIONS].items()}
+    elif expect_predictions:
+        raise ReplyError("reply lacks the predictions it was asked for")
+    info = dict(content[INFO]) if INFO in content else {}
+    return ClientReply(
+        node_id=msg.metadata.src_node_id,
+        client_id=int(metrics["client-id"]),
+        num_examples=num_examples,
+        metrics=metrics,
+        arrays=arrays,
+        predictions=predictions,
+        info=info,
+        nbytes=record_nbytes(content),
+    )
+
+
+def parse_replies(
+    replies: Iterable[Message], server_round: int, expect_arrays: bool = False, expect_predictions: bool = False
+) -> list[ClientReply]:
+    """Validate every reply; drop (and log) the bad ones; never raise."""
+    good: list[ClientReply] = []
+    for msg in replies:
+        try:
+            good.append(parse_reply(msg, expect_arrays, expect_predictions))
+        except ReplyError as exc:
+            log.warning("round %d: dropped reply from node %s: %s", server_round, msg.metadata.src_node_id, exc)
+    return good
+
+
+def arrays_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """Named numpy arrays -> ArrayRecord (order kept)."""
+    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+
+
+def metrics_record(metrics: Mapping[str, Any]) -> MetricRecord:
+    """Metrics dict -> MetricRecord (numpy scalars converted)."""
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if isinstance(v, (list, tuple, np.ndarray)):
+            vals = [x.item() if hasattr(x, "item") else x for x in v]
+            out[k] = [float(x) for x in vals] if any(isinstance(x, float) for x in vals) else [int(x) for x in vals]
+        elif isinstance(v, (bool, np.bool_)):
+            out[k] = int(v)
+        elif isinstance(v, (int, np.integer)):
+            out[k] = int(v)
+        else:
+            out[k] = float(v)
+    return MetricRecord(out)

@@ -1,0 +1,272 @@
+"""The generic client: runs the operations a message asks for on its private data and private model.
+
+No algorithm logic lives here: the server says which operations to run, in which order, with which
+settings (see :mod:`fedapps.protocol`). The private model persists in ``Context.state`` between rounds.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from torch import nn
+
+from fedapps import ops, protocol, pseudolabels
+from fedapps.data import ClientData, Federation, get_federation
+from fedapps.models import build_model, classifier_name
+
+log = logging.getLogger("fedapps")
+
+STATE_MODEL = "private-model"
+STATE_ARCH = "private-model-arch"
+DATA_KEYS_INT = ("num_clients", "classes_per_client", "min_samples", "groups", "seed", "synthetic_classes", "synthetic_samples")
+
+
+class ProtocolError(RuntimeError):
+    """The message cannot be served (wrong public set, unknown operation, incompatible arrays)."""
+
+
+@functools.lru_cache(maxsize=1)
+def set_threads_once() -> int:
+    """Give torch exactly the threads this worker was granted (Ray sets OMP_NUM_THREADS per actor)."""
+    n = int(os.environ.get("FEDAPPS_CLIENT_THREADS", os.environ.get("OMP_NUM_THREADS", "0")) or 0)
+    if n > 0:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def client_id_of(context: Context) -> int:
+    """Stable client id: node_config 'client-id' (deployment) or 'partition-id' (simulation)."""
+    nc = context.node_config
+    for key in ("client-id", "partition-id"):
+        if key in nc:
+            return int(nc[key])
+    raise ProtocolError("node_config has neither 'partition-id' nor 'client-id'; start the SuperNode with "
+                        "--node-config \"partition-id=<i> num-partitions=<n>\"")
+
+
+def data_spec(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The data spec the server put in the message (``data.*`` keys)."""
+    spec = protocol.section(config, "data")
+    spec["synthetic_shape"] = list(spec.get("synthetic_shape", [3, 32, 32]))
+    return spec
+
+
+def model_arch(config: Mapping[str, Any], context: Context, client_id: int) -> str:
+    """Architecture of this client's private model: node_config 'arch', else the per-client list, else one name."""
+    if "arch" in context.node_config:
+        return str(context.node_config["arch"])
+    per_client = list(config.get("model.per_client", []))
+    return str(per_client[client_id % len(per_client)]) if per_client else str(config["model.name"])
+
+
+def private_model(context: Context, config: Mapping[str, Any], fed: Federation, client_id: int, device: torch.device) -> tuple[nn.Module, str]:
+    """The client's model: restored from Context.state, or built fresh on first contact."""
+    if STATE_ARCH in context.state:
+        arch = str(context.state[STATE_ARCH]["arch"])
+    else:
+        arch = model_arch(config, context, client_id)
+    seed = int(config.get("model.seed", 0))
+    model = build_model(arch, fed.num_classes, tuple(fed.input_shape), seed=seed + client_id if config.get("model.seed-per-client", False) else seed)
+    if STATE_MODEL in context.state:
+        model.load_state_dict(context.state[STATE_MODEL].to_torch_state_dict())
+    return model.to(device), arch
+
+
+def load_arrays(model: nn.Module, arrays: ArrayRecord, strict: bool) -> dict[str, torch.Tensor]:
+    """Load received arrays into the model; keys not sent keep the model's own values (local buffers)."""
+    received = arrays.to_torch_state_dict()
+    own = model.state_dict()
+    unknown = [k for k in received if k not in own]
+    mismatched = [k for k in received if k in own and tuple(received[k].shape) != tuple(own[k].shape)]
+    missing = [k for k in own if k not in received]
+    if unknown or mismatched or (strict and missing):
+        raise ProtocolError(f"received arrays do not fit the model: unknown={unknown[:3]} "
+                            f"shape-mismatch={mismatched[:3]} missing={missing[:3] if strict else []}")
+    model.load_state_dict(received, strict=False)
+    return received
+
+
+def model_arrays(model: nn.Module, which: str) -> ArrayRecord:
+    """The model as an ArrayRecord: 'params' (parameters only) or 'state' (parameters and buffers)."""
+    if which == "params":
+        names = {n for n, _ in model.named_parameters()}
+        sd = {k: v for k, v in model.state_dict().items() if k in names}
+    else:
+        sd = model.state_dict()
+    return ArrayRecord({k: v.detach().cpu() for k, v in sd.items()})
+
+
+def optim_settings(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> ops.OptimSettings:
+    """OptimSettings from a message section, falling back to the client section."""
+    merged = {**defaults, **values}
+    keys = ops.OptimSettings.__dataclass_fields__
+    return ops.OptimSettings(**{k: merged[k] for k in keys if k in merged})
+
+
+def frequency_weights(class_counts: np.ndarray, labels: np.ndarray) -> torch.Tensor:
+    """Per-sample weight = the client's local frequency of each sample's (pseudo-)label (COSMOS w_i(x))."""
+    freq = class_counts / max(class_counts.sum(), 1)
+    freq = np.append(freq, 0.0)  # abstain marker -> weight 0
+    return torch.as_tensor(freq[np.clip(labels, 0, len(freq) - 1)], dtype=torch.float32)
+
+
+class Worker:
+    """Serves one message for one client: parse, run operations, reply."""
+
+    def __init__(self, msg: Message, context: Context) -> None:
+        set_threads_once()
+        self.msg = msg
+        self.context = context
+        self.config = dict(msg.content[protocol.CONFIG])
+        self.client_id = client_id_of(context)
+        self.fed = get_federation(data_spec(self.config))
+        self.data: ClientData = self.fed.client(self.client_id)
+        self.device = ops.resolve_device(str(self.config.get("client.device", "auto")))
+        self.model, self.arch = private_model(context, self.config, self.fed, self.client_id, self.device)
+        self.metrics: dict[str, Any] = {"client-id": self.client_id, "num-examples": len(self.data.train_y)}
+        self.reply = RecordDict()
+        self.received: dict[str, torch.Tensor] | None = None
+        rnd = int(self.config.get("round", 0))
+        seed = int(self.config.get("model.seed", 0))
+        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rnd * 10_007 + self.client_id)
+
+    # ------------------------------------------------------------------ entry point
+    def run(self) -> Message:
+        """Run every operation in the message, save the private model, and build the reply."""
+        t0 = time.perf_counter()
+        self._check_public_set()
+        if protocol.ARRAYS in self.msg.content and self.config.get("load-arrays", False):
+            self.received = load_arrays(self.model, self.msg.content[protocol.ARRAYS], strict=False)
+        for op in self.config["ops"]:
+            base, tag = protocol.op_name(str(op))
+            start = time.perf_counter()
+            getattr(self, "op_" + base.replace("-", "_"))(tag)
+            self.metrics[f"t-{tag}"] = time.perf_counter() - start
+        if self.config.get("return-arrays", False):
+            self.reply[protocol.ARRAYS] = model_arrays(self.model, str(self.config.get("arrays.keys", "state")))
+        if self.config.get("return-class-counts", False):
+            self.metrics["class-counts"] = [int(v) for v in self.fed.train_counts[self.client_id]]
+        self.context.state[STATE_MODEL] = model_arrays(self.model.cpu(), "state")
+        self.context.state[STATE_ARCH] = ConfigRecord({"arch": self.arch})
+        self.metrics["t-total"] = time.perf_counter() - t0
+        self.reply[protocol.METRICS] = protocol.metrics_record(self.metrics)
+        self.reply[protocol.INFO] = ConfigRecord({"arch": self.arch, "fingerprint": self.fed.fingerprint})
+        return Message(content=self.reply, reply_to=self.msg)
+
+    def _check_public_set(self) -> None:
+        expected = self.config.get("public.fingerprint")
+        if expected is not None and expected != self.fed.fingerprint:
+            raise ProtocolError(
+                f"public set mismatch: the server's U has fingerprint '{expected}', this client's has "
+                f"'{self.fed.fingerprint}'. Both sides must build U from the same data spec (data.* keys)."
+            )
+
+    def _public_rows(self, key: str) -> torch.Tensor | None:
+        """Row indices of U named in the targets record (e.g. FedMD's alignment subset), or None = all."""
+        if protocol.TARGETS in self.msg.content and key in self.msg.content[protocol.TARGETS]:
+            return torch.as_tensor(self.msg.content[protocol.TARGETS][key].numpy().astype(np.int64))
+        return None
+
+    # ------------------------------------------------------------------ operations
+    def op_evaluate(self, tag: str) -> None:
+        self._record_eval(tag, ops.evaluate(self.model, self.data.test_x, self.data.test_y))
+
+    def op_evaluate_received(self, tag: str) -> None:
+        arch = str(self.config.get("received.model", self.arch))
+        scratch = build_model(arch, self.fed.num_classes, tuple(self.fed.input_shape)).to(self.device)
+        load_arrays(scratch, self.msg.content[protocol.ARRAYS], strict=True)
+        self._record_eval(tag, ops.evaluate(scratch, self.data.test_x, self.data.test_y))
+
+    def _record_eval(self, tag: str, result: Mapping[str, float]) -> None:
+        for k in ("acc", "loss", "n", "correct"):
+            self.metrics[f"{tag}-{k}"] = result[k]
+
+    def op_train(self, tag: str) -> None:
+        section = protocol.section(self.config, "train")
+        settings = optim_settings(section, protocol.section(self.config, "client"))
+        regularisers = []
+        wdr = float(section.get("wdr_lambda", 0.0))
+        if wdr > 0:
+            weight = self.model.get_submodule(classifier_name(self.model)).weight
+            counts = torch.as_tensor(self.fed.train_counts[self.client_id], dtype=torch.float32, device=self.device)
+            target = counts / counts.sum()
+            regularisers.append(lambda m: ops.wdr_penalty(weight, target, wdr))
+        mu = float(section.get("prox_mu", 0.0))
+        if mu > 0:
+            if self.received is None:
+                raise ProtocolError("train.prox_mu > 0 needs arrays in the message (the proximal anchor)")
+            anchor = {k: v.to(self.device) for k, v in self.received.items()}
+            regularisers.append(lambda m: ops.proximal_penalty(m, anchor, mu))
+        reg = (lambda m: sum(r(m) for r in regularisers)) if regularisers else None
+        result = ops.train(self.model, self.data.train_x, self.data.train_y, settings, reg, self.generator)
+        self.metrics[f"{tag}-loss"] = result["loss"]
+
+    def op_distill(self, tag: str) -> None:
+        if protocol.TARGETS not in self.msg.content:
+            return  # nothing to distil on yet (e.g. the first round)
+        if self.fed.public_x is None:
+            raise ProtocolError("distill needs a public set U: set data.public_fraction > 0")
+        section = protocol.section(self.config, "distill")
+        settings = optim_settings(section, protocol.section(self.config, "client"))
+        targets = pseudolabels.decode(self.msg.content[protocol.TARGETS]["targets"].numpy(), self.fed.num_classes)
+        rows = self._public_rows("distill-indices")
+        x = self.fed.public_x if rows is None else self.fed.public_x[rows]
+        if len(targets) != len(x):
+            raise ProtocolError(f"targets cover {len(targets)} samples but U (subset) has {len(x)}")
+        loss = str(section.get("loss", "kl"))
+        hard = targets.ndim == 1
+        if hard and loss != "ce":
+            targets, hard = pseudolabels.one_hot(targets, self.fed.num_classes), False
+        weights = self._distill_weights(str(section.get("weighting", "none")), targets, rows)
+        if hard:
+            abstain = targets >= self.fed.num_classes
+            if abstain.any():
+                keep = torch.as_tensor(~abstain)
+                weights = keep.float() if weights is None else weights * keep.float()
+                targets = np.where(abstain, 0, targets)
+        t = torch.as_tensor(targets)
+        result = ops.distill(
+            self.model, x, t, settings,
+            ops.DistillSettings(loss=loss, rb_lambda=float(section.get("rb_lambda", 0.0)), rb_sigma=float(section.get("rb_sigma", 0.05))),
+            sample_weights=weights, generator=self.generator,
+        )
+        self.metrics[f"{tag}-loss"] = result["loss"]
+
+    def _distill_weights(self, weighting: str, targets: np.ndarray, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """Per-sample weights on U: none, label-free (frequency of the target's argmax), or oracle (true label)."""
+        if weighting == "none":
+            return None
+        counts = self.fed.train_counts[self.client_id]
+        if weighting == "label-free":
+            labels = targets if targets.ndim == 1 else targets.argmax(axis=-1)
+            return frequency_weights(counts, labels)
+        if weighting == "oracle":
+            if self.fed.public_y is None:
+                raise ProtocolError("distill.weighting 'oracle' needs the true labels of U")
+            y = self.fed.public_y if rows is None else self.fed.public_y[rows]
+            return frequency_weights(counts, y.numpy())
+        raise ProtocolError(f"unknown distill.weighting '{weighting}'; allowed: none, label-free, oracle")
+
+    def op_predict(self, tag: str) -> None:
+        if self.fed.public_x is None:
+            raise ProtocolError("predict needs a public set U: set data.public_fraction > 0")
+        section = protocol.section(self.config, "predict")
+        rows = self._public_rows("predict-indices")
+        x = self.fed.public_x if rows is None else self.fed.public_x[rows]
+        output = str(section.get("output", "probs"))
+        encoding = str(section.get("encoding", "float32"))
+        values = ops.predict(self.model, x, output="logits" if output == "logits" else "probs").numpy()
+        wire = pseudolabels.encode(values, encoding, self.fed.num_classes)
+        self.reply[protocol.PREDICTIONS] = protocol.arrays_record({"predictions": wire})
+
+
+def handle(msg: Message, context: Context) -> Message:
+    """Serve one message (the ClientApp's handlers call this)."""
+    return Worker(msg, context).run()

@@ -1,0 +1,60 @@
+"""Flower ServerApp: resolve the experiment config, build the strategy, run it, write the results."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from fedapps.config import load_config
+from fedapps.data import get_federation
+from fedapps.results import RunRecorder
+from strategies import STRATEGIES
+
+log = logging.getLogger("fedapps")
+app = ServerApp()
+
+
+def setup_logging() -> None:
+    """Progress lines of the fedapps logger go to the run's log (what `flwr run --stream` shows)."""
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s fedapps: %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str) -> dict:
+    """Run one configured experiment on a Grid and return its summary (used by the ServerApp and tests)."""
+    setup_logging()
+    t0 = time.time()
+    cfg = load_config(config_path, overrides)
+    output_dir = output_dir or cfg.output_dir
+    strategy_cls = STRATEGIES[cfg.strategy.name]
+    recorder = RunRecorder(cfg, output_dir, report_tag=strategy_cls.report_tag)
+    recorder.write_partition(get_federation(_data_spec(cfg)).stats_rows())
+    log.info("run '%s': strategy %s, data %s/%s, %d clients, %d rounds -> %s",
+             cfg.resolved_run_name(), cfg.strategy.name, cfg.data.source, cfg.data.partition,
+             cfg.data.num_clients, cfg.rounds, recorder.dir)
+    strategy = strategy_cls(cfg, on_round=recorder.on_round)
+    strategy.start(grid=grid, num_rounds=cfg.rounds, timeout=cfg.strategy.timeout)
+    summary = recorder.finish(time.time() - t0, strategy.final_summary())
+    log.info("RESULTS %s", recorder.dir)
+    return summary
+
+
+def _data_spec(cfg) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(cfg.data)
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Entry point under `flwr run`: run config keys 'config', 'overrides', 'output-dir'."""
+    rc = context.run_config
+    run_experiment(grid, str(rc.get("config", "configs/default.yaml")), str(rc.get("overrides", "")),
+                   str(rc.get("output-dir", "")))

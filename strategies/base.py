@@ -1,0 +1,228 @@
+"""Shared machinery of every strategy: client sampling, the round loop on Flower's Message API, reply
+validation, byte accounting and the per-round record. Algorithms subclass :class:`PersonalisedStrategy`
+and implement ``round_messages`` and ``aggregate`` (and, if they need one, an evaluation phase).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterable, Mapping
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from fedapps import protocol
+from fedapps.config import ConfigError, ExperimentConfig, params_from_dict
+from fedapps.protocol import ClientReply
+
+log = logging.getLogger("fedapps")
+
+
+@dataclass
+class NoParams:
+    """A strategy without parameters of its own."""
+
+
+@dataclass
+class RoundLog:
+    """What one round produced (the results writer turns it into a row of rounds.csv)."""
+
+    round: int
+    replies: list[ClientReply]
+    bytes_down: int
+    bytes_up: int
+    eval_bytes_down: int = 0
+    eval_bytes_up: int = 0
+    wall_seconds: float = 0.0
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class PersonalisedStrategy(Strategy):
+    """Base class: one (or two, with evaluation) message phases per round; subclasses hold the algorithm."""
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type] = NoParams
+    needs_public_set: ClassVar[bool] = False
+    model_agnostic: ClassVar[bool] = False  # may clients run different architectures?
+    report_tag: ClassVar[str] = "eval"  # which evaluation is THE accuracy of a round
+
+    # ------------------------------------------------------------------ config
+    @classmethod
+    def parse_params(cls, raw: Mapping[str, Any] | Any, cfg: ExperimentConfig) -> Any:
+        """Typed params from the ``strategy.params`` mapping (unknown keys are errors)."""
+        if dataclasses.is_dataclass(raw):
+            return raw
+        return params_from_dict(cls.Params, raw)
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        """Strategy-specific consistency checks on the whole config."""
+        if cfg.model.per_client and not cls.model_agnostic:
+            raise ConfigError(f"'model.per_client' is set but strategy '{cls.name}' exchanges model parameters, "
+                              "so every client must run the same 'model.name'; remove model.per_client")
+        if cls.needs_public_set and cfg.data.public_fraction <= 0:
+            raise ConfigError(f"strategy '{cls.name}' needs a public set U: set 'data.public_fraction' in (0, 1), e.g. 0.2")
+
+    # ------------------------------------------------------------------ construction
+    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
+        self.cfg = cfg
+        self.params = cfg.strategy.params
+        self.rng = np.random.default_rng(cfg.seed)
+        self.node_to_client: dict[int, int] = {}
+        self.on_round = on_round  # callback(RoundLog) -> None, e.g. the results writer
+        self.history: list[RoundLog] = []
+        self._pending_extra: dict[str, Any] = {}
+
+    def base_config(self) -> dict[str, Any]:
+        """Settings every message carries: the data spec, the model spec and the client's training settings."""
+        c = self.cfg
+        out: dict[str, Any] = {}
+        out.update(protocol.flatten("data", dataclasses.asdict(c.data)))
+        out.update({"model.name": c.model.name, "model.seed": c.seed})
+        if c.model.per_client:
+            out["model.per_client"] = list(c.model.per_client)
+        out.update(protocol.flatten("client", dataclasses.asdict(c.client)))
+        return out
+
+    # ------------------------------------------------------------------ to implement
+    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+        """The round's messages, one per sampled node."""
+        raise NotImplementedError
+
+    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
+        """Update server state from this round's validated replies; return extra round metrics."""
+        raise NotImplementedError
+
+    def evaluation_messages(self, server_round: int, grid: Grid) -> list[Message]:
+        """Optional evaluation-only messages after the round (default: none)."""
+        return []
+
+    def expect_arrays(self) -> bool:
+        """Whether round replies must carry model arrays."""
+        return False
+
+    def expect_predictions(self) -> bool:
+        """Whether round replies must carry predictions on U."""
+        return False
+
+    def final_summary(self) -> dict[str, Any]:
+        """Extra keys for summary.json."""
+        return {}
+
+    # ------------------------------------------------------------------ sampling
+    def available_nodes(self, grid: Grid, wait_seconds: float = 120.0) -> list[int]:
+        """Connected node ids; waits until at least ``min_clients`` are there (simulation starts empty)."""
+        deadline = time.time() + wait_seconds
+        while True:
+            nodes = sorted(grid.get_node_ids())
+            if len(nodes) >= self.cfg.strategy.min_clients or time.time() > deadline:
+                return nodes
+            time.sleep(0.5)
+
+    def sample_nodes(self, grid: Grid) -> list[int]:
+        """ceil(fraction·N) nodes, at least min_clients (when that many are connected), seeded."""
+        nodes = self.available_nodes(grid)
+        if not nodes:
+            raise RuntimeError("no client nodes are connected")
+        k = min(len(nodes), max(self.cfg.strategy.min_clients, math.ceil(self.cfg.strategy.fraction * len(nodes))))
+        if k == len(nodes):
+            return nodes
+        return sorted(int(n) for n in self.rng.choice(nodes, size=k, replace=False))
+
+    # ------------------------------------------------------------------ Flower's Strategy interface
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        return self.round_messages(server_round, self.sample_nodes(grid), grid)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        parsed = self.validate(server_round, replies, self.expect_arrays(), self.expect_predictions())
+        self._pending_extra = self.aggregate(server_round, parsed) if parsed else {}
+        self._pending_replies = parsed
+        return None, MetricRecord({"clients": len(parsed)})
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        return self.evaluation_messages(server_round, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        parsed = self.validate(server_round, replies)
+        self._pending_eval = parsed
+        return MetricRecord({"clients": len(parsed)})
+
+    def summary(self) -> None:
+        log.info("strategy %s, params: %s", self.name, self.params)
+
+    def validate(self, server_round: int, replies: Iterable[Message], expect_arrays: bool = False,
+                 expect_predictions: bool = False) -> list[ClientReply]:
+        """Parse and check replies; learn which node is which client."""
+        parsed = protocol.parse_replies(replies, server_round, expect_arrays, expect_predictions)
+        for r in parsed:
+            self.node_to_client[r.node_id] = r.client_id
+        return parsed
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
+              timeout: float | None = None, **_: Any) -> Result:
+        """The round loop: messages out, replies in, aggregate, optional evaluation phase, record."""
+        num_rounds = num_rounds or self.cfg.rounds
+        timeout = timeout or self.cfg.strategy.timeout
+        self.summary()
+        for rnd in range(1, num_rounds + 1):
+            t0 = time.time()
+            messages = list(self.configure_train(rnd, ArrayRecord(), ConfigRecord(), grid))
+            down = sum(protocol.record_nbytes(m.content) for m in messages)
+            replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
+            missing = len(messages) - len(replies)
+            if missing:
+                log.warning("round %d: %d of %d clients did not reply within %.0f s", rnd, missing, len(messages), timeout)
+            up = sum(protocol.record_nbytes(m.content) for m in replies if not m.has_error())
+            self._pending_replies: list[ClientReply] = []
+            self.aggregate_train(rnd, replies)
+            entry = RoundLog(rnd, list(self._pending_replies), down, up, extra=dict(self._pending_extra))
+            eval_messages = list(self.configure_evaluate(rnd, ArrayRecord(), ConfigRecord(), grid))
+            if eval_messages:
+                entry.eval_bytes_down = sum(protocol.record_nbytes(m.content) for m in eval_messages)
+                eval_replies = list(grid.send_and_receive(eval_messages, timeout=timeout))
+                entry.eval_bytes_up = sum(protocol.record_nbytes(m.content) for m in eval_replies if not m.has_error())
+                self._pending_eval: list[ClientReply] = []
+                self.aggregate_evaluate(rnd, eval_replies)
+                merge_eval_metrics(entry.replies, self._pending_eval)
+            entry.wall_seconds = time.time() - t0
+            self.history.append(entry)
+            if self.on_round is not None:
+                self.on_round(entry)
+        return Result()
+
+
+def merge_eval_metrics(replies: list[ClientReply], eval_replies: list[ClientReply]) -> None:
+    """Fold evaluation-phase metrics into the round's replies (by client id); add clients seen only there."""
+    by_client = {r.client_id: r for r in replies}
+    for e in eval_replies:
+        if e.client_id in by_client:
+            for k, v in e.metrics.items():
+                by_client[e.client_id].metrics.setdefault(k, v)
+        else:
+            replies.append(e)
+
+
+def weighted_average(arrays: list[Mapping[str, np.ndarray]], weights: list[float]) -> dict[str, np.ndarray]:
+    """Σ_i w_i·a_i / Σ_i w_i per key (float arrays); integer arrays (e.g. BN counters) take the first client's."""
+    if not arrays:
+        raise ValueError("nothing to average")
+    w = np.asarray(weights, dtype=np.float64)
+    if w.sum() <= 0:
+        raise ValueError("weights must sum to a positive number")
+    w = w / w.sum()
+    out: dict[str, np.ndarray] = {}
+    for key, first in arrays[0].items():
+        if np.issubdtype(first.dtype, np.floating):
+            acc = np.zeros(first.shape, dtype=np.float64)
+            for wi, a in zip(w, arrays):
+                acc += wi * a[key]
+            out[key] = acc.astype(first.dtype)
+        else:
+            out[key] = first.copy()
+    return out

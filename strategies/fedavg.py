@@ -1,0 +1,50 @@
+"""FedAvg: one global model, the sample-weighted mean of the client models.
+
+Each round every sampled client receives the global model, evaluates it on its local test split
+(the PFLlib protocol: that is the round's accuracy), trains it on its data, and sends it back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+from fedapps import protocol
+from fedapps.data import source_info
+from fedapps.models import build_model
+from fedapps.protocol import ClientReply
+from strategies.base import PersonalisedStrategy, weighted_average
+
+
+def initial_model_arrays(cfg) -> dict[str, np.ndarray]:
+    """The model every client starts from (seeded by the experiment seed)."""
+    num_classes, shape = source_info(cfg.data.source, cfg.data.synthetic_classes, tuple(cfg.data.synthetic_shape))
+    model = build_model(cfg.model.name, num_classes, shape, seed=cfg.seed)
+    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+
+
+class FedAvg(PersonalisedStrategy):
+    """Sample-weighted averaging of whole models (parameters and buffers)."""
+
+    name = "fedavg"
+
+    def __init__(self, cfg, on_round=None) -> None:
+        super().__init__(cfg, on_round)
+        self.global_arrays = initial_model_arrays(cfg)
+
+    def expect_arrays(self) -> bool:
+        return True
+
+    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+        config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "state"}
+        arrays = protocol.arrays_record(self.global_arrays)
+        return [protocol.build_message(n, server_round, ["evaluate", "train"], config, arrays=arrays) for n in node_ids]
+
+    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
+        usable = [r for r in replies if r.arrays is not None and set(r.arrays) == set(self.global_arrays)]
+        if usable:
+            self.global_arrays = weighted_average([r.arrays for r in usable], [r.num_examples for r in usable])
+        return {}

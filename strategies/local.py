@@ -1,0 +1,29 @@
+"""Local: no federation. Each client trains its own model on its own data; nothing but metrics travels.
+
+The floor every personalised method must beat. The round's accuracy is the client's own model
+evaluated on its local test split after that round's training.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+from fedapps import protocol
+from fedapps.protocol import ClientReply
+from strategies.base import PersonalisedStrategy
+
+
+class Local(PersonalisedStrategy):
+    """Purely local training."""
+
+    name = "local"
+    model_agnostic = True
+
+    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+        return [protocol.build_message(n, server_round, ["train", "evaluate"], self.base_config()) for n in node_ids]
+
+    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
+        return {}
