@@ -40,6 +40,7 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
              cfg.resolved_run_name(), cfg.strategy.name, cfg.data.source, cfg.data.partition,
              cfg.data.num_clients, cfg.rounds, recorder.dir)
     strategy = strategy_cls(cfg, on_round=recorder.on_round)
+    strategy.results_dir = recorder.dir
     strategy.start(grid=grid, num_rounds=cfg.rounds, timeout=cfg.strategy.timeout)
     summary = recorder.finish(time.time() - t0, strategy.final_summary())
     log.info("RESULTS %s", recorder.dir)

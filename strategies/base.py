@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import math
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Mapping
 
@@ -76,6 +77,7 @@ class PersonalisedStrategy(Strategy):
         self.rng = np.random.default_rng(cfg.seed)
         self.node_to_client: dict[int, int] = {}
         self.on_round = on_round  # callback(RoundLog) -> None, e.g. the results writer
+        self.results_dir: Path | None = None  # where strategy-specific plots go (set by the ServerApp)
         self.history: list[RoundLog] = []
         self._pending_extra: dict[str, Any] = {}
 

@@ -1,0 +1,57 @@
+"""An in-process stand-in for Flower's Grid: the same messages served by the same generic client code,
+sequentially, in this process, without Ray or a SuperLink. For unit tests of strategies and for quick
+sweeps; real runs go through `flwr run` (Ray simulation) or SuperLink/SuperNode deployment.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable
+
+from flwr.app import Context, Message, RecordDict
+from flwr.app.error import Error
+
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedapps.worker import handle
+
+log = logging.getLogger("fedapps")
+
+
+class InProcessGrid:
+    """Nodes 1..N with partition-id 0..N-1, each with its own persistent Context.state."""
+
+    def __init__(self, num_nodes: int, drop: Callable[[int, int], bool] | None = None,
+                 node_configs: dict[int, dict] | None = None) -> None:
+        self.contexts = {
+            100 + i: Context(run_id=1, node_id=100 + i,
+                             node_config={"partition-id": i, "num-partitions": num_nodes, **(node_configs or {}).get(i, {})},
+                             state=RecordDict(), run_config={})
+            for i in range(num_nodes)
+        }
+        for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
+            if getattr(TaskIdentity, attr) is None:  # Message() needs an identity outside Flower's runtime
+                setattr(TaskIdentity, attr, value)
+        self.drop = drop  # drop(round, partition_id) -> True simulates a client that never replies
+        self.sent: list[Message] = []
+        self.replies: list[Message] = []
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def send_and_receive(self, messages: Iterable[Message], timeout: float | None = None) -> list[Message]:
+        out = []
+        for msg in messages:
+            self.sent.append(msg)
+            ctx = self.contexts[msg.metadata.dst_node_id]
+            rnd = int(msg.metadata.group_id or 0)
+            if self.drop is not None and self.drop(rnd, int(ctx.node_config["partition-id"])):
+                continue
+            try:
+                reply = handle(msg, ctx)
+            except Exception as exc:  # as Flower does: an exception becomes an error reply
+                log.warning("node %s raised %s", msg.metadata.dst_node_id, exc)
+                reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
+            out.append(reply)
+        self.replies.extend(out)
+        return out
