@@ -31,7 +31,7 @@ PREDICTIONS = "predictions"
 INFO = "info"
 
 # operations the generic client knows
-OPS = ("evaluate", "train", "distill", "predict", "evaluate-received")
+OPS = ("evaluate", "train", "distill", "predict", "evaluate-received", "train-public")
 
 MESSAGE_TYPE = "train"  # every round message is one Flower "train" message
 EVAL_MESSAGE_TYPE = "evaluate"  # evaluation-only messages (e.g. COSMOS cluster models)

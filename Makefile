@@ -1,0 +1,28 @@
+# make run   - install into .venv (first time) and run the default experiment through `flwr run`
+# make test  - install into .venv (first time) and run the test suite
+VENV    ?= .venv
+PYTHON  ?= python3
+CONFIG  ?= configs/default.yaml
+ARGS    ?=
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.fedapps-installed
+
+.PHONY: run test bench clean-results
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/fedapps run $(CONFIG) --output-dir $(CURDIR)/results $(ARGS)
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(ARGS)
+
+bench: $(STAMP)
+	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean-results:
+	rm -rf results

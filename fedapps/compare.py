@@ -1,0 +1,148 @@
+"""`fedapps compare`: every config × seed through `flwr run` (skipping runs already complete, so an
+interrupted comparison resumes), then comparison.csv, comparison.md (mean ± SEM over seeds) and one plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from fedapps.config import load_config
+from fedapps.results import read_csv
+
+log = logging.getLogger("fedapps")
+
+
+def mean_sem(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (sample std / sqrt(n); 0 for a single value)."""
+    vals = [float(v) for v in values]
+    if not vals:
+        return math.nan, math.nan
+    m = sum(vals) / len(vals)
+    if len(vals) < 2:
+        return m, 0.0
+    var = sum((v - m) ** 2 for v in vals) / (len(vals) - 1)
+    return m, math.sqrt(var / len(vals))
+
+
+def run_label(config_path: str) -> str:
+    """A config's label in the table: its file stem."""
+    return Path(config_path).stem
+
+
+def is_complete(result_dir: Path, rounds: int) -> bool:
+    """A run counts as done when summary.json exists and covers all rounds."""
+    f = result_dir / "summary.json"
+    if not f.is_file():
+        return False
+    try:
+        return int(json.loads(f.read_text()).get("rounds", 0)) >= rounds
+    except (ValueError, OSError):
+        return False
+
+
+def summarise_runs(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One table row: mean ± SEM over seeds of the final accuracies, bytes and wall time."""
+    row: dict[str, Any] = {"config": label, "strategy": summaries[0]["strategy"], "seeds": len(summaries)}
+    for key in ("accuracy_mean", "accuracy_weighted", "bytes_up_per_client_round", "bytes_down_per_client_round", "wall_seconds"):
+        vals = [s[key] for s in summaries if isinstance(s.get(key), (int, float))]
+        m, e = mean_sem(vals)
+        row[key] = m
+        row[key + "_sem"] = e
+    extra_keys = sorted({k for s in summaries for k in s if k.startswith("final_") and k.endswith("_acc_mean")} | ({"clusters"} & {k for s in summaries for k in s}))
+    for key in extra_keys:
+        vals = [s[key] for s in summaries if isinstance(s.get(key), (int, float))]
+        if vals:
+            row[key], row[key + "_sem"] = mean_sem(vals)
+    return row
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """comparison.md: accuracy ± SEM, bytes per client per round (MiB), wall time."""
+    lines = ["| config | strategy | seeds | accuracy (mean over clients) | accuracy (sample-weighted) | "
+             "up MiB/client/round | down MiB/client/round | wall s |", "|---|---|---|---|---|---|---|---|"]
+    mib = 1024 * 1024
+    for r in rows:
+        lines.append(
+            f"| {r['config']} | {r['strategy']} | {r['seeds']} | {r['accuracy_mean']:.4f} ± {r['accuracy_mean_sem']:.4f} | "
+            f"{r['accuracy_weighted']:.4f} ± {r['accuracy_weighted_sem']:.4f} | "
+            f"{r['bytes_up_per_client_round'] / mib:.3f} | {r['bytes_down_per_client_round'] / mib:.3f} | "
+            f"{r['wall_seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(curves: dict[str, list[list[dict[str, Any]]]], path: Path) -> None:
+    """Accuracy (mean over clients) against rounds per config, mean ± SEM band over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, runs in curves.items():
+        rounds = sorted({r["round"] for run in runs for r in run if isinstance(r.get("acc_mean"), float)})
+        means, sems = [], []
+        for rnd in rounds:
+            vals = [r["acc_mean"] for run in runs for r in run if r["round"] == rnd and isinstance(r.get("acc_mean"), float)]
+            m, e = mean_sem(vals)
+            means.append(m)
+            sems.append(e)
+        if not rounds:
+            continue
+        ax.plot(rounds, means, label=label)
+        ax.fill_between(rounds, [m - e for m, e in zip(means, sems)], [m + e for m, e in zip(means, sems)], alpha=0.2)
+    ax.set_xlabel("round")
+    ax.set_ylabel("accuracy, mean over clients (± SEM over seeds)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
+    """Run every config × seed (resuming), then write the table and the plot; returns the table folder."""
+    base_out = Path(args.output_dir or "results").expanduser().resolve()
+    folder = base_out / args.name
+    runs_dir = folder / "runs"
+    labels = [run_label(c) for c in args.configs]
+    if len(set(labels)) != len(labels):
+        raise SystemExit("compare: two configs share a file name; rename one (the name labels the table row)")
+    rows, curves = [], {}
+    total = len(args.configs) * len(args.seeds)
+    done = 0
+    for config, label in zip(args.configs, labels):
+        summaries, label_curves = [], []
+        for seed in args.seeds:
+            overrides = list(args.overrides) + [f"seed={seed}", f"run_name={label}-s{seed}"]
+            cfg = load_config(Path(config).expanduser().resolve(), overrides)
+            result_dir = runs_dir / cfg.resolved_run_name()
+            done += 1
+            if is_complete(result_dir, cfg.rounds):
+                print(f"[{done}/{total}] {label} seed {seed}: already complete, skipped", flush=True)
+            else:
+                print(f"[{done}/{total}] {label} seed {seed}: running", flush=True)
+                execute(config, overrides, str(runs_dir), args)
+            summaries.append(json.loads((result_dir / "summary.json").read_text()))
+            label_curves.append(read_csv(result_dir / "rounds.csv"))
+        rows.append(summarise_runs(label, summaries))
+        curves[label] = label_curves
+    folder.mkdir(parents=True, exist_ok=True)
+    columns: list[str] = []
+    for r in rows:
+        columns += [k for k in r if k not in columns]
+    with (folder / "comparison.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=columns, restval="")
+        w.writeheader()
+        w.writerows(rows)
+    table = markdown_table(rows)
+    (folder / "comparison.md").write_text(table)
+    plot_curves(curves, folder / "comparison.png")
+    print("\n" + table + f"\nwritten: {folder}/comparison.csv, comparison.md, comparison.png")
+    return folder

@@ -1,0 +1,412 @@
+"""COSMOS: clustered server models with pseudo-label-only communication (model-agnostic personalised FL).
+
+One message per client per round. Down: the pseudo-labels h_π(i)(U) of the client's cluster model (none in
+round 1). On the client: distil on them (KL + λ·r_B, per-sample weight w_i(x)) → train on local data (E0
+epochs in round 1) → predict on U → evaluate its own model. Up: its predictions f_i(U) and metrics only.
+Server: round 1 clusters the clients once (greedy threshold clustering on distances between f_i(U)); every
+round, per cluster, aggregates members' predictions (mean / median / max, temperature T) and fine-tunes
+that cluster's model h_k on U towards them (KL + λ·r_B; never reset), then predicts h_k(U) for the next
+round. Every ``eval_every`` rounds (and in the last) an evaluation-only message carries h_π(i) to each
+client, evaluated on its local test split; those bytes are counted separately (eval_bytes_*).
+See shared/specs/cosmos.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from fedapps import clustering, ops, protocol, pseudolabels
+from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.data import Federation, get_federation
+from fedapps.models import MODEL_NAMES, build_model
+from fedapps.protocol import ClientReply
+from strategies.base import PersonalisedStrategy
+
+log = logging.getLogger("fedapps")
+
+WEIGHTINGS = ("label-free", "oracle", "none")
+
+
+@dataclass
+class CosmosParams:
+    """COSMOS hyper-parameters (defaults: the paper's, with the spec's label-free w_i(x) and r_B with gradient)."""
+
+    server_model: str = "vgg16"  # architecture of every cluster model h_k
+    pretrain_epochs: int = 5  # E0: local cross-entropy epochs in round 1 (later rounds use client.epochs)
+    # clustering (round 1 only; clusters stay fixed)
+    distance: str = "l1"  # l1 (paper) or l2 (reference code's Frobenius norm); both per public sample
+    b0_mode: str = "auto"  # auto: raise B0 until at most max_clusters clusters (reference rule); fixed: use b0
+    b0: float = 0.5  # explicit threshold on the per-sample distance (b0_mode: fixed)
+    max_clusters: int = 5  # b0_mode auto: target upper bound on K
+    b0_start: float = 0.05  # b0_mode auto: first B0 tried
+    b0_step: float = 0.05  # b0_mode auto: B0 increment
+    # server distillation (objective 1)
+    aggregation: str = "mean"  # mean | median | max over a cluster's members
+    temperature: float = 1.0  # targets p^(1/T) renormalised; 0 = hard (one-hot) labels
+    rb_lambda: float = 5.0  # λ of r_B, server and client
+    rb_sigma: float = 0.05  # std of r_B's input noise
+    server_epochs: int = 5
+    server_batch_size: int = 32
+    server_lr: float = 1e-4
+    server_optimizer: str = "adam"
+    server_clip_norm: float = 1.0
+    server_device: str = "auto"
+    # client distillation (objective 2)
+    distill_epochs: int = 5
+    distill_batch_size: int = 32
+    distill_lr: float = 1e-4
+    distill_optimizer: str = "adam"
+    distill_clip_norm: float = 1.0
+    weighting: str = "label-free"  # w_i(x): label-free | none | oracle (true labels of U: reproduction only)
+    # wire
+    uplink_encoding: str = "float32"  # client → server predictions: float32 | float16 | hard
+    downlink_encoding: str = "float32"  # server → client pseudo-labels: float32 | float16 | hard
+    eval_every: int = 1  # send cluster models for evaluation every this many rounds (and in the last round)
+
+
+def check_params(p: CosmosParams) -> None:
+    """Raise ConfigError naming the first bad COSMOS parameter."""
+    prefix = "strategy.params."
+
+    def one_of(key: str, allowed: tuple[str, ...]) -> None:
+        value = getattr(p, key)
+        if value not in allowed:
+            raise ConfigError(f"'{prefix}{key}' is '{value}'; allowed: {', '.join(allowed)}")
+
+    def positive(key: str, allow_zero: bool = False) -> None:
+        value = getattr(p, key)
+        if value < 0 or (value == 0 and not allow_zero):
+            raise ConfigError(f"'{prefix}{key}' must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+    one_of("server_model", MODEL_NAMES)
+    one_of("distance", clustering.DISTANCES)
+    one_of("b0_mode", clustering.B0_MODES)
+    one_of("aggregation", pseudolabels.AGGREGATIONS)
+    one_of("server_optimizer", ("sgd", "adam"))
+    one_of("distill_optimizer", ("sgd", "adam"))
+    one_of("server_device", ("auto", "cpu", "cuda"))
+    one_of("weighting", WEIGHTINGS)
+    one_of("uplink_encoding", pseudolabels.ENCODINGS)
+    one_of("downlink_encoding", pseudolabels.ENCODINGS)
+    for key in ("pretrain_epochs", "server_epochs", "distill_epochs", "temperature", "rb_lambda", "rb_sigma",
+                "server_clip_norm", "distill_clip_norm", "b0", "b0_start"):
+        positive(key, allow_zero=True)
+    for key in ("max_clusters", "b0_step", "server_batch_size", "server_lr", "distill_batch_size", "distill_lr",
+                "eval_every"):
+        positive(key)
+
+
+def validate_predictions(pred: np.ndarray, n: int, num_classes: int) -> np.ndarray:
+    """Decoded predictions on U as float32 soft labels (n×M); raise ValueError if they are not that."""
+    decoded = pseudolabels.decode(pred, num_classes)
+    if decoded.ndim == 1:
+        if decoded.shape != (n,) or decoded.min(initial=0) < 0 or decoded.max(initial=0) >= num_classes:
+            raise ValueError(f"hard predictions must be {n} labels in [0, {num_classes}), got shape {decoded.shape}")
+        return pseudolabels.one_hot(decoded, num_classes)
+    if decoded.shape != (n, num_classes):
+        raise ValueError(f"predictions must have shape ({n}, {num_classes}), got {decoded.shape}")
+    if not np.all(np.isfinite(decoded)) or decoded.min() < -1e-3 or np.abs(decoded.sum(axis=1) - 1).max() > 2e-2:
+        raise ValueError("predictions are not probability vectors (finite, >= 0, rows summing to 1)")
+    return np.clip(decoded, 0.0, None)
+
+
+class Cosmos(PersonalisedStrategy):
+    """Clustered server models, pseudo-labels only; clients may run any architecture."""
+
+    name = "cosmos"
+    Params = CosmosParams
+    needs_public_set = True
+    model_agnostic = True
+    report_tag = "received"  # the round's accuracy: the cluster model h_π(i) on each client's test split
+
+    @classmethod
+    def parse_params(cls, raw: Mapping[str, Any] | Any, cfg: ExperimentConfig) -> Any:
+        params = super().parse_params(raw, cfg)
+        check_params(params)
+        return params
+
+    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
+        super().__init__(cfg, on_round)
+        p: CosmosParams = self.params
+        self.fed: Federation = get_federation(dataclasses.asdict(cfg.data))
+        if self.fed.public_x is None:
+            raise ConfigError("COSMOS needs a public set U: set data.public_fraction in (0, 1)")
+        self.num_classes = self.fed.num_classes
+        self.n_public = int(self.fed.public_x.shape[0])
+        self.device = ops.resolve_device(p.server_device)
+        self.clustering: clustering.ClusteringResult | None = None
+        self.cluster_of: dict[int, int] = {}  # client id -> cluster
+        self.models: dict[int, torch.nn.Module] = {}  # cluster -> h_k
+        self.server_targets: dict[int, np.ndarray] = {}  # cluster -> h_k(U) probabilities (n×M)
+        self.wire_targets: dict[int, ArrayRecord] = {}  # cluster -> encoded h_k(U), as sent
+        self.distances: np.ndarray | None = None
+        self.distance_clients: list[int] = []
+        self.last_replied_nodes: list[int] = []
+        self.rejected_fingerprint = 0
+        self.last_acc: dict[str, float] = {}
+        self.pseudo_bytes_down = 0
+
+    # ------------------------------------------------------------------ messages
+    def client_config(self, server_round: int) -> dict[str, Any]:
+        """Settings of the round message: data/model/client spec, U's fingerprint, distil/train/predict settings."""
+        p: CosmosParams = self.params
+        cfg = {
+            **self.base_config(),
+            "public.fingerprint": self.fed.fingerprint,
+            "distill.epochs": p.distill_epochs, "distill.batch_size": p.distill_batch_size,
+            "distill.lr": p.distill_lr, "distill.optimizer": p.distill_optimizer,
+            "distill.clip_norm": p.distill_clip_norm, "distill.loss": "kl", "distill.weighting": p.weighting,
+            "distill.rb_lambda": p.rb_lambda, "distill.rb_sigma": p.rb_sigma,
+            "predict.output": "probs", "predict.encoding": p.uplink_encoding,
+        }
+        if server_round == 1:
+            cfg["train.epochs"] = p.pretrain_epochs  # E0 pre-training
+        return cfg
+
+    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+        config = self.client_config(server_round)
+        messages = []
+        for node in node_ids:
+            cluster = self.cluster_of.get(self.node_to_client.get(node, -1))
+            targets = self.wire_targets.get(cluster) if cluster is not None else None
+            messages.append(protocol.build_message(node, server_round, ["distill", "train", "predict", "evaluate"],
+                                                   config, targets=targets))
+        with_targets = sum(1 for m in messages if protocol.TARGETS in m.content)
+        self.pseudo_bytes_down = sum(protocol.record_nbytes(RecordDict({"t": m.content[protocol.TARGETS]}))
+                                     for m in messages if protocol.TARGETS in m.content)
+        log.info("cosmos round %d: %d messages (%d with cluster pseudo-labels)", server_round, len(messages), with_targets)
+        return messages
+
+    def expect_predictions(self) -> bool:
+        return True
+
+    def evaluation_messages(self, server_round: int, grid: Grid) -> list[Message]:
+        p: CosmosParams = self.params
+        if not self.models or not (server_round % p.eval_every == 0 or server_round == self.cfg.rounds):
+            return []
+        config = {**self.base_config(), "received.model": p.server_model, "public.fingerprint": self.fed.fingerprint}
+        arrays = {k: protocol.arrays_record({n: t.detach().cpu().numpy() for n, t in m.state_dict().items()})
+                  for k, m in self.models.items()}
+        messages = []
+        for node in self.last_replied_nodes:
+            cluster = self.cluster_of.get(self.node_to_client.get(node, -1))
+            if cluster in arrays:
+                messages.append(protocol.build_message(node, server_round, ["evaluate-received"], config,
+                                                       arrays=arrays[cluster], message_type=protocol.EVAL_MESSAGE_TYPE))
+        return messages
+
+    # ------------------------------------------------------------------ aggregation
+    def accept(self, replies: list[ClientReply]) -> dict[int, np.ndarray]:
+        """Client id -> validated soft predictions; replies with another U or malformed predictions are refused."""
+        out: dict[int, np.ndarray] = {}
+        for r in replies:
+            fp = r.info.get("fingerprint")
+            if fp != self.fed.fingerprint:
+                self.rejected_fingerprint += 1
+                log.error("refused reply of client %d: public set mismatch (its U has fingerprint '%s', the server's "
+                          "'%s'); both sides must build U from the same data spec", r.client_id, fp, self.fed.fingerprint)
+                continue
+            try:
+                out[r.client_id] = validate_predictions(r.predictions["predictions"], self.n_public, self.num_classes)
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("refused predictions of client %d: %s", r.client_id, exc)
+        return out
+
+    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        preds = self.accept(replies)
+        self.last_replied_nodes = sorted(r.node_id for r in replies if r.client_id in preds)
+        if not preds:
+            log.warning("cosmos round %d: no usable predictions; server models unchanged", server_round)
+            return {}
+        if self.clustering is None:
+            self.cluster_round_one(preds)
+        for cid in sorted(set(preds) - set(self.cluster_of)):
+            self.assign_newcomer(cid, preds[cid])
+        losses = self.train_cluster_models(server_round, preds)
+        extra: dict[str, Any] = {
+            "clusters": self.clustering.k if self.clustering else 0,
+            "server_distill_loss": float(np.mean(list(losses.values()))) if losses else "",
+            "server_seconds": round(time.perf_counter() - t0, 3),
+            "pseudo_bytes_up": int(sum(r.predictions["predictions"].nbytes for r in replies if r.client_id in preds)),
+            "pseudo_bytes_down": int(self.pseudo_bytes_down),
+        }
+        return extra
+
+    def cluster_round_one(self, preds: dict[int, np.ndarray]) -> None:
+        """Phase 1 clustering on the first round's predictions (clusters then stay fixed)."""
+        p: CosmosParams = self.params
+        ids = sorted(preds)
+        t0 = time.perf_counter()
+        self.distances = clustering.pairwise_distances(np.stack([preds[c] for c in ids]), p.distance)
+        self.distance_clients = ids
+        result = clustering.cluster_clients(self.distances, p.b0_mode, p.b0, p.max_clusters, p.b0_start, p.b0_step,
+                                            p.distance)
+        result.clusters = [[ids[i] for i in members] for members in result.clusters]
+        self.clustering = result
+        for k, members in enumerate(result.clusters):
+            for cid in members:
+                self.cluster_of[cid] = k
+        log.info("cosmos: distances and clustering of %d clients in %.3f s; clusters %s", len(ids),
+                 time.perf_counter() - t0, result.clusters)
+
+    def assign_newcomer(self, cid: int, pred: np.ndarray) -> None:
+        """A client first seen after round 1 joins the cluster whose current target is nearest to its predictions."""
+        ks = sorted(self.server_targets)
+        if not ks:
+            return
+        d = clustering.distance_to_centres(pred, np.stack([self.server_targets[k] for k in ks]), self.params.distance)
+        k = ks[int(np.argmin(d))]
+        self.cluster_of[cid] = k
+        self.clustering.clusters[k].append(cid)
+        log.info("cosmos: client %d (not seen in round 1) joins cluster %d (distance %.3f)", cid, k, float(d.min()))
+
+    def server_model(self, k: int) -> torch.nn.Module:
+        """h_k, built on first use (seeded by the experiment seed and k), then kept and fine-tuned forever."""
+        if k not in self.models:
+            self.models[k] = build_model(self.params.server_model, self.num_classes, tuple(self.fed.input_shape),
+                                         seed=self.cfg.seed * 1000 + 17 + k).to(self.device)
+        return self.models[k]
+
+    def train_cluster_models(self, server_round: int, preds: dict[int, np.ndarray]) -> dict[int, float]:
+        """Objective (1) per cluster on this round's members' predictions; refresh h_k(U) for the next round."""
+        p: CosmosParams = self.params
+        optim = ops.OptimSettings(epochs=p.server_epochs, batch_size=p.server_batch_size, lr=p.server_lr,
+                                  optimizer=p.server_optimizer, clip_norm=p.server_clip_norm, drop_last=False)
+        dist = ops.DistillSettings(loss="kl", rb_lambda=p.rb_lambda, rb_sigma=p.rb_sigma)
+        losses: dict[int, float] = {}
+        for k, members in enumerate(self.clustering.clusters):
+            present = [c for c in members if c in preds]
+            if not present:
+                continue
+            t0 = time.perf_counter()
+            target = server_target(np.stack([preds[c] for c in present]), p.aggregation, p.temperature)
+            model = self.server_model(k)
+            gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + server_round * 101 + k)
+            result = ops.distill(model, self.fed.public_x, torch.as_tensor(target), optim, dist, generator=gen)
+            probs = ops.predict(model, self.fed.public_x).numpy()
+            self.server_targets[k] = probs
+            wire = pseudolabels.encode(probs, p.downlink_encoding, self.num_classes)
+            self.wire_targets[k] = protocol.arrays_record({"targets": wire})
+            agree = float((probs.argmax(1) == target.argmax(1)).mean())
+            losses[k] = result["loss"]
+            log.info("cosmos round %d: server model %d (%s) distilled on %d members' %s targets, %d epochs: loss %.4f, "
+                     "agreement with targets %.3f, %.1f s", server_round, k, p.server_model, len(present),
+                     p.aggregation, p.server_epochs, result["loss"], agree, time.perf_counter() - t0)
+        return losses
+
+    # ------------------------------------------------------------------ results
+    def aggregate_evaluate(self, server_round: int, replies):  # type: ignore[override]
+        out = super().aggregate_evaluate(server_round, replies)
+        accs = [float(r.metrics["received-acc"]) for r in self._pending_eval if "received-acc" in r.metrics]
+        if accs:
+            self.last_acc["cluster"] = float(np.mean(accs))
+        return out
+
+    def aggregate_train(self, server_round: int, replies):  # type: ignore[override]
+        out = super().aggregate_train(server_round, replies)
+        accs = [float(r.metrics["eval-acc"]) for r in self._pending_replies if "eval-acc" in r.metrics]
+        if accs:
+            self.last_acc["client"] = float(np.mean(accs))
+        return out
+
+    def final_summary(self) -> dict[str, Any]:
+        c = self.clustering
+        summary: dict[str, Any] = {
+            "clusters": c.k if c else 0,
+            "cluster_sizes": c.sizes if c else [],
+            "cluster_members": c.clusters if c else [],
+            "b0": c.b0 if c else None,
+            "b0_mode": c.mode if c else None,
+            "distance": self.params.distance,
+            "cluster_model_accuracy": self.last_acc.get("cluster"),
+            "client_model_accuracy": self.last_acc.get("client"),
+            "replies_refused_for_public_set_mismatch": self.rejected_fingerprint,
+        }
+        if c and self.fed.groups is not None:
+            summary["cluster_group_ari"] = adjusted_rand(self.fed.groups, self.cluster_of)
+        self.write_cluster_artifacts(summary)
+        return summary
+
+    def write_cluster_artifacts(self, summary: Mapping[str, Any]) -> None:
+        """clusters.json (assignment, B0, distances) and clusters.png (assignment against true groups)."""
+        if self.results_dir is None or self.clustering is None:
+            return
+        doc = {
+            "b0": self.clustering.b0, "b0_mode": self.clustering.mode, "distance": self.clustering.metric,
+            "b0_tried": self.clustering.tried, "clusters": self.clustering.clusters,
+            "cluster_of_client": {str(k): v for k, v in sorted(self.cluster_of.items())},
+            "true_group_of_client": None if self.fed.groups is None else [int(g) for g in self.fed.groups],
+            "distance_clients": self.distance_clients,
+            "distances_per_sample": None if self.distances is None else np.round(self.distances, 5).tolist(),
+            "cluster_group_ari": summary.get("cluster_group_ari"),
+        }
+        (self.results_dir / "clusters.json").write_text(json.dumps(doc, indent=1))
+        try:
+            plot_clusters(self.cluster_of, self.fed.groups, self.distances, self.distance_clients,
+                          self.results_dir / "clusters.png", f"{self.cfg.resolved_run_name()}: K = {self.clustering.k}, "
+                          f"B0 = {self.clustering.b0:.3f} ({self.clustering.mode}, {self.clustering.metric})")
+        except Exception as exc:  # a plot must never lose the results
+            log.warning("could not draw clusters.png: %s", exc)
+
+
+def server_target(stack: np.ndarray, aggregation: str, temperature: float) -> np.ndarray:
+    """A cluster's distillation target: members' predictions (members×n×M) aggregated, then tempered."""
+    agg = pseudolabels.aggregate(stack.astype(np.float32), aggregation)
+    return pseudolabels.apply_temperature(agg, temperature).astype(np.float32)
+
+
+def adjusted_rand(groups: np.ndarray, cluster_of: Mapping[int, int]) -> float:
+    """Adjusted Rand index between the found clusters and the partition's true client groups (diagnostic)."""
+    from sklearn.metrics import adjusted_rand_score
+
+    ids = sorted(cluster_of)
+    return float(adjusted_rand_score([int(groups[i]) for i in ids], [cluster_of[i] for i in ids]))
+
+
+def plot_clusters(cluster_of: Mapping[int, int], groups: np.ndarray | None, distances: np.ndarray | None,
+                  distance_clients: list[int], path, title: str) -> None:
+    """Left: clients × (true group, found cluster); right: the per-sample distance matrix ordered by group."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ids = sorted(cluster_of)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.3, 1]})
+    ax = axes[0]
+    found = [cluster_of[i] for i in ids]
+    ax.scatter(ids, found, c=found, cmap="tab10", s=60, marker="s", label="found cluster")
+    if groups is not None:
+        ax.scatter(ids, [int(groups[i]) for i in ids], facecolors="none", edgecolors="k", s=110, label="true group")
+    ax.set_xlabel("client id")
+    ax.set_ylabel("cluster (filled) / true group (ring)")
+    ax.set_xticks(ids[:: max(1, len(ids) // 25)])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    ax = axes[1]
+    if distances is not None and len(distance_clients):
+        order = np.argsort([int(groups[c]) if groups is not None else 0 for c in distance_clients], kind="stable")
+        im = ax.imshow(distances[np.ix_(order, order)], cmap="viridis")
+        labels = [str(distance_clients[i]) for i in order]
+        step = max(1, len(labels) // 25)
+        ax.set_xticks(range(0, len(labels), step), labels[::step], fontsize=6, rotation=90)
+        ax.set_yticks(range(0, len(labels), step), labels[::step], fontsize=6)
+        ax.set_title("distance per public sample (ordered by true group)", fontsize=8)
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    else:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,446 @@
+"""cwFedAvg: class-wise federated averaging with weight-distribution regularisation (WDR).
+
+Server side (see shared/specs/cwfedavg.md). With n_i the sample counts and P = [p̂_ij] the estimated class
+distributions of the clients, the class-wise global models are ``w_j^G = Σ_l q_lj w_l`` with
+``q_lj = n_l p̂_lj / Σ_m n_m p̂_mj`` and client i's personalised model is ``w_i^L = Σ_j p̂_ij w_j^G``.
+Both steps are linear, so ``w_i^L = Σ_l A_il w_l`` with ``A = P Qᵀ`` (M×M): the server keeps the M client
+models it received (as FedAvg does before averaging) and forms one personalised model per client, when
+that client's message is built — the K class models are never materialised and every client downloads
+exactly one model.
+
+Which layers are class-wise: ``output`` (the classifier, default), ``last-N`` (the last N top-level
+children that own parameters) or ``all``; matched by exact parameter name. Every other layer is plain
+sample-weighted FedAvg. Parameters travel; buffers (BatchNorm statistics) stay on the clients by default.
+
+Where p̂ comes from (``estimator``):
+- ``norm``  the paper's: normalised L2 norms of the uploaded classifier rows; nothing extra leaves a client.
+- ``true``  the client reports its training class counts (the paper's "-gt" ablation).
+- ``bias``  (ours) the positive part of the classifier-BIAS update, accumulated over rounds. Under plain
+  SGD one epoch moves bias j by ``lr/B · (n_ij − Σ_x s_j(x))``: strictly negative for every class the client
+  does not hold (WDR does not touch the bias), positive for the under-predicted classes it holds. So
+  ``relu(b_uploaded − b_sent)`` is exactly zero on absent classes and ∝ class mass on present ones, from the
+  first round, computed from what the client uploads anyway (the server knows what it sent).
+
+Partial participation / dropped clients: the server keeps, per client, its latest uploaded model, its
+sample count and its estimate. ``mix: latest`` (default) mixes over the latest model of every client seen
+so far (with full participation: exactly this round's models); ``mix: round`` only over this round's
+repliers. A client with an estimate gets its row of A; a client never seen gets the FedAvg model (the
+sample-weighted mean of the same set); before any reply, everyone gets the initial model.
+
+Client side: ``train.wdr_lambda`` → loss CE + (λ/2)·‖p_i − p̃_i‖₂ (fedapps.ops.wdr_penalty), p_i from the
+client's TRAIN split (the authors' code uses train+test). Each round the personalised model is evaluated
+on the client's test split before training (the paper's number, ``acc_*``) and after (``after_acc_*``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+from flwr.app import Message
+from flwr.serverapp import Grid
+from torch import nn
+
+from fedapps import protocol
+from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.data import get_federation, source_info
+from fedapps.models import build_model, classifier_name, top_level_children
+from fedapps.protocol import ClientReply
+from strategies.base import PersonalisedStrategy
+
+log = logging.getLogger("fedapps")
+
+ESTIMATORS = ("bias", "norm", "true")
+MIX_SETS = ("latest", "round")
+BUFFER_MODES = ("local", "fedavg")
+_LAST_N = re.compile(r"^last-(\d+)$")
+
+
+@dataclass
+class CwFedAvgParams:
+    """cwFedAvg's parameters (``strategy.params``)."""
+
+    layers: str = "output"  # output | last-N (e.g. last-2) | all: which layers are aggregated class-wise
+    estimator: str = "bias"  # bias | norm (the paper's) | true (clients report class counts)
+    wdr_lambda: float = 10.0  # WDR strength λ on the clients (0 = off); the paper: MNIST/CIFAR-10 10
+    mix: str = "latest"  # latest: mix every client's latest model | round: only this round's repliers
+    buffers: str = "local"  # local: buffers (BN statistics) never leave the clients | fedavg: averaged
+    track_estimation_error: bool = True  # log mean L1(p̂, p) per estimator (simulation: the server knows p)
+
+
+# --------------------------------------------------------------------------- pure maths
+
+
+def normalise_rows(x: np.ndarray) -> np.ndarray:
+    """Rows scaled to sum to one; an all-zero row becomes uniform."""
+    x = np.asarray(x, dtype=np.float64)
+    s = x.sum(axis=-1, keepdims=True)
+    k = x.shape[-1]
+    return np.where(s > 0, x / np.where(s > 0, s, 1.0), 1.0 / k)
+
+
+def row_norm_distribution(weight: np.ndarray) -> np.ndarray:
+    """The paper's p̃: L2 norm of each classifier row (last axis = features), normalised to sum to one."""
+    return normalise_rows(np.linalg.norm(np.asarray(weight, dtype=np.float64), axis=-1))
+
+
+def bias_evidence(bias_uploaded: np.ndarray, bias_sent: np.ndarray) -> np.ndarray:
+    """Positive part of the classifier-bias update: zero for absent classes, ∝ class mass for present ones."""
+    return np.maximum(np.asarray(bias_uploaded, np.float64) - np.asarray(bias_sent, np.float64), 0.0)
+
+
+def fedavg_weights(n: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """p_l = n_l / Σ n over the rows in ``mask`` (others 0); uniform over the mask if every n is 0."""
+    n = np.asarray(n, dtype=np.float64)
+    m = np.ones(n.shape, bool) if mask is None else np.asarray(mask, bool)
+    w = np.where(m, n, 0.0)
+    return w / w.sum() if w.sum() > 0 else m / max(m.sum(), 1)
+
+
+def class_weights(n: np.ndarray, p: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """Q (M×K): q_lj = n_l p_lj / Σ_m n_m p_mj over ``mask``; a class nobody holds falls back to FedAvg weights."""
+    n = np.asarray(n, dtype=np.float64)
+    m = np.ones(n.shape, bool) if mask is None else np.asarray(mask, bool)
+    mass = np.where(m, n, 0.0)[:, None] * np.asarray(p, dtype=np.float64)
+    total = mass.sum(axis=0, keepdims=True)
+    fallback = fedavg_weights(n, m)[:, None]
+    return np.where(total > 0, mass / np.where(total > 0, total, 1.0), fallback)
+
+
+def mixing_matrix(p_targets: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """A = P Qᵀ: row i gives the weights of the client models in client i's personalised model."""
+    return np.asarray(p_targets, np.float64) @ np.asarray(q, np.float64).T
+
+
+def mix(weights: np.ndarray, stack: np.ndarray) -> np.ndarray:
+    """Σ_l weights[..., l] · stack[l]: one (weights 1-D) or several (2-D) mixed arrays, in the stack's dtype."""
+    w = np.asarray(weights, dtype=stack.dtype if np.issubdtype(stack.dtype, np.floating) else np.float64)
+    flat = stack.reshape(stack.shape[0], -1)
+    return (w @ flat).reshape(w.shape[:-1] + stack.shape[1:])
+
+
+def class_models(q: np.ndarray, stack: np.ndarray) -> np.ndarray:
+    """The K class-wise global models w_j^G = Σ_l q_lj w_l (the reference computation; K × shape)."""
+    return mix(np.asarray(q).T, stack)
+
+
+def parse_layers(layers: str) -> tuple[str, int]:
+    """'output' → ('output', 0); 'all' → ('all', 0); 'last-3' → ('last', 3); anything else is a ConfigError."""
+    if layers in ("output", "all"):
+        return layers, 0
+    m = _LAST_N.match(str(layers))
+    if not m or int(m.group(1)) < 1:
+        raise ConfigError(f"'strategy.params.layers' is '{layers}'; allowed: output, all, or last-N with N >= 1 "
+                          "(e.g. last-2)")
+    return "last", int(m.group(1))
+
+
+def parameterised_children(model: nn.Module) -> list[str]:
+    """Top-level children that own parameters, in registration order (what `last-N` counts)."""
+    return [c for c in top_level_children(model) if any(True for _ in model.get_submodule(c).parameters())]
+
+
+def classwise_keys(model: nn.Module, layers: str) -> list[str]:
+    """Parameter names aggregated class-wise, matched exactly (module path components, never substrings)."""
+    mode, n = parse_layers(layers)
+    names = [name for name, _ in model.named_parameters()]
+    if mode == "all":
+        return names
+    if mode == "output":
+        head = classifier_name(model)
+        return [k for k in names if k.rsplit(".", 1)[0] == head]
+    children = parameterised_children(model)
+    if n > len(children):
+        raise ConfigError(f"'strategy.params.layers' is 'last-{n}' but the model has only {len(children)} "
+                          f"top-level children with parameters ({', '.join(children)})")
+    chosen = set(children[-n:])
+    return [k for k in names if k.split(".", 1)[0] in chosen]
+
+
+def l1_error(p_hat: np.ndarray, p_true: np.ndarray) -> float:
+    """Mean over clients of Σ_j |p̂_ij − p_ij|."""
+    return float(np.abs(np.asarray(p_hat) - np.asarray(p_true)).sum(axis=-1).mean())
+
+
+# --------------------------------------------------------------------------- server state
+
+
+class ModelStack:
+    """The latest uploaded arrays of every client seen: one (rows × shape) array per key, rows by client id."""
+
+    def __init__(self, template: Mapping[str, np.ndarray], capacity: int) -> None:
+        self.template = {k: np.asarray(v) for k, v in template.items()}
+        self.capacity = max(1, capacity)
+        self.arrays = {k: np.zeros((self.capacity,) + v.shape, v.dtype) for k, v in self.template.items()}
+        self.row_of: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def row(self, client_id: int) -> int:
+        """The row of a client, allocating one (and growing the stack) on first sight."""
+        if client_id not in self.row_of:
+            if len(self.row_of) == self.capacity:
+                self.capacity *= 2
+                self.arrays = {k: np.concatenate([a, np.zeros_like(a)]) for k, a in self.arrays.items()}
+            self.row_of[client_id] = len(self.row_of)
+        return self.row_of[client_id]
+
+    def put(self, client_id: int, arrays: Mapping[str, np.ndarray]) -> int:
+        """Store a client's upload (cast to the template dtypes); return its row."""
+        r = self.row(client_id)
+        for k, a in self.arrays.items():
+            a[r] = arrays[k]
+        return r
+
+
+def _grow(x: np.ndarray, rows: int, fill: float = 0.0) -> np.ndarray:
+    """x with at least ``rows`` rows (new rows = fill)."""
+    if x.shape[0] >= rows:
+        return x
+    return np.concatenate([x, np.full((rows - x.shape[0],) + x.shape[1:], fill, x.dtype)])
+
+
+class CwFedAvg(PersonalisedStrategy):
+    """Class-wise federated averaging with WDR; one personalised model per client through A = P Qᵀ."""
+
+    name = "cwfedavg"
+    Params = CwFedAvgParams
+
+    # ------------------------------------------------------------------ config
+    @classmethod
+    def parse_params(cls, raw: Any, cfg: ExperimentConfig) -> CwFedAvgParams:
+        """Typed params, each value checked."""
+        p = super().parse_params(raw, cfg)
+        parse_layers(p.layers)
+        if p.estimator not in ESTIMATORS:
+            raise ConfigError(f"'strategy.params.estimator' is '{p.estimator}'; allowed: {', '.join(ESTIMATORS)}")
+        if not p.wdr_lambda >= 0:
+            raise ConfigError(f"'strategy.params.wdr_lambda' must be >= 0 (0 turns WDR off), got {p.wdr_lambda}")
+        if p.mix not in MIX_SETS:
+            raise ConfigError(f"'strategy.params.mix' is '{p.mix}'; allowed: {', '.join(MIX_SETS)}")
+        if p.buffers not in BUFFER_MODES:
+            raise ConfigError(f"'strategy.params.buffers' is '{p.buffers}'; allowed: {', '.join(BUFFER_MODES)}")
+        return p
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        """The model must fit the layer mode, and the `bias` estimator needs a classifier bias."""
+        super().check_config(cfg)
+        model = _build(cfg)
+        classwise_keys(model, cfg.strategy.params.layers)
+        head = classifier_name(model)
+        if cfg.strategy.params.estimator == "bias" and getattr(model.get_submodule(head), "bias", None) is None:
+            raise ConfigError(f"estimator 'bias' needs a bias in the classifier '{head}' of model "
+                              f"'{cfg.model.name}'; use estimator 'norm' or 'true'")
+
+    # ------------------------------------------------------------------ construction
+    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
+        super().__init__(cfg, on_round)
+        p: CwFedAvgParams = self.params
+        model = _build(cfg)
+        state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+        params = [n for n, _ in model.named_parameters()]
+        self.keys = list(state) if p.buffers == "fedavg" else params
+        self.initial = {k: state[k] for k in self.keys}
+        self.head = classifier_name(model)
+        self.head_w, self.head_b = f"{self.head}.weight", f"{self.head}.bias"
+        self.has_bias = self.head_b in self.initial
+        self.classwise = [k for k in classwise_keys(model, p.layers) if k in self.keys]
+        self.shared_keys = [k for k in self.keys if k not in self.classwise]
+        self.num_classes = int(model.get_submodule(self.head).weight.shape[0])
+        m = cfg.data.num_clients
+        self.stack = ModelStack(self.initial, m)
+        self.n = np.zeros(self.stack.capacity)
+        self.p_hat = np.full((self.stack.capacity, self.num_classes), 1.0 / self.num_classes)
+        self.evidence = np.zeros((self.stack.capacity, self.num_classes))  # accumulated bias evidence
+        self.norm_est = np.full((self.stack.capacity, self.num_classes), np.nan)
+        self.estimated = np.zeros(self.stack.capacity, bool)  # rows with an estimate
+        self.fresh = np.zeros(self.stack.capacity, bool)  # rows that replied in the last aggregation
+        self.q: np.ndarray | None = None  # class weights of the last aggregation (rows of the stack)
+        self.shared: dict[str, np.ndarray] = {}  # FedAvg arrays of the non-class-wise keys
+        self.fedavg_w: np.ndarray | None = None
+        self.sent_bias: dict[int, np.ndarray] = {}  # node id -> classifier bias it was sent
+        self.true_p = _true_distributions(cfg) if p.track_estimation_error else None
+        self.snapshots: dict[str, tuple[int, np.ndarray]] = {}  # 'first'/'last' -> (round, norm p̃ per client)
+        log.info("cwfedavg: %d of %d parameter tensors class-wise (%s), estimator %s, WDR λ=%g, mix %s, buffers %s",
+                 len(self.classwise), len(params), p.layers, p.estimator, p.wdr_lambda, p.mix, p.buffers)
+
+    def expect_arrays(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ personalised models
+    def personalised(self, client_id: int | None) -> dict[str, np.ndarray]:
+        """Client's model: its row of A on the stacked models; FedAvg if never seen; initial before any reply."""
+        if self.q is None:
+            return self.initial
+        row = self.stack.row_of.get(client_id) if client_id is not None else None
+        if row is None or not self.estimated[row]:
+            weights = self.fedavg_w
+        else:
+            weights = mixing_matrix(self.p_hat[row][None], self.q)[0]
+        out = dict(self.shared)
+        for k in self.classwise:
+            out[k] = mix(weights, self.stack.arrays[k])
+        return {k: out[k] for k in self.keys}
+
+    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+        p: CwFedAvgParams = self.params
+        config = {**self.base_config(), "load-arrays": True, "return-arrays": True,
+                  "arrays.keys": "state" if p.buffers == "fedavg" else "params",
+                  "train.wdr_lambda": float(p.wdr_lambda), "return-class-counts": p.estimator == "true"}
+        messages = []
+        for node in node_ids:
+            arrays = self.personalised(self.node_to_client.get(node))
+            if self.has_bias:
+                self.sent_bias[node] = np.array(arrays[self.head_b], dtype=np.float64)
+            messages.append(protocol.build_message(node, server_round, ["evaluate", "train", "evaluate:after"],
+                                                   config, arrays=protocol.arrays_record(arrays)))
+        return messages
+
+    # ------------------------------------------------------------------ aggregation
+    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
+        p: CwFedAvgParams = self.params
+        usable = []
+        for r in replies:
+            if r.arrays is None or set(r.arrays) != set(self.keys) or any(
+                    r.arrays[k].shape != self.initial[k].shape for k in self.keys):
+                log.warning("round %d: client %d sent arrays that do not match the model; ignored", server_round, r.client_id)
+                continue
+            usable.append(r)
+        if not usable:
+            return {}
+        self.fresh[:] = False
+        errors: dict[str, list[tuple[int, np.ndarray]]] = {e: [] for e in ESTIMATORS}
+        for r in usable:
+            row = self.stack.put(r.client_id, r.arrays)
+            self._ensure_rows(self.stack.capacity)
+            self.n[row] = r.num_examples
+            self.fresh[row] = True
+            estimates = self._estimates(r, row)
+            for name, est in estimates.items():
+                errors[name].append((r.client_id, est))
+            chosen = estimates.get(p.estimator)
+            if chosen is None:  # e.g. no counts sent, or no bias evidence yet: the paper's estimate
+                chosen = estimates["norm"]
+            self.p_hat[row] = chosen
+            self.estimated[row] = True
+        self._record_snapshot(server_round)
+        mask = self.estimated & (self.fresh if p.mix == "round" else True)
+        self.q = class_weights(self.n, self.p_hat, mask)
+        self.fedavg_w = fedavg_weights(self.n, mask)
+        self.shared = {}
+        for k in self.shared_keys:
+            a = self.stack.arrays[k]
+            if np.issubdtype(a.dtype, np.floating):
+                self.shared[k] = mix(self.fedavg_w, a)
+            else:  # integer buffers (BatchNorm's num_batches_tracked): the most recent replier's
+                self.shared[k] = a[self.stack.row_of[usable[-1].client_id]].copy()
+        return self._error_metrics(errors)
+
+    def _ensure_rows(self, rows: int) -> None:
+        self.n = _grow(self.n, rows)
+        self.p_hat = _grow(self.p_hat, rows, 1.0 / self.num_classes)
+        self.evidence = _grow(self.evidence, rows)
+        self.norm_est = _grow(self.norm_est, rows, np.nan)
+        self.estimated = _grow(self.estimated, rows, False)
+        self.fresh = _grow(self.fresh, rows, False)
+
+    def _estimates(self, r: ClientReply, row: int) -> dict[str, np.ndarray]:
+        """Every estimate available for this reply (the chosen one drives the mixing, all are measured)."""
+        out = {"norm": row_norm_distribution(r.arrays[self.head_w])}
+        self.norm_est[row] = out["norm"]
+        if self.has_bias and r.node_id in self.sent_bias:
+            self.evidence[row] += bias_evidence(r.arrays[self.head_b], self.sent_bias.pop(r.node_id))
+            if self.evidence[row].sum() > 0:
+                out["bias"] = normalise_rows(self.evidence[row])
+        counts = r.metrics.get("class-counts")
+        if isinstance(counts, list) and len(counts) == self.num_classes and sum(counts) > 0 and min(counts) >= 0:
+            out["true"] = normalise_rows(np.asarray(counts, np.float64))
+        elif self.params.estimator == "true":
+            log.warning("client %d sent no usable 'class-counts'; using the norm estimate for it", r.client_id)
+        return out
+
+    def _error_metrics(self, errors: dict[str, list[tuple[int, np.ndarray]]]) -> dict[str, Any]:
+        """Mean L1(p̂, p) of each estimator over this round's repliers (simulation only: needs the true p)."""
+        if self.true_p is None:
+            return {}
+        out: dict[str, Any] = {}
+        for name, items in errors.items():
+            items = [(c, e) for c, e in items if 0 <= c < len(self.true_p)]
+            if items:
+                out[f"est_l1_{name}"] = l1_error(np.stack([e for _, e in items]), self.true_p[[c for c, _ in items]])
+        rows = [(c, r) for c, r in self.stack.row_of.items() if self.fresh[r] and 0 <= c < len(self.true_p)]
+        if rows:
+            out["est_l1"] = l1_error(self.p_hat[[r for _, r in rows]], self.true_p[[c for c, _ in rows]])
+        log.info("estimation error (mean L1 to true p): %s", ", ".join(f"{k} {v:.3f}" for k, v in out.items()))
+        return out
+
+    def _record_snapshot(self, server_round: int) -> None:
+        m = max(self.cfg.data.num_clients, max(self.stack.row_of) + 1 if self.stack.row_of else 0)
+        mat = np.full((m, self.num_classes), np.nan)
+        for c, r in self.stack.row_of.items():
+            if 0 <= c < m:
+                mat[c] = self.norm_est[r]
+        self.snapshots.setdefault("first", (server_round, mat))
+        self.snapshots["last"] = (server_round, mat)
+
+    # ------------------------------------------------------------------ end of run
+    def final_summary(self) -> dict[str, Any]:
+        p: CwFedAvgParams = self.params
+        out: dict[str, Any] = {"cwfedavg": {**dataclasses.asdict(p), "classwise_keys": self.classwise}}
+        last = self.history[-1].extra if self.history else {}
+        for k, v in last.items():
+            if k.startswith("est_l1"):
+                out[f"final_{k}"] = v
+        if self.results_dir is not None and self.snapshots:
+            try:
+                plot_weight_norms(self.snapshots, self.true_p, self.results_dir / "weight_norms.png")
+            except Exception as exc:  # a plot must never lose the results
+                log.warning("could not draw weight_norms.png: %s", exc)
+        return out
+
+
+def _build(cfg: ExperimentConfig) -> nn.Module:
+    num_classes, shape = source_info(cfg.data.source, cfg.data.synthetic_classes, tuple(cfg.data.synthetic_shape))
+    return build_model(cfg.model.name, num_classes, shape, seed=cfg.seed)
+
+
+def _true_distributions(cfg: ExperimentConfig) -> np.ndarray | None:
+    """Clients' true training class distributions, when the server can build the federation (simulation)."""
+    try:
+        return normalise_rows(get_federation(dataclasses.asdict(cfg.data)).train_counts)
+    except Exception as exc:  # deployment: the data lives on the clients only
+        log.info("cwfedavg: true class distributions unavailable (%s); estimation error not tracked", exc)
+        return None
+
+
+def plot_weight_norms(snapshots: Mapping[str, tuple[int, np.ndarray]], true_p: np.ndarray | None, path) -> None:
+    """Clients × classes heatmaps: true class distribution, normalised classifier row norms (first, last round)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    if true_p is not None:
+        panels.append(("true class distribution p", true_p))
+    for key in ("first", "last"):
+        if key in snapshots:
+            rnd, mat = snapshots[key]
+            panels.append((f"row norms p̃, round {rnd}", mat))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 4.2), squeeze=False)
+    for ax, (title, mat) in zip(axes[0], panels):
+        im = ax.imshow(np.ma.masked_invalid(mat), aspect="auto", cmap="viridis", vmin=0.0,
+                       vmax=max(float(np.nanmax(mat)) if np.isfinite(mat).any() else 1.0, 1e-6))
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("class")
+        ax.set_ylabel("client")
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

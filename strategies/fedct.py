@@ -1,0 +1,114 @@
+"""FedCT (Abourayya et al., AAAI 2025): federated co-training with hard labels only.
+
+Each round every client sends its HARD labels on U (argmax; the smallest unsigned integer type that
+holds M classes plus the abstain marker — uint8 for ≤ 254 classes, so |U| bytes). The server takes a
+per-sample majority vote (ties → the lowest class id) and broadcasts it; with ``qualified_threshold`` > 0
+only samples whose winning class has at least that share of the votes get a label, the rest abstain
+(encoded as M) and are left out of every client's loss. Clients fit U with the consensus labels (CE),
+then their private data (CE), evaluate their own model, and send fresh labels — one message per round.
+
+Difference from the original, on purpose: the original trains each client on the union of its private
+data and the pseudo-labelled U in one pass; here the generic client's ``distill`` (CE on U) runs before
+``train`` (CE on private data) in the same message, which keeps the protocol shared with COSMOS and ends
+every round on the client's own distribution (what the personalised evaluation measures).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+from fedapps import protocol, pseudolabels
+from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.protocol import ClientReply
+from strategies.fedmd import DistillParams, PseudoLabelStrategy, check_distill_params, collect_predictions, targets_record
+
+log = logging.getLogger("fedapps")
+
+
+def vote_counts(votes: np.ndarray, num_classes: int) -> np.ndarray:
+    """Votes (clients×n, values 0..M with M = abstain) → per-sample counts per class (n×M); abstentions ignored."""
+    votes = np.asarray(votes, dtype=np.int64)
+    if votes.ndim != 2:
+        raise ValueError(f"expected clients×samples labels, got shape {votes.shape}")
+    if votes.size and (votes.min() < 0 or votes.max() > num_classes):
+        raise ValueError(f"labels must be in [0, {num_classes}] ({num_classes} = abstain)")
+    n = votes.shape[1]
+    counts = np.zeros((n, num_classes + 1), dtype=np.int64)
+    cols = np.broadcast_to(np.arange(n), votes.shape)
+    np.add.at(counts, (cols.ravel(), votes.ravel()), 1)
+    return counts[:, :num_classes]
+
+
+def majority_vote(votes: np.ndarray, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample plurality label (ties → lowest class id) and its agreement (winner's share of the votes cast).
+
+    A sample nobody voted on gets the abstain label M and agreement 0.
+    """
+    counts = vote_counts(votes, num_classes)
+    labels = counts.argmax(axis=1)  # argmax returns the first maximum: the lowest class id wins ties
+    cast = counts.sum(axis=1)
+    agreement = np.where(cast > 0, counts.max(axis=1) / np.maximum(cast, 1), 0.0)
+    labels = np.where(cast > 0, labels, num_classes)
+    return labels.astype(np.int64), agreement
+
+
+def qualified_vote(votes: np.ndarray, num_classes: int, threshold: float) -> np.ndarray:
+    """Majority vote, but samples whose agreement is below ``threshold`` abstain (label M)."""
+    labels, agreement = majority_vote(votes, num_classes)
+    return np.where(agreement >= threshold, labels, num_classes).astype(np.int64)
+
+
+@dataclass
+class FedCTParams(DistillParams):
+    """FedCT's parameters (beside the shared distillation settings; 'encoding' is always hard here)."""
+
+    qualified_threshold: float = 0.0  # 0 = plain majority; in (0, 1]: label only samples with this vote share
+    encoding: str = "hard"  # labels on the wire, both directions (fixed: hard)
+
+
+class FedCT(PseudoLabelStrategy):
+    """Majority (or qualified) vote of hard labels on U; clients train with CE on U's consensus and their data."""
+
+    name = "fedct"
+    Params = FedCTParams
+    prediction_kind = "hard"
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        super().check_config(cfg)
+        p: FedCTParams = cfg.strategy.params
+        check_distill_params(p, allowed_encodings=("hard",))
+        if not 0.0 <= p.qualified_threshold <= 1.0:
+            raise ConfigError(f"'strategy.params.qualified_threshold' must be in [0, 1] (0 = plain majority), "
+                              f"got {p.qualified_threshold}")
+
+    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
+        super().__init__(cfg, on_round)
+        self.consensus: np.ndarray | None = None  # hard labels on U (M = abstain)
+
+    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+        config = self.message_config("ce", "probs", "hard")
+        wire = None if self.consensus is None else pseudolabels.encode(self.consensus, "hard", self.num_classes)
+        targets = targets_record(wire)
+        ops = self.round_ops(wire is not None)
+        return [protocol.build_message(n, server_round, ops, config, targets=targets) for n in node_ids]
+
+    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
+        used, votes = collect_predictions(replies, self.public_size, self.num_classes, "hard", server_round)
+        if not used:
+            log.warning("round %d: no usable labels; the consensus stays as it was", server_round)
+            return {"vote_clients": 0}
+        labels, agreement = majority_vote(votes, self.num_classes)
+        if self.params.qualified_threshold > 0:
+            labels = np.where(agreement >= self.params.qualified_threshold, labels, self.num_classes)
+        self.consensus = labels
+        abstain = float(np.mean(labels == self.num_classes))
+        log.info("round %d: FedCT vote of %d clients, mean agreement %.3f, abstain %.1f%%",
+                 server_round, len(used), float(agreement.mean()), 100 * abstain)
+        return {"vote_clients": len(used), "vote_agreement": float(agreement.mean()), "vote_abstain": abstain}
