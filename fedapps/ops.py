@@ -123,12 +123,18 @@ def weighted_mean(values: Tensor, weights: Tensor | None) -> Tensor:
     return (values * weights).sum() / weights.sum().clamp_min(1e-12)
 
 
-def robustness_penalty(model: nn.Module, x: Tensor, logits: Tensor, sigma: float, lo: float = -1.0, hi: float = 1.0) -> Tensor:
-    """COSMOS r_B: MSE between softmax on clean and noisy inputs, gradient through the clean branch."""
+def robustness_penalty(model: nn.Module, x: Tensor, logits: Tensor, sigma: float, lo: float = -1.0, hi: float = 1.0,
+                       sample_weights: Tensor | None = None) -> Tensor:
+    """COSMOS r_B: MSE between softmax on clean and noisy inputs, gradient through the clean branch.
+
+    Per sample the MSE over classes; averaged over the batch, weighted by w(x) when weights are given
+    (objective (2) weights the whole bracket KL + λ·r_B). Without weights it equals F.mse_loss.
+    """
     with torch.no_grad():
         noisy = (x + sigma * torch.randn_like(x)).clamp(lo, hi)
         p_noisy = F.softmax(model(noisy), dim=-1)
-    return F.mse_loss(F.softmax(logits, dim=-1), p_noisy)
+    per_sample = ((F.softmax(logits, dim=-1) - p_noisy) ** 2).mean(dim=-1)
+    return weighted_mean(per_sample, sample_weights)
 
 
 # --------------------------------------------------------------------------- operations
@@ -182,7 +188,7 @@ def distill(
         else:
             loss = weighted_mean(F.cross_entropy(logits, tb, reduction="none"), wb)
         if settings.rb_lambda > 0:
-            loss = loss + settings.rb_lambda * robustness_penalty(m, xb, logits, settings.rb_sigma)
+            loss = loss + settings.rb_lambda * robustness_penalty(m, xb, logits, settings.rb_sigma, sample_weights=wb)
         return loss
 
     return run_epochs(model, x, targets, loss_fn, optim, weights=sample_weights, generator=generator)

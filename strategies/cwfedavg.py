@@ -216,6 +216,8 @@ class CwFedAvg(PersonalisedStrategy):
     def parse_params(cls, raw: Any, cfg: ExperimentConfig) -> CwFedAvgParams:
         """Typed params, each value checked."""
         p = super().parse_params(raw, cfg)
+        for key in ("layers", "estimator", "mix", "buffers"):  # YAML reads a bare `true` as a boolean
+            setattr(p, key, str(getattr(p, key)).lower())
         parse_layers(p.layers)
         if p.estimator not in ESTIMATORS:
             raise ConfigError(f"'strategy.params.estimator' is '{p.estimator}'; allowed: {', '.join(ESTIMATORS)}")

@@ -1,7 +1,7 @@
 """FedCT (Abourayya et al., AAAI 2025): federated co-training with hard labels only.
 
 Each round every client sends its HARD labels on U (argmax; the smallest unsigned integer type that
-holds M classes plus the abstain marker — uint8 for ≤ 254 classes, so |U| bytes). The server takes a
+holds M classes plus the abstain marker — uint8 for ≤ 255 classes, so |U| bytes). The server takes a
 per-sample majority vote (ties → the lowest class id) and broadcasts it; with ``qualified_threshold`` > 0
 only samples whose winning class has at least that share of the votes get a label, the rest abstain
 (encoded as M) and are left out of every client's loss. Clients fit U with the consensus labels (CE),

@@ -1,0 +1,43 @@
+"""Shared fixtures: one thread per process, tiny configs on scikit-learn's digits."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+torch.set_num_threads(1)
+
+
+def write_config(path: Path, **sections) -> Path:
+    """A YAML config on digits with 4 clients and 2 rounds, updated by the given sections."""
+    cfg = {
+        "seed": 0,
+        "rounds": 2,
+        "strategy": {"name": "fedavg"},
+        "data": {"source": "digits", "partition": "iid", "num_clients": 4},
+        "model": {"name": "mlp"},
+        "client": {"epochs": 1, "batch_size": 16, "lr": 0.05},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    """Factory: tiny_config(**sections) -> path of a small digits config."""
+    counter = iter(range(1000))
+    return lambda **sections: write_config(tmp_path / f"cfg{next(counter)}.yaml", **sections)

@@ -1,0 +1,279 @@
+"""Model-agnostic baselines FedMD, FedCT and COMET: their maths on hand-built inputs, the wire size of hard
+labels, message building, and one short end-to-end run of each through the in-process grid."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import server_app
+from flwr.app import RecordDict
+from fedapps import protocol, pseudolabels
+from fedapps.config import ConfigError, load_config
+from fedapps.inprocess import InProcessGrid
+from fedapps.protocol import ClientReply
+from strategies.comet import COMET, cluster_means, kmeans, kmeans_plus_plus
+from strategies.fedct import FedCT, majority_vote, qualified_vote, vote_counts
+from strategies.fedmd import FedMD, alignment_subset, check_predictions, collect_predictions, fedmd_consensus
+
+torch.set_num_threads(1)
+
+SMALL = ("data.source=digits data.partition=cosmos-groups data.alpha=5 data.groups=2 data.num_clients=4 "
+         "data.public_fraction=0.2 rounds=2 model.per_client=[cnn,mlp] client.optimizer=adam client.lr=0.001 "
+         "client.batch_size=32 client.epochs=1 strategy.params.distill_epochs=1")
+
+
+# --------------------------------------------------------------------------- FedCT votes
+
+
+def test_majority_vote_counts_and_ties_go_to_lowest_class():
+    votes = np.array([[0, 2, 1, 3],
+                      [0, 1, 2, 3],
+                      [1, 1, 0, 2]])
+    labels, agreement = majority_vote(votes, 4)
+    # sample 2 is a three-way tie (1, 2, 0): the lowest class id, 0, wins
+    assert labels.tolist() == [0, 1, 0, 3]
+    np.testing.assert_allclose(agreement, [2 / 3, 2 / 3, 1 / 3, 2 / 3])
+    assert vote_counts(votes, 4)[2].tolist() == [1, 1, 1, 0]
+
+
+def test_majority_vote_ignores_abstentions_and_all_abstain_abstains():
+    m = 3
+    votes = np.array([[2, m, m],
+                      [1, m, 0],
+                      [1, m, m]])
+    labels, agreement = majority_vote(votes, m)
+    assert labels.tolist() == [1, m, 0]
+    np.testing.assert_allclose(agreement, [2 / 3, 0.0, 1.0])
+
+
+def test_qualified_vote_abstains_below_threshold():
+    votes = np.array([[0, 1, 2, 2],
+                      [0, 1, 0, 2],
+                      [0, 2, 1, 2],
+                      [1, 2, 1, 2]])
+    # agreements: 3/4, 2/4 (tie 1 vs 2 -> 1), 2/4 (1 wins over 0, 2), 4/4
+    assert qualified_vote(votes, 3, 0.0).tolist() == [0, 1, 1, 2]
+    assert qualified_vote(votes, 3, 0.75).tolist() == [0, 3, 3, 2]
+    assert qualified_vote(votes, 3, 1.0).tolist() == [3, 3, 3, 2]
+
+
+def test_vote_rejects_out_of_range_labels():
+    with pytest.raises(ValueError):
+        majority_vote(np.array([[0, 5]]), 4)
+
+
+# --------------------------------------------------------------------------- hard labels on the wire
+
+
+def test_hard_label_encoding_is_one_byte_per_sample():
+    n, m = 1000, 10
+    probs = np.random.default_rng(0).dirichlet(np.ones(m), size=n).astype(np.float32)
+    wire = pseudolabels.encode(probs, "hard", m)
+    assert wire.dtype == np.uint8 and wire.shape == (n,)
+    assert np.array_equal(wire, probs.argmax(axis=1))
+    nbytes = protocol.record_nbytes(RecordDict({"p": protocol.arrays_record({"predictions": wire})}))
+    assert n <= nbytes <= n + 256  # |U| bytes plus the array header
+    soft = protocol.record_nbytes(RecordDict({"p": protocol.arrays_record({"predictions": probs})}))
+    assert soft >= 4 * n * m
+    assert pseudolabels.label_dtype(255) == np.uint8  # classes 0..254 plus the abstain marker 255
+    assert pseudolabels.label_dtype(256) == np.uint16
+
+
+def test_check_predictions_rejects_bad_arrays():
+    assert check_predictions(np.zeros(5, np.uint8), 5, 10, "hard") is None
+    assert check_predictions(np.full(5, 11, np.uint8), 5, 10, "hard") is not None
+    assert check_predictions(np.zeros(5, np.int64), 5, 10, "hard") is not None
+    assert check_predictions(np.zeros((5, 10), np.float32), 5, 10, "probs") is not None  # not on the simplex
+    assert check_predictions(np.zeros((5, 10), np.float32), 5, 10, "logits") is None
+    bad = np.zeros((5, 10), np.float32)
+    bad[0, 0] = np.nan
+    assert check_predictions(bad, 5, 10, "logits") is not None
+    assert check_predictions(np.zeros((4, 10), np.float32), 5, 10, "logits") is not None
+
+
+@pytest.fixture(autouse=True)
+def _flower_identity() -> None:
+    """Message() needs a task identity outside Flower's runtime; the in-process grid sets one."""
+    InProcessGrid(1)
+
+
+def _reply(cid: int, preds: np.ndarray) -> ClientReply:
+    return ClientReply(node_id=100 + cid, client_id=cid, num_examples=10, metrics={}, predictions={"predictions": preds})
+
+
+def test_collect_predictions_drops_bad_replies_and_orders_by_client():
+    good = np.full((3, 2), 0.5, np.float32)
+    replies = [_reply(2, good), _reply(0, good * 2), _reply(1, np.full((2, 2), 0.5, np.float32))]
+    used, stack = collect_predictions(replies, 3, 2, "probs")
+    assert [r.client_id for r in used] == [2]  # client 0 is off the simplex, client 1 has the wrong shape
+    assert stack.shape == (1, 3, 2)
+
+
+# --------------------------------------------------------------------------- FedMD
+
+
+def test_fedmd_consensus_is_mean_of_logits():
+    scores = np.array([[[1.0, -1.0], [0.0, 2.0]],
+                       [[3.0, 1.0], [2.0, 0.0]],
+                       [[-1.0, 3.0], [1.0, 1.0]]], dtype=np.float32)
+    np.testing.assert_allclose(fedmd_consensus(scores), [[1.0, 1.0], [1.0, 1.0]])
+    with pytest.raises(ValueError):
+        fedmd_consensus(np.zeros((0, 2, 2)))
+
+
+def test_alignment_subset_is_sorted_unique_and_seeded():
+    a = alignment_subset(np.random.default_rng(3), 100, 20)
+    b = alignment_subset(np.random.default_rng(3), 100, 20)
+    assert a is not None and len(a) == 20 and len(set(a.tolist())) == 20 and np.all(np.diff(a) > 0)
+    assert np.array_equal(a, b)
+    assert alignment_subset(np.random.default_rng(3), 100, 0) is None
+    assert alignment_subset(np.random.default_rng(3), 100, 100) is None
+
+
+def test_fedmd_messages_carry_the_same_consensus_and_the_subset_indices():
+    cfg = load_config(None, f"strategy.name=fedmd strategy.params.alignment_size=30 {SMALL}")
+    s = FedMD(cfg)
+    m = s.num_classes
+    nodes = [100, 101, 102, 103]
+    msgs = s.round_messages(1, nodes, grid=None)
+    assert list(msgs[0].content["config"]["ops"]) == ["train", "evaluate", "predict"]  # nothing to digest yet
+    rows1 = msgs[0].content["targets"]["predict-indices"].numpy()
+    assert len(rows1) == 30 and "targets" not in msgs[0].content["targets"]
+    rng = np.random.default_rng(0)
+    logits = [rng.normal(size=(30, m)).astype(np.float32) for _ in nodes]
+    s.aggregate(1, [_reply(i, x) for i, x in enumerate(logits)])
+    msgs = s.round_messages(2, nodes, grid=None)
+    assert list(msgs[0].content["config"]["ops"]) == ["distill", "train", "evaluate", "predict"]
+    expected = np.mean(logits, axis=0)
+    for msg in msgs:  # the same consensus for everyone, on the previous round's subset
+        rec = msg.content["targets"]
+        np.testing.assert_allclose(rec["targets"].numpy(), expected, rtol=1e-5, atol=1e-6)
+        assert np.array_equal(rec["distill-indices"].numpy(), rows1)
+        assert len(rec["predict-indices"].numpy()) == 30
+    assert not np.array_equal(msgs[0].content["targets"]["predict-indices"].numpy(), rows1)
+    assert msgs[0].content["config"]["distill.loss"] == "mae"
+
+
+def test_fedmd_rejects_mae_on_probabilities():
+    with pytest.raises(ConfigError, match="mae"):
+        load_config(None, f"strategy.name=fedmd strategy.params.scores=probs {SMALL}")
+
+
+# --------------------------------------------------------------------------- COMET clustering
+
+
+def _planted(seed: int = 0, per: int = 6, k: int = 3, n: int = 20, m: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """Clients' prediction matrices around k distinct centres (clients×n×m) and the planted labels."""
+    rng = np.random.default_rng(seed)
+    centres = rng.dirichlet(np.ones(m) * 0.3, size=(k, n))
+    truth = np.repeat(np.arange(k), per)
+    noisy = centres[truth] + rng.normal(scale=0.01, size=(len(truth), n, m))
+    noisy = np.clip(noisy, 1e-6, None)
+    return noisy / noisy.sum(axis=-1, keepdims=True), truth
+
+
+def _same_partition(a: np.ndarray, b: np.ndarray) -> bool:
+    return all(len(set(b[a == j].tolist())) == 1 for j in np.unique(a)) and len(np.unique(a)) == len(np.unique(b))
+
+
+def test_kmeans_recovers_planted_clusters():
+    stack, truth = _planted()
+    x = stack.reshape(len(stack), -1)
+    labels, centroids = kmeans(x, kmeans_plus_plus(x, 3, np.random.default_rng(0)))
+    assert _same_partition(labels, truth)
+    means = cluster_means(stack, labels, 3)
+    for j in range(3):
+        np.testing.assert_allclose(means[j].reshape(-1), centroids[j], atol=1e-5)
+
+
+def test_kmeans_plus_plus_is_deterministic_for_a_seed():
+    x = _planted()[0].reshape(18, -1)
+    a = kmeans_plus_plus(x, 3, np.random.default_rng(7))
+    b = kmeans_plus_plus(x, 3, np.random.default_rng(7))
+    assert np.array_equal(a, b)
+
+
+def test_kmeans_warm_start_keeps_cluster_ids():
+    stack, truth = _planted()
+    x = stack.reshape(len(stack), -1)
+    labels, centroids = kmeans(x, kmeans_plus_plus(x, 3, np.random.default_rng(1)))
+    drift = x + np.random.default_rng(2).normal(scale=0.005, size=x.shape)
+    again, _ = kmeans(drift, centroids)
+    assert np.array_equal(again, labels)  # same ids, not merely the same partition
+    order = np.random.default_rng(3).permutation(len(x))  # clients arriving in another order
+    permuted, _ = kmeans(drift[order], centroids)
+    assert np.array_equal(permuted, labels[order])
+
+
+def test_kmeans_refills_an_empty_cluster():
+    x = np.array([[0.0], [0.1], [10.0], [10.1]])
+    labels, _ = kmeans(x, np.array([[0.0], [10.0], [100.0]]))
+    assert sorted(np.bincount(labels, minlength=3).tolist()) == [1, 1, 2]
+
+
+def test_comet_sends_each_client_its_cluster_mean():
+    cfg = load_config(None, f"strategy.name=comet strategy.params.clusters=2 {SMALL}")
+    s = COMET(cfg)
+    n, m = s.public_size, s.num_classes
+    rng = np.random.default_rng(0)
+    a, b = rng.dirichlet(np.ones(m), size=n), rng.dirichlet(np.ones(m), size=n)
+    preds = [a, a, b, b]
+    replies = [_reply(i, p.astype(np.float32)) for i, p in enumerate(preds)]
+    for r in replies:
+        s.node_to_client[r.node_id] = r.client_id
+    s.aggregate(1, replies)
+    assert s.assignment[0] == s.assignment[1] != s.assignment[2] == s.assignment[3]
+    msgs = s.round_messages(2, [100, 101, 102, 103], grid=None)
+    np.testing.assert_allclose(msgs[0].content["targets"]["targets"].numpy(), a, atol=1e-6)
+    np.testing.assert_allclose(msgs[3].content["targets"]["targets"].numpy(), b, atol=1e-6)
+    assert msgs[0].content["config"]["distill.loss"] == "kl"
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("fedmd", "strategy.params.alignment_size=100"),
+    ("fedct", "strategy.params.qualified_threshold=0.5"),
+    ("comet", "strategy.params.clusters=2"),
+])
+def test_end_to_end_in_process(tmp_path, name, extra):
+    overrides = f"strategy.name={name} {SMALL} {extra}"
+    cfg = load_config(None, overrides)
+    grid = InProcessGrid(cfg.data.num_clients)
+    summary = server_app.run_experiment(grid, None, overrides, str(tmp_path))
+    assert isinstance(summary["accuracy_mean"], float) and 0.0 <= summary["accuracy_mean"] <= 1.0
+    assert summary["rounds"] == 2
+    replies = [protocol.parse_reply(r) for r in grid.replies]
+    assert len(replies) == 2 * cfg.data.num_clients
+    for r in replies:
+        assert r.arrays is None  # no model parameters ever travel
+        assert r.predictions is not None and "predictions" in r.predictions
+        assert "eval-acc" in r.metrics
+    archs = {r.info["arch"] for r in replies}
+    assert archs == {"cnn", "mlp"}
+    if name == "fedct":
+        assert all(r.predictions["predictions"].dtype == np.uint8 for r in replies)
+    for msg in grid.sent:
+        assert "arrays" not in msg.content
+    round2 = [m for m in grid.sent if int(m.content["config"]["round"]) == 2]
+    assert all("distill" in list(m.content["config"]["ops"]) for m in round2)
+
+
+def test_fedmd_labelled_pretraining_runs_train_public_in_round_one(tmp_path):
+    overrides = f"strategy.name=fedmd strategy.params.pretrain_public_epochs=1 {SMALL} rounds=1"
+    grid = InProcessGrid(4)
+    server_app.run_experiment(grid, None, overrides, str(tmp_path))
+    assert list(grid.sent[0].content["config"]["ops"])[0] == "train-public"
+    assert all("train-public-loss" in protocol.parse_reply(r).metrics for r in grid.replies)
+
+
+@pytest.mark.parametrize("name", ["fedmd", "fedct", "comet"])
+def test_shipped_configs_load(name):
+    cfg = load_config(f"configs/{name}.yaml")
+    assert cfg.strategy.name == name and dataclasses.is_dataclass(cfg.strategy.params)
+    assert cfg.model.per_client

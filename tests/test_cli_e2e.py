@@ -1,0 +1,68 @@
+"""The command line: config errors exit non-zero naming the key; one real `flwr run` end to end on
+Flower's Ray simulation engine; `fedapps compare` builds its table and resumes without re-running."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedapps import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_misspelt_strategy_exits_nonzero_and_names_it(tiny_config, capsys):
+    rc = cli.main(["run", str(tiny_config(strategy={"name": "fedavgg"})), "--engine", "inprocess"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "fedavgg" in err and "strategy.name" in err
+
+
+def test_missing_config_file(capsys):
+    assert cli.main(["run", "/no/such/file.yaml"]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_flwr_run_end_to_end(tiny_config, tmp_path):
+    """`fedapps run` -> `flwr run` (local SuperLink, Ray simulation, 3 SuperNodes, 2 rounds)."""
+    cfg = tiny_config(data={"num_clients": 3})
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedapps.cli", "run", str(cfg), "--output-dir", str(tmp_path / "res"), "--quiet"],
+        cwd=ROOT, capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "res" / "fedavg-digits-iid-s0"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == 2 and summary["num_clients"] == 3
+    assert 0.0 < summary["accuracy_mean"] <= 1.0
+    assert "accuracy_mean" in proc.stdout and str(out) in proc.stdout
+    assert not cli.superlink_pids() - set(), "the SuperLink started by the run must be stopped"
+
+
+def test_compare_table_and_resume(tiny_config, tmp_path, capsys):
+    a = tiny_config(strategy={"name": "fedavg"})
+    b = tiny_config(strategy={"name": "local"})
+    args = ["compare", str(a), str(b), "--seeds", "0", "1", "--engine", "inprocess", "--output-dir", str(tmp_path)]
+    assert cli.main(args) == 0
+    folder = tmp_path / "comparison"
+    table = (folder / "comparison.md").read_text()
+    assert table.count("\n") == 4 and "±" in table and "fedavg" in table and "local" in table
+    assert (folder / "comparison.png").is_file()
+    rows = (folder / "comparison.csv").read_text().splitlines()
+    assert len(rows) == 3
+    capsys.readouterr()
+    stamp = (folder / "runs" / f"{a.stem}-s0" / "summary.json").stat().st_mtime
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("already complete, skipped") == 4
+    assert (folder / "runs" / f"{a.stem}-s0" / "summary.json").stat().st_mtime == stamp
+
+
+def test_mean_sem():
+    from fedapps.compare import mean_sem
+
+    m, e = mean_sem([1.0, 2.0, 3.0])
+    assert m == pytest.approx(2.0) and e == pytest.approx(1.0 / 3 ** 0.5)
+    assert mean_sem([0.5]) == (0.5, 0.0)
