@@ -136,7 +136,7 @@ class COMET(PseudoLabelStrategy):
         self.cluster_targets: dict[int, np.ndarray] = {}  # cluster -> encoded mean prediction
 
     def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
-        config = self.message_config("kl", "probs", self.params.encoding)
+        config = self.message_config(server_round, "kl", "probs", self.params.encoding)
         records = {k: targets_record(t) for k, t in self.cluster_targets.items()}
         messages = []
         for n in node_ids:

@@ -93,7 +93,7 @@ class FedCT(PseudoLabelStrategy):
         self.consensus: np.ndarray | None = None  # hard labels on U (M = abstain)
 
     def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
-        config = self.message_config("ce", "probs", "hard")
+        config = self.message_config(server_round, "ce", "probs", "hard")
         wire = None if self.consensus is None else pseudolabels.encode(self.consensus, "hard", self.num_classes)
         targets = targets_record(wire)
         ops = self.round_ops(wire is not None)

@@ -50,6 +50,7 @@ class DistillParams:
     distill_optimizer: str = "adam"  # adam | sgd (a new optimiser every round)
     distill_clip_norm: float = 1.0  # gradient-norm clipping during distillation; 0 = off
     encoding: str = "float32"  # soft labels on the wire, both directions: float32 | float16
+    pretrain_epochs: int = 0  # local CE epochs in round 1 (before the first predictions); 0 = client.epochs
 
 
 def check_distill_params(p: DistillParams, allowed_encodings: tuple[str, ...] = ("float32", "float16")) -> None:
@@ -65,6 +66,8 @@ def check_distill_params(p: DistillParams, allowed_encodings: tuple[str, ...] = 
         raise ConfigError(f"'{prefix}distill_optimizer' is '{p.distill_optimizer}'; allowed: {', '.join(OPTIMIZERS)}")
     if p.distill_clip_norm < 0:
         raise ConfigError(f"'{prefix}distill_clip_norm' must be >= 0 (0 = off), got {p.distill_clip_norm}")
+    if p.pretrain_epochs < 0:
+        raise ConfigError(f"'{prefix}pretrain_epochs' must be >= 0 (0 = client.epochs), got {p.pretrain_epochs}")
     if p.encoding not in allowed_encodings:
         raise ConfigError(f"'{prefix}encoding' is '{p.encoding}'; allowed: {', '.join(allowed_encodings)}")
 
@@ -134,11 +137,13 @@ class PseudoLabelStrategy(PersonalisedStrategy):
     def expect_predictions(self) -> bool:
         return True
 
-    def message_config(self, distill_loss: str, predict_output: str, predict_encoding: str,
+    def message_config(self, server_round: int, distill_loss: str, predict_output: str, predict_encoding: str,
                        weighting: str = "none") -> dict[str, Any]:
-        """Base settings plus the public-set fingerprint and the distill / predict sections."""
+        """Base settings plus the public-set fingerprint, the distill / predict sections and round 1's epochs."""
         p = self.params
+        first = {"train.epochs": int(p.pretrain_epochs)} if server_round == 1 and p.pretrain_epochs > 0 else {}
         return {
+            **first,
             **self.base_config(),
             "public.fingerprint": self.public_fingerprint,
             "distill.epochs": int(p.distill_epochs),
@@ -253,7 +258,7 @@ class FedMD(PseudoLabelStrategy):
     def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
         p: FedMDParams = self.params
         self.pending_rows = alignment_subset(self.subset_rng, self.public_size, p.alignment_size)
-        config = self.message_config(p.digest_loss, p.scores, p.encoding)
+        config = self.message_config(server_round, p.digest_loss, p.scores, p.encoding)
         first: tuple[str, ...] = ()
         if server_round == 1 and p.pretrain_public_epochs > 0:
             first = ("train-public",)
