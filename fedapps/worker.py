@@ -209,10 +209,10 @@ class Worker:
         self.metrics[f"{tag}-loss"] = result["loss"]
 
     def op_train_public(self, tag: str) -> None:
-        """CE on U with its TRUE labels (FedMD's labelled-public pre-training; settings ``pretrain.*``)."""
+        """CE on U with its TRUE labels (FedMD's labelled-public pre-training; settings ``train-public.*``)."""
         if self.fed.public_x is None or self.fed.public_y is None:
             raise ProtocolError("train-public needs a labelled public set U (data.public_fraction > 0)")
-        settings = optim_settings(protocol.section(self.config, "pretrain"), protocol.section(self.config, "client"))
+        settings = optim_settings(protocol.section(self.config, "train-public"), protocol.section(self.config, "client"))
         result = ops.train(self.model, self.fed.public_x, self.fed.public_y, settings, None, self.generator)
         self.metrics[f"{tag}-loss"] = result["loss"]
 

@@ -115,7 +115,6 @@ class COMET(PseudoLabelStrategy):
 
     name = "comet"
     Params = COMETParams
-    prediction_kind = "probs"
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:

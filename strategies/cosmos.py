@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
 from fedapps import clustering, ops, protocol, pseudolabels
@@ -182,7 +182,7 @@ class Cosmos(PersonalisedStrategy):
             messages.append(protocol.build_message(node, server_round, ["distill", "train", "predict", "evaluate"],
                                                    config, targets=targets))
         with_targets = sum(1 for m in messages if protocol.TARGETS in m.content)
-        self.pseudo_bytes_down = sum(protocol.record_nbytes(RecordDict({"t": m.content[protocol.TARGETS]}))
+        self.pseudo_bytes_down = sum(m.content[protocol.TARGETS]["targets"].numpy().nbytes
                                      for m in messages if protocol.TARGETS in m.content)
         log.info("cosmos round %d: %d messages (%d with cluster pseudo-labels)", server_round, len(messages), with_targets)
         return messages

@@ -427,6 +427,7 @@ def plot_weight_norms(snapshots: Mapping[str, tuple[int, np.ndarray]], true_p: n
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     panels = []
     if true_p is not None:
@@ -442,6 +443,8 @@ def plot_weight_norms(snapshots: Mapping[str, tuple[int, np.ndarray]], true_p: n
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("class")
         ax.set_ylabel("client")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         fig.colorbar(im, ax=ax, fraction=0.046)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

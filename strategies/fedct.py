@@ -77,7 +77,6 @@ class FedCT(PseudoLabelStrategy):
 
     name = "fedct"
     Params = FedCTParams
-    prediction_kind = "hard"
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
@@ -94,7 +93,8 @@ class FedCT(PseudoLabelStrategy):
 
     def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
         config = self.message_config(server_round, "ce", "probs", "hard")
-        wire = None if self.consensus is None else pseudolabels.encode(self.consensus, "hard", self.num_classes)
+        usable = self.consensus is not None and bool(np.any(self.consensus < self.num_classes))
+        wire = pseudolabels.encode(self.consensus, "hard", self.num_classes) if usable else None  # all abstain: skip U
         targets = targets_record(wire)
         ops = self.round_ops(wire is not None)
         return [protocol.build_message(n, server_round, ops, config, targets=targets) for n in node_ids]

@@ -122,7 +122,6 @@ class PseudoLabelStrategy(PersonalisedStrategy):
 
     needs_public_set = True
     model_agnostic = True
-    prediction_kind: str = "probs"  # what clients send: probs | logits | hard
 
     def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
         super().__init__(cfg, on_round)
@@ -240,10 +239,6 @@ class FedMD(PseudoLabelStrategy):
         if p.pretrain_lr <= 0:
             raise ConfigError(f"'strategy.params.pretrain_lr' must be > 0, got {p.pretrain_lr}")
 
-    @property
-    def prediction_kind(self) -> str:  # type: ignore[override]
-        return self.params.scores
-
     def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
         super().__init__(cfg, on_round)
         p: FedMDParams = self.params
@@ -262,7 +257,7 @@ class FedMD(PseudoLabelStrategy):
         first: tuple[str, ...] = ()
         if server_round == 1 and p.pretrain_public_epochs > 0:
             first = ("train-public",)
-            config.update({"pretrain.epochs": int(p.pretrain_public_epochs), "pretrain.lr": float(p.pretrain_lr)})
+            config.update({"train-public.epochs": int(p.pretrain_public_epochs), "train-public.lr": float(p.pretrain_lr)})
         wire = None
         if self.consensus is not None:
             target = self.consensus if p.digest_loss == "mae" or p.scores == "probs" else softmax(self.consensus)

@@ -113,6 +113,26 @@ def test_collect_predictions_drops_bad_replies_and_orders_by_client():
     assert stack.shape == (1, 3, 2)
 
 
+def test_fedct_broadcasts_one_uint8_vote_and_skips_u_when_all_abstain():
+    cfg = load_config(None, f"strategy.name=fedct strategy.params.qualified_threshold=0.75 {SMALL}")
+    s = FedCT(cfg)
+    n, m = s.public_size, s.num_classes
+    base = np.arange(n) % m
+    votes = [base, base, base, (base + 1) % m]  # agreement 3/4 everywhere
+    s.aggregate(1, [_reply(i, v.astype(np.uint8)) for i, v in enumerate(votes)])
+    msgs = s.round_messages(2, [100, 101, 102, 103], grid=None)
+    for msg in msgs:
+        wire = msg.content["targets"]["targets"].numpy()
+        assert wire.dtype == np.uint8 and np.array_equal(wire, base)
+        assert msg.content["config"]["distill.loss"] == "ce"
+        assert msg.content["config"]["predict.encoding"] == "hard"
+    split = [base, base, (base + 1) % m, (base + 2) % m]  # agreement 1/2 < 3/4: every sample abstains
+    s.aggregate(2, [_reply(i, v.astype(np.uint8)) for i, v in enumerate(split)])
+    assert np.all(s.consensus == m)
+    msgs = s.round_messages(3, [100], grid=None)
+    assert "distill" not in list(msgs[0].content["config"]["ops"]) and "targets" not in msgs[0].content
+
+
 # --------------------------------------------------------------------------- FedMD
 
 
@@ -272,8 +292,9 @@ def test_fedmd_labelled_pretraining_runs_train_public_in_round_one(tmp_path):
     assert all("train-public-loss" in protocol.parse_reply(r).metrics for r in grid.replies)
 
 
+@pytest.mark.parametrize("path", ["configs/{}.yaml", "configs/paper/{}-cifar10.yaml"])
 @pytest.mark.parametrize("name", ["fedmd", "fedct", "comet"])
-def test_shipped_configs_load(name):
-    cfg = load_config(f"configs/{name}.yaml")
+def test_shipped_configs_load(name, path):
+    cfg = load_config(path.format(name))
     assert cfg.strategy.name == name and dataclasses.is_dataclass(cfg.strategy.params)
-    assert cfg.model.per_client
+    assert len(set(cfg.model.per_client)) == 2  # heterogeneous clients

@@ -1,0 +1,372 @@
+"""COSMOS: clustering, aggregation/temperature, client weights, r_B, encodings, U's fingerprint, and the privacy
+property end to end (in-process and through Flower's Ray simulation engine): clients send pseudo-labels and
+metrics only, never model parameters."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+import server_app
+from fedapps import clustering, ops, protocol, pseudolabels
+from fedapps.config import ConfigError, load_config
+from fedapps.inprocess import InProcessGrid
+from fedapps.protocol import ClientReply
+from fedapps.worker import ProtocolError, frequency_weights
+from strategies.cosmos import Cosmos, server_target, validate_predictions
+
+torch.set_num_threads(1)
+
+N_CLIENTS = 4
+
+
+# --------------------------------------------------------------------------- clustering
+
+
+def block_matrix(sizes: list[int], within: float, between: float) -> np.ndarray:
+    """Clients in consecutive blocks: `within` inside a block, `between` across blocks, 0 on the diagonal."""
+    labels = np.repeat(np.arange(len(sizes)), sizes)
+    d = np.where(labels[:, None] == labels[None, :], within, between).astype(float)
+    np.fill_diagonal(d, 0.0)
+    return d
+
+
+def test_blocks_give_the_expected_clusters() -> None:
+    d = block_matrix([3, 2, 4], within=0.2, between=1.0)
+    assert clustering.greedy_threshold_clustering(d, 0.3) == [[5, 6, 7, 8], [0, 1, 2], [3, 4]]
+
+
+def test_founder_is_the_client_with_most_neighbours_and_ties_go_to_the_lowest_id() -> None:
+    # 0-1-2 a chain (1 has two neighbours); 3-4 a pair; 5 alone
+    d = np.full((6, 6), 5.0)
+    np.fill_diagonal(d, 0.0)
+    for i, j in ((0, 1), (1, 2), (3, 4)):
+        d[i, j] = d[j, i] = 1.0
+    assert clustering.greedy_threshold_clustering(d, 1.0) == [[0, 1, 2], [3, 4], [5]]
+    # a 4-cycle 0-1-2-3: all have two neighbours; 0 founds {0, 1, 3}, then 2 is alone
+    d = np.full((4, 4), 5.0)
+    np.fill_diagonal(d, 0.0)
+    for i, j in ((0, 1), (1, 2), (2, 3), (3, 0)):
+        d[i, j] = d[j, i] = 1.0
+    assert clustering.greedy_threshold_clustering(d, 1.0) == [[0, 1, 3], [2]]
+    # all tied at zero neighbours: singletons in id order
+    assert clustering.greedy_threshold_clustering(d, 0.5) == [[0], [1], [2], [3]]
+
+
+def test_removed_clients_no_longer_count_as_neighbours() -> None:
+    # 2 has neighbours {0,1,3,4}? no: star 0-{1,2,3}, and 3-4, 4-5. Founder 0 takes 1,2,3; then 4 and 5 pair up.
+    d = np.full((6, 6), 9.0)
+    np.fill_diagonal(d, 0.0)
+    for i, j in ((0, 1), (0, 2), (0, 3), (3, 4), (4, 5)):
+        d[i, j] = d[j, i] = 1.0
+    assert clustering.greedy_threshold_clustering(d, 1.0) == [[0, 1, 2, 3], [4, 5]]
+
+
+def test_threshold_extremes() -> None:
+    d = block_matrix([2, 3], 0.4, 1.2)
+    assert clustering.greedy_threshold_clustering(d, 0.1) == [[i] for i in range(5)]  # singletons
+    assert clustering.greedy_threshold_clustering(d, 2.0) == [[0, 1, 2, 3, 4]]
+    assert clustering.assignment([[2, 3, 4], [0, 1]], 5).tolist() == [1, 1, 0, 0, 0]
+
+
+def test_automatic_b0_is_the_first_step_reaching_the_target() -> None:
+    d = block_matrix([5, 5, 5], within=0.22, between=1.1)
+    b0, clusters, tried = clustering.auto_threshold(d, max_clusters=3, start=0.05, step=0.05)
+    assert b0 == pytest.approx(0.25) and len(clusters) == 3
+    assert [k for _, k in tried] == [15, 15, 15, 15, 3]
+    res = clustering.cluster_clients(d, "auto", max_clusters=1, start=0.1, step=0.5)
+    assert res.k == 1 and res.b0 == pytest.approx(1.1) and res.mode == "auto"
+    fixed = clustering.cluster_clients(d, "fixed", b0=0.3)
+    assert fixed.k == 3 and fixed.sizes == [5, 5, 5] and fixed.b0 == 0.3
+
+
+def test_distances_match_brute_force_and_are_per_sample() -> None:
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(7), size=(6, 50)).astype(np.float32)  # clients × samples × classes
+    d1 = clustering.pairwise_distances(p, "l1")
+    d2 = clustering.pairwise_distances(p, "l2")
+    for i in range(6):
+        for j in range(6):
+            assert d1[i, j] == pytest.approx(np.abs(p[i] - p[j]).sum() / 50, abs=1e-5)
+            assert d2[i, j] == pytest.approx(np.sqrt(((p[i] - p[j]) ** 2).sum() / 50), abs=1e-4)
+    # disjoint one-hot predictions on every sample: ℓ1 = 2 per sample, whatever |U|
+    a = np.tile(np.eye(3)[0], (1000, 1))[None]
+    b = np.tile(np.eye(3)[1], (1000, 1))[None]
+    assert clustering.pairwise_distances(np.concatenate([a, b]), "l1")[0, 1] == pytest.approx(2.0)
+    assert clustering.pairwise_distances(np.concatenate([a, b]), "l2")[0, 1] == pytest.approx(np.sqrt(2))
+    centres = np.concatenate([a, b])
+    assert clustering.distance_to_centres(a[0], centres, "l1").tolist() == pytest.approx([0.0, 2.0])
+    with pytest.raises(ValueError, match="allowed: l1, l2"):
+        clustering.pairwise_distances(p, "cosine")
+
+
+# --------------------------------------------------------------------------- aggregation, temperature
+
+
+def test_aggregation_and_temperature() -> None:
+    stack = np.array([[[0.7, 0.2, 0.1]], [[0.1, 0.8, 0.1]], [[0.4, 0.4, 0.2]]], dtype=np.float32)
+    assert pseudolabels.aggregate(stack, "mean")[0] == pytest.approx([0.4, 1.4 / 3, 0.4 / 3])
+    med = pseudolabels.aggregate(stack, "median")[0]
+    assert med == pytest.approx(np.array([0.4, 0.4, 0.1]) / 0.9)
+    assert pseudolabels.aggregate(stack, "max")[0] == pytest.approx([0.1, 0.8, 0.1])  # most confident member
+    p = np.array([[0.6, 0.3, 0.1]], dtype=np.float32)
+    assert pseudolabels.apply_temperature(p, 0)[0].tolist() == [1.0, 0.0, 0.0]
+    assert pseudolabels.apply_temperature(p, 1)[0] == pytest.approx(p[0])
+    sharp = pseudolabels.apply_temperature(p, 0.5)[0]
+    assert sharp == pytest.approx(np.array([0.36, 0.09, 0.01]) / 0.46)
+    hard = server_target(stack, "mean", 0.0)
+    assert hard.tolist() == [[1.0, 0.0, 0.0]] or hard.tolist() == [[0.0, 1.0, 0.0]]
+    assert server_target(stack, "mean", 0.0)[0].sum() == 1.0
+
+
+# --------------------------------------------------------------------------- client weights and r_B
+
+
+def test_label_free_weights_are_local_frequencies_of_the_server_label() -> None:
+    counts = np.array([30, 10, 0, 60])
+    w = frequency_weights(counts, np.array([0, 1, 2, 3, 3]))
+    assert w.tolist() == pytest.approx([0.3, 0.1, 0.0, 0.6, 0.6])
+    assert frequency_weights(counts, np.array([4])).tolist() == [0.0]  # abstain marker
+    # weights are normalised per batch: scaling them changes nothing
+    logits, t = torch.randn(5, 4), torch.softmax(torch.randn(5, 4), 1)
+    assert ops.kl_to_targets(logits, t, w) == pytest.approx(float(ops.kl_to_targets(logits, t, 7 * w)))
+
+
+def test_distill_weighting_on_the_client(tmp_path: Path) -> None:
+    """The worker's label-free weight uses the argmax of the targets; the oracle uses U's true labels."""
+    from fedapps.worker import Worker
+
+    cfg_path = write_config(tmp_path, rounds=1)
+    cfg = load_config(cfg_path)
+    strategy = Cosmos(cfg)
+    InProcessGrid(1)  # sets the task identity Message() needs outside Flower
+    msg = protocol.build_message(100, 1, ["distill"], strategy.client_config(2))
+    ctx = Context(run_id=1, node_id=100, node_config={"partition-id": 1}, state=RecordDict(), run_config={})
+    worker = Worker(msg, ctx)
+    fed = worker.fed
+    targets = pseudolabels.one_hot(fed.public_y.numpy()[::-1].copy(), fed.num_classes)
+    lf = worker._distill_weights("label-free", targets, None)
+    counts = fed.train_counts[1] / fed.train_counts[1].sum()
+    assert lf.numpy() == pytest.approx(counts[fed.public_y.numpy()[::-1]])
+    oracle = worker._distill_weights("oracle", targets, None)
+    assert oracle.numpy() == pytest.approx(counts[fed.public_y.numpy()])
+    assert worker._distill_weights("none", targets, None) is None
+
+
+def test_rb_has_a_gradient_through_the_clean_branch_and_is_weighted() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 5))
+    x = torch.rand(8, 1, 4, 4) * 2 - 1
+    logits = model(x)
+    penalty = ops.robustness_penalty(model, x, logits, sigma=0.5)
+    assert penalty.requires_grad and penalty.item() > 0
+    penalty.backward()
+    assert model[1].weight.grad is not None and model[1].weight.grad.abs().sum() > 0
+    # unweighted equals the plain MSE; zero weights silence it
+    torch.manual_seed(1)
+    a = ops.robustness_penalty(model, x, model(x), 0.5)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        noisy = (x + 0.5 * torch.randn_like(x)).clamp(-1, 1)
+        ref = torch.nn.functional.mse_loss(torch.softmax(model(x), -1), torch.softmax(model(noisy), -1))
+    assert a.item() == pytest.approx(ref.item(), rel=1e-5)
+    zero = ops.robustness_penalty(model, x, model(x), 0.5, sample_weights=torch.zeros(8))
+    assert zero.item() == 0.0
+    # λ·r_B moves the parameters beyond what KL alone does (same seed, same data)
+    def fit(lam: float) -> torch.Tensor:
+        torch.manual_seed(2)
+        m = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 5))
+        ops.distill(m, x, torch.softmax(torch.randn(8, 5), 1), ops.OptimSettings(epochs=2, batch_size=4, lr=0.1),
+                    ops.DistillSettings(rb_lambda=lam, rb_sigma=0.3), generator=torch.Generator().manual_seed(0))
+        return m[1].weight.detach().clone()
+    assert not torch.allclose(fit(0.0), fit(50.0))
+
+
+# --------------------------------------------------------------------------- encodings
+
+
+@pytest.mark.parametrize("classes,dtype", [(10, np.uint8), (255, np.uint8), (256, np.uint16)])
+def test_hard_labels_use_the_smallest_integer_type(classes: int, dtype: type) -> None:
+    rng = np.random.default_rng(1)
+    probs = rng.dirichlet(np.ones(classes), size=40).astype(np.float32)
+    wire = pseudolabels.encode(probs, "hard", classes)
+    assert wire.dtype == dtype and wire.shape == (40,)
+    assert pseudolabels.decode(wire, classes).tolist() == probs.argmax(1).tolist()
+    assert validate_predictions(wire, 40, classes).argmax(1).tolist() == probs.argmax(1).tolist()
+
+
+def test_soft_encodings_round_trip() -> None:
+    probs = np.random.default_rng(2).dirichlet(np.ones(10), size=30).astype(np.float32)
+    f32 = pseudolabels.encode(probs, "float32", 10)
+    f16 = pseudolabels.encode(probs, "float16", 10)
+    assert f32.nbytes == 30 * 10 * 4 and f16.nbytes == 30 * 10 * 2
+    assert np.array_equal(pseudolabels.decode(f32, 10), probs)
+    assert np.abs(pseudolabels.decode(f16, 10) - probs).max() < 1e-3
+    assert validate_predictions(f16, 30, 10).shape == (30, 10)
+    with pytest.raises(ValueError, match="shape"):
+        validate_predictions(f32[:, :5], 30, 10)
+    with pytest.raises(ValueError, match="probability"):
+        validate_predictions(f32 * 3, 30, 10)
+
+
+def test_bad_params_are_config_errors(tmp_path: Path) -> None:
+    path = write_config(tmp_path)
+    with pytest.raises(ConfigError, match="aggregation"):
+        load_config(path, "strategy.params.aggregation=vote")
+    with pytest.raises(ConfigError, match="uplink_encoding"):
+        load_config(path, "strategy.params.uplink_encoding=int4")
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(path, "strategy.params.kmeans=3")
+
+
+# --------------------------------------------------------------------------- end to end (in-process)
+
+
+def write_config(tmp_path: Path, rounds: int = 2, **params) -> str:
+    """A tiny COSMOS run: scikit-learn digits, 4 clients in 2 groups, mlp/cnn clients, mlp server."""
+    cfg = {
+        "seed": 0, "rounds": rounds, "output_dir": str(tmp_path / "results"),
+        "strategy": {"name": "cosmos", "min_clients": N_CLIENTS, "params": {
+            "server_model": "mlp", "pretrain_epochs": 2, "server_epochs": 1, "distill_epochs": 1,
+            "server_lr": 1e-3, "distill_lr": 1e-3, "max_clusters": 2, **params}},
+        "data": {"source": "digits", "partition": "cosmos-groups", "num_clients": N_CLIENTS, "groups": 2,
+                 "alpha": 5.0, "public_fraction": 0.2, "seed": 1},
+        "model": {"name": "mlp", "per_client": ["mlp", "cnn"]},
+        "client": {"epochs": 1, "batch_size": 32, "lr": 1e-3, "optimizer": "adam", "drop_last": False, "device": "cpu"},
+    }
+    path = tmp_path / "cosmos-tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+ALLOWED_REPLY_RECORDS = {protocol.METRICS, protocol.INFO, protocol.PREDICTIONS}
+
+
+def assert_pseudo_labels_and_metrics_only(replies: list[Message], n_public: int, num_classes: int) -> int:
+    """Every client→server message holds metrics, a two-string info record and (round replies) predictions on U."""
+    seen_predictions = 0
+    for msg in replies:
+        assert not msg.has_error(), msg.error.reason
+        content = msg.content
+        assert set(content.keys()) <= ALLOWED_REPLY_RECORDS, set(content.keys())
+        assert protocol.ARRAYS not in content
+        for name, record in content.items():
+            if name == protocol.PREDICTIONS:
+                assert isinstance(record, ArrayRecord) and list(record.keys()) == ["predictions"]
+                arr = record["predictions"].numpy()
+                assert arr.shape in ((n_public, num_classes), (n_public,)), arr.shape  # one row per sample of U
+                seen_predictions += 1
+            elif name == protocol.METRICS:
+                assert isinstance(record, MetricRecord)
+            else:
+                assert isinstance(record, ConfigRecord) and set(record.keys()) == {"arch", "fingerprint"}
+    return seen_predictions
+
+
+@pytest.mark.parametrize("up,down", [("float32", "float32"), ("hard", "float16")])
+def test_end_to_end_in_process_sends_pseudo_labels_only(tmp_path: Path, up: str, down: str) -> None:
+    path = write_config(tmp_path, rounds=2, uplink_encoding=up, downlink_encoding=down)
+    grid = InProcessGrid(N_CLIENTS)
+    summary = server_app.run_experiment(grid, path, "", str(tmp_path / "results"))
+    cfg = load_config(path)
+    strategy_fed = Cosmos(cfg).fed
+    n, m = int(strategy_fed.public_x.shape[0]), strategy_fed.num_classes
+    # exactly one round message per client per round, plus evaluation-only messages carrying h_π(i) down
+    train_msgs = [s for s in grid.sent if s.metadata.message_type == protocol.MESSAGE_TYPE]
+    eval_msgs = [s for s in grid.sent if s.metadata.message_type == protocol.EVAL_MESSAGE_TYPE]
+    assert len(train_msgs) == 2 * N_CLIENTS and len(eval_msgs) == 2 * N_CLIENTS
+    assert all(protocol.ARRAYS not in s.content for s in train_msgs)  # nothing but pseudo-labels goes down either
+    assert sum(protocol.TARGETS in s.content for s in train_msgs) == N_CLIENTS  # round 2 only
+    wire_down = [s.content[protocol.TARGETS]["targets"].numpy() for s in train_msgs if protocol.TARGETS in s.content]
+    assert all(w.dtype == np.dtype(down) and w.shape == (n, m) for w in wire_down)
+    assert assert_pseudo_labels_and_metrics_only(grid.replies, n, m) == 2 * N_CLIENTS
+    ups = [r.content[protocol.PREDICTIONS]["predictions"].numpy() for r in grid.replies if protocol.PREDICTIONS in r.content]
+    assert all(u.dtype == (np.uint8 if up == "hard" else np.float32) for u in ups)
+    # summary and per-round bytes
+    assert summary["clusters"] >= 1 and sum(summary["cluster_sizes"]) == N_CLIENTS
+    assert 0.0 <= summary["cluster_model_accuracy"] <= 1.0 and 0.0 <= summary["client_model_accuracy"] <= 1.0
+    run_dir = tmp_path / "results" / cfg.resolved_run_name()
+    rows = list(csv.DictReader((run_dir / "rounds.csv").open()))
+    round_replies = [r for r in grid.replies if protocol.PREDICTIONS in r.content]
+    for rnd, row in enumerate(rows, start=1):
+        sent = [s for s in train_msgs if s.metadata.group_id == str(rnd)]
+        got = round_replies[(rnd - 1) * N_CLIENTS: rnd * N_CLIENTS]
+        assert int(row["bytes_down"]) == sum(protocol.record_nbytes(s.content) for s in sent)
+        assert int(row["bytes_up"]) == sum(protocol.record_nbytes(r.content) for r in got)
+        assert int(row["pseudo_bytes_up"]) == N_CLIENTS * n * (1 if up == "hard" else 4 * m)
+        assert int(row["eval_bytes_down"]) > 0
+    assert int(rows[1]["pseudo_bytes_down"]) == N_CLIENTS * n * m * (2 if down == "float16" else 4)
+    assert (run_dir / "clusters.png").is_file() and (run_dir / "clusters.json").is_file()
+
+
+def test_public_set_mismatch_is_refused_on_both_ends(tmp_path: Path) -> None:
+    path = write_config(tmp_path, rounds=1)
+    cfg = load_config(path)
+    strategy = Cosmos(cfg)
+    # client end: a message naming another U is answered with an error that says so
+    grid = InProcessGrid(1)
+    config = {**strategy.client_config(1), "public.fingerprint": "0123456789abcdef"}
+    [reply] = grid.send_and_receive([protocol.build_message(100, 1, ["train", "predict"], config)])
+    assert reply.has_error() and "public set mismatch" in reply.error.reason
+    assert protocol.parse_replies([reply], 1, expect_predictions=True) == []
+    # server end: predictions computed on another U are not used
+    n, m = int(strategy.fed.public_x.shape[0]), strategy.fed.num_classes
+    preds = {"predictions": np.full((n, m), 1.0 / m, dtype=np.float32)}
+    good = ClientReply(1, 0, 10, {}, predictions=preds, info={"fingerprint": strategy.fed.fingerprint})
+    bad = ClientReply(2, 1, 10, {}, predictions=preds, info={"fingerprint": "ffffffffffffffff"})
+    assert list(strategy.accept([good, bad])) == [0]
+    assert strategy.rejected_fingerprint == 1
+
+
+# --------------------------------------------------------------------------- through Flower's simulation engine
+
+
+def test_privacy_through_flower_simulation(tmp_path: Path) -> None:
+    """The same property with Flower's Ray engine: a ServerApp whose grid records every reply."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    root = str(Path(server_app.__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    import client_app
+
+    path = write_config(tmp_path, rounds=2)
+    recorded: list[Message] = []
+    summaries: list[dict] = []
+
+    class RecordingGrid:
+        """Delegates to Flower's grid and keeps every reply."""
+
+        def __init__(self, grid) -> None:
+            self.grid = grid
+
+        def get_node_ids(self):
+            return self.grid.get_node_ids()
+
+        def send_and_receive(self, messages, timeout=None):
+            replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+            recorded.extend(replies)
+            return replies
+
+    app = ServerApp()
+
+    @app.main()
+    def main(grid, context) -> None:
+        summaries.append(server_app.run_experiment(RecordingGrid(grid), path, "", str(tmp_path / "results")))
+
+    run_simulation(server_app=app, client_app=client_app.app, num_supernodes=N_CLIENTS,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 2}})
+    assert summaries, "the ServerApp did not finish"
+    fed = Cosmos(load_config(path)).fed
+    assert assert_pseudo_labels_and_metrics_only(recorded, int(fed.public_x.shape[0]), fed.num_classes) == 2 * N_CLIENTS
+    assert len(recorded) == 4 * N_CLIENTS  # 2 rounds × (round reply + evaluation reply)
+    assert summaries[0]["clusters"] >= 1
