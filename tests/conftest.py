@@ -13,7 +13,10 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+from fedapps.cli import OFFLINE_ENV  # noqa: E402
+
+for _key, _value in OFFLINE_ENV.items():  # Ray on loopback, no telemetry, no run-time installs
+    os.environ.setdefault(_key, _value)
 torch.set_num_threads(1)
 
 
