@@ -280,7 +280,7 @@ def validate(cfg: ExperimentConfig) -> None:
            f"'data.synthetic_shape' must be three positive integers C H W, got {d.synthetic_shape}")
     _check(d.synthetic_classes >= 2, f"'data.synthetic_classes' must be >= 2, got {d.synthetic_classes}")
     _check(d.synthetic_samples > 0, f"'data.synthetic_samples' must be positive, got {d.synthetic_samples}")
-    num_classes, input_shape = source_info(d.source, d.synthetic_classes, tuple(d.synthetic_shape))
+    num_classes, _ = source_info(d.source, d.synthetic_classes, tuple(d.synthetic_shape))
     if d.partition == "pathological":
         _check(d.classes_per_client > 0, f"'data.classes_per_client' must be positive, got {d.classes_per_client}")
         _check(
@@ -315,7 +315,6 @@ def validate(cfg: ExperimentConfig) -> None:
     strategy_cls = STRATEGIES[s.name]
     s.params = strategy_cls.parse_params(s.params, cfg)
     strategy_cls.check_config(cfg)
-    del input_shape
 
 
 def params_from_dict(cls: type, raw: Mapping[str, Any], prefix: str = "strategy.params.") -> Any:
@@ -324,9 +323,5 @@ def params_from_dict(cls: type, raw: Mapping[str, Any], prefix: str = "strategy.
 
 
 def dump_yaml(cfg: ExperimentConfig) -> str:
-    """The resolved config as YAML (strategy params included)."""
-    d = cfg.to_dict()
-    params = cfg.strategy.params
-    if dataclasses.is_dataclass(params):
-        d["strategy"]["params"] = dataclasses.asdict(params)
-    return yaml.safe_dump(d, sort_keys=False)
+    """The resolved config as YAML (strategy params, a dataclass after validation, included)."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
