@@ -163,7 +163,10 @@ class COMET(PseudoLabelStrategy):
                                 for j in range(k) if np.any(labels == j)}
         sizes = np.bincount(labels, minlength=k)
         log.info("round %d: COMET K=%d, cluster sizes %s", server_round, k, sizes.tolist())
-        return {"clusters": int((sizes > 0).sum()), "cluster_sizes": " ".join(str(int(s)) for s in sizes)}
+        member_targets = means[labels].argmax(axis=-1)  # each client's target labels (clients×n)
+        diag = [self.oracle_accuracy(t) for t in member_targets]
+        return {"clusters": int((sizes > 0).sum()), "cluster_sizes": " ".join(str(int(s)) for s in sizes),
+                "diag_target_acc_on_U": None if None in diag else float(np.mean(diag))}
 
     def final_summary(self) -> dict[str, Any]:
         return {"cluster_assignment": {str(c): k for c, k in sorted(self.assignment.items())}}

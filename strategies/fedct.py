@@ -111,4 +111,6 @@ class FedCT(PseudoLabelStrategy):
         abstain = float(np.mean(labels == self.num_classes))
         log.info("round %d: FedCT vote of %d clients, mean agreement %.3f, abstain %.1f%%",
                  server_round, len(used), float(agreement.mean()), 100 * abstain)
-        return {"vote_clients": len(used), "vote_agreement": float(agreement.mean()), "vote_abstain": abstain}
+        voted = labels < self.num_classes
+        return {"vote_clients": len(used), "vote_agreement": float(agreement.mean()), "vote_abstain": abstain,
+                "diag_vote_acc_on_U": self.oracle_accuracy(labels[voted], np.flatnonzero(voted))}

@@ -132,6 +132,14 @@ class PseudoLabelStrategy(PersonalisedStrategy):
         self.public_size = int(fed.public_x.shape[0])
         self.public_fingerprint = fed.fingerprint
         self.public_has_labels = fed.public_y is not None
+        self._public_y = None if fed.public_y is None else fed.public_y.numpy().astype(np.int64)
+
+    def oracle_accuracy(self, labels: np.ndarray, rows: np.ndarray | None = None) -> float | None:
+        """DIAGNOSTIC ONLY (the method never sees U's labels): share of U rows whose server label is right."""
+        if self._public_y is None or len(labels) == 0:
+            return None
+        truth = self._public_y if rows is None else self._public_y[rows]
+        return float(np.mean(np.asarray(labels) == truth))
 
     def expect_predictions(self) -> bool:
         return True
@@ -278,4 +286,5 @@ class FedMD(PseudoLabelStrategy):
             return {"consensus_clients": 0}
         self.consensus = fedmd_consensus(scores)
         self.consensus_rows = self.pending_rows
-        return {"consensus_clients": len(used), "alignment_rows": rows}
+        return {"consensus_clients": len(used), "alignment_rows": rows,
+                "diag_consensus_acc_on_U": self.oracle_accuracy(self.consensus.argmax(axis=1), self.consensus_rows)}

@@ -178,6 +178,21 @@ def test_fedmd_messages_carry_the_same_consensus_and_the_subset_indices():
     assert msgs[0].content["config"]["distill.loss"] == "mae"
 
 
+def test_fedmd_kl_option_sends_float16_softmax_of_the_mean_logits():
+    cfg = load_config(None, f"strategy.name=fedmd strategy.params.digest_loss=kl strategy.params.encoding=float16 {SMALL}")
+    s = FedMD(cfg)
+    n, m = s.public_size, s.num_classes
+    logits = np.random.default_rng(1).normal(size=(2, n, m)).astype(np.float32)
+    s.aggregate(1, [_reply(0, logits[0]), _reply(1, logits[1])])
+    msg = s.round_messages(2, [100], grid=None)[0]
+    wire = msg.content["targets"]["targets"].numpy()
+    assert wire.dtype == np.float16 and "distill-indices" not in msg.content["targets"]
+    mean = logits.mean(axis=0)
+    expected = np.exp(mean) / np.exp(mean).sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(wire.astype(np.float32), expected, atol=2e-3)
+    assert msg.content["config"]["distill.loss"] == "kl" and msg.content["config"]["predict.encoding"] == "float16"
+
+
 def test_fedmd_rejects_mae_on_probabilities():
     with pytest.raises(ConfigError, match="mae"):
         load_config(None, f"strategy.name=fedmd strategy.params.scores=probs {SMALL}")
