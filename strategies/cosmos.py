@@ -381,6 +381,7 @@ def plot_clusters(cluster_of: Mapping[int, int], groups: np.ndarray | None, dist
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (integer ticks)
 
     ids = sorted(cluster_of)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.3, 1]})
@@ -390,7 +391,8 @@ def plot_clusters(cluster_of: Mapping[int, int], groups: np.ndarray | None, dist
     if groups is not None:
         ax.scatter(ids, [int(groups[i]) for i in ids], facecolors="none", edgecolors="k", s=110, label="true group")
     ax.set_xlabel("client id")
-    ax.set_ylabel("cluster (filled) / true group (ring)")
+    ax.set_ylabel("found cluster (filled) / true group (ring)")
+    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xticks(ids[:: max(1, len(ids) // 25)])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
