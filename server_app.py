@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
+
+import torch
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -27,9 +30,21 @@ def setup_logging() -> None:
     log.propagate = False
 
 
+def set_server_threads() -> int:
+    """Server-side torch threads (COSMOS trains models here): FEDAPPS_SERVER_THREADS, default 1.
+
+    In simulation the ServerApp shares the cores with the client workers; a multi-threaded server process
+    next to them was measured ~15x slower on 2 cores (oversubscription), so one thread is the safe default.
+    """
+    threads = int(os.environ.get("FEDAPPS_SERVER_THREADS", "1"))
+    torch.set_num_threads(max(1, threads))
+    return torch.get_num_threads()
+
+
 def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str) -> dict:
     """Run one configured experiment on a Grid and return its summary (used by the ServerApp and tests)."""
     setup_logging()
+    set_server_threads()
     t0 = time.time()
     cfg = load_config(config_path, overrides)
     output_dir = output_dir or cfg.output_dir
