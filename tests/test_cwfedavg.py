@@ -240,6 +240,7 @@ def test_bias_estimator_recovers_p_in_round_one(tmp_path):
     for col in ("acc_mean", "acc_weighted", "after_acc_mean", "after_acc_weighted"):
         assert rows[0][col] != ""
     assert (tmp_path / summary["run_name"] / "weight_norms.png").is_file()
+    assert (tmp_path / summary["run_name"] / "estimates.csv").is_file()
     assert json.loads((tmp_path / summary["run_name"] / "summary.json").read_text())["cwfedavg"]["estimator"] == "bias"
 
 
@@ -250,7 +251,7 @@ def test_true_estimator_is_exact(tmp_path):
 
 def test_partial_participation_and_a_dropped_client(tmp_path):
     dropped = lambda rnd, pid: rnd == 2 and pid == 3  # noqa: E731
-    summary, rows = run(tmp_path, "rounds=2 strategy.fraction=0.5 strategy.params.estimator=norm", clients=6, drop=dropped)
+    summary, rows = run(tmp_path, "rounds=2 strategy.fraction=0.5 strategy.params.estimator=norm strategy.params.wdr_lambda=10", clients=6, drop=dropped)
     assert summary["rounds"] == 2
     assert all(int(r["clients"]) <= 3 for r in rows)
     _, rows = run(tmp_path, "rounds=2 run_name=drop strategy.params.mix=round", clients=6, drop=dropped)
