@@ -163,6 +163,24 @@ def print_summary(result_dir: Path) -> None:
             print(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
     print("-" * (width + 24))
     print(f"results: {result_dir}")
+    if s.get("strategy") != "fedavg":
+        print_fedavg_reference(result_dir, s)
+
+
+def print_fedavg_reference(result_dir: Path, summary: dict[str, Any]) -> None:
+    """FedAvg's number beside a personalised run: from a FedAvg run of the same setting if one is on disk."""
+    cfg = load_config(result_dir / "config.yaml")
+    twin = result_dir.parent / f"fedavg-{cfg.data.source}-{cfg.data.partition}-s{cfg.seed}"
+    same = twin / "config.yaml"
+    if same.is_file() and (twin / "summary.json").is_file():
+        other = load_config(same)
+        if (other.data, other.model, other.client, other.rounds) == (cfg.data, cfg.model, cfg.client, cfg.rounds):
+            ref = json.loads((twin / "summary.json").read_text())
+            print(f"FedAvg on the same setting ({twin.name}): accuracy_mean {ref['accuracy_mean']:.4f} "
+                  f"vs {summary['strategy']} {summary['accuracy_mean']:.4f}")
+            return
+    print(f"FedAvg's number on the same setting: add  --set strategy.name=fedavg 'strategy.params={{}}'  "
+          f"(e.g. make run ARGS=\"--set strategy.name=fedavg strategy.params={{}}\"); it is then shown here.")
 
 
 def execute(config: str, overrides: list[str], output_dir: str | None, args: argparse.Namespace) -> Path:
