@@ -28,6 +28,7 @@ def test_missing_config_file(capsys):
 def test_flwr_run_end_to_end(tiny_config, tmp_path):
     """`fedapps run` -> `flwr run` (local SuperLink, Ray simulation, 3 SuperNodes, 2 rounds)."""
     cfg = tiny_config(data={"num_clients": 3})
+    running_before = cli.superlink_pids()
     proc = subprocess.run(
         [sys.executable, "-m", "fedapps.cli", "run", str(cfg), "--output-dir", str(tmp_path / "res"), "--quiet"],
         cwd=ROOT, capture_output=True, text=True, timeout=400,
@@ -38,7 +39,7 @@ def test_flwr_run_end_to_end(tiny_config, tmp_path):
     assert summary["rounds"] == 2 and summary["num_clients"] == 3
     assert 0.0 < summary["accuracy_mean"] <= 1.0
     assert "accuracy_mean" in proc.stdout and str(out) in proc.stdout
-    assert not cli.superlink_pids() - set(), "the SuperLink started by the run must be stopped"
+    assert not cli.superlink_pids() - running_before, "the SuperLink started by the run must be stopped"
 
 
 def test_compare_table_and_resume(tiny_config, tmp_path, capsys):
