@@ -73,8 +73,12 @@ def federation_config(cfg: ExperimentConfig, args: argparse.Namespace) -> str:
     """--federation-config: one SuperNode per client, CPUs/GPUs per client."""
     if args.federation_config:
         return args.federation_config
+    def number(v: float) -> str:  # flwr wants "1", not "1.0", for whole numbers
+        return str(int(v)) if float(v).is_integer() else str(v)
+
     return (f"num-supernodes={args.supernodes or cfg.data.num_clients} "
-            f"client-resources-num-cpus={args.cpus_per_client} client-resources-num-gpus={args.gpus_per_client}")
+            f"client-resources-num-cpus={number(args.cpus_per_client)} "
+            f"client-resources-num-gpus={number(args.gpus_per_client)}")
 
 
 def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[str], output_dir: Path,
