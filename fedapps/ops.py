@@ -71,22 +71,23 @@ def run_epochs(
     device = next(model.parameters()).device
     model.train()
     opt = make_optimizer(model.parameters(), settings)
-    total, steps = 0.0, 0
+    has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    total, steps = torch.zeros((), device=device), 0  # summed on the device: no host sync per step
     for _ in range(settings.epochs):
         for idx in batches(len(x), settings.batch_size, True, settings.drop_last, generator):
+            if has_batchnorm and len(idx) < 2:
+                continue  # BatchNorm cannot train on a single sample
             xb, yb = x[idx].to(device, non_blocking=True), y[idx].to(device, non_blocking=True)
             wb = weights[idx].to(device) if weights is not None else None
-            if len(xb) < 2 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-                continue  # BatchNorm cannot train on a single sample
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model, xb, yb, wb)
             loss.backward()
             if settings.clip_norm > 0:
                 nn.utils.clip_grad_norm_(model.parameters(), settings.clip_norm)
             opt.step()
-            total += float(loss.detach())
+            total += loss.detach()
             steps += 1
-    return {"loss": total / max(steps, 1), "steps": float(steps)}
+    return {"loss": float(total) / max(steps, 1), "steps": float(steps)}
 
 
 # --------------------------------------------------------------------------- losses and regularisers

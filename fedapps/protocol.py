@@ -6,6 +6,7 @@ A message to a client carries:
   ``arrays``  (ArrayRecord, optional) model parameters: loaded into the client's own model when
               ``load-arrays`` is true, or evaluated in a separate model (op ``evaluate-received``);
   ``targets`` (ArrayRecord, optional) encoded pseudo-labels on U for ``distill`` (+ optional ``indices``).
+``persist-model`` (default true) keeps the client's model in ``Context.state`` after the message.
 A reply carries ``metrics`` (MetricRecord: ``client-id``, ``num-examples``, evaluation results, timings),
 and optionally ``arrays`` (the client's model) and ``predictions`` (encoded predictions on U) with ``info``.
 """

@@ -73,10 +73,20 @@ def private_model(context: Context, config: Mapping[str, Any], fed: Federation, 
     else:
         arch = model_arch(config, context, client_id)
     seed = int(config.get("model.seed", 0))
-    model = build_model(arch, fed.num_classes, tuple(fed.input_shape), seed=seed + client_id if config.get("model.seed-per-client", False) else seed)
+    model, initial = model_skeleton(arch, fed.num_classes, tuple(fed.input_shape), seed)
     if STATE_MODEL in context.state:
         model.load_state_dict(context.state[STATE_MODEL].to_torch_state_dict())
+    else:
+        model.load_state_dict(initial)
     return model.to(device), arch
+
+
+@functools.lru_cache(maxsize=8)
+def model_skeleton(arch: str, num_classes: int, input_shape: tuple[int, int, int], seed: int) -> tuple[nn.Module, dict]:
+    """One module object per architecture per process, reused across messages (each message loads a full
+    state into it first), and its seeded initial state; building a model per message costs more than loading."""
+    model = build_model(arch, num_classes, input_shape, seed=seed)
+    return model, {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def load_arrays(model: nn.Module, arrays: ArrayRecord, strict: bool) -> dict[str, torch.Tensor]:
@@ -153,8 +163,11 @@ class Worker:
             self.reply[protocol.ARRAYS] = model_arrays(self.model, str(self.config.get("arrays.keys", "state")))
         if self.config.get("return-class-counts", False):
             self.metrics["class-counts"] = [int(v) for v in self.fed.train_counts[self.client_id]]
-        self.context.state[STATE_MODEL] = model_arrays(self.model.cpu(), "state")
-        self.context.state[STATE_ARCH] = ConfigRecord({"arch": self.arch})
+        if self.config.get("persist-model", True):
+            # the private model lives in Context.state between rounds; strategies that send the whole model
+            # every round (FedAvg) switch this off, which halves what travels with each message in simulation
+            self.context.state[STATE_MODEL] = model_arrays(self.model.cpu(), "state")
+            self.context.state[STATE_ARCH] = ConfigRecord({"arch": self.arch})
         self.metrics["t-total"] = time.perf_counter() - t0
         self.reply[protocol.METRICS] = protocol.metrics_record(self.metrics)
         self.reply[protocol.INFO] = ConfigRecord({"arch": self.arch, "fingerprint": self.fed.fingerprint})

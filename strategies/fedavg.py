@@ -39,7 +39,8 @@ class FedAvg(PersonalisedStrategy):
         return True
 
     def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
-        config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "state"}
+        config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "state",
+                  "persist-model": False}  # the whole model arrives every round: nothing to keep
         arrays = protocol.arrays_record(self.global_arrays)
         return [protocol.build_message(n, server_round, ["evaluate", "train"], config, arrays=arrays) for n in node_ids]
 
