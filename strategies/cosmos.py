@@ -107,17 +107,13 @@ def check_params(p: CosmosParams) -> None:
 
 
 def validate_predictions(pred: np.ndarray, n: int, num_classes: int) -> np.ndarray:
-    """Decoded predictions on U as float32 soft labels (n×M); raise ValueError if they are not that."""
+    """Predictions on U as float32 soft labels (n×M; hard labels one-hot); ValueError if unusable."""
+    kind = "hard" if np.issubdtype(pred.dtype, np.integer) else "probs"
+    problem = pseudolabels.prediction_problem(pred, n, num_classes, kind)
+    if problem:
+        raise ValueError(problem)
     decoded = pseudolabels.decode(pred, num_classes)
-    if decoded.ndim == 1:
-        if decoded.shape != (n,) or decoded.min(initial=0) < 0 or decoded.max(initial=0) >= num_classes:
-            raise ValueError(f"hard predictions must be {n} labels in [0, {num_classes}), got shape {decoded.shape}")
-        return pseudolabels.one_hot(decoded, num_classes)
-    if decoded.shape != (n, num_classes):
-        raise ValueError(f"predictions must have shape ({n}, {num_classes}), got {decoded.shape}")
-    if not np.all(np.isfinite(decoded)) or decoded.min() < -1e-3 or np.abs(decoded.sum(axis=1) - 1).max() > 2e-2:
-        raise ValueError("predictions are not probability vectors (finite, >= 0, rows summing to 1)")
-    return np.clip(decoded, 0.0, None)
+    return pseudolabels.one_hot(decoded, num_classes) if kind == "hard" else np.clip(decoded, 0.0, None)
 
 
 class Cosmos(PersonalisedStrategy):

@@ -72,28 +72,6 @@ def check_distill_params(p: DistillParams, allowed_encodings: tuple[str, ...] = 
         raise ConfigError(f"'{prefix}encoding' is '{p.encoding}'; allowed: {', '.join(allowed_encodings)}")
 
 
-def check_predictions(wire: np.ndarray, rows: int, num_classes: int, kind: str) -> str | None:
-    """Why a client's prediction array is unusable (None if fine). kind: probs | logits | hard."""
-    if kind == "hard":
-        if wire.shape != (rows,):
-            return f"hard labels of shape {wire.shape}, expected ({rows},)"
-        if not np.issubdtype(wire.dtype, np.unsignedinteger):
-            return f"hard labels of dtype {wire.dtype}, expected an unsigned integer type"
-        if wire.size and int(wire.max()) > num_classes:
-            return f"hard label {int(wire.max())} out of range [0, {num_classes}]"
-        return None
-    if wire.shape != (rows, num_classes):
-        return f"scores of shape {wire.shape}, expected ({rows}, {num_classes})"
-    if not np.issubdtype(wire.dtype, np.floating):
-        return f"scores of dtype {wire.dtype}, expected float"
-    values = wire.astype(np.float64)
-    if not np.all(np.isfinite(values)):
-        return "scores contain non-finite values"
-    if kind == "probs" and (values.min() < -1e-3 or np.abs(values.sum(axis=1) - 1).max() > 1e-2):
-        return "probabilities are not on the simplex"
-    return None
-
-
 def collect_predictions(replies: list[ClientReply], rows: int, num_classes: int, kind: str,
                         server_round: int = 0) -> tuple[list[ClientReply], np.ndarray]:
     """Decoded predictions of the usable replies, stacked clients×rows(×M); bad ones are dropped and logged."""
@@ -101,7 +79,7 @@ def collect_predictions(replies: list[ClientReply], rows: int, num_classes: int,
     arrays: list[np.ndarray] = []
     for r in sorted(replies, key=lambda r: r.client_id):
         wire = (r.predictions or {}).get("predictions")
-        reason = "no 'predictions' array" if wire is None else check_predictions(wire, rows, num_classes, kind)
+        reason = "no 'predictions' array" if wire is None else pseudolabels.prediction_problem(wire, rows, num_classes, kind)
         if reason:
             log.warning("round %d: predictions of client %d not used: %s", server_round, r.client_id, reason)
             continue

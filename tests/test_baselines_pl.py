@@ -17,7 +17,8 @@ from fedapps.inprocess import InProcessGrid
 from fedapps.protocol import ClientReply
 from strategies.comet import COMET, cluster_means, kmeans, kmeans_plus_plus
 from strategies.fedct import FedCT, majority_vote, qualified_vote, vote_counts
-from strategies.fedmd import FedMD, alignment_subset, check_predictions, collect_predictions, fedmd_consensus
+from fedapps.pseudolabels import prediction_problem as check_predictions
+from strategies.fedmd import FedMD, alignment_subset, collect_predictions, fedmd_consensus
 
 torch.set_num_threads(1)
 
