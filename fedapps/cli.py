@@ -183,8 +183,8 @@ def print_fedavg_reference(result_dir: Path, summary: dict[str, Any]) -> None:
             print(f"FedAvg on the same setting ({twin.name}): accuracy_mean {ref['accuracy_mean']:.4f} "
                   f"vs {summary['strategy']} {summary['accuracy_mean']:.4f}")
             return
-    print(f"FedAvg's number on the same setting: add  --set strategy.name=fedavg 'strategy.params={{}}'  "
-          f"(e.g. make run ARGS=\"--set strategy.name=fedavg strategy.params={{}}\"); it is then shown here.")
+    print("FedAvg's number on the same setting: add  --set strategy.name=fedavg 'strategy.params={}'  "
+          "(e.g. make run ARGS=\"--set strategy.name=fedavg strategy.params={}\"); it is then shown here.")
 
 
 def execute(config: str, overrides: list[str], output_dir: str | None, args: argparse.Namespace) -> Path:

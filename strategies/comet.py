@@ -24,7 +24,7 @@ from flwr.serverapp import Grid
 from fedapps import protocol, pseudolabels
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.protocol import ClientReply
-from strategies.fedmd import DistillParams, PseudoLabelStrategy, check_distill_params, collect_predictions, targets_record
+from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, targets_record
 
 log = logging.getLogger("fedapps")
 
@@ -120,7 +120,6 @@ class COMET(PseudoLabelStrategy):
     def check_config(cls, cfg: ExperimentConfig) -> None:
         super().check_config(cfg)
         p: COMETParams = cfg.strategy.params
-        check_distill_params(p)
         if p.clusters < 1:
             raise ConfigError(f"'strategy.params.clusters' must be >= 1, got {p.clusters}")
         if p.clusters > cfg.data.num_clients:

@@ -26,7 +26,7 @@ from flwr.serverapp import Grid
 from fedapps import protocol, pseudolabels
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.protocol import ClientReply
-from strategies.fedmd import DistillParams, PseudoLabelStrategy, check_distill_params, collect_predictions, targets_record
+from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, targets_record
 
 log = logging.getLogger("fedapps")
 
@@ -77,12 +77,12 @@ class FedCT(PseudoLabelStrategy):
 
     name = "fedct"
     Params = FedCTParams
+    wire_encodings = ("hard",)  # hard labels on U, both directions
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
         super().check_config(cfg)
         p: FedCTParams = cfg.strategy.params
-        check_distill_params(p, allowed_encodings=("hard",))
         if not 0.0 <= p.qualified_threshold <= 1.0:
             raise ConfigError(f"'strategy.params.qualified_threshold' must be in [0, 1] (0 = plain majority), "
                               f"got {p.qualified_threshold}")

@@ -12,155 +12,25 @@ by default); (2) the original pre-trains every model on the LABELLED public set 
 here that is off by default (``pretrain_public_epochs: 0``) because U is meant to be unlabelled — when
 switched on, round 1 runs the client operation ``train-public`` (CE on U with its true labels) first.
 
-This module also holds :class:`PseudoLabelStrategy`, the machinery FedMD, FedCT and COMET share.
+The machinery FedMD, FedCT and COMET share is in :mod:`strategies.pseudolabel_base`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, Message
+from flwr.app import Message
 from flwr.serverapp import Grid
 
 from fedapps import protocol, pseudolabels
 from fedapps.config import ConfigError, ExperimentConfig
-from fedapps.data import get_federation
 from fedapps.protocol import ClientReply
-from strategies.base import PersonalisedStrategy
+from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, index_array, targets_record
 
 log = logging.getLogger("fedapps")
-
-OPTIMIZERS = ("sgd", "adam")
-
-
-# --------------------------------------------------------------------------- shared machinery
-
-
-@dataclass
-class DistillParams:
-    """Client distillation (on U) and wire settings shared by the pseudo-label baselines."""
-
-    distill_epochs: int = 5  # epochs over the (subset of) U per round
-    distill_lr: float = 1e-4  # learning rate of the distillation optimiser
-    distill_batch_size: int = 32  # minibatch size on U
-    distill_optimizer: str = "adam"  # adam | sgd (a new optimiser every round)
-    distill_clip_norm: float = 1.0  # gradient-norm clipping during distillation; 0 = off
-    encoding: str = "float32"  # soft labels on the wire, both directions: float32 | float16
-    pretrain_epochs: int = 0  # local CE epochs in round 1 (before the first predictions); 0 = client.epochs
-
-
-def check_distill_params(p: DistillParams, allowed_encodings: tuple[str, ...] = ("float32", "float16")) -> None:
-    """Raise ConfigError on an invalid distillation / wire setting."""
-    prefix = "strategy.params."
-    if p.distill_epochs < 0:
-        raise ConfigError(f"'{prefix}distill_epochs' must be >= 0, got {p.distill_epochs}")
-    if p.distill_lr <= 0:
-        raise ConfigError(f"'{prefix}distill_lr' must be > 0, got {p.distill_lr}")
-    if p.distill_batch_size <= 0:
-        raise ConfigError(f"'{prefix}distill_batch_size' must be a positive integer, got {p.distill_batch_size}")
-    if p.distill_optimizer not in OPTIMIZERS:
-        raise ConfigError(f"'{prefix}distill_optimizer' is '{p.distill_optimizer}'; allowed: {', '.join(OPTIMIZERS)}")
-    if p.distill_clip_norm < 0:
-        raise ConfigError(f"'{prefix}distill_clip_norm' must be >= 0 (0 = off), got {p.distill_clip_norm}")
-    if p.pretrain_epochs < 0:
-        raise ConfigError(f"'{prefix}pretrain_epochs' must be >= 0 (0 = client.epochs), got {p.pretrain_epochs}")
-    if p.encoding not in allowed_encodings:
-        raise ConfigError(f"'{prefix}encoding' is '{p.encoding}'; allowed: {', '.join(allowed_encodings)}")
-
-
-def collect_predictions(replies: list[ClientReply], rows: int, num_classes: int, kind: str,
-                        server_round: int = 0) -> tuple[list[ClientReply], np.ndarray]:
-    """Decoded predictions of the usable replies, stacked clients×rows(×M); bad ones are dropped and logged."""
-    used: list[ClientReply] = []
-    arrays: list[np.ndarray] = []
-    for r in sorted(replies, key=lambda r: r.client_id):
-        wire = (r.predictions or {}).get("predictions")
-        reason = "no 'predictions' array" if wire is None else pseudolabels.prediction_problem(wire, rows, num_classes, kind)
-        if reason:
-            log.warning("round %d: predictions of client %d not used: %s", server_round, r.client_id, reason)
-            continue
-        used.append(r)
-        arrays.append(pseudolabels.decode(wire, num_classes))
-    if not arrays:
-        return used, np.zeros((0, rows) if kind == "hard" else (0, rows, num_classes))
-    return used, np.stack(arrays)
-
-
-def index_array(rows: np.ndarray, public_size: int) -> np.ndarray:
-    """Row indices of U in the smallest unsigned integer type that holds them."""
-    return np.asarray(rows).astype(pseudolabels.label_dtype(public_size))
-
-
-class PseudoLabelStrategy(PersonalisedStrategy):
-    """Clients distil on server targets on U, train, evaluate, and predict on U — one message per round."""
-
-    needs_public_set = True
-    model_agnostic = True
-
-    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
-        super().__init__(cfg, on_round)
-        fed = get_federation(dataclasses.asdict(cfg.data))
-        if fed.public_x is None:
-            raise ConfigError(f"strategy '{self.name}' needs a public set U: set 'data.public_fraction' in (0, 1)")
-        self.num_classes = int(fed.num_classes)
-        self.public_size = int(fed.public_x.shape[0])
-        self.public_fingerprint = fed.fingerprint
-        self.public_has_labels = fed.public_y is not None
-        self._public_y = None if fed.public_y is None else fed.public_y.numpy().astype(np.int64)
-
-    def oracle_accuracy(self, labels: np.ndarray, rows: np.ndarray | None = None) -> float | None:
-        """DIAGNOSTIC ONLY (the method never sees U's labels): share of U rows whose server label is right."""
-        if self._public_y is None or len(labels) == 0:
-            return None
-        truth = self._public_y if rows is None else self._public_y[rows]
-        return float(np.mean(np.asarray(labels) == truth))
-
-    def expect_predictions(self) -> bool:
-        return True
-
-    def message_config(self, server_round: int, distill_loss: str, predict_output: str, predict_encoding: str,
-                       weighting: str = "none") -> dict[str, Any]:
-        """Base settings plus the public-set fingerprint, the distill / predict sections and round 1's epochs."""
-        p = self.params
-        first = {"train.epochs": int(p.pretrain_epochs)} if server_round == 1 and p.pretrain_epochs > 0 else {}
-        return {
-            **first,
-            **self.base_config(),
-            "public.fingerprint": self.public_fingerprint,
-            "distill.epochs": int(p.distill_epochs),
-            "distill.lr": float(p.distill_lr),
-            "distill.batch_size": int(p.distill_batch_size),
-            "distill.optimizer": str(p.distill_optimizer),
-            "distill.clip_norm": float(p.distill_clip_norm),
-            "distill.drop_last": False,
-            "distill.loss": distill_loss,
-            "distill.weighting": weighting,
-            "predict.output": predict_output,
-            "predict.encoding": predict_encoding,
-        }
-
-    @staticmethod
-    def round_ops(with_distill: bool, first: tuple[str, ...] = ()) -> list[str]:
-        """distill → train → evaluate (own model, after training: the round's accuracy) → predict."""
-        return [*first, *(["distill"] if with_distill else []), "train", "evaluate", "predict"]
-
-
-def targets_record(targets: np.ndarray | None, distill_rows: np.ndarray | None = None,
-                   predict_rows: np.ndarray | None = None) -> ArrayRecord | None:
-    """The 'targets' record: encoded targets, and optional 'distill-indices' / 'predict-indices' into U."""
-    arrays: dict[str, np.ndarray] = {}
-    if targets is not None:
-        arrays["targets"] = targets
-        if distill_rows is not None:
-            arrays["distill-indices"] = distill_rows
-    if predict_rows is not None:
-        arrays["predict-indices"] = predict_rows
-    return protocol.arrays_record(arrays) if arrays else None
-
 
 # --------------------------------------------------------------------------- FedMD maths
 
@@ -210,7 +80,6 @@ class FedMD(PseudoLabelStrategy):
     def check_config(cls, cfg: ExperimentConfig) -> None:
         super().check_config(cfg)
         p: FedMDParams = cfg.strategy.params
-        check_distill_params(p)
         if p.scores not in ("logits", "probs"):
             raise ConfigError(f"'strategy.params.scores' is '{p.scores}'; allowed: logits, probs")
         if p.digest_loss not in ("mae", "kl"):

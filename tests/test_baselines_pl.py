@@ -18,7 +18,8 @@ from fedapps.protocol import ClientReply
 from strategies.comet import COMET, cluster_means, kmeans, kmeans_plus_plus
 from strategies.fedct import FedCT, majority_vote, qualified_vote, vote_counts
 from fedapps.pseudolabels import prediction_problem as check_predictions
-from strategies.fedmd import FedMD, alignment_subset, collect_predictions, fedmd_consensus
+from strategies.fedmd import FedMD, alignment_subset, fedmd_consensus
+from strategies.pseudolabel_base import collect_predictions
 
 torch.set_num_threads(1)
 

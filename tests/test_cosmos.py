@@ -5,7 +5,6 @@ metrics only, never model parameters."""
 from __future__ import annotations
 
 import csv
-import dataclasses
 import os
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from fedapps import clustering, ops, protocol, pseudolabels
 from fedapps.config import ConfigError, load_config
 from fedapps.inprocess import InProcessGrid
 from fedapps.protocol import ClientReply
-from fedapps.worker import ProtocolError, frequency_weights
+from fedapps.worker import frequency_weights
 from strategies.cosmos import Cosmos, server_target, validate_predictions
 
 torch.set_num_threads(1)

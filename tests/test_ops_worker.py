@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-from flwr.app import Context, RecordDict
 
 from fedapps import ops, protocol, pseudolabels
 from fedapps.inprocess import InProcessGrid
