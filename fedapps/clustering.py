@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import logging
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from fedapps.pairwise_l1 import l1_distance_matrix
 
 log = logging.getLogger("fedapps")
 
@@ -26,79 +27,39 @@ DISTANCES = ("l1", "l2")
 B0_MODES = ("auto", "fixed")
 
 
-def _as_matrix(predictions: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(N, n, M) or (N, n·M) predictions -> float32 (N, D) tensor and n (samples per client)."""
-    x = torch.as_tensor(np.asarray(predictions) if not isinstance(predictions, torch.Tensor) else predictions)
-    if x.ndim in (2, 3):
-        n = int(x.shape[1])
-    else:
-        raise ValueError(f"predictions must be clients×samples×classes (or clients×samples), got shape {tuple(x.shape)}")
-    return x.reshape(x.shape[0], -1).to(torch.float32).contiguous(), n
+def _as_matrix(predictions: np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
+    """(N, n, M) or (N, n·M) predictions -> float32 C-contiguous (N, D) array and n (samples per client)."""
+    x = predictions.detach().cpu().numpy() if isinstance(predictions, torch.Tensor) else np.asarray(predictions)
+    if x.ndim not in (2, 3):
+        raise ValueError(f"predictions must be clients×samples×classes (or clients×samples), got shape {x.shape}")
+    return np.ascontiguousarray(x.reshape(x.shape[0], -1), dtype=np.float32), int(x.shape[1])
 
 
-def condensed_to_square(condensed: torch.Tensor, n: int) -> np.ndarray:
-    """Upper-triangle distances (pdist order) -> symmetric n×n float64 matrix with a zero diagonal."""
-    out = np.zeros((n, n), dtype=np.float64)
-    iu = np.triu_indices(n, k=1)
-    out[iu] = condensed.double().numpy()
-    out[(iu[1], iu[0])] = out[iu]
-    return out
-
-
-def _l1_blocks(x: torch.Tensor, starts: list[int], chunk: int) -> torch.Tensor:
-    """Sum of condensed ℓ1 distances over the given column blocks (float64 between blocks)."""
-    acc = torch.zeros(x.shape[0] * (x.shape[0] - 1) // 2, dtype=torch.float64)
-    for start in starts:
-        acc += torch.nn.functional.pdist(x[:, start:start + chunk].contiguous(), p=1)
-    return acc
-
-
-def l1_distances(x: torch.Tensor, chunk: int = 1024, threads: int | None = None) -> torch.Tensor:
-    """Condensed pairwise ℓ1 distances between the rows of x.
-
-    Summed over column blocks of ``chunk`` columns (a block of all clients fits in a core's cache), the blocks
-    dealt to ``threads`` worker threads, each running single-threaded kernels (torch releases the GIL). This
-    is ~3× faster than one multi-threaded ``pdist`` over all columns, and robust when the CPU is shared.
-    """
-    starts = list(range(0, x.shape[1], chunk))  # a loop over column blocks, not over samples
-    threads = max(1, min(threads or torch.get_num_threads(), len(starts)))
-    if threads == 1:
-        return _l1_blocks(x, starts, chunk)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(threads) as pool:
-            parts = list(pool.map(lambda part: _l1_blocks(x, part, chunk), [starts[i::threads] for i in range(threads)]))
-    finally:
-        torch.set_num_threads(previous)
-    return torch.stack(parts).sum(dim=0)
-
-
-def l2_distances(x: torch.Tensor) -> torch.Tensor:
-    """Condensed pairwise Euclidean distances via one Gram matrix: ‖a−b‖² = ‖a‖² + ‖b‖² − 2a·b.
+def l2_distance_matrix(x: np.ndarray) -> np.ndarray:
+    """N×N Euclidean distances between the rows of x via one Gram matrix: ‖a−b‖² = ‖a‖² + ‖b‖² − 2a·b.
 
     The squared norms are the Gram matrix's own diagonal, so rounding largely cancels; for probability
     matrices the error is ~1e-3 per public sample at |U|·M = 10⁶, far below any useful threshold.
     """
-    n = x.shape[0]
-    gram = (x @ x.T).double()
-    sq = gram.diagonal()
-    d2 = (sq[:, None] + sq[None, :] - 2.0 * gram).clamp_min(0.0)
-    iu = torch.triu_indices(n, n, offset=1)
-    return d2[iu[0], iu[1]].sqrt()
+    t = torch.from_numpy(x)
+    gram = (t @ t.T).double().numpy()
+    sq = np.diagonal(gram)
+    dist = np.sqrt(np.maximum(sq[:, None] + sq[None, :] - 2.0 * gram, 0.0))
+    np.fill_diagonal(dist, 0.0)
+    return np.maximum(dist, dist.T)  # exactly symmetric
 
 
-def pairwise_distances(predictions: np.ndarray | torch.Tensor, metric: str = "l1") -> np.ndarray:
-    """N×N distances between clients' predictions on U, per public sample (see the module docstring)."""
+def pairwise_distances(predictions: np.ndarray | torch.Tensor, metric: str = "l1", threads: int | None = None) -> np.ndarray:
+    """N×N distances between clients' predictions on U, per public sample (see the module docstring).
+
+    ℓ1 runs on ``threads`` threads (default: torch's intra-op thread count), ℓ2 on torch's matrix product.
+    """
     if metric not in DISTANCES:
         raise ValueError(f"unknown distance '{metric}'; allowed: {', '.join(DISTANCES)}")
     x, n_samples = _as_matrix(predictions)
-    n = x.shape[0]
-    if n < 2:
-        return np.zeros((n, n))
     if metric == "l1":
-        return condensed_to_square(l1_distances(x), n) / n_samples
-    return condensed_to_square(l2_distances(x), n) / math.sqrt(n_samples)
+        return l1_distance_matrix(x, threads or torch.get_num_threads()) / n_samples
+    return l2_distance_matrix(x) / math.sqrt(n_samples)
 
 
 def distance_to_centres(pred: np.ndarray, centres: np.ndarray, metric: str = "l1") -> np.ndarray:
