@@ -18,17 +18,39 @@ IEEE semantics, so a non-finite input shows as a non-finite row sum and is refus
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
 
+log = logging.getLogger("fedapps")
+
 # reassociation (vectorised reductions) without assuming finite values, so NaN/inf still propagate
 _SAFE_FASTMATH = {"reassoc", "nsz", "arcp", "contract"}
 
 
-@numba.njit(nogil=True, fastmath=True, cache=True)
+def compiled(fastmath: bool | set[str] = False) -> Callable[[Callable], Callable]:
+    """numba.njit (GIL released), its machine code cached on disk when a cache directory is writable.
+
+    numba refuses ``cache=True`` at decoration time when neither ``__pycache__`` next to the source nor the
+    user's cache directory can be written (a read-only install and home); the kernel is then compiled once per
+    process instead of failing the import. ``NUMBA_CACHE_DIR`` names another cache directory.
+    """
+
+    def decorate(function: Callable) -> Callable:
+        try:
+            return numba.njit(nogil=True, fastmath=fastmath, cache=True)(function)
+        except RuntimeError as err:
+            log.warning("numba cannot cache %s (%s); compiling it in this process", function.__name__, err)
+            return numba.njit(nogil=True, fastmath=fastmath)(function)
+
+    return decorate
+
+
+@compiled(fastmath=True)
 def _min_sums_4x4(x: np.ndarray, out: np.ndarray, i: int, j: int, c0: int, c1: int) -> None:
     """out[i+a, j+b] += Σ_{c0≤k<c1} min(x[i+a, k], x[j+b, k]) for a, b in 0..3."""
     r0 = x[i, c0:c1]
@@ -78,7 +100,7 @@ def _min_sums_4x4(x: np.ndarray, out: np.ndarray, i: int, j: int, c0: int, c1: i
     out[i + 3, j + 3] += s33
 
 
-@numba.njit(nogil=True, fastmath=True, cache=True)
+@compiled(fastmath=True)
 def _min_sum_pair(x: np.ndarray, i: int, j: int, c0: int, c1: int) -> float:
     """Σ_{c0≤k<c1} min(x[i, k], x[j, k]) (rows left over when N is not a multiple of 4)."""
     a = x[i, c0:c1]
@@ -89,7 +111,7 @@ def _min_sum_pair(x: np.ndarray, i: int, j: int, c0: int, c1: int) -> float:
     return s
 
 
-@numba.njit(nogil=True, fastmath=_SAFE_FASTMATH, cache=True)
+@compiled(fastmath=_SAFE_FASTMATH)
 def _add_row_sums(x: np.ndarray, sums: np.ndarray, c0: int, c1: int) -> None:
     """sums[i] += Σ_{c0≤k<c1} x[i, k], NaN and infinity propagating."""
     for i in range(x.shape[0]):
@@ -100,7 +122,7 @@ def _add_row_sums(x: np.ndarray, sums: np.ndarray, c0: int, c1: int) -> None:
         sums[i] += s
 
 
-@numba.njit(nogil=True, cache=True)
+@compiled()
 def _accumulate_block(x: np.ndarray, mins: np.ndarray, sums: np.ndarray, c0: int, c1: int) -> None:
     """Add columns [c0, c1)'s contribution to the row sums and to the min-sum matrix's upper triangle and diagonal."""
     n = x.shape[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedapps.pairwise_l1 import l1_distance_matrix
+from fedapps.pairwise_l1 import compiled, l1_distance_matrix
 
 
 def brute_force(x: np.ndarray) -> np.ndarray:
@@ -50,3 +50,13 @@ def test_bad_arguments() -> None:
         l1_distance_matrix(np.zeros((2, 3, 4)))
     with pytest.raises(ValueError, match="block and threads"):
         l1_distance_matrix(np.zeros((2, 3)), block=0)
+
+
+def test_kernels_still_compile_where_no_cache_directory_can_be_used(caplog: pytest.LogCaptureFixture) -> None:
+    # a function without a source file has no cache locator: numba's cache=True raises at decoration time
+    namespace: dict = {}
+    exec("def triple(a):\n    return 3 * a\n", namespace)
+    with caplog.at_level("WARNING", logger="fedapps"):
+        triple = compiled()(namespace["triple"])
+    assert triple(7) == 21
+    assert "cannot cache triple" in caplog.text
