@@ -7,6 +7,7 @@ Regularisers (WDR for cwFedAvg, proximal terms, r_B for COSMOS) are small pure f
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -70,7 +71,7 @@ def run_epochs(
     """The one training loop: shuffled minibatches of (x, y[, weights]) through ``loss_fn``; returns mean loss."""
     device = next(model.parameters()).device
     model.train()
-    opt = make_optimizer(model.parameters(), settings)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], settings)  # frozen parts stay as they are
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     total, steps = torch.zeros((), device=device), 0  # summed on the device: no host sync per step
     for _ in range(settings.epochs):
@@ -102,6 +103,19 @@ def class_distribution_from_rows(weight: Tensor) -> Tensor:
 def wdr_penalty(weight: Tensor, target_distribution: Tensor, lam: float) -> Tensor:
     """WDR: (λ/2)·‖p − p̃‖₂ (Euclidean norm, not squared) on the classifier rows."""
     return 0.5 * lam * torch.linalg.vector_norm(target_distribution - class_distribution_from_rows(weight))
+
+
+@contextmanager
+def frozen(model: nn.Module, names: set[str]) -> Iterator[None]:
+    """Within the block, the named parameters get no gradient (and so no update); restored afterwards."""
+    params = [p for n, p in model.named_parameters() if n in names and p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
 
 
 def proximal_penalty(model: nn.Module, anchor: dict[str, Tensor], mu: float) -> Tensor:

@@ -6,6 +6,10 @@ A message to a client carries:
   ``arrays``  (ArrayRecord, optional) model parameters: loaded into the client's own model when
               ``load-arrays`` is true, or evaluated in a separate model (op ``evaluate-received``);
   ``targets`` (ArrayRecord, optional) encoded pseudo-labels on U for ``distill`` (+ optional ``indices``).
+Arrays that are not loaded are the anchor of ``train.prox_mu`` (FedAMP's u_i, Ditto's global model) and what
+``train-received`` trains a copy of; with ``arrays.multi`` they hold several models ``m<k>.<name>`` for
+``select-model`` (IFCA). ``return-arrays`` sends back the private model (``arrays.from: private``) or the trained
+copy (``received``), whole (``arrays.keys: state``), parameters only (``params``) or without the head (``body``).
 ``persist-model`` (default true) keeps the client's model in ``Context.state`` after the message.
 A reply carries ``metrics`` (MetricRecord: ``client-id``, ``num-examples``, evaluation results, timings),
 and optionally ``arrays`` (the client's model) and ``predictions`` (encoded predictions on U) with ``info``.
@@ -32,7 +36,8 @@ PREDICTIONS = "predictions"
 INFO = "info"
 
 # operations the generic client knows
-OPS = ("evaluate", "train", "distill", "predict", "evaluate-received", "train-public")
+OPS = ("evaluate", "train", "distill", "predict", "evaluate-received", "train-public", "train-received", "select-model",
+       "evaluate-finetuned")
 
 MESSAGE_TYPE = "train"  # every round message is one Flower "train" message
 EVAL_MESSAGE_TYPE = "evaluate"  # evaluation-only messages (e.g. COSMOS cluster models)
@@ -54,7 +59,7 @@ def op_name(op: str) -> tuple[str, str]:
     base, _, tag = op.partition(":")
     if base not in OPS:
         raise ValueError(f"unknown client operation '{op}'; known: {', '.join(OPS)}")
-    default_tag = {"evaluate": "eval", "evaluate-received": "received"}.get(base, base)
+    default_tag = {"evaluate": "eval", "evaluate-received": "received", "evaluate-finetuned": "eval"}.get(base, base)
     return base, tag or default_tag
 
 

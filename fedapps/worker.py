@@ -103,14 +103,48 @@ def load_arrays(model: nn.Module, arrays: ArrayRecord, strict: bool) -> dict[str
     return received
 
 
+ARRAY_SELECTIONS = ("state", "params", "body")
+
+
 def model_arrays(model: nn.Module, which: str) -> ArrayRecord:
-    """The model as an ArrayRecord: 'params' (parameters only) or 'state' (parameters and buffers)."""
+    """The model as an ArrayRecord: 'state' (parameters and buffers), 'params' (parameters only) or 'body'
+    (parameters and buffers outside the classifier head: FedPer's shared part)."""
+    sd = model.state_dict()
     if which == "params":
         names = {n for n, _ in model.named_parameters()}
-        sd = {k: v for k, v in model.state_dict().items() if k in names}
-    else:
-        sd = model.state_dict()
+        sd = {k: v for k, v in sd.items() if k in names}
+    elif which == "body":
+        head = classifier_name(model) + "."
+        sd = {k: v for k, v in sd.items() if not k.startswith(head)}
+    elif which != "state":
+        raise ProtocolError(f"unknown arrays.keys '{which}'; allowed: {', '.join(ARRAY_SELECTIONS)}")
     return ArrayRecord({k: v.detach().cpu() for k, v in sd.items()})
+
+
+MODEL_PARTS = ("none", "head", "body")
+
+
+def part_names(model: nn.Module, part: str) -> set[str]:
+    """Parameter names of a part of the model: its classifier head, everything else (body), or none."""
+    if part not in MODEL_PARTS:
+        raise ProtocolError(f"unknown model part '{part}' to freeze; allowed: {', '.join(MODEL_PARTS)}")
+    if part == "none":
+        return set()
+    head = classifier_name(model) + "."
+    return {n for n, _ in model.named_parameters() if n.startswith(head) == (part == "head")}
+
+
+def split_models(arrays: ArrayRecord) -> list[dict[str, torch.Tensor]]:
+    """Several models in one record, keys 'm<k>.<name>' (IFCA's cluster models) -> one state dict per k."""
+    models: dict[int, dict[str, torch.Tensor]] = {}
+    for key, tensor in arrays.to_torch_state_dict().items():
+        prefix, _, name = key.partition(".")
+        if not (prefix.startswith("m") and prefix[1:].isdigit() and name):
+            raise ProtocolError(f"multi-model arrays need keys 'm<k>.<parameter>', got '{key}'")
+        models.setdefault(int(prefix[1:]), {})[name] = tensor
+    if sorted(models) != list(range(len(models))):
+        raise ProtocolError(f"multi-model arrays must number their models 0..K-1, got {sorted(models)}")
+    return [models[k] for k in range(len(models))]
 
 
 def optim_settings(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> ops.OptimSettings:
@@ -143,6 +177,7 @@ class Worker:
         self.metrics: dict[str, Any] = {"client-id": self.client_id, "num-examples": len(self.data.train_y)}
         self.reply = RecordDict()
         self.received: dict[str, torch.Tensor] | None = None
+        self.trained_copy: nn.Module | None = None  # the received model after 'train-received' (Ditto's global branch)
         rnd = int(self.config.get("round", 0))
         seed = int(self.config.get("model.seed", 0))
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rnd * 10_007 + self.client_id)
@@ -152,15 +187,22 @@ class Worker:
         """Run every operation in the message, save the private model, and build the reply."""
         t0 = time.perf_counter()
         self._check_public_set()
-        if protocol.ARRAYS in self.msg.content and self.config.get("load-arrays", False):
-            self.received = load_arrays(self.model, self.msg.content[protocol.ARRAYS], strict=False)
+        if protocol.ARRAYS in self.msg.content:
+            if self.config.get("load-arrays", False):
+                self.received = load_arrays(self.model, self.msg.content[protocol.ARRAYS], strict=False)
+            elif not self.config.get("arrays.multi", False):
+                # not loaded: the arrays are an anchor (FedAMP's u_i, Ditto's global model) or evaluated apart
+                self.received = self.msg.content[protocol.ARRAYS].to_torch_state_dict()
         for op in self.config["ops"]:
             base, tag = protocol.op_name(str(op))
             start = time.perf_counter()
             getattr(self, "op_" + base.replace("-", "_"))(tag)
             self.metrics[f"t-{tag}"] = time.perf_counter() - start
         if self.config.get("return-arrays", False):
-            self.reply[protocol.ARRAYS] = model_arrays(self.model, str(self.config.get("arrays.keys", "state")))
+            returned = self.trained_copy if self.config.get("arrays.from", "private") == "received" else self.model
+            if returned is None:
+                raise ProtocolError("arrays.from 'received' needs the 'train-received' operation in the message")
+            self.reply[protocol.ARRAYS] = model_arrays(returned, str(self.config.get("arrays.keys", "state")))
         if self.config.get("return-class-counts", False):
             self.metrics["class-counts"] = [int(v) for v in self.fed.train_counts[self.client_id]]
         if self.config.get("persist-model", True):
@@ -202,8 +244,52 @@ class Worker:
             self.metrics[f"{tag}-{k}"] = result[k]
 
     def op_train(self, tag: str) -> None:
-        section = protocol.section(self.config, "train")
+        """CE on the local data (+ regularisers). Settings: ``train.*``, overridden for a tagged op ``train:<tag>``
+        by ``train:<tag>.*`` (FedRep's head and body phases); ``freeze`` (head | body) keeps one part fixed."""
+        section = {**protocol.section(self.config, "train"), **protocol.section(self.config, f"train:{tag}")}
         settings = optim_settings(section, protocol.section(self.config, "client"))
+        with ops.frozen(self.model, part_names(self.model, str(section.get("freeze", "none")))):
+            result = ops.train(self.model, self.data.train_x, self.data.train_y, settings, self._regulariser(section), self.generator)
+        self.metrics[f"{tag}-loss"] = result["loss"]
+
+    def op_evaluate_finetuned(self, tag: str) -> None:
+        """Evaluate a copy of the model after training its head alone on the local data (FedBABU's evaluation;
+        settings ``finetune.*``); the model itself is left as it was."""
+        copy = build_model(self.arch, self.fed.num_classes, tuple(self.fed.input_shape)).to(self.device)
+        copy.load_state_dict(self.model.state_dict())
+        settings = optim_settings(protocol.section(self.config, "finetune"), protocol.section(self.config, "client"))
+        with ops.frozen(copy, part_names(copy, "body")):
+            ops.train(copy, self.data.train_x, self.data.train_y, settings, None, self.generator)
+        self._record_eval(tag, ops.evaluate(copy, self.data.test_x, self.data.test_y))
+
+    def op_train_received(self, tag: str) -> None:
+        """Train a copy of the received model on the local data, plainly (Ditto's global branch); the private
+        model is untouched and the copy is what ``arrays.from: received`` sends back."""
+        if self.received is None:
+            raise ProtocolError("train-received needs model arrays in the message")
+        copy = build_model(self.arch, self.fed.num_classes, tuple(self.fed.input_shape)).to(self.device)
+        copy.load_state_dict(self.received, strict=True)
+        settings = optim_settings(protocol.section(self.config, "train"), protocol.section(self.config, "client"))
+        result = ops.train(copy, self.data.train_x, self.data.train_y, settings, None, self.generator)
+        self.trained_copy = copy
+        self.metrics[f"{tag}-loss"] = result["loss"]
+
+    def op_select_model(self, tag: str) -> None:
+        """IFCA: of the K models in the message, load the one with the lowest loss on the local TRAIN data."""
+        if protocol.ARRAYS not in self.msg.content or not self.config.get("arrays.multi", False):
+            raise ProtocolError("select-model needs several models in the message (arrays.multi)")
+        candidates = split_models(self.msg.content[protocol.ARRAYS])
+        losses = []
+        for state in candidates:
+            self.model.load_state_dict(state, strict=True)
+            losses.append(ops.evaluate(self.model, self.data.train_x, self.data.train_y)["loss"])
+        best = int(np.argmin(losses))
+        self.model.load_state_dict(candidates[best], strict=True)
+        self.metrics[f"{tag}-index"] = best
+        self.metrics[f"{tag}-losses"] = [float(v) for v in losses]
+
+    def _regulariser(self, section: Mapping[str, Any]) -> ops.Regulariser | None:
+        """The training regularisers a message asks for: WDR (cwFedAvg) and a proximal term to the received arrays."""
         regularisers = []
         wdr = float(section.get("wdr_lambda", 0.0))
         if wdr > 0:
@@ -217,9 +303,7 @@ class Worker:
                 raise ProtocolError("train.prox_mu > 0 needs arrays in the message (the proximal anchor)")
             anchor = {k: v.to(self.device) for k, v in self.received.items()}
             regularisers.append(lambda m: ops.proximal_penalty(m, anchor, mu))
-        reg = (lambda m: sum(r(m) for r in regularisers)) if regularisers else None
-        result = ops.train(self.model, self.data.train_x, self.data.train_y, settings, reg, self.generator)
-        self.metrics[f"{tag}-loss"] = result["loss"]
+        return (lambda m: sum(r(m) for r in regularisers)) if regularisers else None
 
     def op_train_public(self, tag: str) -> None:
         """CE on U with its TRUE labels (FedMD's labelled-public pre-training; settings ``train-public.*``)."""

@@ -19,11 +19,13 @@ from fedapps.protocol import ClientReply
 from strategies.base import PersonalisedStrategy, weighted_average
 
 
-def initial_model_arrays(cfg) -> dict[str, np.ndarray]:
-    """The model every client starts from (seeded by the experiment seed)."""
+def initial_model_arrays(cfg, parameters_only: bool = False, seed: int | None = None) -> dict[str, np.ndarray]:
+    """The model every client starts from (seeded by the experiment seed unless ``seed`` is given): its whole
+    state, or its parameters only."""
     num_classes, shape = source_info(cfg.data.source, cfg.data.synthetic_classes, tuple(cfg.data.synthetic_shape))
-    model = build_model(cfg.model.name, num_classes, shape, seed=cfg.seed)
-    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    model = build_model(cfg.model.name, num_classes, shape, seed=cfg.seed if seed is None else seed)
+    names = {n for n, _ in model.named_parameters()} if parameters_only else None
+    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items() if names is None or k in names}
 
 
 class FedAvg(PersonalisedStrategy):

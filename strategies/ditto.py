@@ -1,0 +1,62 @@
+"""Ditto (Li et al., ICML 2021): a FedAvg global model plus a personal model per client, tied by a proximal term.
+
+Each round a sampled client receives the global model w. It trains a copy of w on its data (the global
+branch, sent back and averaged by sample count as in FedAvg), and trains its own personal model v, kept on
+the client between rounds, with cross-entropy + (λ/2)‖v − w‖² towards the w it received. The personal model
+is what is evaluated (on the client's test split, after the round's training). λ = 0 is Local plus a FedAvg
+run on the side; a large λ pulls v onto the global model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+from fedapps import protocol
+from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.protocol import ClientReply
+from strategies.base import PersonalisedStrategy, weighted_average
+from strategies.fedavg import initial_model_arrays
+
+
+@dataclass
+class DittoParams:
+    """Ditto's parameters."""
+
+    lam: float = 0.1  # λ: weight of the personal model's proximal term to the global model
+
+
+class Ditto(PersonalisedStrategy):
+    """FedAvg for the global model; proximal personal models on the clients."""
+
+    name = "ditto"
+    Params = DittoParams
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        super().check_config(cfg)
+        if cfg.strategy.params.lam < 0:
+            raise ConfigError(f"'strategy.params.lam' must be >= 0, got {cfg.strategy.params.lam}")
+
+    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
+        super().__init__(cfg, on_round)
+        self.global_arrays = initial_model_arrays(cfg)
+
+    def expect_arrays(self) -> bool:
+        return True
+
+    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+        config = {**self.base_config(), "load-arrays": False, "train.prox_mu": float(self.params.lam),
+                  "return-arrays": True, "arrays.from": "received", "arrays.keys": "state"}
+        arrays = protocol.arrays_record(self.global_arrays)
+        return [protocol.build_message(n, server_round, ["train-received", "train", "evaluate"], config, arrays=arrays)
+                for n in node_ids]
+
+    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
+        usable = [r for r in replies if r.arrays is not None and set(r.arrays) == set(self.global_arrays)]
+        if usable:
+            self.global_arrays = weighted_average([r.arrays for r in usable], [r.num_examples for r in usable])
+        return {}

@@ -1,0 +1,144 @@
+"""FedAMP (Huang et al., AAAI 2021): attentive message passing between similar clients' models.
+
+The server keeps every client's latest model w_j and builds, for each sampled client i, a personalised
+anchor u_i = Σ_j ξ_ij·w_j with
+    ξ_ij = α_K·exp(−‖w_i − w_j‖²/σ)/σ   (j ≠ i),      ξ_ii = 1 − Σ_{j≠i} ξ_ij,
+so clients with similar models pull on each other. The client keeps its own model, trains it from where it
+left off with cross-entropy + (λ/2)‖w − u_i‖² (the proximal term carries gradient into w — the PFLlib version
+computes it on detached tensors, which makes FedAMP plain local training; not reproduced here), evaluates it
+on its test split and sends its parameters back. Clients not heard from yet count with the initial model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+from fedapps import protocol
+from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.protocol import ClientReply
+from strategies.base import PersonalisedStrategy
+from strategies.fedavg import initial_model_arrays
+
+log = logging.getLogger("fedapps")
+
+
+# --------------------------------------------------------------------------- the maths (pure functions)
+
+
+def squared_distances(vectors: np.ndarray) -> np.ndarray:
+    """‖v_i − v_j‖² between the rows of an N×P matrix, via one Gram matrix (float64), zero diagonal."""
+    v = torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32))
+    gram = (v @ v.T).double().numpy()
+    sq = np.diagonal(gram)
+    d2 = np.maximum(sq[:, None] + sq[None, :] - 2.0 * gram, 0.0)
+    np.fill_diagonal(d2, 0.0)
+    return d2
+
+
+def attention_weights(d2: np.ndarray, alpha_k: float, sigma: float) -> np.ndarray:
+    """ξ from squared model distances: α_K·exp(−d²/σ)/σ off the diagonal, 1 − (row sum) on it."""
+    xi = alpha_k * np.exp(-np.asarray(d2, dtype=np.float64) / sigma) / sigma
+    np.fill_diagonal(xi, 0.0)
+    np.fill_diagonal(xi, 1.0 - xi.sum(axis=1))
+    return xi
+
+
+def flatten(arrays: dict[str, np.ndarray], keys: list[str]) -> np.ndarray:
+    """One parameter vector (float32) in a fixed key order."""
+    return np.concatenate([arrays[k].reshape(-1).astype(np.float32) for k in keys])
+
+
+def unflatten(vector: np.ndarray, like: dict[str, np.ndarray], keys: list[str]) -> dict[str, np.ndarray]:
+    """Inverse of :func:`flatten` (shapes and dtypes from ``like``)."""
+    out, start = {}, 0
+    for k in keys:
+        size = like[k].size
+        out[k] = vector[start:start + size].reshape(like[k].shape).astype(like[k].dtype)
+        start += size
+    return out
+
+
+# --------------------------------------------------------------------------- the strategy
+
+
+@dataclass
+class FedAMPParams:
+    """FedAMP's parameters."""
+
+    alpha_k: float = 0.01  # α_K: attention step; (num_clients − 1)·α_K/σ must stay <= 1 so that ξ_ii >= 0
+    sigma: float = 0.2  # σ: scale of the squared parameter distance in the attention kernel
+    lam: float = 1.0  # λ: weight of the proximal term (λ/2)‖w − u_i‖² on the client
+
+
+class FedAMP(PersonalisedStrategy):
+    """Personalised anchors from attention over all clients' latest models; local training towards them."""
+
+    name = "fedamp"
+    Params = FedAMPParams
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        super().check_config(cfg)
+        p: FedAMPParams = cfg.strategy.params
+        for key in ("alpha_k", "sigma"):
+            if getattr(p, key) <= 0:
+                raise ConfigError(f"'strategy.params.{key}' must be > 0, got {getattr(p, key)}")
+        if p.lam < 0:
+            raise ConfigError(f"'strategy.params.lam' must be >= 0, got {p.lam}")
+        worst = (cfg.data.num_clients - 1) * p.alpha_k / p.sigma
+        if worst > 1:
+            raise ConfigError(
+                f"FedAMP's self-weight ξ_ii = 1 − Σ ξ_ij can turn negative: (num_clients − 1)·alpha_k/sigma = {worst:.3g} > 1. "
+                f"Lower 'strategy.params.alpha_k' to at most {p.sigma / max(cfg.data.num_clients - 1, 1):.3g} or raise 'sigma'")
+
+    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
+        super().__init__(cfg, on_round)
+        initial = initial_model_arrays(cfg, parameters_only=True)
+        self.keys = list(initial)
+        self.like = {k: initial[k] for k in self.keys}
+        self.initial = flatten(initial, self.keys)
+        self.models: dict[int, np.ndarray] = {}  # client id -> its latest parameter vector
+        self._last_self_weight: float | None = None  # diagnostics of the last anchors: mean ξ_ii of the sampled
+        self._last_median_d2: float | None = None  # clients, median ‖w_i − w_j‖² (what σ is compared with)
+
+    def expect_arrays(self) -> bool:
+        return True
+
+    def anchors(self, clients: list[int]) -> dict[int, np.ndarray]:
+        """u_i for the given clients over every client known (and the given ones, at their current models)."""
+        pool = sorted(set(self.models) | set(clients))
+        vectors = np.stack([self.models.get(c, self.initial) for c in pool])
+        d2 = squared_distances(vectors)
+        xi = attention_weights(d2, self.params.alpha_k, self.params.sigma)
+        row = {c: i for i, c in enumerate(pool)}
+        chosen = np.array([row[c] for c in clients])
+        self._last_self_weight = float(np.diagonal(xi)[chosen].mean())
+        self._last_median_d2 = float(np.median(d2[np.triu_indices(len(pool), 1)])) if len(pool) > 1 else 0.0
+        u = torch.from_numpy(xi[chosen].astype(np.float32)) @ torch.from_numpy(vectors)
+        return {c: u[i].numpy() for i, c in enumerate(clients)}
+
+    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+        config = {**self.base_config(), "load-arrays": False, "train.prox_mu": float(self.params.lam),
+                  "return-arrays": True, "arrays.keys": "params"}
+        # a node not heard from yet is a client whose model is still the initial one: any id outside the pool does
+        clients = [self.node_to_client.get(n, -1 - i) for i, n in enumerate(node_ids)]
+        anchors = self.anchors(clients)
+        return [protocol.build_message(n, server_round, ["train", "evaluate"], config,
+                                       arrays=protocol.arrays_record(unflatten(anchors[c], self.like, self.keys)))
+                for n, c in zip(node_ids, clients)]
+
+    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
+        for r in replies:
+            if r.arrays is not None and set(r.arrays) == set(self.keys):
+                self.models[r.client_id] = flatten(r.arrays, self.keys)
+            else:
+                log.warning("round %d: client %d sent arrays that do not match the model; kept its previous one",
+                            server_round, r.client_id)
+        return {"attention_self_mean": self._last_self_weight, "model_distance_sq_median": self._last_median_d2}

@@ -1,0 +1,45 @@
+"""FedBABU (Oh et al., ICLR 2022): federated training of the body only, the head frozen at its random init.
+
+Every client's head is the same seeded random initialisation and is never trained during federation; the
+server averages the bodies (as FedPer). For evaluation each client fine-tunes a copy of its model's head on
+its training data (``finetune_epochs``, body frozen) and evaluates that copy on its test split — the model
+that continues federated training keeps the frozen initial head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+from fedapps import protocol
+from fedapps.config import ConfigError, ExperimentConfig
+from strategies.fedper import FedPer
+
+
+@dataclass
+class FedBABUParams:
+    """FedBABU's parameters."""
+
+    finetune_epochs: int = 5  # head fine-tuning epochs before each evaluation (on a copy of the model)
+
+
+class FedBABU(FedPer):
+    """Body averaged with the head frozen; evaluation after fine-tuning the head."""
+
+    name = "fedbabu"
+    Params = FedBABUParams
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        super().check_config(cfg)
+        if cfg.strategy.params.finetune_epochs < 1:
+            raise ConfigError(f"'strategy.params.finetune_epochs' must be >= 1, got {cfg.strategy.params.finetune_epochs}")
+
+    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+        config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "body",
+                  "train.freeze": "head", "finetune.epochs": int(self.params.finetune_epochs)}
+        arrays = protocol.arrays_record(self.body)
+        return [protocol.build_message(n, server_round, ["train", "evaluate-finetuned"], config, arrays=arrays)
+                for n in node_ids]

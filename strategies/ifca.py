@@ -1,0 +1,97 @@
+"""IFCA (Ghosh et al., NeurIPS 2020): K cluster models; every client joins the one that fits its data best.
+
+Each round every sampled client receives all K cluster models, computes each one's loss on its TRAINING data,
+takes the lowest (ties: the lower index), evaluates that model on its test split (as FedAvg's global model is
+evaluated, before local training), trains it and sends it back with its choice. The server averages, per
+cluster, the models of the clients that chose it (by sample count); a cluster nobody chose keeps its model.
+The K models start from different seeds (the experiment seed + k) so that they can separate. No model stays
+on the client. Download cost: K models per client per round.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+from fedapps import protocol
+from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.protocol import ClientReply
+from strategies.base import PersonalisedStrategy, weighted_average
+from strategies.fedavg import initial_model_arrays
+
+log = logging.getLogger("fedapps")
+
+CHOICE = "select-model-index"  # the metric a client reports its chosen cluster in
+
+
+def pack_models(models: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """K state dicts -> one dict with keys 'm<k>.<name>' (the client splits it back)."""
+    return {f"m{k}.{name}": value for k, model in enumerate(models) for name, value in model.items()}
+
+
+def average_per_cluster(models: list[dict[str, np.ndarray]], replies: list[ClientReply]) -> tuple[list[dict[str, np.ndarray]], list[int]]:
+    """New cluster models (each the sample-weighted mean of its choosers' models, or unchanged) and sizes."""
+    out, sizes = [], []
+    for k, current in enumerate(models):
+        chosen = [r for r in replies if int(r.metrics[CHOICE]) == k]
+        sizes.append(len(chosen))
+        out.append(weighted_average([r.arrays for r in chosen], [r.num_examples for r in chosen]) if chosen else current)
+    return out, sizes
+
+
+@dataclass
+class IFCAParams:
+    """IFCA's parameters."""
+
+    clusters: int = 2  # K cluster models
+
+
+class IFCA(PersonalisedStrategy):
+    """Iterative federated clustering by lowest training loss."""
+
+    name = "ifca"
+    Params = IFCAParams
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        super().check_config(cfg)
+        k = cfg.strategy.params.clusters
+        if not 1 <= k <= cfg.data.num_clients:
+            raise ConfigError(f"'strategy.params.clusters' must be in [1, data.num_clients = {cfg.data.num_clients}], got {k}")
+
+    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
+        super().__init__(cfg, on_round)
+        self.models = [initial_model_arrays(cfg, seed=cfg.seed + k) for k in range(self.params.clusters)]
+        self.assignment: dict[int, int] = {}  # client id -> cluster chosen last
+
+    def expect_arrays(self) -> bool:
+        return True
+
+    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+        config = {**self.base_config(), "arrays.multi": True, "load-arrays": False, "persist-model": False,
+                  "return-arrays": True, "arrays.keys": "state"}
+        arrays = protocol.arrays_record(pack_models(self.models))
+        return [protocol.build_message(n, server_round, ["select-model", "evaluate", "train"], config, arrays=arrays)
+                for n in node_ids]
+
+    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
+        keys = set(self.models[0])
+        usable = []
+        for r in replies:
+            choice = r.metrics.get(CHOICE)
+            if r.arrays is None or set(r.arrays) != keys or choice is None or not 0 <= int(choice) < len(self.models):
+                log.warning("round %d: client %d's reply has no valid model or cluster choice; skipped", server_round, r.client_id)
+                continue
+            usable.append(r)
+            self.assignment[r.client_id] = int(choice)
+        self.models, sizes = average_per_cluster(self.models, usable)
+        log.info("round %d: IFCA cluster sizes %s", server_round, sizes)
+        return {"clusters": sum(1 for s in sizes if s), "cluster_sizes": " ".join(str(s) for s in sizes)}
+
+    def final_summary(self) -> dict[str, Any]:
+        return {"cluster_assignment": {str(c): k for c, k in sorted(self.assignment.items())}}

@@ -1,0 +1,228 @@
+"""FedAMP, Ditto, IFCA and FedPer: their maths by hand, the client operations they add, and short runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import server_app
+from fedapps import protocol
+from fedapps.config import ConfigError, load_config
+from fedapps.inprocess import InProcessGrid
+from fedapps.models import build_model
+from fedapps.protocol import ARRAYS, ClientReply
+from fedapps.worker import STATE_MODEL, ProtocolError, Worker, model_arrays, split_models
+from strategies.fedamp import attention_weights, flatten, squared_distances, unflatten
+from strategies.ifca import average_per_cluster, pack_models
+from test_ops_worker import worker_message
+
+PATHOLOGICAL = {"source": "digits", "partition": "pathological", "num_clients": 4, "classes_per_client": 2}
+
+
+def run(cfg_path, tmp_path, grid=None):
+    cfg = load_config(cfg_path, "")
+    grid = grid or InProcessGrid(cfg.data.num_clients)
+    return server_app.run_experiment(grid, str(cfg_path), "", str(tmp_path / "out")), grid
+
+
+def mlp_state(seed: int) -> dict[str, np.ndarray]:
+    model = build_model("mlp", 10, (1, 8, 8), seed=seed)
+    return {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+# --------------------------------------------------------------------------- FedAMP
+
+
+def test_attention_weights_by_hand() -> None:
+    d2 = np.array([[0.0, 1.0, 4.0], [1.0, 0.0, 9.0], [4.0, 9.0, 0.0]])
+    xi = attention_weights(d2, alpha_k=0.1, sigma=2.0)
+    off = lambda d: 0.1 * np.exp(-d / 2.0) / 2.0  # noqa: E731
+    assert xi[0, 1] == pytest.approx(off(1.0)) and xi[1, 2] == pytest.approx(off(9.0))
+    assert xi[0, 0] == pytest.approx(1 - off(1.0) - off(4.0))
+    np.testing.assert_allclose(xi.sum(axis=1), 1.0)
+    np.testing.assert_allclose(xi, xi.T)  # symmetric distances, symmetric attention
+    # identical models: every other client gets α_K/σ
+    np.testing.assert_allclose(attention_weights(np.zeros((3, 3)), 0.1, 2.0)[0], [0.9, 0.05, 0.05])
+
+
+def test_squared_distances_and_flattening() -> None:
+    v = np.random.default_rng(0).normal(size=(5, 40)).astype(np.float32)
+    brute = ((v[:, None, :] - v[None, :, :]) ** 2).sum(-1)
+    np.testing.assert_allclose(squared_distances(v), brute, rtol=1e-4, atol=1e-3)
+    state = mlp_state(0)
+    keys = list(state)
+    back = unflatten(flatten(state, keys), state, keys)
+    assert all(np.array_equal(back[k], state[k]) and back[k].dtype == state[k].dtype for k in keys)
+
+
+def test_fedamp_anchor_is_the_attention_mix_of_known_models(tiny_config) -> None:
+    from strategies.fedamp import FedAMP
+
+    cfg = load_config(tiny_config(strategy={"name": "fedamp", "params": {"alpha_k": 0.1, "sigma": 1.0}}), "")
+    strategy = FedAMP(cfg)
+    n = len(strategy.initial)
+    strategy.models = {0: np.zeros(n, np.float32), 1: np.full(n, 1e-3, np.float32)}
+    u = strategy.anchors([0, 7])  # client 7 has not replied yet: it counts with the initial model
+    pool = np.stack([np.zeros(n), np.full(n, 1e-3), strategy.initial]).astype(np.float32)
+    xi = attention_weights(squared_distances(pool), 0.1, 1.0)
+    np.testing.assert_allclose(u[0], xi[0] @ pool, atol=1e-6)
+    np.testing.assert_allclose(u[7], xi[2] @ pool, atol=1e-6)
+
+
+def test_fedamp_refuses_a_config_with_possibly_negative_self_weight(tiny_config) -> None:
+    with pytest.raises(ConfigError, match=r"alpha_k.*at most 0\.333"):
+        load_config(tiny_config(strategy={"name": "fedamp", "params": {"alpha_k": 1.0, "sigma": 1.0}}), "")
+
+
+def test_anchor_arrays_are_not_loaded_and_pull_the_model(tmp_path) -> None:
+    """load-arrays false + train.prox_mu: the private model trains from where it was, towards the anchor."""
+    anchor = {k: np.zeros_like(v) for k, v in mlp_state(0).items()}
+    distances = {}
+    for mu in (0.0, 10.0):
+        grid, msg = worker_message(["train"], {"load-arrays": False, "train.prox_mu": mu, "return-arrays": True,
+                                               "arrays.keys": "params"}, arrays=protocol.arrays_record(anchor))
+        reply = Worker(msg, grid.contexts[100]).run()
+        sent = {k: v.numpy() for k, v in reply.content[ARRAYS].items()}
+        assert set(sent) == {n for n, _ in build_model("mlp", 10, (1, 8, 8)).named_parameters()}
+        distances[mu] = sum(float((v ** 2).sum()) for v in sent.values())  # ‖w − 0‖²
+    initial = sum(float((v ** 2).sum()) for k, v in mlp_state(0).items())
+    assert distances[0.0] > 0.5 * initial  # not loaded: training started from the client's own model
+    assert distances[10.0] < 0.5 * distances[0.0]  # the proximal term carries gradient towards the anchor
+
+
+# --------------------------------------------------------------------------- Ditto
+
+
+def test_train_received_sends_back_the_trained_copy_and_keeps_the_personal_model() -> None:
+    global_state = mlp_state(3)
+    grid, msg = worker_message(["train-received", "train"], {"load-arrays": False, "train.prox_mu": 0.1,
+                                                            "return-arrays": True, "arrays.from": "received"},
+                               arrays=protocol.arrays_record(global_state))
+    ctx = grid.contexts[100]
+    reply = Worker(msg, ctx).run()
+    sent = {k: v.numpy() for k, v in reply.content[ARRAYS].items()}
+    personal = {k: v.numpy() for k, v in ctx.state[STATE_MODEL].items()}
+    assert "train-received-loss" in reply.content["metrics"]
+    key = "fc.weight"
+    assert not np.allclose(sent[key], global_state[key])  # the copy was trained
+    assert not np.allclose(sent[key], personal[key])  # and it is not the personal model
+
+
+def test_arrays_from_received_without_train_received_is_an_error() -> None:
+    grid, msg = worker_message(["train"], {"return-arrays": True, "arrays.from": "received"})
+    reply = grid.send_and_receive([msg])[0]
+    assert reply.has_error() and "train-received" in reply.error.reason
+
+
+# --------------------------------------------------------------------------- IFCA
+
+
+def test_packed_models_split_back_and_bad_keys_are_refused() -> None:
+    models = [mlp_state(0), mlp_state(1)]
+    back = split_models(protocol.arrays_record(pack_models(models)))
+    assert len(back) == 2 and all(np.array_equal(back[1][k].numpy(), models[1][k]) for k in models[1])
+    with pytest.raises(ProtocolError, match="m<k>"):
+        split_models(protocol.arrays_record({"weight": np.zeros(2)}))
+
+
+def test_select_model_picks_the_lowest_training_loss() -> None:
+    # a model trained on this client's data against an untrained one, in either order
+    grid, msg = worker_message(["train"], {"client.epochs": 5, "return-arrays": True})
+    trained = {k: v.numpy() for k, v in Worker(msg, grid.contexts[100]).run().content[ARRAYS].items()}
+    for order, expected in (([mlp_state(5), trained], 1), ([trained, mlp_state(5)], 0)):
+        grid, msg = worker_message(["select-model"], {"arrays.multi": True, "load-arrays": False},
+                                   arrays=protocol.arrays_record(pack_models(order)))
+        metrics = Worker(msg, grid.contexts[100]).run().content["metrics"]
+        assert metrics["select-model-index"] == expected
+        losses = metrics["select-model-losses"]
+        assert losses[expected] == min(losses) and len(losses) == 2
+
+
+def test_average_per_cluster_by_hand() -> None:
+    models = [{"w": np.zeros(2, np.float32)}, {"w": np.ones(2, np.float32)}, {"w": np.full(2, 7, np.float32)}]
+    replies = [ClientReply(0, 0, 10, {"select-model-index": 0}, {"w": np.array([1.0, 2.0], np.float32)}),
+               ClientReply(1, 1, 30, {"select-model-index": 0}, {"w": np.array([5.0, 6.0], np.float32)}),
+               ClientReply(2, 2, 5, {"select-model-index": 1}, {"w": np.array([9.0, 9.0], np.float32)})]
+    new, sizes = average_per_cluster(models, replies)
+    np.testing.assert_allclose(new[0]["w"], [4.0, 5.0])  # (10·1 + 30·5)/40, (10·2 + 30·6)/40
+    np.testing.assert_allclose(new[1]["w"], [9.0, 9.0])
+    np.testing.assert_allclose(new[2]["w"], [7.0, 7.0])  # nobody chose it: unchanged
+    assert sizes == [2, 1, 0]
+
+
+# --------------------------------------------------------------------------- FedPer
+
+
+def test_body_selection_leaves_the_head_out() -> None:
+    model = build_model("cnn", 10, (1, 28, 28))
+    body = model_arrays(model, "body")
+    assert set(body) == {k for k in model.state_dict() if not k.startswith("fc.")}  # `fc` is the CNN's head
+    with pytest.raises(ProtocolError, match="arrays.keys"):
+        model_arrays(model, "head")
+
+
+# --------------------------------------------------------------------------- FedRep, FedBABU: frozen parts
+
+
+def changed_parts(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> set[str]:
+    """Which of head ('fc.*') and body moved."""
+    moved = {k for k in before if not np.array_equal(before[k], after[k])}
+    return {"head" if k.startswith("fc.") else "body" for k in moved}
+
+
+@pytest.mark.parametrize("ops_list,extra,expected", [
+    (["train"], {"train.freeze": "head"}, {"body"}),
+    (["train"], {"train.freeze": "body"}, {"head"}),
+    (["train"], {}, {"head", "body"}),
+    (["train:head"], {"train:head.freeze": "body", "train.freeze": "head"}, {"head"}),  # the tagged section wins
+])
+def test_freeze_keeps_a_part_fixed(ops_list, extra, expected) -> None:
+    grid, msg = worker_message(ops_list, {"return-arrays": True, **extra})
+    after = {k: v.numpy() for k, v in Worker(msg, grid.contexts[100]).run().content[ARRAYS].items()}
+    assert changed_parts(mlp_state(0), after) == expected
+
+
+def test_unknown_part_to_freeze_is_an_error() -> None:
+    grid, msg = worker_message(["train"], {"train.freeze": "tail"})
+    reply = grid.send_and_receive([msg])[0]
+    assert reply.has_error() and "allowed: none, head, body" in reply.error.reason
+
+
+def test_evaluate_finetuned_trains_a_copy_of_the_head_only() -> None:
+    grid, msg = worker_message(["evaluate:plain", "evaluate-finetuned"], {"finetune.epochs": 5})
+    ctx = grid.contexts[100]
+    metrics = Worker(msg, ctx).run().content["metrics"]
+    kept = {k: v.numpy() for k, v in ctx.state[STATE_MODEL].items()}
+    assert changed_parts(mlp_state(0), kept) == set()  # the model itself did not move
+    assert metrics["eval-acc"] > metrics["plain-acc"] + 0.2  # a trained head on the random body beats none
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.parametrize("name,params", [("fedamp", {"alpha_k": 0.05}), ("ditto", {"lam": 0.1}),
+                                         ("ifca", {"clusters": 2}), ("fedper", None), ("fedrep", {"head_epochs": 2}),
+                                         ("fedbabu", {"finetune_epochs": 2})])
+def test_short_runs_learn_and_send_what_they_should(tiny_config, tmp_path, name, params) -> None:
+    strategy = {"name": name} if params is None else {"name": name, "params": params}
+    summary, grid = run(tiny_config(rounds=3, strategy=strategy, data=PATHOLOGICAL), tmp_path)
+    assert summary["strategy"] == name and summary["accuracy_mean"] > 0.6
+    sent = [m for m in grid.sent if m.metadata.group_id == "2"]
+    replies = [m for m in grid.replies if not m.has_error()]
+    assert len(sent) == 4 and all(ARRAYS in m.content for m in sent + replies)
+    model_keys = set(build_model("mlp", 10, (1, 8, 8)).state_dict())
+    head = {"fc.weight", "fc.bias"}  # the MLP's classifier
+    if name == "ifca":
+        assert len(sent[0].content[ARRAYS]) == 2 * len(model_keys)  # both cluster models go to every client
+        assert sorted(summary["cluster_assignment"]) == ["0", "1", "2", "3"]
+    if name in ("fedper", "fedrep", "fedbabu"):  # the personal head never travels
+        for m in sent + replies:
+            assert not set(m.content[ARRAYS]) & head
+    if name == "fedbabu":  # the head is never trained: every client still has the initial one
+        for ctx in grid.contexts.values():
+            assert changed_parts(mlp_state(0), {k: v.numpy() for k, v in ctx.state[STATE_MODEL].items()}) <= {"body"}
+    if name == "fedamp":  # anchors differ per client once models differ
+        a, b = (m.content[ARRAYS] for m in sent[:2])
+        key = next(iter(a))
+        assert not np.allclose(a[key].numpy(), b[key].numpy())
