@@ -228,3 +228,12 @@ def weighted_average(arrays: list[Mapping[str, np.ndarray]], weights: list[float
         else:
             out[key] = first.copy()
     return out
+
+
+def average_matching(replies: list[ClientReply], current: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Sample-weighted mean of the replies whose arrays have exactly ``current``'s keys (others are ignored);
+    ``current`` itself when none has."""
+    usable = [r for r in replies if r.arrays is not None and set(r.arrays) == set(current)]
+    if not usable:
+        return dict(current)
+    return weighted_average([r.arrays for r in usable], [r.num_examples for r in usable])

@@ -18,7 +18,7 @@ from flwr.serverapp import Grid
 from fedapps import protocol
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.protocol import ClientReply
-from strategies.base import PersonalisedStrategy, weighted_average
+from strategies.base import PersonalisedStrategy, average_matching
 from strategies.fedavg import initial_model_arrays
 
 
@@ -56,7 +56,5 @@ class Ditto(PersonalisedStrategy):
                 for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
-        usable = [r for r in replies if r.arrays is not None and set(r.arrays) == set(self.global_arrays)]
-        if usable:
-            self.global_arrays = weighted_average([r.arrays for r in usable], [r.num_examples for r in usable])
+        self.global_arrays = average_matching(replies, self.global_arrays)
         return {}

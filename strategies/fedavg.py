@@ -16,7 +16,7 @@ from fedapps import protocol
 from fedapps.data import source_info
 from fedapps.models import build_model
 from fedapps.protocol import ClientReply
-from strategies.base import PersonalisedStrategy, weighted_average
+from strategies.base import PersonalisedStrategy, average_matching
 
 
 def initial_model_arrays(cfg, parameters_only: bool = False, seed: int | None = None) -> dict[str, np.ndarray]:
@@ -47,7 +47,5 @@ class FedAvg(PersonalisedStrategy):
         return [protocol.build_message(n, server_round, ["evaluate", "train"], config, arrays=arrays) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
-        usable = [r for r in replies if r.arrays is not None and set(r.arrays) == set(self.global_arrays)]
-        if usable:
-            self.global_arrays = weighted_average([r.arrays for r in usable], [r.num_examples for r in usable])
+        self.global_arrays = average_matching(replies, self.global_arrays)
         return {}

@@ -17,7 +17,7 @@ from fedapps.config import ExperimentConfig
 from fedapps.data import source_info
 from fedapps.models import build_model, classifier_name
 from fedapps.protocol import ClientReply
-from strategies.base import PersonalisedStrategy, weighted_average
+from strategies.base import PersonalisedStrategy, average_matching
 from strategies.fedavg import initial_model_arrays
 
 
@@ -48,7 +48,5 @@ class FedPer(PersonalisedStrategy):
         return [protocol.build_message(n, server_round, ["train", "evaluate"], config, arrays=arrays) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
-        usable = [r for r in replies if r.arrays is not None and set(r.arrays) == set(self.body)]
-        if usable:
-            self.body = weighted_average([r.arrays for r in usable], [r.num_examples for r in usable])
+        self.body = average_matching(replies, self.body)
         return {}

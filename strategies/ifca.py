@@ -21,7 +21,7 @@ from flwr.serverapp import Grid
 from fedapps import protocol
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.protocol import ClientReply
-from strategies.base import PersonalisedStrategy, weighted_average
+from strategies.base import PersonalisedStrategy, average_matching
 from strategies.fedavg import initial_model_arrays
 
 log = logging.getLogger("fedapps")
@@ -40,7 +40,7 @@ def average_per_cluster(models: list[dict[str, np.ndarray]], replies: list[Clien
     for k, current in enumerate(models):
         chosen = [r for r in replies if int(r.metrics[CHOICE]) == k]
         sizes.append(len(chosen))
-        out.append(weighted_average([r.arrays for r in chosen], [r.num_examples for r in chosen]) if chosen else current)
+        out.append(average_matching(chosen, current))
     return out, sizes
 
 
