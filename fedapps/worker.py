@@ -255,8 +255,7 @@ class Worker:
     def op_evaluate_finetuned(self, tag: str) -> None:
         """Evaluate a copy of the model after training its head alone on the local data (FedBABU's evaluation;
         settings ``finetune.*``); the model itself is left as it was."""
-        copy = build_model(self.arch, self.fed.num_classes, tuple(self.fed.input_shape)).to(self.device)
-        copy.load_state_dict(self.model.state_dict())
+        copy = self._model_from(self.model.state_dict())
         settings = optim_settings(protocol.section(self.config, "finetune"), protocol.section(self.config, "client"))
         with ops.frozen(copy, part_names(copy, "body")):
             ops.train(copy, self.data.train_x, self.data.train_y, settings, None, self.generator)
@@ -267,12 +266,17 @@ class Worker:
         model is untouched and the copy is what ``arrays.from: received`` sends back."""
         if self.received is None:
             raise ProtocolError("train-received needs model arrays in the message")
-        copy = build_model(self.arch, self.fed.num_classes, tuple(self.fed.input_shape)).to(self.device)
-        copy.load_state_dict(self.received, strict=True)
+        copy = self._model_from(self.received)
         settings = optim_settings(protocol.section(self.config, "train"), protocol.section(self.config, "client"))
         result = ops.train(copy, self.data.train_x, self.data.train_y, settings, None, self.generator)
         self.trained_copy = copy
         self.metrics[f"{tag}-loss"] = result["loss"]
+
+    def _model_from(self, state: Mapping[str, torch.Tensor]) -> nn.Module:
+        """A separate model of the client's architecture holding the given (complete) state."""
+        model = build_model(self.arch, self.fed.num_classes, tuple(self.fed.input_shape)).to(self.device)
+        model.load_state_dict(state, strict=True)
+        return model
 
     def op_select_model(self, tag: str) -> None:
         """IFCA: of the K models in the message, load the one with the lowest loss on the local TRAIN data."""
