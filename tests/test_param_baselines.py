@@ -162,6 +162,55 @@ def test_body_selection_leaves_the_head_out() -> None:
         model_arrays(model, "head")
 
 
+# --------------------------------------------------------------------------- CFL
+
+
+def test_cosine_similarity_and_split_criterion_by_hand() -> None:
+    from strategies.cfl import cosine_similarities, should_split
+
+    u = np.array([[1.0, 0.0], [0.0, 2.0], [-3.0, 0.0], [0.0, 0.0]])
+    sim = cosine_similarities(u)
+    assert sim[0, 1] == pytest.approx(0.0) and sim[0, 2] == pytest.approx(-1.0)
+    assert sim[3, 0] == 0.0 and sim[3, 3] == 1.0  # a zero update is similar to nothing but itself
+    # mean of (1, 0) and (-3, 0) weighted 3:1 is (0, 0): converged as a whole, while one client pulls with norm 3
+    split, mean_norm, max_norm = should_split(u[[0, 2]], np.array([3.0, 1.0]), eps1=0.1, eps2=2.0)
+    assert split and mean_norm == pytest.approx(0.0) and max_norm == pytest.approx(3.0)
+    assert not should_split(u[[0, 2]], np.array([3.0, 1.0]), eps1=0.1, eps2=3.5)[0]  # nobody pulls hard enough
+    assert not should_split(u[[0, 1]], np.array([1.0, 1.0]), eps1=0.1, eps2=0.5)[0]  # not converged: mean ≈ 1.1
+
+
+def test_bipartition_separates_opposite_updates() -> None:
+    from strategies.cfl import bipartition, cosine_similarities
+
+    rng = np.random.default_rng(0)
+    v = rng.normal(size=50)
+    updates = np.stack([v + 0.1 * rng.normal(size=50) for _ in range(3)] + [-v + 0.1 * rng.normal(size=50) for _ in range(3)])
+    order = [3, 0, 4, 1, 5, 2]  # interleaved: rows 1, 3, 5 go with -v
+    first, second = bipartition(cosine_similarities(updates[order]))
+    assert first == [0, 2, 4] and second == [1, 3, 5]  # the group holding row 0 comes first
+
+
+def test_cfl_splits_a_converged_cluster_with_disagreeing_clients(tiny_config) -> None:
+    from strategies.cfl import CFL
+
+    cfg = load_config(tiny_config(strategy={"name": "cfl", "params": {"eps1": 0.5, "eps2": 1.0, "warmup_rounds": 0}}), "")
+    strategy = CFL(cfg)
+    sent = strategy.models[0]
+    key = strategy.parameter_keys[0]
+
+    def reply(client: int, sign: float) -> ClientReply:
+        arrays = {k: v.copy() for k, v in sent.items()}
+        arrays[key] = arrays[key] + sign * 0.5  # a large update, opposite for the two groups
+        return ClientReply(client, client, 10, {}, arrays)
+
+    extra = strategy.aggregate(1, [reply(0, 1.0), reply(1, -1.0), reply(2, 1.0), reply(3, -1.0)])
+    assert extra["clusters"] == 2 and strategy.cluster_of == {0: 0, 1: 1, 2: 0, 3: 1}
+    # the mean of the opposite updates is zero: both halves start from the unchanged cluster model
+    assert all(np.allclose(strategy.models[1][k], sent[k], atol=1e-6) for k in sent)
+    messages = strategy.round_messages(2, [10, 11], InProcessGrid(4))  # unknown nodes go to cluster 0
+    assert len(messages) == 2 and strategy.splits == [(1, 0, 1)]
+
+
 # --------------------------------------------------------------------------- FedRep, FedBABU: frozen parts
 
 
@@ -203,7 +252,7 @@ def test_evaluate_finetuned_trains_a_copy_of_the_head_only() -> None:
 
 @pytest.mark.parametrize("name,params", [("fedamp", {"alpha_k": 0.05}), ("ditto", {"lam": 0.1}),
                                          ("ifca", {"clusters": 2}), ("fedper", None), ("fedrep", {"head_epochs": 2}),
-                                         ("fedbabu", {"finetune_epochs": 2})])
+                                         ("fedbabu", {"finetune_epochs": 2}), ("cfl", {"warmup_rounds": 1})])
 def test_short_runs_learn_and_send_what_they_should(tiny_config, tmp_path, name, params) -> None:
     strategy = {"name": name} if params is None else {"name": name, "params": params}
     summary, grid = run(tiny_config(rounds=3, strategy=strategy, data=PATHOLOGICAL), tmp_path)
@@ -213,9 +262,10 @@ def test_short_runs_learn_and_send_what_they_should(tiny_config, tmp_path, name,
     assert len(sent) == 4 and all(ARRAYS in m.content for m in sent + replies)
     model_keys = set(build_model("mlp", 10, (1, 8, 8)).state_dict())
     head = {"fc.weight", "fc.bias"}  # the MLP's classifier
+    if name in ("ifca", "cfl"):
+        assert sorted(summary["cluster_assignment"]) == ["0", "1", "2", "3"]
     if name == "ifca":
         assert len(sent[0].content[ARRAYS]) == 2 * len(model_keys)  # both cluster models go to every client
-        assert sorted(summary["cluster_assignment"]) == ["0", "1", "2", "3"]
     if name in ("fedper", "fedrep", "fedbabu"):  # the personal head never travels
         for m in sent + replies:
             assert not set(m.content[ARRAYS]) & head

@@ -1,0 +1,159 @@
+"""CFL — clustered federated learning (Sattler, Müller & Samek, IEEE TNNLS 2021).
+
+All clients start in one cluster with one model. Each round a sampled client receives its cluster's model,
+evaluates it on its test split (as FedAvg's global model is evaluated), trains it and sends it back; the
+server averages each cluster's models by sample count. Then, for every cluster whose training has stalled as
+a whole while some clients still pull hard — the norm of the mean update Δθ̄ below ``eps1`` and the largest
+client update norm above ``eps2`` — and that has more than ``min_split_size`` members this round, the
+clients are bi-partitioned by the cosine similarity of their updates Δθ_i = θ_i − θ_cluster: complete-linkage
+agglomerative clustering into two groups, i.e. the split that keeps the most dissimilar updates apart.
+Both halves start from the cluster's new model. Clients never sampled yet belong to the first cluster.
+The update norms are written to rounds.csv so that ``eps1``/``eps2`` can be set for a model and learning rate.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import Message
+from flwr.serverapp import Grid
+from sklearn.cluster import AgglomerativeClustering
+
+from fedapps import protocol
+from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.protocol import ClientReply
+from strategies.base import PersonalisedStrategy, average_matching
+from strategies.fedavg import initial_model_arrays
+
+log = logging.getLogger("fedapps")
+
+
+# --------------------------------------------------------------------------- the maths (pure functions)
+
+
+def update_vector(new: dict[str, np.ndarray], old: dict[str, np.ndarray], keys: list[str]) -> np.ndarray:
+    """Δθ = new − old over the given (parameter) keys, flattened, float64."""
+    return np.concatenate([(new[k].astype(np.float64) - old[k].astype(np.float64)).reshape(-1) for k in keys])
+
+
+def cosine_similarities(updates: np.ndarray) -> np.ndarray:
+    """Pairwise cosine similarity of the rows (a zero row is similar to nothing but itself)."""
+    norms = np.linalg.norm(updates, axis=1)
+    unit = updates / np.where(norms > 0, norms, 1.0)[:, None]
+    sim = unit @ unit.T
+    np.fill_diagonal(sim, 1.0)
+    return np.clip(sim, -1.0, 1.0)
+
+
+def should_split(updates: np.ndarray, weights: np.ndarray, eps1: float, eps2: float) -> tuple[bool, float, float]:
+    """CFL's criterion: ‖weighted mean update‖ < eps1 and max ‖update‖ > eps2; returns (split?, mean, max)."""
+    w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
+    mean_norm = float(np.linalg.norm(w @ updates))
+    max_norm = float(np.linalg.norm(updates, axis=1).max())
+    return mean_norm < eps1 and max_norm > eps2, mean_norm, max_norm
+
+
+def bipartition(similarity: np.ndarray) -> tuple[list[int], list[int]]:
+    """Two groups (row indices) by complete-linkage clustering on the distance 1 − similarity; the group
+    holding row 0 comes first."""
+    labels = AgglomerativeClustering(n_clusters=2, metric="precomputed", linkage="complete").fit(1.0 - similarity).labels_
+    first = [i for i in range(len(labels)) if labels[i] == labels[0]]
+    return first, [i for i in range(len(labels)) if labels[i] != labels[0]]
+
+
+# --------------------------------------------------------------------------- the strategy
+
+
+@dataclass
+class CFLParams:
+    """CFL's parameters (the norms depend on the model and the learning rate: read them in rounds.csv)."""
+
+    # read off rounds.csv on configs/cfl.yaml's setting (CNN, SGD lr 0.005): mean 0.08, max 0.38 in round 5
+    eps1: float = 0.09  # split only when the cluster's mean update norm is below this (it has converged as a whole)
+    eps2: float = 0.2  # ... and some client's update norm is above this (that client still disagrees)
+    min_split_size: int = 2  # split only clusters with more replying members than this
+    warmup_rounds: int = 5  # no split before this round
+
+
+class CFL(PersonalisedStrategy):
+    """One model per cluster; clusters split recursively by the cosine similarity of client updates."""
+
+    name = "cfl"
+    Params = CFLParams
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        super().check_config(cfg)
+        p: CFLParams = cfg.strategy.params
+        if p.eps1 <= 0 or p.eps2 <= 0:
+            raise ConfigError(f"'strategy.params.eps1' and 'eps2' must be > 0, got {p.eps1} and {p.eps2}")
+        if p.min_split_size < 2:
+            raise ConfigError(f"'strategy.params.min_split_size' must be >= 2 (two halves), got {p.min_split_size}")
+        if p.warmup_rounds < 0:
+            raise ConfigError(f"'strategy.params.warmup_rounds' must be >= 0, got {p.warmup_rounds}")
+
+    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
+        super().__init__(cfg, on_round)
+        self.models = [initial_model_arrays(cfg)]  # one model per cluster
+        self.parameter_keys = list(initial_model_arrays(cfg, parameters_only=True))
+        self.cluster_of: dict[int, int] = {}  # client id -> cluster (unknown clients: cluster 0)
+        self.splits: list[tuple[int, int, int]] = []  # (round, parent cluster, new cluster)
+
+    def expect_arrays(self) -> bool:
+        return True
+
+    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+        config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "state",
+                  "persist-model": False}
+        records = {}
+        messages = []
+        for n in node_ids:
+            k = self.cluster_of.get(self.node_to_client.get(n, -1), 0)
+            if k not in records:
+                records[k] = protocol.arrays_record(self.models[k])
+            messages.append(protocol.build_message(n, server_round, ["evaluate", "train"], config, arrays=records[k]))
+        return messages
+
+    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
+        members: dict[int, list[ClientReply]] = {}
+        for r in replies:
+            if r.arrays is not None and set(r.arrays) == set(self.models[0]):
+                members.setdefault(self.cluster_of.get(r.client_id, 0), []).append(r)
+        mean_norms, max_norms = [], []
+        for k, group in sorted(members.items()):
+            sent = self.models[k]
+            updates = np.stack([update_vector(r.arrays, sent, self.parameter_keys) for r in group])
+            weights = np.array([max(r.num_examples, 1) for r in group], dtype=np.float64)
+            split, mean_norm, max_norm = should_split(updates, weights, self.params.eps1, self.params.eps2)
+            mean_norms.append(mean_norm)
+            max_norms.append(max_norm)
+            self.models[k] = average_matching(group, sent)
+            if split and server_round >= self.params.warmup_rounds and len(group) > self.params.min_split_size:
+                self._split(server_round, k, group, cosine_similarities(updates))
+        for r in replies:
+            self.cluster_of.setdefault(r.client_id, 0)
+        sizes = np.bincount(list(self.cluster_of.values()), minlength=len(self.models))
+        return {"clusters": len(self.models), "cluster_sizes": " ".join(str(int(s)) for s in sizes),
+                "update_norm_mean_max": max(mean_norms) if mean_norms else None,
+                "update_norm_max_max": max(max_norms) if max_norms else None}
+
+    def _split(self, server_round: int, k: int, group: list[ClientReply], similarity: np.ndarray) -> None:
+        """Move the second half of the bipartition into a new cluster that starts from cluster k's model."""
+        first, second = bipartition(similarity)
+        new = len(self.models)
+        self.models.append({name: value.copy() for name, value in self.models[k].items()})
+        for i in second:
+            self.cluster_of[group[i].client_id] = new
+        for i in first:
+            self.cluster_of[group[i].client_id] = k
+        self.splits.append((server_round, k, new))
+        cross = float(similarity[np.ix_(first, second)].max())
+        log.info("round %d: CFL split cluster %d into %d + %d clients (new cluster %d); max cross-similarity %.3f",
+                 server_round, k, len(first), len(second), new, cross)
+
+    def final_summary(self) -> dict[str, Any]:
+        return {"cluster_assignment": {str(c): k for c, k in sorted(self.cluster_of.items())},
+                "splits": [list(s) for s in self.splits]}
