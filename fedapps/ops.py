@@ -118,6 +118,35 @@ def frozen(model: nn.Module, names: set[str]) -> Iterator[None]:
             p.requires_grad_(True)
 
 
+def fomo_weights(own_loss: float, candidate_losses: list[float], distances: list[float]) -> list[float]:
+    """FedFomo's first-order weights: max(0, (L_own − L_n) / ‖θ_n − θ_own‖) per candidate, normalised to sum 1
+    when any is positive (all zero otherwise: nobody helps, the client keeps its model)."""
+    raw = [max(0.0, (own_loss - loss) / d) if d > 0 else 0.0 for loss, d in zip(candidate_losses, distances)]
+    total = sum(raw)
+    return [w / total for w in raw] if total > 0 else raw
+
+
+def mix_towards(own: dict[str, Tensor], candidates: list[dict[str, Tensor]], weights: list[float]) -> dict[str, Tensor]:
+    """θ_own + Σ_n w_n·(θ_n − θ_own) on floating-point entries; integer buffers keep the client's own."""
+    out = {}
+    for key, value in own.items():
+        if not value.is_floating_point():
+            out[key] = value.clone()
+            continue
+        mixed = value.clone()
+        for state, w in zip(candidates, weights):
+            if w:
+                mixed += w * (state[key].to(value.dtype) - value)
+        out[key] = mixed
+    return out
+
+
+def state_distance(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
+    """Euclidean distance between two models over their floating-point entries."""
+    total = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in a if a[k].is_floating_point())
+    return math.sqrt(total)
+
+
 def proximal_penalty(model: nn.Module, anchor: dict[str, Tensor], mu: float) -> Tensor:
     """(μ/2)·‖w − anchor‖² over the parameters named in ``anchor`` (gradient flows into w)."""
     terms = [((p - anchor[n]) ** 2).sum() for n, p in model.named_parameters() if n in anchor]

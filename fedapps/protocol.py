@@ -37,7 +37,7 @@ INFO = "info"
 
 # operations the generic client knows
 OPS = ("evaluate", "train", "distill", "predict", "evaluate-received", "train-public", "train-received", "select-model",
-       "evaluate-finetuned")
+       "evaluate-finetuned", "fomo-mix")
 
 MESSAGE_TYPE = "train"  # every round message is one Flower "train" message
 EVAL_MESSAGE_TYPE = "evaluate"  # evaluation-only messages (e.g. COSMOS cluster models)

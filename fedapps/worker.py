@@ -121,6 +121,15 @@ def model_arrays(model: nn.Module, which: str) -> ArrayRecord:
     return ArrayRecord({k: v.detach().cpu() for k, v in sd.items()})
 
 
+def holdout_split(n: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices (fit, held out) of n training samples, ``fraction`` held out at random; the same every round."""
+    if not 0.0 <= fraction < 1.0:
+        raise ProtocolError(f"holdout-fraction must be in [0, 1), got {fraction}")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    held = int(round(fraction * n))
+    return torch.sort(order[held:]).values, torch.sort(order[:held]).values
+
+
 MODEL_PARTS = ("none", "head", "body")
 
 
@@ -172,6 +181,14 @@ class Worker:
         self.client_id = client_id_of(context)
         self.fed = get_federation(data_spec(self.config))
         self.data: ClientData = self.fed.client(self.client_id)
+        # a held-out share of the training split (FedFomo scores other models on it); training uses the rest
+        self.train_x, self.train_y = self.data.train_x, self.data.train_y
+        self.val_x, self.val_y = self.data.train_x[:0], self.data.train_y[:0]
+        holdout = float(self.config.get("holdout-fraction", 0.0))
+        if holdout:
+            fit, held_out = holdout_split(len(self.data.train_y), holdout, int(self.config.get("data.seed", 0)) * 7919 + self.client_id)
+            self.train_x, self.train_y = self.data.train_x[fit], self.data.train_y[fit]
+            self.val_x, self.val_y = self.data.train_x[held_out], self.data.train_y[held_out]
         self.device = ops.resolve_device(str(self.config.get("client.device", "auto")))
         self.model, self.arch = private_model(context, self.config, self.fed, self.client_id, self.device)
         self.metrics: dict[str, Any] = {"client-id": self.client_id, "num-examples": len(self.data.train_y)}
@@ -249,7 +266,7 @@ class Worker:
         section = {**protocol.section(self.config, "train"), **protocol.section(self.config, f"train:{tag}")}
         settings = optim_settings(section, protocol.section(self.config, "client"))
         with ops.frozen(self.model, part_names(self.model, str(section.get("freeze", "none")))):
-            result = ops.train(self.model, self.data.train_x, self.data.train_y, settings, self._regulariser(section), self.generator)
+            result = ops.train(self.model, self.train_x, self.train_y, settings, self._regulariser(section), self.generator)
         self.metrics[f"{tag}-loss"] = result["loss"]
 
     def op_evaluate_finetuned(self, tag: str) -> None:
@@ -258,7 +275,7 @@ class Worker:
         copy = self._model_from(self.model.state_dict())
         settings = optim_settings(protocol.section(self.config, "finetune"), protocol.section(self.config, "client"))
         with ops.frozen(copy, part_names(copy, "body")):
-            ops.train(copy, self.data.train_x, self.data.train_y, settings, None, self.generator)
+            ops.train(copy, self.train_x, self.train_y, settings, None, self.generator)
         self._record_eval(tag, ops.evaluate(copy, self.data.test_x, self.data.test_y))
 
     def op_train_received(self, tag: str) -> None:
@@ -268,7 +285,7 @@ class Worker:
             raise ProtocolError("train-received needs model arrays in the message")
         copy = self._model_from(self.received)
         settings = optim_settings(protocol.section(self.config, "train"), protocol.section(self.config, "client"))
-        result = ops.train(copy, self.data.train_x, self.data.train_y, settings, None, self.generator)
+        result = ops.train(copy, self.train_x, self.train_y, settings, None, self.generator)
         self.trained_copy = copy
         self.metrics[f"{tag}-loss"] = result["loss"]
 
@@ -286,11 +303,30 @@ class Worker:
         losses = []
         for state in candidates:
             self.model.load_state_dict(state, strict=True)
-            losses.append(ops.evaluate(self.model, self.data.train_x, self.data.train_y)["loss"])
+            losses.append(ops.evaluate(self.model, self.train_x, self.train_y)["loss"])
         best = int(np.argmin(losses))
         self.model.load_state_dict(candidates[best], strict=True)
         self.metrics[f"{tag}-index"] = best
         self.metrics[f"{tag}-losses"] = [float(v) for v in losses]
+
+    def op_fomo_mix(self, tag: str) -> None:
+        """FedFomo: score each of the models in the message on the held-out split against the client's own,
+        move the own model towards the helpful ones (:func:`ops.fomo_weights`), report the weights."""
+        if protocol.ARRAYS not in self.msg.content or not self.config.get("arrays.multi", False):
+            raise ProtocolError("fomo-mix needs several models in the message (arrays.multi)")
+        if len(self.val_y) == 0:
+            raise ProtocolError("fomo-mix needs a held-out split: set holdout-fraction > 0 in the message")
+        candidates = split_models(self.msg.content[protocol.ARRAYS])
+        own = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        own_loss = ops.evaluate(self.model, self.val_x, self.val_y)["loss"]
+        losses, distances = [], []
+        for state in candidates:
+            self.model.load_state_dict(state, strict=True)
+            losses.append(ops.evaluate(self.model, self.val_x, self.val_y)["loss"])
+            distances.append(ops.state_distance(state, own))
+        weights = ops.fomo_weights(own_loss, losses, distances)
+        self.model.load_state_dict(ops.mix_towards(own, candidates, weights))
+        self.metrics[f"{tag}-weights"] = [float(w) for w in weights]
 
     def _regulariser(self, section: Mapping[str, Any]) -> ops.Regulariser | None:
         """The training regularisers a message asks for: WDR (cwFedAvg) and a proximal term to the received arrays."""

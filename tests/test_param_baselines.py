@@ -211,6 +211,60 @@ def test_cfl_splits_a_converged_cluster_with_disagreeing_clients(tiny_config) ->
     assert len(messages) == 2 and strategy.splits == [(1, 0, 1)]
 
 
+# --------------------------------------------------------------------------- FedFomo
+
+
+def test_fomo_weights_and_mixing_by_hand() -> None:
+    from fedapps.ops import fomo_weights, mix_towards, state_distance
+
+    # own loss 1.0; candidate 0 helps (loss 0.5 at distance 2), candidate 1 hurts, candidate 2 helps (0.8 at 0.2)
+    w = fomo_weights(1.0, [0.5, 1.5, 0.8], [2.0, 1.0, 0.2])
+    raw = [0.25, 0.0, 1.0]
+    assert w == pytest.approx([r / sum(raw) for r in raw])
+    assert fomo_weights(1.0, [1.2, 1.0], [1.0, 1.0]) == [0.0, 0.0]  # nobody helps: keep the own model
+    own = {"w": torch.tensor([0.0, 0.0]), "n": torch.tensor(3)}
+    cands = [{"w": torch.tensor([4.0, 0.0]), "n": torch.tensor(9)}, {"w": torch.tensor([0.0, 8.0]), "n": torch.tensor(9)}]
+    mixed = mix_towards(own, cands, [0.25, 0.75])
+    assert torch.allclose(mixed["w"], torch.tensor([1.0, 6.0])) and int(mixed["n"]) == 3  # integer buffer kept
+    assert state_distance(own, cands[0]) == pytest.approx(4.0)
+
+
+def test_candidates_follow_affinity_and_exploration_keeps_them_distinct() -> None:
+    from strategies.fedfomo import choose_candidates
+
+    aff = {3: 0.9, 1: 0.5, 7: 0.5, 2: 0.0}
+    rng = np.random.default_rng(0)
+    assert choose_candidates(aff, [1, 2, 3, 7], 3, 0.0, rng) == [3, 1, 7]  # ties: lower id
+    assert choose_candidates(aff, [1, 2, 3, 7], 9, 0.0, rng) == [3, 1, 7, 2]
+    for _ in range(200):
+        picked = choose_candidates(aff, [1, 2, 3, 7], 3, 1.0, rng)
+        assert len(picked) == 3 and len(set(picked)) == 3 and set(picked) <= {1, 2, 3, 7}
+    assert choose_candidates({}, [], 5, 0.5, rng) == []
+
+
+def test_holdout_split_is_fixed_and_disjoint() -> None:
+    from fedapps.worker import holdout_split
+
+    fit, held = holdout_split(50, 0.2, seed=4)
+    assert len(held) == 10 and len(fit) == 40 and not set(fit.tolist()) & set(held.tolist())
+    again_fit, again_held = holdout_split(50, 0.2, seed=4)
+    assert torch.equal(held, again_held) and torch.equal(fit, again_fit)
+    with pytest.raises(ProtocolError, match="holdout-fraction"):
+        holdout_split(50, 1.0, seed=4)
+
+
+def test_fomo_mix_moves_towards_a_better_model_and_reports_weights() -> None:
+    grid, msg = worker_message(["train"], {"client.epochs": 5, "return-arrays": True})
+    trained = {k: v.numpy() for k, v in Worker(msg, grid.contexts[100]).run().content[ARRAYS].items()}
+    grid, msg = worker_message(["fomo-mix", "evaluate"], {"arrays.multi": True, "holdout-fraction": 0.2},
+                               arrays=protocol.arrays_record(pack_models([mlp_state(7), trained])))
+    metrics = Worker(msg, grid.contexts[100]).run().content["metrics"]
+    weights = metrics["fomo-mix-weights"]
+    # the trained model takes (nearly) all the weight; another untrained one can at best be marginally better
+    assert sum(weights) == pytest.approx(1.0) and weights[1] > 0.95
+    assert metrics["eval-acc"] > 0.5  # the untrained own model moved (almost) all the way to the trained one
+
+
 # --------------------------------------------------------------------------- FedRep, FedBABU: frozen parts
 
 
@@ -252,7 +306,8 @@ def test_evaluate_finetuned_trains_a_copy_of_the_head_only() -> None:
 
 @pytest.mark.parametrize("name,params", [("fedamp", {"alpha_k": 0.05}), ("ditto", {"lam": 0.1}),
                                          ("ifca", {"clusters": 2}), ("fedper", None), ("fedrep", {"head_epochs": 2}),
-                                         ("fedbabu", {"finetune_epochs": 2}), ("cfl", {"warmup_rounds": 1})])
+                                         ("fedbabu", {"finetune_epochs": 2}), ("cfl", {"warmup_rounds": 1}),
+                                         ("fedfomo", {"candidates": 2})])
 def test_short_runs_learn_and_send_what_they_should(tiny_config, tmp_path, name, params) -> None:
     strategy = {"name": name} if params is None else {"name": name, "params": params}
     summary, grid = run(tiny_config(rounds=3, strategy=strategy, data=PATHOLOGICAL), tmp_path)
@@ -260,6 +315,9 @@ def test_short_runs_learn_and_send_what_they_should(tiny_config, tmp_path, name,
     sent = [m for m in grid.sent if m.metadata.group_id == "2"]
     replies = [m for m in grid.replies if not m.has_error()]
     assert len(sent) == 4 and all(ARRAYS in m.content for m in sent + replies)
+    if name == "fedfomo":  # round 2: two other clients' models each, and weights back for both
+        assert all(len(m.content[ARRAYS]) == 2 * len(build_model("mlp", 10, (1, 8, 8)).state_dict()) for m in sent)
+        assert all(len(m.content["metrics"]["fomo-mix-weights"]) == 2 for m in replies if m.metadata.group_id == "2")
     model_keys = set(build_model("mlp", 10, (1, 8, 8)).state_dict())
     head = {"fc.weight", "fc.bias"}  # the MLP's classifier
     if name in ("ifca", "cfl"):

@@ -1,0 +1,122 @@
+"""FedFomo (Zhang et al., ICLR 2021): each client downloads the most useful other clients' models and mixes.
+
+Each client holds out ``holdout_fraction`` of its training split (the same samples every round) and trains on
+the rest. From round 2 on, the server sends each sampled client up to ``candidates`` other clients' latest
+models: those with the highest affinity P_ij so far (ties: lower id), each slot replaced with probability ε by
+a random other known client (ε-greedy exploration; ε = ``epsilon``·``epsilon_decay``^(round−1)). The client
+scores every candidate n on its held-out split by w_n = max(0, (L_own − L_n)/‖θ_n − θ_own‖), normalises,
+moves its model to θ_own + Σ_n w_n(θ_n − θ_own), trains, evaluates (its test split) and sends its model
+and the weights back; the server adds the weights to P_i·. Download cost: ``candidates`` models per client.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+from fedapps import protocol
+from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.protocol import ClientReply
+from strategies.base import PersonalisedStrategy
+from strategies.ifca import pack_models
+
+log = logging.getLogger("fedapps")
+
+WEIGHTS = "fomo-mix-weights"  # the metric the client reports its weights in
+
+
+def choose_candidates(affinity: dict[int, float], others: list[int], m: int, epsilon: float,
+                      rng: np.random.Generator) -> list[int]:
+    """Up to m distinct clients of ``others``: highest affinity first (ties: lower id), each slot replaced with
+    probability ε by a random client not chosen yet."""
+    ranked = sorted(others, key=lambda j: (-affinity.get(j, 0.0), j))
+    chosen: list[int] = []
+    for j in ranked:
+        if len(chosen) == min(m, len(others)):
+            break
+        if j in chosen:  # already taken by an exploring slot
+            continue
+        if rng.random() < epsilon:
+            j = int(rng.choice([o for o in others if o not in chosen]))
+        chosen.append(j)
+    # an exploring slot may have taken a ranked client that the loop then skipped: fill up in rank order
+    chosen += [j for j in ranked if j not in chosen][:min(m, len(others)) - len(chosen)]
+    return chosen
+
+
+@dataclass
+class FedFomoParams:
+    """FedFomo's parameters."""
+
+    candidates: int = 5  # M: other clients' models each client downloads per round
+    epsilon: float = 0.3  # ε-greedy exploration probability in round 1
+    epsilon_decay: float = 0.95  # ε is multiplied by this every round
+    holdout_fraction: float = 0.2  # share of each client's training split held out to score the candidates
+
+
+class FedFomo(PersonalisedStrategy):
+    """First-order model optimisation: personalised mixing of other clients' models, weighted on held-out data."""
+
+    name = "fedfomo"
+    Params = FedFomoParams
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        super().check_config(cfg)
+        p: FedFomoParams = cfg.strategy.params
+        if p.candidates < 1:
+            raise ConfigError(f"'strategy.params.candidates' must be >= 1, got {p.candidates}")
+        if not 0 <= p.epsilon <= 1 or not 0 < p.epsilon_decay <= 1:
+            raise ConfigError(f"'strategy.params.epsilon' must be in [0, 1] and 'epsilon_decay' in (0, 1], got {p.epsilon}, {p.epsilon_decay}")
+        if not 0 < p.holdout_fraction < 1:
+            raise ConfigError(f"'strategy.params.holdout_fraction' must be in (0, 1), got {p.holdout_fraction}")
+
+    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
+        super().__init__(cfg, on_round)
+        self.models: dict[int, dict[str, np.ndarray]] = {}  # client id -> latest model
+        self.affinity: dict[int, dict[int, float]] = defaultdict(dict)  # P_ij
+        self.sent_candidates: dict[int, list[int]] = {}  # node -> candidate client ids of this round
+
+    def expect_arrays(self) -> bool:
+        return True
+
+    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+        config = {**self.base_config(), "holdout-fraction": float(self.params.holdout_fraction),
+                  "arrays.multi": True, "return-arrays": True, "arrays.keys": "state"}
+        epsilon = self.params.epsilon * self.params.epsilon_decay ** (server_round - 1)
+        self.sent_candidates = {}
+        messages = []
+        for n in node_ids:
+            client = self.node_to_client.get(n, -1)
+            others = sorted(c for c in self.models if c != client)
+            chosen = choose_candidates(self.affinity[client], others, self.params.candidates, epsilon, self.rng)
+            self.sent_candidates[n] = chosen
+            if chosen:
+                arrays = protocol.arrays_record(pack_models([self.models[c] for c in chosen]))
+                messages.append(protocol.build_message(n, server_round, ["fomo-mix", "train", "evaluate"], config, arrays=arrays))
+            else:  # nobody to learn from yet (round 1)
+                messages.append(protocol.build_message(n, server_round, ["train", "evaluate"], config))
+        return messages
+
+    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
+        helpful = []
+        for r in replies:
+            if r.arrays is not None:
+                self.models[r.client_id] = r.arrays
+            chosen = self.sent_candidates.get(r.node_id, [])
+            weights = r.metrics.get(WEIGHTS)
+            if chosen and (not isinstance(weights, list) or len(weights) != len(chosen)):
+                log.warning("round %d: client %d sent %s weights for %d candidates; affinities unchanged",
+                            server_round, r.client_id, weights, len(chosen))
+                continue
+            for j, w in zip(chosen, weights or []):
+                self.affinity[r.client_id][j] = self.affinity[r.client_id].get(j, 0.0) + float(w)
+            if chosen:
+                helpful.append(sum(1 for w in weights if w > 0))
+        return {"helpful_candidates_mean": float(np.mean(helpful)) if helpful else None}
