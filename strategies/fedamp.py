@@ -100,10 +100,9 @@ class FedAMP(PersonalisedStrategy):
 
     def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
         super().__init__(cfg, on_round)
-        initial = initial_model_arrays(cfg, parameters_only=True)
-        self.keys = list(initial)
-        self.like = {k: initial[k] for k in self.keys}
-        self.initial = flatten(initial, self.keys)
+        self.like = initial_model_arrays(cfg, parameters_only=True)  # shapes and dtypes of the parameters
+        self.keys = list(self.like)
+        self.initial = flatten(self.like, self.keys)
         self.models: dict[int, np.ndarray] = {}  # client id -> its latest parameter vector
         self._last_self_weight: float | None = None  # diagnostics of the last anchors: mean ξ_ii of the sampled
         self._last_median_d2: float | None = None  # clients, median ‖w_i − w_j‖² (what σ is compared with)
