@@ -8,8 +8,11 @@ A message to a client carries:
   ``targets`` (ArrayRecord, optional) encoded pseudo-labels on U for ``distill`` (+ optional ``indices``).
 Arrays that are not loaded are the anchor of ``train.prox_mu`` (FedAMP's u_i, Ditto's global model) and what
 ``train-received`` trains a copy of; with ``arrays.multi`` they hold several models ``m<k>.<name>`` for
-``select-model`` (IFCA). ``return-arrays`` sends back the private model (``arrays.from: private``) or the trained
-copy (``received``), whole (``arrays.keys: state``), parameters only (``params``) or without the head (``body``).
+``select-model`` (IFCA) and ``fomo-mix`` (FedFomo). ``return-arrays`` sends back the private model
+(``arrays.from: private``) or the trained copy (``received``), whole (``arrays.keys: state``), parameters only
+(``params``) or without the head (``body``). ``train.freeze`` (head | body) keeps a part of the model fixed; a
+tagged ``train:<tag>`` op reads ``train:<tag>.*`` over ``train.*``; ``holdout-fraction`` keeps a fixed share
+of the training split out of training (``fomo-mix`` scores on it).
 ``persist-model`` (default true) keeps the client's model in ``Context.state`` after the message.
 A reply carries ``metrics`` (MetricRecord: ``client-id``, ``num-examples``, evaluation results, timings),
 and optionally ``arrays`` (the client's model) and ``predictions`` (encoded predictions on U) with ``info``.
