@@ -19,7 +19,7 @@ from torch import nn
 
 from fedapps import ops, protocol, pseudolabels
 from fedapps.data import ClientData, Federation, get_federation
-from fedapps.models import build_model, classifier_name
+from fedapps.models import STATE_PARTS, build_model, classifier_name, state_part
 
 log = logging.getLogger("fedapps")
 
@@ -89,9 +89,8 @@ def model_skeleton(arch: str, num_classes: int, input_shape: tuple[int, int, int
     return model, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def load_arrays(model: nn.Module, arrays: ArrayRecord, strict: bool) -> dict[str, torch.Tensor]:
+def load_arrays(model: nn.Module, received: Mapping[str, torch.Tensor], strict: bool) -> None:
     """Load received arrays into the model; keys not sent keep the model's own values (local buffers)."""
-    received = arrays.to_torch_state_dict()
     own = model.state_dict()
     unknown = [k for k in received if k not in own]
     mismatched = [k for k in received if k in own and tuple(received[k].shape) != tuple(own[k].shape)]
@@ -100,25 +99,13 @@ def load_arrays(model: nn.Module, arrays: ArrayRecord, strict: bool) -> dict[str
         raise ProtocolError(f"received arrays do not fit the model: unknown={unknown[:3]} "
                             f"shape-mismatch={mismatched[:3]} missing={missing[:3] if strict else []}")
     model.load_state_dict(received, strict=False)
-    return received
-
-
-ARRAY_SELECTIONS = ("state", "params", "body")
 
 
 def model_arrays(model: nn.Module, which: str) -> ArrayRecord:
-    """The model as an ArrayRecord: 'state' (parameters and buffers), 'params' (parameters only) or 'body'
-    (parameters and buffers outside the classifier head: FedPer's shared part)."""
-    sd = model.state_dict()
-    if which == "params":
-        names = {n for n, _ in model.named_parameters()}
-        sd = {k: v for k, v in sd.items() if k in names}
-    elif which == "body":
-        head = classifier_name(model) + "."
-        sd = {k: v for k, v in sd.items() if not k.startswith(head)}
-    elif which != "state":
-        raise ProtocolError(f"unknown arrays.keys '{which}'; allowed: {', '.join(ARRAY_SELECTIONS)}")
-    return ArrayRecord({k: v.detach().cpu() for k, v in sd.items()})
+    """The model as an ArrayRecord: 'state', 'params' or 'body' (see :func:`fedapps.models.state_part`)."""
+    if which not in STATE_PARTS:
+        raise ProtocolError(f"unknown arrays.keys '{which}'; allowed: {', '.join(STATE_PARTS)}")
+    return ArrayRecord({k: v.detach().cpu() for k, v in state_part(model, which).items()})
 
 
 def holdout_split(n: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +180,6 @@ class Worker:
         self.model, self.arch = private_model(context, self.config, self.fed, self.client_id, self.device)
         self.metrics: dict[str, Any] = {"client-id": self.client_id, "num-examples": len(self.data.train_y)}
         self.reply = RecordDict()
-        self.received: dict[str, torch.Tensor] | None = None
         self.trained_copy: nn.Module | None = None  # the received model after 'train-received' (Ditto's global branch)
         rnd = int(self.config.get("round", 0))
         seed = int(self.config.get("model.seed", 0))
@@ -204,12 +190,8 @@ class Worker:
         """Run every operation in the message, save the private model, and build the reply."""
         t0 = time.perf_counter()
         self._check_public_set()
-        if protocol.ARRAYS in self.msg.content:
-            if self.config.get("load-arrays", False):
-                self.received = load_arrays(self.model, self.msg.content[protocol.ARRAYS], strict=False)
-            elif not self.config.get("arrays.multi", False):
-                # not loaded: the arrays are an anchor (FedAMP's u_i, Ditto's global model) or evaluated apart
-                self.received = self.msg.content[protocol.ARRAYS].to_torch_state_dict()
+        if self.received is not None and self.config.get("load-arrays", False):
+            load_arrays(self.model, self.received, strict=False)
         for op in self.config["ops"]:
             base, tag = protocol.op_name(str(op))
             start = time.perf_counter()
@@ -232,6 +214,15 @@ class Worker:
         self.reply[protocol.INFO] = ConfigRecord({"arch": self.arch, "fingerprint": self.fed.fingerprint})
         return Message(content=self.reply, reply_to=self.msg)
 
+    @functools.cached_property
+    def received(self) -> dict[str, torch.Tensor] | None:
+        """The message's model arrays as tensors, decoded once on first use: loaded into the model
+        (``load-arrays``), the anchor of a proximal term (FedAMP's u_i, Ditto's global model), or a model
+        evaluated or trained apart. None without arrays, or when they hold several models (``arrays.multi``)."""
+        if protocol.ARRAYS not in self.msg.content or self.config.get("arrays.multi", False):
+            return None
+        return self.msg.content[protocol.ARRAYS].to_torch_state_dict()
+
     def _check_public_set(self) -> None:
         expected = self.config.get("public.fingerprint")
         if expected is not None and expected != self.fed.fingerprint:
@@ -252,8 +243,10 @@ class Worker:
 
     def op_evaluate_received(self, tag: str) -> None:
         arch = str(self.config.get("received.model", self.arch))
+        if self.received is None:
+            raise ProtocolError("evaluate-received needs model arrays in the message")
         scratch = build_model(arch, self.fed.num_classes, tuple(self.fed.input_shape)).to(self.device)
-        load_arrays(scratch, self.msg.content[protocol.ARRAYS], strict=True)
+        load_arrays(scratch, self.received, strict=True)
         self._record_eval(tag, ops.evaluate(scratch, self.data.test_x, self.data.test_y))
 
     def _record_eval(self, tag: str, result: Mapping[str, float]) -> None:
@@ -297,13 +290,8 @@ class Worker:
 
     def op_select_model(self, tag: str) -> None:
         """IFCA: of the K models in the message, load the one with the lowest loss on the local TRAIN data."""
-        if protocol.ARRAYS not in self.msg.content or not self.config.get("arrays.multi", False):
-            raise ProtocolError("select-model needs several models in the message (arrays.multi)")
-        candidates = split_models(self.msg.content[protocol.ARRAYS])
-        losses = []
-        for state in candidates:
-            self.model.load_state_dict(state, strict=True)
-            losses.append(ops.evaluate(self.model, self.train_x, self.train_y)["loss"])
+        candidates = self._candidate_models("select-model")
+        losses = self._losses_of(candidates, self.train_x, self.train_y)
         best = int(np.argmin(losses))
         self.model.load_state_dict(candidates[best], strict=True)
         self.metrics[f"{tag}-index"] = best
@@ -312,21 +300,30 @@ class Worker:
     def op_fomo_mix(self, tag: str) -> None:
         """FedFomo: score each of the models in the message on the held-out split against the client's own,
         move the own model towards the helpful ones (:func:`ops.fomo_weights`), report the weights."""
-        if protocol.ARRAYS not in self.msg.content or not self.config.get("arrays.multi", False):
-            raise ProtocolError("fomo-mix needs several models in the message (arrays.multi)")
         if len(self.val_y) == 0:
             raise ProtocolError("fomo-mix needs a held-out split: set holdout-fraction > 0 in the message")
-        candidates = split_models(self.msg.content[protocol.ARRAYS])
+        candidates = self._candidate_models("fomo-mix")
         own = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         own_loss = ops.evaluate(self.model, self.val_x, self.val_y)["loss"]
-        losses, distances = [], []
-        for state in candidates:
-            self.model.load_state_dict(state, strict=True)
-            losses.append(ops.evaluate(self.model, self.val_x, self.val_y)["loss"])
-            distances.append(ops.state_distance(state, own))
+        losses = self._losses_of(candidates, self.val_x, self.val_y)  # leaves the last candidate loaded
+        distances = [ops.state_distance(state, own) for state in candidates]
         weights = ops.fomo_weights(own_loss, losses, distances)
         self.model.load_state_dict(ops.mix_towards(own, candidates, weights))
         self.metrics[f"{tag}-weights"] = [float(w) for w in weights]
+
+    def _candidate_models(self, op: str) -> list[dict[str, torch.Tensor]]:
+        """The several models of an ``arrays.multi`` message (IFCA's clusters, FedFomo's candidates)."""
+        if protocol.ARRAYS not in self.msg.content or not self.config.get("arrays.multi", False):
+            raise ProtocolError(f"{op} needs several models in the message (arrays.multi)")
+        return split_models(self.msg.content[protocol.ARRAYS])
+
+    def _losses_of(self, states: list[dict[str, torch.Tensor]], x: torch.Tensor, y: torch.Tensor) -> list[float]:
+        """Mean cross-entropy of each model state on (x, y), loaded in turn into the client's model."""
+        losses = []
+        for state in states:
+            self.model.load_state_dict(state, strict=True)
+            losses.append(ops.evaluate(self.model, x, y)["loss"])
+        return losses
 
     def _regulariser(self, section: Mapping[str, Any]) -> ops.Regulariser | None:
         """The training regularisers a message asks for: WDR (cwFedAvg) and a proximal term to the received arrays."""

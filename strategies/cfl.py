@@ -98,7 +98,7 @@ class CFL(PersonalisedStrategy):
     def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
         super().__init__(cfg, on_round)
         self.models = [initial_model_arrays(cfg)]  # one model per cluster
-        self.parameter_keys = list(initial_model_arrays(cfg, parameters_only=True))
+        self.parameter_keys = list(initial_model_arrays(cfg, "params"))
         self.cluster_of: dict[int, int] = {}  # client id -> cluster (unknown clients: cluster 0)
         self.splits: list[tuple[int, int, int]] = []  # (round, parent cluster, new cluster)
 

@@ -21,6 +21,7 @@ from flwr.app import Message
 from flwr.serverapp import Grid
 
 from fedapps import protocol
+from fedapps.clustering import l2_distance_matrix
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.protocol import ClientReply
 from strategies.base import PersonalisedStrategy
@@ -33,13 +34,8 @@ log = logging.getLogger("fedapps")
 
 
 def squared_distances(vectors: np.ndarray) -> np.ndarray:
-    """‖v_i − v_j‖² between the rows of an N×P matrix, via one Gram matrix (float64), zero diagonal."""
-    v = torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32))
-    gram = (v @ v.T).double().numpy()
-    sq = np.diagonal(gram)
-    d2 = np.maximum(sq[:, None] + sq[None, :] - 2.0 * gram, 0.0)
-    np.fill_diagonal(d2, 0.0)
-    return d2
+    """‖v_i − v_j‖² between the rows of an N×P matrix (one Gram matrix, as COSMOS's ℓ2 distances), zero diagonal."""
+    return l2_distance_matrix(np.ascontiguousarray(vectors, dtype=np.float32)) ** 2
 
 
 def attention_weights(d2: np.ndarray, alpha_k: float, sigma: float) -> np.ndarray:
@@ -100,7 +96,7 @@ class FedAMP(PersonalisedStrategy):
 
     def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
         super().__init__(cfg, on_round)
-        self.like = initial_model_arrays(cfg, parameters_only=True)  # shapes and dtypes of the parameters
+        self.like = initial_model_arrays(cfg, "params")  # shapes and dtypes of the parameters
         self.keys = list(self.like)
         self.initial = flatten(self.like, self.keys)
         self.models: dict[int, np.ndarray] = {}  # client id -> its latest parameter vector

@@ -14,18 +14,17 @@ from flwr.serverapp import Grid
 
 from fedapps import protocol
 from fedapps.data import source_info
-from fedapps.models import build_model
+from fedapps.models import build_model, state_part
 from fedapps.protocol import ClientReply
 from strategies.base import PersonalisedStrategy, average_matching
 
 
-def initial_model_arrays(cfg, parameters_only: bool = False, seed: int | None = None) -> dict[str, np.ndarray]:
+def initial_model_arrays(cfg, part: str = "state", seed: int | None = None) -> dict[str, np.ndarray]:
     """The model every client starts from (seeded by the experiment seed unless ``seed`` is given): its whole
-    state, or its parameters only."""
+    state, its parameters or its body (``part``, see :func:`fedapps.models.state_part`)."""
     num_classes, shape = source_info(cfg.data.source, cfg.data.synthetic_classes, tuple(cfg.data.synthetic_shape))
     model = build_model(cfg.model.name, num_classes, shape, seed=cfg.seed if seed is None else seed)
-    names = {n for n, _ in model.named_parameters()} if parameters_only else None
-    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items() if names is None or k in names}
+    return {k: v.detach().cpu().numpy() for k, v in state_part(model, part).items()}
 
 
 class FedAvg(PersonalisedStrategy):

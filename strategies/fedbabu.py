@@ -9,11 +9,8 @@ that continues federated training keeps the frozen initial head.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from flwr.app import Message
-from flwr.serverapp import Grid
-
-from fedapps import protocol
 from fedapps.config import ConfigError, ExperimentConfig
 from strategies.fedper import FedPer
 
@@ -37,9 +34,8 @@ class FedBABU(FedPer):
         if cfg.strategy.params.finetune_epochs < 1:
             raise ConfigError(f"'strategy.params.finetune_epochs' must be >= 1, got {cfg.strategy.params.finetune_epochs}")
 
-    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
-        config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "body",
-                  "train.freeze": "head", "finetune.epochs": int(self.params.finetune_epochs)}
-        arrays = protocol.arrays_record(self.body)
-        return [protocol.build_message(n, server_round, ["train", "evaluate-finetuned"], config, arrays=arrays)
-                for n in node_ids]
+    def client_ops(self) -> list[str]:
+        return ["train", "evaluate-finetuned"]
+
+    def client_settings(self) -> dict[str, Any]:
+        return {"train.freeze": "head", "finetune.epochs": int(self.params.finetune_epochs)}

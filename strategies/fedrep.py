@@ -9,11 +9,8 @@ result) on its test split after training.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from flwr.app import Message
-from flwr.serverapp import Grid
-
-from fedapps import protocol
 from fedapps.config import ConfigError, ExperimentConfig
 from strategies.fedper import FedPer
 
@@ -37,10 +34,8 @@ class FedRep(FedPer):
         if cfg.strategy.params.head_epochs < 1:
             raise ConfigError(f"'strategy.params.head_epochs' must be >= 1, got {cfg.strategy.params.head_epochs}")
 
-    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
-        config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "body",
-                  "train:head.freeze": "body", "train:head.epochs": int(self.params.head_epochs),
-                  "train:body.freeze": "head"}
-        arrays = protocol.arrays_record(self.body)
-        return [protocol.build_message(n, server_round, ["train:head", "train:body", "evaluate"], config, arrays=arrays)
-                for n in node_ids]
+    def client_ops(self) -> list[str]:
+        return ["train:head", "train:body", "evaluate"]
+
+    def client_settings(self) -> dict[str, Any]:
+        return {"train:head.freeze": "body", "train:head.epochs": int(self.params.head_epochs), "train:body.freeze": "head"}

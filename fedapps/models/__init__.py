@@ -2,18 +2,22 @@
 
 from .zoo import (
     MODEL_NAMES,
+    STATE_PARTS,
     ModelError,
     build_model,
     classifier_name,
     count_parameters,
+    state_part,
     top_level_children,
 )
 
 __all__ = [
     "MODEL_NAMES",
+    "STATE_PARTS",
     "ModelError",
     "build_model",
     "classifier_name",
     "count_parameters",
+    "state_part",
     "top_level_children",
 ]

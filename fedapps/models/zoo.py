@@ -98,6 +98,24 @@ def classifier_name(model: nn.Module) -> str:
     return linears[-1]  # models not from build_model: the last Linear registered
 
 
+STATE_PARTS = ("state", "params", "body")
+
+
+def state_part(model: nn.Module, part: str) -> dict[str, torch.Tensor]:
+    """A part of the model's state dict: 'state' (parameters and buffers), 'params' (parameters only) or
+    'body' (parameters and buffers outside the classifier head: what FedPer-style methods share)."""
+    sd = model.state_dict()
+    if part == "params":
+        names = {n for n, _ in model.named_parameters()}
+        return {k: v for k, v in sd.items() if k in names}
+    if part == "body":
+        head = classifier_name(model) + "."
+        return {k: v for k, v in sd.items() if not k.startswith(head)}
+    if part == "state":
+        return dict(sd)
+    raise ModelError(f"unknown model part '{part}'; allowed: {', '.join(STATE_PARTS)}")
+
+
 def top_level_children(model: nn.Module) -> list[str]:
     """Names of the model's direct children in registration order (cwFedAvg's `last-N` layers)."""
     return [n for n, _ in model.named_children()]
