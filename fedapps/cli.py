@@ -171,6 +171,11 @@ def print_summary(result_dir: Path) -> None:
         print_fedavg_reference(result_dir, s)
 
 
+def number(value: Any) -> str:
+    """A metric for printing: 4 decimals, or 'none' where a run produced no value."""
+    return f"{value:.4f}" if isinstance(value, (int, float)) else "none"
+
+
 def print_fedavg_reference(result_dir: Path, summary: dict[str, Any]) -> None:
     """FedAvg's number beside a personalised run: from a FedAvg run of the same setting if one is on disk."""
     cfg = load_config(result_dir / "config.yaml")
@@ -180,8 +185,8 @@ def print_fedavg_reference(result_dir: Path, summary: dict[str, Any]) -> None:
         other = load_config(same)
         if (other.data, other.model, other.client, other.rounds) == (cfg.data, cfg.model, cfg.client, cfg.rounds):
             ref = json.loads((twin / "summary.json").read_text())
-            print(f"FedAvg on the same setting ({twin.name}): accuracy_mean {ref['accuracy_mean']:.4f} "
-                  f"vs {summary['strategy']} {summary['accuracy_mean']:.4f}")
+            print(f"FedAvg on the same setting ({twin.name}): accuracy_mean {number(ref.get('accuracy_mean'))} "
+                  f"vs {summary['strategy']} {number(summary.get('accuracy_mean'))}")
             return
     print("FedAvg's number on the same setting: add  --set strategy.name=fedavg 'strategy.params={}'  "
           "(e.g. make run ARGS=\"--set strategy.name=fedavg strategy.params={}\"); it is then shown here.")

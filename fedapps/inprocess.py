@@ -19,12 +19,13 @@ log = logging.getLogger("fedapps")
 
 
 class InProcessGrid:
-    """Nodes 1..N with partition-id 0..N-1, each with its own persistent Context.state."""
+    """Nodes first_node_id + (0..N-1) with partition-id 0..N-1, each with its own persistent Context.state."""
 
     def __init__(self, num_nodes: int, drop: Callable[[int, int], bool] | None = None,
-                 node_configs: dict[int, dict] | None = None) -> None:
+                 node_configs: dict[int, dict] | None = None, first_node_id: int = 100) -> None:
+        # Flower's node ids are unsigned 64-bit and usually large: tests pass first_node_id >= 2**63 to mimic them
         self.contexts = {
-            100 + i: Context(run_id=1, node_id=100 + i,
+            first_node_id + i: Context(run_id=1, node_id=first_node_id + i,
                              node_config={"partition-id": i, "num-partitions": num_nodes, **(node_configs or {}).get(i, {})},
                              state=RecordDict(), run_config={})
             for i in range(num_nodes)

@@ -181,8 +181,15 @@ def parse_replies(
 
 
 def arrays_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
-    """Named numpy arrays -> ArrayRecord (order kept)."""
-    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+    """Named numpy arrays -> ArrayRecord (order kept, shapes kept: a 0-d array such as BatchNorm's
+    ``num_batches_tracked`` stays 0-d; ``np.ascontiguousarray`` would make it shape (1,))."""
+    return ArrayRecord({k: Array(contiguous(v)) for k, v in arrays.items()})
+
+
+def contiguous(value: np.ndarray) -> np.ndarray:
+    """A C-contiguous array of the same shape and dtype (0-d included)."""
+    a = np.asarray(value)
+    return a if a.flags.c_contiguous else a.copy(order="C")
 
 
 def metrics_record(metrics: Mapping[str, Any]) -> MetricRecord:

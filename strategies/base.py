@@ -135,7 +135,7 @@ class PersonalisedStrategy(Strategy):
         k = min(len(nodes), max(self.cfg.strategy.min_clients, math.ceil(self.cfg.strategy.fraction * len(nodes))))
         if k == len(nodes):
             return nodes
-        return sorted(int(n) for n in self.rng.choice(nodes, size=k, replace=False))
+        return sample_ids(nodes, k, self.rng)
 
     # ------------------------------------------------------------------ Flower's Strategy interface
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
@@ -197,6 +197,13 @@ class PersonalisedStrategy(Strategy):
             if self.on_round is not None:
                 self.on_round(entry)
         return Result()
+
+
+def sample_ids(ids: list[int], k: int, rng: np.random.Generator) -> list[int]:
+    """k distinct ids drawn without replacement, sorted. The draw is over POSITIONS: node ids are unsigned 64-bit
+    and a numpy array of them becomes float64 once one is >= 2**63, which silently rounds off their low bits."""
+    picks = rng.choice(len(ids), size=k, replace=False)
+    return sorted(int(ids[int(i)]) for i in picks)
 
 
 def merge_eval_metrics(replies: list[ClientReply], eval_replies: list[ClientReply]) -> None:
