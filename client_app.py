@@ -1,8 +1,13 @@
-"""Flower ClientApp: a generic worker. It runs the operations each message asks for (see fedapps.worker)."""
+"""Flower ClientApp: a generic worker (fedapps.worker) that runs the operations each message asks for.
+
+Importing ``strategies`` registers every algorithm's own client operations, training terms and weightings
+(:mod:`fedapps.clientops`); the worker knows none of them by name.
+"""
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
+import strategies  # noqa: F401  (registers the algorithms' client behaviour)
 from fedapps.worker import handle
 
 app = ClientApp()
@@ -16,5 +21,5 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    """An evaluation-only message (e.g. a COSMOS cluster model evaluated on the local test split)."""
+    """An evaluation-only message (e.g. a cluster model evaluated on the local test split)."""
     return handle(msg, context)

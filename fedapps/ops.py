@@ -1,7 +1,7 @@
-"""The client operations on in-memory tensors: train, distill, predict, evaluate, and their losses.
+"""The common client operations on in-memory tensors: train, distill, predict, evaluate, and their losses.
 
-All loops share :func:`run_epochs`; the operations differ only in the loss they hand it.
-Regularisers (WDR for cwFedAvg, proximal terms, r_B for COSMOS) are small pure functions here too.
+All loops share :func:`run_epochs`; the operations differ only in the loss they hand it. Loss terms that
+belong to one algorithm live in that algorithm's module and reach ``train`` as a ``Regulariser``.
 """
 
 from __future__ import annotations
@@ -94,17 +94,6 @@ def run_epochs(
 # --------------------------------------------------------------------------- losses and regularisers
 
 
-def class_distribution_from_rows(weight: Tensor) -> Tensor:
-    """cwFedAvg's p̃: the L2 norm of each classifier row, normalised to sum to one (last dim = features)."""
-    norms = weight.norm(dim=-1)
-    return norms / norms.sum(dim=-1, keepdim=True).clamp_min(1e-12)
-
-
-def wdr_penalty(weight: Tensor, target_distribution: Tensor, lam: float) -> Tensor:
-    """WDR: (λ/2)·‖p − p̃‖₂ (Euclidean norm, not squared) on the classifier rows."""
-    return 0.5 * lam * torch.linalg.vector_norm(target_distribution - class_distribution_from_rows(weight))
-
-
 @contextmanager
 def frozen(model: nn.Module, names: set[str]) -> Iterator[None]:
     """Within the block, the named parameters get no gradient (and so no update); restored afterwards."""
@@ -116,41 +105,6 @@ def frozen(model: nn.Module, names: set[str]) -> Iterator[None]:
     finally:
         for p in params:
             p.requires_grad_(True)
-
-
-def fomo_weights(own_loss: float, candidate_losses: list[float], distances: list[float]) -> list[float]:
-    """FedFomo's first-order weights: max(0, (L_own − L_n) / ‖θ_n − θ_own‖) per candidate, normalised to sum 1
-    when any is positive (all zero otherwise: nobody helps, the client keeps its model)."""
-    raw = [max(0.0, (own_loss - loss) / d) if d > 0 else 0.0 for loss, d in zip(candidate_losses, distances)]
-    total = sum(raw)
-    return [w / total for w in raw] if total > 0 else raw
-
-
-def mix_towards(own: dict[str, Tensor], candidates: list[dict[str, Tensor]], weights: list[float]) -> dict[str, Tensor]:
-    """θ_own + Σ_n w_n·(θ_n − θ_own) on floating-point entries; integer buffers keep the client's own."""
-    out = {}
-    for key, value in own.items():
-        if not value.is_floating_point():
-            out[key] = value.clone()
-            continue
-        mixed = value.clone()
-        for state, w in zip(candidates, weights):
-            if w:
-                mixed += w * (state[key].to(value.dtype) - value)
-        out[key] = mixed
-    return out
-
-
-def state_distance(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
-    """Euclidean distance between two models over their floating-point entries."""
-    total = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in a if a[k].is_floating_point())
-    return math.sqrt(total)
-
-
-def proximal_penalty(model: nn.Module, anchor: dict[str, Tensor], mu: float) -> Tensor:
-    """(μ/2)·‖w − anchor‖² over the parameters named in ``anchor`` (gradient flows into w)."""
-    terms = [((p - anchor[n]) ** 2).sum() for n, p in model.named_parameters() if n in anchor]
-    return 0.5 * mu * torch.stack(terms).sum() if terms else torch.zeros(())
 
 
 def kl_to_targets(logits: Tensor, target_probs: Tensor, sample_weights: Tensor | None = None) -> Tensor:
@@ -252,6 +206,15 @@ def predict(model: nn.Module, x: Tensor, batch_size: int = 256, output: str = "p
     if output == "labels":
         return logits.argmax(dim=-1)
     raise ValueError(f"unknown prediction output '{output}'; allowed: probs, logits, labels")
+
+
+def losses_of(model: nn.Module, states: list[dict[str, Tensor]], x: Tensor, y: Tensor) -> list[float]:
+    """Mean cross-entropy on (x, y) of each model state, loaded in turn into ``model`` (the last stays loaded)."""
+    losses = []
+    for state in states:
+        model.load_state_dict(state, strict=True)
+        losses.append(evaluate(model, x, y)["loss"])
+    return losses
 
 
 @torch.no_grad()

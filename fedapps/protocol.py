@@ -1,18 +1,17 @@
 """Record and key names shared by the server and the generic client, message building, reply validation.
 
 A message to a client carries:
-  ``config``  (ConfigRecord) the operations to run in order (``ops``), the round, and settings flattened as
-              ``data.*``, ``model.*``, ``client.*``, ``train.*``, ``distill.*``, ``predict.*``, ``eval.*``;
+  ``config``  (ConfigRecord) the operations to run in order (``ops``, names registered in
+              :mod:`fedapps.clientops`), the round, and settings flattened as ``data.*``, ``model.*``,
+              ``client.*``, ``train.*``, ``distill.*``, ``predict.*`` and the algorithms' own sections;
   ``arrays``  (ArrayRecord, optional) model parameters: loaded into the client's own model when
-              ``load-arrays`` is true, or evaluated in a separate model (op ``evaluate-received``);
-  ``targets`` (ArrayRecord, optional) encoded pseudo-labels on U for ``distill`` (+ optional ``indices``).
-Arrays that are not loaded are the anchor of ``train.prox_mu`` (FedAMP's u_i, Ditto's global model) and what
-``train-received`` trains a copy of; with ``arrays.multi`` they hold several models ``m<k>.<name>`` for
-``select-model`` (IFCA) and ``fomo-mix`` (FedFomo). ``return-arrays`` sends back the private model
-(``arrays.from: private``) or the trained copy (``received``), whole (``arrays.keys: state``), parameters only
-(``params``) or without the head (``body``). ``train.freeze`` (head | body) keeps a part of the model fixed; a
-tagged ``train:<tag>`` op reads ``train:<tag>.*`` over ``train.*``; ``holdout-fraction`` keeps a fixed share
-of the training split out of training (``fomo-mix`` scores on it).
+              ``load-arrays`` is true, or used apart by an operation (evaluated, trained, the anchor of a
+              training term); with ``arrays.multi`` several models packed by :func:`pack_models`;
+  ``targets`` (ArrayRecord, optional) encoded pseudo-labels on U for ``distill`` (+ optional row indices).
+``return-arrays`` sends back the private model (or the model an operation chose to return) whole
+(``arrays.keys: state``), parameters only (``params``) or without the head (``body``). ``train.freeze``
+(head | body) keeps a part of the model fixed; a tagged ``train:<tag>`` op reads ``train:<tag>.*`` over
+``train.*``; ``holdout-fraction`` keeps a fixed share of the training split out of training.
 ``persist-model`` (default true) keeps the client's model in ``Context.state`` after the message.
 A reply carries ``metrics`` (MetricRecord: ``client-id``, ``num-examples``, evaluation results, timings),
 and optionally ``arrays`` (the client's model) and ``predictions`` (encoded predictions on U) with ``info``.
@@ -38,9 +37,16 @@ METRICS = "metrics"
 PREDICTIONS = "predictions"
 INFO = "info"
 
-# operations the generic client knows
-OPS = ("evaluate", "train", "distill", "predict", "evaluate-received", "train-public", "train-received", "select-model",
-       "evaluate-finetuned", "fomo-mix")
+# metric names every reply carries; an evaluation tagged <tag> reports <tag>-acc, <tag>-loss, <tag>-n, <tag>-correct
+CLIENT_ID = "client-id"
+NUM_EXAMPLES = "num-examples"
+EVAL_FIELDS = ("acc", "loss", "n", "correct")
+
+
+def metric_name(tag: str, field: str) -> str:
+    """The metric an operation tagged ``tag`` reports ``field`` in: ``metric_name('eval', 'acc') == 'eval-acc'``."""
+    return f"{tag}-{field}"
+
 
 MESSAGE_TYPE = "train"  # every round message is one Flower "train" message
 EVAL_MESSAGE_TYPE = "evaluate"  # evaluation-only messages (e.g. COSMOS cluster models)
@@ -57,15 +63,6 @@ def section(config: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     return {k[len(p):]: v for k, v in config.items() if k.startswith(p)}
 
 
-def op_name(op: str) -> tuple[str, str]:
-    """'evaluate:after' -> ('evaluate', 'after'); 'evaluate' -> ('evaluate', 'eval')."""
-    base, _, tag = op.partition(":")
-    if base not in OPS:
-        raise ValueError(f"unknown client operation '{op}'; known: {', '.join(OPS)}")
-    default_tag = {"evaluate": "eval", "evaluate-received": "received", "evaluate-finetuned": "eval"}.get(base, base)
-    return base, tag or default_tag
-
-
 def build_message(
     node_id: int,
     server_round: int,
@@ -76,10 +73,7 @@ def build_message(
     message_type: str = MESSAGE_TYPE,
 ) -> Message:
     """One message for one node: operations, settings and optional arrays/targets."""
-    ops = list(ops)
-    for op in ops:
-        op_name(op)
-    cfg = ConfigRecord({"ops": ops, "round": int(server_round), **dict(config)})
+    cfg = ConfigRecord({"ops": [str(op) for op in ops], "round": int(server_round), **dict(config)})
     content = RecordDict({CONFIG: cfg})
     if arrays is not None:
         content[ARRAYS] = arrays
@@ -131,14 +125,14 @@ def parse_reply(msg: Message, expect_arrays: bool = False, expect_predictions: b
     if METRICS not in content:
         raise ReplyError("reply without a 'metrics' record")
     metrics = dict(content[METRICS])
-    for key in ("client-id", "num-examples"):
+    for key in (CLIENT_ID, NUM_EXAMPLES):
         if key not in metrics:
             raise ReplyError(f"reply metrics lack '{key}'")
     for key, value in metrics.items():
         values = value if isinstance(value, list) else [value]
         if any(isinstance(v, float) and not math.isfinite(v) for v in values):
             raise ReplyError(f"metric '{key}' is not finite: {value}")
-    num_examples = int(metrics["num-examples"])
+    num_examples = int(metrics[NUM_EXAMPLES])
     if num_examples < 0:
         raise ReplyError(f"negative num-examples {num_examples}")
     arrays = None
@@ -157,7 +151,7 @@ def parse_reply(msg: Message, expect_arrays: bool = False, expect_predictions: b
     info = dict(content[INFO]) if INFO in content else {}
     return ClientReply(
         node_id=msg.metadata.src_node_id,
-        client_id=int(metrics["client-id"]),
+        client_id=int(metrics[CLIENT_ID]),
         num_examples=num_examples,
         metrics=metrics,
         arrays=arrays,
@@ -178,6 +172,11 @@ def parse_replies(
         except ReplyError as exc:
             log.warning("round %d: dropped reply from node %s: %s", server_round, msg.metadata.src_node_id, exc)
     return good
+
+
+def pack_models(models: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """K state dicts -> one dict with keys 'm<k>.<name>' (several models in one message, ``arrays.multi``)."""
+    return {f"m{k}.{name}": value for k, model in enumerate(models) for name, value in model.items()}
 
 
 def arrays_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:

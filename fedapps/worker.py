@@ -1,7 +1,9 @@
 """The generic client: runs the operations a message asks for on its private data and private model.
 
-No algorithm logic lives here: the server says which operations to run, in which order, with which
-settings (see :mod:`fedapps.protocol`). The private model persists in ``Context.state`` between rounds.
+No algorithm logic lives here: the server says which operations to run, in which order, with which settings
+(see :mod:`fedapps.protocol`); each name is looked up in :mod:`fedapps.clientops`, where this module registers
+the common operations (evaluate, evaluate-received, train, distill, predict) and every algorithm module
+registers its own. The private model persists in ``Context.state`` between rounds.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from torch import nn
 
 from fedapps import ops, protocol, pseudolabels
+from fedapps.clientops import DISTILL_WEIGHTINGS, TRAINING_TERMS, ProtocolError, client_op, parse_op
 from fedapps.data import ClientData, Federation, get_federation
 from fedapps.models import STATE_PARTS, build_model, classifier_name, state_part
 
@@ -25,12 +28,7 @@ log = logging.getLogger("fedapps")
 
 STATE_MODEL = "private-model"
 STATE_ARCH = "private-model-arch"
-DATA_KEYS_INT = ("num_clients", "classes_per_client", "min_samples", "groups", "seed", "synthetic_classes", "synthetic_samples")
-
-
-class ProtocolError(RuntimeError):
-    """The message cannot be served (wrong public set, unknown operation, incompatible arrays)."""
-
+__all__ = ["ProtocolError", "Worker", "handle"]  # ProtocolError is defined in fedapps.clientops
 
 @functools.lru_cache(maxsize=1)
 def set_threads_once() -> int:
@@ -131,7 +129,7 @@ def part_names(model: nn.Module, part: str) -> set[str]:
 
 
 def split_models(arrays: ArrayRecord) -> list[dict[str, torch.Tensor]]:
-    """Several models in one record, keys 'm<k>.<name>' (IFCA's cluster models) -> one state dict per k."""
+    """Several models in one record, keys 'm<k>.<name>' (see :func:`protocol.pack_models`) -> one state dict per k."""
     models: dict[int, dict[str, torch.Tensor]] = {}
     for key, tensor in arrays.to_torch_state_dict().items():
         prefix, _, name = key.partition(".")
@@ -150,15 +148,15 @@ def optim_settings(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> op
     return ops.OptimSettings(**{k: merged[k] for k in keys if k in merged})
 
 
-def frequency_weights(class_counts: np.ndarray, labels: np.ndarray) -> torch.Tensor:
-    """Per-sample weight = the client's local frequency of each sample's (pseudo-)label (COSMOS w_i(x))."""
-    freq = class_counts / max(class_counts.sum(), 1)
-    freq = np.append(freq, 0.0)  # abstain marker -> weight 0
-    return torch.as_tensor(freq[np.clip(labels, 0, len(freq) - 1)], dtype=torch.float32)
-
-
 class Worker:
-    """Serves one message for one client: parse, run operations, reply."""
+    """Serves one message for one client: parse, run the named operations, reply.
+
+    What an operation may use: ``config`` (the message's settings), ``data`` / ``fed`` (this client's data and
+    the data spec's federation), ``train_x`` / ``train_y`` (the training split less any held-out share),
+    ``val_x`` / ``val_y`` (the held-out share), ``model`` (the private model), ``received`` (the message's
+    arrays as tensors), ``generator`` (seeded per client and round), ``metrics`` and ``reply`` (what goes back),
+    and ``outgoing``: the model whose arrays ``return-arrays`` sends (default: the private model).
+    """
 
     def __init__(self, msg: Message, context: Context) -> None:
         set_threads_once()
@@ -168,7 +166,7 @@ class Worker:
         self.client_id = client_id_of(context)
         self.fed = get_federation(data_spec(self.config))
         self.data: ClientData = self.fed.client(self.client_id)
-        # a held-out share of the training split (FedFomo scores other models on it); training uses the rest
+        # a held-out share of the training split (scored on by operations that need one); training uses the rest
         self.train_x, self.train_y = self.data.train_x, self.data.train_y
         self.val_x, self.val_y = self.data.train_x[:0], self.data.train_y[:0]
         holdout = float(self.config.get("holdout-fraction", 0.0))
@@ -178,9 +176,9 @@ class Worker:
             self.val_x, self.val_y = self.data.train_x[held_out], self.data.train_y[held_out]
         self.device = ops.resolve_device(str(self.config.get("client.device", "auto")))
         self.model, self.arch = private_model(context, self.config, self.fed, self.client_id, self.device)
-        self.metrics: dict[str, Any] = {"client-id": self.client_id, "num-examples": len(self.data.train_y)}
+        self.outgoing: nn.Module | None = None  # set by an operation that returns another model than the private one
+        self.metrics: dict[str, Any] = {protocol.CLIENT_ID: self.client_id, protocol.NUM_EXAMPLES: len(self.data.train_y)}
         self.reply = RecordDict()
-        self.trained_copy: nn.Module | None = None  # the received model after 'train-received' (Ditto's global branch)
         rnd = int(self.config.get("round", 0))
         seed = int(self.config.get("model.seed", 0))
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rnd * 10_007 + self.client_id)
@@ -190,23 +188,19 @@ class Worker:
         """Run every operation in the message, save the private model, and build the reply."""
         t0 = time.perf_counter()
         self._check_public_set()
+        steps = [parse_op(op) for op in self.config["ops"]]  # refuse an unknown operation before running any
         if self.received is not None and self.config.get("load-arrays", False):
             load_arrays(self.model, self.received, strict=False)
-        for op in self.config["ops"]:
-            base, tag = protocol.op_name(str(op))
+        for op, tag in steps:
             start = time.perf_counter()
-            getattr(self, "op_" + base.replace("-", "_"))(tag)
+            op.run(self, tag)
             self.metrics[f"t-{tag}"] = time.perf_counter() - start
         if self.config.get("return-arrays", False):
-            returned = self.trained_copy if self.config.get("arrays.from", "private") == "received" else self.model
-            if returned is None:
-                raise ProtocolError("arrays.from 'received' needs the 'train-received' operation in the message")
+            returned = self.outgoing if self.outgoing is not None else self.model
             self.reply[protocol.ARRAYS] = model_arrays(returned, str(self.config.get("arrays.keys", "state")))
-        if self.config.get("return-class-counts", False):
-            self.metrics["class-counts"] = [int(v) for v in self.fed.train_counts[self.client_id]]
         if self.config.get("persist-model", True):
             # the private model lives in Context.state between rounds; strategies that send the whole model
-            # every round (FedAvg) switch this off, which halves what travels with each message in simulation
+            # every round switch this off, which halves what travels with each message in simulation
             self.context.state[STATE_MODEL] = model_arrays(self.model.cpu(), "state")
             self.context.state[STATE_ARCH] = ConfigRecord({"arch": self.arch})
         self.metrics["t-total"] = time.perf_counter() - t0
@@ -217,11 +211,43 @@ class Worker:
     @functools.cached_property
     def received(self) -> dict[str, torch.Tensor] | None:
         """The message's model arrays as tensors, decoded once on first use: loaded into the model
-        (``load-arrays``), the anchor of a proximal term (FedAMP's u_i, Ditto's global model), or a model
-        evaluated or trained apart. None without arrays, or when they hold several models (``arrays.multi``)."""
+        (``load-arrays``), the anchor of a training term, or a model evaluated or trained apart. None without
+        arrays, or when they hold several models (``arrays.multi``, see :meth:`candidate_models`)."""
         if protocol.ARRAYS not in self.msg.content or self.config.get("arrays.multi", False):
             return None
         return self.msg.content[protocol.ARRAYS].to_torch_state_dict()
+
+    def candidate_models(self, op: str) -> list[dict[str, torch.Tensor]]:
+        """The several models of an ``arrays.multi`` message, as state dicts in the order the server packed them."""
+        if protocol.ARRAYS not in self.msg.content or not self.config.get("arrays.multi", False):
+            raise ProtocolError(f"{op} needs several models in the message (arrays.multi)")
+        return split_models(self.msg.content[protocol.ARRAYS])
+
+    def model_from(self, state: Mapping[str, torch.Tensor]) -> nn.Module:
+        """A separate model of the client's architecture holding the given (complete) state."""
+        model = build_model(self.arch, self.fed.num_classes, tuple(self.fed.input_shape)).to(self.device)
+        model.load_state_dict(state, strict=True)
+        return model
+
+    def settings(self, section_name: str) -> ops.OptimSettings:
+        """Optimiser settings of a message section (e.g. ``train``), falling back to the ``client`` section."""
+        return optim_settings(protocol.section(self.config, section_name), protocol.section(self.config, "client"))
+
+    def record_eval(self, tag: str, result: Mapping[str, float]) -> None:
+        """Evaluation results as the metrics ``<tag>-acc``, ``<tag>-loss``, ``<tag>-n``, ``<tag>-correct``."""
+        for k in protocol.EVAL_FIELDS:
+            self.metrics[protocol.metric_name(tag, k)] = result[k]
+
+    def public_rows(self, key: str) -> torch.Tensor | None:
+        """Row indices of U named in the targets record (e.g. an alignment subset), or None = all of U."""
+        if protocol.TARGETS in self.msg.content and key in self.msg.content[protocol.TARGETS]:
+            return torch.as_tensor(self.msg.content[protocol.TARGETS][key].numpy().astype(np.int64))
+        return None
+
+    def training_terms(self, section: Mapping[str, Any]) -> ops.Regulariser | None:
+        """The sum of every registered training term that the ``train.*`` settings switch on (None: none is)."""
+        terms = [t for t in (build(self, dict(section)) for build in TRAINING_TERMS.values()) if t is not None]
+        return (lambda m: sum(t(m) for t in terms)) if terms else None
 
     def _check_public_set(self) -> None:
         expected = self.config.get("public.fingerprint")
@@ -231,182 +257,94 @@ class Worker:
                 f"'{self.fed.fingerprint}'. Both sides must build U from the same data spec (data.* keys)."
             )
 
-    def _public_rows(self, key: str) -> torch.Tensor | None:
-        """Row indices of U named in the targets record (e.g. FedMD's alignment subset), or None = all."""
-        if protocol.TARGETS in self.msg.content and key in self.msg.content[protocol.TARGETS]:
-            return torch.as_tensor(self.msg.content[protocol.TARGETS][key].numpy().astype(np.int64))
+
+# ---------------------------------------------------------------------- the common operations
+
+
+@client_op("evaluate", default_tag="eval")
+def evaluate(w: Worker, tag: str) -> None:
+    """The private model on the local test split."""
+    w.record_eval(tag, ops.evaluate(w.model, w.data.test_x, w.data.test_y))
+
+
+@client_op("evaluate-received", default_tag="received")
+def evaluate_received(w: Worker, tag: str) -> None:
+    """The received model (architecture ``received.model``, default the client's own) on the local test split."""
+    arch = str(w.config.get("received.model", w.arch))
+    if w.received is None:
+        raise ProtocolError("evaluate-received needs model arrays in the message")
+    scratch = build_model(arch, w.fed.num_classes, tuple(w.fed.input_shape)).to(w.device)
+    load_arrays(scratch, w.received, strict=True)
+    w.record_eval(tag, ops.evaluate(scratch, w.data.test_x, w.data.test_y))
+
+
+@client_op("train")
+def train(w: Worker, tag: str) -> None:
+    """CE on the local data (+ registered training terms). Settings: ``train.*``, overridden for a tagged op
+    ``train:<tag>`` by ``train:<tag>.*``; ``freeze`` (head | body) keeps one part of the model fixed."""
+    section = {**protocol.section(w.config, "train"), **protocol.section(w.config, f"train:{tag}")}
+    settings = optim_settings(section, protocol.section(w.config, "client"))
+    with ops.frozen(w.model, part_names(w.model, str(section.get("freeze", "none")))):
+        result = ops.train(w.model, w.train_x, w.train_y, settings, w.training_terms(section), w.generator)
+    w.metrics[protocol.metric_name(tag, "loss")] = result["loss"]
+
+
+@client_op("distill")
+def distill(w: Worker, tag: str) -> None:
+    """Fit the private model on U (or the rows in ``distill-indices``) towards the message's targets.
+    Settings ``distill.*``: optimiser, ``loss`` (kl | mae | ce), ``weighting`` (none or a registered one), r_B."""
+    if protocol.TARGETS not in w.msg.content:
+        return  # nothing to distil on yet (e.g. the first round)
+    if w.fed.public_x is None:
+        raise ProtocolError("distill needs a public set U: set data.public_fraction > 0")
+    section = protocol.section(w.config, "distill")
+    settings = optim_settings(section, protocol.section(w.config, "client"))
+    targets = pseudolabels.decode(w.msg.content[protocol.TARGETS]["targets"].numpy(), w.fed.num_classes)
+    rows = w.public_rows("distill-indices")
+    x = w.fed.public_x if rows is None else w.fed.public_x[rows]
+    if len(targets) != len(x):
+        raise ProtocolError(f"targets cover {len(targets)} samples but U (subset) has {len(x)}")
+    loss = str(section.get("loss", "kl"))
+    hard = targets.ndim == 1
+    if hard and loss != "ce":
+        targets, hard = pseudolabels.one_hot(targets, w.fed.num_classes), False
+    weights = distill_weights(w, str(section.get("weighting", "none")), targets, rows)
+    if hard:
+        abstain = targets >= w.fed.num_classes
+        if abstain.any():
+            keep = torch.as_tensor(~abstain)
+            weights = keep.float() if weights is None else weights * keep.float()
+            targets = np.where(abstain, 0, targets)
+    result = ops.distill(
+        w.model, x, torch.as_tensor(targets), settings,
+        ops.DistillSettings(loss=loss, rb_lambda=float(section.get("rb_lambda", 0.0)), rb_sigma=float(section.get("rb_sigma", 0.05))),
+        sample_weights=weights, generator=w.generator,
+    )
+    w.metrics[protocol.metric_name(tag, "loss")] = result["loss"]
+
+
+def distill_weights(w: Worker, weighting: str, targets: np.ndarray, rows: torch.Tensor | None) -> torch.Tensor | None:
+    """Per-sample weights on U: 'none' (None), or a weighting registered with :func:`clientops.distill_weighting`."""
+    if weighting == "none":
         return None
+    if weighting not in DISTILL_WEIGHTINGS:
+        raise ProtocolError(f"unknown distill.weighting '{weighting}'; allowed: none, {', '.join(sorted(DISTILL_WEIGHTINGS))}")
+    return DISTILL_WEIGHTINGS[weighting](w, targets, rows)
 
-    # ------------------------------------------------------------------ operations
-    def op_evaluate(self, tag: str) -> None:
-        self._record_eval(tag, ops.evaluate(self.model, self.data.test_x, self.data.test_y))
 
-    def op_evaluate_received(self, tag: str) -> None:
-        arch = str(self.config.get("received.model", self.arch))
-        if self.received is None:
-            raise ProtocolError("evaluate-received needs model arrays in the message")
-        scratch = build_model(arch, self.fed.num_classes, tuple(self.fed.input_shape)).to(self.device)
-        load_arrays(scratch, self.received, strict=True)
-        self._record_eval(tag, ops.evaluate(scratch, self.data.test_x, self.data.test_y))
-
-    def _record_eval(self, tag: str, result: Mapping[str, float]) -> None:
-        for k in ("acc", "loss", "n", "correct"):
-            self.metrics[f"{tag}-{k}"] = result[k]
-
-    def op_train(self, tag: str) -> None:
-        """CE on the local data (+ regularisers). Settings: ``train.*``, overridden for a tagged op ``train:<tag>``
-        by ``train:<tag>.*`` (FedRep's head and body phases); ``freeze`` (head | body) keeps one part fixed."""
-        section = {**protocol.section(self.config, "train"), **protocol.section(self.config, f"train:{tag}")}
-        settings = optim_settings(section, protocol.section(self.config, "client"))
-        with ops.frozen(self.model, part_names(self.model, str(section.get("freeze", "none")))):
-            result = ops.train(self.model, self.train_x, self.train_y, settings, self._regulariser(section), self.generator)
-        self.metrics[f"{tag}-loss"] = result["loss"]
-
-    def op_evaluate_finetuned(self, tag: str) -> None:
-        """Evaluate a copy of the model after training its head alone on the local data (FedBABU's evaluation;
-        settings ``finetune.*``); the model itself is left as it was."""
-        copy = self._model_from(self.model.state_dict())
-        settings = optim_settings(protocol.section(self.config, "finetune"), protocol.section(self.config, "client"))
-        with ops.frozen(copy, part_names(copy, "body")):
-            ops.train(copy, self.train_x, self.train_y, settings, None, self.generator)
-        self._record_eval(tag, ops.evaluate(copy, self.data.test_x, self.data.test_y))
-
-    def op_train_received(self, tag: str) -> None:
-        """Train a copy of the received model on the local data, plainly (Ditto's global branch); the private
-        model is untouched and the copy is what ``arrays.from: received`` sends back."""
-        if self.received is None:
-            raise ProtocolError("train-received needs model arrays in the message")
-        copy = self._model_from(self.received)
-        settings = optim_settings(protocol.section(self.config, "train"), protocol.section(self.config, "client"))
-        result = ops.train(copy, self.train_x, self.train_y, settings, None, self.generator)
-        self.trained_copy = copy
-        self.metrics[f"{tag}-loss"] = result["loss"]
-
-    def _model_from(self, state: Mapping[str, torch.Tensor]) -> nn.Module:
-        """A separate model of the client's architecture holding the given (complete) state."""
-        model = build_model(self.arch, self.fed.num_classes, tuple(self.fed.input_shape)).to(self.device)
-        model.load_state_dict(state, strict=True)
-        return model
-
-    def op_select_model(self, tag: str) -> None:
-        """IFCA: of the K models in the message, load the one with the lowest loss on the local TRAIN data."""
-        candidates = self._candidate_models("select-model")
-        losses = self._losses_of(candidates, self.train_x, self.train_y)
-        best = int(np.argmin(losses))
-        self.model.load_state_dict(candidates[best], strict=True)
-        self.metrics[f"{tag}-index"] = best
-        self.metrics[f"{tag}-losses"] = [float(v) for v in losses]
-
-    def op_fomo_mix(self, tag: str) -> None:
-        """FedFomo: score each of the models in the message on the held-out split against the client's own,
-        move the own model towards the helpful ones (:func:`ops.fomo_weights`), report the weights."""
-        if len(self.val_y) == 0:
-            raise ProtocolError("fomo-mix needs a held-out split: set holdout-fraction > 0 in the message")
-        candidates = self._candidate_models("fomo-mix")
-        own = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        own_loss = ops.evaluate(self.model, self.val_x, self.val_y)["loss"]
-        losses = self._losses_of(candidates, self.val_x, self.val_y)  # leaves the last candidate loaded
-        distances = [ops.state_distance(state, own) for state in candidates]
-        weights = ops.fomo_weights(own_loss, losses, distances)
-        self.model.load_state_dict(ops.mix_towards(own, candidates, weights))
-        self.metrics[f"{tag}-weights"] = [float(w) for w in weights]
-
-    def _candidate_models(self, op: str) -> list[dict[str, torch.Tensor]]:
-        """The several models of an ``arrays.multi`` message (IFCA's clusters, FedFomo's candidates)."""
-        if protocol.ARRAYS not in self.msg.content or not self.config.get("arrays.multi", False):
-            raise ProtocolError(f"{op} needs several models in the message (arrays.multi)")
-        return split_models(self.msg.content[protocol.ARRAYS])
-
-    def _losses_of(self, states: list[dict[str, torch.Tensor]], x: torch.Tensor, y: torch.Tensor) -> list[float]:
-        """Mean cross-entropy of each model state on (x, y), loaded in turn into the client's model."""
-        losses = []
-        for state in states:
-            self.model.load_state_dict(state, strict=True)
-            losses.append(ops.evaluate(self.model, x, y)["loss"])
-        return losses
-
-    def _regulariser(self, section: Mapping[str, Any]) -> ops.Regulariser | None:
-        """The training regularisers a message asks for: WDR (cwFedAvg) and a proximal term to the received arrays."""
-        regularisers = []
-        wdr = float(section.get("wdr_lambda", 0.0))
-        if wdr > 0:
-            weight = self.model.get_submodule(classifier_name(self.model)).weight
-            counts = torch.as_tensor(self.fed.train_counts[self.client_id], dtype=torch.float32, device=self.device)
-            target = counts / counts.sum()
-            regularisers.append(lambda m: ops.wdr_penalty(weight, target, wdr))
-        mu = float(section.get("prox_mu", 0.0))
-        if mu > 0:
-            if self.received is None:
-                raise ProtocolError("train.prox_mu > 0 needs arrays in the message (the proximal anchor)")
-            anchor = {k: v.to(self.device) for k, v in self.received.items()}
-            regularisers.append(lambda m: ops.proximal_penalty(m, anchor, mu))
-        return (lambda m: sum(r(m) for r in regularisers)) if regularisers else None
-
-    def op_train_public(self, tag: str) -> None:
-        """CE on U with its TRUE labels (FedMD's labelled-public pre-training; settings ``train-public.*``)."""
-        if self.fed.public_x is None or self.fed.public_y is None:
-            raise ProtocolError("train-public needs a labelled public set U (data.public_fraction > 0)")
-        settings = optim_settings(protocol.section(self.config, "train-public"), protocol.section(self.config, "client"))
-        result = ops.train(self.model, self.fed.public_x, self.fed.public_y, settings, None, self.generator)
-        self.metrics[f"{tag}-loss"] = result["loss"]
-
-    def op_distill(self, tag: str) -> None:
-        if protocol.TARGETS not in self.msg.content:
-            return  # nothing to distil on yet (e.g. the first round)
-        if self.fed.public_x is None:
-            raise ProtocolError("distill needs a public set U: set data.public_fraction > 0")
-        section = protocol.section(self.config, "distill")
-        settings = optim_settings(section, protocol.section(self.config, "client"))
-        targets = pseudolabels.decode(self.msg.content[protocol.TARGETS]["targets"].numpy(), self.fed.num_classes)
-        rows = self._public_rows("distill-indices")
-        x = self.fed.public_x if rows is None else self.fed.public_x[rows]
-        if len(targets) != len(x):
-            raise ProtocolError(f"targets cover {len(targets)} samples but U (subset) has {len(x)}")
-        loss = str(section.get("loss", "kl"))
-        hard = targets.ndim == 1
-        if hard and loss != "ce":
-            targets, hard = pseudolabels.one_hot(targets, self.fed.num_classes), False
-        weights = self._distill_weights(str(section.get("weighting", "none")), targets, rows)
-        if hard:
-            abstain = targets >= self.fed.num_classes
-            if abstain.any():
-                keep = torch.as_tensor(~abstain)
-                weights = keep.float() if weights is None else weights * keep.float()
-                targets = np.where(abstain, 0, targets)
-        t = torch.as_tensor(targets)
-        result = ops.distill(
-            self.model, x, t, settings,
-            ops.DistillSettings(loss=loss, rb_lambda=float(section.get("rb_lambda", 0.0)), rb_sigma=float(section.get("rb_sigma", 0.05))),
-            sample_weights=weights, generator=self.generator,
-        )
-        self.metrics[f"{tag}-loss"] = result["loss"]
-
-    def _distill_weights(self, weighting: str, targets: np.ndarray, rows: torch.Tensor | None) -> torch.Tensor | None:
-        """Per-sample weights on U: none, label-free (frequency of the target's argmax), or oracle (true label)."""
-        if weighting == "none":
-            return None
-        counts = self.fed.train_counts[self.client_id]
-        if weighting == "label-free":
-            labels = targets if targets.ndim == 1 else targets.argmax(axis=-1)
-            return frequency_weights(counts, labels)
-        if weighting == "oracle":
-            if self.fed.public_y is None:
-                raise ProtocolError("distill.weighting 'oracle' needs the true labels of U")
-            y = self.fed.public_y if rows is None else self.fed.public_y[rows]
-            return frequency_weights(counts, y.numpy())
-        raise ProtocolError(f"unknown distill.weighting '{weighting}'; allowed: none, label-free, oracle")
-
-    def op_predict(self, tag: str) -> None:
-        if self.fed.public_x is None:
-            raise ProtocolError("predict needs a public set U: set data.public_fraction > 0")
-        section = protocol.section(self.config, "predict")
-        rows = self._public_rows("predict-indices")
-        x = self.fed.public_x if rows is None else self.fed.public_x[rows]
-        output = str(section.get("output", "probs"))
-        encoding = str(section.get("encoding", "float32"))
-        values = ops.predict(self.model, x, output="logits" if output == "logits" else "probs").numpy()
-        wire = pseudolabels.encode(values, encoding, self.fed.num_classes)
-        self.reply[protocol.PREDICTIONS] = protocol.arrays_record({"predictions": wire})
+@client_op("predict")
+def predict(w: Worker, tag: str) -> None:
+    """Encoded predictions of the private model on U (or ``predict-indices``): ``predict.output``, ``.encoding``."""
+    if w.fed.public_x is None:
+        raise ProtocolError("predict needs a public set U: set data.public_fraction > 0")
+    section = protocol.section(w.config, "predict")
+    rows = w.public_rows("predict-indices")
+    x = w.fed.public_x if rows is None else w.fed.public_x[rows]
+    output = str(section.get("output", "probs"))
+    encoding = str(section.get("encoding", "float32"))
+    values = ops.predict(w.model, x, output="logits" if output == "logits" else "probs").numpy()
+    wire = pseudolabels.encode(values, encoding, w.fed.num_classes)
+    w.reply[protocol.PREDICTIONS] = protocol.arrays_record({"predictions": wire})
 
 
 def handle(msg: Message, context: Context) -> Message:

@@ -26,6 +26,7 @@ from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
 from fedapps import clustering, ops, protocol, pseudolabels
+from fedapps.clientops import ProtocolError, distill_weighting
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.data import Federation, get_federation
 from fedapps.models import MODEL_NAMES, build_model
@@ -35,6 +36,35 @@ from strategies.base import PersonalisedStrategy
 log = logging.getLogger("fedapps")
 
 WEIGHTINGS = ("label-free", "oracle", "none")
+
+
+# --------------------------------------------------------------------------- client side
+
+
+def frequency_weights(class_counts: np.ndarray, labels: np.ndarray) -> torch.Tensor:
+    """Per-sample weight = the client's local frequency of each sample's (pseudo-)label (w_i(x))."""
+    freq = class_counts / max(class_counts.sum(), 1)
+    freq = np.append(freq, 0.0)  # abstain marker -> weight 0
+    return torch.as_tensor(freq[np.clip(labels, 0, len(freq) - 1)], dtype=torch.float32)
+
+
+@distill_weighting("label-free")
+def label_free_weights(w, targets: np.ndarray, rows) -> torch.Tensor:
+    """w_i(x) from the server's label: the client's local frequency of the target's argmax."""
+    labels = targets if targets.ndim == 1 else targets.argmax(axis=-1)
+    return frequency_weights(w.fed.train_counts[w.client_id], labels)
+
+
+@distill_weighting("oracle")
+def oracle_weights(w, targets: np.ndarray, rows) -> torch.Tensor:
+    """w_i(x) from U's TRUE label (reproduction of the paper's oracle variant only)."""
+    if w.fed.public_y is None:
+        raise ProtocolError("distill.weighting 'oracle' needs the true labels of U")
+    y = w.fed.public_y if rows is None else w.fed.public_y[rows]
+    return frequency_weights(w.fed.train_counts[w.client_id], y.numpy())
+
+
+# --------------------------------------------------------------------------- server side
 
 
 @dataclass

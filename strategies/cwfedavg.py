@@ -28,7 +28,8 @@ so far (with full participation: exactly this round's models); ``mix: round`` on
 repliers. A client with an estimate gets its row of A; a client never seen gets the FedAvg model (the
 sample-weighted mean of the same set); before any reply, everyone gets the initial model.
 
-Client side: ``train.wdr_lambda`` → loss CE + (λ/2)·‖p_i − p̃_i‖₂ (fedapps.ops.wdr_penalty), p_i from the
+Client side (registered here): the training term ``wdr``, switched on by ``train.wdr_lambda`` → loss
+CE + (λ/2)·‖p_i − p̃_i‖₂ (:func:`wdr_penalty`), p_i from the
 client's TRAIN split (the authors' code uses train+test). Each round the personalised model is evaluated
 on the client's test split before training (the paper's number, ``acc_*``) and after (``after_acc_*``).
 """
@@ -42,11 +43,13 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
+import torch
 from flwr.app import Message
 from flwr.serverapp import Grid
-from torch import nn
+from torch import Tensor, nn
 
 from fedapps import protocol
+from fedapps.clientops import client_op, training_term
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.data import get_federation, source_info
 from fedapps.models import build_model, classifier_name, top_level_children
@@ -60,6 +63,46 @@ ESTIMATORS = ("bias", "norm", "true")
 MIX_SETS = ("latest", "round")
 BUFFER_MODES = ("local", "fedavg")
 _LAST_N = re.compile(r"^last-(\d+)$")
+
+
+WDR_LAMBDA = "train.wdr_lambda"  # the message setting that switches WDR on (λ > 0)
+CLASS_COUNTS = "class-counts"  # the metric the `true` estimator's clients report their training class counts in
+
+
+# --------------------------------------------------------------------------- client side
+
+
+def class_distribution_from_rows(weight: Tensor) -> Tensor:
+    """cwFedAvg's p̃: the L2 norm of each classifier row, normalised to sum to one (last dim = features)."""
+    norms = weight.norm(dim=-1)
+    return norms / norms.sum(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+def wdr_penalty(weight: Tensor, target_distribution: Tensor, lam: float) -> Tensor:
+    """WDR: (λ/2)·‖p − p̃‖₂ (Euclidean norm, not squared) on the classifier rows."""
+    return 0.5 * lam * torch.linalg.vector_norm(target_distribution - class_distribution_from_rows(weight))
+
+
+
+@training_term("wdr")
+def wdr_term(w, section: dict):
+    """WDR on the client's classifier rows towards its training class distribution; None when λ = 0."""
+    lam = float(section.get(WDR_LAMBDA.partition(".")[2], 0.0))
+    if lam <= 0:
+        return None
+    weight = w.model.get_submodule(classifier_name(w.model)).weight
+    counts = torch.as_tensor(w.fed.train_counts[w.client_id], dtype=torch.float32, device=w.device)
+    target = counts / counts.sum()
+    return lambda model: wdr_penalty(weight, target, lam)
+
+
+@client_op("report-class-counts")
+def report_class_counts(w, tag: str) -> None:
+    """The client's training class counts as a metric (the `true` estimator, the paper's "-gt" ablation)."""
+    w.metrics[CLASS_COUNTS] = [int(v) for v in w.fed.train_counts[w.client_id]]
+
+
+# --------------------------------------------------------------------------- server side
 
 
 @dataclass
@@ -300,14 +343,15 @@ class CwFedAvg(PersonalisedStrategy):
         p: CwFedAvgParams = self.params
         config = {**self.base_config(), "load-arrays": True, "return-arrays": True,
                   "arrays.keys": "state" if p.buffers == "fedavg" else "params",
-                  "train.wdr_lambda": float(p.wdr_lambda), "return-class-counts": p.estimator == "true"}
+                  WDR_LAMBDA: float(p.wdr_lambda)}
+        client_ops = ["evaluate", "train", "evaluate:after"] + (["report-class-counts"] if p.estimator == "true" else [])
         messages = []
         for node in node_ids:
             arrays = self.personalised(self.node_to_client.get(node))
             if self.has_bias:
                 self.sent_bias[node] = np.array(arrays[self.head_b], dtype=np.float64)
-            messages.append(protocol.build_message(node, server_round, ["evaluate", "train", "evaluate:after"],
-                                                   config, arrays=protocol.arrays_record(arrays)))
+            messages.append(protocol.build_message(node, server_round, client_ops, config,
+                                                   arrays=protocol.arrays_record(arrays)))
         return messages
 
     # ------------------------------------------------------------------ aggregation
@@ -366,7 +410,7 @@ class CwFedAvg(PersonalisedStrategy):
             self.evidence[row] += bias_evidence(r.arrays[self.head_b], self.sent_bias.pop(r.node_id))
             if self.evidence[row].sum() > 0:
                 out["bias"] = normalise_rows(self.evidence[row])
-        counts = r.metrics.get("class-counts")
+        counts = r.metrics.get(CLASS_COUNTS)
         if isinstance(counts, list) and len(counts) == self.num_classes and sum(counts) > 0 and min(counts) >= 0:
             out["true"] = normalise_rows(np.asarray(counts, np.float64))
         elif self.params.estimator == "true":

@@ -15,11 +15,25 @@ from typing import Any
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from fedapps import protocol
+from fedapps import ops, protocol
+from fedapps.clientops import ProtocolError, client_op
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.protocol import ClientReply
 from strategies.base import PersonalisedStrategy, average_matching
 from strategies.fedavg import initial_model_arrays
+from strategies.fedprox import PROX_MU
+
+
+@client_op("train-received")
+def train_received(w, tag: str) -> None:
+    """Train a copy of the received model on the local data, plainly (the global branch); the private model is
+    untouched and the trained copy is what goes back (``return-arrays``)."""
+    if w.received is None:
+        raise ProtocolError("train-received needs model arrays in the message")
+    copy = w.model_from(w.received)
+    result = ops.train(copy, w.train_x, w.train_y, w.settings("train"), None, w.generator)
+    w.outgoing = copy
+    w.metrics[protocol.metric_name(tag, "loss")] = result["loss"]
 
 
 @dataclass
@@ -49,8 +63,8 @@ class Ditto(PersonalisedStrategy):
         return True
 
     def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
-        config = {**self.base_config(), "load-arrays": False, "train.prox_mu": float(self.params.lam),
-                  "return-arrays": True, "arrays.from": "received", "arrays.keys": "state"}
+        config = {**self.base_config(), "load-arrays": False, PROX_MU: float(self.params.lam),
+                  "return-arrays": True, "arrays.keys": "state"}
         arrays = protocol.arrays_record(self.global_arrays)
         return [protocol.build_message(n, server_round, ["train-received", "train", "evaluate"], config, arrays=arrays)
                 for n in node_ids]

@@ -26,6 +26,7 @@ from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.protocol import ClientReply
 from strategies.base import PersonalisedStrategy
 from strategies.fedavg import initial_model_arrays
+from strategies.fedprox import PROX_MU
 
 log = logging.getLogger("fedapps")
 
@@ -120,7 +121,7 @@ class FedAMP(PersonalisedStrategy):
         return {c: u[i].numpy() for i, c in enumerate(clients)}
 
     def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
-        config = {**self.base_config(), "load-arrays": False, "train.prox_mu": float(self.params.lam),
+        config = {**self.base_config(), "load-arrays": False, PROX_MU: float(self.params.lam),
                   "return-arrays": True, "arrays.keys": "params"}
         # a node not heard from yet is a client whose model is still the initial one: any id outside the pool does
         clients = [self.node_to_client.get(n, -1 - i) for i, n in enumerate(node_ids)]

@@ -39,9 +39,14 @@ class FedAvg(PersonalisedStrategy):
     def expect_arrays(self) -> bool:
         return True
 
+    def client_settings(self) -> dict[str, Any]:
+        """Settings beyond FedAvg's own (FedProx adds its proximal term)."""
+        return {}
+
     def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
         config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "state",
-                  "persist-model": False}  # the whole model arrives every round: nothing to keep
+                  "persist-model": False,  # the whole model arrives every round: nothing to keep
+                  **self.client_settings()}
         arrays = protocol.arrays_record(self.global_arrays)
         return [protocol.build_message(n, server_round, ["evaluate", "train"], config, arrays=arrays) for n in node_ids]
 

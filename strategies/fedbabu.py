@@ -11,8 +11,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fedapps import ops
+from fedapps.clientops import client_op
 from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.worker import part_names
 from strategies.fedper import FedPer
+
+
+@client_op("evaluate-finetuned", default_tag="eval")
+def evaluate_finetuned(w, tag: str) -> None:
+    """Evaluate a copy of the model after training its head alone on the local data (settings ``finetune.*``);
+    the model itself is left as it was."""
+    copy = w.model_from(w.model.state_dict())
+    with ops.frozen(copy, part_names(copy, "body")):
+        ops.train(copy, w.train_x, w.train_y, w.settings("finetune"), None, w.generator)
+    w.record_eval(tag, ops.evaluate(copy, w.data.test_x, w.data.test_y))
 
 
 @dataclass

@@ -12,6 +12,7 @@ and the weights back; the server adds the weights to P_i·. Download cost: ``can
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -20,15 +21,72 @@ import numpy as np
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from fedapps import protocol
+from torch import Tensor
+
+from fedapps import ops, protocol
+from fedapps.clientops import ProtocolError, client_op
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.protocol import ClientReply
 from strategies.base import PersonalisedStrategy
-from strategies.ifca import pack_models
 
 log = logging.getLogger("fedapps")
 
-WEIGHTS = "fomo-mix-weights"  # the metric the client reports its weights in
+WEIGHTS = "fedfomo-weights"  # the metric the client reports its weights in
+
+# --------------------------------------------------------------------------- maths
+
+
+def fomo_weights(own_loss: float, candidate_losses: list[float], distances: list[float]) -> list[float]:
+    """FedFomo's first-order weights: max(0, (L_own − L_n) / ‖θ_n − θ_own‖) per candidate, normalised to sum 1
+    when any is positive (all zero otherwise: nobody helps, the client keeps its model)."""
+    raw = [max(0.0, (own_loss - loss) / d) if d > 0 else 0.0 for loss, d in zip(candidate_losses, distances)]
+    total = sum(raw)
+    return [w / total for w in raw] if total > 0 else raw
+
+
+def mix_towards(own: dict[str, Tensor], candidates: list[dict[str, Tensor]], weights: list[float]) -> dict[str, Tensor]:
+    """θ_own + Σ_n w_n·(θ_n − θ_own) on floating-point entries; integer buffers keep the client's own."""
+    out = {}
+    for key, value in own.items():
+        if not value.is_floating_point():
+            out[key] = value.clone()
+            continue
+        mixed = value.clone()
+        for state, w in zip(candidates, weights):
+            if w:
+                mixed += w * (state[key].to(value.dtype) - value)
+        out[key] = mixed
+    return out
+
+
+def state_distance(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
+    """Euclidean distance between two models over their floating-point entries."""
+    total = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in a if a[k].is_floating_point())
+    return math.sqrt(total)
+
+
+
+# --------------------------------------------------------------------------- client side
+
+
+@client_op("fomo-mix")
+def fomo_mix(w, tag: str) -> None:
+    """Score each model in the message on the held-out split against the client's own, move the own model
+    towards the helpful ones (:func:`fomo_weights`, :func:`mix_towards`) and report the weights."""
+    if len(w.val_y) == 0:
+        raise ProtocolError("fomo-mix needs a held-out split: set holdout-fraction > 0 in the message")
+    candidates = w.candidate_models("fomo-mix")
+    own = {k: v.detach().clone() for k, v in w.model.state_dict().items()}
+    own_loss = ops.evaluate(w.model, w.val_x, w.val_y)["loss"]
+    losses = ops.losses_of(w.model, candidates, w.val_x, w.val_y)  # leaves the last candidate loaded
+    distances = [state_distance(state, own) for state in candidates]
+    weights = fomo_weights(own_loss, losses, distances)
+    w.model.load_state_dict(mix_towards(own, candidates, weights))
+    w.metrics[WEIGHTS] = [float(v) for v in weights]
+
+
+# --------------------------------------------------------------------------- server side
+
 
 
 def choose_candidates(affinity: dict[int, float], others: list[int], m: int, epsilon: float,
@@ -98,7 +156,7 @@ class FedFomo(PersonalisedStrategy):
             chosen = choose_candidates(self.affinity[client], others, self.params.candidates, epsilon, self.rng)
             self.sent_candidates[n] = chosen
             if chosen:
-                arrays = protocol.arrays_record(pack_models([self.models[c] for c in chosen]))
+                arrays = protocol.arrays_record(protocol.pack_models([self.models[c] for c in chosen]))
                 messages.append(protocol.build_message(n, server_round, ["fomo-mix", "train", "evaluate"], config, arrays=arrays))
             else:  # nobody to learn from yet (round 1)
                 messages.append(protocol.build_message(n, server_round, ["train", "evaluate"], config))

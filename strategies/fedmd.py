@@ -25,7 +25,8 @@ import numpy as np
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from fedapps import protocol, pseudolabels
+from fedapps import ops, protocol, pseudolabels
+from fedapps.clientops import ProtocolError, client_op
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.protocol import ClientReply
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, index_array, targets_record
@@ -54,6 +55,18 @@ def alignment_subset(rng: np.random.Generator, public_size: int, size: int) -> n
     if size <= 0 or size >= public_size:
         return None
     return np.sort(rng.choice(public_size, size=size, replace=False))
+
+
+# --------------------------------------------------------------------------- client side
+
+
+@client_op("train-public")
+def train_public(w, tag: str) -> None:
+    """CE on U with its TRUE labels (the original's labelled-public pre-training; settings ``train-public.*``)."""
+    if w.fed.public_x is None or w.fed.public_y is None:
+        raise ProtocolError("train-public needs a labelled public set U (data.public_fraction > 0)")
+    result = ops.train(w.model, w.fed.public_x, w.fed.public_y, w.settings("train-public"), None, w.generator)
+    w.metrics[protocol.metric_name(tag, "loss")] = result["loss"]
 
 
 # --------------------------------------------------------------------------- the strategy

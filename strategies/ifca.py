@@ -18,7 +18,8 @@ import numpy as np
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from fedapps import protocol
+from fedapps import ops, protocol
+from fedapps.clientops import client_op
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.protocol import ClientReply
 from strategies.base import PersonalisedStrategy, average_matching
@@ -26,12 +27,24 @@ from strategies.fedavg import initial_model_arrays
 
 log = logging.getLogger("fedapps")
 
-CHOICE = "select-model-index"  # the metric a client reports its chosen cluster in
+CHOICE = "ifca-choice"  # the metric a client reports its chosen cluster in
+LOSSES = "ifca-losses"  # ... and every cluster model's training loss
+
+# --------------------------------------------------------------------------- client side
 
 
-def pack_models(models: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """K state dicts -> one dict with keys 'm<k>.<name>' (the client splits it back)."""
-    return {f"m{k}.{name}": value for k, model in enumerate(models) for name, value in model.items()}
+@client_op("select-model")
+def select_model(w, tag: str) -> None:
+    """Of the K models in the message, load the one with the lowest loss on the local TRAIN data (ties: lower k)."""
+    candidates = w.candidate_models("select-model")
+    losses = ops.losses_of(w.model, candidates, w.train_x, w.train_y)
+    best = int(np.argmin(losses))
+    w.model.load_state_dict(candidates[best], strict=True)
+    w.metrics[CHOICE] = best
+    w.metrics[LOSSES] = [float(v) for v in losses]
+
+
+# --------------------------------------------------------------------------- server side
 
 
 def average_per_cluster(models: list[dict[str, np.ndarray]], replies: list[ClientReply]) -> tuple[list[dict[str, np.ndarray]], list[int]]:
@@ -75,7 +88,7 @@ class IFCA(PersonalisedStrategy):
     def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
         config = {**self.base_config(), "arrays.multi": True, "load-arrays": False, "persist-model": False,
                   "return-arrays": True, "arrays.keys": "state"}
-        arrays = protocol.arrays_record(pack_models(self.models))
+        arrays = protocol.arrays_record(protocol.pack_models(self.models))
         return [protocol.build_message(n, server_round, ["select-model", "evaluate", "train"], config, arrays=arrays)
                 for n in node_ids]
 

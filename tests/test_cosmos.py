@@ -19,7 +19,7 @@ from fedapps import clustering, ops, protocol, pseudolabels
 from fedapps.config import ConfigError, load_config
 from fedapps.inprocess import InProcessGrid
 from fedapps.protocol import ClientReply
-from fedapps.worker import frequency_weights
+from strategies.cosmos import frequency_weights
 from strategies.cosmos import Cosmos, server_target, validate_predictions
 
 torch.set_num_threads(1)
@@ -141,7 +141,7 @@ def test_label_free_weights_are_local_frequencies_of_the_server_label() -> None:
 
 def test_distill_weighting_on_the_client(tmp_path: Path) -> None:
     """The worker's label-free weight uses the argmax of the targets; the oracle uses U's true labels."""
-    from fedapps.worker import Worker
+    from fedapps.worker import Worker, distill_weights
 
     cfg_path = write_config(tmp_path, rounds=1)
     cfg = load_config(cfg_path)
@@ -152,12 +152,12 @@ def test_distill_weighting_on_the_client(tmp_path: Path) -> None:
     worker = Worker(msg, ctx)
     fed = worker.fed
     targets = pseudolabels.one_hot(fed.public_y.numpy()[::-1].copy(), fed.num_classes)
-    lf = worker._distill_weights("label-free", targets, None)
+    lf = distill_weights(worker, "label-free", targets, None)
     counts = fed.train_counts[1] / fed.train_counts[1].sum()
     assert lf.numpy() == pytest.approx(counts[fed.public_y.numpy()[::-1]])
-    oracle = worker._distill_weights("oracle", targets, None)
+    oracle = distill_weights(worker, "oracle", targets, None)
     assert oracle.numpy() == pytest.approx(counts[fed.public_y.numpy()])
-    assert worker._distill_weights("none", targets, None) is None
+    assert distill_weights(worker, "none", targets, None) is None
 
 
 def test_rb_has_a_gradient_through_the_clean_branch_and_is_weighted() -> None:

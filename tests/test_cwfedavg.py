@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from fedapps import ops
 from fedapps.config import ConfigError, load_config
 from fedapps.inprocess import InProcessGrid
 from fedapps.models import build_model
@@ -19,6 +18,8 @@ from fedapps.protocol import ClientReply
 from strategies.base import weighted_average
 from strategies.cwfedavg import (
     CwFedAvg,
+    class_distribution_from_rows,
+    wdr_penalty,
     class_models,
     class_weights,
     classwise_keys,
@@ -115,14 +116,14 @@ def test_row_norm_distribution():
     w[0, 0], w[1, :2], w[2, 2], w[3] = 3.0, [3.0, 4.0], 2.0, 0.0  # norms 3, 5, 2, 0
     np.testing.assert_allclose(row_norm_distribution(w), [0.3, 0.5, 0.2, 0.0])
     t = torch.randn(10, 16)
-    np.testing.assert_allclose(row_norm_distribution(t.numpy()), ops.class_distribution_from_rows(t).numpy(), atol=1e-6)
+    np.testing.assert_allclose(row_norm_distribution(t.numpy()), class_distribution_from_rows(t).numpy(), atol=1e-6)
 
 
 def test_wdr_gradient_reaches_only_the_classifier_weight():
     model = build_model("cnn", 10, (1, 28, 28), seed=0)
     target = torch.zeros(10)
     target[:2] = 0.5
-    ops.wdr_penalty(model.fc.weight, target, 10.0).backward()
+    wdr_penalty(model.fc.weight, target, 10.0).backward()
     for name, param in model.named_parameters():
         if name == "fc.weight":
             assert param.grad is not None and param.grad.abs().sum() > 0

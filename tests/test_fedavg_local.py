@@ -73,21 +73,21 @@ def test_partial_participation_and_dropped_client(tiny_config, tmp_path):
 
 
 def test_client_error_is_dropped_not_fatal(tiny_config, tmp_path):
-    from fedapps import worker
+    from fedapps.clientops import OPERATIONS, ClientOp
 
     grid = InProcessGrid(4)
-    original = worker.Worker.op_train
+    original = OPERATIONS["train"]
 
-    def failing(self, tag):
-        if self.client_id == 1:
+    def failing(w, tag):
+        if w.client_id == 1:
             raise RuntimeError("disk on fire")
-        return original(self, tag)
+        return original.run(w, tag)
 
-    worker.Worker.op_train = failing
+    OPERATIONS["train"] = ClientOp("train", failing, original.default_tag)
     try:
         summary, grid, out = run(tiny_config(), tmp_path, grid=grid)
     finally:
-        worker.Worker.op_train = original
+        OPERATIONS["train"] = original
     assert summary["rounds"] == 2
     last = json.loads((out / "summary.json").read_text())
     assert last["accuracy_mean"] is not None

@@ -8,6 +8,8 @@ from fedapps import ops, protocol, pseudolabels
 from fedapps.inprocess import InProcessGrid
 from fedapps.models import build_model, classifier_name
 from fedapps.worker import STATE_MODEL, Worker
+from strategies.cwfedavg import wdr_penalty
+from strategies.fedprox import proximal_penalty
 
 
 def toy_data(n=64, k=3, d=5, seed=0):
@@ -78,7 +80,7 @@ def test_wdr_gradient_only_reaches_classifier_weight():
     target = torch.full((10,), 0.1)
     target[0] = 0.5
     target = target / target.sum()
-    ops.wdr_penalty(weight, target, lam=10.0).backward()
+    wdr_penalty(weight, target, lam=10.0).backward()
     for name, p in model.named_parameters():
         if name == "fc.weight":
             assert p.grad is not None and p.grad.abs().sum() > 0
@@ -90,7 +92,7 @@ def test_proximal_penalty_value():
     model = TinyNet()
     anchor = {k: torch.zeros_like(v) for k, v in model.named_parameters()}
     expected = 0.5 * 2.0 * sum((p ** 2).sum() for p in model.parameters())
-    assert torch.allclose(ops.proximal_penalty(model, anchor, 2.0), expected)
+    assert torch.allclose(proximal_penalty(model, anchor, 2.0), expected)
 
 
 def worker_message(ops_list, extra=None, arrays=None):
@@ -141,6 +143,9 @@ def test_worker_refuses_other_public_set():
     assert reply.has_error() and "public set mismatch" in reply.error.reason
 
 
-def test_unknown_op_rejected():
-    with pytest.raises(ValueError, match="unknown client operation"):
-        worker_message(["dance"])
+def test_unknown_op_rejected_before_any_op_runs():
+    grid, msg = worker_message(["train", "dance"])
+    ctx = grid.contexts[100]
+    reply = grid.send_and_receive([msg])[0]
+    assert reply.has_error() and "unknown client operation 'dance'" in reply.error.reason
+    assert STATE_MODEL not in ctx.state  # 'train' did not run either

@@ -13,8 +13,10 @@ from fedapps.inprocess import InProcessGrid
 from fedapps.models import build_model
 from fedapps.protocol import ARRAYS, ClientReply
 from fedapps.worker import STATE_MODEL, ProtocolError, Worker, model_arrays, split_models
+from fedapps.protocol import pack_models
 from strategies.fedamp import attention_weights, flatten, squared_distances, unflatten
-from strategies.ifca import average_per_cluster, pack_models
+from strategies.fedfomo import WEIGHTS
+from strategies.ifca import CHOICE, LOSSES, average_per_cluster
 from test_ops_worker import worker_message
 
 PATHOLOGICAL = {"source": "digits", "partition": "pathological", "num_clients": 4, "classes_per_client": 2}
@@ -97,7 +99,7 @@ def test_anchor_arrays_are_not_loaded_and_pull_the_model(tmp_path) -> None:
 def test_train_received_sends_back_the_trained_copy_and_keeps_the_personal_model() -> None:
     global_state = mlp_state(3)
     grid, msg = worker_message(["train-received", "train"], {"load-arrays": False, "train.prox_mu": 0.1,
-                                                            "return-arrays": True, "arrays.from": "received"},
+                                                            "return-arrays": True},
                                arrays=protocol.arrays_record(global_state))
     ctx = grid.contexts[100]
     reply = Worker(msg, ctx).run()
@@ -109,10 +111,13 @@ def test_train_received_sends_back_the_trained_copy_and_keeps_the_personal_model
     assert not np.allclose(sent[key], personal[key])  # and it is not the personal model
 
 
-def test_arrays_from_received_without_train_received_is_an_error() -> None:
-    grid, msg = worker_message(["train"], {"return-arrays": True, "arrays.from": "received"})
-    reply = grid.send_and_receive([msg])[0]
-    assert reply.has_error() and "train-received" in reply.error.reason
+def test_without_train_received_the_private_model_goes_back() -> None:
+    grid, msg = worker_message(["train"], {"return-arrays": True})
+    ctx = grid.contexts[100]
+    reply = Worker(msg, ctx).run()
+    sent = {k: v.numpy() for k, v in reply.content[ARRAYS].items()}
+    personal = {k: v.numpy() for k, v in ctx.state[STATE_MODEL].items()}
+    assert all(np.array_equal(sent[k], personal[k]) for k in sent)
 
 
 # --------------------------------------------------------------------------- IFCA
@@ -134,16 +139,16 @@ def test_select_model_picks_the_lowest_training_loss() -> None:
         grid, msg = worker_message(["select-model"], {"arrays.multi": True, "load-arrays": False},
                                    arrays=protocol.arrays_record(pack_models(order)))
         metrics = Worker(msg, grid.contexts[100]).run().content["metrics"]
-        assert metrics["select-model-index"] == expected
-        losses = metrics["select-model-losses"]
+        assert metrics[CHOICE] == expected
+        losses = metrics[LOSSES]
         assert losses[expected] == min(losses) and len(losses) == 2
 
 
 def test_average_per_cluster_by_hand() -> None:
     models = [{"w": np.zeros(2, np.float32)}, {"w": np.ones(2, np.float32)}, {"w": np.full(2, 7, np.float32)}]
-    replies = [ClientReply(0, 0, 10, {"select-model-index": 0}, {"w": np.array([1.0, 2.0], np.float32)}),
-               ClientReply(1, 1, 30, {"select-model-index": 0}, {"w": np.array([5.0, 6.0], np.float32)}),
-               ClientReply(2, 2, 5, {"select-model-index": 1}, {"w": np.array([9.0, 9.0], np.float32)})]
+    replies = [ClientReply(0, 0, 10, {CHOICE: 0}, {"w": np.array([1.0, 2.0], np.float32)}),
+               ClientReply(1, 1, 30, {CHOICE: 0}, {"w": np.array([5.0, 6.0], np.float32)}),
+               ClientReply(2, 2, 5, {CHOICE: 1}, {"w": np.array([9.0, 9.0], np.float32)})]
     new, sizes = average_per_cluster(models, replies)
     np.testing.assert_allclose(new[0]["w"], [4.0, 5.0])  # (10·1 + 30·5)/40, (10·2 + 30·6)/40
     np.testing.assert_allclose(new[1]["w"], [9.0, 9.0])
@@ -215,7 +220,7 @@ def test_cfl_splits_a_converged_cluster_with_disagreeing_clients(tiny_config) ->
 
 
 def test_fomo_weights_and_mixing_by_hand() -> None:
-    from fedapps.ops import fomo_weights, mix_towards, state_distance
+    from strategies.fedfomo import fomo_weights, mix_towards, state_distance
 
     # own loss 1.0; candidate 0 helps (loss 0.5 at distance 2), candidate 1 hurts, candidate 2 helps (0.8 at 0.2)
     w = fomo_weights(1.0, [0.5, 1.5, 0.8], [2.0, 1.0, 0.2])
@@ -259,7 +264,7 @@ def test_fomo_mix_moves_towards_a_better_model_and_reports_weights() -> None:
     grid, msg = worker_message(["fomo-mix", "evaluate"], {"arrays.multi": True, "holdout-fraction": 0.2},
                                arrays=protocol.arrays_record(pack_models([mlp_state(7), trained])))
     metrics = Worker(msg, grid.contexts[100]).run().content["metrics"]
-    weights = metrics["fomo-mix-weights"]
+    weights = metrics[WEIGHTS]
     # the trained model takes (nearly) all the weight; another untrained one can at best be marginally better
     assert sum(weights) == pytest.approx(1.0) and weights[1] > 0.95
     assert metrics["eval-acc"] > 0.5  # the untrained own model moved (almost) all the way to the trained one
@@ -317,7 +322,7 @@ def test_short_runs_learn_and_send_what_they_should(tiny_config, tmp_path, name,
     assert len(sent) == 4 and all(ARRAYS in m.content for m in sent + replies)
     if name == "fedfomo":  # round 2: two other clients' models each, and weights back for both
         assert all(len(m.content[ARRAYS]) == 2 * len(build_model("mlp", 10, (1, 8, 8)).state_dict()) for m in sent)
-        assert all(len(m.content["metrics"]["fomo-mix-weights"]) == 2 for m in replies if m.metadata.group_id == "2")
+        assert all(len(m.content["metrics"][WEIGHTS]) == 2 for m in replies if m.metadata.group_id == "2")
     model_keys = set(build_model("mlp", 10, (1, 8, 8)).state_dict())
     head = {"fc.weight", "fc.bias"}  # the MLP's classifier
     if name in ("ifca", "cfl"):
