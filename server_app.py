@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -13,7 +14,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedapps.config import load_config
 from fedapps.data import get_federation
-from fedapps.results import RunRecorder
+from fedapps.results import FileSink, ResultSink
 from strategies import STRATEGIES
 
 log = logging.getLogger("fedapps")
@@ -49,23 +50,25 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     cfg = load_config(config_path, overrides)
     output_dir = output_dir or cfg.output_dir
     strategy_cls = STRATEGIES[cfg.strategy.name]
-    recorder = RunRecorder(cfg, output_dir, report_tag=strategy_cls.report_tag)
-    recorder.write_partition(get_federation(_data_spec(cfg)).stats_rows())
+    files = FileSink(cfg, output_dir, report_tag=strategy_cls.report_tag)
+    sinks: list[ResultSink] = [files]
+    files.write_partition(get_federation(dataclasses.asdict(cfg.data)).stats_rows())
     log.info("run '%s': strategy %s, data %s/%s, %d clients, %d rounds -> %s",
              cfg.resolved_run_name(), cfg.strategy.name, cfg.data.source, cfg.data.partition,
-             cfg.data.num_clients, cfg.rounds, recorder.dir)
-    strategy = strategy_cls(cfg, on_round=recorder.on_round)
-    strategy.results_dir = recorder.dir
+             cfg.data.num_clients, cfg.rounds, files.dir)
+
+    def on_round(entry) -> None:
+        for sink in sinks:
+            sink.on_round(entry)
+
+    strategy = strategy_cls(cfg, on_round=on_round)
     strategy.start(grid=grid, num_rounds=cfg.rounds, timeout=cfg.strategy.timeout)
-    summary = recorder.finish(time.time() - t0, strategy.final_summary())
-    log.info("RESULTS %s", recorder.dir)
+    summary = files.summary(time.time() - t0, strategy.final_summary())
+    artifacts = strategy.artifacts()
+    for sink in sinks:
+        sink.on_finish(summary, artifacts)
+    log.info("RESULTS %s", files.dir)
     return summary
-
-
-def _data_spec(cfg) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(cfg.data)
 
 
 @app.main()

@@ -1,5 +1,9 @@
-"""Results on disk: resolved config, partition statistics, rounds.csv (rewritten every round, so an
-interrupted run keeps what it did), summary.json and accuracy.png, under ``<output-dir>/<run-name>/``.
+"""What a run measured, and the sinks that write it down.
+
+The round loop hands every sink each round's record; at the end, the summary and the strategy's artefacts
+(:class:`Artifact`: tables, JSON documents, figure data). :class:`FileSink` writes ``<output-dir>/<run-name>/``:
+the resolved config, partition statistics, rounds.csv (rewritten every round, so an interrupted run keeps what
+it did), summary.json, accuracy.png and the artefacts. Strategies never write files themselves.
 """
 
 from __future__ import annotations
@@ -7,16 +11,42 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Protocol
 
+from fedapps import plots
 from fedapps.config import ExperimentConfig, dump_yaml
 
 log = logging.getLogger("fedapps")
 
-BASE_COLUMNS = ["round", "clients", "acc_mean", "acc_weighted", "loss", "train_loss", "bytes_up", "bytes_down",
-                "eval_bytes_up", "eval_bytes_down", "wall_seconds"]
+ARTIFACT_KINDS = ("table", "json", "heatmaps", "clusters")
+
+
+@dataclass
+class Artifact:
+    """Something a strategy measured, as data; a sink decides how to write it.
+
+    kind ``table``: a list of row dicts (CSV); ``json``: a JSON-serialisable document; ``heatmaps``: a list of
+    (title, row ids, matrix) panels; ``clusters``: the keyword arguments of :func:`fedapps.plots.plot_clusters`
+    (without ``path``). ``name`` is the file stem.
+    """
+
+    name: str
+    kind: str
+    data: Any
+
+    def __post_init__(self) -> None:
+        if self.kind not in ARTIFACT_KINDS:
+            raise ValueError(f"unknown artifact kind '{self.kind}'; allowed: {', '.join(ARTIFACT_KINDS)}")
+
+
+class ResultSink(Protocol):
+    """Receives a run's records as they are made (files today; experiment trackers plug in here)."""
+
+    def on_round(self, entry: Any) -> None: ...
+
+    def on_finish(self, summary: Mapping[str, Any], artifacts: list[Artifact]) -> None: ...
 
 
 def accuracy_stats(metrics: Iterable[Mapping[str, Any]], tag: str) -> dict[str, float]:
@@ -73,8 +103,8 @@ def round_row(entry: Any, report_tag: str, num_clients: int) -> dict[str, Any]:
     return row
 
 
-class RunRecorder:
-    """Writes one run's results folder as the run goes."""
+class FileSink:
+    """Writes one run's results folder as the run goes, and logs a progress line per round."""
 
     def __init__(self, cfg: ExperimentConfig, output_dir: str | Path, report_tag: str = "eval") -> None:
         self.cfg = cfg
@@ -85,7 +115,6 @@ class RunRecorder:
             (self.dir / stale).unlink(missing_ok=True)
         (self.dir / "config.yaml").write_text(dump_yaml(cfg))
         self.rows: list[dict[str, Any]] = []
-        self.total_wall = 0.0
 
     def write_partition(self, rows: list[Mapping[str, Any]]) -> None:
         """Samples per client per class (train and test) as partition.csv."""
@@ -101,17 +130,34 @@ class RunRecorder:
                  entry.round, self.cfg.rounds, row["clients"], _fmt(acc), _fmt(row.get("acc_weighted")),
                  entry.bytes_up / 1e6, entry.bytes_down / 1e6, entry.wall_seconds)
 
-    def finish(self, wall_seconds: float, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Write summary.json and accuracy.png; return the summary."""
+    def summary(self, wall_seconds: float, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """summary.json's content: the rounds so far summarised, plus the strategy's own entries."""
         summary = summarise(self.cfg, self.rows, wall_seconds)
         summary.update(extra or {})
-        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-        try:
-            plot_accuracy(self.rows, self.dir / "accuracy.png", title=self.cfg.resolved_run_name())
-        except Exception as exc:  # a plot must never lose the results
-            log.warning("could not draw accuracy.png: %s", exc)
-        log.info("results written to %s", self.dir)
         return summary
+
+    def on_finish(self, summary: Mapping[str, Any], artifacts: list[Artifact]) -> None:
+        """Write summary.json, accuracy.png and every artefact (a failing figure never loses the results)."""
+        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+        title = self.cfg.resolved_run_name()
+        self._draw("accuracy.png", lambda path: plots.plot_accuracy(self.rows, path, title=title))
+        for a in artifacts:
+            if a.kind == "table":
+                write_csv(self.dir / f"{a.name}.csv", a.data)
+            elif a.kind == "json":
+                (self.dir / f"{a.name}.json").write_text(json.dumps(a.data, indent=1, default=float))
+            elif a.kind == "heatmaps":
+                self._draw(f"{a.name}.png", lambda path, panels=a.data: plots.plot_heatmaps(panels, path))
+            elif a.kind == "clusters":
+                self._draw(f"{a.name}.png", lambda path, kw=a.data: plots.plot_clusters(path=path, **kw))
+        log.info("results written to %s", self.dir)
+
+    def _draw(self, filename: str, draw: Any) -> None:
+        """draw(path) into the run folder; a failing figure is logged and never loses the results."""
+        try:
+            draw(self.dir / filename)
+        except Exception as exc:
+            log.warning("could not draw %s: %s", filename, exc)
 
 
 def _fmt(v: Any) -> str:
@@ -184,27 +230,3 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
             return v
     with Path(path).open() as fh:
         return [{k: parse(v) for k, v in row.items()} for row in csv.DictReader(fh)]
-
-
-def plot_accuracy(rows: list[Mapping[str, Any]], path: Path, title: str = "") -> None:
-    """Accuracy against rounds: mean over clients and sample-weighted, plus any other evaluation."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    keys = ["acc_mean", "acc_weighted"] + sorted({k for r in rows for k in r if k.endswith("_acc_mean") and k != "acc_mean"})
-    for key in keys:
-        pts = [(r["round"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not math.isnan(float(r[key]))]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", markersize=3, label=key)
-    ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy (clients' local test splits)")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

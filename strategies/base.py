@@ -1,6 +1,8 @@
 """Shared machinery of every strategy: client sampling, the round loop on Flower's Message API, reply
 validation, byte accounting and the per-round record. Algorithms subclass :class:`PersonalisedStrategy`
-and implement ``round_messages`` and ``aggregate`` (and, if they need one, an evaluation phase).
+and implement ``round_messages`` and ``aggregate`` (and, if they need one, an evaluation phase). A strategy
+returns what it measured — per-round extras from ``aggregate``, summary entries from ``final_summary``,
+artefacts as data from ``artifacts`` — and the result sinks write it; ``start`` returns Flower's ``Result``.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ import dataclasses
 import logging
 import math
 import time
-from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Mapping
 
@@ -21,6 +22,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from fedapps import protocol
 from fedapps.config import ConfigError, ExperimentConfig, params_from_dict
 from fedapps.protocol import ClientReply
+from fedapps.results import Artifact, accuracy_stats
 
 log = logging.getLogger("fedapps")
 
@@ -76,10 +78,8 @@ class PersonalisedStrategy(Strategy):
         self.params = cfg.strategy.params
         self.rng = np.random.default_rng(cfg.seed)
         self.node_to_client: dict[int, int] = {}
-        self.on_round = on_round  # callback(RoundLog) -> None, e.g. the results writer
-        self.results_dir: Path | None = None  # where strategy-specific plots go (set by the ServerApp)
-        self.history: list[RoundLog] = []
-        self._pending_extra: dict[str, Any] = {}
+        self.on_round = on_round  # callback(RoundLog) -> None: the result sinks
+        self.last_extra: dict[str, Any] = {}  # the extras of the last round that had usable replies
 
     def base_config(self) -> dict[str, Any]:
         """Settings every message carries: the data spec, the model spec and the client's training settings."""
@@ -93,7 +93,7 @@ class PersonalisedStrategy(Strategy):
         return out
 
     # ------------------------------------------------------------------ to implement
-    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         """The round's messages, one per sampled node."""
         raise NotImplementedError
 
@@ -101,9 +101,12 @@ class PersonalisedStrategy(Strategy):
         """Update server state from this round's validated replies; return extra round metrics."""
         raise NotImplementedError
 
-    def evaluation_messages(self, server_round: int, grid: Grid) -> list[Message]:
+    def evaluation_messages(self, server_round: int) -> list[Message]:
         """Optional evaluation-only messages after the round (default: none)."""
         return []
+
+    def aggregate_evaluation(self, server_round: int, replies: list[ClientReply]) -> None:
+        """Take note of the evaluation phase's validated replies (default: nothing to keep)."""
 
     def expect_arrays(self) -> bool:
         """Whether round replies must carry model arrays."""
@@ -116,6 +119,14 @@ class PersonalisedStrategy(Strategy):
     def final_summary(self) -> dict[str, Any]:
         """Extra keys for summary.json."""
         return {}
+
+    def artifacts(self) -> list[Artifact]:
+        """What the strategy measured beyond the per-round record, as data (tables, documents, figure data)."""
+        return []
+
+    def final_arrays(self) -> Mapping[str, np.ndarray] | None:
+        """The global model at the end, where the algorithm has one (Flower's ``Result.arrays``)."""
+        return None
 
     # ------------------------------------------------------------------ sampling
     def available_nodes(self, grid: Grid, wait_seconds: float = 120.0) -> list[int]:
@@ -138,21 +149,21 @@ class PersonalisedStrategy(Strategy):
         return sample_ids(nodes, k, self.rng)
 
     # ------------------------------------------------------------------ Flower's Strategy interface
+    # The round loop is :meth:`start`; these adapters give Flower's abstract interface the same behaviour.
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        return self.round_messages(server_round, self.sample_nodes(grid), grid)
+        return self.round_messages(server_round, self.sample_nodes(grid))
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         parsed = self.validate(server_round, replies, self.expect_arrays(), self.expect_predictions())
-        self._pending_extra = self.aggregate(server_round, parsed) if parsed else {}
-        self._pending_replies = parsed
-        return None, MetricRecord({"clients": len(parsed)})
+        extra = self.aggregate(server_round, parsed) if parsed else {}
+        return None, round_metrics(RoundLog(server_round, parsed, 0, 0, extra=extra), self.report_tag)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        return self.evaluation_messages(server_round, grid)
+        return self.evaluation_messages(server_round)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         parsed = self.validate(server_round, replies)
-        self._pending_eval = parsed
+        self.aggregate_evaluation(server_round, parsed)
         return MetricRecord({"clients": len(parsed)})
 
     def summary(self) -> None:
@@ -168,35 +179,58 @@ class PersonalisedStrategy(Strategy):
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
               timeout: float | None = None, **_: Any) -> Result:
-        """The round loop: messages out, replies in, aggregate, optional evaluation phase, record."""
+        """The round loop: messages out, replies in, aggregate, optional evaluation phase, record.
+
+        Returns Flower's ``Result``: per round the aggregated client metrics (``train_metrics_clientapp``), and
+        the final global model (``arrays``) where the algorithm has one."""
         num_rounds = num_rounds or self.cfg.rounds
         timeout = timeout or self.cfg.strategy.timeout
         self.summary()
+        result = Result()
         for rnd in range(1, num_rounds + 1):
-            t0 = time.time()
-            messages = list(self.configure_train(rnd, ArrayRecord(), ConfigRecord(), grid))
-            down = sum(protocol.record_nbytes(m.content) for m in messages)
-            replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
-            missing = len(messages) - len(replies)
-            if missing:
-                log.warning("round %d: %d of %d clients did not reply within %.0f s", rnd, missing, len(messages), timeout)
-            up = sum(protocol.record_nbytes(m.content) for m in replies if not m.has_error())
-            self._pending_replies: list[ClientReply] = []
-            self.aggregate_train(rnd, replies)
-            entry = RoundLog(rnd, list(self._pending_replies), down, up, extra=dict(self._pending_extra))
-            eval_messages = list(self.configure_evaluate(rnd, ArrayRecord(), ConfigRecord(), grid))
-            if eval_messages:
-                entry.eval_bytes_down = sum(protocol.record_nbytes(m.content) for m in eval_messages)
-                eval_replies = list(grid.send_and_receive(eval_messages, timeout=timeout))
-                entry.eval_bytes_up = sum(protocol.record_nbytes(m.content) for m in eval_replies if not m.has_error())
-                self._pending_eval: list[ClientReply] = []
-                self.aggregate_evaluate(rnd, eval_replies)
-                merge_eval_metrics(entry.replies, self._pending_eval)
-            entry.wall_seconds = time.time() - t0
-            self.history.append(entry)
+            entry = self.run_round(grid, rnd, timeout)
+            result.train_metrics_clientapp[rnd] = round_metrics(entry, self.report_tag)
             if self.on_round is not None:
                 self.on_round(entry)
-        return Result()
+        final = self.final_arrays()
+        if final is not None:
+            result.arrays = protocol.arrays_record(final)
+        return result
+
+    def run_round(self, grid: Grid, rnd: int, timeout: float) -> RoundLog:
+        """One round: the training phase, then the evaluation phase if the strategy has one."""
+        t0 = time.time()
+        messages = self.round_messages(rnd, self.sample_nodes(grid))
+        down = sum(protocol.record_nbytes(m.content) for m in messages)
+        replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
+        missing = len(messages) - len(replies)
+        if missing:
+            log.warning("round %d: %d of %d clients did not reply within %.0f s", rnd, missing, len(messages), timeout)
+        up = sum(protocol.record_nbytes(m.content) for m in replies if not m.has_error())
+        parsed = self.validate(rnd, replies, self.expect_arrays(), self.expect_predictions())
+        extra = self.aggregate(rnd, parsed) if parsed else {}
+        if parsed:
+            self.last_extra = dict(extra)
+        entry = RoundLog(rnd, parsed, down, up, extra=dict(extra))
+        eval_messages = self.evaluation_messages(rnd)
+        if eval_messages:
+            entry.eval_bytes_down = sum(protocol.record_nbytes(m.content) for m in eval_messages)
+            eval_replies = list(grid.send_and_receive(eval_messages, timeout=timeout))
+            entry.eval_bytes_up = sum(protocol.record_nbytes(m.content) for m in eval_replies if not m.has_error())
+            parsed_eval = self.validate(rnd, eval_replies)
+            self.aggregate_evaluation(rnd, parsed_eval)
+            merge_eval_metrics(entry.replies, parsed_eval)
+        entry.wall_seconds = time.time() - t0
+        return entry
+
+
+def round_metrics(entry: RoundLog, report_tag: str) -> MetricRecord:
+    """A round's aggregate as Flower metrics: replies, the reported accuracy and the numeric strategy extras."""
+    out: dict[str, Any] = {"clients": len(entry.replies)}
+    out.update(accuracy_stats([r.metrics for r in entry.replies], report_tag))
+    out.update({k: float(v) for k, v in entry.extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                and math.isfinite(float(v))})
+    return MetricRecord(out)
 
 
 def sample_ids(ids: list[int], k: int, rng: np.random.Generator) -> list[int]:

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Message
-from flwr.serverapp import Grid
 from sklearn.cluster import AgglomerativeClustering
 
 from fedapps import protocol
@@ -105,7 +104,7 @@ class CFL(PersonalisedStrategy):
     def expect_arrays(self) -> bool:
         return True
 
-    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "state",
                   "persist-model": False}
         records = {}

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Message
-from flwr.serverapp import Grid
 
 from fedapps import protocol, pseudolabels
 from fedapps.config import ConfigError, ExperimentConfig
@@ -133,7 +132,7 @@ class COMET(PseudoLabelStrategy):
         self.assignment: dict[int, int] = {}  # client id -> cluster of the last clustering
         self.cluster_targets: dict[int, np.ndarray] = {}  # cluster -> encoded mean prediction
 
-    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         config = self.message_config(server_round, "kl", "probs", self.params.encoding)
         records = {k: targets_record(t) for k, t in self.cluster_targets.items()}
         messages = []

@@ -14,7 +14,6 @@ See shared/specs/cosmos.md.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -23,7 +22,6 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message
-from flwr.serverapp import Grid
 
 from fedapps import clustering, ops, protocol, pseudolabels
 from fedapps.clientops import ProtocolError, distill_weighting
@@ -31,6 +29,7 @@ from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.data import Federation, get_federation
 from fedapps.models import MODEL_NAMES, build_model
 from fedapps.protocol import ClientReply
+from fedapps.results import Artifact
 from strategies.base import PersonalisedStrategy
 
 log = logging.getLogger("fedapps")
@@ -199,7 +198,7 @@ class Cosmos(PersonalisedStrategy):
             cfg["train.epochs"] = p.pretrain_epochs  # E0 pre-training
         return cfg
 
-    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         config = self.client_config(server_round)
         messages = []
         for node in node_ids:
@@ -216,7 +215,7 @@ class Cosmos(PersonalisedStrategy):
     def expect_predictions(self) -> bool:
         return True
 
-    def evaluation_messages(self, server_round: int, grid: Grid) -> list[Message]:
+    def evaluation_messages(self, server_round: int) -> list[Message]:
         p: CosmosParams = self.params
         if not self.models or not (server_round % p.eval_every == 0 or server_round == self.cfg.rounds):
             return []
@@ -250,6 +249,9 @@ class Cosmos(PersonalisedStrategy):
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         t0 = time.perf_counter()
+        accs = [float(r.metrics["eval-acc"]) for r in replies if "eval-acc" in r.metrics]
+        if accs:
+            self.last_acc["client"] = float(np.mean(accs))  # the clients' own models, after this round's training
         preds = self.accept(replies)
         self.last_replied_nodes = sorted(r.node_id for r in replies if r.client_id in preds)
         if not preds:
@@ -332,19 +334,11 @@ class Cosmos(PersonalisedStrategy):
         return losses
 
     # ------------------------------------------------------------------ results
-    def aggregate_evaluate(self, server_round: int, replies):  # type: ignore[override]
-        out = super().aggregate_evaluate(server_round, replies)
-        accs = [float(r.metrics["received-acc"]) for r in self._pending_eval if "received-acc" in r.metrics]
+    def aggregate_evaluation(self, server_round: int, replies: list[ClientReply]) -> None:
+        """The cluster models' accuracy on their members' test splits (the headline number)."""
+        accs = [float(r.metrics["received-acc"]) for r in replies if "received-acc" in r.metrics]
         if accs:
             self.last_acc["cluster"] = float(np.mean(accs))
-        return out
-
-    def aggregate_train(self, server_round: int, replies):  # type: ignore[override]
-        out = super().aggregate_train(server_round, replies)
-        accs = [float(r.metrics["eval-acc"]) for r in self._pending_replies if "eval-acc" in r.metrics]
-        if accs:
-            self.last_acc["client"] = float(np.mean(accs))
-        return out
 
     def final_summary(self) -> dict[str, Any]:
         c = self.clustering
@@ -361,29 +355,26 @@ class Cosmos(PersonalisedStrategy):
         }
         if c and self.fed.groups is not None:
             summary["cluster_group_ari"] = adjusted_rand(self.fed.groups, self.cluster_of)
-        self.write_cluster_artifacts(summary)
         return summary
 
-    def write_cluster_artifacts(self, summary: Mapping[str, Any]) -> None:
-        """clusters.json (assignment, B0, distances) and clusters.png (assignment against true groups)."""
-        if self.results_dir is None or self.clustering is None:
-            return
+    def artifacts(self) -> list[Artifact]:
+        """clusters.json (assignment, B0, distances) and clusters.png (assignment against the true groups)."""
+        c = self.clustering
+        if c is None:
+            return []
+        groups = None if self.fed.groups is None else [int(g) for g in self.fed.groups]
         doc = {
-            "b0": self.clustering.b0, "b0_mode": self.clustering.mode, "distance": self.clustering.metric,
-            "b0_tried": self.clustering.tried, "clusters": self.clustering.clusters,
+            "b0": c.b0, "b0_mode": c.mode, "distance": c.metric, "b0_tried": c.tried, "clusters": c.clusters,
             "cluster_of_client": {str(k): v for k, v in sorted(self.cluster_of.items())},
-            "true_group_of_client": None if self.fed.groups is None else [int(g) for g in self.fed.groups],
+            "true_group_of_client": groups,
             "distance_clients": self.distance_clients,
             "distances_per_sample": None if self.distances is None else np.round(self.distances, 5).tolist(),
-            "cluster_group_ari": summary.get("cluster_group_ari"),
+            "cluster_group_ari": adjusted_rand(self.fed.groups, self.cluster_of) if groups is not None else None,
         }
-        (self.results_dir / "clusters.json").write_text(json.dumps(doc, indent=1))
-        try:
-            plot_clusters(self.cluster_of, self.fed.groups, self.distances, self.distance_clients,
-                          self.results_dir / "clusters.png", f"{self.cfg.resolved_run_name()}: K = {self.clustering.k}, "
-                          f"B0 = {self.clustering.b0:.3f} ({self.clustering.mode}, {self.clustering.metric})")
-        except Exception as exc:  # a plot must never lose the results
-            log.warning("could not draw clusters.png: %s", exc)
+        figure = {"cluster_of": dict(self.cluster_of), "groups": groups, "distances": self.distances,
+                  "distance_clients": self.distance_clients,
+                  "title": f"{self.cfg.resolved_run_name()}: K = {c.k}, B0 = {c.b0:.3f} ({c.mode}, {c.metric})"}
+        return [Artifact("clusters", "json", doc), Artifact("clusters", "clusters", figure)]
 
 
 def server_target(stack: np.ndarray, aggregation: str, temperature: float) -> np.ndarray:
@@ -398,43 +389,3 @@ def adjusted_rand(groups: np.ndarray, cluster_of: Mapping[int, int]) -> float:
 
     ids = sorted(cluster_of)
     return float(adjusted_rand_score([int(groups[i]) for i in ids], [cluster_of[i] for i in ids]))
-
-
-def plot_clusters(cluster_of: Mapping[int, int], groups: np.ndarray | None, distances: np.ndarray | None,
-                  distance_clients: list[int], path, title: str) -> None:
-    """Left: clients × (true group, found cluster); right: the per-sample distance matrix ordered by group."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401  (integer ticks)
-
-    ids = sorted(cluster_of)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.3, 1]})
-    ax = axes[0]
-    found = [cluster_of[i] for i in ids]
-    ax.scatter(ids, found, c=found, cmap="tab10", s=60, marker="s", label="found cluster")
-    if groups is not None:
-        ax.scatter(ids, [int(groups[i]) for i in ids], facecolors="none", edgecolors="k", s=110, label="true group")
-    ax.set_xlabel("client id")
-    ax.set_ylabel("found cluster (filled) / true group (ring)")
-    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    ax.set_xticks(ids[:: max(1, len(ids) // 25)])
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    ax = axes[1]
-    if distances is not None and len(distance_clients):
-        order = np.argsort([int(groups[c]) if groups is not None else 0 for c in distance_clients], kind="stable")
-        im = ax.imshow(distances[np.ix_(order, order)], cmap="viridis")
-        labels = [str(distance_clients[i]) for i in order]
-        step = max(1, len(labels) // 25)
-        ax.set_xticks(range(0, len(labels), step), labels[::step], fontsize=6, rotation=90)
-        ax.set_yticks(range(0, len(labels), step), labels[::step], fontsize=6)
-        ax.set_title("distance per public sample (ordered by true group)", fontsize=8)
-        fig.colorbar(im, ax=ax, fraction=0.046)
-    else:
-        ax.axis("off")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -45,7 +45,6 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 from flwr.app import Message
-from flwr.serverapp import Grid
 from torch import Tensor, nn
 
 from fedapps import protocol
@@ -54,7 +53,7 @@ from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.data import get_federation, source_info
 from fedapps.models import build_model, classifier_name, top_level_children
 from fedapps.protocol import ClientReply
-from fedapps.results import write_csv
+from fedapps.results import Artifact
 from strategies.base import PersonalisedStrategy
 
 log = logging.getLogger("fedapps")
@@ -339,7 +338,7 @@ class CwFedAvg(PersonalisedStrategy):
             out[k] = mix(weights, self.stack.arrays[k])
         return {k: out[k] for k in self.keys}
 
-    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         p: CwFedAvgParams = self.params
         config = {**self.base_config(), "load-arrays": True, "return-arrays": True,
                   "arrays.keys": "state" if p.buffers == "fedavg" else "params",
@@ -443,19 +442,32 @@ class CwFedAvg(PersonalisedStrategy):
     def final_summary(self) -> dict[str, Any]:
         p: CwFedAvgParams = self.params
         out: dict[str, Any] = {"cwfedavg": {**dataclasses.asdict(p), "classwise_keys": self.classwise}}
-        last = self.history[-1].extra if self.history else {}
-        for k, v in last.items():
+        for k, v in self.last_extra.items():
             if k.startswith("est_l1"):
                 out[f"final_{k}"] = v
-        if self.results_dir is not None and self.stack.row_of:
-            write_csv(self.results_dir / "estimates.csv", self.estimate_rows())
-        if self.results_dir is not None and self.snapshots:
-            try:
-                plot_weight_norms(self.snapshots, self.true_p, self.results_dir / "weight_norms.png")
-            except Exception as exc:  # a plot must never lose the results
-                log.warning("could not draw weight_norms.png: %s", exc)
         return out
 
+    def artifacts(self) -> list[Artifact]:
+        """estimates.csv (every client's p̂, row-norm estimate and, in simulation, true p) and weight_norms.png
+        (clients × classes: true distribution, normalised classifier row norms in the first and last round)."""
+        out = []
+        if self.stack.row_of:
+            out.append(Artifact("estimates", "table", self.estimate_rows()))
+        if self.snapshots:
+            out.append(Artifact("weight_norms", "heatmaps", self.heatmap_panels()))
+        return out
+
+    def heatmap_panels(self) -> list[tuple[str, list[int], np.ndarray]]:
+        """(title, client ids, clients × classes) panels: true p where known, row norms first and last round."""
+        ids = self.snapshots["last"][1]
+        panels = []
+        if self.true_p is not None and len(ids) and ids.min() >= 0 and ids.max() < len(self.true_p):
+            panels.append(("true class distribution p (train split)", list(ids), self.true_p[ids]))
+        for key in ("first", "last"):
+            if key in self.snapshots and not (key == "last" and self.snapshots["last"][0] == self.snapshots["first"][0]):
+                rnd, ids_k, mat = self.snapshots[key]
+                panels.append((f"row norms p̃, round {rnd}", list(ids_k), mat))
+        return panels
 
     def estimate_rows(self) -> list[dict[str, Any]]:
         """Per client: the estimate in use, the row-norm estimate and (simulation) the true distribution."""
@@ -482,36 +494,3 @@ def _true_distributions(cfg: ExperimentConfig) -> np.ndarray | None:
     except Exception as exc:  # deployment: the data lives on the clients only
         log.info("cwfedavg: true class distributions unavailable (%s); estimation error not tracked", exc)
         return None
-
-
-def plot_weight_norms(snapshots: Mapping[str, tuple[int, np.ndarray, np.ndarray]], true_p: np.ndarray | None,
-                      path) -> None:
-    """Clients × classes heatmaps: true class distribution, normalised classifier row norms (first, last round)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    ids = snapshots["last"][1]
-    panels = []
-    if true_p is not None and len(ids) and ids.min() >= 0 and ids.max() < len(true_p):
-        panels.append(("true class distribution p (train split)", ids, true_p[ids]))
-    for key in ("first", "last"):
-        if key in snapshots and not (key == "last" and snapshots["last"][0] == snapshots.get("first", (None,))[0]):
-            rnd, ids_k, mat = snapshots[key]
-            panels.append((f"row norms p̃, round {rnd}", ids_k, mat))
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 4.2), squeeze=False)
-    for ax, (title, ids_k, mat) in zip(axes[0], panels):
-        im = ax.imshow(mat, aspect="auto", cmap="viridis", vmin=0.0, vmax=max(float(np.nanmax(mat)), 1e-6))
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("class")
-        ax.set_ylabel("client")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        if len(ids_k) <= 40:
-            ax.set_yticks(range(len(ids_k)), [str(c) for c in ids_k], fontsize=6)
-        fig.colorbar(im, ax=ax, fraction=0.046)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from flwr.app import Message
-from flwr.serverapp import Grid
 
 from fedapps import ops, protocol
 from fedapps.clientops import ProtocolError, client_op
@@ -62,7 +61,10 @@ class Ditto(PersonalisedStrategy):
     def expect_arrays(self) -> bool:
         return True
 
-    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+    def final_arrays(self) -> dict[str, Any]:
+        return self.global_arrays
+
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         config = {**self.base_config(), "load-arrays": False, PROX_MU: float(self.params.lam),
                   "return-arrays": True, "arrays.keys": "state"}
         arrays = protocol.arrays_record(self.global_arrays)

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import Message
-from flwr.serverapp import Grid
 
 from fedapps import protocol
 from fedapps.clustering import l2_distance_matrix
@@ -120,7 +119,7 @@ class FedAMP(PersonalisedStrategy):
         u = torch.from_numpy(xi[chosen].astype(np.float32)) @ torch.from_numpy(vectors)
         return {c: u[i].numpy() for i, c in enumerate(clients)}
 
-    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         config = {**self.base_config(), "load-arrays": False, PROX_MU: float(self.params.lam),
                   "return-arrays": True, "arrays.keys": "params"}
         # a node not heard from yet is a client whose model is still the initial one: any id outside the pool does

@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Message
-from flwr.serverapp import Grid
 
 from fedapps import protocol
 from fedapps.data import source_info
@@ -39,11 +38,14 @@ class FedAvg(PersonalisedStrategy):
     def expect_arrays(self) -> bool:
         return True
 
+    def final_arrays(self) -> dict[str, np.ndarray]:
+        return self.global_arrays
+
     def client_settings(self) -> dict[str, Any]:
         """Settings beyond FedAvg's own (FedProx adds its proximal term)."""
         return {}
 
-    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "state",
                   "persist-model": False,  # the whole model arrives every round: nothing to keep
                   **self.client_settings()}

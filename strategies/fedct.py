@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Message
-from flwr.serverapp import Grid
 
 from fedapps import protocol, pseudolabels
 from fedapps.config import ConfigError, ExperimentConfig
@@ -91,7 +90,7 @@ class FedCT(PseudoLabelStrategy):
         super().__init__(cfg, on_round)
         self.consensus: np.ndarray | None = None  # hard labels on U (M = abstain)
 
-    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         config = self.message_config(server_round, "ce", "probs", "hard")
         usable = self.consensus is not None and bool(np.any(self.consensus < self.num_classes))
         wire = pseudolabels.encode(self.consensus, "hard", self.num_classes) if usable else None  # all abstain: skip U

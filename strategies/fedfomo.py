@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Message
-from flwr.serverapp import Grid
 
 from torch import Tensor
 
@@ -144,7 +143,7 @@ class FedFomo(PersonalisedStrategy):
     def expect_arrays(self) -> bool:
         return True
 
-    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         config = {**self.base_config(), "holdout-fraction": float(self.params.holdout_fraction),
                   "arrays.multi": True, "return-arrays": True, "arrays.keys": "state"}
         epsilon = self.params.epsilon * self.params.epsilon_decay ** (server_round - 1)

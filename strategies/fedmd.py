@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Message
-from flwr.serverapp import Grid
 
 from fedapps import ops, protocol, pseudolabels
 from fedapps.clientops import ProtocolError, client_op
@@ -118,7 +117,7 @@ class FedMD(PseudoLabelStrategy):
         self.consensus_rows: np.ndarray | None = None  # None = all of U
         self.pending_rows: np.ndarray | None = None  # the subset clients predict on this round
 
-    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         p: FedMDParams = self.params
         self.pending_rows = alignment_subset(self.subset_rng, self.public_size, p.alignment_size)
         config = self.message_config(server_round, p.digest_loss, p.scores, p.encoding)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from flwr.app import Message
-from flwr.serverapp import Grid
 
 from fedapps import protocol
 from fedapps.config import ExperimentConfig
@@ -39,7 +38,7 @@ class FedPer(PersonalisedStrategy):
         """Settings those operations need beyond the shared ones."""
         return {}
 
-    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "body",
                   **self.client_settings()}
         arrays = protocol.arrays_record(self.body)

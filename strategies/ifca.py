@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Message
-from flwr.serverapp import Grid
 
 from fedapps import ops, protocol
 from fedapps.clientops import client_op
@@ -85,7 +84,7 @@ class IFCA(PersonalisedStrategy):
     def expect_arrays(self) -> bool:
         return True
 
-    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         config = {**self.base_config(), "arrays.multi": True, "load-arrays": False, "persist-model": False,
                   "return-arrays": True, "arrays.keys": "state"}
         arrays = protocol.arrays_record(protocol.pack_models(self.models))

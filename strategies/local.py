@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 from flwr.app import Message
-from flwr.serverapp import Grid
 
 from fedapps import protocol
 from fedapps.protocol import ClientReply
@@ -22,7 +21,7 @@ class Local(PersonalisedStrategy):
     name = "local"
     model_agnostic = True
 
-    def round_messages(self, server_round: int, node_ids: list[int], grid: Grid) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         return [protocol.build_message(n, server_round, ["train", "evaluate"], self.base_config()) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:

@@ -122,7 +122,7 @@ def test_fedct_broadcasts_one_uint8_vote_and_skips_u_when_all_abstain():
     base = np.arange(n) % m
     votes = [base, base, base, (base + 1) % m]  # agreement 3/4 everywhere
     s.aggregate(1, [_reply(i, v.astype(np.uint8)) for i, v in enumerate(votes)])
-    msgs = s.round_messages(2, [100, 101, 102, 103], grid=None)
+    msgs = s.round_messages(2, [100, 101, 102, 103])
     for msg in msgs:
         wire = msg.content["targets"]["targets"].numpy()
         assert wire.dtype == np.uint8 and np.array_equal(wire, base)
@@ -131,7 +131,7 @@ def test_fedct_broadcasts_one_uint8_vote_and_skips_u_when_all_abstain():
     split = [base, base, (base + 1) % m, (base + 2) % m]  # agreement 1/2 < 3/4: every sample abstains
     s.aggregate(2, [_reply(i, v.astype(np.uint8)) for i, v in enumerate(split)])
     assert np.all(s.consensus == m)
-    msgs = s.round_messages(3, [100], grid=None)
+    msgs = s.round_messages(3, [100])
     assert "distill" not in list(msgs[0].content["config"]["ops"]) and "targets" not in msgs[0].content
 
 
@@ -161,14 +161,14 @@ def test_fedmd_messages_carry_the_same_consensus_and_the_subset_indices():
     s = FedMD(cfg)
     m = s.num_classes
     nodes = [100, 101, 102, 103]
-    msgs = s.round_messages(1, nodes, grid=None)
+    msgs = s.round_messages(1, nodes)
     assert list(msgs[0].content["config"]["ops"]) == ["train", "evaluate", "predict"]  # nothing to digest yet
     rows1 = msgs[0].content["targets"]["predict-indices"].numpy()
     assert len(rows1) == 30 and "targets" not in msgs[0].content["targets"]
     rng = np.random.default_rng(0)
     logits = [rng.normal(size=(30, m)).astype(np.float32) for _ in nodes]
     s.aggregate(1, [_reply(i, x) for i, x in enumerate(logits)])
-    msgs = s.round_messages(2, nodes, grid=None)
+    msgs = s.round_messages(2, nodes)
     assert list(msgs[0].content["config"]["ops"]) == ["distill", "train", "evaluate", "predict"]
     expected = np.mean(logits, axis=0)
     for msg in msgs:  # the same consensus for everyone, on the previous round's subset
@@ -186,7 +186,7 @@ def test_fedmd_kl_option_sends_float16_softmax_of_the_mean_logits():
     n, m = s.public_size, s.num_classes
     logits = np.random.default_rng(1).normal(size=(2, n, m)).astype(np.float32)
     s.aggregate(1, [_reply(0, logits[0]), _reply(1, logits[1])])
-    msg = s.round_messages(2, [100], grid=None)[0]
+    msg = s.round_messages(2, [100])[0]
     wire = msg.content["targets"]["targets"].numpy()
     assert wire.dtype == np.float16 and "distill-indices" not in msg.content["targets"]
     mean = logits.mean(axis=0)
@@ -264,7 +264,7 @@ def test_comet_sends_each_client_its_cluster_mean():
         s.node_to_client[r.node_id] = r.client_id
     s.aggregate(1, replies)
     assert s.assignment[0] == s.assignment[1] != s.assignment[2] == s.assignment[3]
-    msgs = s.round_messages(2, [100, 101, 102, 103], grid=None)
+    msgs = s.round_messages(2, [100, 101, 102, 103])
     np.testing.assert_allclose(msgs[0].content["targets"]["targets"].numpy(), a, atol=1e-6)
     np.testing.assert_allclose(msgs[3].content["targets"]["targets"].numpy(), b, atol=1e-6)
     assert msgs[0].content["config"]["distill.loss"] == "kl"

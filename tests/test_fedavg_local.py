@@ -91,3 +91,35 @@ def test_client_error_is_dropped_not_fatal(tiny_config, tmp_path):
     assert summary["rounds"] == 2
     last = json.loads((out / "summary.json").read_text())
     assert last["accuracy_mean"] is not None
+
+
+def test_start_returns_flower_result_with_metrics_and_final_model(tiny_config):
+    from fedapps.config import load_config
+    from strategies import STRATEGIES
+
+    cfg = load_config(tiny_config(rounds=2))
+    seen = []
+    strategy = STRATEGIES["fedavg"](cfg, on_round=seen.append)
+    result = strategy.start(InProcessGrid(cfg.data.num_clients))
+    assert sorted(result.train_metrics_clientapp) == [1, 2] and [e.round for e in seen] == [1, 2]
+    for rnd, entry in zip((1, 2), seen):
+        metrics = result.train_metrics_clientapp[rnd]
+        assert metrics["clients"] == 4
+        accs = [r.metrics["eval-acc"] for r in entry.replies]
+        assert metrics["acc_mean"] == pytest.approx(sum(accs) / len(accs))
+    final = {k: v.numpy() for k, v in result.arrays.items()}
+    assert set(final) == set(strategy.global_arrays)
+    assert all(np.array_equal(final[k], strategy.global_arrays[k]) for k in final)
+
+
+def test_strategies_write_no_files():
+    """Reporting is the sinks' job: no strategy module opens, writes or plots a file itself."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "strategies"
+    banned = {"write_text", "write_bytes", "savefig", "open", "write_csv", "mkdir"}
+    for path in root.glob("*.py"):
+        calls = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+                 for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)}
+        assert not calls & banned, f"{path.name} calls {sorted(calls & banned)}"
