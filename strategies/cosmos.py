@@ -8,7 +8,7 @@ round, per cluster, aggregates members' predictions (mean / median / max, temper
 that cluster's model h_k on U towards them (KL + λ·r_B; never reset), then predicts h_k(U) for the next
 round. Every ``eval_every`` rounds (and in the last) an evaluation-only message carries h_π(i) to each
 client, evaluated on its local test split; those bytes are counted separately (eval_bytes_*).
-See shared/specs/cosmos.md.
+Paper: COSMOS, ECML PKDD 2026; where we follow the reference code instead, the parameter comments say so.
 """
 
 from __future__ import annotations

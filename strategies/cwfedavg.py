@@ -1,6 +1,6 @@
 """cwFedAvg: class-wise federated averaging with weight-distribution regularisation (WDR).
 
-Server side (see shared/specs/cwfedavg.md). With n_i the sample counts and P = [p̂_ij] the estimated class
+Server side (paper: ICCV 2025, arXiv 2406.07800). With n_i the sample counts and P = [p̂_ij] the estimated class
 distributions of the clients, the class-wise global models are ``w_j^G = Σ_l q_lj w_l`` with
 ``q_lj = n_l p̂_lj / Σ_m n_m p̂_mj`` and client i's personalised model is ``w_i^L = Σ_j p̂_ij w_j^G``.
 Both steps are linear, so ``w_i^L = Σ_l A_il w_l`` with ``A = P Qᵀ`` (M×M): the server keeps the M client
