@@ -14,7 +14,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedapps.config import load_config
 from fedapps.data import get_federation
 from fedapps.results import RunRecorder
-from strategies import STRATEGIES
+from strategies import resolve
 
 log = logging.getLogger("fedapps")
 app = ServerApp()
@@ -47,14 +47,15 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     set_server_threads()
     t0 = time.time()
     cfg = load_config(config_path, overrides)
+    resolved = resolve(cfg)  # strategy.name and strategy.params checked here (ConfigError naming the key)
+    cfg = resolved.config(cfg)  # config.yaml shows the chosen strategy's params with every default filled in
     output_dir = output_dir or cfg.output_dir
-    strategy_cls = STRATEGIES[cfg.strategy.name]
-    recorder = RunRecorder(cfg, output_dir, report_tag=strategy_cls.report_tag)
+    recorder = RunRecorder(cfg, output_dir, report_tag=resolved.cls.report_tag)
     recorder.write_partition(get_federation(_data_spec(cfg)).stats_rows())
     log.info("run '%s': strategy %s, data %s/%s, %d clients, %d rounds -> %s",
              cfg.resolved_run_name(), cfg.strategy.name, cfg.data.source, cfg.data.partition,
              cfg.data.num_clients, cfg.rounds, recorder.dir)
-    strategy = strategy_cls(cfg, on_round=recorder.on_round)
+    strategy = resolved.build(cfg, on_round=recorder.on_round)
     strategy.results_dir = recorder.dir
     strategy.start(grid=grid, num_rounds=cfg.rounds, timeout=cfg.strategy.timeout)
     summary = recorder.finish(time.time() - t0, strategy.final_summary())

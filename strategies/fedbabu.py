@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.params import param
 from strategies.fedper import FedPer
 
 
@@ -19,7 +19,7 @@ from strategies.fedper import FedPer
 class FedBABUParams:
     """FedBABU's parameters."""
 
-    finetune_epochs: int = 5  # head fine-tuning epochs before each evaluation (on a copy of the model)
+    finetune_epochs: int = param(5, ge=1)  # head fine-tuning epochs before each evaluation (on a copy of the model)
 
 
 class FedBABU(FedPer):
@@ -27,12 +27,6 @@ class FedBABU(FedPer):
 
     name = "fedbabu"
     Params = FedBABUParams
-
-    @classmethod
-    def check_config(cls, cfg: ExperimentConfig) -> None:
-        super().check_config(cfg)
-        if cfg.strategy.params.finetune_epochs < 1:
-            raise ConfigError(f"'strategy.params.finetune_epochs' must be >= 1, got {cfg.strategy.params.finetune_epochs}")
 
     def client_ops(self) -> list[str]:
         return ["train", "evaluate-finetuned"]
