@@ -3,6 +3,7 @@
 import copy
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,7 +76,7 @@ def test_config_module_imports_no_strategy():
     code = ("import fedapps.config, sys; "
             "assert not any(m == 'strategies' or m.startswith('strategies.') for m in sys.modules), "
             "sorted(m for m in sys.modules if m.startswith('strategies'))")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).parents[1]))
 
 
 def test_validate_does_not_change_the_config():
