@@ -15,7 +15,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedapps.config import load_config
 from fedapps.data import get_federation
 from fedapps.results import FileSink, ResultSink
-from strategies import STRATEGIES
+from strategies import resolve
 
 log = logging.getLogger("fedapps")
 app = ServerApp()
@@ -48,9 +48,10 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     set_server_threads()
     t0 = time.time()
     cfg = load_config(config_path, overrides)
+    resolved = resolve(cfg)  # strategy.name and strategy.params checked here (ConfigError naming the key)
+    cfg = resolved.config(cfg)  # config.yaml shows the chosen strategy's params with every default filled in
     output_dir = output_dir or cfg.output_dir
-    strategy_cls = STRATEGIES[cfg.strategy.name]
-    files = FileSink(cfg, output_dir, report_tag=strategy_cls.report_tag)
+    files = FileSink(cfg, output_dir, report_tag=resolved.cls.report_tag)
     sinks: list[ResultSink] = [files]
     files.write_partition(get_federation(dataclasses.asdict(cfg.data)).stats_rows())
     log.info("run '%s': strategy %s, data %s/%s, %d clients, %d rounds -> %s",
@@ -61,7 +62,7 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
         for sink in sinks:
             sink.on_round(entry)
 
-    strategy = strategy_cls(cfg, on_round=on_round)
+    strategy = resolved.build(cfg, on_round=on_round)
     strategy.start(grid=grid, num_rounds=cfg.rounds, timeout=cfg.strategy.timeout)
     summary = files.summary(time.time() - t0, strategy.final_summary())
     artifacts = strategy.artifacts()

@@ -188,8 +188,8 @@ def print_fedavg_reference(result_dir: Path, summary: dict[str, Any]) -> None:
             print(f"FedAvg on the same setting ({twin.name}): accuracy_mean {number(ref.get('accuracy_mean'))} "
                   f"vs {summary['strategy']} {number(summary.get('accuracy_mean'))}")
             return
-    print("FedAvg's number on the same setting: add  --set strategy.name=fedavg 'strategy.params={}'  "
-          "(e.g. make run ARGS=\"--set strategy.name=fedavg strategy.params={}\"); it is then shown here.")
+    print("FedAvg's number on the same setting: add  --set strategy.name=fedavg  "
+          "(e.g. make run ARGS=\"--set strategy.name=fedavg\"); it is then shown here.")
 
 
 def execute(config: str, overrides: list[str], output_dir: str | None, args: argparse.Namespace) -> Path:
@@ -198,6 +198,9 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
     if not config_path.is_file():
         raise ConfigError(f"config file '{config}' not found; pass the path of a YAML file (e.g. configs/default.yaml)")
     cfg = load_config(config_path, overrides)
+    from strategies import resolve  # local: the strategies (torch, flwr) load only when a run starts
+
+    resolve(cfg)  # strategy.name and strategy.params: a bad one fails here, before flwr run starts
     out = Path(output_dir or cfg.output_dir).expanduser().resolve()
     if args.engine == "inprocess":
         return run_in_process(cfg, config_path, overrides, out)

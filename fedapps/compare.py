@@ -114,6 +114,10 @@ def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
     labels = [run_label(c) for c in args.configs]
     if len(set(labels)) != len(labels):
         raise SystemExit("compare: two configs share a file name; rename one (the name labels the table row)")
+    from strategies import resolve  # local: tools sit above the strategies; `fedapps.compare` stays light
+
+    for config in args.configs:  # every config's strategy and params checked before the first run starts
+        resolve(load_config(Path(config).expanduser().resolve(), list(args.overrides)))
     rows, curves = [], {}
     total = len(args.configs) * len(args.seeds)
     done = 0

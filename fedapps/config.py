@@ -2,6 +2,9 @@
 
 Every key is checked here, once, on the server; clients receive the parts they need inside messages.
 A bad value raises :class:`ConfigError` naming the key, the value and what is allowed.
+
+This module knows no strategy: ``strategy.params`` stays plain data here (one mapping per strategy name);
+the registry in ``strategies`` resolves ``strategy.name`` and checks the params (``strategies.resolve``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ class StrategyConfig:
     fraction: float = 1.0  # fraction of the connected clients sampled per round, in (0, 1]
     min_clients: int = 1  # never sample fewer than this many clients (if connected)
     timeout: float = 600.0  # seconds to wait for the replies of one round
-    params: dict[str, Any] = field(default_factory=dict)  # strategy-specific, validated by the strategy
+    # strategy name -> that strategy's own parameters (plain data; checked by strategies.resolve)
+    params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -175,8 +179,33 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 def config_from_dict(raw: Mapping[str, Any]) -> ExperimentConfig:
     """Build and validate a config from a nested dict (unknown keys are errors)."""
     cfg = _build_dataclass(ExperimentConfig, raw, prefix="")
+    cfg.data.root = data_root(cfg.data.root)
     validate(cfg)
     return cfg
+
+
+def data_root(root: str) -> str:
+    """``data.root`` as an absolute path: clients may run in another working directory."""
+    return str(Path(root).expanduser().resolve())
+
+
+def _params_sections(key: str, value: Any) -> dict[str, Any]:
+    """``strategy.params`` as plain data: strategy name -> its mapping (keys with '-' read as '_').
+
+    Which names are strategies, and what their keys mean, is the registry's business (strategies.resolve);
+    values that are not mappings are kept as they are so that it can say what is wrong with them.
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"'{key}' must be a mapping of strategy name -> parameters "
+                          f"(e.g. {key}.cwfedavg.wdr_lambda=10), got {value!r}")
+    out: dict[str, Any] = {}
+    for name, section in value.items():
+        if isinstance(section, Mapping):
+            section = {str(k).replace("-", "_"): v for k, v in section.items()}
+        out[str(name).replace("-", "_")] = {} if section is None else section
+    return out
 
 
 def _build_dataclass(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
@@ -194,12 +223,8 @@ def _build_dataclass(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
         if dataclasses.is_dataclass(default):
             kwargs[name] = _build_dataclass(type(default), value or {}, prefix=f"{prefix}{name}.")
-        elif name == "params":
-            if value is None:
-                value = {}
-            if not isinstance(value, Mapping):
-                raise ConfigError(f"'{prefix}params' must be a mapping, got {value!r}")
-            kwargs[name] = {str(k).replace("-", "_"): v for k, v in value.items()}
+        elif name == "params" and cls is StrategyConfig:
+            kwargs[name] = _params_sections(f"{prefix}params", value)
         else:
             kwargs[name] = _coerce(f"{prefix}{name}", value, default)
     return cls(**kwargs)
@@ -251,10 +276,11 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...] | list[str]) -> None:
 
 
 def validate(cfg: ExperimentConfig) -> None:
-    """Raise ConfigError on the first invalid value; also validates the strategy's params."""
+    """Raise ConfigError on the first invalid value (a pure check: ``cfg`` is not changed).
+
+    ``strategy.name`` and ``strategy.params`` are checked by the registry (``strategies.resolve``)."""
     from fedapps.data import PARTITIONS, SOURCES, source_info
     from fedapps.models import MODEL_NAMES
-    from strategies import STRATEGIES
 
     _check(cfg.rounds > 0, f"'rounds' must be a positive integer, got {cfg.rounds}")
     _check(cfg.seed >= 0, f"'seed' must be >= 0, got {cfg.seed}")
@@ -262,14 +288,13 @@ def validate(cfg: ExperimentConfig) -> None:
     _check("/" not in cfg.run_name, f"'run_name' must not contain '/', got '{cfg.run_name}'")
 
     s = cfg.strategy
-    _one_of("strategy.name", s.name, sorted(STRATEGIES))
+    _check(bool(s.name), "'strategy.name' must not be empty")
     _check(0.0 < s.fraction <= 1.0, f"'strategy.fraction' must be in (0, 1], got {s.fraction}")
     _check(s.min_clients >= 1, f"'strategy.min_clients' must be >= 1, got {s.min_clients}")
     _check(s.timeout > 0, f"'strategy.timeout' must be > 0 seconds, got {s.timeout}")
 
     d = cfg.data
     _one_of("data.source", d.source, SOURCES)
-    d.root = str(Path(d.root).expanduser().resolve())  # clients may run in another working directory
     _one_of("data.partition", d.partition, PARTITIONS)
     _check(d.num_clients > 0, f"'data.num_clients' must be a positive integer, got {d.num_clients}")
     _check(
@@ -312,16 +337,13 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(c.weight_decay >= 0, f"'client.weight_decay' must be >= 0, got {c.weight_decay}")
     _one_of("client.device", c.device, DEVICES)
 
-    strategy_cls = STRATEGIES[s.name]
-    s.params = strategy_cls.parse_params(s.params, cfg)
-    strategy_cls.check_config(cfg)
 
-
-def params_from_dict(cls: type, raw: Mapping[str, Any], prefix: str = "strategy.params.") -> Any:
-    """Build a strategy's params dataclass from a dict; unknown keys and wrong types are errors."""
-    return _build_dataclass(cls, raw, prefix)
+def with_strategy_params(cfg: ExperimentConfig, name: str, values: Mapping[str, Any]) -> ExperimentConfig:
+    """A copy of ``cfg`` whose ``strategy.params.<name>`` section is ``values`` (``cfg`` is not changed)."""
+    params = {**cfg.strategy.params, name: dict(values)}
+    return dataclasses.replace(cfg, strategy=dataclasses.replace(cfg.strategy, params=params))
 
 
 def dump_yaml(cfg: ExperimentConfig) -> str:
-    """The resolved config as YAML (strategy params, a dataclass after validation, included)."""
+    """The config as YAML (the ServerApp dumps it with the chosen strategy's section filled in)."""
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

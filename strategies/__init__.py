@@ -2,13 +2,21 @@
 
 Every module in this package that defines a subclass of PersonalisedStrategy with a ``name`` is
 registered automatically: adding a strategy means adding one file.
+
+:func:`resolve` turns a loaded config into the strategy to run and its typed params: it checks
+``strategy.name`` against the registry, every ``strategy.params.<strategy>`` section against that strategy's
+declared ``Params``, and runs the chosen strategy's ``check`` hook (the config itself knows no strategy).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
+from dataclasses import dataclass
+from typing import Any, Mapping
 
+from fedapps.config import ConfigError, ExperimentConfig, with_strategy_params
 from strategies.base import PersonalisedStrategy
 
 
@@ -28,4 +36,55 @@ def _discover() -> dict[str, type[PersonalisedStrategy]]:
 
 STRATEGIES: dict[str, type[PersonalisedStrategy]] = _discover()
 
-__all__ = ["STRATEGIES", "PersonalisedStrategy"]
+
+@dataclass(frozen=True)
+class ResolvedStrategy:
+    """The strategy class ``strategy.name`` names and its checked, typed params."""
+
+    cls: type[PersonalisedStrategy]
+    params: Any
+
+    @property
+    def name(self) -> str:
+        return self.cls.name
+
+    def config(self, cfg: ExperimentConfig) -> ExperimentConfig:
+        """A copy of ``cfg`` with the chosen strategy's section written out in full (defaults filled in)."""
+        return with_strategy_params(cfg, self.cls.name, dataclasses.asdict(self.params))
+
+    def build(self, cfg: ExperimentConfig, on_round: Any = None) -> PersonalisedStrategy:
+        """The strategy object for ``cfg``, with these params."""
+        return self.cls(cfg, self.params, on_round=on_round)
+
+
+def resolve(cfg: ExperimentConfig) -> ResolvedStrategy:
+    """Check ``strategy.name`` and ``strategy.params`` of a loaded config; raise ConfigError naming the key.
+
+    Every section of ``strategy.params`` must be named after a known strategy and is checked against that
+    strategy's ``Params`` (so a typo in a section not used by this run is still caught); only the chosen
+    strategy's section is used, and its ``check`` hook runs against the whole config.
+    """
+    name = cfg.strategy.name
+    if name not in STRATEGIES:
+        raise ConfigError(f"'strategy.name' is '{name}', which is not known; allowed: {', '.join(sorted(STRATEGIES))}")
+    sections = cfg.strategy.params
+    for key, section in sections.items():
+        if key in STRATEGIES:
+            if key != name:
+                STRATEGIES[key].read_params(cfg)
+            continue
+        owners = [s for s, c in sorted(STRATEGIES.items()) if key in {f.name for f in dataclasses.fields(c.Params)}]
+        if owners or not isinstance(section, Mapping):
+            owner = name if name in owners or not owners else owners[0]
+            users = f" ({', '.join(owners)} {'has' if len(owners) == 1 else 'have'} a parameter '{key}')" if owners else ""
+            raise ConfigError(
+                f"'strategy.params.{key}': strategy params are namespaced by strategy, write "
+                f"'strategy.params.<strategy>.{key}', e.g. 'strategy.params.{owner}.{key}'{users}; in YAML: "
+                f"params: {{{owner}: {{{key}: ...}}}}")
+        raise ConfigError(f"'strategy.params.{key}' names no known strategy; its sections are named after "
+                          f"strategies: {', '.join(sorted(STRATEGIES))}")
+    cls = STRATEGIES[name]
+    return ResolvedStrategy(cls, cls.params_from(cfg))
+
+
+__all__ = ["STRATEGIES", "PersonalisedStrategy", "ResolvedStrategy", "resolve"]

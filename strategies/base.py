@@ -20,7 +20,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedapps import protocol
-from fedapps.config import ConfigError, ExperimentConfig, params_from_dict
+from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.params import parse_params
 from fedapps.protocol import ClientReply
 from fedapps.results import Artifact, accuracy_stats
 
@@ -50,22 +51,33 @@ class PersonalisedStrategy(Strategy):
     """Base class: one (or two, with evaluation) message phases per round; subclasses hold the algorithm."""
 
     name: ClassVar[str] = ""
-    Params: ClassVar[type] = NoParams
+    Params: ClassVar[type] = NoParams  # a dataclass of fedapps.params.param fields: strategy.params.<name>.*
     needs_public_set: ClassVar[bool] = False
     model_agnostic: ClassVar[bool] = False  # may clients run different architectures?
     report_tag: ClassVar[str] = "eval"  # which evaluation is THE accuracy of a round
 
     # ------------------------------------------------------------------ config
     @classmethod
-    def parse_params(cls, raw: Mapping[str, Any] | Any, cfg: ExperimentConfig) -> Any:
-        """Typed params from the ``strategy.params`` mapping (unknown keys are errors)."""
-        if dataclasses.is_dataclass(raw):
-            return raw
-        return params_from_dict(cls.Params, raw)
+    def read_params(cls, cfg: ExperimentConfig) -> Any:
+        """Typed params from ``strategy.params.<name>`` (no section: all defaults), each declared rule checked."""
+        key = f"strategy.params.{cls.name}"
+        section = cfg.strategy.params.get(cls.name)
+        if section and not dataclasses.fields(cls.Params):
+            raise ConfigError(f"strategy '{cls.name}' has no parameters; remove '{key}' "
+                              f"(it sets {', '.join(map(str, section)) if isinstance(section, Mapping) else section!r})")
+        return parse_params(cls.Params, section, key)
 
     @classmethod
-    def check_config(cls, cfg: ExperimentConfig) -> None:
-        """Strategy-specific consistency checks on the whole config."""
+    def params_from(cls, cfg: ExperimentConfig) -> Any:
+        """``read_params`` then ``check``: this strategy's params for ``cfg``, ready to run."""
+        params = cls.read_params(cfg)
+        cls.check(cfg, params)
+        return params
+
+    @classmethod
+    def check(cls, cfg: ExperimentConfig, params: Any) -> None:
+        """What no single parameter's declaration can say: checks against the rest of the config (or between
+        parameters). Subclasses extend it and call ``super().check(cfg, params)`` first."""
         if cfg.model.per_client and not cls.model_agnostic:
             raise ConfigError(f"'model.per_client' is set but strategy '{cls.name}' exchanges model parameters, "
                               "so every client must run the same 'model.name'; remove model.per_client")
@@ -73,9 +85,9 @@ class PersonalisedStrategy(Strategy):
             raise ConfigError(f"strategy '{cls.name}' needs a public set U: set 'data.public_fraction' in (0, 1), e.g. 0.2")
 
     # ------------------------------------------------------------------ construction
-    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
         self.cfg = cfg
-        self.params = cfg.strategy.params
+        self.params = params if params is not None else self.params_from(cfg)  # normally from strategies.resolve
         self.rng = np.random.default_rng(cfg.seed)
         self.node_to_client: dict[int, int] = {}
         self.on_round = on_round  # callback(RoundLog) -> None: the result sinks

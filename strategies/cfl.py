@@ -22,7 +22,8 @@ from flwr.app import Message
 from sklearn.cluster import AgglomerativeClustering
 
 from fedapps import protocol
-from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.config import ExperimentConfig
+from fedapps.params import param
 from fedapps.protocol import ClientReply
 from strategies.base import PersonalisedStrategy, average_matching
 from strategies.fedavg import initial_model_arrays
@@ -71,10 +72,12 @@ class CFLParams:
     """CFL's parameters (the norms depend on the model and the learning rate: read them in rounds.csv)."""
 
     # read off rounds.csv on configs/cfl.yaml's setting (CNN, SGD lr 0.005): mean 0.08, max 0.38 in round 5
-    eps1: float = 0.09  # split only when the cluster's mean update norm is below this (it has converged as a whole)
-    eps2: float = 0.2  # ... and some client's update norm is above this (that client still disagrees)
-    min_split_size: int = 2  # split only clusters with more replying members than this
-    warmup_rounds: int = 5  # no split before this round
+    # split only when the cluster's mean update norm is below this (it has converged as a whole)
+    eps1: float = param(0.09, gt=0)
+    eps2: float = param(0.2, gt=0)  # ... and some client's update norm is above this (that client still disagrees)
+    # split only clusters with more replying members than this
+    min_split_size: int = param(2, ge=2, help="two halves")
+    warmup_rounds: int = param(5, ge=0)  # no split before this round
 
 
 class CFL(PersonalisedStrategy):
@@ -83,19 +86,8 @@ class CFL(PersonalisedStrategy):
     name = "cfl"
     Params = CFLParams
 
-    @classmethod
-    def check_config(cls, cfg: ExperimentConfig) -> None:
-        super().check_config(cfg)
-        p: CFLParams = cfg.strategy.params
-        if p.eps1 <= 0 or p.eps2 <= 0:
-            raise ConfigError(f"'strategy.params.eps1' and 'eps2' must be > 0, got {p.eps1} and {p.eps2}")
-        if p.min_split_size < 2:
-            raise ConfigError(f"'strategy.params.min_split_size' must be >= 2 (two halves), got {p.min_split_size}")
-        if p.warmup_rounds < 0:
-            raise ConfigError(f"'strategy.params.warmup_rounds' must be >= 0, got {p.warmup_rounds}")
-
-    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
-        super().__init__(cfg, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
+        super().__init__(cfg, params, on_round)
         self.models = [initial_model_arrays(cfg)]  # one model per cluster
         self.parameter_keys = list(initial_model_arrays(cfg, "params"))
         self.cluster_of: dict[int, int] = {}  # client id -> cluster (unknown clients: cluster 0)

@@ -22,6 +22,7 @@ from flwr.app import Message
 
 from fedapps import protocol, pseudolabels
 from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.params import param
 from fedapps.protocol import ClientReply
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, targets_record
 
@@ -105,8 +106,8 @@ def cluster_means(stack: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
 class COMETParams(DistillParams):
     """COMET's parameters (beside the shared distillation settings)."""
 
-    clusters: int = 5  # K, fixed in advance (capped at the number of replying clients)
-    kmeans_iters: int = 100  # at most this many Lloyd iterations per round
+    clusters: int = param(5, ge=1)  # K, fixed in advance (capped at the number of replying clients)
+    kmeans_iters: int = param(100, ge=1)  # at most this many Lloyd iterations per round
 
 
 class COMET(PseudoLabelStrategy):
@@ -116,18 +117,14 @@ class COMET(PseudoLabelStrategy):
     Params = COMETParams
 
     @classmethod
-    def check_config(cls, cfg: ExperimentConfig) -> None:
-        super().check_config(cfg)
-        p: COMETParams = cfg.strategy.params
-        if p.clusters < 1:
-            raise ConfigError(f"'strategy.params.clusters' must be >= 1, got {p.clusters}")
-        if p.clusters > cfg.data.num_clients:
-            raise ConfigError(f"'strategy.params.clusters' ({p.clusters}) exceeds 'data.num_clients' ({cfg.data.num_clients})")
-        if p.kmeans_iters < 1:
-            raise ConfigError(f"'strategy.params.kmeans_iters' must be >= 1, got {p.kmeans_iters}")
+    def check(cls, cfg: ExperimentConfig, params: COMETParams) -> None:
+        super().check(cfg, params)
+        if params.clusters > cfg.data.num_clients:
+            raise ConfigError(f"'strategy.params.comet.clusters' ({params.clusters}) exceeds 'data.num_clients' "
+                              f"({cfg.data.num_clients}); lower it or raise data.num_clients")
 
-    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
-        super().__init__(cfg, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
+        super().__init__(cfg, params, on_round)
         self.centroids: np.ndarray | None = None
         self.assignment: dict[int, int] = {}  # client id -> cluster of the last clustering
         self.cluster_targets: dict[int, np.ndarray] = {}  # cluster -> encoded mean prediction

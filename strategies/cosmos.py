@@ -25,9 +25,10 @@ from flwr.app import ArrayRecord, Message
 
 from fedapps import clustering, ops, protocol, pseudolabels
 from fedapps.clientops import ProtocolError, distill_weighting
-from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.config import DEVICES, OPTIMIZERS, ConfigError, ExperimentConfig
 from fedapps.data import Federation, get_federation
 from fedapps.models import MODEL_NAMES, build_model
+from fedapps.params import param
 from fedapps.protocol import ClientReply
 from fedapps.results import Artifact
 from strategies.base import PersonalisedStrategy
@@ -70,69 +71,44 @@ def oracle_weights(w, targets: np.ndarray, rows) -> torch.Tensor:
 class CosmosParams:
     """COSMOS hyper-parameters (defaults: the paper's, with the spec's label-free w_i(x) and r_B with gradient)."""
 
-    server_model: str = "vgg16"  # architecture of every cluster model h_k
-    pretrain_epochs: int = 5  # E0: local cross-entropy epochs in round 1 (later rounds use client.epochs)
+    server_model: str = param("vgg16", choices=MODEL_NAMES)  # architecture of every cluster model h_k
+    # E0: local cross-entropy epochs in round 1 (later rounds use client.epochs)
+    pretrain_epochs: int = param(5, ge=0)
     # clustering (round 1 only; clusters stay fixed)
-    distance: str = "l1"  # l1 (paper) or l2 (reference code's Frobenius norm); both per public sample
-    b0_mode: str = "auto"  # auto: raise B0 until at most max_clusters clusters (reference rule); fixed: use b0
-    b0: float = 0.5  # explicit threshold on the per-sample distance (b0_mode: fixed)
-    max_clusters: int = 5  # b0_mode auto: target upper bound on K
-    b0_start: float = 0.05  # b0_mode auto: first B0 tried
-    b0_step: float = 0.05  # b0_mode auto: B0 increment
+    # l1 (paper) or l2 (reference code's Frobenius norm); both per public sample
+    distance: str = param("l1", choices=clustering.DISTANCES)
+    # auto: raise B0 until at most max_clusters clusters (reference rule); fixed: use b0
+    b0_mode: str = param("auto", choices=clustering.B0_MODES)
+    b0: float = param(0.5, ge=0)  # explicit threshold on the per-sample distance (b0_mode: fixed)
+    max_clusters: int = param(5, gt=0)  # b0_mode auto: target upper bound on K
+    b0_start: float = param(0.05, ge=0)  # b0_mode auto: first B0 tried
+    b0_step: float = param(0.05, gt=0)  # b0_mode auto: B0 increment
     # server distillation (objective 1)
-    aggregation: str = "mean"  # mean | median | max over a cluster's members
-    temperature: float = 1.0  # targets p^(1/T) renormalised; 0 = hard (one-hot) labels
-    rb_lambda: float = 5.0  # λ of r_B, server and client
-    rb_sigma: float = 0.05  # std of r_B's input noise
-    server_epochs: int = 5
-    server_batch_size: int = 32
-    server_lr: float = 1e-4
-    server_optimizer: str = "adam"
-    server_clip_norm: float = 1.0
-    server_device: str = "auto"
+    aggregation: str = param("mean", choices=pseudolabels.AGGREGATIONS)  # mean | median | max over a cluster's members
+    temperature: float = param(1.0, ge=0, help="0 = hard labels")  # targets p^(1/T) renormalised; 0 = hard (one-hot) labels
+    rb_lambda: float = param(5.0, ge=0)  # λ of r_B, server and client
+    rb_sigma: float = param(0.05, ge=0)  # std of r_B's input noise
+    server_epochs: int = param(5, ge=0)
+    server_batch_size: int = param(32, gt=0)
+    server_lr: float = param(1e-4, gt=0)
+    server_optimizer: str = param("adam", choices=OPTIMIZERS)
+    server_clip_norm: float = param(1.0, ge=0)
+    server_device: str = param("auto", choices=DEVICES)
     # client distillation (objective 2)
-    distill_epochs: int = 5
-    distill_batch_size: int = 32
-    distill_lr: float = 1e-4
-    distill_optimizer: str = "adam"
-    distill_clip_norm: float = 1.0
-    weighting: str = "label-free"  # w_i(x): label-free | none | oracle (true labels of U: reproduction only)
+    distill_epochs: int = param(5, ge=0)
+    distill_batch_size: int = param(32, gt=0)
+    distill_lr: float = param(1e-4, gt=0)
+    distill_optimizer: str = param("adam", choices=OPTIMIZERS)
+    distill_clip_norm: float = param(1.0, ge=0)
+    # w_i(x): label-free | none | oracle (true labels of U: reproduction only)
+    weighting: str = param("label-free", choices=WEIGHTINGS)
     # wire
-    uplink_encoding: str = "float32"  # client → server predictions: float32 | float16 | hard
-    downlink_encoding: str = "float32"  # server → client pseudo-labels: float32 | float16 | hard
-    eval_every: int = 1  # send cluster models for evaluation every this many rounds (and in the last round)
-
-
-def check_params(p: CosmosParams) -> None:
-    """Raise ConfigError naming the first bad COSMOS parameter."""
-    prefix = "strategy.params."
-
-    def one_of(key: str, allowed: tuple[str, ...]) -> None:
-        value = getattr(p, key)
-        if value not in allowed:
-            raise ConfigError(f"'{prefix}{key}' is '{value}'; allowed: {', '.join(allowed)}")
-
-    def positive(key: str, allow_zero: bool = False) -> None:
-        value = getattr(p, key)
-        if value < 0 or (value == 0 and not allow_zero):
-            raise ConfigError(f"'{prefix}{key}' must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-
-    one_of("server_model", MODEL_NAMES)
-    one_of("distance", clustering.DISTANCES)
-    one_of("b0_mode", clustering.B0_MODES)
-    one_of("aggregation", pseudolabels.AGGREGATIONS)
-    one_of("server_optimizer", ("sgd", "adam"))
-    one_of("distill_optimizer", ("sgd", "adam"))
-    one_of("server_device", ("auto", "cpu", "cuda"))
-    one_of("weighting", WEIGHTINGS)
-    one_of("uplink_encoding", pseudolabels.ENCODINGS)
-    one_of("downlink_encoding", pseudolabels.ENCODINGS)
-    for key in ("pretrain_epochs", "server_epochs", "distill_epochs", "temperature", "rb_lambda", "rb_sigma",
-                "server_clip_norm", "distill_clip_norm", "b0", "b0_start"):
-        positive(key, allow_zero=True)
-    for key in ("max_clusters", "b0_step", "server_batch_size", "server_lr", "distill_batch_size", "distill_lr",
-                "eval_every"):
-        positive(key)
+    # client → server predictions: float32 | float16 | hard
+    uplink_encoding: str = param("float32", choices=pseudolabels.ENCODINGS)
+    # server → client pseudo-labels: float32 | float16 | hard
+    downlink_encoding: str = param("float32", choices=pseudolabels.ENCODINGS)
+    # send cluster models for evaluation every this many rounds (and in the last round)
+    eval_every: int = param(1, gt=0)
 
 
 def validate_predictions(pred: np.ndarray, n: int, num_classes: int) -> np.ndarray:
@@ -154,14 +130,8 @@ class Cosmos(PersonalisedStrategy):
     model_agnostic = True
     report_tag = "received"  # the round's accuracy: the cluster model h_π(i) on each client's test split
 
-    @classmethod
-    def parse_params(cls, raw: Mapping[str, Any] | Any, cfg: ExperimentConfig) -> Any:
-        params = super().parse_params(raw, cfg)
-        check_params(params)
-        return params
-
-    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
-        super().__init__(cfg, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
+        super().__init__(cfg, params, on_round)
         p: CosmosParams = self.params
         self.fed: Federation = get_federation(dataclasses.asdict(cfg.data))
         if self.fed.public_x is None:

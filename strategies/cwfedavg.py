@@ -52,6 +52,7 @@ from fedapps.clientops import client_op, training_term
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.data import get_federation, source_info
 from fedapps.models import build_model, classifier_name, top_level_children
+from fedapps.params import lower, param
 from fedapps.protocol import ClientReply
 from fedapps.results import Artifact
 from strategies.base import PersonalisedStrategy
@@ -106,14 +107,19 @@ def report_class_counts(w, tag: str) -> None:
 
 @dataclass
 class CwFedAvgParams:
-    """cwFedAvg's parameters (``strategy.params``)."""
+    """cwFedAvg's parameters (``strategy.params.cwfedavg``); strings are read lower-case (YAML's bare `true`)."""
 
-    layers: str = "output"  # output | last-N (e.g. last-2) | all: which layers are aggregated class-wise
-    estimator: str = "bias"  # bias | norm (the paper's) | true (clients report class counts)
-    wdr_lambda: float = 0.0  # WDR strength λ on the clients (0 = off). `bias` needs none (best measured: 0);
+    # output | last-N (e.g. last-2) | all: which layers are aggregated class-wise (parsed by parse_layers in check)
+    layers: str = param("output", normalise=lower)
+    # bias | norm (the paper's) | true (clients report class counts)
+    estimator: str = param("bias", choices=ESTIMATORS, normalise=lower)
+    # WDR strength λ on the clients (0 = off). `bias` needs none (best measured: 0);
     # the paper's `norm` estimator needs it (paper: MNIST/CIFAR-10 10, CIFAR-100 1000; 200 personalises mnist5k in 20 rounds)
-    mix: str = "latest"  # latest: mix every client's latest model | round: only this round's repliers
-    buffers: str = "local"  # local: buffers (BN statistics) never leave the clients | fedavg: averaged
+    wdr_lambda: float = param(0.0, ge=0, help="0 turns WDR off")
+    # latest: mix every client's latest model | round: only this round's repliers
+    mix: str = param("latest", choices=MIX_SETS, normalise=lower)
+    # local: buffers (BN statistics) never leave the clients | fedavg: averaged
+    buffers: str = param("local", choices=BUFFER_MODES, normalise=lower)
     track_estimation_error: bool = True  # log mean L1(p̂, p) per estimator (simulation: the server knows p)
 
 
@@ -179,7 +185,7 @@ def parse_layers(layers: str) -> tuple[str, int]:
         return layers, 0
     m = _LAST_N.match(str(layers))
     if not m or int(m.group(1)) < 1:
-        raise ConfigError(f"'strategy.params.layers' is '{layers}'; allowed: output, all, or last-N with N >= 1 "
+        raise ConfigError(f"'strategy.params.cwfedavg.layers' is '{layers}'; allowed: output, all, or last-N with N >= 1 "
                           "(e.g. last-2)")
     return "last", int(m.group(1))
 
@@ -200,7 +206,7 @@ def classwise_keys(model: nn.Module, layers: str) -> list[str]:
         return [k for k in names if k.rsplit(".", 1)[0] == head]
     children = parameterised_children(model)
     if n > len(children):
-        raise ConfigError(f"'strategy.params.layers' is 'last-{n}' but the model has only {len(children)} "
+        raise ConfigError(f"'strategy.params.cwfedavg.layers' is 'last-{n}' but the model has only {len(children)} "
                           f"top-level children with parameters ({', '.join(children)})")
     chosen = set(children[-n:])
     return [k for k in names if k.split(".", 1)[0] in chosen]
@@ -258,39 +264,23 @@ class CwFedAvg(PersonalisedStrategy):
 
     # ------------------------------------------------------------------ config
     @classmethod
-    def parse_params(cls, raw: Any, cfg: ExperimentConfig) -> CwFedAvgParams:
-        """Typed params, each value checked."""
-        p = super().parse_params(raw, cfg)
-        for key in ("layers", "estimator", "mix", "buffers"):  # YAML reads a bare `true` as a boolean
-            setattr(p, key, str(getattr(p, key)).lower())
-        parse_layers(p.layers)
-        if p.estimator not in ESTIMATORS:
-            raise ConfigError(f"'strategy.params.estimator' is '{p.estimator}'; allowed: {', '.join(ESTIMATORS)}")
-        if not p.wdr_lambda >= 0:
-            raise ConfigError(f"'strategy.params.wdr_lambda' must be >= 0 (0 turns WDR off), got {p.wdr_lambda}")
-        if p.estimator == "norm" and p.wdr_lambda == 0:
+    def check(cls, cfg: ExperimentConfig, params: CwFedAvgParams) -> None:
+        """The layer spec must parse and fit the model, and the `bias` estimator needs a classifier bias."""
+        super().check(cfg, params)
+        parse_layers(params.layers)
+        if params.estimator == "norm" and params.wdr_lambda == 0:
             log.warning("cwfedavg: estimator 'norm' without WDR (wdr_lambda=0): the row norms carry little class "
                         "information; the paper uses λ=10 (MNIST/CIFAR-10) to 2000 (Tiny ImageNet)")
-        if p.mix not in MIX_SETS:
-            raise ConfigError(f"'strategy.params.mix' is '{p.mix}'; allowed: {', '.join(MIX_SETS)}")
-        if p.buffers not in BUFFER_MODES:
-            raise ConfigError(f"'strategy.params.buffers' is '{p.buffers}'; allowed: {', '.join(BUFFER_MODES)}")
-        return p
-
-    @classmethod
-    def check_config(cls, cfg: ExperimentConfig) -> None:
-        """The model must fit the layer mode, and the `bias` estimator needs a classifier bias."""
-        super().check_config(cfg)
         model = _build(cfg)
-        classwise_keys(model, cfg.strategy.params.layers)
+        classwise_keys(model, params.layers)
         head = classifier_name(model)
-        if cfg.strategy.params.estimator == "bias" and getattr(model.get_submodule(head), "bias", None) is None:
-            raise ConfigError(f"estimator 'bias' needs a bias in the classifier '{head}' of model "
-                              f"'{cfg.model.name}'; use estimator 'norm' or 'true'")
+        if params.estimator == "bias" and getattr(model.get_submodule(head), "bias", None) is None:
+            raise ConfigError(f"'strategy.params.cwfedavg.estimator' is 'bias', which needs a bias in the classifier "
+                              f"'{head}' of model '{cfg.model.name}'; use estimator 'norm' or 'true'")
 
     # ------------------------------------------------------------------ construction
-    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
-        super().__init__(cfg, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
+        super().__init__(cfg, params, on_round)
         p: CwFedAvgParams = self.params
         model = _build(cfg)
         state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}

@@ -16,7 +16,8 @@ from flwr.app import Message
 
 from fedapps import ops, protocol
 from fedapps.clientops import ProtocolError, client_op
-from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.config import ExperimentConfig
+from fedapps.params import param
 from fedapps.protocol import ClientReply
 from strategies.base import PersonalisedStrategy, average_matching
 from strategies.fedavg import initial_model_arrays
@@ -39,7 +40,7 @@ def train_received(w, tag: str) -> None:
 class DittoParams:
     """Ditto's parameters."""
 
-    lam: float = 0.1  # λ: weight of the personal model's proximal term to the global model
+    lam: float = param(0.1, ge=0)  # λ: weight of the personal model's proximal term to the global model
 
 
 class Ditto(PersonalisedStrategy):
@@ -48,14 +49,8 @@ class Ditto(PersonalisedStrategy):
     name = "ditto"
     Params = DittoParams
 
-    @classmethod
-    def check_config(cls, cfg: ExperimentConfig) -> None:
-        super().check_config(cfg)
-        if cfg.strategy.params.lam < 0:
-            raise ConfigError(f"'strategy.params.lam' must be >= 0, got {cfg.strategy.params.lam}")
-
-    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
-        super().__init__(cfg, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
+        super().__init__(cfg, params, on_round)
         self.global_arrays = initial_model_arrays(cfg)
 
     def expect_arrays(self) -> bool:

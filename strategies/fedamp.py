@@ -22,6 +22,7 @@ from flwr.app import Message
 from fedapps import protocol
 from fedapps.clustering import l2_distance_matrix
 from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.params import param
 from fedapps.protocol import ClientReply
 from strategies.base import PersonalisedStrategy
 from strategies.fedavg import initial_model_arrays
@@ -68,9 +69,9 @@ def unflatten(vector: np.ndarray, like: dict[str, np.ndarray], keys: list[str]) 
 class FedAMPParams:
     """FedAMP's parameters."""
 
-    alpha_k: float = 0.01  # α_K: attention step; (num_clients − 1)·α_K/σ must stay <= 1 so that ξ_ii >= 0
-    sigma: float = 0.2  # σ: scale of the squared parameter distance in the attention kernel
-    lam: float = 1.0  # λ: weight of the proximal term (λ/2)‖w − u_i‖² on the client
+    alpha_k: float = param(0.01, gt=0)  # α_K: attention step; (num_clients − 1)·α_K/σ must stay <= 1 so that ξ_ii >= 0
+    sigma: float = param(0.2, gt=0)  # σ: scale of the squared parameter distance in the attention kernel
+    lam: float = param(1.0, ge=0)  # λ: weight of the proximal term (λ/2)‖w − u_i‖² on the client
 
 
 class FedAMP(PersonalisedStrategy):
@@ -80,22 +81,18 @@ class FedAMP(PersonalisedStrategy):
     Params = FedAMPParams
 
     @classmethod
-    def check_config(cls, cfg: ExperimentConfig) -> None:
-        super().check_config(cfg)
-        p: FedAMPParams = cfg.strategy.params
-        for key in ("alpha_k", "sigma"):
-            if getattr(p, key) <= 0:
-                raise ConfigError(f"'strategy.params.{key}' must be > 0, got {getattr(p, key)}")
-        if p.lam < 0:
-            raise ConfigError(f"'strategy.params.lam' must be >= 0, got {p.lam}")
+    def check(cls, cfg: ExperimentConfig, params: FedAMPParams) -> None:
+        super().check(cfg, params)
+        p = params
         worst = (cfg.data.num_clients - 1) * p.alpha_k / p.sigma
         if worst > 1:
             raise ConfigError(
                 f"FedAMP's self-weight ξ_ii = 1 − Σ ξ_ij can turn negative: (num_clients − 1)·alpha_k/sigma = {worst:.3g} > 1. "
-                f"Lower 'strategy.params.alpha_k' to at most {p.sigma / max(cfg.data.num_clients - 1, 1):.3g} or raise 'sigma'")
+                f"Lower 'strategy.params.fedamp.alpha_k' to at most {p.sigma / max(cfg.data.num_clients - 1, 1):.3g} "
+                "or raise 'strategy.params.fedamp.sigma'")
 
-    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
-        super().__init__(cfg, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
+        super().__init__(cfg, params, on_round)
         self.like = initial_model_arrays(cfg, "params")  # shapes and dtypes of the parameters
         self.keys = list(self.like)
         self.initial = flatten(self.like, self.keys)

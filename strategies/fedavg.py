@@ -31,8 +31,8 @@ class FedAvg(PersonalisedStrategy):
 
     name = "fedavg"
 
-    def __init__(self, cfg, on_round=None) -> None:
-        super().__init__(cfg, on_round)
+    def __init__(self, cfg, params=None, on_round=None) -> None:
+        super().__init__(cfg, params, on_round)
         self.global_arrays = initial_model_arrays(cfg)
 
     def expect_arrays(self) -> bool:

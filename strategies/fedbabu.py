@@ -13,7 +13,7 @@ from typing import Any
 
 from fedapps import ops
 from fedapps.clientops import client_op
-from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.params import param
 from fedapps.worker import part_names
 from strategies.fedper import FedPer
 
@@ -32,7 +32,7 @@ def evaluate_finetuned(w, tag: str) -> None:
 class FedBABUParams:
     """FedBABU's parameters."""
 
-    finetune_epochs: int = 5  # head fine-tuning epochs before each evaluation (on a copy of the model)
+    finetune_epochs: int = param(5, ge=1)  # head fine-tuning epochs before each evaluation (on a copy of the model)
 
 
 class FedBABU(FedPer):
@@ -40,12 +40,6 @@ class FedBABU(FedPer):
 
     name = "fedbabu"
     Params = FedBABUParams
-
-    @classmethod
-    def check_config(cls, cfg: ExperimentConfig) -> None:
-        super().check_config(cfg)
-        if cfg.strategy.params.finetune_epochs < 1:
-            raise ConfigError(f"'strategy.params.finetune_epochs' must be >= 1, got {cfg.strategy.params.finetune_epochs}")
 
     def client_ops(self) -> list[str]:
         return ["train", "evaluate-finetuned"]

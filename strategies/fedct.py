@@ -23,7 +23,8 @@ import numpy as np
 from flwr.app import Message
 
 from fedapps import protocol, pseudolabels
-from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.config import ExperimentConfig
+from fedapps.params import param
 from fedapps.protocol import ClientReply
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, targets_record
 
@@ -67,8 +68,9 @@ def qualified_vote(votes: np.ndarray, num_classes: int, threshold: float) -> np.
 class FedCTParams(DistillParams):
     """FedCT's parameters (beside the shared distillation settings; 'encoding' is always hard here)."""
 
-    qualified_threshold: float = 0.0  # 0 = plain majority; in (0, 1]: label only samples with this vote share
-    encoding: str = "hard"  # labels on the wire, both directions (fixed: hard)
+    # 0 = plain majority; in (0, 1]: label only samples with this vote share
+    qualified_threshold: float = param(0.0, ge=0, le=1, help="0 = plain majority")
+    encoding: str = param("hard", choices=("hard",))  # labels on the wire, both directions (fixed: hard)
 
 
 class FedCT(PseudoLabelStrategy):
@@ -76,18 +78,9 @@ class FedCT(PseudoLabelStrategy):
 
     name = "fedct"
     Params = FedCTParams
-    wire_encodings = ("hard",)  # hard labels on U, both directions
 
-    @classmethod
-    def check_config(cls, cfg: ExperimentConfig) -> None:
-        super().check_config(cfg)
-        p: FedCTParams = cfg.strategy.params
-        if not 0.0 <= p.qualified_threshold <= 1.0:
-            raise ConfigError(f"'strategy.params.qualified_threshold' must be in [0, 1] (0 = plain majority), "
-                              f"got {p.qualified_threshold}")
-
-    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
-        super().__init__(cfg, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
+        super().__init__(cfg, params, on_round)
         self.consensus: np.ndarray | None = None  # hard labels on U (M = abstain)
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:

@@ -24,7 +24,8 @@ from torch import Tensor
 
 from fedapps import ops, protocol
 from fedapps.clientops import ProtocolError, client_op
-from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.config import ExperimentConfig
+from fedapps.params import param
 from fedapps.protocol import ClientReply
 from strategies.base import PersonalisedStrategy
 
@@ -111,10 +112,11 @@ def choose_candidates(affinity: dict[int, float], others: list[int], m: int, eps
 class FedFomoParams:
     """FedFomo's parameters."""
 
-    candidates: int = 5  # M: other clients' models each client downloads per round
-    epsilon: float = 0.3  # ε-greedy exploration probability in round 1
-    epsilon_decay: float = 0.95  # ε is multiplied by this every round
-    holdout_fraction: float = 0.2  # share of each client's training split held out to score the candidates
+    candidates: int = param(5, ge=1)  # M: other clients' models each client downloads per round
+    epsilon: float = param(0.3, ge=0, le=1)  # ε-greedy exploration probability in round 1
+    epsilon_decay: float = param(0.95, gt=0, le=1)  # ε is multiplied by this every round
+    # share of each client's training split held out to score the candidates
+    holdout_fraction: float = param(0.2, gt=0, lt=1)
 
 
 class FedFomo(PersonalisedStrategy):
@@ -123,19 +125,8 @@ class FedFomo(PersonalisedStrategy):
     name = "fedfomo"
     Params = FedFomoParams
 
-    @classmethod
-    def check_config(cls, cfg: ExperimentConfig) -> None:
-        super().check_config(cfg)
-        p: FedFomoParams = cfg.strategy.params
-        if p.candidates < 1:
-            raise ConfigError(f"'strategy.params.candidates' must be >= 1, got {p.candidates}")
-        if not 0 <= p.epsilon <= 1 or not 0 < p.epsilon_decay <= 1:
-            raise ConfigError(f"'strategy.params.epsilon' must be in [0, 1] and 'epsilon_decay' in (0, 1], got {p.epsilon}, {p.epsilon_decay}")
-        if not 0 < p.holdout_fraction < 1:
-            raise ConfigError(f"'strategy.params.holdout_fraction' must be in (0, 1), got {p.holdout_fraction}")
-
-    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
-        super().__init__(cfg, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
+        super().__init__(cfg, params, on_round)
         self.models: dict[int, dict[str, np.ndarray]] = {}  # client id -> latest model
         self.affinity: dict[int, dict[int, float]] = defaultdict(dict)  # P_ij
         self.sent_candidates: dict[int, list[int]] = {}  # node -> candidate client ids of this round

@@ -27,6 +27,7 @@ from flwr.app import Message
 from fedapps import ops, protocol, pseudolabels
 from fedapps.clientops import ProtocolError, client_op
 from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.params import param
 from fedapps.protocol import ClientReply
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, index_array, targets_record
 
@@ -75,11 +76,14 @@ def train_public(w, tag: str) -> None:
 class FedMDParams(DistillParams):
     """FedMD's parameters (beside the shared distillation settings)."""
 
-    scores: str = "logits"  # what clients send and the server averages: logits (original) | probs
-    digest_loss: str = "mae"  # mae: L1 on logits (original; needs scores=logits) | kl: KL on softmax targets
-    alignment_size: int = 0  # rows of U per round (original: 5,000); 0 = all of U
-    pretrain_public_epochs: int = 0  # >0: round 1 first trains on U WITH its true labels (original; off by default)
-    pretrain_lr: float = 1e-3  # learning rate of that labelled pre-training
+    # what clients send and the server averages: logits (original) | probs
+    scores: str = param("logits", choices=("logits", "probs"))
+    # mae: L1 on logits (original; needs scores=logits) | kl: KL on softmax targets
+    digest_loss: str = param("mae", choices=("mae", "kl"))
+    alignment_size: int = param(0, ge=0, help="0 = all of U")  # rows of U per round (original: 5,000); 0 = all of U
+    # >0: round 1 first trains on U WITH its true labels (original; off by default)
+    pretrain_public_epochs: int = param(0, ge=0)
+    pretrain_lr: float = param(1e-3, gt=0)  # learning rate of that labelled pre-training
 
 
 class FedMD(PseudoLabelStrategy):
@@ -89,28 +93,17 @@ class FedMD(PseudoLabelStrategy):
     Params = FedMDParams
 
     @classmethod
-    def check_config(cls, cfg: ExperimentConfig) -> None:
-        super().check_config(cfg)
-        p: FedMDParams = cfg.strategy.params
-        if p.scores not in ("logits", "probs"):
-            raise ConfigError(f"'strategy.params.scores' is '{p.scores}'; allowed: logits, probs")
-        if p.digest_loss not in ("mae", "kl"):
-            raise ConfigError(f"'strategy.params.digest_loss' is '{p.digest_loss}'; allowed: mae, kl")
-        if p.digest_loss == "mae" and p.scores != "logits":
-            raise ConfigError("'strategy.params.digest_loss: mae' regresses logits onto logits; "
+    def check(cls, cfg: ExperimentConfig, params: FedMDParams) -> None:
+        super().check(cfg, params)
+        if params.digest_loss == "mae" and params.scores != "logits":
+            raise ConfigError("'strategy.params.fedmd.digest_loss: mae' regresses logits onto logits; "
                               "set 'scores: logits', or use 'digest_loss: kl' with 'scores: probs'")
-        if p.alignment_size < 0:
-            raise ConfigError(f"'strategy.params.alignment_size' must be >= 0 (0 = all of U), got {p.alignment_size}")
-        if p.pretrain_public_epochs < 0:
-            raise ConfigError(f"'strategy.params.pretrain_public_epochs' must be >= 0, got {p.pretrain_public_epochs}")
-        if p.pretrain_lr <= 0:
-            raise ConfigError(f"'strategy.params.pretrain_lr' must be > 0, got {p.pretrain_lr}")
 
-    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
-        super().__init__(cfg, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
+        super().__init__(cfg, params, on_round)
         p: FedMDParams = self.params
         if p.pretrain_public_epochs > 0 and not self.public_has_labels:
-            raise ConfigError("'strategy.params.pretrain_public_epochs' > 0 needs a LABELLED public set, "
+            raise ConfigError("'strategy.params.fedmd.pretrain_public_epochs' > 0 needs a LABELLED public set, "
                               "but this data source's U has no labels; set it to 0")
         self.subset_rng = np.random.default_rng([cfg.seed, 0xFED3D])
         self.consensus: np.ndarray | None = None  # n_sub×M, on self.consensus_rows

@@ -23,8 +23,8 @@ class FedPer(PersonalisedStrategy):
 
     name = "fedper"
 
-    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
-        super().__init__(cfg, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
+        super().__init__(cfg, params, on_round)
         self.body = initial_model_arrays(cfg, "body")
 
     def expect_arrays(self) -> bool:

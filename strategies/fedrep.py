@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.params import param
 from strategies.fedper import FedPer
 
 
@@ -19,7 +19,7 @@ from strategies.fedper import FedPer
 class FedRepParams:
     """FedRep's parameters."""
 
-    head_epochs: int = 5  # epochs on the head (body frozen) before the body's client.epochs (head frozen)
+    head_epochs: int = param(5, ge=1)  # epochs on the head (body frozen) before the body's client.epochs (head frozen)
 
 
 class FedRep(FedPer):
@@ -27,12 +27,6 @@ class FedRep(FedPer):
 
     name = "fedrep"
     Params = FedRepParams
-
-    @classmethod
-    def check_config(cls, cfg: ExperimentConfig) -> None:
-        super().check_config(cfg)
-        if cfg.strategy.params.head_epochs < 1:
-            raise ConfigError(f"'strategy.params.head_epochs' must be >= 1, got {cfg.strategy.params.head_epochs}")
 
     def client_ops(self) -> list[str]:
         return ["train:head", "train:body", "evaluate"]

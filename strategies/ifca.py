@@ -20,6 +20,7 @@ from flwr.app import Message
 from fedapps import ops, protocol
 from fedapps.clientops import client_op
 from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.params import param
 from fedapps.protocol import ClientReply
 from strategies.base import PersonalisedStrategy, average_matching
 from strategies.fedavg import initial_model_arrays
@@ -60,7 +61,7 @@ def average_per_cluster(models: list[dict[str, np.ndarray]], replies: list[Clien
 class IFCAParams:
     """IFCA's parameters."""
 
-    clusters: int = 2  # K cluster models
+    clusters: int = param(2, ge=1)  # K cluster models
 
 
 class IFCA(PersonalisedStrategy):
@@ -70,14 +71,14 @@ class IFCA(PersonalisedStrategy):
     Params = IFCAParams
 
     @classmethod
-    def check_config(cls, cfg: ExperimentConfig) -> None:
-        super().check_config(cfg)
-        k = cfg.strategy.params.clusters
-        if not 1 <= k <= cfg.data.num_clients:
-            raise ConfigError(f"'strategy.params.clusters' must be in [1, data.num_clients = {cfg.data.num_clients}], got {k}")
+    def check(cls, cfg: ExperimentConfig, params: IFCAParams) -> None:
+        super().check(cfg, params)
+        if params.clusters > cfg.data.num_clients:
+            raise ConfigError(f"'strategy.params.ifca.clusters' must be in [1, data.num_clients = {cfg.data.num_clients}], "
+                              f"got {params.clusters}")
 
-    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
-        super().__init__(cfg, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
+        super().__init__(cfg, params, on_round)
         self.models = [initial_model_arrays(cfg, seed=cfg.seed + k) for k in range(self.params.clusters)]
         self.assignment: dict[int, int] = {}  # client id -> cluster chosen last
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord
@@ -15,6 +15,7 @@ from flwr.app import ArrayRecord
 from fedapps import protocol, pseudolabels
 from fedapps.config import OPTIMIZERS, ConfigError, ExperimentConfig
 from fedapps.data import get_federation
+from fedapps.params import param
 from fedapps.protocol import ClientReply
 from strategies.base import PersonalisedStrategy
 
@@ -26,32 +27,15 @@ log = logging.getLogger("fedapps")
 class DistillParams:
     """Client distillation (on U) and wire settings shared by the pseudo-label baselines."""
 
-    distill_epochs: int = 5  # epochs over the (subset of) U per round
-    distill_lr: float = 1e-4  # learning rate of the distillation optimiser
-    distill_batch_size: int = 32  # minibatch size on U
-    distill_optimizer: str = "adam"  # adam | sgd (a new optimiser every round)
-    distill_clip_norm: float = 1.0  # gradient-norm clipping during distillation; 0 = off
-    encoding: str = "float32"  # soft labels on the wire, both directions: float32 | float16
-    pretrain_epochs: int = 0  # local CE epochs in round 1 (before the first predictions); 0 = client.epochs
-
-
-def check_distill_params(p: DistillParams, allowed_encodings: tuple[str, ...] = ("float32", "float16")) -> None:
-    """Raise ConfigError on an invalid distillation / wire setting."""
-    prefix = "strategy.params."
-    if p.distill_epochs < 0:
-        raise ConfigError(f"'{prefix}distill_epochs' must be >= 0, got {p.distill_epochs}")
-    if p.distill_lr <= 0:
-        raise ConfigError(f"'{prefix}distill_lr' must be > 0, got {p.distill_lr}")
-    if p.distill_batch_size <= 0:
-        raise ConfigError(f"'{prefix}distill_batch_size' must be a positive integer, got {p.distill_batch_size}")
-    if p.distill_optimizer not in OPTIMIZERS:
-        raise ConfigError(f"'{prefix}distill_optimizer' is '{p.distill_optimizer}'; allowed: {', '.join(OPTIMIZERS)}")
-    if p.distill_clip_norm < 0:
-        raise ConfigError(f"'{prefix}distill_clip_norm' must be >= 0 (0 = off), got {p.distill_clip_norm}")
-    if p.pretrain_epochs < 0:
-        raise ConfigError(f"'{prefix}pretrain_epochs' must be >= 0 (0 = client.epochs), got {p.pretrain_epochs}")
-    if p.encoding not in allowed_encodings:
-        raise ConfigError(f"'{prefix}encoding' is '{p.encoding}'; allowed: {', '.join(allowed_encodings)}")
+    distill_epochs: int = param(5, ge=0)  # epochs over the (subset of) U per round
+    distill_lr: float = param(1e-4, gt=0)  # learning rate of the distillation optimiser
+    distill_batch_size: int = param(32, gt=0)  # minibatch size on U
+    distill_optimizer: str = param("adam", choices=OPTIMIZERS)  # adam | sgd (a new optimiser every round)
+    distill_clip_norm: float = param(1.0, ge=0, help="0 = off")  # gradient-norm clipping during distillation; 0 = off
+    # soft labels on the wire, both directions: float32 | float16
+    encoding: str = param("float32", choices=("float32", "float16"))
+    # local CE epochs in round 1 (before the first predictions); 0 = client.epochs
+    pretrain_epochs: int = param(0, ge=0, help="0 = client.epochs")
 
 
 def collect_predictions(replies: list[ClientReply], rows: int, num_classes: int, kind: str,
@@ -82,15 +66,9 @@ class PseudoLabelStrategy(PersonalisedStrategy):
 
     needs_public_set = True
     model_agnostic = True
-    wire_encodings: ClassVar[tuple[str, ...]] = ("float32", "float16")  # allowed values of params.encoding
 
-    @classmethod
-    def check_config(cls, cfg: ExperimentConfig) -> None:
-        super().check_config(cfg)
-        check_distill_params(cfg.strategy.params, cls.wire_encodings)
-
-    def __init__(self, cfg: ExperimentConfig, on_round: Any = None) -> None:
-        super().__init__(cfg, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
+        super().__init__(cfg, params, on_round)
         fed = get_federation(dataclasses.asdict(cfg.data))
         if fed.public_x is None:
             raise ConfigError(f"strategy '{self.name}' needs a public set U: set 'data.public_fraction' in (0, 1)")

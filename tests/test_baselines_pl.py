@@ -18,6 +18,7 @@ from fedapps.protocol import ClientReply
 from strategies.comet import COMET, cluster_means, kmeans, kmeans_plus_plus
 from strategies.fedct import FedCT, majority_vote, qualified_vote, vote_counts
 from fedapps.pseudolabels import prediction_problem as check_predictions
+from strategies import resolve
 from strategies.fedmd import FedMD, alignment_subset, fedmd_consensus
 from strategies.pseudolabel_base import collect_predictions
 
@@ -25,7 +26,9 @@ torch.set_num_threads(1)
 
 SMALL = ("data.source=digits data.partition=cosmos-groups data.alpha=5 data.groups=2 data.num_clients=4 "
          "data.public_fraction=0.2 rounds=2 model.per_client=[cnn,mlp] client.optimizer=adam client.lr=0.001 "
-         "client.batch_size=32 client.epochs=1 strategy.params.distill_epochs=1")
+         "client.batch_size=32 client.epochs=1 "
+         "strategy.params.fedmd.distill_epochs=1 strategy.params.fedct.distill_epochs=1 "
+         "strategy.params.comet.distill_epochs=1")
 
 
 # --------------------------------------------------------------------------- FedCT votes
@@ -116,7 +119,7 @@ def test_collect_predictions_drops_bad_replies_and_orders_by_client():
 
 
 def test_fedct_broadcasts_one_uint8_vote_and_skips_u_when_all_abstain():
-    cfg = load_config(None, f"strategy.name=fedct strategy.params.qualified_threshold=0.75 {SMALL}")
+    cfg = load_config(None, f"strategy.name=fedct strategy.params.fedct.qualified_threshold=0.75 {SMALL}")
     s = FedCT(cfg)
     n, m = s.public_size, s.num_classes
     base = np.arange(n) % m
@@ -157,7 +160,7 @@ def test_alignment_subset_is_sorted_unique_and_seeded():
 
 
 def test_fedmd_messages_carry_the_same_consensus_and_the_subset_indices():
-    cfg = load_config(None, f"strategy.name=fedmd strategy.params.alignment_size=30 {SMALL}")
+    cfg = load_config(None, f"strategy.name=fedmd strategy.params.fedmd.alignment_size=30 {SMALL}")
     s = FedMD(cfg)
     m = s.num_classes
     nodes = [100, 101, 102, 103]
@@ -181,7 +184,7 @@ def test_fedmd_messages_carry_the_same_consensus_and_the_subset_indices():
 
 
 def test_fedmd_kl_option_sends_float16_softmax_of_the_mean_logits():
-    cfg = load_config(None, f"strategy.name=fedmd strategy.params.digest_loss=kl strategy.params.encoding=float16 {SMALL}")
+    cfg = load_config(None, f"strategy.name=fedmd strategy.params.fedmd.digest_loss=kl strategy.params.fedmd.encoding=float16 {SMALL}")
     s = FedMD(cfg)
     n, m = s.public_size, s.num_classes
     logits = np.random.default_rng(1).normal(size=(2, n, m)).astype(np.float32)
@@ -197,7 +200,7 @@ def test_fedmd_kl_option_sends_float16_softmax_of_the_mean_logits():
 
 def test_fedmd_rejects_mae_on_probabilities():
     with pytest.raises(ConfigError, match="mae"):
-        load_config(None, f"strategy.name=fedmd strategy.params.scores=probs {SMALL}")
+        resolve(load_config(None, f"strategy.name=fedmd strategy.params.fedmd.scores=probs {SMALL}"))
 
 
 # --------------------------------------------------------------------------- COMET clustering
@@ -253,7 +256,7 @@ def test_kmeans_refills_an_empty_cluster():
 
 
 def test_comet_sends_each_client_its_cluster_mean():
-    cfg = load_config(None, f"strategy.name=comet strategy.params.clusters=2 {SMALL}")
+    cfg = load_config(None, f"strategy.name=comet strategy.params.comet.clusters=2 {SMALL}")
     s = COMET(cfg)
     n, m = s.public_size, s.num_classes
     rng = np.random.default_rng(0)
@@ -274,9 +277,9 @@ def test_comet_sends_each_client_its_cluster_mean():
 
 
 @pytest.mark.parametrize("name, extra", [
-    ("fedmd", "strategy.params.alignment_size=100"),
-    ("fedct", "strategy.params.qualified_threshold=0.5"),
-    ("comet", "strategy.params.clusters=2"),
+    ("fedmd", "strategy.params.fedmd.alignment_size=100"),
+    ("fedct", "strategy.params.fedct.qualified_threshold=0.5"),
+    ("comet", "strategy.params.comet.clusters=2"),
 ])
 def test_end_to_end_in_process(tmp_path, name, extra):
     overrides = f"strategy.name={name} {SMALL} {extra}"
@@ -302,7 +305,7 @@ def test_end_to_end_in_process(tmp_path, name, extra):
 
 
 def test_fedmd_labelled_pretraining_runs_train_public_in_round_one(tmp_path):
-    overrides = f"strategy.name=fedmd strategy.params.pretrain_public_epochs=1 {SMALL} rounds=1"
+    overrides = f"strategy.name=fedmd strategy.params.fedmd.pretrain_public_epochs=1 {SMALL} rounds=1"
     grid = InProcessGrid(4)
     server_app.run_experiment(grid, None, overrides, str(tmp_path))
     assert list(grid.sent[0].content["config"]["ops"])[0] == "train-public"
@@ -313,5 +316,5 @@ def test_fedmd_labelled_pretraining_runs_train_public_in_round_one(tmp_path):
 @pytest.mark.parametrize("name", ["fedmd", "fedct", "comet"])
 def test_shipped_configs_load(name, path):
     cfg = load_config(path.format(name))
-    assert cfg.strategy.name == name and dataclasses.is_dataclass(cfg.strategy.params)
+    assert cfg.strategy.name == name and dataclasses.is_dataclass(resolve(cfg).params)
     assert len(set(cfg.model.per_client)) == 2  # heterogeneous clients

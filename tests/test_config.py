@@ -1,8 +1,13 @@
 """Config loading, overrides and the error messages for bad input."""
 
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from fedapps.config import ConfigError, config_from_dict, load_config
+from fedapps.config import ConfigError, ExperimentConfig, config_from_dict, load_config, validate
 
 
 def test_defaults_and_overrides(tiny_config):
@@ -20,7 +25,6 @@ def test_default_yaml_is_valid():
 @pytest.mark.parametrize(
     "raw, needle",
     [
-        ({"strategy": {"name": "fedavgg"}}, "strategy.name"),
         ({"data": {"source": "mnist6k"}}, "data.source"),
         ({"data": {"partition": "patho"}}, "data.partition"),
         ({"model": {"name": "resnet99"}}, "model.name"),
@@ -33,8 +37,6 @@ def test_default_yaml_is_valid():
         ({"client": {"batch_size": 0}}, "client.batch_size"),
         ({"colour": "blue"}, "colour"),
         ({"client": {"optimiser": "sgd"}}, "client.optimiser"),
-        ({"strategy": {"params": {"nonsense": 1}}}, "nonsense"),
-        ({"model": {"per_client": ["cnn", "mlp"]}}, "per_client"),
         ({"data": {"partition": "dirichlet", "alpha": 0}}, "data.alpha"),
     ],
 )
@@ -44,10 +46,53 @@ def test_invalid_values_name_the_key(raw, needle):
     assert needle in str(exc.value)
 
 
-def test_misspelt_strategy_lists_allowed():
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        ({"strategy": {"name": "fedavgg"}}, "strategy.name"),
+        ({"strategy": {"params": {"nonsense": 1}}}, "nonsense"),
+        ({"model": {"per_client": ["cnn", "mlp"]}}, "per_client"),
+    ],
+)
+def test_strategy_keys_are_checked_by_the_registry(raw, needle):
+    """strategy.name, strategy.params and the strategy's cross-config rules: checked by strategies.resolve."""
+    from strategies import resolve
+
+    cfg = config_from_dict(raw)  # the config itself knows no strategy
     with pytest.raises(ConfigError) as exc:
-        config_from_dict({"strategy": {"name": "fedavgg"}})
+        resolve(cfg)
+    assert needle in str(exc.value)
+
+
+def test_misspelt_strategy_lists_allowed():
+    from strategies import resolve
+
+    with pytest.raises(ConfigError) as exc:
+        resolve(config_from_dict({"strategy": {"name": "fedavgg"}}))
     assert "fedavgg" in str(exc.value) and "fedavg" in str(exc.value) and "local" in str(exc.value)
+
+
+def test_config_module_imports_no_strategy():
+    code = ("import fedapps.config, sys; "
+            "assert not any(m == 'strategies' or m.startswith('strategies.') for m in sys.modules), "
+            "sorted(m for m in sys.modules if m.startswith('strategies'))")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).parents[1]))
+
+
+def test_validate_does_not_change_the_config():
+    cfg = load_config("configs/cwfedavg.yaml", ["data.root=~/somewhere/../data", "strategy.params.cosmos.b0=0.3"])
+    before = copy.deepcopy(cfg)
+    validate(cfg)
+    assert cfg == before
+    assert isinstance(cfg.strategy.params["cwfedavg"], dict)  # plain data, not the strategy's dataclass
+
+
+def test_data_root_is_made_absolute_when_the_config_is_built():
+    cfg = load_config(None, ["data.root=~/x/../data"])
+    assert cfg.data.root.startswith("/") and "~" not in cfg.data.root and ".." not in cfg.data.root
+    raw = ExperimentConfig()
+    validate(raw)  # a default-built config validates as it is
+    assert raw.data.root == "~/.cache/fedapps/data"
 
 
 def test_missing_file():

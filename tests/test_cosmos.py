@@ -20,6 +20,7 @@ from fedapps.config import ConfigError, load_config
 from fedapps.inprocess import InProcessGrid
 from fedapps.protocol import ClientReply
 from strategies.cosmos import frequency_weights
+from strategies import resolve
 from strategies.cosmos import Cosmos, server_target, validate_predictions
 
 torch.set_num_threads(1)
@@ -219,11 +220,11 @@ def test_soft_encodings_round_trip() -> None:
 def test_bad_params_are_config_errors(tmp_path: Path) -> None:
     path = write_config(tmp_path)
     with pytest.raises(ConfigError, match="aggregation"):
-        load_config(path, "strategy.params.aggregation=vote")
+        resolve(load_config(path, "strategy.params.cosmos.aggregation=vote"))
     with pytest.raises(ConfigError, match="uplink_encoding"):
-        load_config(path, "strategy.params.uplink_encoding=int4")
+        resolve(load_config(path, "strategy.params.cosmos.uplink_encoding=int4"))
     with pytest.raises(ConfigError, match="unknown key"):
-        load_config(path, "strategy.params.kmeans=3")
+        resolve(load_config(path, "strategy.params.cosmos.kmeans=3"))
 
 
 # --------------------------------------------------------------------------- end to end (in-process)
@@ -233,9 +234,9 @@ def write_config(tmp_path: Path, rounds: int = 2, **params) -> str:
     """A tiny COSMOS run: scikit-learn digits, 4 clients in 2 groups, mlp/cnn clients, mlp server."""
     cfg = {
         "seed": 0, "rounds": rounds, "output_dir": str(tmp_path / "results"),
-        "strategy": {"name": "cosmos", "min_clients": N_CLIENTS, "params": {
+        "strategy": {"name": "cosmos", "min_clients": N_CLIENTS, "params": {"cosmos": {
             "server_model": "mlp", "pretrain_epochs": 2, "server_epochs": 1, "distill_epochs": 1,
-            "server_lr": 1e-3, "distill_lr": 1e-3, "max_clusters": 2, **params}},
+            "server_lr": 1e-3, "distill_lr": 1e-3, "max_clusters": 2, **params}}},
         "data": {"source": "digits", "partition": "cosmos-groups", "num_clients": N_CLIENTS, "groups": 2,
                  "alpha": 5.0, "public_fraction": 0.2, "seed": 1},
         "model": {"name": "mlp", "per_client": ["mlp", "cnn"]},

@@ -15,6 +15,7 @@ from fedapps.config import ConfigError, load_config
 from fedapps.inprocess import InProcessGrid
 from fedapps.models import build_model
 from fedapps.protocol import ClientReply
+from strategies import resolve
 from strategies.base import weighted_average
 from strategies.cwfedavg import (
     CwFedAvg,
@@ -35,7 +36,7 @@ BASE = "strategy.name=cwfedavg data.source=digits model.name=cnn client.lr=0.05"
 
 
 def make_strategy(overrides: str = "", clients: int = 6) -> CwFedAvg:
-    cfg = load_config(None, f"{BASE} data.num_clients={clients} strategy.params.track_estimation_error=false {overrides}")
+    cfg = load_config(None, f"{BASE} data.num_clients={clients} strategy.params.cwfedavg.track_estimation_error=false {overrides}")
     return CwFedAvg(cfg)
 
 
@@ -156,7 +157,7 @@ def test_layers_are_matched_by_exact_name():
                                         ("mix=all", "mix"), ("buffers=shared", "buffers"), ("lamda=3", "unknown key")])
 def test_params_are_validated(bad, match):
     with pytest.raises(ConfigError, match=match):
-        load_config(None, f"{BASE} strategy.params.{bad}")
+        resolve(load_config(None, f"{BASE} strategy.params.cwfedavg.{bad}"))
 
 
 # --------------------------------------------------------------------------- the strategy's aggregation
@@ -164,7 +165,7 @@ def test_params_are_validated(bad, match):
 
 @pytest.mark.parametrize("layers", ["output", "last-2", "all"])
 def test_personalised_models_equal_explicit_k_model_computation(layers):
-    s = make_strategy(f"strategy.params.estimator=true strategy.params.layers={layers}")
+    s = make_strategy(f"strategy.params.cwfedavg.estimator=true strategy.params.cwfedavg.layers={layers}")
     rng = np.random.default_rng(3)
     counts = rng.integers(0, 20, (6, 10)) * (rng.random((6, 10)) < 0.5)
     counts[:, 0] += 1
@@ -185,7 +186,7 @@ def test_personalised_models_equal_explicit_k_model_computation(layers):
 
 
 def test_strategy_iid_limit_is_fedavg():
-    s = make_strategy("strategy.params.estimator=true strategy.params.layers=all")
+    s = make_strategy("strategy.params.cwfedavg.estimator=true strategy.params.cwfedavg.layers=all")
     counts = np.array([[3] * 10, [6] * 10, [1] * 10, [2] * 10, [5] * 10, [4] * 10])
     models = [perturbed(s.initial, seed=10 + i) for i in range(6)]
     s.aggregate(1, [reply(i, models[i], counts[i]) for i in range(6)])
@@ -199,19 +200,19 @@ def test_buffers_stay_local_by_default():
     s = make_strategy("model.name=resnet18 data.source=synthetic data.synthetic_shape=[3,8,8]", clients=2)
     assert all("running_" not in k and "num_batches" not in k for k in s.keys)
     s2 = make_strategy("model.name=resnet18 data.source=synthetic data.synthetic_shape=[3,8,8] "
-                       "strategy.params.buffers=fedavg", clients=2)
+                       "strategy.params.cwfedavg.buffers=fedavg", clients=2)
     assert any("running_mean" in k for k in s2.keys)
 
 
 def test_partial_mix_round_uses_only_repliers():
-    s = make_strategy("strategy.params.estimator=true strategy.params.mix=round strategy.params.layers=all")
+    s = make_strategy("strategy.params.cwfedavg.estimator=true strategy.params.cwfedavg.mix=round strategy.params.cwfedavg.layers=all")
     counts = np.eye(10, dtype=int)[[0, 1, 0, 1, 2, 2]] * 10
     models = [perturbed(s.initial, seed=20 + i) for i in range(6)]
     s.aggregate(1, [reply(i, models[i], counts[i]) for i in range(6)])
     s.aggregate(2, [reply(i, models[i], counts[i]) for i in (0, 1, 4)])  # 2, 3, 5 did not reply
     key = s.classwise[0]
     np.testing.assert_allclose(s.personalised(2)[key], models[0][key], atol=1e-6)  # class 0: only client 0 replied
-    s_latest = make_strategy("strategy.params.estimator=true strategy.params.layers=all")
+    s_latest = make_strategy("strategy.params.cwfedavg.estimator=true strategy.params.cwfedavg.layers=all")
     s_latest.aggregate(1, [reply(i, models[i], counts[i]) for i in range(6)])
     s_latest.aggregate(2, [reply(i, models[i], counts[i]) for i in (0, 1, 4)])
     np.testing.assert_allclose(s_latest.personalised(2)[key], (models[0][key] + models[2][key]) / 2, atol=1e-6)
@@ -234,7 +235,7 @@ def run(tmp_path, overrides: str, clients: int = 8, drop=None) -> tuple[dict, li
 
 
 def test_bias_estimator_recovers_p_in_round_one(tmp_path):
-    summary, rows = run(tmp_path, "rounds=1 strategy.params.estimator=bias")
+    summary, rows = run(tmp_path, "rounds=1 strategy.params.cwfedavg.estimator=bias")
     assert float(rows[0]["est_l1_bias"]) < 0.15
     assert float(rows[0]["est_l1_norm"]) > 3 * float(rows[0]["est_l1_bias"])
     assert float(rows[0]["est_l1"]) == float(rows[0]["est_l1_bias"])
@@ -246,21 +247,21 @@ def test_bias_estimator_recovers_p_in_round_one(tmp_path):
 
 
 def test_true_estimator_is_exact(tmp_path):
-    _, rows = run(tmp_path, "rounds=1 strategy.params.estimator=true")
+    _, rows = run(tmp_path, "rounds=1 strategy.params.cwfedavg.estimator=true")
     assert float(rows[0]["est_l1"]) < 1e-9
 
 
 def test_partial_participation_and_a_dropped_client(tmp_path):
     dropped = lambda rnd, pid: rnd == 2 and pid == 3  # noqa: E731
-    summary, rows = run(tmp_path, "rounds=2 strategy.fraction=0.5 strategy.params.estimator=norm strategy.params.wdr_lambda=10", clients=6, drop=dropped)
+    summary, rows = run(tmp_path, "rounds=2 strategy.fraction=0.5 strategy.params.cwfedavg.estimator=norm strategy.params.cwfedavg.wdr_lambda=10", clients=6, drop=dropped)
     assert summary["rounds"] == 2
     assert all(int(r["clients"]) <= 3 for r in rows)
-    _, rows = run(tmp_path, "rounds=2 run_name=drop strategy.params.mix=round", clients=6, drop=dropped)
+    _, rows = run(tmp_path, "rounds=2 run_name=drop strategy.params.cwfedavg.mix=round", clients=6, drop=dropped)
     assert [int(r["clients"]) for r in rows] == [6, 5]
 
 
 def test_dropped_client_keeps_its_estimate():
-    s = make_strategy("strategy.params.estimator=true")
+    s = make_strategy("strategy.params.cwfedavg.estimator=true")
     counts = np.eye(10, dtype=int)[[0, 1, 2, 3, 4, 5]] * 7
     models = [perturbed(s.initial, seed=30 + i) for i in range(6)]
     s.aggregate(1, [reply(i, models[i], counts[i]) for i in range(6)])

@@ -14,6 +14,7 @@ from fedapps.models import build_model
 from fedapps.protocol import ARRAYS, ClientReply
 from fedapps.worker import STATE_MODEL, ProtocolError, Worker, model_arrays, split_models
 from fedapps.protocol import pack_models
+from strategies import resolve
 from strategies.fedamp import attention_weights, flatten, squared_distances, unflatten
 from strategies.fedfomo import WEIGHTS
 from strategies.ifca import CHOICE, LOSSES, average_per_cluster
@@ -61,7 +62,7 @@ def test_squared_distances_and_flattening() -> None:
 def test_fedamp_anchor_is_the_attention_mix_of_known_models(tiny_config) -> None:
     from strategies.fedamp import FedAMP
 
-    cfg = load_config(tiny_config(strategy={"name": "fedamp", "params": {"alpha_k": 0.1, "sigma": 1.0}}), "")
+    cfg = load_config(tiny_config(strategy={"name": "fedamp", "params": {"fedamp": {"alpha_k": 0.1, "sigma": 1.0}}}), "")
     strategy = FedAMP(cfg)
     n = len(strategy.initial)
     strategy.models = {0: np.zeros(n, np.float32), 1: np.full(n, 1e-3, np.float32)}
@@ -74,7 +75,7 @@ def test_fedamp_anchor_is_the_attention_mix_of_known_models(tiny_config) -> None
 
 def test_fedamp_refuses_a_config_with_possibly_negative_self_weight(tiny_config) -> None:
     with pytest.raises(ConfigError, match=r"alpha_k.*at most 0\.333"):
-        load_config(tiny_config(strategy={"name": "fedamp", "params": {"alpha_k": 1.0, "sigma": 1.0}}), "")
+        resolve(load_config(tiny_config(strategy={"name": "fedamp", "params": {"fedamp": {"alpha_k": 1.0, "sigma": 1.0}}}), ""))
 
 
 def test_anchor_arrays_are_not_loaded_and_pull_the_model(tmp_path) -> None:
@@ -198,7 +199,7 @@ def test_bipartition_separates_opposite_updates() -> None:
 def test_cfl_splits_a_converged_cluster_with_disagreeing_clients(tiny_config) -> None:
     from strategies.cfl import CFL
 
-    cfg = load_config(tiny_config(strategy={"name": "cfl", "params": {"eps1": 0.5, "eps2": 1.0, "warmup_rounds": 0}}), "")
+    cfg = load_config(tiny_config(strategy={"name": "cfl", "params": {"cfl": {"eps1": 0.5, "eps2": 1.0, "warmup_rounds": 0}}}), "")
     strategy = CFL(cfg)
     sent = strategy.models[0]
     key = strategy.parameter_keys[0]
@@ -314,7 +315,7 @@ def test_evaluate_finetuned_trains_a_copy_of_the_head_only() -> None:
                                          ("fedbabu", {"finetune_epochs": 2}), ("cfl", {"warmup_rounds": 1}),
                                          ("fedfomo", {"candidates": 2})])
 def test_short_runs_learn_and_send_what_they_should(tiny_config, tmp_path, name, params) -> None:
-    strategy = {"name": name} if params is None else {"name": name, "params": params}
+    strategy = {"name": name} if params is None else {"name": name, "params": {name: params}}
     summary, grid = run(tiny_config(rounds=3, strategy=strategy, data=PATHOLOGICAL), tmp_path)
     assert summary["strategy"] == name and summary["accuracy_mean"] > 0.6
     sent = [m for m in grid.sent if m.metadata.group_id == "2"]

@@ -82,7 +82,7 @@ def test_cosmos_vgg16_cluster_model_is_evaluated(tiny_config, tmp_path):
     """The paper's VGG16 (BatchNorm) server model travels to the clients for evaluation: its accuracy is a number."""
     data = {**SYNTH, "num_clients": 2, "public_fraction": 0.2, "synthetic_samples": 100}
     params = {"server_model": "vgg16", "pretrain_epochs": 1, "server_epochs": 1, "distill_epochs": 1}
-    cfg = tiny_config(rounds=1, strategy={"name": "cosmos", "params": params}, data=data, model={"name": "cnn"},
+    cfg = tiny_config(rounds=1, strategy={"name": "cosmos", "params": {"cosmos": params}}, data=data, model={"name": "cnn"},
                       client={"epochs": 1, "batch_size": 16, "lr": 0.001, "optimizer": "adam"})
     grid = InProcessGrid(2)
     summary, _ = run(cfg, tmp_path, grid)
