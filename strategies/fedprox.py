@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from fedapps.clientops import ProtocolError, training_term
+from fedapps.params import param
 from strategies.fedavg import FedAvg
 
 PROX_MU = "train.prox_mu"  # the message setting that switches the proximal term on (μ > 0)
@@ -51,7 +52,7 @@ def proximal_term(w, section: dict) -> Any:
 class FedProxParams:
     """FedProx's parameters."""
 
-    mu: float = 0.01  # μ: weight of the proximal term (the paper tries 0.001 to 1)
+    mu: float = param(0.01, ge=0, help="0 = FedAvg")  # μ: weight of the proximal term (the paper tries 0.001 to 1)
 
 
 class FedProx(FedAvg):
