@@ -68,8 +68,9 @@ class ModelConfig:
 
 
 @dataclass
-class ClientConfig:
-    """Local training hyper-parameters."""
+class OptimSettings:
+    """What a training loop needs besides the data and the loss: the ``client`` section's training keys, and the
+    type of every message section that overrides them (``train.*``, ``distill.*``, ...) and of server-side loops."""
 
     epochs: int = 1
     batch_size: int = 10
@@ -78,6 +79,13 @@ class ClientConfig:
     momentum: float = 0.0
     weight_decay: float = 0.0
     drop_last: bool = True
+    clip_norm: float = 0.0  # 0: no gradient clipping
+
+
+@dataclass
+class ClientConfig(OptimSettings):
+    """Local training hyper-parameters, and where the client computes."""
+
     device: str = "auto"
 
 
@@ -335,6 +343,7 @@ def validate(cfg: ExperimentConfig) -> None:
     _one_of("client.optimizer", c.optimizer, OPTIMIZERS)
     _check(c.momentum >= 0, f"'client.momentum' must be >= 0, got {c.momentum}")
     _check(c.weight_decay >= 0, f"'client.weight_decay' must be >= 0, got {c.weight_decay}")
+    _check(c.clip_norm >= 0, f"'client.clip_norm' must be >= 0 (0 = no clipping), got {c.clip_norm}")
     _one_of("client.device", c.device, DEVICES)
 
 

@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedapps.config import OptimSettings
+
+
 Regulariser = Callable[[nn.Module], Tensor]
 BatchLoss = Callable[[nn.Module, Tensor, Tensor, Tensor | None], Tensor]
 
@@ -26,20 +29,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("client.device is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
     return torch.device(name)
-
-
-@dataclass
-class OptimSettings:
-    """What a training loop needs besides the data and the loss."""
-
-    epochs: int = 1
-    batch_size: int = 10
-    lr: float = 0.05
-    optimizer: str = "sgd"
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    drop_last: bool = False
-    clip_norm: float = 0.0  # 0: no gradient clipping
 
 
 def make_optimizer(params, s: OptimSettings) -> torch.optim.Optimizer:
