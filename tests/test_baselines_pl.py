@@ -312,7 +312,7 @@ def test_comet_sends_each_client_its_cluster_mean():
 def test_end_to_end_in_process(tmp_path, name, extra):
     overrides = f"strategy.name={name} {SMALL} {extra}"
     cfg = load_config(None, overrides)
-    grid = InProcessGrid(cfg.data.num_clients)
+    grid = InProcessGrid(cfg.data.num_clients, record=True)
     summary = server_app.run_experiment(grid, None, overrides, str(tmp_path))
     assert isinstance(summary["accuracy_mean"], float) and 0.0 <= summary["accuracy_mean"] <= 1.0
     assert summary["rounds"] == 2
@@ -334,7 +334,7 @@ def test_end_to_end_in_process(tmp_path, name, extra):
 
 def test_fedmd_labelled_pretraining_runs_train_public_in_round_one(tmp_path):
     overrides = f"strategy.name=fedmd strategy.params.pretrain_public_epochs=1 {SMALL} rounds=1"
-    grid = InProcessGrid(4)
+    grid = InProcessGrid(4, record=True)
     server_app.run_experiment(grid, None, overrides, str(tmp_path))
     assert list(grid.sent[0].content["config"]["ops"])[0] == "train-public"
     assert all("train-public-loss" in protocol.parse_reply(r).metrics for r in grid.replies)
