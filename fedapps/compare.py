@@ -5,29 +5,30 @@ interrupted comparison resumes), then comparison.csv, comparison.md (mean ± SEM
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
 import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
+from scipy import stats
+
 from fedapps.config import load_config
-from fedapps.results import read_csv
+from fedapps.results import read_csv, write_csv
 
 log = logging.getLogger("fedapps")
 
 
 def mean_sem(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and standard error of the mean (sample std / sqrt(n); 0 for a single value)."""
-    vals = [float(v) for v in values]
-    if not vals:
+    """Mean and standard error of the mean (``scipy.stats.sem``: sample std / sqrt(n); 0 for a single value)."""
+    vals = np.asarray([float(v) for v in values], dtype=np.float64)
+    if not vals.size:
         return math.nan, math.nan
-    m = sum(vals) / len(vals)
-    if len(vals) < 2:
+    m = float(vals.mean())
+    if vals.size < 2:
         return m, 0.0
-    var = sum((v - m) ** 2 for v in vals) / (len(vals) - 1)
-    return m, math.sqrt(var / len(vals))
+    return m, float(stats.sem(vals))
 
 
 def run_label(config_path: str) -> str:
@@ -138,13 +139,7 @@ def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
         rows.append(summarise_runs(label, summaries))
         curves[label] = label_curves
     folder.mkdir(parents=True, exist_ok=True)
-    columns: list[str] = []
-    for r in rows:
-        columns += [k for k in r if k not in columns]
-    with (folder / "comparison.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=columns, restval="")
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(folder / "comparison.csv", rows)  # header: the union of the rows' keys, first-seen order
     table = markdown_table(rows)
     (folder / "comparison.md").write_text(table)
     plot_curves(curves, folder / "comparison.png")

@@ -19,10 +19,14 @@ log = logging.getLogger("fedapps")
 
 
 class InProcessGrid:
-    """Nodes first_node_id + (0..N-1) with partition-id 0..N-1, each with its own persistent Context.state."""
+    """Nodes first_node_id + (0..N-1) with partition-id 0..N-1, each with its own persistent Context.state.
+
+    ``record=True`` keeps every message sent and every reply in ``sent`` / ``replies`` (for tests that inspect
+    the traffic); by default nothing is kept, so memory does not grow with the run.
+    """
 
     def __init__(self, num_nodes: int, drop: Callable[[int, int], bool] | None = None,
-                 node_configs: dict[int, dict] | None = None, first_node_id: int = 100) -> None:
+                 node_configs: dict[int, dict] | None = None, first_node_id: int = 100, record: bool = False) -> None:
         # Flower's node ids are unsigned 64-bit and usually large: tests pass first_node_id >= 2**63 to mimic them
         self.contexts = {
             first_node_id + i: Context(run_id=1, node_id=first_node_id + i,
@@ -34,7 +38,8 @@ class InProcessGrid:
             if getattr(TaskIdentity, attr) is None:  # Message() needs an identity outside Flower's runtime
                 setattr(TaskIdentity, attr, value)
         self.drop = drop  # drop(round, partition_id) -> True simulates a client that never replies
-        self.sent: list[Message] = []
+        self.record = record
+        self.sent: list[Message] = []  # stays empty unless record=True
         self.replies: list[Message] = []
 
     def get_node_ids(self) -> list[int]:
@@ -43,7 +48,8 @@ class InProcessGrid:
     def send_and_receive(self, messages: Iterable[Message], timeout: float | None = None) -> list[Message]:
         out = []
         for msg in messages:
-            self.sent.append(msg)
+            if self.record:
+                self.sent.append(msg)
             ctx = self.contexts[msg.metadata.dst_node_id]
             rnd = int(msg.metadata.group_id or 0)
             if self.drop is not None and self.drop(rnd, int(ctx.node_config["partition-id"])):
@@ -54,5 +60,6 @@ class InProcessGrid:
                 log.warning("node %s raised %s", msg.metadata.dst_node_id, exc)
                 reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
             out.append(reply)
-        self.replies.extend(out)
+        if self.record:
+            self.replies.extend(out)
         return out

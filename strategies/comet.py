@@ -1,10 +1,11 @@
 """COMET (Cho et al. 2023): clustered co-distillation on a public set, for heterogeneous client models.
 
-Each round every client sends its predictions (softmax) on U. The server runs K-means, K fixed in the
-config, on the clients' flattened prediction matrices (|U|·M each), warm-started from the previous
-round's centroids (round 1: a deterministic k-means++ seeded by the experiment seed), and sends every
-client the mean prediction of ITS cluster. The client distils on it (KL) as a regulariser next to its
-local training, evaluates its own model and sends fresh predictions. The server trains no model.
+Each round every client sends its predictions (softmax) on U. The server runs K-means (scikit-learn's
+KMeans), K fixed in the config, on the clients' flattened prediction matrices (|U|·M each), warm-started
+from the previous round's centroids (round 1: scikit-learn's k-means++ seeding, its random_state drawn
+from the experiment seed), and sends every client the mean prediction of ITS cluster. The client distils
+on it (KL) as a regulariser next to its local training, evaluates its own model and sends fresh
+predictions. The server trains no model.
 
 Difference from the original, on purpose: the original adds the KL term to the local CE loss in one
 objective; here the generic client's ``distill`` (KL on U) runs before ``train`` (CE on private data)
@@ -14,11 +15,15 @@ in the same message — the same client protocol as COSMOS, so the comparison is
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from flwr.app import Message
+from sklearn.cluster import KMeans, kmeans_plusplus
+from sklearn.exceptions import ConvergenceWarning
+from threadpoolctl import threadpool_limits
 
 from fedapps import protocol, pseudolabels
 from fedapps.config import ConfigError, ExperimentConfig
@@ -29,64 +34,39 @@ from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, coll
 log = logging.getLogger("fedapps")
 
 
-# --------------------------------------------------------------------------- K-means (pure functions)
-
-
-def squared_distances(x: np.ndarray, centroids: np.ndarray) -> np.ndarray:
-    """‖x_i − c_k‖² for every point and centroid (points×K), as one matrix product."""
-    xx = (x * x).sum(axis=1)[:, None]
-    cc = (centroids * centroids).sum(axis=1)[None, :]
-    return np.maximum(xx + cc - 2.0 * x @ centroids.T, 0.0)
+# --------------------------------------------------------------------------- K-means (scikit-learn, pure functions)
 
 
 def kmeans_plus_plus(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
-    """k-means++ seeding (first centre uniform, then ∝ squared distance); deterministic for a seeded rng."""
+    """k-means++ seeding (scikit-learn's ``kmeans_plusplus``: first centre uniform, then greedy draws ∝ squared
+    distance); deterministic for a seeded rng, which draws the integer ``random_state`` handed to scikit-learn.
+
+    With fewer distinct points than k some centres coincide (k-means then returns fewer non-empty clusters).
+    """
+    x = np.asarray(x, dtype=np.float64)
     n = len(x)
     if not 1 <= k <= n:
         raise ValueError(f"need 1 <= k <= number of points, got k={k}, n={n}")
-    chosen = [int(rng.integers(n))]
-    d2 = squared_distances(x, x[chosen]).min(axis=1)
-    for _ in range(1, k):
-        total = d2.sum()
-        if total <= 0:  # all remaining points coincide with a centre: take the first unchosen one
-            nxt = next(i for i in range(n) if i not in chosen)
-        else:
-            nxt = int(rng.choice(n, p=d2 / total))
-        chosen.append(nxt)
-        d2 = np.minimum(d2, squared_distances(x, x[[nxt]])[:, 0])
-    return x[chosen].astype(np.float64)
+    centres, _ = kmeans_plusplus(x, k, random_state=int(rng.integers(2**31 - 1)))
+    return centres
 
 
 def kmeans(x: np.ndarray, init: np.ndarray, max_iter: int = 100) -> tuple[np.ndarray, np.ndarray]:
-    """Lloyd's iterations from the given centroids; returns (labels, centroids).
+    """Lloyd's iterations (scikit-learn's ``KMeans``, one run) from the given centroids; returns (labels, centroids).
 
-    An emptied cluster is re-seeded at the point farthest from its assigned centroid (deterministic),
-    so K clusters come back whenever there are at least K distinct points. Stops when labels repeat.
+    Cluster j of the result grows from ``init[j]`` (a warm start keeps the cluster ids). An emptied cluster is
+    re-seeded at the point farthest from its centroid (scikit-learn's rule, deterministic), so K clusters come
+    back whenever there are at least K distinct points. Stops when labels repeat (tol = 0) or after max_iter.
+    OpenMP runs on one thread here so that the centroid sums are added in a fixed order (bit-identical reruns).
     """
     x = np.asarray(x, dtype=np.float64)
-    centroids = np.array(init, dtype=np.float64)
-    k = len(centroids)
-    labels = np.full(len(x), -1)
-    for _ in range(max(1, max_iter)):
-        d2 = squared_distances(x, centroids)
-        new = d2.argmin(axis=1)
-        for j in range(k):
-            if not np.any(new == j):
-                own = d2[np.arange(len(x)), new]
-                sizes = np.bincount(new, minlength=k)
-                own = np.where(sizes[new] > 1, own, -1.0)  # never take a point from a singleton cluster
-                far = int(own.argmax())
-                if own[far] < 0:
-                    continue
-                new[far] = j
-        if np.array_equal(new, labels):
-            break
-        labels = new
-        for j in range(k):
-            members = labels == j
-            if members.any():
-                centroids[j] = x[members].mean(axis=0)
-    return labels, centroids
+    init = np.asarray(init, dtype=np.float64)
+    km = KMeans(n_clusters=len(init), init=init, n_init=1, max_iter=max(1, int(max_iter)), tol=0.0,
+                algorithm="lloyd", random_state=0)
+    with warnings.catch_warnings(), threadpool_limits(limits=1, user_api="openmp"):
+        warnings.simplefilter("ignore", ConvergenceWarning)  # fewer distinct points than K: reported by the caller
+        km.fit(x)
+    return km.labels_.astype(np.int64), km.cluster_centers_.astype(np.float64)
 
 
 def cluster_means(stack: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:

@@ -255,6 +255,37 @@ def test_kmeans_refills_an_empty_cluster():
     assert sorted(np.bincount(labels, minlength=3).tolist()) == [1, 1, 2]
 
 
+def test_kmeans_with_fewer_distinct_points_than_k():
+    x = np.array([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [5.0, 5.0]])  # two distinct points, K = 3
+    init = kmeans_plus_plus(x, 3, np.random.default_rng(0))
+    assert init.shape == (3, 2)
+    labels, centroids = kmeans(x, init)
+    assert labels.shape == (4,) and set(labels.tolist()) <= {0, 1, 2}
+    assert len(set(labels[:3].tolist())) == 1 and labels[3] != labels[0]  # equal points share a cluster
+    np.testing.assert_allclose(centroids[labels], x)
+    same, _ = kmeans(np.ones((4, 3)), kmeans_plus_plus(np.ones((4, 3)), 3, np.random.default_rng(0)))
+    assert len(set(same.tolist())) == 1  # one distinct point: one non-empty cluster, no error
+
+
+def test_kmeans_separates_coinciding_initial_centres():
+    x = np.array([[0.0], [0.0], [1.0], [2.0]])  # three distinct points, all three centres start at 0
+    labels, centroids = kmeans(x, np.zeros((3, 1)))
+    assert sorted(np.bincount(labels, minlength=3).tolist()) == [1, 1, 2]
+    np.testing.assert_allclose(centroids[labels], [[0.0], [0.0], [1.0], [2.0]])
+
+
+def test_kmeans_k_equals_n_and_k_one():
+    x = np.random.default_rng(0).normal(size=(5, 4))
+    labels, centroids = kmeans(x, kmeans_plus_plus(x, 5, np.random.default_rng(0)))
+    assert sorted(labels.tolist()) == [0, 1, 2, 3, 4]
+    np.testing.assert_allclose(centroids[labels], x)
+    labels, centroids = kmeans(x, kmeans_plus_plus(x, 1, np.random.default_rng(0)))
+    assert labels.tolist() == [0] * 5
+    np.testing.assert_allclose(centroids[0], x.mean(axis=0))
+    with pytest.raises(ValueError):
+        kmeans_plus_plus(x, 6, np.random.default_rng(0))
+
+
 def test_comet_sends_each_client_its_cluster_mean():
     cfg = load_config(None, f"strategy.name=comet strategy.params.comet.clusters=2 {SMALL}")
     s = COMET(cfg)
@@ -284,7 +315,7 @@ def test_comet_sends_each_client_its_cluster_mean():
 def test_end_to_end_in_process(tmp_path, name, extra):
     overrides = f"strategy.name={name} {SMALL} {extra}"
     cfg = load_config(None, overrides)
-    grid = InProcessGrid(cfg.data.num_clients)
+    grid = InProcessGrid(cfg.data.num_clients, record=True)
     summary = server_app.run_experiment(grid, None, overrides, str(tmp_path))
     assert isinstance(summary["accuracy_mean"], float) and 0.0 <= summary["accuracy_mean"] <= 1.0
     assert summary["rounds"] == 2
@@ -306,7 +337,7 @@ def test_end_to_end_in_process(tmp_path, name, extra):
 
 def test_fedmd_labelled_pretraining_runs_train_public_in_round_one(tmp_path):
     overrides = f"strategy.name=fedmd strategy.params.fedmd.pretrain_public_epochs=1 {SMALL} rounds=1"
-    grid = InProcessGrid(4)
+    grid = InProcessGrid(4, record=True)
     server_app.run_experiment(grid, None, overrides, str(tmp_path))
     assert list(grid.sent[0].content["config"]["ops"])[0] == "train-public"
     assert all("train-public-loss" in protocol.parse_reply(r).metrics for r in grid.replies)

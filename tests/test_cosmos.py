@@ -274,7 +274,7 @@ def assert_pseudo_labels_and_metrics_only(replies: list[Message], n_public: int,
 @pytest.mark.parametrize("up,down", [("float32", "float32"), ("hard", "float16")])
 def test_end_to_end_in_process_sends_pseudo_labels_only(tmp_path: Path, up: str, down: str) -> None:
     path = write_config(tmp_path, rounds=2, uplink_encoding=up, downlink_encoding=down)
-    grid = InProcessGrid(N_CLIENTS)
+    grid = InProcessGrid(N_CLIENTS, record=True)
     summary = server_app.run_experiment(grid, path, "", str(tmp_path / "results"))
     cfg = load_config(path)
     strategy_fed = Cosmos(cfg).fed

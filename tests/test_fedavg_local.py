@@ -32,7 +32,7 @@ def run(cfg_path, tmp_path, grid=None, overrides=""):
     from fedapps.config import load_config
 
     cfg = load_config(cfg_path, overrides)
-    grid = grid or InProcessGrid(cfg.data.num_clients)
+    grid = grid or InProcessGrid(cfg.data.num_clients, record=True)
     summary = server_app.run_experiment(grid, str(cfg_path), overrides, str(tmp_path / "out"))
     return summary, grid, tmp_path / "out" / cfg.resolved_run_name()
 
@@ -59,7 +59,7 @@ def test_local_sends_no_weights(tiny_config, tmp_path):
 
 
 def test_partial_participation_and_dropped_client(tiny_config, tmp_path):
-    grid = InProcessGrid(4, drop=lambda rnd, pid: rnd == 2 and pid == 0)
+    grid = InProcessGrid(4, drop=lambda rnd, pid: rnd == 2 and pid == 0, record=True)
     cfg = tiny_config(rounds=3, strategy={"name": "fedavg", "fraction": 0.75, "min_clients": 2})
     summary, grid, out = run(cfg, tmp_path, grid=grid)
     rows = (out / "rounds.csv").read_text().splitlines()

@@ -25,7 +25,7 @@ PATHOLOGICAL = {"source": "digits", "partition": "pathological", "num_clients": 
 
 def run(cfg_path, tmp_path, grid=None):
     cfg = load_config(cfg_path, "")
-    grid = grid or InProcessGrid(cfg.data.num_clients)
+    grid = grid or InProcessGrid(cfg.data.num_clients, record=True)
     return server_app.run_experiment(grid, str(cfg_path), "", str(tmp_path / "out")), grid
 
 

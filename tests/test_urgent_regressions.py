@@ -40,7 +40,7 @@ def run(cfg_path, tmp_path, grid, overrides=""):
 def test_partial_participation_reaches_every_sampled_node_with_large_ids(tiny_config, tmp_path):
     cfg = tiny_config(rounds=2, strategy={"name": "fedavg", "fraction": 0.25, "min_clients": 1},
                       data={"source": "digits", "partition": "iid", "num_clients": 12})
-    grid = InProcessGrid(12, first_node_id=2**63 - 6)  # ids on both sides of 2**63
+    grid = InProcessGrid(12, first_node_id=2**63 - 6, record=True)  # ids on both sides of 2**63
     summary, out = run(cfg, tmp_path, grid)
     k = math.ceil(0.25 * 12)
     for rnd in ("1", "2"):
@@ -69,7 +69,7 @@ SYNTH = {"source": "synthetic", "partition": "iid", "num_clients": 2, "synthetic
 def test_batchnorm_model_exchanges_parameters(strategy, tiny_config, tmp_path):
     cfg = tiny_config(rounds=2, strategy={"name": strategy}, data=SYNTH, model={"name": "resnet18"},
                       client={"epochs": 1, "batch_size": 16, "lr": 0.01})
-    grid = InProcessGrid(2)
+    grid = InProcessGrid(2, record=True)
     summary, out = run(cfg, tmp_path, grid)
     from fedapps.results import read_csv
     rows = read_csv(out / "rounds.csv")
@@ -84,7 +84,7 @@ def test_cosmos_vgg16_cluster_model_is_evaluated(tiny_config, tmp_path):
     params = {"server_model": "vgg16", "pretrain_epochs": 1, "server_epochs": 1, "distill_epochs": 1}
     cfg = tiny_config(rounds=1, strategy={"name": "cosmos", "params": {"cosmos": params}}, data=data, model={"name": "cnn"},
                       client={"epochs": 1, "batch_size": 16, "lr": 0.001, "optimizer": "adam"})
-    grid = InProcessGrid(2)
+    grid = InProcessGrid(2, record=True)
     summary, _ = run(cfg, tmp_path, grid)
     assert all(not m.has_error() for m in grid.replies)
     assert isinstance(summary["cluster_model_accuracy"], float)

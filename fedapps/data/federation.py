@@ -44,7 +44,8 @@ SPEC_KEYS: tuple[str, ...] = (
 
 @dataclass
 class ClientData:
-    """One client's private data as in-memory tensors (train and test from the client's own distribution)."""
+    """One client's private data (train and test from the client's own distribution): slices, i.e. views,
+    of the federation's one sample tensor (``Federation.x`` / ``Federation.y``), never copies."""
 
     train_x: torch.Tensor
     train_y: torch.Tensor
@@ -55,11 +56,6 @@ class ClientData:
     def num_train(self) -> int:
         """Number of training samples."""
         return int(self.train_y.shape[0])
-
-    @property
-    def num_test(self) -> int:
-        """Number of test samples."""
-        return int(self.test_y.shape[0])
 
 
 @dataclass
@@ -79,6 +75,11 @@ class Federation:
     train_indices: list[np.ndarray] = field(repr=False)  # indices into the merged source
     test_indices: list[np.ndarray] = field(repr=False)
     public_indices: np.ndarray | None = field(repr=False)
+    # The samples, stored once: client 0's train then test samples, client 1's, ..., then U, each block in
+    # the order of its index list (x = source.x[concatenated indices]). Every ClientData split and public_x /
+    # public_y are contiguous slices (views sharing this storage), so the process holds one copy.
+    x: torch.Tensor = field(repr=False)
+    y: torch.Tensor = field(repr=False)
     _clients: list[ClientData] = field(repr=False)
 
     def client(self, i: int) -> ClientData:
@@ -193,7 +194,6 @@ def build_federation(spec: dict[str, Any]) -> Federation:
         local, groups = partition_cosmos_groups(pool_labels, m, k, s["alpha"], s["groups"],
                                                 s["redistribute_fraction"], rng_partition)
 
-    clients: list[ClientData] = []
     train_indices, test_indices = [], []
     train_counts = np.zeros((m, k), dtype=np.int64)
     test_counts = np.zeros((m, k), dtype=np.int64)
@@ -210,22 +210,33 @@ def build_federation(spec: dict[str, Any]) -> Federation:
         test_indices.append(te)
         train_counts[i] = np.bincount(labels[tr], minlength=k)
         test_counts[i] = np.bincount(labels[te], minlength=k)
-        trt, tet = torch.from_numpy(tr), torch.from_numpy(te)
-        clients.append(ClientData(ds.x[trt], ds.y[trt], ds.x[tet], ds.y[tet]))
+
+    # One gather from the source into the stored order; every split below is a slice (a view) of it.
+    blocks = [b for tr, te in zip(train_indices, test_indices) for b in (tr, te)]
+    if public_idx is not None:
+        blocks.append(public_idx)
+    order = torch.from_numpy(np.concatenate(blocks).astype(np.int64, copy=False))
+    x, y = ds.x[order], ds.y[order]
+    input_shape = ds.input_shape
+    del ds  # the source's own tensors are no longer needed
+    ends = np.cumsum([b.size for b in blocks]).tolist()
+    clients: list[ClientData] = []
+    for i in range(m):
+        start, mid, end = (ends[2 * i - 1] if i else 0), ends[2 * i], ends[2 * i + 1]
+        clients.append(ClientData(x[start:mid], y[start:mid], x[mid:end], y[mid:end]))
 
     public_x = public_y = None
     fingerprint = ""
     if public_idx is not None:
-        pt = torch.from_numpy(public_idx)
-        public_x, public_y = ds.x[pt], ds.y[pt]
+        public_x, public_y = x[ends[-2]:], y[ends[-2]:]
         fingerprint = _fingerprint(public_x)
     log.info("data: %s / %s, %d clients, train %d, test %d, public %d (%.2fs)", s["source"], part, m,
              int(train_counts.sum()), int(test_counts.sum()), 0 if public_idx is None else public_idx.size,
              time.perf_counter() - t0)
     return Federation(
-        num_classes=k, input_shape=ds.input_shape, num_clients=m, public_x=public_x, public_y=public_y,
+        num_classes=k, input_shape=input_shape, num_clients=m, public_x=public_x, public_y=public_y,
         train_counts=train_counts, test_counts=test_counts, groups=groups, fingerprint=fingerprint, spec=s,
-        train_indices=train_indices, test_indices=test_indices, public_indices=public_idx, _clients=clients,
+        train_indices=train_indices, test_indices=test_indices, public_indices=public_idx, x=x, y=y, _clients=clients,
     )
 
 
