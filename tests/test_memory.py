@@ -91,7 +91,7 @@ def test_an_in_process_run_builds_its_data_once(tiny_config, tmp_path, monkeypat
         for name, data in (("fedavg", {}), ("comet", {"partition": "cosmos-groups", "alpha": 5.0, "groups": 2,
                                                       "public_fraction": 0.2})):
             calls.clear()
-            params = {"clusters": 2} if name == "comet" else {}
+            params = {"comet": {"clusters": 2}} if name == "comet" else {}
             cfg = tiny_config(rounds=2, strategy={"name": name, "params": params}, data=data)
             server_app.run_experiment(InProcessGrid(load_config(cfg).data.num_clients), str(cfg), "",
                                       str(tmp_path / "out"))
