@@ -4,7 +4,6 @@ in-process grid that keeps no message history unless asked to."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

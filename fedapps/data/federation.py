@@ -3,6 +3,10 @@
 Procedure (deterministic for `seed`): load the source (train+test merged) → if public_fraction > 0 take a
 stratified public set U → partition the rest over clients → split each client's samples into train/test
 (stratified within the client; train keeps at least one sample).
+
+Storage: the samples are gathered once into ``Federation.x`` / ``y`` (client by client, train then test, then
+U); every client's splits and U are slices of it, so a process holds one copy however many clients it serves
+(``get_federation`` caches one federation per data spec and process).
 """
 
 from __future__ import annotations

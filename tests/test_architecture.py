@@ -1,0 +1,282 @@
+"""Architecture rules, checked on the source with ``ast`` alone (no project module is imported).
+
+The module import graph of the project's own modules (``fedapps/``, ``strategies/``, ``server_app.py``,
+``client_app.py``) is built from every ``import`` / ``from ... import`` statement, including those inside
+functions. Rules:
+
+(a) no import cycle among the project's modules;
+(b) layers point down only:
+    - ``fedapps/*`` (except the entry points ``fedapps.cli``, ``fedapps.compare``, ``fedapps.tune``) imports
+      nothing from ``strategies``, ``server_app`` or ``client_app``;
+    - ``fedapps.config`` knows no strategy and nothing above it: of the project's modules it imports at most
+      ``fedapps.params`` and error modules (a module whose last name ends in ``errors``/``exceptions``);
+    - ``strategies/*`` import neither ``server_app``, ``client_app`` nor the entry points;
+(c) ``fedapps/worker.py`` (the generic client) names no algorithm: no registered strategy name (the
+    ``name = "..."`` class attributes in ``strategies/*.py``) and no algorithm display name appears in it,
+    case-insensitively, as a whole word (letters and digits only form words: ``ditto_lam`` and ``FedAvg's``
+    both count), in code, strings or comments.
+
+Run ``python tests/test_architecture.py`` to print the graph's layer violations and cycles (exit status 1
+when there are any). A standard alternative for looking at the graph is ``pydeps`` (e.g.
+``pydeps fedapps --show-cycles``) or ``import-linter`` for layer contracts; this module needs neither.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from collections import deque
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("fedapps", "strategies")
+TOP_MODULES = ("server_app", "client_app")
+ENTRY_POINTS = ("fedapps.cli", "fedapps.compare", "fedapps.tune")  # the layer above the apps
+APPS = ("server_app", "client_app")
+CONFIG = "fedapps.config"
+CONFIG_MAY_IMPORT = ("fedapps.params",)  # beside error modules
+DISPLAY_NAMES = ("FedAvg", "cwFedAvg", "COSMOS", "FedMD", "FedCT", "COMET", "FedAMP", "FedFomo", "CFL", "IFCA",
+                 "Ditto", "FedBABU", "FedPer", "FedRep", "FedProx", "WDR")
+# A registered name that is an ordinary word ('local' training/epochs/data) says nothing about an algorithm.
+ORDINARY_WORDS = frozenset({"local"})
+WORKER = ROOT / "fedapps" / "worker.py"
+
+
+# --------------------------------------------------------------------------- the graph
+
+
+def module_files(root: Path = ROOT) -> dict[str, Path]:
+    """Dotted module name -> file, for every project module (a package is its __init__.py)."""
+    out: dict[str, Path] = {}
+    for pkg in PACKAGES:
+        for f in sorted((root / pkg).rglob("*.py")):
+            parts = list(f.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = f
+    for name in TOP_MODULES:
+        if (root / f"{name}.py").is_file():
+            out[name] = root / f"{name}.py"
+    return out
+
+
+def _project_prefix(name: str, modules: set[str]) -> str | None:
+    """The longest prefix of a dotted name that is a project module (None: not ours)."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:i])
+        if candidate in modules:
+            return candidate
+    return None
+
+
+def imports_of(module: str, path: Path, modules: set[str]) -> dict[str, int]:
+    """Project modules imported by one module (anywhere in it) -> line of the first such import."""
+    is_package = path.name == "__init__.py"
+    found: dict[str, int] = {}
+
+    def add(target: str | None, line: int) -> None:
+        if target is not None and target != module:
+            found.setdefault(target, line)
+
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(_project_prefix(alias.name, modules), node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the package of this module, level - 1 steps up
+                package = module.split(".") if is_package else module.split(".")[:-1]
+                base_parts = package[: len(package) - (node.level - 1)]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                sub = f"{base}.{alias.name}" if base else alias.name
+                add(sub if sub in modules else _project_prefix(base, modules), node.lineno)
+    return found
+
+
+def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
+    """module -> {imported project module: line}."""
+    files = module_files(root)
+    names = set(files)
+    return {m: imports_of(m, f, names) for m, f in files.items()}
+
+
+def find_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One shortest cycle (as a closed path a -> ... -> a) per strongly connected component that has one."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    counter = [0]
+
+    def strongconnect(v: str) -> None:  # Tarjan; the graph is small, recursion depth is no concern
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            components.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+
+    cycles = []
+    for comp in components:
+        members = set(comp)
+        if len(comp) == 1 and comp[0] not in graph.get(comp[0], {}):
+            continue
+        start = min(comp)
+        prev: dict[str, str] = {}
+        queue = deque([start])
+        seen = {start}
+        while queue:  # BFS inside the component back to start
+            v = queue.popleft()
+            if start in graph.get(v, {}):
+                path = [v]
+                while path[-1] != start:
+                    path.append(prev[path[-1]])
+                cycles.append([start] + path[::-1][1:] + [start] if len(path) > 1 else [start, start])
+                break
+            for w in sorted(graph.get(v, {})):
+                if w in members and w not in seen:
+                    seen.add(w)
+                    prev[w] = v
+                    queue.append(w)
+    return cycles
+
+
+def _in(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _is_error_module(module: str) -> bool:
+    last = module.rsplit(".", 1)[-1]
+    return last.endswith("errors") or last.endswith("exceptions")
+
+
+def layer_violations(graph: dict[str, dict[str, int]], files: dict[str, Path] | None = None) -> list[str]:
+    """Every import that points up a layer, as 'file:line: a imports b (rule)'."""
+    files = files or module_files()
+    out = []
+
+    def report(src: str, dst: str, rule: str) -> None:
+        where = files[src].relative_to(ROOT) if src in files else src
+        out.append(f"{where}:{graph[src][dst]}: {src} imports {dst} ({rule})")
+
+    for src in sorted(graph):
+        for dst in sorted(graph[src]):
+            if _in(src, ("fedapps",)) and not _in(src, ENTRY_POINTS) and _in(dst, ("strategies",) + APPS):
+                report(src, dst, "fedapps below the strategies and apps")
+            if src == CONFIG and _in(dst, PACKAGES + TOP_MODULES) and not (
+                    _in(dst, CONFIG_MAY_IMPORT) or _is_error_module(dst)):
+                report(src, dst, f"{CONFIG} imports only {', '.join(CONFIG_MAY_IMPORT)} and error modules")
+            if _in(src, ("strategies",)) and _in(dst, APPS + ENTRY_POINTS):
+                report(src, dst, "strategies below the apps and entry points")
+    return out
+
+
+# --------------------------------------------------------------------------- algorithm names in the worker
+
+
+def registered_strategy_names(root: Path = ROOT) -> set[str]:
+    """Values of ``name = "..."`` class attributes in strategies/*.py."""
+    names = set()
+    for f in sorted((root / "strategies").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                for stmt in node.body:
+                    target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else (
+                        stmt.target if isinstance(stmt, ast.AnnAssign) else None)
+                    value = getattr(stmt, "value", None)
+                    if (isinstance(target, ast.Name) and target.id == "name" and isinstance(value, ast.Constant)
+                            and isinstance(value.value, str)):
+                        names.add(value.value)
+    return names
+
+
+def algorithm_names(root: Path = ROOT) -> list[str]:
+    """Registered names (less ordinary words) and display names, lower-case, unique."""
+    names = {n.lower() for n in registered_strategy_names(root) if n.strip()} - ORDINARY_WORDS
+    return sorted(names | {n.lower() for n in DISPLAY_NAMES})
+
+
+def algorithm_mentions(path: Path = WORKER, root: Path = ROOT) -> list[str]:
+    """'file:line: name: the line' for every whole-word, case-insensitive mention of an algorithm name."""
+    pattern = re.compile(r"(?<![a-z0-9])(" + "|".join(map(re.escape, algorithm_names(root))) + r")(?![a-z0-9])",
+                         re.IGNORECASE)
+    out = []
+    for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        hits = sorted({m.group(1) for m in pattern.finditer(line)})
+        if hits:
+            out.append(f"{path.relative_to(root)}:{no}: {', '.join(hits)}: {line.strip()}")
+    return out
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_the_graph_sees_the_project():
+    graph = import_graph()
+    assert {"fedapps.config", "fedapps.worker", "strategies", "strategies.base", "server_app", "client_app"} <= set(graph)
+    assert "fedapps.worker" in graph["client_app"]  # a top-level import
+    assert "fedapps.data.errors" in graph["fedapps.data.federation"]  # a relative import
+    assert {"fedapps.models.simple", "fedapps.models.vision"} <= set(graph["fedapps.models.zoo"])  # from . import x
+    assert "fedapps.compare" in graph["fedapps.cli"]  # an import inside a function
+    assert {"fedavg", "cosmos", "comet"} <= registered_strategy_names()
+
+
+def test_the_helpers_on_a_made_up_graph():
+    graph = {"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1, "d": 1}, "d": {}, "e": {"e": 1}}
+    assert sorted(find_cycles(graph)) == [["a", "b", "c", "a"], ["e", "e"]]
+    assert find_cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+def test_no_import_cycle():
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_layers_point_down_only():
+    violations = layer_violations(import_graph())
+    assert not violations, "imports pointing up a layer:\n" + "\n".join(violations)
+
+
+def test_worker_names_no_algorithm():
+    mentions = algorithm_mentions()
+    assert not mentions, f"{len(mentions)} algorithm names in the generic client:\n" + "\n".join(mentions)
+
+
+def main() -> int:
+    """Print the layer violations, cycles and algorithm names in the worker; 1 if there are any."""
+    graph = import_graph()
+    problems = 0
+    for title, lines in (("layer violations", layer_violations(graph)),
+                         ("import cycles", [" -> ".join(c) for c in find_cycles(graph)]),
+                         ("algorithm names in fedapps/worker.py", algorithm_mentions())):
+        print(f"{title}: {len(lines) or 'none'}")
+        for line in lines:
+            print("  " + line)
+        problems += len(lines)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
