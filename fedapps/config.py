@@ -286,10 +286,9 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...] | list[str]) -> None:
 def validate(cfg: ExperimentConfig) -> None:
     """Raise ConfigError on the first invalid value (a pure check: ``cfg`` is not changed).
 
-    ``strategy.name`` and ``strategy.params`` are checked by the registry (``strategies.resolve``)."""
-    from fedapps.data import PARTITIONS, SOURCES, source_info
-    from fedapps.models import MODEL_NAMES
-
+    What needs a registry is checked where the registry lives, by ``strategies.resolve``: ``strategy.name`` and
+    ``strategy.params`` (the strategies), the ``data`` section (``fedapps.data.check_spec``, which clients run
+    too) and the model names (``fedapps.models.check_model_names``)."""
     _check(cfg.rounds > 0, f"'rounds' must be a positive integer, got {cfg.rounds}")
     _check(cfg.seed >= 0, f"'seed' must be >= 0, got {cfg.seed}")
     _check(bool(cfg.output_dir), "'output_dir' must not be empty")
@@ -301,40 +300,12 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(s.min_clients >= 1, f"'strategy.min_clients' must be >= 1, got {s.min_clients}")
     _check(s.timeout > 0, f"'strategy.timeout' must be > 0 seconds, got {s.timeout}")
 
-    d = cfg.data
-    _one_of("data.source", d.source, SOURCES)
-    _one_of("data.partition", d.partition, PARTITIONS)
+    d = cfg.data  # the data section itself is checked once, by fedapps.data.check_spec (see strategies.resolve)
     _check(d.num_clients > 0, f"'data.num_clients' must be a positive integer, got {d.num_clients}")
     _check(
         s.min_clients <= d.num_clients,
         f"'strategy.min_clients' ({s.min_clients}) exceeds 'data.num_clients' ({d.num_clients})",
     )
-    _check(len(d.synthetic_shape) == 3 and all(isinstance(v, int) and v > 0 for v in d.synthetic_shape),
-           f"'data.synthetic_shape' must be three positive integers C H W, got {d.synthetic_shape}")
-    _check(d.synthetic_classes >= 2, f"'data.synthetic_classes' must be >= 2, got {d.synthetic_classes}")
-    _check(d.synthetic_samples > 0, f"'data.synthetic_samples' must be positive, got {d.synthetic_samples}")
-    num_classes, _ = source_info(d.source, d.synthetic_classes, tuple(d.synthetic_shape))
-    if d.partition == "pathological":
-        _check(d.classes_per_client > 0, f"'data.classes_per_client' must be positive, got {d.classes_per_client}")
-        _check(
-            d.classes_per_client <= num_classes,
-            f"'data.classes_per_client' is {d.classes_per_client} but '{d.source}' has only {num_classes} classes",
-        )
-    if d.partition in ("dirichlet", "cosmos-groups"):
-        _check(d.alpha > 0, f"'data.alpha' must be > 0 for the {d.partition} partition, got {d.alpha}")
-    if d.partition == "cosmos-groups":
-        _check(1 <= d.groups <= min(num_classes, d.num_clients),
-               f"'data.groups' must be in [1, min(classes, clients)] = [1, {min(num_classes, d.num_clients)}], got {d.groups}")
-        _check(0.0 <= d.redistribute_fraction < 1.0,
-               f"'data.redistribute_fraction' must be in [0, 1), got {d.redistribute_fraction}")
-    _check(d.min_samples >= 1, f"'data.min_samples' must be >= 1, got {d.min_samples}")
-    _check(0.0 < d.test_fraction < 1.0, f"'data.test_fraction' must be in (0, 1), got {d.test_fraction}")
-    _check(0.0 <= d.public_fraction < 1.0, f"'data.public_fraction' must be in [0, 1), got {d.public_fraction}")
-
-    m = cfg.model
-    _one_of("model.name", m.name, MODEL_NAMES)
-    for i, name in enumerate(m.per_client):
-        _one_of(f"model.per_client[{i}]", name, MODEL_NAMES)
 
     c = cfg.client
     _check(c.epochs >= 0, f"'client.epochs' must be >= 0, got {c.epochs}")

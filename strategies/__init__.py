@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from fedapps.config import ConfigError, ExperimentConfig, with_strategy_params
+from fedapps.data import check_spec
+from fedapps.models import check_model_names
 from strategies.base import PersonalisedStrategy
 
 
@@ -58,12 +60,15 @@ class ResolvedStrategy:
 
 
 def resolve(cfg: ExperimentConfig) -> ResolvedStrategy:
-    """Check ``strategy.name`` and ``strategy.params`` of a loaded config; raise ConfigError naming the key.
+    """Check a loaded config's ``data`` section, model names, ``strategy.name`` and ``strategy.params``; raise
+    ConfigError (or its DataError / ModelError) naming the key.
 
     Every section of ``strategy.params`` must be named after a known strategy and is checked against that
     strategy's ``Params`` (so a typo in a section not used by this run is still caught); only the chosen
     strategy's section is used, and its ``check`` hook runs against the whole config.
     """
+    check_spec(dataclasses.asdict(cfg.data))
+    check_model_names(cfg.model.name, list(cfg.model.per_client))
     name = cfg.strategy.name
     if name not in STRATEGIES:
         raise ConfigError(f"'strategy.name' is '{name}', which is not known; allowed: {', '.join(sorted(STRATEGIES))}")

@@ -41,8 +41,12 @@ def test_default_yaml_is_valid():
     ],
 )
 def test_invalid_values_name_the_key(raw, needle):
+    """Caught by config_from_dict, or (data section, model names) by strategies.resolve, which every entry point
+    runs right after loading."""
+    from strategies import resolve
+
     with pytest.raises(ConfigError) as exc:
-        config_from_dict(raw)
+        resolve(config_from_dict(raw))
     assert needle in str(exc.value)
 
 

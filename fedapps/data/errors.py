@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fedapps.config import ConfigError
 
-class DataError(ValueError):
+
+class DataError(ConfigError):
     """A bad data setting or missing data files; the message names the key/value and the fix."""

@@ -107,8 +107,11 @@ class Federation:
         return rows
 
 
-def _validate(spec: dict[str, Any]) -> dict[str, Any]:
-    """Check every key of a data spec; return a normalised copy (plain Python types)."""
+def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """Check every key of a data spec; return a normalised copy (plain Python types).
+
+    The one check of the ``data`` section: the server runs it when it resolves an experiment, and every client
+    on the spec a message brings (clients read no config file)."""
     if not isinstance(spec, dict):
         raise DataError(f"data spec must be a dict with keys {', '.join(SPEC_KEYS)}; got {type(spec).__name__}")
     missing = [k for k in SPEC_KEYS if k not in spec]
@@ -130,9 +133,9 @@ def _validate(spec: dict[str, Any]) -> dict[str, Any]:
     s["num_clients"] = _check_int("num_clients", s["num_clients"], 1)
     s["classes_per_client"] = _check_int("classes_per_client", s["classes_per_client"], 1)
     s["alpha"] = _check_alpha(s["alpha"])
-    s["min_samples"] = _check_int("min_samples", s["min_samples"], 0)
+    s["min_samples"] = _check_int("min_samples", s["min_samples"], 1)
     s["groups"] = _check_int("groups", s["groups"], 1)
-    s["redistribute_fraction"] = _check_fraction("redistribute_fraction", s["redistribute_fraction"])
+    s["redistribute_fraction"] = _check_fraction("redistribute_fraction", s["redistribute_fraction"], allow_one=False)
     s["test_fraction"] = _check_fraction("test_fraction", s["test_fraction"], allow_one=False)
     s["public_fraction"] = _check_fraction("public_fraction", s["public_fraction"], allow_one=False)
     if isinstance(s["seed"], bool) or not isinstance(s["seed"], (int, np.integer)) or s["seed"] < 0:
@@ -166,7 +169,7 @@ def _fingerprint(x: torch.Tensor) -> str:
 
 def build_federation(spec: dict[str, Any]) -> Federation:
     """Load, split off U, partition and split per client, as the data spec says (deterministic for its seed)."""
-    s = _validate(spec)
+    s = check_spec(spec)
     t0 = time.perf_counter()
     ds = load_source(s["source"], s["root"], download=s["download"], synthetic_classes=s["synthetic_classes"],
                      synthetic_shape=s["synthetic_shape"], synthetic_samples=s["synthetic_samples"],
@@ -250,7 +253,7 @@ _CACHE_LOCK = threading.Lock()
 
 def spec_key(spec: dict[str, Any]) -> str:
     """Canonical JSON of a validated data spec: the cache key, and a stable identity for the data."""
-    return json.dumps(_validate(spec), sort_keys=True, separators=(",", ":"))
+    return json.dumps(check_spec(spec), sort_keys=True, separators=(",", ":"))
 
 
 def get_federation(spec: dict[str, Any]) -> Federation:

@@ -10,12 +10,14 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from fedapps.config import ConfigError
+
 from . import simple, vision
 
 Shape = tuple[int, int, int]
 
 
-class ModelError(ValueError):
+class ModelError(ConfigError):
     """Unknown model name, bad class count or input shape the model cannot take."""
 
 
@@ -124,3 +126,10 @@ def top_level_children(model: nn.Module) -> list[str]:
 def count_parameters(model: nn.Module) -> int:
     """Number of scalars in the model's parameters (buffers such as BN running stats excluded)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def check_model_names(name: str, per_client: list[str]) -> None:
+    """``model.name`` and every ``model.per_client`` entry must name a model of the zoo (ModelError otherwise)."""
+    for key, value in [("model.name", name)] + [(f"model.per_client[{i}]", v) for i, v in enumerate(per_client)]:
+        if value not in MODEL_NAMES:
+            raise ModelError(f"'{key}' is '{value}', which is not known; allowed: {', '.join(MODEL_NAMES)}")
