@@ -84,6 +84,13 @@ class PersonalisedStrategy(Strategy):
         if cls.needs_public_set and cfg.data.public_fraction <= 0:
             raise ConfigError(f"strategy '{cls.name}' needs a public set U: set 'data.public_fraction' in (0, 1), e.g. 0.2")
 
+    @classmethod
+    def require_at_most_clients(cls, cfg: ExperimentConfig, key: str, value: int) -> None:
+        """A count parameter (e.g. K cluster models) must not exceed ``data.num_clients``."""
+        if value > cfg.data.num_clients:
+            raise ConfigError(f"'strategy.params.{cls.name}.{key}' ({value}) exceeds 'data.num_clients' "
+                              f"({cfg.data.num_clients}); lower it or raise data.num_clients")
+
     # ------------------------------------------------------------------ construction
     def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
         self.cfg = cfg

@@ -26,7 +26,7 @@ from sklearn.exceptions import ConvergenceWarning
 from threadpoolctl import threadpool_limits
 
 from fedapps import protocol, pseudolabels
-from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, targets_record
@@ -99,9 +99,7 @@ class COMET(PseudoLabelStrategy):
     @classmethod
     def check(cls, cfg: ExperimentConfig, params: COMETParams) -> None:
         super().check(cfg, params)
-        if params.clusters > cfg.data.num_clients:
-            raise ConfigError(f"'strategy.params.comet.clusters' ({params.clusters}) exceeds 'data.num_clients' "
-                              f"({cfg.data.num_clients}); lower it or raise data.num_clients")
+        cls.require_at_most_clients(cfg, "clusters", params.clusters)
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
         super().__init__(cfg, params, on_round)

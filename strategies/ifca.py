@@ -19,7 +19,7 @@ from flwr.app import Message
 
 from fedapps import ops, protocol
 from fedapps.clientops import client_op
-from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
 from strategies.base import PersonalisedStrategy, average_matching
@@ -73,9 +73,7 @@ class IFCA(PersonalisedStrategy):
     @classmethod
     def check(cls, cfg: ExperimentConfig, params: IFCAParams) -> None:
         super().check(cfg, params)
-        if params.clusters > cfg.data.num_clients:
-            raise ConfigError(f"'strategy.params.ifca.clusters' must be in [1, data.num_clients = {cfg.data.num_clients}], "
-                              f"got {params.clusters}")
+        cls.require_at_most_clients(cfg, "clusters", params.clusters)
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
         super().__init__(cfg, params, on_round)
