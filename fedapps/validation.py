@@ -410,7 +410,7 @@ class ReplyValidator:
 
         def reject(node: int | None, claimed: Any, ph: str, reason: str) -> None:
             cid = self.node_client.get(node) if node is not None else None
-            if cid is None and _is_int(claimed):
+            if cid is None and _is_int(claimed) and 0 <= int(claimed) < self.num_clients:
                 cid = int(claimed)
             out.rejections.append(Rejection(server_round, ph, node, cid, reason))
             log.warning("round %d: rejected reply of node %s (client %s): %s", server_round, node, cid, reason)
