@@ -8,9 +8,11 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 import strategies  # noqa: F401  (registers the algorithms' client behaviour)
+from fedapps.faults import faults_mod
 from fedapps.worker import handle
 
-app = ClientApp()
+# faults_mod is a no-op unless the node config 'faults' or the env FEDAPPS_FAULTS asks for fault injection (tests)
+app = ClientApp(mods=[faults_mod])
 
 
 @app.train()

@@ -33,6 +33,10 @@ class StrategyConfig:
     fraction: float = 1.0  # fraction of the connected clients sampled per round, in (0, 1]
     min_clients: int = 1  # never sample fewer than this many clients (if connected)
     timeout: float = 600.0  # seconds to wait for the replies of one round
+    # how parameter-averaging strategies combine client arrays (fedapps.robust): mean | median | trimmed-mean
+    aggregation: str = "mean"
+    trim_fraction: float = 0.1  # trimmed-mean: share of the lowest and of the highest values dropped, in [0, 0.5)
+    max_weight_share: float = 1.0  # mean: cap on any client's normalised weight, in (0, 1]; 1 = no cap
     # strategy name -> that strategy's own parameters (plain data; checked by strategies.resolve)
     params: dict[str, Any] = field(default_factory=dict)
 
@@ -115,6 +119,7 @@ class ExperimentConfig:
 
 
 OPTIMIZERS = ("sgd", "adam")
+AGGREGATION_RULES = ("mean", "median", "trimmed-mean")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -299,6 +304,10 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(0.0 < s.fraction <= 1.0, f"'strategy.fraction' must be in (0, 1], got {s.fraction}")
     _check(s.min_clients >= 1, f"'strategy.min_clients' must be >= 1, got {s.min_clients}")
     _check(s.timeout > 0, f"'strategy.timeout' must be > 0 seconds, got {s.timeout}")
+    _one_of("strategy.aggregation", s.aggregation, AGGREGATION_RULES)
+    _check(0.0 <= s.trim_fraction < 0.5, f"'strategy.trim_fraction' must be in [0, 0.5), got {s.trim_fraction}")
+    _check(0.0 < s.max_weight_share <= 1.0,
+           f"'strategy.max_weight_share' must be in (0, 1] (1 = no cap), got {s.max_weight_share}")
 
     d = cfg.data  # the data section itself is checked once, by fedapps.data.check_spec (see strategies.resolve)
     _check(d.num_clients > 0, f"'data.num_clients' must be a positive integer, got {d.num_clients}")

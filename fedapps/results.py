@@ -84,6 +84,10 @@ def round_row(entry: Any, report_tag: str, num_clients: int) -> dict[str, Any]:
         "eval_bytes_up": entry.eval_bytes_up,
         "eval_bytes_down": entry.eval_bytes_down,
         "wall_seconds": round(entry.wall_seconds, 3),
+        # reply validation (fedapps.validation): accepted, rejected (see rejections.csv), asked for but not received
+        "replies_ok": getattr(entry, "replies_ok", len(entry.replies)),
+        "replies_rejected": getattr(entry, "replies_rejected", 0),
+        "replies_missing": getattr(entry, "replies_missing", 0),
     }
     row.update(accuracy_stats(metrics, report_tag))
     losses = [float(m["train-loss"]) for m in metrics if "train-loss" in m]
@@ -111,7 +115,7 @@ class FileSink:
         self.report_tag = report_tag
         self.dir = Path(output_dir).expanduser().resolve() / cfg.resolved_run_name()
         self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in ("summary.json", "rounds.csv"):
+        for stale in ("summary.json", "rounds.csv", REJECTIONS):
             (self.dir / stale).unlink(missing_ok=True)
         (self.dir / "config.yaml").write_text(dump_yaml(cfg))
         self.rows: list[dict[str, Any]] = []
@@ -125,6 +129,7 @@ class FileSink:
         row = round_row(entry, self.report_tag, self.cfg.data.num_clients)
         self.rows.append(row)
         write_csv(self.dir / "rounds.csv", self.rows)
+        append_rejections(self.dir / REJECTIONS, getattr(entry, "rejections", []))
         acc = row.get("acc_mean")
         log.info("round %d/%d  clients %d  acc_mean %s  acc_weighted %s  up %.2f MB  down %.2f MB  %.1f s",
                  entry.round, self.cfg.rounds, row["clients"], _fmt(acc), _fmt(row.get("acc_weighted")),
@@ -201,6 +206,22 @@ def summarise(cfg: ExperimentConfig, rows: list[Mapping[str, Any]], wall_seconds
         best = max(scored, key=lambda r: r["acc_mean"])
         summary["best_round_on_test_set_NOT_the_result"] = {"round": best["round"], "accuracy_mean": best["acc_mean"]}
     return summary
+
+
+REJECTIONS = "rejections.csv"
+REJECTION_COLUMNS = ("round", "phase", "node_id", "client_id", "reason")
+
+
+def append_rejections(path: Path, rejections: Iterable[Any]) -> None:
+    """Append rejected replies (objects with ``row()``: round, phase, node, client id, reason) to rejections.csv;
+    the file exists (header only) from the first round on, so an empty one says that nothing was rejected."""
+    new = not path.exists()
+    with path.open("a", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=REJECTION_COLUMNS, restval="")
+        if new:
+            w.writeheader()
+        for r in rejections:
+            w.writerow({k: v for k, v in r.row().items() if k in REJECTION_COLUMNS})
 
 
 def write_csv(path: Path, rows: list[Mapping[str, Any]]) -> None:

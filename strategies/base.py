@@ -24,6 +24,8 @@ from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import parse_params
 from fedapps.protocol import ClientReply
 from fedapps.results import Artifact, accuracy_stats
+from fedapps.robust import AggregationRule, combine
+from fedapps.validation import Rejection, ReplyValidator
 
 log = logging.getLogger("fedapps")
 
@@ -45,6 +47,11 @@ class RoundLog:
     eval_bytes_up: int = 0
     wall_seconds: float = 0.0
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # reply validation (both phases of the round together): accepted, rejected, asked for but never answered
+    replies_ok: int = 0
+    replies_rejected: int = 0
+    replies_missing: int = 0
+    rejections: list[Rejection] = dataclasses.field(default_factory=list)  # the sinks append them to rejections.csv
 
 
 class PersonalisedStrategy(Strategy):
@@ -55,6 +62,7 @@ class PersonalisedStrategy(Strategy):
     needs_public_set: ClassVar[bool] = False
     model_agnostic: ClassVar[bool] = False  # may clients run different architectures?
     report_tag: ClassVar[str] = "eval"  # which evaluation is THE accuracy of a round
+    robust_aggregation: ClassVar[bool] = False  # averages with average_matching: strategy.aggregation applies
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -83,6 +91,11 @@ class PersonalisedStrategy(Strategy):
                               "so every client must run the same 'model.name'; remove model.per_client")
         if cls.needs_public_set and cfg.data.public_fraction <= 0:
             raise ConfigError(f"strategy '{cls.name}' needs a public set U: set 'data.public_fraction' in (0, 1), e.g. 0.2")
+        s = cfg.strategy
+        if not cls.robust_aggregation and (s.aggregation != "mean" or s.max_weight_share < 1.0):
+            raise ConfigError(f"'strategy.aggregation: {s.aggregation}' / 'strategy.max_weight_share: {s.max_weight_share}' "
+                              f"apply to the parameter-averaging strategies only (fedavg, fedprox, ditto, fedper, fedrep, "
+                              f"fedbabu, ifca, cfl), not to '{cls.name}'; remove them (defaults: mean, 1.0)")
 
     @classmethod
     def require_at_most_clients(cls, cfg: ExperimentConfig, key: str, value: int) -> None:
@@ -99,6 +112,9 @@ class PersonalisedStrategy(Strategy):
         self.node_to_client: dict[int, int] = {}
         self.on_round = on_round  # callback(RoundLog) -> None: the result sinks
         self.last_extra: dict[str, Any] = {}  # the extras of the last round that had usable replies
+        self.rule = AggregationRule.from_config(cfg.strategy)  # for average_matching (robust_aggregation strategies)
+        self.validator = ReplyValidator.from_config(cfg)  # every reply is checked against what its message asked
+        self._checked = RoundLog(0, [], 0, 0)  # validation counts of the phases validated since the last reset
 
     def base_config(self) -> dict[str, Any]:
         """Settings every message carries: the data spec, the model spec and the client's training settings."""
@@ -170,7 +186,9 @@ class PersonalisedStrategy(Strategy):
     # ------------------------------------------------------------------ Flower's Strategy interface
     # The round loop is :meth:`start`; these adapters give Flower's abstract interface the same behaviour.
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        return self.round_messages(server_round, self.sample_nodes(grid))
+        messages = self.round_messages(server_round, self.sample_nodes(grid))
+        self.validator.expect(messages)
+        return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         parsed = self.validate(server_round, replies, self.expect_arrays(), self.expect_predictions())
@@ -178,10 +196,12 @@ class PersonalisedStrategy(Strategy):
         return None, round_metrics(RoundLog(server_round, parsed, 0, 0, extra=extra), self.report_tag)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        return self.evaluation_messages(server_round)
+        messages = self.evaluation_messages(server_round)
+        self.validator.expect(messages)
+        return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        parsed = self.validate(server_round, replies)
+        parsed = self.validate(server_round, replies, phase=protocol.EVAL_MESSAGE_TYPE)
         self.aggregate_evaluation(server_round, parsed)
         return MetricRecord({"clients": len(parsed)})
 
@@ -189,12 +209,19 @@ class PersonalisedStrategy(Strategy):
         log.info("strategy %s, params: %s", self.name, self.params)
 
     def validate(self, server_round: int, replies: Iterable[Message], expect_arrays: bool = False,
-                 expect_predictions: bool = False) -> list[ClientReply]:
-        """Parse and check replies; learn which node is which client."""
-        parsed = protocol.parse_replies(replies, server_round, expect_arrays, expect_predictions)
-        for r in parsed:
+                 expect_predictions: bool = False, phase: str = protocol.MESSAGE_TYPE) -> list[ClientReply]:
+        """Check replies against what their messages asked (:mod:`fedapps.validation`; recorded by
+        ``validator.expect`` when the messages were built) and bind node ↔ client; never raises. What each reply
+        must carry is read off its message, so ``expect_arrays`` / ``expect_predictions`` are no longer needed
+        (kept for callers). The counts and rejections go into the round's record."""
+        outcome = self.validator.check(server_round, replies, phase)
+        for r in outcome.accepted:
             self.node_to_client[r.node_id] = r.client_id
-        return parsed
+        self._checked.replies_ok += len(outcome.accepted)
+        self._checked.replies_rejected += len(outcome.rejections)
+        self._checked.replies_missing += outcome.missing
+        self._checked.rejections.extend(outcome.rejections)
+        return outcome.accepted
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
               timeout: float | None = None, **_: Any) -> Result:
@@ -219,12 +246,11 @@ class PersonalisedStrategy(Strategy):
     def run_round(self, grid: Grid, rnd: int, timeout: float) -> RoundLog:
         """One round: the training phase, then the evaluation phase if the strategy has one."""
         t0 = time.time()
+        self._checked = RoundLog(rnd, [], 0, 0)
         messages = self.round_messages(rnd, self.sample_nodes(grid))
+        self.validator.expect(messages)
         down = sum(protocol.record_nbytes(m.content) for m in messages)
         replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
-        missing = len(messages) - len(replies)
-        if missing:
-            log.warning("round %d: %d of %d clients did not reply within %.0f s", rnd, missing, len(messages), timeout)
         up = sum(protocol.record_nbytes(m.content) for m in replies if not m.has_error())
         parsed = self.validate(rnd, replies, self.expect_arrays(), self.expect_predictions())
         extra = self.aggregate(rnd, parsed) if parsed else {}
@@ -233,12 +259,18 @@ class PersonalisedStrategy(Strategy):
         entry = RoundLog(rnd, parsed, down, up, extra=dict(extra))
         eval_messages = self.evaluation_messages(rnd)
         if eval_messages:
+            self.validator.expect(eval_messages)
             entry.eval_bytes_down = sum(protocol.record_nbytes(m.content) for m in eval_messages)
             eval_replies = list(grid.send_and_receive(eval_messages, timeout=timeout))
             entry.eval_bytes_up = sum(protocol.record_nbytes(m.content) for m in eval_replies if not m.has_error())
-            parsed_eval = self.validate(rnd, eval_replies)
+            parsed_eval = self.validate(rnd, eval_replies, phase=protocol.EVAL_MESSAGE_TYPE)
             self.aggregate_evaluation(rnd, parsed_eval)
             merge_eval_metrics(entry.replies, parsed_eval)
+        entry.replies_ok, entry.replies_rejected = self._checked.replies_ok, self._checked.replies_rejected
+        entry.replies_missing, entry.rejections = self._checked.replies_missing, list(self._checked.rejections)
+        if entry.replies_missing:
+            log.warning("round %d: %d of the replies asked for did not arrive within %.0f s", rnd, entry.replies_missing,
+                        timeout)
         entry.wall_seconds = time.time() - t0
         return entry
 
@@ -290,10 +322,22 @@ def weighted_average(arrays: list[Mapping[str, np.ndarray]], weights: list[float
     return out
 
 
-def average_matching(replies: list[ClientReply], current: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Sample-weighted mean of the replies whose arrays have exactly ``current``'s keys (others are ignored);
-    ``current`` itself when none has."""
-    usable = [r for r in replies if r.arrays is not None and set(r.arrays) == set(current)]
+def average_matching(replies: list[ClientReply], current: Mapping[str, np.ndarray],
+                     rule: AggregationRule | None = None) -> dict[str, np.ndarray]:
+    """Sample-weighted mean (or ``rule``'s robust combination, :mod:`fedapps.robust`) of the replies whose arrays
+    have exactly ``current``'s keys and shapes (others are ignored); ``current`` itself when none has. Integer
+    arrays (e.g. BN counters) take the first client's, as in :func:`weighted_average`."""
+    usable = [r for r in replies if r.arrays is not None and set(r.arrays) == set(current)
+              and all(np.shape(r.arrays[k]) == np.shape(v) for k, v in current.items())]
     if not usable:
         return dict(current)
-    return weighted_average([r.arrays for r in usable], [r.num_examples for r in usable])
+    if rule is None or rule.plain:
+        return weighted_average([r.arrays for r in usable], [r.num_examples for r in usable])
+    weights = [r.num_examples for r in usable]
+    out: dict[str, np.ndarray] = {}
+    for key, value in current.items():
+        if np.issubdtype(np.asarray(value).dtype, np.floating):
+            out[key] = combine(np.stack([r.arrays[key] for r in usable]), weights, rule).astype(np.asarray(value).dtype)
+        else:
+            out[key] = np.array(usable[0].arrays[key], copy=True)
+    return out

@@ -84,6 +84,7 @@ class CFL(PersonalisedStrategy):
     """One model per cluster; clusters split recursively by the cosine similarity of client updates."""
 
     name = "cfl"
+    robust_aggregation = True
     Params = CFLParams
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
@@ -121,7 +122,7 @@ class CFL(PersonalisedStrategy):
             split, mean_norm, max_norm = should_split(updates, weights, self.params.eps1, self.params.eps2)
             mean_norms.append(mean_norm)
             max_norms.append(max_norm)
-            self.models[k] = average_matching(group, sent)
+            self.models[k] = average_matching(group, sent, self.rule)
             if split and server_round >= self.params.warmup_rounds and len(group) > self.params.min_split_size:
                 self._split(server_round, k, group, cosine_similarities(updates))
         for r in replies:

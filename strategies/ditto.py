@@ -47,6 +47,7 @@ class Ditto(PersonalisedStrategy):
     """FedAvg for the global model; proximal personal models on the clients."""
 
     name = "ditto"
+    robust_aggregation = True
     Params = DittoParams
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
@@ -67,5 +68,5 @@ class Ditto(PersonalisedStrategy):
                 for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
-        self.global_arrays = average_matching(replies, self.global_arrays)
+        self.global_arrays = average_matching(replies, self.global_arrays, self.rule)
         return {}

@@ -30,6 +30,7 @@ class FedAvg(PersonalisedStrategy):
     """Sample-weighted averaging of whole models (parameters and buffers)."""
 
     name = "fedavg"
+    robust_aggregation = True
 
     def __init__(self, cfg, params=None, on_round=None) -> None:
         super().__init__(cfg, params, on_round)
@@ -53,5 +54,5 @@ class FedAvg(PersonalisedStrategy):
         return [protocol.build_message(n, server_round, ["evaluate", "train"], config, arrays=arrays) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
-        self.global_arrays = average_matching(replies, self.global_arrays)
+        self.global_arrays = average_matching(replies, self.global_arrays, self.rule)
         return {}

@@ -22,6 +22,7 @@ class FedPer(PersonalisedStrategy):
     """Average the body, keep the head personal."""
 
     name = "fedper"
+    robust_aggregation = True
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
         super().__init__(cfg, params, on_round)
@@ -45,5 +46,5 @@ class FedPer(PersonalisedStrategy):
         return [protocol.build_message(n, server_round, self.client_ops(), config, arrays=arrays) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
-        self.body = average_matching(replies, self.body)
+        self.body = average_matching(replies, self.body, self.rule)
         return {}

@@ -22,6 +22,7 @@ from fedapps.clientops import client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
+from fedapps.robust import AggregationRule
 from strategies.base import PersonalisedStrategy, average_matching
 from strategies.fedavg import initial_model_arrays
 
@@ -47,13 +48,14 @@ def select_model(w, tag: str) -> None:
 # --------------------------------------------------------------------------- server side
 
 
-def average_per_cluster(models: list[dict[str, np.ndarray]], replies: list[ClientReply]) -> tuple[list[dict[str, np.ndarray]], list[int]]:
+def average_per_cluster(models: list[dict[str, np.ndarray]], replies: list[ClientReply],
+                        rule: AggregationRule | None = None) -> tuple[list[dict[str, np.ndarray]], list[int]]:
     """New cluster models (each the sample-weighted mean of its choosers' models, or unchanged) and sizes."""
     out, sizes = [], []
     for k, current in enumerate(models):
         chosen = [r for r in replies if int(r.metrics[CHOICE]) == k]
         sizes.append(len(chosen))
-        out.append(average_matching(chosen, current))
+        out.append(average_matching(chosen, current, rule))
     return out, sizes
 
 
@@ -68,6 +70,7 @@ class IFCA(PersonalisedStrategy):
     """Iterative federated clustering by lowest training loss."""
 
     name = "ifca"
+    robust_aggregation = True
     Params = IFCAParams
 
     @classmethod
@@ -95,12 +98,13 @@ class IFCA(PersonalisedStrategy):
         usable = []
         for r in replies:
             choice = r.metrics.get(CHOICE)
-            if r.arrays is None or set(r.arrays) != keys or choice is None or not 0 <= int(choice) < len(self.models):
+            if (r.arrays is None or set(r.arrays) != keys or isinstance(choice, (bool, list)) or choice is None
+                    or float(choice) != int(choice) or not 0 <= int(choice) < len(self.models)):
                 log.warning("round %d: client %d's reply has no valid model or cluster choice; skipped", server_round, r.client_id)
                 continue
             usable.append(r)
             self.assignment[r.client_id] = int(choice)
-        self.models, sizes = average_per_cluster(self.models, usable)
+        self.models, sizes = average_per_cluster(self.models, usable, self.rule)
         log.info("round %d: IFCA cluster sizes %s", server_round, sizes)
         return {"clusters": sum(1 for s in sizes if s), "cluster_sizes": " ".join(str(s) for s in sizes)}
 

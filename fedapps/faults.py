@@ -1,0 +1,234 @@
+"""Fault injection for tests: a Flower client mod that makes chosen clients misbehave in chosen rounds.
+
+Off unless asked for explicitly, by the node config key ``faults`` (``--node-config "faults='...'"``) or the
+environment variable ``FEDAPPS_FAULTS`` (the node config wins). A spec is ``;``-separated entries
+
+    KIND[=ARG]@CLIENTS[/ROUNDS[/PHASE]]
+
+CLIENTS and ROUNDS are ``*`` or comma-separated integers (client ids; rounds from 1; default ``*``), PHASE is
+``train`` (default), ``evaluate`` or ``*``. E.g. ``shape@1/1`` (client 1 sends a wrongly shaped array in round 1),
+``raise@0,3/*`` (clients 0 and 3 fail every round), ``late=3@2/1``. Kinds:
+
+- ``drop``: the client computes (its state moves on) but its reply is lost: :class:`ReplyDropped` is raised,
+  which :class:`fedapps.inprocess.InProcessGrid` treats as no reply (under Flower it becomes an error reply);
+- ``raise``: the client fails before doing anything (an error reply); ``late=S``: it answers after S seconds;
+- ``duplicate``: the reply is delivered twice (InProcessGrid asks :func:`take_duplicate`);
+- identity: ``spoof[=ID]`` claims another client's id (default: the next one), ``bad-id`` an id outside the
+  federation, ``list-id`` a list-valued id;
+- metrics: ``huge-n`` (num-examples 10**12), ``zero-n``, ``list-n``, ``no-eval-n`` (drops ``<tag>-n``),
+  ``acc-50`` (every ``<tag>-acc`` = 50), ``n-1e9`` (every ``<tag>-n`` = 10**9);
+- arrays: ``shape`` (one array gets an extra row), ``transpose`` (a non-square matrix transposed),
+  ``undecodable`` (garbage bytes), ``int-arrays`` (every array cast to int64), ``nan-arrays``;
+- predictions: ``pred-shape`` (a row short), ``pred-huge`` (float scores 1e30; hard labels the dtype's
+  maximum), ``pred-undecodable``, ``fingerprint`` (another public-set fingerprint).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord
+
+from fedapps import protocol
+from fedapps.worker import client_id_of
+
+log = logging.getLogger("fedapps")
+
+ENV = "FEDAPPS_FAULTS"
+NODE_KEY = "faults"
+CONTROL = ("drop", "raise", "late", "duplicate")
+IDENTITY = ("spoof", "bad-id", "list-id")
+METRIC_FAULTS = ("huge-n", "zero-n", "list-n", "no-eval-n", "acc-50", "n-1e9")
+ARRAY_FAULTS = ("shape", "transpose", "undecodable", "int-arrays", "nan-arrays")
+PREDICTION_FAULTS = ("pred-shape", "pred-huge", "pred-undecodable", "fingerprint")
+KINDS = CONTROL + IDENTITY + METRIC_FAULTS + ARRAY_FAULTS + PREDICTION_FAULTS
+
+
+class ReplyDropped(Exception):
+    """Raised by the ``drop`` fault: the reply never reaches the server."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the ``raise`` fault."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    arg: str | None
+    clients: frozenset[int] | None  # None = every client
+    rounds: frozenset[int] | None  # None = every round
+    phase: str = protocol.MESSAGE_TYPE  # or "evaluate", or "*"
+
+    def applies(self, client_id: int, server_round: int, phase: str) -> bool:
+        return ((self.clients is None or client_id in self.clients) and (self.rounds is None or server_round in self.rounds)
+                and self.phase in ("*", phase))
+
+
+def _ints(text: str, what: str, spec: str) -> frozenset[int] | None:
+    if text.strip() in ("", "*"):
+        return None
+    try:
+        return frozenset(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"fault spec '{spec}': {what} must be '*' or comma-separated integers, got '{text}'") from None
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    """``KIND[=ARG]@CLIENTS[/ROUNDS[/PHASE]]`` entries separated by ';' (see the module docstring)."""
+    out: list[Fault] = []
+    for entry in (e.strip() for e in str(spec).split(";")):
+        if not entry:
+            continue
+        head, _, where = entry.partition("@")
+        kind, _, arg = head.strip().partition("=")
+        if kind not in KINDS:
+            raise ValueError(f"fault spec '{entry}': unknown kind '{kind}'; allowed: {', '.join(KINDS)}")
+        parts = where.split("/") if where else ["*"]
+        if len(parts) > 3:
+            raise ValueError(f"fault spec '{entry}': expected KIND[=ARG]@CLIENTS[/ROUNDS[/PHASE]]")
+        phase = parts[2].strip() if len(parts) > 2 else protocol.MESSAGE_TYPE
+        if phase not in ("*", protocol.MESSAGE_TYPE, protocol.EVAL_MESSAGE_TYPE):
+            raise ValueError(f"fault spec '{entry}': phase must be train, evaluate or *, got '{phase}'")
+        out.append(Fault(kind, arg or None, _ints(parts[0], "CLIENTS", entry),
+                         _ints(parts[1], "ROUNDS", entry) if len(parts) > 1 else None, phase))
+    return out
+
+
+def faults_of(context: Context) -> list[Fault]:
+    """The faults this node is asked to inject (node config ``faults``, else env ``FEDAPPS_FAULTS``; none)."""
+    spec = context.node_config.get(NODE_KEY) if NODE_KEY in context.node_config else os.environ.get(ENV, "")
+    return parse_faults(str(spec)) if spec else []
+
+
+_DUPLICATES: set[int] = set()
+
+
+def take_duplicate(reply: Message) -> bool:
+    """Whether ``reply`` is to be delivered twice (asked once per reply, by the grid that delivers it)."""
+    if id(reply) in _DUPLICATES:
+        _DUPLICATES.discard(id(reply))
+        return True
+    return False
+
+
+def faults_mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+    """The Flower client mod: a no-op unless this node is asked to inject faults."""
+    faults = faults_of(context)
+    if not faults:
+        return call_next(msg, context)
+    cid = client_id_of(context)
+    rnd = int(msg.content[protocol.CONFIG].get("round", 0)) if protocol.CONFIG in msg.content else 0
+    active = [f for f in faults if f.applies(cid, rnd, str(msg.metadata.message_type))]
+    if not active:
+        return call_next(msg, context)
+    kinds = {f.kind for f in active}
+    log.warning("client %d, round %d: injecting faults %s", cid, rnd, sorted(kinds))
+    if "raise" in kinds:
+        raise InjectedFault(f"injected failure of client {cid} in round {rnd}")
+    for f in active:
+        if f.kind == "late":
+            time.sleep(float(f.arg or 1.0))
+    reply = call_next(msg, context)
+    if "drop" in kinds:
+        raise ReplyDropped(f"reply of client {cid} in round {rnd} dropped")
+    for f in active:
+        if f.kind not in CONTROL:
+            corrupt(reply, f, cid, context)
+    if "duplicate" in kinds:
+        _DUPLICATES.add(id(reply))
+    return reply
+
+
+# --------------------------------------------------------------------------- corruptions
+
+
+def _arrays(reply: Message, record: str) -> dict[str, np.ndarray] | None:
+    if record not in reply.content:
+        return None
+    return {k: v.numpy() for k, v in reply.content[record].items()}
+
+
+def _put(reply: Message, record: str, arrays: dict) -> None:
+    reply.content[record] = ArrayRecord({k: v if isinstance(v, Array) else Array(np.ascontiguousarray(v))
+                                         for k, v in arrays.items()})
+
+
+def _garbage(dtype: str = "float32") -> Array:
+    return Array(dtype=dtype, shape=(3, 3), stype="numpy.ndarray", data=b"\x00garbage, not an .npy file")
+
+
+def corrupt(reply: Message, fault: Fault, cid: int, context: Context) -> None:
+    """Apply one corruption to the reply in place (a reply without the part it corrupts is left as it is)."""
+    if reply.has_error():
+        return
+    kind = fault.kind
+    metrics = dict(reply.content[protocol.METRICS]) if protocol.METRICS in reply.content else {}
+    if kind in IDENTITY or kind in METRIC_FAULTS:
+        if kind == "spoof":
+            n = int(context.node_config.get("num-partitions", cid + 2))
+            metrics[protocol.CLIENT_ID] = int(fault.arg) if fault.arg is not None else (cid + 1) % max(n, 2)
+        elif kind == "bad-id":
+            metrics[protocol.CLIENT_ID] = 10**6
+        elif kind == "list-id":
+            metrics[protocol.CLIENT_ID] = [cid]
+        elif kind == "huge-n":
+            metrics[protocol.NUM_EXAMPLES] = 10**12
+        elif kind == "zero-n":
+            metrics[protocol.NUM_EXAMPLES] = 0
+        elif kind == "list-n":
+            metrics[protocol.NUM_EXAMPLES] = [int(metrics.get(protocol.NUM_EXAMPLES, 1)), 1]
+        elif kind == "no-eval-n":
+            metrics = {k: v for k, v in metrics.items() if not k.endswith("-n")}
+        elif kind == "acc-50":
+            metrics.update({k: 50.0 for k in metrics if k.endswith("-acc")})
+        elif kind == "n-1e9":
+            metrics.update({k: 1e9 for k in metrics if k.endswith("-n")})
+        reply.content[protocol.METRICS] = MetricRecord(metrics)
+        return
+    if kind in ARRAY_FAULTS:
+        arrays = _arrays(reply, protocol.ARRAYS)
+        if not arrays:
+            log.warning("fault '%s': the reply carries no arrays; left as it is", kind)
+            return
+        first = next(iter(arrays))
+        if kind == "shape":
+            a = np.atleast_1d(arrays[first])
+            arrays[first] = np.concatenate([a, np.zeros((1, *a.shape[1:]), a.dtype)])
+        elif kind == "transpose":
+            two_d = [k for k, v in arrays.items() if v.ndim == 2 and v.shape[0] != v.shape[1]]
+            key = two_d[0] if two_d else first
+            arrays[key] = np.ascontiguousarray(arrays[key].T if two_d else arrays[key][None])
+        elif kind == "undecodable":
+            arrays[first] = _garbage()
+        elif kind == "int-arrays":
+            arrays = {k: v.astype(np.int64) for k, v in arrays.items()}
+        elif kind == "nan-arrays":
+            arrays[first] = np.full_like(arrays[first], np.nan, dtype=np.float32)
+        _put(reply, protocol.ARRAYS, arrays)
+        return
+    if kind == "fingerprint":
+        info = dict(reply.content[protocol.INFO]) if protocol.INFO in reply.content else {}
+        info["fingerprint"] = "0000000000000000"
+        reply.content[protocol.INFO] = ConfigRecord(info)
+        return
+    preds = _arrays(reply, protocol.PREDICTIONS)
+    if not preds or "predictions" not in preds:
+        log.warning("fault '%s': the reply carries no predictions; left as it is", kind)
+        return
+    p = preds["predictions"]
+    if kind == "pred-shape":
+        preds["predictions"] = np.ascontiguousarray(p[:-1])
+    elif kind == "pred-huge":
+        if np.issubdtype(p.dtype, np.floating):
+            preds["predictions"] = np.full_like(p, 1e30, dtype=np.float32)
+        else:
+            preds["predictions"] = np.full_like(p, np.iinfo(p.dtype).max)
+    elif kind == "pred-undecodable":
+        preds["predictions"] = _garbage()
+    _put(reply, protocol.PREDICTIONS, preds)

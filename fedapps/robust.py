@@ -1,0 +1,100 @@
+"""Robust aggregation of client arrays (pure functions): coordinate-wise median, trimmed mean, weight capping.
+
+Chosen by ``strategy.aggregation`` (mean | median | trimmed-mean), ``strategy.trim_fraction`` and
+``strategy.max_weight_share`` for the strategies that average parameters with
+:func:`strategies.base.average_matching` (FedAvg, FedProx, Ditto, FedPer, FedRep, FedBABU, IFCA, CFL).
+
+- ``mean``: the sample-weighted mean; weights are the clients' ``num-examples``, normalised, then capped by
+  :func:`cap_weights` when ``max_weight_share`` < 1.
+- ``median``: the coordinate-wise median over clients, unweighted (as Flower's ``FedMedian``).
+- ``trimmed-mean``: per coordinate, drop the ``floor(trim_fraction·k)`` smallest and largest of the k client
+  values and average the rest, unweighted (as Flower's ``FedTrimmedAvg``); with ``floor(trim_fraction·k) = 0``
+  it is the plain unweighted mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedapps.config import AGGREGATION_RULES
+
+__all__ = ["AGGREGATION_RULES", "AggregationRule", "cap_weights", "coordinate_median", "trimmed_mean", "combine"]
+
+
+@dataclass(frozen=True)
+class AggregationRule:
+    """How client arrays are combined (see the module docstring)."""
+
+    method: str = "mean"
+    trim_fraction: float = 0.1
+    max_weight_share: float = 1.0
+
+    @classmethod
+    def from_config(cls, strategy_cfg) -> "AggregationRule":
+        return cls(strategy_cfg.aggregation, float(strategy_cfg.trim_fraction), float(strategy_cfg.max_weight_share))
+
+    @property
+    def plain(self) -> bool:
+        """The plain sample-weighted mean (no capping)."""
+        return self.method == "mean" and self.max_weight_share >= 1.0
+
+
+def cap_weights(weights, max_share: float) -> np.ndarray:
+    """Normalised weights with no share above ``max_share``; the excess goes to the others in proportion.
+
+    The rule: normalise w to sum 1; while some uncapped weight exceeds ``max_share``, fix every such weight at
+    ``max_share`` and rescale the uncapped ones so that all sum to 1 (repeat, since rescaling may push another
+    above the cap). The result is w'_i = min(max_share, λ·w_i) with the λ >= 1 that makes Σ w' = 1. Where
+    k·max_share < 1 (k clients) no such weights exist: every client gets 1/k. ``max_share`` >= 1: no cap.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or w.size == 0 or np.any(~np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
+        raise ValueError(f"weights must be finite, non-negative and sum to a positive number, got {w}")
+    w = w / w.sum()
+    if max_share >= 1.0:
+        return w
+    if max_share <= 0:
+        raise ValueError(f"max_share must be in (0, 1], got {max_share}")
+    k = w.size
+    if k * max_share <= 1.0:
+        return np.full(k, 1.0 / k)
+    capped = np.zeros(k, dtype=bool)
+    for _ in range(k):
+        free = ~capped
+        rest = 1.0 - max_share * capped.sum()
+        scaled = np.where(capped, max_share, w * rest / w[free].sum())
+        over = free & (scaled > max_share)
+        if not over.any():
+            return scaled
+        capped |= over
+    return np.where(capped, max_share, w * (1.0 - max_share * capped.sum()) / max(w[~capped].sum(), 1e-300))
+
+
+def coordinate_median(stack: np.ndarray) -> np.ndarray:
+    """Median over axis 0 (clients), coordinate by coordinate."""
+    return np.median(np.asarray(stack, dtype=np.float64), axis=0)
+
+
+def trimmed_mean(stack: np.ndarray, trim_fraction: float) -> np.ndarray:
+    """Mean over axis 0 after dropping the floor(trim_fraction·k) lowest and highest values per coordinate."""
+    if not 0.0 <= trim_fraction < 0.5:
+        raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction}")
+    x = np.sort(np.asarray(stack, dtype=np.float64), axis=0)
+    k = x.shape[0]
+    cut = int(trim_fraction * k)
+    return x[cut:k - cut].mean(axis=0)
+
+
+def combine(stack: np.ndarray, weights, rule: AggregationRule) -> np.ndarray:
+    """One array from clients×shape by ``rule`` (float64)."""
+    stack = np.asarray(stack, dtype=np.float64)
+    if rule.method == "median":
+        return coordinate_median(stack)
+    if rule.method == "trimmed-mean":
+        return trimmed_mean(stack, rule.trim_fraction)
+    if rule.method != "mean":
+        raise ValueError(f"unknown aggregation '{rule.method}'; allowed: {', '.join(AGGREGATION_RULES)}")
+    w = cap_weights(weights, rule.max_weight_share)
+    return np.tensordot(w, stack, axes=1)

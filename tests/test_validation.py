@@ -1,0 +1,335 @@
+"""Reply validation (fedapps.validation) and robust aggregation (fedapps.robust): hand-computed cases, Flower's
+own FedMedian / FedTrimmedAvg on the same inputs, and a property test over arbitrary reply contents."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedMedian, FedTrimmedAvg
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fedapps import protocol
+from fedapps.config import ConfigError, load_config
+from fedapps.inprocess import InProcessGrid  # noqa: F401  (sets Flower's task identity for Message())
+from fedapps.protocol import ClientReply
+from fedapps.robust import AggregationRule, cap_weights, combine, coordinate_median, trimmed_mean
+from fedapps.validation import LOGIT_BOUND, ArraySpec, Expectation, PredictionSpec, ReplyValidator
+from strategies import resolve
+from strategies.base import average_matching
+
+InProcessGrid(1)  # Message() needs a task identity outside Flower's runtime
+
+# --------------------------------------------------------------------------- robust aggregation, by hand
+
+
+def test_cap_weights_by_hand():
+    assert np.allclose(cap_weights([8, 1, 1], 0.5), [0.5, 0.25, 0.25])
+    assert np.allclose(cap_weights([6, 3, 1], 0.5), [0.5, 0.375, 0.125])
+    # rescaling the rest pushes the second above the cap too: both capped, the third gets what is left
+    assert np.allclose(cap_weights([0.6, 0.35, 0.05], 0.4), [0.4, 0.4, 0.2])
+    assert np.allclose(cap_weights([1, 1, 2], 1.0), [0.25, 0.25, 0.5])  # 1.0: no cap
+    assert np.allclose(cap_weights([9, 1], 0.5), [0.5, 0.5])  # k·cap = 1: equal
+    assert np.allclose(cap_weights([9, 1, 0], 0.3), [1 / 3] * 3)  # k·cap < 1: no weights satisfy it; equal
+    with pytest.raises(ValueError):
+        cap_weights([1, -1], 0.5)
+
+
+def test_median_and_trimmed_mean_by_hand():
+    stack = np.array([[1.0, 10.0], [2.0, -5.0], [100.0, 0.0], [3.0, 1.0], [4.0, 2.0]])
+    assert np.allclose(coordinate_median(stack), [3.0, 1.0])
+    # 5 clients, 0.2: one lowest and one highest dropped per coordinate: mean of {2,3,4} and {0,1,2}
+    assert np.allclose(trimmed_mean(stack, 0.2), [3.0, 1.0])
+    assert np.allclose(trimmed_mean(stack, 0.1), stack.mean(axis=0))  # floor(0.5) = 0 dropped
+    assert np.allclose(coordinate_median(stack[:4]), [2.5, 0.5])  # even count: mean of the middle two
+    with pytest.raises(ValueError):
+        trimmed_mean(stack, 0.5)
+
+
+def test_capped_mean_by_hand():
+    stack = np.array([[0.0], [10.0], [20.0]])
+    # weights 8:1:1 capped at 0.5 -> 0.5, 0.25, 0.25
+    assert np.allclose(combine(stack, [8, 1, 1], AggregationRule("mean", max_weight_share=0.5)), [7.5])
+    assert np.allclose(combine(stack, [8, 1, 1], AggregationRule("mean")), [3.0])
+
+
+def _reply_message(node: int, arrays: dict[str, np.ndarray], n: int) -> Message:
+    msg = protocol.build_message(node, 1, ["train"], {})
+    content = RecordDict({"arrays": protocol.arrays_record(arrays), "metrics": MetricRecord({"num-examples": n})})
+    return Message(content, reply_to=msg)
+
+
+@pytest.mark.parametrize("method,flower", [("median", lambda: FedMedian()), ("trimmed-mean", lambda: FedTrimmedAvg(beta=0.2))])
+def test_robust_rules_agree_with_flowers_strategies(method, flower):
+    rng = np.random.default_rng(3)
+    clients = [{"w": rng.normal(size=(3, 4)).astype(np.float32), "b": rng.normal(size=(4,)).astype(np.float32)}
+               for _ in range(5)]
+    clients[2]["w"][0, 0] = 1e6  # an outlier
+    replies = [ClientReply(100 + i, i, 10 * (i + 1), {}, arrays=a) for i, a in enumerate(clients)]
+    ours = average_matching(replies, clients[0], AggregationRule(method, trim_fraction=0.2))
+    theirs, _ = flower().aggregate_train(1, [_reply_message(100 + i, a, 10 * (i + 1)) for i, a in enumerate(clients)])
+    for k in ("w", "b"):
+        np.testing.assert_allclose(ours[k], theirs[k].numpy(), rtol=1e-6, atol=1e-6)
+    assert abs(float(ours["w"][0, 0])) < 10  # the outlier does not move it
+
+
+def test_aggregation_settings_are_validated_and_refused_where_they_do_not_apply():
+    with pytest.raises(ConfigError, match="strategy.aggregation"):
+        load_config(None, ["strategy.aggregation=mode"])
+    with pytest.raises(ConfigError, match="strategy.trim_fraction"):
+        load_config(None, ["strategy.trim_fraction=0.5"])
+    with pytest.raises(ConfigError, match="strategy.max_weight_share"):
+        load_config(None, ["strategy.max_weight_share=0"])
+    base = ["data.source=digits", "data.num_clients=4", "model.name=mlp"]
+    resolve(load_config(None, [*base, "strategy.name=ifca", "strategy.aggregation=median"]))
+    with pytest.raises(ConfigError, match="strategy.aggregation"):
+        resolve(load_config(None, [*base, "strategy.name=fedamp", "strategy.aggregation=median"]))
+
+
+def test_fedavg_with_median_shrugs_off_a_plausible_but_huge_update(tmp_path):
+    """A client sending finite, well-shaped but enormous weights passes validation; the median keeps it out."""
+    from fedapps import faults  # noqa: F401
+    from strategies.fedavg import FedAvg
+
+    cfg = load_config(None, ["data.source=digits", "data.num_clients=3", "model.name=mlp", "rounds=1",
+                             "strategy.aggregation=median", "client.epochs=1"])
+    s = FedAvg(cfg)
+    good = [{k: v + 0.01 * i for k, v in s.global_arrays.items()} for i in range(2)]
+    bad = {k: v + 1e6 for k, v in s.global_arrays.items()}
+    replies = [ClientReply(100 + i, i, 100, {}, arrays=a) for i, a in enumerate([*good, bad])]
+    s.aggregate(1, replies)
+    assert max(float(np.abs(v).max()) for v in s.global_arrays.values()) < 100
+
+
+# --------------------------------------------------------------------------- the validator, by hand
+
+
+MODEL = {"w": np.zeros((3, 2), np.float32), "count": np.zeros((), np.int64)}
+
+
+def validator(train=(50, 60), test=(10, 12)) -> ReplyValidator:
+    return ReplyValidator(2, train, test, model_part=lambda part: MODEL, public_size=4, num_classes=3)
+
+
+def request(node: int, ops=("train", "evaluate"), **config) -> Message:
+    return protocol.build_message(node, 1, list(ops), config)
+
+
+def answer(to: Message, cid: int, n: int = 50, metrics: dict | None = None, **records) -> Message:
+    m = {"client-id": cid, "num-examples": n, "eval-acc": 0.5, "eval-loss": 1.0, "eval-n": 10, "eval-correct": 5}
+    m.update(metrics or {})
+    content = RecordDict({"metrics": MetricRecord({k: v for k, v in m.items() if v is not None})})
+    for k, v in records.items():
+        content[k] = v
+    return Message(content, reply_to=to)
+
+
+def test_identity_is_bound_to_the_node():
+    v = validator()
+    a, b = request(100), request(101)
+    v.expect([a, b])
+    out = v.check(1, [answer(a, 0), answer(b, 1, n=60)])
+    assert [r.client_id for r in out.accepted] == [0, 1] and not out.rejections
+    v.expect([a, b])
+    out = v.check(1, [answer(a, 1, n=60), answer(b, 1, n=60)])  # node 100 claims node 101's client
+    assert [r.node_id for r in out.accepted] == [101]
+    assert "bound to client 0" in out.rejections[0].reason and out.rejections[0].client_id == 0
+
+
+def test_duplicates_unsolicited_and_missing_replies():
+    v = validator()
+    a, b = request(100), request(101)
+    v.expect([a, b])
+    reply = answer(a, 0)
+    out = v.check(1, [reply, reply, answer(request(102), 1)])
+    assert len(out.accepted) == 1 and out.missing == 1
+    assert ["duplicate" in r.reason for r in out.rejections] == [True, False]
+    assert "no 'train' message was sent to node 102" in out.rejections[1].reason
+
+
+def test_num_examples_is_bound_on_first_report_when_sizes_are_unknown():
+    v = validator(train=None, test=None)
+    a = request(100)
+    v.expect([a])
+    assert v.check(1, [answer(a, 0, n=10**6)]).accepted  # deployment: no bound known, the first value binds
+    v.expect([a])
+    out = v.check(2, [answer(a, 0, n=10**6 + 1)])
+    assert not out.accepted and "differs from the 1000000" in out.rejections[0].reason
+
+
+def test_arrays_and_predictions_are_checked_against_the_request():
+    v = validator()
+    a = request(100, ("train", "evaluate", "predict"), **{"return-arrays": True, "arrays.keys": "state",
+                                                          "predict.output": "logits", "public.fingerprint": "abc"})
+    exp = v.expect([a]) or v.expected["train"][100]
+    assert exp.arrays == {"w": ArraySpec((3, 2), np.dtype(np.float32)), "count": ArraySpec((), np.dtype(np.int64))}
+    assert exp.predictions == PredictionSpec(4, 3, "logits", "float32") and exp.fingerprint == "abc"
+    arrays = protocol.arrays_record(MODEL)
+    preds = protocol.arrays_record({"predictions": np.zeros((4, 3), np.float32)})
+    info = ConfigRecord({"fingerprint": "abc"})
+    assert v.check(1, [answer(a, 0, arrays=arrays, predictions=preds, info=info)]).accepted
+    bad = [
+        (dict(arrays=protocol.arrays_record({"w": np.zeros((2, 3), np.float32), "count": MODEL["count"]}),
+              predictions=preds, info=info), "has shape"),
+        (dict(arrays=protocol.arrays_record({"w": MODEL["w"], "count": np.zeros((), np.float32)}),
+              predictions=preds, info=info), "expected int64"),
+        (dict(arrays=arrays, predictions=protocol.arrays_record({"predictions": np.full((4, 3), 2e4, np.float32)}),
+              info=info), "logits beyond"),
+        (dict(arrays=arrays, predictions=preds, info=ConfigRecord({"fingerprint": "abd"})), "public set mismatch"),
+        (dict(arrays=arrays, predictions=preds), "public set mismatch"),
+        (dict(predictions=preds, info=info), "lacks the model arrays"),
+    ]
+    for records, reason in bad:
+        v.expect([a])
+        out = v.check(1, [answer(a, 0, **records)])
+        assert not out.accepted and reason in out.rejections[0].reason, (reason, out.rejections)
+
+
+def test_undecodable_array_is_a_rejection_not_a_crash():
+    v = validator()
+    a = request(100, ("train", "evaluate"), **{"return-arrays": True})
+    v.expect([a])
+    garbage = ArrayRecord({"w": Array(dtype="float32", shape=(3, 2), stype="numpy.ndarray", data=b"xx"),
+                           "count": Array(MODEL["count"])})
+    out = v.check(1, [answer(a, 0, arrays=garbage)])
+    assert not out.accepted and "cannot be decoded" in out.rejections[0].reason
+
+
+# --------------------------------------------------------------------------- property: never raises; bounds hold
+
+numbers = st.one_of(st.integers(-10**13, 10**13), st.floats(allow_nan=True, allow_infinity=True, width=64))
+metric_values = st.one_of(numbers, st.lists(numbers, max_size=3))
+metric_keys = st.sampled_from(["client-id", "num-examples", "eval-acc", "eval-loss", "eval-n", "eval-correct",
+                               "after-acc", "x-acc", "train-loss", "junk"])
+dtypes = st.sampled_from([np.float32, np.float64, np.float16, np.int64, np.uint8, np.int32])
+shapes = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
+
+
+@st.composite
+def arrays_st(draw, names):
+    out = {}
+    for name in draw(st.lists(names, max_size=3, unique=True)):
+        dtype, shape = draw(dtypes), draw(shapes)
+        fill = draw(st.sampled_from([0.0, 1.0, -1.0, 0.25, 1e30, float("nan"), float("inf"), 5e4]))
+        with np.errstate(all="ignore"):
+            out[name] = np.full(shape, fill).astype(dtype)
+    return out
+
+
+def valid_reply(cid: int, output: str, want_arrays: bool) -> tuple[dict, dict]:
+    """A reply that answers the request of :func:`property_request` (the starting point of the mutations)."""
+    metrics = {"client-id": cid, "num-examples": 40, "eval-acc": 0.5, "eval-loss": 1.0, "eval-n": 10, "eval-correct": 5,
+               "train-loss": 0.3, "t-train": 0.01}
+    if output == "hard":
+        preds = np.array([0, 2, 1, 1], np.uint8)
+    elif output == "logits":
+        preds = np.linspace(-3, 3, 12, dtype=np.float32).reshape(4, 3)
+    else:
+        preds = np.full((4, 3), 1 / 3, np.float32)
+    records = {"predictions": protocol.arrays_record({"predictions": preds}), "info": ConfigRecord({"fingerprint": "abc"})}
+    if want_arrays:
+        records["arrays"] = protocol.arrays_record({"w": np.ones((3, 2), np.float32), "count": np.array(3, np.int64)})
+    return metrics, records
+
+
+def property_request(output: str, want_arrays: bool) -> Message:
+    return request(100, ("train", "evaluate", "predict"), **{
+        "predict.output": "probs" if output == "hard" else output,
+        "predict.encoding": "hard" if output == "hard" else "float32",
+        "public.fingerprint": "abc", "return-arrays": want_arrays})
+
+
+@st.composite
+def replies_st(draw):
+    """(output, want_arrays, metrics, records): a valid reply, then 0-3 random mutations of its contents."""
+    output, want_arrays = draw(st.sampled_from(["probs", "logits", "hard"])), draw(st.booleans())
+    metrics, records = valid_reply(draw(st.integers(0, 1)), output, want_arrays)
+    for _ in range(draw(st.integers(0, 3))):
+        what = draw(st.sampled_from(["set", "drop", "arrays", "predictions", "info", "drop-record"]))
+        if what == "set":
+            metrics[draw(metric_keys)] = draw(metric_values)
+        elif what == "drop" and metrics:
+            metrics.pop(draw(st.sampled_from(sorted(metrics))))
+        elif what == "arrays":
+            records["arrays"] = protocol.arrays_record(draw(arrays_st(st.sampled_from(["w", "count", "z"]))))
+        elif what == "predictions":
+            records["predictions"] = protocol.arrays_record(draw(arrays_st(st.sampled_from(["predictions", "p"]))))
+        elif what == "info":
+            records["info"] = ConfigRecord({"fingerprint": draw(st.sampled_from(["abc", "zzz", ""]))})
+        elif records:
+            records.pop(draw(st.sampled_from(sorted(records))))
+    return output, want_arrays, metrics, records
+
+
+def _metric_record(metrics: dict) -> MetricRecord | None:
+    clean = {}
+    for k, v in metrics.items():
+        if isinstance(v, list) and len({type(x) for x in v}) > 1:
+            v = [float(x) for x in v]
+        clean[k] = v
+    try:
+        return MetricRecord(clean)
+    except Exception:  # Flower refuses some lists itself (e.g. ints beyond 64 bits): not a reply that can arrive
+        return None
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(replies_st(), st.booleans())
+def test_validator_never_raises_and_accepted_replies_respect_every_bound(reply, known_sizes):
+    output, want_arrays, metrics, records = reply
+    record = _metric_record(metrics)
+    v = validator() if known_sizes else validator(train=None, test=None)
+    msg = property_request(output, want_arrays)
+    v.expect([msg])
+    content = RecordDict({} if record is None else {"metrics": record})
+    for k, r in records.items():
+        content[k] = r
+    out = v.check(1, [Message(content, reply_to=msg)])  # must not raise
+    assert len(out.accepted) + len(out.rejections) == 1
+    for r in out.accepted:
+        m = r.metrics
+        assert isinstance(r.client_id, int) and 0 <= r.client_id < 2
+        assert isinstance(r.num_examples, int) and 0 < r.num_examples
+        if known_sizes:
+            assert r.num_examples <= (50, 60)[r.client_id] and m["eval-n"] <= (10, 12)[r.client_id]
+        for value in m.values():
+            assert all(math.isfinite(float(x)) for x in (value if isinstance(value, list) else [value]))
+        assert 0.0 <= m["eval-acc"] <= 1.0 and 0 <= m["eval-correct"] <= m["eval-n"] and m["eval-loss"] >= 0
+        assert not any(k.endswith("-acc") and k != "eval-acc" for k in m)
+        assert r.info.get("fingerprint") == "abc"
+        if want_arrays:
+            assert set(r.arrays) == set(MODEL)
+            assert all(r.arrays[k].shape == MODEL[k].shape and r.arrays[k].dtype.kind == MODEL[k].dtype.kind
+                       or (MODEL[k].dtype.kind == "f" and r.arrays[k].dtype.kind == "f") for k in MODEL)
+            assert all(np.all(np.isfinite(a)) for a in r.arrays.values() if a.dtype.kind == "f")
+        else:
+            assert r.arrays is None
+        p = r.predictions["predictions"]
+        if output == "hard":
+            assert p.shape == (4,) and p.dtype.kind == "u" and (p.size == 0 or p.max() < 3)
+        else:
+            assert p.shape == (4, 3) and p.dtype.kind == "f" and np.all(np.isfinite(p))
+            if output == "logits":
+                assert np.abs(p).max() <= LOGIT_BOUND
+            else:
+                assert p.min() >= -1e-3 and np.allclose(p.sum(axis=1), 1, atol=1e-2)
+
+
+@pytest.mark.parametrize("output", ["probs", "logits", "hard"])
+@pytest.mark.parametrize("want_arrays", [False, True])
+def test_the_unmutated_reply_of_the_property_test_is_accepted(output, want_arrays):
+    v = validator()
+    msg = property_request(output, want_arrays)
+    v.expect([msg])
+    metrics, records = valid_reply(1, output, want_arrays)
+    content = RecordDict({"metrics": MetricRecord(metrics), **records})
+    out = v.check(1, [Message(content, reply_to=msg)])
+    assert len(out.accepted) == 1, out.rejections
+
+
+def test_expectation_defaults_ask_for_nothing():
+    exp = Expectation(node_id=1)
+    assert exp.arrays is None and exp.predictions is None and exp.fingerprint is None and exp.eval_tags == ()
