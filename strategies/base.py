@@ -45,6 +45,10 @@ class RoundLog:
     eval_bytes_up: int = 0
     wall_seconds: float = 0.0
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sent: int = 0  # training messages sent this round (one per sampled node)
+    received: int = 0  # replies that came back (error replies included: the message reached a client)
+    skipped: bool = False  # fewer usable replies than strategy.min_clients: nothing was aggregated
+    errors: list[str] = dataclasses.field(default_factory=list)  # reasons of the error replies
 
 
 class PersonalisedStrategy(Strategy):
@@ -220,11 +224,16 @@ class PersonalisedStrategy(Strategy):
             log.warning("round %d: %d of %d clients did not reply within %.0f s", rnd, missing, len(messages), timeout)
         up = sum(protocol.record_nbytes(m.content) for m in replies if not m.has_error())
         parsed = self.validate(rnd, replies, self.expect_arrays(), self.expect_predictions())
-        extra = self.aggregate(rnd, parsed) if parsed else {}
-        if parsed:
+        skipped = len(parsed) < self.cfg.strategy.min_clients
+        if skipped:
+            log.warning("round %d skipped: %d usable replies, fewer than strategy.min_clients=%d (no aggregation)",
+                        rnd, len(parsed), self.cfg.strategy.min_clients)
+        extra = {} if skipped else self.aggregate(rnd, parsed)
+        if not skipped:
             self.last_extra = dict(extra)
-        entry = RoundLog(rnd, parsed, down, up, extra=dict(extra))
-        eval_messages = self.evaluation_messages(rnd)
+        entry = RoundLog(rnd, parsed, down, up, extra=dict(extra), sent=len(messages), received=len(replies),
+                         skipped=skipped, errors=[str(m.error.reason) for m in replies if m.has_error()])
+        eval_messages = [] if skipped else self.evaluation_messages(rnd)
         if eval_messages:
             entry.eval_bytes_down = sum(protocol.record_nbytes(m.content) for m in eval_messages)
             eval_replies = list(grid.send_and_receive(eval_messages, timeout=timeout))
