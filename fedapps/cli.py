@@ -321,7 +321,7 @@ def follow_run(run_id: str, env: dict[str, str], quiet: bool, link: OwnSuperLink
                 break
             time.sleep(poll)
         try:
-            logp.wait(timeout=15)  # the stream ends by itself once the run's logs are all read
+            logp.wait(timeout=5)  # the stream ends by itself once the run's logs are all read
         except subprocess.TimeoutExpired:
             pass
     finally:
