@@ -14,7 +14,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedapps.config import load_config
 from fedapps.data import get_federation
-from fedapps.results import FileSink, ResultSink
+from fedapps.results import DeliveryCheck, FileSink, ResultSink, UnusableRun
 from strategies import resolve
 
 log = logging.getLogger("fedapps")
@@ -52,7 +52,8 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     cfg = resolved.config(cfg)  # config.yaml shows the chosen strategy's params with every default filled in
     output_dir = output_dir or cfg.output_dir
     files = FileSink(cfg, output_dir, report_tag=resolved.cls.report_tag)
-    sinks: list[ResultSink] = [files]
+    delivery = DeliveryCheck()  # a run with no usable reply, or mostly undelivered messages, fails below
+    sinks: list[ResultSink] = [files, delivery]
     files.write_partition(get_federation(dataclasses.asdict(cfg.data)).stats_rows())
     log.info("run '%s': strategy %s, data %s/%s, %d clients, %d rounds -> %s",
              cfg.resolved_run_name(), cfg.strategy.name, cfg.data.source, cfg.data.partition,
@@ -64,11 +65,16 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
 
     strategy = resolved.build(cfg, on_round=on_round)
     strategy.start(grid=grid, num_rounds=cfg.rounds, timeout=cfg.strategy.timeout)
-    summary = files.summary(time.time() - t0, strategy.final_summary())
+    problems = delivery.problems()
+    summary = files.summary(time.time() - t0, {**strategy.final_summary(), **delivery.totals(), "problems": problems})
     artifacts = strategy.artifacts()
     for sink in sinks:
         sink.on_finish(summary, artifacts)
     log.info("RESULTS %s", files.dir)
+    if summary.get("final_round_had_no_replies"):
+        log.warning("the last round got no usable reply: the reported accuracy is from round %s", summary.get("final_round"))
+    if problems:  # results are on disk for inspection; the run itself fails (Flower: finished:failed)
+        raise UnusableRun("; ".join(problems) + f" (results: {files.dir})")
     return summary
 
 

@@ -1,25 +1,33 @@
 """`fedapps run / compare / report`: thin helpers around `flwr run`.
 
-`fedapps run CONFIG` validates the config here (a bad key fails at once, naming it), runs it through
-`flwr run` on Flower's Ray simulation engine with the offline environment, waits, checks the run's
-final status (``flwr run --stream`` exits 0 even when the run failed), and prints a summary table.
+`fedapps run CONFIG` validates the config and the data here (a bad key fails at once, naming it: exit 2),
+starts its own SuperLink (simulation mode, free port, own FLWR_HOME) or joins ``--superlink ADDRESS``,
+submits the app with `flwr run --format json`, follows the run's log and status, stops only the processes
+it started, and exits non-zero unless the run finished ``completed`` (exit 1; Ctrl-C: 130).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shlex
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 from fedapps.config import APP_DIR, ConfigError, ExperimentConfig, load_config
+from fedapps.results import UnusableRun
 
 OFFLINE_ENV = {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
@@ -35,12 +43,14 @@ class RunFailed(RuntimeError):
     """A run that did not finish with status completed."""
 
 
+CONNECTION = "fedapps"  # the name of the SuperLink connection this tool writes into its own FLWR_HOME
+
+
 def flower_env() -> dict[str, str]:
-    """Environment for `flwr`: offline settings, a project-local FLWR_HOME, this venv's bin on PATH."""
+    """Environment for `flwr`: offline settings, this venv's bin on PATH (FLWR_HOME is set per run)."""
     env = dict(os.environ)
     for k, v in OFFLINE_ENV.items():
         env.setdefault(k, v)
-    env.setdefault("FLWR_HOME", str(APP_DIR / ".flwr"))
     bindir = str(Path(sys.executable).parent)
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     return env
@@ -51,22 +61,182 @@ def toml_str(value: str) -> str:
     return json.dumps(value)
 
 
-def superlink_pids() -> set[int]:
-    """PIDs of running flower-superlink processes (to stop the one a run started)."""
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read what the kernel gave)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- processes this run owns
+
+
+def _proc_stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process, from /proc; None when it is gone."""
     try:
-        out = subprocess.run(["pgrep", "-f", "flower-superlink"], capture_output=True, text=True).stdout
-    except FileNotFoundError:
-        return set()
-    return {int(p) for p in out.split()}
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "
+    if fields[0] == "Z":  # a zombie is gone for our purposes
+        return None
+    return int(fields[1]), int(fields[19])
 
 
-def stop_pids(pids: set[int]) -> None:
-    """SIGTERM (SuperLink shuts down cleanly and its children follow)."""
-    for pid in pids:
+def descendants(root: int) -> dict[int, int]:
+    """Every live descendant of ``root`` (pid -> start time), found through /proc (Linux; {} elsewhere)."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return {}
+    for name in entries:
+        if name.isdigit():
+            st = _proc_stat(int(name))
+            if st is not None:
+                children.setdefault(st[0], []).append((int(name), st[1]))
+    out: dict[int, int] = {}
+    todo = [root]
+    while todo:
+        for pid, started in children.get(todo.pop(), []):
+            if pid not in out:
+                out[pid] = started
+                todo.append(pid)
+    return out
+
+
+class OwnSuperLink:
+    """A ``flower-superlink`` in simulation mode that this run starts and stops: free port on 127.0.0.1, its own
+    ``FLWR_HOME`` (state, app bundles, log), its own session/process group.
+
+    Flower detaches what the SuperLink starts (SuperExec and the simulation process run in sessions of their
+    own), so the process group alone does not hold them: every descendant seen while the run goes is noted
+    (pid + start time, so a recycled pid is never signalled) and stopped with it. Nothing else is touched."""
+
+    def __init__(self, home: Path, env: dict[str, str]) -> None:
+        self.home = home
+        self.env = dict(env, FLWR_HOME=str(home))
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.owned: dict[int, int] = {}  # pid -> start time of everything this SuperLink started
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log_file(self) -> Path:
+        return self.home / "superlink.log"
+
+    def start(self, timeout: float = 60.0, attempts: int = 3) -> str:
+        """Start it and wait until its HTTP API answers; a port taken in between is retried with another."""
+        for attempt in range(attempts):
+            self.port = free_port()
+            cmd = ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
+                   "--host", "127.0.0.1", "--port", str(self.port),
+                   "--database", str(self.home / "state.db"), "--log-file", str(self.log_file),
+                   "--disable-runtime-dependency-installation"]
+            with (self.home / "superlink.out").open("ab") as out:
+                self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    break
+                if self._healthy():
+                    return self.address
+                time.sleep(0.2)
+            if self.proc.poll() is None:  # no answer in time: give up on this one
+                self.stop()
+                break
+            self.proc = None
+        raise RunFailed(f"could not start flower-superlink (see {self.log_file} and {self.home / 'superlink.out'})")
+
+    def _healthy(self) -> bool:
         try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
+            with urllib.request.urlopen(f"http://{self.address}/health", timeout=0.5) as resp:
+                return 200 <= resp.status < 300
+        except (OSError, ValueError):
+            return False
+
+    def note_children(self) -> None:
+        """Remember every process the SuperLink has started so far (they may be re-parented later)."""
+        if self.proc is not None:
+            self.owned.update(descendants(self.proc.pid))
+
+    def pids(self) -> set[int]:
+        """The SuperLink and every process it started that is still alive (same pid AND same start time)."""
+        self.note_children()
+        alive = {pid for pid, started in self.owned.items() if (_proc_stat(pid) or (0, -1))[1] == started}
+        if self.proc is not None and self.proc.poll() is None:
+            alive.add(self.proc.pid)
+        return alive
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM to the SuperLink's process group and to each process it started; SIGKILL what is left."""
+        if self.proc is None:
+            return
+        targets = self.pids()
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid in targets - {self.proc.pid}:
+            _signal(pid, self.owned.get(pid), signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            self.proc.poll()
+            if not self.pids():
+                break
+            time.sleep(0.2)
+        for pid in self.pids():
+            _signal(pid, self.owned.get(pid), signal.SIGKILL)
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
             pass
+
+
+def _signal(pid: int, started: int | None, sig: int) -> None:
+    """Signal ``pid`` only if it is still the process that was noted (its start time matches)."""
+    st = _proc_stat(pid)
+    if st is None or (started is not None and st[1] != started):
+        return
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def write_connection(home: Path, address: str) -> None:
+    """``$FLWR_HOME/config.toml`` with one connection, CONNECTION -> ``address`` (insecure loopback)."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = {toml_str(address)}\n'
+        "insecure = true\n")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """While inside: SIGTERM raises KeyboardInterrupt, so clean-up runs on `kill` as on Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def federation_config(cfg: ExperimentConfig, args: argparse.Namespace) -> str:
@@ -81,64 +251,142 @@ def federation_config(cfg: ExperimentConfig, args: argparse.Namespace) -> str:
             f"client-resources-num-gpus={number(args.gpus_per_client)}")
 
 
-def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[str], output_dir: Path,
-                    args: argparse.Namespace) -> Path:
-    """`flwr run` the app with this config; stream its log; raise RunFailed unless it completed."""
-    env = flower_env()
+def flwr_json(cmd: list[str], env: dict[str, str], timeout: float = 120) -> dict[str, Any]:
+    """Run a `flwr ... --format json` command and return its JSON document (RunFailed when there is none)."""
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=APP_DIR, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+    text = proc.stdout.strip()
+    try:
+        doc = json.loads(text[text.index("{"):]) if "{" in text else None
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise RunFailed(f"`{' '.join(cmd[:2])}` gave no JSON (exit {proc.returncode}): {(text + proc.stderr)[-2000:]}")
+    return doc
+
+
+def start_run(cfg: ExperimentConfig, config_path: Path, overrides: list[str], output_dir: Path,
+              args: argparse.Namespace, env: dict[str, str]) -> str:
+    """`flwr run APP fedapps --format json ...`: submit the run, return its id (from Flower's JSON)."""
     run_config = " ".join([
         f"config={toml_str(str(config_path))}",
         f"overrides={toml_str(' '.join(overrides))}",
         f"output-dir={toml_str(str(output_dir))}",
     ])
-    cmd = ["flwr", "run", str(APP_DIR), "--stream", "--run-config", run_config,
+    cmd = ["flwr", "run", str(APP_DIR), CONNECTION, "--format", "json", "--run-config", run_config,
            "--federation-config", federation_config(cfg, args)]
     print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    before = superlink_pids()
-    run_id = None
-    log_lines: list[str] = []
+    doc = flwr_json(cmd, env)
+    if not doc.get("success") or not doc.get("run-id"):
+        raise RunFailed(f"`flwr run` did not start the run: {json.dumps(doc)[:2000]}")
+    return str(doc["run-id"])
+
+
+def run_status(run_id: str, env: dict[str, str]) -> str:
+    """The run's status from `flwr ls --run-id ID --format json` (e.g. running, finished:completed)."""
     try:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=APP_DIR)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log_lines.append(line)
-            if not args.quiet:
+        doc = flwr_json(["flwr", "ls", CONNECTION, "--run-id", run_id, "--format", "json"], env, timeout=60)
+        return str(doc["runs"][0]["status"])
+    except (RunFailed, KeyError, IndexError, TypeError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def follow_run(run_id: str, env: dict[str, str], quiet: bool, link: OwnSuperLink | None,
+               poll: float = 2.0) -> tuple[str, list[str]]:
+    """Stream the run's log (`flwr log ID --stream`) while polling its status; return (final status, log)."""
+    lines: list[str] = []
+    logp = subprocess.Popen(["flwr", "log", run_id, CONNECTION, "--stream"], env=env, cwd=APP_DIR,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+
+    def pump() -> None:
+        assert logp.stdout is not None
+        for line in logp.stdout:
+            lines.append(line)
+            if not quiet:
                 sys.stdout.write(line)
                 sys.stdout.flush()
-            m = re.search(r"Successfully started run (\d+)", line)
-            if m:
-                run_id = m.group(1)
-        proc.wait()
-        if proc.returncode != 0:
-            raise RunFailed(f"`flwr run` exited with {proc.returncode}")
-        if run_id is None:
-            raise RunFailed("`flwr run` did not report a run id")
-        status = run_status(run_id, env)
-        if status != "finished:completed":
-            tail = "".join(log_lines[-20:])
-            raise RunFailed(f"run {run_id} ended with status '{status}'; last log lines:\n{tail}")
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    status = "unknown"
+    try:
+        while True:
+            if link is not None:
+                link.note_children()
+                if link.proc is not None and link.proc.poll() is not None:
+                    status = "superlink-exited"
+                    break
+            status = run_status(run_id, env)
+            if status.startswith("finished"):
+                break
+            time.sleep(poll)
+        try:
+            logp.wait(timeout=5)  # the stream ends by itself once the run's logs are all read
+        except subprocess.TimeoutExpired:
+            pass
     finally:
-        if not args.keep_superlink:
-            stop_pids(superlink_pids() - before)
+        if logp.poll() is None:
+            logp.terminate()
+            try:
+                logp.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                logp.kill()
+        reader.join(timeout=5)
+    return status, lines
+
+
+def failure_reasons(lines: list[str], result_dir: Path) -> str:
+    """Why a run failed: the problems the ServerApp recorded in summary.json, else its error lines."""
+    summary = result_dir / "summary.json"
+    if summary.is_file():
+        try:
+            problems = json.loads(summary.read_text()).get("problems") or []
+        except (ValueError, OSError):
+            problems = []
+        if problems:
+            return "\n".join(f"  - {p}" for p in problems)
+    errors = [ln.rstrip() for ln in lines if re.search(r"ERROR|Error|Exception|failed", ln)]
+    return "\n".join((errors or [ln.rstrip() for ln in lines])[-25:])
+
+
+def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[str], output_dir: Path,
+                    args: argparse.Namespace) -> Path:
+    """`flwr run` the app on a SuperLink this run starts (or ``--superlink ADDRESS``); raise RunFailed unless the
+    run completed. Only the processes this run started are stopped, also on Ctrl-C/SIGTERM or an error."""
+    env = flower_env()
+    home = Path(tempfile.mkdtemp(prefix="fedapps-flwr-"))
+    env["FLWR_HOME"] = str(home)
     result_dir = output_dir / cfg.resolved_run_name()
+    link: OwnSuperLink | None = None
+    ok = False
+    try:
+        with sigterm_as_interrupt():
+            if args.superlink:
+                address = args.superlink
+            else:
+                link = OwnSuperLink(home, env)
+                address = link.start()
+                print(f"SuperLink {address} (pid {link.proc.pid}, FLWR_HOME {home})", flush=True)
+            write_connection(home, address)
+            run_id = start_run(cfg, config_path, overrides, output_dir, args, env)
+            print(f"run {run_id} started on {address}", flush=True)
+            status, lines = follow_run(run_id, env, args.quiet, link)
+            if status != "finished:completed":
+                raise RunFailed(f"run {run_id} ended with status '{status}':\n{failure_reasons(lines, result_dir)}")
+        ok = True
+    finally:
+        if link is not None:
+            if args.keep_superlink:
+                print(f"SuperLink left running: {link.address}, pid {link.proc.pid} (stop it with kill {link.proc.pid})")
+            else:
+                link.stop()
+        if ok and not args.keep_superlink:
+            shutil.rmtree(home, ignore_errors=True)
+        elif not ok:
+            print(f"Flower's state and logs kept in {home}", file=sys.stderr)
     if not (result_dir / "summary.json").is_file():
         raise RunFailed(f"run completed but {result_dir}/summary.json is missing")
     return result_dir
-
-
-def run_status(run_id: str, env: dict[str, str], attempts: int = 10) -> str:
-    """The run's final status from `flwr ls` (e.g. finished:completed, finished:failed)."""
-    status = "unknown"
-    for _ in range(attempts):
-        out = subprocess.run(["flwr", "ls", "local", "--run-id", run_id, "--format", "json"], env=env,
-                             capture_output=True, text=True, cwd=APP_DIR).stdout
-        try:
-            status = json.loads(out)["runs"][0]["status"]
-        except (ValueError, KeyError, IndexError):
-            status = "unknown"
-        if status.startswith("finished"):
-            return status
-        time.sleep(1)
-    return status
 
 
 def run_in_process(cfg: ExperimentConfig, config_path: Path, overrides: list[str], output_dir: Path) -> Path:
@@ -192,16 +440,38 @@ def print_fedavg_reference(result_dir: Path, summary: dict[str, Any]) -> None:
           "(e.g. make run ARGS=\"--set strategy.name=fedavg\"); it is then shown here.")
 
 
+def check_output_dir(out: Path) -> None:
+    """The results root must be (or become) a writable folder: checked before any process starts."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".fedapps-write-test-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"output directory '{out}' is not writable ({exc.strerror or exc}); "
+                          "pass --output-dir DIR (or set output_dir) to a folder you can write") from exc
+
+
+def preflight(cfg: ExperimentConfig) -> None:
+    """What can be checked before a run starts: strategy and params, then the data (loaded and partitioned
+    here, so a DataError is a message and exit 2, not a failed Flower run)."""
+    import dataclasses
+
+    from fedapps.data import get_federation
+    from strategies import resolve  # local: the strategies (torch, flwr) load only when a run starts
+
+    resolve(cfg)  # strategy.name and strategy.params: a bad one fails here, before flwr run starts
+    get_federation(dataclasses.asdict(cfg.data))
+
+
 def execute(config: str, overrides: list[str], output_dir: str | None, args: argparse.Namespace) -> Path:
     """Validate, run (flwr or in-process) and return the results folder."""
     config_path = Path(config).expanduser().resolve()
     if not config_path.is_file():
         raise ConfigError(f"config file '{config}' not found; pass the path of a YAML file (e.g. configs/default.yaml)")
     cfg = load_config(config_path, overrides)
-    from strategies import resolve  # local: the strategies (torch, flwr) load only when a run starts
-
-    resolve(cfg)  # strategy.name and strategy.params: a bad one fails here, before flwr run starts
+    preflight(cfg)
     out = Path(output_dir or cfg.output_dir).expanduser().resolve()
+    check_output_dir(out)
     if args.engine == "inprocess":
         return run_in_process(cfg, config_path, overrides, out)
     return run_with_flower(cfg, config_path, overrides, out, args)
@@ -218,7 +488,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus-per-client", type=float, default=1, help="client-resources-num-cpus (default 1)")
     p.add_argument("--gpus-per-client", type=float, default=0, help="client-resources-num-gpus (default 0)")
     p.add_argument("--federation-config", default="", help="raw --federation-config for flwr run (overrides the three above)")
-    p.add_argument("--keep-superlink", action="store_true", help="leave the local SuperLink running afterwards")
+    p.add_argument("--superlink", default="", metavar="ADDRESS",
+                   help="join this running SuperLink (host:port, insecure) instead of starting one; nothing is stopped")
+    p.add_argument("--keep-superlink", action="store_true", help="leave the SuperLink this run started running afterwards")
     p.add_argument("--quiet", action="store_true", help="do not stream the run's log")
 
 
@@ -249,12 +521,15 @@ def main(argv: list[str] | None = None) -> int:
             compare(args, execute)
         elif args.command == "report":
             print_summary(Path(args.result_dir))
-    except ConfigError as exc:
+    except ConfigError as exc:  # includes fedapps.data.DataError and fedapps.models' ModelError
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    except RunFailed as exc:
+    except (RunFailed, UnusableRun) as exc:
         print(f"run failed: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted; the processes this run started were stopped", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -1,10 +1,12 @@
-"""`fedapps compare`: every config × seed through `flwr run` (skipping runs already complete, so an
-interrupted comparison resumes), then comparison.csv, comparison.md (mean ± SEM over seeds) and one plot.
+"""`fedapps compare`: every config × seed through `flwr run` (skipping runs already complete WITH THE SAME
+resolved config, so an interrupted comparison resumes and a changed one reruns), then comparison.csv,
+comparison.md (mean ± SEM over seeds) and one plot.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -14,7 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from scipy import stats
 
-from fedapps.config import load_config
+from fedapps.config import ConfigError, config_hash, load_config
 from fedapps.results import read_csv, write_csv
 
 log = logging.getLogger("fedapps")
@@ -36,15 +38,51 @@ def run_label(config_path: str) -> str:
     return Path(config_path).stem
 
 
-def is_complete(result_dir: Path, rounds: int) -> bool:
-    """A run counts as done when summary.json exists and covers all rounds."""
+def stored_hash(result_dir: Path) -> str | None:
+    """The config hash a finished run recorded: summary.json's ``config_hash``, else its config.sha256 file."""
+    try:
+        value = json.loads((result_dir / "summary.json").read_text()).get("config_hash")
+        if value:
+            return str(value)
+    except (ValueError, OSError, AttributeError):
+        pass
+    try:
+        return (result_dir / "config.sha256").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def resume_decision(result_dir: Path, rounds: int, expected_hash: str) -> tuple[bool, str]:
+    """(skip?, why): a run is skipped only when summary.json exists, covers every round, records no problem,
+    and was made from the config about to run (same ``config_hash``); otherwise it is (re)run."""
     f = result_dir / "summary.json"
     if not f.is_file():
-        return False
+        return False, "running"
     try:
-        return int(json.loads(f.read_text()).get("rounds", 0)) >= rounds
+        summary = json.loads(f.read_text())
     except (ValueError, OSError):
-        return False
+        return False, "rerunning (its summary.json is unreadable)"
+    if not isinstance(summary, dict):
+        return False, "rerunning (its summary.json is not a summary)"
+    stored = stored_hash(result_dir)
+    if stored is None:
+        return False, "rerunning (the earlier run stored no config hash)"
+    if stored != expected_hash:
+        return False, f"rerunning (the config changed since the earlier run: hash {stored[:12]} -> {expected_hash[:12]})"
+    if summary.get("problems"):
+        return False, "rerunning (the earlier run failed: " + "; ".join(map(str, summary["problems"]))[:200] + ")"
+    try:
+        done = int(summary.get("rounds", 0))
+    except (TypeError, ValueError):
+        done = 0
+    if done < rounds:
+        return False, f"rerunning (the earlier run stopped after {done} of {rounds} rounds)"
+    return True, "already complete with the same config, skipped"
+
+
+def is_complete(result_dir: Path, rounds: int, expected_hash: str) -> bool:
+    """A run counts as done when :func:`resume_decision` says it may be skipped."""
+    return resume_decision(result_dir, rounds, expected_hash)[0]
 
 
 def summarise_runs(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -114,11 +152,15 @@ def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
     runs_dir = folder / "runs"
     labels = [run_label(c) for c in args.configs]
     if len(set(labels)) != len(labels):
-        raise SystemExit("compare: two configs share a file name; rename one (the name labels the table row)")
+        raise ConfigError("compare: two configs share a file name; rename one (the name labels the table row)")
     from strategies import resolve  # local: tools sit above the strategies; `fedapps.compare` stays light
 
-    for config in args.configs:  # every config's strategy and params checked before the first run starts
-        resolve(load_config(Path(config).expanduser().resolve(), list(args.overrides)))
+    from fedapps.data import get_federation
+
+    for config in args.configs:  # every config's strategy, params and data checked before the first run starts
+        checked = load_config(Path(config).expanduser().resolve(), list(args.overrides))
+        resolve(checked)
+        get_federation(dataclasses.asdict(checked.data))  # a DataError (a ConfigError) here: exit 2
     rows, curves = [], {}
     total = len(args.configs) * len(args.seeds)
     done = 0
@@ -129,10 +171,9 @@ def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
             cfg = load_config(Path(config).expanduser().resolve(), overrides)
             result_dir = runs_dir / cfg.resolved_run_name()
             done += 1
-            if is_complete(result_dir, cfg.rounds):
-                print(f"[{done}/{total}] {label} seed {seed}: already complete, skipped", flush=True)
-            else:
-                print(f"[{done}/{total}] {label} seed {seed}: running", flush=True)
+            skip, why = resume_decision(result_dir, cfg.rounds, config_hash(resolve(cfg).config(cfg)))
+            print(f"[{done}/{total}] {label} seed {seed}: {why}", flush=True)
+            if not skip:
                 execute(config, overrides, str(runs_dir), args)
             summaries.append(json.loads((result_dir / "summary.json").read_text()))
             label_curves.append(read_csv(result_dir / "rounds.csv"))

@@ -10,6 +10,8 @@ the registry in ``strategies`` resolves ``strategy.name`` and checks the params 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -126,13 +128,54 @@ DEVICES = ("auto", "cpu", "cuda")
 # --------------------------------------------------------------------------- loading
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a mapping may not repeat a key (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        self.flatten_mapping(node)
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                hash(key)
+            except TypeError:
+                continue  # the base class reports unhashable keys
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}' (line {line}; first at line {seen[key]}): "
+                    "remove one of them", key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str) -> Any:
+    """YAML text -> data, rejecting duplicate keys (yaml.YAMLError naming the key and its line)."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def read_config_text(p: Path) -> str:
+    """A config file's text: a binary file or one that is not UTF-8 is a ConfigError naming the file."""
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"config file {p}: cannot be read ({exc.strerror or exc}); pass a readable YAML file") from exc
+    if b"\x00" in data:
+        raise ConfigError(f"config file {p}: is a binary file, not YAML text; pass a YAML config (e.g. configs/default.yaml)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {p}: is not UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r}); "
+                          "save it as UTF-8") from exc
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] | str | None = None) -> ExperimentConfig:
     """Read a YAML file (None: all defaults), apply ``key.sub=value`` overrides, validate."""
     raw: dict[str, Any] = {}
     if path is not None:
         p = resolve_config_path(path)
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = parse_yaml(read_config_text(p))
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {p}: not valid YAML: {exc}") from exc
         if loaded is None:
@@ -174,7 +217,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     if not key:
         raise ConfigError(f"override '{item}' has an empty key")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = parse_yaml(text) if text.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"override '{item}': value is not valid YAML: {exc}") from exc
     node = raw
@@ -297,7 +340,7 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(cfg.rounds > 0, f"'rounds' must be a positive integer, got {cfg.rounds}")
     _check(cfg.seed >= 0, f"'seed' must be >= 0, got {cfg.seed}")
     _check(bool(cfg.output_dir), "'output_dir' must not be empty")
-    _check("/" not in cfg.run_name, f"'run_name' must not contain '/', got '{cfg.run_name}'")
+    check_run_name(cfg.run_name)
 
     s = cfg.strategy
     _check(bool(s.name), "'strategy.name' must not be empty")
@@ -325,6 +368,35 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(c.weight_decay >= 0, f"'client.weight_decay' must be >= 0, got {c.weight_decay}")
     _check(c.clip_norm >= 0, f"'client.clip_norm' must be >= 0 (0 = no clipping), got {c.clip_norm}")
     _one_of("client.device", c.device, DEVICES)
+
+
+def check_run_name(name: str) -> None:
+    """``run_name`` names one folder inside the output folder: no path, no '..', not blank ('' = derived)."""
+    if name == "":
+        return
+    fix = "use a plain folder name such as 'fedavg-test' (letters, digits, '-', '_', '.')"
+    if not name.strip():
+        raise ConfigError(f"'run_name' is blank ({name!r}); leave it out to derive one, or {fix}")
+    if name != name.strip():
+        raise ConfigError(f"'run_name' {name!r} starts or ends with spaces; {fix}")
+    if any(sep in name for sep in ("/", "\\", os.sep)) or os.path.isabs(name) or (os.altsep and os.altsep in name):
+        raise ConfigError(f"'run_name' {name!r} contains a path separator; it must stay inside the output folder: {fix}")
+    if name in (".", "..") or set(name) == {"."}:
+        raise ConfigError(f"'run_name' {name!r} would leave the run folder inside the output folder; {fix}")
+    if "\x00" in name or any(ord(ch) < 32 for ch in name):
+        raise ConfigError(f"'run_name' {name!r} contains control characters; {fix}")
+
+
+HASH_EXCLUDED = ("run_name", "output_dir")  # where a run is written, not what it computes
+
+
+def config_hash(cfg: ExperimentConfig) -> str:
+    """sha256 of the config as dumped (every section, strategy params included), without ``run_name`` and
+    ``output_dir``: two runs with the same hash compute the same thing. Pass the RESOLVED config
+    (``strategies.resolve(cfg).config(cfg)``, what config.yaml holds) so that filled-in defaults count."""
+    data = {k: v for k, v in cfg.to_dict().items() if k not in HASH_EXCLUDED}
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def with_strategy_params(cfg: ExperimentConfig, name: str, values: Mapping[str, Any]) -> ExperimentConfig:

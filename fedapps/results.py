@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol
 
 from fedapps import plots
-from fedapps.config import ExperimentConfig, dump_yaml
+from fedapps.config import ExperimentConfig, config_hash, dump_yaml
 
 log = logging.getLogger("fedapps")
 
@@ -39,6 +39,49 @@ class Artifact:
     def __post_init__(self) -> None:
         if self.kind not in ARTIFACT_KINDS:
             raise ValueError(f"unknown artifact kind '{self.kind}'; allowed: {', '.join(ARTIFACT_KINDS)}")
+
+
+class UnusableRun(RuntimeError):
+    """A run that produced nothing usable (no usable reply at all, or most messages never reached a client).
+
+    The ServerApp raises it after writing the results, so the Flower run ends ``finished:failed``."""
+
+
+class DeliveryCheck:
+    """A result sink that counts, over the whole run, the training messages sent, those that got any reply
+    (an error reply counts: the message reached a client), and the usable replies; :meth:`problems` says
+    what makes the run unusable."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.answered = 0
+        self.usable = 0
+        self.errors: list[str] = []  # distinct error reasons of client replies (first few)
+
+    def on_round(self, entry: Any) -> None:
+        self.sent += int(getattr(entry, "sent", 0))
+        self.answered += int(getattr(entry, "received", 0))
+        self.usable += len(entry.replies)
+        for reason in getattr(entry, "errors", ()):
+            if reason not in self.errors and len(self.errors) < 5:
+                self.errors.append(reason)
+
+    def on_finish(self, summary: Mapping[str, Any], artifacts: list[Artifact]) -> None:
+        pass
+
+    def totals(self) -> dict[str, Any]:
+        return {"messages_sent": self.sent, "messages_answered": self.answered, "usable_replies": self.usable}
+
+    def problems(self) -> list[str]:
+        out = []
+        errors = f"; client errors: {' | '.join(self.errors)}" if self.errors else ""
+        if self.usable == 0:
+            out.append(f"no usable client reply in the whole run ({self.sent} messages sent, {self.answered} answered)"
+                       f": nothing was trained or evaluated{errors}")
+        if self.sent and 2 * self.answered < self.sent:
+            out.append(f"only {self.answered} of {self.sent} sampled messages reached a client (got any reply): "
+                       "check that the SuperNodes are up, the node ids, and strategy.timeout")
+        return out
 
 
 class ResultSink(Protocol):
@@ -79,6 +122,7 @@ def round_row(entry: Any, report_tag: str, num_clients: int) -> dict[str, Any]:
     row: dict[str, Any] = {
         "round": entry.round,
         "clients": len(entry.replies),
+        "skipped": int(bool(getattr(entry, "skipped", False))),  # too few usable replies: not aggregated
         "bytes_up": entry.bytes_up,
         "bytes_down": entry.bytes_down,
         "eval_bytes_up": entry.eval_bytes_up,
@@ -118,6 +162,8 @@ class FileSink:
         for stale in ("summary.json", "rounds.csv", REJECTIONS):
             (self.dir / stale).unlink(missing_ok=True)
         (self.dir / "config.yaml").write_text(dump_yaml(cfg))
+        self.config_hash = config_hash(cfg)
+        (self.dir / "config.sha256").write_text(self.config_hash + "\n")
         self.rows: list[dict[str, Any]] = []
 
     def write_partition(self, rows: list[Mapping[str, Any]]) -> None:
@@ -138,6 +184,7 @@ class FileSink:
     def summary(self, wall_seconds: float, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """summary.json's content: the rounds so far summarised, plus the strategy's own entries."""
         summary = summarise(self.cfg, self.rows, wall_seconds)
+        summary["config_hash"] = self.config_hash
         summary.update(extra or {})
         return summary
 
@@ -170,8 +217,12 @@ def _fmt(v: Any) -> str:
 
 
 def summarise(cfg: ExperimentConfig, rows: list[Mapping[str, Any]], wall_seconds: float) -> dict[str, Any]:
-    """summary.json content: final-round accuracies, totals, and the best round as a labelled extra."""
-    scored = [r for r in rows if isinstance(r.get("acc_mean"), float)]
+    """summary.json content: final-round accuracies, totals, and the best round as a labelled extra.
+
+    The reported numbers come from the last round that was aggregated and scored (``final_round``); when the
+    run's last round got no usable reply, ``final_round_had_no_replies`` is true. Skipped rounds (fewer usable
+    replies than ``strategy.min_clients``) are listed in ``skipped_rounds`` and never report a number."""
+    scored = [r for r in rows if isinstance(r.get("acc_mean"), float) and not r.get("skipped")]
     final = scored[-1] if scored else {}
     last = scored[-5:]
     clients = cfg.data.num_clients
@@ -188,6 +239,8 @@ def summarise(cfg: ExperimentConfig, rows: list[Mapping[str, Any]], wall_seconds
         "seed": cfg.seed,
         "rounds": rounds,
         "final_round": final.get("round"),
+        "final_round_had_no_replies": bool(rows) and int(rows[-1]["clients"]) == 0,
+        "skipped_rounds": [r["round"] for r in rows if r.get("skipped")],
         "accuracy_mean": final.get("acc_mean"),
         "accuracy_weighted": final.get("acc_weighted"),
         "accuracy_mean_last5": sum(r["acc_mean"] for r in last) / len(last) if last else None,

@@ -52,6 +52,10 @@ class RoundLog:
     replies_rejected: int = 0
     replies_missing: int = 0
     rejections: list[Rejection] = dataclasses.field(default_factory=list)  # the sinks append them to rejections.csv
+    sent: int = 0  # training messages sent this round (one per sampled node)
+    received: int = 0  # replies that came back (error replies included: the message reached a client)
+    skipped: bool = False  # fewer usable replies than strategy.min_clients: nothing was aggregated
+    errors: list[str] = dataclasses.field(default_factory=list)  # reasons of the error replies
 
 
 class PersonalisedStrategy(Strategy):
@@ -253,11 +257,16 @@ class PersonalisedStrategy(Strategy):
         replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
         up = sum(protocol.record_nbytes(m.content) for m in replies if not m.has_error())
         parsed = self.validate(rnd, replies, self.expect_arrays(), self.expect_predictions())
-        extra = self.aggregate(rnd, parsed) if parsed else {}
-        if parsed:
+        skipped = len(parsed) < self.cfg.strategy.min_clients
+        if skipped:
+            log.warning("round %d skipped: %d usable replies, fewer than strategy.min_clients=%d (no aggregation)",
+                        rnd, len(parsed), self.cfg.strategy.min_clients)
+        extra = {} if skipped else self.aggregate(rnd, parsed)
+        if not skipped:
             self.last_extra = dict(extra)
-        entry = RoundLog(rnd, parsed, down, up, extra=dict(extra))
-        eval_messages = self.evaluation_messages(rnd)
+        entry = RoundLog(rnd, parsed, down, up, extra=dict(extra), sent=len(messages), received=len(replies),
+                         skipped=skipped, errors=[str(m.error.reason) for m in replies if m.has_error()])
+        eval_messages = [] if skipped else self.evaluation_messages(rnd)
         if eval_messages:
             self.validator.expect(eval_messages)
             entry.eval_bytes_down = sum(protocol.record_nbytes(m.content) for m in eval_messages)

@@ -2,6 +2,7 @@
 Flower's Ray simulation engine; `fedapps compare` builds its table and resumes without re-running."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,6 @@ def test_missing_config_file(capsys):
 def test_flwr_run_end_to_end(tiny_config, tmp_path):
     """`fedapps run` -> `flwr run` (local SuperLink, Ray simulation, 3 SuperNodes, 2 rounds)."""
     cfg = tiny_config(data={"num_clients": 3})
-    running_before = cli.superlink_pids()
     proc = subprocess.run(
         [sys.executable, "-m", "fedapps.cli", "run", str(cfg), "--output-dir", str(tmp_path / "res"), "--quiet"],
         cwd=ROOT, capture_output=True, text=True, timeout=400,
@@ -39,7 +39,8 @@ def test_flwr_run_end_to_end(tiny_config, tmp_path):
     assert summary["rounds"] == 2 and summary["num_clients"] == 3
     assert 0.0 < summary["accuracy_mean"] <= 1.0
     assert "accuracy_mean" in proc.stdout and str(out) in proc.stdout
-    assert not cli.superlink_pids() - running_before, "the SuperLink started by the run must be stopped"
+    pid = int(re.search(r"^SuperLink 127\.0\.0\.1:\d+ \(pid (\d+)", proc.stdout, re.M).group(1))
+    assert cli._proc_stat(pid) is None, "the SuperLink started by the run must be stopped"
 
 
 def test_compare_table_and_resume(tiny_config, tmp_path, capsys):
@@ -57,7 +58,7 @@ def test_compare_table_and_resume(tiny_config, tmp_path, capsys):
     stamp = (folder / "runs" / f"{a.stem}-s0" / "summary.json").stat().st_mtime
     assert cli.main(args) == 0
     out = capsys.readouterr().out
-    assert out.count("already complete, skipped") == 4
+    assert out.count("already complete with the same config, skipped") == 4
     assert (folder / "runs" / f"{a.stem}-s0" / "summary.json").stat().st_mtime == stamp
 
 

@@ -1,0 +1,310 @@
+"""Reliability of `fedapps run` / `compare`: input errors exit 2 with a message, unusable runs exit non-zero,
+skipped and reply-less rounds are recorded, compare resumes only runs made from the same config, and the
+run owns its processes (unit tests here; the two `flwr run` process tests are in test_cli_processes.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedapps import cli
+from fedapps.compare import resume_decision
+from fedapps.config import ConfigError, check_run_name, config_hash, load_config, parse_yaml
+from fedapps.results import read_csv
+
+
+def run_cli(*argv: str) -> int:
+    return cli.main(list(argv))
+
+
+# --------------------------------------------------------------------------- input errors -> exit 2
+
+
+def test_duplicate_yaml_key_names_key_and_line(tmp_path, capsys):
+    path = tmp_path / "dup.yaml"
+    path.write_text("seed: 0\nrounds: 2\nclient:\n  lr: 0.1\n  lr: 0.2\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'lr' \(line 5; first at line 4\)"):
+        load_config(path)
+    assert run_cli("run", str(path), "--engine", "inprocess") == 2
+    err = capsys.readouterr().err
+    assert "duplicate key 'lr'" in err and str(path) in err
+
+
+def test_duplicate_key_at_top_level_and_in_override():
+    with pytest.raises(Exception, match="duplicate key 'rounds'"):
+        parse_yaml("rounds: 1\nseed: 0\nrounds: 3\n")
+    with pytest.raises(ConfigError, match="duplicate key 'a'"):
+        load_config(None, ['strategy.params={"a":1,"a":2}'])
+    assert parse_yaml("a: 1\nb: {c: 2}\n") == {"a": 1, "b": {"c": 2}}  # ordinary YAML still loads
+
+
+@pytest.mark.parametrize("content, words", [
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "binary"),
+    ("seed: 0\nrun_name: caf\xe9\n".encode("latin-1"), "not UTF-8"),
+])
+def test_binary_or_non_utf8_config_exits_2(tmp_path, capsys, content, words):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    assert run_cli("run", str(path), "--engine", "inprocess") == 2
+    err = capsys.readouterr().err
+    assert words in err and str(path) in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", ["..", ".", "../escape", "/tmp/abs", "a/b", "a\\b", "   ", " x"])
+def test_run_name_cannot_leave_the_output_folder(name, tiny_config, tmp_path, capsys):
+    with pytest.raises(ConfigError, match="run_name"):
+        check_run_name(name)
+    out = tmp_path / "out"
+    assert run_cli("run", str(tiny_config(run_name=name)), "--engine", "inprocess", "--output-dir", str(out)) == 2
+    assert "run_name" in capsys.readouterr().err
+    assert not out.exists() or not any(out.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".yaml" or p == out)
+
+
+def test_plain_run_names_are_fine():
+    for name in ("", "fedavg-test", "run_1.2", "x..y"):
+        check_run_name(name)
+
+
+def test_data_error_exits_2_before_any_process_starts(tiny_config, capsys, monkeypatch):
+    """A partition that cannot be built is a DataError (a ConfigError): exit 2 with a message, for both engines,
+    and the flower engine starts nothing."""
+    cfg = tiny_config(data={"partition": "dirichlet", "min_samples": 1000})
+    monkeypatch.setattr(cli, "run_with_flower", lambda *a, **k: pytest.fail("flwr must not start on a data error"))
+    for engine in ("inprocess", "flower"):
+        assert run_cli("run", str(cfg), "--engine", engine) == 2
+        err = capsys.readouterr().err
+        assert "config error" in err and "min_samples" in err and "Traceback" not in err
+
+
+def test_unwritable_output_dir_exits_2_before_flower(tiny_config, tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setattr(cli, "run_with_flower", lambda *a, **k: pytest.fail("flwr must not start"))
+    assert run_cli("run", str(tiny_config()), "--output-dir", str(blocker / "sub")) == 2
+    err = capsys.readouterr().err
+    assert "not writable" in err and "--output-dir" in err
+
+
+def test_compare_duplicate_labels_exit_2(tiny_config, tmp_path, capsys):
+    a = tiny_config()
+    other = tmp_path / "x"
+    other.mkdir()
+    b = other / a.name
+    b.write_text(a.read_text())
+    assert run_cli("compare", str(a), str(b), "--seeds", "0", "--engine", "inprocess", "--output-dir", str(tmp_path)) == 2
+    assert "share a file name" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- quiet endings made loud
+
+
+def failing_train(monkeypatch, fails):
+    """Make the client 'train' operation raise for clients where fails(client_id) is true."""
+    from fedapps.clientops import OPERATIONS, ClientOp
+
+    original = OPERATIONS["train"]
+
+    def run(w, tag):
+        if fails(w.client_id):
+            raise RuntimeError(f"client {w.client_id}: disk on fire")
+        return original.run(w, tag)
+
+    monkeypatch.setitem(OPERATIONS, "train", ClientOp("train", run, original.default_tag))
+
+
+def test_every_client_failing_fails_the_run(tiny_config, tmp_path, capsys, monkeypatch):
+    failing_train(monkeypatch, lambda cid: True)
+    out = tmp_path / "res"
+    assert run_cli("run", str(tiny_config()), "--engine", "inprocess", "--output-dir", str(out)) == 1
+    err = capsys.readouterr().err
+    assert "no usable client reply" in err and "disk on fire" in err
+    summary = json.loads((out / "fedavg-digits-iid-s0" / "summary.json").read_text())
+    assert summary["accuracy_mean"] is None and summary["usable_replies"] == 0
+    assert summary["messages_sent"] == 8 and summary["messages_answered"] == 8  # they reached clients, all errors
+    assert summary["problems"] and "no usable client reply" in summary["problems"][0]
+
+
+def test_server_app_raises_so_flower_marks_the_run_failed(tiny_config, tmp_path, monkeypatch):
+    import server_app
+    from fedapps.inprocess import InProcessGrid
+    from fedapps.results import UnusableRun
+
+    failing_train(monkeypatch, lambda cid: True)
+    with pytest.raises(UnusableRun, match="no usable client reply"):
+        server_app.run_experiment(InProcessGrid(4), str(tiny_config()), "", str(tmp_path))
+
+
+def test_most_messages_never_delivered_fails_the_run(tiny_config, tmp_path, capsys, monkeypatch):
+    from fedapps.inprocess import InProcessGrid
+
+    real = InProcessGrid
+    monkeypatch.setattr("fedapps.inprocess.InProcessGrid", lambda n: real(n, drop=lambda rnd, pid: pid != 0))
+    out = tmp_path / "res"
+    assert run_cli("run", str(tiny_config()), "--engine", "inprocess", "--output-dir", str(out)) == 1
+    err = capsys.readouterr().err
+    assert "only 2 of 8 sampled messages reached a client" in err
+    summary = json.loads((out / "fedavg-digits-iid-s0" / "summary.json").read_text())
+    assert summary["usable_replies"] == 2 and summary["accuracy_mean"] is not None  # results kept, run failed
+
+
+def test_round_below_min_clients_is_skipped(tiny_config, tmp_path):
+    import server_app
+    from fedapps.inprocess import InProcessGrid
+
+    cfg = tiny_config(rounds=3, strategy={"name": "fedavg", "min_clients": 2})
+    grid = InProcessGrid(4, drop=lambda rnd, pid: rnd == 2 and pid != 0)  # round 2: one usable reply
+    summary = server_app.run_experiment(grid, str(cfg), "", str(tmp_path))
+    rows = read_csv(tmp_path / "fedavg-digits-iid-s0" / "rounds.csv")
+    assert [r["skipped"] for r in rows] == [0, 1, 0]
+    assert [r["clients"] for r in rows] == [4, 1, 4]
+    assert summary["skipped_rounds"] == [2] and summary["final_round"] == 3
+    assert summary["final_round_had_no_replies"] is False
+
+
+def test_skipped_round_does_not_aggregate(tiny_config):
+    from fedapps.inprocess import InProcessGrid
+    from strategies import STRATEGIES
+
+    cfg = load_config(tiny_config(rounds=2, strategy={"name": "fedavg", "min_clients": 3}))
+    strategy = STRATEGIES["fedavg"](cfg)
+    calls = []
+    original = strategy.aggregate
+    strategy.aggregate = lambda rnd, replies: calls.append(rnd) or original(rnd, replies)
+    grid = InProcessGrid(4, drop=lambda rnd, pid: rnd == 2 and pid < 2)
+    entries = [strategy.run_round(grid, rnd, 60) for rnd in (1, 2)]
+    assert calls == [1]
+    assert [e.skipped for e in entries] == [False, True]
+    assert [(e.sent, e.received) for e in entries] == [(4, 4), (4, 2)]
+
+
+def test_last_round_without_replies_is_flagged(tiny_config, tmp_path, capsys):
+    import server_app
+    from fedapps.inprocess import InProcessGrid
+
+    grid = InProcessGrid(4, drop=lambda rnd, pid: rnd == 2)
+    summary = server_app.run_experiment(grid, str(tiny_config()), "", str(tmp_path))
+    assert summary["final_round_had_no_replies"] is True
+    assert summary["final_round"] == 1 and summary["rounds"] == 2
+    assert summary["accuracy_mean"] is not None and summary["problems"] == []
+    on_disk = json.loads((tmp_path / "fedavg-digits-iid-s0" / "summary.json").read_text())
+    assert on_disk["final_round_had_no_replies"] is True and on_disk["final_round"] == 1
+
+
+# --------------------------------------------------------------------------- config hash and resume
+
+
+def test_config_hash_ignores_where_not_what(tiny_config):
+    from strategies import resolve
+
+    def h(*overrides):
+        cfg = load_config(tiny_config(), list(overrides))
+        return config_hash(resolve(cfg).config(cfg))
+
+    base = h()
+    assert h("run_name=other", "output_dir=/elsewhere") == base
+    assert h("client.lr=0.01") != base
+    assert h("strategy.name=fedprox") != base
+    assert h("strategy.name=fedprox", "strategy.params.fedprox.mu=0.5") != h("strategy.name=fedprox")
+    assert len(base) == 64
+
+
+def test_resume_decision(tmp_path):
+    d = tmp_path / "run"
+    assert resume_decision(d, 2, "abc") == (False, "running")
+    d.mkdir()
+    (d / "summary.json").write_text(json.dumps({"rounds": 2, "config_hash": "abc", "problems": []}))
+    assert resume_decision(d, 2, "abc")[0] is True
+    skip, why = resume_decision(d, 2, "abd")
+    assert not skip and "config changed" in why
+    assert not resume_decision(d, 3, "abc")[0]
+    (d / "summary.json").write_text(json.dumps({"rounds": 2}))  # an older run: no hash stored
+    assert resume_decision(d, 2, "abc") == (False, "rerunning (the earlier run stored no config hash)")
+    (d / "config.sha256").write_text("abc\n")
+    assert resume_decision(d, 2, "abc")[0] is True
+    (d / "summary.json").write_text(json.dumps({"rounds": 2, "config_hash": "abc", "problems": ["no usable reply"]}))
+    assert not resume_decision(d, 2, "abc")[0]
+    (d / "summary.json").write_text("{broken")
+    assert not resume_decision(d, 2, "abc")[0]
+
+
+def test_run_writes_config_hash(tiny_config, tmp_path):
+    from strategies import resolve
+
+    path = tiny_config(rounds=1)
+    assert run_cli("run", str(path), "--engine", "inprocess", "--output-dir", str(tmp_path)) == 0
+    out = tmp_path / "fedavg-digits-iid-s0"
+    cfg = load_config(path)
+    expected = config_hash(resolve(cfg).config(cfg))
+    assert (out / "config.sha256").read_text().strip() == expected
+    assert json.loads((out / "summary.json").read_text())["config_hash"] == expected
+    assert config_hash(load_config(out / "config.yaml")) == expected  # config.yaml is what was hashed
+
+
+def test_compare_reruns_when_the_config_changed(tiny_config, tmp_path, capsys):
+    cfg = tiny_config(rounds=1)
+    args = ["compare", str(cfg), "--seeds", "0", "--engine", "inprocess", "--output-dir", str(tmp_path)]
+    run_dir = tmp_path / "comparison" / "runs" / f"{cfg.stem}-s0"
+    assert run_cli(*args) == 0
+    first = json.loads((run_dir / "summary.json").read_text())
+    capsys.readouterr()
+    assert run_cli(*args) == 0
+    assert "already complete with the same config, skipped" in capsys.readouterr().out
+    assert run_cli(*args, "--set", "client.lr=0.01") == 0
+    out = capsys.readouterr().out
+    assert "config changed" in out and "skipped" not in out
+    second = json.loads((run_dir / "summary.json").read_text())
+    assert second["config_hash"] != first["config_hash"]
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["client"]["lr"] == 0.01
+
+
+# --------------------------------------------------------------------------- owned processes
+
+
+def test_free_port_is_bindable():
+    import socket
+
+    port = cli.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_descendants_and_signal_only_the_noted_process():
+    root = subprocess.Popen(["bash", "-c", "sleep 60 & sleep 60 & wait"], start_new_session=True)
+    try:
+        for _ in range(50):
+            kids = cli.descendants(root.pid)
+            if len(kids) >= 2:
+                break
+            time.sleep(0.1)
+        assert len(kids) == 2
+        pid, started = next(iter(kids.items()))
+        cli._signal(pid, started + 1, signal.SIGTERM)  # a different start time: another process, untouched
+        time.sleep(0.2)
+        assert cli._proc_stat(pid) is not None
+        cli._signal(pid, started, signal.SIGTERM)
+        for _ in range(50):
+            if cli._proc_stat(pid) is None:
+                break
+            time.sleep(0.1)
+        assert cli._proc_stat(pid) is None
+    finally:
+        os.killpg(root.pid, signal.SIGTERM)
+        root.wait(timeout=10)
+
+
+def test_write_connection(tmp_path):
+    import tomllib
+
+    cli.write_connection(tmp_path, "127.0.0.1:4567")
+    doc = tomllib.loads((tmp_path / "config.toml").read_text())
+    assert doc["superlink"]["default"] == cli.CONNECTION
+    assert doc["superlink"][cli.CONNECTION] == {"address": "127.0.0.1:4567", "insecure": True}
