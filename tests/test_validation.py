@@ -91,7 +91,6 @@ def test_aggregation_settings_are_validated_and_refused_where_they_do_not_apply(
 
 def test_fedavg_with_median_shrugs_off_a_plausible_but_huge_update(tmp_path):
     """A client sending finite, well-shaped but enormous weights passes validation; the median keeps it out."""
-    from fedapps import faults  # noqa: F401
     from strategies.fedavg import FedAvg
 
     cfg = load_config(None, ["data.source=digits", "data.num_clients=3", "model.name=mlp", "rounds=1",
