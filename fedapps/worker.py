@@ -20,6 +20,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from torch import nn
 
 from fedapps import ops, protocol, pseudolabels
+from fedapps.seeds import derive_seed
 from fedapps.clientops import DISTILL_WEIGHTINGS, TRAINING_TERMS, ProtocolError, client_op, parse_op
 from fedapps.data import ClientData, Federation, get_federation
 from fedapps.models import STATE_PARTS, build_model, classifier_name, state_part
@@ -171,7 +172,8 @@ class Worker:
         self.val_x, self.val_y = self.data.train_x[:0], self.data.train_y[:0]
         holdout = float(self.config.get("holdout-fraction", 0.0))
         if holdout:
-            fit, held_out = holdout_split(len(self.data.train_y), holdout, int(self.config.get("data.seed", 0)) * 7919 + self.client_id)
+            fit, held_out = holdout_split(len(self.data.train_y), holdout,
+                                           derive_seed(int(self.config.get("data.seed", 0)), "holdout", self.client_id))
             self.train_x, self.train_y = self.data.train_x[fit], self.data.train_y[fit]
             self.val_x, self.val_y = self.data.train_x[held_out], self.data.train_y[held_out]
         self.device = ops.resolve_device(str(self.config.get("client.device", "auto")))
@@ -181,7 +183,9 @@ class Worker:
         self.reply = RecordDict()
         rnd = int(self.config.get("round", 0))
         seed = int(self.config.get("model.seed", 0))
-        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rnd * 10_007 + self.client_id)
+        self.generator = torch.Generator().manual_seed(derive_seed(seed, "client-batches", rnd, self.client_id))
+        # ops that draw from torch's global RNG (dropout) see a stream fixed by (seed, round, client) too
+        torch.manual_seed(derive_seed(seed, "client-global", rnd, self.client_id))
 
     # ------------------------------------------------------------------ entry point
     def run(self) -> Message:

@@ -31,6 +31,7 @@ from fedapps.models import MODEL_NAMES, build_model
 from fedapps.params import param
 from fedapps.protocol import ClientReply
 from fedapps.results import Artifact
+from fedapps.seeds import derive_seed
 from strategies.base import PersonalisedStrategy
 
 log = logging.getLogger("fedapps")
@@ -273,7 +274,7 @@ class Cosmos(PersonalisedStrategy):
         """h_k, built on first use (seeded by the experiment seed and k), then kept and fine-tuned forever."""
         if k not in self.models:
             self.models[k] = build_model(self.params.server_model, self.num_classes, tuple(self.fed.input_shape),
-                                         seed=self.cfg.seed * 1000 + 17 + k).to(self.device)
+                                         seed=derive_seed(self.cfg.seed, "cosmos-server-init", k)).to(self.device)
         return self.models[k]
 
     def train_cluster_models(self, server_round: int, preds: dict[int, np.ndarray]) -> dict[int, float]:
@@ -290,8 +291,10 @@ class Cosmos(PersonalisedStrategy):
             t0 = time.perf_counter()
             target = server_target(np.stack([preds[c] for c in present]), p.aggregation, p.temperature)
             model = self.server_model(k)
-            gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + server_round * 101 + k)
-            result = ops.distill(model, self.fed.public_x, torch.as_tensor(target), optim, dist, generator=gen)
+            gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "cosmos-server-distill", server_round, k))
+            with torch.random.fork_rng(devices=[]):  # dropout in h_k draws from a seeded global stream, restored after
+                torch.manual_seed(derive_seed(self.cfg.seed, "cosmos-server-global", server_round, k))
+                result = ops.distill(model, self.fed.public_x, torch.as_tensor(target), optim, dist, generator=gen)
             probs = ops.predict(model, self.fed.public_x).numpy()
             self.server_targets[k] = probs
             wire = pseudolabels.encode(probs, p.downlink_encoding, self.num_classes)
