@@ -89,6 +89,7 @@ def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[st
         f"config={toml_str(str(config_path))}",
         f"overrides={toml_str(' '.join(overrides))}",
         f"output-dir={toml_str(str(output_dir))}",
+        f"resume-dir={toml_str(str(getattr(args, 'resume', None) or ''))}",
     ])
     cmd = ["flwr", "run", str(APP_DIR), "--stream", "--run-config", run_config,
            "--federation-config", federation_config(cfg, args)]
@@ -119,7 +120,7 @@ def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[st
     finally:
         if not args.keep_superlink:
             stop_pids(superlink_pids() - before)
-    result_dir = output_dir / cfg.resolved_run_name()
+    result_dir = Path(args.resume) if getattr(args, "resume", None) else output_dir / cfg.resolved_run_name()
     if not (result_dir / "summary.json").is_file():
         raise RunFailed(f"run completed but {result_dir}/summary.json is missing")
     return result_dir
@@ -141,7 +142,8 @@ def run_status(run_id: str, env: dict[str, str], attempts: int = 10) -> str:
     return status
 
 
-def run_in_process(cfg: ExperimentConfig, config_path: Path, overrides: list[str], output_dir: Path) -> Path:
+def run_in_process(cfg: ExperimentConfig, config_path: Path, overrides: list[str], output_dir: Path,
+                   resume: str | None = None) -> Path:
     """The same strategy and client code without Ray: clients served sequentially in this process."""
     import torch
 
@@ -149,8 +151,9 @@ def run_in_process(cfg: ExperimentConfig, config_path: Path, overrides: list[str
     from fedapps.inprocess import InProcessGrid
 
     torch.set_num_threads(int(os.environ.get("FEDAPPS_CLIENT_THREADS", "1")))
-    server_app.run_experiment(InProcessGrid(cfg.data.num_clients), str(config_path), " ".join(overrides), str(output_dir))
-    return output_dir / cfg.resolved_run_name()
+    server_app.run_experiment(InProcessGrid(cfg.data.num_clients), str(config_path), " ".join(overrides), str(output_dir),
+                              resume_dir=resume or "")
+    return Path(resume) if resume else output_dir / cfg.resolved_run_name()
 
 
 def print_summary(result_dir: Path) -> None:
@@ -202,8 +205,15 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
 
     resolve(cfg)  # strategy.name and strategy.params: a bad one fails here, before flwr run starts
     out = Path(output_dir or cfg.output_dir).expanduser().resolve()
+    if getattr(args, "resume", None):
+        args.resume = str(Path(args.resume).expanduser().resolve())
+        from fedapps import checkpoint
+        from fedapps.config import dump_yaml
+
+        saved = checkpoint.load_checkpoint(args.resume)  # refuse here, before flwr run starts
+        checkpoint.check_same_config(saved["config"], dump_yaml(resolve(cfg).config(cfg)), args.resume)
     if args.engine == "inprocess":
-        return run_in_process(cfg, config_path, overrides, out)
+        return run_in_process(cfg, config_path, overrides, out, getattr(args, "resume", None))
     return run_with_flower(cfg, config_path, overrides, out, args)
 
 
@@ -227,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run one config through flwr run and print its summary")
     run.add_argument("config")
+    run.add_argument("--resume", default=None, metavar="RUN_DIR",
+                     help="continue the run in RUN_DIR (<output-dir>/<run-name>) after its last checkpointed round")
     add_run_options(run)
     cmp_ = sub.add_parser("compare", help="run configs × seeds, then tabulate mean ± SEM")
     cmp_.add_argument("configs", nargs="+")

@@ -7,6 +7,7 @@ artefacts as data from ``artifacts`` — and the result sinks write it; ``start`
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Mapping
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
@@ -55,6 +57,12 @@ class PersonalisedStrategy(Strategy):
     needs_public_set: ClassVar[bool] = False
     model_agnostic: ClassVar[bool] = False  # may clients run different architectures?
     report_tag: ClassVar[str] = "eval"  # which evaluation is THE accuracy of a round
+    # Instance attributes that are NOT algorithm state (see :meth:`state_dict`): the config and callbacks, the
+    # round loop's own state (saved apart by :meth:`checkpoint_state`). A subclass names its own non-state
+    # attributes (data, devices, caches rebuilt from the config) in its ``checkpoint_exclude``; the sets of
+    # every class in the MRO count.
+    checkpoint_exclude: ClassVar[frozenset[str]] = frozenset(
+        {"cfg", "params", "on_round", "rng", "node_to_client", "last_extra", "client_state"})
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -92,6 +100,9 @@ class PersonalisedStrategy(Strategy):
         self.node_to_client: dict[int, int] = {}
         self.on_round = on_round  # callback(RoundLog) -> None: the result sinks
         self.last_extra: dict[str, Any] = {}  # the extras of the last round that had usable replies
+        # where clients keep their private model across a resumption: {"state-dir": ..., "state-run": token};
+        # set by the app driver, sent in every message (see fedapps.worker); empty: clients keep it in memory only
+        self.client_state: dict[str, str] = {}
 
     def base_config(self) -> dict[str, Any]:
         """Settings every message carries: the data spec, the model spec and the client's training settings."""
@@ -102,6 +113,7 @@ class PersonalisedStrategy(Strategy):
         if c.model.per_client:
             out["model.per_client"] = list(c.model.per_client)
         out.update(protocol.flatten("client", dataclasses.asdict(c.client)))
+        out.update(self.client_state)
         return out
 
     # ------------------------------------------------------------------ to implement
@@ -139,6 +151,40 @@ class PersonalisedStrategy(Strategy):
     def final_arrays(self) -> Mapping[str, np.ndarray] | None:
         """The global model at the end, where the algorithm has one (Flower's ``Result.arrays``)."""
         return None
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The algorithm's state as data: every instance attribute not named in a ``checkpoint_exclude``
+        (tensors moved to the CPU). A torch module cannot be restored generically (its architecture is not
+        data): a strategy that keeps modules overrides this and :meth:`load_state_dict` (see COSMOS)."""
+        excluded = self._checkpoint_excluded()
+        return {k: _state_value(v, f"{type(self).__name__}.{k}") for k, v in vars(self).items() if k not in excluded}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (onto a strategy built from the same config)."""
+        excluded = self._checkpoint_excluded()
+        for k, v in state.items():
+            if k not in excluded:
+                setattr(self, k, v)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything the round loop needs to continue after a round: the algorithm's state, the sampling RNG,
+        which node is which client, the last extras."""
+        return {"strategy": self.state_dict(), "rng": self.rng.bit_generator.state,
+                "node_to_client": dict(self.node_to_client), "last_extra": dict(self.last_extra)}
+
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        self.load_state_dict(state["strategy"])
+        self.rng.bit_generator.state = state["rng"]
+        self.node_to_client = dict(state["node_to_client"])
+        self.last_extra = dict(state["last_extra"])
+
+    @classmethod
+    def _checkpoint_excluded(cls) -> frozenset[str]:
+        out: set[str] = set()
+        for klass in cls.__mro__:
+            out |= set(vars(klass).get("checkpoint_exclude", ()))
+        return frozenset(out)
 
     # ------------------------------------------------------------------ sampling
     def available_nodes(self, grid: Grid, wait_seconds: float = 120.0) -> list[int]:
@@ -190,8 +236,9 @@ class PersonalisedStrategy(Strategy):
         return parsed
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
-              timeout: float | None = None, **_: Any) -> Result:
+              timeout: float | None = None, first_round: int = 1, **_: Any) -> Result:
         """The round loop: messages out, replies in, aggregate, optional evaluation phase, record.
+        ``first_round`` > 1 continues a run restored with :meth:`load_checkpoint_state`.
 
         Returns Flower's ``Result``: per round the aggregated client metrics (``train_metrics_clientapp``), and
         the final global model (``arrays``) where the algorithm has one."""
@@ -199,7 +246,7 @@ class PersonalisedStrategy(Strategy):
         timeout = timeout or self.cfg.strategy.timeout
         self.summary()
         result = Result()
-        for rnd in range(1, num_rounds + 1):
+        for rnd in range(first_round, num_rounds + 1):
             entry = self.run_round(grid, rnd, timeout)
             result.train_metrics_clientapp[rnd] = round_metrics(entry, self.report_tag)
             if self.on_round is not None:
@@ -234,6 +281,22 @@ class PersonalisedStrategy(Strategy):
             merge_eval_metrics(entry.replies, parsed_eval)
         entry.wall_seconds = time.time() - t0
         return entry
+
+
+def _state_value(value: Any, where: str) -> Any:
+    """A checkpointable copy of an attribute's value: tensors on the CPU; torch modules refused (see state_dict)."""
+    if isinstance(value, torch.nn.Module):
+        raise TypeError(f"{where} is a torch module: override state_dict/load_state_dict to save its state_dict")
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        out = copy.copy(value)  # keeps the mapping's type (a defaultdict keeps its factory)
+        out.clear()
+        out.update((k, _state_value(v, f"{where}[{k!r}]")) for k, v in value.items())
+        return out
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_state_value(v, f"{where}[{i}]") for i, v in enumerate(value))
+    return value
 
 
 def round_metrics(entry: RoundLog, report_tag: str) -> MetricRecord:

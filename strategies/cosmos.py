@@ -130,6 +130,7 @@ class Cosmos(PersonalisedStrategy):
     needs_public_set = True
     model_agnostic = True
     report_tag = "received"  # the round's accuracy: the cluster model h_π(i) on each client's test split
+    checkpoint_exclude = frozenset({"fed", "device", "num_classes", "n_public"})  # rebuilt from the config
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
         super().__init__(cfg, params, on_round)
@@ -151,6 +152,25 @@ class Cosmos(PersonalisedStrategy):
         self.rejected_fingerprint = 0
         self.last_acc: dict[str, float] = {}
         self.pseudo_bytes_down = 0
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The generic state, with the cluster models h_k as CPU state dicts (rebuilt by :meth:`server_model`)."""
+        models, self.models = self.models, {}
+        try:
+            state = super().state_dict()
+        finally:
+            self.models = models
+        state["models"] = {k: {n: t.detach().cpu().clone() for n, t in m.state_dict().items()} for k, m in models.items()}
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        state = dict(state)
+        saved = state.pop("models", {})
+        super().load_state_dict(state)
+        self.models = {}
+        for k in sorted(saved):
+            self.server_model(k).load_state_dict(saved[k])
 
     # ------------------------------------------------------------------ messages
     def client_config(self, server_round: int) -> dict[str, Any]:
