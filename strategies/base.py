@@ -267,6 +267,7 @@ class PersonalisedStrategy(Strategy):
             log.warning("round %d: %d of %d clients did not reply within %.0f s", rnd, missing, len(messages), timeout)
         up = sum(protocol.record_nbytes(m.content) for m in replies if not m.has_error())
         parsed = self.validate(rnd, replies, self.expect_arrays(), self.expect_predictions())
+        parsed.sort(key=lambda r: r.client_id)  # replies arrive in any order (Ray): sums over clients must not depend on it
         extra = self.aggregate(rnd, parsed) if parsed else {}
         if parsed:
             self.last_extra = dict(extra)
@@ -277,6 +278,7 @@ class PersonalisedStrategy(Strategy):
             eval_replies = list(grid.send_and_receive(eval_messages, timeout=timeout))
             entry.eval_bytes_up = sum(protocol.record_nbytes(m.content) for m in eval_replies if not m.has_error())
             parsed_eval = self.validate(rnd, eval_replies)
+            parsed_eval.sort(key=lambda r: r.client_id)
             self.aggregate_evaluation(rnd, parsed_eval)
             merge_eval_metrics(entry.replies, parsed_eval)
         entry.wall_seconds = time.time() - t0
