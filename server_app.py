@@ -5,14 +5,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedapps.config import load_config
+from fedapps import checkpoint
+from fedapps.config import dump_yaml, load_config
 from fedapps.data import get_federation
 from fedapps.results import DeliveryCheck, FileSink, ResultSink, UnusableRun
 from strategies import resolve
@@ -42,29 +47,59 @@ def set_server_threads() -> int:
     return torch.get_num_threads()
 
 
-def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str) -> dict:
-    """Run one configured experiment on a Grid and return its summary (used by the ServerApp and tests)."""
+def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str, resume_dir: str = "",
+                   after_round: Callable[[int], Any] | None = None) -> dict:
+    """Run one configured experiment on a Grid and return its summary (used by the ServerApp and tests).
+
+    After every round the results and ``checkpoint.pt`` are written to the run folder (then ``after_round(k)``
+    is called). ``resume_dir``: a run folder with a checkpoint of the same config; the run continues after its
+    last round, the rows of rounds.csv so far restored, the clients' private models read from its client-state/.
+    """
     setup_logging()
     set_server_threads()
     t0 = time.time()
     cfg = load_config(config_path, overrides)
     resolved = resolve(cfg)  # strategy.name and strategy.params checked here (ConfigError naming the key)
     cfg = resolved.config(cfg)  # config.yaml shows the chosen strategy's params with every default filled in
-    output_dir = output_dir or cfg.output_dir
-    files = FileSink(cfg, output_dir, report_tag=resolved.cls.report_tag)
+    saved = None
+    if resume_dir:
+        saved = checkpoint.load_checkpoint(resume_dir)
+        checkpoint.check_same_config(saved["config"], dump_yaml(cfg), resume_dir)
+        run_dir = Path(resume_dir).expanduser().resolve()
+        files = FileSink(cfg, run_dir.parent, report_tag=resolved.cls.report_tag, run_dir=run_dir)
+        files.restore_rows(saved["rows"])
+        t0 -= float(saved.get("wall_seconds", 0.0))
+    else:
+        output_dir = output_dir or cfg.output_dir
+        files = FileSink(cfg, output_dir, report_tag=resolved.cls.report_tag)
+        shutil.rmtree(files.dir / checkpoint.CLIENT_STATE, ignore_errors=True)  # a previous run's client state
+        (files.dir / checkpoint.CHECKPOINT).unlink(missing_ok=True)
     delivery = DeliveryCheck()  # a run with no usable reply, or mostly undelivered messages, fails below
     sinks: list[ResultSink] = [files, delivery]
     files.write_partition(get_federation(dataclasses.asdict(cfg.data)).stats_rows())
     log.info("run '%s': strategy %s, data %s/%s, %d clients, %d rounds -> %s",
              cfg.resolved_run_name(), cfg.strategy.name, cfg.data.source, cfg.data.partition,
              cfg.data.num_clients, cfg.rounds, files.dir)
+    token = str(saved["run_token"]) if saved else uuid.uuid4().hex
+    config_yaml = dump_yaml(cfg)
 
     def on_round(entry) -> None:
         for sink in sinks:
             sink.on_round(entry)
+        checkpoint.save_checkpoint(files.dir, {
+            "round": entry.round, "config": config_yaml, "strategy_name": resolved.name, "run_token": token,
+            "state": strategy.checkpoint_state(), "rows": files.rows, "wall_seconds": time.time() - t0})
+        if after_round is not None:
+            after_round(entry.round)
 
     strategy = resolved.build(cfg, on_round=on_round)
-    strategy.start(grid=grid, num_rounds=cfg.rounds, timeout=cfg.strategy.timeout)
+    strategy.client_state = {"state-dir": str(files.dir / checkpoint.CLIENT_STATE), "state-run": token}
+    first_round = 1
+    if saved is not None:
+        strategy.load_checkpoint_state(saved["state"])
+        first_round = int(saved["round"]) + 1
+        log.info("resuming '%s' after round %d of %d", files.dir, first_round - 1, cfg.rounds)
+    strategy.start(grid=grid, num_rounds=cfg.rounds, timeout=cfg.strategy.timeout, first_round=first_round)
     problems = delivery.problems()
     summary = files.summary(time.time() - t0, {**strategy.final_summary(), **delivery.totals(), "problems": problems})
     artifacts = strategy.artifacts()
@@ -80,7 +115,7 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Entry point under `flwr run`: run config keys 'config', 'overrides', 'output-dir'."""
+    """Entry point under `flwr run`: run config keys 'config', 'overrides', 'output-dir', 'resume-dir'."""
     rc = context.run_config
     run_experiment(grid, str(rc.get("config", "configs/default.yaml")), str(rc.get("overrides", "")),
-                   str(rc.get("output-dir", "")))
+                   str(rc.get("output-dir", "")), resume_dir=str(rc.get("resume-dir", "")))

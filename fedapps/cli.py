@@ -272,6 +272,7 @@ def start_run(cfg: ExperimentConfig, config_path: Path, overrides: list[str], ou
         f"config={toml_str(str(config_path))}",
         f"overrides={toml_str(' '.join(overrides))}",
         f"output-dir={toml_str(str(output_dir))}",
+        f"resume-dir={toml_str(str(getattr(args, 'resume', None) or ''))}",
     ])
     cmd = ["flwr", "run", str(APP_DIR), CONNECTION, "--format", "json", "--run-config", run_config,
            "--federation-config", federation_config(cfg, args)]
@@ -356,7 +357,7 @@ def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[st
     env = flower_env()
     home = Path(tempfile.mkdtemp(prefix="fedapps-flwr-"))
     env["FLWR_HOME"] = str(home)
-    result_dir = output_dir / cfg.resolved_run_name()
+    result_dir = Path(args.resume) if getattr(args, "resume", None) else output_dir / cfg.resolved_run_name()
     link: OwnSuperLink | None = None
     ok = False
     try:
@@ -389,7 +390,8 @@ def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[st
     return result_dir
 
 
-def run_in_process(cfg: ExperimentConfig, config_path: Path, overrides: list[str], output_dir: Path) -> Path:
+def run_in_process(cfg: ExperimentConfig, config_path: Path, overrides: list[str], output_dir: Path,
+                   resume: str | None = None) -> Path:
     """The same strategy and client code without Ray: clients served sequentially in this process."""
     import torch
 
@@ -397,8 +399,9 @@ def run_in_process(cfg: ExperimentConfig, config_path: Path, overrides: list[str
     from fedapps.inprocess import InProcessGrid
 
     torch.set_num_threads(int(os.environ.get("FEDAPPS_CLIENT_THREADS", "1")))
-    server_app.run_experiment(InProcessGrid(cfg.data.num_clients), str(config_path), " ".join(overrides), str(output_dir))
-    return output_dir / cfg.resolved_run_name()
+    server_app.run_experiment(InProcessGrid(cfg.data.num_clients), str(config_path), " ".join(overrides), str(output_dir),
+                              resume_dir=resume or "")
+    return Path(resume) if resume else output_dir / cfg.resolved_run_name()
 
 
 def print_summary(result_dir: Path) -> None:
@@ -463,6 +466,13 @@ def preflight(cfg: ExperimentConfig) -> None:
     get_federation(dataclasses.asdict(cfg.data))
 
 
+def resolved_config(cfg: ExperimentConfig) -> ExperimentConfig:
+    """The config as the run records it (the chosen strategy's params with every default filled in)."""
+    from strategies import resolve
+
+    return resolve(cfg).config(cfg)
+
+
 def execute(config: str, overrides: list[str], output_dir: str | None, args: argparse.Namespace) -> Path:
     """Validate, run (flwr or in-process) and return the results folder."""
     config_path = Path(config).expanduser().resolve()
@@ -472,8 +482,15 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
     preflight(cfg)
     out = Path(output_dir or cfg.output_dir).expanduser().resolve()
     check_output_dir(out)
+    if getattr(args, "resume", None):
+        args.resume = str(Path(args.resume).expanduser().resolve())
+        from fedapps import checkpoint
+        from fedapps.config import dump_yaml
+
+        saved = checkpoint.load_checkpoint(args.resume)  # refuse here, before flwr run starts
+        checkpoint.check_same_config(saved["config"], dump_yaml(resolved_config(cfg)), args.resume)
     if args.engine == "inprocess":
-        return run_in_process(cfg, config_path, overrides, out)
+        return run_in_process(cfg, config_path, overrides, out, getattr(args, "resume", None))
     return run_with_flower(cfg, config_path, overrides, out, args)
 
 
@@ -499,6 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run one config through flwr run and print its summary")
     run.add_argument("config")
+    run.add_argument("--resume", default=None, metavar="RUN_DIR",
+                     help="continue the run in RUN_DIR (<output-dir>/<run-name>) after its last checkpointed round")
     add_run_options(run)
     cmp_ = sub.add_parser("compare", help="run configs × seeds, then tabulate mean ± SEM")
     cmp_.add_argument("configs", nargs="+")

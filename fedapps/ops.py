@@ -111,14 +111,17 @@ def weighted_mean(values: Tensor, weights: Tensor | None) -> Tensor:
 
 
 def robustness_penalty(model: nn.Module, x: Tensor, logits: Tensor, sigma: float, lo: float = -1.0, hi: float = 1.0,
-                       sample_weights: Tensor | None = None) -> Tensor:
+                       sample_weights: Tensor | None = None, generator: torch.Generator | None = None) -> Tensor:
     """COSMOS r_B: MSE between softmax on clean and noisy inputs, gradient through the clean branch.
 
     Per sample the MSE over classes; averaged over the batch, weighted by w(x) when weights are given
     (objective (2) weights the whole bracket KL + λ·r_B). Without weights it equals F.mse_loss.
+    The noise is drawn from ``generator`` (on its device, then moved to x's), so a seeded
+    caller gets the same noise on every run and engine; without one, from torch's global RNG.
     """
     with torch.no_grad():
-        noisy = (x + sigma * torch.randn_like(x)).clamp(lo, hi)
+        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=generator.device if generator is not None else x.device)
+        noisy = (x + sigma * noise.to(x.device)).clamp(lo, hi)
         p_noisy = F.softmax(model(noisy), dim=-1)
     per_sample = ((F.softmax(logits, dim=-1) - p_noisy) ** 2).mean(dim=-1)
     return weighted_mean(per_sample, sample_weights)
@@ -175,7 +178,8 @@ def distill(
         else:
             loss = weighted_mean(F.cross_entropy(logits, tb, reduction="none"), wb)
         if settings.rb_lambda > 0:
-            loss = loss + settings.rb_lambda * robustness_penalty(m, xb, logits, settings.rb_sigma, sample_weights=wb)
+            loss = loss + settings.rb_lambda * robustness_penalty(m, xb, logits, settings.rb_sigma, sample_weights=wb,
+                                                                     generator=generator)
         return loss
 
     return run_epochs(model, x, targets, loss_fn, optim, weights=sample_weights, generator=generator)

@@ -82,14 +82,20 @@ def build_message(
     return Message(content=content, dst_node_id=node_id, message_type=message_type, group_id=str(server_round))
 
 
+BOOKKEEPING_KEYS = frozenset({"state-dir", "state-run"})  # where a client keeps its state: not algorithm traffic
+
+
 def record_nbytes(content: RecordDict) -> int:
-    """Payload bytes of a RecordDict: array buffers plus an estimate for metrics/configs."""
+    """Payload bytes of a RecordDict: array buffers plus an estimate for metrics/configs (bookkeeping keys,
+    which depend on the run folder's path, are left out so that byte counts compare across folders)."""
     total = 0
     for rec in content.values():
         if isinstance(rec, ArrayRecord):
             total += sum(len(a.data) for a in rec.values())
         else:
-            for v in rec.values():
+            for k, v in rec.items():
+                if k in BOOKKEEPING_KEYS:
+                    continue
                 if isinstance(v, (bytes, str)):
                     total += len(v)
                 elif isinstance(v, list):

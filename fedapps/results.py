@@ -154,10 +154,12 @@ def round_row(entry: Any, report_tag: str, num_clients: int) -> dict[str, Any]:
 class FileSink:
     """Writes one run's results folder as the run goes, and logs a progress line per round."""
 
-    def __init__(self, cfg: ExperimentConfig, output_dir: str | Path, report_tag: str = "eval") -> None:
+    def __init__(self, cfg: ExperimentConfig, output_dir: str | Path, report_tag: str = "eval",
+                 run_dir: str | Path | None = None) -> None:
         self.cfg = cfg
         self.report_tag = report_tag
-        self.dir = Path(output_dir).expanduser().resolve() / cfg.resolved_run_name()
+        # run_dir: an existing run folder to write into (a resumed run), whatever the config's run name
+        self.dir = Path(run_dir) if run_dir is not None else Path(output_dir).expanduser().resolve() / cfg.resolved_run_name()
         self.dir.mkdir(parents=True, exist_ok=True)
         for stale in ("summary.json", "rounds.csv", REJECTIONS):
             (self.dir / stale).unlink(missing_ok=True)
@@ -165,6 +167,11 @@ class FileSink:
         self.config_hash = config_hash(cfg)
         (self.dir / "config.sha256").write_text(self.config_hash + "\n")
         self.rows: list[dict[str, Any]] = []
+
+    def restore_rows(self, rows: list[Mapping[str, Any]]) -> None:
+        """The rows of the rounds already run (from a checkpoint): kept and rounds.csv rewritten."""
+        self.rows = [dict(r) for r in rows]
+        write_csv(self.dir / "rounds.csv", self.rows)
 
     def write_partition(self, rows: list[Mapping[str, Any]]) -> None:
         """Samples per client per class (train and test) as partition.csv."""

@@ -3,7 +3,9 @@
 No algorithm logic lives here: the server says which operations to run, in which order, with which settings
 (see :mod:`fedapps.protocol`); each name is looked up in :mod:`fedapps.clientops`, where this module registers
 the common operations (evaluate, evaluate-received, train, distill, predict) and every algorithm module
-registers its own. The private model persists in ``Context.state`` between rounds.
+registers its own. The private model persists in ``Context.state`` between rounds; where a state directory is
+named (node config ``state-dir``, else the message's ``state-dir``), also on disk, so that it survives the
+process (a run resumed from its checkpoint): ``<state-dir>/<client-id>.r<round>.pt``, the newest two rounds.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import functools
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
@@ -19,7 +22,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from torch import nn
 
-from fedapps import ops, protocol, pseudolabels
+from fedapps import checkpoint, ops, protocol, pseudolabels
+from fedapps.seeds import derive_seed
 from fedapps.clientops import DISTILL_WEIGHTINGS, TRAINING_TERMS, ProtocolError, client_op, parse_op
 from fedapps.data import ClientData, Federation, get_federation
 from fedapps.models import STATE_PARTS, build_model, classifier_name, state_part
@@ -99,6 +103,56 @@ def load_arrays(model: nn.Module, received: Mapping[str, torch.Tensor], strict: 
     model.load_state_dict(received, strict=False)
 
 
+def state_dir(config: Mapping[str, Any], context: Context) -> Path | None:
+    """The directory where this client keeps its private model on disk: node config first, then the message."""
+    value = context.node_config.get("state-dir", config.get("state-dir", ""))
+    return Path(str(value)) if value else None
+
+
+def state_files(directory: Path, client_id: int) -> dict[int, Path]:
+    """Round -> file of this client's saved private models."""
+    out: dict[int, Path] = {}
+    for path in directory.glob(f"{int(client_id)}.r*.pt"):
+        tail = path.name[len(f"{int(client_id)}.r"):-len(".pt")]
+        if tail.isdigit():
+            out[int(tail)] = path
+    return out
+
+
+def restore_private_state(context: Context, config: Mapping[str, Any], client_id: int) -> None:
+    """A process that has not served this client yet (a resumed run): the newest saved private model of an
+    EARLIER round of the same run (state-run token) goes into Context.state. A file of the current round is
+    skipped: it was written by a round the server never checkpointed and now repeats."""
+    directory = state_dir(config, context)
+    if directory is None or STATE_MODEL in context.state or not directory.is_dir():
+        return
+    rnd, token = int(config.get("round", 0)), str(config.get("state-run", ""))
+    for saved_round, path in sorted(state_files(directory, client_id).items(), reverse=True):
+        if saved_round >= rnd:
+            continue
+        saved = checkpoint.load(path)
+        if saved.get("run") != token:
+            return  # another run's file
+        context.state[STATE_MODEL] = ArrayRecord({k: v for k, v in saved["state"].items()})
+        context.state[STATE_ARCH] = ConfigRecord({"arch": str(saved["arch"])})
+        return
+
+
+def save_private_state(context: Context, config: Mapping[str, Any], client_id: int, model: nn.Module, arch: str) -> None:
+    """Write the private model to the state directory (atomically) for this round; keep the newest earlier
+    round's file too (the one a resumption from the last checkpoint needs), remove older ones."""
+    directory = state_dir(config, context)
+    if directory is None:
+        return
+    rnd = int(config.get("round", 0))
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    checkpoint.atomic_save({"run": str(config.get("state-run", "")), "round": rnd, "arch": arch, "state": state},
+                           directory / f"{int(client_id)}.r{rnd}.pt")
+    earlier = sorted(r for r in state_files(directory, client_id) if r < rnd)
+    for r in earlier[:-1]:
+        state_files(directory, client_id)[r].unlink(missing_ok=True)
+
+
 def model_arrays(model: nn.Module, which: str) -> ArrayRecord:
     """The model as an ArrayRecord: 'state', 'params' or 'body' (see :func:`fedapps.models.state_part`)."""
     if which not in STATE_PARTS:
@@ -171,17 +225,22 @@ class Worker:
         self.val_x, self.val_y = self.data.train_x[:0], self.data.train_y[:0]
         holdout = float(self.config.get("holdout-fraction", 0.0))
         if holdout:
-            fit, held_out = holdout_split(len(self.data.train_y), holdout, int(self.config.get("data.seed", 0)) * 7919 + self.client_id)
+            fit, held_out = holdout_split(len(self.data.train_y), holdout,
+                                           derive_seed(int(self.config.get("data.seed", 0)), "holdout", self.client_id))
             self.train_x, self.train_y = self.data.train_x[fit], self.data.train_y[fit]
             self.val_x, self.val_y = self.data.train_x[held_out], self.data.train_y[held_out]
         self.device = ops.resolve_device(str(self.config.get("client.device", "auto")))
+        if self.config.get("persist-model", True):
+            restore_private_state(context, self.config, self.client_id)
         self.model, self.arch = private_model(context, self.config, self.fed, self.client_id, self.device)
         self.outgoing: nn.Module | None = None  # set by an operation that returns another model than the private one
         self.metrics: dict[str, Any] = {protocol.CLIENT_ID: self.client_id, protocol.NUM_EXAMPLES: len(self.data.train_y)}
         self.reply = RecordDict()
         rnd = int(self.config.get("round", 0))
         seed = int(self.config.get("model.seed", 0))
-        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rnd * 10_007 + self.client_id)
+        self.generator = torch.Generator().manual_seed(derive_seed(seed, "client-batches", rnd, self.client_id))
+        # ops that draw from torch's global RNG (dropout) see a stream fixed by (seed, round, client) too
+        torch.manual_seed(derive_seed(seed, "client-global", rnd, self.client_id))
 
     # ------------------------------------------------------------------ entry point
     def run(self) -> Message:
@@ -203,6 +262,7 @@ class Worker:
             # every round switch this off, which halves what travels with each message in simulation
             self.context.state[STATE_MODEL] = model_arrays(self.model.cpu(), "state")
             self.context.state[STATE_ARCH] = ConfigRecord({"arch": self.arch})
+            save_private_state(self.context, self.config, self.client_id, self.model, self.arch)
         self.metrics["t-total"] = time.perf_counter() - t0
         self.reply[protocol.METRICS] = protocol.metrics_record(self.metrics)
         self.reply[protocol.INFO] = ConfigRecord({"arch": self.arch, "fingerprint": self.fed.fingerprint})

@@ -7,6 +7,7 @@ artefacts as data from ``artifacts`` — and the result sinks write it; ``start`
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Mapping
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
@@ -67,6 +69,13 @@ class PersonalisedStrategy(Strategy):
     model_agnostic: ClassVar[bool] = False  # may clients run different architectures?
     report_tag: ClassVar[str] = "eval"  # which evaluation is THE accuracy of a round
     robust_aggregation: ClassVar[bool] = False  # averages with average_matching: strategy.aggregation applies
+    # Instance attributes that are NOT algorithm state (see :meth:`state_dict`): the config and callbacks, the
+    # round loop's own state (saved apart by :meth:`checkpoint_state`). A subclass names its own non-state
+    # attributes (data, devices, caches rebuilt from the config) in its ``checkpoint_exclude``; the sets of
+    # every class in the MRO count.
+    checkpoint_exclude: ClassVar[frozenset[str]] = frozenset(
+        {"cfg", "params", "on_round", "rng", "node_to_client", "last_extra", "client_state", "rule", "validator",
+         "_checked"})
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -119,6 +128,9 @@ class PersonalisedStrategy(Strategy):
         self.rule = AggregationRule.from_config(cfg.strategy)  # for average_matching (robust_aggregation strategies)
         self.validator = ReplyValidator.from_config(cfg)  # every reply is checked against what its message asked
         self._checked = RoundLog(0, [], 0, 0)  # validation counts of the phases validated since the last reset
+        # where clients keep their private model across a resumption: {"state-dir": ..., "state-run": token};
+        # set by the app driver, sent in every message (see fedapps.worker); empty: clients keep it in memory only
+        self.client_state: dict[str, str] = {}
 
     def base_config(self) -> dict[str, Any]:
         """Settings every message carries: the data spec, the model spec and the client's training settings."""
@@ -129,6 +141,7 @@ class PersonalisedStrategy(Strategy):
         if c.model.per_client:
             out["model.per_client"] = list(c.model.per_client)
         out.update(protocol.flatten("client", dataclasses.asdict(c.client)))
+        out.update(self.client_state)
         return out
 
     # ------------------------------------------------------------------ to implement
@@ -166,6 +179,47 @@ class PersonalisedStrategy(Strategy):
     def final_arrays(self) -> Mapping[str, np.ndarray] | None:
         """The global model at the end, where the algorithm has one (Flower's ``Result.arrays``)."""
         return None
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The algorithm's state as data: every instance attribute not named in a ``checkpoint_exclude``
+        (tensors moved to the CPU). A torch module cannot be restored generically (its architecture is not
+        data): a strategy that keeps modules overrides this and :meth:`load_state_dict` (see COSMOS)."""
+        excluded = self._checkpoint_excluded()
+        return {k: _state_value(v, f"{type(self).__name__}.{k}") for k, v in vars(self).items() if k not in excluded}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (onto a strategy built from the same config)."""
+        excluded = self._checkpoint_excluded()
+        for k, v in state.items():
+            if k not in excluded:
+                setattr(self, k, v)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything the round loop needs to continue after a round: the algorithm's state, the sampling RNG,
+        which node is which client, the last extras."""
+        v = self.validator
+        return {"strategy": self.state_dict(), "rng": self.rng.bit_generator.state,
+                "node_to_client": dict(self.node_to_client), "last_extra": dict(self.last_extra),
+                "identity": {"node_client": dict(v.node_client), "client_node": dict(v.client_node),
+                             "bound_examples": dict(v.bound_examples)}}
+
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        self.load_state_dict(state["strategy"])
+        self.rng.bit_generator.state = state["rng"]
+        self.node_to_client = dict(state["node_to_client"])
+        self.last_extra = dict(state["last_extra"])
+        identity = state.get("identity", {})  # node <-> client bindings survive a resumption
+        self.validator.node_client = dict(identity.get("node_client", {}))
+        self.validator.client_node = dict(identity.get("client_node", {}))
+        self.validator.bound_examples = dict(identity.get("bound_examples", {}))
+
+    @classmethod
+    def _checkpoint_excluded(cls) -> frozenset[str]:
+        out: set[str] = set()
+        for klass in cls.__mro__:
+            out |= set(vars(klass).get("checkpoint_exclude", ()))
+        return frozenset(out)
 
     # ------------------------------------------------------------------ sampling
     def available_nodes(self, grid: Grid, wait_seconds: float = 120.0) -> list[int]:
@@ -228,8 +282,9 @@ class PersonalisedStrategy(Strategy):
         return outcome.accepted
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
-              timeout: float | None = None, **_: Any) -> Result:
+              timeout: float | None = None, first_round: int = 1, **_: Any) -> Result:
         """The round loop: messages out, replies in, aggregate, optional evaluation phase, record.
+        ``first_round`` > 1 continues a run restored with :meth:`load_checkpoint_state`.
 
         Returns Flower's ``Result``: per round the aggregated client metrics (``train_metrics_clientapp``), and
         the final global model (``arrays``) where the algorithm has one."""
@@ -237,7 +292,7 @@ class PersonalisedStrategy(Strategy):
         timeout = timeout or self.cfg.strategy.timeout
         self.summary()
         result = Result()
-        for rnd in range(1, num_rounds + 1):
+        for rnd in range(first_round, num_rounds + 1):
             entry = self.run_round(grid, rnd, timeout)
             result.train_metrics_clientapp[rnd] = round_metrics(entry, self.report_tag)
             if self.on_round is not None:
@@ -257,6 +312,7 @@ class PersonalisedStrategy(Strategy):
         replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
         up = sum(protocol.record_nbytes(m.content) for m in replies if not m.has_error())
         parsed = self.validate(rnd, replies, self.expect_arrays(), self.expect_predictions())
+        parsed.sort(key=lambda r: r.client_id)  # replies arrive in any order (Ray): sums over clients must not depend on it
         skipped = len(parsed) < self.cfg.strategy.min_clients
         if skipped:
             log.warning("round %d skipped: %d usable replies, fewer than strategy.min_clients=%d (no aggregation)",
@@ -273,6 +329,7 @@ class PersonalisedStrategy(Strategy):
             eval_replies = list(grid.send_and_receive(eval_messages, timeout=timeout))
             entry.eval_bytes_up = sum(protocol.record_nbytes(m.content) for m in eval_replies if not m.has_error())
             parsed_eval = self.validate(rnd, eval_replies, phase=protocol.EVAL_MESSAGE_TYPE)
+            parsed_eval.sort(key=lambda r: r.client_id)
             self.aggregate_evaluation(rnd, parsed_eval)
             merge_eval_metrics(entry.replies, parsed_eval)
         entry.replies_ok, entry.replies_rejected = self._checked.replies_ok, self._checked.replies_rejected
@@ -282,6 +339,22 @@ class PersonalisedStrategy(Strategy):
                         timeout)
         entry.wall_seconds = time.time() - t0
         return entry
+
+
+def _state_value(value: Any, where: str) -> Any:
+    """A checkpointable copy of an attribute's value: tensors on the CPU; torch modules refused (see state_dict)."""
+    if isinstance(value, torch.nn.Module):
+        raise TypeError(f"{where} is a torch module: override state_dict/load_state_dict to save its state_dict")
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        out = copy.copy(value)  # keeps the mapping's type (a defaultdict keeps its factory)
+        out.clear()
+        out.update((k, _state_value(v, f"{where}[{k!r}]")) for k, v in value.items())
+        return out
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_state_value(v, f"{where}[{i}]") for i, v in enumerate(value))
+    return value
 
 
 def round_metrics(entry: RoundLog, report_tag: str) -> MetricRecord:

@@ -29,6 +29,7 @@ from fedapps import protocol, pseudolabels
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
+from fedapps.seeds import derive_rng
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, targets_record
 
 log = logging.getLogger("fedapps")
@@ -126,7 +127,7 @@ class COMET(PseudoLabelStrategy):
         x = stack.reshape(len(used), -1).astype(np.float64)
         k = min(self.params.clusters, len(used))
         if self.centroids is None or len(self.centroids) != k:
-            init = kmeans_plus_plus(x, k, np.random.default_rng(self.cfg.seed))
+            init = kmeans_plus_plus(x, k, derive_rng(self.cfg.seed, "comet-kmeans-init", server_round))
         else:
             init = self.centroids
         labels, self.centroids = kmeans(x, init, self.params.kmeans_iters)

@@ -31,6 +31,7 @@ from fedapps.models import MODEL_NAMES, build_model
 from fedapps.params import param
 from fedapps.protocol import ClientReply
 from fedapps.results import Artifact
+from fedapps.seeds import derive_seed
 from strategies.base import PersonalisedStrategy
 
 log = logging.getLogger("fedapps")
@@ -129,6 +130,7 @@ class Cosmos(PersonalisedStrategy):
     needs_public_set = True
     model_agnostic = True
     report_tag = "received"  # the round's accuracy: the cluster model h_π(i) on each client's test split
+    checkpoint_exclude = frozenset({"fed", "device", "num_classes", "n_public"})  # rebuilt from the config
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
         super().__init__(cfg, params, on_round)
@@ -150,6 +152,25 @@ class Cosmos(PersonalisedStrategy):
         self.rejected_fingerprint = 0
         self.last_acc: dict[str, float] = {}
         self.pseudo_bytes_down = 0
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The generic state, with the cluster models h_k as CPU state dicts (rebuilt by :meth:`server_model`)."""
+        models, self.models = self.models, {}
+        try:
+            state = super().state_dict()
+        finally:
+            self.models = models
+        state["models"] = {k: {n: t.detach().cpu().clone() for n, t in m.state_dict().items()} for k, m in models.items()}
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        state = dict(state)
+        saved = state.pop("models", {})
+        super().load_state_dict(state)
+        self.models = {}
+        for k in sorted(saved):
+            self.server_model(k).load_state_dict(saved[k])
 
     # ------------------------------------------------------------------ messages
     def client_config(self, server_round: int) -> dict[str, Any]:
@@ -273,7 +294,7 @@ class Cosmos(PersonalisedStrategy):
         """h_k, built on first use (seeded by the experiment seed and k), then kept and fine-tuned forever."""
         if k not in self.models:
             self.models[k] = build_model(self.params.server_model, self.num_classes, tuple(self.fed.input_shape),
-                                         seed=self.cfg.seed * 1000 + 17 + k).to(self.device)
+                                         seed=derive_seed(self.cfg.seed, "cosmos-server-init", k)).to(self.device)
         return self.models[k]
 
     def train_cluster_models(self, server_round: int, preds: dict[int, np.ndarray]) -> dict[int, float]:
@@ -290,8 +311,10 @@ class Cosmos(PersonalisedStrategy):
             t0 = time.perf_counter()
             target = server_target(np.stack([preds[c] for c in present]), p.aggregation, p.temperature)
             model = self.server_model(k)
-            gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + server_round * 101 + k)
-            result = ops.distill(model, self.fed.public_x, torch.as_tensor(target), optim, dist, generator=gen)
+            gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "cosmos-server-distill", server_round, k))
+            with torch.random.fork_rng(devices=[]):  # dropout in h_k draws from a seeded global stream, restored after
+                torch.manual_seed(derive_seed(self.cfg.seed, "cosmos-server-global", server_round, k))
+                result = ops.distill(model, self.fed.public_x, torch.as_tensor(target), optim, dist, generator=gen)
             probs = ops.predict(model, self.fed.public_x).numpy()
             self.server_targets[k] = probs
             wire = pseudolabels.encode(probs, p.downlink_encoding, self.num_classes)

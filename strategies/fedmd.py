@@ -29,6 +29,7 @@ from fedapps.clientops import ProtocolError, client_op
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
+from fedapps.seeds import derive_rng
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, index_array, targets_record
 
 log = logging.getLogger("fedapps")
@@ -105,7 +106,7 @@ class FedMD(PseudoLabelStrategy):
         if p.pretrain_public_epochs > 0 and not self.public_has_labels:
             raise ConfigError("'strategy.params.fedmd.pretrain_public_epochs' > 0 needs a LABELLED public set, "
                               "but this data source's U has no labels; set it to 0")
-        self.subset_rng = np.random.default_rng([cfg.seed, 0xFED3D])
+        self.subset_rng = derive_rng(cfg.seed, "fedmd-alignment-subset")
         self.consensus: np.ndarray | None = None  # n_sub×M, on self.consensus_rows
         self.consensus_rows: np.ndarray | None = None  # None = all of U
         self.pending_rows: np.ndarray | None = None  # the subset clients predict on this round

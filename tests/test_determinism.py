@@ -1,0 +1,150 @@
+"""Determinism: every random draw comes from a seeded stream, so the same config and seed give identical
+per-round metrics in two separate processes (COSMOS with per-client architectures, a CNN server model, r_B
+noise, clustering); the state of a strategy round-trips through state_dict/load_state_dict."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedapps import ops
+from tests.conftest import write_config
+
+ROOT = Path(__file__).resolve().parent.parent
+DRIVER = ROOT / "tests" / "run_driver.py"
+TIMING = ("wall_seconds", "server_seconds")
+
+COSMOS = {
+    "rounds": 2,
+    "strategy": {"name": "cosmos", "params": {"cosmos": {
+        "server_model": "cnn", "pretrain_epochs": 1, "server_epochs": 1, "distill_epochs": 1}}},
+    "data": {"public_fraction": 0.2},
+    "model": {"name": "mlp", "per_client": ["mlp", "cnn"]},
+}
+
+
+def rounds(run_dir: Path) -> list[dict[str, str]]:
+    with (run_dir / "rounds.csv").open() as fh:
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(fh)]
+
+
+def test_same_config_and_seed_give_identical_rounds_in_two_processes(tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", **COSMOS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDAPPS_TEST_KILL_AFTER_ROUND": "0"}
+    procs = [subprocess.Popen([sys.executable, str(DRIVER), str(config), str(tmp_path / name)], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for name in ("a", "b")]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    a, b = (rounds(next((tmp_path / n).iterdir())) for n in ("a", "b"))
+    assert len(a) == 2 and "acc_mean" in a[0] and "acc_client_3" in a[0]
+    assert a == b  # acc_mean, acc_weighted, every acc_client_i, losses, clusters, bytes: exactly
+
+
+def test_robustness_penalty_noise_comes_from_the_generator():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4))
+    x = torch.rand(8, 3, 2, 2) * 2 - 1
+    logits = model(x)
+    a = ops.robustness_penalty(model, x, logits, 0.5, generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(12345)  # the global RNG must not matter
+    b = ops.robustness_penalty(model, x, logits, 0.5, generator=torch.Generator().manual_seed(3))
+    c = ops.robustness_penalty(model, x, logits, 0.5, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_dropout_is_seeded_per_message(tiny_config):
+    """A model with dropout (alexnet) trained by the worker: the same message twice gives the same model,
+    whatever the global RNG was before (the worker seeds it per message)."""
+    from flwr.app import Context, RecordDict
+
+    from fedapps import protocol
+    from fedapps.inprocess import InProcessGrid
+    from fedapps.worker import STATE_MODEL, handle
+    from strategies.base import PersonalisedStrategy
+
+    InProcessGrid(1)  # sets a task identity so that Message() works outside Flower
+    cfg_path = tiny_config(model={"name": "alexnet"}, data={"source": "synthetic", "synthetic_shape": [3, 32, 32],
+                                                            "synthetic_samples": 80, "num_clients": 2})
+    from fedapps.config import load_config
+
+    cfg = load_config(cfg_path)
+    base = PersonalisedStrategy.__new__(PersonalisedStrategy)
+    base.cfg, base.client_state = cfg, {}
+    config = {**PersonalisedStrategy.base_config(base), "client.epochs": 1}
+    states = []
+    for junk in (1, 2):
+        torch.manual_seed(junk)
+        ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+        handle(protocol.build_message(1, 1, ["train"], config), ctx)
+        states.append(ctx.state[STATE_MODEL].to_torch_state_dict())
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
+
+
+def test_every_strategy_state_round_trips(tiny_config):
+    """state_dict() of each strategy after one round loads into a fresh instance and gives the same state."""
+    import pickle
+
+    import server_app  # noqa: F401  (the app layer: strategies registered)
+    from fedapps.config import load_config
+    from fedapps.inprocess import InProcessGrid
+    from strategies import STRATEGIES, resolve
+
+    for name, cls in sorted(STRATEGIES.items()):
+        sections = {"strategy": {"name": name}, "rounds": 1, "data": {"num_clients": 6}}
+        if cls.needs_public_set:
+            sections["data"]["public_fraction"] = 0.2
+        if name == "cosmos":
+            sections["strategy"]["params"] = {"cosmos": {"server_model": "mlp", "pretrain_epochs": 1,
+                                                         "server_epochs": 1, "distill_epochs": 1}}
+        cfg = load_config(tiny_config(**sections))
+        resolved = resolve(cfg)
+        s = resolved.build(resolved.config(cfg))
+        s.start(InProcessGrid(6), num_rounds=1)
+        saved = pickle.loads(pickle.dumps(s.checkpoint_state()))
+        fresh = resolved.build(resolved.config(cfg))
+        fresh.load_checkpoint_state(saved)
+        again = fresh.checkpoint_state()
+        assert pickle.dumps(sorted(again["strategy"])) == pickle.dumps(sorted(saved["strategy"])), name
+        assert again["rng"] == saved["rng"] and again["node_to_client"] == saved["node_to_client"], name
+        for key, value in saved["strategy"].items():
+            _assert_same(value, again["strategy"][key], f"{name}.{key}")
+
+
+def _assert_same(a, b, where):
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b, equal_nan=True), where
+    elif isinstance(a, (int, float, str, bool, type(None))):
+        assert a == b or (a != a and b != b), where
+
+
+def test_flower_engine_and_inprocess_engine_give_identical_rounds(tiny_config, tmp_path):
+    """FedAvg on 3 clients, 2 rounds: `flwr run` (Ray simulation, replies in arrival order) and the in-process
+    grid give the same rounds.csv exactly (the round loop sorts replies by client id before any sum)."""
+    from fedapps import cli
+
+    cfg = tiny_config(data={"num_clients": 3})
+    # output folders of equal path length ("fl"/"ip"): the state-dir path counts in bytes_down
+    proc = subprocess.run([sys.executable, "-m", "fedapps.cli", "run", str(cfg), "--output-dir", str(tmp_path / "fl"),
+                           "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert cli.main(["run", str(cfg), "--engine", "inprocess", "--output-dir", str(tmp_path / "ip"), "--quiet"]) == 0
+    flower, inprocess = (rounds(tmp_path / d / "fedavg-digits-iid-s0") for d in ("fl", "ip"))
+    assert [r["acc_mean"] for r in flower] == [r["acc_mean"] for r in inprocess]
+    assert flower == inprocess

@@ -1,0 +1,131 @@
+"""Checkpoints and resume: a run SIGKILLed right after round 2's checkpoint and resumed in a new process ends
+with exactly the uninterrupted run's rounds.csv and summary (FedAvg, cwFedAvg, COSMOS); a resumption with
+another config is refused, naming the key; the strategy state round-trips through state_dict."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import write_config
+
+ROOT = Path(__file__).resolve().parent.parent
+DRIVER = ROOT / "tests" / "run_driver.py"
+TIMING = ("wall_seconds", "server_seconds")  # measured durations: the only columns allowed to differ
+
+CONFIGS = {
+    "fedavg": {"rounds": 4, "strategy": {"name": "fedavg", "fraction": 0.5}},  # sampling: the RNG is restored
+    "cwfedavg": {"rounds": 4, "strategy": {"name": "cwfedavg", "fraction": 0.75}, "data": {"partition": "pathological", "classes_per_client": 3}},
+    "cosmos": {
+        "rounds": 4,
+        "strategy": {"name": "cosmos", "params": {"cosmos": {
+            "server_model": "cnn", "pretrain_epochs": 1, "server_epochs": 1, "distill_epochs": 1, "eval_every": 1}}},
+        "data": {"public_fraction": 0.2},
+        "model": {"name": "mlp", "per_client": ["mlp", "cnn"]},
+    },
+}
+
+
+def start(config: Path, out: Path, resume: Path | None = None, kill_after: int = 0) -> subprocess.Popen:
+    """The driver in a new process (it stops by itself: at the end, or by its own SIGKILL)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDAPPS_TEST_KILL_AFTER_ROUND": str(kill_after)}
+    args = [sys.executable, str(DRIVER), str(config), str(out)] + ([str(resume)] if resume else [])
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # only the process this test started
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run(config: Path, out: Path, resume: Path | None = None, kill_after: int = 0) -> subprocess.CompletedProcess:
+    return finish(start(config, out, resume, kill_after))
+
+
+def run_here(config: Path, out: Path) -> None:
+    """The uninterrupted reference run, in the test's own process (so three processes take part in all)."""
+    import server_app
+    from fedapps.inprocess import InProcessGrid
+
+    server_app.run_experiment(InProcessGrid(4), str(config), "", str(out))
+
+
+def rows(run_dir: Path) -> list[dict[str, str]]:
+    with (run_dir / "rounds.csv").open() as fh:
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(fh)]
+
+
+@pytest.mark.parametrize("strategy", sorted(CONFIGS))
+def test_sigkill_after_round_two_then_resume_equals_uninterrupted(strategy, tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", **CONFIGS[strategy])
+    # output folders of equal path length: the state-dir path in every message counts in bytes_down
+    killing = start(config, tmp_path / "b", kill_after=2)
+    run_here(config, tmp_path / "a")  # meanwhile
+    full_dir = next((tmp_path / "a").iterdir())
+
+    killed = finish(killing)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    run_dir = next((tmp_path / "b").iterdir())
+    assert not (run_dir / "summary.json").exists()
+    assert [r["round"] for r in rows(run_dir)] == ["1", "2"]
+
+    resumed = run(config, tmp_path / "b", resume=run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming" in resumed.stderr and "after round 2" in resumed.stderr
+
+    expected, got = rows(full_dir), rows(run_dir)
+    assert [r["round"] for r in got] == ["1", "2", "3", "4"]
+    assert got == expected  # every accuracy column (acc_mean, acc_weighted, per client, ...) exactly
+    a = json.loads((full_dir / "summary.json").read_text())
+    b = json.loads((run_dir / "summary.json").read_text())
+    for key in ("accuracy_mean", "accuracy_weighted", "accuracy_mean_last5", "rounds", "bytes_up", "bytes_down"):
+        assert b[key] == a[key], key
+    assert {k: v for k, v in b.items() if "accuracy" in k} == {k: v for k, v in a.items() if "accuracy" in k}
+    if strategy == "cosmos":
+        assert b["cluster_members"] == a["cluster_members"]
+        assert sorted(p.name for p in (run_dir / "client-state").iterdir())  # private models were kept on disk
+    if strategy == "fedavg":  # the whole model comes with every message: nothing is kept on the client
+        assert not (run_dir / "client-state").exists() or not any((run_dir / "client-state").iterdir())
+
+
+def test_resume_with_another_config_is_refused_naming_the_key(tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", rounds=1)
+    run_here(config, tmp_path / "a")
+    run_dir = next((tmp_path / "a").iterdir())
+    other = write_config(tmp_path / "other.yaml", rounds=1, client={"lr": 0.01})
+    from fedapps import cli
+
+    with pytest.raises(Exception) as info:
+        import server_app
+        from fedapps.inprocess import InProcessGrid
+
+        server_app.run_experiment(InProcessGrid(4), str(other), "", str(tmp_path / "x"), resume_dir=str(run_dir))
+    assert "client.lr" in str(info.value) and "0.05" in str(info.value) and "0.01" in str(info.value)
+    rc = cli.main(["run", str(other), "--engine", "inprocess", "--resume", str(run_dir)])
+    assert rc == 2
+    # the same config, with another output_dir / run_name, is accepted
+    from fedapps import checkpoint
+    from fedapps.config import dump_yaml, load_config
+
+    saved = checkpoint.load_checkpoint(run_dir)
+    same = load_config(config, "output_dir=/elsewhere run_name=renamed")
+    from strategies import resolve
+
+    checkpoint.check_same_config(saved["config"], dump_yaml(resolve(same).config(same)), run_dir)
+
+
+def test_no_checkpoint_is_a_config_error(tmp_path):
+    from fedapps import checkpoint
+    from fedapps.config import ConfigError
+
+    with pytest.raises(ConfigError, match="no checkpoint.pt"):
+        checkpoint.load_checkpoint(tmp_path)
