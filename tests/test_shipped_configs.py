@@ -35,7 +35,7 @@ def shrink(path: Path) -> list[str]:
     classes, shape = source_info(d.source, d.synthetic_classes, tuple(d.synthetic_shape))
     out = ["rounds=2", "data.source=synthetic", f"data.synthetic_classes={classes}",
            f"data.synthetic_shape=[{','.join(str(v) for v in shape)}]",
-           f"data.synthetic_samples={max(4 * classes, 160)}", f"data.num_clients={CLIENTS}",
+           f"data.synthetic_samples={max(classes, 60)}", f"data.num_clients={CLIENTS}",
            f"data.groups={min(d.groups, CLIENTS)}", "data.min_samples=2", "client.epochs=1",
            f"strategy.min_clients={CLIENTS}", "strategy.fraction=1.0"]
     name = cfg.strategy.name
@@ -71,7 +71,7 @@ PARAMETER_SHARING = sorted(n for n, c in STRATEGIES.items() if not c.model_agnos
 def test_every_zoo_model_under_every_parameter_sharing_strategy(model, tiny_config, tmp_path):
     """Smallest input each model takes (1×28×28; 8×8 is only for cnn/mlp), 2 clients, 2 rounds."""
     data = {"source": "synthetic", "partition": "iid", "num_clients": CLIENTS, "synthetic_classes": 4,
-            "synthetic_shape": [1, 28, 28], "synthetic_samples": 64}
+            "synthetic_shape": [1, 28, 28], "synthetic_samples": 40}
     path = tiny_config(rounds=2, data=data, model={"name": model}, client={"epochs": 1, "batch_size": 16, "lr": 0.01})
     for name in PARAMETER_SHARING:
         overrides = f"strategy.name={name} run_name={name}"
