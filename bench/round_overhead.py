@@ -50,7 +50,7 @@ def flower_seconds(workdir: Path) -> tuple[float, float, float]:
     cfg_path = workdir / "bench.yaml"
     cfg_path.write_text(yaml.safe_dump(experiment_config(ROUNDS + 1)))
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "fedapps.cli", "run", str(cfg_path), "--output-dir", str(workdir / "res"),
+    subprocess.run([sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg_path), "--output-dir", str(workdir / "res"),
                     "--cpus-per-client", "1", "--quiet"], cwd=ROOT, check=True)
     total = time.perf_counter() - t0
     with (workdir / "res" / "round-overhead" / "rounds.csv").open() as fh:

@@ -1,16 +1,16 @@
 """Architecture rules, checked on the source with ``ast`` alone (no project module is imported).
 
-The module import graph of the project's own modules (``fedapps/``, ``strategies/``, ``server_app.py``,
-``client_app.py``) is built from every ``import`` / ``from ... import`` statement, including those inside
+The module import graph of the project's own modules (``fedapps/``, ``strategies/``, ``fedapps_tools/``,
+``server_app.py``, ``client_app.py``) is built from every ``import`` / ``from ... import`` statement, including those inside
 functions. Rules:
 
 (a) no import cycle among the project's modules;
 (b) layers point down only:
-    - ``fedapps/*`` (except the entry points ``fedapps.cli``, ``fedapps.compare``, ``fedapps.tune``) imports
-      nothing from ``strategies``, ``server_app`` or ``client_app``;
+    - ``fedapps/*`` (the core) imports nothing from ``strategies``, ``server_app``, ``client_app`` or the tools
+      (``fedapps_tools``: the ``fedapps`` command, ``compare``), which sit above them all;
     - ``fedapps.config`` knows no strategy and nothing above it: of the project's modules it imports at most
       ``fedapps.params`` and error modules (a module whose last name ends in ``errors``/``exceptions``);
-    - ``strategies/*`` import neither ``server_app``, ``client_app`` nor the entry points;
+    - ``strategies/*`` import neither ``server_app``, ``client_app`` nor the tools;
 (c) ``fedapps/worker.py`` (the generic client) names no algorithm: no registered strategy name (the
     ``name = "..."`` class attributes in ``strategies/*.py``) and no algorithm display name appears in it,
     case-insensitively, as a whole word (letters and digits only form words: ``ditto_lam`` and ``FedAvg's``
@@ -30,9 +30,9 @@ from collections import deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("fedapps", "strategies")
+PACKAGES = ("fedapps", "strategies", "fedapps_tools")
 TOP_MODULES = ("server_app", "client_app")
-ENTRY_POINTS = ("fedapps.cli", "fedapps.compare", "fedapps.tune")  # the layer above the apps
+ENTRY_POINTS = ("fedapps_tools",)  # the layer above the apps
 APPS = ("server_app", "client_app")
 CONFIG = "fedapps.config"
 CONFIG_MAY_IMPORT = ("fedapps.params",)  # beside error modules
@@ -183,8 +183,8 @@ def layer_violations(graph: dict[str, dict[str, int]], files: dict[str, Path] | 
 
     for src in sorted(graph):
         for dst in sorted(graph[src]):
-            if _in(src, ("fedapps",)) and not _in(src, ENTRY_POINTS) and _in(dst, ("strategies",) + APPS):
-                report(src, dst, "fedapps below the strategies and apps")
+            if _in(src, ("fedapps",)) and _in(dst, ("strategies",) + APPS + ENTRY_POINTS):
+                report(src, dst, "fedapps below the strategies, apps and tools")
             if src == CONFIG and _in(dst, PACKAGES + TOP_MODULES) and not (
                     _in(dst, CONFIG_MAY_IMPORT) or _is_error_module(dst)):
                 report(src, dst, f"{CONFIG} imports only {', '.join(CONFIG_MAY_IMPORT)} and error modules")
@@ -239,7 +239,7 @@ def test_the_graph_sees_the_project():
     assert "fedapps.worker" in graph["client_app"]  # a top-level import
     assert "fedapps.data.errors" in graph["fedapps.data.federation"]  # a relative import
     assert {"fedapps.models.simple", "fedapps.models.vision"} <= set(graph["fedapps.models.zoo"])  # from . import x
-    assert "fedapps.compare" in graph["fedapps.cli"]  # an import inside a function
+    assert "fedapps_tools.compare" in graph["fedapps_tools.cli"]  # an import inside a function
     assert {"fedavg", "cosmos", "comet"} <= registered_strategy_names()
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fedapps import cli
+from fedapps_tools import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,7 @@ def test_flwr_run_end_to_end(tiny_config, tmp_path):
     """`fedapps run` -> `flwr run` (local SuperLink, Ray simulation, 3 SuperNodes, 2 rounds)."""
     cfg = tiny_config(data={"num_clients": 3})
     proc = subprocess.run(
-        [sys.executable, "-m", "fedapps.cli", "run", str(cfg), "--output-dir", str(tmp_path / "res"), "--quiet"],
+        [sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--output-dir", str(tmp_path / "res"), "--quiet"],
         cwd=ROOT, capture_output=True, text=True, timeout=400,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -63,7 +63,7 @@ def test_compare_table_and_resume(tiny_config, tmp_path, capsys):
 
 
 def test_mean_sem():
-    from fedapps.compare import mean_sem
+    from fedapps_tools.compare import mean_sem
 
     m, e = mean_sem([1.0, 2.0, 3.0])
     assert m == pytest.approx(2.0) and e == pytest.approx(1.0 / 3 ** 0.5)

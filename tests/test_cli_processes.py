@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fedapps import cli
+from fedapps_tools import cli
 from fedapps.results import read_csv
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ def require_flower() -> None:
 
 def fedapps_run(cfg: Path, out: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "fedapps.cli", "run", str(cfg), "--output-dir", str(out), "--quiet",
+    return subprocess.Popen([sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--output-dir", str(out), "--quiet",
                              *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

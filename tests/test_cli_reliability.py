@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedapps import cli
-from fedapps.compare import resume_decision
+from fedapps_tools import cli
+from fedapps_tools.compare import resume_decision
 from fedapps.config import ConfigError, check_run_name, config_hash, load_config, parse_yaml
 from fedapps.results import read_csv
 

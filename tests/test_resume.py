@@ -102,7 +102,7 @@ def test_resume_with_another_config_is_refused_naming_the_key(tmp_path):
     run_here(config, tmp_path / "a")
     run_dir = next((tmp_path / "a").iterdir())
     other = write_config(tmp_path / "other.yaml", rounds=1, client={"lr": 0.01})
-    from fedapps import cli
+    from fedapps_tools import cli
 
     with pytest.raises(Exception) as info:
         import server_app

@@ -153,7 +153,7 @@ def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
     labels = [run_label(c) for c in args.configs]
     if len(set(labels)) != len(labels):
         raise ConfigError("compare: two configs share a file name; rename one (the name labels the table row)")
-    from strategies import resolve  # local: tools sit above the strategies; `fedapps.compare` stays light
+    from strategies import resolve  # local: tools sit above the strategies; `fedapps_tools.compare` stays light
 
     from fedapps.data import get_federation
 

@@ -535,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             print_summary(execute(args.config, args.overrides, args.output_dir, args))
         elif args.command == "compare":
-            from fedapps.compare import compare
+            from fedapps_tools.compare import compare
 
             compare(args, execute)
         elif args.command == "report":
