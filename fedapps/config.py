@@ -86,6 +86,7 @@ class OptimSettings:
     weight_decay: float = 0.0
     drop_last: bool = True
     clip_norm: float = 0.0  # 0: no gradient clipping
+    mixed_precision: bool = False  # bf16 autocast of the forward pass on CUDA (no effect on a CPU device)
 
 
 @dataclass
@@ -368,6 +369,9 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(c.weight_decay >= 0, f"'client.weight_decay' must be >= 0, got {c.weight_decay}")
     _check(c.clip_norm >= 0, f"'client.clip_norm' must be >= 0 (0 = no clipping), got {c.clip_norm}")
     _one_of("client.device", c.device, DEVICES)
+    _check(not (c.mixed_precision and c.device == "cpu"),
+           "'client.mixed_precision: true' applies to CUDA devices only, but 'client.device' is 'cpu'; "
+           "set client.device to 'auto' or 'cuda', or remove client.mixed_precision")
 
 
 def check_run_name(name: str) -> None:

@@ -7,7 +7,7 @@ belong to one algorithm live in that algorithm's module and reach ``train`` as a
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -63,6 +63,7 @@ def run_epochs(
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad], settings)  # frozen parts stay as they are
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     total, steps = torch.zeros((), device=device), 0  # summed on the device: no host sync per step
+    use_bf16 = settings.mixed_precision and device.type == "cuda"
     for _ in range(settings.epochs):
         for idx in batches(len(x), settings.batch_size, True, settings.drop_last, generator):
             if has_batchnorm and len(idx) < 2:
@@ -70,7 +71,8 @@ def run_epochs(
             xb, yb = x[idx].to(device, non_blocking=True), y[idx].to(device, non_blocking=True)
             wb = weights[idx].to(device) if weights is not None else None
             opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model, xb, yb, wb)
+            with torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else nullcontext():
+                loss = loss_fn(model, xb, yb, wb)
             loss.backward()
             if settings.clip_norm > 0:
                 nn.utils.clip_grad_norm_(model.parameters(), settings.clip_norm)

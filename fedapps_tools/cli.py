@@ -466,6 +466,19 @@ def preflight(cfg: ExperimentConfig) -> None:
     get_federation(dataclasses.asdict(cfg.data))
 
 
+def check_gpu_request(args: argparse.Namespace) -> None:
+    """A GPU share for the local Ray engine needs a visible GPU; without one Ray's actor pool stays empty and the
+    run dies with "ActorPool is empty" after start-up. (A remote --superlink has its own machines: not checked.)"""
+    gpus = float(getattr(args, "gpus_per_client", 0) or 0)
+    if gpus <= 0 or getattr(args, "engine", "flower") != "flower" or getattr(args, "superlink", ""):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--gpus-per-client {gpus:g} asks Ray for a share of a GPU, but no CUDA GPU is visible on "
+                          "this machine; drop the option (or pass --gpus-per-client 0) to run the clients on the CPU")
+
+
 def resolved_config(cfg: ExperimentConfig) -> ExperimentConfig:
     """The config as the run records it (the chosen strategy's params with every default filled in)."""
     from strategies import resolve
@@ -489,6 +502,7 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
 
         saved = checkpoint.load_checkpoint(args.resume)  # refuse here, before flwr run starts
         checkpoint.check_same_config(saved["config"], dump_yaml(resolved_config(cfg)), args.resume)
+    check_gpu_request(args)
     if args.engine == "inprocess":
         return run_in_process(cfg, config_path, overrides, out, getattr(args, "resume", None))
     return run_with_flower(cfg, config_path, overrides, out, args)
