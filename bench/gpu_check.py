@@ -100,7 +100,8 @@ def run_case(name: str, out: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     result.update(rounds=len(rows), rounds_per_second=round(len(rows) / round_seconds, 3) if round_seconds else None,
                   rounds_per_second_end_to_end=round(len(rows) / wall, 3),
-                  accuracy_mean=summary.get("accuracy_mean"))
+                  accuracy_mean=summary.get("accuracy_mean"),
+                  final_train_loss=float(rows[-1]["train_loss"]) if rows[-1].get("train_loss") else None)
     if sampler.peak_process == 0:
         result["error"] = "no client process held GPU memory: the clients did not train on CUDA"
     return result
@@ -133,7 +134,7 @@ def main() -> int:
                   f"({r['rounds_per_second_end_to_end']:.3f} end to end, {r['wall_seconds_end_to_end']:.0f} s)  "
                   f"peak GPU memory: device {r['peak_device_mib']} MiB (before: {r['device_mib_before']}), "
                   f"largest client process {r['peak_client_process_mib']} MiB, {r['gpu_processes_seen']} GPU processes  "
-                  f"accuracy {r['accuracy_mean']:.3f}", flush=True)
+                  f"accuracy {r['accuracy_mean']:.3f}, last round's train loss {r['final_train_loss']!r}", flush=True)
     (out / "gpu_check.json").write_text(json.dumps({"gpu": gpu.name, "torch": torch.__version__, "cases": results}, indent=2))
     return 1 if any("error" in r for r in results) else 0
 
