@@ -538,12 +538,20 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     cmp_.add_argument("--name", default="comparison", help="folder under the output dir for the table and plot")
     add_run_options(cmp_)
+    sub.add_parser("tables", add_help=False, help="regenerate the published comparison tables from a spec "
+                   "(experiments/*.yaml): tune every method on validation, run the seeds, write the report; "
+                   "`fedapps tables --help` for its options")
     rep = sub.add_parser("report", help="print the summary of a results folder")
     rep.add_argument("result_dir")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["tables"]:  # its own options (fedapps_tools/tables.py)
+        from fedapps_tools.tables import main as tables_main
+
+        return tables_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "run":

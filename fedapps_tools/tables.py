@@ -1,0 +1,342 @@
+"""`fedapps tables SPEC.yaml`: the published comparison tables, regenerated end to end under one rule.
+
+A spec (see ``experiments/*.yaml``) names settings (a base config each), methods (overrides on top of a base
+config, and a tuning grid of at most 4 points over the method's key hyper-parameters, client learning rate
+included) and seeds. For every setting × method the tool
+
+1. writes the method's config (the setting's base YAML with the method's overrides) under the work folder;
+2. tunes it with ``fedapps tune`` on the validation split (``tune_seeds``; a setting listed under ``tune_on``
+   reuses the choice of another setting — a CPU cut the report states);
+3. writes the final config (the method's config with the chosen values, evaluated on the test split);
+
+then runs ``fedapps compare`` over the final configs and ``seeds`` per setting and writes the report:
+``<out>/<name>.md`` (protocol, one table per setting, the grids with the chosen values and their
+validation scores) and ``<out>/<name>.csv``. Every step resumes: finished tuning points and runs with the same
+resolved config are not run again. Steps run as ``fedapps`` sub-processes, ``--jobs`` at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from fedapps.config import ConfigError, apply_override
+
+MAX_GRID_POINTS = 4  # evaluation.md: the same tuning budget for every method
+
+
+@dataclass
+class Method:
+    name: str
+    overrides: list[str] = field(default_factory=list)
+    grid: dict[str, list[Any]] = field(default_factory=dict)
+    label: str = ""  # table row label (default: the method's name)
+
+
+@dataclass
+class Spec:
+    name: str
+    title: str
+    settings: dict[str, str]  # setting -> base config path
+    methods: list[Method]
+    seeds: list[int]
+    tune_seeds: list[int]
+    tune_on: dict[str, str] = field(default_factory=dict)  # setting -> setting whose tuning it reuses
+    notes: str = ""
+    path: Path = Path(".")
+
+
+def grid_points(grid: Mapping[str, list[Any]]) -> int:
+    n = 1
+    for values in grid.values():
+        n *= len(values)
+    return n
+
+
+def load_spec(path: str | os.PathLike) -> Spec:
+    """Read and check a tables spec; every problem is a ConfigError naming the key."""
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except OSError as exc:
+        raise ConfigError(f"tables spec '{path}' cannot be read: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"tables spec '{path}' must be a mapping with name, settings, methods, seeds")
+    known = {"name", "title", "settings", "methods", "seeds", "tune_seeds", "tune_on", "notes"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"tables spec '{path}': unknown key(s) {unknown}; allowed: {sorted(known)}")
+    for key in ("name", "settings", "methods"):
+        if not raw.get(key):
+            raise ConfigError(f"tables spec '{path}': '{key}' is missing")
+    methods = []
+    for name, body in raw["methods"].items():
+        body = body or {}
+        bad = sorted(set(body) - {"set", "grid", "label"})
+        if bad:
+            raise ConfigError(f"tables spec '{path}': methods.{name} has unknown key(s) {bad}; allowed: set, grid, label")
+        grid = {str(k): list(v) if isinstance(v, list) else [v] for k, v in (body.get("grid") or {}).items()}
+        if grid_points(grid) > MAX_GRID_POINTS:
+            raise ConfigError(f"tables spec '{path}': methods.{name}.grid has {grid_points(grid)} points; the equal "
+                              f"budget is at most {MAX_GRID_POINTS} (evaluation.md): drop values")
+        methods.append(Method(name, [str(o) for o in body.get("set") or []], grid, str(body.get("label") or name)))
+    settings = {str(k): str(v) for k, v in raw["settings"].items()}
+    base = p.parent
+    for setting, cfg in settings.items():
+        if not (base / cfg).is_file() and not Path(cfg).is_file():
+            raise ConfigError(f"tables spec '{path}': settings.{setting} -> '{cfg}' is not a file")
+    tune_on = {str(k): str(v) for k, v in (raw.get("tune_on") or {}).items()}
+    for s, t in tune_on.items():
+        if s not in settings or t not in settings or t in tune_on:
+            raise ConfigError(f"tables spec '{path}': tune_on.{s}: {t} must map a setting to another, tuned, setting")
+    return Spec(str(raw["name"]), str(raw.get("title") or raw["name"]), settings, methods,
+                [int(s) for s in raw.get("seeds") or [0, 1, 2]], [int(s) for s in raw.get("tune_seeds") or [0]],
+                tune_on, str(raw.get("notes") or ""), p)
+
+
+def config_path(spec: Spec, setting: str) -> Path:
+    cfg = Path(spec.settings[setting])
+    return cfg if cfg.is_absolute() or cfg.is_file() else spec.path.parent / cfg
+
+
+def with_overrides(base: Path, overrides: list[str]) -> dict[str, Any]:
+    raw = yaml.safe_load(base.read_text()) or {}
+    for item in overrides:
+        apply_override(raw, item)
+    return raw
+
+
+def dotted(raw: Mapping[str, Any], key: str) -> Any:
+    node: Any = raw
+    for part in key.replace("-", "_").split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            raise KeyError(key)
+        node = node[part]
+    return node
+
+
+def write_yaml(path: Path, raw: Mapping[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(dict(raw), sort_keys=False)
+    if not path.is_file() or path.read_text() != text:  # unchanged files keep their config hash and mtime
+        path.write_text(text)
+    return path
+
+
+def fedapps(args: list[str], log: Path) -> None:
+    """One ``fedapps`` sub-command, its output appended to ``log``; a failure stops the tables with its tail."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with open(log, "a") as out:
+        out.write(f"\n$ fedapps {' '.join(args)}\n")
+        out.flush()
+        rc = subprocess.run([sys.executable, "-m", "fedapps_tools.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                            env=env).returncode
+    if rc != 0:
+        tail = log.read_text()[-2000:]
+        raise RuntimeError(f"`fedapps {' '.join(args[:3])} ...` exited {rc}; log {log}:\n{tail}")
+
+
+class Tables:
+    def __init__(self, spec: Spec, work: Path, engine: str, jobs: int) -> None:
+        self.spec, self.work, self.engine, self.jobs = spec, work, engine, jobs
+
+    def method_config(self, setting: str, m: Method) -> Path:
+        raw = with_overrides(config_path(self.spec, setting), [f"strategy.name={m.name}", *m.overrides])
+        return write_yaml(self.work / setting / "methods" / f"{m.name}.yaml", raw)
+
+    def tune_dir(self, setting: str, m: Method) -> Path:
+        return self.work / self.spec.tune_on.get(setting, setting) / "tune" / m.name
+
+    def tune(self, setting: str, m: Method) -> None:
+        if not m.grid:
+            return
+        args = ["tune", str(self.method_config(setting, m)), "--out", str(self.tune_dir(setting, m)),
+                "--seeds", ",".join(map(str, self.spec.tune_seeds)), "--engine", self.engine]
+        for key, values in m.grid.items():
+            args += ["--grid", f"{key}=" + ",".join(yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("\n...")
+                                                    for v in values)]
+        started = time.monotonic()
+        fedapps(args, self.work / "logs" / f"tune-{setting}-{m.name}.log")
+        print(f"tuned {m.name} on {setting} ({time.monotonic() - started:.0f} s)", flush=True)
+
+    def chosen(self, setting: str, m: Method) -> dict[str, Any]:
+        """The grid keys' chosen values (read from the tuning's chosen config)."""
+        if not m.grid:
+            return {}
+        chosen_files = sorted(self.tune_dir(setting, m).glob("chosen*.yaml"))
+        if not chosen_files:
+            raise RuntimeError(f"no chosen config in {self.tune_dir(setting, m)}: run the tuning stage first")
+        raw = yaml.safe_load(chosen_files[0].read_text())
+        return {key: dotted(raw, key) for key in m.grid}
+
+    def final_config(self, setting: str, m: Method) -> Path:
+        chosen = self.chosen(setting, m)
+        raw = with_overrides(self.method_config(setting, m), [f"{k}={json.dumps(v)}" for k, v in chosen.items()])
+        return write_yaml(self.work / setting / "final" / f"{m.name}.yaml", raw)
+
+    def compare(self, setting: str) -> None:
+        configs = [str(self.final_config(setting, m)) for m in self.spec.methods]
+        args = ["compare", *configs, "--seeds", *map(str, self.spec.seeds), "--name", setting,
+                "--output-dir", str(self.work / "compare"), "--engine", self.engine, "--quiet"]
+        started = time.monotonic()
+        fedapps(args, self.work / "logs" / f"compare-{setting}.log")
+        print(f"compared {len(configs)} methods on {setting} ({time.monotonic() - started:.0f} s)", flush=True)
+
+    def run(self, settings: list[str], methods: list[Method], stages: set[str]) -> None:
+        pool = ThreadPoolExecutor(max_workers=self.jobs)
+        if "tune" in stages:
+            tuned = [s for s in settings if s not in self.spec.tune_on] + sorted(
+                {self.spec.tune_on[s] for s in settings if s in self.spec.tune_on} - set(settings))
+            list(pool.map(lambda sm: self.tune(*sm), [(s, m) for s in tuned for m in methods]))
+        if "final" in stages:
+            list(pool.map(self.compare, settings))
+        pool.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------ the report
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def number(value: str | None, digits: int = 3) -> str:
+    try:
+        return f"{float(value):.{digits}f}"
+    except (TypeError, ValueError):
+        return "—"
+
+
+def report(spec: Spec, work: Path, out: Path) -> Path:
+    """``<out>/<name>.md`` and ``.csv`` from the finished comparisons and tunings."""
+    tables = Tables(spec, work, "inprocess", 1)
+    lines = [f"# {spec.title}", "",
+             "Generated by `fedapps tables " + str(spec.path) + "` (fedapps_tools/tables.py); do not edit by hand.", "",
+             "**Protocol** (`../shared/specs/evaluation.md`, README \"Evaluation protocol\"): accuracy of each client's "
+             "*deployed model* after the LAST round on its own test split, mean over clients (± SEM over "
+             f"{len(spec.seeds)} seeds: {', '.join(map(str, spec.seeds))}; the partition is fixed). \"After local "
+             "training\": the client's model right after its local update, where the method has one. Every method was "
+             f"tuned with at most {MAX_GRID_POINTS} grid points at seed(s) {', '.join(map(str, spec.tune_seeds))} on a "
+             "validation split carved from the clients' training data (deployed model, final round); the test split "
+             "was not read while choosing.", ""]
+    if spec.tune_on:
+        lines += ["**CPU cut:** " + "; ".join(f"`{s}` reuses the values tuned on `{t}`" for s, t in spec.tune_on.items())
+                  + " (no tuning of its own).", ""]
+    if spec.notes:
+        lines += [spec.notes.strip(), ""]
+    csv_rows = []
+    mib = 1024 * 1024
+    for setting in spec.settings:
+        f = work / "compare" / setting / "comparison.csv"
+        if not f.is_file():
+            lines += [f"## {setting}", "", "not run yet", ""]
+            continue
+        rows = {r["config"]: r for r in read_rows(f)}
+        lines += [f"## {setting} (`{spec.settings[setting]}`)", "",
+                  "| method | accuracy, deployed model | sample-weighted | after local training | up MiB/client/round | "
+                  "down MiB/client/round | wall s | chosen (validation) |", "|---|---|---|---|---|---|---|---|"]
+        for m in spec.methods:
+            r = rows.get(m.name)
+            if r is None:
+                lines.append(f"| {m.label} | not run | | | | | | |")
+                continue
+            after = r.get("final_after_acc_mean") or r.get("final_acc_after_training_mean")
+            after_sem = r.get("final_after_acc_mean_sem") or r.get("final_acc_after_training_mean_sem")
+            chosen = tables.chosen(setting, m) if m.grid else {}
+            lines.append(
+                f"| {m.label} | {number(r['accuracy_mean'])} ± {number(r['accuracy_mean_sem'])} | "
+                f"{number(r['accuracy_weighted'])} ± {number(r['accuracy_weighted_sem'])} | "
+                f"{number(after) + ' ± ' + number(after_sem) if after else '—'} | "
+                f"{float(r['bytes_up_per_client_round']) / mib:.3f} | {float(r['bytes_down_per_client_round']) / mib:.3f} | "
+                f"{number(r['wall_seconds'], 0)} | {', '.join(f'{k}={v}' for k, v in chosen.items()) or '(no grid)'} |")
+            csv_rows.append({"setting": setting, "method": m.name, **r, **{f"chosen:{k}": v for k, v in chosen.items()}})
+        lines.append("")
+    lines += ["## Tuning grids and validation scores", "",
+              "| method | tuned on | grid | validation accuracy per point (mean over tune seeds) |", "|---|---|---|---|"]
+    for m in spec.methods:
+        for setting in spec.settings:
+            if setting in spec.tune_on or not m.grid:
+                continue
+            scores = tuning_scores(tables.tune_dir(setting, m))
+            grid = "; ".join(f"{k} ∈ {{{', '.join(map(str, v))}}}" for k, v in m.grid.items())
+            lines.append(f"| {m.label} | {setting} | {grid} | {scores or 'not run'} |")
+    out.mkdir(parents=True, exist_ok=True)
+    md = out / f"{spec.name}.md"
+    md.write_text("\n".join(lines) + "\n")
+    if csv_rows:
+        keys: list[str] = []
+        for r in csv_rows:
+            keys += [k for k in r if k not in keys]
+        with open(out / f"{spec.name}.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(csv_rows)
+    return md
+
+
+def tuning_scores(folder: Path) -> str:
+    """'key=value …: 0.912' per grid point, from tuning.csv (validation accuracy, mean over seeds)."""
+    f = folder / "tuning.csv"
+    if not f.is_file():
+        return ""
+    rows = read_rows(f)
+    acc_key = next((k for k in ("validation_accuracy_mean", "val_accuracy_mean", "accuracy_mean") if rows and k in rows[0]), None)
+    if acc_key is None:
+        return ""
+    skip = {acc_key, "seed", "wall_seconds", "run_dir", "point", "validation_accuracy_weighted", "accuracy_weighted",
+            "val_accuracy_weighted", "config_hash", "status"}
+    by_point: dict[str, list[float]] = {}
+    for r in rows:
+        label = " ".join(f"{k}={v}" for k, v in r.items() if k not in skip)
+        try:
+            by_point.setdefault(label, []).append(float(r[acc_key]))
+        except (TypeError, ValueError):
+            continue
+    return "; ".join(f"{p}: {sum(v) / len(v):.3f}" for p, v in by_point.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="fedapps tables", description=__doc__.splitlines()[0])
+    ap.add_argument("spec")
+    ap.add_argument("--work", default="results/tables", help="where tunings and runs go (resumable)")
+    ap.add_argument("--out", default="docs", help="where the report goes")
+    ap.add_argument("--settings", default="", help="comma-separated subset of the spec's settings")
+    ap.add_argument("--methods", default="", help="comma-separated subset of the spec's methods")
+    ap.add_argument("--stages", default="tune,final,report", help="any of tune, final, report")
+    ap.add_argument("--engine", default="inprocess", choices=("inprocess", "flower"))
+    ap.add_argument("--jobs", type=int, default=1, help="fedapps sub-processes at a time (one thread each)")
+    args = ap.parse_args(argv)
+    try:
+        spec = load_spec(args.spec)
+        settings = [s for s in args.settings.split(",") if s] or list(spec.settings)
+        methods = [m for m in spec.methods if not args.methods or m.name in args.methods.split(",")]
+        bad = [s for s in settings if s not in spec.settings]
+        if bad:
+            raise ConfigError(f"--settings: {bad} not in the spec ({', '.join(spec.settings)})")
+        stages = set(args.stages.split(","))
+        work = Path(args.work).resolve() / spec.name
+        Tables(spec, work, args.engine, args.jobs).run(settings, methods, stages)
+        if "report" in stages:
+            print("written:", report(spec, work, Path(args.out)))
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        print(f"tables failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""`fedapps tables`: the spec's rules (equal grid budget, tune_on), the final configs built from the tuned values,
+and the report built from the comparisons and tunings."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedapps.config import ConfigError, load_config
+from fedapps_tools import tables
+
+BASE = Path(__file__).resolve().parent.parent / "configs" / "fedavg.yaml"
+
+
+def write_spec(tmp_path: Path, **extra) -> Path:
+    spec = {"name": "demo", "settings": {"a": str(BASE), "b": str(BASE)}, "seeds": [0, 1], "tune_seeds": [0],
+            "methods": {"fedavg": {"grid": {"client.lr": [0.01, 0.1]}},
+                        "fedprox": {"set": ["strategy.params.fedprox.mu=0.5"], "grid": {"client.lr": [0.02, 0.2]}},
+                        "local": {}}}
+    spec.update(extra)
+    p = tmp_path / "spec.yaml"
+    p.write_text(yaml.safe_dump(spec))
+    return p
+
+
+def test_grid_over_the_equal_budget_is_refused(tmp_path):
+    p = write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1, 0.2], "client.epochs": [1, 2]}}})
+    with pytest.raises(ConfigError, match="at most 4"):
+        tables.load_spec(p)
+    assert tables.grid_points({"a": [1, 2], "b": [1, 2]}) == 4  # exactly the budget is allowed
+    tables.load_spec(write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [1, 2], "client.epochs": [1, 2]}}}))
+
+
+@pytest.mark.parametrize("bad", [{"tune_on": {"b": "zz"}}, {"tune_on": {"b": "a", "a": "b"}}, {"colour": 1},
+                                 {"methods": {"fedavg": {"grids": {}}}}, {"settings": {"a": "no-such.yaml"}}])
+def test_bad_specs_name_the_key(tmp_path, bad):
+    with pytest.raises(ConfigError, match="tables spec"):
+        tables.load_spec(write_spec(tmp_path, **bad))
+
+
+def test_final_config_takes_the_tuned_values_and_tune_on_reuses_another_setting(tmp_path):
+    spec = tables.load_spec(write_spec(tmp_path, tune_on={"b": "a"}))
+    t = tables.Tables(spec, tmp_path / "work", "inprocess", 1)
+    fedprox = spec.methods[1]
+    assert t.tune_dir("b", fedprox) == t.tune_dir("a", fedprox)
+    chosen = yaml.safe_load(t.method_config("a", fedprox).read_text())
+    chosen["client"]["lr"] = 0.2
+    t.tune_dir("a", fedprox).mkdir(parents=True)
+    (t.tune_dir("a", fedprox) / "chosen.yaml").write_text(yaml.safe_dump(chosen))
+    final = t.final_config("b", fedprox)
+    cfg = load_config(final)
+    assert cfg.strategy.name == "fedprox" and cfg.client.lr == 0.2
+    assert cfg.strategy.params["fedprox"]["mu"] == 0.5  # the method's own overrides stay
+    assert load_config(t.final_config("a", spec.methods[2])).strategy.name == "local"  # no grid: the method's config
+
+
+def test_report_lists_each_setting_the_chosen_values_and_the_validation_scores(tmp_path):
+    spec = tables.load_spec(write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1]}}},
+                                       settings={"a": str(BASE)}))
+    work = tmp_path / "work"
+    t = tables.Tables(spec, work, "inprocess", 1)
+    m = spec.methods[0]
+    tune = t.tune_dir("a", m)
+    tune.mkdir(parents=True)
+    raw = yaml.safe_load(t.method_config("a", m).read_text())
+    raw["client"]["lr"] = 0.1
+    (tune / "chosen.yaml").write_text(yaml.safe_dump(raw))
+    with open(tune / "tuning.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["point", "seed", "client.lr", "validation_accuracy_mean"])
+        w.writeheader()
+        w.writerows([{"point": 0, "seed": 0, "client.lr": 0.01, "validation_accuracy_mean": 0.5},
+                     {"point": 1, "seed": 0, "client.lr": 0.1, "validation_accuracy_mean": 0.9}])
+    cmp_dir = work / "compare" / "a"
+    cmp_dir.mkdir(parents=True)
+    with open(cmp_dir / "comparison.csv", "w", newline="") as f:
+        keys = ["config", "strategy", "seeds", "accuracy_mean", "accuracy_mean_sem", "accuracy_weighted",
+                "accuracy_weighted_sem", "bytes_up_per_client_round", "bytes_down_per_client_round", "wall_seconds"]
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerow(dict(zip(keys, ["fedavg", "fedavg", 2, 0.8766, 0.0123, 0.87, 0.01, 1048576, 2097152, 42])))
+    md = tables.report(spec, work, tmp_path / "docs").read_text()
+    assert "| fedavg | 0.877 ± 0.012 | 0.870 ± 0.010 | — | 1.000 | 2.000 | 42 | client.lr=0.1 |" in md
+    assert "client.lr=0.01: 0.500; client.lr=0.1: 0.900" in md
+    assert "deployed model" in md and "test split was not read" in md
