@@ -56,7 +56,6 @@ def test_validation_split_is_carved_from_train_stratified_and_deterministic():
         assert val.size == round(0.15 * train.size)
         # what the client sees: fit as train, validation as "test"
         c = val_mode.client(i)
-        assert c.eval_split == "validation"
         assert torch.equal(c.test_y, torch.as_tensor(labels[val])) and torch.equal(c.test_x, source_x[val])
         assert torch.equal(c.train_y, torch.as_tensor(labels[fit]))
         assert np.array_equal(val_mode.test_counts[i], n_val)

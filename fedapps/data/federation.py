@@ -65,14 +65,13 @@ class ClientData:
     of the federation's one sample tensor (``Federation.x`` / ``Federation.y``), never copies.
 
     ``test_x`` / ``test_y`` are the split the client is EVALUATED on: its test split, or, when the data spec says
-    ``evaluate_on: validation``, the validation share of its train split (``eval_split`` names which); then
-    ``train_x`` / ``train_y`` are the rest of the train split (the fit share)."""
+    ``evaluate_on: validation``, the validation share of its train split (``Federation.eval_split`` names which);
+    then ``train_x`` / ``train_y`` are the rest of the train split (the fit share)."""
 
     train_x: torch.Tensor
     train_y: torch.Tensor
     test_x: torch.Tensor
     test_y: torch.Tensor
-    eval_split: str = "test"  # "test" | "validation": what test_x / test_y hold
 
     @property
     def num_train(self) -> int:
@@ -281,7 +280,7 @@ def build_federation(spec: dict[str, Any]) -> Federation:
     clients: list[ClientData] = []
     for i in range(m):
         start, mid, end = (ends[2 * i - 1] if i else 0), ends[2 * i], ends[2 * i + 1]
-        clients.append(ClientData(x[start:mid], y[start:mid], x[mid:end], y[mid:end], eval_split=s["evaluate_on"]))
+        clients.append(ClientData(x[start:mid], y[start:mid], x[mid:end], y[mid:end]))
 
     public_x = public_y = None
     fingerprint = ""
