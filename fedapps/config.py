@@ -63,6 +63,11 @@ class DataConfig:
     synthetic_classes: int = 10
     synthetic_shape: list[int] = field(default_factory=lambda: [3, 32, 32])
     synthetic_samples: int = 2000
+    # share of each client's TRAIN split held out as its validation split when evaluate_on is validation, in [0, 1)
+    validation_fraction: float = 0.15
+    # test: train on the whole train split, evaluate on the test split (final runs); validation: train on the rest
+    # of the train split, evaluate on the validation share, never build the test split (tuning; specs/evaluation.md)
+    evaluate_on: str = "test"
 
 
 @dataclass

@@ -241,6 +241,8 @@ def summarise(cfg: ExperimentConfig, rows: list[Mapping[str, Any]], wall_seconds
         "strategy": cfg.strategy.name,
         "dataset": cfg.data.source,
         "partition": cfg.data.partition,
+        # which split every accuracy here was measured on: "test", or "validation" (a tuning run; never a test number)
+        "evaluated_on": cfg.data.evaluate_on,
         "model": cfg.model.name if not cfg.model.per_client else "+".join(cfg.model.per_client),
         "num_clients": clients,
         "seed": cfg.seed,
@@ -264,7 +266,8 @@ def summarise(cfg: ExperimentConfig, rows: list[Mapping[str, Any]], wall_seconds
             summary[f"final_{key}"] = final[key]
     if scored:
         best = max(scored, key=lambda r: r["acc_mean"])
-        summary["best_round_on_test_set_NOT_the_result"] = {"round": best["round"], "accuracy_mean": best["acc_mean"]}
+        summary[f"best_round_on_{cfg.data.evaluate_on}_set_NOT_the_result"] = {"round": best["round"],
+                                                                                "accuracy_mean": best["acc_mean"]}
     return summary
 
 

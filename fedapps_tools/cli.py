@@ -1,4 +1,4 @@
-"""`fedapps run / compare / report`: thin helpers around `flwr run`.
+"""`fedapps run / compare / tune / report`: thin helpers around `flwr run`.
 
 `fedapps run CONFIG` validates the config and the data here (a bad key fails at once, naming it: exit 2),
 starts its own SuperLink (simulation mode, free port, own FLWR_HOME) or joins ``--superlink ADDRESS``,
@@ -508,11 +508,12 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
     return run_with_flower(cfg, config_path, overrides, out, args)
 
 
-def add_run_options(p: argparse.ArgumentParser) -> None:
-    """Options shared by run and compare."""
+def add_run_options(p: argparse.ArgumentParser, output_dir: bool = True) -> None:
+    """Options shared by run, compare and tune (tune names its folder with --out instead of --output-dir)."""
     p.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="dotted overrides, e.g. --set rounds=5 client.lr=0.01")
-    p.add_argument("--output-dir", default=None, help="results root (default: the config's output_dir)")
+    if output_dir:
+        p.add_argument("--output-dir", default=None, help="results root (default: the config's output_dir)")
     p.add_argument("--engine", choices=("flower", "inprocess"), default="flower",
                    help="flower: `flwr run` on the Ray simulation engine (default); inprocess: same code, no Ray")
     p.add_argument("--supernodes", type=int, default=0, help="simulated SuperNodes (default: data.num_clients)")
@@ -541,6 +542,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("tables", add_help=False, help="regenerate the published comparison tables from a spec "
                    "(experiments/*.yaml): tune every method on validation, run the seeds, write the report; "
                    "`fedapps tables --help` for its options")
+    tun = sub.add_parser("tune", help="run a grid on the validation split and choose by validation accuracy")
+    tun.add_argument("config")
+    tun.add_argument("--grid", nargs="+", action="extend", default=[], required=True, metavar="KEY=V1,V2,...",
+                     help="a key and its values (YAML scalars, comma-separated); repeat for more keys: the cartesian "
+                          "grid runs, e.g. --grid client.lr=0.01,0.05 --grid client.epochs=1,2")
+    tun.add_argument("--seeds", nargs="+", default=["0"], metavar="SEED[,SEED...]",
+                     help="seeds each point runs at (default 0: specs/evaluation.md tunes at 1 seed)")
+    tun.add_argument("--max-points", type=int, default=4,
+                     help="refuse a grid with more points (default 4: the equal-budget rule of specs/evaluation.md)")
+    tun.add_argument("--out", "--output-dir", dest="output_dir", default=None, metavar="DIR",
+                     help="folder for tuning.csv, tuning.md, chosen.yaml and runs/ "
+                          "(default: <output_dir>/tune-<config name>)")
+    add_run_options(tun, output_dir=False)
     rep = sub.add_parser("report", help="print the summary of a results folder")
     rep.add_argument("result_dir")
     return parser
@@ -560,6 +574,10 @@ def main(argv: list[str] | None = None) -> int:
             from fedapps_tools.compare import compare
 
             compare(args, execute)
+        elif args.command == "tune":
+            from fedapps_tools.tune import tune
+
+            tune(args, execute)
         elif args.command == "report":
             print_summary(Path(args.result_dir))
     except ConfigError as exc:  # includes fedapps.data.DataError and fedapps.models' ModelError

@@ -26,6 +26,7 @@ def spec(**over) -> dict:
 
 SPECS = [
     spec(),
+    spec(partition="dirichlet", evaluate_on="validation"),  # fit and validation splits, no test samples
     spec(partition="pathological", public_fraction=0.2),
     spec(partition="dirichlet", num_clients=8, alpha=0.3, public_fraction=0.1, seed=3),
     spec(partition="cosmos-groups", num_clients=6, alpha=5.0, public_fraction=0.15),

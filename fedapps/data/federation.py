@@ -4,9 +4,17 @@ Procedure (deterministic for `seed`): load the source (train+test merged) → if
 stratified public set U → partition the rest over clients → split each client's samples into train/test
 (stratified within the client; train keeps at least one sample).
 
-Storage: the samples are gathered once into ``Federation.x`` / ``y`` (client by client, train then test, then
-U); every client's splits and U are slices of it, so a process holds one copy however many clients it serves
-(``get_federation`` caches one federation per data spec and process).
+Evaluation split (``evaluate_on``, specs/evaluation.md): ``test`` (final runs) evaluates on the test split and
+trains on the whole train split. ``validation`` (tuning) carves ``validation_fraction`` out of each client's
+TRAIN split (stratified, seeded by ``derive_seed(seed, "validation-split", client)``, so the train/test split is
+the same in both modes); the client then trains on the rest ("fit") and everything that evaluates on
+``ClientData.test_x / test_y`` evaluates on the validation share. In that mode the test samples are never
+gathered from the source: no tensor, count or index of the test split exists in the federation (the guard that
+keeps tuning off the test split).
+
+Storage: the samples are gathered once into ``Federation.x`` / ``y`` (client by client, train then evaluation
+split, then U); every client's splits and U are slices of it, so a process holds one copy however many clients
+it serves (``get_federation`` caches one federation per data spec and process).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..seeds import derive_rng
 from .errors import DataError
 from .partition import (
     PARTITIONS,
@@ -42,14 +51,22 @@ log = logging.getLogger("fedapps.data")
 SPEC_KEYS: tuple[str, ...] = (
     "source", "root", "download", "partition", "num_clients", "classes_per_client", "alpha",
     "min_samples", "groups", "redistribute_fraction", "test_fraction", "public_fraction", "seed",
-    "synthetic_classes", "synthetic_shape", "synthetic_samples",
+    "synthetic_classes", "synthetic_shape", "synthetic_samples", "validation_fraction", "evaluate_on",
 )
+# keys a spec may leave out (older servers, hand-built specs): check_spec fills in these defaults
+SPEC_DEFAULTS: dict[str, Any] = {"validation_fraction": 0.15, "evaluate_on": "test"}
+EVALUATION_SPLITS: tuple[str, ...] = ("test", "validation")
+VALIDATION_SEED_PURPOSE = "validation-split"  # derive_seed(data.seed, this, client id): the validation split
 
 
 @dataclass
 class ClientData:
     """One client's private data (train and test from the client's own distribution): slices, i.e. views,
-    of the federation's one sample tensor (``Federation.x`` / ``Federation.y``), never copies."""
+    of the federation's one sample tensor (``Federation.x`` / ``Federation.y``), never copies.
+
+    ``test_x`` / ``test_y`` are the split the client is EVALUATED on: its test split, or, when the data spec says
+    ``evaluate_on: validation``, the validation share of its train split (``Federation.eval_split`` names which);
+    then ``train_x`` / ``train_y`` are the rest of the train split (the fit share)."""
 
     train_x: torch.Tensor
     train_y: torch.Tensor
@@ -71,13 +88,13 @@ class Federation:
     num_clients: int
     public_x: torch.Tensor | None
     public_y: torch.Tensor | None  # true labels of U: for an explicitly named oracle option only
-    train_counts: np.ndarray  # num_clients × num_classes, int64
-    test_counts: np.ndarray  # num_clients × num_classes, int64
+    train_counts: np.ndarray  # num_clients × num_classes, int64: what clients train on (the fit share in validation mode)
+    test_counts: np.ndarray  # num_clients × num_classes, int64: the evaluation split (test, or validation)
     groups: np.ndarray | None  # group of each client (cosmos-groups), else None
     fingerprint: str  # short sha256 of U (shape + bytes), "" without U
     spec: dict[str, Any]
     train_indices: list[np.ndarray] = field(repr=False)  # indices into the merged source
-    test_indices: list[np.ndarray] = field(repr=False)
+    test_indices: list[np.ndarray] = field(repr=False)  # the evaluation split's (test, or validation)
     public_indices: np.ndarray | None = field(repr=False)
     # The samples, stored once: client 0's train then test samples, client 1's, ..., then U, each block in
     # the order of its index list (x = source.x[concatenated indices]). Every ClientData split and public_x /
@@ -85,6 +102,8 @@ class Federation:
     x: torch.Tensor = field(repr=False)
     y: torch.Tensor = field(repr=False)
     _clients: list[ClientData] = field(repr=False)
+    # which split test_* hold: "test", or "validation" (then no sample, count or index of the test split is here)
+    eval_split: str = "test"
 
     def client(self, i: int) -> ClientData:
         """The data of client `i` (0 ≤ i < num_clients)."""
@@ -94,10 +113,10 @@ class Federation:
         return self._clients[int(i)]
 
     def stats_rows(self) -> list[dict[str, Any]]:
-        """Per client and split (train/test): sample count per class, as rows for a CSV."""
+        """Per client and split (train/test, or train/validation): sample count per class, as rows for a CSV."""
         rows = []
         for i in range(self.num_clients):
-            for split, counts in (("train", self.train_counts[i]), ("test", self.test_counts[i])):
+            for split, counts in (("train", self.train_counts[i]), (self.eval_split, self.test_counts[i])):
                 row: dict[str, Any] = {"client": i, "split": split}
                 if self.groups is not None:
                     row["group"] = int(self.groups[i])
@@ -114,6 +133,7 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
     on the spec a message brings (clients read no config file)."""
     if not isinstance(spec, dict):
         raise DataError(f"data spec must be a dict with keys {', '.join(SPEC_KEYS)}; got {type(spec).__name__}")
+    spec = {**SPEC_DEFAULTS, **spec}
     missing = [k for k in SPEC_KEYS if k not in spec]
     if missing:
         raise DataError(f"data spec is missing keys: {', '.join(missing)} (required: {', '.join(SPEC_KEYS)})")
@@ -149,6 +169,14 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
     s["synthetic_shape"] = [int(d) for d in shape]
     s["synthetic_samples"] = _check_int("synthetic_samples", s["synthetic_samples"], s["synthetic_classes"])
 
+    s["validation_fraction"] = _check_fraction("validation_fraction", s["validation_fraction"], allow_one=False)
+    if s["evaluate_on"] not in EVALUATION_SPLITS:
+        raise DataError(f"data.evaluate_on={s['evaluate_on']!r} is unknown; allowed: {', '.join(EVALUATION_SPLITS)} "
+                        "(test for final runs; validation while tuning hyper-parameters, e.g. with `fedapps tune`)")
+    if s["evaluate_on"] == "validation" and s["validation_fraction"] <= 0:
+        raise DataError(f"data.validation_fraction={s['validation_fraction']!r} leaves no validation split, but "
+                        "data.evaluate_on is 'validation'; set data.validation_fraction in (0, 1), e.g. 0.15")
+
     num_classes, _ = source_info(s["source"], s["synthetic_classes"], s["synthetic_shape"])
     if s["partition"] == "pathological" and s["classes_per_client"] > num_classes:
         raise DataError(f"data.classes_per_client={s['classes_per_client']} exceeds the {num_classes} classes "
@@ -165,6 +193,25 @@ def _fingerprint(x: torch.Tensor) -> str:
     h.update(str(x.dtype).encode())
     h.update(x.contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def client_split(idx: np.ndarray, labels: np.ndarray, test_fraction: float,
+                 rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A client's source indices ``idx`` -> (train, test), stratified by label; train keeps at least one sample."""
+    test_loc, train_loc = stratified_split(labels[idx], test_fraction, rng)
+    if train_loc.size == 0:  # tiny client: keep one sample for training
+        train_loc, test_loc = test_loc[:1], test_loc[1:]
+    return idx[train_loc], idx[test_loc]
+
+
+def validation_split(train: np.ndarray, labels: np.ndarray, fraction: float,
+                     rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A client's train indices -> (fit, validation): ``fraction`` of each class held out (largest remainder,
+    so stratified where the counts allow); fit keeps at least one sample. Both keep train's order."""
+    val_loc, fit_loc = stratified_split(labels[train], fraction, rng)
+    if fit_loc.size == 0:  # tiny client: keep one sample for training
+        fit_loc, val_loc = val_loc[:1], val_loc[1:]
+    return train[fit_loc], train[val_loc]
 
 
 def build_federation(spec: dict[str, Any]) -> Federation:
@@ -201,25 +248,28 @@ def build_federation(spec: dict[str, Any]) -> Federation:
         local, groups = partition_cosmos_groups(pool_labels, m, k, s["alpha"], s["groups"],
                                                 s["redistribute_fraction"], rng_partition)
 
-    train_indices, test_indices = [], []
+    validating = s["evaluate_on"] == "validation"
+    train_indices, eval_indices = [], []
     train_counts = np.zeros((m, k), dtype=np.int64)
-    test_counts = np.zeros((m, k), dtype=np.int64)
+    eval_counts = np.zeros((m, k), dtype=np.int64)
     for i, loc in enumerate(local):
         if loc.size == 0:
             raise DataError(f"client {i} received no samples with partition {part!r} "
                             f"(num_clients={m}, alpha={s['alpha']}); use fewer clients or another partition")
-        idx = pool[loc]
-        test_loc, train_loc = stratified_split(labels[idx], s["test_fraction"], rng_split)
-        if train_loc.size == 0:  # tiny client: keep one sample for training
-            train_loc, test_loc = test_loc[:1], test_loc[1:]
-        tr, te = idx[train_loc], idx[test_loc]
+        tr, te = client_split(pool[loc], labels, s["test_fraction"], rng_split)
+        if validating:  # the test indices `te` are dropped here: only train's split into fit / validation stays
+            tr, te = validation_split(tr, labels, s["validation_fraction"], derive_rng(s["seed"], VALIDATION_SEED_PURPOSE, i))
         train_indices.append(tr)
-        test_indices.append(te)
+        eval_indices.append(te)
         train_counts[i] = np.bincount(labels[tr], minlength=k)
-        test_counts[i] = np.bincount(labels[te], minlength=k)
+        eval_counts[i] = np.bincount(labels[te], minlength=k)
+    if validating and not eval_counts.sum(axis=1).all():
+        log.warning("data: clients %s have an empty validation split (train split too small for "
+                    "validation_fraction=%s)", np.flatnonzero(eval_counts.sum(axis=1) == 0).tolist(),
+                    s["validation_fraction"])
 
     # One gather from the source into the stored order; every split below is a slice (a view) of it.
-    blocks = [b for tr, te in zip(train_indices, test_indices) for b in (tr, te)]
+    blocks = [b for tr, te in zip(train_indices, eval_indices) for b in (tr, te)]
     if public_idx is not None:
         blocks.append(public_idx)
     order = torch.from_numpy(np.concatenate(blocks).astype(np.int64, copy=False))
@@ -237,13 +287,14 @@ def build_federation(spec: dict[str, Any]) -> Federation:
     if public_idx is not None:
         public_x, public_y = x[ends[-2]:], y[ends[-2]:]
         fingerprint = _fingerprint(public_x)
-    log.info("data: %s / %s, %d clients, train %d, test %d, public %d (%.2fs)", s["source"], part, m,
-             int(train_counts.sum()), int(test_counts.sum()), 0 if public_idx is None else public_idx.size,
-             time.perf_counter() - t0)
+    log.info("data: %s / %s, %d clients, train %d, %s %d, public %d (%.2fs)", s["source"], part, m,
+             int(train_counts.sum()), s["evaluate_on"], int(eval_counts.sum()),
+             0 if public_idx is None else public_idx.size, time.perf_counter() - t0)
     return Federation(
         num_classes=k, input_shape=input_shape, num_clients=m, public_x=public_x, public_y=public_y,
-        train_counts=train_counts, test_counts=test_counts, groups=groups, fingerprint=fingerprint, spec=s,
-        train_indices=train_indices, test_indices=test_indices, public_indices=public_idx, x=x, y=y, _clients=clients,
+        train_counts=train_counts, test_counts=eval_counts, groups=groups, fingerprint=fingerprint, spec=s,
+        train_indices=train_indices, test_indices=eval_indices, public_indices=public_idx, x=x, y=y, _clients=clients,
+        eval_split=s["evaluate_on"],
     )
 
 
