@@ -63,6 +63,7 @@ class DataConfig:
     synthetic_classes: int = 10
     synthetic_shape: list[int] = field(default_factory=lambda: [3, 32, 32])
     synthetic_samples: int = 2000
+    swap_pairs: int = 1  # label-swap: label pairs swapped in each group but group 0
 
 
 @dataclass

@@ -2,11 +2,25 @@
 
 Procedure (deterministic for `seed`): load the source (train+test merged) → if public_fraction > 0 take a
 stratified public set U → partition the rest over clients → split each client's samples into train/test
-(stratified within the client; train keeps at least one sample).
+(stratified within the client; train keeps at least one sample). Under `rotated` / `label-swap` each client's
+group transform is then applied (rotation of its images / permutation of its labels; U: see below).
 
 Storage: the samples are gathered once into ``Federation.x`` / ``y`` (client by client, train then test, then
 U); every client's splits and U are slices of it, so a process holds one copy however many clients it serves
-(``get_federation`` caches one federation per data spec and process).
+(``get_federation`` caches one federation per data spec and process). The per-group transforms of `rotated`
+and `label-swap` are applied in place to that store, block by block, after the gather: the client splits stay
+views of one tensor, and the store holds every sample as its client (or U) sees it.
+
+The public set U under the group settings (README "Settings where methods separate"):
+- `rotated`: U is drawn before partitioning, as always, then cut into `groups` equal shares, stratified by
+  class; share g is rotated like group g (``Federation.public_groups``). U thus follows the same input
+  distribution as the union of the clients' data, as it does under every other partition; its labels are the
+  source's (a rotation changes no label).
+- `label-swap`: U's images are untouched (the setting changes no image), so U already follows the clients'
+  input distribution; its labels (``public_y``) are the source's labels, i.e. group 0's (identity) convention.
+  No single labelling agrees with every group; a mixed one would give identical-looking images contradictory
+  labels. Label-free methods never read them; FedMD's optional labelled pre-training on U
+  (``pretrain_public_epochs``) and the oracle diagnostics read them in group 0's convention.
 """
 
 from __future__ import annotations
@@ -31,18 +45,20 @@ from .partition import (
     _check_int,
     partition_cosmos_groups,
     partition_dirichlet,
+    partition_groups_iid,
     partition_iid,
     partition_pathological,
     stratified_split,
 )
 from .sources import SOURCES, load_source, source_info
+from .transforms import label_swap_permutations, public_group_shares, rotate_images, rotation_quarter_turns
 
 log = logging.getLogger("fedapps.data")
 
 SPEC_KEYS: tuple[str, ...] = (
     "source", "root", "download", "partition", "num_clients", "classes_per_client", "alpha",
     "min_samples", "groups", "redistribute_fraction", "test_fraction", "public_fraction", "seed",
-    "synthetic_classes", "synthetic_shape", "synthetic_samples",
+    "synthetic_classes", "synthetic_shape", "synthetic_samples", "swap_pairs",
 )
 
 
@@ -73,7 +89,7 @@ class Federation:
     public_y: torch.Tensor | None  # true labels of U: for an explicitly named oracle option only
     train_counts: np.ndarray  # num_clients × num_classes, int64
     test_counts: np.ndarray  # num_clients × num_classes, int64
-    groups: np.ndarray | None  # group of each client (cosmos-groups), else None
+    groups: np.ndarray | None  # group of each client (cosmos-groups, rotated, label-swap), else None
     fingerprint: str  # short sha256 of U (shape + bytes), "" without U
     spec: dict[str, Any]
     train_indices: list[np.ndarray] = field(repr=False)  # indices into the merged source
@@ -85,6 +101,12 @@ class Federation:
     x: torch.Tensor = field(repr=False)
     y: torch.Tensor = field(repr=False)
     _clients: list[ClientData] = field(repr=False)
+    # rotated: each group's counter-clockwise rotation in degrees (group g: g·360/groups); else None
+    group_rotation: np.ndarray | None = None
+    # label-swap: groups × num_classes; client of group g holds label label_perms[g, c] for a source label c
+    label_perms: np.ndarray | None = None
+    # rotated: the group whose rotation each U sample carries (equal, class-stratified shares); else None
+    public_groups: np.ndarray | None = field(default=None, repr=False)
 
     def client(self, i: int) -> ClientData:
         """The data of client `i` (0 ≤ i < num_clients)."""
@@ -148,14 +170,27 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
         raise DataError(f"data.synthetic_shape={shape!r} must be a list of 3 positive integers [C, H, W]")
     s["synthetic_shape"] = [int(d) for d in shape]
     s["synthetic_samples"] = _check_int("synthetic_samples", s["synthetic_samples"], s["synthetic_classes"])
+    s["swap_pairs"] = _check_int("swap_pairs", s["swap_pairs"], 1)
 
-    num_classes, _ = source_info(s["source"], s["synthetic_classes"], s["synthetic_shape"])
+    num_classes, shape = source_info(s["source"], s["synthetic_classes"], s["synthetic_shape"])
     if s["partition"] == "pathological" and s["classes_per_client"] > num_classes:
         raise DataError(f"data.classes_per_client={s['classes_per_client']} exceeds the {num_classes} classes "
                         f"of data.source={s['source']!r}; allowed: 1..{num_classes}")
     if s["partition"] == "cosmos-groups" and s["groups"] > min(num_classes, s["num_clients"]):
         raise DataError(f"data.groups={s['groups']} must be at most min(num_classes={num_classes}, "
                         f"num_clients={s['num_clients']}) for partition 'cosmos-groups'")
+    if s["partition"] in ("rotated", "label-swap") and s["groups"] > s["num_clients"]:
+        raise DataError(f"data.groups={s['groups']} exceeds data.num_clients={s['num_clients']}: partition "
+                        f"{s['partition']!r} needs at least one client per group; lower data.groups or raise "
+                        f"data.num_clients")
+    if s["partition"] == "rotated":
+        quarters = rotation_quarter_turns(s["groups"])
+        if np.any(quarters % 2 == 1) and shape[1] != shape[2]:
+            raise DataError(f"partition 'rotated' with data.groups={s['groups']} turns images by 90°, which needs "
+                            f"square images; data.source={s['source']!r} has H×W = {shape[1]}×{shape[2]}. Use "
+                            f"data.groups=2 (0/180°) or a square data.synthetic_shape")
+    if s["partition"] == "label-swap":
+        label_swap_permutations(num_classes, s["groups"], s["swap_pairs"], np.random.default_rng(0))  # feasibility
     return s
 
 
@@ -197,9 +232,15 @@ def build_federation(spec: dict[str, Any]) -> Federation:
         local = partition_pathological(pool_labels, m, k, s["classes_per_client"], rng_partition)
     elif part == "dirichlet":
         local = partition_dirichlet(pool_labels, m, k, s["alpha"], s["min_samples"], rng_partition)
-    else:
+    elif part == "cosmos-groups":
         local, groups = partition_cosmos_groups(pool_labels, m, k, s["alpha"], s["groups"],
                                                 s["redistribute_fraction"], rng_partition)
+    else:  # rotated / label-swap
+        local, groups = partition_groups_iid(pool_labels, m, s["groups"], rng_partition)
+    # the transforms draw from their own stream: the partitions above stay those of earlier versions
+    rng_transform = np.random.default_rng(np.random.SeedSequence([s["seed"], 0x7261]))
+    label_perms = (label_swap_permutations(k, s["groups"], s["swap_pairs"], rng_transform)
+                   if part == "label-swap" else None)
 
     train_indices, test_indices = [], []
     train_counts = np.zeros((m, k), dtype=np.int64)
@@ -215,8 +256,9 @@ def build_federation(spec: dict[str, Any]) -> Federation:
         tr, te = idx[train_loc], idx[test_loc]
         train_indices.append(tr)
         test_indices.append(te)
-        train_counts[i] = np.bincount(labels[tr], minlength=k)
-        test_counts[i] = np.bincount(labels[te], minlength=k)
+        relabel = label_perms[groups[i]] if label_perms is not None else np.arange(k)  # counts: the client's labels
+        train_counts[i] = np.bincount(relabel[labels[tr]], minlength=k)
+        test_counts[i] = np.bincount(relabel[labels[te]], minlength=k)
 
     # One gather from the source into the stored order; every split below is a slice (a view) of it.
     blocks = [b for tr, te in zip(train_indices, test_indices) for b in (tr, te)]
@@ -227,6 +269,27 @@ def build_federation(spec: dict[str, Any]) -> Federation:
     input_shape = ds.input_shape
     del ds  # the source's own tensors are no longer needed
     ends = np.cumsum([b.size for b in blocks]).tolist()
+
+    # Group transforms, in place on the one store (x / y are the gathered copy, not the source's tensors).
+    group_rotation = public_groups = None
+    if part == "rotated":
+        quarters = rotation_quarter_turns(s["groups"])
+        group_rotation = quarters * 90
+        for i in range(m):
+            start, end = (ends[2 * i - 1] if i else 0), ends[2 * i + 1]
+            if quarters[groups[i]]:
+                x[start:end] = rotate_images(x[start:end], quarters[groups[i]])
+        if public_idx is not None:
+            public_groups = public_group_shares(labels[public_idx], s["groups"], rng_transform)
+            for g, turns in enumerate(quarters):
+                rows = torch.from_numpy(ends[-2] + np.flatnonzero(public_groups == g))
+                if turns and rows.numel():
+                    x[rows] = rotate_images(x[rows], turns)
+    elif label_perms is not None:
+        perms = torch.from_numpy(label_perms)
+        for i in range(m):
+            start, end = (ends[2 * i - 1] if i else 0), ends[2 * i + 1]
+            y[start:end] = perms[groups[i]][y[start:end]]
     clients: list[ClientData] = []
     for i in range(m):
         start, mid, end = (ends[2 * i - 1] if i else 0), ends[2 * i], ends[2 * i + 1]
@@ -244,6 +307,7 @@ def build_federation(spec: dict[str, Any]) -> Federation:
         num_classes=k, input_shape=input_shape, num_clients=m, public_x=public_x, public_y=public_y,
         train_counts=train_counts, test_counts=test_counts, groups=groups, fingerprint=fingerprint, spec=s,
         train_indices=train_indices, test_indices=test_indices, public_indices=public_idx, x=x, y=y, _clients=clients,
+        group_rotation=group_rotation, label_perms=label_perms, public_groups=public_groups,
     )
 
 
