@@ -115,14 +115,27 @@ class Federation:
                             f"(data.num_clients={self.num_clients})")
         return self._clients[int(i)]
 
+    def group_transform(self, group: int) -> str:
+        """What group `group` sees, in words: 'rotate 90' (degrees, counter-clockwise), 'swap 3-7 2-4', 'identity'."""
+        if self.group_rotation is not None:
+            return f"rotate {int(self.group_rotation[group])}"
+        if self.label_perms is not None:
+            p = self.label_perms[group]
+            pairs = [f"{c}-{int(p[c])}" for c in range(p.size) if p[c] > c]
+            return "swap " + " ".join(pairs) if pairs else "identity"
+        return "identity"
+
     def stats_rows(self) -> list[dict[str, Any]]:
-        """Per client and split (train/test): sample count per class, as rows for a CSV."""
+        """Per client and split (train/test): sample count per class (in the client's own labels), as CSV rows;
+        with the client's group (and, for rotated / label-swap, its transform) where the partition has groups."""
         rows = []
         for i in range(self.num_clients):
             for split, counts in (("train", self.train_counts[i]), ("test", self.test_counts[i])):
                 row: dict[str, Any] = {"client": i, "split": split}
                 if self.groups is not None:
                     row["group"] = int(self.groups[i])
+                if self.groups is not None and (self.group_rotation is not None or self.label_perms is not None):
+                    row["transform"] = self.group_transform(int(self.groups[i]))
                 row["total"] = int(counts.sum())
                 row.update({f"class_{k}": int(c) for k, c in enumerate(counts)})
                 rows.append(row)
