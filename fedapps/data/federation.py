@@ -92,7 +92,7 @@ class Federation:
     groups: np.ndarray | None  # group of each client (cosmos-groups, rotated, label-swap), else None
     fingerprint: str  # short sha256 of U (shape + bytes), "" without U
     spec: dict[str, Any]
-    train_indices: list[np.ndarray] = field(repr=False)  # indices into the merged source
+    train_indices: list[np.ndarray] = field(repr=False)  # indices into the merged source (before group transforms)
     test_indices: list[np.ndarray] = field(repr=False)
     public_indices: np.ndarray | None = field(repr=False)
     # The samples, stored once: client 0's train then test samples, client 1's, ..., then U, each block in
