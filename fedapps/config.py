@@ -68,6 +68,7 @@ class DataConfig:
     # test: train on the whole train split, evaluate on the test split (final runs); validation: train on the rest
     # of the train split, evaluate on the validation share, never build the test split (tuning; specs/evaluation.md)
     evaluate_on: str = "test"
+    swap_pairs: int = 1  # label-swap: label pairs swapped in each group but group 0
 
 
 @dataclass

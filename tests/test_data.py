@@ -45,7 +45,7 @@ def spec(**over) -> dict:
     base = dict(source="mnist5k", root="/nonexistent-data-root", download=False, partition="pathological",
                 num_clients=20, classes_per_client=2, alpha=0.1, min_samples=40, groups=5,
                 redistribute_fraction=0.1, test_fraction=0.25, public_fraction=0.0, seed=1,
-                synthetic_classes=10, synthetic_shape=[3, 32, 32], synthetic_samples=2000)
+                synthetic_classes=10, synthetic_shape=[3, 32, 32], synthetic_samples=2000, swap_pairs=1)
     base.update(over)
     return base
 
@@ -61,7 +61,7 @@ def assert_disjoint_cover(parts: list[np.ndarray], n: int) -> None:
 def test_source_info_without_loading():
     assert SOURCES == ("mnist5k", "digits", "synthetic", "mnist", "fmnist", "emnist-balanced", "cifar10",
                        "cifar100", "tinyimagenet")
-    assert PARTITIONS == ("iid", "pathological", "dirichlet", "cosmos-groups")
+    assert PARTITIONS == ("iid", "pathological", "dirichlet", "cosmos-groups", "rotated", "label-swap")
     assert source_info("mnist5k") == (10, (1, 28, 28))
     assert source_info("digits") == (10, (1, 8, 8))
     assert source_info("emnist-balanced") == (47, (1, 28, 28))

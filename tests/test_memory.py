@@ -19,7 +19,7 @@ def spec(**over) -> dict:
     base = dict(source="digits", root="/nonexistent-data-root", download=False, partition="iid",
                 num_clients=5, classes_per_client=2, alpha=0.5, min_samples=5, groups=2,
                 redistribute_fraction=0.1, test_fraction=0.25, public_fraction=0.0, seed=1,
-                synthetic_classes=10, synthetic_shape=[3, 32, 32], synthetic_samples=2000)
+                synthetic_classes=10, synthetic_shape=[3, 32, 32], synthetic_samples=2000, swap_pairs=1)
     base.update(over)
     return base
 

@@ -102,7 +102,7 @@ def worker_message(ops_list, extra=None, arrays=None):
         "data.num_clients": 2, "data.classes_per_client": 2, "data.alpha": 0.1, "data.min_samples": 40,
         "data.groups": 5, "data.redistribute_fraction": 0.1, "data.test_fraction": 0.25,
         "data.public_fraction": 0.2, "data.seed": 1, "data.synthetic_classes": 10,
-        "data.synthetic_shape": [3, 32, 32], "data.synthetic_samples": 100,
+        "data.synthetic_shape": [3, 32, 32], "data.synthetic_samples": 100, "data.swap_pairs": 1,
         "model.name": "mlp", "model.seed": 0, "client.epochs": 1, "client.batch_size": 16, "client.lr": 0.05,
         "client.optimizer": "sgd", "client.device": "cpu",
     }

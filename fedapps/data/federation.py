@@ -2,7 +2,8 @@
 
 Procedure (deterministic for `seed`): load the source (train+test merged) → if public_fraction > 0 take a
 stratified public set U → partition the rest over clients → split each client's samples into train/test
-(stratified within the client; train keeps at least one sample).
+(stratified within the client; train keeps at least one sample). Under `rotated` / `label-swap` each client's
+group transform is then applied (rotation of its images / permutation of its labels; U: see below).
 
 Evaluation split (``evaluate_on``, specs/evaluation.md): ``test`` (final runs) evaluates on the test split and
 trains on the whole train split. ``validation`` (tuning) carves ``validation_fraction`` out of each client's
@@ -14,7 +15,20 @@ keeps tuning off the test split).
 
 Storage: the samples are gathered once into ``Federation.x`` / ``y`` (client by client, train then evaluation
 split, then U); every client's splits and U are slices of it, so a process holds one copy however many clients
-it serves (``get_federation`` caches one federation per data spec and process).
+it serves (``get_federation`` caches one federation per data spec and process). The per-group transforms of
+`rotated` and `label-swap` are applied in place to that store, block by block, after the gather: the client
+splits stay views of one tensor, and the store holds every sample as its client (or U) sees it.
+
+The public set U under the group settings (README "Settings where methods separate"):
+- `rotated`: U is drawn before partitioning, as always, then cut into `groups` equal shares, stratified by
+  class; share g is rotated like group g (``Federation.public_groups``). U thus follows the same input
+  distribution as the union of the clients' data, as it does under every other partition; its labels are the
+  source's (a rotation changes no label).
+- `label-swap`: U's images are untouched (the setting changes no image), so U already follows the clients'
+  input distribution; its labels (``public_y``) are the source's labels, i.e. group 0's (identity) convention.
+  No single labelling agrees with every group; a mixed one would give identical-looking images contradictory
+  labels. Label-free methods never read them; FedMD's optional labelled pre-training on U
+  (``pretrain_public_epochs``) and the oracle diagnostics read them in group 0's convention.
 """
 
 from __future__ import annotations
@@ -40,21 +54,23 @@ from .partition import (
     _check_int,
     partition_cosmos_groups,
     partition_dirichlet,
+    partition_groups_iid,
     partition_iid,
     partition_pathological,
     stratified_split,
 )
 from .sources import SOURCES, load_source, source_info
+from .transforms import label_swap_permutations, public_group_shares, rotate_images, rotation_quarter_turns
 
 log = logging.getLogger("fedapps.data")
 
 SPEC_KEYS: tuple[str, ...] = (
     "source", "root", "download", "partition", "num_clients", "classes_per_client", "alpha",
     "min_samples", "groups", "redistribute_fraction", "test_fraction", "public_fraction", "seed",
-    "synthetic_classes", "synthetic_shape", "synthetic_samples", "validation_fraction", "evaluate_on",
+    "synthetic_classes", "synthetic_shape", "synthetic_samples", "validation_fraction", "evaluate_on", "swap_pairs",
 )
 # keys a spec may leave out (older servers, hand-built specs): check_spec fills in these defaults
-SPEC_DEFAULTS: dict[str, Any] = {"validation_fraction": 0.15, "evaluate_on": "test"}
+SPEC_DEFAULTS: dict[str, Any] = {"validation_fraction": 0.15, "evaluate_on": "test", "swap_pairs": 1}
 EVALUATION_SPLITS: tuple[str, ...] = ("test", "validation")
 VALIDATION_SEED_PURPOSE = "validation-split"  # derive_seed(data.seed, this, client id): the validation split
 
@@ -90,10 +106,10 @@ class Federation:
     public_y: torch.Tensor | None  # true labels of U: for an explicitly named oracle option only
     train_counts: np.ndarray  # num_clients × num_classes, int64: what clients train on (the fit share in validation mode)
     test_counts: np.ndarray  # num_clients × num_classes, int64: the evaluation split (test, or validation)
-    groups: np.ndarray | None  # group of each client (cosmos-groups), else None
+    groups: np.ndarray | None  # group of each client (cosmos-groups, rotated, label-swap), else None
     fingerprint: str  # short sha256 of U (shape + bytes), "" without U
     spec: dict[str, Any]
-    train_indices: list[np.ndarray] = field(repr=False)  # indices into the merged source
+    train_indices: list[np.ndarray] = field(repr=False)  # indices into the merged source (before group transforms)
     test_indices: list[np.ndarray] = field(repr=False)  # the evaluation split's (test, or validation)
     public_indices: np.ndarray | None = field(repr=False)
     # The samples, stored once: client 0's train then test samples, client 1's, ..., then U, each block in
@@ -104,6 +120,12 @@ class Federation:
     _clients: list[ClientData] = field(repr=False)
     # which split test_* hold: "test", or "validation" (then no sample, count or index of the test split is here)
     eval_split: str = "test"
+    # rotated: each group's counter-clockwise rotation in degrees (group g: g·360/groups); else None
+    group_rotation: np.ndarray | None = None
+    # label-swap: groups × num_classes; client of group g holds label label_perms[g, c] for a source label c
+    label_perms: np.ndarray | None = None
+    # rotated: the group whose rotation each U sample carries (equal, class-stratified shares); else None
+    public_groups: np.ndarray | None = field(default=None, repr=False)
 
     def client(self, i: int) -> ClientData:
         """The data of client `i` (0 ≤ i < num_clients)."""
@@ -112,14 +134,28 @@ class Federation:
                             f"(data.num_clients={self.num_clients})")
         return self._clients[int(i)]
 
+    def group_transform(self, group: int) -> str:
+        """What group `group` sees, in words: 'rotate 90' (degrees, counter-clockwise), 'swap 3-7 2-4', 'identity'."""
+        if self.group_rotation is not None:
+            return f"rotate {int(self.group_rotation[group])}"
+        if self.label_perms is not None:
+            p = self.label_perms[group]
+            pairs = [f"{c}-{int(p[c])}" for c in range(p.size) if p[c] > c]
+            return "swap " + " ".join(pairs) if pairs else "identity"
+        return "identity"
+
     def stats_rows(self) -> list[dict[str, Any]]:
-        """Per client and split (train/test, or train/validation): sample count per class, as rows for a CSV."""
+        """Per client and split (train/test, or train/validation): sample count per class (in the client's own
+        labels), as CSV rows; with the client's group (and, for rotated / label-swap, its transform) where the
+        partition has groups."""
         rows = []
         for i in range(self.num_clients):
             for split, counts in (("train", self.train_counts[i]), (self.eval_split, self.test_counts[i])):
                 row: dict[str, Any] = {"client": i, "split": split}
                 if self.groups is not None:
                     row["group"] = int(self.groups[i])
+                if self.groups is not None and (self.group_rotation is not None or self.label_perms is not None):
+                    row["transform"] = self.group_transform(int(self.groups[i]))
                 row["total"] = int(counts.sum())
                 row.update({f"class_{k}": int(c) for k, c in enumerate(counts)})
                 rows.append(row)
@@ -168,6 +204,7 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
         raise DataError(f"data.synthetic_shape={shape!r} must be a list of 3 positive integers [C, H, W]")
     s["synthetic_shape"] = [int(d) for d in shape]
     s["synthetic_samples"] = _check_int("synthetic_samples", s["synthetic_samples"], s["synthetic_classes"])
+    s["swap_pairs"] = _check_int("swap_pairs", s["swap_pairs"], 1)
 
     s["validation_fraction"] = _check_fraction("validation_fraction", s["validation_fraction"], allow_one=False)
     if s["evaluate_on"] not in EVALUATION_SPLITS:
@@ -177,13 +214,25 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
         raise DataError(f"data.validation_fraction={s['validation_fraction']!r} leaves no validation split, but "
                         "data.evaluate_on is 'validation'; set data.validation_fraction in (0, 1), e.g. 0.15")
 
-    num_classes, _ = source_info(s["source"], s["synthetic_classes"], s["synthetic_shape"])
+    num_classes, shape = source_info(s["source"], s["synthetic_classes"], s["synthetic_shape"])
     if s["partition"] == "pathological" and s["classes_per_client"] > num_classes:
         raise DataError(f"data.classes_per_client={s['classes_per_client']} exceeds the {num_classes} classes "
                         f"of data.source={s['source']!r}; allowed: 1..{num_classes}")
     if s["partition"] == "cosmos-groups" and s["groups"] > min(num_classes, s["num_clients"]):
         raise DataError(f"data.groups={s['groups']} must be at most min(num_classes={num_classes}, "
                         f"num_clients={s['num_clients']}) for partition 'cosmos-groups'")
+    if s["partition"] in ("rotated", "label-swap") and s["groups"] > s["num_clients"]:
+        raise DataError(f"data.groups={s['groups']} exceeds data.num_clients={s['num_clients']}: partition "
+                        f"{s['partition']!r} needs at least one client per group; lower data.groups or raise "
+                        f"data.num_clients")
+    if s["partition"] == "rotated":
+        quarters = rotation_quarter_turns(s["groups"])
+        if np.any(quarters % 2 == 1) and shape[1] != shape[2]:
+            raise DataError(f"partition 'rotated' with data.groups={s['groups']} turns images by 90°, which needs "
+                            f"square images; data.source={s['source']!r} has H×W = {shape[1]}×{shape[2]}. Use "
+                            f"data.groups=2 (0/180°) or a square data.synthetic_shape")
+    if s["partition"] == "label-swap":
+        label_swap_permutations(num_classes, s["groups"], s["swap_pairs"], np.random.default_rng(0))  # feasibility
     return s
 
 
@@ -244,9 +293,15 @@ def build_federation(spec: dict[str, Any]) -> Federation:
         local = partition_pathological(pool_labels, m, k, s["classes_per_client"], rng_partition)
     elif part == "dirichlet":
         local = partition_dirichlet(pool_labels, m, k, s["alpha"], s["min_samples"], rng_partition)
-    else:
+    elif part == "cosmos-groups":
         local, groups = partition_cosmos_groups(pool_labels, m, k, s["alpha"], s["groups"],
                                                 s["redistribute_fraction"], rng_partition)
+    else:  # rotated / label-swap
+        local, groups = partition_groups_iid(pool_labels, m, s["groups"], rng_partition)
+    # the transforms draw from their own stream: the partitions above stay those of earlier versions
+    rng_transform = np.random.default_rng(np.random.SeedSequence([s["seed"], 0x7261]))
+    label_perms = (label_swap_permutations(k, s["groups"], s["swap_pairs"], rng_transform)
+                   if part == "label-swap" else None)
 
     validating = s["evaluate_on"] == "validation"
     train_indices, eval_indices = [], []
@@ -261,8 +316,9 @@ def build_federation(spec: dict[str, Any]) -> Federation:
             tr, te = validation_split(tr, labels, s["validation_fraction"], derive_rng(s["seed"], VALIDATION_SEED_PURPOSE, i))
         train_indices.append(tr)
         eval_indices.append(te)
-        train_counts[i] = np.bincount(labels[tr], minlength=k)
-        eval_counts[i] = np.bincount(labels[te], minlength=k)
+        relabel = label_perms[groups[i]] if label_perms is not None else np.arange(k)  # counts: the client's labels
+        train_counts[i] = np.bincount(relabel[labels[tr]], minlength=k)
+        eval_counts[i] = np.bincount(relabel[labels[te]], minlength=k)
     if validating and not eval_counts.sum(axis=1).all():
         log.warning("data: clients %s have an empty validation split (train split too small for "
                     "validation_fraction=%s)", np.flatnonzero(eval_counts.sum(axis=1) == 0).tolist(),
@@ -277,6 +333,27 @@ def build_federation(spec: dict[str, Any]) -> Federation:
     input_shape = ds.input_shape
     del ds  # the source's own tensors are no longer needed
     ends = np.cumsum([b.size for b in blocks]).tolist()
+
+    # Group transforms, in place on the one store (x / y are the gathered copy, not the source's tensors).
+    group_rotation = public_groups = None
+    if part == "rotated":
+        quarters = rotation_quarter_turns(s["groups"])
+        group_rotation = quarters * 90
+        for i in range(m):
+            start, end = (ends[2 * i - 1] if i else 0), ends[2 * i + 1]
+            if quarters[groups[i]]:
+                x[start:end] = rotate_images(x[start:end], quarters[groups[i]])
+        if public_idx is not None:
+            public_groups = public_group_shares(labels[public_idx], s["groups"], rng_transform)
+            for g, turns in enumerate(quarters):
+                rows = torch.from_numpy(ends[-2] + np.flatnonzero(public_groups == g))
+                if turns and rows.numel():
+                    x[rows] = rotate_images(x[rows], turns)
+    elif label_perms is not None:
+        perms = torch.from_numpy(label_perms)
+        for i in range(m):
+            start, end = (ends[2 * i - 1] if i else 0), ends[2 * i + 1]
+            y[start:end] = perms[groups[i]][y[start:end]]
     clients: list[ClientData] = []
     for i in range(m):
         start, mid, end = (ends[2 * i - 1] if i else 0), ends[2 * i], ends[2 * i + 1]
@@ -294,7 +371,7 @@ def build_federation(spec: dict[str, Any]) -> Federation:
         num_classes=k, input_shape=input_shape, num_clients=m, public_x=public_x, public_y=public_y,
         train_counts=train_counts, test_counts=eval_counts, groups=groups, fingerprint=fingerprint, spec=s,
         train_indices=train_indices, test_indices=eval_indices, public_indices=public_idx, x=x, y=y, _clients=clients,
-        eval_split=s["evaluate_on"],
+        eval_split=s["evaluate_on"], group_rotation=group_rotation, label_perms=label_perms, public_groups=public_groups,
     )
 
 

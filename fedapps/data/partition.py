@@ -1,7 +1,8 @@
 """Partitioners: pure functions from a label array and a numpy Generator to per-client index arrays.
 
 `iid`, `pathological` ("pat") and `dirichlet` ("dir") follow PFLlib's procedures (used by the cwFedAvg
-paper); `cosmos-groups` follows the COSMOS paper. Every partitioner returns disjoint, sorted int64 index
+paper); `cosmos-groups` follows the COSMOS paper; `rotated` (IFCA paper) and `label-swap` (CFL paper) deal
+samples IID to clients split into groups (their per-group transforms are in ``transforms``). Every partitioner returns disjoint, sorted int64 index
 arrays, one per client, and is deterministic for the state of the generator it is given.
 """
 
@@ -16,7 +17,8 @@ from .errors import DataError
 
 log = logging.getLogger("fedapps.data")
 
-PARTITIONS: tuple[str, ...] = ("iid", "pathological", "dirichlet", "cosmos-groups")
+PARTITIONS: tuple[str, ...] = ("iid", "pathological", "dirichlet", "cosmos-groups", "rotated", "label-swap")
+GROUP_TRANSFORM_PARTITIONS: tuple[str, ...] = ("rotated", "label-swap")  # IID samples, a transform per client group
 
 
 # ----------------------------------------------------------------------------------------- checks
@@ -253,3 +255,24 @@ def partition_cosmos_groups(labels: np.ndarray, num_clients: int, num_classes: i
     _check_classes(y, k_classes)
     parts, group_of_client = _cosmos_group_split(y, m, k_classes, a, g, rng)
     return _redistribute(parts, f, rng), group_of_client
+
+
+def client_groups(num_clients: int, groups: int) -> np.ndarray:
+    """Group of each client: consecutive ids, sizes as even as possible, earlier groups larger (25/4 → 7,6,6,6)."""
+    m = _check_int("num_clients", num_clients, 1)
+    g = _check_int("groups", groups, 1, m)
+    out = np.empty(m, dtype=np.int64)
+    for k, members in enumerate(np.array_split(np.arange(m), g)):
+        out[members] = k
+    return out
+
+
+def partition_groups_iid(labels: np.ndarray, num_clients: int, groups: int,
+                         rng: np.random.Generator) -> tuple[list[np.ndarray], np.ndarray]:
+    """`rotated` / `label-swap`: samples dealt IID (as the IFCA and CFL papers do), clients split into groups.
+
+    Returns (indices per client, group index of each client). The groups differ only by the transform the
+    federation applies afterwards (rotation of the images, or a permutation of the labels)."""
+    y = _as_labels(labels)
+    m = _check_int("num_clients", num_clients, 1, max(1, y.size))
+    return partition_iid(y, m, rng), client_groups(m, groups)
