@@ -291,11 +291,10 @@ def tuning_scores(folder: Path) -> str:
     if not f.is_file():
         return ""
     rows = read_rows(f)
-    acc_key = next((k for k in ("validation_accuracy_mean", "val_accuracy_mean", "accuracy_mean") if rows and k in rows[0]), None)
-    if acc_key is None:
+    acc_key = "val_accuracy_mean"  # fedapps_tools/tune.py's column: validation accuracy of the deployed model
+    if not rows or acc_key not in rows[0]:
         return ""
-    skip = {acc_key, "seed", "wall_seconds", "run_dir", "point", "validation_accuracy_weighted", "accuracy_weighted",
-            "val_accuracy_weighted", "config_hash", "status"}
+    skip = {acc_key, "val_accuracy_weighted", "seed", "wall_seconds", "run_dir", "point", "reused"}
     by_point: dict[str, list[float]] = {}
     for r in rows:
         label = " ".join(f"{k}={v}" for k, v in r.items() if k not in skip)

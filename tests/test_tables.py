@@ -69,10 +69,13 @@ def test_report_lists_each_setting_the_chosen_values_and_the_validation_scores(t
     raw["client"]["lr"] = 0.1
     (tune / "chosen.yaml").write_text(yaml.safe_dump(raw))
     with open(tune / "tuning.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["point", "seed", "client.lr", "validation_accuracy_mean"])
+        w = csv.DictWriter(f, fieldnames=["point", "seed", "client.lr", "val_accuracy_mean", "val_accuracy_weighted",
+                                           "wall_seconds", "reused", "run_dir"])
         w.writeheader()
-        w.writerows([{"point": 0, "seed": 0, "client.lr": 0.01, "validation_accuracy_mean": 0.5},
-                     {"point": 1, "seed": 0, "client.lr": 0.1, "validation_accuracy_mean": 0.9}])
+        w.writerows([{"point": 1, "seed": 0, "client.lr": 0.01, "val_accuracy_mean": 0.5, "val_accuracy_weighted": 0.4,
+                      "wall_seconds": 3, "reused": False, "run_dir": "x"},
+                     {"point": 2, "seed": 0, "client.lr": 0.1, "val_accuracy_mean": 0.9, "val_accuracy_weighted": 0.8,
+                      "wall_seconds": 3, "reused": False, "run_dir": "y"}])
     cmp_dir = work / "compare" / "a"
     cmp_dir.mkdir(parents=True)
     with open(cmp_dir / "comparison.csv", "w", newline="") as f:
