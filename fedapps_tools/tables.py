@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import subprocess
 import sys
@@ -126,6 +125,11 @@ def dotted(raw: Mapping[str, Any], key: str) -> Any:
     return node
 
 
+def yaml_scalar(value: Any) -> str:
+    """A value as YAML text that reads back as the same value (1e-09 is a string to YAML 1.1; 1.0e-09 is not)."""
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
 def write_yaml(path: Path, raw: Mapping[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(dict(raw), sort_keys=False)
@@ -165,8 +169,7 @@ class Tables:
         args = ["tune", str(self.method_config(setting, m)), "--out", str(self.tune_dir(setting, m)),
                 "--seeds", ",".join(map(str, self.spec.tune_seeds)), "--engine", self.engine]
         for key, values in m.grid.items():
-            args += ["--grid", f"{key}=" + ",".join(yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("\n...")
-                                                    for v in values)]
+            args += ["--grid", f"{key}=" + ",".join(yaml_scalar(v) for v in values)]
         started = time.monotonic()
         fedapps(args, self.work / "logs" / f"tune-{setting}-{m.name}.log")
         print(f"tuned {m.name} on {setting} ({time.monotonic() - started:.0f} s)", flush=True)
@@ -183,7 +186,7 @@ class Tables:
 
     def final_config(self, setting: str, m: Method) -> Path:
         chosen = self.chosen(setting, m)
-        raw = with_overrides(self.method_config(setting, m), [f"{k}={json.dumps(v)}" for k, v in chosen.items()])
+        raw = with_overrides(self.method_config(setting, m), [f"{k}={yaml_scalar(v)}" for k, v in chosen.items()])
         return write_yaml(self.work / setting / "final" / f"{m.name}.yaml", raw)
 
     def compare(self, setting: str) -> None:

@@ -4,6 +4,7 @@ and the report built from the comparisons and tunings."""
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,8 @@ def test_grid_over_the_equal_budget_is_refused(tmp_path):
     p = write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1, 0.2], "client.epochs": [1, 2]}}})
     with pytest.raises(ConfigError, match="at most 4"):
         tables.load_spec(p)
-    assert tables.grid_points({"a": [1, 2], "b": [1, 2]}) == 4  # exactly the budget is allowed
+    assert tables.grid_points({"a": [1, 2], "b": [1, 2]}) == 4
+    assert all(yaml.safe_load(tables.yaml_scalar(v)) == v for v in (1e-9, 0.1, 5, True, "norm"))  # exactly the budget is allowed
     tables.load_spec(write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [1, 2], "client.epochs": [1, 2]}}}))
 
 
@@ -88,3 +90,29 @@ def test_report_lists_each_setting_the_chosen_values_and_the_validation_scores(t
     assert "| fedavg | 0.877 ± 0.012 | 0.870 ± 0.010 | — | 1.000 | 2.000 | 42 | client.lr=0.1 |" in md
     assert "client.lr=0.01: 0.500; client.lr=0.1: 0.900" in md
     assert "deployed model" in md and "test split was not read" in md
+
+
+def test_tables_end_to_end_tunes_runs_and_reports(tmp_path):
+    """A tiny spec through the real sub-commands: tune on validation, compare on test, report, resume."""
+    base = yaml.safe_load(BASE.read_text())
+    base.update(rounds=2)
+    base["data"].update(source="digits", num_clients=3, partition="iid")
+    base["strategy"]["min_clients"] = 3
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    spec = {"name": "tiny", "settings": {"iid": "base.yaml"}, "seeds": [0], "tune_seeds": [0],
+            "methods": {"fedavg": {"grid": {"client.lr": [1e-9, 0.1]}}, "local": {}}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    argv = [str(tmp_path / "spec.yaml"), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "docs")]
+    assert tables.main(argv) == 0
+    md = (tmp_path / "docs" / "tiny.md").read_text()
+    assert "| fedavg |" in md and "client.lr=0.1 |" in md  # the learning point was chosen, on validation
+    tuned = tmp_path / "work" / "tiny" / "iid" / "tune" / "fedavg" / "runs"
+    summaries = [json.loads(p.read_text()) for p in tuned.glob("*/summary.json")]
+    assert len(summaries) == 2 and {s["evaluated_on"] for s in summaries} == {"validation"}
+    finals = [json.loads(p.read_text()) for p in (tmp_path / "work" / "tiny" / "compare").glob("iid/runs/*/summary.json")]
+    assert sorted(s["strategy"] for s in finals) == ["fedavg", "local"]
+    assert {s["evaluated_on"] for s in finals} == {"test"}
+    log = tmp_path / "work" / "tiny" / "logs" / "compare-iid.log"
+    before = log.read_text().count("running")
+    assert tables.main(argv) == 0  # resumes: nothing runs again
+    assert log.read_text().count(": running") == 0 or log.read_text().count("running") == before
