@@ -279,11 +279,12 @@ def summarise(cfg: ExperimentConfig, rows: list[Mapping[str, Any]], wall_seconds
     the last measured round, never the best round), the after-training accuracy of that round, totals, and
     the best round as a labelled extra.
 
-    The reported numbers come from the last round that was aggregated and whose deployed models were measured
-    (``final_round``); when the run's last round got no usable reply, ``final_round_had_no_replies`` is true.
-    Skipped rounds (fewer usable replies than ``strategy.min_clients``) are listed in ``skipped_rounds`` and
-    never report a number."""
-    scored = [r for r in rows if isinstance(r.get("acc_mean"), float) and not r.get("skipped")]
+    The reported numbers come from the last round whose deployed models were measured (``final_round``; the
+    last round's always are, by the evaluation-only message, unless no client answered it); when the run's last
+    round got no usable training reply, ``final_round_had_no_replies`` is true. Skipped rounds (fewer usable
+    replies than ``strategy.min_clients``: nothing aggregated) are listed in ``skipped_rounds``; their deployed
+    models are those of the round before, measured and filed under them like any other round's."""
+    scored = [r for r in rows if isinstance(r.get("acc_mean"), float)]
     final = scored[-1] if scored else {}
     last = scored[-5:]
     clients = cfg.data.num_clients

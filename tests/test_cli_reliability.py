@@ -189,13 +189,16 @@ def test_last_round_without_replies_is_flagged(tiny_config, tmp_path, capsys):
     import server_app
     from fedapps.inprocess import InProcessGrid
 
-    grid = InProcessGrid(4, drop=lambda rnd, pid: rnd == 2)
+    grid = InProcessGrid(4, drop=lambda rnd, pid: rnd == 2)  # every message of round 2, not the evaluation after it
     summary = server_app.run_experiment(grid, str(tiny_config()), "", str(tmp_path))
     assert summary["final_round_had_no_replies"] is True
-    assert summary["final_round"] == 1 and summary["rounds"] == 2
+    # round 2 aggregated nothing, so its deployed models are round 1's, measured by the evaluation-only message
+    assert summary["final_round"] == 2 and summary["rounds"] == 2 and summary["final_round_measured_clients"] == 4
     assert summary["accuracy_mean"] is not None and summary["problems"] == []
     on_disk = json.loads((tmp_path / "fedavg-digits-iid-s0" / "summary.json").read_text())
-    assert on_disk["final_round_had_no_replies"] is True and on_disk["final_round"] == 1
+    assert on_disk["final_round_had_no_replies"] is True and on_disk["final_round"] == 2
+    rows = read_csv(tmp_path / "fedavg-digits-iid-s0" / "rounds.csv")
+    assert rows[0]["acc_mean"] is None  # round 1's deployed models rode on round 2's messages, all lost
 
 
 # --------------------------------------------------------------------------- config hash and resume
