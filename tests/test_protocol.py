@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from types import SimpleNamespace
 
 import numpy as np
