@@ -85,7 +85,7 @@ class DeliveryCheck:
         errors = f"; client errors: {' | '.join(self.errors)}" if self.errors else ""
         if self.usable == 0:
             out.append(f"no usable client reply in the whole run ({self.sent} messages sent, {self.answered} answered)"
-                       f": nothing was trained or evaluated{errors}")
+                       f": nothing was trained{errors}")
         if self.sent and 2 * self.answered < self.sent:
             out.append(f"only {self.answered} of {self.sent} sampled messages reached a client (got any reply): "
                        "check that the SuperNodes are up, the node ids, and strategy.timeout")
