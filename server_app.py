@@ -66,12 +66,12 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
         saved = checkpoint.load_checkpoint(resume_dir)
         checkpoint.check_same_config(saved["config"], dump_yaml(cfg), resume_dir)
         run_dir = Path(resume_dir).expanduser().resolve()
-        files = FileSink(cfg, run_dir.parent, report_tag=resolved.cls.report_tag, run_dir=run_dir)
+        files = FileSink(cfg, run_dir.parent, run_dir=run_dir)
         files.restore_rows(saved["rows"])
         t0 -= float(saved.get("wall_seconds", 0.0))
     else:
         output_dir = output_dir or cfg.output_dir
-        files = FileSink(cfg, output_dir, report_tag=resolved.cls.report_tag)
+        files = FileSink(cfg, output_dir)
         shutil.rmtree(files.dir / checkpoint.CLIENT_STATE, ignore_errors=True)  # a previous run's client state
         (files.dir / checkpoint.CHECKPOINT).unlink(missing_ok=True)
     delivery = DeliveryCheck()  # a run with no usable reply, or mostly undelivered messages, fails below
@@ -101,7 +101,8 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
         log.info("resuming '%s' after round %d of %d", files.dir, first_round - 1, cfg.rounds)
     strategy.start(grid=grid, num_rounds=cfg.rounds, timeout=cfg.strategy.timeout, first_round=first_round)
     problems = delivery.problems()
-    summary = files.summary(time.time() - t0, {**strategy.final_summary(), **delivery.totals(), "problems": problems})
+    summary = files.summary(time.time() - t0, {**strategy.protocol_summary(), **strategy.final_summary(),
+                                               **delivery.totals(), "problems": problems})
     artifacts = strategy.artifacts()
     for sink in sinks:
         sink.on_finish(summary, artifacts)

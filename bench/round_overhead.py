@@ -1,7 +1,9 @@
 """Flower's round overhead against bare PyTorch, measured in one run.
 
 The same FedAvg work — 20 clients, mnist5k (IID), the 4-layer CNN, 1 local epoch of batch-10 SGD,
-5 rounds, each round: evaluate the global model on every client's test split, train, average — runs
+5 rounds, each round: evaluate the global model on every client's test split (the deployed model of the round
+before), train, evaluate the trained model (the after-training column), average; after the last round the global
+model once more on every client (the evaluation-only message of the protocol) — runs
   (a) through `flwr run` on Flower's Ray simulation engine with 2 single-threaded client workers, and
   (b) as a bare PyTorch loop in this process with 2 intra-op threads.
 The Flower run gets one extra warm-up round first: Ray start-up, actor spawn and data loading land there
@@ -61,22 +63,27 @@ def flower_seconds(workdir: Path) -> tuple[float, float, float]:
 
 
 def bare_seconds(threads: int = 2) -> float:
-    """The same 5 rounds as a plain loop: per client evaluate, train one epoch; then average."""
+    """The same 5 rounds as a plain loop: per client evaluate, train one epoch, evaluate; then average; at the
+    end evaluate the global model on every client."""
     torch.set_num_threads(threads)
     cfg = config_from_dict(experiment_config(ROUNDS))
     fed = get_federation(dataclasses.asdict(cfg.data))
     clients = [fed.client(i) for i in range(CLIENTS)]
     model = build_model("cnn", fed.num_classes, fed.input_shape, seed=0)
     global_state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def evaluate(c) -> None:
+        model.eval()
+        with torch.no_grad():
+            (model(c.test_x).argmax(1) == c.test_y).float().mean()
+        model.train()
+
     t0 = time.perf_counter()
     for rnd in range(ROUNDS):
         new_states, sizes = [], []
         for i, c in enumerate(clients):
             model.load_state_dict(global_state)
-            model.eval()
-            with torch.no_grad():
-                (model(c.test_x).argmax(1) == c.test_y).float().mean()
-            model.train()
+            evaluate(c)
             opt = torch.optim.SGD(model.parameters(), lr=LR)
             g = torch.Generator().manual_seed(rnd * 1000 + i)
             order = torch.randperm(len(c.train_x), generator=g)
@@ -85,10 +92,14 @@ def bare_seconds(threads: int = 2) -> float:
                 opt.zero_grad()
                 F.cross_entropy(model(c.train_x[idx]), c.train_y[idx]).backward()
                 opt.step()
+            evaluate(c)
             new_states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
             sizes.append(len(c.train_x))
         total = sum(sizes)
         global_state = {k: sum(s[k] * (n / total) for s, n in zip(new_states, sizes)) for k in global_state}
+    model.load_state_dict(global_state)
+    for c in clients:
+        evaluate(c)
     return time.perf_counter() - t0
 
 

@@ -13,20 +13,24 @@ import numpy as np
 
 
 def plot_accuracy(rows: list[Mapping[str, Any]], path: Path, title: str = "") -> None:
-    """Accuracy against rounds: mean over clients and sample-weighted, plus any other evaluation."""
+    """Accuracy against rounds: the deployed models (mean over clients and sample-weighted), the models right
+    after local training, plus any other evaluation."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    keys = ["acc_mean", "acc_weighted"] + sorted({k for r in rows for k in r if k.endswith("_acc_mean") and k != "acc_mean"})
+    labels = {"acc_mean": "deployed model (mean over clients)", "acc_weighted": "deployed model (sample-weighted)",
+              "acc_after_training_mean": "after local training (mean over clients)"}
+    keys = list(labels) + sorted({k for r in rows for k in r if k.endswith("_acc_mean") and k != "acc_mean"})
     for key in keys:
         pts = [(r["round"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not math.isnan(float(r[key]))]
         if pts:
-            ax.plot(*zip(*pts), marker="o", markersize=3, label=key)
-    ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy (clients' local test splits)")
+            ax.plot(*zip(*pts), marker="o", markersize=3, label=labels.get(key, key),
+                    linestyle=":" if key == "acc_after_training_mean" else "-")
+    ax.set_xlabel("round (the models after it)")
+    ax.set_ylabel("accuracy on the clients' own evaluation splits")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -7,12 +7,15 @@ A message to a client carries:
   ``arrays``  (ArrayRecord, optional) model parameters: loaded into the client's own model when
               ``load-arrays`` is true, or used apart by an operation (evaluated, trained, the anchor of a
               training term); with ``arrays.multi`` several models packed by :func:`pack_models`;
-  ``targets`` (ArrayRecord, optional) encoded pseudo-labels on U for ``distill`` (+ optional row indices).
+  ``targets`` (ArrayRecord, optional) encoded pseudo-labels on U for ``distill`` (+ optional row indices);
+  ``eval-arrays`` (ArrayRecord, optional) a model sent for evaluation only (``evaluate-received``, architecture
+              ``received.model``): its bytes are counted as evaluation traffic, apart from the algorithm's.
 ``return-arrays`` sends back the private model (or the model an operation chose to return) whole
 (``arrays.keys: state``), parameters only (``params``) or without the head (``body``). ``train.freeze``
 (head | body) keeps a part of the model fixed; a tagged ``train:<tag>`` op reads ``train:<tag>.*`` over
 ``train.*``; ``holdout-fraction`` keeps a fixed share of the training split out of training.
-``persist-model`` (default true) keeps the client's model in ``Context.state`` after the message.
+``persist-model`` (default true) keeps the client's model in ``Context.state`` after the message;
+``save-model: false`` (evaluation-only messages) reads the kept model but does not write it back.
 A reply carries ``metrics`` (MetricRecord: ``client-id``, ``num-examples``, evaluation results, timings),
 and optionally ``arrays`` (the client's model) and ``predictions`` (encoded predictions on U) with ``info``.
 """
@@ -36,11 +39,16 @@ TARGETS = "targets"
 METRICS = "metrics"
 PREDICTIONS = "predictions"
 INFO = "info"
+EVAL_ARRAYS = "eval-arrays"
 
 # metric names every reply carries; an evaluation tagged <tag> reports <tag>-acc, <tag>-loss, <tag>-n, <tag>-correct
 CLIENT_ID = "client-id"
 NUM_EXAMPLES = "num-examples"
 EVAL_FIELDS = ("acc", "loss", "n", "correct")
+# the two evaluations of the deployed-model protocol (specs/evaluation.md, strategies.base): the model client i
+# would deploy after a round (``deployed-acc`` ...), and its model right after local training (``after-acc`` ...)
+DEPLOYED_TAG = "deployed"
+AFTER_TAG = "after"
 
 
 def metric_name(tag: str, field: str) -> str:
@@ -49,7 +57,7 @@ def metric_name(tag: str, field: str) -> str:
 
 
 MESSAGE_TYPE = "train"  # every round message is one Flower "train" message
-EVAL_MESSAGE_TYPE = "evaluate"  # evaluation-only messages (e.g. COSMOS cluster models)
+EVAL_MESSAGE_TYPE = "evaluate"  # evaluation-only messages (the deployed models after the last round)
 
 
 def flatten(prefix: str, values: Mapping[str, Any]) -> dict[str, Any]:
@@ -71,18 +79,28 @@ def build_message(
     arrays: ArrayRecord | None = None,
     targets: ArrayRecord | None = None,
     message_type: str = MESSAGE_TYPE,
+    eval_arrays: ArrayRecord | None = None,
 ) -> Message:
-    """One message for one node: operations, settings and optional arrays/targets."""
+    """One message for one node: operations, settings and optional arrays/targets/evaluation model."""
     cfg = ConfigRecord({"ops": [str(op) for op in ops], "round": int(server_round), **dict(config)})
     content = RecordDict({CONFIG: cfg})
     if arrays is not None:
         content[ARRAYS] = arrays
     if targets is not None:
         content[TARGETS] = targets
+    if eval_arrays is not None:
+        content[EVAL_ARRAYS] = eval_arrays
     return Message(content=content, dst_node_id=node_id, message_type=message_type, group_id=str(server_round))
 
 
 BOOKKEEPING_KEYS = frozenset({"state-dir", "state-run"})  # where a client keeps its state: not algorithm traffic
+
+
+def eval_nbytes(content: RecordDict) -> int:
+    """Bytes of the model a message carries for evaluation only (its ``eval-arrays`` record; 0 without)."""
+    if EVAL_ARRAYS not in content:
+        return 0
+    return sum(len(a.data) for a in content[EVAL_ARRAYS].values())
 
 
 def record_nbytes(content: RecordDict) -> int:

@@ -4,6 +4,13 @@ The round loop hands every sink each round's record; at the end, the summary and
 (:class:`Artifact`: tables, JSON documents, figure data). :class:`FileSink` writes ``<output-dir>/<run-name>/``:
 the resolved config, partition statistics, rounds.csv (rewritten every round, so an interrupted run keeps what
 it did), summary.json, accuracy.png and the artefacts. Strategies never write files themselves.
+
+Row r of rounds.csv holds round r's training phase (bytes, losses, extras, ``acc_after_training_*``: the
+clients' models right after their local update) and the DEPLOYED models after round r (``acc_mean``,
+``acc_weighted``, ``loss``, ``acc_client_<i>``, ``measured_clients``; specs/evaluation.md). The deployed models
+are measured one message later (round r+1's, or the evaluation-only message after the last round), so those
+columns stay empty until then and are filled in by :func:`merge_measurement`. The headline of summary.json is
+the deployed models' accuracy after the last measured round.
 """
 
 from __future__ import annotations
@@ -15,12 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol
 
-from fedapps import plots
+from fedapps import plots, protocol
 from fedapps.config import ExperimentConfig, config_hash, dump_yaml
 
 log = logging.getLogger("fedapps")
 
 ARTIFACT_KINDS = ("table", "json", "heatmaps", "clusters")
+PROTOCOL = "deployed-model"  # what every headline number measures (specs/evaluation.md); named in summary.json
 
 
 @dataclass
@@ -77,7 +85,7 @@ class DeliveryCheck:
         errors = f"; client errors: {' | '.join(self.errors)}" if self.errors else ""
         if self.usable == 0:
             out.append(f"no usable client reply in the whole run ({self.sent} messages sent, {self.answered} answered)"
-                       f": nothing was trained or evaluated{errors}")
+                       f": nothing was trained{errors}")
         if self.sent and 2 * self.answered < self.sent:
             out.append(f"only {self.answered} of {self.sent} sampled messages reached a client (got any reply): "
                        "check that the SuperNodes are up, the node ids, and strategy.timeout")
@@ -116,13 +124,47 @@ def eval_tags(metrics: Iterable[Mapping[str, Any]]) -> list[str]:
     return tags
 
 
-def round_row(entry: Any, report_tag: str, num_clients: int) -> dict[str, Any]:
-    """One row of rounds.csv from a RoundLog."""
+def after_training_stats(metrics: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """The clients' models right after their local update: ``acc_after_training_mean`` / ``_weighted`` and
+    ``loss_after_training`` (the second column of the protocol)."""
+    stats = accuracy_stats(metrics, protocol.AFTER_TAG)
+    names = {"acc_mean": "acc_after_training_mean", "acc_weighted": "acc_after_training_weighted",
+             "loss": "loss_after_training"}
+    return {names[k]: v for k, v in stats.items()}
+
+
+def measured_columns(metrics: Iterable[Mapping[str, Any]], num_clients: int) -> dict[str, Any]:
+    """A deployed-model measurement (replies' metrics carrying ``deployed-*``) as the columns of the row of the
+    round it measures: ``measured_clients``, ``acc_mean``, ``acc_weighted``, ``loss`` and ``acc_client_<i>``."""
+    rows = [m for m in metrics if protocol.metric_name(protocol.DEPLOYED_TAG, "acc") in m]
+    out: dict[str, Any] = {"measured_clients": len(rows), **accuracy_stats(rows, protocol.DEPLOYED_TAG)}
+    for m in rows:
+        cid = int(m[protocol.CLIENT_ID])
+        if 0 <= cid < num_clients:
+            out[f"acc_client_{cid}"] = float(m[protocol.metric_name(protocol.DEPLOYED_TAG, "acc")])
+    return out
+
+
+def merge_measurement(rows: list[dict[str, Any]], round_: int, columns: Mapping[str, Any]) -> bool:
+    """Write a deployed-model measurement (:func:`measured_columns`) into the row of the round it measures;
+    False (nothing written) when there is no such row."""
+    for row in rows:
+        if row.get("round") == round_:
+            row.update(columns)
+            return True
+    return False
+
+
+def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
+    """One row of rounds.csv from a RoundLog: the round's training phase; the deployed-model columns empty until
+    :func:`merge_measurement` fills them in."""
     metrics = [r.metrics for r in entry.replies]
     row: dict[str, Any] = {
         "round": entry.round,
         "clients": len(entry.replies),
         "skipped": int(bool(getattr(entry, "skipped", False))),  # too few usable replies: not aggregated
+        # the deployed models after this round (measured one message later)
+        "acc_mean": "", "acc_weighted": "", "loss": "", "measured_clients": "",
         "bytes_up": entry.bytes_up,
         "bytes_down": entry.bytes_down,
         "eval_bytes_up": entry.eval_bytes_up,
@@ -133,31 +175,27 @@ def round_row(entry: Any, report_tag: str, num_clients: int) -> dict[str, Any]:
         "replies_rejected": getattr(entry, "replies_rejected", 0),
         "replies_missing": getattr(entry, "replies_missing", 0),
     }
-    row.update(accuracy_stats(metrics, report_tag))
+    row.update(after_training_stats(metrics))
     losses = [float(m["train-loss"]) for m in metrics if "train-loss" in m]
     row["train_loss"] = sum(losses) / len(losses) if losses else ""
     for tag in eval_tags(metrics):
-        if tag != report_tag:
+        if tag not in (protocol.DEPLOYED_TAG, protocol.AFTER_TAG):
             for k, v in accuracy_stats(metrics, tag).items():
                 if k != "loss":
                     row[f"{tag}_{k}"] = v
     for k, v in entry.extra.items():
         if isinstance(v, (int, float, str)):
             row[k] = v
-    per_client = {int(r.client_id): r.metrics.get(f"{report_tag}-acc") for r in entry.replies}
     for i in range(num_clients):
-        v = per_client.get(i)
-        row[f"acc_client_{i}"] = "" if v is None else v
+        row[f"acc_client_{i}"] = ""  # the deployed model of client i (filled in with the measurement)
     return row
 
 
 class FileSink:
     """Writes one run's results folder as the run goes, and logs a progress line per round."""
 
-    def __init__(self, cfg: ExperimentConfig, output_dir: str | Path, report_tag: str = "eval",
-                 run_dir: str | Path | None = None) -> None:
+    def __init__(self, cfg: ExperimentConfig, output_dir: str | Path, run_dir: str | Path | None = None) -> None:
         self.cfg = cfg
-        self.report_tag = report_tag
         # run_dir: an existing run folder to write into (a resumed run), whatever the config's run name
         self.dir = Path(run_dir) if run_dir is not None else Path(output_dir).expanduser().resolve() / cfg.resolved_run_name()
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -178,15 +216,24 @@ class FileSink:
         write_csv(self.dir / "partition.csv", rows)
 
     def on_round(self, entry: Any) -> None:
-        """Append a round and rewrite rounds.csv; log a progress line."""
-        row = round_row(entry, self.report_tag, self.cfg.data.num_clients)
+        """Append a round, file its deployed-model measurements under the rounds they measure, rewrite
+        rounds.csv; log a progress line."""
+        row = round_row(entry, self.cfg.data.num_clients)
         self.rows.append(row)
+        measured = []
+        for m in getattr(entry, "measurements", []):
+            columns = measured_columns([r.metrics for r in m.replies], self.cfg.data.num_clients)
+            if merge_measurement(self.rows, m.round, columns):
+                measured.append(f"deployed after round {m.round}: acc_mean {_fmt(columns.get('acc_mean'))}  "
+                                f"acc_weighted {_fmt(columns.get('acc_weighted'))} ({columns['measured_clients']} clients)")
+            else:
+                log.warning("no row of round %d for its deployed-model measurement", m.round)
         write_csv(self.dir / "rounds.csv", self.rows)
         append_rejections(self.dir / REJECTIONS, getattr(entry, "rejections", []))
-        acc = row.get("acc_mean")
-        log.info("round %d/%d  clients %d  acc_mean %s  acc_weighted %s  up %.2f MB  down %.2f MB  %.1f s",
-                 entry.round, self.cfg.rounds, row["clients"], _fmt(acc), _fmt(row.get("acc_weighted")),
-                 entry.bytes_up / 1e6, entry.bytes_down / 1e6, entry.wall_seconds)
+        log.info("round %d/%d  clients %d  after training: acc_mean %s  up %.2f MB  down %.2f MB  %.1f s%s",
+                 entry.round, self.cfg.rounds, row["clients"], _fmt(row.get("acc_after_training_mean")),
+                 entry.bytes_up / 1e6, entry.bytes_down / 1e6, entry.wall_seconds,
+                 "".join(f"  |  {text}" for text in measured))
 
     def summary(self, wall_seconds: float, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """summary.json's content: the rounds so far summarised, plus the strategy's own entries."""
@@ -219,17 +266,25 @@ class FileSink:
             log.warning("could not draw %s: %s", filename, exc)
 
 
+def _number(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
 def _fmt(v: Any) -> str:
     return f"{v:.4f}" if isinstance(v, float) else "-"
 
 
 def summarise(cfg: ExperimentConfig, rows: list[Mapping[str, Any]], wall_seconds: float) -> dict[str, Any]:
-    """summary.json content: final-round accuracies, totals, and the best round as a labelled extra.
+    """summary.json content: the headline (``accuracy_mean`` / ``accuracy_weighted``: the DEPLOYED models after
+    the last measured round, never the best round), the after-training accuracy of that round, totals, and
+    the best round as a labelled extra.
 
-    The reported numbers come from the last round that was aggregated and scored (``final_round``); when the
-    run's last round got no usable reply, ``final_round_had_no_replies`` is true. Skipped rounds (fewer usable
-    replies than ``strategy.min_clients``) are listed in ``skipped_rounds`` and never report a number."""
-    scored = [r for r in rows if isinstance(r.get("acc_mean"), float) and not r.get("skipped")]
+    The reported numbers come from the last round whose deployed models were measured (``final_round``; the
+    last round's always are, by the evaluation-only message, unless no client answered it); when the run's last
+    round got no usable training reply, ``final_round_had_no_replies`` is true. Skipped rounds (fewer usable
+    replies than ``strategy.min_clients``: nothing aggregated) are listed in ``skipped_rounds``; their deployed
+    models are those of the round before, measured and filed under them like any other round's."""
+    scored = [r for r in rows if isinstance(r.get("acc_mean"), float)]
     final = scored[-1] if scored else {}
     last = scored[-5:]
     clients = cfg.data.num_clients
@@ -250,8 +305,12 @@ def summarise(cfg: ExperimentConfig, rows: list[Mapping[str, Any]], wall_seconds
         "final_round": final.get("round"),
         "final_round_had_no_replies": bool(rows) and int(rows[-1]["clients"]) == 0,
         "skipped_rounds": [r["round"] for r in rows if r.get("skipped")],
+        "protocol": PROTOCOL,
         "accuracy_mean": final.get("acc_mean"),
         "accuracy_weighted": final.get("acc_weighted"),
+        "final_round_measured_clients": final.get("measured_clients"),
+        "accuracy_after_training_mean": _number(final.get("acc_after_training_mean")),
+        "accuracy_after_training_weighted": _number(final.get("acc_after_training_weighted")),
         "accuracy_mean_last5": sum(r["acc_mean"] for r in last) / len(last) if last else None,
         "bytes_up": up,
         "bytes_down": down,

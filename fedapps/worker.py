@@ -207,9 +207,10 @@ class Worker:
 
     What an operation may use: ``config`` (the message's settings), ``data`` / ``fed`` (this client's data and
     the data spec's federation), ``train_x`` / ``train_y`` (the training split less any held-out share),
-    ``val_x`` / ``val_y`` (the held-out share), ``model`` (the private model), ``received`` (the message's
-    arrays as tensors), ``generator`` (seeded per client and round), ``metrics`` and ``reply`` (what goes back),
-    and ``outgoing``: the model whose arrays ``return-arrays`` sends (default: the private model).
+    ``val_x`` / ``val_y`` (the held-out share), ``eval_x`` / ``eval_y`` (THE evaluation split: every evaluation
+    reads its data there and nowhere else, see :meth:`evaluate`), ``model`` (the private model), ``received``
+    (the message's arrays as tensors), ``generator`` (seeded per client and round), ``metrics`` and ``reply``
+    (what goes back), and ``outgoing``: the model whose arrays ``return-arrays`` sends (default: the private model).
     """
 
     def __init__(self, msg: Message, context: Context) -> None:
@@ -257,9 +258,10 @@ class Worker:
         if self.config.get("return-arrays", False):
             returned = self.outgoing if self.outgoing is not None else self.model
             self.reply[protocol.ARRAYS] = model_arrays(returned, str(self.config.get("arrays.keys", "state")))
-        if self.config.get("persist-model", True):
+        if self.config.get("persist-model", True) and self.config.get("save-model", True):
             # the private model lives in Context.state between rounds; strategies that send the whole model
-            # every round switch this off, which halves what travels with each message in simulation
+            # every round switch this off, which halves what travels with each message in simulation. An
+            # evaluation-only message reads the private model (persist-model) but never writes it (save-model false)
             self.context.state[STATE_MODEL] = model_arrays(self.model.cpu(), "state")
             self.context.state[STATE_ARCH] = ConfigRecord({"arch": self.arch})
             save_private_state(self.context, self.config, self.client_id, self.model, self.arch)
@@ -288,6 +290,21 @@ class Worker:
         model = build_model(self.arch, self.fed.num_classes, tuple(self.fed.input_shape)).to(self.device)
         model.load_state_dict(state, strict=True)
         return model
+
+    @property
+    def eval_x(self) -> torch.Tensor:
+        """Inputs of the client's evaluation split: its local test split (the data layer decides what that holds,
+        e.g. a validation split while tuning). The one place an evaluation reads its data from."""
+        return self.data.test_x
+
+    @property
+    def eval_y(self) -> torch.Tensor:
+        """Labels of the evaluation split (see :attr:`eval_x`)."""
+        return self.data.test_y
+
+    def evaluate(self, model: nn.Module, tag: str) -> None:
+        """Evaluate ``model`` on the evaluation split and report it under ``tag`` (see :meth:`record_eval`)."""
+        self.record_eval(tag, ops.evaluate(model, self.eval_x, self.eval_y))
 
     def settings(self, section_name: str) -> ops.OptimSettings:
         """Optimiser settings of a message section (e.g. ``train``), falling back to the ``client`` section."""
@@ -323,19 +340,20 @@ class Worker:
 
 @client_op("evaluate", default_tag="eval")
 def evaluate(w: Worker, tag: str) -> None:
-    """The private model on the local test split."""
-    w.record_eval(tag, ops.evaluate(w.model, w.data.test_x, w.data.test_y))
+    """The private model (as the message's arrays left it) on the evaluation split."""
+    w.evaluate(w.model, tag)
 
 
 @client_op("evaluate-received", default_tag="received")
 def evaluate_received(w: Worker, tag: str) -> None:
-    """The received model (architecture ``received.model``, default the client's own) on the local test split."""
+    """The model sent for evaluation only (record ``eval-arrays``; architecture ``received.model``, default the
+    client's own) on the evaluation split; the private model is untouched."""
+    if protocol.EVAL_ARRAYS not in w.msg.content:
+        raise ProtocolError("evaluate-received needs a model in the message's 'eval-arrays' record")
     arch = str(w.config.get("received.model", w.arch))
-    if w.received is None:
-        raise ProtocolError("evaluate-received needs model arrays in the message")
     scratch = build_model(arch, w.fed.num_classes, tuple(w.fed.input_shape)).to(w.device)
-    load_arrays(scratch, w.received, strict=True)
-    w.record_eval(tag, ops.evaluate(scratch, w.data.test_x, w.data.test_y))
+    load_arrays(scratch, w.msg.content[protocol.EVAL_ARRAYS].to_torch_state_dict(), strict=True)
+    w.evaluate(scratch, tag)
 
 
 @client_op("train")

@@ -88,7 +88,8 @@ def is_complete(result_dir: Path, rounds: int, expected_hash: str) -> bool:
 def summarise_runs(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """One table row: mean ± SEM over seeds of the final accuracies, bytes and wall time."""
     row: dict[str, Any] = {"config": label, "strategy": summaries[0]["strategy"], "seeds": len(summaries)}
-    for key in ("accuracy_mean", "accuracy_weighted", "bytes_up_per_client_round", "bytes_down_per_client_round", "wall_seconds"):
+    for key in ("accuracy_mean", "accuracy_weighted", "accuracy_after_training_mean", "bytes_up_per_client_round",
+                "bytes_down_per_client_round", "wall_seconds"):
         vals = [s[key] for s in summaries if isinstance(s.get(key), (int, float))]
         m, e = mean_sem(vals)
         row[key] = m
@@ -102,17 +103,28 @@ def summarise_runs(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """comparison.md: accuracy ± SEM, bytes per client per round (MiB), wall time."""
-    lines = ["| config | strategy | seeds | accuracy (mean over clients) | accuracy (sample-weighted) | "
-             "up MiB/client/round | down MiB/client/round | wall s |", "|---|---|---|---|---|---|---|---|"]
+    """comparison.md: accuracy ± SEM (the deployed models after the last round; the models right after local
+    training beside it), bytes per client per round (MiB), wall time."""
+    lines = ["Protocol: deployed model after the last round (specs/evaluation.md), on each client's own evaluation "
+             "split; mean ± SEM over seeds.", "",
+             "| config | strategy | seeds | accuracy (mean over clients) | accuracy (sample-weighted) | "
+             "after local training (mean) | up MiB/client/round | down MiB/client/round | wall s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     mib = 1024 * 1024
     for r in rows:
         lines.append(
             f"| {r['config']} | {r['strategy']} | {r['seeds']} | {r['accuracy_mean']:.4f} ± {r['accuracy_mean_sem']:.4f} | "
             f"{r['accuracy_weighted']:.4f} ± {r['accuracy_weighted_sem']:.4f} | "
+            f"{_pm(r, 'accuracy_after_training_mean')} | "
             f"{r['bytes_up_per_client_round'] / mib:.3f} | {r['bytes_down_per_client_round'] / mib:.3f} | "
             f"{r['wall_seconds']:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def _pm(row: dict[str, Any], key: str) -> str:
+    """'mean ± sem' of a table cell, or '-' where no run had the value."""
+    m = row.get(key)
+    return "-" if not isinstance(m, float) or math.isnan(m) else f"{m:.4f} ± {row[key + '_sem']:.4f}"
 
 
 def plot_curves(curves: dict[str, list[list[dict[str, Any]]]], path: Path) -> None:
@@ -136,7 +148,7 @@ def plot_curves(curves: dict[str, list[list[dict[str, Any]]]], path: Path) -> No
         ax.plot(rounds, means, label=label)
         ax.fill_between(rounds, [m - e for m, e in zip(means, sems)], [m + e for m, e in zip(means, sems)], alpha=0.2)
     ax.set_xlabel("round")
-    ax.set_ylabel("accuracy, mean over clients (± SEM over seeds)")
+    ax.set_ylabel("deployed-model accuracy, mean over clients (± SEM over seeds)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -1,8 +1,16 @@
 """Shared machinery of every strategy: client sampling, the round loop on Flower's Message API, reply
-validation, byte accounting and the per-round record. Algorithms subclass :class:`PersonalisedStrategy`
-and implement ``round_messages`` and ``aggregate`` (and, if they need one, an evaluation phase). A strategy
-returns what it measured — per-round extras from ``aggregate``, summary entries from ``final_summary``,
-artefacts as data from ``artifacts`` — and the result sinks write it; ``start`` returns Flower's ``Result``.
+validation, byte accounting, the evaluation protocol and the per-round record. Algorithms subclass
+:class:`PersonalisedStrategy`, declare what their deployed model is (:class:`DeployedModel`) and implement
+``round_messages`` (the round's training operations) and ``aggregate``. A strategy returns what it measured —
+per-round extras from ``aggregate``, summary entries from ``final_summary``, artefacts as data from
+``artifacts`` — and the result sinks write it; ``start`` returns Flower's ``Result``.
+
+The evaluation protocol (specs/evaluation.md), owned here for every strategy: client i's DEPLOYED model after
+round r (what it would use for inference if the federation stopped after round r's server step) is evaluated
+on its evaluation split at the start of round r+1's message, before any training, and, for the last round R,
+by one evaluation-only message to every connected client; the measurement is attributed to round r. Every
+round message also evaluates the client's model right after its local training ("after training", the second
+column). Neither the strategies nor the clients choose when; a strategy only says what its deployed model is.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from fedapps import protocol
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import parse_params
 from fedapps.protocol import ClientReply
-from fedapps.results import Artifact, accuracy_stats
+from fedapps.results import Artifact, accuracy_stats, after_training_stats
 from fedapps.robust import AggregationRule, combine
 from fedapps.validation import Rejection, ReplyValidator
 
@@ -35,6 +43,51 @@ log = logging.getLogger("fedapps")
 @dataclass
 class NoParams:
     """A strategy without parameters of its own."""
+
+
+DEPLOYED_SOURCES = ("client", "message", "server")
+
+
+@dataclass(frozen=True)
+class DeployedModel:
+    """What client i's deployed model after round r is, for :class:`PersonalisedStrategy` to measure it.
+
+    ``source``: ``client`` — the client's own model as it stands after its last local update (nothing is sent
+    for it); ``message`` — what the strategy's round message carries, as the client loads it (a global, cluster,
+    personalised model or a body under the client's own head): the evaluation-only message after the last
+    round carries the same arrays; ``server`` — a server-side model sent for evaluation only
+    (:meth:`PersonalisedStrategy.evaluation_models`, its bytes counted as evaluation traffic).
+    ``prepare``: client operations that form the deployed model from the message before it is evaluated (IFCA's
+    choice among K models); the strategy's round operations start with them. ``evaluate``: the evaluation
+    operation (``evaluate`` | ``evaluate-finetuned`` | ``evaluate-received``). ``what``: the definition in
+    words (summary.json, the README's table).
+    """
+
+    what: str
+    source: str = "client"
+    prepare: tuple[str, ...] = ()
+    evaluate: str = "evaluate"
+
+    def __post_init__(self) -> None:
+        if self.source not in DEPLOYED_SOURCES:
+            raise ValueError(f"DeployedModel.source '{self.source}'; allowed: {', '.join(DEPLOYED_SOURCES)}")
+        if (self.source == "server") != (self.evaluate == "evaluate-received"):
+            raise ValueError("a server-side deployed model is evaluated with 'evaluate-received', and only it")
+
+    @property
+    def op(self) -> str:
+        """The tagged evaluation operation a message runs."""
+        return f"{self.evaluate}:{protocol.DEPLOYED_TAG}"
+
+
+@dataclass
+class Measurement:
+    """The deployed-model evaluation of round ``round``: the replies carrying ``deployed-*`` metrics, taken on
+    round ``round`` + 1's messages, or (``final``) by the evaluation-only message after the last round."""
+
+    round: int
+    replies: list[ClientReply]
+    final: bool = False
 
 
 @dataclass
@@ -58,16 +111,20 @@ class RoundLog:
     received: int = 0  # replies that came back (error replies included: the message reached a client)
     skipped: bool = False  # fewer usable replies than strategy.min_clients: nothing was aggregated
     errors: list[str] = dataclasses.field(default_factory=list)  # reasons of the error replies
+    # deployed-model measurements taken during this round: of the previous round (on this round's messages) and,
+    # in the last round, of this round itself (the evaluation-only message); the sinks file each under its round
+    measurements: list[Measurement] = dataclasses.field(default_factory=list)
 
 
 class PersonalisedStrategy(Strategy):
-    """Base class: one (or two, with evaluation) message phases per round; subclasses hold the algorithm."""
+    """Base class: one message phase per round (plus the evaluation-only one after the last round);
+    subclasses hold the algorithm."""
 
     name: ClassVar[str] = ""
     Params: ClassVar[type] = NoParams  # a dataclass of fedapps.params.param fields: strategy.params.<name>.*
     needs_public_set: ClassVar[bool] = False
     model_agnostic: ClassVar[bool] = False  # may clients run different architectures?
-    report_tag: ClassVar[str] = "eval"  # which evaluation is THE accuracy of a round
+    deployed: ClassVar[DeployedModel]  # what client i's deployed model after round r is (every strategy says)
     robust_aggregation: ClassVar[bool] = False  # averages with average_matching: strategy.aggregation applies
     # Instance attributes that are NOT algorithm state (see :meth:`state_dict`): the config and callbacks, the
     # round loop's own state (saved apart by :meth:`checkpoint_state`). A subclass names its own non-state
@@ -75,7 +132,7 @@ class PersonalisedStrategy(Strategy):
     # every class in the MRO count.
     checkpoint_exclude: ClassVar[frozenset[str]] = frozenset(
         {"cfg", "params", "on_round", "rng", "node_to_client", "last_extra", "client_state", "rule", "validator",
-         "_checked"})
+         "_checked", "last_measured"})
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -125,6 +182,7 @@ class PersonalisedStrategy(Strategy):
         self.node_to_client: dict[int, int] = {}
         self.on_round = on_round  # callback(RoundLog) -> None: the result sinks
         self.last_extra: dict[str, Any] = {}  # the extras of the last round that had usable replies
+        self.last_measured: dict[str, Any] = {}  # round and accuracy of the latest deployed-model measurement
         self.rule = AggregationRule.from_config(cfg.strategy)  # for average_matching (robust_aggregation strategies)
         self.validator = ReplyValidator.from_config(cfg)  # every reply is checked against what its message asked
         self._checked = RoundLog(0, [], 0, 0)  # validation counts of the phases validated since the last reset
@@ -146,19 +204,24 @@ class PersonalisedStrategy(Strategy):
 
     # ------------------------------------------------------------------ to implement
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        """The round's messages, one per sampled node."""
+        """The round's messages, one per sampled node, with the algorithm's own operations only (the deployed
+        model's and the after-training evaluations are added by :meth:`messages_for_round`)."""
         raise NotImplementedError
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         """Update server state from this round's validated replies; return extra round metrics."""
         raise NotImplementedError
 
-    def evaluation_messages(self, server_round: int) -> list[Message]:
-        """Optional evaluation-only messages after the round (default: none)."""
-        return []
+    def evaluation_models(self, client_ids: list[int | None]) -> list[tuple[str, ArrayRecord] | None]:
+        """``deployed.source == 'server'``: per client (None: not heard from yet) the architecture and arrays of
+        its deployed model, or None where it has none yet (then it is not measured)."""
+        raise NotImplementedError(f"strategy '{self.name}' declares a server-side deployed model: implement "
+                                  "evaluation_models")
 
-    def aggregate_evaluation(self, server_round: int, replies: list[ClientReply]) -> None:
-        """Take note of the evaluation phase's validated replies (default: nothing to keep)."""
+    def measures_round(self, server_round: int) -> bool:
+        """Whether round ``server_round``'s deployed models are measured (default: every round; the last round
+        always is)."""
+        return True
 
     def expect_arrays(self) -> bool:
         """Whether round replies must carry model arrays."""
@@ -171,6 +234,12 @@ class PersonalisedStrategy(Strategy):
     def final_summary(self) -> dict[str, Any]:
         """Extra keys for summary.json."""
         return {}
+
+    def protocol_summary(self) -> dict[str, Any]:
+        """summary.json's description of what the headline measures (written for every strategy)."""
+        return {"deployed_model": self.deployed.what,
+                "deployed_measured": "round r: on round r+1's message before any training; the last round: an "
+                                     "evaluation-only message to every connected client"}
 
     def artifacts(self) -> list[Artifact]:
         """What the strategy measured beyond the per-round record, as data (tables, documents, figure data)."""
@@ -201,6 +270,7 @@ class PersonalisedStrategy(Strategy):
         v = self.validator
         return {"strategy": self.state_dict(), "rng": self.rng.bit_generator.state,
                 "node_to_client": dict(self.node_to_client), "last_extra": dict(self.last_extra),
+                "last_measured": dict(self.last_measured),
                 "identity": {"node_client": dict(v.node_client), "client_node": dict(v.client_node),
                              "bound_examples": dict(v.bound_examples)}}
 
@@ -209,6 +279,7 @@ class PersonalisedStrategy(Strategy):
         self.rng.bit_generator.state = state["rng"]
         self.node_to_client = dict(state["node_to_client"])
         self.last_extra = dict(state["last_extra"])
+        self.last_measured = dict(state.get("last_measured", {}))
         identity = state.get("identity", {})  # node <-> client bindings survive a resumption
         self.validator.node_client = dict(identity.get("node_client", {}))
         self.validator.client_node = dict(identity.get("client_node", {}))
@@ -244,24 +315,27 @@ class PersonalisedStrategy(Strategy):
     # ------------------------------------------------------------------ Flower's Strategy interface
     # The round loop is :meth:`start`; these adapters give Flower's abstract interface the same behaviour.
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        messages = self.round_messages(server_round, self.sample_nodes(grid))
+        messages = self.messages_for_round(server_round, self.sample_nodes(grid))
         self.validator.expect(messages)
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         parsed = self.validate(server_round, replies, self.expect_arrays(), self.expect_predictions())
         extra = self.aggregate(server_round, parsed) if parsed else {}
-        return None, round_metrics(RoundLog(server_round, parsed, 0, 0, extra=extra), self.report_tag)
+        return None, round_metrics(RoundLog(server_round, parsed, 0, 0, extra=extra))
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        messages = self.evaluation_messages(server_round)
+        """Flower's evaluation phase: the evaluation-only message after the last round (earlier rounds' deployed
+        models are measured on the next round's training messages)."""
+        if server_round != self.cfg.rounds:
+            return []
+        messages = self.deployed_messages(server_round + 1, sorted(grid.get_node_ids()))
         self.validator.expect(messages)
         return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         parsed = self.validate(server_round, replies, phase=protocol.EVAL_MESSAGE_TYPE)
-        self.aggregate_evaluation(server_round, parsed)
-        return MetricRecord({"clients": len(parsed)})
+        return measurement_metrics(Measurement(server_round, parsed, final=True))
 
     def summary(self) -> None:
         log.info("strategy %s, params: %s", self.name, self.params)
@@ -293,8 +367,10 @@ class PersonalisedStrategy(Strategy):
         self.summary()
         result = Result()
         for rnd in range(first_round, num_rounds + 1):
-            entry = self.run_round(grid, rnd, timeout)
-            result.train_metrics_clientapp[rnd] = round_metrics(entry, self.report_tag)
+            entry = self.run_round(grid, rnd, timeout, last=rnd == num_rounds)
+            result.train_metrics_clientapp[rnd] = round_metrics(entry)
+            for m in entry.measurements:  # the deployed models, filed under the round they belong to
+                result.evaluate_metrics_clientapp[m.round] = measurement_metrics(m)
             if self.on_round is not None:
                 self.on_round(entry)
         final = self.final_arrays()
@@ -302,13 +378,75 @@ class PersonalisedStrategy(Strategy):
             result.arrays = protocol.arrays_record(final)
         return result
 
-    def run_round(self, grid: Grid, rnd: int, timeout: float) -> RoundLog:
-        """One round: the training phase, then the evaluation phase if the strategy has one."""
+    # ------------------------------------------------------------------ the evaluation protocol
+    def messages_for_round(self, server_round: int, node_ids: list[int]) -> list[Message]:
+        """The strategy's round messages with the protocol's evaluations added: the deployed model of the
+        previous round first (after the ``deployed.prepare`` operations, before any training; from round 2 on,
+        where :meth:`measures_round` says so), the model after local training last."""
+        messages = self.round_messages(server_round, node_ids)
+        d = self.deployed
+        measure = server_round > 1 and self.measures_round(server_round - 1)
+        models: list[tuple[str, ArrayRecord] | None] = [None] * len(messages)
+        if measure and d.source == "server":
+            models = self.evaluation_models([self.node_to_client.get(int(m.metadata.dst_node_id)) for m in messages])
+        for msg, model in zip(messages, models):
+            config = msg.content[protocol.CONFIG]
+            config["ops"] = with_evaluations([str(o) for o in config["ops"]], d,
+                                             measure and (d.source != "server" or model is not None), self.name)
+            if model is not None:
+                config["received.model"] = model[0]
+                msg.content[protocol.EVAL_ARRAYS] = model[1]
+        return messages
+
+    def deployed_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+        """Evaluation-only messages measuring the deployed models after round ``server_round`` − 1: round
+        ``server_round``'s message cut down to the deployed model's operations (nothing trained, nothing sent
+        back, the client's model read but not written). Clients without a deployed model are left out."""
+        d = self.deployed
+        ops = [*d.prepare, d.op]
+        keep = {"return-arrays": False, "save-model": False}
+        out: list[Message] = []
+        if d.source == "message":
+            for msg in self.round_messages(server_round, node_ids):
+                config = {k: v for k, v in msg.content[protocol.CONFIG].items() if k not in ("ops", "round")}
+                arrays = msg.content[protocol.ARRAYS] if protocol.ARRAYS in msg.content else None
+                out.append(protocol.build_message(int(msg.metadata.dst_node_id), server_round, ops, {**config, **keep},
+                                                  arrays=arrays, message_type=protocol.EVAL_MESSAGE_TYPE))
+            return out
+        config = {**self.base_config(), **keep}
+        if d.source == "client":
+            return [protocol.build_message(n, server_round, ops, config, message_type=protocol.EVAL_MESSAGE_TYPE)
+                    for n in node_ids]
+        models = self.evaluation_models([self.node_to_client.get(n) for n in node_ids])
+        return [protocol.build_message(n, server_round, ops, {**config, "received.model": model[0]},
+                                       eval_arrays=model[1], message_type=protocol.EVAL_MESSAGE_TYPE)
+                for n, model in zip(node_ids, models) if model is not None]
+
+    def final_evaluation(self, grid: Grid, rnd: int, timeout: float, entry: RoundLog) -> None:
+        """The deployed models after the last round ``rnd``: one evaluation-only message to EVERY connected
+        client (sampled this round or not), filed as round ``rnd``'s measurement; its bytes are evaluation
+        traffic."""
+        messages = self.deployed_messages(rnd + 1, sorted(int(n) for n in grid.get_node_ids()))
+        if not messages:
+            log.warning("round %d: no client has a deployed model to evaluate", rnd)
+            return
+        self.validator.expect(messages)
+        entry.eval_bytes_down += sum(protocol.record_nbytes(m.content) for m in messages)
+        replies = list(grid.send_and_receive(messages, timeout=timeout))
+        entry.eval_bytes_up += sum(protocol.record_nbytes(m.content) for m in replies if not m.has_error())
+        parsed = self.validate(rnd, replies, phase=protocol.EVAL_MESSAGE_TYPE)
+        parsed.sort(key=lambda r: r.client_id)
+        entry.measurements.append(Measurement(rnd, parsed, final=True))
+
+    def run_round(self, grid: Grid, rnd: int, timeout: float, last: bool = False) -> RoundLog:
+        """One round: the training phase (whose messages also measure the previous round's deployed models) and,
+        in the ``last`` round, the evaluation-only phase measuring this round's."""
         t0 = time.time()
         self._checked = RoundLog(rnd, [], 0, 0)
-        messages = self.round_messages(rnd, self.sample_nodes(grid))
+        messages = self.messages_for_round(rnd, self.sample_nodes(grid))
         self.validator.expect(messages)
-        down = sum(protocol.record_nbytes(m.content) for m in messages)
+        eval_down = sum(protocol.eval_nbytes(m.content) for m in messages)  # a model sent for evaluation only
+        down = sum(protocol.record_nbytes(m.content) for m in messages) - eval_down
         replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
         up = sum(protocol.record_nbytes(m.content) for m in replies if not m.has_error())
         parsed = self.validate(rnd, replies, self.expect_arrays(), self.expect_predictions())
@@ -320,18 +458,18 @@ class PersonalisedStrategy(Strategy):
         extra = {} if skipped else self.aggregate(rnd, parsed)
         if not skipped:
             self.last_extra = dict(extra)
-        entry = RoundLog(rnd, parsed, down, up, extra=dict(extra), sent=len(messages), received=len(replies),
-                         skipped=skipped, errors=[str(m.error.reason) for m in replies if m.has_error()])
-        eval_messages = [] if skipped else self.evaluation_messages(rnd)
-        if eval_messages:
-            self.validator.expect(eval_messages)
-            entry.eval_bytes_down = sum(protocol.record_nbytes(m.content) for m in eval_messages)
-            eval_replies = list(grid.send_and_receive(eval_messages, timeout=timeout))
-            entry.eval_bytes_up = sum(protocol.record_nbytes(m.content) for m in eval_replies if not m.has_error())
-            parsed_eval = self.validate(rnd, eval_replies, phase=protocol.EVAL_MESSAGE_TYPE)
-            parsed_eval.sort(key=lambda r: r.client_id)
-            self.aggregate_evaluation(rnd, parsed_eval)
-            merge_eval_metrics(entry.replies, parsed_eval)
+        entry = RoundLog(rnd, parsed, down, up, eval_bytes_down=eval_down, extra=dict(extra), sent=len(messages),
+                         received=len(replies), skipped=skipped,
+                         errors=[str(m.error.reason) for m in replies if m.has_error()])
+        deployed = protocol.metric_name(protocol.DEPLOYED_TAG, "acc")
+        if rnd > 1 and self.measures_round(rnd - 1):
+            entry.measurements.append(Measurement(rnd - 1, [r for r in parsed if deployed in r.metrics]))
+        if last:
+            self.final_evaluation(grid, rnd, timeout, entry)
+        for m in entry.measurements:
+            stats = accuracy_stats([r.metrics for r in m.replies], protocol.DEPLOYED_TAG)
+            if stats:
+                self.last_measured = {"round": m.round, "clients": len(m.replies), **stats}
         entry.replies_ok, entry.replies_rejected = self._checked.replies_ok, self._checked.replies_rejected
         entry.replies_missing, entry.rejections = self._checked.replies_missing, list(self._checked.rejections)
         if entry.replies_missing:
@@ -357,10 +495,21 @@ def _state_value(value: Any, where: str) -> Any:
     return value
 
 
-def round_metrics(entry: RoundLog, report_tag: str) -> MetricRecord:
-    """A round's aggregate as Flower metrics: replies, the reported accuracy and the numeric strategy extras."""
+def with_evaluations(ops: list[str], deployed: DeployedModel, measure: bool, strategy: str = "") -> list[str]:
+    """A round message's operations with the protocol's evaluations: ``deployed.prepare``, then (``measure``)
+    the deployed model's evaluation, then the strategy's other operations, then the after-training evaluation."""
+    k = len(deployed.prepare)
+    if tuple(ops[:k]) != deployed.prepare:
+        raise RuntimeError(f"strategy '{strategy}': round operations {ops} must start with its deployed model's "
+                           f"preparation {list(deployed.prepare)}")
+    return [*ops[:k], *([deployed.op] if measure else []), *ops[k:], f"evaluate:{protocol.AFTER_TAG}"]
+
+
+def round_metrics(entry: RoundLog) -> MetricRecord:
+    """A round's training phase as Flower metrics: replies, the accuracy after local training and the numeric
+    strategy extras (the deployed models' accuracy is :func:`measurement_metrics`, filed under its round)."""
     out: dict[str, Any] = {"clients": len(entry.replies)}
-    out.update(accuracy_stats([r.metrics for r in entry.replies], report_tag))
+    out.update(after_training_stats([r.metrics for r in entry.replies]))
     out.update({k: float(v) for k, v in entry.extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
                 and math.isfinite(float(v))})
     return MetricRecord(out)
@@ -373,15 +522,11 @@ def sample_ids(ids: list[int], k: int, rng: np.random.Generator) -> list[int]:
     return sorted(int(ids[int(i)]) for i in picks)
 
 
-def merge_eval_metrics(replies: list[ClientReply], eval_replies: list[ClientReply]) -> None:
-    """Fold evaluation-phase metrics into the round's replies (by client id); add clients seen only there."""
-    by_client = {r.client_id: r for r in replies}
-    for e in eval_replies:
-        if e.client_id in by_client:
-            for k, v in e.metrics.items():
-                by_client[e.client_id].metrics.setdefault(k, v)
-        else:
-            replies.append(e)
+def measurement_metrics(m: Measurement) -> MetricRecord:
+    """A deployed-model measurement as Flower metrics: clients measured, accuracy (mean over clients and
+    sample-weighted) and weighted loss."""
+    return MetricRecord({"clients": len(m.replies),
+                         **accuracy_stats([r.metrics for r in m.replies], protocol.DEPLOYED_TAG)})
 
 
 def weighted_average(arrays: list[Mapping[str, np.ndarray]], weights: list[float]) -> dict[str, np.ndarray]:

@@ -25,7 +25,7 @@ from fedapps import protocol
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
-from strategies.base import PersonalisedStrategy, average_matching
+from strategies.base import DeployedModel, PersonalisedStrategy, average_matching
 from strategies.fedavg import initial_model_arrays
 
 log = logging.getLogger("fedapps")
@@ -86,6 +86,8 @@ class CFL(PersonalisedStrategy):
     name = "cfl"
     robust_aggregation = True
     Params = CFLParams
+    deployed = DeployedModel("the model of client i's cluster aggregated in round r (after round r's splits)",
+                             source="message")
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
         super().__init__(cfg, params, on_round)
@@ -106,7 +108,7 @@ class CFL(PersonalisedStrategy):
             k = self.cluster_of.get(self.node_to_client.get(n, -1), 0)
             if k not in records:
                 records[k] = protocol.arrays_record(self.models[k])
-            messages.append(protocol.build_message(n, server_round, ["evaluate", "train"], config, arrays=records[k]))
+            messages.append(protocol.build_message(n, server_round, ["train"], config, arrays=records[k]))
         return messages
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:

@@ -2,12 +2,14 @@
 
 One message per client per round. Down: the pseudo-labels h_π(i)(U) of the client's cluster model (none in
 round 1). On the client: distil on them (KL + λ·r_B, per-sample weight w_i(x)) → train on local data (E0
-epochs in round 1) → predict on U → evaluate its own model. Up: its predictions f_i(U) and metrics only.
+epochs in round 1) → predict on U. Up: its predictions f_i(U) and metrics only.
 Server: round 1 clusters the clients once (greedy threshold clustering on distances between f_i(U)); every
 round, per cluster, aggregates members' predictions (mean / median / max, temperature T) and fine-tunes
 that cluster's model h_k on U towards them (KL + λ·r_B; never reset), then predicts h_k(U) for the next
-round. Every ``eval_every`` rounds (and in the last) an evaluation-only message carries h_π(i) to each
-client, evaluated on its local test split; those bytes are counted separately (eval_bytes_*).
+round. The deployed model of client i after round r is h_π(i) after round r's server training (the paper's
+protocol): every ``eval_every`` rounds (and after the last) the base class measures it on the client's split —
+round r+1's message carries h_π(i) in its ``eval-arrays`` record, the last round's by an evaluation-only
+message; those bytes are counted apart (eval_bytes_*). The client's own model is the second column.
 Paper: COSMOS, ECML PKDD 2026; where we follow the reference code instead, the parameter comments say so.
 """
 
@@ -32,7 +34,7 @@ from fedapps.params import param
 from fedapps.protocol import ClientReply
 from fedapps.results import Artifact
 from fedapps.seeds import derive_seed
-from strategies.base import PersonalisedStrategy
+from strategies.base import DeployedModel, PersonalisedStrategy
 
 log = logging.getLogger("fedapps")
 
@@ -129,7 +131,8 @@ class Cosmos(PersonalisedStrategy):
     Params = CosmosParams
     needs_public_set = True
     model_agnostic = True
-    report_tag = "received"  # the round's accuracy: the cluster model h_π(i) on each client's test split
+    deployed = DeployedModel("the cluster model h_π(i) after round r's server training", source="server",
+                             evaluate="evaluate-received")
     checkpoint_exclude = frozenset({"fed", "device", "num_classes", "n_public"})  # rebuilt from the config
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
@@ -148,7 +151,6 @@ class Cosmos(PersonalisedStrategy):
         self.wire_targets: dict[int, ArrayRecord] = {}  # cluster -> encoded h_k(U), as sent
         self.distances: np.ndarray | None = None
         self.distance_clients: list[int] = []
-        self.last_replied_nodes: list[int] = []
         self.rejected_fingerprint = 0
         self.last_acc: dict[str, float] = {}
         self.pseudo_bytes_down = 0
@@ -195,8 +197,8 @@ class Cosmos(PersonalisedStrategy):
         for node in node_ids:
             cluster = self.cluster_of.get(self.node_to_client.get(node, -1))
             targets = self.wire_targets.get(cluster) if cluster is not None else None
-            messages.append(protocol.build_message(node, server_round, ["distill", "train", "predict", "evaluate"],
-                                                   config, targets=targets))
+            messages.append(protocol.build_message(node, server_round, ["distill", "train", "predict"], config,
+                                                   targets=targets))
         with_targets = sum(1 for m in messages if protocol.TARGETS in m.content)
         self.pseudo_bytes_down = sum(m.content[protocol.TARGETS]["targets"].numpy().nbytes
                                      for m in messages if protocol.TARGETS in m.content)
@@ -206,20 +208,24 @@ class Cosmos(PersonalisedStrategy):
     def expect_predictions(self) -> bool:
         return True
 
-    def evaluation_messages(self, server_round: int) -> list[Message]:
-        p: CosmosParams = self.params
-        if not self.models or not (server_round % p.eval_every == 0 or server_round == self.cfg.rounds):
-            return []
-        config = {**self.base_config(), "received.model": p.server_model, "public.fingerprint": self.fed.fingerprint}
-        arrays = {k: protocol.arrays_record({n: t.detach().cpu().numpy() for n, t in m.state_dict().items()})
-                  for k, m in self.models.items()}
-        messages = []
-        for node in self.last_replied_nodes:
-            cluster = self.cluster_of.get(self.node_to_client.get(node, -1))
-            if cluster in arrays:
-                messages.append(protocol.build_message(node, server_round, ["evaluate-received"], config,
-                                                       arrays=arrays[cluster], message_type=protocol.EVAL_MESSAGE_TYPE))
-        return messages
+    def measures_round(self, server_round: int) -> bool:
+        """The cluster models are sent for evaluation every ``eval_every`` rounds (the last round always)."""
+        return server_round % self.params.eval_every == 0 or server_round == self.cfg.rounds
+
+    def evaluation_models(self, client_ids: list[int | None]) -> list[tuple[str, ArrayRecord] | None]:
+        """h_π(i) for each client (one record per cluster, shared); None for a client in no cluster yet."""
+        records: dict[int, ArrayRecord] = {}
+        out: list[tuple[str, ArrayRecord] | None] = []
+        for cid in client_ids:
+            k = self.cluster_of.get(cid) if cid is not None else None
+            if k is None or k not in self.models:
+                out.append(None)
+                continue
+            if k not in records:
+                records[k] = protocol.arrays_record({n: t.detach().cpu().numpy()
+                                                     for n, t in self.models[k].state_dict().items()})
+            out.append((self.params.server_model, records[k]))
+        return out
 
     # ------------------------------------------------------------------ aggregation
     def accept(self, replies: list[ClientReply]) -> dict[int, np.ndarray]:
@@ -240,11 +246,11 @@ class Cosmos(PersonalisedStrategy):
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         t0 = time.perf_counter()
-        accs = [float(r.metrics["eval-acc"]) for r in replies if "eval-acc" in r.metrics]
+        after = protocol.metric_name(protocol.AFTER_TAG, "acc")
+        accs = [float(r.metrics[after]) for r in replies if after in r.metrics]
         if accs:
             self.last_acc["client"] = float(np.mean(accs))  # the clients' own models, after this round's training
         preds = self.accept(replies)
-        self.last_replied_nodes = sorted(r.node_id for r in replies if r.client_id in preds)
         if not preds:
             log.warning("cosmos round %d: no usable predictions; server models unchanged", server_round)
             return {}
@@ -327,12 +333,6 @@ class Cosmos(PersonalisedStrategy):
         return losses
 
     # ------------------------------------------------------------------ results
-    def aggregate_evaluation(self, server_round: int, replies: list[ClientReply]) -> None:
-        """The cluster models' accuracy on their members' test splits (the headline number)."""
-        accs = [float(r.metrics["received-acc"]) for r in replies if "received-acc" in r.metrics]
-        if accs:
-            self.last_acc["cluster"] = float(np.mean(accs))
-
     def final_summary(self) -> dict[str, Any]:
         c = self.clustering
         summary: dict[str, Any] = {
@@ -342,7 +342,7 @@ class Cosmos(PersonalisedStrategy):
             "b0": c.b0 if c else None,
             "b0_mode": c.mode if c else None,
             "distance": self.params.distance,
-            "cluster_model_accuracy": self.last_acc.get("cluster"),
+            "cluster_model_accuracy": self.last_measured.get("acc_mean"),  # the headline (deployed model)
             "client_model_accuracy": self.last_acc.get("client"),
             "replies_refused_for_public_set_mismatch": self.rejected_fingerprint,
         }

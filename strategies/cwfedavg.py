@@ -30,8 +30,9 @@ sample-weighted mean of the same set); before any reply, everyone gets the initi
 
 Client side (registered here): the training term ``wdr``, switched on by ``train.wdr_lambda`` → loss
 CE + (λ/2)·‖p_i − p̃_i‖₂ (:func:`wdr_penalty`), p_i from the
-client's TRAIN split (the authors' code uses train+test). Each round the personalised model is evaluated
-on the client's test split before training (the paper's number, ``acc_*``) and after (``after_acc_*``).
+client's TRAIN split (the authors' code uses train+test). The deployed model after round r is client i's
+personalised model formed from round r's uploads (what it receives in round r+1), evaluated by the base class
+before training (``acc_*``); the model right after local training is the second column (``acc_after_training_*``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from fedapps.models import build_model, classifier_name, top_level_children
 from fedapps.params import lower, param
 from fedapps.protocol import ClientReply
 from fedapps.results import Artifact
-from strategies.base import PersonalisedStrategy
+from strategies.base import DeployedModel, PersonalisedStrategy
 
 log = logging.getLogger("fedapps")
 
@@ -261,6 +262,8 @@ class CwFedAvg(PersonalisedStrategy):
 
     name = "cwfedavg"
     Params = CwFedAvgParams
+    deployed = DeployedModel("client i's personalised model formed from round r's uploads (what it receives in "
+                             "round r+1)", source="message")
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -333,7 +336,7 @@ class CwFedAvg(PersonalisedStrategy):
         config = {**self.base_config(), "load-arrays": True, "return-arrays": True,
                   "arrays.keys": "state" if p.buffers == "fedavg" else "params",
                   WDR_LAMBDA: float(p.wdr_lambda)}
-        client_ops = ["evaluate", "train", "evaluate:after"] + (["report-class-counts"] if p.estimator == "true" else [])
+        client_ops = ["train"] + (["report-class-counts"] if p.estimator == "true" else [])
         messages = []
         for node in node_ids:
             arrays = self.personalised(self.node_to_client.get(node))

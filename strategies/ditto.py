@@ -3,7 +3,7 @@
 Each round a sampled client receives the global model w. It trains a copy of w on its data (the global
 branch, sent back and averaged by sample count as in FedAvg), and trains its own personal model v, kept on
 the client between rounds, with cross-entropy + (λ/2)‖v − w‖² towards the w it received. The personal model
-is what is evaluated (on the client's test split, after the round's training). λ = 0 is Local plus a FedAvg
+after the round's training is the client's deployed model. λ = 0 is Local plus a FedAvg
 run on the side; a large λ pulls v onto the global model.
 """
 
@@ -19,7 +19,7 @@ from fedapps.clientops import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
-from strategies.base import PersonalisedStrategy, average_matching
+from strategies.base import DeployedModel, PersonalisedStrategy, average_matching
 from strategies.fedavg import initial_model_arrays
 from strategies.fedprox import PROX_MU
 
@@ -49,6 +49,7 @@ class Ditto(PersonalisedStrategy):
     name = "ditto"
     robust_aggregation = True
     Params = DittoParams
+    deployed = DeployedModel("client i's personal model v_i after its local training in round r")
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
         super().__init__(cfg, params, on_round)
@@ -64,7 +65,7 @@ class Ditto(PersonalisedStrategy):
         config = {**self.base_config(), "load-arrays": False, PROX_MU: float(self.params.lam),
                   "return-arrays": True, "arrays.keys": "state"}
         arrays = protocol.arrays_record(self.global_arrays)
-        return [protocol.build_message(n, server_round, ["train-received", "train", "evaluate"], config, arrays=arrays)
+        return [protocol.build_message(n, server_round, ["train-received", "train"], config, arrays=arrays)
                 for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:

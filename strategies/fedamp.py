@@ -5,8 +5,8 @@ anchor u_i = Σ_j ξ_ij·w_j with
     ξ_ij = α_K·exp(−‖w_i − w_j‖²/σ)/σ   (j ≠ i),      ξ_ii = 1 − Σ_{j≠i} ξ_ij,
 so clients with similar models pull on each other. The client keeps its own model, trains it from where it
 left off with cross-entropy + (λ/2)‖w − u_i‖² (the proximal term carries gradient into w — the PFLlib version
-computes it on detached tensors, which makes FedAMP plain local training; not reproduced here), evaluates it
-on its test split and sends its parameters back. Clients not heard from yet count with the initial model.
+computes it on detached tensors, which makes FedAMP plain local training; not reproduced here), and sends its
+parameters back; that trained model is the client's deployed model. Clients not heard from yet count with the initial model.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from fedapps.clustering import l2_distance_matrix
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
-from strategies.base import PersonalisedStrategy
+from strategies.base import DeployedModel, PersonalisedStrategy
 from strategies.fedavg import initial_model_arrays
 from strategies.fedprox import PROX_MU
 
@@ -79,6 +79,7 @@ class FedAMP(PersonalisedStrategy):
 
     name = "fedamp"
     Params = FedAMPParams
+    deployed = DeployedModel("client i's own model after its local training in round r")
 
     @classmethod
     def check(cls, cfg: ExperimentConfig, params: FedAMPParams) -> None:
@@ -122,7 +123,7 @@ class FedAMP(PersonalisedStrategy):
         # a node not heard from yet is a client whose model is still the initial one: any id outside the pool does
         clients = [self.node_to_client.get(n, -1 - i) for i, n in enumerate(node_ids)]
         anchors = self.anchors(clients)
-        return [protocol.build_message(n, server_round, ["train", "evaluate"], config,
+        return [protocol.build_message(n, server_round, ["train"], config,
                                        arrays=protocol.arrays_record(unflatten(anchors[c], self.like, self.keys)))
                 for n, c in zip(node_ids, clients)]
 

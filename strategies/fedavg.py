@@ -1,7 +1,8 @@
 """FedAvg: one global model, the sample-weighted mean of the client models.
 
-Each round every sampled client receives the global model, evaluates it on its local test split
-(the PFLlib protocol: that is the round's accuracy), trains it on its data, and sends it back.
+Each round every sampled client receives the global model, trains it on its data, and sends it back. The
+deployed model after round r is the global model aggregated in round r (evaluated by the base class's
+protocol on round r+1's message before training, as PFLlib does).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from fedapps import protocol
 from fedapps.data import source_info
 from fedapps.models import build_model, state_part
 from fedapps.protocol import ClientReply
-from strategies.base import PersonalisedStrategy, average_matching
+from strategies.base import DeployedModel, PersonalisedStrategy, average_matching
 
 
 def initial_model_arrays(cfg, part: str = "state", seed: int | None = None) -> dict[str, np.ndarray]:
@@ -31,6 +32,7 @@ class FedAvg(PersonalisedStrategy):
 
     name = "fedavg"
     robust_aggregation = True
+    deployed = DeployedModel("the global model aggregated in round r", source="message")
 
     def __init__(self, cfg, params=None, on_round=None) -> None:
         super().__init__(cfg, params, on_round)
@@ -51,7 +53,7 @@ class FedAvg(PersonalisedStrategy):
                   "persist-model": False,  # the whole model arrives every round: nothing to keep
                   **self.client_settings()}
         arrays = protocol.arrays_record(self.global_arrays)
-        return [protocol.build_message(n, server_round, ["evaluate", "train"], config, arrays=arrays) for n in node_ids]
+        return [protocol.build_message(n, server_round, ["train"], config, arrays=arrays) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         self.global_arrays = average_matching(replies, self.global_arrays, self.rule)

@@ -1,9 +1,10 @@
 """FedBABU (Oh et al., ICLR 2022): federated training of the body only, the head frozen at its random init.
 
 Every client's head is the same seeded random initialisation and is never trained during federation; the
-server averages the bodies (as FedPer). For evaluation each client fine-tunes a copy of its model's head on
-its training data (``finetune_epochs``, body frozen) and evaluates that copy on its test split — the model
-that continues federated training keeps the frozen initial head.
+server averages the bodies (as FedPer). The deployed model after round r (the paper's protocol) is round r's
+averaged body with the head fine-tuned on the client's training data (``finetune_epochs``, body frozen, on a
+copy: the model that continues federated training keeps the frozen initial head). The after-training column
+is the model as trained, with its frozen initial head (the paper's accuracy before fine-tuning).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fedapps import ops
 from fedapps.clientops import client_op
 from fedapps.params import param
 from fedapps.worker import part_names
+from strategies.base import DeployedModel
 from strategies.fedper import FedPer
 
 
@@ -25,7 +27,7 @@ def evaluate_finetuned(w, tag: str) -> None:
     copy = w.model_from(w.model.state_dict())
     with ops.frozen(copy, part_names(copy, "body")):
         ops.train(copy, w.train_x, w.train_y, w.settings("finetune"), None, w.generator)
-    w.record_eval(tag, ops.evaluate(copy, w.data.test_x, w.data.test_y))
+    w.evaluate(copy, tag)
 
 
 @dataclass
@@ -40,9 +42,11 @@ class FedBABU(FedPer):
 
     name = "fedbabu"
     Params = FedBABUParams
+    deployed = DeployedModel("round r's aggregated body with the head fine-tuned on client i's training split "
+                             "(finetune_epochs, body frozen)", source="message", evaluate="evaluate-finetuned")
 
     def client_ops(self) -> list[str]:
-        return ["train", "evaluate-finetuned"]
+        return ["train"]
 
     def client_settings(self) -> dict[str, Any]:
         return {"train.freeze": "head", "finetune.epochs": int(self.params.finetune_epochs)}

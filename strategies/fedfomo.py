@@ -5,8 +5,8 @@ the rest. From round 2 on, the server sends each sampled client up to ``candidat
 models: those with the highest affinity P_ij so far (ties: lower id), each slot replaced with probability ε by
 a random other known client (ε-greedy exploration; ε = ``epsilon``·``epsilon_decay``^(round−1)). The client
 scores every candidate n on its held-out split by w_n = max(0, (L_own − L_n)/‖θ_n − θ_own‖), normalises,
-moves its model to θ_own + Σ_n w_n(θ_n − θ_own), trains, evaluates (its test split) and sends its model
-and the weights back; the server adds the weights to P_i·. Download cost: ``candidates`` models per client.
+moves its model to θ_own + Σ_n w_n(θ_n − θ_own), trains (that model is its deployed model) and sends its
+model and the weights back; the server adds the weights to P_i·. Download cost: ``candidates`` models per client.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from fedapps.clientops import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
-from strategies.base import PersonalisedStrategy
+from strategies.base import DeployedModel, PersonalisedStrategy
 
 log = logging.getLogger("fedapps")
 
@@ -124,6 +124,7 @@ class FedFomo(PersonalisedStrategy):
 
     name = "fedfomo"
     Params = FedFomoParams
+    deployed = DeployedModel("client i's own model after its mixing and local training in round r")
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
         super().__init__(cfg, params, on_round)
@@ -147,9 +148,9 @@ class FedFomo(PersonalisedStrategy):
             self.sent_candidates[n] = chosen
             if chosen:
                 arrays = protocol.arrays_record(protocol.pack_models([self.models[c] for c in chosen]))
-                messages.append(protocol.build_message(n, server_round, ["fomo-mix", "train", "evaluate"], config, arrays=arrays))
+                messages.append(protocol.build_message(n, server_round, ["fomo-mix", "train"], config, arrays=arrays))
             else:  # nobody to learn from yet (round 1)
-                messages.append(protocol.build_message(n, server_round, ["train", "evaluate"], config))
+                messages.append(protocol.build_message(n, server_round, ["train"], config))
         return messages
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:

@@ -1,8 +1,10 @@
 """FedPer (Arivazhagan et al. 2019): a shared body averaged by the server, a personal head on each client.
 
 Each round a sampled client receives the global body (every parameter and buffer outside the classifier
-head), loads it under its own head, trains the whole model on its data, evaluates it on its test split and
-sends the body back; the server averages the bodies by sample count. The head never leaves the client.
+head), loads it under its own head, trains the whole model on its data and sends the body back; the server averages
+the bodies by sample count. The head never leaves the client. The deployed model after round r is round r's
+averaged body under the client's own head (the base class evaluates it on round r+1's message, after the body
+is loaded and before training).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from flwr.app import Message
 from fedapps import protocol
 from fedapps.config import ExperimentConfig
 from fedapps.protocol import ClientReply
-from strategies.base import PersonalisedStrategy, average_matching
+from strategies.base import DeployedModel, PersonalisedStrategy, average_matching
 from strategies.fedavg import initial_model_arrays
 
 
@@ -23,6 +25,7 @@ class FedPer(PersonalisedStrategy):
 
     name = "fedper"
     robust_aggregation = True
+    deployed = DeployedModel("round r's aggregated body with client i's own head", source="message")
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
         super().__init__(cfg, params, on_round)
@@ -32,8 +35,8 @@ class FedPer(PersonalisedStrategy):
         return True
 
     def client_ops(self) -> list[str]:
-        """What the client runs after loading the body (FedRep and FedBABU train and evaluate differently)."""
-        return ["train", "evaluate"]
+        """What the client runs after loading the body (FedRep trains differently)."""
+        return ["train"]
 
     def client_settings(self) -> dict[str, Any]:
         """Settings those operations need beyond the shared ones."""

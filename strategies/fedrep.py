@@ -2,8 +2,8 @@
 
 Like FedPer — the server averages the body, the head never leaves the client — but the client trains in two
 phases each round: first the head alone for ``head_epochs`` with the body frozen, then the body alone for
-``client.epochs`` with the head frozen. The client evaluates its model (its own head on the new body phase's
-result) on its test split after training.
+``client.epochs`` with the head frozen. The deployed model after round r is round r's averaged body under the
+client's own head (as FedPer's).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class FedRep(FedPer):
     Params = FedRepParams
 
     def client_ops(self) -> list[str]:
-        return ["train:head", "train:body", "evaluate"]
+        return ["train:head", "train:body"]
 
     def client_settings(self) -> dict[str, Any]:
         return {"train:head.freeze": "body", "train:head.epochs": int(self.params.head_epochs), "train:body.freeze": "head"}

@@ -1,8 +1,8 @@
 """IFCA (Ghosh et al., NeurIPS 2020): K cluster models; every client joins the one that fits its data best.
 
 Each round every sampled client receives all K cluster models, computes each one's loss on its TRAINING data,
-takes the lowest (ties: the lower index), evaluates that model on its test split (as FedAvg's global model is
-evaluated, before local training), trains it and sends it back with its choice. The server averages, per
+takes the lowest (ties: the lower index), trains it and sends it back with its choice. The chosen model (before
+training) is the client's deployed model: after round r, the model of lowest training loss among round r's K. The server averages, per
 cluster, the models of the clients that chose it (by sample count); a cluster nobody chose keeps its model.
 The K models start from different seeds (the experiment seed + k) so that they can separate. No model stays
 on the client. Download cost: K models per client per round.
@@ -23,7 +23,7 @@ from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
 from fedapps.robust import AggregationRule
-from strategies.base import PersonalisedStrategy, average_matching
+from strategies.base import DeployedModel, PersonalisedStrategy, average_matching
 from strategies.fedavg import initial_model_arrays
 
 log = logging.getLogger("fedapps")
@@ -72,6 +72,8 @@ class IFCA(PersonalisedStrategy):
     name = "ifca"
     robust_aggregation = True
     Params = IFCAParams
+    deployed = DeployedModel("the model of client i's cluster after round r: of round r's K cluster models, the one "
+                             "of lowest loss on its training split", source="message", prepare=("select-model",))
 
     @classmethod
     def check(cls, cfg: ExperimentConfig, params: IFCAParams) -> None:
@@ -90,7 +92,7 @@ class IFCA(PersonalisedStrategy):
         config = {**self.base_config(), "arrays.multi": True, "load-arrays": False, "persist-model": False,
                   "return-arrays": True, "arrays.keys": "state"}
         arrays = protocol.arrays_record(protocol.pack_models(self.models))
-        return [protocol.build_message(n, server_round, ["select-model", "evaluate", "train"], config, arrays=arrays)
+        return [protocol.build_message(n, server_round, ["select-model", "train"], config, arrays=arrays)
                 for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:

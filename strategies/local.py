@@ -1,7 +1,7 @@
 """Local: no federation. Each client trains its own model on its own data; nothing but metrics travels.
 
-The floor every personalised method must beat. The round's accuracy is the client's own model
-evaluated on its local test split after that round's training.
+The floor every personalised method must beat. The deployed model after round r is the client's own model
+after that round's training.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from flwr.app import Message
 
 from fedapps import protocol
 from fedapps.protocol import ClientReply
-from strategies.base import PersonalisedStrategy
+from strategies.base import DeployedModel, PersonalisedStrategy
 
 
 class Local(PersonalisedStrategy):
@@ -20,9 +20,10 @@ class Local(PersonalisedStrategy):
 
     name = "local"
     model_agnostic = True
+    deployed = DeployedModel("client i's own model after its local training in round r")
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        return [protocol.build_message(n, server_round, ["train", "evaluate"], self.base_config()) for n in node_ids]
+        return [protocol.build_message(n, server_round, ["train"], self.base_config()) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         return {}

@@ -1,6 +1,6 @@
 """Shared machinery of the pseudo-label baselines (FedMD, FedCT, COMET): their distillation parameters, the
 prediction collection, the targets record and :class:`PseudoLabelStrategy`, whose clients distil on server
-targets on U, train, evaluate and predict on U in one message per round."""
+targets on U, train and predict on U in one message per round; the own model after that is the deployed one."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from fedapps.config import OPTIMIZERS, ConfigError, ExperimentConfig
 from fedapps.data import get_federation
 from fedapps.params import param
 from fedapps.protocol import ClientReply
-from strategies.base import PersonalisedStrategy
+from strategies.base import DeployedModel, PersonalisedStrategy
 
 log = logging.getLogger("fedapps")
 
@@ -62,10 +62,11 @@ def index_array(rows: np.ndarray, public_size: int) -> np.ndarray:
 
 
 class PseudoLabelStrategy(PersonalisedStrategy):
-    """Clients distil on server targets on U, train, evaluate, and predict on U — one message per round."""
+    """Clients distil on server targets on U, train, and predict on U — one message per round."""
 
     needs_public_set = True
     model_agnostic = True
+    deployed = DeployedModel("client i's own model after its digest and local training in round r")
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
         super().__init__(cfg, params, on_round)
@@ -111,8 +112,8 @@ class PseudoLabelStrategy(PersonalisedStrategy):
 
     @staticmethod
     def round_ops(with_distill: bool, first: tuple[str, ...] = ()) -> list[str]:
-        """distill → train → evaluate (own model, after training: the round's accuracy) → predict."""
-        return [*first, *(["distill"] if with_distill else []), "train", "evaluate", "predict"]
+        """distill → train → predict (the base class adds the evaluations of the deployed, i.e. own, model)."""
+        return [*first, *(["distill"] if with_distill else []), "train", "predict"]
 
 
 def targets_record(targets: np.ndarray | None, distill_rows: np.ndarray | None = None,

@@ -165,14 +165,17 @@ def test_fedmd_messages_carry_the_same_consensus_and_the_subset_indices():
     m = s.num_classes
     nodes = [100, 101, 102, 103]
     msgs = s.round_messages(1, nodes)
-    assert list(msgs[0].content["config"]["ops"]) == ["train", "evaluate", "predict"]  # nothing to digest yet
+    assert list(msgs[0].content["config"]["ops"]) == ["train", "predict"]  # nothing to digest yet
     rows1 = msgs[0].content["targets"]["predict-indices"].numpy()
     assert len(rows1) == 30 and "targets" not in msgs[0].content["targets"]
     rng = np.random.default_rng(0)
     logits = [rng.normal(size=(30, m)).astype(np.float32) for _ in nodes]
     s.aggregate(1, [_reply(i, x) for i, x in enumerate(logits)])
     msgs = s.round_messages(2, nodes)
-    assert list(msgs[0].content["config"]["ops"]) == ["distill", "train", "evaluate", "predict"]
+    assert list(msgs[0].content["config"]["ops"]) == ["distill", "train", "predict"]
+    # the base class adds the protocol's evaluations: the own (deployed) model before the digest, after training
+    assert list(s.messages_for_round(2, nodes)[0].content["config"]["ops"]) == [
+        "evaluate:deployed", "distill", "train", "predict", "evaluate:after"]
     expected = np.mean(logits, axis=0)
     for msg in msgs:  # the same consensus for everyone, on the previous round's subset
         rec = msg.content["targets"]
@@ -319,12 +322,14 @@ def test_end_to_end_in_process(tmp_path, name, extra):
     summary = server_app.run_experiment(grid, None, overrides, str(tmp_path))
     assert isinstance(summary["accuracy_mean"], float) and 0.0 <= summary["accuracy_mean"] <= 1.0
     assert summary["rounds"] == 2
-    replies = [protocol.parse_reply(r) for r in grid.replies]
+    replies = [protocol.parse_reply(r) for r in grid.replies if r.metadata.message_type == protocol.MESSAGE_TYPE]
     assert len(replies) == 2 * cfg.data.num_clients
+    final = [protocol.parse_reply(r) for r in grid.replies if r.metadata.message_type == protocol.EVAL_MESSAGE_TYPE]
+    assert len(final) == cfg.data.num_clients and all(r.arrays is None and r.predictions is None for r in final)
     for r in replies:
         assert r.arrays is None  # no model parameters ever travel
         assert r.predictions is not None and "predictions" in r.predictions
-        assert "eval-acc" in r.metrics
+        assert "after-acc" in r.metrics
     archs = {r.info["arch"] for r in replies}
     assert archs == {"cnn", "mlp"}
     if name == "fedct":
@@ -340,7 +345,8 @@ def test_fedmd_labelled_pretraining_runs_train_public_in_round_one(tmp_path):
     grid = InProcessGrid(4, record=True)
     server_app.run_experiment(grid, None, overrides, str(tmp_path))
     assert list(grid.sent[0].content["config"]["ops"])[0] == "train-public"
-    assert all("train-public-loss" in protocol.parse_reply(r).metrics for r in grid.replies)
+    assert all("train-public-loss" in protocol.parse_reply(r).metrics for r in grid.replies
+               if r.metadata.message_type == protocol.MESSAGE_TYPE)
 
 
 @pytest.mark.parametrize("path", ["configs/{}.yaml", "configs/paper/{}-cifar10.yaml"])

@@ -80,6 +80,8 @@ def test_partial_participation_40_clients_through_flwr_run(tiny_config, tmp_path
     rows = read_csv(tmp_path / "res" / "pp40" / "rounds.csv")
     assert [r["clients"] for r in rows] == [10, 10], out[-3000:]
     assert [r["skipped"] for r in rows] == [0, 0]
+    # round 1's deployed models measured on round 2's 10 sampled clients; round 2's on all 40 (evaluation-only)
+    assert [r["measured_clients"] for r in rows] == [10, 40], out[-3000:]
     _, pid = superlink_of(out)
     assert cli._proc_stat(pid) is None
 

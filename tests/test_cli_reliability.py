@@ -127,7 +127,9 @@ def test_every_client_failing_fails_the_run(tiny_config, tmp_path, capsys, monke
     err = capsys.readouterr().err
     assert "no usable client reply" in err and "disk on fire" in err
     summary = json.loads((out / "fedavg-digits-iid-s0" / "summary.json").read_text())
-    assert summary["accuracy_mean"] is None and summary["usable_replies"] == 0
+    # nothing was trained: what the evaluation-only message measured is the untrained initial model, and the run
+    # is marked failed (problems, exit 1)
+    assert summary["final_round"] == 2 and summary["usable_replies"] == 0
     assert summary["messages_sent"] == 8 and summary["messages_answered"] == 8  # they reached clients, all errors
     assert summary["problems"] and "no usable client reply" in summary["problems"][0]
 
@@ -189,13 +191,16 @@ def test_last_round_without_replies_is_flagged(tiny_config, tmp_path, capsys):
     import server_app
     from fedapps.inprocess import InProcessGrid
 
-    grid = InProcessGrid(4, drop=lambda rnd, pid: rnd == 2)
+    grid = InProcessGrid(4, drop=lambda rnd, pid: rnd == 2)  # every message of round 2, not the evaluation after it
     summary = server_app.run_experiment(grid, str(tiny_config()), "", str(tmp_path))
     assert summary["final_round_had_no_replies"] is True
-    assert summary["final_round"] == 1 and summary["rounds"] == 2
+    # round 2 aggregated nothing, so its deployed models are round 1's, measured by the evaluation-only message
+    assert summary["final_round"] == 2 and summary["rounds"] == 2 and summary["final_round_measured_clients"] == 4
     assert summary["accuracy_mean"] is not None and summary["problems"] == []
     on_disk = json.loads((tmp_path / "fedavg-digits-iid-s0" / "summary.json").read_text())
-    assert on_disk["final_round_had_no_replies"] is True and on_disk["final_round"] == 1
+    assert on_disk["final_round_had_no_replies"] is True and on_disk["final_round"] == 2
+    rows = read_csv(tmp_path / "fedavg-digits-iid-s0" / "rounds.csv")
+    assert rows[0]["acc_mean"] is None  # round 1's deployed models rode on round 2's messages, all lost
 
 
 # --------------------------------------------------------------------------- config hash and resume

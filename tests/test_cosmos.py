@@ -279,11 +279,15 @@ def test_end_to_end_in_process_sends_pseudo_labels_only(tmp_path: Path, up: str,
     cfg = load_config(path)
     strategy_fed = Cosmos(cfg).fed
     n, m = int(strategy_fed.public_x.shape[0]), strategy_fed.num_classes
-    # exactly one round message per client per round, plus evaluation-only messages carrying h_π(i) down
+    # exactly one round message per client per round, plus the evaluation-only message after the last round;
+    # h_π(i) goes down for evaluation only (round 2's messages carry round 1's, the final message round 2's)
     train_msgs = [s for s in grid.sent if s.metadata.message_type == protocol.MESSAGE_TYPE]
     eval_msgs = [s for s in grid.sent if s.metadata.message_type == protocol.EVAL_MESSAGE_TYPE]
-    assert len(train_msgs) == 2 * N_CLIENTS and len(eval_msgs) == 2 * N_CLIENTS
-    assert all(protocol.ARRAYS not in s.content for s in train_msgs)  # nothing but pseudo-labels goes down either
+    assert len(train_msgs) == 2 * N_CLIENTS and len(eval_msgs) == N_CLIENTS
+    assert all(protocol.ARRAYS not in s.content for s in grid.sent)  # nothing but pseudo-labels goes down either
+    assert [protocol.EVAL_ARRAYS in s.content for s in train_msgs] == [False] * N_CLIENTS + [True] * N_CLIENTS
+    assert all(protocol.EVAL_ARRAYS in s.content and protocol.TARGETS not in s.content for s in eval_msgs)
+    assert all(list(s.content["config"]["ops"]) == ["evaluate-received:deployed"] for s in eval_msgs)
     assert sum(protocol.TARGETS in s.content for s in train_msgs) == N_CLIENTS  # round 2 only
     wire_down = [s.content[protocol.TARGETS]["targets"].numpy() for s in train_msgs if protocol.TARGETS in s.content]
     assert all(w.dtype == np.dtype(down) and w.shape == (n, m) for w in wire_down)
@@ -299,10 +303,12 @@ def test_end_to_end_in_process_sends_pseudo_labels_only(tmp_path: Path, up: str,
     for rnd, row in enumerate(rows, start=1):
         sent = [s for s in train_msgs if s.metadata.group_id == str(rnd)]
         got = round_replies[(rnd - 1) * N_CLIENTS: rnd * N_CLIENTS]
-        assert int(row["bytes_down"]) == sum(protocol.record_nbytes(s.content) for s in sent)
+        evaluation = sum(protocol.eval_nbytes(s.content) for s in sent)  # h_π(i) riding along, counted apart
+        assert int(row["bytes_down"]) == sum(protocol.record_nbytes(s.content) for s in sent) - evaluation
         assert int(row["bytes_up"]) == sum(protocol.record_nbytes(r.content) for r in got)
         assert int(row["pseudo_bytes_up"]) == N_CLIENTS * n * (1 if up == "hard" else 4 * m)
-        assert int(row["eval_bytes_down"]) > 0
+        final = sum(protocol.record_nbytes(s.content) for s in eval_msgs) if rnd == 2 else 0
+        assert int(row["eval_bytes_down"]) == evaluation + final and (evaluation > 0) == (rnd == 2)
     assert int(rows[1]["pseudo_bytes_down"]) == N_CLIENTS * n * m * (2 if down == "float16" else 4)
     assert (run_dir / "clusters.png").is_file() and (run_dir / "clusters.json").is_file()
 
@@ -368,5 +374,5 @@ def test_privacy_through_flower_simulation(tmp_path: Path) -> None:
     assert summaries, "the ServerApp did not finish"
     fed = Cosmos(load_config(path)).fed
     assert assert_pseudo_labels_and_metrics_only(recorded, int(fed.public_x.shape[0]), fed.num_classes) == 2 * N_CLIENTS
-    assert len(recorded) == 4 * N_CLIENTS  # 2 rounds × (round reply + evaluation reply)
+    assert len(recorded) == 3 * N_CLIENTS  # 2 rounds' replies + the evaluation-only replies after the last
     assert summaries[0]["clusters"] >= 1

@@ -239,7 +239,7 @@ def test_bias_estimator_recovers_p_in_round_one(tmp_path):
     assert float(rows[0]["est_l1_bias"]) < 0.15
     assert float(rows[0]["est_l1_norm"]) > 3 * float(rows[0]["est_l1_bias"])
     assert float(rows[0]["est_l1"]) == float(rows[0]["est_l1_bias"])
-    for col in ("acc_mean", "acc_weighted", "after_acc_mean", "after_acc_weighted"):
+    for col in ("acc_mean", "acc_weighted", "acc_after_training_mean", "acc_after_training_weighted"):
         assert rows[0][col] != ""
     assert (tmp_path / summary["run_name"] / "weight_norms.png").is_file()
     assert (tmp_path / summary["run_name"] / "estimates.csv").is_file()

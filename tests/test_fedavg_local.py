@@ -66,10 +66,15 @@ def test_partial_participation_and_dropped_client(tiny_config, tmp_path):
     assert len(rows) == 4  # header + 3 rounds: a missing reply does not stop the run
     per_round = {}
     for m in grid.sent:
-        per_round.setdefault(m.metadata.group_id, 0)
-        per_round[m.metadata.group_id] += 1
+        if m.metadata.message_type == "train":
+            per_round.setdefault(m.metadata.group_id, 0)
+            per_round[m.metadata.group_id] += 1
     assert set(per_round.values()) == {3}  # ceil(0.75 * 4) clients each round
+    # the deployed models after the last round: one evaluation-only message to EVERY client, sampled or not
+    final = [m for m in grid.sent if m.metadata.message_type == "evaluate"]
+    assert sorted(m.metadata.dst_node_id for m in final) == sorted(grid.get_node_ids())
     assert summary["rounds"] == 3 and summary["accuracy_mean"] is not None
+    assert summary["final_round"] == 3 and summary["final_round_measured_clients"] == 4
 
 
 def test_client_error_is_dropped_not_fatal(tiny_config, tmp_path):
@@ -105,8 +110,15 @@ def test_start_returns_flower_result_with_metrics_and_final_model(tiny_config):
     for rnd, entry in zip((1, 2), seen):
         metrics = result.train_metrics_clientapp[rnd]
         assert metrics["clients"] == 4
-        accs = [r.metrics["eval-acc"] for r in entry.replies]
-        assert metrics["acc_mean"] == pytest.approx(sum(accs) / len(accs))
+        accs = [r.metrics["after-acc"] for r in entry.replies]
+        assert metrics["acc_after_training_mean"] == pytest.approx(sum(accs) / len(accs))
+    # the deployed models of round 1 ride on round 2's messages, round 2's on the final evaluation-only message
+    assert [[m.round for m in e.measurements] for e in seen] == [[], [1, 2]]
+    assert sorted(result.evaluate_metrics_clientapp) == [1, 2]
+    for m in seen[1].measurements:
+        accs = [r.metrics["deployed-acc"] for r in m.replies]
+        assert len(accs) == 4
+        assert result.evaluate_metrics_clientapp[m.round]["acc_mean"] == pytest.approx(sum(accs) / len(accs))
     final = {k: v.numpy() for k, v in result.arrays.items()}
     assert set(final) == set(strategy.global_arrays)
     assert all(np.array_equal(final[k], strategy.global_arrays[k]) for k in final)

@@ -45,7 +45,9 @@ def test_fedprox_at_zero_is_fedavg(tiny_config):
     _, _, prox = run(tiny_config, 0.0)
     _, _, avg = run(tiny_config, 0.0, strategy="fedavg")
     for rnd in (1, 2):
-        assert prox.train_metrics_clientapp[rnd]["acc_mean"] == avg.train_metrics_clientapp[rnd]["acc_mean"]
+        assert prox.evaluate_metrics_clientapp[rnd]["acc_mean"] == avg.evaluate_metrics_clientapp[rnd]["acc_mean"]
+        assert (prox.train_metrics_clientapp[rnd]["acc_after_training_mean"]
+                == avg.train_metrics_clientapp[rnd]["acc_after_training_mean"])
     for k in avg.arrays:
         np.testing.assert_array_equal(prox.arrays[k].numpy(), avg.arrays[k].numpy())
 

@@ -77,6 +77,8 @@ def test_sigkill_after_round_two_then_resume_equals_uninterrupted(strategy, tmp_
     run_dir = next((tmp_path / "b").iterdir())
     assert not (run_dir / "summary.json").exists()
     assert [r["round"] for r in rows(run_dir)] == ["1", "2"]
+    # round 2's deployed models are measured on round 3's messages: pending in the checkpoint, taken after resuming
+    assert [r["acc_mean"] != "" for r in rows(run_dir)] == [True, False]
 
     resumed = run(config, tmp_path / "b", resume=run_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -85,6 +87,7 @@ def test_sigkill_after_round_two_then_resume_equals_uninterrupted(strategy, tmp_
     expected, got = rows(full_dir), rows(run_dir)
     assert [r["round"] for r in got] == ["1", "2", "3", "4"]
     assert got == expected  # every accuracy column (acc_mean, acc_weighted, per client, ...) exactly
+    assert all(r["acc_mean"] != "" for r in got)
     a = json.loads((full_dir / "summary.json").read_text())
     b = json.loads((run_dir / "summary.json").read_text())
     for key in ("accuracy_mean", "accuracy_weighted", "accuracy_mean_last5", "rounds", "bytes_up", "bytes_down"):

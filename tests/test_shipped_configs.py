@@ -84,5 +84,6 @@ def test_every_zoo_model_under_every_parameter_sharing_strategy(model, tiny_conf
         assert not errors, f"{model} under {name}: {errors}"
         assert [len(e.replies) for e in logs] == [CLIENTS, CLIENTS], f"{model} under {name}"
         assert [e.replies_rejected for e in logs] == [0, 0], f"{model} under {name}: {logs[-1].rejections}"
-        accs = [r.metrics.get(f"{resolved.cls.report_tag}-acc") for r in logs[-1].replies]
-        assert all(isinstance(a, float) for a in accs), f"{model} under {name}: {accs}"
+        accs = [r.metrics.get("after-acc") for r in logs[-1].replies]
+        accs += [r.metrics.get("deployed-acc") for e in logs for m in e.measurements for r in m.replies]
+        assert len(accs) == 3 * CLIENTS and all(isinstance(a, float) for a in accs), f"{model} under {name}: {accs}"

@@ -1,0 +1,322 @@
+"""The deployed-model evaluation protocol (specs/evaluation.md), owned by strategies.base for every strategy.
+
+- every strategy's deployed model, checked on a 2-client toy against a hand computation from the server's and
+  the clients' state right after the round it belongs to (the number must be that model on the client's test
+  split, measured one message later, filed under the round);
+- where the protocol puts its evaluations in a message;
+- mean-over-clients vs sample-weighted accuracy, the merging of a measurement into its round's row, the
+  headline (last round, never the best), COSMOS's headline (its cluster models), all against hand-built replies;
+- seeded client sampling; every evaluation reads the one evaluation-split accessor of the worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+from fedapps import ops, protocol
+from fedapps.config import load_config
+from fedapps.data import get_federation
+from fedapps.inprocess import InProcessGrid
+from fedapps.models import build_model
+from fedapps.protocol import ClientReply
+from fedapps.results import FileSink, accuracy_stats, measured_columns, merge_measurement, round_row, summarise
+from fedapps.seeds import derive_seed
+from fedapps.worker import STATE_MODEL, Worker, optim_settings, part_names
+from strategies import STRATEGIES, resolve
+from strategies.base import DeployedModel, Measurement, RoundLog, with_evaluations
+
+CLIENTS = 2
+SHAPE, CLASSES = (1, 8, 8), 10
+# the table of specs/evaluation.md, by where the deployed model lives
+SOURCES = {"fedavg": "message", "fedprox": "message", "ifca": "message", "cfl": "message", "cwfedavg": "message",
+           "fedper": "message", "fedrep": "message", "fedbabu": "message", "local": "client", "fedamp": "client",
+           "ditto": "client", "fedfomo": "client", "fedmd": "client", "fedct": "client", "comet": "client",
+           "cosmos": "server"}
+SMALL = {"cosmos": ["server_model=mlp", "pretrain_epochs=1", "server_epochs=1", "distill_epochs=1"],
+         "fedmd": ["pretrain_epochs=1", "distill_epochs=1"], "fedct": ["pretrain_epochs=1", "distill_epochs=1"],
+         "comet": ["pretrain_epochs=1", "distill_epochs=1", "clusters=2"], "fedrep": ["head_epochs=1"],
+         "fedbabu": ["finetune_epochs=2"], "ifca": ["clusters=2"], "cfl": ["warmup_rounds=1"],
+         "fedfomo": ["candidates=1"]}
+
+
+def test_every_strategy_declares_its_deployed_model():
+    assert sorted(SOURCES) == sorted(STRATEGIES)
+    for name, cls in STRATEGIES.items():
+        assert isinstance(cls.deployed, DeployedModel) and cls.deployed.what, name
+        assert cls.deployed.source == SOURCES[name], name
+
+
+# --------------------------------------------------------------------------- every definition on a 2-client toy
+
+
+def _tensors(arrays):
+    return {k: torch.as_tensor(np.asarray(v)) for k, v in arrays.items()}
+
+
+def _private(grid, cid):
+    return grid.contexts[100 + cid].state[STATE_MODEL].to_torch_state_dict()
+
+
+def _evaluate(state, data, arch="mlp"):
+    model = build_model(arch, CLASSES, SHAPE)
+    model.load_state_dict(state, strict=True)
+    return ops.evaluate(model, data.test_x, data.test_y)
+
+
+def _fedbabu(s, grid, cid, data, rnd):
+    """Round rnd's body under the client's frozen head, the head fine-tuned on its train split as the client does in
+    round rnd+1's message (same settings, same seeded batch order), evaluated."""
+    model = build_model("mlp", CLASSES, SHAPE)
+    model.load_state_dict({**_private(grid, cid), **_tensors(s.body)})
+    settings = optim_settings({"epochs": s.params.finetune_epochs}, dataclasses.asdict(s.cfg.client))
+    gen = torch.Generator().manual_seed(derive_seed(s.cfg.seed, "client-batches", rnd + 1, cid))
+    with ops.frozen(model, part_names(model, "body")):
+        ops.train(model, data.train_x, data.train_y, settings, None, gen)
+    return ops.evaluate(model, data.test_x, data.test_y)
+
+
+def _ifca(s, grid, cid, data, rnd):
+    """Of the K cluster models, the one of lowest loss on the client's training split (ties: lower k)."""
+    losses = [_evaluate(_tensors(m), SimpleNamespace(test_x=data.train_x, test_y=data.train_y))["loss"] for m in s.models]
+    return _evaluate(_tensors(s.models[int(np.argmin(losses))]), data)
+
+
+HAND = {  # strategy -> (strategy, grid, client id, its data, round) -> evaluation of its deployed model after that round
+    "fedavg": lambda s, g, c, d, r: _evaluate(_tensors(s.global_arrays), d),
+    "fedprox": lambda s, g, c, d, r: _evaluate(_tensors(s.global_arrays), d),
+    "cfl": lambda s, g, c, d, r: _evaluate(_tensors(s.models[s.cluster_of.get(c, 0)]), d),
+    "ifca": _ifca,
+    "cwfedavg": lambda s, g, c, d, r: _evaluate({**_private(g, c), **_tensors(s.personalised(c))}, d),
+    "fedper": lambda s, g, c, d, r: _evaluate({**_private(g, c), **_tensors(s.body)}, d),
+    "fedrep": lambda s, g, c, d, r: _evaluate({**_private(g, c), **_tensors(s.body)}, d),
+    "fedbabu": _fedbabu,
+    "cosmos": lambda s, g, c, d, r: _evaluate(s.models[s.cluster_of[c]].state_dict(), d),
+    **{name: (lambda s, g, c, d, r: _evaluate(_private(g, c), d))
+       for name in ("local", "fedamp", "ditto", "fedfomo", "fedmd", "fedct", "comet")},
+}
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_deployed_model_of_every_strategy_on_a_two_client_toy(name):
+    """Round r's number (``deployed-*`` of client i, taken on round r+1's message or the final evaluation-only
+    message) is the evaluation of the model the table defines, computed by hand from the state right after round
+    r; a number taken at another point (after training, before the server step, after the next digest) differs."""
+    assert sorted(HAND) == sorted(STRATEGIES)
+    cfg = load_config(None, " ".join([
+        f"strategy.name={name}", "rounds=2", "data.source=digits", "data.partition=pathological",
+        f"data.num_clients={CLIENTS}", "data.public_fraction=0.2", "model.name=mlp", "client.epochs=1",
+        "client.batch_size=32", "client.lr=0.05", *(f"strategy.params.{name}.{kv}" for kv in SMALL.get(name, []))]))
+    resolved = resolve(cfg)
+    cfg = resolved.config(cfg)
+    fed = get_federation(dataclasses.asdict(cfg.data))
+    grid = InProcessGrid(CLIENTS)
+    expected: dict[int, dict[int, dict[str, float]]] = {}
+    logs: list[RoundLog] = []
+
+    def on_round(entry: RoundLog) -> None:  # the state right after round r (the final message changes none of it)
+        logs.append(entry)
+        expected[entry.round] = {c: HAND[name](s, grid, c, fed.client(c), entry.round) for c in range(CLIENTS)}
+
+    s = resolved.build(cfg, on_round=on_round)
+    s.start(grid)
+    measured = {m.round: (m, e.round) for e in logs for m in e.measurements}
+    assert sorted(measured) == [1, 2]
+    assert measured[1][1] == 2 and not measured[1][0].final  # rode on round 2's messages
+    assert measured[2][1] == 2 and measured[2][0].final  # the evaluation-only message after the last round
+    for rnd, (m, _) in measured.items():
+        got = {r.client_id: r.metrics for r in m.replies}
+        assert sorted(got) == list(range(CLIENTS)), f"round {rnd}: every client measured"
+        for c in range(CLIENTS):
+            want = expected[rnd][c]
+            assert got[c]["deployed-correct"] == want["correct"] and got[c]["deployed-n"] == want["n"], (rnd, c)
+            assert got[c]["deployed-loss"] == pytest.approx(want["loss"], rel=1e-5), (rnd, c)
+    # the second column: each client's model right after its local update in that round (own-model strategies:
+    # the same model as the deployed one; FedAvg etc.: a different one)
+    for entry in logs:
+        assert {r.client_id for r in entry.replies if "after-acc" in r.metrics} == set(range(CLIENTS))
+
+
+def test_evaluations_are_placed_before_training_and_after_it():
+    ifca = STRATEGIES["ifca"].deployed
+    assert with_evaluations(["select-model", "train"], ifca, True) == [
+        "select-model", "evaluate:deployed", "train", "evaluate:after"]
+    assert with_evaluations(["select-model", "train"], ifca, False) == ["select-model", "train", "evaluate:after"]
+    babu = STRATEGIES["fedbabu"].deployed
+    assert with_evaluations(["train"], babu, True) == ["evaluate-finetuned:deployed", "train", "evaluate:after"]
+    with pytest.raises(RuntimeError, match="must start with"):
+        with_evaluations(["train"], ifca, True)
+
+
+# --------------------------------------------------------------------------- the numbers, against hand-built replies
+
+
+def _metrics(cid, tag, correct, n, loss=1.0):
+    return {protocol.CLIENT_ID: cid, protocol.NUM_EXAMPLES: 50, f"{tag}-acc": correct / n, f"{tag}-loss": loss,
+            f"{tag}-n": n, f"{tag}-correct": correct}
+
+
+def test_acc_mean_and_acc_weighted_against_hand_built_replies():
+    # client 0: 9 of 10 right; client 1: 10 of 90 right
+    replies = [_metrics(0, "deployed", 9, 10, loss=0.5), _metrics(1, "deployed", 10, 90, loss=2.0)]
+    stats = accuracy_stats(replies, "deployed")
+    assert stats["acc_mean"] == pytest.approx((0.9 + 10 / 90) / 2)  # every client counts once
+    assert stats["acc_weighted"] == pytest.approx(19 / 100)  # every test sample counts once
+    assert stats["loss"] == pytest.approx((0.5 * 10 + 2.0 * 90) / 100)
+    cols = measured_columns(replies, num_clients=3)
+    assert cols["acc_mean"] == stats["acc_mean"] and cols["acc_weighted"] == stats["acc_weighted"]
+    assert cols["measured_clients"] == 2 and cols["acc_client_0"] == 0.9 and "acc_client_2" not in cols
+    assert accuracy_stats(replies, "after") == {}  # another evaluation's metrics are not this one's
+
+
+def _reply(cid, metrics):
+    return ClientReply(node_id=100 + cid, client_id=cid, num_examples=50, metrics=metrics)
+
+
+def _cfg(rounds=2):
+    return load_config(None, f"rounds={rounds} data.source=digits data.num_clients=2 model.name=mlp run_name=t")
+
+
+def test_merge_measurement_files_the_deployed_models_under_the_round_they_belong_to():
+    entry1 = RoundLog(1, [_reply(0, _metrics(0, "after", 5, 10)), _reply(1, _metrics(1, "after", 6, 10))], 10, 10)
+    rows = [round_row(entry1, 2)]
+    assert rows[0]["acc_mean"] == "" and rows[0]["acc_after_training_mean"] == pytest.approx(0.55)
+    # round 1's deployed models, measured on round 2's messages
+    columns = measured_columns([_metrics(0, "deployed", 7, 10), _metrics(1, "deployed", 2, 40)], 2)
+    assert merge_measurement(rows, 1, columns)
+    assert rows[0]["acc_mean"] == pytest.approx((0.7 + 0.05) / 2) and rows[0]["acc_weighted"] == pytest.approx(9 / 50)
+    assert rows[0]["acc_client_1"] == 0.05 and rows[0]["measured_clients"] == 2
+    assert rows[0]["acc_after_training_mean"] == pytest.approx(0.55)  # the second column is kept
+    assert not merge_measurement(rows, 5, columns)
+
+
+def test_headline_is_the_deployed_models_after_the_last_round_not_the_best(tmp_path):
+    cfg = _cfg()
+    sink = FileSink(cfg, tmp_path)
+    after = [_reply(0, _metrics(0, "after", 1, 10)), _reply(1, _metrics(1, "after", 3, 30))]
+    sink.on_round(RoundLog(1, list(after), 10, 10))
+    best = [_reply(0, _metrics(0, "deployed", 10, 10)), _reply(1, _metrics(1, "deployed", 30, 30))]
+    last = [_reply(0, _metrics(0, "deployed", 4, 10)), _reply(1, _metrics(1, "deployed", 3, 30))]
+    sink.on_round(RoundLog(2, list(after), 10, 10, measurements=[Measurement(1, best), Measurement(2, last, final=True)]))
+    summary = sink.summary(1.0)
+    assert summary["protocol"] == "deployed-model" and summary["final_round"] == 2
+    assert summary["accuracy_mean"] == pytest.approx((0.4 + 0.1) / 2)
+    assert summary["accuracy_weighted"] == pytest.approx(7 / 40)
+    assert summary["accuracy_after_training_mean"] == pytest.approx(0.1)
+    assert summary["best_round_on_test_set_NOT_the_result"]["round"] == 1
+    assert [r["acc_mean"] for r in sink.rows] == [pytest.approx(1.0), pytest.approx(0.25)]
+    assert summarise(cfg, sink.rows, 1.0)["accuracy_mean"] == summary["accuracy_mean"]
+    header = (sink.dir / "rounds.csv").read_text().splitlines()[0].split(",")
+    assert {"acc_mean", "acc_weighted", "acc_after_training_mean", "measured_clients", "acc_client_1"} <= set(header)
+
+
+def test_cosmos_headline_is_its_cluster_models_on_hand_built_replies(tmp_path):
+    """The evaluation-only message after the last round carries h_π(i) to every clustered client (none to a client
+    in no cluster); the headline is the mean / weighted accuracy of those replies, never the own models'."""
+    cfg = load_config(None, "strategy.name=cosmos rounds=1 data.source=digits data.num_clients=4 "
+                            "data.public_fraction=0.2 model.name=mlp run_name=t strategy.params.cosmos.server_model=mlp")
+    resolved = resolve(cfg)
+    cfg = resolved.config(cfg)
+    s = resolved.build(cfg)
+    fed = get_federation(dataclasses.asdict(cfg.data))
+    s.models = {0: build_model("mlp", CLASSES, SHAPE, seed=1), 1: build_model("mlp", CLASSES, SHAPE, seed=2)}
+    s.cluster_of = {0: 0, 1: 1, 2: 0}  # client 3 has no cluster yet
+    s.node_to_client = {100 + c: c for c in range(4)}
+    correct = {0: 3, 1: 20, 2: 40}  # per client, out of its whole test split
+
+    class Grid:
+        def get_node_ids(self):
+            return [100, 101, 102, 103]
+
+        def send_and_receive(self, messages, timeout=None):
+            out = []
+            for msg in messages:
+                cid = int(msg.metadata.dst_node_id) - 100
+                sent = msg.content[protocol.EVAL_ARRAYS].to_torch_state_dict()
+                own = s.models[s.cluster_of[cid]].state_dict()
+                assert all(torch.equal(sent[k], own[k]) for k in own)  # h_π(i), and only for evaluation
+                n = int(fed.test_counts[cid].sum())
+                metrics = {protocol.CLIENT_ID: cid, protocol.NUM_EXAMPLES: int(fed.train_counts[cid].sum()),
+                           "deployed-acc": correct[cid] / n, "deployed-loss": 1.0, "deployed-n": n,
+                           "deployed-correct": correct[cid]}
+                content = RecordDict({protocol.METRICS: MetricRecord(metrics),
+                                      protocol.INFO: ConfigRecord({"arch": "mlp", "fingerprint": fed.fingerprint})})
+                out.append(Message(content=content, reply_to=msg))
+            return out
+
+    InProcessGrid(1)  # Flower's task identity, so that messages can be built outside its runtime
+    entry = RoundLog(1, [_reply(c, _metrics(c, "after", 1, 10)) for c in range(4)], 0, 0)
+    s.final_evaluation(Grid(), 1, 5.0, entry)
+    assert [m.round for m in entry.measurements] == [1]
+    assert sorted(r.client_id for r in entry.measurements[0].replies) == [0, 1, 2]
+    sink = FileSink(cfg, tmp_path)
+    sink.on_round(entry)
+    summary = sink.summary(1.0)
+    n = [int(fed.test_counts[c].sum()) for c in range(3)]
+    assert summary["accuracy_mean"] == pytest.approx(np.mean([correct[c] / n[c] for c in range(3)]))
+    assert summary["accuracy_weighted"] == pytest.approx(sum(correct.values()) / sum(n))
+    assert summary["accuracy_after_training_mean"] == pytest.approx(0.1)  # the own models: the second column
+    assert summary["final_round_measured_clients"] == 3
+
+
+# --------------------------------------------------------------------------- sampling and the evaluation split
+
+
+def test_client_sampling_is_seeded():
+    def draws(seed: int) -> list[list[int]]:
+        cfg = load_config(None, f"seed={seed} data.source=digits data.num_clients=20 model.name=mlp "
+                                "strategy.fraction=0.25 strategy.min_clients=2")
+        s = STRATEGIES["fedavg"](cfg)
+        grid = SimpleNamespace(get_node_ids=lambda: list(range(1000, 1020)))
+        return [s.sample_nodes(grid) for _ in range(4)]
+
+    a, b, c = draws(0), draws(0), draws(1)
+    assert all(len(d) == 5 and len(set(d)) == 5 for d in a)
+    assert a == b  # same seed, same clients every round
+    assert a != c  # another seed, other clients
+    assert len({tuple(d) for d in a}) > 1  # and the draw changes between rounds
+
+
+def worker_message(ops_list, extra):
+    """A message for client 0 on digits (the data spec every message carries), with the given operations."""
+    grid = InProcessGrid(2)
+    cfg = load_config(None, "data.source=digits data.num_clients=2 model.name=mlp client.device=cpu")
+    config = {**protocol.flatten("data", dataclasses.asdict(cfg.data)), "model.name": "mlp", "model.seed": 0,
+              **protocol.flatten("client", dataclasses.asdict(cfg.client)), **extra}
+    return grid, protocol.build_message(100, 1, ops_list, config)
+
+
+@pytest.mark.parametrize("op", ["evaluate", "evaluate-finetuned", "evaluate-received"])
+def test_every_evaluation_reads_the_workers_evaluation_split(op, monkeypatch):
+    """Patching Worker.eval_x / eval_y (what a tuning run's validation split goes through) changes what every
+    evaluation operation measures: none reads the test split by another way."""
+    model = build_model("mlp", CLASSES, SHAPE, seed=0)
+    eval_arrays = protocol.arrays_record({k: v.numpy() for k, v in model.state_dict().items()})
+    grid, msg = worker_message([f"{op}:deployed"], {"finetune.epochs": 1, "client.batch_size": 16})
+    if op == "evaluate-received":
+        msg.content[protocol.EVAL_ARRAYS] = eval_arrays
+    probe = Worker(msg, grid.contexts[100])
+    x, y = probe.data.train_x[:7], probe.data.train_y[:7]
+    monkeypatch.setattr(Worker, "eval_x", property(lambda w: x))
+    monkeypatch.setattr(Worker, "eval_y", property(lambda w: y))
+    metrics = Worker(msg, grid.contexts[101]).run().content[protocol.METRICS]
+    assert metrics["deployed-n"] == 7
+
+
+def test_no_module_reads_the_test_split_but_the_worker_accessor():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    readers = []
+    for path in [*root.glob("strategies/*.py"), *root.glob("fedapps/*.py"), root / "client_app.py", root / "server_app.py"]:
+        text = path.read_text()
+        if "test_x" in text or "test_y" in text:
+            readers.append(path.relative_to(root).as_posix())
+    assert readers == ["fedapps/worker.py"], readers  # fedapps/data builds the split; the worker's eval_x reads it
+    worker = (root / "fedapps" / "worker.py").read_text()
+    assert worker.count("self.data.test_x") == 1 and worker.count("self.data.test_y") == 1
