@@ -254,8 +254,7 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
             if r is None:
                 lines.append(f"| {m.label} | not run | | | | | | |")
                 continue
-            after = r.get("final_after_acc_mean") or r.get("final_acc_after_training_mean")
-            after_sem = r.get("final_after_acc_mean_sem") or r.get("final_acc_after_training_mean_sem")
+            after, after_sem = r.get("accuracy_after_training_mean"), r.get("accuracy_after_training_mean_sem")
             chosen = tables.chosen(setting, m) if m.grid else {}
             lines.append(
                 f"| {m.label} | {number(r['accuracy_mean'])} ± {number(r['accuracy_mean_sem'])} | "

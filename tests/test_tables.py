@@ -82,12 +82,12 @@ def test_report_lists_each_setting_the_chosen_values_and_the_validation_scores(t
     cmp_dir.mkdir(parents=True)
     with open(cmp_dir / "comparison.csv", "w", newline="") as f:
         keys = ["config", "strategy", "seeds", "accuracy_mean", "accuracy_mean_sem", "accuracy_weighted",
-                "accuracy_weighted_sem", "bytes_up_per_client_round", "bytes_down_per_client_round", "wall_seconds"]
+                "accuracy_weighted_sem", "accuracy_after_training_mean", "accuracy_after_training_mean_sem", "bytes_up_per_client_round", "bytes_down_per_client_round", "wall_seconds"]
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
-        w.writerow(dict(zip(keys, ["fedavg", "fedavg", 2, 0.8766, 0.0123, 0.87, 0.01, 1048576, 2097152, 42])))
+        w.writerow(dict(zip(keys, ["fedavg", "fedavg", 2, 0.8766, 0.0123, 0.87, 0.01, 0.5, 0.25, 1048576, 2097152, 42])))
     md = tables.report(spec, work, tmp_path / "docs").read_text()
-    assert "| fedavg | 0.877 ± 0.012 | 0.870 ± 0.010 | — | 1.000 | 2.000 | 42 | client.lr=0.1 |" in md
+    assert "| fedavg | 0.877 ± 0.012 | 0.870 ± 0.010 | 0.500 ± 0.250 | 1.000 | 2.000 | 42 | client.lr=0.1 |" in md
     assert "client.lr=0.01: 0.500; client.lr=0.1: 0.900" in md
     assert "deployed model" in md and "test split was not read" in md
 
