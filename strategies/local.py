@@ -1,29 +1,41 @@
 """Local: no federation. Each client trains its own model on its own data; nothing but metrics travels.
 
 The floor every personalised method must beat. The deployed model after round r is the client's own model
-after that round's training.
+after that round's training. ``pretrain_epochs`` gives round 1 as many epochs as the pseudo-label methods'
+pre-training, so Local gets the same number of local epochs over a run as the methods it is compared with
+(specs/evaluation.md, "Same work").
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from flwr.app import Message
 
 from fedapps import protocol
+from fedapps.params import param
 from fedapps.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy
+
+
+@dataclass
+class LocalParams:
+    pretrain_epochs: int = param(0, ge=0, help="0 = client.epochs")  # local epochs of round 1 (the others: client.epochs)
 
 
 class Local(PersonalisedStrategy):
     """Purely local training."""
 
     name = "local"
+    Params = LocalParams
     model_agnostic = True
     deployed = DeployedModel("client i's own model after its local training in round r")
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        return [protocol.build_message(n, server_round, ["train"], self.base_config()) for n in node_ids]
+        first = int(self.params.pretrain_epochs)
+        config = {**self.base_config(), **({"train.epochs": first} if server_round == 1 and first > 0 else {})}
+        return [protocol.build_message(n, server_round, ["train"], config) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         return {}

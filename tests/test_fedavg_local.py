@@ -135,3 +135,12 @@ def test_strategies_write_no_files():
         calls = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
                  for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)}
         assert not calls & banned, f"{path.name} calls {sorted(calls & banned)}"
+
+
+def test_local_pretrain_epochs_lengthen_round_one_only(tiny_config, tmp_path):
+    """Local's round 1 trains pretrain_epochs epochs (equal work with the pseudo-label methods' pre-training)."""
+    cfg = tiny_config(rounds=2, strategy={"name": "local", "params": {"local": {"pretrain_epochs": 3}}})
+    _, grid, _ = run(cfg, tmp_path)
+    epochs = {m.metadata.group_id: m.content.config_records["config"].get("train.epochs")
+              for m in grid.sent if m.metadata.message_type == "train"}
+    assert epochs == {"1": 3, "2": None}  # the worker's train op reads train.* over client.* (test_ops_worker)
