@@ -189,23 +189,27 @@ class Tables:
         raw = with_overrides(self.method_config(setting, m), [f"{k}={yaml_scalar(v)}" for k, v in chosen.items()])
         return write_yaml(self.work / setting / "final" / f"{m.name}.yaml", raw)
 
-    def compare(self, setting: str) -> None:
-        configs = [str(self.final_config(setting, m)) for m in self.spec.methods]
-        args = ["compare", *configs, "--seeds", *map(str, self.spec.seeds), "--name", setting,
-                "--output-dir", str(self.work / "compare"), "--engine", self.engine, "--quiet"]
+    def compare_dir(self, setting: str, m: Method) -> Path:
+        return self.work / "compare" / f"{setting}--{m.name}"
+
+    def compare(self, setting: str, m: Method) -> None:
+        """The method's final config over the seeds (one ``fedapps compare`` per setting × method, so they run
+        ``--jobs`` at a time)."""
+        args = ["compare", str(self.final_config(setting, m)), "--seeds", *map(str, self.spec.seeds),
+                "--name", self.compare_dir(setting, m).name, "--output-dir", str(self.work / "compare"),
+                "--engine", self.engine, "--quiet"]
         started = time.monotonic()
-        fedapps(args, self.work / "logs" / f"compare-{setting}.log")
-        print(f"compared {len(configs)} methods on {setting} ({time.monotonic() - started:.0f} s)", flush=True)
+        fedapps(args, self.work / "logs" / f"compare-{setting}-{m.name}.log")
+        print(f"ran {m.name} on {setting} over seeds {self.spec.seeds} ({time.monotonic() - started:.0f} s)", flush=True)
 
     def run(self, settings: list[str], methods: list[Method], stages: set[str]) -> None:
-        pool = ThreadPoolExecutor(max_workers=self.jobs)
-        if "tune" in stages:
-            tuned = [s for s in settings if s not in self.spec.tune_on] + sorted(
-                {self.spec.tune_on[s] for s in settings if s in self.spec.tune_on} - set(settings))
-            list(pool.map(lambda sm: self.tune(*sm), [(s, m) for s in tuned for m in methods]))
-        if "final" in stages:
-            list(pool.map(self.compare, settings))
-        pool.shutdown()
+        with ThreadPoolExecutor(max_workers=self.jobs) as pool:
+            if "tune" in stages:
+                tuned = [s for s in settings if s not in self.spec.tune_on] + sorted(
+                    {self.spec.tune_on[s] for s in settings if s in self.spec.tune_on} - set(settings))
+                list(pool.map(lambda sm: self.tune(*sm), [(s, m) for s in tuned for m in methods]))
+            if "final" in stages:
+                list(pool.map(lambda sm: self.compare(*sm), [(s, m) for s in settings for m in methods]))
 
 
 # ------------------------------------------------------------------------------------------------ the report
@@ -241,18 +245,21 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
     csv_rows = []
     mib = 1024 * 1024
     for setting in spec.settings:
-        f = work / "compare" / setting / "comparison.csv"
-        if not f.is_file():
+        rows = {}
+        for m in spec.methods:
+            f = tables.compare_dir(setting, m) / "comparison.csv"
+            if f.is_file():
+                rows.update({r["config"]: r for r in read_rows(f)})
+        if not rows:
             lines += [f"## {setting}", "", "not run yet", ""]
             continue
-        rows = {r["config"]: r for r in read_rows(f)}
         lines += [f"## {setting} (`{spec.settings[setting]}`)", "",
                   "| method | accuracy, deployed model | sample-weighted | after local training | up MiB/client/round | "
                   "down MiB/client/round | wall s | chosen (validation) |", "|---|---|---|---|---|---|---|---|"]
         for m in spec.methods:
             r = rows.get(m.name)
             if r is None:
-                lines.append(f"| {m.label} | not run | | | | | | |")
+                lines.append(f"| {m.label} | not run yet | | | | | | |")
                 continue
             after, after_sem = r.get("accuracy_after_training_mean"), r.get("accuracy_after_training_mean_sem")
             chosen = tables.chosen(setting, m) if m.grid else {}

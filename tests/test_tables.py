@@ -78,7 +78,7 @@ def test_report_lists_each_setting_the_chosen_values_and_the_validation_scores(t
                       "wall_seconds": 3, "reused": False, "run_dir": "x"},
                      {"point": 2, "seed": 0, "client.lr": 0.1, "val_accuracy_mean": 0.9, "val_accuracy_weighted": 0.8,
                       "wall_seconds": 3, "reused": False, "run_dir": "y"}])
-    cmp_dir = work / "compare" / "a"
+    cmp_dir = t.compare_dir("a", m)
     cmp_dir.mkdir(parents=True)
     with open(cmp_dir / "comparison.csv", "w", newline="") as f:
         keys = ["config", "strategy", "seeds", "accuracy_mean", "accuracy_mean_sem", "accuracy_weighted",
@@ -109,10 +109,12 @@ def test_tables_end_to_end_tunes_runs_and_reports(tmp_path):
     tuned = tmp_path / "work" / "tiny" / "iid" / "tune" / "fedavg" / "runs"
     summaries = [json.loads(p.read_text()) for p in tuned.glob("*/summary.json")]
     assert len(summaries) == 2 and {s["evaluated_on"] for s in summaries} == {"validation"}
-    finals = [json.loads(p.read_text()) for p in (tmp_path / "work" / "tiny" / "compare").glob("iid/runs/*/summary.json")]
+    finals = [json.loads(p.read_text()) for p in (tmp_path / "work" / "tiny" / "compare").glob("iid--*/runs/*/summary.json")]
     assert sorted(s["strategy"] for s in finals) == ["fedavg", "local"]
     assert {s["evaluated_on"] for s in finals} == {"test"}
-    log = tmp_path / "work" / "tiny" / "logs" / "compare-iid.log"
-    before = log.read_text().count("running")
-    assert tables.main(argv) == 0  # resumes: nothing runs again
-    assert log.read_text().count(": running") == 0 or log.read_text().count("running") == before
+    logs = sorted((tmp_path / "work" / "tiny" / "logs").glob("*.log"))
+    assert [p.name for p in logs] == ["compare-iid-fedavg.log", "compare-iid-local.log", "tune-iid-fedavg.log"]
+    assert tables.main(argv) == 0  # resumes: nothing is trained again
+    for p in logs:
+        second = p.read_text().rsplit("$ fedapps", 1)[1]
+        assert "seed 0: " in second and ": running" not in second and ": rerunning" not in second
