@@ -182,3 +182,29 @@ def test_cwfedavg_defaults_are_the_papers_estimator_and_lambda() -> None:
     for path in ("configs/cwfedavg.yaml", "configs/default.yaml"):
         params = resolve(load_config(path, "strategy.name=cwfedavg")).params
         assert (params.estimator, params.wdr_lambda) == ("norm", 10.0), path
+
+
+# --------------------------------------------------------------------------- found by `make mutate`: robust rules
+
+
+def test_cap_weights_refuses_bad_weights_and_shares() -> None:
+    """Each refusal on its own (the conditions are or-ed: a mutant that drops one must be caught by one case)."""
+    from fedapps.robust import cap_weights
+
+    for bad in ([2.0, -1.0], [1.0, np.nan], [np.inf, 1.0], [0.0, 0.0], [], [[1.0, 2.0]]):
+        with pytest.raises(ValueError):
+            cap_weights(bad, 0.5)
+    with pytest.raises(ValueError):
+        cap_weights([1.0, 1.0], 0.0)
+    np.testing.assert_array_equal(cap_weights([5.0], 0.5), [1.0])  # one client: all the weight, cap or not
+    assert cap_weights(np.array([1, 3], np.float32), 0.6).dtype == np.float64
+
+
+def test_robust_rules_return_float64_and_trim_zero_is_the_mean() -> None:
+    from fedapps.robust import AggregationRule, combine, coordinate_median, trimmed_mean
+
+    stack = np.array([[1.0, 4.0], [2.0, 0.0], [6.0, 5.0]], np.float32)
+    assert coordinate_median(stack).dtype == np.float64 and trimmed_mean(stack, 0.2).dtype == np.float64
+    assert combine(stack, [1, 1, 1], AggregationRule("median")).dtype == np.float64
+    np.testing.assert_allclose(trimmed_mean(stack, 0.0), stack.mean(axis=0), rtol=1e-6)
+    np.testing.assert_allclose(combine(stack, [1, 1, 2], AggregationRule("mean")), [3.75, 3.5], rtol=1e-6)
