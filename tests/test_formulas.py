@@ -11,6 +11,7 @@ named in its docstring makes it fail (checked by applying the mutation; see docs
 from __future__ import annotations
 
 import math
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -208,3 +209,219 @@ def test_robust_rules_return_float64_and_trim_zero_is_the_mean() -> None:
     assert combine(stack, [1, 1, 1], AggregationRule("median")).dtype == np.float64
     np.testing.assert_allclose(trimmed_mean(stack, 0.0), stack.mean(axis=0), rtol=1e-6)
     np.testing.assert_allclose(combine(stack, [1, 1, 2], AggregationRule("mean")), [3.75, 3.5], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- found by `make mutate`: cwFedAvg's estimates
+
+
+def test_bias_evidence_and_l1_error_by_hand() -> None:
+    from strategies.cwfedavg import bias_evidence, l1_error
+
+    sent = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+    uploaded = np.array([0.8, -1.5, 2.0, 0.25], np.float32)
+    # only the classes whose bias went UP count, by how much
+    np.testing.assert_allclose(bias_evidence(uploaded, sent), [0.3, 0.0, 0.0, 0.25], atol=1e-7)
+    assert bias_evidence(uploaded, sent).dtype == np.float64
+    p_hat = np.array([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    p_true = np.array([[0.25, 0.25, 0.5], [0.0, 1.0, 0.0]])
+    assert l1_error(p_hat, p_true) == pytest.approx((1.0 + 2.0) / 2)  # Σ_j |p̂ − p| per client, mean over clients
+
+
+# --------------------------------------------------------------------------- found by `make mutate`: pseudo-labels
+
+
+def test_temperature_row_by_row() -> None:
+    from fedapps.pseudolabels import apply_temperature
+
+    p = np.array([[0.2, 0.3, 0.5], [0.6, 0.3, 0.1]])
+    sharp = apply_temperature(p, 0.5)  # p² renormalised, per row
+    np.testing.assert_allclose(sharp, (p ** 2) / (p ** 2).sum(axis=1, keepdims=True), rtol=1e-6)
+    assert sharp.dtype == np.float32
+    np.testing.assert_array_equal(apply_temperature(p, 0), [[0, 0, 1], [1, 0, 0]])
+    assert apply_temperature(p, 1) is p  # T = 1 leaves p as it is
+    # tiny T on a row of tiny probabilities: stable (the row's own max is subtracted before exp), no warnings
+    tiny = np.array([[1e-5, 2e-5, 0.0], [0.5, 0.5, 0.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = apply_temperature(tiny, 0.01)
+    np.testing.assert_allclose(out, [[0.0, 1.0, 0.0], [0.5, 0.5, 0.0]], atol=1e-6)
+
+
+def test_aggregations_per_sample() -> None:
+    from fedapps.pseudolabels import aggregate
+
+    stack = np.array([  # 3 members × 3 samples × 3 classes
+        [[1.0, 0.0, 0.0], [0.6, 0.4, 0.0], [0.2, 0.8, 0.0]],
+        [[0.0, 1.0, 0.0], [0.1, 0.1, 0.8], [0.3, 0.7, 0.0]],
+        [[0.0, 0.0, 1.0], [0.5, 0.5, 0.0], [0.4, 0.6, 0.0]],
+    ])
+    np.testing.assert_allclose(aggregate(stack), stack.mean(axis=0))  # the default is the mean
+    # median per class, renormalised per sample; sample 0: every median is 0 (no division by zero)
+    np.testing.assert_allclose(aggregate(stack, "median"), [[0, 0, 0], [5 / 9, 4 / 9, 0], [0.3, 0.7, 0]], atol=1e-12)
+    # max: sample 0 — all members equally confident, the first wins; sample 1 — member 1 (0.8); 2 — member 0
+    np.testing.assert_allclose(aggregate(stack, "max"), [[1, 0, 0], [0.1, 0.1, 0.8], [0.2, 0.8, 0]])
+
+
+def test_pseudo_label_encodings_edges() -> None:
+    from fedapps.pseudolabels import decode, encode, label_dtype, one_hot
+
+    assert label_dtype(2 ** 32) == np.uint64  # beyond uint32 (the marker M itself must fit)
+    np.testing.assert_array_equal(encode(np.array([2, 0, 3]), "hard", 3), [2, 0, 3])  # hard labels as they are; 3 = abstain
+    for bad in (np.array([-1, 0]), np.array([4, 0])):
+        with pytest.raises(ValueError):
+            encode(bad, "hard", 3)
+    for bad in (np.zeros(3, np.float32), np.zeros((2, 4), np.float32)):
+        with pytest.raises(ValueError):
+            encode(bad, "float32", 3)
+    assert decode(np.zeros((2, 3), np.float16), 3).dtype == np.float32
+    labels = one_hot(np.array([1, 3, 0]), 3)
+    assert labels.dtype == np.float32
+    np.testing.assert_array_equal(labels, [[0, 1, 0], [0, 0, 0], [1, 0, 0]])
+
+
+# --------------------------------------------------------------------------- found by `make mutate`: clustering
+
+
+def graph(n: int, edges: list[tuple[int, int]], asymmetric: tuple[int, int] | None = None) -> np.ndarray:
+    """A distance matrix: 0.1 on the given edges, 1 elsewhere (0 on the diagonal)."""
+    d = np.ones((n, n))
+    np.fill_diagonal(d, 0.0)
+    for i, j in edges:
+        d[i, j] = d[j, i] = 0.1
+    if asymmetric is not None:
+        d[asymmetric] = 0.1  # one direction only
+    return d
+
+
+def test_greedy_clustering_counts_only_the_remaining_neighbours() -> None:
+    """After the first cluster, 7 has lost its neighbours 1 and 2: with one remaining neighbour each, 5 (lowest id)
+    founds the second cluster, not 7 (which would if taken neighbours were still counted)."""
+    from fedapps.clustering import greedy_threshold_clustering
+
+    d = graph(9, [(0, 1), (0, 2), (0, 3), (0, 4), (7, 1), (7, 2), (7, 8), (5, 6)])
+    assert greedy_threshold_clustering(d, 0.5) == [[0, 1, 2, 3, 4], [5, 6], [7, 8]]
+    # closeness in one direction is enough: the relation is made symmetric
+    assert greedy_threshold_clustering(graph(3, [], asymmetric=(0, 2)), 0.5) == [[0, 2], [1]]
+    for bad in (np.zeros(4), np.zeros((2, 3))):
+        with pytest.raises(ValueError, match="square"):
+            greedy_threshold_clustering(bad, 0.5)
+
+
+def test_auto_threshold_defaults_and_refusals() -> None:
+    from fedapps.clustering import auto_threshold
+
+    d = graph(4, [(0, 1), (2, 3)])
+    b0, clusters, tried = auto_threshold(d, 2)  # defaults: start 0.05, step 0.05
+    assert (b0, clusters, tried) == (0.1, [[0, 1], [2, 3]], [(0.05, 4), (0.1, 2)])
+    assert auto_threshold(d, 2, start=0.0, step=0.1)[0] == 0.1  # start 0 is allowed
+    assert auto_threshold(np.zeros((0, 0)), 1)[1] == []  # no clients: nothing to cluster
+    for bad in ({"max_clusters": 0}, {"max_clusters": 2, "step": 0.0}, {"max_clusters": 2, "start": -0.1}):
+        with pytest.raises(ValueError):
+            auto_threshold(d, **bad)
+
+
+# --------------------------------------------------------------------------- found by `make mutate`: cwFedAvg's mixing maths
+
+
+def test_normalise_rows_zero_rows_small_sums_and_dtype() -> None:
+    from strategies.cwfedavg import normalise_rows
+
+    x = np.array([[0.2, 0.3, 0.0], [0.0, 0.0, 0.0], [2.0, 6.0, 0.0]], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an all-zero row must not divide by zero
+        out = normalise_rows(x)
+    np.testing.assert_allclose(out, [[0.4, 0.6, 0.0], [1 / 3, 1 / 3, 1 / 3], [0.25, 0.75, 0.0]], rtol=1e-6)
+    assert out.dtype == np.float64
+
+
+def test_fedavg_and_class_weights_with_masks_and_small_counts() -> None:
+    from strategies.cwfedavg import class_weights, fedavg_weights
+
+    np.testing.assert_allclose(fedavg_weights([1.0, 3.0, 4.0], [True, False, True]), [0.2, 0.0, 0.8])
+    np.testing.assert_allclose(fedavg_weights([0.2, 0.3]), [0.4, 0.6])  # counts below 1 are fine
+    np.testing.assert_allclose(fedavg_weights([0.0, 0.0, 0.0], [True, False, False]), [1.0, 0.0, 0.0])
+    np.testing.assert_allclose(fedavg_weights([0.0, 0.0, 0.0], [True, False, True]), [0.5, 0.0, 0.5])
+    n = np.array([1.0, 1.0, 2.0])
+    p = np.array([[0.3, 0.7, 0.0], [0.2, 0.8, 0.0], [0.5, 0.5, 0.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # class 2 is held by nobody: no 0/0
+        q = class_weights(n, p, [True, True, False])
+    # class 0: masses 0.3, 0.2 (client 2 masked out) -> 0.6, 0.4; class 2: nobody -> FedAvg over the mask
+    np.testing.assert_allclose(q, [[0.6, 0.7 / 1.5, 0.5], [0.4, 0.8 / 1.5, 0.5], [0.0, 0.0, 0.0]])
+    np.testing.assert_allclose(class_weights(n, p)[:, 0], [0.3 / 1.5, 0.2 / 1.5, 1.0 / 1.5])
+
+
+def test_mixing_keeps_the_models_dtype_and_mixes_integer_arrays_in_float() -> None:
+    from strategies.cwfedavg import mix, mixing_matrix
+
+    stack = np.array([[1.0, 2.0], [3.0, 6.0]], np.float32)
+    out = mix(np.array([0.25, 0.75]), stack)
+    assert out.dtype == np.float32  # float64 weights do not upcast (and double) the personalised models
+    np.testing.assert_allclose(out, [2.5, 5.0])
+    np.testing.assert_allclose(mix(np.array([0.5, 0.5]), np.array([[2], [5]])), [3.5])  # not truncated to int
+    a = mixing_matrix(np.array([[1.0, 0.0]], np.float32), np.array([[0.5, 0.5], [0.5, 0.5]], np.float32))
+    assert a.dtype == np.float64
+
+
+def test_row_norm_distribution_of_small_rows() -> None:
+    from strategies.cwfedavg import class_distribution_from_rows
+
+    np.testing.assert_allclose(class_distribution_from_rows(torch.tensor([[0.1, 0.0], [0.0, 0.3]])).numpy(), [0.25, 0.75],
+                               rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- found by `make mutate`: ops, FedAMP, FedProx
+
+
+def test_weighted_mean_with_weights_below_one() -> None:
+    assert ops.weighted_mean(torch.tensor([1.0, 3.0]), torch.tensor([0.2, 0.3])).item() == pytest.approx(2.2)
+
+
+def test_robustness_penalty_is_seeded_and_weighted_per_sample() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    x = torch.rand(5, 4) * 2 - 1
+    logits = model(x)
+    values = []
+    for global_seed in (1, 2):  # the global RNG differs, the generator does not
+        torch.manual_seed(global_seed)
+        values.append(ops.robustness_penalty(model, x, logits, 0.5, generator=torch.Generator().manual_seed(7)).item())
+    assert values[0] == values[1]
+    # weights [1, 0, 0, 0, 0]: exactly sample 0's mean squared difference
+    g = lambda: torch.Generator().manual_seed(7)  # noqa: E731
+    weighted = ops.robustness_penalty(model, x, logits, 0.5, sample_weights=torch.tensor([1.0, 0, 0, 0, 0]), generator=g())
+    noisy = (x + 0.5 * torch.randn(x.shape, generator=g())).clamp(-1, 1)
+    first = ((torch.softmax(logits[0], -1) - torch.softmax(model(noisy[:1]), -1)[0]) ** 2).mean()
+    assert weighted.item() == pytest.approx(first.item(), rel=1e-5)
+
+
+def test_attention_weights_are_float64_and_an_empty_anchor_costs_nothing() -> None:
+    from strategies.fedamp import attention_weights
+    from strategies.fedprox import proximal_penalty
+
+    xi = attention_weights(np.zeros((3, 3), np.float32), 0.1, 1.0)
+    assert xi.dtype == np.float64
+    np.testing.assert_allclose(xi.sum(axis=1), 1.0, rtol=0, atol=1e-15)
+    assert proximal_penalty(nn.Linear(2, 1), {}, 1.0).item() == 0.0
+
+
+# --------------------------------------------------------------------------- found by `make mutate`: distances
+
+
+def test_distance_to_centres_both_metrics_by_hand() -> None:
+    from fedapps.clustering import distance_to_centres
+
+    pred = np.array([[1.0, 0.0], [0.0, 1.0]])  # n = 2 samples × 2 classes
+    centres = np.array([pred, [[0.0, 1.0], [0.0, 1.0]], [[0.5, 0.5], [0.5, 0.5]]])
+    np.testing.assert_allclose(distance_to_centres(pred, centres), [0.0, 1.0, 1.0])  # Σ|·| / n; l1 by default
+    np.testing.assert_allclose(distance_to_centres(pred, centres, "l2"), [0.0, 1.0, math.sqrt(0.5)])  # ‖·‖₂ / √n
+
+
+def test_identical_rows_are_at_distance_zero_and_one_column_blocks_work() -> None:
+    from fedapps.clustering import l2_distance_matrix
+    from fedapps.pairwise_l1 import l1_distance_matrix
+
+    x = np.array([[0.2, 0.8, 0.0], [0.2, 0.8, 0.0], [1.0, 0.0, 0.0]], np.float32)
+    np.testing.assert_array_equal(np.diag(l2_distance_matrix(x)), 0.0)
+    assert l2_distance_matrix(x)[0, 1] == 0.0
+    np.testing.assert_allclose(l1_distance_matrix(x, block=1), [[0, 0, 1.6], [0, 0, 1.6], [1.6, 1.6, 0]], rtol=1e-6)
