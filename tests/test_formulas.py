@@ -425,3 +425,5 @@ def test_identical_rows_are_at_distance_zero_and_one_column_blocks_work() -> Non
     np.testing.assert_array_equal(np.diag(l2_distance_matrix(x)), 0.0)
     assert l2_distance_matrix(x)[0, 1] == 0.0
     np.testing.assert_allclose(l1_distance_matrix(x, block=1), [[0, 0, 1.6], [0, 0, 1.6], [1.6, 1.6, 0]], rtol=1e-6)
+    # more threads asked for than there are blocks (3 columns in blocks of 2: 2 blocks): as many threads as blocks
+    np.testing.assert_allclose(l1_distance_matrix(x, threads=3, block=2), l1_distance_matrix(x), rtol=1e-6)
