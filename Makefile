@@ -1,5 +1,6 @@
 # make run   - install into .venv (first time) and run the default experiment through `flwr run`
 # make test  - install into .venv (first time) and run the test suite
+# make mutate - mutation testing: the named mutations of #10, then mutmut over the maths (README "Tests and benchmarks")
 VENV    ?= .venv
 PYTHON  ?= python3
 CONFIG  ?= configs/default.yaml
@@ -7,7 +8,7 @@ ARGS    ?=
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.fedapps-installed
 
-.PHONY: run test bench clean-results
+.PHONY: run test bench mutate clean-results
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +21,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(ARGS)
+
+mutate: $(STAMP)
+	$(PY) -m pip install -q -e ".[test,mutate]"
+	OMP_NUM_THREADS=1 $(PY) scripts/named_mutations.py
+	OMP_NUM_THREADS=1 $(PY) scripts/mutate.py $(ARGS)
 
 bench: $(STAMP)
 	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -12,15 +12,19 @@ Which layers are class-wise: ``output`` (the classifier, default), ``last-N`` (t
 children that own parameters) or ``all``; matched by exact parameter name. Every other layer is plain
 sample-weighted FedAvg. Parameters travel; buffers (BatchNorm statistics) stay on the clients by default.
 
-Where p̂ comes from (``estimator``):
-- ``norm``  the paper's: normalised L2 norms of the uploaded classifier rows; nothing extra leaves a client.
-- ``true``  the client reports its training class counts (the paper's "-gt" ablation).
-- ``bias``  (ours, the default; needs no WDR, so λ defaults to 0) the positive part of the classifier-BIAS
-  update, accumulated over rounds. Under plain
-  SGD one epoch moves bias j by ``lr/B · (n_ij − Σ_x s_j(x))``: strictly negative for every class the client
-  does not hold (WDR does not touch the bias), positive for the under-predicted classes it holds. So
-  ``relu(b_uploaded − b_sent)`` is exactly zero on absent classes and ∝ class mass on present ones, from the
-  first round, computed from what the client uploads anyway (the server knows what it sent).
+Where p̂ comes from (``estimator``) — README "What the server learns about a client's labels":
+- ``norm``  the paper's, the default (with WDR λ = 10, the paper's value for MNIST/CIFAR-10): normalised L2
+  norms of the uploaded classifier rows. No counts are sent, but WDR trains those norms towards the client's
+  class distribution, so the upload itself approximates p_i ever more closely as training goes on.
+- ``true``  the client reports its training class counts (the paper's "-gt" ablation): the server learns n_ij.
+- ``bias``  (ours, an option with known limits) the positive part of the classifier-BIAS update, accumulated
+  over rounds. Under plain SGD one epoch moves bias j by ``lr/B · (n_ij − Σ_x s_j(x))``: strictly negative for
+  every class the client does not hold (WDR does not touch the bias), positive for the classes it holds AND
+  the model under-predicts. So ``relu(b_uploaded − b_sent)`` is zero on absent classes — the server learns
+  each client's class support exactly — but it is not an estimate of p_i: a held class the model already
+  predicts at or above its share gets zero too (true [0.9, 0.1] can read [1, 0]), and on IID data, where the
+  model's predictions match every client's shares, the update is noise, so cwFedAvg does not reduce to FedAvg.
+  Good on label-skewed partitions (few classes per client), wrong near IID.
 
 Partial participation / dropped clients: the server keeps, per client, its latest uploaded model, its
 sample count and its estimate. ``mix: latest`` (default) mixes over the latest model of every client seen
@@ -112,11 +116,12 @@ class CwFedAvgParams:
 
     # output | last-N (e.g. last-2) | all: which layers are aggregated class-wise (parsed by parse_layers in check)
     layers: str = param("output", normalise=lower)
-    # bias | norm (the paper's) | true (clients report class counts)
-    estimator: str = param("bias", choices=ESTIMATORS, normalise=lower)
-    # WDR strength λ on the clients (0 = off). `bias` needs none (best measured: 0);
-    # the paper's `norm` estimator needs it (paper: MNIST/CIFAR-10 10, CIFAR-100 1000; 200 personalises mnist5k in 20 rounds)
-    wdr_lambda: float = param(0.0, ge=0, help="0 turns WDR off")
+    # norm (the paper's: classifier row norms; needs WDR) | true (clients report class counts) | bias (ours: support
+    # from classifier-bias updates; not FedAvg on IID data, drops held classes the model over-predicts)
+    estimator: str = param("norm", choices=ESTIMATORS, normalise=lower)
+    # WDR strength λ on the clients (0 = off): the paper's value for MNIST/CIFAR-10 (CIFAR-100 1000, Tiny ImageNet
+    # 2000); to be re-chosen on a validation split, never on test accuracy. `bias` and `true` do not need it
+    wdr_lambda: float = param(10.0, ge=0, help="0 turns WDR off")
     # latest: mix every client's latest model | round: only this round's repliers
     mix: str = param("latest", choices=MIX_SETS, normalise=lower)
     # local: buffers (BN statistics) never leave the clients | fedavg: averaged

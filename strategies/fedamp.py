@@ -4,9 +4,12 @@ The server keeps every client's latest model w_j and builds, for each sampled cl
 anchor u_i = Σ_j ξ_ij·w_j with
     ξ_ij = α_K·exp(−‖w_i − w_j‖²/σ)/σ   (j ≠ i),      ξ_ii = 1 − Σ_{j≠i} ξ_ij,
 so clients with similar models pull on each other. The client keeps its own model, trains it from where it
-left off with cross-entropy + (λ/2)‖w − u_i‖² (the proximal term carries gradient into w — the PFLlib version
-computes it on detached tensors, which makes FedAMP plain local training; not reproduced here), and sends its
-parameters back; that trained model is the client's deployed model. Clients not heard from yet count with the initial model.
+left off with cross-entropy + (λ/(2α_K))‖w − u_i‖² — the paper's coefficient (its u-step is a gradient step of
+size α_K, so the proximal weight is λ/α_K; PFLlib uses the same) — carrying gradient into w (the PFLlib
+version computes the term on detached tensors, which makes FedAMP plain local training; not reproduced here),
+sends its parameters back; that trained model is the client's deployed model. Clients not heard from yet count
+with the initial model. The term is FedProx's ``proximal`` training term, (μ/2)‖w − anchor‖², sent with
+μ = λ/α_K (:func:`proximal_mu`); Ditto uses the same term with μ = λ.
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ def attention_weights(d2: np.ndarray, alpha_k: float, sigma: float) -> np.ndarra
     return xi
 
 
+def proximal_mu(lam: float, alpha_k: float) -> float:
+    """μ of the client's proximal term (μ/2)‖w − u_i‖² such that it equals FedAMP's (λ/(2α_K))‖w − u_i‖²: λ/α_K."""
+    return lam / alpha_k
+
+
 def flatten(arrays: dict[str, np.ndarray], keys: list[str]) -> np.ndarray:
     """One parameter vector (float32) in a fixed key order."""
     return np.concatenate([arrays[k].reshape(-1).astype(np.float32) for k in keys])
@@ -71,7 +79,7 @@ class FedAMPParams:
 
     alpha_k: float = param(0.01, gt=0)  # α_K: attention step; (num_clients − 1)·α_K/σ must stay <= 1 so that ξ_ii >= 0
     sigma: float = param(0.2, gt=0)  # σ: scale of the squared parameter distance in the attention kernel
-    lam: float = param(1.0, ge=0)  # λ: weight of the proximal term (λ/2)‖w − u_i‖² on the client
+    lam: float = param(1.0, ge=0)  # λ: the client's proximal term is (λ/(2α_K))‖w − u_i‖² (μ = λ/α_K on the wire)
 
 
 class FedAMP(PersonalisedStrategy):
@@ -91,6 +99,13 @@ class FedAMP(PersonalisedStrategy):
                 f"FedAMP's self-weight ξ_ii = 1 − Σ ξ_ij can turn negative: (num_clients − 1)·alpha_k/sigma = {worst:.3g} > 1. "
                 f"Lower 'strategy.params.fedamp.alpha_k' to at most {p.sigma / max(cfg.data.num_clients - 1, 1):.3g} "
                 "or raise 'strategy.params.fedamp.sigma'")
+        mu = proximal_mu(p.lam, p.alpha_k)
+        limit = 2.0 * (1.0 + cfg.client.momentum)  # SGD on (μ/2)‖w − u‖² diverges once lr·μ exceeds it
+        if cfg.client.optimizer == "sgd" and cfg.client.lr * mu >= limit:
+            raise ConfigError(
+                f"FedAMP's proximal weight λ/α_K = {mu:.3g} with client.lr = {cfg.client.lr:g} gives lr·λ/α_K = "
+                f"{cfg.client.lr * mu:.3g} >= {limit:.3g}: plain SGD on the proximal term diverges. Lower "
+                "'strategy.params.fedamp.lam' or 'client.lr', or raise 'strategy.params.fedamp.alpha_k'")
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
         super().__init__(cfg, params, on_round)
@@ -118,7 +133,7 @@ class FedAMP(PersonalisedStrategy):
         return {c: u[i].numpy() for i, c in enumerate(clients)}
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        config = {**self.base_config(), "load-arrays": False, PROX_MU: float(self.params.lam),
+        config = {**self.base_config(), "load-arrays": False, PROX_MU: proximal_mu(self.params.lam, self.params.alpha_k),
                   "return-arrays": True, "arrays.keys": "params"}
         # a node not heard from yet is a client whose model is still the initial one: any id outside the pool does
         clients = [self.node_to_client.get(n, -1 - i) for i, n in enumerate(node_ids)]

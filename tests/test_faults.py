@@ -39,6 +39,7 @@ SHRINK = {
     "fedbabu": ["finetune_epochs=1"],
     "ifca": ["clusters=2"],
     "cfl": ["warmup_rounds=0"],
+    "fedamp": ["lam=0.01"],  # λ/α_K = 1: lr·λ/α_K must stay below 2 at this file's lr 0.05 (FedAMP.check)
 }
 # which reply kind each strategy's round messages ask for (a new strategy must be added here)
 ARRAYS = ("fedavg", "fedprox", "ditto", "fedper", "fedrep", "fedbabu", "ifca", "cfl", "fedamp", "fedfomo", "cwfedavg")

@@ -310,7 +310,8 @@ def test_evaluate_finetuned_trains_a_copy_of_the_head_only() -> None:
 # --------------------------------------------------------------------------- end to end
 
 
-@pytest.mark.parametrize("name,params", [("fedamp", {"alpha_k": 0.05}), ("ditto", {"lam": 0.1}),
+# FedAMP with λ/α_K = 1: the coupling this test had before the coefficient became λ/(2α_K)
+@pytest.mark.parametrize("name,params", [("fedamp", {"alpha_k": 0.05, "lam": 0.05}), ("ditto", {"lam": 0.1}),
                                          ("ifca", {"clusters": 2}), ("fedper", None), ("fedrep", {"head_epochs": 2}),
                                          ("fedbabu", {"finetune_epochs": 2}), ("cfl", {"warmup_rounds": 1}),
                                          ("fedfomo", {"candidates": 2})])

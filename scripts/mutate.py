@@ -1,0 +1,104 @@
+"""`make mutate`: mutation testing (mutmut 3) of the maths and aggregation functions.
+
+mutmut copies the project to mutants/ (settings: [tool.mutmut] in pyproject.toml), rewrites every function of
+the files listed there into variants with one small change each (an operator, a constant, an argument dropped
+or set to None, ...), records which of the selected fast tests reach which function, and runs each variant
+("mutant") against those tests only. A mutant is killed when a test fails, survived when all pass.
+
+This script chooses WHICH functions count (SCOPE: the pure maths — aggregation rules, distances, clustering,
+pseudo-label encoding, the loss terms, cwFedAvg's and FedAMP's formulas — not the strategies' message plumbing),
+runs mutmut on them, prints the figures and writes mutation-report.md (every survivor with its diff).
+docs/mutation.md argues the survivors that are equivalent; this script lists those it does not find there.
+
+    python scripts/mutate.py                  # everything in SCOPE (about 10-15 minutes on 2 cores)
+    python scripts/mutate.py fedapps.robust   # one module
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORT = ROOT / "mutation-report.md"
+EQUIVALENT = ROOT / "docs" / "mutation.md"
+
+# module -> functions mutated (mutmut does not mutate decorated functions: the numba kernels of pairwise_l1,
+# the registered client terms and operations; those are pinned by scripts/named_mutations.py and the tests)
+SCOPE: dict[str, list[str]] = {
+    "fedapps.robust": ["cap_weights", "coordinate_median", "trimmed_mean", "combine"],
+    "fedapps.pairwise_l1": ["l1_distance_matrix"],
+    "fedapps.clustering": ["l2_distance_matrix", "distance_to_centres", "greedy_threshold_clustering", "assignment",
+                           "auto_threshold"],
+    "fedapps.pseudolabels": ["label_dtype", "encode", "decode", "one_hot", "apply_temperature", "aggregate"],
+    "fedapps.ops": ["kl_to_targets", "weighted_mean", "robustness_penalty"],
+    "strategies.fedprox": ["proximal_penalty"],
+    "strategies.fedamp": ["squared_distances", "attention_weights", "proximal_mu", "flatten", "unflatten"],
+    "strategies.cwfedavg": ["class_distribution_from_rows", "wdr_penalty", "normalise_rows", "row_norm_distribution",
+                            "bias_evidence", "fedavg_weights", "class_weights", "mixing_matrix", "mix", "class_models",
+                            "l1_error"],
+}
+
+
+def patterns(modules: list[str]) -> list[str]:
+    return [f"{m}.x_{f}__mutmut_*" for m in modules for f in SCOPE[m]]
+
+
+def mutmut(*args: str, log=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=ROOT, env=env, text=True,
+                          stdout=log if log is not None else subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def main(argv: list[str]) -> int:
+    modules = argv or list(SCOPE)
+    unknown = [m for m in modules if m not in SCOPE]
+    if unknown:
+        raise SystemExit(f"unknown module(s) {unknown}; known: {list(SCOPE)}")
+    chosen = patterns(modules)
+    shutil.rmtree(ROOT / "mutants", ignore_errors=True)  # no stale copies or results from an earlier run
+    start = time.perf_counter()
+    with open(ROOT / "mutants.log", "w") as log:
+        run = mutmut("run", "--max-children", str(os.cpu_count() or 2), *chosen, log=log)
+    minutes = (time.perf_counter() - start) / 60
+    if run.returncode != 0:
+        print((ROOT / "mutants.log").read_text()[-3000:])
+        raise SystemExit(f"mutmut failed (exit {run.returncode}); its output is in mutants.log")
+    status: dict[str, str] = {}
+    for line in mutmut("results", "--all", "true").stdout.splitlines():
+        name, _, state = line.strip().partition(": ")
+        if any(fnmatch.fnmatch(name, p) for p in chosen):
+            status[name] = state
+    counts = Counter(status.values())
+    survivors = sorted(n for n, s in status.items() if s == "survived")
+    argued = set(re.findall(r"`([\w.ǁ]+__mutmut_\d+)`", EQUIVALENT.read_text())) if EQUIVALENT.exists() else set()
+    unexplained = [n for n in survivors if n not in argued]
+    lines = [f"# Mutation report ({date.today().isoformat()}, {minutes:.1f} min)", "",
+             f"Command: `python scripts/mutate.py {' '.join(argv)}`".rstrip() + "; modules: " + ", ".join(modules), "",
+             f"mutants {len(status)}, killed {counts['killed']}, survived {counts['survived']}, "
+             f"other {len(status) - counts['killed'] - counts['survived']} ({dict(counts)})", "",
+             f"## Survivors ({len(survivors)}; {len(unexplained)} not argued equivalent in docs/mutation.md)", ""]
+    for name in survivors:
+        diff = mutmut("show", name).stdout
+        body = [l for l in diff.splitlines() if l[:1] in "+-" and not l.startswith(("+++", "---"))]
+        lines += [f"### `{name}`{'' if name in argued else '  (not argued)'}", "", "```diff", *body, "```", ""]
+    REPORT.write_text("\n".join(lines) + "\n")
+    print(f"mutants {len(status)}  killed {counts['killed']}  survived {counts['survived']}  "
+          f"other {len(status) - counts['killed'] - counts['survived']} {dict(counts)}  ({minutes:.1f} min)")
+    print(f"survivors not argued equivalent in docs/mutation.md: {len(unexplained)}")
+    for name in unexplained:
+        print("   ", name)
+    print(f"report: {REPORT.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
