@@ -47,7 +47,8 @@ def cap_weights(weights, max_share: float) -> np.ndarray:
     The rule: normalise w to sum 1; while some uncapped weight exceeds ``max_share``, fix every such weight at
     ``max_share`` and rescale the uncapped ones so that all sum to 1 (repeat, since rescaling may push another
     above the cap). The result is w'_i = min(max_share, λ·w_i) with the λ >= 1 that makes Σ w' = 1. Where
-    k·max_share < 1 (k clients) no such weights exist: every client gets 1/k. ``max_share`` >= 1: no cap.
+    k·max_share < 1 (k clients) no such weights exist: every client gets 1/k. Where every uncapped weight is 0
+    (no λ can lift it), the uncapped clients share the excess equally. ``max_share`` >= 1: no cap.
     """
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or w.size == 0 or np.any(~np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
@@ -64,7 +65,9 @@ def cap_weights(weights, max_share: float) -> np.ndarray:
     for _ in range(k):
         free = ~capped
         rest = 1.0 - max_share * capped.sum()
-        scaled = np.where(capped, max_share, w * rest / w[free].sum())
+        free_sum = w[free].sum()  # zero when every uncapped client had weight 0: they share the rest equally
+        spread = w * rest / free_sum if free_sum > 0 else np.full(k, rest / free.sum())
+        scaled = np.where(capped, max_share, spread)
         over = free & (scaled > max_share)
         if not over.any():
             return scaled

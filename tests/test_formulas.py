@@ -427,3 +427,12 @@ def test_identical_rows_are_at_distance_zero_and_one_column_blocks_work() -> Non
     np.testing.assert_allclose(l1_distance_matrix(x, block=1), [[0, 0, 1.6], [0, 0, 1.6], [1.6, 1.6, 0]], rtol=1e-6)
     # more threads asked for than there are blocks (3 columns in blocks of 2: 2 blocks): as many threads as blocks
     np.testing.assert_allclose(l1_distance_matrix(x, threads=3, block=2), l1_distance_matrix(x), rtol=1e-6)
+
+
+def test_cap_weights_spreads_the_excess_over_zero_weight_clients():
+    from fedapps.robust import cap_weights
+
+    out = cap_weights([1.0, 0.0, 0.0], 0.5)
+    np.testing.assert_allclose(out, [0.5, 0.25, 0.25])
+    out = cap_weights([3.0, 1.0, 0.0, 0.0], 0.4)  # 0.75 capped to 0.4; 0.25 scaled to 0.6 -> capped; zeros share 0.2
+    np.testing.assert_allclose(out, [0.4, 0.4, 0.1, 0.1])
