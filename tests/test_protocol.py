@@ -42,7 +42,7 @@ SMALL = {"cosmos": ["server_model=mlp", "pretrain_epochs=1", "server_epochs=1", 
          "fedmd": ["pretrain_epochs=1", "distill_epochs=1"], "fedct": ["pretrain_epochs=1", "distill_epochs=1"],
          "comet": ["pretrain_epochs=1", "distill_epochs=1", "clusters=2"], "fedrep": ["head_epochs=1"],
          "fedbabu": ["finetune_epochs=2"], "ifca": ["clusters=2"], "cfl": ["warmup_rounds=1"],
-         "fedfomo": ["candidates=1"]}
+         "fedfomo": ["candidates=1"], "fedamp": ["lam=0.01"]}  # fedamp: λ/α_K = 1 (lr·λ/α_K < 2)
 
 
 def test_every_strategy_declares_its_deployed_model():
