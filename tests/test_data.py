@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import struct
 import time
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedapps.config import DataConfig
 from fedapps.data import (
     PARTITIONS,
     SOURCES,
@@ -41,13 +44,12 @@ def balanced_labels(num_classes: int, per_class: int, seed: int = 0) -> np.ndarr
     return np.random.default_rng(seed).permutation(y)
 
 
+BASE_SPEC = dict(root="/nonexistent-data-root", partition="pathological")
+
+
 def spec(**over) -> dict:
-    base = dict(source="mnist5k", root="/nonexistent-data-root", download=False, partition="pathological",
-                num_clients=20, classes_per_client=2, alpha=0.1, min_samples=40, groups=5,
-                redistribute_fraction=0.1, test_fraction=0.25, public_fraction=0.0, seed=1,
-                synthetic_classes=10, synthetic_shape=[3, 32, 32], synthetic_samples=2000, swap_pairs=1)
-    base.update(over)
-    return base
+    """A complete data spec: DataConfig's defaults, this file's base, then ``over``."""
+    return {**dataclasses.asdict(DataConfig()), **BASE_SPEC, **over}
 
 
 def assert_disjoint_cover(parts: list[np.ndarray], n: int) -> None:

@@ -4,24 +4,26 @@ in-process grid that keeps no message history unless asked to."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import server_app
-from fedapps.config import load_config
+from fedapps.config import DataConfig, load_config
 from fedapps.data import build_federation, clear_federation_cache, federation, get_federation, load_source
 from fedapps.inprocess import InProcessGrid
 
 torch.set_num_threads(1)
 
 
+BASE_SPEC = dict(source="digits", root="/nonexistent-data-root", partition="iid", num_clients=5, alpha=0.5,
+            min_samples=5, groups=2)
+
+
 def spec(**over) -> dict:
-    base = dict(source="digits", root="/nonexistent-data-root", download=False, partition="iid",
-                num_clients=5, classes_per_client=2, alpha=0.5, min_samples=5, groups=2,
-                redistribute_fraction=0.1, test_fraction=0.25, public_fraction=0.0, seed=1,
-                synthetic_classes=10, synthetic_shape=[3, 32, 32], synthetic_samples=2000, swap_pairs=1)
-    base.update(over)
-    return base
+    """A complete data spec: DataConfig's defaults, this file's base, then ``over``."""
+    return {**dataclasses.asdict(DataConfig()), **BASE_SPEC, **over}
 
 
 SPECS = [

@@ -4,6 +4,8 @@ FedAvg end to end on each (digits: 8×8, square, 10 classes)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 import server_app
-from fedapps.config import ConfigError, load_config
+from fedapps.config import ConfigError, DataConfig, load_config
 from fedapps.data import (
     DataError,
     build_federation,
@@ -30,13 +32,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs" / "settings").glob("*.yaml"))
 
 
+BASE_SPEC = dict(source="digits", root="/nonexistent-data-root", partition="rotated", num_clients=10, min_samples=5,
+            groups=4, public_fraction=0.2)
+
+
 def spec(**over) -> dict:
-    base = dict(source="digits", root="/nonexistent-data-root", download=False, partition="rotated",
-                num_clients=10, classes_per_client=2, alpha=0.1, min_samples=5, groups=4,
-                redistribute_fraction=0.1, test_fraction=0.25, public_fraction=0.2, seed=1,
-                synthetic_classes=10, synthetic_shape=[3, 32, 32], synthetic_samples=2000, swap_pairs=1)
-    base.update(over)
-    return base
+    """A complete data spec: DataConfig's defaults, this file's base, then ``over``."""
+    return {**dataclasses.asdict(DataConfig()), **BASE_SPEC, **over}
 
 
 @pytest.fixture(scope="module")
