@@ -35,6 +35,10 @@ class StrategyConfig:
     fraction: float = 1.0  # fraction of the connected clients sampled per round, in (0, 1]
     min_clients: int = 1  # never sample fewer than this many clients (if connected)
     timeout: float = 600.0  # seconds to wait for the replies of one round
+    # before round 1 the server waits until this many client nodes are connected (0: data.num_clients, the whole
+    # federation); a deployment started before all its SuperNodes waits instead of starting with whoever is there
+    expected_clients: int = 0
+    connect_timeout: float = 300.0  # seconds to wait for them; then the run fails with a message naming the fix
     # how parameter-averaging strategies combine client arrays (fedapps.robust): mean | median | trimmed-mean
     aggregation: str = "mean"
     trim_fraction: float = 0.1  # trimmed-mean: share of the lowest and of the highest values dropped, in [0, 0.5)
@@ -354,6 +358,8 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(0.0 < s.fraction <= 1.0, f"'strategy.fraction' must be in (0, 1], got {s.fraction}")
     _check(s.min_clients >= 1, f"'strategy.min_clients' must be >= 1, got {s.min_clients}")
     _check(s.timeout > 0, f"'strategy.timeout' must be > 0 seconds, got {s.timeout}")
+    _check(s.expected_clients >= 0, f"'strategy.expected_clients' must be >= 0 (0: data.num_clients), got {s.expected_clients}")
+    _check(s.connect_timeout > 0, f"'strategy.connect_timeout' must be > 0 seconds, got {s.connect_timeout}")
     _one_of("strategy.aggregation", s.aggregation, AGGREGATION_RULES)
     _check(0.0 <= s.trim_fraction < 0.5, f"'strategy.trim_fraction' must be in [0, 0.5), got {s.trim_fraction}")
     _check(0.0 < s.max_weight_share <= 1.0,
@@ -364,6 +370,10 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(
         s.min_clients <= d.num_clients,
         f"'strategy.min_clients' ({s.min_clients}) exceeds 'data.num_clients' ({d.num_clients})",
+    )
+    _check(
+        s.expected_clients <= d.num_clients,
+        f"'strategy.expected_clients' ({s.expected_clients}) exceeds 'data.num_clients' ({d.num_clients})",
     )
 
     c = cfg.client

@@ -283,20 +283,20 @@ def start_run(cfg: ExperimentConfig, config_path: Path, overrides: list[str], ou
     return str(doc["run-id"])
 
 
-def run_status(run_id: str, env: dict[str, str]) -> str:
+def run_status(run_id: str, env: dict[str, str], connection: str = CONNECTION) -> str:
     """The run's status from `flwr ls --run-id ID --format json` (e.g. running, finished:completed)."""
     try:
-        doc = flwr_json(["flwr", "ls", CONNECTION, "--run-id", run_id, "--format", "json"], env, timeout=60)
+        doc = flwr_json(["flwr", "ls", connection, "--run-id", run_id, "--format", "json"], env, timeout=60)
         return str(doc["runs"][0]["status"])
     except (RunFailed, KeyError, IndexError, TypeError, subprocess.TimeoutExpired):
         return "unknown"
 
 
 def follow_run(run_id: str, env: dict[str, str], quiet: bool, link: OwnSuperLink | None,
-               poll: float = 2.0) -> tuple[str, list[str]]:
+               poll: float = 2.0, connection: str = CONNECTION) -> tuple[str, list[str]]:
     """Stream the run's log (`flwr log ID --stream`) while polling its status; return (final status, log)."""
     lines: list[str] = []
-    logp = subprocess.Popen(["flwr", "log", run_id, CONNECTION, "--stream"], env=env, cwd=APP_DIR,
+    logp = subprocess.Popen(["flwr", "log", run_id, connection, "--stream"], env=env, cwd=APP_DIR,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
 
     def pump() -> None:
@@ -317,7 +317,7 @@ def follow_run(run_id: str, env: dict[str, str], quiet: bool, link: OwnSuperLink
                 if link.proc is not None and link.proc.poll() is not None:
                     status = "superlink-exited"
                     break
-            status = run_status(run_id, env)
+            status = run_status(run_id, env, connection)
             if status.startswith("finished"):
                 break
             time.sleep(poll)
@@ -347,7 +347,20 @@ def failure_reasons(lines: list[str], result_dir: Path) -> str:
         if problems:
             return "\n".join(f"  - {p}" for p in problems)
     errors = [ln.rstrip() for ln in lines if re.search(r"ERROR|Error|Exception|failed", ln)]
-    return "\n".join((errors or [ln.rstrip() for ln in lines])[-25:])
+    return "\n".join(exception_lines(lines) + (errors or [ln.rstrip() for ln in lines])[-25:])
+
+
+def exception_lines(lines: list[str]) -> list[str]:
+    """The 'Type: message' line that ends each Python traceback in a log (whatever the exception's name)."""
+    out: list[str] = []
+    in_traceback = False
+    for prev, line in zip([""] + lines, lines):
+        if line.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        elif in_traceback and line.strip() and not line[0].isspace() and prev[:1].isspace():
+            out.append(line.rstrip())
+            in_traceback = False
+    return out
 
 
 def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[str], output_dir: Path,
@@ -543,6 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("tables", add_help=False, help="regenerate the published comparison tables from a spec "
                    "(experiments/*.yaml): tune every method on validation, run the seeds, write the report; "
                    "`fedapps tables --help` for its options")
+    sub.add_parser("deploy", add_help=False, help="across machines: certificates, node keys, SuperLink/SuperNodes with "
+                   "TLS and authentication, runs on a named SuperLink, stop; `fedapps deploy --help`")
     tun = sub.add_parser("tune", help="run a grid on the validation split and choose by validation accuracy")
     tun.add_argument("config")
     tun.add_argument("--grid", nargs="+", action="extend", default=[], required=True, metavar="KEY=V1,V2,...",
@@ -567,6 +582,10 @@ def main(argv: list[str] | None = None) -> int:
         from fedapps_tools.tables import main as tables_main
 
         return tables_main(argv[1:])
+    if argv[:1] == ["deploy"]:  # its own sub-commands (fedapps_tools/deploy.py)
+        from fedapps_tools.deploy import main as deploy_main
+
+        return deploy_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "run":

@@ -1,0 +1,475 @@
+"""`fedapps deploy ...`: a Flower deployment across machines, step by step (README "Across machines").
+
+    certs DIR --host H [--host H2]    a CA and a SuperLink certificate whose SAN holds every given name/IP
+    node-key DIR NAME                 a SuperNode key pair (OpenSSH ECDSA P-384): DIR/NAME and DIR/NAME.pub
+    superlink --state S --host H ...  start a SuperLink (TLS, --auth: SuperNode authentication) in the background
+    connect NAME --address H:P ...    write the CLI's connection NAME into $FLWR_HOME/config.toml
+    register NAME KEY.pub             register a node's public key with the SuperLink (before the node starts)
+    supernode --state S --superlink H:P --name N ...   start a SuperNode with its node config
+    run CONFIG --link NAME            run a config (path relative to the app) and check its FINAL status
+    stop --state S                    stop exactly the processes these commands started from S
+
+Every process started here is recorded in ``<state>/pids/<name>.json`` (pid + start time, so a recycled pid is
+never signalled); ``stop`` signals those and their descendants, nothing else. Plain-text (insecure) mode is
+refused unless the address is a loopback one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fedapps.config import APP_DIR, ConfigError, load_config
+from fedapps_tools.cli import (RunFailed, _proc_stat, _signal, descendants, failure_reasons, flower_env, flwr_json,
+                                follow_run, toml_str)
+
+CA_CERT, CA_KEY = "ca.crt", "ca.key"
+SERVER_CERT, SERVER_KEY = "server.pem", "server.key"
+RESULTS_LINE = re.compile(r"RESULTS (\S.*)$")
+
+
+class DeployError(RuntimeError):
+    """A deployment step that could not be done; the message says why and what to do."""
+
+
+# ----------------------------------------------------------------------------------- certificates and keys
+
+
+def is_loopback(host: str) -> bool:
+    """True for 'localhost' and loopback IPs (127.0.0.0/8, ::1); the only addresses plain-text mode may use."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def san_entries(hosts: list[str]) -> list[str]:
+    """subjectAltName entries for the SuperLink certificate: each host as IP or DNS, plus loopback (the
+    SuperLink's own ServerApp and a CLI on the same machine connect through it)."""
+    out: list[str] = []
+    for host in [*hosts, "127.0.0.1", "localhost"]:
+        try:
+            entry = f"IP:{ipaddress.ip_address(host.strip('[]'))}"
+        except ValueError:
+            if not re.fullmatch(r"[A-Za-z0-9.-]+", host):
+                raise DeployError(f"--host '{host}' is neither an IP address nor a DNS name")
+            entry = f"DNS:{host}"
+        if entry not in out:
+            out.append(entry)
+    return out
+
+
+def _openssl(args: list[str], cwd: Path) -> None:
+    proc = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise DeployError(f"openssl {args[0]} failed: {proc.stderr.strip()[-800:]}")
+
+
+def make_certs(out: Path, hosts: list[str], days: int = 365) -> dict[str, Path]:
+    """A self-signed CA and a SuperLink certificate signed by it for ``hosts`` (RSA 2048; keys mode 0600).
+    An existing CA in ``out`` is reused, so certificates for more hosts can be added later."""
+    if shutil.which("openssl") is None:
+        raise DeployError("openssl is not installed: install it (e.g. apt install openssl) to make certificates")
+    if not hosts:
+        raise DeployError("give the SuperLink's host names / IPs with --host (the address the SuperNodes dial)")
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / CA_CERT).is_file():
+        _openssl(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", CA_KEY, "-out", CA_CERT,
+                  "-subj", "/CN=fedapps deployment CA", "-days", str(days), "-sha256"], out)
+    (out / "server.ext").write_text(
+        "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
+        f"subjectAltName={','.join(san_entries(hosts))}\n")
+    _openssl(["req", "-newkey", "rsa:2048", "-nodes", "-keyout", SERVER_KEY, "-out", "server.csr",
+              "-subj", f"/CN={hosts[0]}"], out)
+    _openssl(["x509", "-req", "-in", "server.csr", "-CA", CA_CERT, "-CAkey", CA_KEY, "-CAcreateserial",
+              "-out", SERVER_CERT, "-days", str(days), "-sha256", "-extfile", "server.ext"], out)
+    for key in (CA_KEY, SERVER_KEY):
+        os.chmod(out / key, 0o600)
+    return {"ca": out / CA_CERT, "cert": out / SERVER_CERT, "key": out / SERVER_KEY}
+
+
+def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
+    """A SuperNode's key pair in the format Flower 1.42 wants (OpenSSH ECDSA P-384, no passphrase)."""
+    if shutil.which("ssh-keygen") is None:
+        raise DeployError("ssh-keygen is not installed: install OpenSSH's client tools (e.g. apt install openssh-client)")
+    out.mkdir(parents=True, exist_ok=True)
+    private = out / name
+    if private.exists():
+        raise DeployError(f"{private} exists: a node key is never overwritten; choose another name or delete it")
+    proc = subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-C", f"fedapps-{name}",
+                           "-f", str(private)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise DeployError(f"ssh-keygen failed: {proc.stderr.strip()}")
+    return private, out / f"{name}.pub"
+
+
+# ----------------------------------------------------------------------------------- processes
+
+
+def pid_file(state: Path, name: str) -> Path:
+    return state / "pids" / f"{name}.json"
+
+
+def start_background(cmd: list[str], state: Path, name: str, env: dict[str, str]) -> subprocess.Popen:
+    """Start ``cmd`` in its own session, cwd ``state``, output to ``<state>/logs/<name>.log``, recorded for stop."""
+    if pid_file(state, name).is_file() and _recorded_alive(pid_file(state, name)):
+        raise DeployError(f"'{name}' is already running from {state} (see {pid_file(state, name)}); "
+                          f"stop it first: fedapps deploy stop --state {state} --only {name}")
+    (state / "logs").mkdir(parents=True, exist_ok=True)
+    (state / "pids").mkdir(parents=True, exist_ok=True)
+    log_path = state / "logs" / f"{name}.log"
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(cmd, cwd=state, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    st = _proc_stat(proc.pid)
+    pid_file(state, name).write_text(json.dumps({"pid": proc.pid, "start": st[1] if st else None, "cmd": cmd,
+                                                 "log": str(log_path)}))
+    return proc
+
+
+def _recorded_alive(path: Path) -> bool:
+    rec = json.loads(path.read_text())
+    st = _proc_stat(int(rec["pid"]))
+    return st is not None and (rec.get("start") is None or st[1] == rec["start"])
+
+
+def stop_recorded(state: Path, only: str | None = None, grace: float = 10.0) -> list[str]:
+    """SIGTERM every process recorded under ``state`` (and its descendants), SIGKILL what is left after
+    ``grace`` seconds; return the names stopped. Processes not recorded there are never touched."""
+    stopped: list[str] = []
+    targets: dict[int, int | None] = {}
+    for path in sorted((state / "pids").glob("*.json")):
+        name = path.stem
+        if only and name != only:
+            continue
+        rec = json.loads(path.read_text())
+        pid, start = int(rec["pid"]), rec.get("start")
+        st = _proc_stat(pid)
+        if st is not None and (start is None or st[1] == start):
+            targets[pid] = start
+            targets.update(descendants(pid))
+            _signal(pid, start, signal.SIGTERM)
+            stopped.append(name)
+        path.unlink()
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_alive(p, s) for p, s in targets.items()):
+        time.sleep(0.2)
+    for pid, start in targets.items():  # descendants that outlived their parent, or anything stuck
+        _signal(pid, start, signal.SIGKILL)
+    return stopped
+
+
+def _alive(pid: int, start: int | None) -> bool:
+    st = _proc_stat(pid)
+    return st is not None and (start is None or st[1] == start)
+
+
+def wait_for_port(host: str, port: int, proc: subprocess.Popen, log_path: Path, timeout: float = 60.0) -> None:
+    """Until ``host:port`` accepts a TCP connection; DeployError with the log's tail if the process exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise DeployError(f"the process exited with status {proc.returncode}; its log {log_path}:\n"
+                              f"{_tail(log_path)}")
+        try:
+            with socket.create_connection((host.strip("[]"), port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise DeployError(f"nothing listens on {host}:{port} after {timeout:.0f} s; see {log_path}:\n{_tail(log_path)}")
+
+
+def _tail(path: Path, n: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return "(no log)"
+
+
+def superlink_command(host: str, port: int, certs: Path | None, auth: bool, insecure: bool) -> list[str]:
+    """The ``flower-superlink`` command line: TLS from ``certs`` (ca.crt, server.pem, server.key), or plain text
+    on a loopback host only; ``auth`` turns on SuperNode authentication (needs TLS)."""
+    bindir = Path(sys.executable).parent
+    cmd = [str(bindir / "flower-superlink"), "--host", host, "--port", str(port),
+           "--database", "state.db", "--disable-runtime-dependency-installation"]
+    if insecure:
+        if not is_loopback(host):
+            raise DeployError(f"plain text (--insecure) is allowed on a loopback address only, not on '{host}': "
+                              "make certificates with `fedapps deploy certs` and pass --certs DIR")
+        if auth:
+            raise DeployError("SuperNode authentication (--auth) needs TLS: pass --certs DIR instead of --insecure")
+        return [*cmd, "--insecure"]
+    if certs is None:
+        raise DeployError("pass --certs DIR (made by `fedapps deploy certs`) or, on loopback only, --insecure")
+    for f in (CA_CERT, SERVER_CERT, SERVER_KEY):
+        if not (certs / f).is_file():
+            raise DeployError(f"{certs / f} is missing: make it with `fedapps deploy certs {certs} --host {host}`")
+    cmd += ["--ssl-ca-certfile", str(certs / CA_CERT), "--ssl-certfile", str(certs / SERVER_CERT),
+            "--ssl-keyfile", str(certs / SERVER_KEY)]
+    return [*cmd, "--enable-supernode-auth"] if auth else cmd
+
+
+def supernode_command(superlink: str, node_config: str, port: int, ca: Path | None, key: Path | None,
+                      insecure: bool) -> list[str]:
+    """The ``flower-supernode`` command line (its own Runtime API port on 127.0.0.1)."""
+    bindir = Path(sys.executable).parent
+    cmd = [str(bindir / "flower-supernode"), "--superlink", superlink, "--port", str(port)]
+    if node_config:
+        cmd += ["--node-config", node_config]
+    if insecure:
+        if not is_loopback(superlink.rsplit(":", 1)[0]):
+            raise DeployError(f"plain text (--insecure) is allowed to a loopback SuperLink only, not '{superlink}': "
+                              "pass --ca ca.crt (from `fedapps deploy certs`)")
+        return [*cmd, "--insecure"]
+    if ca is None or not ca.is_file():
+        raise DeployError(f"pass --ca with the deployment's CA certificate (ca.crt); got {ca}")
+    cmd += ["--root-certificates", str(ca)]
+    if key is not None:
+        if not key.is_file():
+            raise DeployError(f"node key {key} not found: make it with `fedapps deploy node-key DIR NAME`")
+        cmd += ["--auth-supernode-private-key", str(key)]  # Flower 1.42 derives the public key from it
+    return cmd
+
+
+def check_node_started(proc: subprocess.Popen, log_path: Path, seconds: float) -> None:
+    """A SuperNode that exits within ``seconds`` was refused (e.g. an unregistered key: HTTP 412, no retry)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = _tail(log_path)
+            hint = ""
+            if any(sign in tail for sign in ("Failed to activate SuperNode", "412", "not registered", "UNAUTHENTICATED")):
+                hint = ("\nthe SuperLink refused this node's key: register its public key first "
+                        "(`fedapps deploy register LINK KEY.pub` from the CLI machine), then start the node again")
+            raise DeployError(f"the SuperNode exited with status {proc.returncode} (log {log_path}):\n{tail}{hint}")
+        time.sleep(0.3)
+
+
+# ----------------------------------------------------------------------------------- the CLI's connections
+
+
+def flwr_home() -> Path:
+    return Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr").expanduser()
+
+
+def connection_block(name: str, address: str, ca: Path | None, insecure: bool) -> str:
+    if insecure and not is_loopback(address.rsplit(":", 1)[0]):
+        raise DeployError(f"an insecure connection is allowed to a loopback address only, not '{address}'; pass --ca")
+    if not insecure and (ca is None or not ca.is_file()):
+        raise DeployError(f"pass --ca with the deployment's CA certificate (ca.crt); got {ca}")
+    security = "insecure = true\n" if insecure else f"root-certificates = {toml_str(str(ca.resolve()))}\n"
+    return f"[superlink.{name}]\naddress = {toml_str(address)}\n{security}"
+
+
+def write_connection(home: Path, name: str, block: str) -> Path:
+    """Add (or replace) the ``[superlink.NAME]`` table of ``$FLWR_HOME/config.toml``; other tables are kept."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise DeployError(f"connection name '{name}' may hold letters, digits, '-' and '_' only")
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / "config.toml"
+    text = path.read_text() if path.is_file() else ""
+    text = re.sub(rf"(?ms)^\[superlink\.{re.escape(name)}\]\n.*?(?=^\[|\Z)", "", text).rstrip()
+    path.write_text((text + "\n\n" if text else "") + block)
+    return path
+
+
+# ----------------------------------------------------------------------------------- running a config
+
+
+def app_relative_config(config: str) -> str:
+    """The config as a path inside the app bundle (``configs/...``): the ServerApp reads it on the SuperLink's
+    machine from the bundle, where an absolute path of this machine does not exist."""
+    path = Path(config).expanduser().resolve()
+    if not path.is_file():
+        raise ConfigError(f"config file '{config}' not found")
+    try:
+        return path.relative_to(APP_DIR).as_posix()
+    except ValueError:
+        raise ConfigError(f"config '{path}' is outside the app folder {APP_DIR}: only the app's files travel to the "
+                          "SuperLink (the bundle); copy it under configs/ and pass that path") from None
+
+
+def results_dir(lines: list[str]) -> str | None:
+    """The results folder the ServerApp reported (its ``RESULTS <dir>`` log line), on the SuperLink's machine."""
+    for line in reversed(lines):
+        m = RESULTS_LINE.search(line.rstrip())
+        if m:
+            return m.group(1).strip()
+    return None
+
+
+def fetch_results(remote: str, dest: Path, fetch_from: str | None) -> Path:
+    """Copy the run's results folder here: directly when this machine sees the path (same host or shared
+    file system), else with ``scp -r HOST:DIR`` when ``fetch_from`` names the SuperLink's host."""
+    target = dest / Path(remote).name
+    if Path(remote).is_dir():
+        shutil.copytree(remote, target, dirs_exist_ok=True)
+        return target
+    if not fetch_from:
+        raise DeployError(f"the results are in {remote} on the SuperLink's machine; copy them with "
+                          f"`scp -r LINKHOST:{remote} {dest}/` or rerun with --fetch-from USER@LINKHOST")
+    dest.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["scp", "-r", "-q", f"{fetch_from}:{remote}", str(dest)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise DeployError(f"scp from {fetch_from} failed: {proc.stderr.strip()}")
+    return target
+
+
+def run_on_link(config: str, link: str, overrides: list[str], output_dir: str, fetch_to: Path,
+                fetch_from: str | None, quiet: bool) -> tuple[str, Path | None]:
+    """Submit a config to the connection ``link``, follow it, require ``finished:completed`` (``flwr run
+    --stream`` exits 0 on a failed run), then fetch the results folder. Returns (run id, local results)."""
+    rel = app_relative_config(config)
+    cfg = load_config(APP_DIR / rel, overrides)
+    from strategies import resolve
+
+    resolve(cfg)  # strategy and params checked here; the data is the nodes' (not loaded on this machine)
+    env = flower_env()
+    run_config = " ".join([f"config={toml_str(rel)}", f"overrides={toml_str(' '.join(overrides))}",
+                           f"output-dir={toml_str(output_dir)}", "resume-dir=\"\""])
+    cmd = ["flwr", "run", str(APP_DIR), link, "--format", "json", "--run-config", run_config]
+    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    doc = flwr_json(cmd, env)
+    if not doc.get("success") or not doc.get("run-id"):
+        raise RunFailed(f"`flwr run` did not start the run: {json.dumps(doc)[:2000]}")
+    run_id = str(doc["run-id"])
+    print(f"run {run_id} started on '{link}'", flush=True)
+    status, lines = follow_run(run_id, env, quiet, None, connection=link)
+    remote = results_dir(lines)
+    if status != "finished:completed":
+        raise RunFailed(f"run {run_id} ended with status '{status}':\n" + failure_reasons(lines, Path(remote or "-")))
+    print(f"run {run_id}: {status}", flush=True)
+    if remote is None:
+        raise RunFailed(f"run {run_id} completed but its log names no results folder (RESULTS line)")
+    local = fetch_results(remote, fetch_to, fetch_from)
+    print(f"results: {local}", flush=True)
+    return run_id, local
+
+
+# ----------------------------------------------------------------------------------- command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedapps deploy", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
+    sub = p.add_subparsers(dest="step", required=True)
+    c = sub.add_parser("certs", help="a CA and a SuperLink certificate for the given host names / IPs")
+    c.add_argument("dir", type=Path)
+    c.add_argument("--host", action="append", default=[], required=True, help="an address SuperNodes and the CLI dial")
+    c.add_argument("--days", type=int, default=365)
+    k = sub.add_parser("node-key", help="a SuperNode key pair (OpenSSH ECDSA P-384)")
+    k.add_argument("dir", type=Path)
+    k.add_argument("name")
+    s = sub.add_parser("superlink", help="start a SuperLink in the background")
+    s.add_argument("--state", type=Path, required=True, help="its folder: database, logs, pid files, relative results")
+    s.add_argument("--host", required=True, help="the address to serve on (in the certificate's SAN)")
+    s.add_argument("--port", type=int, default=9092)
+    s.add_argument("--certs", type=Path, default=None, help="folder with ca.crt, server.pem, server.key")
+    s.add_argument("--auth", action="store_true", help="SuperNode authentication (register node keys first)")
+    s.add_argument("--insecure", action="store_true", help="plain text; loopback addresses only")
+    n = sub.add_parser("supernode", help="start a SuperNode in the background")
+    n.add_argument("--state", type=Path, required=True)
+    n.add_argument("--name", required=True, help="a name for its log and pid file, e.g. node-3")
+    n.add_argument("--superlink", required=True, metavar="HOST:PORT")
+    n.add_argument("--node-config", default="", help="e.g. \"client-id=3 data-path='/data/site3.npz' state-dir='/var/fedapps'\"")
+    n.add_argument("--port", type=int, default=9094, help="its local Runtime API port (one per node on a machine)")
+    n.add_argument("--ca", type=Path, default=None)
+    n.add_argument("--key", type=Path, default=None, help="its private key (KEY.pub beside it) when --auth is on")
+    n.add_argument("--insecure", action="store_true", help="plain text; a loopback SuperLink only")
+    n.add_argument("--check-seconds", type=float, default=6.0, help="how long to watch it for an early refusal")
+    cn = sub.add_parser("connect", help="write the CLI's connection NAME into $FLWR_HOME/config.toml")
+    cn.add_argument("name")
+    cn.add_argument("--address", required=True, metavar="HOST:PORT")
+    cn.add_argument("--ca", type=Path, default=None)
+    cn.add_argument("--insecure", action="store_true")
+    r = sub.add_parser("register", help="register a SuperNode's public key (flwr supernode register)")
+    r.add_argument("link")
+    r.add_argument("public_key", type=Path)
+    ru = sub.add_parser("run", help="run a config on a named SuperLink and fetch the results")
+    ru.add_argument("config", help="a YAML file inside the app folder (e.g. configs/cwfedavg.yaml)")
+    ru.add_argument("--link", required=True, help="connection name (see `connect`)")
+    ru.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
+    ru.add_argument("--remote-output-dir", default="results",
+                    help="results root on the SuperLink's machine (relative: to the SuperLink's --state folder)")
+    ru.add_argument("--fetch-to", type=Path, default=Path("results"), help="local folder the results are copied to")
+    ru.add_argument("--fetch-from", default=None, metavar="USER@LINKHOST", help="scp the results from this host")
+    ru.add_argument("--quiet", action="store_true")
+    st = sub.add_parser("stop", help="stop the processes started from a state folder")
+    st.add_argument("--state", type=Path, required=True)
+    st.add_argument("--only", default=None, help="one name (superlink, node-3, ...)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return dispatch(args)
+    except (DeployError, ConfigError) as exc:
+        print(f"deploy {args.step}: {exc}", file=sys.stderr)
+        return 2
+    except RunFailed as exc:
+        print(f"run failed: {exc}", file=sys.stderr)
+        return 1
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    env = flower_env()
+    if args.step == "certs":
+        made = make_certs(args.dir, args.host, args.days)
+        print(f"CA {made['ca']} (give it to every SuperNode and CLI machine); SuperLink certificate {made['cert']}, "
+              f"key {made['key']} (SuperLink machine only) for {', '.join(san_entries(args.host))}")
+    elif args.step == "node-key":
+        private, public = make_node_key(args.dir, args.name)
+        print(f"private key {private} (stays on the node); public key {public} (register it on the SuperLink)")
+    elif args.step == "superlink":
+        state = args.state.resolve()
+        cmd = superlink_command(args.host, args.port, args.certs.resolve() if args.certs else None, args.auth,
+                                args.insecure)
+        proc = start_background(cmd, state, "superlink", env)
+        wait_for_port(args.host, args.port, proc, state / "logs" / "superlink.log")
+        mode = "PLAIN TEXT (loopback only)" if args.insecure else "TLS" + (" + SuperNode authentication" if args.auth else "")
+        print(f"SuperLink {args.host}:{args.port} [{mode}] pid {proc.pid}; state {state}")
+    elif args.step == "supernode":
+        state = args.state.resolve()
+        cmd = supernode_command(args.superlink, args.node_config, args.port, args.ca.resolve() if args.ca else None,
+                                args.key.resolve() if args.key else None, args.insecure)
+        proc = start_background(cmd, state, args.name, env)
+        try:
+            check_node_started(proc, state / "logs" / f"{args.name}.log", args.check_seconds)
+        except DeployError:
+            stop_recorded(state, only=args.name, grace=2)
+            raise
+        print(f"SuperNode '{args.name}' -> {args.superlink} pid {proc.pid}; log {state / 'logs' / (args.name + '.log')}")
+    elif args.step == "connect":
+        path = write_connection(flwr_home(), args.name, connection_block(args.name, args.address, args.ca, args.insecure))
+        print(f"connection '{args.name}' -> {args.address} written to {path}")
+    elif args.step == "register":
+        if not args.public_key.is_file():
+            raise DeployError(f"public key {args.public_key} not found")
+        proc = subprocess.run(["flwr", "supernode", "register", str(args.public_key.resolve()), args.link],
+                              env=env, capture_output=True, text=True, cwd=APP_DIR, stdin=subprocess.DEVNULL)
+        out = (proc.stdout + proc.stderr).strip()
+        if proc.returncode != 0 or "❌" in out:
+            raise DeployError(f"registering {args.public_key} with '{args.link}' failed: {out[-1500:]}")
+        print(out.splitlines()[-1] if out else f"registered {args.public_key}")
+    elif args.step == "run":
+        run_on_link(args.config, args.link, args.overrides, args.remote_output_dir, args.fetch_to.resolve(),
+                    args.fetch_from, args.quiet)
+    elif args.step == "stop":
+        stopped = stop_recorded(args.state.resolve(), args.only)
+        print(f"stopped: {', '.join(stopped) or 'nothing was running'}")
+    return 0
