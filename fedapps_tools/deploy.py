@@ -160,17 +160,23 @@ def stop_recorded(state: Path, only: str | None = None, grace: float = 10.0) -> 
         pid, start = int(rec["pid"]), rec.get("start")
         st = _proc_stat(pid)
         if st is not None and (start is None or st[1] == start):
-            targets[pid] = start
-            targets.update(descendants(pid))
-            _signal(pid, start, signal.SIGTERM)
+            family = {pid: start, **descendants(pid)}
+            for member, member_start in family.items():
+                _signal(member, member_start, signal.SIGTERM)
+            targets.update(family)
             stopped.append(name)
         path.unlink()
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_alive(p, s) for p, s in targets.items()):
-        time.sleep(0.2)
-    for pid, start in targets.items():  # descendants that outlived their parent, or anything stuck
+    _wait_gone(targets, grace)
+    for pid, start in targets.items():  # anything stuck after the grace period
         _signal(pid, start, signal.SIGKILL)
+    _wait_gone(targets, 5.0)
     return stopped
+
+
+def _wait_gone(targets: dict[int, int | None], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p, s) for p, s in targets.items()):
+        time.sleep(0.1)
 
 
 def _alive(pid: int, start: int | None) -> bool:
