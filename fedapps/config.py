@@ -252,8 +252,10 @@ def config_from_dict(raw: Mapping[str, Any]) -> ExperimentConfig:
 
 
 def data_root(root: str) -> str:
-    """``data.root`` as an absolute path: clients may run in another working directory."""
-    return str(Path(root).expanduser().resolve())
+    """``data.root`` as sent to the clients: a path starting with ``~`` is kept as written, so that every machine
+    expands it to its OWN home (in deployment the config is loaded on the SuperLink host); any other relative path
+    is made absolute where the config is loaded (clients may run in another working directory)."""
+    return root if root.startswith("~") else str(Path(root).resolve())
 
 
 def _params_sections(key: str, value: Any) -> dict[str, Any]:
