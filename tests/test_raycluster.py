@@ -259,32 +259,32 @@ def two_node_cluster():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1",  # 0 (the offline default) forbids a second node
                RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1")
-    common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--num-gpus", "0", "--disable-usage-stats",
-              *_ports("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
-                      "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")]
+
+    def common_args() -> list[str]:  # each node its own ports (two raylets share one machine)
+        return ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--num-gpus", "0", "--disable-usage-stats",
+                *_ports("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
+                        "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")]
+
     port = cli.free_port()
     address = f"127.0.0.1:{port}"
     nodes: list[RayNode] = []
-    ok = False
+    started = False  # False: a node failed to come up (its temp dir and log are kept for a look)
     try:
         head = RayNode("rayhead", ["--head", "--port", str(port), "--include-dashboard", "false",
-                                   *_ports("ray-client-server-port", "dashboard-port"), *common], env)
+                                   *_ports("ray-client-server-port", "dashboard-port"), *common_args()], env)
         nodes.append(head)
         if not head.wait_ready(90):
             pytest.skip(f"Ray cannot start a head node here:\n{head.log_tail()}")
-        common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--num-gpus", "0", "--disable-usage-stats",
-                  *_ports("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
-                          "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")]
-        worker = RayNode("rayworker", ["--address", address, *common], env)
+        worker = RayNode("rayworker", ["--address", address, *common_args()], env)
         nodes.append(worker)
         assert worker.wait_ready(90), f"the worker node did not join:\n{worker.log_tail()}"
+        started = True
         yield address, head, worker
-        ok = True
     finally:
         left: dict[str, set[int]] = {}
         for node in reversed(nodes):
             left[node.name] = node.stop()
-        if ok:
+        if started:
             for node in nodes:
                 shutil.rmtree(node.temp, ignore_errors=True)
                 node.log.unlink(missing_ok=True)
