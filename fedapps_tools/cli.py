@@ -1,7 +1,8 @@
 """`fedapps run / compare / tune / report`: thin helpers around `flwr run`.
 
 `fedapps run CONFIG` validates the config and the data here (a bad key fails at once, naming it: exit 2),
-starts its own SuperLink (simulation mode, free port, own FLWR_HOME) or joins ``--superlink ADDRESS``,
+starts its own SuperLink (simulation mode, free port, own FLWR_HOME) or joins ``--superlink ADDRESS``; with
+``--ray-address HOST:PORT`` (or an exported RAY_ADDRESS) its simulation runs on that Ray cluster (``raycluster``),
 submits the app with `flwr run --format json`, follows the run's log and status, stops only the processes
 it started, and exits non-zero unless the run finished ``completed`` (exit 1; Ctrl-C: 130).
 """
@@ -28,6 +29,7 @@ from typing import Any
 
 from fedapps.config import APP_DIR, ConfigError, ExperimentConfig, load_config
 from fedapps.results import UnusableRun
+from fedapps_tools import raycluster
 
 OFFLINE_ENV = {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
@@ -364,10 +366,12 @@ def exception_lines(lines: list[str]) -> list[str]:
 
 
 def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[str], output_dir: Path,
-                    args: argparse.Namespace) -> Path:
+                    args: argparse.Namespace, ray_address: str | None = None) -> Path:
     """`flwr run` the app on a SuperLink this run starts (or ``--superlink ADDRESS``); raise RunFailed unless the
-    run completed. Only the processes this run started are stopped, also on Ctrl-C/SIGTERM or an error."""
-    env = flower_env()
+    run completed. Only the processes this run started are stopped, also on Ctrl-C/SIGTERM or an error.
+    ``ray_address``: the Ray cluster the simulation runs on (in the new SuperLink's environment); None: a Ray
+    instance of the run's own (no RAY_ADDRESS reaches the SuperLink)."""
+    env = flower_env() if args.superlink else raycluster.cluster_env(flower_env(), ray_address)
     home = Path(tempfile.mkdtemp(prefix="fedapps-flwr-"))
     env["FLWR_HOME"] = str(home)
     result_dir = Path(args.resume) if getattr(args, "resume", None) else output_dir / cfg.resolved_run_name()
@@ -480,6 +484,40 @@ def preflight(cfg: ExperimentConfig) -> None:
     get_federation(dataclasses.asdict(cfg.data))
 
 
+def ray_cluster_request(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The Ray cluster this run's simulation joins (``--ray-address``, else an exported RAY_ADDRESS) and where that
+    came from; (None, ...) for a Ray instance of the run's own. Combinations that cannot work are refused."""
+    option = getattr(args, "ray_address", None)
+    if option and option.strip() == raycluster.LOCAL:
+        option = raycluster.LOCAL
+    elif option and getattr(args, "engine", "flower") != "flower":
+        raise raycluster.RayClusterError("--ray-address needs --engine flower (the in-process engine runs no Ray); "
+                                         "drop one of the two")
+    if option and option != raycluster.LOCAL and getattr(args, "superlink", ""):
+        raise raycluster.RayClusterError(
+            "--ray-address cannot be combined with --superlink: a running SuperLink simulates on the Ray cluster of "
+            "its own environment (start it with RAY_ADDRESS=HOST:PORT); drop one of the two")
+    if getattr(args, "engine", "flower") != "flower" or getattr(args, "superlink", ""):
+        return None, ""
+    address, source = raycluster.requested_address(option, os.environ)
+    fed = getattr(args, "federation_config", "") or ""
+    if address and re.search(r"\binit-args-num-(cpus|gpus)\b", fed):
+        raise raycluster.RayClusterError(
+            f"--federation-config sets init-args-num-cpus/gpus, which Ray refuses when joining the cluster of "
+            f"{source}={address} (a cluster's resources are those of its nodes: `ray start --num-cpus/--num-gpus`); "
+            "remove them")
+    return address, source
+
+
+def check_ray_cluster(args: argparse.Namespace, address: str, source: str) -> None:
+    """The cluster answers as a Ray head and some node can host a client of the requested size (RayClusterError
+    otherwise); prints what the run will use."""
+    cpus, gpus = raycluster.client_resources(getattr(args, "federation_config", "") or "",
+                                             getattr(args, "cpus_per_client", 1), getattr(args, "gpus_per_client", 0))
+    doc = raycluster.check_cluster(address, source, flower_env(), cpus, gpus)
+    print(raycluster.summary_line(address, source, doc, cpus, gpus), flush=True)
+
+
 def check_gpu_request(args: argparse.Namespace) -> None:
     """A GPU share for the local Ray engine needs a visible GPU; without one Ray's actor pool stays empty and the
     run dies with "ActorPool is empty" after start-up. (A remote --superlink has its own machines: not checked.)"""
@@ -516,10 +554,14 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
 
         saved = checkpoint.load_checkpoint(args.resume)  # refuse here, before flwr run starts
         checkpoint.check_same_config(saved["config"], dump_yaml(resolved_config(cfg)), args.resume)
-    check_gpu_request(args)
+    ray_address, ray_source = ray_cluster_request(args)
+    if ray_address:
+        check_ray_cluster(args, ray_address, ray_source)  # the cluster's GPUs count, not this machine's
+    else:
+        check_gpu_request(args)
     if args.engine == "inprocess":
         return run_in_process(cfg, config_path, overrides, out, getattr(args, "resume", None))
-    return run_with_flower(cfg, config_path, overrides, out, args)
+    return run_with_flower(cfg, config_path, overrides, out, args, ray_address=ray_address)
 
 
 def add_run_options(p: argparse.ArgumentParser, output_dir: bool = True) -> None:
@@ -536,6 +578,10 @@ def add_run_options(p: argparse.ArgumentParser, output_dir: bool = True) -> None
     p.add_argument("--federation-config", default="", help="raw --federation-config for flwr run (overrides the three above)")
     p.add_argument("--superlink", default="", metavar="ADDRESS",
                    help="join this running SuperLink (host:port, insecure) instead of starting one; nothing is stopped")
+    p.add_argument("--ray-address", default=None, metavar="HOST:PORT",
+                   help="run the simulation on this running Ray cluster (the head's GCS address; default: an exported "
+                        "RAY_ADDRESS, else a Ray instance of the run's own; 'local' ignores RAY_ADDRESS). Run it on a "
+                        "node of the cluster; --cpus/--gpus-per-client are per client actor on any node")
     p.add_argument("--keep-superlink", action="store_true", help="leave the SuperLink this run started running afterwards")
     p.add_argument("--quiet", action="store_true", help="do not stream the run's log")
 
