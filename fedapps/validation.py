@@ -297,16 +297,17 @@ class ReplyValidator:
     def from_config(cls, cfg: Any) -> "ReplyValidator":
         """The validator for an experiment config: sizes and U from the federation where the server can build
         it (simulation), the model from ``model.name``."""
-        from fedapps.data import get_federation, source_info
+        from fedapps.data import NODES, get_federation, spec_info
         from fedapps.models import build_model, state_part
 
         d = cfg.data
         train = test = None
         public_size = None
-        num_classes, shape = source_info(d.source, d.synthetic_classes, tuple(d.synthetic_shape))
+        num_classes, shape = spec_info(dataclasses.asdict(d))  # a source's, or what the nodes described
         try:
             fed = get_federation(dataclasses.asdict(d))
-            train, test = fed.train_counts.sum(axis=1), fed.test_counts.sum(axis=1)
+            if d.source != NODES:  # under 'nodes' the server holds no client data: sizes are bound on first report
+                train, test = fed.train_counts.sum(axis=1), fed.test_counts.sum(axis=1)
             public_size = None if fed.public_x is None else int(fed.public_x.shape[0])
         except Exception as exc:  # noqa: BLE001 - deployment: the data lives on the clients only
             log.info("reply validation: client data sizes unknown to the server (%s); num-examples is bound on "
