@@ -72,7 +72,7 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
         checkpoint.check_same_config(saved["config"], dump_yaml(cfg), resume_dir)
     description = None
     if cfg.data.source == NODES:  # the nodes hold the data: ask them what it is before anything is built
-        description, describe_validator = describe(grid, cfg)
+        description, describe_validator = describe(grid, cfg, resolved.cls.needs_public_set)
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(
             cfg.data, num_classes=description.num_classes, input_shape=list(description.input_shape)))
         set_described_counts(spec_key(dataclasses.asdict(cfg.data)), *description.counts(cfg.data.num_clients))
@@ -134,14 +134,15 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     return summary
 
 
-def describe(grid: Grid, cfg: ExperimentConfig) -> tuple[Description, ReplyValidator]:
+def describe(grid: Grid, cfg: ExperimentConfig, uses_public: bool) -> tuple[Description, ReplyValidator]:
     """data.source 'nodes': every connected node describes its data (:mod:`fedapps.describe`); classes and shape
-    are settled (pinned by data.num_classes / data.input_shape where given), refused nodes excluded."""
+    are settled (pinned by data.num_classes / data.input_shape where given), refused nodes excluded. A strategy
+    that ``uses_public`` U has each node's copy checked against the server's here, before round 1."""
     d = cfg.data
     spec = dataclasses.asdict(d)
     config: dict[str, Any] = dict(protocol.flatten("data", protocol.data_spec_for_clients(spec)))
     config.update({"model.name": cfg.model.name, "model.seed": cfg.seed})
-    if d.public_path:  # the nodes' copies of U are checked against the server's before round 1
+    if uses_public:  # the nodes' copies of U are checked against the server's before round 1
         config["public.fingerprint"] = get_federation(spec).fingerprint
     validator = ReplyValidator(d.num_clients)
     description = describe_nodes(grid, config, d.num_clients, cfg.strategy.timeout, validator,

@@ -115,9 +115,9 @@ def agree(reports: list[NodeReport], pinned_classes: int = 0,
     """The federation's class count and input shape, and node id -> reason for every node that does not fit.
 
     Shape: ``pinned_shape`` if given, else the most common one (ties: the smallest). Classes: ``pinned_classes`` if
-    given, else the most common DECLARED count among the nodes of that shape (ties: the largest), else (nobody
-    declares one) the largest label + 1 over them. A node is refused for another shape, another declared count, or
-    a label outside the classes."""
+    given, else, among the nodes of that shape, the candidate count (any count a node declares, or the largest
+    label + 1) that most of them fit (:func:`fits`; ties: the larger). A node is refused for another shape, another
+    declared count, or a label outside the classes."""
     refused: dict[int, str] = {}
     if not reports:
         return int(pinned_classes), tuple(pinned_shape), refused  # type: ignore[return-value]
@@ -134,12 +134,12 @@ def agree(reports: list[NodeReport], pinned_classes: int = 0,
     fitting = [r for r in reports if r.node_id not in refused]
     if pinned_classes:
         k, why_k = int(pinned_classes), "data.num_classes"
-    elif any(r.declared for r in fitting):
-        tally_k = Counter(r.declared for r in fitting if r.declared)
-        k = max(tally_k, key=lambda v: (tally_k[v], v))
-        why_k = f"declared by {tally_k[k]} of {len(fitting)} nodes"
     else:
-        k, why_k = max(r.max_label for r in fitting) + 1, "the largest label of any node + 1"
+        # candidates: every declared count, and the largest label + 1; the one most nodes fit wins (ties: larger)
+        candidates = {r.declared for r in fitting if r.declared} | {max(r.max_label for r in fitting) + 1}
+        support = {v: sum(1 for r in fitting if fits(r, v)) for v in candidates}
+        k = max(support, key=lambda v: (support[v], v))
+        why_k = f"the count {support[k]} of {len(fitting)} nodes fit"
     for r in fitting:
         if r.declared and r.declared != k:
             refused[r.node_id] = (f"declares {r.declared} classes, the federation has {k} ({why_k}); fix the node's "
@@ -148,6 +148,11 @@ def agree(reports: list[NodeReport], pinned_classes: int = 0,
             refused[r.node_id] = (f"label {r.max_label} is outside the federation's {k} classes ({why_k}); fix the "
                                   "node's labels")
     return k, shape, refused  # type: ignore[return-value]
+
+
+def fits(r: NodeReport, k: int) -> bool:
+    """Whether a node's data fit ``k`` classes: the count it declares is ``k``, or (none declared) its labels < k."""
+    return r.declared == k if r.declared else r.max_label < k
 
 
 def describe_messages(node_ids: Iterable[int], config: Mapping[str, Any]) -> list:

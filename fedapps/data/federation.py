@@ -59,7 +59,7 @@ from .partition import (
     partition_pathological,
     stratified_split,
 )
-from .nodes import NODES, Labelled, described_counts, read_public, server_public_path, split_node
+from .nodes import NODE_SPLIT_PURPOSE, NODES, Labelled, described_counts, read_public, server_public_path
 from .sources import SOURCES, load_source, source_info
 from .transforms import label_swap_permutations, public_group_shares, rotate_images, rotation_quarter_turns
 
@@ -477,6 +477,18 @@ def nodes_server_federation(s: dict[str, Any]) -> Federation:
         train_indices=[], test_indices=[], public_indices=None,
         x=public_x if public_x is not None else empty, y=public_y if public_y is not None else torch.zeros(0, dtype=torch.int64),
         _clients=[None] * m, eval_split=s["evaluate_on"])
+
+
+def split_node(y: np.ndarray, test_fraction: float, validation_fraction: float, evaluate_on: str, seed: int,
+               client_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """A node's sample indices -> (train, evaluation split): stratified test split with ``test_fraction``; under
+    ``evaluate_on: validation`` the evaluation split is the validation share of train and train the rest (the
+    test indices are dropped). Deterministic in (seed, client id); the same rules as a source's clients."""
+    idx = np.arange(y.size, dtype=np.int64)
+    train, test = client_split(idx, y, test_fraction, derive_rng(seed, NODE_SPLIT_PURPOSE, client_id))
+    if evaluate_on == "validation":
+        return validation_split(train, y, validation_fraction, derive_rng(seed, VALIDATION_SEED_PURPOSE, client_id))
+    return train, test
 
 
 def node_federation(spec: dict[str, Any], client_id: int, data: Labelled,

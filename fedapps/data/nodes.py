@@ -34,7 +34,6 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ..seeds import derive_rng
 from .errors import DataError
 
 log = logging.getLogger("fedapps.data")
@@ -250,20 +249,6 @@ def server_public_path(value: str) -> Path:
             return c.resolve()
     raise DataError(f"data.public_path={value!r}: no such file on the server (looked at: "
                     f"{', '.join(str(c) for c in candidates)}); give the server's copy of U, an .npz with 'x'")
-
-
-def split_node(y: np.ndarray, test_fraction: float, validation_fraction: float, evaluate_on: str, seed: int,
-               client_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """A node's sample indices -> (train, evaluation split): stratified test split with ``test_fraction``; under
-    ``evaluate_on: validation`` the evaluation split is the validation share of train and train the rest (the
-    test indices are dropped). Deterministic in (seed, client id); the same rules as a source's clients."""
-    from .federation import VALIDATION_SEED_PURPOSE, client_split, validation_split
-
-    idx = np.arange(y.size, dtype=np.int64)
-    train, test = client_split(idx, y, test_fraction, derive_rng(seed, NODE_SPLIT_PURPOSE, client_id))
-    if evaluate_on == "validation":
-        return validation_split(train, y, validation_fraction, derive_rng(seed, VALIDATION_SEED_PURPOSE, client_id))
-    return train, test
 
 
 STAND_IN_INFO = (10, (3, 32, 32))  # classes and shape of a model built only to check its structure (see spec_info)
