@@ -106,6 +106,8 @@ def report_of(r: ClientReply) -> NodeReport:
     train, evaluation = ints(DESCRIBE_TRAIN), ints(DESCRIBE_EVAL)
     if min(train + evaluation) < 0:
         raise ValueError("describe reply: negative class counts")
+    if sum(train) != r.num_examples:
+        raise ValueError(f"describe reply: the training counts sum to {sum(train)}, num-examples is {r.num_examples}")
     return NodeReport(r.node_id, r.client_id, shape, ints(DESCRIBE_CLASSES)[0], ints(DESCRIBE_MAX_LABEL)[0],
                       train, evaluation)
 

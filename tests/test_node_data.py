@@ -130,6 +130,35 @@ def test_image_folder_is_read_like_the_npz_it_was_written_from(tmp_path, digits)
         read_labelled(str(folder))
 
 
+def test_a_nodes_split_is_seeded_by_its_client_id_and_its_counts_are_its_own(tmp_path, digits):
+    from fedapps.config import DataConfig
+    from fedapps.data import node_federation
+    import dataclasses
+
+    x, y = digits
+    np.savez(tmp_path / "own.npz", x=x[:300], y=y[:300])
+    data = read_labelled(str(tmp_path / "own.npz"))
+    spec = {**dataclasses.asdict(DataConfig(source="nodes", num_clients=4)), "public_path": ""}
+    fed = node_federation(spec, 2, data, None)
+    c = fed.client(2)
+    np.testing.assert_array_equal(np.bincount(c.train_y.numpy(), minlength=10), fed.train_counts[2])
+    np.testing.assert_array_equal(np.bincount(c.test_y.numpy(), minlength=10), fed.test_counts[2])
+    assert fed.train_counts[[0, 1, 3]].sum() == 0 and len(c.test_y) == pytest.approx(75, abs=10)
+    # the samples themselves: train + test are the file's, each once
+    got = sorted(map(bytes, np.concatenate([c.train_x.numpy(), c.test_x.numpy()]).reshape(300, -1)))
+    assert got == sorted(map(bytes, x[:300].astype(np.float32).reshape(300, -1)))
+    again = node_federation(spec, 2, data, None).client(2)
+    assert torch.equal(again.train_x, c.train_x)  # the same split every message / process
+    other = node_federation(spec, 3, data, None).client(3)
+    assert not torch.equal(other.train_y, c.train_y)  # seeded by the client id
+    validating = node_federation({**spec, "evaluate_on": "validation"}, 2, data, None).client(2)
+    fit_and_val = np.concatenate([validating.train_x.numpy(), validating.test_x.numpy()])
+    assert sorted(map(bytes, fit_and_val.reshape(len(fit_and_val), -1))) == sorted(
+        map(bytes, c.train_x.numpy().reshape(len(c.train_x), -1)))  # validation is carved out of train; no test sample
+    with pytest.raises(DataError, match="outside the federation"):
+        node_federation(spec, 4, data, None)
+
+
 def test_tilde_in_node_config_is_expanded_on_the_node(tmp_path, monkeypatch, digits):
     home = tmp_path / "nodehome"
     home.mkdir()
@@ -201,6 +230,11 @@ def test_a_node_whose_data_do_not_fit_refuses_a_later_message(tmp_path, digits):
     assert "declares 12 classes, the federation has 10" in reply.error.reason and str(wrong) in reply.error.reason
     (ok,) = grid.send_and_receive(s.messages_for_round(1, [100]))
     assert not ok.has_error()
+    shifted = tmp_path / "shifted.npz"  # no declared count, labels 5..14
+    np.savez(shifted, x=x[:60], y=y[:60] + 5)
+    grid = InProcessGrid(2, node_configs={1: {"data-path": str(shifted), "client-id": 1}})
+    reply = grid.send_and_receive(s.messages_for_round(1, [101]))[0]
+    assert reply.has_error() and "label 14 is outside the federation's 10 classes" in reply.error.reason
 
 
 def test_a_wrong_public_set_is_refused_before_round_one(tmp_path, digits):
