@@ -258,8 +258,8 @@ def test_nodes_config_errors_name_the_key(tmp_path):
 
     with pytest.raises(ConfigError, match="data.public_path"):  # a U strategy on nodes needs the server's U file
         resolve(load_config(None, ["strategy.name=fedmd", "data.source=nodes"]))
-    with pytest.raises(ConfigError, match="data.public_fraction"):
-        resolve(load_config(None, ["data.source=nodes", "data.public_fraction=0.2"]))
+    resolve(load_config(None, ["strategy.name=fedmd", "data.source=nodes", "data.public_fraction=0.2",
+                               "data.public_path=U.npz"]))  # public_fraction does not apply to nodes: ignored
     with pytest.raises(ConfigError, match="data.num_classes.*'nodes' only"):
         resolve(load_config(None, ["data.source=digits", "data.num_classes=10"]))
 
@@ -373,3 +373,11 @@ def test_readme_restart_table_matches_what_each_strategy_sends(tmp_path):
         assert len(kinds) == 1, (name, kinds)
         derived[name] = LOSS_WORDS[kinds.pop()]
     assert table == derived
+
+
+def test_a_resumed_nodes_run_pins_what_its_nodes_described():
+    cfg = load_config(None, ["data.source=nodes", "data.num_clients=2"])
+    saved = "data:\n  source: nodes\n  num_classes: 10\n  input_shape: [1, 8, 8]\n"
+    pinned = server_app.nodes_as_checkpointed(cfg, saved)
+    assert (pinned.data.num_classes, pinned.data.input_shape) == (10, [1, 8, 8])
+    assert server_app.nodes_as_checkpointed(load_config(None, ["data.source=digits"]), saved).data.num_classes == 0

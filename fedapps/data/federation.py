@@ -261,12 +261,7 @@ def _check_nodes_keys(s: dict[str, Any]) -> None:
     if not isinstance(s["public_path"], (str, os.PathLike)):
         raise DataError(f"data.public_path={s['public_path']!r} must be a path string ('' = none)")
     s["public_path"] = str(s["public_path"])
-    if s["source"] == NODES:
-        if s["public_fraction"] > 0:
-            raise DataError(f"data.public_fraction={s['public_fraction']} cuts U out of a source, but data.source is "
-                            "'nodes' (the server holds no client data); set data.public_fraction: 0 and give the "
-                            "server's copy of U as data.public_path (each node names its copy in node config "
-                            "public-path)")
+    if s["source"] == NODES:  # U is a file (public_path); public_fraction and the partition keys do not apply
         return
     for key, default in (("num_classes", 0), ("input_shape", []), ("public_path", "")):
         if s[key] != default:
