@@ -381,3 +381,21 @@ def test_a_resumed_nodes_run_pins_what_its_nodes_described():
     pinned = server_app.nodes_as_checkpointed(cfg, saved)
     assert (pinned.data.num_classes, pinned.data.input_shape) == (10, [1, 8, 8])
     assert server_app.nodes_as_checkpointed(load_config(None, ["data.source=digits"]), saved).data.num_classes == 0
+
+
+def test_error_replies_read_as_the_clients_own_exception():
+    """Flower 1.42's two reason formats (observed: a SuperNode's, and the Ray simulation's, which wraps the whole
+    remote traceback with colour codes) become 'ProtocolError: <message>' in the rejection."""
+    from fedapps.validation import error_reason
+
+    msg = "node config 'data-path'='/x/site.npz': /x/site.npz does not exist on this node; fix the path"
+    supernode = f"<class 'fedapps.clientops.ProtocolError'>:<'{msg}'>"
+    ray = ("<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()\x1b[39m "
+           "(pid=1, ip=127.0.0.1)\n  File \"/w/fedapps/worker.py\", line 110, in client_federation\n"
+           f"    raise ProtocolError(...)\nfedapps.clientops.ProtocolError: {msg}\n\nThe above exception was the "
+           "direct cause of the following exception:\n\n  File \"/f/ray_actor.py\", line 65, in run\n    raise "
+           "ClientAppException(str(ex)) from ex\nflwr.clientapp.client_app.ClientAppException: \nException "
+           f"ClientAppException occurred. Message: {msg}'>")
+    assert error_reason(supernode) == f"ProtocolError: {msg}"
+    assert error_reason(ray) == f"ProtocolError: {msg}"
+    assert error_reason("InjectedFault: injected failure") == "InjectedFault: injected failure"
