@@ -25,3 +25,9 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """An evaluation-only message (e.g. a cluster model evaluated on the local test split)."""
     return handle(msg, context)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """A question about the node, no training: ``describe`` (data.source 'nodes', before round 1)."""
+    return handle(msg, context)

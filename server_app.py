@@ -16,10 +16,14 @@ import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedapps import checkpoint
-from fedapps.config import dump_yaml, load_config
-from fedapps.data import get_federation
-from fedapps.results import DeliveryCheck, FileSink, ResultSink, UnusableRun
+import yaml
+
+from fedapps import checkpoint, protocol
+from fedapps.config import ExperimentConfig, dump_yaml, load_config
+from fedapps.data import NODES, get_federation, set_described_counts, spec_key
+from fedapps.describe import Description, bind_accepted, describe_nodes
+from fedapps.results import REJECTIONS, DeliveryCheck, FileSink, ResultSink, UnusableRun, append_rejections
+from fedapps.validation import ReplyValidator
 from strategies import resolve
 
 log = logging.getLogger("fedapps")
@@ -64,7 +68,15 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     saved = None
     if resume_dir:
         saved = checkpoint.load_checkpoint(resume_dir)
+        cfg = nodes_as_checkpointed(cfg, saved["config"])
         checkpoint.check_same_config(saved["config"], dump_yaml(cfg), resume_dir)
+    description = None
+    if cfg.data.source == NODES:  # the nodes hold the data: ask them what it is before anything is built
+        description, describe_validator = describe(grid, cfg, resolved.cls.needs_public_set)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+            cfg.data, num_classes=description.num_classes, input_shape=list(description.input_shape)))
+        set_described_counts(spec_key(dataclasses.asdict(cfg.data)), *description.counts(cfg.data.num_clients))
+    if saved is not None:
         run_dir = Path(resume_dir).expanduser().resolve()
         files = FileSink(cfg, run_dir.parent, run_dir=run_dir)
         files.restore_rows(saved["rows"])
@@ -76,7 +88,11 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
         (files.dir / checkpoint.CHECKPOINT).unlink(missing_ok=True)
     delivery = DeliveryCheck()  # a run with no usable reply, or mostly undelivered messages, fails below
     sinks: list[ResultSink] = [files, delivery]
-    files.write_partition(get_federation(dataclasses.asdict(cfg.data)).stats_rows())
+    if description is not None:
+        files.write_partition(description.partition_rows(cfg.data.evaluate_on))
+        append_rejections(files.dir / REJECTIONS, description.rejections)
+    else:
+        files.write_partition(get_federation(dataclasses.asdict(cfg.data)).stats_rows())
     log.info("run '%s': strategy %s, data %s/%s, %d clients, %d rounds -> %s",
              cfg.resolved_run_name(), cfg.strategy.name, cfg.data.source, cfg.data.partition,
              cfg.data.num_clients, cfg.rounds, files.dir)
@@ -94,6 +110,9 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
 
     strategy = resolved.build(cfg, on_round=on_round)
     strategy.client_state = {"state-dir": str(files.dir / checkpoint.CLIENT_STATE), "state-run": token}
+    if description is not None:
+        strategy.excluded_nodes = set(description.excluded)
+        bind_accepted(describe_validator, strategy.validator, description)
     first_round = 1
     if saved is not None:
         strategy.load_checkpoint_state(saved["state"])
@@ -101,8 +120,9 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
         log.info("resuming '%s' after round %d of %d", files.dir, first_round - 1, cfg.rounds)
     strategy.start(grid=grid, num_rounds=cfg.rounds, timeout=cfg.strategy.timeout, first_round=first_round)
     problems = delivery.problems()
+    described = {"nodes": description.summary()} if description is not None else {}
     summary = files.summary(time.time() - t0, {**strategy.protocol_summary(), **strategy.final_summary(),
-                                               **delivery.totals(), "problems": problems})
+                                               **delivery.totals(), **described, "problems": problems})
     artifacts = strategy.artifacts()
     for sink in sinks:
         sink.on_finish(summary, artifacts)
@@ -112,6 +132,36 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     if problems:  # results are on disk for inspection; the run itself fails (Flower: finished:failed)
         raise UnusableRun("; ".join(problems) + f" (results: {files.dir})")
     return summary
+
+
+def describe(grid: Grid, cfg: ExperimentConfig, uses_public: bool) -> tuple[Description, ReplyValidator]:
+    """data.source 'nodes': every connected node describes its data (:mod:`fedapps.describe`); classes and shape
+    are settled (pinned by data.num_classes / data.input_shape where given), refused nodes excluded. A strategy
+    that ``uses_public`` U has each node's copy checked against the server's here, before round 1."""
+    d = cfg.data
+    spec = dataclasses.asdict(d)
+    config: dict[str, Any] = dict(protocol.flatten("data", protocol.data_spec_for_clients(spec)))
+    config.update({"model.name": cfg.model.name, "model.seed": cfg.seed})
+    if uses_public:  # the nodes' copies of U are checked against the server's before round 1
+        config["public.fingerprint"] = get_federation(spec).fingerprint
+    validator = ReplyValidator(d.num_clients)
+    # wait for the whole federation (strategy.expected_clients where the config has it) before asking
+    wanted = int(getattr(cfg.strategy, "expected_clients", 0) or d.num_clients)
+    description = describe_nodes(grid, config, d.num_clients, cfg.strategy.timeout, validator,
+                                 pinned_classes=d.num_classes, pinned_shape=tuple(d.input_shape), wanted=wanted,
+                                 wait_seconds=float(getattr(cfg.strategy, "connect_timeout", 120.0)))
+    return description, validator
+
+
+def nodes_as_checkpointed(cfg: ExperimentConfig, saved_yaml: str) -> ExperimentConfig:
+    """A resumed data.source 'nodes' run: the classes and shape its nodes described (in the checkpointed config)
+    are pinned, unless the given config pins its own."""
+    if cfg.data.source != NODES or (cfg.data.num_classes and cfg.data.input_shape):
+        return cfg
+    saved = (yaml.safe_load(saved_yaml) or {}).get("data", {})
+    return dataclasses.replace(cfg, data=dataclasses.replace(
+        cfg.data, num_classes=cfg.data.num_classes or int(saved.get("num_classes", 0) or 0),
+        input_shape=list(cfg.data.input_shape or saved.get("input_shape", []) or [])))
 
 
 @app.main()

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import torch
 import yaml
 
-from fedapps.config import ConfigError
+from fedapps.config import ConfigError, without_later_defaults
 
 CHECKPOINT = "checkpoint.pt"
 CLIENT_STATE = "client-state"
@@ -63,7 +63,7 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
 
 def config_differences(saved_yaml: str, given_yaml: str) -> list[str]:
     """Dotted keys whose values differ between two dumped configs (ignoring output_dir and run_name)."""
-    a, b = yaml.safe_load(saved_yaml) or {}, yaml.safe_load(given_yaml) or {}
+    a, b = (without_later_defaults(yaml.safe_load(text) or {}) for text in (saved_yaml, given_yaml))
     for d in (a, b):
         for key in IGNORED_KEYS:
             d.pop(key, None)

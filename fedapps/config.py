@@ -73,6 +73,11 @@ class DataConfig:
     # of the train split, evaluate on the validation share, never build the test split (tuning; specs/evaluation.md)
     evaluate_on: str = "test"
     swap_pairs: int = 1  # label-swap: label pairs swapped in each group but group 0
+    # data.source 'nodes' only (README "A node's own data"): classes and input shape [C, H, W] (0 / []: learnt from
+    # the nodes before round 1, then recorded here in config.yaml) and the server's copy of the public set U
+    num_classes: int = 0
+    input_shape: list[int] = field(default_factory=list)
+    public_path: str = ""
 
 
 @dataclass
@@ -410,13 +415,26 @@ def check_run_name(name: str) -> None:
 
 
 HASH_EXCLUDED = ("run_name", "output_dir")  # where a run is written, not what it computes
+# keys added after results were recorded: left out of the hash (and of a resumed run's comparison) while at these
+# defaults, so that a config that does not use them keeps the hash it had before they existed
+LATER_KEYS: dict[tuple[str, str], Any] = {("data", "num_classes"): 0, ("data", "input_shape"): [],
+                                          ("data", "public_path"): ""}
+
+
+def without_later_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """A dumped config (nested dict) without the :data:`LATER_KEYS` that hold their default (a copy)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for (section, key), default in LATER_KEYS.items():
+        if isinstance(out.get(section), dict) and key in out[section] and out[section][key] == default:
+            del out[section][key]
+    return out
 
 
 def config_hash(cfg: ExperimentConfig) -> str:
     """sha256 of the config as dumped (every section, strategy params included), without ``run_name`` and
     ``output_dir``: two runs with the same hash compute the same thing. Pass the RESOLVED config
     (``strategies.resolve(cfg).config(cfg)``, what config.yaml holds) so that filled-in defaults count."""
-    data = {k: v for k, v in cfg.to_dict().items() if k not in HASH_EXCLUDED}
+    data = {k: v for k, v in without_later_defaults(cfg.to_dict()).items() if k not in HASH_EXCLUDED}
     text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 

@@ -93,6 +93,19 @@ def build_message(
     return Message(content=content, dst_node_id=node_id, message_type=message_type, group_id=str(server_round))
 
 
+# data-spec keys a message carries only when set (a spec without them means their defaults, see
+# fedapps.data.SPEC_DEFAULTS); the server's own path of U (data.public_path) never goes to a client
+CLIENT_SPEC_OPTIONAL = {"num_classes": 0, "input_shape": []}
+SERVER_ONLY_SPEC_KEYS = ("public_path",)
+
+
+def data_spec_for_clients(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The data spec as messages carry it: without the server's own paths, and without the keys of data.source
+    'nodes' while unset (so that messages of every other source stay as they were)."""
+    return {k: v for k, v in spec.items()
+            if k not in SERVER_ONLY_SPEC_KEYS and not (k in CLIENT_SPEC_OPTIONAL and v == CLIENT_SPEC_OPTIONAL[k])}
+
+
 BOOKKEEPING_KEYS = frozenset({"state-dir", "state-run"})  # where a client keeps its state: not algorithm traffic
 
 

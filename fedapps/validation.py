@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -108,6 +109,33 @@ class Outcome:
     accepted: list[ClientReply] = field(default_factory=list)
     rejections: list[Rejection] = field(default_factory=list)
     missing: int = 0
+
+
+# --------------------------------------------------------------------------- error replies
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_CLASS_FORMAT = re.compile(r"^<class '([\w.()]+)'>:<'(.*)'>$", re.S)  # Flower: str(type(ex)) + ":<'" + str(ex) + "'>"
+_RAY_MESSAGE = "Exception ClientAppException occurred. Message: "  # Flower's Ray actor re-raises with this prefix
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Fault)): (.*)$", re.M)
+
+
+def error_reason(reason: str) -> str:
+    """An error reply's reason as a reader wants it: ``ExceptionClass: message``. Flower 1.42 sends
+    ``<class 'mod.Class'>:<'message'>`` from a SuperNode, and from the Ray simulation the whole remote traceback
+    (with terminal colour codes) ending in ``... Message: <message>'>``; both are cut down to the client's own
+    exception and message. Any other text is returned as it is."""
+    text = _ANSI.sub("", reason).strip()
+    if _RAY_MESSAGE in text:
+        message = text.rsplit(_RAY_MESSAGE, 1)[1]
+        message = message[:-2] if message.endswith("'>") else message
+        first = message.splitlines()[0] if message else ""
+        names = [m.group(1) for m in _EXCEPTION_LINE.finditer(text) if first and m.group(2).startswith(first)
+                 and not m.group(1).endswith("ClientAppException")]
+        return f"{names[0].rsplit('.', 1)[-1]}: {message}" if names else message
+    match = _CLASS_FORMAT.match(text)
+    if match:
+        return f"{match.group(1).rsplit('.', 1)[-1]}: {match.group(2)}"
+    return text
 
 
 # --------------------------------------------------------------------------- expectations from messages
@@ -297,16 +325,17 @@ class ReplyValidator:
     def from_config(cls, cfg: Any) -> "ReplyValidator":
         """The validator for an experiment config: sizes and U from the federation where the server can build
         it (simulation), the model from ``model.name``."""
-        from fedapps.data import get_federation, source_info
+        from fedapps.data import NODES, get_federation, spec_info
         from fedapps.models import build_model, state_part
 
         d = cfg.data
         train = test = None
         public_size = None
-        num_classes, shape = source_info(d.source, d.synthetic_classes, tuple(d.synthetic_shape))
+        num_classes, shape = spec_info(dataclasses.asdict(d))  # a source's, or what the nodes described
         try:
             fed = get_federation(dataclasses.asdict(d))
-            train, test = fed.train_counts.sum(axis=1), fed.test_counts.sum(axis=1)
+            if d.source != NODES:  # under 'nodes' the server holds no client data: sizes are bound on first report
+                train, test = fed.train_counts.sum(axis=1), fed.test_counts.sum(axis=1)
             public_size = None if fed.public_x is None else int(fed.public_x.shape[0])
         except Exception as exc:  # noqa: BLE001 - deployment: the data lives on the clients only
             log.info("reply validation: client data sizes unknown to the server (%s); num-examples is bound on "
@@ -340,7 +369,7 @@ class ReplyValidator:
     def parse(self, msg: Message, exp: Expectation) -> ClientReply:
         """The reply unpacked if it answers ``exp`` (identity is checked per batch); ReplyError otherwise."""
         if msg.has_error():
-            raise ReplyError(f"client error {msg.error.code}: {msg.error.reason}")
+            raise ReplyError(f"client error {msg.error.code}: {error_reason(str(msg.error.reason))}")
         content = msg.content
         unknown = [k for k in content.keys() if k not in RECORDS]
         if unknown:

@@ -25,7 +25,8 @@ from torch import nn
 from fedapps import checkpoint, ops, protocol, pseudolabels
 from fedapps.seeds import derive_seed
 from fedapps.clientops import DISTILL_WEIGHTINGS, TRAINING_TERMS, ProtocolError, client_op, parse_op
-from fedapps.data import ClientData, Federation, get_federation
+from fedapps.data import (DATA_PATH, NODES, NUM_CLASSES, PUBLIC_PATH, ClientData, DataError, Federation,
+                          get_federation, node_federation, node_path, read_labelled, read_public, spec_key)
 from fedapps.models import STATE_PARTS, build_model, classifier_name, state_part
 
 log = logging.getLogger("fedapps")
@@ -34,13 +35,32 @@ STATE_MODEL = "private-model"
 STATE_ARCH = "private-model-arch"
 __all__ = ["ProtocolError", "Worker", "handle"]  # ProtocolError is defined in fedapps.clientops
 
-@functools.lru_cache(maxsize=1)
-def set_threads_once() -> int:
-    """Give torch exactly the threads this worker was granted (Ray sets OMP_NUM_THREADS per actor)."""
-    n = int(os.environ.get("FEDAPPS_CLIENT_THREADS", os.environ.get("OMP_NUM_THREADS", "0")) or 0)
+THREADS_KEY = "threads"  # node config: torch threads of this node's ClientApp
+
+
+@functools.lru_cache(maxsize=4)
+def set_threads_once(requested: int = 0) -> int:
+    """Give torch exactly the threads this worker was granted: node config ``threads`` (``requested``), else
+    FEDAPPS_CLIENT_THREADS, else OMP_NUM_THREADS (Ray sets it per actor); none of them: torch's default."""
+    n = int(requested) or int(os.environ.get("FEDAPPS_CLIENT_THREADS", os.environ.get("OMP_NUM_THREADS", "0")) or 0)
     if n > 0:
         torch.set_num_threads(n)
     return torch.get_num_threads()
+
+
+def node_threads(context: Context) -> int:
+    """Node config ``threads`` as a positive integer (0 when not given)."""
+    value = context.node_config.get(THREADS_KEY)
+    if value is None or str(value).strip() == "":
+        return 0
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ProtocolError(f"node config '{THREADS_KEY}'={value!r} must be a positive integer (torch threads of "
+                            f"this node's ClientApp), e.g. --node-config \"{THREADS_KEY}=2\"")
+    return n
 
 
 def client_id_of(context: Context) -> int:
@@ -60,6 +80,81 @@ def data_spec(config: Mapping[str, Any]) -> dict[str, Any]:
     return spec
 
 
+def needs_public(config: Mapping[str, Any]) -> bool:
+    """Whether a message needs the public set U on the client: it names U's fingerprint or predicts/distils on U."""
+    return "public.fingerprint" in config or any(
+        str(op).partition(":")[0] in ("predict", "distill") for op in config.get("ops", []))
+
+
+_NODE_FEDERATIONS: dict[tuple, Federation] = {}  # one per spec, client and files (per process)
+
+
+def client_federation(context: Context, spec: dict[str, Any], client_id: int, public: bool) -> Federation:
+    """This client's data: its node's own files (node config ``data-path``, data.source 'nodes'), else the partition
+    of the spec's source (simulation, demos). Every problem with the node's files is a ProtocolError naming the node
+    config key, the path and the fix; so is data that does not fit the classes / shape the server expects."""
+    node_config = context.node_config
+    own = str(node_config.get(DATA_PATH, "")).strip()
+    source = str(spec.get("source", ""))
+    if source != NODES:
+        for key in (DATA_PATH, PUBLIC_PATH):
+            if str(node_config.get(key, "")).strip():
+                raise ProtocolError(f"node config '{key}' is set, but the server's data.source is '{source}' (it builds "
+                                    f"every client's data from that source); run with data.source: nodes, or start this "
+                                    f"SuperNode without '{key}'")
+        try:
+            return get_federation(spec)
+        except DataError as exc:
+            raise ProtocolError(f"client {client_id}: the data spec cannot be served here: {exc}") from exc
+    if not own:
+        raise ProtocolError(f"data.source is 'nodes' but this node has no node config '{DATA_PATH}'; start the SuperNode "
+                            f"with --node-config \"{DATA_PATH}='/path/to/own.npz' client-id=<i>\" (an .npz with x, y or "
+                            "a folder of class sub-folders)")
+    try:
+        labelled = read_labelled(own, DATA_PATH, node_config.get(NUM_CLASSES))
+        u = None
+        if public:
+            if not str(node_config.get(PUBLIC_PATH, "")).strip():
+                raise DataError(f"this run needs the public set U, but the node has no node config '{PUBLIC_PATH}'; "
+                                f"add --node-config \"{PUBLIC_PATH}='/path/to/U.npz'\" (a copy of the server's "
+                                "data.public_path)")
+            u_path = node_path(node_config[PUBLIC_PATH], PUBLIC_PATH)
+            u = read_public(u_path, f"node config '{PUBLIC_PATH}'={str(u_path)!r}")
+        check_fits(spec, labelled, u)
+        key = (spec_key(spec), client_id, labelled.path, id(labelled.x), labelled.declared_classes,
+               None if u is None else id(u[0]))
+        if key not in _NODE_FEDERATIONS:
+            if len(_NODE_FEDERATIONS) > 4:
+                _NODE_FEDERATIONS.clear()
+            _NODE_FEDERATIONS[key] = node_federation(spec, client_id, labelled, u)
+        return _NODE_FEDERATIONS[key]
+    except DataError as exc:
+        raise ProtocolError(str(exc)) from exc
+
+
+def check_fits(spec: Mapping[str, Any], labelled: Any, public: tuple[torch.Tensor, Any] | None) -> None:
+    """The node's data against the classes and input shape the server expects (the message's ``data.num_classes``
+    / ``data.input_shape``; unset in the describe message, then nothing to check)."""
+    k = int(spec.get("num_classes", 0) or 0)
+    shape = tuple(int(d) for d in spec.get("input_shape", []) or [])
+    where = f"node config '{DATA_PATH}'={labelled.path!r}"
+    if shape and labelled.input_shape != shape:
+        raise DataError(f"{where}: images of shape {labelled.input_shape} (C, H, W), but the federation's are {shape}; "
+                        "give this node data of the federation's input shape")
+    if k:
+        if labelled.declared_classes is not None and labelled.declared_classes != k:
+            raise DataError(f"{where}: this node declares {labelled.declared_classes} classes, the federation has {k}; "
+                            f"fix the class sub-folders / 'num_classes' of the file, or node config '{NUM_CLASSES}'")
+        if int(labelled.y.max()) >= k:
+            raise DataError(f"{where}: label {int(labelled.y.max())} is outside the federation's {k} classes "
+                            f"(0..{k - 1}); fix the labels")
+    if public is not None:
+        u_shape = tuple(int(d) for d in public[0].shape[1:])
+        if u_shape != labelled.input_shape:
+            raise DataError(f"node config '{PUBLIC_PATH}': U's images are {u_shape}, this node's data {labelled.input_shape}; "
+                            "U must have the clients' input shape")
+
+
 def model_arch(config: Mapping[str, Any], context: Context, client_id: int) -> str:
     """Architecture of this client's private model: node_config 'arch', else the per-client list, else one name."""
     if "arch" in context.node_config:
@@ -68,12 +163,16 @@ def model_arch(config: Mapping[str, Any], context: Context, client_id: int) -> s
     return str(per_client[client_id % len(per_client)]) if per_client else str(config["model.name"])
 
 
+def private_arch(context: Context, config: Mapping[str, Any], client_id: int) -> str:
+    """The architecture of the client's private model: the kept one's, else the configured one."""
+    if STATE_ARCH in context.state:
+        return str(context.state[STATE_ARCH]["arch"])
+    return model_arch(config, context, client_id)
+
+
 def private_model(context: Context, config: Mapping[str, Any], fed: Federation, client_id: int, device: torch.device) -> tuple[nn.Module, str]:
     """The client's model: restored from Context.state, or built fresh on first contact."""
-    if STATE_ARCH in context.state:
-        arch = str(context.state[STATE_ARCH]["arch"])
-    else:
-        arch = model_arch(config, context, client_id)
+    arch = private_arch(context, config, client_id)
     seed = int(config.get("model.seed", 0))
     model, initial = model_skeleton(arch, fed.num_classes, tuple(fed.input_shape), seed)
     if STATE_MODEL in context.state:
@@ -103,10 +202,21 @@ def load_arrays(model: nn.Module, received: Mapping[str, torch.Tensor], strict: 
     model.load_state_dict(received, strict=False)
 
 
+STATE_DIR_KEY = "state-dir"  # node config (and message key): where the client keeps its private model on disk
+
+
 def state_dir(config: Mapping[str, Any], context: Context) -> Path | None:
-    """The directory where this client keeps its private model on disk: node config first, then the message."""
-    value = context.node_config.get("state-dir", config.get("state-dir", ""))
+    """The directory where this client keeps its private model on disk: node config ``state-dir`` first (``~``
+    expanded here, on the node), then the message's (the run folder's, a path of the server's machine)."""
+    if str(context.node_config.get(STATE_DIR_KEY, "")).strip():
+        return Path(os.path.expanduser(str(context.node_config[STATE_DIR_KEY]).strip()))
+    value = config.get(STATE_DIR_KEY, "")
     return Path(str(value)) if value else None
+
+
+def state_dir_is_nodes(context: Context) -> bool:
+    """Whether the state directory is the node's own (node config) rather than the message's."""
+    return bool(str(context.node_config.get(STATE_DIR_KEY, "")).strip())
 
 
 def state_files(directory: Path, client_id: int) -> dict[int, Path]:
@@ -124,7 +234,12 @@ def restore_private_state(context: Context, config: Mapping[str, Any], client_id
     EARLIER round of the same run (state-run token) goes into Context.state. A file of the current round is
     skipped: it was written by a round the server never checkpointed and now repeats."""
     directory = state_dir(config, context)
-    if directory is None or STATE_MODEL in context.state or not directory.is_dir():
+    if directory is None or STATE_MODEL in context.state:
+        return
+    try:
+        if not directory.is_dir():
+            return
+    except OSError:
         return
     rnd, token = int(config.get("round", 0)), str(config.get("state-run", ""))
     for saved_round, path in sorted(state_files(directory, client_id).items(), reverse=True):
@@ -146,11 +261,35 @@ def save_private_state(context: Context, config: Mapping[str, Any], client_id: i
         return
     rnd = int(config.get("round", 0))
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    checkpoint.atomic_save({"run": str(config.get("state-run", "")), "round": rnd, "arch": arch, "state": state},
-                           directory / f"{int(client_id)}.r{rnd}.pt")
-    earlier = sorted(r for r in state_files(directory, client_id) if r < rnd)
-    for r in earlier[:-1]:
-        state_files(directory, client_id)[r].unlink(missing_ok=True)
+    try:
+        checkpoint.atomic_save({"run": str(config.get("state-run", "")), "round": rnd, "arch": arch, "state": state},
+                               directory / f"{int(client_id)}.r{rnd}.pt")
+        earlier = sorted(r for r in state_files(directory, client_id) if r < rnd)
+        for r in earlier[:-1]:
+            state_files(directory, client_id)[r].unlink(missing_ok=True)
+    except OSError as exc:
+        if state_dir_is_nodes(context):
+            raise ProtocolError(f"node config '{STATE_DIR_KEY}'={str(directory)!r}: cannot write the private model there "
+                                f"({exc.strerror or exc}); give a folder this node can write") from exc
+        # the message's state-dir is the server's run folder: on another machine it may not be writable
+        log.warning("client %d: the run's state-dir %s is not writable on this node (%s); the private model stays in "
+                    "memory only: set node config '%s' to keep it across restarts", client_id, directory,
+                    exc.strerror or exc, STATE_DIR_KEY)
+
+
+RESTART_LOSSES = ("nothing", "buffers", "head", "model")
+
+
+def lost_on_restart(config: Mapping[str, Any]) -> str:
+    """What of a client's private model a message with these settings leaves to the client's own keeping, i.e. what
+    a restarted SuperNode without ``state-dir`` loses (README table): ``nothing`` (the model is not kept, or the
+    whole state is loaded from the message), ``buffers`` (parameters loaded, buffers kept), ``head`` (the body
+    loaded, the classifier head kept) or ``model`` (nothing loaded: the whole private model is the client's)."""
+    if not config.get("persist-model", True):
+        return "nothing"
+    if config.get("load-arrays", False) and not config.get("arrays.multi", False):
+        return {"state": "nothing", "params": "buffers", "body": "head"}[str(config.get("arrays.keys", "state"))]
+    return "model"
 
 
 def model_arrays(model: nn.Module, which: str) -> ArrayRecord:
@@ -214,12 +353,12 @@ class Worker:
     """
 
     def __init__(self, msg: Message, context: Context) -> None:
-        set_threads_once()
+        set_threads_once(node_threads(context))
         self.msg = msg
         self.context = context
         self.config = dict(msg.content[protocol.CONFIG])
         self.client_id = client_id_of(context)
-        self.fed = get_federation(data_spec(self.config))
+        self.fed = client_federation(context, data_spec(self.config), self.client_id, needs_public(self.config))
         self.data: ClientData = self.fed.client(self.client_id)
         # a held-out share of the training split (scored on by operations that need one); training uses the rest
         self.train_x, self.train_y = self.data.train_x, self.data.train_y
@@ -233,7 +372,7 @@ class Worker:
         self.device = ops.resolve_device(str(self.config.get("client.device", "auto")))
         if self.config.get("persist-model", True):
             restore_private_state(context, self.config, self.client_id)
-        self.model, self.arch = private_model(context, self.config, self.fed, self.client_id, self.device)
+        self.arch = private_arch(context, self.config, self.client_id)
         self.outgoing: nn.Module | None = None  # set by an operation that returns another model than the private one
         self.metrics: dict[str, Any] = {protocol.CLIENT_ID: self.client_id, protocol.NUM_EXAMPLES: len(self.data.train_y)}
         self.reply = RecordDict()
@@ -269,6 +408,12 @@ class Worker:
         self.reply[protocol.METRICS] = protocol.metrics_record(self.metrics)
         self.reply[protocol.INFO] = ConfigRecord({"arch": self.arch, "fingerprint": self.fed.fingerprint})
         return Message(content=self.reply, reply_to=self.msg)
+
+    @functools.cached_property
+    def model(self) -> nn.Module:
+        """The private model (restored or built on first use: a message that needs none, e.g. ``describe``,
+        builds none)."""
+        return private_model(self.context, self.config, self.fed, self.client_id, self.device)[0]
 
     @functools.cached_property
     def received(self) -> dict[str, torch.Tensor] | None:
@@ -329,6 +474,11 @@ class Worker:
     def _check_public_set(self) -> None:
         expected = self.config.get("public.fingerprint")
         if expected is not None and expected != self.fed.fingerprint:
+            if str(self.context.node_config.get(PUBLIC_PATH, "")).strip():
+                raise ProtocolError(
+                    f"public set mismatch: node config '{PUBLIC_PATH}'={str(self.context.node_config[PUBLIC_PATH])!r} "
+                    f"holds a U with fingerprint '{self.fed.fingerprint}', the server's U has '{expected}'; give this "
+                    f"node a copy of the server's U file (data.public_path) as '{PUBLIC_PATH}'")
             raise ProtocolError(
                 f"public set mismatch: the server's U has fingerprint '{expected}', this client's has "
                 f"'{self.fed.fingerprint}'. Both sides must build U from the same data spec (data.* keys)."
@@ -336,6 +486,30 @@ class Worker:
 
 
 # ---------------------------------------------------------------------- the common operations
+
+
+# what a node reports about its data in the describe message (data.source 'nodes', before round 1)
+DESCRIBE_OP = "describe"
+DESCRIBE_SHAPE = "data-shape"  # [C, H, W] of its images
+DESCRIBE_CLASSES = "data-classes"  # the class count it declares (0: none declared, see DESCRIBE_MAX_LABEL)
+DESCRIBE_MAX_LABEL = "data-max-label"  # its largest label
+DESCRIBE_TRAIN = "data-train-counts"  # per class: samples of its training split
+DESCRIBE_EVAL = "data-eval-counts"  # per class: samples of its evaluation split (test, or validation)
+
+
+@client_op(DESCRIBE_OP)
+def describe(w: Worker, tag: str) -> None:
+    """The node's data as the server needs to know it before round 1: input shape, declared class count, largest
+    label and per-class counts of its splits. Nothing is trained, no model is built."""
+    own = str(w.context.node_config.get(DATA_PATH, "")).strip()
+    declared = 0
+    if own:
+        declared = read_labelled(own, DATA_PATH, w.context.node_config.get(NUM_CLASSES)).declared_classes or 0
+    w.metrics[DESCRIBE_SHAPE] = [int(d) for d in w.fed.input_shape]
+    w.metrics[DESCRIBE_CLASSES] = int(declared)
+    w.metrics[DESCRIBE_MAX_LABEL] = max([-1, *(int(t.max()) for t in (w.data.train_y, w.data.test_y) if t.numel())])
+    w.metrics[DESCRIBE_TRAIN] = [int(v) for v in w.fed.train_counts[w.client_id]]
+    w.metrics[DESCRIBE_EVAL] = [int(v) for v in w.fed.test_counts[w.client_id]]
 
 
 @client_op("evaluate", default_tag="eval")

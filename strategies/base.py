@@ -31,6 +31,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedapps import protocol
 from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.data import NODES
 from fedapps.params import parse_params
 from fedapps.protocol import ClientReply
 from fedapps.results import Artifact, accuracy_stats, after_training_stats
@@ -132,7 +133,7 @@ class PersonalisedStrategy(Strategy):
     # every class in the MRO count.
     checkpoint_exclude: ClassVar[frozenset[str]] = frozenset(
         {"cfg", "params", "on_round", "rng", "node_to_client", "last_extra", "client_state", "rule", "validator",
-         "_checked", "last_measured"})
+         "_checked", "last_measured", "excluded_nodes"})
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -159,7 +160,11 @@ class PersonalisedStrategy(Strategy):
         if cfg.model.per_client and not cls.model_agnostic:
             raise ConfigError(f"'model.per_client' is set but strategy '{cls.name}' exchanges model parameters, "
                               "so every client must run the same 'model.name'; remove model.per_client")
-        if cls.needs_public_set and cfg.data.public_fraction <= 0:
+        if cls.needs_public_set and cfg.data.source == NODES and not cfg.data.public_path:
+            raise ConfigError(f"strategy '{cls.name}' needs a public set U, and with data.source 'nodes' U is a file: set "
+                              "'data.public_path' to the server's copy of U (an .npz with 'x'); every node names its "
+                              "own copy in node config public-path")
+        if cls.needs_public_set and cfg.data.source != NODES and cfg.data.public_fraction <= 0:
             raise ConfigError(f"strategy '{cls.name}' needs a public set U: set 'data.public_fraction' in (0, 1), e.g. 0.2")
         s = cfg.strategy
         if not cls.robust_aggregation and (s.aggregation != "mean" or s.max_weight_share < 1.0):
@@ -189,12 +194,14 @@ class PersonalisedStrategy(Strategy):
         # where clients keep their private model across a resumption: {"state-dir": ..., "state-run": token};
         # set by the app driver, sent in every message (see fedapps.worker); empty: clients keep it in memory only
         self.client_state: dict[str, str] = {}
+        # nodes refused before round 1 (data.source 'nodes': their data do not fit, see fedapps.describe): never sampled
+        self.excluded_nodes: set[int] = set()
 
     def base_config(self) -> dict[str, Any]:
         """Settings every message carries: the data spec, the model spec and the client's training settings."""
         c = self.cfg
         out: dict[str, Any] = {}
-        out.update(protocol.flatten("data", dataclasses.asdict(c.data)))
+        out.update(protocol.flatten("data", protocol.data_spec_for_clients(dataclasses.asdict(c.data))))
         out.update({"model.name": c.model.name, "model.seed": c.seed})
         if c.model.per_client:
             out["model.per_client"] = list(c.model.per_client)
@@ -304,7 +311,7 @@ class PersonalisedStrategy(Strategy):
 
     def sample_nodes(self, grid: Grid) -> list[int]:
         """ceil(fraction·N) nodes, at least min_clients (when that many are connected), seeded."""
-        nodes = self.available_nodes(grid)
+        nodes = [n for n in self.available_nodes(grid) if n not in self.excluded_nodes]
         if not nodes:
             raise RuntimeError("no client nodes are connected")
         k = min(len(nodes), max(self.cfg.strategy.min_clients, math.ceil(self.cfg.strategy.fraction * len(nodes))))
@@ -329,7 +336,8 @@ class PersonalisedStrategy(Strategy):
         models are measured on the next round's training messages)."""
         if server_round != self.cfg.rounds:
             return []
-        messages = self.deployed_messages(server_round + 1, sorted(grid.get_node_ids()))
+        messages = self.deployed_messages(server_round + 1, sorted(n for n in grid.get_node_ids()
+                                                                   if n not in self.excluded_nodes))
         self.validator.expect(messages)
         return messages
 
@@ -428,7 +436,8 @@ class PersonalisedStrategy(Strategy):
         """The deployed models after the last round ``rnd``: one evaluation-only message to EVERY connected
         client (sampled this round or not), filed as round ``rnd``'s measurement; its bytes are evaluation
         traffic."""
-        messages = self.deployed_messages(rnd + 1, sorted(int(n) for n in grid.get_node_ids()))
+        messages = self.deployed_messages(rnd + 1, sorted(int(n) for n in grid.get_node_ids()
+                                                          if int(n) not in self.excluded_nodes))
         if not messages:
             log.warning("round %d: no client has a deployed model to evaluate", rnd)
             return

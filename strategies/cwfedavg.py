@@ -55,7 +55,7 @@ from torch import Tensor, nn
 from fedapps import protocol
 from fedapps.clientops import client_op, training_term
 from fedapps.config import ConfigError, ExperimentConfig
-from fedapps.data import get_federation, source_info
+from fedapps.data import get_federation, spec_info
 from fedapps.models import build_model, classifier_name, top_level_children
 from fedapps.params import lower, param
 from fedapps.protocol import ClientReply
@@ -279,7 +279,7 @@ class CwFedAvg(PersonalisedStrategy):
         if params.estimator == "norm" and params.wdr_lambda == 0:
             log.warning("cwfedavg: estimator 'norm' without WDR (wdr_lambda=0): the row norms carry little class "
                         "information; the paper uses λ=10 (MNIST/CIFAR-10) to 2000 (Tiny ImageNet)")
-        model = _build(cfg)
+        model = _build(cfg, stand_in=True)  # the structure only: under data.source 'nodes' the shape is not known yet
         classwise_keys(model, params.layers)
         head = classifier_name(model)
         if params.estimator == "bias" and getattr(model.get_submodule(head), "bias", None) is None:
@@ -480,8 +480,9 @@ class CwFedAvg(PersonalisedStrategy):
         return rows
 
 
-def _build(cfg: ExperimentConfig) -> nn.Module:
-    num_classes, shape = source_info(cfg.data.source, cfg.data.synthetic_classes, tuple(cfg.data.synthetic_shape))
+def _build(cfg: ExperimentConfig, stand_in: bool = False) -> nn.Module:
+    # a source's classes and shape, or what the nodes described (stand_in: placeholders while they are unknown)
+    num_classes, shape = spec_info(dataclasses.asdict(cfg.data), stand_in=stand_in)
     return build_model(cfg.model.name, num_classes, shape, seed=cfg.seed)
 
 

@@ -7,13 +7,14 @@ protocol on round r+1's message before training, as PFLlib does).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 from flwr.app import Message
 
 from fedapps import protocol
-from fedapps.data import source_info
+from fedapps.data import spec_info
 from fedapps.models import build_model, state_part
 from fedapps.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, average_matching
@@ -22,7 +23,7 @@ from strategies.base import DeployedModel, PersonalisedStrategy, average_matchin
 def initial_model_arrays(cfg, part: str = "state", seed: int | None = None) -> dict[str, np.ndarray]:
     """The model every client starts from (seeded by the experiment seed unless ``seed`` is given): its whole
     state, its parameters or its body (``part``, see :func:`fedapps.models.state_part`)."""
-    num_classes, shape = source_info(cfg.data.source, cfg.data.synthetic_classes, tuple(cfg.data.synthetic_shape))
+    num_classes, shape = spec_info(dataclasses.asdict(cfg.data))  # a source's, or what the nodes described
     model = build_model(cfg.model.name, num_classes, shape, seed=cfg.seed if seed is None else seed)
     return {k: v.detach().cpu().numpy() for k, v in state_part(model, part).items()}
 

@@ -9,7 +9,21 @@ from .federation import (
     check_spec,
     clear_federation_cache,
     get_federation,
+    node_federation,
+    nodes_server_federation,
     spec_key,
+)
+from .nodes import (
+    DATA_PATH,
+    NODES,
+    NUM_CLASSES,
+    PUBLIC_PATH,
+    Labelled,
+    node_path,
+    read_labelled,
+    read_public,
+    set_described_counts,
+    spec_info,
 )
 from .partition import (
     GROUP_TRANSFORM_PARTITIONS,
@@ -63,4 +77,16 @@ __all__ = [
     "get_federation",
     "spec_key",
     "clear_federation_cache",
+    "node_federation",
+    "nodes_server_federation",
+    "DATA_PATH",
+    "NODES",
+    "NUM_CLASSES",
+    "PUBLIC_PATH",
+    "Labelled",
+    "node_path",
+    "read_labelled",
+    "read_public",
+    "set_described_counts",
+    "spec_info",
 ]

@@ -59,6 +59,7 @@ from .partition import (
     partition_pathological,
     stratified_split,
 )
+from .nodes import NODE_SPLIT_PURPOSE, NODES, Labelled, described_counts, read_public, server_public_path
 from .sources import SOURCES, load_source, source_info
 from .transforms import label_swap_permutations, public_group_shares, rotate_images, rotation_quarter_turns
 
@@ -68,9 +69,12 @@ SPEC_KEYS: tuple[str, ...] = (
     "source", "root", "download", "partition", "num_clients", "classes_per_client", "alpha",
     "min_samples", "groups", "redistribute_fraction", "test_fraction", "public_fraction", "seed",
     "synthetic_classes", "synthetic_shape", "synthetic_samples", "validation_fraction", "evaluate_on", "swap_pairs",
+    "num_classes", "input_shape", "public_path",
 )
-# keys a spec may leave out (older servers, hand-built specs): check_spec fills in these defaults
-SPEC_DEFAULTS: dict[str, Any] = {"validation_fraction": 0.15, "evaluate_on": "test", "swap_pairs": 1}
+# keys a spec may leave out (older servers, hand-built specs, messages that omit keys at their default): check_spec
+# fills in these defaults. num_classes / input_shape / public_path belong to data.source 'nodes' (fedapps.data.nodes)
+SPEC_DEFAULTS: dict[str, Any] = {"validation_fraction": 0.15, "evaluate_on": "test", "swap_pairs": 1,
+                                 "num_classes": 0, "input_shape": [], "public_path": ""}
 EVALUATION_SPLITS: tuple[str, ...] = ("test", "validation")
 VALIDATION_SEED_PURPOSE = "validation-split"  # derive_seed(data.seed, this, client id): the validation split
 
@@ -117,7 +121,7 @@ class Federation:
     # public_y are contiguous slices (views sharing this storage), so the process holds one copy.
     x: torch.Tensor = field(repr=False)
     y: torch.Tensor = field(repr=False)
-    _clients: list[ClientData] = field(repr=False)
+    _clients: list[ClientData | None] = field(repr=False)  # None: that client's data is elsewhere (source 'nodes')
     # which split test_* hold: "test", or "validation" (then no sample, count or index of the test split is here)
     eval_split: str = "test"
     # rotated: each group's counter-clockwise rotation in degrees (group g: g·360/groups); else None
@@ -132,7 +136,11 @@ class Federation:
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.num_clients:
             raise DataError(f"client id {i!r} is out of range: expected an integer in 0..{self.num_clients - 1} "
                             f"(data.num_clients={self.num_clients})")
-        return self._clients[int(i)]
+        data = self._clients[int(i)]
+        if data is None:  # data.source 'nodes': each node holds its own data, the server none
+            raise DataError(f"client {i}'s data is not in this process: under data.source 'nodes' each node holds "
+                            "its own (node config data-path)")
+        return data
 
     def group_transform(self, group: int) -> str:
         """What group `group` sees, in words: 'rotate 90' (degrees, counter-clockwise), 'swap 3-7 2-4', 'identity'."""
@@ -177,8 +185,8 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise DataError(f"data spec has unknown keys: {', '.join(unknown)} (allowed: {', '.join(SPEC_KEYS)})")
     s = dict(spec)
-    if s["source"] not in SOURCES:
-        raise DataError(f"data.source={s['source']!r} is unknown; allowed: {', '.join(SOURCES)}")
+    if s["source"] not in (*SOURCES, NODES):
+        raise DataError(f"data.source={s['source']!r} is unknown; allowed: {', '.join((*SOURCES, NODES))}")
     if s["partition"] not in PARTITIONS:
         raise DataError(f"data.partition={s['partition']!r} is unknown; allowed: {', '.join(PARTITIONS)}")
     if not isinstance(s["root"], (str, os.PathLike)) or not str(s["root"]):
@@ -214,6 +222,9 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
         raise DataError(f"data.validation_fraction={s['validation_fraction']!r} leaves no validation split, but "
                         "data.evaluate_on is 'validation'; set data.validation_fraction in (0, 1), e.g. 0.15")
 
+    _check_nodes_keys(s)
+    if s["source"] == NODES:
+        return s  # no source to partition: the nodes bring their data (the keys above still apply to their splits)
     num_classes, shape = source_info(s["source"], s["synthetic_classes"], s["synthetic_shape"])
     if s["partition"] == "pathological" and s["classes_per_client"] > num_classes:
         raise DataError(f"data.classes_per_client={s['classes_per_client']} exceeds the {num_classes} classes "
@@ -234,6 +245,28 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
     if s["partition"] == "label-swap":
         label_swap_permutations(num_classes, s["groups"], s["swap_pairs"], np.random.default_rng(0))  # feasibility
     return s
+
+
+def _check_nodes_keys(s: dict[str, Any]) -> None:
+    """``num_classes`` / ``input_shape`` / ``public_path``: data.source 'nodes' only (normalised in ``s``)."""
+    k = s["num_classes"]
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+        raise DataError(f"data.num_classes={k!r} must be a non-negative integer (0: learnt from the nodes)")
+    s["num_classes"] = int(k)
+    shape = s["input_shape"]
+    if (not isinstance(shape, (list, tuple)) or len(shape) not in (0, 3)
+            or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in shape)):
+        raise DataError(f"data.input_shape={shape!r} must be [] (learnt from the nodes) or 3 positive integers [C, H, W]")
+    s["input_shape"] = [int(d) for d in shape]
+    if not isinstance(s["public_path"], (str, os.PathLike)):
+        raise DataError(f"data.public_path={s['public_path']!r} must be a path string ('' = none)")
+    s["public_path"] = str(s["public_path"])
+    if s["source"] == NODES:  # U is a file (public_path); public_fraction and the partition keys do not apply
+        return
+    for key, default in (("num_classes", 0), ("input_shape", []), ("public_path", "")):
+        if s[key] != default:
+            raise DataError(f"data.{key}={s[key]!r} applies to data.source 'nodes' only (data.source is "
+                            f"{s['source']!r}); remove it")
 
 
 def _fingerprint(x: torch.Tensor) -> str:
@@ -264,8 +297,11 @@ def validation_split(train: np.ndarray, labels: np.ndarray, fraction: float,
 
 
 def build_federation(spec: dict[str, Any]) -> Federation:
-    """Load, split off U, partition and split per client, as the data spec says (deterministic for its seed)."""
+    """Load, split off U, partition and split per client, as the data spec says (deterministic for its seed).
+    Under data.source 'nodes': the server's view, :func:`nodes_server_federation`."""
     s = check_spec(spec)
+    if s["source"] == NODES:
+        return nodes_server_federation(s)
     t0 = time.perf_counter()
     ds = load_source(s["source"], s["root"], download=s["download"], synthetic_classes=s["synthetic_classes"],
                      synthetic_shape=s["synthetic_shape"], synthetic_samples=s["synthetic_samples"],
@@ -385,8 +421,11 @@ def spec_key(spec: dict[str, Any]) -> str:
 
 
 def get_federation(spec: dict[str, Any]) -> Federation:
-    """`build_federation`, cached per process on the canonical spec (each process loads and partitions once)."""
+    """`build_federation`, cached per process on the canonical spec (each process loads and partitions once).
+    Under data.source 'nodes' not cached (the counts the nodes describe may change; U itself is read once)."""
     key = spec_key(spec)
+    if json.loads(key)["source"] == NODES:
+        return build_federation(spec)
     with _CACHE_LOCK:
         fed = _CACHE.get(key)
         if fed is None:
@@ -399,3 +438,80 @@ def clear_federation_cache() -> None:
     """Forget every cached federation (frees memory; tests)."""
     with _CACHE_LOCK:
         _CACHE.clear()
+
+
+# ---------------------------------------------------------------------- data.source 'nodes'
+
+
+def nodes_server_federation(s: dict[str, Any]) -> Federation:
+    """The server's federation under data.source 'nodes': no client data; U from ``data.public_path`` (the server's
+    copy); classes and shape as the nodes described them (0 / (0, 0, 0) before); per-client class counts as the
+    nodes reported them (``nodes.set_described_counts``; zeros for clients never described)."""
+    k = int(s["num_classes"])
+    shape = tuple(s["input_shape"]) if s["input_shape"] else (0, 0, 0)
+    m = int(s["num_clients"])
+    public_x = public_y = None
+    fingerprint = ""
+    if s["public_path"]:
+        path = server_public_path(s["public_path"])
+        public_x, public_y = read_public(path, f"data.public_path={s['public_path']!r}")
+        if k and tuple(public_x.shape[1:]) != shape:
+            raise DataError(f"data.public_path={s['public_path']!r}: U's images are {tuple(public_x.shape[1:])}, the "
+                            f"nodes' are {shape}; U must have the clients' input shape")
+        if k and public_y is not None and public_y.numel() and int(public_y.max()) >= k:
+            raise DataError(f"data.public_path={s['public_path']!r}: U's label {int(public_y.max())} does not fit the "
+                            f"nodes' {k} classes")
+        fingerprint = _fingerprint(public_x)
+    counts = described_counts(spec_key(s)) if k else None
+    train_counts = np.zeros((m, k), dtype=np.int64) if counts is None else counts[0]
+    eval_counts = np.zeros((m, k), dtype=np.int64) if counts is None else counts[1]
+    empty = torch.zeros((0, *shape))
+    return Federation(
+        num_classes=k, input_shape=shape, num_clients=m, public_x=public_x, public_y=public_y,
+        train_counts=train_counts, test_counts=eval_counts, groups=None, fingerprint=fingerprint, spec=s,
+        train_indices=[], test_indices=[], public_indices=None,
+        x=public_x if public_x is not None else empty, y=public_y if public_y is not None else torch.zeros(0, dtype=torch.int64),
+        _clients=[None] * m, eval_split=s["evaluate_on"])
+
+
+def split_node(y: np.ndarray, test_fraction: float, validation_fraction: float, evaluate_on: str, seed: int,
+               client_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """A node's sample indices -> (train, evaluation split): stratified test split with ``test_fraction``; under
+    ``evaluate_on: validation`` the evaluation split is the validation share of train and train the rest (the
+    test indices are dropped). Deterministic in (seed, client id); the same rules as a source's clients."""
+    idx = np.arange(y.size, dtype=np.int64)
+    train, test = client_split(idx, y, test_fraction, derive_rng(seed, NODE_SPLIT_PURPOSE, client_id))
+    if evaluate_on == "validation":
+        return validation_split(train, y, validation_fraction, derive_rng(seed, VALIDATION_SEED_PURPOSE, client_id))
+    return train, test
+
+
+def node_federation(spec: dict[str, Any], client_id: int, data: Labelled,
+                    public: tuple[torch.Tensor, torch.Tensor | None] | None) -> Federation:
+    """A node's federation: its own labelled ``data`` split into train / evaluation (``nodes.split_node``) as client
+    ``client_id``'s, the other clients' entries empty; U from the node's own copy (``public``). Classes and shape:
+    the spec's (what the server expects; 0 / [] in the describe message: then the node's own)."""
+    s = check_spec(spec)
+    m = int(s["num_clients"])
+    if not 0 <= client_id < m:
+        raise DataError(f"client id {client_id} is outside the federation 0..{m - 1} (data.num_clients={m}); give "
+                        "this node a client-id in that range")
+    k = int(s["num_classes"]) or data.num_classes
+    labels = data.y.numpy()
+    train, held = split_node(labels, s["test_fraction"], s["validation_fraction"], s["evaluate_on"], s["seed"], client_id)
+    train_counts = np.zeros((m, k), dtype=np.int64)
+    eval_counts = np.zeros((m, k), dtype=np.int64)
+    train_counts[client_id] = np.bincount(labels[train], minlength=k)[:k]
+    eval_counts[client_id] = np.bincount(labels[held], minlength=k)[:k]
+    order = torch.from_numpy(np.concatenate([train, held]))
+    x, y = data.x[order], data.y[order]
+    clients: list[ClientData | None] = [None] * m
+    clients[client_id] = ClientData(x[:train.size], y[:train.size], x[train.size:], y[train.size:])
+    public_x, public_y = public if public is not None else (None, None)
+    return Federation(
+        num_classes=k, input_shape=data.input_shape, num_clients=m, public_x=public_x, public_y=public_y,
+        train_counts=train_counts, test_counts=eval_counts, groups=None,
+        fingerprint=_fingerprint(public_x) if public_x is not None else "", spec=s,
+        train_indices=[train if i == client_id else np.zeros(0, np.int64) for i in range(m)],
+        test_indices=[held if i == client_id else np.zeros(0, np.int64) for i in range(m)],
+        public_indices=None, x=x, y=y, _clients=clients, eval_split=s["evaluate_on"])

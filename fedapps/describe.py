@@ -1,0 +1,219 @@
+"""Before round 1 under ``data.source: nodes``: the server learns the data from the nodes themselves.
+
+Every connected node gets one ``describe`` message (a registered client operation, :func:`fedapps.worker.describe`;
+no model is built, nothing is trained) and answers with its input shape, the class count it declares, its largest
+label and the per-class counts of its train and evaluation splits. The replies are validated like any other
+(:class:`fedapps.validation.ReplyValidator`: identity, U's fingerprint when the run has U, ...); then
+:func:`agree` settles the federation's input shape and class count — pinned by ``data.input_shape`` /
+``data.num_classes`` where the config gives them, else the nodes' majority — and refuses every node whose data do
+not fit, with a readable reason. Refused nodes are excluded from the run (never sampled); the others' class counts
+become partition.csv and the server federation's counts (cwFedAvg's diagnostics). Every later message carries the
+settled classes and shape, so a node that joins later with data that do not fit refuses its first message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from fedapps import protocol
+from fedapps.protocol import ClientReply
+from fedapps.validation import Rejection, ReplyValidator
+from fedapps.worker import (DESCRIBE_CLASSES, DESCRIBE_EVAL, DESCRIBE_MAX_LABEL, DESCRIBE_OP, DESCRIBE_SHAPE,
+                            DESCRIBE_TRAIN)
+
+log = logging.getLogger("fedapps")
+
+PHASE = "describe"  # the phase name of rejections.csv rows (round 0)
+MESSAGE_TYPE = "query"  # Flower message type of the describe message (client_app's @app.query())
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """One node's description of its data."""
+
+    node_id: int
+    client_id: int
+    shape: tuple[int, ...]
+    declared: int  # 0: none declared
+    max_label: int
+    train: tuple[int, ...]
+    eval: tuple[int, ...]
+
+
+@dataclass
+class Description:
+    """What the describe phase settled: classes, shape, the accepted nodes' reports, the refused nodes."""
+
+    num_classes: int
+    input_shape: tuple[int, int, int]
+    reports: list[NodeReport]
+    rejections: list[Rejection] = field(default_factory=list)
+    excluded: set[int] = field(default_factory=set)
+    asked: int = 0
+
+    def counts(self, num_clients: int) -> tuple[np.ndarray, np.ndarray]:
+        """clients × classes sample counts of the train and evaluation splits (zero rows: not described)."""
+        train = np.zeros((num_clients, self.num_classes), dtype=np.int64)
+        evaluation = np.zeros((num_clients, self.num_classes), dtype=np.int64)
+        for r in self.reports:
+            train[r.client_id] = fit_counts(r.train, self.num_classes)
+            evaluation[r.client_id] = fit_counts(r.eval, self.num_classes)
+        return train, evaluation
+
+    def partition_rows(self, eval_split: str) -> list[dict[str, Any]]:
+        """partition.csv rows (as ``Federation.stats_rows``) of the described clients."""
+        rows = []
+        for r in sorted(self.reports, key=lambda r: r.client_id):
+            for split, counts in (("train", r.train), (eval_split, r.eval)):
+                c = fit_counts(counts, self.num_classes)
+                rows.append({"client": r.client_id, "split": split, "node_id": r.node_id, "total": int(c.sum()),
+                             **{f"class_{k}": int(v) for k, v in enumerate(c)}})
+        return rows
+
+    def summary(self) -> dict[str, Any]:
+        """summary.json's account of the describe phase."""
+        return {"nodes_described": len(self.reports), "nodes_asked": self.asked,
+                "nodes_refused": [r.row() for r in self.rejections],
+                "num_classes": self.num_classes, "input_shape": list(self.input_shape)}
+
+
+def fit_counts(counts: Iterable[int], k: int) -> np.ndarray:
+    """A node's per-class counts (its own length) as a length-``k`` vector (labels >= k were refused before)."""
+    c = np.asarray(list(counts), dtype=np.int64)[:k]
+    return np.pad(c, (0, k - c.size))
+
+
+def report_of(r: ClientReply) -> NodeReport:
+    """The describe metrics of an accepted reply (ValueError when they are missing or malformed)."""
+    m = r.metrics
+
+    def ints(key: str) -> tuple[int, ...]:
+        value = m.get(key)
+        values = value if isinstance(value, list) else [value]
+        if value is None or any(not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < -1 for v in values):
+            raise ValueError(f"describe reply lacks a valid '{key}' (got {value!r})")
+        return tuple(int(v) for v in values)
+
+    shape = ints(DESCRIBE_SHAPE)
+    if len(shape) != 3 or min(shape) < 1:
+        raise ValueError(f"describe reply: '{DESCRIBE_SHAPE}' must be [C, H, W], got {list(shape)}")
+    train, evaluation = ints(DESCRIBE_TRAIN), ints(DESCRIBE_EVAL)
+    if min(train + evaluation) < 0:
+        raise ValueError("describe reply: negative class counts")
+    if sum(train) != r.num_examples:
+        raise ValueError(f"describe reply: the training counts sum to {sum(train)}, num-examples is {r.num_examples}")
+    return NodeReport(r.node_id, r.client_id, shape, ints(DESCRIBE_CLASSES)[0], ints(DESCRIBE_MAX_LABEL)[0],
+                      train, evaluation)
+
+
+def agree(reports: list[NodeReport], pinned_classes: int = 0,
+          pinned_shape: tuple[int, ...] = ()) -> tuple[int, tuple[int, int, int], dict[int, str]]:
+    """The federation's class count and input shape, and node id -> reason for every node that does not fit.
+
+    Shape: ``pinned_shape`` if given, else the most common one (ties: the smallest). Classes: ``pinned_classes`` if
+    given, else, among the nodes of that shape, the candidate count (any count a node declares, or the largest
+    label + 1) that most of them fit (:func:`fits`; ties: the larger). A node is refused for another shape, another
+    declared count, or a label outside the classes."""
+    refused: dict[int, str] = {}
+    if not reports:
+        return int(pinned_classes), tuple(pinned_shape), refused  # type: ignore[return-value]
+    if pinned_shape:
+        shape, why_shape = tuple(int(d) for d in pinned_shape), "data.input_shape"
+    else:
+        tally = Counter(r.shape for r in reports)
+        shape = min(tally, key=lambda s: (-tally[s], s))
+        why_shape = f"{tally[shape]} of {len(reports)} nodes"
+    for r in reports:
+        if r.shape != shape:
+            refused[r.node_id] = (f"input shape {list(r.shape)} (C, H, W) differs from the federation's {list(shape)} "
+                                  f"({why_shape}); give this node data of that shape")
+    fitting = [r for r in reports if r.node_id not in refused]
+    if pinned_classes:
+        k, why_k = int(pinned_classes), "data.num_classes"
+    else:
+        # candidates: every declared count, and the largest label + 1; the one most nodes fit wins (ties: larger)
+        candidates = {r.declared for r in fitting if r.declared} | {max(r.max_label for r in fitting) + 1}
+        support = {v: sum(1 for r in fitting if fits(r, v)) for v in candidates}
+        k = max(support, key=lambda v: (support[v], v))
+        why_k = f"the count {support[k]} of {len(fitting)} nodes fit"
+    for r in fitting:
+        if r.declared and r.declared != k:
+            refused[r.node_id] = (f"declares {r.declared} classes, the federation has {k} ({why_k}); fix the node's "
+                                  "class sub-folders / the .npz's num_classes, or node config num-classes")
+        elif r.max_label >= k:
+            refused[r.node_id] = (f"label {r.max_label} is outside the federation's {k} classes ({why_k}); fix the "
+                                  "node's labels")
+    return k, shape, refused  # type: ignore[return-value]
+
+
+def fits(r: NodeReport, k: int) -> bool:
+    """Whether a node's data fit ``k`` classes: the count it declares is ``k``, or (none declared) its labels < k."""
+    return r.declared == k if r.declared else r.max_label < k
+
+
+def describe_messages(node_ids: Iterable[int], config: Mapping[str, Any]) -> list:
+    """One describe message per node: the data spec (and U's fingerprint, when the run has U), nothing to keep."""
+    settings = {**config, "persist-model": False, "save-model": False}
+    return [protocol.build_message(int(n), 0, [DESCRIBE_OP], settings, message_type=MESSAGE_TYPE) for n in node_ids]
+
+
+def wait_for_nodes(grid: Any, wanted: int, wait_seconds: float) -> list[int]:
+    """Connected node ids, once ``wanted`` are there or after ``wait_seconds``."""
+    deadline = time.time() + wait_seconds
+    while True:
+        nodes = sorted(int(n) for n in grid.get_node_ids())
+        if len(nodes) >= wanted or time.time() > deadline:
+            return nodes
+        time.sleep(0.5)
+
+
+def describe_nodes(grid: Any, config: Mapping[str, Any], num_clients: int, timeout: float,
+                   validator: ReplyValidator, pinned_classes: int = 0, pinned_shape: tuple[int, ...] = (),
+                   wanted: int = 1, wait_seconds: float = 120.0) -> Description:
+    """Ask every connected node (after waiting for ``wanted``) to describe its data; settle classes and shape
+    (:func:`agree`); refuse what does not fit. ``config``: the message settings (flattened data spec, U's
+    fingerprint). ``validator`` checks the replies and binds node <-> client (the caller hands the bindings of the
+    accepted nodes on to the run's validator)."""
+    nodes = wait_for_nodes(grid, wanted, wait_seconds)
+    if not nodes:
+        raise RuntimeError("data.source 'nodes': no node is connected to describe its data")
+    messages = describe_messages(nodes, config)
+    validator.expect(messages)
+    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    outcome = validator.check(0, replies, MESSAGE_TYPE)
+    rejections = [Rejection(0, PHASE, r.node_id, r.client_id, r.reason) for r in outcome.rejections]
+    reports: list[NodeReport] = []
+    for r in outcome.accepted:
+        try:
+            reports.append(report_of(r))
+        except ValueError as exc:
+            rejections.append(Rejection(0, PHASE, r.node_id, r.client_id, str(exc)))
+    k, shape, refused = agree(reports, pinned_classes, pinned_shape)
+    for r in reports:
+        if r.node_id in refused:
+            rejections.append(Rejection(0, PHASE, r.node_id, r.client_id, refused[r.node_id]))
+    accepted = [r for r in reports if r.node_id not in refused]
+    excluded = {int(r.node_id) for r in rejections if r.node_id is not None}
+    for rej in rejections:
+        log.warning("describe: node %s (client %s) refused: %s", rej.node_id, rej.client_id, rej.reason)
+    if not accepted:
+        reasons = "; ".join(f"node {r.node_id}: {r.reason}" for r in rejections) or "no node replied"
+        raise RuntimeError(f"data.source 'nodes': no node described data the run can use ({reasons})")
+    log.info("describe: %d of %d nodes agree on %d classes, input shape %s (%d refused)", len(accepted), len(nodes),
+             k, list(shape), len(excluded))
+    return Description(k, shape, accepted, rejections, excluded, asked=len(nodes))
+
+
+def bind_accepted(source: ReplyValidator, target: ReplyValidator, description: Description) -> None:
+    """Hand the node <-> client bindings (and first reported num-examples) of the accepted nodes to ``target``."""
+    for r in description.reports:
+        target.node_client[r.node_id] = r.client_id
+        target.client_node[r.client_id] = r.node_id
+        if r.client_id in source.bound_examples and target.train_sizes is None:
+            target.bound_examples[r.client_id] = source.bound_examples[r.client_id]
