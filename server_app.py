@@ -145,11 +145,11 @@ def describe(grid: Grid, cfg: ExperimentConfig, uses_public: bool) -> tuple[Desc
     if uses_public:  # the nodes' copies of U are checked against the server's before round 1
         config["public.fingerprint"] = get_federation(spec).fingerprint
     validator = ReplyValidator(d.num_clients)
-    # wait for the whole federation (strategy.expected_clients where the config has it) before asking
-    wanted = int(getattr(cfg.strategy, "expected_clients", 0) or d.num_clients)
+    # wait for the whole federation (strategy.expected_clients, default data.num_clients) before asking
+    wanted = cfg.strategy.expected_clients or d.num_clients
     description = describe_nodes(grid, config, d.num_clients, cfg.strategy.timeout, validator,
                                  pinned_classes=d.num_classes, pinned_shape=tuple(d.input_shape), wanted=wanted,
-                                 wait_seconds=float(getattr(cfg.strategy, "connect_timeout", 120.0)))
+                                 wait_seconds=cfg.strategy.connect_timeout)
     return description, validator
 
 

@@ -14,7 +14,6 @@ settled classes and shape, so a node that joins later with data that do not fit 
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -22,6 +21,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from fedapps import protocol
+from fedapps.connect import wait_for_clients
 from fedapps.protocol import ClientReply
 from fedapps.validation import Rejection, ReplyValidator
 from fedapps.worker import (DESCRIBE_CLASSES, DESCRIBE_EVAL, DESCRIBE_MAX_LABEL, DESCRIBE_OP, DESCRIBE_SHAPE,
@@ -163,16 +163,6 @@ def describe_messages(node_ids: Iterable[int], config: Mapping[str, Any]) -> lis
     return [protocol.build_message(int(n), 0, [DESCRIBE_OP], settings, message_type=MESSAGE_TYPE) for n in node_ids]
 
 
-def wait_for_nodes(grid: Any, wanted: int, wait_seconds: float) -> list[int]:
-    """Connected node ids, once ``wanted`` are there or after ``wait_seconds``."""
-    deadline = time.time() + wait_seconds
-    while True:
-        nodes = sorted(int(n) for n in grid.get_node_ids())
-        if len(nodes) >= wanted or time.time() > deadline:
-            return nodes
-        time.sleep(0.5)
-
-
 def describe_nodes(grid: Any, config: Mapping[str, Any], num_clients: int, timeout: float,
                    validator: ReplyValidator, pinned_classes: int = 0, pinned_shape: tuple[int, ...] = (),
                    wanted: int = 1, wait_seconds: float = 120.0) -> Description:
@@ -180,7 +170,7 @@ def describe_nodes(grid: Any, config: Mapping[str, Any], num_clients: int, timeo
     (:func:`agree`); refuse what does not fit. ``config``: the message settings (flattened data spec, U's
     fingerprint). ``validator`` checks the replies and binds node <-> client (the caller hands the bindings of the
     accepted nodes on to the run's validator)."""
-    nodes = wait_for_nodes(grid, wanted, wait_seconds)
+    nodes = wait_for_clients(grid, wanted, wait_seconds)
     if not nodes:
         raise RuntimeError("data.source 'nodes': no node is connected to describe its data")
     messages = describe_messages(nodes, config)

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 from fedapps.config import APP_DIR, ConfigError, load_config
-from fedapps_tools.cli import (RunFailed, _proc_stat, _signal, descendants, failure_reasons, flower_env, flwr_json,
-                                follow_run, toml_str)
+from fedapps_tools.flwrcli import (RunFailed, _proc_stat, _signal, descendants, failure_reasons, flower_env, flwr_json,
+                                    follow_run, toml_str)
 
 CA_CERT, CA_KEY = "ca.crt", "ca.key"
 SERVER_CERT, SERVER_KEY = "server.pem", "server.key"

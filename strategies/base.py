@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable, Mapping
+from typing import Any, ClassVar, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedapps import protocol
 from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.connect import wait_for_clients
 from fedapps.data import NODES
 from fedapps.params import parse_params
 from fedapps.protocol import ClientReply
@@ -488,33 +489,6 @@ class PersonalisedStrategy(Strategy):
                         timeout)
         entry.wall_seconds = time.time() - t0
         return entry
-
-
-class FederationIncomplete(RuntimeError):
-    """Fewer client nodes connected than the run expects, after ``strategy.connect_timeout``."""
-
-
-def wait_for_clients(grid: Grid, expected: int, timeout: float, poll: float = 0.5,
-                     clock: Callable[[], float] = time.monotonic) -> list[int]:
-    """The connected node ids once at least ``expected`` are there (progress logged every ~10 s); after
-    ``timeout`` seconds a :class:`FederationIncomplete` that says how many came and how to proceed."""
-    start = clock()
-    last_note = start
-    while True:
-        nodes = sorted(int(n) for n in grid.get_node_ids())
-        if len(nodes) >= expected:
-            return nodes
-        now = clock()
-        if now - start >= timeout:
-            raise FederationIncomplete(
-                f"only {len(nodes)} of the {expected} expected client nodes connected within {timeout:.0f} s "
-                "(strategy.connect_timeout): start the missing SuperNodes, or set strategy.expected_clients="
-                f"{max(len(nodes), 1)} to run with fewer, or raise strategy.connect_timeout")
-        if now - last_note >= 10:
-            log.info("waiting for client nodes: %d of %d connected (%.0f s of %.0f s)", len(nodes), expected,
-                     now - start, timeout)
-            last_note = now
-        time.sleep(poll)
 
 
 def _state_value(value: Any, where: str) -> Any:

@@ -13,7 +13,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from fedapps_tools.cli import OFFLINE_ENV  # noqa: E402
+from fedapps_tools.flwrcli import OFFLINE_ENV  # noqa: E402
 
 for _key, _value in OFFLINE_ENV.items():  # Ray on loopback, no telemetry, no run-time installs
     os.environ.setdefault(_key, _value)

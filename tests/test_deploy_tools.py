@@ -13,8 +13,8 @@ import pytest
 
 from fedapps.config import ConfigError
 from fedapps_tools import deploy
-from fedapps_tools.cli import _proc_stat, exception_lines
-from strategies.base import FederationIncomplete, wait_for_clients
+from fedapps_tools.flwrcli import _proc_stat, descendants, exception_lines
+from fedapps.connect import FederationIncomplete, wait_for_clients
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,8 +113,6 @@ def test_stop_signals_exactly_the_recorded_processes_and_their_children(tmp_path
                                       "subprocess.Popen(['sleep', '300']); time.sleep(300)"], tmp_path, "link", env)
     bystander = subprocess.Popen(["sleep", "300"])
     try:
-        from fedapps_tools.cli import descendants
-
         deadline = time.monotonic() + 20
         while not descendants(parent.pid) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -1,0 +1,189 @@
+"""What every tool that drives Flower's CLI shares: the offline environment, `flwr ... --format json`, following
+a run to its FINAL status (``flwr run --stream`` exits 0 on a failed run), reading why it failed off its log, and
+the /proc bookkeeping that lets a tool stop exactly the processes it started (pid + start time)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from fedapps.config import APP_DIR
+
+
+OFFLINE_ENV = {
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+}
+
+
+class RunFailed(RuntimeError):
+    """A run that did not finish with status completed."""
+
+
+CONNECTION = "fedapps"  # the name of the SuperLink connection this tool writes into its own FLWR_HOME
+
+
+def flower_env() -> dict[str, str]:
+    """Environment for `flwr`: offline settings, this venv's bin on PATH (FLWR_HOME is set per run)."""
+    env = dict(os.environ)
+    for k, v in OFFLINE_ENV.items():
+        env.setdefault(k, v)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def toml_str(value: str) -> str:
+    """A TOML string literal for --run-config."""
+    return json.dumps(value)
+
+
+def _proc_stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process, from /proc; None when it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "
+    if fields[0] == "Z":  # a zombie is gone for our purposes
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def descendants(root: int) -> dict[int, int]:
+    """Every live descendant of ``root`` (pid -> start time), found through /proc (Linux; {} elsewhere)."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return {}
+    for name in entries:
+        if name.isdigit():
+            st = _proc_stat(int(name))
+            if st is not None:
+                children.setdefault(st[0], []).append((int(name), st[1]))
+    out: dict[int, int] = {}
+    todo = [root]
+    while todo:
+        for pid, started in children.get(todo.pop(), []):
+            if pid not in out:
+                out[pid] = started
+                todo.append(pid)
+    return out
+
+
+def _signal(pid: int, started: int | None, sig: int) -> None:
+    """Signal ``pid`` only if it is still the process that was noted (its start time matches)."""
+    st = _proc_stat(pid)
+    if st is None or (started is not None and st[1] != started):
+        return
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def flwr_json(cmd: list[str], env: dict[str, str], timeout: float = 120) -> dict[str, Any]:
+    """Run a `flwr ... --format json` command and return its JSON document (RunFailed when there is none)."""
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=APP_DIR, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+    text = proc.stdout.strip()
+    try:
+        doc = json.loads(text[text.index("{"):]) if "{" in text else None
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise RunFailed(f"`{' '.join(cmd[:2])}` gave no JSON (exit {proc.returncode}): {(text + proc.stderr)[-2000:]}")
+    return doc
+
+
+def run_status(run_id: str, env: dict[str, str], connection: str = CONNECTION) -> str:
+    """The run's status from `flwr ls --run-id ID --format json` (e.g. running, finished:completed)."""
+    try:
+        doc = flwr_json(["flwr", "ls", connection, "--run-id", run_id, "--format", "json"], env, timeout=60)
+        return str(doc["runs"][0]["status"])
+    except (RunFailed, KeyError, IndexError, TypeError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def follow_run(run_id: str, env: dict[str, str], quiet: bool, link: Any | None,
+               poll: float = 2.0, connection: str = CONNECTION) -> tuple[str, list[str]]:
+    """Stream the run's log (`flwr log ID --stream`) while polling its status; return (final status, log).
+    ``link``: a SuperLink process this run owns (its children are noted, its exit ends the wait), or None."""
+    lines: list[str] = []
+    logp = subprocess.Popen(["flwr", "log", run_id, connection, "--stream"], env=env, cwd=APP_DIR,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+
+    def pump() -> None:
+        assert logp.stdout is not None
+        for line in logp.stdout:
+            lines.append(line)
+            if not quiet:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    status = "unknown"
+    try:
+        while True:
+            if link is not None:
+                link.note_children()
+                if link.proc is not None and link.proc.poll() is not None:
+                    status = "superlink-exited"
+                    break
+            status = run_status(run_id, env, connection)
+            if status.startswith("finished"):
+                break
+            time.sleep(poll)
+        try:
+            logp.wait(timeout=5)  # the stream ends by itself once the run's logs are all read
+        except subprocess.TimeoutExpired:
+            pass
+    finally:
+        if logp.poll() is None:
+            logp.terminate()
+            try:
+                logp.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                logp.kill()
+        reader.join(timeout=5)
+    return status, lines
+
+
+def failure_reasons(lines: list[str], result_dir: Path) -> str:
+    """Why a run failed: the problems the ServerApp recorded in summary.json, else its error lines."""
+    summary = result_dir / "summary.json"
+    if summary.is_file():
+        try:
+            problems = json.loads(summary.read_text()).get("problems") or []
+        except (ValueError, OSError):
+            problems = []
+        if problems:
+            return "\n".join(f"  - {p}" for p in problems)
+    errors = [ln.rstrip() for ln in lines if re.search(r"ERROR|Error|Exception|failed", ln)]
+    return "\n".join(exception_lines(lines) + (errors or [ln.rstrip() for ln in lines])[-25:])
+
+
+def exception_lines(lines: list[str]) -> list[str]:
+    """The 'Type: message' line that ends each Python traceback in a log (whatever the exception's name)."""
+    out: list[str] = []
+    in_traceback = False
+    for prev, line in zip([""] + lines, lines):
+        if line.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        elif in_traceback and line.strip() and not line[0].isspace() and prev[:1].isspace():
+            out.append(line.rstrip())
+            in_traceback = False
+    return out
