@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -207,9 +208,15 @@ STATE_DIR_KEY = "state-dir"  # node config (and message key): where the client k
 
 def state_dir(config: Mapping[str, Any], context: Context) -> Path | None:
     """The directory where this client keeps its private model on disk: node config ``state-dir`` first (``~``
-    expanded here, on the node), then the message's (the run folder's, a path of the server's machine)."""
+    expanded here, on the node; ``<state-dir>/<run token>/``), then the message's (the run folder's, a path of the
+    server's machine)."""
     if str(context.node_config.get(STATE_DIR_KEY, "")).strip():
-        return Path(os.path.expanduser(str(context.node_config[STATE_DIR_KEY]).strip()))
+        base = Path(os.path.expanduser(str(context.node_config[STATE_DIR_KEY]).strip()))
+        # one sub-folder per run (its state-run token): a node serving several runs at once never mixes their files
+        token = str(config.get("state-run", "")).strip()
+        if token and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", token):
+            raise ProtocolError(f"state-run token {token!r} is not a plain name; refusing to use it as a folder")
+        return base / token if token else base
     value = config.get(STATE_DIR_KEY, "")
     return Path(str(value)) if value else None
 

@@ -8,6 +8,7 @@ test fails. Needs root (CAP_NET_ADMIN) and `ip`; skipped with the reason where n
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -70,6 +71,10 @@ class Namespaces:
     def run(self, name: str, *cmd: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
         return subprocess.run(["ip", "netns", "exec", self.ns(name), *cmd], capture_output=True, text=True,
                               timeout=timeout, cwd=ROOT, env=env)
+
+    def popen(self, name: str, *cmd: str, env: dict | None = None) -> subprocess.Popen:
+        return subprocess.Popen(["ip", "netns", "exec", self.ns(name), *cmd], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
 
     def remove(self) -> list[str]:
         """Kill every process left in our namespaces, delete them; return the namespaces still present."""
@@ -166,25 +171,41 @@ def test_tls_authenticated_deployment_across_namespaces(netns, tmp_path):
         assert r.returncode == 2 and "register its public key" in r.stderr, r.stdout + r.stderr
 
         nodes_data = ["data.source=nodes", "data.num_clients=2", "rounds=2", "model.name=mlp", "client.epochs=1",
-                      "client.batch_size=32", "strategy.connect_timeout=60"]
-        for config, extra in (("configs/cwfedavg.yaml", []),
-                              ("configs/cosmos.yaml", [f"data.public_path={public}"])):
-            fetched = tmp_path / "fetched" / Path(config).stem
-            t0 = time.monotonic()
-            r = step("cli", "run", config, "--link", "far", "--set", *nodes_data, *extra, "--fetch-to", str(fetched),
-                     "--quiet", timeout=400)
-            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-            print(f"{config}: {time.monotonic() - t0:.0f} s")
-            (run_dir,) = [p for p in fetched.iterdir() if p.is_dir()]
+                      "client.batch_size=32", "strategy.min_clients=2", "strategy.connect_timeout=60"]
+        cosmos = [f"data.public_path={public}", "strategy.params.cosmos.pretrain_epochs=2",
+                  "strategy.params.cosmos.server_epochs=1"]  # clients: MLP and CNN (the config's per_client)
+        # both runs at once on the same SuperLink and SuperNodes (a node serves several runs; their state-dir
+        # files go to one folder per run), which also halves the test's wall time
+        runs = {"cwfedavg": ["client.lr=0.1"], "cosmos": cosmos}
+        t0 = time.monotonic()
+        started = {name: netns.popen("cli", PY, "-m", "fedapps_tools.cli", "deploy", "run", f"configs/{name}.yaml",
+                                     "--link", "far", "--set", *nodes_data, *extra, "--fetch-to",
+                                     str(tmp_path / "fetched" / name), "--quiet", env=env)
+                   for name, extra in runs.items()}
+        for name, proc in started.items():
+            out, err = proc.communicate(timeout=400)
+            assert proc.returncode == 0, f"{name}: " + out[-3000:] + err[-3000:]
+        print(f"cwFedAvg and COSMOS, 2 rounds each, concurrently: {time.monotonic() - t0:.0f} s")
+        for name in runs:
+            (run_dir,) = [p for p in (tmp_path / "fetched" / name).iterdir() if p.is_dir()]
             summary = json.loads((run_dir / "summary.json").read_text())
-            assert summary["rounds"] == 2 and summary["status"] == "completed"
-            assert summary["replies_rejected"] == 0
-            # partition.csv is what the nodes described: the class counts of their own files
-            import csv
-
-            rows = {int(r["client_id"]): r for r in csv.DictReader(open(run_dir / "partition.csv"))}
-            for i, rows_i in enumerate(halves):
-                assert int(rows[i]["train"]) + int(rows[i]["test"]) == len(rows_i)
+            assert summary["strategy"] == name
+            assert summary["final_round"] == 2 and summary["problems"] == [], summary
+            assert summary["final_round_measured_clients"] == 2
+            assert summary["messages_answered"] == summary["messages_sent"]
+            assert summary["nodes"]["nodes_described"] == 2 and summary["nodes"]["nodes_refused"] == []
+            assert summary["accuracy_mean"] > 0.15  # above chance (10 classes: 0.1; ~200 test samples per client)
+            # partition.csv is what the nodes described: the class counts of their own files, train + test
+            rows = list(csv.DictReader(open(run_dir / "partition.csv")))
+            for cid, rows_i in enumerate(halves):
+                counts = np.zeros(10, dtype=int)
+                for row in rows:
+                    if int(row["client"]) == cid:
+                        counts += np.array([int(row[f"class_{k}"]) for k in range(10)])
+                assert counts.tolist() == np.bincount(y[rows_i], minlength=10).tolist()
+        # each node kept each run's private models apart, under its own state-dir
+        for name in ("node1", "node2"):
+            assert len([p for p in (tmp_path / f"state-{name}").iterdir() if p.is_dir()]) == 2
     finally:
         for state in states:
             if (state / "pids").is_dir():

@@ -305,7 +305,9 @@ def test_state_dir_survives_a_supernode_restart(tmp_path, monkeypatch, digits):
     first = fresh()
     handle(message(cfg, "local", 1, ["train"], "run-a"), first)
     trained = first.state[STATE_MODEL].to_torch_state_dict()
-    assert (home / "state" / "0.r1.pt").is_file()  # '~' is the node's home
+    assert (home / "state" / "run-a" / "0.r1.pt").is_file()  # '~' is the node's home; one folder per run
+    handle(message(cfg, "local", 1, ["train"], "run-c"), fresh())  # another run on the same node at the same time
+    assert (home / "state" / "run-c" / "0.r1.pt").is_file() and len(list((home / "state").glob("*/*.pt"))) == 2
     restarted = fresh()
     handle(message(cfg, "local", 2, ["evaluate"], "run-a"), restarted)
     restored = restarted.state[STATE_MODEL].to_torch_state_dict()
