@@ -29,8 +29,8 @@ from typing import Any
 
 from fedapps.config import APP_DIR, ConfigError, ExperimentConfig, load_config
 from fedapps.results import UnusableRun
-from fedapps_tools.flwrcli import (CONNECTION, RunFailed, _proc_stat, _signal, descendants, failure_reasons,
-                                   flower_env, flwr_json, follow_run, toml_str)
+from fedapps_tools.flwrcli import (CONNECTION, RunFailed, _proc_stat, descendants, failure_reasons,
+                                   flower_env, flwr_json, follow_run, stop_processes, toml_str)
 from fedapps_tools import raycluster
 
 
@@ -115,31 +115,8 @@ class OwnSuperLink:
         """SIGTERM to the SuperLink's process group and to each process it started; SIGKILL what is left."""
         if self.proc is None:
             return
-        targets = self.pids()
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for pid in targets - {self.proc.pid}:
-            _signal(pid, self.owned.get(pid), signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            self.proc.poll()
-            if not self.pids():
-                break
-            time.sleep(0.2)
-        for pid in self.pids():
-            _signal(pid, self.owned.get(pid), signal.SIGKILL)
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+        self.note_children()
+        stop_processes(dict(self.owned), group=self.proc, grace=grace)
 
 
 def write_connection(home: Path, address: str) -> None:

@@ -23,7 +23,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -31,8 +30,8 @@ import time
 from pathlib import Path
 
 from fedapps.config import APP_DIR, ConfigError, load_config
-from fedapps_tools.flwrcli import (RunFailed, _proc_stat, _signal, descendants, failure_reasons, flower_env, flwr_json,
-                                    follow_run, toml_str)
+from fedapps_tools.flwrcli import (RunFailed, _alive, _proc_stat, descendants, failure_reasons, flower_env, flwr_json,
+                                    follow_run, stop_processes, toml_str)
 
 CA_CERT, CA_KEY = "ca.crt", "ca.key"
 SERVER_CERT, SERVER_KEY = "server.pem", "server.key"
@@ -143,8 +142,7 @@ def start_background(cmd: list[str], state: Path, name: str, env: dict[str, str]
 
 def _recorded_alive(path: Path) -> bool:
     rec = json.loads(path.read_text())
-    st = _proc_stat(int(rec["pid"]))
-    return st is not None and (rec.get("start") is None or st[1] == rec["start"])
+    return _alive(int(rec["pid"]), rec.get("start"))
 
 
 def stop_recorded(state: Path, only: str | None = None, grace: float = 10.0) -> list[str]:
@@ -153,35 +151,16 @@ def stop_recorded(state: Path, only: str | None = None, grace: float = 10.0) -> 
     stopped: list[str] = []
     targets: dict[int, int | None] = {}
     for path in sorted((state / "pids").glob("*.json")):
-        name = path.stem
-        if only and name != only:
+        if only and path.stem != only:
             continue
         rec = json.loads(path.read_text())
         pid, start = int(rec["pid"]), rec.get("start")
-        st = _proc_stat(pid)
-        if st is not None and (start is None or st[1] == start):
-            family = {pid: start, **descendants(pid)}
-            for member, member_start in family.items():
-                _signal(member, member_start, signal.SIGTERM)
-            targets.update(family)
-            stopped.append(name)
+        if _alive(pid, start):
+            targets.update({pid: start, **descendants(pid)})
+            stopped.append(path.stem)
         path.unlink()
-    _wait_gone(targets, grace)
-    for pid, start in targets.items():  # anything stuck after the grace period
-        _signal(pid, start, signal.SIGKILL)
-    _wait_gone(targets, 5.0)
+    stop_processes(targets, grace=grace)
     return stopped
-
-
-def _wait_gone(targets: dict[int, int | None], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(_alive(p, s) for p, s in targets.items()):
-        time.sleep(0.1)
-
-
-def _alive(pid: int, start: int | None) -> bool:
-    st = _proc_stat(pid)
-    return st is not None and (start is None or st[1] == start)
 
 
 def wait_for_port(host: str, port: int, proc: subprocess.Popen, log_path: Path, timeout: float = 60.0) -> None:
@@ -204,6 +183,15 @@ def _tail(path: Path, n: int = 2000) -> str:
         return path.read_text(errors="replace")[-n:]
     except OSError:
         return "(no log)"
+
+
+def _since(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def superlink_command(host: str, port: int, certs: Path | None, auth: bool, insecure: bool) -> list[str]:
@@ -251,8 +239,10 @@ def supernode_command(superlink: str, node_config: str, port: int, ca: Path | No
     return cmd
 
 
-def check_node_started(proc: subprocess.Popen, log_path: Path, seconds: float) -> None:
-    """A SuperNode that exits within ``seconds`` was refused (e.g. an unregistered key: HTTP 412, no retry)."""
+def check_node_started(proc: subprocess.Popen, log_path: Path, seconds: float, offset: int = 0) -> bool:
+    """Watch a new SuperNode for up to ``seconds``: True once it logs its SuperNode ID (the SuperLink accepted
+    it), False if it is still connecting; DeployError if it exits (refused: e.g. an unregistered key gets HTTP
+    412 and does not retry). ``offset``: where this start's output begins in the (appended) log."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -262,7 +252,10 @@ def check_node_started(proc: subprocess.Popen, log_path: Path, seconds: float) -
                 hint = ("\nthe SuperLink refused this node's key: register its public key first "
                         "(`fedapps deploy register LINK KEY.pub` from the CLI machine), then start the node again")
             raise DeployError(f"the SuperNode exited with status {proc.returncode} (log {log_path}):\n{tail}{hint}")
+        if "SuperNode ID:" in _since(log_path, offset):
+            return True
         time.sleep(0.3)
+    return False
 
 
 # ----------------------------------------------------------------------------------- the CLI's connections
@@ -396,7 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--ca", type=Path, default=None)
     n.add_argument("--key", type=Path, default=None, help="its private key (KEY.pub beside it) when --auth is on")
     n.add_argument("--insecure", action="store_true", help="plain text; a loopback SuperLink only")
-    n.add_argument("--check-seconds", type=float, default=6.0, help="how long to watch it for an early refusal")
+    n.add_argument("--check-seconds", type=float, default=20.0,
+                   help="watch it until the SuperLink accepts it, at most this long (a refusal exits with status 2)")
     cn = sub.add_parser("connect", help="write the CLI's connection NAME into $FLWR_HOME/config.toml")
     cn.add_argument("name")
     cn.add_argument("--address", required=True, metavar="HOST:PORT")
@@ -453,13 +447,16 @@ def dispatch(args: argparse.Namespace) -> int:
         state = args.state.resolve()
         cmd = supernode_command(args.superlink, args.node_config, args.port, args.ca.resolve() if args.ca else None,
                                 args.key.resolve() if args.key else None, args.insecure)
+        log_path = state / "logs" / f"{args.name}.log"
+        offset = log_path.stat().st_size if log_path.is_file() else 0
         proc = start_background(cmd, state, args.name, env)
         try:
-            check_node_started(proc, state / "logs" / f"{args.name}.log", args.check_seconds)
+            accepted = check_node_started(proc, log_path, args.check_seconds, offset)
         except DeployError:
             stop_recorded(state, only=args.name, grace=2)
             raise
-        print(f"SuperNode '{args.name}' -> {args.superlink} pid {proc.pid}; log {state / 'logs' / (args.name + '.log')}")
+        status = "connected" if accepted else f"still connecting after {args.check_seconds:g} s"
+        print(f"SuperNode '{args.name}' -> {args.superlink} pid {proc.pid} ({status}); log {log_path}")
     elif args.step == "connect":
         path = write_connection(flwr_home(), args.name, connection_block(args.name, args.address, args.ca, args.insecure))
         print(f"connection '{args.name}' -> {args.address} written to {path}")

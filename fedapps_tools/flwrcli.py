@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -187,3 +188,42 @@ def exception_lines(lines: list[str]) -> list[str]:
             out.append(line.rstrip())
             in_traceback = False
     return out
+
+
+def _alive(pid: int, started: int | None) -> bool:
+    st = _proc_stat(pid)
+    return st is not None and (started is None or st[1] == started)
+
+
+def _killpg(proc: subprocess.Popen | None, sig: int) -> None:
+    if proc is not None and proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_processes(owned: dict[int, int | None], group: subprocess.Popen | None = None, grace: float = 10.0) -> None:
+    """Stop what a tool started: SIGTERM to ``group``'s process group (a child started in a session of its own)
+    and to every process in ``owned`` (pid -> start time: a recycled pid is never signalled), SIGKILL to whatever
+    is left after ``grace`` seconds, then wait (up to 5 s) until they are gone."""
+    def left() -> bool:
+        return (group is not None and group.poll() is None) or any(_alive(p, s) for p, s in owned.items())
+
+    _killpg(group, signal.SIGTERM)
+    for pid, started in owned.items():
+        _signal(pid, started, signal.SIGTERM)
+    for seconds, final in ((grace, False), (5.0, True)):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and left():
+            time.sleep(0.1)
+        if final:
+            break
+        for pid, started in owned.items():
+            _signal(pid, started, signal.SIGKILL)
+        _killpg(group, signal.SIGKILL)
+    if group is not None:
+        try:
+            group.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass

@@ -44,3 +44,19 @@ def tiny_config(tmp_path):
     """Factory: tiny_config(**sections) -> path of a small digits config."""
     counter = iter(range(1000))
     return lambda **sections: write_config(tmp_path / f"cfg{next(counter)}.yaml", **sections)
+
+
+@pytest.fixture(scope="session")
+def flower_run_of_tiny_config(tmp_path_factory):
+    """ONE real `fedapps run` -> `flwr run` (own SuperLink, Ray simulation, 3 SuperNodes, 2 rounds of FedAvg on
+    digits), shared by the tests that check it from different sides (end to end; identical to the in-process
+    engine): (config path, completed process, results folder). Each such run costs ~35 s."""
+    import subprocess
+
+    folder = tmp_path_factory.mktemp("flower-run")
+    cfg = write_config(folder / "cfg.yaml", data={"source": "digits", "partition": "iid", "num_clients": 3})
+    # the results root "fl" has the same path length as the in-process twin's "ip" (bytes_down counts the state-dir)
+    proc = subprocess.run([sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--output-dir",
+                           str(folder / "fl"), "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return cfg, proc, folder / "fl" / "fedavg-digits-iid-s0"

@@ -3,8 +3,6 @@ Flower's Ray simulation engine; `fedapps compare` builds its table and resumes w
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,15 +24,10 @@ def test_missing_config_file(capsys):
     assert "not found" in capsys.readouterr().err
 
 
-def test_flwr_run_end_to_end(tiny_config, tmp_path):
+def test_flwr_run_end_to_end(flower_run_of_tiny_config):
     """`fedapps run` -> `flwr run` (local SuperLink, Ray simulation, 3 SuperNodes, 2 rounds)."""
-    cfg = tiny_config(data={"num_clients": 3})
-    proc = subprocess.run(
-        [sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--output-dir", str(tmp_path / "res"), "--quiet"],
-        cwd=ROOT, capture_output=True, text=True, timeout=400,
-    )
+    _, proc, out = flower_run_of_tiny_config
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = tmp_path / "res" / "fedavg-digits-iid-s0"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds"] == 2 and summary["num_clients"] == 3
     assert 0.0 < summary["accuracy_mean"] <= 1.0

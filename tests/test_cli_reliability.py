@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedapps_tools import cli
+from fedapps_tools import cli, flwrcli
 from fedapps_tools.compare import resume_decision
 from fedapps.config import ConfigError, check_run_name, config_hash, load_config, parse_yaml
 from fedapps.results import read_csv
@@ -292,10 +292,10 @@ def test_descendants_and_signal_only_the_noted_process():
             time.sleep(0.1)
         assert len(kids) == 2
         pid, started = next(iter(kids.items()))
-        cli._signal(pid, started + 1, signal.SIGTERM)  # a different start time: another process, untouched
+        flwrcli._signal(pid, started + 1, signal.SIGTERM)  # a different start time: another process, untouched
         time.sleep(0.2)
         assert cli._proc_stat(pid) is not None
-        cli._signal(pid, started, signal.SIGTERM)
+        flwrcli._signal(pid, started, signal.SIGTERM)
         for _ in range(50):
             if cli._proc_stat(pid) is None:
                 break

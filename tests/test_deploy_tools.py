@@ -158,3 +158,32 @@ def test_round_one_waits_for_the_expected_clients():
     assert grid.polls == 3  # returned as soon as the third came, not before and not later
     with pytest.raises(FederationIncomplete, match=r"only 2 of the 4 expected .*strategy.expected_clients=2"):
         wait_for_clients(GrowingGrid(final=2), 4, timeout=10, poll=0, clock=FakeClock(1.0))
+
+
+def test_a_new_supernode_is_watched_until_accepted_or_refused(tmp_path):
+    log = tmp_path / "node.log"
+    log.write_text("SuperNode ID: 111  (an earlier start of the same node)\n")
+    offset = log.stat().st_size
+
+    def fake_node(script: str) -> subprocess.Popen:
+        out = open(log, "ab")
+        return subprocess.Popen([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT)
+
+    quiet = fake_node("import time; time.sleep(30)")  # connecting, never accepted: the earlier line does not count
+    try:
+        assert deploy.check_node_started(quiet, log, seconds=1.0, offset=offset) is False
+    finally:
+        quiet.kill()
+        quiet.wait()
+    accepted = fake_node("import time; print('SuperNode ID: 42', flush=True); time.sleep(30)")
+    try:
+        t0 = time.monotonic()
+        assert deploy.check_node_started(accepted, log, seconds=20.0, offset=offset) is True
+        assert time.monotonic() - t0 < 15  # returned on the line, not at the end of the watch
+    finally:
+        accepted.kill()
+        accepted.wait()
+    offset = log.stat().st_size
+    refused = fake_node("import sys; print('[code: 2004] Failed to activate SuperNode.'); sys.exit(1)")
+    with pytest.raises(deploy.DeployError, match="register its public key first"):
+        deploy.check_node_started(refused, log, seconds=20.0, offset=offset)

@@ -135,17 +135,15 @@ def _assert_same(a, b, where):
         assert a == b or (a != a and b != b), where
 
 
-def test_flower_engine_and_inprocess_engine_give_identical_rounds(tiny_config, tmp_path):
+def test_flower_engine_and_inprocess_engine_give_identical_rounds(flower_run_of_tiny_config):
     """FedAvg on 3 clients, 2 rounds: `flwr run` (Ray simulation, replies in arrival order) and the in-process
     grid give the same rounds.csv exactly (the round loop sorts replies by client id before any sum)."""
     from fedapps_tools import cli
 
-    cfg = tiny_config(data={"num_clients": 3})
-    # output folders of equal path length ("fl"/"ip"): the state-dir path counts in bytes_down
-    proc = subprocess.run([sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--output-dir", str(tmp_path / "fl"),
-                           "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=400,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cfg, proc, flower_dir = flower_run_of_tiny_config
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # output folders of equal path length ("fl"/"ip"): the state-dir path counts in bytes_down
+    tmp_path = flower_dir.parent.parent
     assert cli.main(["run", str(cfg), "--engine", "inprocess", "--output-dir", str(tmp_path / "ip"), "--quiet"]) == 0
     flower, inprocess = (rounds(tmp_path / d / "fedavg-digits-iid-s0") for d in ("fl", "ip"))
     assert [r["acc_mean"] for r in flower] == [r["acc_mean"] for r in inprocess]

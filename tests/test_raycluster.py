@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from fedapps.results import read_csv
-from fedapps_tools import cli, raycluster
+from fedapps_tools import cli, flwrcli, raycluster
 from fedapps_tools.raycluster import RayClusterError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -222,28 +221,7 @@ class RayNode:
     def stop(self, grace: float = 20.0) -> set[int]:
         """SIGTERM to the node's process group and to each noted process, SIGKILL after ``grace``; the pids left."""
         self.note()
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for pid in self.alive() - {self.proc.pid}:
-            cli._signal(pid, self.owned.get(pid), signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and (self.proc.poll() is None or self.alive()):
-            time.sleep(0.2)
-        for pid in self.alive():
-            cli._signal(pid, self.owned.get(pid), signal.SIGKILL)
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        time.sleep(0.5)
+        flwrcli.stop_processes(dict(self.owned), group=self.proc, grace=grace)
         return self.alive()
 
 
