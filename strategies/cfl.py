@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Message
-from sklearn.cluster import AgglomerativeClustering
 
 from fedapps import protocol
 from fedapps.config import ExperimentConfig
@@ -59,6 +58,8 @@ def should_split(updates: np.ndarray, weights: np.ndarray, eps1: float, eps2: fl
 def bipartition(similarity: np.ndarray) -> tuple[list[int], list[int]]:
     """Two groups (row indices) by complete-linkage clustering on the distance 1 − similarity; the group
     holding row 0 comes first."""
+    from sklearn.cluster import AgglomerativeClustering  # server side only: kept out of the ClientApp's imports
+
     labels = AgglomerativeClustering(n_clusters=2, metric="precomputed", linkage="complete").fit(1.0 - similarity).labels_
     first = [i for i in range(len(labels)) if labels[i] == labels[0]]
     return first, [i for i in range(len(labels)) if labels[i] != labels[0]]

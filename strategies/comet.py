@@ -21,8 +21,6 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Message
-from sklearn.cluster import KMeans, kmeans_plusplus
-from sklearn.exceptions import ConvergenceWarning
 from threadpoolctl import threadpool_limits
 
 from fedapps import protocol, pseudolabels
@@ -48,6 +46,8 @@ def kmeans_plus_plus(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndar
     n = len(x)
     if not 1 <= k <= n:
         raise ValueError(f"need 1 <= k <= number of points, got k={k}, n={n}")
+    from sklearn.cluster import kmeans_plusplus  # server side only: kept out of the ClientApp's imports
+
     centres, _ = kmeans_plusplus(x, k, random_state=int(rng.integers(2**31 - 1)))
     return centres
 
@@ -62,6 +62,9 @@ def kmeans(x: np.ndarray, init: np.ndarray, max_iter: int = 100) -> tuple[np.nda
     """
     x = np.asarray(x, dtype=np.float64)
     init = np.asarray(init, dtype=np.float64)
+    from sklearn.cluster import KMeans
+    from sklearn.exceptions import ConvergenceWarning
+
     km = KMeans(n_clusters=len(init), init=init, n_init=1, max_iter=max(1, int(max_iter)), tol=0.0,
                 algorithm="lloyd", random_state=0)
     with warnings.catch_warnings(), threadpool_limits(limits=1, user_api="openmp"):
