@@ -1,8 +1,9 @@
-"""Across machines, on one machine: the SuperLink, two SuperNodes and the CLI each in its own network namespace
+"""Across machines, on one machine: the SuperLink, three SuperNodes and the CLI each in its own network namespace
 (veth pairs to a bridge in a hub namespace; addresses exist inside the namespaces only, never on a real network),
 TLS and SuperNode authentication on, every step done with `fedapps deploy` exactly as README "Across machines"
 tells a user. Each node reads its own data file (node config ``data-path``) and U (``public-path``); the server
-holds neither. An unregistered node is refused. Every process and namespace is removed afterwards, also when the
+holds neither. A node with a wrong data-path is refused with its reason and the runs go on with the others; an
+unregistered node is refused. Every process and namespace is removed afterwards, also when the
 test fails. Needs root (CAP_NET_ADMIN) and `ip`; skipped with the reason where namespaces are not permitted.
 """
 
@@ -109,7 +110,7 @@ def netns():
     if reason:
         print(f"SKIPPED multi-host namespace test: {reason}")
         pytest.skip(reason)
-    spaces = Namespaces(["link", "node1", "node2", "rogue", "cli"])
+    spaces = Namespaces(["link", "node1", "node2", "broken", "rogue", "cli"])
     try:
         spaces.create()
         yield spaces
@@ -148,18 +149,20 @@ def test_tls_authenticated_deployment_across_namespaces(netns, tmp_path):
     states = [link_state, node_state]
     try:
         assert step("cli", "certs", str(certs), "--host", link_ip).returncode == 0
-        for name in ("node1", "node2", "rogue"):
+        for name in ("node1", "node2", "broken", "rogue"):
             assert step("cli", "node-key", str(keys), name).returncode == 0
         r = step("link", "superlink", "--state", str(link_state), "--host", link_ip, "--port", "9092",
                  "--certs", str(certs), "--auth")
         assert r.returncode == 0, r.stdout + r.stderr
         r = step("cli", "connect", "far", "--address", f"{link_ip}:9092", "--ca", str(certs / "ca.crt"))
         assert r.returncode == 0, r.stderr
-        for name in ("node1", "node2"):
+        for name in ("node1", "node2", "broken"):
             r = step("cli", "register", "far", str(keys / f"{name}.pub"))
             assert r.returncode == 0, r.stdout + r.stderr
-        for i, name in enumerate(("node1", "node2"), start=1):
-            node_config = (f"client-id={i - 1} data-path='{files[i - 1]}' public-path='{public}' threads=1 "
+        broken_path = tmp_path / "no-such-site.npz"  # a node whose data-path is wrong: refused, the others go on
+        for i, name in enumerate(("node1", "node2", "broken"), start=1):
+            data_path = files[i - 1] if name != "broken" else broken_path
+            node_config = (f"client-id={i - 1} data-path='{data_path}' public-path='{public}' threads=1 "
                            f"state-dir='{tmp_path / ('state-' + name)}'")
             r = step(name, "supernode", "--state", str(node_state), "--name", name, "--superlink", f"{link_ip}:9092",
                      "--ca", str(certs / "ca.crt"), "--key", str(keys / name), "--node-config", node_config)
@@ -170,7 +173,7 @@ def test_tls_authenticated_deployment_across_namespaces(netns, tmp_path):
                  "--node-config", f"client-id=0 data-path='{files[0]}'")
         assert r.returncode == 2 and "register its public key" in r.stderr, r.stdout + r.stderr
 
-        nodes_data = ["data.source=nodes", "data.num_clients=2", "rounds=2", "model.name=mlp", "client.epochs=1",
+        nodes_data = ["data.source=nodes", "data.num_clients=3", "rounds=2", "model.name=mlp", "client.epochs=1",
                       "client.batch_size=32", "strategy.min_clients=2", "strategy.connect_timeout=60"]
         cosmos = [f"data.public_path={public}", "strategy.params.cosmos.pretrain_epochs=2",
                   "strategy.params.cosmos.server_epochs=1"]  # clients: MLP and CNN (the config's per_client)
@@ -193,7 +196,10 @@ def test_tls_authenticated_deployment_across_namespaces(netns, tmp_path):
             assert summary["final_round"] == 2 and summary["problems"] == [], summary
             assert summary["final_round_measured_clients"] == 2
             assert summary["messages_answered"] == summary["messages_sent"]
-            assert summary["nodes"]["nodes_described"] == 2 and summary["nodes"]["nodes_refused"] == []
+            assert summary["nodes"]["nodes_described"] == 2
+            (refused,) = summary["nodes"]["nodes_refused"]  # the broken node, with its reason, on the server
+            assert "data-path" in refused["reason"]
+            assert str(broken_path) in refused["reason"] and "does not exist" in refused["reason"], refused
             assert summary["accuracy_mean"] > 0.15  # above chance (10 classes: 0.1; ~200 test samples per client)
             # partition.csv is what the nodes described: the class counts of their own files, train + test
             rows = list(csv.DictReader(open(run_dir / "partition.csv")))
