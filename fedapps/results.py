@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol
@@ -191,6 +192,50 @@ def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
     return row
 
 
+def eta_seconds(spent: float, steps_timed: int, steps_left: int) -> float | None:
+    """Time still needed for ``steps_left`` steps at the mean pace of the ``steps_timed`` steps that took
+    ``spent`` seconds; None before any step was timed (no pace known yet)."""
+    if steps_timed <= 0:
+        return None
+    return spent / steps_timed * max(0, steps_left)
+
+
+def format_duration(seconds: float | None) -> str:
+    """'42s', '3m05s', '1h02m'; '?' when unknown."""
+    if seconds is None:
+        return "?"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class Progress:
+    """Elapsed time and ETA over ``total`` steps; the pace comes from the steps that did work (``step(True)``),
+    so steps skipped as already done (resumed compare/tune) neither cost time nor distort the estimate."""
+
+    def __init__(self, total: int, clock: Any = time.monotonic) -> None:
+        self.total, self.clock = total, clock
+        self.started = self.last = clock()
+        self.done = self.timed = 0
+        self.spent = 0.0
+
+    def step(self, worked: bool = True) -> None:
+        now = self.clock()
+        self.done += 1
+        if worked:
+            self.timed += 1
+            self.spent += now - self.last
+        self.last = now
+
+    def line(self) -> str:
+        elapsed = self.clock() - self.started
+        return (f"elapsed {format_duration(elapsed)}, "
+                f"ETA {format_duration(eta_seconds(self.spent, self.timed, self.total - self.done))}")
+
+
 class FileSink:
     """Writes one run's results folder as the run goes, and logs a progress line per round."""
 
@@ -205,11 +250,13 @@ class FileSink:
         self.config_hash = config_hash(cfg)
         (self.dir / "config.sha256").write_text(self.config_hash + "\n")
         self.rows: list[dict[str, Any]] = []
+        self.progress = Progress(cfg.rounds)
 
     def restore_rows(self, rows: list[Mapping[str, Any]]) -> None:
         """The rows of the rounds already run (from a checkpoint): kept and rounds.csv rewritten."""
         self.rows = [dict(r) for r in rows]
         write_csv(self.dir / "rounds.csv", self.rows)
+        self.progress = Progress(self.cfg.rounds - len(self.rows))  # the pace of the rounds this process runs
 
     def write_partition(self, rows: list[Mapping[str, Any]]) -> None:
         """Samples per client per class (train and test) as partition.csv."""
@@ -230,9 +277,10 @@ class FileSink:
                 log.warning("no row of round %d for its deployed-model measurement", m.round)
         write_csv(self.dir / "rounds.csv", self.rows)
         append_rejections(self.dir / REJECTIONS, getattr(entry, "rejections", []))
-        log.info("round %d/%d  clients %d  after training: acc_mean %s  up %.2f MB  down %.2f MB  %.1f s%s",
+        self.progress.step()
+        log.info("round %d/%d  clients %d  after training: acc_mean %s  up %.2f MB  down %.2f MB  %.1f s  (%s)%s",
                  entry.round, self.cfg.rounds, row["clients"], _fmt(row.get("acc_after_training_mean")),
-                 entry.bytes_up / 1e6, entry.bytes_down / 1e6, entry.wall_seconds,
+                 entry.bytes_up / 1e6, entry.bytes_down / 1e6, entry.wall_seconds, self.progress.line(),
                  "".join(f"  |  {text}" for text in measured))
 
     def summary(self, wall_seconds: float, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:

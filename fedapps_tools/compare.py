@@ -17,7 +17,7 @@ import numpy as np
 from scipy import stats
 
 from fedapps.config import ConfigError, config_hash, load_config
-from fedapps.results import read_csv, write_csv
+from fedapps.results import Progress, read_csv, write_csv
 
 log = logging.getLogger("fedapps")
 
@@ -176,6 +176,7 @@ def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
     rows, curves = [], {}
     total = len(args.configs) * len(args.seeds)
     done = 0
+    progress = Progress(total)
     for config, label in zip(args.configs, labels):
         summaries, label_curves = [], []
         for seed in args.seeds:
@@ -184,9 +185,10 @@ def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
             result_dir = runs_dir / cfg.resolved_run_name()
             done += 1
             skip, why = resume_decision(result_dir, cfg.rounds, config_hash(resolve(cfg).config(cfg)))
-            print(f"[{done}/{total}] {label} seed {seed}: {why}", flush=True)
+            print(f"[{done}/{total}] {label} seed {seed}: {why} ({progress.line()})", flush=True)
             if not skip:
                 execute(config, overrides, str(runs_dir), args)
+            progress.step(worked=not skip)
             summaries.append(json.loads((result_dir / "summary.json").read_text()))
             label_curves.append(read_csv(result_dir / "rounds.csv"))
         rows.append(summarise_runs(label, summaries))

@@ -231,3 +231,20 @@ def test_tune_refuses_set_of_what_it_controls(tmp_path, capsys):
     assert "data.evaluate_on" in capsys.readouterr().err
     assert cli.main(["tune", str(tune_config(tmp_path)), "--grid", "client.lr=0.1", "--seeds", "0,0"]) == 2
     assert "repeated" in capsys.readouterr().err
+
+
+def test_eta_from_the_pace_of_the_steps_that_worked():
+    from fedapps.results import Progress, eta_seconds, format_duration
+
+    assert eta_seconds(30.0, 3, 5) == 50.0  # 10 s a step, 5 steps left
+    assert eta_seconds(0.0, 0, 5) is None and eta_seconds(30.0, 3, -1) == 0.0
+    assert [format_duration(s) for s in (None, 42, 185, 3720)] == ["?", "42s", "3m05s", "1h02m"]
+    now = [0.0]
+    p = Progress(4, clock=lambda: now[0])
+    assert p.line() == "elapsed 0s, ETA ?"
+    now[0] = 0.5
+    p.step(worked=False)  # a resumed step: instant, not part of the pace
+    now[0] = 20.5
+    p.step()  # 20 s of work
+    now[0] = 21.0
+    assert p.line() == "elapsed 21s, ETA 40s"  # 2 steps left at 20 s each
