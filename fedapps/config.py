@@ -418,7 +418,8 @@ HASH_EXCLUDED = ("run_name", "output_dir")  # where a run is written, not what i
 # keys added after results were recorded: left out of the hash (and of a resumed run's comparison) while at these
 # defaults, so that a config that does not use them keeps the hash it had before they existed
 LATER_KEYS: dict[tuple[str, str], Any] = {("data", "num_classes"): 0, ("data", "input_shape"): [],
-                                          ("data", "public_path"): ""}
+                                          ("data", "public_path"): "", ("strategy", "expected_clients"): 0,
+                                          ("strategy", "connect_timeout"): 300.0}
 
 
 def without_later_defaults(data: dict[str, Any]) -> dict[str, Any]:
@@ -431,10 +432,11 @@ def without_later_defaults(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_hash(cfg: ExperimentConfig) -> str:
-    """sha256 of the config as dumped (every section, strategy params included), without ``run_name`` and
-    ``output_dir``: two runs with the same hash compute the same thing. Pass the RESOLVED config
+    """sha256 of the config as dumped (every section, strategy params included), without ``run_name``,
+    ``output_dir`` and ``data.root`` (where things are written and read): two runs with the same hash compute the same thing. Pass the RESOLVED config
     (``strategies.resolve(cfg).config(cfg)``, what config.yaml holds) so that filled-in defaults count."""
     data = {k: v for k, v in without_later_defaults(cfg.to_dict()).items() if k not in HASH_EXCLUDED}
+    data["data"] = {k: v for k, v in data["data"].items() if k != "root"}  # where the files are, not what is computed
     text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 

@@ -39,7 +39,16 @@ def run_label(config_path: str) -> str:
 
 
 def stored_hash(result_dir: Path) -> str | None:
-    """The config hash a finished run recorded: summary.json's ``config_hash``, else its config.sha256 file."""
+    """The config hash of a finished run under TODAY's rules: recomputed from the resolved config.yaml it wrote
+    (so keys added since then at their defaults, and where the data lives, do not make an unchanged computation
+    look changed); without a readable config.yaml, the hash it recorded (summary.json, else config.sha256)."""
+    try:
+        from strategies import resolve
+
+        cfg = load_config(result_dir / "config.yaml")
+        return config_hash(resolve(cfg).config(cfg))
+    except (ConfigError, OSError, ValueError, TypeError, KeyError):
+        pass
     try:
         value = json.loads((result_dir / "summary.json").read_text()).get("config_hash")
         if value:

@@ -313,3 +313,26 @@ def test_write_connection(tmp_path):
     doc = tomllib.loads((tmp_path / "config.toml").read_text())
     assert doc["superlink"]["default"] == cli.CONNECTION
     assert doc["superlink"][cli.CONNECTION] == {"address": "127.0.0.1:4567", "insecure": True}
+
+
+def test_resume_judges_an_earlier_run_by_its_config_under_todays_rules(tiny_config, tmp_path):
+    """An earlier run is reused when its config.yaml computes the same thing as the config about to run, even if
+    the hash it recorded came from older rules (keys added later, another data.root); a changed value re-runs."""
+    from fedapps.config import dump_yaml
+    from fedapps_tools.compare import resume_decision
+    from strategies import resolve
+
+    cfg = load_config(tiny_config(rounds=2))
+    resolved = resolve(cfg).config(cfg)
+    run = tmp_path / "run"
+    run.mkdir()
+    old = yaml.safe_load(dump_yaml(resolved))
+    old["data"]["root"] = "/somewhere/else/data"  # another machine's data root
+    del old["strategy"]["expected_clients"]  # a key added after the run was made
+    (run / "config.yaml").write_text(yaml.safe_dump(old))
+    (run / "summary.json").write_text(json.dumps({"rounds": 2, "problems": [], "config_hash": "0" * 64}))
+    assert resume_decision(run, 2, config_hash(resolved))[0] is True
+    old["client"]["lr"] = resolved.client.lr * 2  # a real change: the earlier run computed something else
+    (run / "config.yaml").write_text(yaml.safe_dump(old))
+    skip, why = resume_decision(run, 2, config_hash(resolved))
+    assert skip is False and "config changed" in why
