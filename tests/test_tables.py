@@ -118,3 +118,29 @@ def test_tables_end_to_end_tunes_runs_and_reports(tmp_path):
     for p in logs:
         second = p.read_text().rsplit("$ fedapps", 1)[1]
         assert "seed 0: " in second and ": running" not in second and ": rerunning" not in second
+
+
+def test_report_keeps_published_rows_of_settings_whose_work_folder_is_gone(tmp_path):
+    """A fresh work folder regenerates the report for what ran; the other settings keep their published rows
+    (the CSVs are the durable record), and the report names them."""
+    spec = tables.load_spec(write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1]}}, "local": {}}))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    keys = ["setting", "method", "config", "strategy", "seeds", "accuracy_mean", "accuracy_mean_sem",
+            "accuracy_weighted", "accuracy_weighted_sem", "bytes_up_per_client_round", "bytes_down_per_client_round",
+            "wall_seconds", "chosen:client.lr"]
+    tables.write_csv(docs / "demo.csv", keys, [
+        dict(zip(keys, ["b", "fedavg", "fedavg", "fedavg", 3, 0.61, 0.02, 0.6, 0.01, 1048576, 1048576, 9, 0.1])),
+        dict(zip(keys, ["b", "local", "local", "local", 3, 0.55, 0.03, 0.5, 0.01, 0, 0, 4, ""]))])
+    tables.write_csv(docs / "demo-tuning.csv", ["setting", "method", "grid", "validation_scores"],
+                     [{"setting": "b", "method": "fedavg", "grid": "g", "validation_scores": "client.lr=0.01: 0.3"}])
+    md = tables.report(spec, tmp_path / "empty-work", docs).read_text()
+    assert "| fedavg | 0.610 ± 0.020 | 0.600 ± 0.010 | — | 1.000 | 1.000 | 9 | client.lr=0.1 |" in md
+    assert "| local | 0.550 ± 0.030 |" in md and "(no grid) |" in md
+    assert "## a\n\nnot run yet" in md  # nothing invented for the setting that has no record
+    assert "Carried over" in md and "b (all methods)" in md
+    assert "| fedavg | b | client.lr ∈ {0.01, 0.1} | client.lr=0.01: 0.3 |" in md
+    again = tables.read_rows(docs / "demo.csv")  # the record survives its own regeneration unchanged
+    assert [(r["setting"], r["method"], r["accuracy_mean"], r["chosen:client.lr"]) for r in again] == [
+        ("b", "fedavg", "0.61", "0.1"), ("b", "local", "0.55", "")]
+    assert tables.read_rows(docs / "demo-tuning.csv")[0]["validation_scores"] == "client.lr=0.01: 0.3"
