@@ -133,7 +133,8 @@ def test_report_keeps_published_rows_of_settings_whose_work_folder_is_gone(tmp_p
         dict(zip(keys, ["b", "fedavg", "fedavg", "fedavg", 3, 0.61, 0.02, 0.6, 0.01, 1048576, 1048576, 9, 0.1])),
         dict(zip(keys, ["b", "local", "local", "local", 3, 0.55, 0.03, 0.5, 0.01, 0, 0, 4, ""]))])
     tables.write_csv(docs / "demo-tuning.csv", ["setting", "method", "grid", "validation_scores"],
-                     [{"setting": "b", "method": "fedavg", "grid": "g", "validation_scores": "client.lr=0.01: 0.3"}])
+                     [{"setting": "b", "method": "fedavg", "grid": tables.grid_text(spec.methods[0]),
+                       "validation_scores": "client.lr=0.01: 0.3"}])
     md = tables.report(spec, tmp_path / "empty-work", docs).read_text()
     assert "| fedavg | 0.610 ± 0.020 | 0.600 ± 0.010 | — | 1.000 | 1.000 | 9 | client.lr=0.1 |" in md
     assert "| local | 0.550 ± 0.030 |" in md and "(no grid) |" in md
@@ -144,3 +145,32 @@ def test_report_keeps_published_rows_of_settings_whose_work_folder_is_gone(tmp_p
     assert [(r["setting"], r["method"], r["accuracy_mean"], r["chosen:client.lr"]) for r in again] == [
         ("b", "fedavg", "0.61", "0.1"), ("b", "local", "0.55", "")]
     assert tables.read_rows(docs / "demo-tuning.csv")[0]["validation_scores"] == "client.lr=0.01: 0.3"
+
+
+def test_a_published_choice_stands_in_for_a_lost_tuning_only_over_the_same_grid(tmp_path, monkeypatch):
+    """`tune_on: {b: a}` with a's tuning known only from the published record: b's final config takes a's
+    published values (typed, not strings) and a is not tuned again; a record tuned over another grid is not used."""
+    spec = tables.load_spec(write_spec(tmp_path, tune_on={"b": "a"},
+                                       methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1]}}}))
+    m = spec.methods[0]
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    keys = ["setting", "method", "config", "accuracy_mean", "chosen:client.lr"]
+    tables.write_csv(docs / "demo.csv", keys, [dict(zip(keys, ["a", "fedavg", "fedavg", 0.7, "0.1"]))])
+    tuning = docs / "demo-tuning.csv"
+    tables.write_csv(tuning, ["setting", "method", "grid", "validation_scores"],
+                     [{"setting": "a", "method": "fedavg", "grid": tables.grid_text(m), "validation_scores": "x"}])
+    calls = []
+    monkeypatch.setattr(tables, "fedapps", lambda args, log: calls.append(args))
+    t = tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs)
+    t.run(["b"], spec.methods, {"tune"})
+    assert calls == []  # a's published choice stands; nothing is tuned
+    assert load_config(t.final_config("b", m)).client.lr == 0.1
+    assert tables.Tables(spec, tmp_path / "work", "inprocess", 1).recorded_choice("a", m) is None  # no --out: no record
+    tables.write_csv(tuning, ["setting", "method", "grid", "validation_scores"],
+                     [{"setting": "a", "method": "fedavg", "grid": "client.lr ∈ {0.5}", "validation_scores": "x"}])
+    t = tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs)
+    with pytest.raises(RuntimeError, match="run the tuning stage first"):
+        t.final_config("b", m)
+    t.run(["b"], spec.methods, {"tune"})
+    assert len(calls) == 1 and calls[0][0] == "tune"  # another grid: tuned afresh
