@@ -149,7 +149,8 @@ def accuracy_figure(rows: list[Mapping[str, Any]], title: str = "", method: str 
     others = sorted({k for r in rows for k in r if k.endswith("_acc_mean") and k != "acc_mean"})
     spare = [c for c in COLOURS if c != colour]
     series = [(key, label, {"color": colour, "linestyle": ls}) for key, label, ls in RUN_SERIES]
-    series += [(key, key, {"color": spare[i % len(spare)], "linestyle": "-"}) for i, key in enumerate(others)]
+    series += [(key, f"{key[:-len('_acc_mean')]} evaluation (mean over clients)",
+                {"color": spare[i % len(spare)], "linestyle": "-"}) for i, key in enumerate(others)]
     drawn = 0
     for key, label, style in series:
         pts = _points(rows, key)
