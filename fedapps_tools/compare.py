@@ -131,8 +131,9 @@ def summarise_runs(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """comparison.md: accuracy ± SEM (the deployed models after the last round; the models right after local
-    training beside it), bytes per client per round (MiB), wall time."""
+    """comparison.md: accuracy ± SEM (the deployed models after the last round: mean over clients,
+    sample-weighted, worst 10 % of clients, std over clients; the models right after local training beside it),
+    bytes per client per round (MiB), wall time."""
     lines = ["Protocol: deployed model after the last round (specs/evaluation.md), on each client's own evaluation "
              "split; mean ± SEM over seeds. Worst 10 %: the mean accuracy of the worst ceil(10 % of n) of the n "
              "clients; std: the population standard deviation over clients.", "",

@@ -148,6 +148,16 @@ def test_legend_labels_name_strategies_and_settings_only_where_needed():
     assert plots.legend_labels(same) == ["cosmos (cosmos)", "cosmos (cosmos-tuned)", "local"]
 
 
+def test_setting_label_names_the_partition_and_its_parameter():
+    from fedapps.config import load_config
+    from fedapps_tools.compare import setting_label
+
+    dirichlet = load_config(None, "data.source=digits data.partition=dirichlet data.alpha=0.1 data.num_clients=20")
+    pathological = load_config(None, "data.source=digits data.partition=pathological data.num_clients=5")
+    assert setting_label(dirichlet) == "digits dirichlet α=0.1, 20 clients"
+    assert setting_label(pathological) == "digits pathological 2 classes/client, 5 clients"
+
+
 # --------------------------------------------------------------------------- the figures, read back
 
 
