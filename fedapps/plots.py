@@ -1,51 +1,232 @@
-"""The figures the result sinks draw: accuracy curves, clients × classes heatmaps, cluster assignments.
+"""The figures the result sinks and ``fedapps compare`` draw, in one style: accuracy curves of a run, comparison
+curves of methods (mean ± SEM over seeds), clients × classes heatmaps, cluster assignments.
 
-Pure drawing from data a strategy or the round loop returned; nothing here knows an algorithm.
+Pure drawing from data a strategy or the round loop returned. The one thing here that names algorithms is the
+style table (:data:`METHOD_ORDER`): every method has a fixed (colour, line style) pair, the same in every plot,
+and no two of the project's methods share both (a test checks that every registered strategy has its entry).
+Round axes carry integer ticks only. Every ``*_figure`` function returns the matplotlib Figure (tests inspect
+it); ``plot_*`` draws it into a file.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+# matplotlib's "tab10" palette (colour-blind-friendlier than the old default), as hex so no import is needed here
+COLOURS: tuple[str, ...] = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+                            "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+LINESTYLES: tuple[str, ...] = ("-", "--", ":", "-.")
+STYLE_SLOTS = len(COLOURS) * len(LINESTYLES)  # 40 distinct (colour, line style) pairs
+# The fixed style of each of the project's methods: its position here is its slot; slot i is colour i mod 10 and
+# line style i div 10, so the first ten differ by colour alone. Append a new strategy at the end (a test asks).
+METHOD_ORDER: tuple[str, ...] = ("fedavg", "local", "cwfedavg", "cosmos", "fedprox", "ditto", "fedamp", "ifca",
+                                 "cfl", "fedfomo", "fedper", "fedrep", "fedbabu", "fedmd", "fedct", "comet")
+DPI = 110
 
-def plot_accuracy(rows: list[Mapping[str, Any]], path: Path, title: str = "") -> None:
-    """Accuracy against rounds: the deployed models (mean over clients and sample-weighted), the models right
-    after local training, plus any other evaluation."""
+
+def style_of_slot(slot: int) -> dict[str, str]:
+    """The (colour, line style) pair of palette slot ``slot`` (mod :data:`STYLE_SLOTS`), as plot keyword args."""
+    slot %= STYLE_SLOTS
+    return {"color": COLOURS[slot % len(COLOURS)], "linestyle": LINESTYLES[slot // len(COLOURS)]}
+
+
+def method_slot(name: str) -> int:
+    """A method's fixed palette slot: its position in :data:`METHOD_ORDER`; any other name a slot among those
+    the table leaves free, from a CRC-32 of the name (the same in every process and plot; two such names may
+    share one, which :func:`line_styles` separates within a plot)."""
+    if name in METHOD_ORDER:
+        return METHOD_ORDER.index(name)
+    free = STYLE_SLOTS - len(METHOD_ORDER)
+    return len(METHOD_ORDER) + zlib.crc32(name.encode("utf-8")) % free
+
+
+def method_style(name: str) -> dict[str, str]:
+    """The style of method (strategy) ``name`` in every plot: ``{"color": ..., "linestyle": ...}``."""
+    return style_of_slot(method_slot(name))
+
+
+def line_styles(methods: Sequence[str]) -> list[dict[str, str]]:
+    """The styles of one plot's lines, line i showing method ``methods[i]``: each method its own
+    :func:`method_style`; a line whose pair another line already holds (the same method twice, e.g. in two
+    settings, or two unlisted names on one slot) takes the next free pair — the same colour first, and not a
+    pair of another :data:`METHOD_ORDER` method while any other is free. Distinct pairs for up to
+    :data:`STYLE_SLOTS` lines."""
+    taken: set[int] = set()
+    slots: list[int | None] = []
+    for name in methods:  # first pass: every line that can have its method's own slot gets it
+        own = method_slot(name)
+        slots.append(None if own in taken else own)
+        if own not in taken:
+            taken.add(own)
+    for i, name in enumerate(methods):
+        if slots[i] is not None:
+            continue
+        own = method_slot(name)
+        same_colour = [own % len(COLOURS) + len(COLOURS) * k for k in range(len(LINESTYLES))]
+        candidates = same_colour + [(own + k) % STYLE_SLOTS for k in range(STYLE_SLOTS)]
+        listed = range(len(METHOD_ORDER))  # another listed method's own pair: borrowed only when nothing else is free
+        slot = next((c for c in candidates if c not in taken and c not in listed),
+                    next((c for c in candidates if c not in taken), own))
+        taken.add(slot)
+        slots[i] = slot
+    return [style_of_slot(int(s)) for s in slots]
+
+
+def legend_labels(lines: Sequence[tuple[str, str, str]]) -> list[str]:
+    """Legend labels of one plot's lines, each given as (method, setting, fallback id — e.g. a config's file stem):
+    the method's name; ``method (setting)`` on every line when the plot mixes settings; the fallback id added
+    where two lines would still read the same."""
+    mixed = len({setting for _, setting, _ in lines}) > 1
+    labels = [f"{m} ({setting})" if mixed else m for m, setting, _ in lines]
+    out = []
+    for label, (m, setting, fallback) in zip(labels, lines):
+        if labels.count(label) > 1:
+            label = f"{m} ({setting}; {fallback})" if mixed else f"{m} ({fallback})"
+        out.append(label)
+    return out
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend (no display needed; safe in Ray workers)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    labels = {"acc_mean": "deployed model (mean over clients)", "acc_weighted": "deployed model (sample-weighted)",
-              "acc_after_training_mean": "after local training (mean over clients)"}
-    keys = list(labels) + sorted({k for r in rows for k in r if k.endswith("_acc_mean") and k != "acc_mean"})
-    for key in keys:
-        pts = [(r["round"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not math.isnan(float(r[key]))]
+    return plt
+
+
+def round_axis(ax: Any, label: str = "round") -> None:
+    """An x axis of rounds: labelled, integer ticks only (no round 1.5)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel(label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def save(fig: Any, path: Path) -> None:
+    """Write a figure (every plot at the same resolution, nothing cut off) and free it."""
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    _pyplot().close(fig)
+
+
+def _legend(ax: Any, entries: int) -> None:
+    """A legend beside the axes once there are many lines (it would hide curves inside), inside otherwise."""
+    if entries > 6:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    else:
+        ax.legend(fontsize=8)
+
+
+def _points(rows: Sequence[Mapping[str, Any]], key: str) -> list[tuple[Any, float]]:
+    return [(r["round"], float(r[key])) for r in rows
+            if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and not math.isnan(float(r[key]))]
+
+
+# one run's curves: (rounds.csv column, legend label, line style); all in the run's method colour but the
+# other evaluations', which take the palette's next colours
+RUN_SERIES: tuple[tuple[str, str, str], ...] = (
+    ("acc_mean", "deployed model (mean over clients)", "-"),
+    ("acc_weighted", "deployed model (sample-weighted)", "--"),
+    ("acc_worst10", "deployed model (worst 10 % of clients)", "-."),
+    ("acc_after_training_mean", "after local training (mean over clients)", ":"),
+)
+
+
+def accuracy_figure(rows: list[Mapping[str, Any]], title: str = "", method: str = "") -> Any:
+    """A run's accuracy against rounds: the deployed models (mean over clients, sample-weighted, worst 10 % of
+    clients), the models right after local training, plus any other evaluation (mean over clients); drawn in
+    ``method``'s colour."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    colour = method_style(method)["color"] if method else COLOURS[0]
+    others = sorted({k for r in rows for k in r if k.endswith("_acc_mean") and k != "acc_mean"})
+    spare = [c for c in COLOURS if c != colour]
+    series = [(key, label, {"color": colour, "linestyle": ls}) for key, label, ls in RUN_SERIES]
+    series += [(key, f"{key[:-len('_acc_mean')]} evaluation (mean over clients)",
+                {"color": spare[i % len(spare)], "linestyle": "-"}) for i, key in enumerate(others)]
+    drawn = 0
+    for key, label, style in series:
+        pts = _points(rows, key)
         if pts:
-            ax.plot(*zip(*pts), marker="o", markersize=3, label=labels.get(key, key),
-                    linestyle=":" if key == "acc_after_training_mean" else "-")
-    ax.set_xlabel("round (the models after it)")
+            ax.plot(*zip(*pts), marker="o", markersize=3, label=label, **style)
+            drawn += 1
+    round_axis(ax, "round (the models after it)")
     ax.set_ylabel("accuracy on the clients' own evaluation splits")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title(title, fontsize=9)
+    if drawn:
+        _legend(ax, drawn)
+    ax.set_title(f"{title} ({method})" if method and method not in title else title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def plot_accuracy(rows: list[Mapping[str, Any]], path: Path, title: str = "", method: str = "") -> None:
+    """:func:`accuracy_figure` into ``path``."""
+    save(accuracy_figure(rows, title, method), path)
+
+
+@dataclass
+class Curve:
+    """One method's line in a comparison: per round, the mean over seeds and its SEM, of the deployed models'
+    accuracy as mean over clients (``mean``/``sem``) and, where measured, of the worst 10 % of clients
+    (``worst``/``worst_sem``, aligned with ``worst_rounds``)."""
+
+    label: str
+    method: str
+    rounds: list[int]
+    mean: list[float]
+    sem: list[float]
+    worst_rounds: list[int] = field(default_factory=list)
+    worst: list[float] = field(default_factory=list)
+    worst_sem: list[float] = field(default_factory=list)
+
+
+def comparison_figure(curves: Sequence[Curve]) -> Any:
+    """Methods against rounds, mean ± SEM band over seeds: the deployed models' accuracy as mean over clients
+    (left) and, when the runs measured it, over the worst 10 % of clients (right); one style per method
+    (:func:`line_styles`), one legend."""
+    plt = _pyplot()
+    curves = [c for c in curves if c.rounds]
+    worst = any(c.worst_rounds for c in curves)
+    fig, axes = plt.subplots(1, 2 if worst else 1, figsize=(12, 4.5) if worst else (7.5, 4.5), squeeze=False)
+    panels = [(axes[0][0], "mean over clients", lambda c: (c.rounds, c.mean, c.sem))]
+    if worst:
+        panels.append((axes[0][1], "worst 10 % of clients", lambda c: (c.worst_rounds, c.worst, c.worst_sem)))
+    styles = line_styles([c.method for c in curves])
+    for ax, what, pick in panels:
+        for c, style in zip(curves, styles):
+            rounds, mean, sem = pick(c)
+            if not rounds:
+                continue
+            ax.plot(rounds, mean, label=c.label, **style)
+            ax.fill_between(rounds, [m - e for m, e in zip(mean, sem)], [m + e for m, e in zip(mean, sem)],
+                            color=style["color"], alpha=0.15, linewidth=0)
+        round_axis(ax)
+        ax.set_ylabel(f"deployed-model accuracy, {what}\n(mean ± SEM over seeds)")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    if curves:  # many lines: beside the last panel; a few: inside the first
+        _legend(panels[-1][0] if len(curves) > 6 else panels[0][0], len(curves))
+    fig.tight_layout()
+    return fig
+
+
+def plot_comparison(curves: Sequence[Curve], path: Path) -> None:
+    """:func:`comparison_figure` into ``path``."""
+    save(comparison_figure(curves), path)
 
 
 def plot_heatmaps(panels: list[tuple[str, list[int], np.ndarray]], path: Path) -> None:
     """Side-by-side heatmaps, one per (title, row labels, rows × columns matrix), rows labelled by client id."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 4.2), squeeze=False)
@@ -60,18 +241,14 @@ def plot_heatmaps(panels: list[tuple[str, list[int], np.ndarray]], path: Path) -
             ax.set_yticks(range(len(ids_k)), [str(c) for c in ids_k], fontsize=6)
         fig.colorbar(im, ax=ax, fraction=0.046)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_clusters(cluster_of: Mapping[int, int], groups: Sequence[int] | None, distances: np.ndarray | None,
                   distance_clients: list[int], path: Path, title: str) -> None:
     """Left: clients × (true group, found cluster); right: the per-sample distance matrix ordered by group."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401  (integer ticks)
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
 
     ids = sorted(cluster_of)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.3, 1]})
@@ -82,7 +259,7 @@ def plot_clusters(cluster_of: Mapping[int, int], groups: Sequence[int] | None, d
         ax.scatter(ids, [int(groups[i]) for i in ids], facecolors="none", edgecolors="k", s=110, label="true group")
     ax.set_xlabel("client id")
     ax.set_ylabel("found cluster (filled) / true group (ring)")
-    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xticks(ids[:: max(1, len(ids) // 25)])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
@@ -100,5 +277,4 @@ def plot_clusters(cluster_of: Mapping[int, int], groups: Sequence[int] | None, d
         ax.axis("off")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)

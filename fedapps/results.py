@@ -7,10 +7,15 @@ it did), summary.json, accuracy.png and the artefacts. Strategies never write fi
 
 Row r of rounds.csv holds round r's training phase (bytes, losses, extras, ``acc_after_training_*``: the
 clients' models right after their local update) and the DEPLOYED models after round r (``acc_mean``,
-``acc_weighted``, ``loss``, ``acc_client_<i>``, ``measured_clients``; specs/evaluation.md). The deployed models
+``acc_weighted``, ``acc_worst10``, ``acc_std``, ``loss``, ``acc_client_<i>``, ``measured_clients``;
+specs/evaluation.md). The deployed models
 are measured one message later (round r+1's, or the evaluation-only message after the last round), so those
 columns stay empty until then and are filled in by :func:`merge_measurement`. The headline of summary.json is
 the deployed models' accuracy after the last measured round.
+
+Fairness across clients, beside every mean over clients: ``*_worst10`` is the mean accuracy of the worst
+ceil(10 % of n) of the n clients measured (:func:`worst_share_mean`; 3 clients: the worst one), ``*_std`` the
+population standard deviation of their accuracies (:func:`client_std`).
 """
 
 from __future__ import annotations
@@ -18,10 +23,11 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Protocol
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 from fedapps import plots, protocol
 from fedapps.config import ExperimentConfig, config_hash, dump_yaml
@@ -101,16 +107,51 @@ class ResultSink(Protocol):
     def on_finish(self, summary: Mapping[str, Any], artifacts: list[Artifact]) -> None: ...
 
 
+WORST_SHARE_PERCENT = 10  # acc_worst10: the mean accuracy of the worst ceil(10 % of n) clients
+
+
+def worst_share_count(n: int, percent: int = WORST_SHARE_PERCENT) -> int:
+    """How many clients "the worst ``percent`` %" of ``n`` clients are: ceil(n·percent/100), at least 1 (3 clients:
+    1; 10: 1; 11: 2; 30: 3). Integer arithmetic: ``math.ceil(30 * 0.1)`` would give 4."""
+    if n < 1:
+        raise ValueError(f"the worst {percent} % of {n} clients: there must be at least one client")
+    return max(1, -(-n * percent // 100))
+
+
+def worst_share_mean(accuracies: Sequence[float], percent: int = WORST_SHARE_PERCENT) -> float:
+    """Fairness across clients: the MEAN accuracy of the worst :func:`worst_share_count` clients (the lowest
+    accuracies; ties make no difference to the value)."""
+    k = worst_share_count(len(accuracies), percent)
+    return sum(sorted(float(a) for a in accuracies)[:k]) / k
+
+
+def client_std(accuracies: Sequence[float]) -> float:
+    """Spread across clients: the POPULATION standard deviation of the clients' accuracies,
+    sqrt(Σ(a_i − mean)² / n) — the measured clients are the federation described, not a sample of a larger one
+    (one client: 0)."""
+    if not accuracies:
+        raise ValueError("the standard deviation over clients needs at least one client")
+    vals = [float(a) for a in accuracies]
+    mean = sum(vals) / len(vals)
+    return math.sqrt(sum((a - mean) ** 2 for a in vals) / len(vals))
+
+
 def accuracy_stats(metrics: Iterable[Mapping[str, Any]], tag: str) -> dict[str, float]:
-    """Mean-over-clients and sample-weighted accuracy, and weighted loss, of evaluation ``tag``."""
+    """Of evaluation ``tag``, over the clients that reported it: the accuracy as mean over clients
+    (``acc_mean``), sample-weighted (``acc_weighted``), of the worst 10 % of clients (``acc_worst10``,
+    :func:`worst_share_mean`) and its population std over clients (``acc_std``, :func:`client_std`); and the
+    sample-weighted loss."""
     rows = [m for m in metrics if f"{tag}-acc" in m]
     if not rows:
         return {}
     n = sum(float(m[f"{tag}-n"]) for m in rows)
     correct = sum(float(m[f"{tag}-correct"]) for m in rows)
+    per_client = [float(m[f"{tag}-acc"]) for m in rows]
     return {
-        "acc_mean": sum(float(m[f"{tag}-acc"]) for m in rows) / len(rows),
+        "acc_mean": sum(per_client) / len(per_client),
         "acc_weighted": correct / n if n else 0.0,
+        "acc_worst10": worst_share_mean(per_client),
+        "acc_std": client_std(per_client),
         "loss": sum(float(m[f"{tag}-loss"]) * float(m[f"{tag}-n"]) for m in rows) / n if n else 0.0,
     }
 
@@ -126,17 +167,19 @@ def eval_tags(metrics: Iterable[Mapping[str, Any]]) -> list[str]:
 
 
 def after_training_stats(metrics: Iterable[Mapping[str, Any]]) -> dict[str, float]:
-    """The clients' models right after their local update: ``acc_after_training_mean`` / ``_weighted`` and
-    ``loss_after_training`` (the second column of the protocol)."""
+    """The clients' models right after their local update: ``acc_after_training_mean`` / ``_weighted`` /
+    ``_worst10`` / ``_std`` and ``loss_after_training`` (the second column of the protocol)."""
     stats = accuracy_stats(metrics, protocol.AFTER_TAG)
     names = {"acc_mean": "acc_after_training_mean", "acc_weighted": "acc_after_training_weighted",
+             "acc_worst10": "acc_after_training_worst10", "acc_std": "acc_after_training_std",
              "loss": "loss_after_training"}
     return {names[k]: v for k, v in stats.items()}
 
 
 def measured_columns(metrics: Iterable[Mapping[str, Any]], num_clients: int) -> dict[str, Any]:
     """A deployed-model measurement (replies' metrics carrying ``deployed-*``) as the columns of the row of the
-    round it measures: ``measured_clients``, ``acc_mean``, ``acc_weighted``, ``loss`` and ``acc_client_<i>``."""
+    round it measures: ``measured_clients``, ``acc_mean``, ``acc_weighted``, ``acc_worst10``, ``acc_std``, ``loss``
+    and ``acc_client_<i>``."""
     rows = [m for m in metrics if protocol.metric_name(protocol.DEPLOYED_TAG, "acc") in m]
     out: dict[str, Any] = {"measured_clients": len(rows), **accuracy_stats(rows, protocol.DEPLOYED_TAG)}
     for m in rows:
@@ -165,7 +208,7 @@ def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
         "clients": len(entry.replies),
         "skipped": int(bool(getattr(entry, "skipped", False))),  # too few usable replies: not aggregated
         # the deployed models after this round (measured one message later)
-        "acc_mean": "", "acc_weighted": "", "loss": "", "measured_clients": "",
+        "acc_mean": "", "acc_weighted": "", "acc_worst10": "", "acc_std": "", "loss": "", "measured_clients": "",
         "bytes_up": entry.bytes_up,
         "bytes_down": entry.bytes_down,
         "eval_bytes_up": entry.eval_bytes_up,
@@ -272,7 +315,8 @@ class FileSink:
             columns = measured_columns([r.metrics for r in m.replies], self.cfg.data.num_clients)
             if merge_measurement(self.rows, m.round, columns):
                 measured.append(f"deployed after round {m.round}: acc_mean {_fmt(columns.get('acc_mean'))}  "
-                                f"acc_weighted {_fmt(columns.get('acc_weighted'))} ({columns['measured_clients']} clients)")
+                                f"acc_weighted {_fmt(columns.get('acc_weighted'))}  "
+                                f"acc_worst10 {_fmt(columns.get('acc_worst10'))} ({columns['measured_clients']} clients)")
             else:
                 log.warning("no row of round %d for its deployed-model measurement", m.round)
         write_csv(self.dir / "rounds.csv", self.rows)
@@ -294,7 +338,8 @@ class FileSink:
         """Write summary.json, accuracy.png and every artefact (a failing figure never loses the results)."""
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         title = self.cfg.resolved_run_name()
-        self._draw("accuracy.png", lambda path: plots.plot_accuracy(self.rows, path, title=title))
+        self._draw("accuracy.png", lambda path: plots.plot_accuracy(self.rows, path, title=title,
+                                                                    method=self.cfg.strategy.name))
         for a in artifacts:
             if a.kind == "table":
                 write_csv(self.dir / f"{a.name}.csv", a.data)
@@ -324,8 +369,9 @@ def _fmt(v: Any) -> str:
 
 def summarise(cfg: ExperimentConfig, rows: list[Mapping[str, Any]], wall_seconds: float) -> dict[str, Any]:
     """summary.json content: the headline (``accuracy_mean`` / ``accuracy_weighted``: the DEPLOYED models after
-    the last measured round, never the best round), the after-training accuracy of that round, totals, and
-    the best round as a labelled extra.
+    the last measured round, never the best round) with its fairness across clients (``accuracy_worst10``,
+    ``accuracy_std``), the after-training accuracy of that round (the same four), totals, and the best round as
+    a labelled extra.
 
     The reported numbers come from the last round whose deployed models were measured (``final_round``; the
     last round's always are, by the evaluation-only message, unless no client answered it); when the run's last
@@ -356,9 +402,14 @@ def summarise(cfg: ExperimentConfig, rows: list[Mapping[str, Any]], wall_seconds
         "protocol": PROTOCOL,
         "accuracy_mean": final.get("acc_mean"),
         "accuracy_weighted": final.get("acc_weighted"),
+        # fairness across clients, same models and clients: mean of the worst 10 %, population std
+        "accuracy_worst10": _number(final.get("acc_worst10")),
+        "accuracy_std": _number(final.get("acc_std")),
         "final_round_measured_clients": final.get("measured_clients"),
         "accuracy_after_training_mean": _number(final.get("acc_after_training_mean")),
         "accuracy_after_training_weighted": _number(final.get("acc_after_training_weighted")),
+        "accuracy_after_training_worst10": _number(final.get("acc_after_training_worst10")),
+        "accuracy_after_training_std": _number(final.get("acc_after_training_std")),
         "accuracy_mean_last5": sum(r["acc_mean"] for r in last) / len(last) if last else None,
         "bytes_up": up,
         "bytes_down": down,

@@ -1,6 +1,7 @@
 """`fedapps compare`: every config × seed through `flwr run` (skipping runs already complete WITH THE SAME
 resolved config, so an interrupted comparison resumes and a changed one reruns), then comparison.csv,
-comparison.md (mean ± SEM over seeds) and one plot.
+comparison.md (mean ± SEM over seeds, fairness across clients beside the mean) and one plot (comparison.png:
+one line per config, labelled by its strategy — and its setting where the configs' settings differ).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from scipy import stats
 
-from fedapps.config import ConfigError, config_hash, load_config
+from fedapps import plots
+from fedapps.config import ConfigError, ExperimentConfig, config_hash, load_config
 from fedapps.results import Progress, read_csv, write_csv
 
 log = logging.getLogger("fedapps")
@@ -36,6 +38,16 @@ def mean_sem(values: Sequence[float]) -> tuple[float, float]:
 def run_label(config_path: str) -> str:
     """A config's label in the table: its file stem."""
     return Path(config_path).stem
+
+
+def setting_label(cfg: ExperimentConfig) -> str:
+    """The data setting of a config in a few words (source, partition and its parameter, clients), e.g.
+    ``mnist5k dirichlet α=0.1, 20 clients``: what a plot adds to a method's name when it mixes settings."""
+    d = cfg.data
+    detail = {"pathological": f" {d.classes_per_client} classes/client", "dirichlet": f" α={d.alpha:g}",
+              "cosmos-groups": f" {d.groups} groups α={d.alpha:g}", "rotated": f" {d.groups} groups",
+              "label-swap": f" {d.groups} groups"}.get(d.partition, "")
+    return f"{d.source} {d.partition}{detail}, {d.num_clients} clients"
 
 
 def stored_hash(result_dir: Path) -> str | None:
@@ -94,11 +106,18 @@ def is_complete(result_dir: Path, rounds: int, expected_hash: str) -> bool:
     return resume_decision(result_dir, rounds, expected_hash)[0]
 
 
+# summary.json entries averaged over seeds into comparison.csv (each with its ``_sem``), in column order
+SUMMARISED = ("accuracy_mean", "accuracy_weighted", "accuracy_worst10", "accuracy_std", "accuracy_after_training_mean",
+              "accuracy_after_training_worst10", "accuracy_after_training_std", "bytes_up_per_client_round",
+              "bytes_down_per_client_round", "wall_seconds")
+
+
 def summarise_runs(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """One table row: mean ± SEM over seeds of the final accuracies, bytes and wall time."""
+    """One table row: mean ± SEM over seeds of the final accuracies (mean over clients, sample-weighted, worst
+    10 % of clients, std over clients; deployed and after local training), bytes and wall time. A value no run
+    recorded (a run made before the fairness columns existed) is NaN."""
     row: dict[str, Any] = {"config": label, "strategy": summaries[0]["strategy"], "seeds": len(summaries)}
-    for key in ("accuracy_mean", "accuracy_weighted", "accuracy_after_training_mean", "bytes_up_per_client_round",
-                "bytes_down_per_client_round", "wall_seconds"):
+    for key in SUMMARISED:
         vals = [s[key] for s in summaries if isinstance(s.get(key), (int, float))]
         m, e = mean_sem(vals)
         row[key] = m
@@ -112,18 +131,22 @@ def summarise_runs(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """comparison.md: accuracy ± SEM (the deployed models after the last round; the models right after local
-    training beside it), bytes per client per round (MiB), wall time."""
+    """comparison.md: accuracy ± SEM (the deployed models after the last round: mean over clients,
+    sample-weighted, worst 10 % of clients, std over clients; the models right after local training beside it),
+    bytes per client per round (MiB), wall time."""
     lines = ["Protocol: deployed model after the last round (specs/evaluation.md), on each client's own evaluation "
-             "split; mean ± SEM over seeds.", "",
+             "split; mean ± SEM over seeds. Worst 10 %: the mean accuracy of the worst ceil(10 % of n) of the n "
+             "clients; std: the population standard deviation over clients.", "",
              "| config | strategy | seeds | accuracy (mean over clients) | accuracy (sample-weighted) | "
+             "worst 10 % of clients | std over clients | "
              "after local training (mean) | up MiB/client/round | down MiB/client/round | wall s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     mib = 1024 * 1024
     for r in rows:
         lines.append(
             f"| {r['config']} | {r['strategy']} | {r['seeds']} | {r['accuracy_mean']:.4f} ± {r['accuracy_mean_sem']:.4f} | "
             f"{r['accuracy_weighted']:.4f} ± {r['accuracy_weighted_sem']:.4f} | "
+            f"{_pm(r, 'accuracy_worst10')} | {_pm(r, 'accuracy_std')} | "
             f"{_pm(r, 'accuracy_after_training_mean')} | "
             f"{r['bytes_up_per_client_round'] / mib:.3f} | {r['bytes_down_per_client_round'] / mib:.3f} | "
             f"{r['wall_seconds']:.0f} |")
@@ -136,34 +159,49 @@ def _pm(row: dict[str, Any], key: str) -> str:
     return "-" if not isinstance(m, float) or math.isnan(m) else f"{m:.4f} ± {row[key + '_sem']:.4f}"
 
 
-def plot_curves(curves: dict[str, list[list[dict[str, Any]]]], path: Path) -> None:
-    """Accuracy (mean over clients) against rounds per config, mean ± SEM band over seeds."""
-    import matplotlib
+@dataclasses.dataclass
+class Line:
+    """One config's runs in the comparison plot: its strategy, setting (:func:`setting_label`), table label
+    (config stem) and each seed's rounds.csv rows."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    method: str
+    setting: str
+    config: str
+    runs: list[list[dict[str, Any]]]
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, runs in curves.items():
-        rounds = sorted({r["round"] for run in runs for r in run if isinstance(r.get("acc_mean"), float)})
-        means, sems = [], []
-        for rnd in rounds:
-            vals = [r["acc_mean"] for run in runs for r in run if r["round"] == rnd and isinstance(r.get("acc_mean"), float)]
-            m, e = mean_sem(vals)
-            means.append(m)
-            sems.append(e)
-        if not rounds:
-            continue
-        ax.plot(rounds, means, label=label)
-        ax.fill_between(rounds, [m - e for m, e in zip(means, sems)], [m + e for m, e in zip(means, sems)], alpha=0.2)
-    ax.set_xlabel("round")
-    ax.set_ylabel("deployed-model accuracy, mean over clients (± SEM over seeds)")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+def _measured(row: dict[str, Any], key: str) -> float | None:
+    v = row.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v)) else None
+
+
+def per_round_mean_sem(runs: list[list[dict[str, Any]]], key: str) -> tuple[list[int], list[float], list[float]]:
+    """(rounds, mean, SEM) over the seeds' runs of rounds.csv column ``key``, at every round any run measured."""
+    rounds = sorted({int(r["round"]) for run in runs for r in run if _measured(r, key) is not None})
+    means, sems = [], []
+    for rnd in rounds:
+        m, e = mean_sem([v for run in runs for r in run if int(r["round"]) == rnd
+                         for v in [_measured(r, key)] if v is not None])
+        means.append(m)
+        sems.append(e)
+    return rounds, means, sems
+
+
+def comparison_curves(lines: list[Line]) -> list[plots.Curve]:
+    """The plot's curves: per line, the deployed models' accuracy (mean over clients; worst 10 % of clients)
+    as mean ± SEM over seeds per round, labelled by :func:`fedapps.plots.legend_labels`."""
+    labels = plots.legend_labels([(ln.method, ln.setting, ln.config) for ln in lines])
+    out = []
+    for ln, label in zip(lines, labels):
+        rounds, mean, sem = per_round_mean_sem(ln.runs, "acc_mean")
+        worst_rounds, worst, worst_sem = per_round_mean_sem(ln.runs, "acc_worst10")
+        out.append(plots.Curve(label, ln.method, rounds, mean, sem, worst_rounds, worst, worst_sem))
+    return out
+
+
+def plot_curves(lines: list[Line], path: Path) -> None:
+    """comparison.png: every config's curves (:func:`comparison_curves`) in the project's plot style."""
+    plots.plot_comparison(comparison_curves(lines), path)
 
 
 def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
@@ -182,7 +220,7 @@ def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
         checked = load_config(Path(config).expanduser().resolve(), list(args.overrides))
         resolve(checked)
         get_federation(dataclasses.asdict(checked.data))  # a DataError (a ConfigError) here: exit 2
-    rows, curves = [], {}
+    rows, lines = [], []
     total = len(args.configs) * len(args.seeds)
     done = 0
     progress = Progress(total)
@@ -201,11 +239,11 @@ def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
             summaries.append(json.loads((result_dir / "summary.json").read_text()))
             label_curves.append(read_csv(result_dir / "rounds.csv"))
         rows.append(summarise_runs(label, summaries))
-        curves[label] = label_curves
+        lines.append(Line(str(summaries[0].get("strategy", cfg.strategy.name)), setting_label(cfg), label, label_curves))
     folder.mkdir(parents=True, exist_ok=True)
     write_csv(folder / "comparison.csv", rows)  # header: the union of the rows' keys, first-seen order
     table = markdown_table(rows)
     (folder / "comparison.md").write_text(table)
-    plot_curves(curves, folder / "comparison.png")
+    plot_curves(lines, folder / "comparison.png")
     print("\n" + table + f"\nwritten: {folder}/comparison.csv, comparison.md, comparison.png")
     return folder

@@ -36,7 +36,12 @@ def test_flwr_run_end_to_end(flower_run_of_tiny_config):
     assert cli._proc_stat(pid) is None, "the SuperLink started by the run must be stopped"
 
 
-def test_compare_table_and_resume(tiny_config, tmp_path, capsys):
+def test_compare_table_and_resume(tiny_config, tmp_path, capsys, monkeypatch):
+    from fedapps import plots
+
+    figures = []
+    draw = plots.comparison_figure
+    monkeypatch.setattr(plots, "comparison_figure", lambda curves: figures.append(list(curves)) or draw(curves))
     a = tiny_config(strategy={"name": "fedavg"})
     b = tiny_config(strategy={"name": "local"})
     args = ["compare", str(a), str(b), "--seeds", "0", "1", "--engine", "inprocess", "--output-dir", str(tmp_path)]
@@ -45,9 +50,13 @@ def test_compare_table_and_resume(tiny_config, tmp_path, capsys):
     table = (folder / "comparison.md").read_text()
     assert len([line for line in table.splitlines() if line.startswith("|")]) == 4  # header, rule, 2 configs
     assert "±" in table and "fedavg" in table and "local" in table and "Protocol: deployed model" in table
+    assert "worst 10 % of clients" in table
     assert (folder / "comparison.png").is_file()
     rows = (folder / "comparison.csv").read_text().splitlines()
     assert len(rows) == 3
+    assert {"accuracy_worst10", "accuracy_worst10_sem", "accuracy_std", "accuracy_std_sem"} <= set(rows[0].split(","))
+    # the plot's lines are labelled by strategy (the configs are cfg0.yaml, cfg1.yaml), both panels drawn
+    assert [c.label for c in figures[0]] == ["fedavg", "local"] and all(c.worst_rounds == [1, 2] for c in figures[0])
     capsys.readouterr()
     stamp = (folder / "runs" / f"{a.stem}-s0" / "summary.json").stat().st_mtime
     assert cli.main(args) == 0
