@@ -234,7 +234,7 @@ def print_summary(result_dir: Path) -> None:
     """A small table of the run's summary.json."""
     s = json.loads((result_dir / "summary.json").read_text())
     keys = ["strategy", "dataset", "partition", "model", "num_clients", "rounds", "protocol", "final_round",
-            "accuracy_mean", "accuracy_weighted", "accuracy_after_training_mean"]
+            "accuracy_mean", "accuracy_weighted", "accuracy_worst10", "accuracy_std", "accuracy_after_training_mean"]
     keys += sorted(k for k in s if k.startswith("final_") or k in ("clusters",))
     keys += ["bytes_up_per_client_round", "bytes_down_per_client_round", "wall_seconds"]
     width = max(len(k) for k in keys)
