@@ -18,7 +18,7 @@ from flwr.serverapp import Grid, ServerApp
 
 import yaml
 
-from fedapps import checkpoint, protocol
+from fedapps import checkpoint, protocol, tracking
 from fedapps.config import ExperimentConfig, dump_yaml, load_config
 from fedapps.data import NODES, get_federation, set_described_counts, spec_key
 from fedapps.describe import Description, bind_accepted, describe_nodes
@@ -118,7 +118,14 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
         strategy.load_checkpoint_state(saved["state"])
         first_round = int(saved["round"]) + 1
         log.info("resuming '%s' after round %d of %d", files.dir, first_round - 1, cfg.rounds)
-    strategy.start(grid=grid, num_rounds=cfg.rounds, timeout=cfg.strategy.timeout, first_round=first_round)
+    # experiment trackers (config key tracking), after the file sink: at the end they read the files it wrote
+    trackers = tracking.tracking_sinks(cfg, files.dir, resumed=saved is not None)
+    sinks.extend(trackers)
+    try:
+        strategy.start(grid=grid, num_rounds=cfg.rounds, timeout=cfg.strategy.timeout, first_round=first_round)
+    except BaseException as exc:  # the trackers mark their run failed; the error itself goes on
+        tracking.abort(trackers, f"{type(exc).__name__}: {exc}")
+        raise
     problems = delivery.problems()
     described = {"nodes": description.summary()} if description is not None else {}
     summary = files.summary(time.time() - t0, {**strategy.protocol_summary(), **strategy.final_summary(),

@@ -16,12 +16,12 @@ from typing import Any, Mapping
 import torch
 import yaml
 
-from fedapps.config import ConfigError, without_later_defaults
+from fedapps.config import HASH_EXCLUDED, ConfigError, without_later_defaults
 
 CHECKPOINT = "checkpoint.pt"
 CLIENT_STATE = "client-state"
 FORMAT = 1
-IGNORED_KEYS = ("output_dir", "run_name")  # where a run is written may differ between the run and its resumption
+IGNORED_KEYS = HASH_EXCLUDED  # where a run is written (and tracked) may differ between the run and its resumption
 
 
 def atomic_save(obj: Any, path: str | Path) -> None:
@@ -62,7 +62,7 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
 
 
 def config_differences(saved_yaml: str, given_yaml: str) -> list[str]:
-    """Dotted keys whose values differ between two dumped configs (ignoring output_dir and run_name)."""
+    """Dotted keys whose values differ between two dumped configs (ignoring :data:`IGNORED_KEYS`)."""
     a, b = (without_later_defaults(yaml.safe_load(text) or {}) for text in (saved_yaml, given_yaml))
     for d in (a, b):
         for key in IGNORED_KEYS:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -119,6 +120,10 @@ class ExperimentConfig:
     seed: int = 0
     rounds: int = 20
     output_dir: str = "results"
+    # experiment trackers the run also writes to (optional extra "tracking"; README "Experiment tracking"):
+    # any of tensorboard, mlflow; where: inside the run folder, or under tracking_dir (relative: to output_dir)
+    tracking: list[str] = field(default_factory=list)
+    tracking_dir: str = ""
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -139,6 +144,8 @@ class ExperimentConfig:
 OPTIMIZERS = ("sgd", "adam")
 AGGREGATION_RULES = ("mean", "median", "trimmed-mean")
 DEVICES = ("auto", "cpu", "cuda")
+# tracking name -> the module its sink needs (fedapps.tracking writes; both come with pip install -e ".[tracking]")
+TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
 
 
 # --------------------------------------------------------------------------- loading
@@ -359,6 +366,7 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(cfg.seed >= 0, f"'seed' must be >= 0, got {cfg.seed}")
     _check(bool(cfg.output_dir), "'output_dir' must not be empty")
     check_run_name(cfg.run_name)
+    check_tracking(cfg.tracking)
 
     s = cfg.strategy
     _check(bool(s.name), "'strategy.name' must not be empty")
@@ -397,6 +405,21 @@ def validate(cfg: ExperimentConfig) -> None:
            "set client.device to 'auto' or 'cuda', or remove client.mixed_precision")
 
 
+def check_tracking(names: list[Any]) -> None:
+    """``tracking``: known tracker names, each once, whose packages are installed (they are an optional extra)."""
+    for name in names:
+        _check(isinstance(name, str), f"'tracking' must be a list of tracker names ({', '.join(TRACKERS)}), "
+                                      f"got the item {name!r}")
+        _one_of("tracking", name, tuple(TRACKERS))
+    _check(len(set(names)) == len(names), f"'tracking' lists a tracker twice ({names}); name each once")
+    missing = [name for name in names if importlib.util.find_spec(TRACKERS[name]) is None]
+    modules = ", ".join(repr(TRACKERS[name]) for name in missing)
+    whose = "its package is" if len(missing) == 1 else "their packages are"
+    _check(not missing, f"'tracking' lists {', '.join(missing)}, but {whose} not installed (no module {modules}): "
+                        "install the optional extra with  pip install -e \".[tracking]\"  (in the app folder), "
+                        "or remove it from 'tracking'")
+
+
 def check_run_name(name: str) -> None:
     """``run_name`` names one folder inside the output folder: no path, no '..', not blank ('' = derived)."""
     if name == "":
@@ -414,7 +437,7 @@ def check_run_name(name: str) -> None:
         raise ConfigError(f"'run_name' {name!r} contains control characters; {fix}")
 
 
-HASH_EXCLUDED = ("run_name", "output_dir")  # where a run is written, not what it computes
+HASH_EXCLUDED = ("run_name", "output_dir", "tracking", "tracking_dir")  # where a run is written, not what it computes
 # keys added after results were recorded: left out of the hash (and of a resumed run's comparison) while at these
 # defaults, so that a config that does not use them keeps the hash it had before they existed
 LATER_KEYS: dict[tuple[str, str], Any] = {("data", "num_classes"): 0, ("data", "input_shape"): [],
@@ -433,7 +456,7 @@ def without_later_defaults(data: dict[str, Any]) -> dict[str, Any]:
 
 def config_hash(cfg: ExperimentConfig) -> str:
     """sha256 of the config as dumped (every section, strategy params included), without ``run_name``,
-    ``output_dir`` and ``data.root`` (where things are written and read): two runs with the same hash compute the same thing. Pass the RESOLVED config
+    ``output_dir``, ``tracking``, ``tracking_dir`` and ``data.root`` (where things are written and read): two runs with the same hash compute the same thing. Pass the RESOLVED config
     (``strategies.resolve(cfg).config(cfg)``, what config.yaml holds) so that filled-in defaults count."""
     data = {k: v for k, v in without_later_defaults(cfg.to_dict()).items() if k not in HASH_EXCLUDED}
     data["data"] = {k: v for k, v in data["data"].items() if k != "root"}  # where the files are, not what is computed
