@@ -26,11 +26,20 @@ Where p̂ comes from (``estimator``) — README "What the server learns about a 
   model's predictions match every client's shares, the update is noise, so cwFedAvg does not reduce to FedAvg.
   Good on label-skewed partitions (few classes per client), wrong near IID.
 
-Partial participation / dropped clients: the server keeps, per client, its latest uploaded model, its
+Partial participation / dropped clients: the server keeps, per client, its latest class-wise arrays, its
 sample count and its estimate. ``mix: latest`` (default) mixes over the latest model of every client seen
 so far (with full participation: exactly this round's models); ``mix: round`` only over this round's
 repliers. A client with an estimate gets its row of A; a client never seen gets the FedAvg model (the
 sample-weighted mean of the same set); before any reply, everyone gets the initial model.
+
+Server memory (F shared floats, C class-wise parameters per client, M clients; README "Server memory"). The
+shared (non-class-wise) keys are one FedAvg for everybody, kept as a float64 running sum Σ_l n_l w_l:
+- ``mix: round``: the sum is over this round's replies only, so the server holds O(F + M·C): never a whole
+  client model beyond the reply being added.
+- ``mix: latest``: when a client re-uploads, its previous contribution n_l^old w_l^old must leave the sum, and
+  nothing short of w_l^old itself gives it (the next FedAvg depends on it for every l that may re-upload), so
+  the server also keeps each client's latest shared arrays: O(M·(F + C)), whole models. Exact, not O(model);
+  the sum only makes a round cost O(repliers·F) instead of O(M·F).
 
 Client side (registered here): the training term ``wdr``, switched on by ``train.wdr_lambda`` → loss
 CE + (λ/2)·‖p_i − p̃_i‖₂ (:func:`wdr_penalty`), p_i from the
@@ -227,7 +236,8 @@ def l1_error(p_hat: np.ndarray, p_true: np.ndarray) -> float:
 
 
 class ModelStack:
-    """The latest uploaded arrays of every client seen: one (rows × shape) array per key, rows by client id."""
+    """The latest uploaded arrays of every client seen, for the given keys only: one (rows × shape) array per
+    key, rows by client id (cwFedAvg: the class-wise keys, plus the shared float keys under ``mix: latest``)."""
 
     def __init__(self, template: Mapping[str, np.ndarray], capacity: int) -> None:
         self.template = {k: np.asarray(v) for k, v in template.items()}
@@ -248,11 +258,20 @@ class ModelStack:
         return self.row_of[client_id]
 
     def put(self, client_id: int, arrays: Mapping[str, np.ndarray]) -> int:
-        """Store a client's upload (cast to the template dtypes); return its row."""
+        """Store a client's upload of the stack's keys (cast to the template dtypes; other keys ignored)."""
         r = self.row(client_id)
         for k, a in self.arrays.items():
             a[r] = arrays[k]
         return r
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+def add_weighted(total: dict[str, np.ndarray], arrays: Mapping[str, np.ndarray], weight: float) -> None:
+    """total[k] += weight · arrays[k] for every key of ``total`` (float64 sums; the product in float64 too)."""
+    for k, t in total.items():
+        t += np.multiply(arrays[k], weight, dtype=np.float64)
 
 
 def _grow(x: np.ndarray, rows: int, fill: float = 0.0) -> np.ndarray:
@@ -300,9 +319,14 @@ class CwFedAvg(PersonalisedStrategy):
         self.has_bias = self.head_b in self.initial
         self.classwise = [k for k in classwise_keys(model, p.layers) if k in self.keys]
         self.shared_keys = [k for k in self.keys if k not in self.classwise]
+        # shared keys averaged over the clients; the others (BatchNorm's num_batches_tracked) are the last replier's
+        self.shared_float = [k for k in self.shared_keys if np.issubdtype(self.initial[k].dtype, np.floating)]
         self.num_classes = int(model.get_submodule(self.head).weight.shape[0])
         m = cfg.data.num_clients
-        self.stack = ModelStack(self.initial, m)
+        # per client: the class-wise arrays; under `latest` also the shared float arrays (see the module docstring)
+        per_client = self.classwise + (self.shared_float if p.mix == "latest" else [])
+        self.stack = ModelStack({k: self.initial[k] for k in per_client}, m)
+        self.sums: dict[str, np.ndarray] = {}  # Σ_l n_l w_l (float64) of the shared float keys over the mixed set
         self.n = np.zeros(self.stack.capacity)
         self.p_hat = np.full((self.stack.capacity, self.num_classes), 1.0 / self.num_classes)
         self.evidence = np.zeros((self.stack.capacity, self.num_classes))  # accumulated bias evidence
@@ -310,7 +334,7 @@ class CwFedAvg(PersonalisedStrategy):
         self.estimated = np.zeros(self.stack.capacity, bool)  # rows with an estimate
         self.fresh = np.zeros(self.stack.capacity, bool)  # rows that replied in the last aggregation
         self.q: np.ndarray | None = None  # class weights of the last aggregation (rows of the stack)
-        self.shared: dict[str, np.ndarray] = {}  # FedAvg arrays of the non-class-wise keys
+        self.shared: dict[str, np.ndarray] = {}  # FedAvg arrays of the shared keys (what every client gets)
         self.fedavg_w: np.ndarray | None = None
         self.sent_bias: dict[int, np.ndarray] = {}  # node id -> classifier bias it was sent
         self.true_p = _true_distributions(cfg) if p.track_estimation_error else None
@@ -323,7 +347,8 @@ class CwFedAvg(PersonalisedStrategy):
 
     # ------------------------------------------------------------------ personalised models
     def personalised(self, client_id: int | None) -> dict[str, np.ndarray]:
-        """Client's model: its row of A on the stacked models; FedAvg if never seen; initial before any reply."""
+        """Client's model: the shared FedAvg arrays, and its row of A on the stacked class-wise arrays (FedAvg
+        weights if never seen); the initial model before any reply."""
         if self.q is None:
             return self.initial
         row = self.stack.row_of.get(client_id) if client_id is not None else None
@@ -353,43 +378,89 @@ class CwFedAvg(PersonalisedStrategy):
 
     # ------------------------------------------------------------------ aggregation
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
+        """Take each usable reply in one pass (``replies`` is iterated once, so it may be a generator): its
+        class-wise arrays into the stack, its shared arrays into the running sum, its estimate; then Q, the
+        FedAvg weights and the shared arrays for the next messages."""
         p: CwFedAvgParams = self.params
-        usable = []
-        for r in replies:
-            if r.arrays is None or set(r.arrays) != set(self.keys) or any(
-                    r.arrays[k].shape != self.initial[k].shape for k in self.keys):
-                log.warning("round %d: client %d sent arrays that do not match the model; ignored", server_round, r.client_id)
-                continue
-            usable.append(r)
-        if not usable:
-            return {}
-        self.fresh[:] = False
         errors: dict[str, list[tuple[int, np.ndarray]]] = {e: [] for e in ESTIMATORS}
-        for r in usable:
-            row = self.stack.put(r.client_id, r.arrays)
-            self._ensure_rows(self.stack.capacity)
-            self.n[row] = r.num_examples
-            self.fresh[row] = True
-            estimates = self._estimates(r, row)
-            for name, est in estimates.items():
-                errors[name].append((r.client_id, est))
-            chosen = estimates.get(p.estimator)
-            if chosen is None:  # e.g. no counts sent, or no bias evidence yet: the paper's estimate
-                chosen = estimates["norm"]
-            self.p_hat[row] = chosen
-            self.estimated[row] = True
+        taken: set[int] = set()
+        last: ClientReply | None = None
+        for r in replies:
+            if not self._usable(server_round, r, taken):
+                continue
+            if last is None:  # the first usable reply opens the aggregation (nothing changes without one)
+                self.fresh[:] = False
+                if p.mix == "round" or not self.sums:
+                    self.sums = {k: np.zeros(self.initial[k].shape, np.float64) for k in self.shared_float}
+            taken.add(r.client_id)
+            last = r
+            self._take(r, errors)
+        if last is None:
+            return {}
         self._record_snapshot(server_round)
         mask = self.estimated & (self.fresh if p.mix == "round" else True)
         self.q = class_weights(self.n, self.p_hat, mask)
         self.fedavg_w = fedavg_weights(self.n, mask)
-        self.shared = {}
+        total = float(self.n[mask].sum())  # > 0: every reply taken has num_examples >= 1
+        self.shared = {k: (self.sums[k] / total).astype(self.initial[k].dtype) for k in self.shared_float}
         for k in self.shared_keys:
-            a = self.stack.arrays[k]
-            if np.issubdtype(a.dtype, np.floating):
-                self.shared[k] = mix(self.fedavg_w, a)
-            else:  # integer buffers (BatchNorm's num_batches_tracked): the most recent replier's
-                self.shared[k] = a[self.stack.row_of[usable[-1].client_id]].copy()
+            if k not in self.sums:  # integer buffers (BatchNorm's num_batches_tracked): the last replier's
+                self.shared[k] = np.array(last.arrays[k], dtype=self.initial[k].dtype)
+        if p.mix == "round":
+            self.sums = {}  # this round's sum is spent: O(F) only while aggregating
         return self._error_metrics(errors)
+
+    def _usable(self, server_round: int, r: ClientReply, taken: set[int]) -> bool:
+        """Whether a reply can be aggregated: the model's keys and shapes, examples > 0, once per client."""
+        if r.arrays is None or set(r.arrays) != set(self.keys) or any(
+                r.arrays[k].shape != self.initial[k].shape for k in self.keys):
+            log.warning("round %d: client %d sent arrays that do not match the model; ignored", server_round, r.client_id)
+            return False
+        if r.num_examples <= 0:  # the reply validator refuses these already
+            log.warning("round %d: client %d reported %d examples; ignored", server_round, r.client_id, r.num_examples)
+            return False
+        if r.client_id in taken:  # the validator allows one reply per node and node per client
+            log.warning("round %d: a second reply from client %d; ignored", server_round, r.client_id)
+            return False
+        return True
+
+    def _take(self, r: ClientReply, errors: dict[str, list[tuple[int, np.ndarray]]]) -> None:
+        """One reply into the state: the running sum (minus the client's previous upload under `latest`), the
+        stack, its sample count and estimate."""
+        p: CwFedAvgParams = self.params
+        row = self.stack.row(r.client_id)
+        self._ensure_rows(self.stack.capacity)
+        if p.mix == "latest" and self.estimated[row]:  # its previous upload leaves the sum
+            add_weighted(self.sums, {k: self.stack.arrays[k][row] for k in self.sums}, -float(self.n[row]))
+        # shared arrays in the template dtypes, so what enters the sum is what the stack keeps (and later removes)
+        add_weighted(self.sums, {k: np.asarray(r.arrays[k], self.initial[k].dtype) for k in self.sums},
+                     float(r.num_examples))
+        self.stack.put(r.client_id, r.arrays)
+        self.n[row] = r.num_examples
+        self.fresh[row] = True
+        estimates = self._estimates(r, row)
+        for name, est in estimates.items():
+            errors[name].append((r.client_id, est))
+        chosen = estimates.get(p.estimator)
+        if chosen is None:  # e.g. no counts sent, or no bias evidence yet: the paper's estimate
+            chosen = estimates["norm"]
+        self.p_hat[row] = chosen
+        self.estimated[row] = True
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a checkpoint; one written before the stack kept only the class-wise keys (whole models, no
+        running sum) is converted: the sum rebuilt from the stacked models (`latest`), the other keys dropped."""
+        super().load_state_dict(state)
+        keep = set(self.classwise) | (set(self.shared_float) if self.params.mix == "latest" else set())
+        extra = [k for k in self.stack.arrays if k not in keep]
+        if not extra:
+            return
+        if "sums" not in state and self.params.mix == "latest" and self.estimated.any():
+            self.sums = {k: np.zeros(self.initial[k].shape, np.float64) for k in self.shared_float}
+            for row in np.flatnonzero(self.estimated):
+                add_weighted(self.sums, {k: self.stack.arrays[k][row] for k in self.sums}, float(self.n[row]))
+        for k in extra:
+            del self.stack.arrays[k], self.stack.template[k]
 
     def _ensure_rows(self, rows: int) -> None:
         self.n = _grow(self.n, rows)

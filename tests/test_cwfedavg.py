@@ -3,6 +3,7 @@ gradient, and end-to-end runs on the in-process grid (partial participation, a d
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 
@@ -269,3 +270,157 @@ def test_dropped_client_keeps_its_estimate():
     row = s.stack.row_of[5]
     assert s.estimated[row] and np.argmax(s.p_hat[row]) == 5
     np.testing.assert_allclose(s.personalised(5)["fc.weight"], models[5]["fc.weight"], atol=1e-6)
+
+
+# --------------------------------------------------------------------------- server state: O(F + M·C), not M models
+
+
+class TinyBN(nn.Module):
+    """A model small enough for many rounds in a test, with BatchNorm (float and integer buffers)."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                  nn.Flatten())
+        self.fc1 = nn.Linear(4, 6)
+        self.fc = nn.Linear(6, num_classes)
+        self._fedapps_classifier = "fc"
+
+
+def tiny_strategy(monkeypatch, overrides: str, clients: int) -> CwFedAvg:
+    from strategies import cwfedavg
+
+    monkeypatch.setattr(cwfedavg, "_build", lambda cfg, stand_in=False: TinyBN(10))
+    return make_strategy(f"strategy.params.cwfedavg.estimator=true {overrides}", clients=clients)
+
+
+def reference_personalised(latest: dict[int, tuple[dict[str, np.ndarray], np.ndarray]], mixed: list[int],
+                           last: int, cid: int, classwise: list[str]) -> dict[str, np.ndarray]:
+    """Whole models kept, in float64: FedAvg of the shared float keys over the clients ``mixed``, integer keys
+    from the last replier ``last``, and for the class-wise keys client ``cid``'s row of A = P Qᵀ
+    (q_lj = n_l p_lj / Σ_m n_m p_mj over ``mixed``; FedAvg weights for a class nobody in it holds; a client
+    never seen gets the FedAvg weights). ``latest[c]`` = (c's latest upload, its latest class counts)."""
+    counts = np.array([latest[c][1] for c in mixed], dtype=np.float64)
+    n = counts.sum(axis=1)
+    fed = n / n.sum()
+    mass = counts  # n_l p_lj = n_lj
+    q = np.where(mass.sum(0) > 0, mass / np.maximum(mass.sum(0), 1e-300), fed[:, None])
+    a = fed if cid not in latest else (latest[cid][1] / latest[cid][1].sum()) @ q.T
+    out = {}
+    for key, first in latest[mixed[0]][0].items():
+        stacked = np.stack([latest[c][0][key].astype(np.float64) for c in mixed])
+        if not np.issubdtype(first.dtype, np.floating):
+            out[key] = latest[last][0][key]
+        else:
+            out[key] = np.tensordot(a if key in classwise else fed, stacked, axes=1)
+    return out
+
+
+@pytest.mark.parametrize("mix_set", ["latest", "round"])
+@pytest.mark.parametrize("layers", ["output", "last-2", "all"])
+def test_rounds_with_partial_participation_equal_whole_model_reference(monkeypatch, mix_set, layers):
+    """Five rounds, clients joining late, re-uploading with other models AND other counts, replies out of order
+    (one round as a generator): every client's personalised model (never-seen ones too) equals the reference
+    computed from every client's whole latest model. Capacity 4 for 7 clients: the stack grows twice."""
+    s = tiny_strategy(monkeypatch, f"strategy.params.cwfedavg.mix={mix_set} strategy.params.cwfedavg.layers={layers} "
+                                   "strategy.params.cwfedavg.buffers=fedavg", clients=4)
+    assert any(not np.issubdtype(v.dtype, np.floating) for v in s.initial.values())  # num_batches_tracked
+    rng = np.random.default_rng(7)
+    schedule = [[0, 1, 2, 3], [3, 1, 4], [0, 5], [5, 2, 3, 4, 1], [6, 0]]
+    latest: dict[int, tuple[dict[str, np.ndarray], np.ndarray]] = {}
+    for rnd, ids in enumerate(schedule, start=1):
+        replies = []
+        for cid in ids:
+            model = perturbed(s.initial, seed=100 * rnd + cid, scale=1.0)
+            for k, v in model.items():
+                if not np.issubdtype(v.dtype, np.floating):
+                    model[k] = np.full(v.shape, 10 * cid + rnd, v.dtype)
+            counts = rng.integers(0, 9, 10) * (rng.random(10) < 0.4)
+            counts[rng.integers(10)] += 1 + cid
+            latest[cid] = (model, counts)
+            replies.append(reply(cid, model, counts))
+        s.aggregate(rnd, (r for r in replies) if rnd == 3 else replies)
+        mixed = sorted(latest) if mix_set == "latest" else ids
+        for cid in range(8):
+            ref = reference_personalised(latest, mixed, ids[-1], cid, s.classwise)
+            ours = s.personalised(cid)
+            assert list(ours) == s.keys
+            for key in s.keys:
+                assert ours[key].dtype == s.initial[key].dtype
+                np.testing.assert_allclose(ours[key], ref[key], rtol=1e-5, atol=1e-5,
+                                           err_msg=f"round {rnd} client {cid} {key}")
+
+
+@pytest.mark.parametrize("mix_set", ["latest", "round"])
+def test_server_keeps_only_classwise_arrays_per_client(mix_set):
+    """`output` with M = 40: the per-client stack holds the classifier only (plus, under `latest`, the shared
+    float arrays, which an exact FedAvg over every client's latest model needs); under `round` everything the
+    server keeps is O(model) + M × (classifier + a few K-vectors)."""
+    clients = 40
+    s = make_strategy(f"strategy.params.cwfedavg.estimator=true strategy.params.cwfedavg.mix={mix_set}", clients=clients)
+    counts = np.eye(10, dtype=int)[np.arange(clients) % 10] * 5 + 1
+    for rnd in (1, 2):
+        s.aggregate(rnd, [reply(i, perturbed(s.initial, seed=i + rnd), counts[i]) for i in range(clients)])
+    head = ["fc.weight", "fc.bias"]
+    assert s.classwise == head
+    per_client = head + (s.shared_float if mix_set == "latest" else [])
+    assert sorted(s.stack.arrays) == sorted(per_client)
+    for k in per_client:
+        assert s.stack.arrays[k].shape == (s.stack.capacity,) + s.initial[k].shape
+    model_bytes = sum(v.nbytes for v in s.initial.values())
+    head_bytes = sum(s.initial[k].nbytes for k in head)
+
+    def nbytes(x) -> int:
+        if isinstance(x, np.ndarray):
+            return x.nbytes
+        if isinstance(x, dict):
+            return sum(nbytes(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return sum(nbytes(v) for v in x)
+        return nbytes(vars(x)) if hasattr(x, "__dict__") else 0
+
+    state = nbytes(s.state_dict())
+    small = 8 * 8 * s.num_classes  # per client: n, p̂, evidence, norm estimate, q, two snapshots (float64)
+    if mix_set == "round":  # the initial model, the shared FedAvg arrays, the stack, the per-client vectors
+        assert state <= 2 * model_bytes + s.stack.capacity * (head_bytes + small)
+        assert not s.sums
+    else:  # + the shared arrays of every client and their float64 running sum (twice a model's bytes)
+        assert state >= s.stack.capacity * model_bytes
+        assert state <= 5 * model_bytes + s.stack.capacity * (model_bytes + small)
+
+
+def test_checkpoint_round_trip_and_a_checkpoint_of_whole_models(monkeypatch):
+    """A restored state continues exactly; a checkpoint written when the stack held whole models (no running
+    sum) is converted on load: the sum rebuilt, the extra keys dropped, the next round as without the restart."""
+    from strategies.cwfedavg import ModelStack
+
+    over = "strategy.params.cwfedavg.mix=latest strategy.params.cwfedavg.buffers=fedavg"
+    models = {(r, c): None for r in (1, 2) for c in range(5)}
+    s = tiny_strategy(monkeypatch, over, clients=5)
+    for key in models:
+        models[key] = perturbed(s.initial, seed=10 * key[0] + key[1], scale=1.0)
+    counts = np.eye(10, dtype=int)[[0, 1, 0, 2, 1]] * 3 + 1
+    rounds = {1: [0, 1, 2, 3, 4], 2: [1, 3]}
+
+    def replies(rnd):
+        return [reply(c, models[rnd, c], counts[c] + rnd) for c in rounds[rnd]]
+
+    s.aggregate(1, replies(1))
+    restored = tiny_strategy(monkeypatch, over, clients=5)
+    restored.load_state_dict(copy.deepcopy(s.state_dict()))  # as a checkpoint file would: no shared arrays
+    old = tiny_strategy(monkeypatch, over, clients=5)
+    state = copy.deepcopy(s.state_dict())
+    whole = ModelStack(s.initial, 5)  # the former layout: every key of every client, rows in reply order
+    for c in rounds[1]:
+        whole.put(c, models[1, c])
+    state["stack"] = whole
+    del state["sums"]
+    old.load_state_dict(state)
+    assert sorted(old.stack.arrays) == sorted(s.classwise + s.shared_float)
+    for strategy in (s, restored, old):
+        strategy.aggregate(2, replies(2))
+    for c in range(6):
+        ref = s.personalised(c)
+        for other in (restored, old):
+            for key, value in other.personalised(c).items():
+                np.testing.assert_allclose(value, ref[key], rtol=1e-6, atol=1e-6, err_msg=f"{c} {key}")
