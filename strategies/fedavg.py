@@ -8,7 +8,7 @@ protocol on round r+1's message before training, as PFLlib does).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from flwr.app import Message
@@ -34,6 +34,7 @@ class FedAvg(PersonalisedStrategy):
     name = "fedavg"
     robust_aggregation = True
     deployed = DeployedModel("the global model aggregated in round r", source="message")
+    train_op: ClassVar[str] = "train"  # the client operation that trains the received model (FedUV: its own)
 
     def __init__(self, cfg, params=None, on_round=None) -> None:
         super().__init__(cfg, params, on_round)
@@ -54,7 +55,7 @@ class FedAvg(PersonalisedStrategy):
                   "persist-model": False,  # the whole model arrives every round: nothing to keep
                   **self.client_settings()}
         arrays = protocol.arrays_record(self.global_arrays)
-        return [protocol.build_message(n, server_round, ["train"], config, arrays=arrays) for n in node_ids]
+        return [protocol.build_message(n, server_round, [self.train_op], config, arrays=arrays) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         self.global_arrays = average_matching(replies, self.global_arrays, self.rule)

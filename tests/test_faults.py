@@ -42,7 +42,7 @@ SHRINK = {
     "fedamp": ["lam=0.01"],  # λ/α_K = 1: lr·λ/α_K must stay below 2 at this file's lr 0.05 (FedAMP.check)
 }
 # which reply kind each strategy's round messages ask for (a new strategy must be added here)
-ARRAYS = ("fedavg", "fedprox", "ditto", "fedper", "fedrep", "fedbabu", "ifca", "cfl", "fedamp", "fedfomo", "cwfedavg")
+ARRAYS = ("fedavg", "fedprox", "feduv", "ditto", "fedper", "fedrep", "fedbabu", "ifca", "cfl", "fedamp", "fedfomo", "cwfedavg")
 PREDICTIONS = ("fedmd", "fedct", "comet", "cosmos")
 METRICS_ONLY = ("local",)
 

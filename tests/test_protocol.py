@@ -34,7 +34,7 @@ from strategies.base import DeployedModel, Measurement, RoundLog, with_evaluatio
 CLIENTS = 2
 SHAPE, CLASSES = (1, 8, 8), 10
 # the table of specs/evaluation.md, by where the deployed model lives
-SOURCES = {"fedavg": "message", "fedprox": "message", "ifca": "message", "cfl": "message", "cwfedavg": "message",
+SOURCES = {"fedavg": "message", "fedprox": "message", "feduv": "message", "ifca": "message", "cfl": "message", "cwfedavg": "message",
            "fedper": "message", "fedrep": "message", "fedbabu": "message", "local": "client", "fedamp": "client",
            "ditto": "client", "fedfomo": "client", "fedmd": "client", "fedct": "client", "comet": "client",
            "cosmos": "server"}
@@ -90,6 +90,7 @@ def _ifca(s, grid, cid, data, rnd):
 HAND = {  # strategy -> (strategy, grid, client id, its data, round) -> evaluation of its deployed model after that round
     "fedavg": lambda s, g, c, d, r: _evaluate(_tensors(s.global_arrays), d),
     "fedprox": lambda s, g, c, d, r: _evaluate(_tensors(s.global_arrays), d),
+    "feduv": lambda s, g, c, d, r: _evaluate(_tensors(s.global_arrays), d),
     "cfl": lambda s, g, c, d, r: _evaluate(_tensors(s.models[s.cluster_of.get(c, 0)]), d),
     "ifca": _ifca,
     "cwfedavg": lambda s, g, c, d, r: _evaluate({**_private(g, c), **_tensors(s.personalised(c))}, d),
