@@ -26,7 +26,8 @@ STYLE_SLOTS = len(COLOURS) * len(LINESTYLES)  # 40 distinct (colour, line style)
 # The fixed style of each of the project's methods: its position here is its slot; slot i is colour i mod 10 and
 # line style i div 10, so the first ten differ by colour alone. Append a new strategy at the end (a test asks).
 METHOD_ORDER: tuple[str, ...] = ("fedavg", "local", "cwfedavg", "cosmos", "fedprox", "ditto", "fedamp", "ifca",
-                                 "cfl", "fedfomo", "fedper", "fedrep", "fedbabu", "fedmd", "fedct", "comet")
+                                 "cfl", "fedfomo", "fedper", "fedrep", "fedbabu", "fedmd", "fedct", "comet",
+                                 "feduv", "fednh")
 DPI = 110
 
 
