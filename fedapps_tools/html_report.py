@@ -49,7 +49,7 @@ ACCURACY_COLUMNS = (("accuracy (mean over clients)", "accuracy_mean"),
                     ("std over clients", "accuracy_std"),
                     ("after local training (mean)", "accuracy_after_training_mean"))
 RESULTS_HEADER = (["config", "strategy", "seeds"] + [h for h, _ in ACCURACY_COLUMNS]
-                  + ["up MiB/client/round", "down MiB/client/round", "wall s", "protocol"])
+                  + ["up, MiB per client per round", "down, MiB per client per round", "wall s", "protocol"])
 
 
 class ReportError(ValueError):
@@ -271,7 +271,7 @@ body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",Arial,s
 max-width:1240px;padding:0 16px;color:#1a1a1a;background:#fff;line-height:1.4}
 h1{font-size:1.5em;margin-bottom:4px}h2{font-size:1.2em;margin-top:32px;border-bottom:1px solid #ddd}
 h3{font-size:1.05em;margin-bottom:4px}.meta,.note,figcaption{color:#555;font-size:.9em}
-.note{color:#8a4b00}table{border-collapse:collapse;font-size:.85em;margin:8px 0}
+.note{color:#8a4b00}table{border-collapse:collapse;font-size:.82em;margin:8px 0}
 th,td{border:1px solid #ccc;padding:4px 7px}th{background:#f2f2f2;text-align:left;vertical-align:bottom}
 td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 tbody tr:nth-child(even){background:#fafafa}.wide{overflow-x:auto}figure{margin:12px 0}
