@@ -1,5 +1,6 @@
-"""The figures the result sinks and ``fedapps compare`` draw, in one style: accuracy curves of a run, comparison
-curves of methods (mean ± SEM over seeds), clients × classes heatmaps, cluster assignments.
+"""The figures the result sinks, ``fedapps compare`` and ``fedapps report --html`` draw, in one style: accuracy
+curves of a run, comparison curves of methods (mean ± SEM over seeds) against rounds and against traffic, the
+spread of accuracy across clients, clients × classes heatmaps, cluster assignments.
 
 Pure drawing from data a strategy or the round loop returned. The one thing here that names algorithms is the
 style table (:data:`METHOD_ORDER`): every method has a fixed (colour, line style) pair, the same in every plot,
@@ -10,6 +11,7 @@ it); ``plot_*`` draws it into a file.
 
 from __future__ import annotations
 
+import io
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -115,6 +117,14 @@ def save(fig: Any, path: Path) -> None:
     """Write a figure (every plot at the same resolution, nothing cut off) and free it."""
     fig.savefig(path, dpi=DPI, bbox_inches="tight")
     _pyplot().close(fig)
+
+
+def png_bytes(fig: Any) -> bytes:
+    """A figure as PNG bytes, at the resolution and cropping of :func:`save`, and freed: for embedding in a page."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
+    _pyplot().close(fig)
+    return buf.getvalue()
 
 
 def _legend(ax: Any, entries: int) -> None:
@@ -223,6 +233,66 @@ def comparison_figure(curves: Sequence[Curve]) -> Any:
 def plot_comparison(curves: Sequence[Curve], path: Path) -> None:
     """:func:`comparison_figure` into ``path``."""
     save(comparison_figure(curves), path)
+
+
+def traffic_figure(curves: Sequence[Curve], megabytes: Sequence[Sequence[float]], over_seeds: bool = True) -> Any:
+    """The deployed models' accuracy (mean over clients; mean ± SEM band over seeds) against the traffic spent:
+    curve i's point j sits at ``megabytes[i][j]``, the cumulative traffic up to and including round
+    ``curves[i].rounds[j]``; one style per method (:func:`line_styles`). The x axis is logarithmic when the
+    traffic spans more than two decades (a method sending pseudo-labels next to one sending models), linear near 0.
+    ``over_seeds=False``: the curves are single runs (the y label says no mean over seeds)."""
+    plt = _pyplot()
+    pairs = [(c, list(mb)) for c, mb in zip(curves, megabytes) if c.rounds]
+    for c, mb in pairs:
+        if len(mb) != len(c.rounds):
+            raise ValueError(f"traffic_figure: {c.label} has {len(c.rounds)} rounds but {len(mb)} traffic values")
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    styles = line_styles([c.method for c, _ in pairs])
+    for (c, mb), style in zip(pairs, styles):
+        ax.plot(mb, c.mean, marker="o", markersize=3, label=c.label, **style)
+        ax.fill_between(mb, [m - e for m, e in zip(c.mean, c.sem)], [m + e for m, e in zip(c.mean, c.sem)],
+                        color=style["color"], alpha=0.15, linewidth=0)
+    positive = [x for _, mb in pairs for x in mb if x > 0]
+    if positive and max(positive) > 100 * min(positive):
+        if len(positive) < sum(len(mb) for _, mb in pairs):
+            ax.set_xscale("symlog", linthresh=min(positive))
+        else:
+            ax.set_xscale("log")
+    ax.set_xlabel("cumulative traffic, all clients, up + down (MB = 10⁶ bytes)")
+    ax.set_ylabel("deployed-model accuracy, mean over clients" + ("\n(mean ± SEM over seeds)" if over_seeds else ""))
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    if pairs:
+        _legend(ax, len(pairs))
+    fig.tight_layout()
+    return fig
+
+
+def client_accuracy_figure(groups: Sequence[tuple[str, str, Sequence[float]]]) -> Any:
+    """The spread of accuracy across clients, per (label, method, per-client accuracies): a box (quartiles,
+    median, whiskers to the furthest value within 1.5 IQR) with every client beside it as a dot in the method's
+    colour (:func:`line_styles`), so a few badly served clients stand out; y from 0 to 1."""
+    plt = _pyplot()
+    groups = [(label, method, [float(v) for v in values]) for label, method, values in groups]
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.1 * len(groups) + 2.5), 4.5))
+    styles = line_styles([method for _, method, _ in groups])
+    rng = np.random.default_rng(0)  # the dots' horizontal jitter: the same picture every time
+    for i, ((_, _, values), style) in enumerate(zip(groups, styles)):
+        if not values:
+            continue
+        ax.boxplot([values], positions=[i], widths=0.45, showfliers=False,
+                   medianprops={"color": style["color"], "linewidth": 2}, boxprops={"color": "0.35"},
+                   whiskerprops={"color": "0.35"}, capprops={"color": "0.35"})
+        ax.scatter(i + 0.32 + rng.uniform(-0.06, 0.06, len(values)), values, s=14, color=style["color"],
+                   alpha=0.75, linewidths=0, zorder=3)
+    ax.set_xticks(range(len(groups)), [label for label, _, _ in groups], rotation=20 if len(groups) > 4 else 0,
+                  ha="right" if len(groups) > 4 else "center", fontsize=8)
+    ax.set_xlim(-0.6, len(groups) - 0.2)
+    ax.set_ylabel("deployed-model accuracy of each client\n(after the last round)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
 
 
 def plot_heatmaps(panels: list[tuple[str, list[int], np.ndarray]], path: Path) -> None:

@@ -426,9 +426,40 @@ def build_parser() -> argparse.ArgumentParser:
                      help="folder for tuning.csv, tuning.md, chosen.yaml and runs/ "
                           "(default: <output_dir>/tune-<config name>)")
     add_run_options(tun, output_dir=False)
-    rep = sub.add_parser("report", help="print the summary of a results folder")
-    rep.add_argument("result_dir")
+    rep = sub.add_parser("report", help="print the summary of a run folder (a comparison folder: its table), or "
+                         "with --html write one self-contained HTML report of it")
+    rep.add_argument("result_dir", help="a run folder (<output-dir>/<run-name>) or a `fedapps compare` folder")
+    rep.add_argument("--html", action="store_true",
+                     help="write a static HTML page (table, curves, per-client spread, strategy figures; no network "
+                          "needed to view it) and print its path")
+    rep.add_argument("--out", default=None, metavar="FILE",
+                     help="where --html writes (default: RESULT_DIR/report.html)")
     return parser
+
+
+def report(args: argparse.Namespace) -> int:
+    """`fedapps report DIR [--html [--out FILE]]`: the HTML page, or the summary table (a run folder) or
+    comparison.md (a comparison folder) on stdout."""
+    from fedapps_tools.html_report import ReportError, write_report
+
+    folder = Path(args.result_dir).expanduser()
+    try:
+        if args.html:
+            print(f"report: {write_report(folder, args.out)}")
+            return 0
+        if args.out:
+            raise ReportError("--out names the HTML file: add --html")
+        if (folder / "summary.json").is_file():
+            print_summary(folder)
+        elif (folder / "comparison.md").is_file():
+            print((folder / "comparison.md").read_text(), end="")
+        else:
+            raise ReportError(f"'{folder}' is neither a run folder (summary.json) nor a `fedapps compare` folder "
+                              "(comparison.md); pass one of those")
+    except ReportError as exc:
+        print(f"report: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -454,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
 
             tune(args, execute)
         elif args.command == "report":
-            print_summary(Path(args.result_dir))
+            return report(args)
     except ConfigError as exc:  # includes fedapps.data.DataError and fedapps.models' ModelError
         print(f"config error: {exc}", file=sys.stderr)
         return 2
