@@ -209,6 +209,41 @@ def test_companion_is_filed_under_the_round_it_measures() -> None:
     assert not any(k.startswith(("generic", "deployed")) for k in row) and "acc_after_training_mean" in row
 
 
+def test_generic_column_is_the_global_model_of_the_round_it_is_filed_under() -> None:
+    """``deployed.generic`` of round r (taken on round r+1's message, or the final one) is the evaluation of the
+    global body, prototypes and s right after round r's server step; the model after training is another one."""
+    import dataclasses
+
+    from fedapps import ops
+    from fedapps.data import get_federation
+
+    cfg = load_config(None, "strategy.name=fednh rounds=2 data.source=digits data.partition=pathological "
+                            "data.num_clients=2 model.name=mlp client.epochs=1 client.batch_size=32 client.lr=0.05 "
+                            "strategy.params.fednh.finetune_epochs=1")
+    resolved = resolve(cfg)
+    cfg = resolved.config(cfg)
+    fed = get_federation(dataclasses.asdict(cfg.data))
+    expected, logs = {}, []
+
+    def on_round(entry) -> None:
+        logs.append(entry)
+        model = build_model("mlp+cosine", 10, (1, 8, 8))
+        model.load_state_dict({k: torch.as_tensor(v) for k, v in s.global_arrays.items()})
+        expected[entry.round] = {c: ops.evaluate(model, fed.client(c).test_x, fed.client(c).test_y) for c in (0, 1)}
+
+    s = resolved.build(cfg, on_round=on_round)
+    s.start(InProcessGrid(2))
+    measured = {m.round: m for e in logs for m in e.measurements}
+    assert sorted(measured) == [1, 2]
+    for rnd, m in measured.items():
+        for r in m.replies:
+            want = expected[rnd][r.client_id]
+            assert r.metrics["deployed.generic-correct"] == want["correct"], (rnd, r.client_id)
+            assert r.metrics["deployed.generic-loss"] == pytest.approx(want["loss"], rel=1e-5)
+    after = {r.client_id: r.metrics["after-correct"] for r in logs[0].replies}
+    assert after != {r.client_id: r.metrics["deployed.generic-correct"] for r in measured[1].replies}
+
+
 # --------------------------------------------------------------------------- end to end
 
 
