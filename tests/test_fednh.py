@@ -26,7 +26,7 @@ from fedapps.results import measured_columns, read_csv, round_row
 from fedapps.worker import Worker
 from strategies import resolve
 from strategies.base import DeployedModel, RoundLog, with_evaluations
-from strategies.fednh import (COUNTS, TRAIN_OP, FedNH, class_prototypes, min_pairwise_angle, normalise_rows,
+from strategies.fednh import (COUNTS, TRAIN_OP, FedNH, class_prototypes, min_pairwise_angle,
                               orthogonal_prototypes, penultimate_features, uniform_prototypes, update_prototypes)
 from test_ops_worker import worker_message
 
