@@ -22,6 +22,7 @@ code reports this as the personalised accuracy).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -75,7 +76,13 @@ def uniform_prototypes(k: int, d: int, seed: int, steps: int = INIT_STEPS, sharp
     """K unit vectors in R^d spread over the hypersphere: from a seeded Gaussian draw, gradient descent on the
     mean over classes of a soft maximum of each prototype's cosine to the others (the Tammes problem: maximise
     the smallest pairwise angle), renormalised after every step. For K ≤ d + 1 the optimum is the regular
-    simplex (every pairwise cosine −1/(K−1)); 1000 steps reach it to 0.01° for K ≤ 100, d = 512."""
+    simplex (every pairwise cosine −1/(K−1)); 1000 steps reach it to 0.01° for K ≤ 100, d = 512. Computed once
+    per process for each argument tuple (a fresh copy each call)."""
+    return _uniform_prototypes(int(k), int(d), int(seed), int(steps), float(sharpness)).copy()
+
+
+@functools.lru_cache(maxsize=8)
+def _uniform_prototypes(k: int, d: int, seed: int, steps: int, sharpness: float) -> np.ndarray:
     if k < 1 or d < 1:
         raise ValueError(f"need at least one class and one dimension, got K={k}, d={d}")
     g = torch.Generator().manual_seed(int(seed))
