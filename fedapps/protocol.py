@@ -56,6 +56,20 @@ def metric_name(tag: str, field: str) -> str:
     return f"{tag}-{field}"
 
 
+def companion_tag(name: str) -> str:
+    """The tag of a companion evaluation ``name`` of the deployed model's (another model of the same round, measured
+    on the same messages, e.g. FedNH's generic model): ``companion_tag('generic') == 'deployed.generic'``."""
+    return f"{DEPLOYED_TAG}.{name}"
+
+
+def companion_name(tag: str) -> str | None:
+    """``'deployed.generic'`` -> ``'generic'``; None for a tag that is not a companion evaluation's."""
+    prefix = DEPLOYED_TAG + "."
+    if not tag.startswith(prefix) or tag == prefix:
+        return None
+    return tag[len(prefix):]
+
+
 MESSAGE_TYPE = "train"  # every round message is one Flower "train" message
 EVAL_MESSAGE_TYPE = "evaluate"  # evaluation-only messages (the deployed models after the last round)
 

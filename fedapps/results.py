@@ -179,9 +179,14 @@ def after_training_stats(metrics: Iterable[Mapping[str, Any]]) -> dict[str, floa
 def measured_columns(metrics: Iterable[Mapping[str, Any]], num_clients: int) -> dict[str, Any]:
     """A deployed-model measurement (replies' metrics carrying ``deployed-*``) as the columns of the row of the
     round it measures: ``measured_clients``, ``acc_mean``, ``acc_weighted``, ``acc_worst10``, ``acc_std``, ``loss``
-    and ``acc_client_<i>``."""
+    and ``acc_client_<i>``, and ``<name>_acc_mean`` / ``_weighted`` of each companion evaluation (tag
+    ``deployed.<name>``)."""
     rows = [m for m in metrics if protocol.metric_name(protocol.DEPLOYED_TAG, "acc") in m]
     out: dict[str, Any] = {"measured_clients": len(rows), **accuracy_stats(rows, protocol.DEPLOYED_TAG)}
+    for tag in eval_tags(rows):
+        name = protocol.companion_name(tag)
+        if name is not None:
+            out.update({f"{name}_{k}": v for k, v in accuracy_stats(rows, tag).items() if k != "loss"})
     for m in rows:
         cid = int(m[protocol.CLIENT_ID])
         if 0 <= cid < num_clients:
@@ -222,8 +227,8 @@ def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
     row.update(after_training_stats(metrics))
     losses = [float(m["train-loss"]) for m in metrics if "train-loss" in m]
     row["train_loss"] = sum(losses) / len(losses) if losses else ""
-    for tag in eval_tags(metrics):
-        if tag not in (protocol.DEPLOYED_TAG, protocol.AFTER_TAG):
+    for tag in eval_tags(metrics):  # companions (deployed.<name>) measure the previous round: measured_columns
+        if tag not in (protocol.DEPLOYED_TAG, protocol.AFTER_TAG) and protocol.companion_name(tag) is None:
             for k, v in accuracy_stats(metrics, tag).items():
                 if k != "loss":
                     row[f"{tag}_{k}"] = v

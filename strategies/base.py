@@ -62,13 +62,17 @@ class DeployedModel:
     ``prepare``: client operations that form the deployed model from the message before it is evaluated (IFCA's
     choice among K models); the strategy's round operations start with them. ``evaluate``: the evaluation
     operation (``evaluate`` | ``evaluate-finetuned`` | ``evaluate-received``). ``what``: the definition in
-    words (summary.json, the README's table).
+    words (summary.json, the README's table). ``companions``: (name, evaluation operation) pairs, other models
+    of the same round measured right after the deployed one on the same messages (the evaluation-only one
+    included), e.g. FedNH's generic model ``("generic", "evaluate")``; tagged ``deployed.<name>``, filed under
+    the round they measure (rounds.csv ``<name>_acc_mean`` / ``_weighted``, summary ``final_<name>_acc_*``).
     """
 
     what: str
     source: str = "client"
     prepare: tuple[str, ...] = ()
     evaluate: str = "evaluate"
+    companions: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.source not in DEPLOYED_SOURCES:
@@ -80,6 +84,11 @@ class DeployedModel:
     def op(self) -> str:
         """The tagged evaluation operation a message runs."""
         return f"{self.evaluate}:{protocol.DEPLOYED_TAG}"
+
+    @property
+    def ops(self) -> list[str]:
+        """The tagged evaluation operations of a measurement: the deployed model's, then its companions'."""
+        return [self.op, *(f"{op}:{protocol.companion_tag(name)}" for name, op in self.companions)]
 
 
 @dataclass
@@ -414,7 +423,7 @@ class PersonalisedStrategy(Strategy):
         ``server_round``'s message cut down to the deployed model's operations (nothing trained, nothing sent
         back, the client's model read but not written). Clients without a deployed model are left out."""
         d = self.deployed
-        ops = [*d.prepare, d.op]
+        ops = [*d.prepare, *d.ops]
         keep = {"return-arrays": False, "save-model": False}
         out: list[Message] = []
         if d.source == "message":
@@ -509,12 +518,13 @@ def _state_value(value: Any, where: str) -> Any:
 
 def with_evaluations(ops: list[str], deployed: DeployedModel, measure: bool, strategy: str = "") -> list[str]:
     """A round message's operations with the protocol's evaluations: ``deployed.prepare``, then (``measure``)
-    the deployed model's evaluation, then the strategy's other operations, then the after-training evaluation."""
+    the deployed model's evaluation (and its companions'), then the strategy's other operations, then the
+    after-training evaluation."""
     k = len(deployed.prepare)
     if tuple(ops[:k]) != deployed.prepare:
         raise RuntimeError(f"strategy '{strategy}': round operations {ops} must start with its deployed model's "
                            f"preparation {list(deployed.prepare)}")
-    return [*ops[:k], *([deployed.op] if measure else []), *ops[k:], f"evaluate:{protocol.AFTER_TAG}"]
+    return [*ops[:k], *(deployed.ops if measure else []), *ops[k:], f"evaluate:{protocol.AFTER_TAG}"]
 
 
 def round_metrics(entry: RoundLog) -> MetricRecord:

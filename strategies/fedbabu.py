@@ -20,7 +20,10 @@ from strategies.base import DeployedModel
 from strategies.fedper import FedPer
 
 
-@client_op("evaluate-finetuned", default_tag="eval")
+EVALUATE_FINETUNED = "evaluate-finetuned"  # the operation below (FedNH's deployed model uses it too)
+
+
+@client_op(EVALUATE_FINETUNED, default_tag="eval")
 def evaluate_finetuned(w, tag: str) -> None:
     """Evaluate a copy of the model after training its head alone on the local data (settings ``finetune.*``);
     the model itself is left as it was."""
@@ -43,7 +46,7 @@ class FedBABU(FedPer):
     name = "fedbabu"
     Params = FedBABUParams
     deployed = DeployedModel("round r's aggregated body with the head fine-tuned on client i's training split "
-                             "(finetune_epochs, body frozen)", source="message", evaluate="evaluate-finetuned")
+                             "(finetune_epochs, body frozen)", source="message", evaluate=EVALUATE_FINETUNED)
 
     def client_ops(self) -> list[str]:
         return ["train"]

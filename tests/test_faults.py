@@ -37,12 +37,14 @@ SHRINK = {
     "comet": ["pretrain_epochs=1", "distill_epochs=1", "clusters=2"],
     "fedrep": ["head_epochs=1"],
     "fedbabu": ["finetune_epochs=1"],
+    "fednh": ["finetune_epochs=1"],
     "ifca": ["clusters=2"],
     "cfl": ["warmup_rounds=0"],
     "fedamp": ["lam=0.01"],  # λ/α_K = 1: lr·λ/α_K must stay below 2 at this file's lr 0.05 (FedAMP.check)
 }
 # which reply kind each strategy's round messages ask for (a new strategy must be added here)
-ARRAYS = ("fedavg", "fedprox", "feduv", "ditto", "fedper", "fedrep", "fedbabu", "ifca", "cfl", "fedamp", "fedfomo", "cwfedavg")
+ARRAYS = ("fedavg", "fedprox", "feduv", "ditto", "fedper", "fedrep", "fedbabu", "ifca", "cfl", "fedamp", "fedfomo",
+          "cwfedavg", "fednh")
 PREDICTIONS = ("fedmd", "fedct", "comet", "cosmos")
 METRICS_ONLY = ("local",)
 

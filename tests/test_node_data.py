@@ -369,7 +369,7 @@ def test_readme_restart_table_matches_what_each_strategy_sends(tmp_path):
                 config = dict(msg.content[protocol.CONFIG])
                 kinds.add(lost_on_restart(config))
                 if config.get("load-arrays") and protocol.ARRAYS in msg.content:  # arrays.keys says what is loaded
-                    model = build_model("mlp", 10, (1, 8, 8))
+                    model = build_model(str(config["model.name"]), 10, (1, 8, 8))  # FedNH's: mlp+cosine
                     part = str(config.get("arrays.keys", "state"))
                     assert set(msg.content[protocol.ARRAYS].keys()) == set(state_part(model, part)), name
         assert len(kinds) == 1, (name, kinds)

@@ -37,12 +37,13 @@ SHAPE, CLASSES = (1, 8, 8), 10
 SOURCES = {"fedavg": "message", "fedprox": "message", "feduv": "message", "ifca": "message", "cfl": "message", "cwfedavg": "message",
            "fedper": "message", "fedrep": "message", "fedbabu": "message", "local": "client", "fedamp": "client",
            "ditto": "client", "fedfomo": "client", "fedmd": "client", "fedct": "client", "comet": "client",
-           "cosmos": "server"}
+           "cosmos": "server", "fednh": "message"}
 SMALL = {"cosmos": ["server_model=mlp", "pretrain_epochs=1", "server_epochs=1", "distill_epochs=1"],
          "fedmd": ["pretrain_epochs=1", "distill_epochs=1"], "fedct": ["pretrain_epochs=1", "distill_epochs=1"],
          "comet": ["pretrain_epochs=1", "distill_epochs=1", "clusters=2"], "fedrep": ["head_epochs=1"],
          "fedbabu": ["finetune_epochs=2"], "ifca": ["clusters=2"], "cfl": ["warmup_rounds=1"],
-         "fedfomo": ["candidates=1"], "fedamp": ["lam=0.01"]}  # fedamp: λ/α_K = 1 (lr·λ/α_K < 2)
+         "fedfomo": ["candidates=1"], "fedamp": ["lam=0.01"],  # fedamp: λ/α_K = 1 (lr·λ/α_K < 2)
+         "fednh": ["finetune_epochs=2"]}
 
 
 def test_every_strategy_declares_its_deployed_model():
@@ -69,11 +70,12 @@ def _evaluate(state, data, arch="mlp"):
     return ops.evaluate(model, data.test_x, data.test_y)
 
 
-def _fedbabu(s, grid, cid, data, rnd):
+def _fedbabu(s, grid, cid, data, rnd, arch="mlp", state=None):
     """Round rnd's body under the client's frozen head, the head fine-tuned on its train split as the client does in
-    round rnd+1's message (same settings, same seeded batch order), evaluated."""
-    model = build_model("mlp", CLASSES, SHAPE)
-    model.load_state_dict({**_private(grid, cid), **_tensors(s.body)})
+    round rnd+1's message (same settings, same seeded batch order), evaluated. FedNH: round rnd's global model
+    (cosine head: prototypes and scale fine-tuned)."""
+    model = build_model(arch, CLASSES, SHAPE)
+    model.load_state_dict(state if state is not None else {**_private(grid, cid), **_tensors(s.body)})
     settings = optim_settings({"epochs": s.params.finetune_epochs}, dataclasses.asdict(s.cfg.client))
     gen = torch.Generator().manual_seed(derive_seed(s.cfg.seed, "client-batches", rnd + 1, cid))
     with ops.frozen(model, part_names(model, "body")):
@@ -97,6 +99,7 @@ HAND = {  # strategy -> (strategy, grid, client id, its data, round) -> evaluati
     "fedper": lambda s, g, c, d, r: _evaluate({**_private(g, c), **_tensors(s.body)}, d),
     "fedrep": lambda s, g, c, d, r: _evaluate({**_private(g, c), **_tensors(s.body)}, d),
     "fedbabu": _fedbabu,
+    "fednh": lambda s, g, c, d, r: _fedbabu(s, g, c, d, r, "mlp+cosine", _tensors(s.global_arrays)),
     "cosmos": lambda s, g, c, d, r: _evaluate(s.models[s.cluster_of[c]].state_dict(), d),
     **{name: (lambda s, g, c, d, r: _evaluate(_private(g, c), d))
        for name in ("local", "fedamp", "ditto", "fedfomo", "fedmd", "fedct", "comet")},

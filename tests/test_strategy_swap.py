@@ -38,6 +38,7 @@ SHRINK = {
     "comet": ["pretrain_epochs=1", "distill_epochs=1"],
     "fedrep": ["head_epochs=1"],
     "fedbabu": ["finetune_epochs=1"],
+    "fednh": ["finetune_epochs=1"],
 }
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from fedapps.config import ConfigError
 
 from . import simple, vision
+from .heads import HEADS
 
 Shape = tuple[int, int, int]
 
@@ -67,15 +68,27 @@ def _check_shape(name: str, input_shape: object, min_size: int) -> Shape:
     return shape  # type: ignore[return-value]
 
 
+def split_head(name: str) -> tuple[str, str]:
+    """'cnn+cosine' -> ('cnn', 'cosine'); 'cnn' -> ('cnn', '') (the zoo model's own linear classifier)."""
+    base, _, head = name.partition("+")
+    return base, head
+
+
 def build_model(name: str, num_classes: int, input_shape: tuple[int, int, int],
                 seed: int | None = None) -> nn.Module:
     """Build zoo model `name` for `num_classes` classes and (C, H, W) inputs.
 
-    With a seed the initialisation is deterministic; the global RNG is left as it was.
+    ``<model>+<head>`` (e.g. ``cnn+cosine``) builds the zoo model with its classifier replaced by the head of
+    :mod:`fedapps.models.heads` of that name (same place, same in/out features). With a seed the
+    initialisation is deterministic; the global RNG is left as it was.
     """
+    name, head_kind = split_head(name)
     spec = _REGISTRY.get(name)
     if spec is None:
         raise ModelError(f"unknown model {name!r}; allowed: {', '.join(MODEL_NAMES)}")
+    if head_kind and head_kind not in HEADS:
+        raise ModelError(f"unknown classifier head {head_kind!r} in model '{name}+{head_kind}'; "
+                         f"allowed: {', '.join(HEADS)}")
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise ModelError(f"num_classes must be a positive int, got {num_classes!r}")
     shape = _check_shape(name, input_shape, spec.min_size)
@@ -83,6 +96,10 @@ def build_model(name: str, num_classes: int, input_shape: tuple[int, int, int],
         model = spec.builder(num_classes, shape)
         if spec.kaiming:
             vision.kaiming_init(model)
+        if head_kind:
+            linear = model.get_submodule(spec.classifier)
+            parent, _, attr = spec.classifier.rpartition(".")
+            setattr(model.get_submodule(parent), attr, HEADS[head_kind](linear.in_features, linear.out_features))
     setattr(model, _CLASSIFIER_ATTR, spec.classifier)
     head = model.get_submodule(spec.classifier)
     assert isinstance(head, nn.Linear) and head.out_features == num_classes, (name, head)
