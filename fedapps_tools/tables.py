@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from typing import Any, Mapping
 import yaml
 
 from fedapps.config import ConfigError, apply_override
+from fedapps.results import read_csv
 
 MAX_GRID_POINTS = 4  # evaluation.md: the same tuning budget for every method
 
@@ -323,6 +325,9 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
             measured = {k: v for k, v in r.items() if k not in ("setting", "method") and not k.startswith("chosen:")}
             csv_rows.append({"setting": setting, "method": m.name, **measured,
                              **{f"chosen:{k}": v for k, v in chosen.items()}})
+        figure = setting_figure(tables, setting, out)
+        if figure is not None:
+            lines += ["", f"![{setting}: accuracy of the deployed models per round, mean ± SEM over seeds]({figure.name})"]
         lines.append("")
     if carried:
         lines += [f"**Carried over** from the published `{spec.name}.csv` (their work folder was not present when this "
@@ -351,6 +356,37 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
     if score_rows:
         write_csv(out / f"{spec.name}-tuning.csv", ["setting", "method", "grid", "validation_scores"], score_rows)
     return md
+
+
+def setting_lines(tables: Tables, setting: str) -> list[Any]:
+    """One ``fedapps_tools.compare.Line`` per method of the setting that ran in the work folder: its runs at the
+    spec's seeds (rounds.csv rows), labelled by the method's table label."""
+    from fedapps_tools.compare import Line  # local: the plotting stack only when a report is written
+
+    lines = []
+    for m in tables.spec.methods:
+        runs_dir = tables.compare_dir(setting, m) / "runs"
+        folders = [d for seed in tables.spec.seeds for d in sorted(runs_dir.glob(f"*-s{seed}"))
+                   if (d / "rounds.csv").is_file() and (d / "summary.json").is_file()]
+        if folders:
+            strategy = str(json.loads((folders[0] / "summary.json").read_text()).get("strategy", m.name))
+            lines.append(Line(strategy, "", m.label, [read_csv(d / "rounds.csv") for d in folders]))
+    return lines
+
+
+def setting_figure(tables: Tables, setting: str, out: Path) -> Path | None:
+    """``<out>/<name>-<setting>.png``: every method's deployed-model accuracy per round (mean over clients, and
+    worst 10 % of clients where recorded), mean ± SEM over the spec's seeds — ``fedapps compare``'s plot with one
+    line per method; None when no method of the setting ran in this work folder."""
+    from fedapps_tools.compare import plot_curves
+
+    lines = setting_lines(tables, setting)
+    if not lines:
+        return None
+    path = out / f"{tables.spec.name}-{setting}.png"
+    out.mkdir(parents=True, exist_ok=True)
+    plot_curves(lines, path)
+    return path
 
 
 def write_csv(path: Path, keys: list[str], rows: list[dict[str, Any]]) -> None:

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from fedapps.config import ConfigError, load_config
-from fedapps_tools import tables
+from fedapps_tools import compare, tables
 
 BASE = Path(__file__).resolve().parent.parent / "configs" / "fedavg.yaml"
 
@@ -114,6 +114,13 @@ def test_tables_end_to_end_tunes_runs_and_reports(tmp_path):
     assert {s["evaluated_on"] for s in finals} == {"test"}
     logs = sorted((tmp_path / "work" / "tiny" / "logs").glob("*.log"))
     assert [p.name for p in logs] == ["compare-iid-fedavg.log", "compare-iid-local.log", "tune-iid-fedavg.log"]
+    assert "![iid: accuracy of the deployed models per round" in md and (tmp_path / "docs" / "tiny-iid.png").is_file()
+    spec_ = tables.load_spec(tmp_path / "spec.yaml")
+    lines = tables.setting_lines(tables.Tables(spec_, tmp_path / "work" / "tiny", "inprocess", 1), "iid")
+    final = {r["method"]: float(r["accuracy_mean"]) for r in tables.read_rows(tmp_path / "docs" / "tiny.csv")}
+    curves = compare.comparison_curves(lines)
+    assert [c.label for c in curves] == ["fedavg", "local"]  # one line per method, named by its label
+    assert {c.label: c.mean[-1] for c in curves} == pytest.approx(final)  # the figure's last point is the table's
     assert tables.main(argv) == 0  # resumes: nothing is trained again
     for p in logs:
         second = p.read_text().rsplit("$ fedapps", 1)[1]
