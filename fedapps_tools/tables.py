@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from fedapps.config import ConfigError, apply_override
+from fedapps.config import ConfigError, apply_override, config_hash, load_config
 from fedapps.results import read_csv
 
 MAX_GRID_POINTS = 4  # evaluation.md: the same tuning budget for every method
@@ -217,9 +217,22 @@ class Tables:
     def compare_dir(self, setting: str, m: Method) -> Path:
         return self.work / "compare" / f"{setting}--{m.name}"
 
+    def final_hash(self, setting: str, m: Method) -> str:
+        """The config hash of the method's final config, resolved (what its runs compute)."""
+        from strategies import resolve  # local: the tool stays light until a hash is needed
+
+        cfg = load_config(self.final_config(setting, m))
+        return config_hash(resolve(cfg).config(cfg))
+
     def compare(self, setting: str, m: Method) -> None:
         """The method's final config over the seeds (one ``fedapps compare`` per setting × method, so they run
-        ``--jobs`` at a time)."""
+        ``--jobs`` at a time). A published row of the same final config (same hash) stands when its work folder
+        is gone: the record of a run made on another machine or in an earlier clone."""
+        row = self.record_rows.get((setting, m.name))
+        if (not (self.compare_dir(setting, m) / "comparison.csv").is_file() and row is not None
+                and row.get("config_hash") == self.final_hash(setting, m)):
+            print(f"{m.name} on {setting}: the published row of the same config stands (no work folder here)", flush=True)
+            return
         args = ["compare", str(self.final_config(setting, m)), "--seeds", *map(str, self.spec.seeds),
                 "--name", self.compare_dir(setting, m).name, "--output-dir", str(self.work / "compare"),
                 "--engine", self.engine, "--quiet"]
@@ -295,7 +308,8 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
             f = tables.compare_dir(setting, m) / "comparison.csv"
             found = {r["config"]: r for r in read_rows(f)} if f.is_file() else {}
             if m.name in found:
-                rows[m.name] = (found[m.name], tables.chosen(setting, m) if m.grid else {})
+                rows[m.name] = ({**found[m.name], "config_hash": tables.final_hash(setting, m)},
+                                tables.chosen(setting, m) if m.grid else {})
             elif (setting, m.name) in old_rows:
                 r = old_rows[(setting, m.name)]
                 rows[m.name] = (r, {k.removeprefix("chosen:"): v for k, v in r.items()

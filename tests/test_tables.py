@@ -118,6 +118,7 @@ def test_tables_end_to_end_tunes_runs_and_reports(tmp_path):
     spec_ = tables.load_spec(tmp_path / "spec.yaml")
     lines = tables.setting_lines(tables.Tables(spec_, tmp_path / "work" / "tiny", "inprocess", 1), "iid")
     final = {r["method"]: float(r["accuracy_mean"]) for r in tables.read_rows(tmp_path / "docs" / "tiny.csv")}
+    assert all(len(r["config_hash"]) == 64 for r in tables.read_rows(tmp_path / "docs" / "tiny.csv"))  # the record
     curves = compare.comparison_curves(lines)
     assert [c.label for c in curves] == ["fedavg", "local"]  # one line per method, named by its label
     assert {c.label: c.mean[-1] for c in curves} == pytest.approx(final)  # the figure's last point is the table's
@@ -181,3 +182,21 @@ def test_a_published_choice_stands_in_for_a_lost_tuning_only_over_the_same_grid(
         t.final_config("b", m)
     t.run(["b"], spec.methods, {"tune"})
     assert len(calls) == 1 and calls[0][0] == "tune"  # another grid: tuned afresh
+
+
+def test_a_published_row_of_the_same_final_config_is_not_run_again(tmp_path, monkeypatch):
+    """The final stage skips a setting × method whose published row carries the hash of today's final config (a run
+    made in an earlier clone), and runs it when the config changed since."""
+    spec = tables.load_spec(write_spec(tmp_path, methods={"local": {}}, settings={"a": str(BASE)}))
+    m = spec.methods[0]
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    t = tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs)
+    keys = ["setting", "method", "config", "accuracy_mean", "config_hash"]
+    calls = []
+    monkeypatch.setattr(tables, "fedapps", lambda args, log: calls.append(args))
+    for recorded, runs in ((t.final_hash("a", m), 0), ("0" * 64, 1)):
+        tables.write_csv(docs / "demo.csv", keys, [dict(zip(keys, ["a", "local", "local", 0.5, recorded]))])
+        tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs).run(["a"], spec.methods, {"final"})
+        assert len(calls) == runs
+    assert calls[0][0] == "compare"
