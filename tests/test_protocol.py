@@ -37,7 +37,7 @@ SHAPE, CLASSES = (1, 8, 8), 10
 SOURCES = {"fedavg": "message", "fedprox": "message", "feduv": "message", "ifca": "message", "cfl": "message", "cwfedavg": "message",
            "fedper": "message", "fedrep": "message", "fedbabu": "message", "local": "client", "fedamp": "client",
            "ditto": "client", "fedfomo": "client", "fedmd": "client", "fedct": "client", "comet": "client",
-           "cosmos": "server", "fednh": "message"}
+           "cosmos": "server", "fednh": "message", "pfedhn": "message"}
 SMALL = {"cosmos": ["server_model=mlp", "pretrain_epochs=1", "server_epochs=1", "distill_epochs=1"],
          "fedmd": ["pretrain_epochs=1", "distill_epochs=1"], "fedct": ["pretrain_epochs=1", "distill_epochs=1"],
          "comet": ["pretrain_epochs=1", "distill_epochs=1", "clusters=2"], "fedrep": ["head_epochs=1"],
@@ -101,6 +101,7 @@ HAND = {  # strategy -> (strategy, grid, client id, its data, round) -> evaluati
     "fedbabu": _fedbabu,
     "fednh": lambda s, g, c, d, r: _fedbabu(s, g, c, d, r, "mlp+cosine", _tensors(s.global_arrays)),
     "cosmos": lambda s, g, c, d, r: _evaluate(s.models[s.cluster_of[c]].state_dict(), d),
+    "pfedhn": lambda s, g, c, d, r: _evaluate(_tensors(s.generated(c)), d),  # the MLP has no buffers
     **{name: (lambda s, g, c, d, r: _evaluate(_private(g, c), d))
        for name in ("local", "fedamp", "ditto", "fedfomo", "fedmd", "fedct", "comet")},
 }

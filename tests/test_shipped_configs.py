@@ -1,6 +1,7 @@
 """Every shipped config runs: 2 rounds on synthetic data of its real input shape and class count (few samples,
 two clients), every client replies in both rounds and the headline metric is a number. And every zoo model runs
-2 rounds under every parameter-sharing strategy with all clients replying (BatchNorm buffers included).
+2 rounds under every parameter-sharing strategy with all clients replying (BatchNorm buffers included), or the
+strategy refuses the model with a ConfigError naming the keys (pFedHN's hypernetwork for the large ones).
 
 The configs keep their strategy, partition, models and parameters; only sizes shrink: the data source becomes
 ``synthetic`` with the source's shape and classes, 2 clients (and at most 2 groups), every ``*epochs`` parameter
@@ -15,7 +16,7 @@ import pytest
 import yaml
 
 import server_app
-from fedapps.config import load_config
+from fedapps.config import ConfigError, load_config
 from fedapps.data import source_info
 from fedapps.inprocess import InProcessGrid
 from fedapps.models import MODEL_NAMES
@@ -75,7 +76,13 @@ def test_every_zoo_model_under_every_parameter_sharing_strategy(model, tiny_conf
     path = tiny_config(rounds=2, data=data, model={"name": model}, client={"epochs": 1, "batch_size": 16, "lr": 0.01})
     for name in PARAMETER_SHARING:
         cfg = load_config(path, f"strategy.name={name}")
-        resolved = resolve(cfg)
+        try:
+            resolved = resolve(cfg)
+        except ConfigError as exc:  # a strategy whose server cannot hold what this model needs says so, naming
+            # the keys (pFedHN's hypernetwork: about 101 × the model's parameters); the papers' CNN and MLP it runs
+            assert model not in ("cnn", "mlp") and "model.name" in str(exc) and f"strategy.params.{name}." in str(exc), \
+                f"{model} under {name}: {exc}"
+            continue
         logs: list = []
         grid = InProcessGrid(CLIENTS, record=True)
         # the strategy's own round loop, without the app's checkpoints and files: what is tested is the exchange

@@ -1,0 +1,304 @@
+"""pFedHN (Shamsian et al., ICML 2021): a hypernetwork on the server generates every client's model.
+
+The server holds a hypernetwork h(·; φ) and one learned embedding v_i per client (an M × d table). Client i's
+model is θ_i = h(v_i; φ): v_i goes through an MLP trunk (Linear(d → H), then ``hidden_layers`` × [ReLU,
+Linear(H → H)]) to a feature vector f_i, and one linear head per parameter tensor of the target model turns f_i
+into that tensor (flattened, then reshaped). Each round a sampled client receives θ_i, trains it for its local
+epochs with the generic ``train`` operation, and sends the trained parameters θ̃_i back. The server forms
+Δθ_i = θ_i − θ̃_i (generated minus trained) and back-propagates it through h: the gradient for φ and v_i is
+(∂θ_i/∂φ)ᵀ Δθ_i, which is the gradient of ½‖h(v_i; φ) − θ̃_i‖² (θ̃_i held fixed): a descent step pulls the
+generated model towards the one the client trained (the authors' code passes ``inner_state − final_state`` as
+the output gradient of ``torch.autograd.grad`` and then takes an SGD step; the sign is pinned by a test).
+
+A round's replies are processed at the φ that generated their models (no step happens between the messages and
+the replies): one batched forward and backward of h over the replying clients, the gradients summed, clipped once to
+``clip_norm``, then one SGD step (momentum, weight decay; the embeddings may have their own learning rate). With
+one client per round that is exactly the authors' step; with K clients it is K of their per-client gradients
+taken at the same φ and applied together (their code trains one client after another).
+
+The deployed model of client i after round r is h(v_i; φ) after round r's step: what i receives in round r+1,
+evaluated by the base class on that message before training.
+
+Clients the server has not heard from yet. The server learns which client a node is from its first reply
+(``node_to_client``), so in a node's first round it cannot pick its embedding: such a node gets the model
+generated from the mean of all M embeddings, taken as a constant (the chain rule of its reply then reaches the
+trunk and the heads, no embedding). From its second round on a client gets h(v_i; φ).
+
+Only parameters are generated. Buffers (BatchNorm running statistics) are not: they stay on each client, in its
+private model, updated by its own training (the message carries ``arrays.keys: params``). The 4-layer CNN and
+the MLP have no buffers.
+
+Server cost, with P target parameters, hidden width H, L hidden layers, M clients, embedding size d: h has
+(H + 1)·P + (d + 1)·H + L·(H + 1)·H + M·d parameters — the heads dominate, ≈ (H + 1)·P. Between rounds the
+server keeps them and their SGD momentum (2 × 4 bytes per parameter); while a round is aggregated also their
+gradient and, with weight decay, the copy torch's SGD makes of it (up to 4 × 4 bytes). Per
+message one forward of h (H·P multiply-adds), per round one batched forward and backward over the replies
+(≈ 3·K·H·P for K replies). A model whose h would exceed
+``max_hn_params`` is refused with a ConfigError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from flwr.app import Message
+from torch import Tensor, nn
+
+from fedapps import ops, protocol
+from fedapps.config import DEVICES, ConfigError, ExperimentConfig
+from fedapps.data import DataError, spec_info
+from fedapps.models import build_model
+from fedapps.params import param
+from fedapps.protocol import ClientReply
+from fedapps.seeds import derive_seed
+from strategies.base import DeployedModel, PersonalisedStrategy, _state_value
+
+log = logging.getLogger("fedapps")
+
+BYTES_PER_PARAMETER = 4  # float32
+REPLY_CHUNK = 16  # replies back-propagated together (memory: a few × REPLY_CHUNK × the target model)
+PEAK_COPIES = 4  # h's parameters and momentum; while a round is aggregated also its gradient and SGD's weight-decay copy
+
+
+# --------------------------------------------------------------------------- the hypernetwork
+
+
+def embedding_size(num_clients: int, embed_dim: int) -> int:
+    """d: ``embed_dim``, or where it is 0 the authors' rule int(1 + M/4)."""
+    return int(embed_dim) if embed_dim > 0 else 1 + int(num_clients) // 4
+
+
+def target_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The shapes of the model's parameters (not its buffers), in the model's order: what h generates."""
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def hypernetwork_size(num_clients: int, shapes: Mapping[str, tuple[int, ...]], embed_dim: int, hidden_dim: int,
+                      hidden_layers: int) -> int:
+    """Number of parameters of h: the embedding table, the trunk and one linear head per target tensor."""
+    trunk = (embed_dim + 1) * hidden_dim + hidden_layers * (hidden_dim + 1) * hidden_dim
+    heads = sum((hidden_dim + 1) * math.prod(shape) for shape in shapes.values())
+    return num_clients * embed_dim + trunk + heads
+
+
+class HyperNetwork(nn.Module):
+    """Client embedding → MLP trunk → one linear head per target parameter tensor (PyTorch's default init;
+    embeddings N(0, 1), as ``nn.Embedding`` draws them)."""
+
+    def __init__(self, num_clients: int, shapes: Mapping[str, tuple[int, ...]], embed_dim: int, hidden_dim: int,
+                 hidden_layers: int) -> None:
+        super().__init__()
+        self.names = list(shapes)
+        self.shapes = {k: tuple(int(s) for s in v) for k, v in shapes.items()}
+        self.embeddings = nn.Embedding(num_clients, embed_dim)
+        layers: list[nn.Module] = [nn.Linear(embed_dim, hidden_dim)]
+        for _ in range(hidden_layers):
+            layers += [nn.ReLU(), nn.Linear(hidden_dim, hidden_dim)]
+        self.trunk = nn.Sequential(*layers)
+        # a ModuleList in the target's order: parameter names contain dots, which a ModuleDict refuses
+        self.heads = nn.ModuleList(nn.Linear(hidden_dim, math.prod(self.shapes[k])) for k in self.names)
+
+    def embedding(self, client: int | None) -> Tensor:
+        """v_client; for an unknown client (None) the mean of all embeddings, as a constant (no gradient)."""
+        if client is None:
+            return self.embeddings.weight.detach().mean(0)
+        return self.embeddings.weight[int(client)]
+
+    def generate(self, client: int | None) -> dict[str, Tensor]:
+        """θ = h(v_client; φ): one tensor per target parameter, in the target's shapes."""
+        features = self.trunk(self.embedding(client))
+        return {k: head(features).view(self.shapes[k]) for k, head in zip(self.names, self.heads)}
+
+    def generate_batch(self, clients: Sequence[int | None]) -> dict[str, Tensor]:
+        """h for several clients in one pass (one matrix product per layer): tensors of shape (K, *target shape)."""
+        features = self.trunk(torch.stack([self.embedding(c) for c in clients]))
+        return {k: head(features).view(len(clients), *self.shapes[k]) for k, head in zip(self.names, self.heads)}
+
+    def forward(self, client: int | None) -> dict[str, Tensor]:
+        return self.generate(client)
+
+
+def accumulate_delta_gradient(hn: HyperNetwork, clients: Sequence[int | None],
+                              trained: Sequence[Mapping[str, Tensor]]) -> list[float]:
+    """Add Σ_i (∂θ_i/∂φ)ᵀ Δθ_i to the ``.grad`` of h's parameters, θ_i = h(v_i; φ) at the current φ and
+    Δθ_i = θ_i − θ̃_i (generated minus ``trained[i]``): the gradient of Σ_i ½‖h(v_i; φ) − θ̃_i‖². One batched
+    forward and one backward of h for all of them. Returns ‖Δθ_i‖ per client (over all its tensors)."""
+    generated = hn.generate_batch(clients)
+    deltas = [generated[k].detach() - torch.stack([t[k] for t in trained]).to(generated[k].dtype) for k in hn.names]
+    torch.autograd.backward([generated[k] for k in hn.names], grad_tensors=deltas)
+    squares = sum(d.flatten(1).double().pow(2).sum(1) for d in deltas)
+    return [float(v) for v in squares.sqrt()]
+
+
+def hypernetwork_step(hn: HyperNetwork, optimizer: torch.optim.Optimizer, clip_norm: float) -> float:
+    """One optimiser step on the accumulated gradient, clipped to ``clip_norm`` (0: not clipped) as
+    ``torch.nn.utils.clip_grad_norm_`` does; the gradient is freed after. Returns its norm before clipping."""
+    params = [p for p in hn.parameters() if p.grad is not None]
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))) \
+        if params else 0.0
+    if clip_norm > 0:
+        nn.utils.clip_grad_norm_(params, clip_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def make_optimizer(hn: HyperNetwork, lr: float, embed_lr: float, momentum: float,
+                   weight_decay: float) -> torch.optim.SGD:
+    """SGD with momentum and weight decay over h; the embedding table in its own group (``embed_lr``, 0 = lr)."""
+    embeddings = [hn.embeddings.weight]
+    rest = [p for n, p in hn.named_parameters() if not n.startswith("embeddings.")]
+    return torch.optim.SGD([{"params": rest}, {"params": embeddings, "lr": embed_lr if embed_lr > 0 else lr}],
+                           lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+
+# --------------------------------------------------------------------------- the strategy
+
+
+@dataclass
+class PFedHNParams:
+    """pFedHN's parameters (defaults: the authors' code, experiments/pfedhn/trainer.py)."""
+
+    embed_dim: int = param(0, ge=0, help="0 = 1 + num_clients // 4, the authors' rule")
+    hidden_dim: int = param(100, gt=0, help="width H of the trunk; every head is H → size of its tensor")
+    hidden_layers: int = param(3, ge=0, help="[ReLU, Linear(H→H)] blocks after the first Linear(d→H)")
+    lr: float = param(1e-2, gt=0, help="SGD learning rate of the hypernetwork")
+    embed_lr: float = param(0.0, ge=0, help="learning rate of the client embeddings; 0 = lr")
+    momentum: float = param(0.9, ge=0, lt=1)
+    weight_decay: float = param(1e-3, ge=0)
+    clip_norm: float = param(50.0, ge=0, help="the round's gradient norm is clipped to this; 0 = off")
+    max_hn_params: int = param(100_000_000, gt=0, help="refuse a model whose hypernetwork would be larger")
+    server_device: str = param("auto", choices=DEVICES)
+
+
+def check_size(cfg: ExperimentConfig, params: PFedHNParams, num_classes: int, input_shape: tuple[int, int, int]) -> int:
+    """h's parameter count for this config; ConfigError (naming the keys to change) above ``max_hn_params``."""
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        shapes = target_shapes(build_model(cfg.model.name, num_classes, input_shape))
+    m, d = cfg.data.num_clients, embedding_size(cfg.data.num_clients, params.embed_dim)
+    size = hypernetwork_size(m, shapes, d, params.hidden_dim, params.hidden_layers)
+    if size > params.max_hn_params:
+        target = sum(math.prod(s) for s in shapes.values())
+        gib = size * BYTES_PER_PARAMETER * PEAK_COPIES / 2 ** 30
+        raise ConfigError(
+            f"strategy 'pfedhn': the hypernetwork for model.name '{cfg.model.name}' ({target:,} parameters in "
+            f"{len(shapes)} tensors) would hold {size:,} parameters (up to {gib:.1f} GiB on the server with their "
+            f"momentum and gradient), above 'strategy.params.pfedhn.max_hn_params' ({params.max_hn_params:,}); lower "
+            f"'strategy.params.pfedhn.hidden_dim' ({params.hidden_dim}), choose a smaller 'model.name' (cnn, mlp), "
+            "or raise max_hn_params where the server has the memory")
+    return size
+
+
+class PFedHN(PersonalisedStrategy):
+    """A server-side hypernetwork generates each client's parameters from its embedding; the clients' updates
+    train it by the chain rule."""
+
+    name = "pfedhn"
+    Params = PFedHNParams
+    deployed = DeployedModel("the model the hypernetwork generates from client i's embedding after round r's "
+                             "update (what i receives in round r+1)", source="message")
+    checkpoint_exclude = frozenset({"hn", "optimizer", "device", "sent_from"})  # hn and optimizer: state_dict below
+
+    @classmethod
+    def check(cls, cfg: ExperimentConfig, params: Any) -> None:
+        super().check(cfg, params)
+        try:
+            num_classes, shape = spec_info(dataclasses.asdict(cfg.data))
+        except DataError:
+            return  # data.source 'nodes' before the describe phase: checked when the strategy is built
+        check_size(cfg, params, num_classes, shape)
+
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
+        super().__init__(cfg, params, on_round)
+        p: PFedHNParams = self.params
+        num_classes, shape = spec_info(dataclasses.asdict(cfg.data))
+        check_size(cfg, p, num_classes, shape)
+        self.device = ops.resolve_device(p.server_device)
+        with torch.device("meta"):
+            shapes = target_shapes(build_model(cfg.model.name, num_classes, shape))
+        self.embed_dim = embedding_size(cfg.data.num_clients, p.embed_dim)
+        with torch.random.fork_rng(devices=[]):  # h's initialisation is seeded; the caller's RNG is left as it was
+            torch.manual_seed(derive_seed(cfg.seed, "pfedhn-init"))
+            self.hn = HyperNetwork(cfg.data.num_clients, shapes, self.embed_dim, p.hidden_dim, p.hidden_layers)
+        self.hn.to(self.device)
+        self.optimizer = make_optimizer(self.hn, p.lr, p.embed_lr, p.momentum, p.weight_decay)
+        self.sent_from: dict[int, int | None] = {}  # node -> the client whose embedding generated its model (None: mean)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The generic state, plus h's parameters and the optimiser's momentum as CPU tensors."""
+        state = super().state_dict()
+        state["hn"] = {k: v.detach().cpu().clone() for k, v in self.hn.state_dict().items()}
+        state["optimizer"] = _state_value(self.optimizer.state_dict(), "PFedHN.optimizer")
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        state = dict(state)
+        hn, optimizer = state.pop("hn"), state.pop("optimizer")
+        super().load_state_dict(state)
+        self.hn.load_state_dict(hn)
+        self.optimizer.load_state_dict(optimizer)
+
+    # ------------------------------------------------------------------ the hypernetwork's models
+    def client_of(self, node: int) -> int | None:
+        """The client a node is known to be (None before its first reply)."""
+        return self.node_to_client.get(int(node))
+
+    def generated(self, client: int | None) -> dict[str, np.ndarray]:
+        """h(v_client; φ) as float32 arrays (the mean embedding's model for None)."""
+        with torch.no_grad():
+            return {k: v.detach().cpu().numpy() for k, v in self.hn.generate(client).items()}
+
+    def hypernetwork_parameters(self) -> int:
+        return sum(p.numel() for p in self.hn.parameters())
+
+    # ------------------------------------------------------------------ the round
+    def expect_arrays(self) -> bool:
+        return True
+
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+        config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "params"}
+        self.sent_from = {}
+        messages = []
+        for n in node_ids:
+            client = self.client_of(n)
+            self.sent_from[int(n)] = client
+            arrays = protocol.arrays_record(self.generated(client))
+            messages.append(protocol.build_message(n, server_round, ["train"], config, arrays=arrays))
+        return messages
+
+    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
+        """Σ over the replies of (∂θ_i/∂φ)ᵀ(θ_i − θ̃_i) at the φ that generated θ_i, clipped, one SGD step."""
+        usable = []
+        for r in replies:
+            if r.arrays is None or int(r.node_id) not in self.sent_from or set(r.arrays) != set(self.hn.names):
+                log.warning("round %d: client %d's reply does not answer a model of this round; ignored",
+                            server_round, r.client_id)
+                continue
+            usable.append(r)
+        if not usable:
+            return {}
+        self.optimizer.zero_grad(set_to_none=True)
+        deltas: list[float] = []
+        sources = [self.sent_from[int(r.node_id)] for r in usable]
+        # θ_i is generated again at the same φ (in a batch: equal to what was sent up to float rounding)
+        for start in range(0, len(usable), REPLY_CHUNK):
+            chunk = usable[start:start + REPLY_CHUNK]
+            trained = [{k: torch.as_tensor(np.asarray(r.arrays[k]), device=self.device) for k in self.hn.names}
+                       for r in chunk]
+            deltas += accumulate_delta_gradient(self.hn, sources[start:start + REPLY_CHUNK], trained)
+        from_mean = sum(1 for s in sources if s is None)
+        grad_norm = hypernetwork_step(self.hn, self.optimizer, float(self.params.clip_norm))
+        return {"hn_delta_norm_mean": float(np.mean(deltas)), "hn_grad_norm": grad_norm,
+                "hn_from_mean_embedding": from_mean}
+
+    def final_summary(self) -> dict[str, Any]:
+        n = self.hypernetwork_parameters()
+        return {"hypernetwork_parameters": n, "hypernetwork_embed_dim": self.embed_dim,
+                "hypernetwork_peak_bytes": n * BYTES_PER_PARAMETER * PEAK_COPIES}
