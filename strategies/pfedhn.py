@@ -22,7 +22,7 @@ evaluated by the base class on that message before training.
 Clients the server has not heard from yet. The server learns which client a node is from its first reply
 (``node_to_client``), so in a node's first round it cannot pick its embedding: such a node gets the model
 generated from the mean of all M embeddings, taken as a constant (the chain rule of its reply then reaches the
-trunk and the heads, no embedding). From its second round on a client gets h(v_i; φ).
+trunk and the heads, no embedding). From its next round on a client gets h(v_i; φ).
 
 Only parameters are generated. Buffers (BatchNorm running statistics) are not: they stay on each client, in its
 private model, updated by its own training (the message carries ``arrays.keys: params``). The 4-layer CNN and
@@ -31,10 +31,11 @@ the MLP have no buffers.
 Server cost, with P target parameters, hidden width H, L hidden layers, M clients, embedding size d: h has
 (H + 1)·P + (d + 1)·H + L·(H + 1)·H + M·d parameters — the heads dominate, ≈ (H + 1)·P. Between rounds the
 server keeps them and their SGD momentum (2 × 4 bytes per parameter); while a round is aggregated also their
-gradient and, with weight decay, the copy torch's SGD makes of it (up to 4 × 4 bytes). Per
-message one forward of h (H·P multiply-adds), per round one batched forward and backward over the replies
-(≈ 3·K·H·P for K replies). A model whose h would exceed
-``max_hn_params`` is refused with a ConfigError.
+gradient and, with weight decay, the copy torch's SGD makes of it (up to 4 × 4 bytes). Per message one forward
+of h (H·P multiply-adds), per round one batched forward and backward over the replies (≈ 3·K·H·P for K
+replies). A model whose h would exceed ``max_hn_params`` is refused with a ConfigError.
+
+The reply carries θ̃_i rather than Δθ_i (the same bytes; the server knows θ_i), through the generic machinery.
 """
 
 from __future__ import annotations
@@ -177,8 +178,10 @@ class PFedHNParams:
     server_device: str = param("auto", choices=DEVICES)
 
 
-def check_size(cfg: ExperimentConfig, params: PFedHNParams, num_classes: int, input_shape: tuple[int, int, int]) -> int:
-    """h's parameter count for this config; ConfigError (naming the keys to change) above ``max_hn_params``."""
+def check_size(cfg: ExperimentConfig, params: PFedHNParams, num_classes: int,
+               input_shape: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
+    """The target model's parameter shapes; ConfigError (naming the keys to change) where h would have more than
+    ``max_hn_params`` parameters."""
     with torch.device("meta"):  # shapes only: nothing is allocated
         shapes = target_shapes(build_model(cfg.model.name, num_classes, input_shape))
     m, d = cfg.data.num_clients, embedding_size(cfg.data.num_clients, params.embed_dim)
@@ -192,7 +195,7 @@ def check_size(cfg: ExperimentConfig, params: PFedHNParams, num_classes: int, in
             f"momentum and gradient), above 'strategy.params.pfedhn.max_hn_params' ({params.max_hn_params:,}); lower "
             f"'strategy.params.pfedhn.hidden_dim' ({params.hidden_dim}), choose a smaller 'model.name' (cnn, mlp), "
             "or raise max_hn_params where the server has the memory")
-    return size
+    return shapes
 
 
 class PFedHN(PersonalisedStrategy):
@@ -217,11 +220,9 @@ class PFedHN(PersonalisedStrategy):
     def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
         super().__init__(cfg, params, on_round)
         p: PFedHNParams = self.params
-        num_classes, shape = spec_info(dataclasses.asdict(cfg.data))
-        check_size(cfg, p, num_classes, shape)
+        num_classes, shape = spec_info(dataclasses.asdict(cfg.data))  # under 'nodes': what the nodes described
+        shapes = check_size(cfg, p, num_classes, shape)
         self.device = ops.resolve_device(p.server_device)
-        with torch.device("meta"):
-            shapes = target_shapes(build_model(cfg.model.name, num_classes, shape))
         self.embed_dim = embedding_size(cfg.data.num_clients, p.embed_dim)
         with torch.random.fork_rng(devices=[]):  # h's initialisation is seeded; the caller's RNG is left as it was
             torch.manual_seed(derive_seed(cfg.seed, "pfedhn-init"))

@@ -147,7 +147,7 @@ def test_the_step_applies_the_gradient_and_pulls_the_generated_model_to_the_trai
 
 def hand_config(tiny_config, **params):
     pfedhn = {"embed_dim": 2, "hidden_dim": 4, "hidden_layers": 0, "lr": 0.1, "embed_lr": 0.3, "momentum": 0.0,
-              "weight_decay": 0.0, "clip_norm": 0.0, **params}
+              "weight_decay": 0.0, "clip_norm": 0.0, "server_device": "cpu", **params}
     return load_config(tiny_config(data={"num_clients": 3}, strategy={"name": "pfedhn", "params": {"pfedhn": pfedhn}}))
 
 
@@ -270,7 +270,7 @@ def test_short_run_personalises_and_learns(tiny_config):
     assert not np.allclose(by_round[2][0], by_round[2][1])  # from round 2 each client gets its own
     assert [e.extra["hn_from_mean_embedding"] for e in logs] == [4, 0, 0]
     acc = {r: result.evaluate_metrics_clientapp[r]["acc_mean"] for r in (1, 2, 3)}
-    assert acc[3] > acc[1] + 0.05, acc  # measured: 0.14 -> 0.26 -> 0.37 (a reversed step does not learn)
+    assert acc[3] > acc[1] + 0.05, acc  # measured: 0.14, 0.18, 0.26; with the step's sign reversed 0.03, 0.003, 0
     summary = s.final_summary()
     assert summary["hypernetwork_parameters"] == sum(p.numel() for p in s.hn.parameters())
     assert summary["hypernetwork_peak_bytes"] == 16 * summary["hypernetwork_parameters"]
