@@ -200,6 +200,16 @@ class Curve:
     worst_sem: list[float] = field(default_factory=list)
 
 
+def accuracy_limits(values: Sequence[float], step: float = 0.05) -> tuple[float, float]:
+    """y-limits of an accuracy panel: from the lowest value (less a small margin, down to a multiple of ``step``,
+    never below 0) to 1 — methods that end within a few points of each other stay apart on the page."""
+    finite = [float(v) for v in values if math.isfinite(float(v))]
+    if not finite:
+        return 0.0, 1.0
+    low = math.floor((min(finite) - step / 2) / step) * step
+    return max(0.0, round(low, 10)), 1.0
+
+
 def comparison_figure(curves: Sequence[Curve]) -> Any:
     """Methods against rounds, mean ± SEM band over seeds: the deployed models' accuracy as mean over clients
     (left) and, when the runs measured it, over the worst 10 % of clients (right); one style per method
@@ -222,7 +232,7 @@ def comparison_figure(curves: Sequence[Curve]) -> Any:
                             color=style["color"], alpha=0.15, linewidth=0)
         round_axis(ax)
         ax.set_ylabel(f"deployed-model accuracy, {what}\n(mean ± SEM over seeds)")
-        ax.set_ylim(0, 1)
+        ax.set_ylim(*accuracy_limits([m - e for c in curves for m, e in zip(pick(c)[1], pick(c)[2])]))
         ax.grid(alpha=0.3)
     if curves:  # many lines: beside the last panel; a few: inside the first
         _legend(panels[-1][0] if len(curves) > 6 else panels[0][0], len(curves))

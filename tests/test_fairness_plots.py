@@ -234,3 +234,13 @@ def test_short_run_writes_fairness_into_summary_and_rounds(tiny_config, tmp_path
     assert isinstance(summary["accuracy_after_training_worst10"], float)
     assert isinstance(summary["accuracy_after_training_std"], float)
     assert (run / "accuracy.png").is_file()
+
+
+def test_accuracy_limits_keep_close_methods_apart():
+    """The comparison panel starts just below the lowest mean − SEM (a multiple of 0.05) and ends at 1."""
+    from fedapps.plots import accuracy_limits
+
+    assert accuracy_limits([0.861, 0.903, 0.95]) == (0.8, 1.0)  # 0.861 − 0.025 = 0.836 → 0.80
+    assert accuracy_limits([0.876]) == (0.85, 1.0)  # 0.851 → 0.85, not 0.80 or 0.90
+    assert accuracy_limits([0.01, 0.5]) == (0.0, 1.0)  # never below 0
+    assert accuracy_limits([]) == (0.0, 1.0)
