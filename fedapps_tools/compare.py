@@ -19,7 +19,8 @@ from scipy import stats
 
 from fedapps import plots
 from fedapps.config import ConfigError, ExperimentConfig, config_hash, load_config
-from fedapps.results import Progress, read_csv, write_csv
+from fedapps.results import read_csv, write_csv
+from fedapps_tools.progressbar import RunProgress
 
 log = logging.getLogger("fedapps")
 
@@ -221,25 +222,23 @@ def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
         resolve(checked)
         get_federation(dataclasses.asdict(checked.data))  # a DataError (a ConfigError) here: exit 2
     rows, lines = [], []
-    total = len(args.configs) * len(args.seeds)
-    done = 0
-    progress = Progress(total)
+    progress = RunProgress(len(args.configs) * len(args.seeds))
     for config, label in zip(args.configs, labels):
         summaries, label_curves = [], []
         for seed in args.seeds:
             overrides = list(args.overrides) + [f"seed={seed}", f"run_name={label}-s{seed}"]
             cfg = load_config(Path(config).expanduser().resolve(), overrides)
             result_dir = runs_dir / cfg.resolved_run_name()
-            done += 1
             skip, why = resume_decision(result_dir, cfg.rounds, config_hash(resolve(cfg).config(cfg)))
-            print(f"[{done}/{total}] {label} seed {seed}: {why} ({progress.line()})", flush=True)
+            progress.start(f"{label} seed {seed}: {why}")
             if not skip:
                 execute(config, overrides, str(runs_dir), args)
-            progress.step(worked=not skip)
+            progress.finish(worked=not skip)
             summaries.append(json.loads((result_dir / "summary.json").read_text()))
             label_curves.append(read_csv(result_dir / "rounds.csv"))
         rows.append(summarise_runs(label, summaries))
         lines.append(Line(str(summaries[0].get("strategy", cfg.strategy.name)), setting_label(cfg), label, label_curves))
+    progress.close()
     folder.mkdir(parents=True, exist_ok=True)
     write_csv(folder / "comparison.csv", rows)  # header: the union of the rows' keys, first-seen order
     table = markdown_table(rows)

@@ -37,7 +37,8 @@ from fedapps.config import (
     read_config_text,
     split_overrides,
 )
-from fedapps.results import Progress, write_csv
+from fedapps.results import write_csv
+from fedapps_tools.progressbar import RunProgress
 from fedapps_tools.compare import mean_sem, resume_decision
 
 DEFAULT_MAX_POINTS = 4  # specs/evaluation.md: the same number of grid points (at most 4) for every method
@@ -287,8 +288,7 @@ def tune(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
     keys = [k for k, _ in grid]
     rows: list[dict[str, Any]] = []
     per_point: list[dict[str, Any]] = []
-    total, done = len(points) * len(seeds), 0
-    progress = Progress(total)
+    progress = RunProgress(len(points) * len(seeds))
     for n, point in enumerate(points, 1):
         numbers = []
         for seed in seeds:
@@ -297,11 +297,10 @@ def tune(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
             cfg = load_config(config_path, overrides)
             result_dir = runs_dir / cfg.resolved_run_name()
             skip, why = resume_decision(result_dir, cfg.rounds, config_hash(resolve(cfg).config(cfg)))
-            done += 1
-            print(f"[{done}/{total}] point {n} ({point_label(point)}) seed {seed}: {why} ({progress.line()})", flush=True)
+            progress.start(f"point {n} ({point_label(point)}) seed {seed}: {why}")
             if not skip:
                 execute(str(config_path), overrides, str(runs_dir), args)
-            progress.step(worked=not skip)
+            progress.finish(worked=not skip)
             got = validation_numbers(result_dir)
             numbers.append(got)
             rows.append({"point": n, "seed": seed, **{k: point[k] for k in keys}, **got,
@@ -311,6 +310,7 @@ def tune(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
         w = mean_sem([g["val_accuracy_weighted"] for g in numbers])[0]
         per_point.append({"seeds": len(numbers), "mean": m, "sem": e, "weighted": w,
                           "wall": sum(g["wall_seconds"] for g in numbers)})
+    progress.close()
     try:
         chosen = choose_point([p["mean"] for p in per_point])
     except ValueError as exc:
