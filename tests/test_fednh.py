@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,7 +25,6 @@ from strategies.fednh import (COUNTS, TRAIN_OP, FedNH, class_prototypes, min_pai
                               orthogonal_prototypes, penultimate_features, uniform_prototypes, update_prototypes)
 from test_ops_worker import worker_message
 
-ROOT = Path(__file__).resolve().parent.parent
 PATHOLOGICAL = {"source": "digits", "partition": "pathological", "num_clients": 4, "classes_per_client": 2}
 
 
@@ -259,15 +254,10 @@ def test_short_run_in_process(tiny_config, tmp_path) -> None:
 
 def test_flwr_run_end_to_end(tmp_path) -> None:
     """`fedapps run` -> `flwr run` (own SuperLink, Ray simulation, 3 SuperNodes, 2 rounds of FedNH on digits)."""
-    from conftest import write_config
+    from conftest import flwr_run
 
-    cfg = write_config(tmp_path / "cfg.yaml", strategy={"name": "fednh", "params": {"fednh": {"finetune_epochs": 1}}},
-                       data={"source": "digits", "partition": "iid", "num_clients": 3})
-    proc = subprocess.run([sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--output-dir",
-                           str(tmp_path / "fl"), "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=400,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = tmp_path / "fl" / "fednh-digits-iid-s0"
+    out = flwr_run(tmp_path, strategy={"name": "fednh", "params": {"fednh": {"finetune_epochs": 1}}},
+                   data={"source": "digits", "partition": "iid", "num_clients": 3})
     summary = json.loads((out / "summary.json").read_text())
     assert summary["strategy"] == "fednh" and summary["rounds"] == 2 and 0.0 < summary["accuracy_mean"] <= 1.0
     rows = read_csv(out / "rounds.csv")

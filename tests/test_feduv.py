@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,7 +24,6 @@ from strategies.feduv import (MU_U, MU_V, TEMPERATURE, TRAIN_OP, UNIFORMITY, VAR
                               iid_threshold, uniformity, variance_hinge)
 from test_ops_worker import worker_message
 
-ROOT = Path(__file__).resolve().parent.parent
 LN3 = math.log(3.0)
 
 
@@ -288,15 +283,10 @@ def test_feduv_at_zero_is_fedavg_and_otherwise_sends_its_settings(tiny_config):
 
 def test_flwr_run_end_to_end(tmp_path):
     """`fedapps run` -> `flwr run` (own SuperLink, Ray simulation, 3 SuperNodes, 2 rounds of FedUV on digits)."""
-    from conftest import write_config
+    from conftest import flwr_run
 
-    cfg = write_config(tmp_path / "cfg.yaml", strategy={"name": "feduv"},
-                       data={"source": "digits", "partition": "pathological", "num_clients": 3, "classes_per_client": 4})
-    proc = subprocess.run([sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--output-dir",
-                           str(tmp_path / "out"), "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=400,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = tmp_path / "out" / "feduv-digits-pathological-s0"
+    out = flwr_run(tmp_path, strategy={"name": "feduv"},
+                   data={"source": "digits", "partition": "pathological", "num_clients": 3, "classes_per_client": 4})
     summary = json.loads((out / "summary.json").read_text())
     assert summary["strategy"] == "feduv" and summary["rounds"] == 2 and summary["num_clients"] == 3
     assert 0.0 < summary["accuracy_mean"] <= 1.0

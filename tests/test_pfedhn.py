@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pickle
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,7 +25,6 @@ from strategies import resolve
 from strategies.pfedhn import (HyperNetwork, accumulate_delta_gradient, embedding_size, hypernetwork_size,
                                hypernetwork_step, make_optimizer, target_shapes)
 
-ROOT = Path(__file__).resolve().parent.parent
 TOY = {"w": (2, 3), "b": (2,)}  # a toy target network: one linear layer 3 → 2
 
 
@@ -293,15 +288,10 @@ def test_a_resumed_run_continues_the_hypernetwork_and_its_momentum(tiny_config):
 
 def test_flwr_run_end_to_end(tmp_path):
     """`fedapps run` -> `flwr run` (own SuperLink, Ray simulation, 3 SuperNodes, 2 rounds of pFedHN on digits)."""
-    from conftest import write_config
+    from conftest import flwr_run
 
-    cfg = write_config(tmp_path / "cfg.yaml", strategy={"name": "pfedhn"},
-                       data={"source": "digits", "partition": "pathological", "num_clients": 3, "classes_per_client": 4})
-    proc = subprocess.run([sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--output-dir",
-                           str(tmp_path / "out"), "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=400,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = tmp_path / "out" / "pfedhn-digits-pathological-s0"
+    out = flwr_run(tmp_path, strategy={"name": "pfedhn"},
+                   data={"source": "digits", "partition": "pathological", "num_clients": 3, "classes_per_client": 4})
     summary = json.loads((out / "summary.json").read_text())
     assert summary["strategy"] == "pfedhn" and summary["rounds"] == 2 and summary["num_clients"] == 3
     assert 0.0 < summary["accuracy_mean"] <= 1.0 and summary["hypernetwork_parameters"] > 0
