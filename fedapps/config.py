@@ -44,6 +44,9 @@ class StrategyConfig:
     aggregation: str = "mean"
     trim_fraction: float = 0.1  # trimmed-mean: share of the lowest and of the highest values dropped, in [0, 0.5)
     max_weight_share: float = 1.0  # mean: cap on any client's normalised weight, in (0, 1]; 1 = no cap
+    # how model arrays travel between server and clients, both ways (fedapps.protocol): float32 (as the models hold
+    # them) | float16 (floating arrays halved; parameter-sharing strategies only, checked by strategies.base)
+    transport: str = "float32"
     # strategy name -> that strategy's own parameters (plain data; checked by strategies.resolve)
     params: dict[str, Any] = field(default_factory=dict)
 
@@ -143,6 +146,7 @@ class ExperimentConfig:
 
 OPTIMIZERS = ("sgd", "adam")
 AGGREGATION_RULES = ("mean", "median", "trimmed-mean")
+TRANSPORTS = ("float32", "float16")  # strategy.transport (the encodings live in fedapps.protocol)
 DEVICES = ("auto", "cpu", "cuda")
 # tracking name -> the module its sink needs (fedapps.tracking writes; both come with pip install -e ".[tracking]")
 TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
@@ -379,6 +383,7 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(0.0 <= s.trim_fraction < 0.5, f"'strategy.trim_fraction' must be in [0, 0.5), got {s.trim_fraction}")
     _check(0.0 < s.max_weight_share <= 1.0,
            f"'strategy.max_weight_share' must be in (0, 1] (1 = no cap), got {s.max_weight_share}")
+    _one_of("strategy.transport", s.transport, TRANSPORTS)
 
     d = cfg.data  # the data section itself is checked once, by fedapps.data.check_spec (see strategies.resolve)
     _check(d.num_clients > 0, f"'data.num_clients' must be a positive integer, got {d.num_clients}")
@@ -442,7 +447,7 @@ HASH_EXCLUDED = ("run_name", "output_dir", "tracking", "tracking_dir")  # where 
 # defaults, so that a config that does not use them keeps the hash it had before they existed
 LATER_KEYS: dict[tuple[str, str], Any] = {("data", "num_classes"): 0, ("data", "input_shape"): [],
                                           ("data", "public_path"): "", ("strategy", "expected_clients"): 0,
-                                          ("strategy", "connect_timeout"): 300.0}
+                                          ("strategy", "connect_timeout"): 300.0, ("strategy", "transport"): "float32"}
 
 
 def without_later_defaults(data: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,9 @@ A message to a client carries:
 (``arrays.keys: state``), parameters only (``params``) or without the head (``body``). ``train.freeze``
 (head | body) keeps a part of the model fixed; a tagged ``train:<tag>`` op reads ``train:<tag>.*`` over
 ``train.*``; ``holdout-fraction`` keeps a fixed share of the training split out of training.
+``arrays.transport: float16`` (``strategy.transport``): the floating arrays of ``arrays`` / ``eval-arrays`` travel
+as float16, and the client returns its arrays the same way (:func:`encode_arrays`); each side casts them back to
+its model's dtype on receipt. Without the key, arrays travel in their own dtype.
 ``persist-model`` (default true) keeps the client's model in ``Context.state`` after the message;
 ``save-model: false`` (evaluation-only messages) reads the kept model but does not write it back.
 A reply carries ``metrics`` (MetricRecord: ``client-id``, ``num-examples``, evaluation results, timings),
@@ -29,6 +32,8 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from fedapps.config import TRANSPORTS
 
 log = logging.getLogger("fedapps")
 
@@ -188,7 +193,7 @@ def parse_reply(msg: Message, expect_arrays: bool = False, expect_predictions: b
         raise ReplyError(f"negative num-examples {num_examples}")
     arrays = None
     if ARRAYS in content:
-        arrays = {k: v.numpy() for k, v in content[ARRAYS].items()}
+        arrays = {k: from_wire(v.numpy(), np.float32) for k, v in content[ARRAYS].items()}
         for k, a in arrays.items():
             if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a)):
                 raise ReplyError(f"array '{k}' has non-finite values")
@@ -231,10 +236,69 @@ def pack_models(models: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]
     return {f"m{k}.{name}": value for k, model in enumerate(models) for name, value in model.items()}
 
 
-def arrays_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+def arrays_record(arrays: Mapping[str, np.ndarray], transport: str = "float32") -> ArrayRecord:
     """Named numpy arrays -> ArrayRecord (order kept, shapes kept: a 0-d array such as BatchNorm's
-    ``num_batches_tracked`` stays 0-d; ``np.ascontiguousarray`` would make it shape (1,))."""
-    return ArrayRecord({k: Array(contiguous(v)) for k, v in arrays.items()})
+    ``num_batches_tracked`` stays 0-d; ``np.ascontiguousarray`` would make it shape (1,)), floating arrays
+    encoded for ``transport`` (:func:`encode_arrays`; float32: as they are)."""
+    return ArrayRecord({k: Array(contiguous(v)) for k, v in encode_arrays(arrays, transport).items()})
+
+
+# ---------------------------------------------------------------------- compact transport (strategy.transport)
+# A message whose model arrays travel compactly says so in its config (TRANSPORT_KEY); the client then returns
+# its arrays the same way. float32: every array travels in its own dtype (no key is added: messages as before).
+TRANSPORT_KEY = "arrays.transport"
+FLOAT16_MAX = float(np.finfo(np.float16).max)  # 65504: beyond it a float16 cast gives inf
+
+
+def check_transport(transport: str) -> None:
+    """Refuse an unknown transport (a message from another version, or a typo in a direct call)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown array transport '{transport}'; allowed: {', '.join(TRANSPORTS)} "
+                         "(config key strategy.transport)")
+
+
+def encode_arrays(arrays: Mapping[str, np.ndarray], transport: str) -> dict[str, np.ndarray]:
+    """Arrays as they travel: with ``float16`` every floating array wider than float16 is cast to float16;
+    integer arrays (BatchNorm's ``num_batches_tracked``) are left alone. An array the cast would not keep
+    finite (some |x| > 65504, or already non-finite) travels in its own dtype instead, with a warning naming
+    it (the receiver's validation still rejects non-finite values). ``float32``: the arrays as they are."""
+    check_transport(transport)
+    if transport == "float32":
+        return dict(arrays)
+    out: dict[str, np.ndarray] = {}
+    kept: list[str] = []
+    for k, v in arrays.items():
+        a = np.asarray(v)
+        if a.dtype.kind == "f" and a.dtype.itemsize > 2:
+            with np.errstate(over="ignore", invalid="ignore"):
+                half = a.astype(np.float16)
+            if np.isfinite(half).all():
+                a = half
+            else:
+                kept.append(k)
+        out[k] = a
+    if kept:
+        log.warning("transport float16: %d array(s) exceed float16's range (|x| > %g) or are not finite; sent in "
+                    "their own dtype: %s", len(kept), FLOAT16_MAX, ", ".join(kept[:5]) + (" ..." if len(kept) > 5 else ""))
+    return out
+
+
+def from_wire(value: np.ndarray, dtype: Any) -> np.ndarray:
+    """A received array in the receiver's ``dtype``: a float16 array is cast up to a wider floating ``dtype`` (the
+    model's); anything else is returned as it came."""
+    a = np.asarray(value)
+    target = np.dtype(dtype)
+    if a.dtype == np.float16 and target.kind == "f" and target.itemsize > 2:
+        return a.astype(target)
+    return a
+
+
+def transport_record(record: ArrayRecord, transport: str) -> ArrayRecord:
+    """An ArrayRecord re-encoded for ``transport`` (the same record for float32)."""
+    check_transport(transport)
+    if transport == "float32":
+        return record
+    return arrays_record({k: v.numpy() for k, v in record.items()}, transport)
 
 
 def contiguous(value: np.ndarray) -> np.ndarray:

@@ -18,7 +18,8 @@ on U asked for (a ``predict`` op → rows, classes, ``predict.output`` and ``pre
   counts integral and >= 0, ``correct <= n``, ``n`` <= the client's test-set size where known, and the
   accuracy equals ``correct / n``;
 - arrays: exactly the expected names and shapes, a floating dtype where the model's is floating (an
-  integer dtype only where the model has an integer buffer of that shape), all decodable and finite;
+  integer dtype only where the model has an integer buffer of that shape), all decodable and finite; float16
+  arrays (``strategy.transport: float16``) are then cast up to the model's dtype;
 - predictions: decodable, of the expected shape; probabilities on the simplex (entries >= -1e-3, rows summing
   to 1 within 1e-2), logits within ``|x| <= 1e4``, hard labels of an unsigned type and in [0, classes);
 - U's fingerprint (``info["fingerprint"]``) equals the server's wherever the message named one;
@@ -407,6 +408,8 @@ class ReplyValidator:
                 raise ReplyError("reply carries model arrays that were not asked for")
             arrays = decode_record(content[protocol.ARRAYS], "array")
             check_arrays(arrays, exp.arrays)
+            # float16 on the wire (strategy.transport) -> the server model's dtype before any strategy sees it
+            arrays = {k: protocol.from_wire(a, exp.arrays[k].dtype) for k, a in arrays.items()}
         elif exp.arrays is not None:
             raise ReplyError("reply lacks the model arrays it was asked for")
         predictions = None

@@ -299,11 +299,30 @@ def lost_on_restart(config: Mapping[str, Any]) -> str:
     return "model"
 
 
-def model_arrays(model: nn.Module, which: str) -> ArrayRecord:
-    """The model as an ArrayRecord: 'state', 'params' or 'body' (see :func:`fedapps.models.state_part`)."""
+def model_arrays(model: nn.Module, which: str, transport: str = "float32") -> ArrayRecord:
+    """The model as an ArrayRecord: 'state', 'params' or 'body' (see :func:`fedapps.models.state_part`), its
+    floating arrays encoded for ``transport`` (float32: as the model holds them; see :func:`protocol.encode_arrays`)."""
     if which not in STATE_PARTS:
         raise ProtocolError(f"unknown arrays.keys '{which}'; allowed: {', '.join(STATE_PARTS)}")
-    return ArrayRecord({k: v.detach().cpu() for k, v in state_part(model, which).items()})
+    if transport == "float32":
+        return ArrayRecord({k: v.detach().cpu() for k, v in state_part(model, which).items()})
+    return protocol.arrays_record({k: v.detach().cpu().numpy() for k, v in state_part(model, which).items()},
+                                  transport)
+
+
+def message_transport(config: Mapping[str, Any]) -> str:
+    """How the message's arrays travel and the reply's must (``arrays.transport``; absent: float32)."""
+    transport = str(config.get(protocol.TRANSPORT_KEY, "float32"))
+    if transport not in protocol.TRANSPORTS:
+        raise ProtocolError(f"unknown {protocol.TRANSPORT_KEY} '{transport}' in the message; allowed: "
+                            f"{', '.join(protocol.TRANSPORTS)} (server and client versions differ?)")
+    return transport
+
+
+def received_state(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    """A received ArrayRecord as a state dict, float16 tensors (``arrays.transport: float16``) cast back to float32,
+    the dtype of every model in the zoo; integer buffers and float32 tensors as they came."""
+    return {k: v.float() if v.dtype == torch.float16 else v for k, v in record.to_torch_state_dict().items()}
 
 
 def holdout_split(n: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,7 +350,7 @@ def part_names(model: nn.Module, part: str) -> set[str]:
 def split_models(arrays: ArrayRecord) -> list[dict[str, torch.Tensor]]:
     """Several models in one record, keys 'm<k>.<name>' (see :func:`protocol.pack_models`) -> one state dict per k."""
     models: dict[int, dict[str, torch.Tensor]] = {}
-    for key, tensor in arrays.to_torch_state_dict().items():
+    for key, tensor in received_state(arrays).items():
         prefix, _, name = key.partition(".")
         if not (prefix.startswith("m") and prefix[1:].isdigit() and name):
             raise ProtocolError(f"multi-model arrays need keys 'm<k>.<parameter>', got '{key}'")
@@ -395,6 +414,7 @@ class Worker:
         t0 = time.perf_counter()
         self._check_public_set()
         steps = [parse_op(op) for op in self.config["ops"]]  # refuse an unknown operation before running any
+        transport = message_transport(self.config)  # and an unknown transport
         if self.received is not None and self.config.get("load-arrays", False):
             load_arrays(self.model, self.received, strict=False)
         for op, tag in steps:
@@ -403,7 +423,7 @@ class Worker:
             self.metrics[f"t-{tag}"] = time.perf_counter() - start
         if self.config.get("return-arrays", False):
             returned = self.outgoing if self.outgoing is not None else self.model
-            self.reply[protocol.ARRAYS] = model_arrays(returned, str(self.config.get("arrays.keys", "state")))
+            self.reply[protocol.ARRAYS] = model_arrays(returned, str(self.config.get("arrays.keys", "state")), transport)
         if self.config.get("persist-model", True) and self.config.get("save-model", True):
             # the private model lives in Context.state between rounds; strategies that send the whole model
             # every round switch this off, which halves what travels with each message in simulation. An
@@ -429,7 +449,7 @@ class Worker:
         arrays, or when they hold several models (``arrays.multi``, see :meth:`candidate_models`)."""
         if protocol.ARRAYS not in self.msg.content or self.config.get("arrays.multi", False):
             return None
-        return self.msg.content[protocol.ARRAYS].to_torch_state_dict()
+        return received_state(self.msg.content[protocol.ARRAYS])
 
     def candidate_models(self, op: str) -> list[dict[str, torch.Tensor]]:
         """The several models of an ``arrays.multi`` message, as state dicts in the order the server packed them."""
@@ -533,7 +553,7 @@ def evaluate_received(w: Worker, tag: str) -> None:
         raise ProtocolError("evaluate-received needs a model in the message's 'eval-arrays' record")
     arch = str(w.config.get("received.model", w.arch))
     scratch = build_model(arch, w.fed.num_classes, tuple(w.fed.input_shape)).to(w.device)
-    load_arrays(scratch, w.msg.content[protocol.EVAL_ARRAYS].to_torch_state_dict(), strict=True)
+    load_arrays(scratch, received_state(w.msg.content[protocol.EVAL_ARRAYS]), strict=True)
     w.evaluate(scratch, tag)
 
 

@@ -181,6 +181,11 @@ class PersonalisedStrategy(Strategy):
             raise ConfigError(f"'strategy.aggregation: {s.aggregation}' / 'strategy.max_weight_share: {s.max_weight_share}' "
                               f"apply to the parameter-averaging strategies only (fedavg, fedprox, ditto, fedper, fedrep, "
                               f"fedbabu, ifca, cfl), not to '{cls.name}'; remove them (defaults: mean, 1.0)")
+        if s.transport != "float32" and cls.model_agnostic:
+            raise ConfigError(f"'strategy.transport: {s.transport}' applies to the strategies that exchange model "
+                              f"parameters; '{cls.name}' sends none (its clients may run different architectures). "
+                              "Remove it (default float32); the pseudo-label strategies set their own wire encoding "
+                              "in strategy.params.<name> (e.g. encoding, uplink_encoding)")
 
     @classmethod
     def require_at_most_clients(cls, cfg: ExperimentConfig, key: str, value: int) -> None:
@@ -399,10 +404,32 @@ class PersonalisedStrategy(Strategy):
         return result
 
     # ------------------------------------------------------------------ the evaluation protocol
+    def with_transport(self, messages: list[Message]) -> list[Message]:
+        """``strategy.transport`` applied to messages as the strategy built them: their model arrays (``arrays``,
+        ``eval-arrays``) re-encoded (:func:`protocol.encode_arrays`) and, where arrays go out or are asked back,
+        ``arrays.transport`` set so that the client replies in kind. float32: the messages untouched. A record
+        shared by several messages is encoded once."""
+        transport = self.cfg.strategy.transport
+        if transport == "float32":
+            return messages
+        encoded: dict[int, ArrayRecord] = {}
+        for msg in messages:
+            config = msg.content[protocol.CONFIG]
+            names = [n for n in (protocol.ARRAYS, protocol.EVAL_ARRAYS) if n in msg.content]
+            for name in names:
+                record = msg.content[name]
+                if id(record) not in encoded:
+                    encoded[id(record)] = protocol.transport_record(record, transport)
+                msg.content[name] = encoded[id(record)]
+            if names or config.get("return-arrays", False):
+                config[protocol.TRANSPORT_KEY] = transport
+        return messages
+
     def messages_for_round(self, server_round: int, node_ids: list[int]) -> list[Message]:
         """The strategy's round messages with the protocol's evaluations added: the deployed model of the
         previous round first (after the ``deployed.prepare`` operations, before any training; from round 2 on,
-        where :meth:`measures_round` says so), the model after local training last."""
+        where :meth:`measures_round` says so), the model after local training last; ``strategy.transport``
+        applied (:meth:`with_transport`)."""
         messages = self.round_messages(server_round, node_ids)
         d = self.deployed
         measure = server_round > 1 and self.measures_round(server_round - 1)
@@ -416,12 +443,16 @@ class PersonalisedStrategy(Strategy):
             if model is not None:
                 config["received.model"] = model[0]
                 msg.content[protocol.EVAL_ARRAYS] = model[1]
-        return messages
+        return self.with_transport(messages)
 
     def deployed_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         """Evaluation-only messages measuring the deployed models after round ``server_round`` − 1: round
         ``server_round``'s message cut down to the deployed model's operations (nothing trained, nothing sent
-        back, the client's model read but not written). Clients without a deployed model are left out."""
+        back, the client's model read but not written). Clients without a deployed model are left out;
+        ``strategy.transport`` applied (:meth:`with_transport`)."""
+        return self.with_transport(self._deployed_messages(server_round, node_ids))
+
+    def _deployed_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         d = self.deployed
         ops = [*d.prepare, *d.ops]
         keep = {"return-arrays": False, "save-model": False}
