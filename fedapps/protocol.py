@@ -270,10 +270,8 @@ def encode_arrays(arrays: Mapping[str, np.ndarray], transport: str) -> dict[str,
     for k, v in arrays.items():
         a = np.asarray(v)
         if a.dtype.kind == "f" and a.dtype.itemsize > 2:
-            with np.errstate(over="ignore", invalid="ignore"):
-                half = a.astype(np.float16)
-            if np.isfinite(half).all():
-                a = half
+            if a.size == 0 or (np.isfinite(a).all() and float(np.abs(a).max()) <= FLOAT16_MAX):
+                a = a.astype(np.float16)
             else:
                 kept.append(k)
         out[k] = a
