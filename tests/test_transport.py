@@ -14,7 +14,7 @@ from flwr.app import MetricRecord, RecordDict
 
 import server_app
 from fedapps import protocol
-from fedapps.config import ConfigError, load_config
+from fedapps.config import ConfigError, config_hash, load_config, without_later_defaults
 from fedapps.inprocess import InProcessGrid
 from fedapps.models import build_model
 from fedapps.validation import ReplyValidator
@@ -133,6 +133,40 @@ def test_validator_casts_a_float16_reply_back_to_the_models_dtype():
     np.testing.assert_array_equal(got["w"], w.astype(np.float16).astype(np.float32))
 
 
+def bn_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 6 * 6, 10))
+    model(torch.randn(5, 1, 8, 8))  # training mode: running statistics and the counter move off their defaults
+    return model
+
+
+def test_a_batchnorm_model_round_trips_through_client_and_validator():
+    model = bn_model(0)
+    own = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    assert own["1.num_batches_tracked"].dtype == np.int64 and int(own["1.num_batches_tracked"]) == 1
+    record = model_arrays(model, "state", "float16")  # the client's reply
+    v = ReplyValidator(1, [50], [10], model_part=lambda part: own)
+    msg = protocol.build_message(100, 1, ["train"], {"return-arrays": True, protocol.TRANSPORT_KEY: "float16"})
+    v.expect([msg])
+    from flwr.app import Message
+
+    content = RecordDict({protocol.METRICS: MetricRecord({"client-id": 0, "num-examples": 50}), protocol.ARRAYS: record})
+    out = v.check(1, [Message(content, reply_to=msg)])
+    assert not out.rejections, out.rejections
+    got = out.accepted[0].arrays
+    for k, a in own.items():
+        assert got[k].dtype == a.dtype, k
+        expected = a.astype(np.float16).astype(a.dtype) if a.dtype.kind == "f" else a
+        np.testing.assert_array_equal(got[k], expected)
+    # the server's model back to a client: it loads strictly into the same architecture
+    fresh = bn_model(1)
+    fresh.load_state_dict(received_state(protocol.arrays_record(got, "float16")), strict=True)
+    for k, a in fresh.state_dict().items():  # float16 rounding is idempotent: the same values arrive again
+        assert a.dtype == model.state_dict()[k].dtype, k
+        np.testing.assert_array_equal(a.numpy(), got[k])
+
+
 def fedavg(transport: str, **extra):
     cfg = load_config(None, ["data.source=digits", "data.num_clients=3", "model.name=mlp", "rounds=1",
                              f"strategy.transport={transport}", *[f"{k}={v}" for k, v in extra.items()]])
@@ -170,6 +204,13 @@ def test_config_errors_name_the_key():
         with pytest.raises(ConfigError, match="strategy.transport"):
             resolve(cfg)
         resolve(load_config(None, [f"strategy.name={name}", "data.source=digits", *extra]))  # float32: accepted
+
+
+def test_float32_keeps_the_config_hash_it_had_before_the_key_existed():
+    plain, f16 = load_config(None, []), load_config(None, ["strategy.transport=float16"])
+    assert "transport" not in without_later_defaults(plain.to_dict())["strategy"]  # what config_hash hashes
+    assert "transport" in without_later_defaults(f16.to_dict())["strategy"]
+    assert config_hash(plain) != config_hash(f16)  # a float16 run is never taken for a float32 one (compare, resume)
 
 
 PARAMETER_SHARING = sorted(n for n, c in STRATEGIES.items() if not c.model_agnostic)
