@@ -444,9 +444,10 @@ class Worker:
 
     @functools.cached_property
     def received(self) -> dict[str, torch.Tensor] | None:
-        """The message's model arrays as tensors, decoded once on first use: loaded into the model
-        (``load-arrays``), the anchor of a training term, or a model evaluated or trained apart. None without
-        arrays, or when they hold several models (``arrays.multi``, see :meth:`candidate_models`)."""
+        """The message's model arrays as tensors (float16 on the wire cast back to float32, :func:`received_state`),
+        decoded once on first use: loaded into the model (``load-arrays``), the anchor of a training term, or a
+        model evaluated or trained apart. None without arrays, or when they hold several models (``arrays.multi``,
+        see :meth:`candidate_models`)."""
         if protocol.ARRAYS not in self.msg.content or self.config.get("arrays.multi", False):
             return None
         return received_state(self.msg.content[protocol.ARRAYS])
