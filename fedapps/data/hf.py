@@ -166,7 +166,7 @@ def _open(source: str, root: str | Path, download: bool) -> tuple[Any, str, str]
     except Exception as exc:  # noqa: BLE001 - datasets' own errors (bad config name, corrupt files, ...)
         raise DataError(f"data.source={source!r}: could not be loaded ({type(exc).__name__}: "
                         f"{str(exc).strip()})") from exc
-    image_col, label_col = ds.column_names
+    image_col, label_col = pick_columns(ds.features, source)  # the merged split holds just these two
     return ds, image_col, label_col
 
 
