@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -137,7 +138,7 @@ class ExperimentConfig:
         if self.run_name:
             return self.run_name
         d = self.data
-        return f"{self.strategy.name}-{d.source}-{d.partition}-s{self.seed}"
+        return f"{self.strategy.name}-{source_slug(d.source)}-{d.partition}-s{self.seed}"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (what config.yaml in the results folder holds)."""
@@ -150,6 +151,29 @@ TRANSPORTS = ("float32", "float16")  # strategy.transport (the encodings live in
 DEVICES = ("auto", "cpu", "cuda")
 # tracking name -> the module its sink needs (fedapps.tracking writes; both come with pip install -e ".[tracking]")
 TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
+# data.source hf:<name>: a Hugging Face dataset (Hub id or local folder) through flwr-datasets (fedapps.data.hf); the
+# modules it needs come with the optional extra "hf"
+HF_SOURCE_PREFIX = "hf:"
+HF_MODULES = ("flwr_datasets", "datasets")
+
+
+def source_slug(source: str) -> str:
+    """``data.source`` as a piece of a folder name: every character outside letters, digits, '.', '_' and '-' becomes
+    '-' (``hf:ylecun/mnist`` -> ``hf-ylecun-mnist``); the built-in names are unchanged."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", source)
+
+
+def check_hf_source(source: str) -> None:
+    """``data.source: hf:<name>``: a non-empty name without spaces, and the optional extra "hf" installed."""
+    name = source[len(HF_SOURCE_PREFIX):]
+    _check(bool(name.strip()) and name == name.strip() and not any(ch.isspace() for ch in name),
+           f"'data.source' is {source!r}: after 'hf:' give a Hugging Face dataset id or a local folder without "
+           "spaces, e.g. hf:ylecun/mnist or hf:/data/my-dataset")
+    missing = [m for m in HF_MODULES if importlib.util.find_spec(m) is None]
+    _check(not missing, f"'data.source' is {source!r}, which is read through flwr-datasets, but "
+                        f"{', '.join(repr(m) for m in missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
+                        "install the optional extra with  pip install -e \".[hf]\"  (in the app folder), or use a "
+                        "built-in source (README \"Data sources\")")
 
 
 # --------------------------------------------------------------------------- loading
@@ -386,6 +410,8 @@ def validate(cfg: ExperimentConfig) -> None:
     _one_of("strategy.transport", s.transport, TRANSPORTS)
 
     d = cfg.data  # the data section itself is checked once, by fedapps.data.check_spec (see strategies.resolve)
+    if d.source.startswith(HF_SOURCE_PREFIX):  # early, before any data is read: the optional extra is installed
+        check_hf_source(d.source)
     _check(d.num_clients > 0, f"'data.num_clients' must be a positive integer, got {d.num_clients}")
     _check(
         s.min_clients <= d.num_clients,

@@ -60,6 +60,7 @@ from .partition import (
     stratified_split,
 )
 from .nodes import NODE_SPLIT_PURPOSE, NODES, Labelled, described_counts, read_public, server_public_path
+from .hf import is_hf_source
 from .sources import SOURCES, load_source, source_info
 from .transforms import label_swap_permutations, public_group_shares, rotate_images, rotation_quarter_turns
 
@@ -185,8 +186,9 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise DataError(f"data spec has unknown keys: {', '.join(unknown)} (allowed: {', '.join(SPEC_KEYS)})")
     s = dict(spec)
-    if s["source"] not in (*SOURCES, NODES):
-        raise DataError(f"data.source={s['source']!r} is unknown; allowed: {', '.join((*SOURCES, NODES))}")
+    if s["source"] not in (*SOURCES, NODES) and not is_hf_source(s["source"]):
+        raise DataError(f"data.source={s['source']!r} is unknown; allowed: {', '.join((*SOURCES, NODES))}, or "
+                        "hf:<name> (a Hugging Face dataset, optional extra 'hf')")
     if s["partition"] not in PARTITIONS:
         raise DataError(f"data.partition={s['partition']!r} is unknown; allowed: {', '.join(PARTITIONS)}")
     if not isinstance(s["root"], (str, os.PathLike)) or not str(s["root"]):
@@ -225,7 +227,8 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
     _check_nodes_keys(s)
     if s["source"] == NODES:
         return s  # no source to partition: the nodes bring their data (the keys above still apply to their splits)
-    num_classes, shape = source_info(s["source"], s["synthetic_classes"], s["synthetic_shape"])
+    num_classes, shape = source_info(s["source"], s["synthetic_classes"], s["synthetic_shape"], root=s["root"],
+                                     download=s["download"])
     if s["partition"] == "pathological" and s["classes_per_client"] > num_classes:
         raise DataError(f"data.classes_per_client={s['classes_per_client']} exceeds the {num_classes} classes "
                         f"of data.source={s['source']!r}; allowed: 1..{num_classes}")

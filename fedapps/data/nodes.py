@@ -262,7 +262,8 @@ def spec_info(spec: Mapping[str, Any], stand_in: bool = False) -> tuple[int, tup
 
     if spec.get("source") != NODES:
         return source_info(str(spec["source"]), int(spec.get("synthetic_classes", 10)),
-                           tuple(spec.get("synthetic_shape", (3, 32, 32))))
+                           tuple(spec.get("synthetic_shape", (3, 32, 32))), root=spec.get("root"),
+                           download=bool(spec.get("download", False)))
     k, shape = int(spec.get("num_classes", 0) or 0), list(spec.get("input_shape", []) or [])
     if (k < 1 or len(shape) != 3) and stand_in:
         return STAND_IN_INFO

@@ -1,4 +1,5 @@
-"""Data sources: embedded (mnist5k, digits, synthetic), torchvision datasets and Tiny ImageNet.
+"""Data sources: embedded (mnist5k, digits, synthetic), torchvision datasets, Tiny ImageNet, and ``hf:<name>``
+(a Hugging Face dataset through flwr-datasets, optional extra "hf": see ``fedapps.data.hf``).
 
 Every loader returns the original train and test sets MERGED (the PFLlib procedure; the federation
 re-splits per client) as float32 N×C×H×W tensors normalised to [-1, 1].
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from .errors import DataError
+from .hf import hf_info, is_hf_source, load_hf
 
 log = logging.getLogger("fedapps.data")
 
@@ -72,8 +74,9 @@ class Dataset:
 
 
 def _check_source(source: str) -> None:
-    if source not in SOURCES:
-        raise DataError(f"data.source={source!r} is unknown; allowed: {', '.join(SOURCES)}")
+    if source not in SOURCES and not is_hf_source(source):
+        raise DataError(f"data.source={source!r} is unknown; allowed: {', '.join(SOURCES)}, or hf:<name> (a Hugging "
+                        "Face dataset, optional extra 'hf')")
 
 
 def _check_synthetic(classes: int, shape: Sequence[int], samples: int | None = None) -> tuple[int, int, int]:
@@ -91,10 +94,16 @@ def _check_synthetic(classes: int, shape: Sequence[int], samples: int | None = N
     return dims  # type: ignore[return-value]
 
 
-def source_info(source: str, synthetic_classes: int = 10,
-                synthetic_shape: Sequence[int] = (3, 32, 32)) -> tuple[int, tuple[int, int, int]]:
-    """(num_classes, input shape C×H×W) of a source, without loading any data."""
+def source_info(source: str, synthetic_classes: int = 10, synthetic_shape: Sequence[int] = (3, 32, 32), *,
+                root: str | os.PathLike[str] | None = None, download: bool = False) -> tuple[int, tuple[int, int, int]]:
+    """(num_classes, input shape C×H×W) of a source, without loading any data; an ``hf:`` source is opened (its
+    label feature and first image are read; cached per process), which needs its ``root``."""
     _check_source(source)
+    if is_hf_source(source):
+        if root is None:
+            raise DataError(f"data.source={source!r}: its class count and image shape are read from the dataset, "
+                            "which needs data.root")
+        return hf_info(source, Path(root).expanduser(), bool(download))
     if source == "synthetic":
         return int(synthetic_classes), _check_synthetic(synthetic_classes, synthetic_shape)
     return _FIXED_INFO[source]
@@ -235,8 +244,13 @@ def load_source(source: str, root: str | os.PathLike[str] = "data", *, download:
                 synthetic_samples: int = 2000, seed: int = 0) -> Dataset:
     """Load a whole source (train and test merged, as PFLlib does) as normalised in-memory tensors."""
     _check_source(source)
-    num_classes, shape = source_info(source, synthetic_classes, synthetic_shape)
     root_path = Path(root).expanduser()
+    if is_hf_source(source):
+        images, labels, num_classes = load_hf(source, root_path, bool(download))
+        x, y = _images_to_tensor(images, channels_last=images.ndim == 4), _labels(labels)
+        shape = (int(x.shape[1]), int(x.shape[2]), int(x.shape[3]))
+        return _checked(source, x, y, num_classes, shape)
+    num_classes, shape = source_info(source, synthetic_classes, synthetic_shape)
     if source == "mnist5k":
         x, y = _load_mnist5k()
     elif source == "digits":
@@ -248,6 +262,12 @@ def load_source(source: str, root: str | os.PathLike[str] = "data", *, download:
         x, y = _load_tinyimagenet(root_path)
     else:
         x, y = _load_torchvision(source, root_path, bool(download))
+    return _checked(source, x, y, num_classes, shape)
+
+
+def _checked(source: str, x: torch.Tensor, y: torch.Tensor, num_classes: int,
+             shape: tuple[int, int, int]) -> Dataset:
+    """The loaded tensors as a Dataset, once their shape and labels are what the source declares."""
     if tuple(x.shape[1:]) != shape or x.shape[0] != y.shape[0]:
         raise DataError(f"data.source={source!r}: loaded shape {tuple(x.shape)} / {tuple(y.shape)} "
                         f"does not match the expected N×{shape}")
