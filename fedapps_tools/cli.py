@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from fedapps.config import APP_DIR, ConfigError, ExperimentConfig, load_config
+from fedapps.config import APP_DIR, ConfigError, ExperimentConfig, load_config, source_slug
 from fedapps.results import UnusableRun
 from fedapps_tools.flwrcli import (CONNECTION, RunFailed, _proc_stat, descendants, failure_reasons,
                                    flower_env, flwr_json, follow_run, stop_processes, toml_str)
@@ -257,7 +257,7 @@ def number(value: Any) -> str:
 def print_fedavg_reference(result_dir: Path, summary: dict[str, Any]) -> None:
     """FedAvg's number beside a personalised run: from a FedAvg run of the same setting if one is on disk."""
     cfg = load_config(result_dir / "config.yaml")
-    twin = result_dir.parent / f"fedavg-{cfg.data.source}-{cfg.data.partition}-s{cfg.seed}"
+    twin = result_dir.parent / f"fedavg-{source_slug(cfg.data.source)}-{cfg.data.partition}-s{cfg.seed}"
     same = twin / "config.yaml"
     if same.is_file() and (twin / "summary.json").is_file():
         other = load_config(same)
