@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -263,6 +264,18 @@ def number(value: str | None, digits: int = 3) -> str:
         return "—"
 
 
+def finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def pm(row: Mapping[str, Any], key: str) -> str:
+    """'mean ± SEM' of a column, or '—' where the row has no value (rows measured before the column existed)."""
+    return f"{number(row[key])} ± {number(row.get(key + '_sem'))}" if finite(row.get(key)) else "—"
+
+
 def published(out: Path, spec: Spec) -> tuple[dict[tuple[str, str], dict[str, str]],
                                               dict[tuple[str, str], list[dict[str, str]]]]:
     """The rows of an earlier report in ``out`` (``<name>.csv``, ``<name>-tuning.csv``), keyed by (setting, method).
@@ -308,8 +321,10 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
             f = tables.compare_dir(setting, m) / "comparison.csv"
             found = {r["config"]: r for r in read_rows(f)} if f.is_file() else {}
             if m.name in found:
-                rows[m.name] = ({**found[m.name], "config_hash": tables.final_hash(setting, m)},
-                                tables.chosen(setting, m) if m.grid else {})
+                row = {**found[m.name], "config_hash": tables.final_hash(setting, m)}
+                if not finite(row.get("accuracy_worst10")):  # runs made before summary.json recorded it
+                    row.update(fairness_from_runs(run_folders(tables, setting, m)))
+                rows[m.name] = (row, tables.chosen(setting, m) if m.grid else {})
             elif (setting, m.name) in old_rows:
                 r = old_rows[(setting, m.name)]
                 rows[m.name] = (r, {k.removeprefix("chosen:"): v for k, v in r.items()
@@ -322,17 +337,19 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
             lines += [f"## {setting}", "", "not run yet", ""]
             continue
         lines += [f"## {setting} (`{spec.settings[setting]}`)", "",
-                  "| method | accuracy, deployed model | sample-weighted | after local training | up MiB/client/round | "
-                  "down MiB/client/round | wall s | chosen (validation) |", "|---|---|---|---|---|---|---|---|"]
+                  "| method | accuracy, deployed model | sample-weighted | worst 10 % of clients | std over clients | "
+                  "after local training | up MiB/client/round | down MiB/client/round | wall s | chosen (validation) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for m in spec.methods:
             if m.name not in rows:
-                lines.append(f"| {m.label} | not run yet | | | | | | |")
+                lines.append(f"| {m.label} | not run yet | | | | | | | | |")
                 continue
             r, chosen = rows[m.name]
             after, after_sem = r.get("accuracy_after_training_mean"), r.get("accuracy_after_training_mean_sem")
             lines.append(
                 f"| {m.label} | {number(r['accuracy_mean'])} ± {number(r['accuracy_mean_sem'])} | "
                 f"{number(r['accuracy_weighted'])} ± {number(r['accuracy_weighted_sem'])} | "
+                f"{pm(r, 'accuracy_worst10')} | {pm(r, 'accuracy_std')} | "
                 f"{number(after) + ' ± ' + number(after_sem) if after else '—'} | "
                 f"{float(r['bytes_up_per_client_round']) / mib:.3f} | {float(r['bytes_down_per_client_round']) / mib:.3f} | "
                 f"{number(r['wall_seconds'], 0)} | {', '.join(f'{k}={v}' for k, v in chosen.items()) or '(no grid)'} |")
@@ -379,13 +396,43 @@ def setting_lines(tables: Tables, setting: str) -> list[Any]:
 
     lines = []
     for m in tables.spec.methods:
-        runs_dir = tables.compare_dir(setting, m) / "runs"
-        folders = [d for seed in tables.spec.seeds for d in sorted(runs_dir.glob(f"*-s{seed}"))
-                   if (d / "rounds.csv").is_file() and (d / "summary.json").is_file()]
+        folders = run_folders(tables, setting, m)
         if folders:
             strategy = str(json.loads((folders[0] / "summary.json").read_text()).get("strategy", m.name))
             lines.append(Line(strategy, "", m.label, [read_csv(d / "rounds.csv") for d in folders]))
     return lines
+
+
+def run_folders(tables: Tables, setting: str, m: Method) -> list[Path]:
+    """The finished run folders of (setting, method) at the spec's seeds, in the work folder."""
+    runs_dir = tables.compare_dir(setting, m) / "runs"
+    return [d for seed in tables.spec.seeds for d in sorted(runs_dir.glob(f"*-s{seed}"))
+            if (d / "rounds.csv").is_file() and (d / "summary.json").is_file()]
+
+
+def final_client_accuracies(rows: list[dict[str, Any]]) -> list[float]:
+    """The per-client accuracies (``acc_client_<i>``) of the last round whose deployed models were measured."""
+    measured = [r for r in rows if isinstance(r.get("acc_mean"), (int, float))]
+    if not measured:
+        return []
+    last = measured[-1]
+    return [float(v) for k, v in last.items() if k.startswith("acc_client_") and isinstance(v, (int, float))]
+
+
+def fairness_from_runs(folders: list[Path]) -> dict[str, float]:
+    """Worst 10 % of clients and the std over clients of the final deployed models, mean ± SEM over the runs,
+    recomputed from each run's per-client accuracies (for runs made before summary.json recorded them)."""
+    from fedapps.results import client_std, worst_share_mean
+    from fedapps_tools.compare import mean_sem
+
+    per_run = [final_client_accuracies(read_csv(d / "rounds.csv")) for d in folders]
+    per_run = [accs for accs in per_run if accs]
+    if not per_run:
+        return {}
+    out = {}
+    for key, stat in (("accuracy_worst10", worst_share_mean), ("accuracy_std", client_std)):
+        out[key], out[key + "_sem"] = mean_sem([stat(accs) for accs in per_run])
+    return out
 
 
 def setting_figure(tables: Tables, setting: str, out: Path) -> Path | None:

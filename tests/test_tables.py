@@ -7,6 +7,7 @@ import csv
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -87,7 +88,7 @@ def test_report_lists_each_setting_the_chosen_values_and_the_validation_scores(t
         w.writeheader()
         w.writerow(dict(zip(keys, ["fedavg", "fedavg", 2, 0.8766, 0.0123, 0.87, 0.01, 0.5, 0.25, 1048576, 2097152, 42])))
     md = tables.report(spec, work, tmp_path / "docs").read_text()
-    assert "| fedavg | 0.877 ± 0.012 | 0.870 ± 0.010 | 0.500 ± 0.250 | 1.000 | 2.000 | 42 | client.lr=0.1 |" in md
+    assert "| fedavg | 0.877 ± 0.012 | 0.870 ± 0.010 | — | — | 0.500 ± 0.250 | 1.000 | 2.000 | 42 | client.lr=0.1 |" in md
     assert "client.lr=0.01: 0.500; client.lr=0.1: 0.900" in md
     assert "deployed model" in md and "test split was not read" in md
 
@@ -144,7 +145,7 @@ def test_report_keeps_published_rows_of_settings_whose_work_folder_is_gone(tmp_p
                      [{"setting": "b", "method": "fedavg", "grid": tables.grid_text(spec.methods[0]),
                        "validation_scores": "client.lr=0.01: 0.3"}])
     md = tables.report(spec, tmp_path / "empty-work", docs).read_text()
-    assert "| fedavg | 0.610 ± 0.020 | 0.600 ± 0.010 | — | 1.000 | 1.000 | 9 | client.lr=0.1 |" in md
+    assert "| fedavg | 0.610 ± 0.020 | 0.600 ± 0.010 | — | — | — | 1.000 | 1.000 | 9 | client.lr=0.1 |" in md
     assert "| local | 0.550 ± 0.030 |" in md and "(no grid) |" in md
     assert "## a\n\nnot run yet" in md  # nothing invented for the setting that has no record
     assert "Carried over" in md and "b (all methods)" in md
@@ -200,3 +201,22 @@ def test_a_published_row_of_the_same_final_config_is_not_run_again(tmp_path, mon
         tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs).run(["a"], spec.methods, {"final"})
         assert len(calls) == runs
     assert calls[0][0] == "compare"
+
+
+def test_fairness_columns_are_recomputed_from_the_runs_per_client_accuracies(tmp_path):
+    """Runs whose summary.json predates the fairness columns: the worst 10 % and std over clients come from the
+    last measured round's acc_client_<i> (not an earlier round, not the best clients), mean ± SEM over runs."""
+    folders = []
+    for seed, last in ((0, [0.2, 0.9, 0.8, 0.7]), (1, [0.4, 0.9, 0.9, 0.9])):
+        d = tmp_path / f"m-s{seed}"
+        d.mkdir()
+        keys = ["round", "acc_mean"] + [f"acc_client_{i}" for i in range(4)]
+        tables.write_csv(d / "rounds.csv", keys, [dict(zip(keys, [1, 0.1, 0.0, 0.0, 0.0, 0.0])),
+                                                   dict(zip(keys, [2, sum(last) / 4, *last])),
+                                                   {"round": 3}])  # a row with no measurement comes last
+        (d / "summary.json").write_text("{}")
+        folders.append(d)
+    got = tables.fairness_from_runs(folders)
+    assert got["accuracy_worst10"] == pytest.approx(0.3) and got["accuracy_worst10_sem"] == pytest.approx(0.1)
+    std0, std1 = np.std([0.2, 0.9, 0.8, 0.7]), np.std([0.4, 0.9, 0.9, 0.9])  # population std
+    assert got["accuracy_std"] == pytest.approx((std0 + std1) / 2)
