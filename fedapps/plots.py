@@ -84,13 +84,19 @@ def line_styles(methods: Sequence[str]) -> list[dict[str, str]]:
 def legend_labels(lines: Sequence[tuple[str, str, str]]) -> list[str]:
     """Legend labels of one plot's lines, each given as (method, setting, fallback id — e.g. a config's file stem):
     the method's name; ``method (setting)`` on every line when the plot mixes settings; the fallback id added
-    where two lines would still read the same."""
+    where two lines would still read the same (alone where it already names the method: ``cwfedavg`` and
+    ``cwfedavg (paper's setting)``, not ``cwfedavg (cwfedavg)``)."""
     mixed = len({setting for _, setting, _ in lines}) > 1
     labels = [f"{m} ({setting})" if mixed else m for m, setting, _ in lines]
     out = []
     for label, (m, setting, fallback) in zip(labels, lines):
         if labels.count(label) > 1:
-            label = f"{m} ({setting}; {fallback})" if mixed else f"{m} ({fallback})"
+            if mixed:
+                label = f"{m} ({setting}; {fallback})"
+            elif fallback == m or fallback.startswith(f"{m} ("):  # the id already reads as a label of the method
+                label = fallback
+            else:
+                label = f"{m} ({fallback})"
         out.append(label)
     return out
 

@@ -145,7 +145,9 @@ def test_legend_labels_name_strategies_and_settings_only_where_needed():
     mixed = [("fedavg", "S1", "fedavg-pat"), ("fedavg", "S2", "fedavg-dir"), ("local", "S1", "local-pat")]
     assert plots.legend_labels(mixed) == ["fedavg (S1)", "fedavg (S2)", "local (S1)"]
     same = [("cosmos", "S", "cosmos"), ("cosmos", "S", "cosmos-tuned"), ("local", "S", "cosmos-local")]
-    assert plots.legend_labels(same) == ["cosmos (cosmos)", "cosmos (cosmos-tuned)", "local"]
+    assert plots.legend_labels(same) == ["cosmos", "cosmos (cosmos-tuned)", "local"]
+    tables_like = [("cwfedavg", "", "cwfedavg"), ("cwfedavg", "", "cwfedavg (paper's setting)")]
+    assert plots.legend_labels(tables_like) == ["cwfedavg", "cwfedavg (paper's setting)"]
 
 
 def test_setting_label_names_the_partition_and_its_parameter():
