@@ -3,8 +3,8 @@ layout (``data/<split>-00000-of-00001.parquet``) into a local folder, read by th
 (``FederatedDataset`` → ``datasets.load_dataset``); and how this project's PFLlib-style partitioners compare with
 flwr-datasets' where both define the same split (README "Data sources" quotes the measured differences).
 
-The optional extra ``hf`` (pip install -e ".[hf]") is not part of ``test`` (it adds ~215 MB); without it the tests
-that need it skip, saying so. The config checks that concern a missing extra run either way.
+The optional extra ``hf`` (pip install -e ".[hf]") is part of ``test``, so these run in CI; where it is missing
+the tests that need it skip, saying so. The config checks that concern a missing extra run either way.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from fedapps.data.federation import check_spec
 pytestmark = pytest.mark.filterwarnings("ignore:The specified min_partition_size:UserWarning")
 
 HAVE_HF = all(importlib.util.find_spec(m) is not None for m in ("flwr_datasets", "datasets"))
-needs_hf = pytest.mark.skipif(not HAVE_HF, reason="flwr-datasets is not installed (optional extra 'hf', not in "
-                                                  "'test'): pip install -e \".[hf]\"")
+needs_hf = pytest.mark.skipif(not HAVE_HF, reason="flwr-datasets is not installed (optional extra 'hf'): "
+                                                  "pip install -e \".[hf]\"")
 
 
 # ------------------------------------------------------------------------------------------------ helpers
