@@ -11,8 +11,11 @@ included) and seeds. For every setting × method the tool
 
 then runs ``fedapps compare`` over the final configs and ``seeds`` per setting and writes the report:
 ``<out>/<name>.md`` (protocol, one table per setting, the grids with the chosen values and their
-validation scores) and ``<out>/<name>.csv``. Every step resumes: finished tuning points and runs with the same
-resolved config are not run again. Steps run as ``fedapps`` sub-processes, ``--jobs`` at a time.
+validation scores, one figure per setting) and ``<out>/<name>.csv`` / ``<name>-tuning.csv``. Every step resumes:
+finished tuning points and runs with the same resolved config are not run again. The published CSVs are the
+durable record across clones and machines: a published row whose final config has today's hash is not run again,
+a published choice over the same grid stands in for its tuning, and the report keeps (and names) the rows it
+carries over. Steps run as ``fedapps`` sub-processes, ``--jobs`` at a time.
 """
 
 from __future__ import annotations
