@@ -31,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import yaml
 
@@ -163,6 +163,12 @@ def grid_text(m: Method) -> str:
     return "; ".join(f"{k} ∈ {{{', '.join(map(str, v))}}}" for k, v in m.grid.items())
 
 
+def published_choice(row: Mapping[str, Any], keys: Iterable[str]) -> dict[str, str]:
+    """The chosen values a published row records for ``keys`` (its ``chosen:<key>`` columns, as written);
+    keys without a value are left out."""
+    return {k: row[f"chosen:{k}"] for k in keys if row.get(f"chosen:{k}")}
+
+
 class Tables:
     def __init__(self, spec: Spec, work: Path, engine: str, jobs: int, out: Path | None = None) -> None:
         """``out``: where the published report lives; its records stand in for tunings whose work folder is gone."""
@@ -181,9 +187,10 @@ class Tables:
         (``<out>/<name>-tuning.csv`` holds the grid it was tuned over); None otherwise."""
         row = self.record_rows.get((setting, m.name))
         tuned = [r for r in self.record_scores.get((setting, m.name), []) if r.get("grid") == grid_text(m)]
-        if row is None or not tuned or any(not row.get(f"chosen:{k}") for k in m.grid):
+        values = published_choice(row, m.grid) if row is not None else {}
+        if not tuned or len(values) < len(m.grid):
             return None
-        return {k: yaml.safe_load(row[f"chosen:{k}"]) for k in m.grid}
+        return {k: yaml.safe_load(v) for k, v in values.items()}
 
     def tune(self, setting: str, m: Method) -> None:
         if not m.grid:
@@ -330,8 +337,7 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
                 rows[m.name] = (row, tables.chosen(setting, m) if m.grid else {})
             elif (setting, m.name) in old_rows:
                 r = old_rows[(setting, m.name)]
-                rows[m.name] = (r, {k.removeprefix("chosen:"): v for k, v in r.items()
-                                    if k.startswith("chosen:") and k.removeprefix("chosen:") in m.grid})
+                rows[m.name] = (r, published_choice(r, m.grid))
                 carried_here.append(m.name)
         if carried_here:
             carried.append(f"{setting} (" + ("all methods" if len(carried_here) == len(spec.methods)
