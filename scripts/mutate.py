@@ -11,7 +11,7 @@ head's forward — not the strategies' message plumbing),
 runs mutmut on them, prints the figures and writes mutation-report.md (every survivor with its diff).
 docs/mutation.md argues the survivors that are equivalent; this script lists those it does not find there.
 
-    python scripts/mutate.py                  # everything in SCOPE (about 10-15 minutes on 2 cores)
+    python scripts/mutate.py                  # everything in SCOPE (15 to 60 minutes on 2 shared cores, by their load)
     python scripts/mutate.py fedapps.robust   # one module
 """
 
