@@ -436,3 +436,144 @@ def test_cap_weights_spreads_the_excess_over_zero_weight_clients():
     np.testing.assert_allclose(out, [0.5, 0.25, 0.25])
     out = cap_weights([3.0, 1.0, 0.0, 0.0], 0.4)  # 0.75 capped to 0.4; 0.25 scaled to 0.6 -> capped; zeros share 0.2
     np.testing.assert_allclose(out, [0.4, 0.4, 0.1, 0.1])
+
+
+# --------------------------------------------------------------------------- found by `make mutate`: FedUV
+
+
+def test_feduv_terms_on_a_batch_of_two_and_of_one() -> None:
+    """Two samples are enough for both terms (a batch of 2 has a variance and one pair); one sample gives 0, not
+    the logits' sum."""
+    from strategies.feduv import uniformity, variance_hinge
+
+    logits = torch.tensor([[math.log(3.0), 0.0], [0.0, math.log(3.0)]], dtype=torch.float64)
+    # each column (3/4, 1/4): unbiased variance 1/8, std 0.3536; hinge 0.5 − std per class
+    assert variance_hinge(logits, 0.5, eps=0.0).item() == pytest.approx(0.5 - math.sqrt(1 / 8), abs=1e-12)
+    z = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+    assert uniformity(z, 2.0).item() == pytest.approx(-2.0 * 2.0, abs=1e-12)  # one pair at squared distance 2
+    assert variance_hinge(torch.tensor([[1.0, 2.0, 3.0]]), 0.5).item() == 0.0
+    assert uniformity(torch.tensor([[1.0, 2.0, 3.0]]), 2.0).item() == 0.0
+
+
+def feduv_batch():
+    from fedapps.models import build_model
+
+    model = build_model("mlp", 10, (1, 8, 8), seed=0)
+    g = torch.Generator().manual_seed(1)
+    return model, torch.randn(6, 1, 8, 8, generator=g), torch.randint(0, 10, (6,), generator=g)
+
+
+def test_feduv_loss_computes_only_the_terms_that_are_on_and_sums_them_over_batches() -> None:
+    from strategies.feduv import FeatureTap, feduv_loss, iid_threshold, uniformity, variance_hinge
+
+    model, x, y = feduv_batch()
+    with torch.no_grad():
+        feats = model.fc2(model.fc1(torch.flatten(x, 1)))
+        logits = model.fc(feats)
+        ce, v, u = F.cross_entropy(logits, y), variance_hinge(logits, iid_threshold(10)), uniformity(feats, 2.0)
+        loss_fn, sums = feduv_loss(None, 0.0, 0.0, 2.0)  # both off: the cross-entropy exactly, nothing summed
+        assert torch.equal(loss_fn(model, x, y, None), ce) and sums == {}
+        loss_fn, sums = feduv_loss(None, 0.5, 0.0, 2.0)  # the variance term alone needs no features
+        assert loss_fn(model, x, y, None).item() == pytest.approx((ce + 0.5 * v).item(), rel=1e-6)
+        assert set(sums) == {"variance", "batches"}
+        assert float(sums["variance"]) == pytest.approx(v.item(), rel=1e-6)
+        tap = FeatureTap(model)
+        loss_fn, sums = feduv_loss(tap, 0.0, 0.5, 2.0)  # the uniformity term alone (a coefficient below 1)
+        with tap:
+            assert loss_fn(model, x, y, None).item() == pytest.approx((ce + 0.5 * u).item(), rel=1e-6)
+            loss_fn(model, x, y, None)  # a second batch: the running sums add up
+        assert set(sums) == {"uniformity", "batches"}
+        assert float(sums["batches"]) == 2.0 and float(sums["uniformity"]) == pytest.approx(2 * u.item(), rel=1e-6)
+
+
+def test_feduv_loss_adds_the_other_training_terms_evaluated_on_the_model() -> None:
+    from strategies.feduv import feduv_loss
+
+    model, x, y = feduv_batch()
+    regulariser = lambda m: (m.fc.weight ** 2).sum()  # noqa: E731
+    with torch.no_grad():
+        ce = F.cross_entropy(model(x), y)
+        loss_fn, _ = feduv_loss(None, 0.0, 0.0, 2.0, regulariser)
+        assert loss_fn(model, x, y, None).item() == pytest.approx((ce + regulariser(model)).item(), rel=1e-6)
+
+
+# --------------------------------------------------------------------------- found by `make mutate`: FedNH
+
+
+def test_cosine_head_normalises_each_feature_vector_also_with_extra_leading_dimensions() -> None:
+    """Like nn.Linear, the head takes (*, d) inputs: each d-vector is normalised, not a column across samples."""
+    from fedapps.models.heads import CosineClassifier
+
+    head = CosineClassifier(2, 2, scale=3.0)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    z = torch.tensor([[[3.0, 4.0], [0.0, 2.0], [5.0, 0.0]], [[1.0, 1.0], [-2.0, 0.0], [0.0, 0.5]]])  # 2 × 3 × d
+    want = 3.0 * F.normalize(z, dim=-1)  # cosines with the unit axes
+    torch.testing.assert_close(head(z), want)
+
+
+def test_fednh_normalise_rows_zero_and_tiny_rows() -> None:
+    """A row at or below the guard (norm ≤ 1e-12) is set to zero, not left as whatever memory np.divide found."""
+    from strategies.fednh import normalise_rows
+
+    a = np.array([[3.0, 4.0], [0.0, 0.0], [1e-12, 0.0], [2e-12, 0.0]])
+    for _ in range(3):  # freed arrays of the same size are reused: an unset output row would show their values
+        junk = np.full_like(a, 7.0)
+        del junk
+        np.testing.assert_array_equal(normalise_rows(a), [[0.6, 0.8], [0.0, 0.0], [0.0, 0.0], [1.0, 0.0]])
+
+
+def test_fednh_min_pairwise_angle_of_integer_and_rounded_rows() -> None:
+    from strategies.fednh import min_pairwise_angle
+
+    assert min_pairwise_angle([[1, 0], [0, 1]]) == pytest.approx(90.0)  # integer rows are fine
+    # (1, 1, 1)/√3 · itself rounds to 1 + 2e-16: clipped, not a math domain error
+    assert min_pairwise_angle(np.array([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]])) == 0.0
+
+
+def test_fednh_orthogonal_prototypes_square_seeded_float32() -> None:
+    from strategies.fednh import orthogonal_prototypes
+
+    p = orthogonal_prototypes(4, 4, seed=5)  # K = d is allowed: a rotation
+    assert p.dtype == np.float32
+    np.testing.assert_allclose(p @ p.T, np.eye(4), atol=1e-6)
+    np.testing.assert_array_equal(orthogonal_prototypes(3, 6, seed=5), orthogonal_prototypes(3, 6, seed=5))
+    assert not np.allclose(orthogonal_prototypes(3, 6, seed=5), orthogonal_prototypes(3, 6, seed=6))
+
+
+def test_fednh_update_keeps_unseen_classes_at_rho_zero_and_the_input_dtype() -> None:
+    from strategies.fednh import update_prototypes
+
+    p = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
+    local = np.array([[[0.0, 1.0], [0.0, 0.0]]], np.float32)
+    counts = np.array([[2, 0]])  # class 1: nobody has samples
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no 0/0 for the unseen class
+        new = update_prototypes(p, local, counts, 0.0)
+    assert new.dtype == np.float32
+    np.testing.assert_array_equal(new, [[0.0, 1.0], [0.0, 1.0]])  # class 0 moved all the way; class 1 kept
+
+
+# --------------------------------------------------------------------------- found by `make mutate`: pFedHN
+
+
+def test_pfedhn_embedding_size_one_and_optimizer_settings() -> None:
+    from strategies.pfedhn import HyperNetwork, embedding_size, make_optimizer
+
+    assert embedding_size(20, 1) == 1  # a given size of 1 is kept, not replaced by the rule
+    hn = HyperNetwork(3, {"w": (2, 3)}, embed_dim=2, hidden_dim=3, hidden_layers=1)
+    rest, emb = make_optimizer(hn, lr=0.1, embed_lr=0.0, momentum=0.7, weight_decay=0.01).param_groups
+    assert (rest["lr"], rest["momentum"], rest["weight_decay"]) == (0.1, 0.7, 0.01)
+    assert (emb["lr"], emb["momentum"], emb["weight_decay"]) == (0.1, 0.7, 0.01)  # embed_lr 0: the same lr
+    assert [id(t) for t in emb["params"]] == [id(hn.embeddings.weight)]
+    assert {id(t) for t in rest["params"]} == {id(t) for n, t in hn.named_parameters() if not n.startswith("emb")}
+    assert make_optimizer(hn, lr=0.1, embed_lr=0.3, momentum=0.0, weight_decay=0.0).param_groups[1]["lr"] == 0.3
+
+
+def test_pfedhn_step_without_a_gradient_reports_zero_and_moves_nothing() -> None:
+    from strategies.pfedhn import HyperNetwork, hypernetwork_step, make_optimizer
+
+    hn = HyperNetwork(3, {"w": (2, 3)}, embed_dim=2, hidden_dim=3, hidden_layers=1)
+    before = [p.detach().clone() for p in hn.parameters()]
+    assert hypernetwork_step(hn, make_optimizer(hn, 0.1, 0.0, 0.9, 0.0), clip_norm=1.0) == 0.0
+    assert all(torch.equal(a, p) for a, p in zip(before, hn.parameters()))
