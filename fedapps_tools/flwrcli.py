@@ -25,6 +25,10 @@ OFFLINE_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+    # Ray's raylet starts idle Python workers ahead of any task; Flower's actors need a runtime env (its PYTHONPATH),
+    # so those workers are never used: each costs a Python start-up on the cores the actors are starting on
+    "RAY_enable_worker_prestart": "0",
+    "RAY_prestart_worker_first_driver": "0",
 }
 
 
@@ -118,10 +122,43 @@ def run_status(run_id: str, env: dict[str, str], connection: str = CONNECTION) -
         return "unknown"
 
 
+def local_run_status(run_id: str, address: str) -> str | None:
+    """The run's status asked in this process from an insecure loopback SuperLink's Control API (what `flwr ls`
+    asks, without starting a Python process of ~1 CPU-second next to the run); None when it cannot be asked so
+    (Flower's client classes moved, or no answer): then :func:`run_status` is used."""
+    try:
+        from flwr.proto.control_pb2 import ListRunsRequest  # pylint: disable=no-name-in-module
+        from flwr.supercore.control import ControlHttpClient
+        from flwr.supercore.interceptors.http.runtime_version import RuntimeVersionHttpInterceptor
+    except ImportError:
+        return None
+    client = None
+    try:
+        client = ControlHttpClient.from_server_address(
+            server_address=address, insecure=True, root_certificates=None,
+            interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")])
+        status = client.ListRuns(ListRunsRequest(run_id=int(run_id))).run_dict[int(run_id)].status
+        return f"{status.status}:{status.sub_status}" if status.sub_status else str(status.status)
+    except Exception:  # noqa: BLE001 - any failure of the shortcut falls back to `flwr ls`
+        return None
+    finally:
+        if client is not None:
+            client.close()
+
+
+STATUS_BACKSTOP = 30.0  # seconds between status checks while the log stream is still open (see follow_run)
+
+
 def follow_run(run_id: str, env: dict[str, str], quiet: bool, link: Any | None,
-               poll: float = 2.0, connection: str = CONNECTION) -> tuple[str, list[str]]:
-    """Stream the run's log (`flwr log ID --stream`) while polling its status; return (final status, log).
-    ``link``: a SuperLink process this run owns (its children are noted, its exit ends the wait), or None."""
+               poll: float = 2.0, connection: str = CONNECTION,
+               backstop: float = STATUS_BACKSTOP) -> tuple[str, list[str]]:
+    """Stream the run's log (`flwr log ID --stream`) until the run finishes; return (final status, log).
+    ``link``: a SuperLink process this run owns (its children are noted, its exit ends the wait), or None.
+
+    The SuperLink ends the log stream once the run has finished, so the status is asked (`flwr ls`, a Python
+    process of ~1 CPU-second that competes with the run's workers) when the stream has ended — then every
+    ``poll`` seconds until it reads finished — and, while the stream is open, only every ``backstop`` seconds
+    (a stream that hangs cannot hide the end of a run)."""
     lines: list[str] = []
     logp = subprocess.Popen(["flwr", "log", run_id, connection, "--stream"], env=env, cwd=APP_DIR,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
@@ -137,6 +174,9 @@ def follow_run(run_id: str, env: dict[str, str], quiet: bool, link: Any | None,
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     status = "unknown"
+    tick = 0.5 if link is not None else poll  # how often the stream's end and the SuperLink's children are looked at
+    stream_open = True
+    next_check = time.monotonic() + backstop
     try:
         while True:
             if link is not None:
@@ -144,10 +184,15 @@ def follow_run(run_id: str, env: dict[str, str], quiet: bool, link: Any | None,
                 if link.proc is not None and link.proc.poll() is not None:
                     status = "superlink-exited"
                     break
-            status = run_status(run_id, env, connection)
-            if status.startswith("finished"):
-                break
-            time.sleep(poll)
+            if stream_open and logp.poll() is not None:
+                stream_open, next_check = False, time.monotonic()  # the run has (most likely) finished: ask now
+            if time.monotonic() >= next_check:
+                status = ((local_run_status(run_id, link.address) if link is not None else None)
+                          or run_status(run_id, env, connection))
+                if status.startswith("finished"):
+                    break
+                next_check = time.monotonic() + (backstop if stream_open else poll)
+            time.sleep(tick)
         try:
             logp.wait(timeout=5)  # the stream ends by itself once the run's logs are all read
         except subprocess.TimeoutExpired:
