@@ -92,6 +92,23 @@ def test_data_error_exits_2_and_submits_no_run(tiny_config, capsys, monkeypatch)
     assert not link.home.exists()
 
 
+def test_the_command_exits_with_mains_code_and_its_output_flushed(tmp_path):
+    """`python -m fedapps_tools.cli` (the `fedapps` console entry) leaves through os._exit: the exit code is main's
+    and what was printed (stdout and stderr, also when piped) arrives whole."""
+    import sys
+
+    missing = tmp_path / "nothing-here.yaml"
+    proc = subprocess.run([sys.executable, "-m", "fedapps_tools.cli", "run", str(missing)], capture_output=True,
+                          text=True, cwd=Path(cli.__file__).resolve().parent.parent, timeout=120)
+    assert proc.returncode == 2
+    assert f"config file '{missing}' not found" in proc.stderr
+    table = "| method | accuracy |\n|---|---|\n" + "".join(f"| m{i} | 0.{i:03d} |\n" for i in range(2000))
+    (tmp_path / "comparison.md").write_text(table)  # more than a pipe's buffer: printed, then os._exit
+    proc = subprocess.run([sys.executable, "-m", "fedapps_tools.cli", "report", str(tmp_path)], capture_output=True,
+                          text=True, cwd=Path(cli.__file__).resolve().parent.parent, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == table
+
+
 def test_unwritable_output_dir_exits_2_before_flower(tiny_config, tmp_path, capsys, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
