@@ -236,7 +236,8 @@ def algorithm_mentions(path: Path = WORKER, root: Path = ROOT) -> list[str]:
 def test_the_graph_sees_the_project():
     graph = import_graph()
     assert {"fedapps.config", "fedapps.worker", "strategies", "strategies.base", "server_app", "client_app"} <= set(graph)
-    assert "fedapps.worker" in graph["client_app"]  # a top-level import
+    assert "fedapps.worker" in graph["client_app"]  # an import inside a function (the first message's)
+    assert "fedapps.config" in graph["server_app"]  # a top-level import
     assert "fedapps.data.errors" in graph["fedapps.data.federation"]  # a relative import
     assert {"fedapps.models.simple", "fedapps.models.vision"} <= set(graph["fedapps.models.zoo"])  # from . import x
     assert "fedapps_tools.compare" in graph["fedapps_tools.cli"]  # an import inside a function
