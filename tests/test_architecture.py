@@ -285,9 +285,10 @@ if __name__ == "__main__":
 
 def test_the_clientapp_does_not_import_what_only_the_server_or_some_models_need():
     """Every message in deployment starts a fresh ClientApp process: torchvision (~1.3 s, only the vision models
-    need it) and scikit-learn's clustering (~1 s, server side of CFL / COMET) are imported where used."""
+    need it), scikit-learn's clustering (~1 s, server side of CFL / COMET) and numba (~0.5 s, COSMOS's server-side
+    l1 distances) are imported where used."""
     import subprocess
 
-    code = ("import sys, client_app; heavy = [m for m in ('torchvision', 'sklearn.cluster') if m in sys.modules]; "
-            "assert not heavy, heavy")
+    code = ("import sys, client_app, strategies, fedapps.worker; "  # what the ClientApp imports for its first message
+            "heavy = [m for m in ('torchvision', 'sklearn.cluster', 'numba') if m in sys.modules]; assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).parents[1]))
