@@ -405,9 +405,9 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
             if link is not None:
                 link.discard()
             raise
-    if args.engine == "inprocess":
-        return run_in_process(cfg, config_path, overrides, out, getattr(args, "resume", None))
-    return run_with_flower(cfg, config_path, overrides, out, args, ray_address=ray_address, link=link)
+        if args.engine != "inprocess":  # still under the SIGTERM handler: the launched SuperLink is never left behind
+            return run_with_flower(cfg, config_path, overrides, out, args, ray_address=ray_address, link=link)
+    return run_in_process(cfg, config_path, overrides, out, getattr(args, "resume", None))
 
 
 def add_run_options(p: argparse.ArgumentParser, output_dir: bool = True) -> None:
