@@ -1,33 +1,48 @@
 """Flower ClientApp: a generic worker (fedapps.worker) that runs the operations each message asks for.
 
 Importing ``strategies`` registers every algorithm's own client operations, training terms and weightings
-(:mod:`fedapps.clientops`); the worker knows none of them by name.
+(:mod:`fedapps.clientops`); the worker knows none of them by name. Both are imported on the first message, not when
+this module loads: Flower's simulation loads the ClientApp in its main thread BEFORE it starts Ray, so a module that
+imports only Flower lets Ray's processes boot while the ServerApp thread imports torch (README "Start-up").
 """
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-import strategies  # noqa: F401  (registers the algorithms' client behaviour)
-from fedapps.faults import faults_mod
-from fedapps.worker import handle
 
-# faults_mod is a no-op unless the node config 'faults' or the env FEDAPPS_FAULTS asks for fault injection (tests)
-app = ClientApp(mods=[faults_mod])
+def serve(msg: Message, context: Context) -> Message:
+    """Serve one message with the generic worker (the algorithms' client behaviour registered first)."""
+    import strategies  # registers the algorithms' client behaviour (fedapps.clientops)
+    from fedapps.worker import handle
+
+    del strategies  # imported for its registrations only
+    return handle(msg, context)
+
+
+def faults(msg: Message, context: Context, call_next):
+    """fedapps.faults.faults_mod: a no-op unless the node config 'faults' or the env FEDAPPS_FAULTS asks for fault
+    injection (tests)."""
+    from fedapps.faults import faults_mod
+
+    return faults_mod(msg, context, call_next)
+
+
+app = ClientApp(mods=[faults])
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """A round message: e.g. evaluate → train → send the model, or distill → train → predict."""
-    return handle(msg, context)
+    return serve(msg, context)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """An evaluation-only message (e.g. a cluster model evaluated on the local test split)."""
-    return handle(msg, context)
+    return serve(msg, context)
 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """A question about the node, no training: ``describe`` (data.source 'nodes', before round 1)."""
-    return handle(msg, context)
+    return serve(msg, context)

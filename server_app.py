@@ -1,4 +1,10 @@
-"""Flower ServerApp: resolve the experiment config, build the strategy, run it, write the results."""
+"""Flower ServerApp: resolve the experiment config, build the strategy, run it, write the results.
+
+This module imports only Flower when it loads; torch, the core and the strategies are imported when a run starts.
+Flower's simulation loads the ServerApp (on its thread) and the ClientApp (on its main thread, which then starts
+Ray) under one import lock: a light module lets Ray's processes boot while the run's imports happen (README
+"Start-up").
+"""
 
 from __future__ import annotations
 
@@ -9,22 +15,15 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-import yaml
-
-from fedapps import checkpoint, protocol, tracking
-from fedapps.config import ExperimentConfig, dump_yaml, load_config
-from fedapps.data import NODES, get_federation, set_described_counts, spec_key
-from fedapps.describe import Description, bind_accepted, describe_nodes
-from fedapps.results import REJECTIONS, DeliveryCheck, FileSink, ResultSink, UnusableRun, append_rejections
-from fedapps.validation import ReplyValidator
-from strategies import resolve
+if TYPE_CHECKING:  # annotations only
+    from fedapps.config import ExperimentConfig
+    from fedapps.describe import Description
+    from fedapps.validation import ReplyValidator
 
 log = logging.getLogger("fedapps")
 app = ServerApp()
@@ -46,6 +45,8 @@ def set_server_threads() -> int:
     In simulation the ServerApp shares the cores with the client workers; a multi-threaded server process
     next to them was measured ~15x slower on 2 cores (oversubscription), so one thread is the safe default.
     """
+    import torch
+
     threads = int(os.environ.get("FEDAPPS_SERVER_THREADS", "1"))
     torch.set_num_threads(max(1, threads))
     return torch.get_num_threads()
@@ -59,6 +60,13 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     is called). ``resume_dir``: a run folder with a checkpoint of the same config; the run continues after its
     last round, the rows of rounds.csv so far restored, the clients' private models read from its client-state/.
     """
+    from fedapps import checkpoint, tracking
+    from fedapps.config import dump_yaml, load_config
+    from fedapps.data import NODES, get_federation, set_described_counts, spec_key
+    from fedapps.describe import bind_accepted
+    from fedapps.results import REJECTIONS, DeliveryCheck, FileSink, ResultSink, UnusableRun, append_rejections
+    from strategies import resolve
+
     setup_logging()
     set_server_threads()
     t0 = time.time()
@@ -145,6 +153,11 @@ def describe(grid: Grid, cfg: ExperimentConfig, uses_public: bool) -> tuple[Desc
     """data.source 'nodes': every connected node describes its data (:mod:`fedapps.describe`); classes and shape
     are settled (pinned by data.num_classes / data.input_shape where given), refused nodes excluded. A strategy
     that ``uses_public`` U has each node's copy checked against the server's here, before round 1."""
+    from fedapps import protocol
+    from fedapps.data import get_federation
+    from fedapps.describe import describe_nodes
+    from fedapps.validation import ReplyValidator
+
     d = cfg.data
     spec = dataclasses.asdict(d)
     config: dict[str, Any] = dict(protocol.flatten("data", protocol.data_spec_for_clients(spec)))
@@ -163,6 +176,10 @@ def describe(grid: Grid, cfg: ExperimentConfig, uses_public: bool) -> tuple[Desc
 def nodes_as_checkpointed(cfg: ExperimentConfig, saved_yaml: str) -> ExperimentConfig:
     """A resumed data.source 'nodes' run: the classes and shape its nodes described (in the checkpointed config)
     are pinned, unless the given config pins its own."""
+    import yaml
+
+    from fedapps.data import NODES
+
     if cfg.data.source != NODES or (cfg.data.num_classes and cfg.data.input_shape):
         return cfg
     saved = (yaml.safe_load(saved_yaml) or {}).get("data", {})

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fedapps.pairwise_l1 import l1_distance_matrix
 
 log = logging.getLogger("fedapps")
 
@@ -58,6 +57,9 @@ def pairwise_distances(predictions: np.ndarray | torch.Tensor, metric: str = "l1
         raise ValueError(f"unknown distance '{metric}'; allowed: {', '.join(DISTANCES)}")
     x, n_samples = _as_matrix(predictions)
     if metric == "l1":
+        # imported here: numba (~0.5 s to import) then loads only in processes that compute an l1 matrix
+        from fedapps.pairwise_l1 import l1_distance_matrix
+
         return l1_distance_matrix(x, threads or torch.get_num_threads()) / n_samples
     return l2_distance_matrix(x) / math.sqrt(n_samples)
 

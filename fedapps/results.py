@@ -219,6 +219,9 @@ def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
         "eval_bytes_up": entry.eval_bytes_up,
         "eval_bytes_down": entry.eval_bytes_down,
         "wall_seconds": round(entry.wall_seconds, 3),
+        # seconds the clients spent serving the round's training messages (sum of their t-total): the rest of
+        # workers x wall_seconds is transport, the server step and waiting (bench/round_overhead.py)
+        "client_seconds": round(sum(float(m.get("t-total", 0.0)) for m in metrics), 3),
         # reply validation (fedapps.validation): accepted, rejected (see rejections.csv), asked for but not received
         "replies_ok": getattr(entry, "replies_ok", len(entry.replies)),
         "replies_rejected": getattr(entry, "replies_rejected", 0),

@@ -25,6 +25,10 @@ OFFLINE_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+    # Ray's raylet starts idle Python workers ahead of any task; Flower's actors need a runtime env (its PYTHONPATH),
+    # so those workers are never used: each costs a Python start-up on the cores the actors are starting on
+    "RAY_enable_worker_prestart": "0",
+    "RAY_prestart_worker_first_driver": "0",
 }
 
 
@@ -118,25 +122,116 @@ def run_status(run_id: str, env: dict[str, str], connection: str = CONNECTION) -
         return "unknown"
 
 
+def control_client(address: str) -> Any | None:
+    """A client of an insecure loopback SuperLink's Control API in this process (what `flwr ls` / `flwr log` use),
+    so that following a run of this tool's own SuperLink starts no Python process of ~1 CPU-second next to the run's
+    workers; None when Flower's client classes cannot be imported (then the `flwr` commands are used)."""
+    try:
+        from flwr.supercore.control import ControlHttpClient
+        from flwr.supercore.interceptors.http.runtime_version import RuntimeVersionHttpInterceptor
+    except ImportError:
+        return None
+    return ControlHttpClient.from_server_address(
+        server_address=address, insecure=True, root_certificates=None,
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")])
+
+
+def local_run_status(run_id: str, address: str) -> str | None:
+    """The run's status asked in this process (see :func:`control_client`); None when it cannot be asked so (no
+    client, or no answer): then :func:`run_status` is used."""
+    client = control_client(address)
+    if client is None:
+        return None
+    try:
+        from flwr.proto.control_pb2 import ListRunsRequest  # pylint: disable=no-name-in-module
+
+        status = client.ListRuns(ListRunsRequest(run_id=int(run_id))).run_dict[int(run_id)].status
+        return f"{status.status}:{status.sub_status}" if status.sub_status else str(status.status)
+    except Exception:  # noqa: BLE001 - any failure of the shortcut falls back to `flwr ls`
+        return None
+    finally:
+        client.close()
+
+
+class LogStream:
+    """The run's log, line by line as it comes, read on a thread: in this process from the Control API of a SuperLink
+    at ``address`` (this tool's own), else from `flwr log ID CONNECTION --stream`. ``ended`` is set when the stream
+    ends: the SuperLink ends it once the run has finished (or the connection broke)."""
+
+    def __init__(self, run_id: str, env: dict[str, str], connection: str, quiet: bool, address: str | None = None):
+        self.lines: list[str] = []
+        self.ended = threading.Event()
+        self._quiet = quiet
+        self._client = control_client(address) if address is not None else None
+        self._proc: subprocess.Popen | None = None
+        if self._client is None:
+            self._proc = subprocess.Popen(["flwr", "log", run_id, connection, "--stream"], env=env, cwd=APP_DIR,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          stdin=subprocess.DEVNULL)
+        self._thread = threading.Thread(target=self._pump, args=(run_id,), daemon=True)
+        self._thread.start()
+
+    def _emit(self, line: str) -> None:
+        self.lines.append(line)
+        if not self._quiet:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    def _pump(self, run_id: str) -> None:
+        try:
+            if self._proc is not None:
+                assert self._proc.stdout is not None
+                for line in self._proc.stdout:
+                    self._emit(line)
+                self._proc.wait()
+            else:
+                from flwr.proto.control_pb2 import StreamLogsRequest  # pylint: disable=no-name-in-module
+
+                pending = ""  # a line the last chunk did not finish
+                for res in self._client.StreamLogs(StreamLogsRequest(run_id=int(run_id), after_timestamp=0.0)):
+                    *complete, pending = (pending + res.log_output).split("\n")
+                    for line in complete:
+                        self._emit(line + "\n")
+                if pending:
+                    self._emit(pending + "\n")
+        except Exception as exc:  # noqa: BLE001 - the stream's end is all the caller needs (it then reads the status)
+            self._emit(f"(the run's log stream ended: {type(exc).__name__}: {exc})\n")
+        finally:
+            self.ended.set()
+
+    def close(self, wait: float = 5.0) -> None:
+        """Let the stream end by itself for up to ``wait`` seconds, then cut it."""
+        self.ended.wait(wait)
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        if self._client is not None:
+            self._client.close()
+        self._thread.join(timeout=5)
+
+
+STATUS_BACKSTOP = 30.0  # seconds between status checks while the log stream is still open (see follow_run)
+
+
 def follow_run(run_id: str, env: dict[str, str], quiet: bool, link: Any | None,
-               poll: float = 2.0, connection: str = CONNECTION) -> tuple[str, list[str]]:
-    """Stream the run's log (`flwr log ID --stream`) while polling its status; return (final status, log).
-    ``link``: a SuperLink process this run owns (its children are noted, its exit ends the wait), or None."""
-    lines: list[str] = []
-    logp = subprocess.Popen(["flwr", "log", run_id, connection, "--stream"], env=env, cwd=APP_DIR,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+               poll: float = 2.0, connection: str = CONNECTION,
+               backstop: float = STATUS_BACKSTOP) -> tuple[str, list[str]]:
+    """Stream the run's log until the run finishes; return (final status, log). ``link``: a SuperLink process this
+    run owns (its children are noted, its exit ends the wait; its log and status are read in this process, see
+    :func:`control_client`), or None (`flwr log` / `flwr ls` on the connection).
 
-    def pump() -> None:
-        assert logp.stdout is not None
-        for line in logp.stdout:
-            lines.append(line)
-            if not quiet:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
+    The SuperLink ends the log stream once the run has finished, so the status is asked when the stream has ended —
+    then every ``poll`` seconds until it reads finished — and, while the stream is open, only every ``backstop``
+    seconds (a stream that hangs cannot hide the end of a run; each `flwr ls` is a Python process of ~1 CPU-second
+    that would compete with the run's workers)."""
+    stream = LogStream(run_id, env, connection, quiet, link.address if link is not None else None)
     status = "unknown"
+    tick = 0.5 if link is not None else poll  # how often the SuperLink's children are noted
+    stream_open = True
+    next_check = time.monotonic() + backstop
     try:
         while True:
             if link is not None:
@@ -144,23 +239,21 @@ def follow_run(run_id: str, env: dict[str, str], quiet: bool, link: Any | None,
                 if link.proc is not None and link.proc.poll() is not None:
                     status = "superlink-exited"
                     break
-            status = run_status(run_id, env, connection)
-            if status.startswith("finished"):
-                break
-            time.sleep(poll)
-        try:
-            logp.wait(timeout=5)  # the stream ends by itself once the run's logs are all read
-        except subprocess.TimeoutExpired:
-            pass
+            if stream_open and stream.ended.is_set():
+                stream_open, next_check = False, time.monotonic()  # the run has (most likely) finished: ask now
+            if time.monotonic() >= next_check:
+                status = ((local_run_status(run_id, link.address) if link is not None else None)
+                          or run_status(run_id, env, connection))
+                if status.startswith("finished"):
+                    break
+                next_check = time.monotonic() + (backstop if stream_open else poll)
+            if stream_open:
+                stream.ended.wait(tick)  # wakes at once when the stream ends
+            else:
+                time.sleep(tick)
     finally:
-        if logp.poll() is None:
-            logp.terminate()
-            try:
-                logp.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                logp.kill()
-        reader.join(timeout=5)
-    return status, lines
+        stream.close()
+    return status, stream.lines
 
 
 def failure_reasons(lines: list[str], result_dir: Path) -> str:

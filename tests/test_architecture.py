@@ -236,7 +236,8 @@ def algorithm_mentions(path: Path = WORKER, root: Path = ROOT) -> list[str]:
 def test_the_graph_sees_the_project():
     graph = import_graph()
     assert {"fedapps.config", "fedapps.worker", "strategies", "strategies.base", "server_app", "client_app"} <= set(graph)
-    assert "fedapps.worker" in graph["client_app"]  # a top-level import
+    assert "fedapps.worker" in graph["client_app"]  # an import inside a function (the first message's)
+    assert "fedapps.config" in graph["server_app"]  # a top-level import
     assert "fedapps.data.errors" in graph["fedapps.data.federation"]  # a relative import
     assert {"fedapps.models.simple", "fedapps.models.vision"} <= set(graph["fedapps.models.zoo"])  # from . import x
     assert "fedapps_tools.compare" in graph["fedapps_tools.cli"]  # an import inside a function
@@ -284,9 +285,10 @@ if __name__ == "__main__":
 
 def test_the_clientapp_does_not_import_what_only_the_server_or_some_models_need():
     """Every message in deployment starts a fresh ClientApp process: torchvision (~1.3 s, only the vision models
-    need it) and scikit-learn's clustering (~1 s, server side of CFL / COMET) are imported where used."""
+    need it), scikit-learn's clustering (~1 s, server side of CFL / COMET) and numba (~0.5 s, COSMOS's server-side
+    l1 distances) are imported where used."""
     import subprocess
 
-    code = ("import sys, client_app; heavy = [m for m in ('torchvision', 'sklearn.cluster') if m in sys.modules]; "
-            "assert not heavy, heavy")
+    code = ("import sys, client_app, strategies, fedapps.worker; "  # what the ClientApp imports for its first message
+            "heavy = [m for m in ('torchvision', 'sklearn.cluster', 'numba') if m in sys.modules]; assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).parents[1]))

@@ -73,15 +73,40 @@ def test_plain_run_names_are_fine():
         check_run_name(name)
 
 
-def test_data_error_exits_2_before_any_process_starts(tiny_config, capsys, monkeypatch):
-    """A partition that cannot be built is a DataError (a ConfigError): exit 2 with a message, for both engines,
-    and the flower engine starts nothing."""
+def test_data_error_exits_2_and_submits_no_run(tiny_config, capsys, monkeypatch):
+    """A partition that cannot be built is a DataError (a ConfigError): exit 2 with a message, for both engines.
+    The flower engine's SuperLink, launched to boot while the data are checked, is stopped again (its process gone,
+    its FLWR_HOME removed) and no run is submitted."""
     cfg = tiny_config(data={"partition": "dirichlet", "min_samples": 1000})
     monkeypatch.setattr(cli, "run_with_flower", lambda *a, **k: pytest.fail("flwr must not start on a data error"))
+    launched = []
+    real_new_superlink = cli.new_superlink
+    monkeypatch.setattr(cli, "new_superlink", lambda *a: launched.append(real_new_superlink(*a)) or launched[-1])
     for engine in ("inprocess", "flower"):
         assert run_cli("run", str(cfg), "--engine", engine) == 2
         err = capsys.readouterr().err
         assert "config error" in err and "min_samples" in err and "Traceback" not in err
+    assert len(launched) == 1, "only the flower engine launches a SuperLink"
+    link = launched[0]
+    assert link.proc is not None and link.proc.poll() is not None, "the SuperLink was left running"
+    assert not link.home.exists()
+
+
+def test_the_command_exits_with_mains_code_and_its_output_flushed(tmp_path):
+    """`python -m fedapps_tools.cli` (the `fedapps` console entry) leaves through os._exit: the exit code is main's
+    and what was printed (stdout and stderr, also when piped) arrives whole."""
+    import sys
+
+    missing = tmp_path / "nothing-here.yaml"
+    proc = subprocess.run([sys.executable, "-m", "fedapps_tools.cli", "run", str(missing)], capture_output=True,
+                          text=True, cwd=Path(cli.__file__).resolve().parent.parent, timeout=120)
+    assert proc.returncode == 2
+    assert f"config file '{missing}' not found" in proc.stderr
+    table = "| method | accuracy |\n|---|---|\n" + "".join(f"| m{i} | 0.{i:03d} |\n" for i in range(2000))
+    (tmp_path / "comparison.md").write_text(table)  # more than a pipe's buffer: printed, then os._exit
+    proc = subprocess.run([sys.executable, "-m", "fedapps_tools.cli", "report", str(tmp_path)], capture_output=True,
+                          text=True, cwd=Path(cli.__file__).resolve().parent.parent, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == table
 
 
 def test_unwritable_output_dir_exits_2_before_flower(tiny_config, tmp_path, capsys, monkeypatch):

@@ -87,6 +87,45 @@ def test_load_mnist5k_and_digits():
     assert float(dg.x.min()) == -1.0 and float(dg.x.max()) == 1.0
 
 
+def test_parsed_csv_is_kept_once_and_read_back_exactly(tmp_path, monkeypatch):
+    """A CSV source is parsed once: the copy kept in the cache folder reads back equal (uint8 where the values are
+    whole bytes, float32 otherwise), a damaged copy is parsed again and replaced, 'off' keeps nothing."""
+    from fedapps.data import sources
+
+    rng = np.random.default_rng(0)
+    whole = np.hstack([rng.integers(0, 256, (6, 4)), rng.integers(0, 10, (6, 1))]).astype(np.float32)
+    fractional = whole.copy()
+    fractional[0, 0] = 0.5
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(sources.CACHE_ENV, str(cache))
+    for name, table in (("whole.csv", whole), ("fractional.csv", fractional)):
+        path = tmp_path / name
+        np.savetxt(path, table, delimiter=",", fmt="%g")
+        images, labels = sources.parsed_csv(str(path))
+        np.testing.assert_array_equal(images, table[:, :-1])
+        np.testing.assert_array_equal(labels, table[:, -1].astype(np.int64))
+        [kept] = cache.glob(path.stem + "-*.npz")
+        with np.load(kept) as z:
+            assert z["images"].dtype == (np.uint8 if table is whole else np.float32)
+        monkeypatch.setattr(np, "loadtxt", lambda *a, **k: pytest.fail("parsed again although a copy is kept"))
+        again = sources.parsed_csv(str(path))
+        monkeypatch.undo()
+        monkeypatch.setenv(sources.CACHE_ENV, str(cache))
+        np.testing.assert_array_equal(again[0], images)
+        np.testing.assert_array_equal(again[1], labels)
+        assert again[0].dtype == np.float32 and again[1].dtype == np.int64
+        kept.write_bytes(b"not an npz")  # a damaged copy: parsed again, the copy rewritten
+        np.testing.assert_array_equal(sources.parsed_csv(str(path))[0], table[:, :-1])
+        with np.load(kept) as z:
+            np.testing.assert_array_equal(z["labels"], labels)
+    monkeypatch.setenv(sources.CACHE_ENV, "off")
+    assert sources.cache_dir() is None
+    path = tmp_path / "other.csv"
+    np.savetxt(path, whole, delimiter=",", fmt="%g")
+    sources.parsed_csv(str(path))
+    assert not list(cache.glob("other-*"))
+
+
 def test_synthetic_is_deterministic_and_learnable():
     a = load_source("synthetic", "unused", synthetic_classes=5, synthetic_shape=(2, 6, 6), synthetic_samples=500,
                     seed=3)

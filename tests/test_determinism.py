@@ -16,7 +16,7 @@ from tests.conftest import write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "run_driver.py"
-TIMING = ("wall_seconds", "server_seconds")
+TIMING = ("wall_seconds", "server_seconds", "client_seconds")
 
 COSMOS = {
     "rounds": 2,

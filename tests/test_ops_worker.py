@@ -125,6 +125,32 @@ def test_worker_runs_ops_in_order_and_persists_model():
     assert STATE_MODEL in ctx.state and "arrays" in reply.content
 
 
+def test_arrays_for_part_of_the_state_leave_the_rest_as_the_client_starts_it():
+    """The worker's model object is shared by the messages a process serves. A message whose arrays cover the whole
+    state loads them straight into it (nothing before: every value is overwritten); one whose arrays cover a part
+    gets the rest from the client's own starting state, never from whatever the previous message left there."""
+    initial = build_model("mlp", 10, (1, 8, 8), seed=0).state_dict()
+    head = classifier_name(build_model("mlp", 10, (1, 8, 8), seed=0)) + "."
+    rng = np.random.default_rng(3)
+    settings = {"load-arrays": True, "persist-model": False, "return-arrays": True}
+
+    def returned(arrays):
+        grid, msg = worker_message(["evaluate"], settings, arrays=protocol.arrays_record(arrays))
+        out = Worker(msg, grid.contexts[100]).run().content["arrays"]
+        return {k: out[k].numpy() for k in out.keys()}
+
+    whole = {k: rng.normal(size=tuple(v.shape)).astype(np.float32) for k, v in initial.items()}
+    got = returned(whole)  # the shared model now holds these random values
+    assert set(got) == set(initial)
+    for k in whole:
+        np.testing.assert_array_equal(got[k], whole[k])
+    part = {k: rng.normal(size=tuple(v.shape)).astype(np.float32) for k, v in initial.items() if k.startswith(head)}
+    assert part and len(part) < len(initial)
+    got = returned(part)
+    for k, v in initial.items():
+        np.testing.assert_array_equal(got[k], part[k] if k in part else v.numpy())
+
+
 def test_worker_hard_labels_smallest_type_and_distill():
     grid, msg = worker_message(["predict"], {"predict.encoding": "hard"})
     reply = Worker(msg, grid.contexts[100]).run()

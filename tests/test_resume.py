@@ -16,7 +16,7 @@ from tests.conftest import write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "run_driver.py"
-TIMING = ("wall_seconds", "server_seconds")  # measured durations: the only columns allowed to differ
+TIMING = ("wall_seconds", "server_seconds", "client_seconds")  # measured durations: the only columns allowed to differ
 
 CONFIGS = {
     "fedavg": {"rounds": 4, "strategy": {"name": "fedavg", "fraction": 0.5}},  # sampling: the RNG is restored

