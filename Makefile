@@ -1,10 +1,12 @@
 # make run   - install into .venv (first time) and run the default experiment through `flwr run`
-# make test  - install into .venv (first time) and run the test suite
+# make test  - install into .venv (first time) and run the test suite on TEST_WORKERS pytest-xdist workers
+#              (ARGS="-n 0" runs it in one process; ARGS="tests/test_x.py" runs one file)
 # make mutate - mutation testing: the named mutations of #10, then mutmut over the maths (README "Tests and benchmarks")
 VENV    ?= .venv
 PYTHON  ?= python3
 CONFIG  ?= configs/default.yaml
 ARGS    ?=
+TEST_WORKERS ?= 2
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.fedapps-installed
 
@@ -20,7 +22,7 @@ run: $(STAMP)
 	$(VENV)/bin/fedapps run $(CONFIG) --output-dir $(CURDIR)/results $(ARGS)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
 mutate: $(STAMP)
 	$(PY) -m pip install -q -e ".[test,mutate]"

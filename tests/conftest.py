@@ -20,6 +20,23 @@ for _key, _value in OFFLINE_ENV.items():  # Ray on loopback, no telemetry, no ru
 torch.set_num_threads(1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks added here
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``heavy`` (~10 s or more each: real `flwr run`s and other process trees, the largest models)
+    run first, in their collection order. `make test` runs the suite on two pytest-xdist workers, which take tests
+    in this order: the heavy ones are shared out while plenty of short tests remain to even out the end, instead of
+    a late 60-s test leaving one worker alone at the finish. Serially the order changes nothing.
+
+    The tests that use the session fixture ``flower_run_of_tiny_config`` are marked here ``heavy`` and put in one
+    xdist group (`make test` runs ``--dist loadgroup``): a session fixture is set up once per worker, and the group
+    keeps them on one worker, so that its `flwr run` is made once."""
+    for item in items:
+        if "flower_run_of_tiny_config" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.heavy)
+            item.add_marker(pytest.mark.xdist_group("flower_run_of_tiny_config"))
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)  # stable: the rest keep their order
+
+
 def write_config(path: Path, **sections) -> Path:
     """A YAML config on digits with 4 clients and 2 rounds, updated by the given sections."""
     cfg = {
@@ -65,7 +82,8 @@ def tiny_config(tmp_path):
 def flower_run_of_tiny_config(tmp_path_factory):
     """ONE real `fedapps run` -> `flwr run` (own SuperLink, Ray simulation, 3 SuperNodes, 2 rounds of FedAvg on
     digits), shared by the tests that check it from different sides (end to end; identical to the in-process
-    engine): (config path, completed process, results folder). Each such run costs ~35 s."""
+    engine): (config path, completed process, results folder). Each such run costs ~35 s. Its tests share one
+    pytest-xdist worker (see pytest_collection_modifyitems), so that the run is made once under `make test` too."""
     import subprocess
 
     folder = tmp_path_factory.mktemp("flower-run")

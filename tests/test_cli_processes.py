@@ -43,6 +43,7 @@ def superlink_of(output: str) -> tuple[str, int]:
     return m.group(1), int(m.group(2))
 
 
+@pytest.mark.heavy
 def test_two_concurrent_runs_each_own_their_superlink(tiny_config, tmp_path):
     require_flower()
     # a bystander that the old clean-up (pgrep -f flower-superlink) would have killed
@@ -69,6 +70,7 @@ def test_two_concurrent_runs_each_own_their_superlink(tiny_config, tmp_path):
         bystander.wait(timeout=10)
 
 
+@pytest.mark.heavy
 def test_partial_participation_40_clients_through_flwr_run(tiny_config, tmp_path):
     """40 SuperNodes (node ids are uint64, many >= 2**63), fraction 0.25: every sampled client replies."""
     require_flower()
@@ -86,6 +88,7 @@ def test_partial_participation_40_clients_through_flwr_run(tiny_config, tmp_path
     assert cli._proc_stat(pid) is None
 
 
+@pytest.mark.heavy
 def test_interrupt_stops_what_the_run_started(tiny_config, tmp_path):
     """SIGTERM to `fedapps run` mid-run: exit 130, its SuperLink and everything it started are gone."""
     require_flower()

@@ -335,6 +335,7 @@ def test_public_set_mismatch_is_refused_on_both_ends(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- through Flower's simulation engine
 
 
+@pytest.mark.heavy
 def test_privacy_through_flower_simulation(tmp_path: Path) -> None:
     """The same property with Flower's Ray engine: a ServerApp whose grid records every reply."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

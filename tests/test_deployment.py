@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.heavy
 def test_real_superlink_and_supernodes(tiny_config, tmp_path):
     from tests.test_multihost import namespaces_permitted
 

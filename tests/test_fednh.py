@@ -252,6 +252,7 @@ def test_short_run_in_process(tiny_config, tmp_path) -> None:
     assert "fine-tuned" in summary_json["deployed_model"]
 
 
+@pytest.mark.heavy
 def test_flwr_run_end_to_end(tmp_path) -> None:
     """`fedapps run` -> `flwr run` (own SuperLink, Ray simulation, 3 SuperNodes, 2 rounds of FedNH on digits)."""
     from conftest import flwr_run

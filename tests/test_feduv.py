@@ -281,6 +281,7 @@ def test_feduv_at_zero_is_fedavg_and_otherwise_sends_its_settings(tiny_config):
     assert not all(np.array_equal(result.arrays[k].numpy(), avg.arrays[k].numpy()) for k in avg.arrays)
 
 
+@pytest.mark.heavy
 def test_flwr_run_end_to_end(tmp_path):
     """`fedapps run` -> `flwr run` (own SuperLink, Ray simulation, 3 SuperNodes, 2 rounds of FedUV on digits)."""
     from conftest import flwr_run

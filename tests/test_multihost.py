@@ -128,6 +128,7 @@ def deploy(spaces: Namespaces, where: str, *args: str, env: dict, timeout: float
     return spaces.run(where, PY, "-m", "fedapps_tools.cli", "deploy", *args, env=env, timeout=timeout)
 
 
+@pytest.mark.heavy
 def test_tls_authenticated_deployment_across_namespaces(netns, tmp_path):
     from sklearn.datasets import load_digits
 

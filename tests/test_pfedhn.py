@@ -286,6 +286,7 @@ def test_a_resumed_run_continues_the_hypernetwork_and_its_momentum(tiny_config):
     assert sorted(a) == sorted(b) and all(torch.equal(a[i]["momentum_buffer"], b[i]["momentum_buffer"]) for i in a)
 
 
+@pytest.mark.heavy
 def test_flwr_run_end_to_end(tmp_path):
     """`fedapps run` -> `flwr run` (own SuperLink, Ray simulation, 3 SuperNodes, 2 rounds of pFedHN on digits)."""
     from conftest import flwr_run

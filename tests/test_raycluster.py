@@ -269,6 +269,7 @@ def two_node_cluster():
         assert not any(left.values()), f"Ray processes this test started are still running: {left}"
 
 
+@pytest.mark.heavy
 @pytest.mark.raycluster
 def test_simulation_runs_on_both_nodes_of_a_two_node_ray_cluster(two_node_cluster, tiny_config, tmp_path):
     address, head, worker = two_node_cluster

@@ -64,6 +64,7 @@ def rows(run_dir: Path) -> list[dict[str, str]]:
         return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(fh)]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("strategy", sorted(CONFIGS))
 def test_sigkill_after_round_two_then_resume_equals_uninterrupted(strategy, tmp_path):
     config = write_config(tmp_path / "cfg.yaml", **CONFIGS[strategy])

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import flwr_run
 from fedapps.models import build_model
 from fedapps.results import read_csv
@@ -13,6 +15,7 @@ from fedapps.results import read_csv
 CLIENTS, SAMPLED = 200, 10
 
 
+@pytest.mark.heavy
 def test_200_clients_two_rounds_sampled_cohort(tmp_path):
     out = flwr_run(tmp_path, strategy={"name": "cwfedavg", "fraction": SAMPLED / CLIENTS},
                    data={"source": "synthetic", "synthetic_shape": [1, 8, 8], "synthetic_classes": 10,

@@ -93,6 +93,7 @@ def test_report_lists_each_setting_the_chosen_values_and_the_validation_scores(t
     assert "deployed model" in md and "test split was not read" in md
 
 
+@pytest.mark.heavy
 def test_tables_end_to_end_tunes_runs_and_reports(tmp_path):
     """A tiny spec through the real sub-commands: tune on validation, compare on test, report, resume."""
     base = yaml.safe_load(BASE.read_text())
