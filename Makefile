@@ -22,7 +22,7 @@ run: $(STAMP)
 	$(VENV)/bin/fedapps run $(CONFIG) --output-dir $(CURDIR)/results $(ARGS)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1 $(ARGS)
 
 mutate: $(STAMP)
 	$(PY) -m pip install -q -e ".[test,mutate]"

@@ -175,7 +175,7 @@ def private_arch(context: Context, config: Mapping[str, Any], client_id: int) ->
 def private_model(context: Context, config: Mapping[str, Any], fed: Federation, client_id: int, device: torch.device,
                   incoming: Mapping[str, torch.Tensor] | None = None) -> tuple[nn.Module, str]:
     """The client's model: restored from Context.state, or built fresh on first contact. ``incoming``: the arrays
-    the message loads into it next (``load-arrays``); when they cover its whole state (e.g. FedAvg's global model)
+    the message loads into it next (``load-arrays``); when they cover its whole state (e.g. a global model sent whole)
     nothing is loaded first, since every value would be overwritten (one state copy less per message)."""
     arch = private_arch(context, config, client_id)
     seed = int(config.get("model.seed", 0))

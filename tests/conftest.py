@@ -20,20 +20,11 @@ for _key, _value in OFFLINE_ENV.items():  # Ray on loopback, no telemetry, no ru
 torch.set_num_threads(1)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``heavy`` (~10 s or more each: real `flwr run`s and other process trees, the largest models)
     run first, in their collection order. `make test` runs the suite on two pytest-xdist workers, which take tests
     in this order: the heavy ones are shared out while plenty of short tests remain to even out the end, instead of
-    a late 60-s test leaving one worker alone at the finish. Serially the order changes nothing.
-
-    The tests that use the session fixture ``flower_run_of_tiny_config`` are marked here ``heavy`` and put in one
-    xdist group (`make test` runs ``--dist loadgroup``): a session fixture is set up once per worker, and the group
-    keeps them on one worker, so that its `flwr run` is made once."""
-    for item in items:
-        if "flower_run_of_tiny_config" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.heavy)
-            item.add_marker(pytest.mark.xdist_group("flower_run_of_tiny_config"))
+    a late 60-s test leaving one worker alone at the finish. Serially the order changes nothing."""
     items.sort(key=lambda item: item.get_closest_marker("heavy") is None)  # stable: the rest keep their order
 
 
@@ -78,18 +69,43 @@ def tiny_config(tmp_path):
     return lambda **sections: write_config(tmp_path / f"cfg{next(counter)}.yaml", **sections)
 
 
-@pytest.fixture(scope="session")
-def flower_run_of_tiny_config(tmp_path_factory):
-    """ONE real `fedapps run` -> `flwr run` (own SuperLink, Ray simulation, 3 SuperNodes, 2 rounds of FedAvg on
-    digits), shared by the tests that check it from different sides (end to end; identical to the in-process
-    engine): (config path, completed process, results folder). Each such run costs ~35 s. Its tests share one
-    pytest-xdist worker (see pytest_collection_modifyitems), so that the run is made once under `make test` too."""
+def _tiny_flower_run(folder: Path):
+    """The run of :func:`flower_run_of_tiny_config` into ``folder``: (config path, completed process, run folder)."""
     import subprocess
 
-    folder = tmp_path_factory.mktemp("flower-run")
     cfg = write_config(folder / "cfg.yaml", data={"source": "digits", "partition": "iid", "num_clients": 3})
     # the results root "fl" has the same path length as the in-process twin's "ip" (bytes_down counts the state-dir)
     proc = subprocess.run([sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--output-dir",
                            str(folder / "fl"), "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=400,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     return cfg, proc, folder / "fl" / "fedavg-digits-iid-s0"
+
+
+@pytest.fixture(scope="session")
+def flower_run_of_tiny_config(tmp_path_factory):
+    """ONE real `fedapps run` -> `flwr run` (own SuperLink, Ray simulation, 3 SuperNodes, 2 rounds of FedAvg on
+    digits), shared by the tests that check it from different sides (end to end; identical to the in-process
+    engine): (config path, completed process, results folder). Each such run costs ~35 s.
+
+    Under pytest-xdist (`make test`) a session fixture is set up once per worker: here the first worker that needs
+    the run makes it in the session's temp folder, which the workers share, under a file lock; another worker
+    waits on the lock and reads the same run (its exit status and output from ``proc.json``)."""
+    import fcntl
+    import json
+    import subprocess
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process
+        return _tiny_flower_run(tmp_path_factory.mktemp("flower-run"))
+    folder = tmp_path_factory.getbasetemp().parent / "flower-run"  # this session's, shared by its workers
+    with open(f"{folder}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        record = folder / "proc.json"
+        if not record.is_file():
+            folder.mkdir()
+            cfg, proc, out = _tiny_flower_run(folder)
+            record.write_text(json.dumps({"args": proc.args, "returncode": proc.returncode,
+                                          "stdout": proc.stdout, "stderr": proc.stderr}))
+            return cfg, proc, out
+    done = json.loads(record.read_text())
+    proc = subprocess.CompletedProcess(done["args"], done["returncode"], done["stdout"], done["stderr"])
+    return folder / "cfg.yaml", proc, folder / "fl" / "fedavg-digits-iid-s0"

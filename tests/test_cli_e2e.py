@@ -24,6 +24,7 @@ def test_missing_config_file(capsys):
     assert "not found" in capsys.readouterr().err
 
 
+@pytest.mark.heavy  # makes the shared run; test_determinism.py reads it later (see conftest)
 def test_flwr_run_end_to_end(flower_run_of_tiny_config):
     """`fedapps run` -> `flwr run` (local SuperLink, Ray simulation, 3 SuperNodes, 2 rounds)."""
     _, proc, out = flower_run_of_tiny_config
