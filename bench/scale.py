@@ -38,6 +38,9 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from fedapps_tools.flwrcli import descendants  # noqa: E402  (the /proc walk the CLI stops its processes with)
 STRATEGIES = ("fedavg", "cwfedavg", "ditto", "cosmos")
 SIZES = (20, 50, 100, 1000)
 COHORT = 50  # clients sampled per round at most
@@ -78,24 +81,6 @@ def read_status(pid: int) -> tuple[str, int]:
     return "", 0
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int(Path(entry, "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
 def role(cmd: str) -> str | None:
     """Which peak a process counts towards: the server process, a client worker, or the CLI."""
     if "flwr-simulation" in cmd:
@@ -118,7 +103,7 @@ class PeakMemory:
 
     def _poll(self) -> None:
         while not self._stop.is_set():
-            for p in descendants(self.pid):
+            for p in [self.pid, *descendants(self.pid)]:
                 cmd, hwm = read_status(p)
                 r = role(cmd)
                 if r is not None:
