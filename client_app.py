@@ -9,6 +9,12 @@ imports only Flower lets Ray's processes boot while the ServerApp thread imports
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
+from fedapps import message_sweep
+
+# Flower's simulation loads this module in the process that then starts its message sweep: make the sweep one pass
+# over the stored messages instead of one per node (fedapps/message_sweep.py; a no-op in Ray workers and SuperNodes).
+message_sweep.install()
+
 
 def serve(msg: Message, context: Context) -> Message:
     """Serve one message with the generic worker (the algorithms' client behaviour registered first)."""

@@ -60,7 +60,7 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     is called). ``resume_dir``: a run folder with a checkpoint of the same config; the run continues after its
     last round, the rows of rounds.csv so far restored, the clients' private models read from its client-state/.
     """
-    from fedapps import checkpoint, tracking
+    from fedapps import checkpoint, message_sweep, tracking
     from fedapps.config import dump_yaml, load_config
     from fedapps.data import NODES, get_federation, set_described_counts, spec_key
     from fedapps.describe import bind_accepted
@@ -137,7 +137,8 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     problems = delivery.problems()
     described = {"nodes": description.summary()} if description is not None else {}
     summary = files.summary(time.time() - t0, {**strategy.protocol_summary(), **strategy.final_summary(),
-                                               **delivery.totals(), **described, "problems": problems})
+                                               **delivery.totals(), **described, "problems": problems,
+                                               "simulation_message_sweep": message_sweep.in_use()})
     artifacts = strategy.artifacts()
     for sink in sinks:
         sink.on_finish(summary, artifacts)

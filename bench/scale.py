@@ -135,6 +135,7 @@ class ScaleRow:
     down_bytes_per_client_round: float
     final_clients: int
     accuracy_mean: float
+    sweep: str  # the simulation's message sweep (summary.json's simulation_message_sweep)
 
 
 def measured_rounds(walls: list[float]) -> list[float]:
@@ -145,12 +146,12 @@ def measured_rounds(walls: list[float]) -> list[float]:
     return walls[1:-1] if len(walls) >= 3 else walls[1:]
 
 
-def run_one(strategy: str, num_clients: int, workdir: Path, rounds: int) -> ScaleRow:
+def run_one(strategy: str, num_clients: int, workdir: Path, rounds: int, sweep: str = "one-pass") -> ScaleRow:
     cfg = experiment_config(strategy, num_clients, rounds)
     path = workdir / f"{cfg['run_name']}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    log = workdir / f"{cfg['run_name']}.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDAPPS_MESSAGE_SWEEP": sweep}
+    log = workdir / f"{cfg['run_name']}-{sweep}.log"
     t0 = time.perf_counter()
     with log.open("w") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "fedapps_tools.cli", "run", str(path), "--output-dir",
@@ -167,12 +168,14 @@ def run_one(strategy: str, num_clients: int, workdir: Path, rounds: int) -> Scal
         rows = list(csv.DictReader(fh))
     walls = [float(r["wall_seconds"]) for r in rows]
     summary = json.loads((out / "summary.json").read_text())
+    if summary.get("simulation_message_sweep") != sweep:
+        raise SystemExit(f"asked for the {sweep} message sweep, the run used {summary.get('simulation_message_sweep')}")
     mb = 1 / 2**20
     return ScaleRow(strategy, num_clients, int(rows[0]["clients"]), statistics.median(measured_rounds(walls)),
                     walls[0], walls[-1], round(total, 2), mem.peaks["server"] * mb, mem.peaks["worker"] * mb,
                     mem.peaks["cli"] * mb, float(summary["bytes_up_per_client_round"]),
                     float(summary["bytes_down_per_client_round"]), int(summary["final_round_measured_clients"]),
-                    float(summary["accuracy_mean"]))
+                    float(summary["accuracy_mean"]), sweep)
 
 
 def main() -> None:
@@ -181,14 +184,17 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES))
     ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--csv", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--sweep", nargs="+", default=["one-pass"], choices=["one-pass", "flower"],
+                    help="the simulation's message sweep (fedapps/message_sweep.py); 'flower' is Flower's own, one "
+                         "pass per node: give both to measure the difference in the same session")
     args = ap.parse_args()
     rows: list[ScaleRow] = []
     with tempfile.TemporaryDirectory(prefix="fedapps-scale-") as tmp:
-        for strategy in args.strategies:
-            for n in args.sizes:
-                row = run_one(strategy, n, Path(tmp), args.rounds)
+        for strategy, n, sweep in [(s, n, w) for s in args.strategies for n in args.sizes for w in args.sweep]:
+                row = run_one(strategy, n, Path(tmp), args.rounds, sweep)
                 rows.append(row)
-                print(f"{strategy:9s} {n:5d} clients ({row.sampled:3d} per round): {row.seconds_per_round:6.2f} s/round "
+                print(f"{strategy:9s} {n:5d} clients {sweep:8s} sweep ({row.sampled:3d} per round): "
+                      f"{row.seconds_per_round:6.2f} s/round "
                       f"(first {row.first_round_seconds:.1f} s, last with final evaluation {row.last_round_seconds:.1f} s; "
                       f"run {row.run_seconds:.0f} s)  peak MB server {row.server_peak_mb:.0f} worker "
                       f"{row.worker_peak_mb:.0f} cli {row.cli_peak_mb:.0f}  MB/client/round up "
@@ -199,11 +205,13 @@ def main() -> None:
             writer = csv.DictWriter(fh, fieldnames=list(asdict(rows[0])))
             writer.writeheader()
             writer.writerows(asdict(r) for r in rows)
-    by = {(r.strategy, r.clients): r for r in rows}
-    for strategy in args.strategies:
-        big, ref = by.get((strategy, 1000)), by.get((strategy, COHORT))
-        if big and ref:
-            print(f"cohort_ratio_{strategy}={big.seconds_per_round / ref.seconds_per_round:.3f}")
+    by = {(r.strategy, r.clients, r.sweep): r for r in rows}
+    for sweep in args.sweep:
+        suffix = "" if sweep == "one-pass" else "_flower_sweep"
+        for strategy in args.strategies:
+            big, ref = by.get((strategy, 1000, sweep)), by.get((strategy, COHORT, sweep))
+            if big and ref:
+                print(f"cohort_ratio_{strategy}{suffix}={big.seconds_per_round / ref.seconds_per_round:.3f}")
 
 
 if __name__ == "__main__":

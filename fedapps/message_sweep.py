@@ -1,0 +1,90 @@
+"""Flower 1.42's simulation delivers messages with one pass over the LinkState per node; this makes it one pass.
+
+Flower's Simulation Engine (``flwr.server.superlink.fleet.vce.vce_api.add_messages_to_queue``) wakes every 0.1 s
+and asks its in-memory LinkState for the next message of EVERY simulated node, one ``get_message_ins(node_id)``
+call each; each call walks all stored messages and validates each one (expiry, federation). A sweep therefore
+costs nodes × messages validations, under the LinkState's lock and in the process that also runs the ServerApp:
+with 1,000 nodes and a 50-client cohort that is 50,000 validations every 0.1 s, and 1,000,000 when the final
+evaluation messages all 1,000 clients. py-spy on ``bench/scale.py``'s 1,000-client FedAvg run put 65 % of the
+server process's samples in that loop (README "Scale").
+
+:func:`deliverable_messages` does the same sweep in one pass: every stored message is validated once (Flower's own
+``_check_stored_messages``, which deletes expired messages and messages whose nodes left), then each node's first
+undelivered message is taken and marked delivered, as ``get_message_ins(node_id, limit=1)`` does. What a sweep
+hands out is the same; only the order within a sweep differs (the order the messages were stored, not the order of
+the node ids). :func:`install` swaps it into Flower's engine; it is called when the ClientApp module loads, which
+Flower's simulation does in its main thread BEFORE ``run_api`` starts the sweeping thread (``start_vce`` loads the
+ClientApp to test it first). A LinkState that is not the in-memory one gets Flower's own sweep.
+``FEDAPPS_MESSAGE_SWEEP=flower`` keeps Flower's sweep (``bench/scale.py --sweep flower`` measures it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from datetime import UTC, datetime
+from queue import Queue
+from typing import Any, Callable, Iterable
+
+VCE_MODULE = "flwr.server.superlink.fleet.vce.vce_api"
+ENV = "FEDAPPS_MESSAGE_SWEEP"
+
+
+def deliverable_messages(state: Any, node_ids: set[int]) -> list:
+    """The first undelivered message of each node in ``node_ids``, in stored order, marked delivered.
+
+    ``state`` is Flower's ``InMemoryLinkState``; all stored messages are validated first (invalid ones deleted).
+    """
+    with state.lock:
+        state._check_stored_messages(set(state.message_ins_store))  # one validation per message, not per node
+        first: dict[int, Any] = {}
+        for message in state.message_ins_store.values():
+            metadata = message.metadata
+            node = metadata.dst_node_id
+            if metadata.delivered_at == "" and node in node_ids and node not in first:
+                first[node] = message
+        delivered_at = datetime.now(tz=UTC).isoformat()
+        for message in first.values():
+            message.metadata.delivered_at = delivered_at
+    return list(first.values())
+
+
+def one_pass_sweep(flower_sweep: Callable) -> Callable:
+    """A drop-in for Flower's ``add_messages_to_queue`` that sweeps with :func:`deliverable_messages`."""
+    from flwr.server.superlink.linkstate import InMemoryLinkState
+
+    def add_messages_to_queue(state: Any, queue: Queue, nodes_mapping: Iterable[int], f_stop: threading.Event) -> None:
+        if not isinstance(state, InMemoryLinkState):
+            return flower_sweep(state, queue, nodes_mapping, f_stop)
+        node_ids = set(nodes_mapping)
+        while not f_stop.is_set():
+            for message in deliverable_messages(state, node_ids):
+                queue.put(message)
+            f_stop.wait(0.1)
+
+    add_messages_to_queue.flower_sweep = flower_sweep
+    return add_messages_to_queue
+
+
+def install() -> bool:
+    """Swap the one-pass sweep into Flower's simulation engine if it is loaded in this process (it is in
+    ``flwr-simulation``; Ray workers and SuperNodes do not load it). True when installed (or already)."""
+    vce = sys.modules.get(VCE_MODULE)
+    if vce is None or os.environ.get(ENV, "").strip().lower() == "flower":
+        return False
+    current = getattr(vce, "add_messages_to_queue", None)
+    if current is None:
+        return False  # a Flower without this function: nothing to replace
+    if getattr(current, "flower_sweep", None) is None:
+        vce.add_messages_to_queue = one_pass_sweep(current)
+    return True
+
+
+def in_use() -> str | None:
+    """Which sweep this process's simulation engine runs: "one-pass", "flower", or None when it is not loaded
+    (deployment: the SuperLink's Fleet API delivers; summary.json's ``simulation_message_sweep``)."""
+    vce = sys.modules.get(VCE_MODULE)
+    if vce is None:
+        return None
+    return "one-pass" if getattr(vce.add_messages_to_queue, "flower_sweep", None) is not None else "flower"
