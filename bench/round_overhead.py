@@ -35,10 +35,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fedapps.config import config_from_dict  # noqa: E402
 from fedapps.data import get_federation  # noqa: E402
 from fedapps.models import build_model  # noqa: E402
+from proctree import CpuSampler, cpu_between  # noqa: E402
 
 CLIENTS, ROUNDS, BATCH, LR = 20, 5, 10, 0.05
 
@@ -53,23 +55,40 @@ def experiment_config(rounds: int) -> dict:
     }
 
 
-def flower_seconds(workdir: Path) -> dict[str, float]:
+def rows_written(path: Path) -> int:
+    """Rows in rounds.csv so far (the ServerApp rewrites it after every round): the sampler's progress marker."""
+    try:
+        return max(0, len(path.read_text().splitlines()) - 1)
+    except OSError:
+        return 0
+
+
+def flower_seconds(workdir: Path) -> dict:
     """The Flower run: seconds of the 5 measured rounds ("rounds"), of the warm-up round ("warmup"), of the whole
-    `fedapps run` ("total"), and the seconds its clients spent serving the measured rounds' messages ("clients":
-    rounds.csv client_seconds, the workers' own time per message from the data lookup to the reply's arrays)."""
+    `fedapps run` ("total"), the seconds its clients spent serving the measured rounds' messages ("clients":
+    rounds.csv client_seconds, the workers' own time per message from the data lookup to the reply's arrays), and
+    the CPU seconds of each role of the run's process tree while the measured rounds ran ("cpu", "cpu_wall": from
+    rounds.csv's first row to its last, sampled every 0.25 s)."""
     cfg_path = workdir / "bench.yaml"
     cfg_path.write_text(yaml.safe_dump(experiment_config(ROUNDS + 1)))
+    run_dir = workdir / "res" / "round-overhead"
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg_path), "--output-dir", str(workdir / "res"),
-                    "--cpus-per-client", "1", "--quiet"], cwd=ROOT, check=True)
+    proc = subprocess.Popen([sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg_path), "--output-dir",
+                             str(workdir / "res"), "--cpus-per-client", "1", "--quiet"], cwd=ROOT)
+    sampler = CpuSampler(proc.pid, marker=lambda: rows_written(run_dir / "rounds.csv"))
+    rc = proc.wait()
     total = time.perf_counter() - t0
-    with (workdir / "res" / "round-overhead" / "rounds.csv").open() as fh:
+    sampler.stop()
+    if rc != 0:
+        raise SystemExit(f"`fedapps run` exited {rc}")
+    with (run_dir / "rounds.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     walls = [float(r["wall_seconds"]) for r in rows]
-    summary = json.loads((workdir / "res" / "round-overhead" / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     print(f"flower: final accuracy_mean {summary['accuracy_mean']:.4f}; round walls {['%.2f' % w for w in walls]}")
+    cpu_wall, cpu = cpu_between(sampler.timeline, 1, ROUNDS + 1)
     return {"rounds": sum(walls[1:]), "warmup": walls[0], "total": total,
-            "clients": sum(float(r.get("client_seconds") or 0.0) for r in rows[1:])}
+            "clients": sum(float(r.get("client_seconds") or 0.0) for r in rows[1:]), "cpu": cpu, "cpu_wall": cpu_wall}
 
 
 Clients = list  # the ClientData of the clients a process serves
@@ -233,6 +252,11 @@ def main() -> None:
           f"({100 * busy / (2 * rounds):.0f}%), between messages {2 * rounds - busy:.2f} s; bare-parallel computed "
           f"{2 * parallel:.2f} s (the workers' own time exceeds it by {busy - 2 * parallel:+.2f} s: decoding, setup, "
           f"encoding, and noise)")
+    # who had the two cores while the measured rounds ran: CPU seconds by process role (bench/proctree.py)
+    cpu, window = flower["cpu"], flower["cpu_wall"]
+    print(f"flower cpu over the measured rounds ({window:.2f} s wall, {2 * window:.2f} core-s): "
+          + "  ".join(f"{role} {sec:.2f}" for role, sec in sorted(cpu.items(), key=lambda kv: -kv[1]))
+          + f"  idle {2 * window - sum(cpu.values()):.2f}")
     print(f"ratio={rounds / bare:.3f} parallel_ratio={rounds / parallel:.3f}")
 
 

@@ -40,7 +40,10 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 from fedapps_tools.flwrcli import descendants  # noqa: E402  (the /proc walk the CLI stops its processes with)
+from proctree import role_of  # noqa: E402
 STRATEGIES = ("fedavg", "cwfedavg", "ditto", "cosmos")
 SIZES = (20, 50, 100, 1000)
 COHORT = 50  # clients sampled per round at most
@@ -81,17 +84,6 @@ def read_status(pid: int) -> tuple[str, int]:
     return "", 0
 
 
-def role(cmd: str) -> str | None:
-    """Which peak a process counts towards: the server process, a client worker, or the CLI."""
-    if "flwr-simulation" in cmd:
-        return "server"
-    if "ClientAppActor" in cmd:
-        return "worker"
-    if "fedapps_tools.cli run" in cmd:
-        return "cli"
-    return None
-
-
 class PeakMemory:
     """Polls the process tree below one pid and keeps the largest VmHWM per role."""
 
@@ -105,8 +97,8 @@ class PeakMemory:
         while not self._stop.is_set():
             for p in [self.pid, *descendants(self.pid)]:
                 cmd, hwm = read_status(p)
-                r = role(cmd)
-                if r is not None:
+                r = role_of(cmd)
+                if r in self.peaks:
                     self.peaks[r] = max(self.peaks[r], hwm)
             self._stop.wait(self.every)
 

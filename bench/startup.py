@@ -34,6 +34,10 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from proctree import CpuSampler  # noqa: E402
+
 RUN_NAME = "startup"
 PARTS = ("superlink", "submit", "serverapp", "data", "round", "results", "shutdown")
 
@@ -46,56 +50,6 @@ def experiment_config() -> dict:
         "model": {"name": "cnn"},
         "client": {"epochs": 1, "batch_size": 10, "lr": 0.05, "optimizer": "sgd", "device": "cpu"},
     }
-
-
-class CpuSampler:
-    """CPU seconds of a process and every process it starts, read from /proc every ``interval`` seconds while it runs
-    (Linux; elsewhere nothing is read). A process counts with the last value seen, so the final fraction of a second
-    of each process may be missed. (The kernel's RUSAGE_CHILDREN, with this process as the subreaper of the detached
-    ones, counted ~11 s less than this of ~60 s in a test here: some process on the way discards its children's.)"""
-
-    def __init__(self, root: int, interval: float = 0.25) -> None:
-        self.root, self.interval = root, interval
-        self.seen: dict[tuple[int, int], float] = {}  # (pid, start time) -> CPU seconds last seen
-        self._stop = threading.Event()
-        self._ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _stat(self, pid: int) -> tuple[int, int, float] | None:
-        try:
-            raw = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return None
-        f = raw[raw.rindex(")") + 2:].split()
-        return int(f[1]), int(f[19]), (int(f[11]) + int(f[12])) / self._ticks  # parent, start time, CPU seconds
-
-    def _run(self) -> None:
-        known: set[tuple[int, int]] = set()  # (pid, start time): a recycled pid is another process
-        while not self._stop.is_set():
-            stats = {}
-            for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
-                if name.isdigit() and (st := self._stat(int(name))) is not None:
-                    stats[int(name)] = st
-            if not known and self.root in stats:
-                known.add((self.root, stats[self.root][1]))
-            alive = {pid for pid, (_, start, _) in stats.items() if (pid, start) in known}
-            grew = True
-            while grew:  # a child of a process of the run is one too (also when its parent is new in this sample)
-                grew = False
-                for pid, (parent, start, _) in stats.items():
-                    if parent in alive and pid not in alive:
-                        known.add((pid, start))
-                        alive.add(pid)
-                        grew = True
-            for pid in alive:
-                self.seen[(pid, stats[pid][1])] = stats[pid][2]
-            self._stop.wait(self.interval)
-
-    def stop(self) -> float:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        return sum(self.seen.values())
 
 
 def one_run(workdir: Path, quiet: bool) -> dict[str, float]:
