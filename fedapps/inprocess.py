@@ -36,13 +36,17 @@ class InProcessGrid:
 
     def __init__(self, num_nodes: int, drop: Callable[[int, int], bool] | None = None,
                  node_configs: dict[int, dict] | None = None, first_node_id: int = 100, record: bool = False,
-                 mods: list[Callable] | None = None) -> None:
-        # Flower's node ids are unsigned 64-bit and usually large: tests pass first_node_id >= 2**63 to mimic them
+                 mods: list[Callable] | None = None, node_ids: list[int] | None = None) -> None:
+        # Flower's node ids are unsigned 64-bit and usually large: tests pass first_node_id >= 2**63 to mimic them;
+        # ``node_ids[i]`` (instead of first_node_id + i) serves partition i, in any order, as Flower's random ids do
+        ids = list(node_ids) if node_ids is not None else [first_node_id + i for i in range(num_nodes)]
+        if len(ids) != num_nodes or len(set(ids)) != num_nodes:
+            raise ValueError(f"node_ids must be {num_nodes} distinct ids, got {ids}")
         self.contexts = {
-            first_node_id + i: Context(run_id=1, node_id=first_node_id + i,
-                             node_config={"partition-id": i, "num-partitions": num_nodes, **(node_configs or {}).get(i, {})},
-                             state=RecordDict(), run_config={})
-            for i in range(num_nodes)
+            node: Context(run_id=1, node_id=node,
+                          node_config={"partition-id": i, "num-partitions": num_nodes, **(node_configs or {}).get(i, {})},
+                          state=RecordDict(), run_config={})
+            for i, node in enumerate(ids)
         }
         for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
             if getattr(TaskIdentity, attr) is None:  # Message() needs an identity outside Flower's runtime

@@ -325,14 +325,36 @@ class PersonalisedStrategy(Strategy):
             time.sleep(0.5)
 
     def sample_nodes(self, grid: Grid) -> list[int]:
-        """ceil(fraction·N) nodes, at least min_clients (when that many are connected), seeded."""
+        """ceil(fraction·N) nodes, at least min_clients (when that many are connected), seeded. The draw is over
+        the nodes ordered by CLIENT id (:meth:`identify` first asks the nodes not heard from yet): node ids are
+        random per run (Flower's simulation draws them afresh), so a draw over them would give the same seed
+        another cohort in every run."""
         nodes = [n for n in self.available_nodes(grid) if n not in self.excluded_nodes]
         if not nodes:
             raise RuntimeError("no client nodes are connected")
         k = min(len(nodes), max(self.cfg.strategy.min_clients, math.ceil(self.cfg.strategy.fraction * len(nodes))))
         if k == len(nodes):
             return nodes
-        return sample_ids(nodes, k, self.rng)
+        self.identify(grid, [n for n in nodes if n not in self.node_to_client])
+        return sample_ids(by_client_id(nodes, self.node_to_client), k, self.rng)
+
+    def identify(self, grid: Grid, node_ids: list[int]) -> None:
+        """Learn the client id of each of ``node_ids``: a message with no operation (the client loads its data
+        split, trains and stores nothing, and replies with its identity). Once per node, before the first draw of
+        a sampled run; a node that does not answer (or is rejected) stays unknown and is drawn after the known
+        ones, by node id."""
+        if not node_ids:
+            return
+        settings = {**self.base_config(), "return-arrays": False, "persist-model": False, "save-model": False}
+        messages = [protocol.build_message(n, 0, [], settings, message_type=IDENTIFY_MESSAGE_TYPE) for n in node_ids]
+        self.validator.expect(messages)
+        t0 = time.time()
+        replies = grid.send_and_receive(messages, timeout=self.cfg.strategy.timeout)
+        outcome = self.validator.check(0, replies, IDENTIFY_MESSAGE_TYPE)
+        for r in outcome.accepted:
+            self.node_to_client[r.node_id] = r.client_id
+        log.info("identified %d of %d nodes before sampling (%.1f s)", len(outcome.accepted), len(node_ids),
+                 time.time() - t0)
 
     # ------------------------------------------------------------------ Flower's Strategy interface
     # The round loop is :meth:`start`; these adapters give Flower's abstract interface the same behaviour.
@@ -566,6 +588,15 @@ def round_metrics(entry: RoundLog) -> MetricRecord:
     out.update({k: float(v) for k, v in entry.extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
                 and math.isfinite(float(v))})
     return MetricRecord(out)
+
+
+IDENTIFY_MESSAGE_TYPE = "query"  # the identification message (client_app's @app.query(), as describe)
+
+
+def by_client_id(node_ids: list[int], node_to_client: Mapping[int, int]) -> list[int]:
+    """``node_ids`` ordered by the client each serves; nodes of unknown client last, by node id."""
+    unknown = float("inf")
+    return sorted(node_ids, key=lambda n: (node_to_client.get(n, unknown), n))
 
 
 def sample_ids(ids: list[int], k: int, rng: np.random.Generator) -> list[int]:

@@ -272,19 +272,37 @@ def test_cosmos_headline_is_its_cluster_models_on_hand_built_replies(tmp_path):
 # --------------------------------------------------------------------------- sampling and the evaluation split
 
 
-def test_client_sampling_is_seeded():
-    def draws(seed: int) -> list[list[int]]:
-        cfg = load_config(None, f"seed={seed} data.source=digits data.num_clients=20 model.name=mlp "
-                                "strategy.fraction=0.25 strategy.min_clients=2")
-        s = STRATEGIES["fedavg"](cfg)
-        grid = SimpleNamespace(get_node_ids=lambda: list(range(1000, 1020)))
-        return [s.sample_nodes(grid) for _ in range(4)]
+def sampled_clients(seed: int, node_ids: list[int], rounds: int = 4) -> tuple[list[list[int]], InProcessGrid]:
+    """The CLIENT ids a fedavg strategy samples in ``rounds`` draws (5 of 20) on an in-process grid whose node
+    ``node_ids[i]`` serves client i."""
+    cfg = load_config(None, f"seed={seed} data.source=digits data.num_clients=20 model.name=mlp client.device=cpu "
+                            "strategy.fraction=0.25 strategy.min_clients=2")
+    s = STRATEGIES["fedavg"](cfg)
+    grid = InProcessGrid(20, node_ids=node_ids, record=True)
+    client_of = {n: int(c.node_config["partition-id"]) for n, c in grid.contexts.items()}
+    return [sorted(client_of[n] for n in s.sample_nodes(grid)) for _ in range(rounds)], grid
 
-    a, b, c = draws(0), draws(0), draws(1)
+
+def test_client_sampling_is_seeded_over_client_ids_whatever_the_node_ids():
+    """Flower's simulation gives the nodes new random ids in every run: the same seed must still draw the same
+    CLIENTS. Here the second run's node ids are large, shuffled and in another order than the clients."""
+    in_order = list(range(1000, 1020))
+    shuffled = [int(v) for v in np.random.default_rng(5).permutation(2**63 + np.arange(20, dtype=np.uint64) * 7919)]
+    a, grid = sampled_clients(0, in_order)
+    b, _ = sampled_clients(0, shuffled)
+    c, _ = sampled_clients(1, shuffled)
     assert all(len(d) == 5 and len(set(d)) == 5 for d in a)
-    assert a == b  # same seed, same clients every round
+    assert a == b  # same seed, same clients every round, whatever the node ids
     assert a != c  # another seed, other clients
     assert len({tuple(d) for d in a}) > 1  # and the draw changes between rounds
+    # every node was asked once who it is (a message with no operation), before the first draw only
+    assert len(grid.sent) == 20 and all(list(m.content[protocol.CONFIG]["ops"]) == [] for m in grid.sent)
+
+
+def test_full_participation_asks_nobody_to_identify():
+    cfg = load_config(None, "data.source=digits data.num_clients=4 model.name=mlp client.device=cpu")
+    grid = InProcessGrid(4, record=True)
+    assert STRATEGIES["fedavg"](cfg).sample_nodes(grid) == sorted(grid.contexts) and grid.sent == []
 
 
 def worker_message(ops_list, extra):
