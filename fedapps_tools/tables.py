@@ -60,6 +60,7 @@ class Spec:
     tune_on: dict[str, str] = field(default_factory=dict)  # setting -> setting whose tuning it reuses
     notes: str = ""
     path: Path = Path(".")
+    common: list[str] = field(default_factory=list)  # overrides every setting gets, before each method's own
 
 
 def grid_points(grid: Mapping[str, list[Any]]) -> int:
@@ -78,7 +79,7 @@ def load_spec(path: str | os.PathLike) -> Spec:
         raise ConfigError(f"tables spec '{path}' cannot be read: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"tables spec '{path}' must be a mapping with name, settings, methods, seeds")
-    known = {"name", "title", "settings", "methods", "seeds", "tune_seeds", "tune_on", "notes"}
+    known = {"name", "title", "settings", "methods", "seeds", "tune_seeds", "tune_on", "notes", "set"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"tables spec '{path}': unknown key(s) {unknown}; allowed: {sorted(known)}")
@@ -107,7 +108,7 @@ def load_spec(path: str | os.PathLike) -> Spec:
             raise ConfigError(f"tables spec '{path}': tune_on.{s}: {t} must map a setting to another, tuned, setting")
     return Spec(str(raw["name"]), str(raw.get("title") or raw["name"]), settings, methods,
                 [int(s) for s in raw.get("seeds") or [0, 1, 2]], [int(s) for s in raw.get("tune_seeds") or [0]],
-                tune_on, str(raw.get("notes") or ""), p)
+                tune_on, str(raw.get("notes") or ""), p, [str(o) for o in raw.get("set") or []])
 
 
 def config_path(spec: Spec, setting: str) -> Path:
@@ -176,7 +177,8 @@ class Tables:
         self.record_rows, self.record_scores = published(out, spec) if out is not None else ({}, {})
 
     def method_config(self, setting: str, m: Method) -> Path:
-        raw = with_overrides(config_path(self.spec, setting), [f"strategy.name={m.name}", *m.overrides])
+        raw = with_overrides(config_path(self.spec, setting), [f"strategy.name={m.name}", *self.spec.common,
+                                                                *m.overrides])
         return write_yaml(self.work / setting / "methods" / f"{m.name}.yaml", raw)
 
     def tune_dir(self, setting: str, m: Method) -> Path:
@@ -320,6 +322,8 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
     if spec.tune_on:
         lines += ["**CPU cut:** " + "; ".join(f"`{s}` reuses the values tuned on `{t}`" for s, t in spec.tune_on.items())
                   + " (no tuning of its own).", ""]
+    if spec.common:
+        lines += ["**Every setting and method here with:** " + ", ".join(f"`{o}`" for o in spec.common) + ".", ""]
     if spec.notes:
         lines += [spec.notes.strip(), ""]
     csv_rows, carried = [], []

@@ -60,6 +60,16 @@ def test_final_config_takes_the_tuned_values_and_tune_on_reuses_another_setting(
     assert load_config(t.final_config("a", spec.methods[2])).strategy.name == "local"  # no grid: the method's config
 
 
+def test_the_specs_common_overrides_reach_every_method_before_its_own(tmp_path):
+    spec = tables.load_spec(write_spec(tmp_path, set=["client.epochs=3", "strategy.params.fedprox.mu=0.1"]))
+    t = tables.Tables(spec, tmp_path / "work", "inprocess", 1)
+    fedavg, fedprox = (load_config(t.method_config("a", m)) for m in spec.methods[:2])
+    assert fedavg.client.epochs == 3 and fedprox.client.epochs == 3
+    assert fedprox.strategy.params["fedprox"]["mu"] == 0.5  # the method's own set wins over the spec's
+    assert load_config(tables.Tables(tables.load_spec(write_spec(tmp_path)), tmp_path / "w2", "inprocess", 1)
+                       .method_config("a", spec.methods[0])).client.epochs != 3
+
+
 def test_report_lists_each_setting_the_chosen_values_and_the_validation_scores(tmp_path):
     spec = tables.load_spec(write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1]}}},
                                        settings={"a": str(BASE)}))
