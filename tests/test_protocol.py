@@ -343,3 +343,22 @@ def test_no_module_reads_the_test_split_but_the_worker_accessor():
     assert readers == ["fedapps/worker.py"], readers  # fedapps/data builds the split; the worker's eval_x reads it
     worker = (root / "fedapps" / "worker.py").read_text()
     assert worker.count("self.data.test_x") == 1 and worker.count("self.data.test_y") == 1
+
+
+def test_final_evaluation_reaches_every_client_in_batches_of_a_cohort():
+    """fraction 0.25 of 8 clients: the evaluation-only phase asks all 8, two at a time (the server never holds more
+    messages than a training round's), and files one measurement of all 8."""
+    cfg = load_config(None, "data.source=digits data.num_clients=8 model.name=mlp client.device=cpu "
+                            "strategy.fraction=0.25 strategy.min_clients=1")
+    s = STRATEGIES["fedavg"](cfg)
+    grid = InProcessGrid(8, record=True)
+    batches = []
+    send = grid.send_and_receive
+    grid.send_and_receive = lambda messages, timeout=None: (batches.append(len(list(messages))) or
+                                                             send(messages, timeout=timeout))
+    entry = RoundLog(1, [], 0, 0)
+    s.final_evaluation(grid, 1, 60.0, entry)
+    assert batches == [2, 2, 2, 2]
+    (m,) = entry.measurements
+    assert m.final and sorted(r.client_id for r in m.replies) == list(range(8))
+    assert entry.eval_bytes_down > 0 and entry.eval_bytes_up > 0
