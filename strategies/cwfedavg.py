@@ -325,7 +325,9 @@ class CwFedAvg(PersonalisedStrategy):
         m = cfg.data.num_clients
         # per client: the class-wise arrays; under `latest` also the shared float arrays (see the module docstring)
         per_client = self.classwise + (self.shared_float if p.mix == "latest" else [])
-        self.stack = ModelStack({k: self.initial[k] for k in per_client}, m)
+        # rows for one cohort to start with; the stack doubles as new clients are heard from, so memory (and the
+        # checkpoint written every round) follow the clients heard from, not the federation
+        self.stack = ModelStack({k: self.initial[k] for k in per_client}, self.cohort_size(m))
         self.sums: dict[str, np.ndarray] = {}  # Σ_l n_l w_l (float64) of the shared float keys over the mixed set
         self.n = np.zeros(self.stack.capacity)
         self.p_hat = np.full((self.stack.capacity, self.num_classes), 1.0 / self.num_classes)

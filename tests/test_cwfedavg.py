@@ -389,6 +389,20 @@ def test_server_keeps_only_classwise_arrays_per_client(mix_set):
         assert state <= 5 * model_bytes + s.stack.capacity * (model_bytes + small)
 
 
+def test_server_memory_follows_the_clients_heard_from_not_the_federation():
+    """40 clients, 10 % sampled: the stack starts with a cohort's rows (not 40) and doubles as clients are heard
+    from, so the state (and the checkpoint written every round) grows with them."""
+    s = make_strategy("strategy.fraction=0.1 strategy.min_clients=1", clients=40)
+    assert s.stack.capacity == 4
+    counts = np.ones(10, dtype=int) * 3
+    s.aggregate(1, [reply(i, perturbed(s.initial, seed=i), counts) for i in (7, 19, 23)])
+    assert s.stack.capacity == 4 and len(s.stack) == 3
+    s.aggregate(2, [reply(i, perturbed(s.initial, seed=i + 50), counts) for i in (2, 7, 31)])
+    assert s.stack.capacity == 8 and len(s.stack) == 5
+    assert all(a.shape[0] == 8 for a in (s.n, s.p_hat, s.estimated, *s.stack.arrays.values()))
+    assert s.personalised(31).keys() == s.initial.keys() and s.personalised(39).keys() == s.initial.keys()
+
+
 def test_checkpoint_round_trip_and_a_checkpoint_of_whole_models(monkeypatch):
     """A restored state continues exactly; a checkpoint written when the stack held whole models (no running
     sum) is converted on load: the sum rebuilt, the extra keys dropped, the next round as without the restart."""
