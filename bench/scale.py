@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fedapps_tools.flwrcli import descendants  # noqa: E402  (the /proc walk the CLI stops its processes with)
+from fedapps.config import apply_override  # noqa: E402
 from proctree import role_of  # noqa: E402
 STRATEGIES = ("fedavg", "cwfedavg", "ditto", "cosmos")
 SIZES = (20, 50, 100, 1000)
@@ -140,8 +141,11 @@ def measured_rounds(walls: list[float]) -> list[float]:
     return walls[1:-1] if len(walls) >= 3 else walls[1:]
 
 
-def run_one(strategy: str, num_clients: int, workdir: Path, rounds: int, sweep: str = "one-pass") -> ScaleRow:
+def run_one(strategy: str, num_clients: int, workdir: Path, rounds: int, sweep: str = "one-pass",
+            overrides: list[str] = ()) -> ScaleRow:
     cfg = experiment_config(strategy, num_clients, rounds)
+    for item in overrides:
+        apply_override(cfg, item)
     path = workdir / f"{cfg['run_name']}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDAPPS_MESSAGE_SWEEP": sweep}
@@ -178,6 +182,8 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES))
     ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--csv", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="config overrides for every run, e.g. strategy.params.cwfedavg.mix=round")
     ap.add_argument("--sweep", nargs="+", default=["one-pass"], choices=["one-pass", "flower"],
                     help="the simulation's message sweep (fedapps/message_sweep.py); 'flower' is Flower's own, one "
                          "pass per node: give both to measure the difference in the same session")
@@ -185,7 +191,7 @@ def main() -> None:
     rows: list[ScaleRow] = []
     with tempfile.TemporaryDirectory(prefix="fedapps-scale-") as tmp:
         for strategy, n, sweep in [(s, n, w) for s in args.strategies for n in args.sizes for w in args.sweep]:
-                row = run_one(strategy, n, Path(tmp), args.rounds, sweep)
+                row = run_one(strategy, n, Path(tmp), args.rounds, sweep, args.set)
                 rows.append(row)
                 print(f"{strategy:9s} {n:5d} clients {sweep:8s} sweep ({row.sampled:3d} per round): "
                       f"{row.seconds_per_round:6.2f} s/round "
