@@ -192,6 +192,9 @@ def nodes_as_checkpointed(cfg: ExperimentConfig, saved_yaml: str) -> ExperimentC
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Entry point under `flwr run`: run config keys 'config', 'overrides', 'output-dir', 'resume-dir'."""
+    from fedapps import message_sweep
+
+    message_sweep.poll_replies_often(grid)  # simulation: replies looked for every 0.02 s, not 0.1 s
     rc = context.run_config
     run_experiment(grid, str(rc.get("config", "configs/default.yaml")), str(rc.get("overrides", "")),
                    str(rc.get("output-dir", "")), resume_dir=str(rc.get("resume-dir", "")))

@@ -86,8 +86,9 @@ class CpuSampler:
             for pid in alive:
                 key = (pid, stats[pid][1])
                 self.seen[key] = stats[pid][2]
-                if self.roles.get(key, "other") == "other":  # a fresh process may not have its command line yet
-                    self.roles[key] = role_of(cmdline(pid))
+                role = role_of(cmdline(pid))  # read every time: a Ray worker process becomes a ClientAppActor
+                if role != "other" or key not in self.roles:  # (an exiting process's command line reads empty)
+                    self.roles[key] = role
             self.timeline.append((time.time(), self.marker() if self.marker else 0, self.by_role()))
             self._stop.wait(self.interval)
 

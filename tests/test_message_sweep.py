@@ -138,3 +138,16 @@ def test_install_can_be_turned_off(monkeypatch):
 def test_install_is_a_no_op_where_flowers_engine_is_not_loaded(monkeypatch):
     monkeypatch.delitem(__import__("sys").modules, message_sweep.VCE_MODULE)
     assert not message_sweep.install() and message_sweep.in_use() is None
+
+
+def test_the_simulation_grid_polls_for_replies_every_interval(monkeypatch):
+    monkeypatch.delenv(message_sweep.ENV, raising=False)
+    factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
+    grid = InMemoryGrid(state_factory=factory)
+    assert grid.pull_interval == 0.1  # Flower's
+    assert message_sweep.poll_replies_often(grid) and grid.pull_interval == message_sweep.INTERVAL < 0.1
+    other = type("DeploymentGrid", (), {"pull_interval": 3.0})()
+    assert not message_sweep.poll_replies_often(other) and other.pull_interval == 3.0
+    monkeypatch.setenv(message_sweep.ENV, "flower")
+    kept = InMemoryGrid(state_factory=factory)
+    assert not message_sweep.poll_replies_often(kept) and kept.pull_interval == 0.1
