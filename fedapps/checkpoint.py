@@ -10,9 +10,11 @@ itself after each message, see :mod:`fedapps.worker`); the token tells a resumed
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 import yaml
 
@@ -24,14 +26,43 @@ FORMAT = 1
 IGNORED_KEYS = HASH_EXCLUDED  # where a run is written (and tracked) may differ between the run and its resumption
 
 
+def ndarray_from_tensor(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy array saved by :class:`ArrayPickler`, back as numpy (sharing the loaded tensor's memory)."""
+    return tensor.numpy()
+
+
+class ArrayPickler(pickle.Pickler):
+    """torch.save's pickler, with every numpy array (anywhere in the object) stored as a torch tensor: torch writes a
+    tensor's storage as raw bytes, numpy's own pickling copies it through Python bytes first — 4.6 s against 0.5 s
+    for 400 MB here (cwFedAvg's per-client stack is checkpointed every round). Loads back as numpy
+    (:func:`ndarray_from_tensor`); dtypes torch lacks and non-native byte orders keep numpy's pickling."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is np.ndarray and obj.dtype.isnative and obj.dtype.kind in "biufc" and obj.dtype != np.uint64:
+            try:
+                return ndarray_from_tensor, (torch.from_numpy(np.ascontiguousarray(obj)),)
+            except (TypeError, ValueError):  # a dtype this torch does not know
+                pass
+        return NotImplemented
+
+
+class _ArrayPickleModule:
+    """What torch.save needs of a pickle module: ours only differs in its Pickler."""
+
+    Pickler = ArrayPickler
+    Unpickler = pickle.Unpickler
+    dump, load, loads = pickle.dump, pickle.load, pickle.loads
+
+
 def atomic_save(obj: Any, path: str | Path) -> None:
     """torch.save to a temporary file next to ``path``, flushed to disk, then renamed over it: a reader (or a
-    resumed run after SIGKILL) sees the old file or the new one, never half of one."""
+    resumed run after SIGKILL) sees the old file or the new one, never half of one. Numpy arrays are written as
+    tensors (:class:`ArrayPickler`) and read back as numpy."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with tmp.open("wb") as fh:
-        torch.save(obj, fh)
+        torch.save(obj, fh, pickle_module=_ArrayPickleModule)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
