@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import re
-import shlex
 import shutil
 import signal
 import socket
@@ -28,10 +27,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from fedapps.config import APP_DIR, ConfigError, ExperimentConfig, load_config, source_slug
+from fedapps.config import ConfigError, ExperimentConfig, load_config, source_slug
 from fedapps.results import UnusableRun
 from fedapps_tools.flwrcli import (CONNECTION, RunFailed, _proc_stat, descendants, failure_reasons,
-                                   flower_env, flwr_json, follow_run, stop_processes, toml_str)
+                                   flower_env, follow_run, stop_processes, submit_run, toml_str)
 from fedapps_tools import raycluster
 
 
@@ -178,13 +177,7 @@ def start_run(cfg: ExperimentConfig, config_path: Path, overrides: list[str], ou
         f"output-dir={toml_str(str(output_dir))}",
         f"resume-dir={toml_str(str(getattr(args, 'resume', None) or ''))}",
     ])
-    cmd = ["flwr", "run", str(APP_DIR), CONNECTION, "--format", "json", "--run-config", run_config,
-           "--federation-config", federation_config(cfg, args)]
-    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    doc = flwr_json(cmd, env)
-    if not doc.get("success") or not doc.get("run-id"):
-        raise RunFailed(f"`flwr run` did not start the run: {json.dumps(doc)[:2000]}")
-    return str(doc["run-id"])
+    return submit_run(CONNECTION, run_config, env, ["--federation-config", federation_config(cfg, args)])
 
 
 def new_superlink(ray_address: str | None) -> OwnSuperLink:

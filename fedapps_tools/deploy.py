@@ -21,7 +21,6 @@ import ipaddress
 import json
 import os
 import re
-import shlex
 import shutil
 import socket
 import subprocess
@@ -30,8 +29,8 @@ import time
 from pathlib import Path
 
 from fedapps.config import APP_DIR, ConfigError, load_config
-from fedapps_tools.flwrcli import (RunFailed, _alive, _proc_stat, descendants, failure_reasons, flower_env, flwr_json,
-                                    follow_run, stop_processes, toml_str)
+from fedapps_tools.flwrcli import (RunFailed, _alive, _proc_stat, descendants, failure_reasons, flower_env,
+                                    follow_run, stop_processes, submit_run, toml_str)
 
 CA_CERT, CA_KEY = "ca.crt", "ca.key"
 SERVER_CERT, SERVER_KEY = "server.pem", "server.key"
@@ -340,12 +339,7 @@ def run_on_link(config: str, link: str, overrides: list[str], output_dir: str, f
     env = flower_env()
     run_config = " ".join([f"config={toml_str(rel)}", f"overrides={toml_str(' '.join(overrides))}",
                            f"output-dir={toml_str(output_dir)}", "resume-dir=\"\""])
-    cmd = ["flwr", "run", str(APP_DIR), link, "--format", "json", "--run-config", run_config]
-    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    doc = flwr_json(cmd, env)
-    if not doc.get("success") or not doc.get("run-id"):
-        raise RunFailed(f"`flwr run` did not start the run: {json.dumps(doc)[:2000]}")
-    run_id = str(doc["run-id"])
+    run_id = submit_run(link, run_config, env)
     print(f"run {run_id} started on '{link}'", flush=True)
     status, lines = follow_run(run_id, env, quiet, None, connection=link)
     remote = results_dir(lines)

@@ -99,6 +99,67 @@ def _signal(pid: int, started: int | None, sig: int) -> None:
         pass
 
 
+def app_files(app_dir: Path) -> dict[str, Path]:
+    """The files under ``app_dir`` Flower's FAB builder may take, found without entering the directories the app's
+    .gitignore ignores as a whole (`.venv/`, `results/`, ...).
+
+    `flwr run DIR` lists EVERY file under DIR before it filters by .gitignore and its include rules
+    (``flwr.cli.utils.collect_files``): with the virtual environment inside the app folder, as `make` sets it up,
+    that is ~60,000 paths, each resolved — most of the `submit` part of a run's start-up (README "Start-up"). What
+    this returns filters down to the same FAB (``tests/test_flwrcli.py`` compares both on this repository); where
+    the .gitignore has negations (``!``) nothing is pruned."""
+    from flwr.cli.utils import build_pathspec, load_gitignore_patterns
+
+    root = Path(app_dir).resolve()
+    patterns = load_gitignore_patterns(root / ".gitignore")
+    spec = build_pathspec(tuple(patterns)) if patterns and not any(p.startswith("!") for p in patterns) else None
+    files: dict[str, Path] = {}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        rel_dir = Path(dirpath).relative_to(root)
+        if spec is not None:  # a directory ignored as a whole: it and anything under it
+            dirnames[:] = [d for d in dirnames if not (spec.match_file((rel_dir / d).as_posix() + "/")
+                                                      and spec.match_file((rel_dir / d / "x" / "x.py").as_posix()))]
+        for name in filenames:
+            path = Path(dirpath) / name
+            if not path.is_symlink() and path.resolve().is_relative_to(root):  # as Flower: no symlinks, nothing outside
+                files[(rel_dir / name).as_posix()] = path
+    return files
+
+
+def staged_app(app_dir: Path, into: Path) -> Path:
+    """A copy of the app's files (:func:`app_files`) under ``into`` (hard links where the filesystem allows, else
+    copies): the folder to hand to `flwr run`, which then walks ~300 paths instead of the whole app folder."""
+    import shutil
+
+    into.mkdir(parents=True, exist_ok=True)
+    for rel, src in app_files(app_dir).items():
+        dst = into / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+    return into
+
+
+def submit_run(connection: str, run_config: str, env: dict[str, str], extra: list[str] = ()) -> str:
+    """`flwr run APP connection --format json --run-config ... [extra]`: the run submitted, its id returned
+    (RunFailed otherwise). The command shown is the one a user would type; it runs on the app's files staged in a
+    temporary folder (:func:`staged_app`), the same FAB without walking the virtual environment."""
+    import shlex
+    import tempfile
+
+    def command(app: Path) -> list[str]:
+        return ["flwr", "run", str(app), connection, "--format", "json", "--run-config", run_config, *extra]
+
+    print("$ " + " ".join(shlex.quote(c) for c in command(APP_DIR)), flush=True)
+    with tempfile.TemporaryDirectory(prefix="fedapps-app-") as tmp:
+        doc = flwr_json(command(staged_app(APP_DIR, Path(tmp) / APP_DIR.name)), env)
+    if not doc.get("success") or not doc.get("run-id"):
+        raise RunFailed(f"`flwr run` did not start the run: {json.dumps(doc)[:2000]}")
+    return str(doc["run-id"])
+
+
 def flwr_json(cmd: list[str], env: dict[str, str], timeout: float = 120) -> dict[str, Any]:
     """Run a `flwr ... --format json` command and return its JSON document (RunFailed when there is none)."""
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=APP_DIR, timeout=timeout,
