@@ -27,7 +27,9 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -254,13 +256,24 @@ class Tables:
         print(f"ran {m.name} on {setting} over seeds {self.spec.seeds} ({time.monotonic() - started:.0f} s)", flush=True)
 
     def run(self, settings: list[str], methods: list[Method], stages: set[str]) -> None:
-        with ThreadPoolExecutor(max_workers=self.jobs) as pool:
+        """One task per (setting, method): its tuning (on the setting it is tuned on, see ``tune_on``), then its
+        runs over the seeds; ``--jobs`` tasks at a time, in the order given. A method's rows are there as soon as
+        its own task ends (no waiting for every tuning), and a tuning two tasks share runs once."""
+        locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+        tuned: set[tuple[str, str]] = set()
+
+        def task(setting: str, m: Method) -> None:
             if "tune" in stages:
-                tuned = [s for s in settings if s not in self.spec.tune_on] + sorted(
-                    {self.spec.tune_on[s] for s in settings if s in self.spec.tune_on} - set(settings))
-                list(pool.map(lambda sm: self.tune(*sm), [(s, m) for s in tuned for m in methods]))
+                key = (self.spec.tune_on.get(setting, setting), m.name)
+                with locks[key]:
+                    if key not in tuned:
+                        self.tune(key[0], m)
+                        tuned.add(key)
             if "final" in stages:
-                list(pool.map(lambda sm: self.compare(*sm), [(s, m) for s in settings for m in methods]))
+                self.compare(setting, m)
+
+        with ThreadPoolExecutor(max_workers=self.jobs) as pool:
+            list(pool.map(lambda sm: task(*sm), [(s, m) for s in settings for m in methods]))
 
 
 # ------------------------------------------------------------------------------------------------ the report

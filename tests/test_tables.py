@@ -70,6 +70,40 @@ def test_the_specs_common_overrides_reach_every_method_before_its_own(tmp_path):
                        .method_config("a", spec.methods[0])).client.epochs != 3
 
 
+def test_each_method_is_tuned_then_run_before_the_next_and_a_shared_tuning_runs_once(tmp_path, monkeypatch):
+    """jobs=1: (setting, method) tasks in order, each its tuning then its seeds (its rows exist when it ends);
+    b reuses a's tuning (tune_on), which runs once even when both settings are asked for; with 2 jobs b's runs
+    wait for a's tuning."""
+    import threading
+    import time
+
+    spec = tables.load_spec(write_spec(tmp_path, tune_on={"b": "a"}))
+    calls = []
+    lock = threading.Lock()
+
+    def record(kind, delay):
+        def step(self, setting, m):
+            time.sleep(delay)
+            with lock:
+                calls.append((kind, setting, m.name))
+        return step
+
+    monkeypatch.setattr(tables.Tables, "tune", record("tune", 0.0))
+    monkeypatch.setattr(tables.Tables, "compare", record("compare", 0.0))
+    t = tables.Tables(spec, tmp_path / "work", "inprocess", 1)
+    t.run(["a", "b"], spec.methods[:2], {"tune", "final"})
+    assert calls == [("tune", "a", "fedavg"), ("compare", "a", "fedavg"), ("tune", "a", "fedprox"),
+                     ("compare", "a", "fedprox"), ("compare", "b", "fedavg"), ("compare", "b", "fedprox")]
+    calls.clear()
+    monkeypatch.setattr(tables.Tables, "tune", record("tune", 0.3))
+    tables.Tables(spec, tmp_path / "work", "inprocess", 2).run(["b", "a"], spec.methods[:1], {"tune", "final"})
+    assert calls.count(("tune", "a", "fedavg")) == 1
+    assert calls.index(("tune", "a", "fedavg")) < calls.index(("compare", "b", "fedavg"))
+    calls.clear()
+    t.run(["b"], spec.methods[:1], {"final"})
+    assert calls == [("compare", "b", "fedavg")]
+
+
 def test_report_lists_each_setting_the_chosen_values_and_the_validation_scores(tmp_path):
     spec = tables.load_spec(write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1]}}},
                                        settings={"a": str(BASE)}))
