@@ -180,12 +180,10 @@ def private_model(context: Context, config: Mapping[str, Any], fed: Federation, 
     arch = private_arch(context, config, client_id)
     seed = int(config.get("model.seed", 0))
     model, initial = model_skeleton(arch, fed.num_classes, tuple(fed.input_shape), seed)
-    if incoming is not None and initial.keys() <= incoming.keys():
-        pass
-    elif STATE_MODEL in context.state:
-        model.load_state_dict(context.state[STATE_MODEL].to_torch_state_dict())
-    else:
-        model.load_state_dict(initial)
+    overwritten = incoming is not None and initial.keys() <= incoming.keys()  # every value is loaded next
+    if not overwritten:
+        saved = STATE_MODEL in context.state
+        model.load_state_dict(context.state[STATE_MODEL].to_torch_state_dict() if saved else initial)
     return on_device(model, device), arch
 
 
