@@ -15,7 +15,8 @@ hands out is the same; only the order within a sweep differs (the order the mess
 the node ids). :func:`install` swaps it into Flower's engine; it is called when the ClientApp module loads, which
 Flower's simulation does in its main thread BEFORE ``run_api`` starts the sweeping thread (``start_vce`` loads the
 ClientApp to test it first). A LinkState that is not the in-memory one gets Flower's own sweep.
-Being one pass, a sweep is cheap enough to run every :data:`INTERVAL` (0.02 s) instead of 0.1 s, and
+Being one pass, a sweep is cheap enough to run every :data:`INTERVAL` (0.02 s) instead of 0.1 s (less often when
+the LinkState holds so many messages that a sweep takes over 1 ms, :func:`interval_after`), and
 :func:`poll_replies_often` has the ServerApp's in-memory grid look for replies as often: between the last reply of a
 round and the next round's first message both waits used to add ~0.1 s on average, while both workers idled
 (README "Round overhead"). ``FEDAPPS_MESSAGE_SWEEP=flower`` keeps Flower's sweep and polling (``bench/scale.py
@@ -27,6 +28,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from datetime import UTC, datetime
 from queue import Queue
 from typing import Any, Callable, Iterable
@@ -34,6 +36,15 @@ from typing import Any, Callable, Iterable
 VCE_MODULE = "flwr.server.superlink.fleet.vce.vce_api"
 ENV = "FEDAPPS_MESSAGE_SWEEP"
 INTERVAL = 0.02  # seconds between two sweeps, and between two polls of the ServerApp's grid for replies (Flower: 0.1)
+FLOWER_INTERVAL = 0.1  # Flower's own wait: never waited longer than this
+BUDGET = 20  # wait at least this many times as long as a sweep or poll took: at most ~5 % of a core on polling
+
+
+def interval_after(seconds: float) -> float:
+    """The wait after a sweep or poll that took ``seconds``: :data:`INTERVAL`, longer when the LinkState holds so
+    many messages that polling that often would cost more than 1/(BUDGET + 1) of a core (a poll over 1,000
+    outstanding messages takes ~2-3 ms here), never longer than Flower's 0.1 s."""
+    return min(FLOWER_INTERVAL, max(INTERVAL, BUDGET * seconds))
 
 
 def deliverable_messages(state: Any, node_ids: set[int]) -> list:
@@ -64,9 +75,10 @@ def one_pass_sweep(flower_sweep: Callable) -> Callable:
             return flower_sweep(state, queue, nodes_mapping, f_stop)
         node_ids = set(nodes_mapping)
         while not f_stop.is_set():
+            started = time.perf_counter()
             for message in deliverable_messages(state, node_ids):
                 queue.put(message)
-            f_stop.wait(INTERVAL)
+            f_stop.wait(interval_after(time.perf_counter() - started))
 
     add_messages_to_queue.flower_sweep = flower_sweep
     return add_messages_to_queue
@@ -97,12 +109,22 @@ def in_use() -> str | None:
 
 def poll_replies_often(grid: Any) -> bool:
     """Flower's in-memory grid (simulation) polls its LinkState for replies every 0.1 s: every :data:`INTERVAL`
-    instead (a dictionary lookup per message sent). Other grids (deployment) are left alone. True when set."""
+    instead, or as :func:`interval_after` its last poll says (a poll costs a lookup per outstanding message).
+    Other grids (deployment) are left alone. True when set."""
     if os.environ.get(ENV, "").strip().lower() == "flower":
         return False
     from flwr.superlink.grid import InMemoryGrid
 
     if not isinstance(grid, InMemoryGrid):
         return False
+    pull = grid.pull_messages
+
+    def timed_pull(message_ids: Iterable[str]) -> Iterable:
+        started = time.perf_counter()
+        replies = pull(message_ids)
+        grid.pull_interval = interval_after(time.perf_counter() - started)  # send_and_receive's next wait
+        return replies
+
+    grid.pull_messages = timed_pull
     grid.pull_interval = INTERVAL
     return True

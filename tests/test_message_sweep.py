@@ -151,3 +151,21 @@ def test_the_simulation_grid_polls_for_replies_every_interval(monkeypatch):
     monkeypatch.setenv(message_sweep.ENV, "flower")
     kept = InMemoryGrid(state_factory=factory)
     assert not message_sweep.poll_replies_often(kept) and kept.pull_interval == 0.1
+
+
+def test_the_wait_grows_with_what_a_sweep_costs_but_never_past_flowers():
+    f = message_sweep.interval_after
+    assert f(0.0) == f(0.0005) == message_sweep.INTERVAL == 0.02  # cheap: every 0.02 s
+    assert f(0.002) == pytest.approx(0.04)  # 2 ms: 20 times as long, ~5 % of a core
+    assert f(0.004) == pytest.approx(0.08) and f(0.05) == 0.1 == f(10.0)  # never longer than Flower's 0.1 s
+
+
+def test_the_grid_poll_adapts_its_interval_to_its_own_cost(monkeypatch):
+    monkeypatch.delenv(message_sweep.ENV, raising=False)
+    factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
+    grid = InMemoryGrid(state_factory=factory)
+    slow = []
+    monkeypatch.setattr(grid, "pull_messages", lambda ids: (slow.append(ids), __import__("time").sleep(0.004))[0])
+    assert message_sweep.poll_replies_often(grid)
+    grid.pull_messages({"a"})
+    assert slow == [{"a"}] and 0.08 <= grid.pull_interval <= 0.1
