@@ -92,7 +92,8 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     else:
         output_dir = output_dir or cfg.output_dir
         files = FileSink(cfg, output_dir)
-        shutil.rmtree(files.dir / checkpoint.CLIENT_STATE, ignore_errors=True)  # a previous run's client state
+        for state in (checkpoint.CLIENT_STATE, checkpoint.SERVER_STATE):  # a previous run's state files
+            shutil.rmtree(files.dir / state, ignore_errors=True)
         (files.dir / checkpoint.CHECKPOINT).unlink(missing_ok=True)
     delivery = DeliveryCheck()  # a run with no usable reply, or mostly undelivered messages, fails below
     sinks: list[ResultSink] = [files, delivery]
@@ -118,6 +119,7 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
 
     strategy = resolved.build(cfg, on_round=on_round)
     strategy.client_state = {"state-dir": str(files.dir / checkpoint.CLIENT_STATE), "state-run": token}
+    strategy.server_state_dir = str(files.dir / checkpoint.SERVER_STATE)
     if description is not None:
         strategy.excluded_nodes = set(description.excluded)
         bind_accepted(describe_validator, strategy.validator, description)

@@ -5,6 +5,8 @@ round, the resolved config as YAML, the strategy's name and state (:meth:`Person
 its algorithm attributes, the sampling RNG, node -> client map, last extras), the rows of rounds.csv so far,
 and the run's token. ``<run>/client-state/<client-id>.pt`` holds a client's private model (written by the client
 itself after each message, see :mod:`fedapps.worker`); the token tells a resumed run's files from a stale run's.
+``<run>/server-state/`` holds the strategy's per-client state that is too large to rewrite every round (cwFedAvg's
+stack), one file per client, written only when it changed (:class:`RowFiles`); checkpoint.pt names the files.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from fedapps.config import HASH_EXCLUDED, ConfigError, without_later_defaults
 
 CHECKPOINT = "checkpoint.pt"
 CLIENT_STATE = "client-state"
+SERVER_STATE = "server-state"
 FORMAT = 1
 IGNORED_KEYS = HASH_EXCLUDED  # where a run is written (and tracked) may differ between the run and its resumption
 
@@ -90,6 +93,52 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ConfigError(f"cannot resume: {path} is not a checkpoint of format {FORMAT}")
     return data
+
+
+class RowFiles:
+    """Per-client state saved incrementally: one file per key (a client id), rewritten only when its row changed.
+
+    A checkpoint must stay consistent if the process dies at any instant, so files are versioned: :meth:`save`
+    writes the changed rows under a new version and returns the map key -> file name that the checkpoint stores;
+    the files it supersedes are deleted by the NEXT save, which the round loop calls only after the checkpoint
+    naming the new files has replaced the old one (a crash in between leaves the old checkpoint and the files it
+    names). :meth:`restore` adopts a checkpoint's map and deletes every other file (superseded, or written for a
+    checkpoint that was never committed)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.names: dict[int, str] = {}  # key -> the file holding its row in the last save
+        self.version = 0  # of the last save
+        self.superseded: list[str] = []  # files the last save replaced: deleted by the next save
+
+    def save(self, rows: Mapping[int, Any]) -> dict[int, str]:
+        """Write ``rows`` (key -> the changed row's data) as a new version; the map of every key's file."""
+        for name in self.superseded:
+            (self.directory / name).unlink(missing_ok=True)
+        self.superseded = []
+        self.version += 1
+        for key, data in rows.items():
+            name = f"{int(key)}.v{self.version}.pt"
+            atomic_save(data, self.directory / name)
+            if key in self.names:
+                self.superseded.append(self.names[key])
+            self.names[int(key)] = name
+        return dict(self.names)
+
+    def restore(self, names: Mapping[int, str], version: int) -> dict[int, Any]:
+        """Adopt a checkpoint's map (saving continues after ``version``) and read back every key's row."""
+        self.names, self.version, self.superseded = dict(names), int(version), []
+        named = set(self.names.values())
+        if self.directory.is_dir():
+            for path in self.directory.iterdir():
+                if path.name not in named:
+                    path.unlink()
+        missing = [name for name in named if not (self.directory / name).is_file()]
+        if missing:
+            raise ConfigError(f"cannot resume: {len(missing)} server-state file(s) named by the checkpoint are "
+                              f"missing from '{self.directory}' (e.g. {sorted(missing)[0]}); the run folder is "
+                              "incomplete — restore it whole or start the run again")
+        return {key: load(self.directory / name) for key, name in self.names.items()}
 
 
 def config_differences(saved_yaml: str, given_yaml: str) -> list[str]:

@@ -143,7 +143,7 @@ class PersonalisedStrategy(Strategy):
     # every class in the MRO count.
     checkpoint_exclude: ClassVar[frozenset[str]] = frozenset(
         {"cfg", "params", "on_round", "rng", "node_to_client", "last_extra", "client_state", "rule", "validator",
-         "_checked", "last_measured", "excluded_nodes"})
+         "_checked", "last_measured", "excluded_nodes", "server_state_dir"})
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -209,6 +209,9 @@ class PersonalisedStrategy(Strategy):
         # where clients keep their private model across a resumption: {"state-dir": ..., "state-run": token};
         # set by the app driver, sent in every message (see fedapps.worker); empty: clients keep it in memory only
         self.client_state: dict[str, str] = {}
+        # where the strategy may keep per-client state too large to rewrite in checkpoint.pt every round (see
+        # fedapps.checkpoint.RowFiles; cwFedAvg's stack); set by the app driver; None: everything goes in checkpoint.pt
+        self.server_state_dir: str | None = None
         # nodes refused before round 1 (data.source 'nodes': their data do not fit, see fedapps.describe): never sampled
         self.excluded_nodes: set[int] = set()
 

@@ -61,7 +61,7 @@ import torch
 from flwr.app import Message
 from torch import Tensor, nn
 
-from fedapps import protocol
+from fedapps import checkpoint, protocol
 from fedapps.clientops import client_op, training_term
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.data import get_federation, spec_info
@@ -235,21 +235,39 @@ def l1_error(p_hat: np.ndarray, p_true: np.ndarray) -> float:
 # --------------------------------------------------------------------------- server state
 
 
-class ModelStack:
-    """The latest uploaded arrays of every client seen, for the given keys only: one (rows × shape) array per
-    key, rows by client id (cwFedAvg: the class-wise keys, plus the shared float keys under ``mix: latest``)."""
+@dataclass
+class SavedStack:
+    """A :class:`ModelStack` in a checkpoint: its layout, and its rows' files in ``server-state/`` (RowFiles)."""
 
-    def __init__(self, template: Mapping[str, np.ndarray], capacity: int) -> None:
+    template: dict[str, np.ndarray]
+    stacked: list[str]
+    capacity: int
+    row_of: dict[int, int]
+    files: dict[int, str]  # client id -> file name
+    version: int
+
+
+class ModelStack:
+    """The latest uploaded arrays of every client seen, for the template's keys. The ``stacked`` keys (what the
+    mixing multiplies: cwFedAvg's class-wise keys) live in one (rows × shape) array per key, rows by client id,
+    doubling as clients are heard from; the other keys (cwFedAvg's shared float keys under ``mix: latest``, a
+    whole model per client, only ever read one client at a time) are kept per client, so that growing the stack
+    never copies whole models (at 1,000 clients that copying cost more than a round's aggregation)."""
+
+    def __init__(self, template: Mapping[str, np.ndarray], capacity: int, stacked: list[str] | None = None) -> None:
         self.template = {k: np.asarray(v) for k, v in template.items()}
         self.capacity = max(1, capacity)
-        self.arrays = {k: np.zeros((self.capacity,) + v.shape, v.dtype) for k, v in self.template.items()}
+        self.arrays = {k: np.zeros((self.capacity,) + self.template[k].shape, self.template[k].dtype)
+                       for k in (self.template if stacked is None else stacked)}
+        self.loose: dict[int, dict[str, np.ndarray]] = {}  # client id -> its arrays of the keys not stacked
         self.row_of: dict[int, int] = {}
+        self.changed: set[int] = set()  # clients whose arrays were put since the last save_rows
 
     def __len__(self) -> int:
         return len(self.row_of)
 
     def row(self, client_id: int) -> int:
-        """The row of a client, allocating one (and growing the stack) on first sight."""
+        """The row of a client, allocating one (and growing the stacked arrays) on first sight."""
         if client_id not in self.row_of:
             if len(self.row_of) == self.capacity:
                 self.capacity *= 2
@@ -262,10 +280,38 @@ class ModelStack:
         r = self.row(client_id)
         for k, a in self.arrays.items():
             a[r] = arrays[k]
+        if len(self.arrays) < len(self.template):
+            self.loose[client_id] = {k: np.array(arrays[k], dtype=v.dtype) for k, v in self.template.items()
+                                     if k not in self.arrays}
+        self.changed.add(client_id)
         return r
 
+    def get(self, client_id: int, key: str) -> np.ndarray:
+        """A client's latest array of ``key`` (a client put before)."""
+        if key in self.arrays:
+            return self.arrays[key][self.row_of[client_id]]
+        return self.loose[client_id][key]
+
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
+        return sum(a.nbytes for a in self.arrays.values()) + sum(
+            a.nbytes for arrays in self.loose.values() for a in arrays.values())
+
+    def save_rows(self, files: checkpoint.RowFiles) -> SavedStack:
+        """The clients put since the last save written to ``files`` (one file per client); the stack's layout
+        and the files' map for the checkpoint (restored by :meth:`from_saved`)."""
+        names = files.save({c: {k: np.array(self.get(c, k)) for k in self.template} for c in sorted(self.changed)})
+        self.changed.clear()
+        return SavedStack(dict(self.template), list(self.arrays), self.capacity, dict(self.row_of), names,
+                          files.version)
+
+    @classmethod
+    def from_saved(cls, saved: SavedStack, files: checkpoint.RowFiles) -> ModelStack:
+        stack = cls(saved.template, saved.capacity, saved.stacked)
+        rows = files.restore(saved.files, saved.version)
+        for client in sorted(saved.row_of, key=saved.row_of.__getitem__):  # the same rows, in the same order
+            stack.put(client, rows[client])
+        stack.changed.clear()
+        return stack
 
 
 def add_weighted(total: dict[str, np.ndarray], arrays: Mapping[str, np.ndarray], weight: float) -> None:
@@ -286,6 +332,7 @@ class CwFedAvg(PersonalisedStrategy):
 
     name = "cwfedavg"
     Params = CwFedAvgParams
+    checkpoint_exclude = frozenset({"stack_files"})  # the stack's files: state_dict writes them, the map is state
     deployed = DeployedModel("client i's personalised model formed from round r's uploads (what it receives in "
                              "round r+1)", source="message")
 
@@ -327,7 +374,7 @@ class CwFedAvg(PersonalisedStrategy):
         per_client = self.classwise + (self.shared_float if p.mix == "latest" else [])
         # rows for one cohort to start with; the stack doubles as new clients are heard from, so memory (and the
         # checkpoint written every round) follow the clients heard from, not the federation
-        self.stack = ModelStack({k: self.initial[k] for k in per_client}, self.cohort_size(m))
+        self.stack = ModelStack({k: self.initial[k] for k in per_client}, self.cohort_size(m), self.classwise)
         self.sums: dict[str, np.ndarray] = {}  # Σ_l n_l w_l (float64) of the shared float keys over the mixed set
         self.n = np.zeros(self.stack.capacity)
         self.p_hat = np.full((self.stack.capacity, self.num_classes), 1.0 / self.num_classes)
@@ -341,6 +388,7 @@ class CwFedAvg(PersonalisedStrategy):
         self.sent_bias: dict[int, np.ndarray] = {}  # node id -> classifier bias it was sent
         self.true_p = _true_distributions(cfg) if p.track_estimation_error else None
         self.snapshots: dict[str, tuple[int, np.ndarray, np.ndarray]] = {}  # 'first'/'last' -> (round, ids, p̃)
+        self.stack_files: checkpoint.RowFiles | None = None  # where state_dict writes the stack's rows
         log.info("cwfedavg: %d of %d parameter tensors class-wise (%s), estimator %s, WDR λ=%g, mix %s, buffers %s",
                  len(self.classwise), len(params), p.layers, p.estimator, p.wdr_lambda, p.mix, p.buffers)
 
@@ -433,7 +481,7 @@ class CwFedAvg(PersonalisedStrategy):
         row = self.stack.row(r.client_id)
         self._ensure_rows(self.stack.capacity)
         if p.mix == "latest" and self.estimated[row]:  # its previous upload leaves the sum
-            add_weighted(self.sums, {k: self.stack.arrays[k][row] for k in self.sums}, -float(self.n[row]))
+            add_weighted(self.sums, {k: self.stack.get(r.client_id, k) for k in self.sums}, -float(self.n[row]))
         # shared arrays in the template dtypes, so what enters the sum is what the stack keeps (and later removes)
         add_weighted(self.sums, {k: np.asarray(r.arrays[k], self.initial[k].dtype) for k in self.sums},
                      float(r.num_examples))
@@ -449,20 +497,43 @@ class CwFedAvg(PersonalisedStrategy):
         self.p_hat[row] = chosen
         self.estimated[row] = True
 
+    def state_dict(self) -> dict[str, Any]:
+        """The state, with the stack's changed rows written to ``server-state/stack/`` (when the driver gave a
+        folder) rather than the whole stack into checkpoint.pt every round: under partial participation the
+        stack holds every client heard from, a round changes a cohort's rows."""
+        state = super().state_dict()
+        if self.server_state_dir is not None:
+            state["stack"] = self.stack.save_rows(self._stack_files())
+        return state
+
+    def _stack_files(self) -> checkpoint.RowFiles:
+        if self.stack_files is None:
+            self.stack_files = checkpoint.RowFiles(f"{self.server_state_dir}/stack")
+        return self.stack_files
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a checkpoint; one written before the stack kept only the class-wise keys (whole models, no
-        running sum) is converted: the sum rebuilt from the stacked models (`latest`), the other keys dropped."""
+        """Restore a checkpoint (the stack from its files, see :meth:`state_dict`). A checkpoint from before the
+        stack kept its per-client keys apart (every key stacked; earlier still, whole models and no running sum)
+        is converted: the keys this configuration keeps per client taken over, the sum rebuilt (`latest`)."""
+        saved = state.get("stack")
+        if isinstance(saved, SavedStack):
+            if self.server_state_dir is None:
+                raise ValueError("cwfedavg: this checkpoint keeps the stack in server-state files; set "
+                                 "server_state_dir (the run folder's server-state) before loading it")
+            state = {**state, "stack": ModelStack.from_saved(saved, self._stack_files())}
         super().load_state_dict(state)
-        keep = set(self.classwise) | (set(self.shared_float) if self.params.mix == "latest" else set())
-        extra = [k for k in self.stack.arrays if k not in keep]
-        if not extra:
+        if hasattr(self.stack, "loose"):
             return
+        old = self.stack
+        keep = self.classwise + (self.shared_float if self.params.mix == "latest" else [])
+        self.stack = ModelStack({k: old.template[k] for k in keep}, old.capacity, self.classwise)
+        for client in sorted(old.row_of, key=old.row_of.__getitem__):  # every row is written by the next save
+            self.stack.put(client, {k: old.arrays[k][old.row_of[client]] for k in keep})
         if "sums" not in state and self.params.mix == "latest" and self.estimated.any():
             self.sums = {k: np.zeros(self.initial[k].shape, np.float64) for k in self.shared_float}
-            for row in np.flatnonzero(self.estimated):
-                add_weighted(self.sums, {k: self.stack.arrays[k][row] for k in self.sums}, float(self.n[row]))
-        for k in extra:
-            del self.stack.arrays[k], self.stack.template[k]
+            for client, row in self.stack.row_of.items():
+                if self.estimated[row]:
+                    add_weighted(self.sums, {k: self.stack.get(client, k) for k in self.sums}, float(self.n[row]))
 
     def _ensure_rows(self, rows: int) -> None:
         self.n = _grow(self.n, rows)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -364,9 +365,15 @@ def test_server_keeps_only_classwise_arrays_per_client(mix_set):
     head = ["fc.weight", "fc.bias"]
     assert s.classwise == head
     per_client = head + (s.shared_float if mix_set == "latest" else [])
-    assert sorted(s.stack.arrays) == sorted(per_client)
-    for k in per_client:
+    assert sorted(s.stack.arrays) == sorted(head)  # stacked (what the mixing multiplies)
+    for k in head:
         assert s.stack.arrays[k].shape == (s.stack.capacity,) + s.initial[k].shape
+    # the shared arrays per client, apart (growing the stack copies no whole model)
+    assert {c: sorted(v) for c, v in s.stack.loose.items()} == (
+        {c: sorted(s.shared_float) for c in range(clients)} if mix_set == "latest" else {})
+    for c in range(clients):
+        for k in per_client:
+            np.testing.assert_array_equal(s.stack.get(c, k), perturbed(s.initial, seed=c + 2)[k])
     model_bytes = sum(v.nbytes for v in s.initial.values())
     head_bytes = sum(s.initial[k].nbytes for k in head)
 
@@ -427,10 +434,12 @@ def test_checkpoint_round_trip_and_a_checkpoint_of_whole_models(monkeypatch):
     whole = ModelStack(s.initial, 5)  # the former layout: every key of every client, rows in reply order
     for c in rounds[1]:
         whole.put(c, models[1, c])
+    del whole.loose, whole.changed  # what a stack pickled by the former class lacks
     state["stack"] = whole
     del state["sums"]
     old.load_state_dict(state)
-    assert sorted(old.stack.arrays) == sorted(s.classwise + s.shared_float)
+    assert sorted(old.stack.arrays) == sorted(s.classwise) and sorted(old.stack.loose[3]) == sorted(s.shared_float)
+    assert old.stack.changed == set(rounds[1])  # the next save writes every converted row
     for strategy in (s, restored, old):
         strategy.aggregate(2, replies(2))
     for c in range(6):
@@ -438,3 +447,47 @@ def test_checkpoint_round_trip_and_a_checkpoint_of_whole_models(monkeypatch):
         for other in (restored, old):
             for key, value in other.personalised(c).items():
                 np.testing.assert_allclose(value, ref[key], rtol=1e-6, atol=1e-6, err_msg=f"{c} {key}")
+
+
+def test_checkpoint_writes_the_changed_rows_of_the_stack_only(monkeypatch, tmp_path):
+    """With a server-state folder the stack goes to one file per client, rewritten only when the client
+    replied: round 2 (2 of 5 clients) writes 2 files; a strategy restored from either checkpoint continues
+    exactly as the original (round 1's checkpoint still valid after round 2's files were written)."""
+    over = "strategy.params.cwfedavg.mix=latest"
+    counts = np.eye(10, dtype=int)[[0, 1, 0, 2, 1]] * 3 + 1
+    rounds = {1: [0, 1, 2, 3, 4], 2: [1, 3], 3: [0, 3]}
+
+    def replies(rnd):
+        return [reply(c, perturbed(s.initial, seed=10 * rnd + c, scale=1.0), counts[c] + rnd) for c in rounds[rnd]]
+
+    def restored(state, folder):
+        other = tiny_strategy(monkeypatch, over, clients=5)
+        other.server_state_dir = str(folder)
+        other.load_state_dict(copy.deepcopy(state))
+        return other
+
+    s = tiny_strategy(monkeypatch, over, clients=5)
+    s.server_state_dir = str(tmp_path / "run")
+    stack_dir = tmp_path / "run" / "stack"
+    s.aggregate(1, replies(1))
+    state1 = copy.deepcopy(s.state_dict())
+    assert sorted(p.name for p in stack_dir.iterdir()) == [f"{c}.v1.pt" for c in range(5)]
+    assert "stack" in state1 and not hasattr(state1["stack"], "arrays")  # the map, not the arrays
+    after1 = {c: s.personalised(c) for c in range(5)}
+    s.aggregate(2, replies(2))
+    state2 = copy.deepcopy(s.state_dict())
+    assert sorted(p.name for p in stack_dir.glob("*.v2.pt")) == ["1.v2.pt", "3.v2.pt"]
+
+    shutil.copytree(tmp_path / "run", tmp_path / "crashed")
+    back1 = restored(state1, tmp_path / "crashed")  # as after a crash before round 2's checkpoint replaced round 1's
+    assert sorted(p.name for p in (tmp_path / "crashed" / "stack").iterdir()) == [f"{c}.v1.pt" for c in range(5)]
+    for c in range(5):
+        for key, value in back1.personalised(c).items():
+            np.testing.assert_array_equal(value, after1[c][key], err_msg=f"{c} {key}")
+    back2 = restored(state2, tmp_path / "run")
+    for strategy in (s, back2):
+        strategy.aggregate(3, replies(3))
+    for c in range(6):
+        ref = s.personalised(c)
+        for key, value in back2.personalised(c).items():
+            np.testing.assert_allclose(value, ref[key], rtol=1e-6, atol=1e-6, err_msg=f"{c} {key}")
