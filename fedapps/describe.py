@@ -30,7 +30,6 @@ from fedapps.worker import (DESCRIBE_CLASSES, DESCRIBE_EVAL, DESCRIBE_MAX_LABEL,
 log = logging.getLogger("fedapps")
 
 PHASE = "describe"  # the phase name of rejections.csv rows (round 0)
-MESSAGE_TYPE = "query"  # Flower message type of the describe message (client_app's @app.query())
 
 
 @dataclass(frozen=True)
@@ -160,7 +159,7 @@ def fits(r: NodeReport, k: int) -> bool:
 def describe_messages(node_ids: Iterable[int], config: Mapping[str, Any]) -> list:
     """One describe message per node: the data spec (and U's fingerprint, when the run has U), nothing to keep."""
     settings = {**config, "persist-model": False, "save-model": False}
-    return [protocol.build_message(int(n), 0, [DESCRIBE_OP], settings, message_type=MESSAGE_TYPE) for n in node_ids]
+    return [protocol.build_message(int(n), 0, [DESCRIBE_OP], settings, message_type=protocol.QUERY_MESSAGE_TYPE) for n in node_ids]
 
 
 def describe_nodes(grid: Any, config: Mapping[str, Any], num_clients: int, timeout: float,
@@ -176,7 +175,7 @@ def describe_nodes(grid: Any, config: Mapping[str, Any], num_clients: int, timeo
     messages = describe_messages(nodes, config)
     validator.expect(messages)
     replies = list(grid.send_and_receive(messages, timeout=timeout))
-    outcome = validator.check(0, replies, MESSAGE_TYPE)
+    outcome = validator.check(0, replies, protocol.QUERY_MESSAGE_TYPE)
     rejections = [Rejection(0, PHASE, r.node_id, r.client_id, r.reason) for r in outcome.rejections]
     reports: list[NodeReport] = []
     for r in outcome.accepted:

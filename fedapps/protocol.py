@@ -77,6 +77,7 @@ def companion_name(tag: str) -> str | None:
 
 MESSAGE_TYPE = "train"  # every round message is one Flower "train" message
 EVAL_MESSAGE_TYPE = "evaluate"  # evaluation-only messages (the deployed models after the last round)
+QUERY_MESSAGE_TYPE = "query"  # before round 1: describe the node's data, or identify which client a node is
 
 
 def flatten(prefix: str, values: Mapping[str, Any]) -> dict[str, Any]:

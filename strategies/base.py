@@ -349,11 +349,11 @@ class PersonalisedStrategy(Strategy):
         if not node_ids:
             return
         settings = {**self.base_config(), "return-arrays": False, "persist-model": False, "save-model": False}
-        messages = [protocol.build_message(n, 0, [], settings, message_type=IDENTIFY_MESSAGE_TYPE) for n in node_ids]
+        messages = [protocol.build_message(n, 0, [], settings, message_type=protocol.QUERY_MESSAGE_TYPE) for n in node_ids]
         self.validator.expect(messages)
         t0 = time.time()
         replies = grid.send_and_receive(messages, timeout=self.cfg.strategy.timeout)
-        outcome = self.validator.check(0, replies, IDENTIFY_MESSAGE_TYPE)
+        outcome = self.validator.check(0, replies, protocol.QUERY_MESSAGE_TYPE)
         for r in outcome.accepted:
             self.node_to_client[r.node_id] = r.client_id
         log.info("identified %d of %d nodes before sampling (%.1f s)", len(outcome.accepted), len(node_ids),
@@ -608,7 +608,6 @@ def round_metrics(entry: RoundLog) -> MetricRecord:
     return MetricRecord(out)
 
 
-IDENTIFY_MESSAGE_TYPE = "query"  # the identification message (client_app's @app.query(), as describe)
 
 
 def by_client_id(node_ids: list[int], node_to_client: Mapping[int, int]) -> list[int]:
