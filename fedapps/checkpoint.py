@@ -118,11 +118,12 @@ class RowFiles:
         self.superseded = []
         self.version += 1
         for key, data in rows.items():
-            name = f"{int(key)}.v{self.version}.pt"
+            key = int(key)
+            name = f"{key}.v{self.version}.pt"
             atomic_save(data, self.directory / name)
             if key in self.names:
                 self.superseded.append(self.names[key])
-            self.names[int(key)] = name
+            self.names[key] = name
         return dict(self.names)
 
     def restore(self, names: Mapping[int, str], version: int) -> dict[int, Any]:

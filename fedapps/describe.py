@@ -159,7 +159,8 @@ def fits(r: NodeReport, k: int) -> bool:
 def describe_messages(node_ids: Iterable[int], config: Mapping[str, Any]) -> list:
     """One describe message per node: the data spec (and U's fingerprint, when the run has U), nothing to keep."""
     settings = {**config, "persist-model": False, "save-model": False}
-    return [protocol.build_message(int(n), 0, [DESCRIBE_OP], settings, message_type=protocol.QUERY_MESSAGE_TYPE) for n in node_ids]
+    return [protocol.build_message(int(n), 0, [DESCRIBE_OP], settings, message_type=protocol.QUERY_MESSAGE_TYPE)
+            for n in node_ids]
 
 
 def describe_nodes(grid: Any, config: Mapping[str, Any], num_clients: int, timeout: float,

@@ -608,8 +608,6 @@ def round_metrics(entry: RoundLog) -> MetricRecord:
     return MetricRecord(out)
 
 
-
-
 def by_client_id(node_ids: list[int], node_to_client: Mapping[int, int]) -> list[int]:
     """``node_ids`` ordered by the client each serves; nodes of unknown client last, by node id."""
     unknown = float("inf")

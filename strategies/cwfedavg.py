@@ -372,8 +372,8 @@ class CwFedAvg(PersonalisedStrategy):
         m = cfg.data.num_clients
         # per client: the class-wise arrays; under `latest` also the shared float arrays (see the module docstring)
         per_client = self.classwise + (self.shared_float if p.mix == "latest" else [])
-        # rows for one cohort to start with; the stack doubles as new clients are heard from, so memory (and the
-        # checkpoint written every round) follow the clients heard from, not the federation
+        # rows for one cohort to start with; the stack grows as new clients are heard from, so memory follows the
+        # clients heard from, not the federation (and a checkpoint writes the rows a round changed, see state_dict)
         self.stack = ModelStack({k: self.initial[k] for k in per_client}, self.cohort_size(m), self.classwise)
         self.sums: dict[str, np.ndarray] = {}  # Σ_l n_l w_l (float64) of the shared float keys over the mixed set
         self.n = np.zeros(self.stack.capacity)
