@@ -344,6 +344,7 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
     for setting in spec.settings:
         rows: dict[str, tuple[dict[str, str], dict[str, Any]]] = {}
         carried_here: list[str] = []
+        short: dict[str, list[str]] = {}  # method label -> its runs that lost replies
         for m in spec.methods:
             f = tables.compare_dir(setting, m) / "comparison.csv"
             found = {r["config"]: r for r in read_rows(f)} if f.is_file() else {}
@@ -372,8 +373,11 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
                 continue
             r, chosen = rows[m.name]
             after, after_sem = r.get("accuracy_after_training_mean"), r.get("accuracy_after_training_mean_sem")
+            lost = delivery_shortfalls(run_folders(tables, setting, m))
+            if lost:
+                short[m.label] = lost
             lines.append(
-                f"| {m.label} | {number(r['accuracy_mean'])} ± {number(r['accuracy_mean_sem'])} | "
+                f"| {m.label}{' ⚠' if lost else ''} | {number(r['accuracy_mean'])} ± {number(r['accuracy_mean_sem'])} | "
                 f"{number(r['accuracy_weighted'])} ± {number(r['accuracy_weighted_sem'])} | "
                 f"{pm(r, 'accuracy_worst10')} | {pm(r, 'accuracy_std')} | "
                 f"{number(after) + ' ± ' + number(after_sem) if after else '—'} | "
@@ -381,7 +385,12 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
                 f"{number(r['wall_seconds'], 0)} | {', '.join(f'{k}={v}' for k, v in chosen.items()) or '(no grid)'} |")
             measured = {k: v for k, v in r.items() if k not in ("setting", "method") and not k.startswith("chosen:")}
             csv_rows.append({"setting": setting, "method": m.name, **measured,
+                             **({"lost_replies": "; ".join(lost)} if lost else {}),
                              **{f"chosen:{k}": v for k, v in chosen.items()}})
+        if short:
+            lines += ["", "⚠ **Runs that lost replies** (less training than the protocol's budget, e.g. a round that "
+                      "timed out; rerun them before citing the row): "
+                      + "; ".join(f"{label}: {', '.join(runs)}" for label, runs in short.items()) + "."]
         figure = setting_figure(tables, setting, out)
         if figure is not None:
             lines += ["", f"![{setting}: accuracy of the deployed models per round, mean ± SEM over seeds]({figure.name})"]
@@ -434,6 +443,20 @@ def run_folders(tables: Tables, setting: str, m: Method) -> list[Path]:
     runs_dir = tables.compare_dir(setting, m) / "runs"
     return [d for seed in tables.spec.seeds for d in sorted(runs_dir.glob(f"*-s{seed}"))
             if (d / "rounds.csv").is_file() and (d / "summary.json").is_file()]
+
+
+def delivery_shortfalls(folders: list[Path]) -> list[str]:
+    """The runs among ``folders`` that lost replies, each as "seed <s>: <n> replies missing, rounds skipped [...]":
+    a run whose round timed out (or whose clients failed) trained less than the protocol's budget."""
+    out = []
+    for d in folders:
+        rows = read_csv(d / "rounds.csv")
+        missing = sum(int(r.get("replies_missing") or 0) for r in rows)
+        skipped = [int(r["round"]) for r in rows if r.get("skipped")]
+        if missing or skipped:
+            seed = d.name.rpartition("-s")[2]
+            out.append(f"seed {seed}: {missing} replies missing" + (f", rounds skipped {skipped}" if skipped else ""))
+    return out
 
 
 def final_client_accuracies(rows: list[dict[str, Any]]) -> list[float]:

@@ -265,3 +265,34 @@ def test_fairness_columns_are_recomputed_from_the_runs_per_client_accuracies(tmp
     assert got["accuracy_worst10"] == pytest.approx(0.3) and got["accuracy_worst10_sem"] == pytest.approx(0.1)
     std0, std1 = np.std([0.2, 0.9, 0.8, 0.7]), np.std([0.4, 0.9, 0.9, 0.9])  # population std
     assert got["accuracy_std"] == pytest.approx((std0 + std1) / 2)
+
+
+def test_runs_that_lost_replies_are_flagged_in_the_report(tmp_path):
+    """A table row whose runs missed replies or skipped a round (a round that timed out) is marked, and the
+    report names each such run; complete runs are not."""
+    spec = tables.load_spec(write_spec(tmp_path, methods={"fedavg": {}}, settings={"a": str(BASE)}, seeds=[0, 1, 2]))
+    t = tables.Tables(spec, tmp_path / "work", "inprocess", 1)
+    m = spec.methods[0]
+    runs = t.compare_dir("a", m) / "runs"
+    keys = ["round", "acc_mean", "replies_missing", "skipped"]
+    lost = {0: [(1, 0.5, 0, 0), (2, 0.6, 0, 0)], 1: [(1, 0.5, 3, 0), (2, 0.6, 0, 0)], 2: [(1, 0.5, 0, 0), (2, "", 4, 1)]}
+    for seed, rows in lost.items():
+        d = runs / f"fedavg-s{seed}"
+        d.mkdir(parents=True)
+        tables.write_csv(d / "rounds.csv", keys, [dict(zip(keys, r)) for r in rows])
+        (d / "summary.json").write_text("{}")
+    assert tables.delivery_shortfalls(sorted(runs.iterdir())) == [
+        "seed 1: 3 replies missing", "seed 2: 4 replies missing, rounds skipped [2]"]
+    with open(t.compare_dir("a", m) / "comparison.csv", "w", newline="") as f:
+        cols = ["config", "strategy", "seeds", "accuracy_mean", "accuracy_mean_sem", "accuracy_weighted",
+                "accuracy_weighted_sem", "bytes_up_per_client_round", "bytes_down_per_client_round", "wall_seconds"]
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerow(dict(zip(cols, ["fedavg", "fedavg", 3, 0.6, 0.01, 0.6, 0.01, 1048576, 1048576, 9])))
+    md = tables.report(spec, tmp_path / "work", tmp_path / "docs").read_text()
+    assert "| fedavg ⚠ | 0.600 ± 0.010 |" in md
+    assert "fedavg: seed 1: 3 replies missing, seed 2: 4 replies missing, rounds skipped [2]." in md
+    for seed in (1, 2):  # rerun complete
+        tables.write_csv(runs / f"fedavg-s{seed}" / "rounds.csv", keys, [dict(zip(keys, r)) for r in lost[0]])
+    md = tables.report(spec, tmp_path / "work", tmp_path / "docs").read_text()
+    assert "| fedavg | 0.600 ± 0.010 |" in md and "lost replies" not in md
