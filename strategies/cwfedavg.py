@@ -305,12 +305,20 @@ class ModelStack:
                           files.version)
 
     @classmethod
+    def filled(cls, template: Mapping[str, np.ndarray], capacity: int, stacked: list[str],
+               row_of: Mapping[int, int], arrays_of: Any) -> ModelStack:
+        """A stack holding every client of ``row_of`` in the same row, its arrays from ``arrays_of(client)``; every
+        client counts as changed (the next save writes it)."""
+        stack = cls(template, capacity, stacked)
+        for client in sorted(row_of, key=row_of.__getitem__):  # rows are allocated in order: the same rows
+            stack.put(client, arrays_of(client))
+        return stack
+
+    @classmethod
     def from_saved(cls, saved: SavedStack, files: checkpoint.RowFiles) -> ModelStack:
-        stack = cls(saved.template, saved.capacity, saved.stacked)
         rows = files.restore(saved.files, saved.version)
-        for client in sorted(saved.row_of, key=saved.row_of.__getitem__):  # the same rows, in the same order
-            stack.put(client, rows[client])
-        stack.changed.clear()
+        stack = cls.filled(saved.template, saved.capacity, saved.stacked, saved.row_of, rows.__getitem__)
+        stack.changed.clear()  # every row is in its file already
         return stack
 
 
@@ -526,9 +534,8 @@ class CwFedAvg(PersonalisedStrategy):
             return
         old = self.stack
         keep = self.classwise + (self.shared_float if self.params.mix == "latest" else [])
-        self.stack = ModelStack({k: old.template[k] for k in keep}, old.capacity, self.classwise)
-        for client in sorted(old.row_of, key=old.row_of.__getitem__):  # every row is written by the next save
-            self.stack.put(client, {k: old.arrays[k][old.row_of[client]] for k in keep})
+        self.stack = ModelStack.filled({k: old.template[k] for k in keep}, old.capacity, self.classwise, old.row_of,
+                                       lambda c: {k: old.arrays[k][old.row_of[c]] for k in keep})
         if "sums" not in state and self.params.mix == "latest" and self.estimated.any():
             self.sums = {k: np.zeros(self.initial[k].shape, np.float64) for k in self.shared_float}
             for client, row in self.stack.row_of.items():
