@@ -173,9 +173,13 @@ def published_choice(row: Mapping[str, Any], keys: Iterable[str]) -> dict[str, s
 
 
 class Tables:
-    def __init__(self, spec: Spec, work: Path, engine: str, jobs: int, out: Path | None = None) -> None:
-        """``out``: where the published report lives; its records stand in for tunings whose work folder is gone."""
+    def __init__(self, spec: Spec, work: Path, engine: str, jobs: int, out: Path | None = None,
+                 rerun_published: bool = False) -> None:
+        """``out``: where the published report lives; its records stand in for tunings whose work folder is gone.
+        ``rerun_published``: run the seeds of rows the published CSV already holds (to reproduce them, or to draw
+        their curves); their published tuning choices still stand."""
         self.spec, self.work, self.engine, self.jobs = spec, work, engine, jobs
+        self.rerun_published = rerun_published
         self.record_rows, self.record_scores = published(out, spec) if out is not None else ({}, {})
 
     def method_config(self, setting: str, m: Method) -> Path:
@@ -244,7 +248,8 @@ class Tables:
         ``--jobs`` at a time). A published row of the same final config (same hash) stands when its work folder
         is gone: the record of a run made on another machine or in an earlier clone."""
         row = self.record_rows.get((setting, m.name))
-        if (not (self.compare_dir(setting, m) / "comparison.csv").is_file() and row is not None
+        if (not self.rerun_published and not (self.compare_dir(setting, m) / "comparison.csv").is_file()
+                and row is not None
                 and row.get("config_hash") == self.final_hash(setting, m)):
             print(f"{m.name} on {setting}: the published row of the same config stands (no work folder here)", flush=True)
             return
@@ -536,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", default="tune,final,report", help="any of tune, final, report")
     ap.add_argument("--engine", default="inprocess", choices=("inprocess", "flower"))
     ap.add_argument("--jobs", type=int, default=1, help="fedapps sub-processes at a time (one thread each)")
+    ap.add_argument("--rerun-published", action="store_true",
+                    help="run the seeds of rows the published CSV already holds (reproduce them; draw their curves)")
     args = ap.parse_args(argv)
     try:
         spec = load_spec(args.spec)
@@ -546,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--settings: {bad} not in the spec ({', '.join(spec.settings)})")
         stages = set(args.stages.split(","))
         work = Path(args.work).resolve() / spec.name
-        Tables(spec, work, args.engine, args.jobs, Path(args.out)).run(settings, methods, stages)
+        Tables(spec, work, args.engine, args.jobs, Path(args.out), args.rerun_published).run(settings, methods, stages)
         if "report" in stages:
             print("written:", report(spec, work, Path(args.out)))
     except ConfigError as exc:

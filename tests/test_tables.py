@@ -232,7 +232,7 @@ def test_a_published_choice_stands_in_for_a_lost_tuning_only_over_the_same_grid(
 
 def test_a_published_row_of_the_same_final_config_is_not_run_again(tmp_path, monkeypatch):
     """The final stage skips a setting × method whose published row carries the hash of today's final config (a run
-    made in an earlier clone), and runs it when the config changed since."""
+    made in an earlier clone), and runs it when the config changed since, or when asked to rerun published rows."""
     spec = tables.load_spec(write_spec(tmp_path, methods={"local": {}}, settings={"a": str(BASE)}))
     m = spec.methods[0]
     docs = tmp_path / "docs"
@@ -246,6 +246,9 @@ def test_a_published_row_of_the_same_final_config_is_not_run_again(tmp_path, mon
         tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs).run(["a"], spec.methods, {"final"})
         assert len(calls) == runs
     assert calls[0][0] == "compare"
+    tables.write_csv(docs / "demo.csv", keys, [dict(zip(keys, ["a", "local", "local", 0.5, t.final_hash("a", m)]))])
+    tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs, rerun_published=True).run(["a"], spec.methods, {"final"})
+    assert len(calls) == 2 and calls[1][0] == "compare"  # --rerun-published: reproduced, not skipped
 
 
 def test_fairness_columns_are_recomputed_from_the_runs_per_client_accuracies(tmp_path):
