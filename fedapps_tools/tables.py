@@ -396,9 +396,7 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
             lines += ["", "⚠ **Runs that lost replies** (less training than the protocol's budget, e.g. a round that "
                       "timed out; rerun them before citing the row): "
                       + "; ".join(f"{label}: {', '.join(runs)}" for label, runs in short.items()) + "."]
-        figure = setting_figure(tables, setting, out)
-        if figure is not None:
-            lines += ["", f"![{setting}: accuracy of the deployed models per round, mean ± SEM over seeds]({figure.name})"]
+        lines += figure_lines(tables, setting, out, [m.label for m in spec.methods if m.name in carried_here])
         lines.append("")
     if carried:
         lines += [f"**Carried over** from the published `{spec.name}.csv` (their work folder was not present when this "
@@ -427,6 +425,21 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
     if score_rows:
         write_csv(out / f"{spec.name}-tuning.csv", ["setting", "method", "grid", "validation_scores"], score_rows)
     return md
+
+
+def figure_lines(tables: Tables, setting: str, out: Path, carried: list[str]) -> list[str]:
+    """The report's link to the setting's figure. Drawn from the runs in the work folder; a setting whose rows are
+    all carried over keeps the published figure (its runs are elsewhere), and a figure that lacks carried methods
+    says which."""
+    caption = f"{setting}: accuracy of the deployed models per round, mean ± SEM over seeds"
+    figure = setting_figure(tables, setting, out)
+    if figure is None:
+        published_figure = out / f"{tables.spec.name}-{setting}.png"
+        if not carried or not published_figure.is_file():
+            return []
+        return ["", f"![{caption} (published with the carried-over rows)]({published_figure.name})"]
+    missing = f" (not drawn: {', '.join(carried)}, carried over without their runs)" if carried else ""
+    return ["", f"![{caption}{missing}]({figure.name})"]
 
 
 def setting_lines(tables: Tables, setting: str) -> list[Any]:

@@ -299,3 +299,35 @@ def test_runs_that_lost_replies_are_flagged_in_the_report(tmp_path):
         tables.write_csv(runs / f"fedavg-s{seed}" / "rounds.csv", keys, [dict(zip(keys, r)) for r in lost[0]])
     md = tables.report(spec, tmp_path / "work", tmp_path / "docs").read_text()
     assert "| fedavg | 0.600 ± 0.010 |" in md and "lost replies" not in md
+
+
+def test_figures_keep_the_published_one_for_carried_settings_and_name_the_curves_they_lack(tmp_path):
+    """Setting a: fedavg ran here, local is carried over → a figure of fedavg that says local is not drawn.
+    Setting b: every row carried over → the published figure is linked and left as it was, not redrawn."""
+    spec = tables.load_spec(write_spec(tmp_path, methods={"fedavg": {}, "local": {}}))
+    t = tables.Tables(spec, tmp_path / "work", "inprocess", 1)
+    fedavg = spec.methods[0]
+    keys = ["round", "acc_mean"]
+    for seed in (0, 1):
+        d = t.compare_dir("a", fedavg) / "runs" / f"fedavg-s{seed}"
+        d.mkdir(parents=True)
+        tables.write_csv(d / "rounds.csv", keys, [{"round": 1, "acc_mean": 0.5}, {"round": 2, "acc_mean": 0.6}])
+        (d / "summary.json").write_text('{"strategy": "fedavg"}')
+    cols = ["config", "strategy", "seeds", "accuracy_mean", "accuracy_mean_sem", "accuracy_weighted",
+            "accuracy_weighted_sem", "bytes_up_per_client_round", "bytes_down_per_client_round", "wall_seconds"]
+    tables.write_csv(t.compare_dir("a", fedavg) / "comparison.csv", cols,
+                     [dict(zip(cols, ["fedavg", "fedavg", 2, 0.6, 0.01, 0.6, 0.01, 1048576, 1048576, 9]))])
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    rec = ["setting", "method", "config", "accuracy_mean", "accuracy_mean_sem", "accuracy_weighted",
+           "accuracy_weighted_sem", "bytes_up_per_client_round", "bytes_down_per_client_round", "wall_seconds"]
+    tables.write_csv(docs / "demo.csv", rec, [dict(zip(rec, [s, m, m, 0.5, 0.01, 0.5, 0.01, 0, 0, 3]))
+                                              for s, m in (("a", "local"), ("b", "fedavg"), ("b", "local"))])
+    (docs / "demo-b.png").write_bytes(b"published figure")
+    md = tables.report(spec, tmp_path / "work", docs).read_text()
+    assert ("(not drawn: local, carried over without their runs)](demo-a.png)" in md
+            and (docs / "demo-a.png").read_bytes().startswith(b"\x89PNG"))
+    assert "(published with the carried-over rows)](demo-b.png)" in md
+    assert (docs / "demo-b.png").read_bytes() == b"published figure"
+    (docs / "demo-b.png").unlink()  # no published figure: no link to a file that is not there
+    assert "demo-b.png" not in tables.report(spec, tmp_path / "work", docs).read_text()
