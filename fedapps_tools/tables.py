@@ -246,7 +246,7 @@ class Tables:
     def compare(self, setting: str, m: Method) -> None:
         """The method's final config over the seeds (one ``fedapps compare`` per setting × method, so they run
         ``--jobs`` at a time). A published row of the same final config (same hash) stands when its work folder
-        is gone: the record of a run made on another machine or in an earlier clone."""
+        is gone: the record of a run made on another machine or in an earlier clone (unless ``rerun_published``)."""
         row = self.record_rows.get((setting, m.name))
         if (not self.rerun_published and not (self.compare_dir(setting, m) / "comparison.csv").is_file()
                 and row is not None
