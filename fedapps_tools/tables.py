@@ -382,7 +382,8 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
             if lost:
                 short[m.label] = lost
             lines.append(
-                f"| {m.label}{' ⚠' if lost else ''} | {number(r['accuracy_mean'])} ± {number(r['accuracy_mean_sem'])} | "
+                f"| {m.label}{' ⚠' if lost else ''} | "
+                f"{number(r['accuracy_mean'])} ± {number(r['accuracy_mean_sem'])} | "
                 f"{number(r['accuracy_weighted'])} ± {number(r['accuracy_weighted_sem'])} | "
                 f"{pm(r, 'accuracy_worst10')} | {pm(r, 'accuracy_std')} | "
                 f"{number(after) + ' ± ' + number(after_sem) if after else '—'} | "
@@ -434,7 +435,7 @@ def figure_lines(tables: Tables, setting: str, out: Path, carried: list[str]) ->
     caption = f"{setting}: accuracy of the deployed models per round, mean ± SEM over seeds"
     figure = setting_figure(tables, setting, out)
     if figure is None:
-        published_figure = out / f"{tables.spec.name}-{setting}.png"
+        published_figure = figure_path(tables.spec, setting, out)
         if not carried or not published_figure.is_file():
             return []
         return ["", f"![{caption} (published with the carried-over rows)]({published_figure.name})"]
@@ -502,6 +503,11 @@ def fairness_from_runs(folders: list[Path]) -> dict[str, float]:
     return out
 
 
+def figure_path(spec: Spec, setting: str, out: Path) -> Path:
+    """Where a setting's figure is written (and, once published, found)."""
+    return out / f"{spec.name}-{setting}.png"
+
+
 def setting_figure(tables: Tables, setting: str, out: Path) -> Path | None:
     """``<out>/<name>-<setting>.png``: every method's deployed-model accuracy per round (mean over clients, and
     worst 10 % of clients where recorded), mean ± SEM over the spec's seeds — ``fedapps compare``'s plot with one
@@ -511,7 +517,7 @@ def setting_figure(tables: Tables, setting: str, out: Path) -> Path | None:
     lines = setting_lines(tables, setting)
     if not lines:
         return None
-    path = out / f"{tables.spec.name}-{setting}.png"
+    path = figure_path(tables.spec, setting, out)
     out.mkdir(parents=True, exist_ok=True)
     plot_curves(lines, path)
     return path

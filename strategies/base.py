@@ -349,7 +349,8 @@ class PersonalisedStrategy(Strategy):
         if not node_ids:
             return
         settings = {**self.base_config(), "return-arrays": False, "persist-model": False, "save-model": False}
-        messages = [protocol.build_message(n, 0, [], settings, message_type=protocol.QUERY_MESSAGE_TYPE) for n in node_ids]
+        messages = [protocol.build_message(n, 0, [], settings, message_type=protocol.QUERY_MESSAGE_TYPE)
+                    for n in node_ids]
         self.validator.expect(messages)
         t0 = time.time()
         replies = grid.send_and_receive(messages, timeout=self.cfg.strategy.timeout)

@@ -28,6 +28,23 @@ def write_spec(tmp_path: Path, **extra) -> Path:
     return p
 
 
+COMPARISON_COLUMNS = ["config", "strategy", "seeds", "accuracy_mean", "accuracy_mean_sem", "accuracy_weighted",
+                      "accuracy_weighted_sem", "bytes_up_per_client_round", "bytes_down_per_client_round",
+                      "wall_seconds"]
+
+
+def write_comparison(folder: Path, values: list) -> None:
+    """``folder/comparison.csv`` with one row: ``values`` in the order of COMPARISON_COLUMNS."""
+    tables.write_csv(folder / "comparison.csv", COMPARISON_COLUMNS, [dict(zip(COMPARISON_COLUMNS, values))])
+
+
+def write_run(folder: Path, keys: list[str], rows: list[tuple], summary: str = "{}") -> None:
+    """A finished run folder: rounds.csv from ``rows`` (values in the order of ``keys``) and a summary.json."""
+    folder.mkdir(parents=True)
+    tables.write_csv(folder / "rounds.csv", keys, [dict(zip(keys, r)) for r in rows])
+    (folder / "summary.json").write_text(summary)
+
+
 def test_grid_over_the_equal_budget_is_refused(tmp_path):
     p = write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1, 0.2], "client.epochs": [1, 2]}}})
     with pytest.raises(ConfigError, match="at most 4"):
@@ -247,7 +264,8 @@ def test_a_published_row_of_the_same_final_config_is_not_run_again(tmp_path, mon
         assert len(calls) == runs
     assert calls[0][0] == "compare"
     tables.write_csv(docs / "demo.csv", keys, [dict(zip(keys, ["a", "local", "local", 0.5, t.final_hash("a", m)]))])
-    tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs, rerun_published=True).run(["a"], spec.methods, {"final"})
+    rerun = tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs, rerun_published=True)
+    rerun.run(["a"], spec.methods, {"final"})
     assert len(calls) == 2 and calls[1][0] == "compare"  # --rerun-published: reproduced, not skipped
 
 
@@ -278,20 +296,13 @@ def test_runs_that_lost_replies_are_flagged_in_the_report(tmp_path):
     m = spec.methods[0]
     runs = t.compare_dir("a", m) / "runs"
     keys = ["round", "acc_mean", "replies_missing", "skipped"]
-    lost = {0: [(1, 0.5, 0, 0), (2, 0.6, 0, 0)], 1: [(1, 0.5, 3, 0), (2, 0.6, 0, 0)], 2: [(1, 0.5, 0, 0), (2, "", 4, 1)]}
+    lost = {0: [(1, 0.5, 0, 0), (2, 0.6, 0, 0)], 1: [(1, 0.5, 3, 0), (2, 0.6, 0, 0)],
+            2: [(1, 0.5, 0, 0), (2, "", 4, 1)]}
     for seed, rows in lost.items():
-        d = runs / f"fedavg-s{seed}"
-        d.mkdir(parents=True)
-        tables.write_csv(d / "rounds.csv", keys, [dict(zip(keys, r)) for r in rows])
-        (d / "summary.json").write_text("{}")
+        write_run(runs / f"fedavg-s{seed}", keys, rows)
     assert tables.delivery_shortfalls(sorted(runs.iterdir())) == [
         "seed 1: 3 replies missing", "seed 2: 4 replies missing, rounds skipped [2]"]
-    with open(t.compare_dir("a", m) / "comparison.csv", "w", newline="") as f:
-        cols = ["config", "strategy", "seeds", "accuracy_mean", "accuracy_mean_sem", "accuracy_weighted",
-                "accuracy_weighted_sem", "bytes_up_per_client_round", "bytes_down_per_client_round", "wall_seconds"]
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        w.writerow(dict(zip(cols, ["fedavg", "fedavg", 3, 0.6, 0.01, 0.6, 0.01, 1048576, 1048576, 9])))
+    write_comparison(t.compare_dir("a", m), ["fedavg", "fedavg", 3, 0.6, 0.01, 0.6, 0.01, 1048576, 1048576, 9])
     md = tables.report(spec, tmp_path / "work", tmp_path / "docs").read_text()
     assert "| fedavg ⚠ | 0.600 ± 0.010 |" in md
     assert "fedavg: seed 1: 3 replies missing, seed 2: 4 replies missing, rounds skipped [2]." in md
@@ -307,20 +318,13 @@ def test_figures_keep_the_published_one_for_carried_settings_and_name_the_curves
     spec = tables.load_spec(write_spec(tmp_path, methods={"fedavg": {}, "local": {}}))
     t = tables.Tables(spec, tmp_path / "work", "inprocess", 1)
     fedavg = spec.methods[0]
-    keys = ["round", "acc_mean"]
     for seed in (0, 1):
-        d = t.compare_dir("a", fedavg) / "runs" / f"fedavg-s{seed}"
-        d.mkdir(parents=True)
-        tables.write_csv(d / "rounds.csv", keys, [{"round": 1, "acc_mean": 0.5}, {"round": 2, "acc_mean": 0.6}])
-        (d / "summary.json").write_text('{"strategy": "fedavg"}')
-    cols = ["config", "strategy", "seeds", "accuracy_mean", "accuracy_mean_sem", "accuracy_weighted",
-            "accuracy_weighted_sem", "bytes_up_per_client_round", "bytes_down_per_client_round", "wall_seconds"]
-    tables.write_csv(t.compare_dir("a", fedavg) / "comparison.csv", cols,
-                     [dict(zip(cols, ["fedavg", "fedavg", 2, 0.6, 0.01, 0.6, 0.01, 1048576, 1048576, 9]))])
+        write_run(t.compare_dir("a", fedavg) / "runs" / f"fedavg-s{seed}", ["round", "acc_mean"],
+                  [(1, 0.5), (2, 0.6)], summary='{"strategy": "fedavg"}')
+    write_comparison(t.compare_dir("a", fedavg), ["fedavg", "fedavg", 2, 0.6, 0.01, 0.6, 0.01, 1048576, 1048576, 9])
     docs = tmp_path / "docs"
     docs.mkdir()
-    rec = ["setting", "method", "config", "accuracy_mean", "accuracy_mean_sem", "accuracy_weighted",
-           "accuracy_weighted_sem", "bytes_up_per_client_round", "bytes_down_per_client_round", "wall_seconds"]
+    rec = ["setting", "method", "config", *COMPARISON_COLUMNS[3:]]
     tables.write_csv(docs / "demo.csv", rec, [dict(zip(rec, [s, m, m, 0.5, 0.01, 0.5, 0.01, 0, 0, 3]))
                                               for s, m in (("a", "local"), ("b", "fedavg"), ("b", "local"))])
     (docs / "demo-b.png").write_bytes(b"published figure")
