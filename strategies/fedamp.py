@@ -50,6 +50,27 @@ def attention_weights(d2: np.ndarray, alpha_k: float, sigma: float) -> np.ndarra
     return xi
 
 
+def median_nonzero(d2: np.ndarray) -> float:
+    """The median of the non-zero squared distances between distinct pool members (0 when there is none)."""
+    pairs = np.asarray(d2, dtype=np.float64)[np.triu_indices(len(d2), 1)]
+    pairs = pairs[pairs > 0]
+    return float(np.median(pairs)) if pairs.size else 0.0
+
+
+def relative_attention_weights(d2: np.ndarray, kappa: float, share: float) -> tuple[np.ndarray, float]:
+    """ξ with σ_r = κ·(median non-zero d²) and α_r = share·σ_r/(n − 1): (share/(n − 1))·exp(−d²/σ_r) off the
+    diagonal, 1 − (row sum) on it; and σ_r. With no non-zero distance (every model alike) each other model gets
+    share/(n − 1)."""
+    n = len(d2)
+    sigma = kappa * median_nonzero(d2)
+    d2 = np.asarray(d2, dtype=np.float64)
+    kernel = np.exp(-d2 / sigma) if sigma > 0 else np.ones_like(d2)
+    xi = share / max(n - 1, 1) * kernel
+    np.fill_diagonal(xi, 0.0)
+    np.fill_diagonal(xi, 1.0 - xi.sum(axis=1))
+    return xi, sigma
+
+
 def proximal_mu(lam: float, alpha_k: float) -> float:
     """μ of the client's proximal term (μ/2)‖w − u_i‖² such that it equals FedAMP's (λ/(2α_K))‖w − u_i‖²: λ/α_K."""
     return lam / alpha_k
@@ -78,8 +99,11 @@ class FedAMPParams:
     """FedAMP's parameters."""
 
     alpha_k: float = param(0.01, gt=0)  # α_K: attention step; (num_clients − 1)·α_K/σ must stay <= 1 so that ξ_ii >= 0
-    sigma: float = param(0.2, gt=0)  # σ: scale of the squared parameter distance in the attention kernel
+    sigma: float = param(0.2, gt=0)  # σ: scale of the squared parameter distance in the attention kernel (kappa = 0)
     lam: float = param(1.0, ge=0)  # λ: the client's proximal term is (λ/(2α_K))‖w − u_i‖² (μ = λ/α_K on the wire)
+    kappa: float = param(0.0, ge=0, help="0: σ fixed at sigma; > 0: σ = kappa × the round's median non-zero squared "
+                                         "distance between client models, and the attention step relative (share)")
+    share: float = param(0.5, gt=0, le=1, help="kappa > 0: the most weight all other clients together get")
 
 
 class FedAMP(PersonalisedStrategy):
@@ -94,7 +118,7 @@ class FedAMP(PersonalisedStrategy):
         super().check(cfg, params)
         p = params
         worst = (cfg.data.num_clients - 1) * p.alpha_k / p.sigma
-        if worst > 1:
+        if p.kappa == 0 and worst > 1:
             raise ConfigError(
                 f"FedAMP's self-weight ξ_ii = 1 − Σ ξ_ij can turn negative: (num_clients − 1)·alpha_k/sigma = {worst:.3g} > 1. "
                 f"Lower 'strategy.params.fedamp.alpha_k' to at most {p.sigma / max(cfg.data.num_clients - 1, 1):.3g} "
@@ -114,7 +138,8 @@ class FedAMP(PersonalisedStrategy):
         self.initial = flatten(self.like, self.keys)
         self.models: dict[int, np.ndarray] = {}  # client id -> its latest parameter vector
         self._last_self_weight: float | None = None  # diagnostics of the last anchors: mean ξ_ii of the sampled
-        self._last_median_d2: float | None = None  # clients, median ‖w_i − w_j‖² (what σ is compared with)
+        self._last_median_d2: float | None = None  # clients, median non-zero ‖w_i − w_j‖² (what σ is compared with)
+        self._last_sigma: float | None = None  # and the σ used
 
     def expect_arrays(self) -> bool:
         return True
@@ -124,11 +149,14 @@ class FedAMP(PersonalisedStrategy):
         pool = sorted(set(self.models) | set(clients))
         vectors = np.stack([self.models.get(c, self.initial) for c in pool])
         d2 = squared_distances(vectors)
-        xi = attention_weights(d2, self.params.alpha_k, self.params.sigma)
+        if self.params.kappa > 0:
+            xi, self._last_sigma = relative_attention_weights(d2, self.params.kappa, self.params.share)
+        else:
+            xi, self._last_sigma = attention_weights(d2, self.params.alpha_k, self.params.sigma), self.params.sigma
         row = {c: i for i, c in enumerate(pool)}
         chosen = np.array([row[c] for c in clients])
         self._last_self_weight = float(np.diagonal(xi)[chosen].mean())
-        self._last_median_d2 = float(np.median(d2[np.triu_indices(len(pool), 1)])) if len(pool) > 1 else 0.0
+        self._last_median_d2 = median_nonzero(d2)
         u = torch.from_numpy(xi[chosen].astype(np.float32)) @ torch.from_numpy(vectors)
         return {c: u[i].numpy() for i, c in enumerate(clients)}
 
@@ -149,4 +177,5 @@ class FedAMP(PersonalisedStrategy):
             else:
                 log.warning("round %d: client %d sent arrays that do not match the model; kept its previous one",
                             server_round, r.client_id)
-        return {"attention_self_mean": self._last_self_weight, "model_distance_sq_median": self._last_median_d2}
+        return {"attention_self_mean": self._last_self_weight, "model_distance_sq_median": self._last_median_d2,
+                "attention_sigma": self._last_sigma}

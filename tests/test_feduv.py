@@ -20,8 +20,9 @@ from fedapps.protocol import ARRAYS
 from fedapps.results import read_csv
 from fedapps.worker import Worker
 from strategies import resolve
-from strategies.feduv import (MU_U, MU_V, TEMPERATURE, TRAIN_OP, UNIFORMITY, VARIANCE, FeatureTap, feduv_loss,
-                              iid_threshold, uniformity, variance_hinge)
+from strategies.feduv import (FORM, LOG_GAUSSIAN, MEDIAN_RBF, MU_U, MU_V, TEMPERATURE, TRAIN_OP, UNIFORMITY, VARIANCE, FeatureTap,
+                              feduv_loss, iid_threshold, log_gaussian_uniformity, median_rbf_uniformity, uniformity,
+                              variance_hinge)
 from test_ops_worker import worker_message
 
 LN3 = math.log(3.0)
@@ -113,17 +114,94 @@ def test_variance_hinge_on_degenerate_batches_is_finite():
 # --------------------------------------------------------------------------- the uniformity term
 
 
+def test_median_rbf_uniformity_value_and_gradient_by_hand():
+    # 1-D features 0, 1, 3: squared distances (0,1) 1, (0,2) 9, (1,2) 4; their median m = 4 = d12
+    z = torch.tensor([[0.0], [1.0], [3.0]], dtype=torch.float64, requires_grad=True)
+    e1, e2, e3 = math.exp(-1 / 4), math.exp(-9 / 4), math.exp(-1.0)
+    value = median_rbf_uniformity(z)
+    assert value.item() == pytest.approx((e1 + e2 + e3) / 3, abs=1e-12)
+    assert uniformity(z).item() == value.item()  # the default form
+    value.backward()
+    # dU/dz_k = (1/3) Σ_pairs exp(−d/m)·(−∂d/m + d·∂m/m²), with ∂m through the pair (1, 2) that sets m (its own
+    # term d12/m ≡ 1 has no gradient): by hand
+    by_hand = np.array([0.5 * e1 + 1.5 * e2, -0.75 * e1 - 2.25 * e2, 0.25 * e1 + 0.75 * e2]) / 3
+    np.testing.assert_allclose(z.grad.numpy().ravel(), by_hand, rtol=1e-12)
+    # with m detached the middle sample's gradient would be (1/3)(−0.5·e1) instead: the median is NOT detached
+    assert abs(by_hand[1] - (-0.5 * e1 / 3)) > 0.1
+    wrong = {"log of the mean": math.log((e1 + e2 + e3) / 3), "sum over pairs": e1 + e2 + e3,
+             "m the mean distance": (math.exp(-3 / 14) + math.exp(-27 / 14) + math.exp(-12 / 14)) / 3,
+             "distances not squared (m = 2)": (math.exp(-1 / 2) + math.exp(-3 / 2) + math.exp(-1.0)) / 3}
+    assert all(abs(v - value.item()) > 1e-3 for v in wrong.values())
+
+
+def numpy_median_rbf(z: np.ndarray) -> tuple[float, np.ndarray]:
+    """U and dU/dz by hand: pairs a < b, m the lower median of the non-zero squared distances (carrying gradient
+    through the pair that sets it)."""
+    n = len(z)
+    a, b = np.triu_indices(n, 1)
+    d = ((z[a] - z[b]) ** 2).sum(1)
+    nz = np.flatnonzero(d > 0)
+    pick = nz[np.argsort(d[nz], kind="stable")[(len(nz) - 1) // 2]]
+    m = d[pick]
+    k = np.exp(-d / m)
+    grad = np.zeros_like(z)
+    dm = np.zeros_like(z)
+    dm[a[pick]] += 2 * (z[a[pick]] - z[b[pick]])
+    dm[b[pick]] -= 2 * (z[a[pick]] - z[b[pick]])
+    for p in range(len(d)):
+        dd = np.zeros_like(z)
+        dd[a[p]] += 2 * (z[a[p]] - z[b[p]])
+        dd[b[p]] -= 2 * (z[a[p]] - z[b[p]])
+        grad += k[p] * (-dd / m + d[p] * dm / m ** 2)
+    return float(k.mean()), grad / len(d)
+
+
+def test_median_rbf_uniformity_matches_a_hand_formula_on_random_batches():
+    rng = np.random.default_rng(3)
+    for n, dim in ((5, 4), (6, 3)):  # 10 pairs (an even count: the lower middle value) and 15
+        raw = rng.normal(size=(n, dim))
+        zr = torch.tensor(raw, requires_grad=True)
+        value = median_rbf_uniformity(zr)
+        value.backward()
+        want, grad = numpy_median_rbf(raw)
+        assert value.item() == pytest.approx(want, rel=1e-12)
+        np.testing.assert_allclose(zr.grad.numpy(), grad, rtol=1e-9, atol=1e-12)
+        # the data-set bandwidth makes it scale-free (a global scale), unlike a fixed kernel
+        assert median_rbf_uniformity(torch.tensor(raw * 7.0)).item() == pytest.approx(want, rel=1e-9)
+        # a duplicate row: its zero distance counts in the mean (exp(0) = 1), not in the median
+        raw[-1] = raw[0]
+        assert median_rbf_uniformity(torch.tensor(raw)).item() == pytest.approx(numpy_median_rbf(raw)[0], rel=1e-12)
+
+
+def test_median_rbf_uniformity_on_degenerate_batches_and_its_direction():
+    one = torch.ones(1, 4, requires_grad=True)
+    value = median_rbf_uniformity(one)
+    value.backward()
+    assert value.item() == 0.0 and torch.isfinite(one.grad).all()
+    same = torch.ones(3, 4, requires_grad=True)  # no non-zero distance: U = 1, no gradient, nothing NaN
+    value = median_rbf_uniformity(same)
+    value.backward()
+    assert value.item() == 1.0 and torch.equal(same.grad, torch.zeros(3, 4))
+    # a descent step moves a close pair apart relative to the batch's spread
+    z = torch.tensor([[0.0, 0.0], [0.1, 0.0], [2.0, 1.0], [-1.0, 2.0]], requires_grad=True)
+    median_rbf_uniformity(z).backward()
+    stepped = (z - 0.5 * z.grad).detach()
+    assert median_rbf_uniformity(stepped) < median_rbf_uniformity(z.detach())
+    with pytest.raises(ValueError, match="uniformity form"):
+        uniformity(z, "log")
+
+
 def three_by_two_features() -> torch.Tensor:
     # normalised rows: (0.6, 0.8), (0, 1), (−1, 0)
     return torch.tensor([[3.0, 4.0], [0.0, 2.0], [-1.0, 0.0]], dtype=torch.float64, requires_grad=True)
 
 
-def test_uniformity_value_by_hand():
+def test_log_gaussian_uniformity_value_by_hand():
     z = three_by_two_features()
     # squared distances of the unit rows: ‖(0.6, −0.2)‖² = 0.4, ‖(1.6, 0.8)‖² = 3.2, ‖(1, 1)‖² = 2
     expected = math.log((math.exp(-2 * 0.4) + math.exp(-2 * 3.2) + math.exp(-2 * 2.0)) / 3)
-    assert uniformity(z, t=2.0).item() == pytest.approx(expected, abs=1e-12)
-    assert uniformity(z, t=0.5).item() == pytest.approx(
+    assert log_gaussian_uniformity(z, 2.0).item() == pytest.approx(expected, abs=1e-12)
+    assert log_gaussian_uniformity(z, 0.5).item() == pytest.approx(
         math.log((math.exp(-0.2) + math.exp(-1.6) + math.exp(-1.0)) / 3), abs=1e-12)
     # what a wrong formula would give instead (each differs from the value above)
     wrong = {"distance not squared": math.log((math.exp(-2 * 0.4 ** 0.5) + math.exp(-2 * 3.2 ** 0.5)
@@ -134,7 +212,7 @@ def test_uniformity_value_by_hand():
     assert all(abs(v - expected) > 1e-3 for v in wrong.values())
     # on the sphere: scaling a sample's features changes nothing
     scaled = three_by_two_features().detach() * torch.tensor([[10.0], [0.1], [3.0]], dtype=torch.float64)
-    assert uniformity(scaled, 2.0).item() == pytest.approx(expected, abs=1e-12)
+    assert log_gaussian_uniformity(scaled, 2.0).item() == pytest.approx(expected, abs=1e-12)
 
 
 def numpy_uniformity_grad(z: np.ndarray, t: float) -> np.ndarray:
@@ -152,27 +230,27 @@ def numpy_uniformity_grad(z: np.ndarray, t: float) -> np.ndarray:
     return (du - (du * u).sum(1, keepdims=True) * u) / norms
 
 
-def test_uniformity_gradient_by_hand_and_its_direction():
+def test_log_gaussian_uniformity_gradient_by_hand_and_its_direction():
     z = three_by_two_features()
-    uniformity(z, t=2.0).backward()
+    log_gaussian_uniformity(z, 2.0).backward()
     np.testing.assert_allclose(z.grad.numpy(), numpy_uniformity_grad(z.detach().numpy(), 2.0), rtol=1e-9)
     rng = np.random.default_rng(1)
     raw = rng.normal(size=(6, 5))
     zr = torch.tensor(raw, requires_grad=True)
-    uniformity(zr, t=0.7).backward()
+    log_gaussian_uniformity(zr, 0.7).backward()
     np.testing.assert_allclose(zr.grad.numpy(), numpy_uniformity_grad(raw, 0.7), rtol=1e-8, atol=1e-12)
     # a descent step pushes the two closest samples apart (minimising U spreads the features)
     stepped = F.normalize((z - 0.1 * z.grad).detach(), dim=1)
     assert ((stepped[0] - stepped[1]) ** 2).sum() > 0.4
 
 
-def test_uniformity_on_one_sample_and_on_identical_samples_is_finite():
+def test_log_gaussian_uniformity_on_one_sample_and_on_identical_samples_is_finite():
     one = torch.ones(1, 4, requires_grad=True)
-    value = uniformity(one, 2.0)
+    value = log_gaussian_uniformity(one, 2.0)
     value.backward()
     assert value.item() == 0.0 and torch.isfinite(one.grad).all()
     same = torch.ones(3, 4, requires_grad=True)  # every distance 0: log(mean(1)) = 0
-    value = uniformity(same, 2.0)
+    value = log_gaussian_uniformity(same, 2.0)
     value.backward()
     assert value.item() == pytest.approx(0.0) and torch.isfinite(same.grad).all()
 
@@ -188,22 +266,28 @@ def test_loss_is_ce_plus_the_weighted_terms_on_the_classifiers_input():
         feats = model.fc2(model.fc1(torch.flatten(x, 1)))  # the MLP's penultimate activations
         logits = model.fc(feats)
         want = (F.cross_entropy(logits, y) + 2.5 * variance_hinge(logits, iid_threshold(10))
-                + 0.5 * uniformity(feats, 2.0))
+                + 0.5 * median_rbf_uniformity(feats))
         tap = FeatureTap(model)
-        loss_fn, sums = feduv_loss(tap, 2.5, 0.5, 2.0)
+        loss_fn, sums = feduv_loss(tap, 2.5, 0.5)
         with tap:
             got = loss_fn(model, x, y, None)
             assert torch.equal(tap.features, feats)
         assert tap.features is None and not model.fc._forward_pre_hooks  # the hook is gone after the block
     assert got.item() == pytest.approx(want.item(), rel=1e-6)
     assert float(sums["batches"]) == 1.0
-    assert float(sums["uniformity"]) == pytest.approx(uniformity(feats, 2.0).item(), rel=1e-6)
+    assert float(sums["uniformity"]) == pytest.approx(median_rbf_uniformity(feats).item(), rel=1e-6)
+    with torch.no_grad(), tap:  # the earlier spec's form, by name
+        loss_fn, sums = feduv_loss(tap, 2.5, 0.5, LOG_GAUSSIAN, 3.0)
+        got = loss_fn(model, x, y, None)
+    want = (F.cross_entropy(logits, y) + 2.5 * variance_hinge(logits, iid_threshold(10))
+            + 0.5 * log_gaussian_uniformity(feats, 3.0))
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
     with pytest.raises(ValueError, match="FeatureTap"):
-        feduv_loss(None, 0.0, 0.5, 2.0)
+        feduv_loss(None, 0.0, 0.5)
 
 
 def feduv_message(mu_v: float, mu_u: float, ops_list=(TRAIN_OP,), **extra):
-    settings = {MU_V: mu_v, MU_U: mu_u, TEMPERATURE: 2.0, "return-arrays": True, **extra}
+    settings = {MU_V: mu_v, MU_U: mu_u, TEMPERATURE: 2.0, "return-arrays": True, **extra}  # no FORM: the default
     return worker_message(list(ops_list), settings, arrays=protocol.arrays_record(
         {k: v.numpy() for k, v in build_model("mlp", 10, (1, 8, 8), seed=0).state_dict().items()}))
 
@@ -226,24 +310,35 @@ def test_at_zero_coefficients_the_client_step_is_fedavgs_to_the_bit():
         assert (VARIANCE in metrics) == (mu_v > 0) and (UNIFORMITY in metrics) == (mu_u > 0)
 
 
-def terms_after_training(mu_v: float, mu_u: float) -> tuple[float, float]:
-    """V and U of the model after 3 local epochs, on the client's training split (IID digits)."""
-    grid, msg = feduv_message(mu_v, mu_u, **{"client.epochs": 3})
+def terms_after_training(mu_v: float, mu_u: float, form: str | None = None) -> tuple[float, float]:
+    """V on the client's whole training split (IID digits) and U (in ``form``; None: the default form, also for
+    training) as a mean over the split's batches of the training batch size (U is a per-batch term: its median
+    bandwidth is the batch's), for the model after 3 local epochs."""
+    grid, msg = feduv_message(mu_v, mu_u, **{"client.epochs": 3, **({FORM: form} if form else {})})
     w = Worker(msg, grid.contexts[100])
     w.run()
-    model = w.model.eval()
+    model, batch = w.model.eval(), 16  # worker_message's client.batch_size
     with torch.no_grad(), FeatureTap(model) as tap:
-        logits = model(w.train_x)
-        return variance_hinge(logits, iid_threshold(10)).item(), uniformity(tap.features, 2.0).item()
+        v = variance_hinge(model(w.train_x), iid_threshold(10)).item()
+        u = []
+        for start in range(0, len(w.train_x) - batch + 1, batch):
+            model(w.train_x[start:start + batch])
+            u.append(uniformity(tap.features, form or MEDIAN_RBF).item())
+    return v, float(np.mean(u))
 
 
 def test_each_term_moves_local_training_its_way():
     v0, u0 = terms_after_training(0.0, 0.0)
     v1, _ = terms_after_training(5.0, 0.0)
-    _, u1 = terms_after_training(0.0, 5.0)
-    # measured: V 0.190 -> 0.128, U -0.97 -> -2.44
+    _, u1 = terms_after_training(0.0, 2.0)
+    _, g0 = terms_after_training(0.0, 0.0, LOG_GAUSSIAN)
+    _, g1 = terms_after_training(0.0, 5.0, LOG_GAUSSIAN)
+    # measured: V 0.190 -> 0.128; median-rbf U 0.394 -> 0.376 (half the pairs lie within the median, so U >=
+    # exp(-1)/2 whatever the spread: the term has little room and mainly punishes pairs far closer than the
+    # batch's typical distance); log-gaussian U -0.97 -> -2.44
     assert v1 < v0 - 0.03  # the class probabilities vary more over the batch
-    assert u1 < u0 - 0.5  # the features are spread more uniformly over the sphere
+    assert u1 < u0 - 0.01  # no pair of samples much closer than the batch's typical distance
+    assert g1 < g0 - 0.5  # the normalised features are spread more uniformly over the sphere
 
 
 # --------------------------------------------------------------------------- the strategy
@@ -252,8 +347,8 @@ def test_each_term_moves_local_training_its_way():
 def test_params_are_declared_and_checked(tiny_config):
     cfg = load_config(tiny_config(strategy={"name": "feduv"}))
     params = resolve(cfg).params
-    assert (params.mu_v, params.mu_u, params.t) == (2.5, 0.5, 2.0)
-    for bad in ({"mu_v": -1.0}, {"t": 0.0}):
+    assert (params.mu_v, params.mu_u, params.uniformity, params.t) == (2.5, 0.5, MEDIAN_RBF, 2.0)
+    for bad in ({"mu_v": -1.0}, {"t": 0.0}, {"uniformity": "log"}):
         with pytest.raises(ConfigError, match=f"strategy.params.feduv.{next(iter(bad))}"):
             resolve(load_config(tiny_config(strategy={"name": "feduv", "params": {"feduv": bad}})))
 
@@ -272,12 +367,16 @@ def test_feduv_at_zero_is_fedavg_and_otherwise_sends_its_settings(tiny_config):
     for k in avg.arrays:
         np.testing.assert_array_equal(zero.arrays[k].numpy(), avg.arrays[k].numpy())
     assert zero.evaluate_metrics_clientapp[1]["acc_mean"] == avg.evaluate_metrics_clientapp[1]["acc_mean"]
-    s, grid, result = run_inprocess(tiny_config, "feduv", {"mu_v": 1.0, "mu_u": 0.25, "t": 3.0})
+    s, grid, result = run_inprocess(tiny_config, "feduv", {"mu_v": 1.0, "mu_u": 0.25})
     assert all(TRAIN_OP in m.content["config"]["ops"] and m.content["config"][MU_V] == 1.0
-               and m.content["config"][MU_U] == 0.25 and m.content["config"][TEMPERATURE] == 3.0
+               and m.content["config"][MU_U] == 0.25 and m.content["config"][FORM] == MEDIAN_RBF
                for m in grid.sent if m.metadata.message_type == "train")
     extras = result.train_metrics_clientapp[2]
-    assert 0.0 <= extras["feduv_variance"] <= iid_threshold(10) and extras["feduv_uniformity"] <= 0.0
+    assert 0.0 <= extras["feduv_variance"] <= iid_threshold(10) and math.exp(-1) / 2 <= extras["feduv_uniformity"] <= 1.0
+    s, grid, result = run_inprocess(tiny_config, "feduv", {"uniformity": LOG_GAUSSIAN, "t": 3.0})
+    assert all(m.content["config"][FORM] == LOG_GAUSSIAN and m.content["config"][TEMPERATURE] == 3.0
+               for m in grid.sent if m.metadata.message_type == "train")
+    assert result.train_metrics_clientapp[2]["feduv_uniformity"] <= 0.0  # a log of a mean of values <= 1
     assert not all(np.array_equal(result.arrays[k].numpy(), avg.arrays[k].numpy()) for k in avg.arrays)
 
 

@@ -15,7 +15,8 @@ from fedapps.protocol import ARRAYS, ClientReply
 from fedapps.worker import STATE_MODEL, ProtocolError, Worker, model_arrays, split_models
 from fedapps.protocol import pack_models
 from strategies import resolve
-from strategies.fedamp import attention_weights, flatten, squared_distances, unflatten
+from strategies.fedamp import (attention_weights, flatten, median_nonzero, relative_attention_weights, squared_distances,
+                               unflatten)
 from strategies.fedfomo import WEIGHTS
 from strategies.ifca import CHOICE, LOSSES, average_per_cluster
 from test_ops_worker import worker_message
@@ -47,6 +48,49 @@ def test_attention_weights_by_hand() -> None:
     np.testing.assert_allclose(xi, xi.T)  # symmetric distances, symmetric attention
     # identical models: every other client gets α_K/σ
     np.testing.assert_allclose(attention_weights(np.zeros((3, 3)), 0.1, 2.0)[0], [0.9, 0.05, 0.05])
+
+
+def test_relative_attention_weights_by_hand() -> None:
+    # three models: squared distances 1, 4, 9; their median 4, so κ = 0.5 gives σ_r = 2; share 0.6 over n − 1 = 2
+    d2 = np.array([[0.0, 1.0, 4.0], [1.0, 0.0, 9.0], [4.0, 9.0, 0.0]])
+    xi, sigma = relative_attention_weights(d2, kappa=0.5, share=0.6)
+    assert sigma == pytest.approx(2.0)
+    off = lambda d: 0.3 * np.exp(-d / 2.0)  # noqa: E731
+    assert xi[0, 1] == pytest.approx(off(1.0)) and xi[1, 2] == pytest.approx(off(9.0))
+    assert xi[0, 0] == pytest.approx(1 - off(1.0) - off(4.0))
+    np.testing.assert_allclose(xi.sum(axis=1), 1.0)
+    assert (np.diagonal(xi) >= 1 - 0.6).all()  # the self-weight never drops below 1 − share
+    # the same as the paper's formula with α = share·σ_r/(n − 1): a relative σ with a relative step
+    np.testing.assert_allclose(xi, attention_weights(d2, alpha_k=0.6 * 2.0 / 2, sigma=2.0))
+    # scale-free: distances 100× larger give the same weights (a fixed σ would give every neighbour ~0)
+    np.testing.assert_allclose(relative_attention_weights(100 * d2, 0.5, 0.6)[0], xi)
+    assert attention_weights(100 * d2, 0.3, 2.0)[0, 0] == pytest.approx(1.0)
+    # zero distances do not count in the median; with none non-zero every other model gets share/(n − 1)
+    d2z = np.array([[0.0, 0.0, 4.0], [0.0, 0.0, 4.0], [4.0, 4.0, 0.0]])
+    assert median_nonzero(d2z) == 4.0 and relative_attention_weights(d2z, 1.0, 0.6)[1] == 4.0
+    xi0, sigma0 = relative_attention_weights(np.zeros((3, 3)), 1.0, 0.6)
+    assert sigma0 == 0.0
+    np.testing.assert_allclose(xi0[0], [0.4, 0.3, 0.3])
+
+
+def test_fedamp_relative_sigma_logs_what_it_used(tiny_config) -> None:
+    from strategies.fedamp import FedAMP
+
+    cfg = load_config(tiny_config(strategy={"name": "fedamp", "params": {"fedamp": {
+        "alpha_k": 1.0, "sigma": 1.0, "lam": 0.01, "kappa": 2.0, "share": 0.8}}}), "")
+    resolve(cfg)  # (n − 1)·α_K/σ > 1 is refused only for a fixed σ
+    strategy = FedAMP(cfg)
+    n = len(strategy.initial)
+    strategy.models = {0: np.zeros(n, np.float32), 1: np.full(n, 1e-2, np.float32), 2: np.full(n, 3e-2, np.float32)}
+    u = strategy.anchors([0, 1, 2])
+    pool = np.stack([strategy.models[c] for c in (0, 1, 2)])
+    d2 = squared_distances(pool)
+    xi, sigma = relative_attention_weights(d2, 2.0, 0.8)
+    np.testing.assert_allclose(u[1], xi[1] @ pool, atol=1e-7)
+    out = strategy.aggregate(1, [])
+    assert out["attention_sigma"] == pytest.approx(sigma) and sigma == pytest.approx(2 * np.median(d2[np.triu_indices(3, 1)]))
+    assert out["model_distance_sq_median"] == pytest.approx(median_nonzero(d2))
+    assert out["attention_self_mean"] == pytest.approx(np.diagonal(xi).mean())
 
 
 def test_squared_distances_and_flattening() -> None:
