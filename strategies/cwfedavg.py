@@ -123,19 +123,21 @@ def report_class_counts(w, tag: str) -> None:
 class CwFedAvgParams:
     """cwFedAvg's parameters (``strategy.params.cwfedavg``); strings are read lower-case (YAML's bare `true`)."""
 
-    # output | last-N (e.g. last-2) | all: which layers are aggregated class-wise (parsed by parse_layers in check)
-    layers: str = param("output", normalise=lower)
-    # norm (the paper's: classifier row norms; needs WDR) | true (clients report class counts) | bias (ours: support
-    # from classifier-bias updates; not FedAvg on IID data, drops held classes the model over-predicts)
-    estimator: str = param("norm", choices=ESTIMATORS, normalise=lower)
-    # WDR strength λ on the clients (0 = off): the paper's value for MNIST/CIFAR-10 (CIFAR-100 1000, Tiny ImageNet
-    # 2000); to be re-chosen on a validation split, never on test accuracy. `bias` and `true` do not need it
-    wdr_lambda: float = param(10.0, ge=0, help="0 turns WDR off")
-    # latest: mix every client's latest model | round: only this round's repliers
-    mix: str = param("latest", choices=MIX_SETS, normalise=lower)
-    # local: buffers (BN statistics) never leave the clients | fedavg: averaged
-    buffers: str = param("local", choices=BUFFER_MODES, normalise=lower)
-    track_estimation_error: bool = True  # log mean L1(p̂, p) per estimator (simulation: the server knows p)
+    layers: str = param("output", normalise=lower, help="which layers are aggregated class-wise: output | last-N "
+                                                         "(e.g. last-2) | all (parsed by parse_layers in check)")
+    estimator: str = param("norm", choices=ESTIMATORS, normalise=lower,
+                           help="norm (the paper's: classifier row norms; needs WDR) | true (clients report class "
+                                "counts) | bias (ours: support from classifier-bias updates; not FedAvg on IID data, "
+                                "drops held classes the model over-predicts)")
+    # λ = 10 is the paper's value for MNIST/CIFAR-10 (CIFAR-100 1000, Tiny ImageNet 2000); to be re-chosen on a
+    # validation split, never on test accuracy
+    wdr_lambda: float = param(10.0, ge=0, help="WDR strength λ on the clients; 0 turns WDR off (`bias` and `true` do "
+                                               "not need it)")
+    mix: str = param("latest", choices=MIX_SETS, normalise=lower,
+                     help="latest: mix every client's latest model | round: only this round's repliers")
+    buffers: str = param("local", choices=BUFFER_MODES, normalise=lower,
+                         help="local: buffers (BN statistics) never leave the clients | fedavg: averaged")
+    track_estimation_error: bool = param(True, help="log mean L1(p̂, p) per estimator (simulation: the server knows p)")
 
 
 # --------------------------------------------------------------------------- pure maths

@@ -52,7 +52,7 @@ def proximal_term(w, section: dict) -> Any:
 class FedProxParams:
     """FedProx's parameters."""
 
-    mu: float = param(0.01, ge=0, help="0 = FedAvg")  # μ: weight of the proximal term (the paper tries 0.001 to 1)
+    mu: float = param(0.01, ge=0, help="μ: weight of the proximal term (the paper tries 0.001 to 1); 0 = FedAvg")
 
 
 class FedProx(FedAvg):

@@ -21,7 +21,8 @@ from strategies.base import DeployedModel, PersonalisedStrategy
 
 @dataclass
 class LocalParams:
-    pretrain_epochs: int = param(0, ge=0, help="0 = client.epochs")  # local epochs of round 1 (the others: client.epochs)
+    pretrain_epochs: int = param(0, ge=0, help="local epochs of round 1 (the others: client.epochs); 0 = "
+                                               "client.epochs")
 
 
 class Local(PersonalisedStrategy):
