@@ -30,7 +30,7 @@ CASES: dict[str, tuple[str, list[str], float]] = {
     "cwfedavg": ("configs/cwfedavg.yaml", ["rounds=5", "client.device=cuda"], 0.25),
     "cosmos": ("configs/cosmos.yaml", ["rounds=3", "client.device=cuda", "strategy.params.cosmos.server_device=cuda"], 0.25),
     "cwfedavg-bf16": ("configs/cwfedavg.yaml", ["rounds=5", "client.device=cuda", "client.mixed_precision=true"], 0.25),
-    # the sizing case of the README's --gpus-per-client rule: a paper model at CIFAR size
+    # the sizing case of the --gpus-per-client rule (docs/deployment.md): a paper model at CIFAR size
     "fedavg-resnet18": ("configs/fedavg.yaml", ["rounds=3", "client.device=cuda", "model.name=resnet18",
                                                 "data.source=synthetic", "data.synthetic_shape=[3,32,32]",
                                                 "data.synthetic_samples=4000", "data.partition=iid",

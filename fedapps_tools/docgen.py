@@ -47,8 +47,8 @@ def cell(text: Any) -> str:
 
 
 def code(text: Any) -> str:
-    """A code span for a table cell ('|' escaped: Python-Markdown's tables split on it even inside backticks)."""
-    text = str(text).replace("|", "\\|")
+    """A code span for a table cell (Python-Markdown's tables do not split on a '|' inside backticks)."""
+    text = " ".join(str(text).split())
     fence = "``" if "`" in text else "`"
     return f"{fence}{text}{fence}" if text else ""
 

@@ -12,7 +12,7 @@ Which layers are class-wise: ``output`` (the classifier, default), ``last-N`` (t
 children that own parameters) or ``all``; matched by exact parameter name. Every other layer is plain
 sample-weighted FedAvg. Parameters travel; buffers (BatchNorm statistics) stay on the clients by default.
 
-Where p̂ comes from (``estimator``) — README "What the server learns about a client's labels":
+Where p̂ comes from (``estimator``) — docs/algorithms/cwfedavg.md:
 - ``norm``  the paper's, the default (with WDR λ = 10, the paper's value for MNIST/CIFAR-10): normalised L2
   norms of the uploaded classifier rows. No counts are sent, but WDR trains those norms towards the client's
   class distribution, so the upload itself approximates p_i ever more closely as training goes on.
@@ -32,7 +32,7 @@ so far (with full participation: exactly this round's models); ``mix: round`` on
 repliers. A client with an estimate gets its row of A; a client never seen gets the FedAvg model (the
 sample-weighted mean of the same set); before any reply, everyone gets the initial model.
 
-Server memory (F shared floats, C class-wise parameters per client, M clients; README "Server memory"). The
+Server memory (F shared floats, C class-wise parameters per client, M clients; docs/algorithms/cwfedavg.md). The
 shared (non-class-wise) keys are one FedAvg for everybody, kept as a float64 running sum Σ_l n_l w_l:
 - ``mix: round``: the sum is over this round's replies only, so the server holds O(F + M·C): never a whole
   client model beyond the reply being added.

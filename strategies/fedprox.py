@@ -1,6 +1,6 @@
 """FedProx (Li et al., MLSys 2020): FedAvg whose clients add a proximal term (μ/2)‖w − w_global‖² to their loss.
 
-The worked example of an algorithm with client behaviour of its own (README, "Adding a strategy"): the
+The worked example of an algorithm with client behaviour of its own (docs/development.md): the
 server side is FedAvg's; the client side is one training term, registered here under the name ``proximal``
 and switched on by the message setting ``train.prox_mu`` (μ). Its anchor is the arrays the message carries
 (for FedProx the global model the client starts from). Ditto and FedAMP use the same term with their own

@@ -3,7 +3,7 @@
 The floor every personalised method must beat. The deployed model after round r is the client's own model
 after that round's training. ``pretrain_epochs`` gives round 1 as many epochs as the pseudo-label methods'
 pre-training, so Local gets the same number of local epochs over a run as the methods it is compared with
-(specs/evaluation.md, "Same work").
+(docs/evaluation.md#same-work).
 """
 
 from __future__ import annotations
