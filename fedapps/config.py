@@ -130,7 +130,7 @@ class ModelConfig:
 
     name: str = setting("cnn", "the client model: cnn is the papers' 4-layer CNN", "fedapps.models.MODEL_NAMES")
     per_client: list[str] = setting([], "model-agnostic strategies only: architectures cycled by client id, e.g. "
-                                        "[cnn, mlp] (each one of the model.name values)")
+                                        "[cnn, mlp]", "fedapps.models.MODEL_NAMES")
 
 
 @dataclass
