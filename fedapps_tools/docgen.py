@@ -198,17 +198,20 @@ class _Captured(Exception):
 
 
 @contextlib.contextmanager
-def _fixed_width() -> Iterator[None]:
-    """argparse wraps at the terminal's width: fix it so that the page is the same on every machine."""
-    old = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = str(HELP_WIDTH + 2)
+def _plain_help() -> Iterator[None]:
+    """argparse wraps at the terminal's width (and newer Pythons colour help where asked to): a fixed width and no
+    colour, so that the page is the same on every machine and terminal."""
+    fixed = {"COLUMNS": str(HELP_WIDTH + 2), "NO_COLOR": "1", "PYTHON_COLORS": "0"}
+    old = {k: os.environ.get(k) for k in fixed}
+    os.environ.update(fixed)
     try:
         yield
     finally:
-        if old is None:
-            del os.environ["COLUMNS"]
-        else:
-            os.environ["COLUMNS"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def parser_of(entry: Callable[[list[str]], Any], argv: list[str]) -> argparse.ArgumentParser:
@@ -299,7 +302,7 @@ def cli_parsers() -> tuple[argparse.ArgumentParser, list[argparse.ArgumentParser
 
 
 def cli_page() -> str:
-    with _fixed_width():
+    with _plain_help():
         top, subs = cli_parsers()
         parts = [
             "# Command-line reference\n",
