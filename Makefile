@@ -28,8 +28,10 @@ run: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1 $(ARGS)
 
+FAST    := not heavy and not raycluster and not netns
+
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m "not heavy and not raycluster and not netns" $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m "$(FAST)" $(ARGS)
 
 docs-reference: $(STAMP)
 	$(PY) -m fedapps_tools.docgen

@@ -280,7 +280,8 @@ def command_section(parser: argparse.ArgumentParser, level: int) -> str:
         parts.append(table(["Argument", "Value", "Default", "Required", "Description"], rows))
     subs = subcommands(parser)
     if subs:
-        parts.append(table(["Sub-command", "What it does"], [[code(f"{parser.prog} {n}"), cell(h)] for n, h, _ in subs]))
+        rows = [[code(f"{parser.prog} {n}"), cell(h)] for n, h, _ in subs]
+        parts.append(table(["Sub-command", "What it does"], rows))
     if parser.epilog:
         parts.append("```text\n" + parser.epilog.strip("\n") + "\n```\n")
     for _, _, sub in subs:
