@@ -2,8 +2,8 @@
 
 This module imports only Flower when it loads; torch, the core and the strategies are imported when a run starts.
 Flower's simulation loads the ServerApp (on its thread) and the ClientApp (on its main thread, which then starts
-Ray) under one import lock: a light module lets Ray's processes boot while the run's imports happen (README
-"Start-up").
+Ray) under one import lock: a light module lets Ray's processes boot while the run's imports happen
+(docs/performance.md, the start-up benchmark).
 """
 
 from __future__ import annotations

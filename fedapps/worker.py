@@ -301,9 +301,10 @@ RESTART_LOSSES = ("nothing", "buffers", "head", "model")
 
 def lost_on_restart(config: Mapping[str, Any]) -> str:
     """What of a client's private model a message with these settings leaves to the client's own keeping, i.e. what
-    a restarted SuperNode without ``state-dir`` loses (README table): ``nothing`` (the model is not kept, or the
-    whole state is loaded from the message), ``buffers`` (parameters loaded, buffers kept), ``head`` (the body
-    loaded, the classifier head kept) or ``model`` (nothing loaded: the whole private model is the client's)."""
+    a restarted SuperNode without ``state-dir`` loses (the table of docs/deployment.md): ``nothing`` (the model is
+    not kept, or the whole state is loaded from the message), ``buffers`` (parameters loaded, buffers kept), ``head``
+    (the body loaded, the classifier head kept) or ``model`` (nothing loaded: the whole private model is the
+    client's)."""
     if not config.get("persist-model", True):
         return "nothing"
     if config.get("load-arrays", False) and not config.get("arrays.multi", False):

@@ -449,9 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a key and its values (YAML scalars, comma-separated); repeat for more keys: the cartesian "
                           "grid runs, e.g. --grid client.lr=0.01,0.05 --grid client.epochs=1,2")
     tun.add_argument("--seeds", nargs="+", default=["0"], metavar="SEED[,SEED...]",
-                     help="seeds each point runs at (default 0: specs/evaluation.md tunes at 1 seed)")
+                     help="seeds each point runs at (default 0: docs/evaluation.md tunes at 1 seed)")
     tun.add_argument("--max-points", type=int, default=4,
-                     help="refuse a grid with more points (default 4: the equal-budget rule of specs/evaluation.md)")
+                     help="refuse a grid with more points (default 4: the equal-budget rule of docs/evaluation.md)")
     tun.add_argument("--out", "--output-dir", dest="output_dir", default=None, metavar="DIR",
                      help="folder for tuning.csv, tuning.md, chosen.yaml and runs/ "
                           "(default: <output_dir>/tune-<config name>)")

@@ -135,7 +135,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     """comparison.md: accuracy ± SEM (the deployed models after the last round: mean over clients,
     sample-weighted, worst 10 % of clients, std over clients; the models right after local training beside it),
     bytes per client per round (MiB), wall time."""
-    lines = ["Protocol: deployed model after the last round (specs/evaluation.md), on each client's own evaluation "
+    lines = ["Protocol: deployed model after the last round (docs/evaluation.md), on each client's own evaluation "
              "split; mean ± SEM over seeds. Worst 10 %: the mean accuracy of the worst ceil(10 % of n) of the n "
              "clients; std: the population standard deviation over clients.", "",
              "| config | strategy | seeds | accuracy (mean over clients) | accuracy (sample-weighted) | "

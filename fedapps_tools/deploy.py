@@ -1,4 +1,4 @@
-"""`fedapps deploy ...`: a Flower deployment across machines, step by step (README "Across machines").
+"""`fedapps deploy ...`: a Flower deployment across machines, step by step (docs/deployment.md).
 
     certs DIR --host H [--host H2]    a CA and a SuperLink certificate whose SAN holds every given name/IP
     node-key DIR NAME                 a SuperNode key pair (OpenSSH ECDSA P-384): DIR/NAME and DIR/NAME.pub

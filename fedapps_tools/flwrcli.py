@@ -105,7 +105,7 @@ def app_files(app_dir: Path) -> dict[str, Path]:
 
     `flwr run DIR` lists EVERY file under DIR before it filters by .gitignore and its include rules
     (``flwr.cli.utils.collect_files``): with the virtual environment inside the app folder, as `make` sets it up,
-    that is ~60,000 paths, each resolved — most of the `submit` part of a run's start-up (README "Start-up"). What
+    that is ~60,000 paths, each resolved — most of the `submit` part of a run's start-up (docs/performance.md). What
     this returns filters down to the same FAB (``tests/test_flwrcli.py`` compares both on this repository); where
     the .gitignore has negations (``!``) nothing is pruned."""
     from flwr.cli.utils import build_pathspec, load_gitignore_patterns

@@ -1,10 +1,10 @@
 """`fedapps tune CONFIG --grid KEY=V1,V2,... --seeds 0`: choose hyper-parameters on the validation split.
 
-The rule (specs/evaluation.md, "Splits" and "Equal tuning budget"): every point of the cartesian grid runs at every
-seed with ``data.evaluate_on=validation`` (each client trains on the fit share of its train split and is scored on
-the validation share; the test split is never built); the point with the highest final-round validation accuracy
-of the deployed model (summary.json ``accuracy_mean``, averaged over the seeds) is chosen, ties going to the first
-point in grid order. At most ``--max-points`` points (default 4, the equal-budget rule). Runs finished with the
+The rule (docs/evaluation.md#splits, docs/evaluation.md#equal-tuning-budget): every point of the cartesian grid runs
+at every seed with ``data.evaluate_on=validation`` (each client trains on the fit share of its train split and is
+scored on the validation share; the test split is never built); the point with the highest final-round validation
+accuracy of the deployed model (summary.json ``accuracy_mean``, averaged over the seeds) is chosen, ties going to the
+first point in grid order. At most ``--max-points`` points (default 4, the equal-budget rule). Runs finished with the
 same resolved config (same config hash) are reused, so an interrupted tuning resumes (``fedapps compare``'s rule).
 
 Writes ``tuning.csv`` (one row per point × seed), ``tuning.md`` (the table, the chosen values, the grid and the
@@ -41,7 +41,8 @@ from fedapps.results import write_csv
 from fedapps_tools.progressbar import RunProgress
 from fedapps_tools.compare import mean_sem, resume_decision
 
-DEFAULT_MAX_POINTS = 4  # specs/evaluation.md: the same number of grid points (at most 4) for every method
+# docs/evaluation.md#equal-tuning-budget: the same number of grid points (at most 4) for every method
+DEFAULT_MAX_POINTS = 4
 
 # keys the tuning itself sets or that would change what is measured; they cannot be tuned
 NOT_TUNABLE: dict[str, str] = {
@@ -50,7 +51,7 @@ NOT_TUNABLE: dict[str, str] = {
     "output_dir": "use --out",
     "data.evaluate_on": "tuning always evaluates on the validation split",
     "data.validation_fraction": "every point must be scored on the same validation split",
-    "data.seed": "the partition stays fixed while tuning (specs/evaluation.md)",
+    "data.seed": "the partition stays fixed while tuning (docs/evaluation.md)",
     "strategy.name": "tune one method at a time, each with its own budget (run tune once per strategy)",
 }
 NOT_SETTABLE = ("seed", "run_name", "data.evaluate_on")  # set by tune for every run; --set may not change them
@@ -116,7 +117,7 @@ def check_budget(grid: Sequence[tuple[str, list[Any]]], max_points: int) -> int:
         shape = " × ".join(f"{k}: {len(v)}" for k, v in grid)
         raise ConfigError(
             f"the grid has {n} points ({shape}), more than --max-points {max_points}. The equal-budget rule "
-            f"(specs/evaluation.md) gives every method the same number of grid points, at most "
+            f"(docs/evaluation.md) gives every method the same number of grid points, at most "
             f"{DEFAULT_MAX_POINTS}: drop values or keys (raise --max-points only for a study that is not a "
             "comparison)")
     return n
@@ -153,7 +154,7 @@ def parse_seeds(items: Sequence[str]) -> list[int]:
                 raise ConfigError(f"--seeds: {seed} is negative or repeated; pass distinct seeds >= 0")
             seeds.append(seed)
     if not seeds:
-        raise ConfigError("--seeds: give at least one seed (specs/evaluation.md tunes at 1 seed: --seeds 0)")
+        raise ConfigError("--seeds: give at least one seed (docs/evaluation.md tunes at 1 seed: --seeds 0)")
     return seeds
 
 
@@ -258,7 +259,7 @@ def markdown(config_path: Path, grid: list[tuple[str, list[Any]]], points: list[
         f"validation share (`data.validation_fraction` = {validation_fraction}, stratified, seeded from `data.seed`); "
         "the point with the highest final-round validation accuracy of the deployed model (mean over clients, "
         "averaged over the seeds) was chosen, a tie going to the first point in grid order. The test split was "
-        "never built while choosing (specs/evaluation.md).",
+        "never built while choosing (docs/evaluation.md).",
         "",
     ]
     return "\n".join(lines)

@@ -312,7 +312,7 @@ def test_state_dir_survives_a_supernode_restart(tmp_path, monkeypatch, digits):
     handle(message(cfg, "local", 2, ["evaluate"], "run-a"), restarted)
     restored = restarted.state[STATE_MODEL].to_torch_state_dict()
     assert all(torch.equal(trained[k], restored[k]) for k in trained)
-    # without the node's state-dir the restarted node starts from the initial model (what the README table says)
+    # without the node's state-dir the restarted node starts from the initial model (what README.md's table says)
     node.pop("state-dir")
     bare = fresh()
     handle(message(cfg, "local", 2, ["evaluate"], "run-a"), bare)
@@ -336,7 +336,7 @@ def test_threads_node_config_is_checked():
         node_threads(ctx)
 
 
-# ------------------------------------------------------------------ the README's table of what a restart loses
+# ------------------------------------------------------------------ README.md's table of what a restart loses
 
 LOSS_WORDS = {
     "nothing": "nothing: the whole model comes with every message",
@@ -354,7 +354,7 @@ def readme_restart_table() -> dict[str, str]:
 
 def test_readme_restart_table_matches_what_each_strategy_sends(tmp_path):
     """Derived from the strategies' own round messages (persist-model, load-arrays, arrays.keys), checked against
-    the README's table: a strategy whose messages change, or a new one, fails here until the table says so."""
+    README.md's table: a strategy whose messages change, or a new one, fails here until the table says so."""
     from fedapps.inprocess import InProcessGrid
     from fedapps.models import build_model, state_part
 

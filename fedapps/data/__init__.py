@@ -1,4 +1,4 @@
-"""Data layer: sources, partitioners, the public set U and per-client data (see DESIGN.md, "Data")."""
+"""Data layer: sources, partitioners, the public set U and per-client data (docs/data.md)."""
 
 from .errors import DataError
 from .federation import (

@@ -5,7 +5,7 @@ stratified public set U → partition the rest over clients → split each clien
 (stratified within the client; train keeps at least one sample). Under `rotated` / `label-swap` each client's
 group transform is then applied (rotation of its images / permutation of its labels; U: see below).
 
-Evaluation split (``evaluate_on``, specs/evaluation.md): ``test`` (final runs) evaluates on the test split and
+Evaluation split (``evaluate_on``, docs/evaluation.md#splits): ``test`` (final runs) evaluates on the test split and
 trains on the whole train split. ``validation`` (tuning) carves ``validation_fraction`` out of each client's
 TRAIN split (stratified, seeded by ``derive_seed(seed, "validation-split", client)``, so the train/test split is
 the same in both modes); the client then trains on the rest ("fit") and everything that evaluates on
@@ -19,7 +19,7 @@ it serves (``get_federation`` caches one federation per data spec and process). 
 `rotated` and `label-swap` are applied in place to that store, block by block, after the gather: the client
 splits stay views of one tensor, and the store holds every sample as its client (or U) sees it.
 
-The public set U under the group settings (README "Settings where methods separate"):
+The public set U under the group settings (docs/data.md):
 - `rotated`: U is drawn before partitioning, as always, then cut into `groups` equal shares, stratified by
   class; share g is rotated like group g (``Federation.public_groups``). U thus follows the same input
   distribution as the union of the clients' data, as it does under every other partition; its labels are the
