@@ -39,8 +39,6 @@ CODE_FILES = ("server_app.py", "client_app.py", "Makefile", "pyproject.toml", "m
 CODE_SUFFIXES = (".py", ".yaml", ".yml", ".toml", ".sh", ".md", ".txt")
 # Files the lead is editing (they still hold such citations; each is fixed with the lead's change). A file listed
 # here that no longer cites anything forbidden fails the test: take it off the list.
-PENDING = ("fedapps_tools/tables.py", "configs/default.yaml", "experiments/homogeneous.yaml",
-           "experiments/model-agnostic.yaml", "experiments/param-sharing.yaml")
 
 FRONT_PAGE = "READ" + "ME"  # spelt in two halves so that this file does not cite it either
 FORBIDDEN = (
@@ -105,11 +103,8 @@ def test_every_config_key_and_strategy_parameter_has_help():
     from strategies import STRATEGIES
 
     docgen.configuration_page(STRATEGIES)  # raises naming a config key without help
-    # FedAMP's three first parameters keep their help in a trailing comment (strategies/fedamp.py is being changed
-    # by the lead); once they have help=, this set is empty.
-    known = {"strategy.params.fedamp.alpha_k", "strategy.params.fedamp.sigma", "strategy.params.fedamp.lam"}
-    missing = set(docgen.undocumented_params(STRATEGIES))
-    assert missing <= known, f"parameters without help= in their param(...): {sorted(missing - known)}"
+    missing = sorted(docgen.undocumented_params(STRATEGIES))
+    assert not missing, f"parameters without help= in their param(...): {missing}"
 
 
 def nav_pages(node) -> list[str]:
@@ -406,15 +401,8 @@ def forbidden_citations(text: str) -> list[tuple[int, str]]:
 def test_code_cites_no_front_page_heading_and_no_file_outside_the_repository():
     problems = []
     for f in code_files():
-        if rel(f) in PENDING:
-            continue
         problems += [f"{rel(f)}:{n}: {why}" for n, why in forbidden_citations(f.read_text(errors="replace"))]
     assert not problems, "\n".join(problems)
-
-
-def test_pending_files_still_need_their_fix():
-    done = [p for p in PENDING if (ROOT / p).is_file() and not forbidden_citations((ROOT / p).read_text())]
-    assert not done, f"{done} no longer cite anything forbidden: take them off PENDING in tests/test_docs.py"
 
 
 def test_forbidden_patterns():
