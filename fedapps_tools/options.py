@@ -34,7 +34,7 @@ def parse_seeds(items: Sequence[Any]) -> list[int]:
             if seed < 0:
                 raise ConfigError(f"--seeds: {seed} is negative; seeds are integers >= 0")
             if seed in seeds:
-                raise ConfigError(f"--seeds: {seed} is given twice; list each seed once")
+                raise ConfigError(f"--seeds: {seed} is repeated; list each seed once")
             seeds.append(seed)
     if not seeds:
         raise ConfigError("--seeds: give at least one seed, e.g. --seeds 0")
