@@ -33,7 +33,7 @@ from fedapps_tools.flwrcli import (CONNECTION, RunFailed, _proc_stat, descendant
                                    flower_env, follow_run, stop_processes, submit_run, toml_str)
 from fedapps_tools import raycluster
 from fedapps_tools.logfilter import LogFilter, command_logging
-from fedapps_tools.options import SeedsAction, add_seeds_option, output_dir_help, package_version, resolve_root
+from fedapps_tools.options import add_seeds_option, output_dir_help, package_version, resolve_root
 from fedapps_tools.summary import print_summary
 
 
@@ -409,9 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "before anything starts)")
     run.add_argument("--resume", default=None, metavar="RUN_DIR",
                      help="continue the run in RUN_DIR (<output-dir>/<run-name>) after its last checkpointed round")
-    run.add_argument("--seeds", nargs="+", action=SeedsAction, default=None, metavar="SEED",
-                     help="the run's seed, the same as --set seed=N (default: the config's seed); a run has one: "
-                          "for several use `fedapps compare CONFIG --seeds 0,1,2`")
+    add_seeds_option(run, None, "the run's seed, the same as --set seed=N; a run has one: for several use "
+                                "`fedapps compare CONFIG --seeds 0,1,2`", default_text="the config's seed")
     add_run_options(run, "the run folder DIR/<run name>/")
     cmp_ = sub.add_parser("compare", help="run configs × seeds, then tabulate mean ± SEM",
                           description="Run every config at every seed (runs already complete with the same config are "

@@ -53,11 +53,13 @@ class SeedsAction(argparse.Action):
             raise argparse.ArgumentError(self, str(exc).removeprefix("--seeds: ")) from None
 
 
-def add_seeds_option(parser: argparse.ArgumentParser, default: list[int], help: str) -> None:  # noqa: A002
-    """``--seeds SEED[,SEED...] [SEED ...]``: the one seed-list option every sub-command uses."""
-    parser.add_argument("--seeds", nargs="+", action=SeedsAction, default=list(default), metavar="SEED",
-                        help=f"{help}; write them as 0,1,2 or as 0 1 2 (default: "
-                             f"{' '.join(map(str, default))})")
+def add_seeds_option(parser: argparse.ArgumentParser, default: list[int] | None, help: str,  # noqa: A002
+                     default_text: str = "") -> None:
+    """``--seeds SEED[,SEED...] [SEED ...]``: the one seed-list option every sub-command uses (the namespace gets a
+    list of ints). ``default`` None: the option is unset unless given, ``default_text`` says what applies then."""
+    shown = default_text or " ".join(map(str, default or []))
+    parser.add_argument("--seeds", nargs="+", action=SeedsAction, default=None if default is None else list(default),
+                        metavar="SEED", help=f"{help}; write them as 0,1,2 or as 0 1 2 (default: {shown})")
 
 
 def output_dir_help(what: str) -> str:
