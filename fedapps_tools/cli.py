@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import re
@@ -405,8 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run one config through `flwr run` and print its summary",
                          description="Run one config through `flwr run` (or in this process with --engine inprocess) "
                                      "and print its summary.")
-    run.add_argument("config", metavar="CONFIG", help="the experiment's YAML file, e.g. configs/default.yaml (every key is checked "
-                                    "before anything starts)")
+    run.add_argument("config", metavar="CONFIG",
+                     help="the experiment's YAML file, e.g. configs/default.yaml (every key is checked before "
+                          "anything starts)")
     run.add_argument("--resume", default=None, metavar="RUN_DIR",
                      help="continue the run in RUN_DIR (<output-dir>/<run-name>) after its last checkpointed round")
     add_seeds_option(run, None, "the run's seed, the same as --set seed=N; a run has one: for several use "
@@ -424,7 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     tun = sub.add_parser("tune", help="run a grid on the validation split and choose by validation accuracy",
                          description="Run every point of a grid on the validation split, choose the point with the "
                                      "best validation accuracy and write it as chosen.yaml (for the final runs).")
-    tun.add_argument("config", metavar="CONFIG", help="the YAML file whose keys the grid varies, e.g. configs/fedavg.yaml")
+    tun.add_argument("config", metavar="CONFIG",
+                     help="the YAML file whose keys the grid varies, e.g. configs/fedavg.yaml")
     tun.add_argument("--grid", nargs="+", action="extend", default=[], required=True, metavar="KEY=V1,V2,...",
                      help="a key and its values (YAML scalars, comma-separated); repeat for more keys: the cartesian "
                           "grid runs, e.g. --grid client.lr=0.01,0.05 --grid client.epochs=1,2")
@@ -440,7 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_options(tun, "DIR/<name>/: tuning.csv, tuning.md, chosen.yaml and the runs (runs/)")
     rep = sub.add_parser("report", help="print the summary of a run folder (a comparison folder: its table), or "
                          "with --html write one self-contained HTML report of it")
-    rep.add_argument("result_dir", metavar="RESULT_DIR", help="a run folder (<output-dir>/<run-name>) or a `fedapps compare` folder")
+    rep.add_argument("result_dir", metavar="RESULT_DIR",
+                     help="a run folder (<output-dir>/<run-name>) or a `fedapps compare` folder")
     rep.add_argument("--html", action="store_true",
                      help="write a static HTML page (table, curves, per-client spread, strategy figures; no network "
                           "needed to view it) and print its path")

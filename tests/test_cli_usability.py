@@ -220,9 +220,11 @@ def test_tune_refuses_an_output_dir_that_holds_an_earlier_tuning(tmp_path):
     parse = cli.build_parser().parse_args
     with pytest.raises(ConfigError, match=rf"--out {re.escape(str(old))}"):
         tuning_folder(parse(["tune", "c.yaml", "--grid", "a=1", "--output-dir", str(old)]), "results", Path("c.yaml"))
-    assert tuning_folder(parse(["tune", "c.yaml", "--grid", "a=1", "--out", str(old)]), "results", Path("c.yaml")) == old
+    assert tuning_folder(parse(["tune", "c.yaml", "--grid", "a=1", "--out", str(old)]), "results", Path("c.yaml")) \
+        == old
     with pytest.raises(ConfigError, match="drop --output-dir"):
-        tuning_folder(parse(["tune", "c.yaml", "--grid", "a=1", "--out", "x", "--name", "y"]), "results", Path("c.yaml"))
+        tuning_folder(parse(["tune", "c.yaml", "--grid", "a=1", "--out", "x", "--name", "y"]), "results",
+                      Path("c.yaml"))
 
 
 def test_compare_refuses_to_leave_an_earlier_comparison_behind(tiny_config, tmp_path, monkeypatch, capsys):
@@ -311,7 +313,7 @@ def test_the_end_of_run_hint_works_when_followed(tiny_config, tmp_path, capsys):
     out = capsys.readouterr().out
     (hint,) = [ln for ln in out.splitlines() if ln.startswith("FedAvg's number")]
     (items,) = set_items(hint.split("to the command")[0])
-    assert "strategy.name=fedavg" in items and "model.per_client=[]" in items and "run_name=fedavg-digits-iid-s0" in items
+    assert {"strategy.name=fedavg", "model.per_client=[]", "run_name=fedavg-digits-iid-s0"} == set(items)
     assert cli.main(base + ["--set", *items]) == 0
     capsys.readouterr()
     assert cli.main(["report", str(tmp_path / "mine")]) == 0
@@ -392,7 +394,8 @@ def test_a_client_does_not_repeat_the_datas_warnings():
     handler.emit = records.append
     data_log = logging.getLogger("fedapps.data")
     data_log.addHandler(handler)
-    spec = load_config(None, ["data.source=digits", "data.partition=pathological", "data.num_clients=3"]).to_dict()["data"]
+    spec = load_config(None, ["data.source=digits", "data.partition=pathological",
+                              "data.num_clients=3"]).to_dict()["data"]
     try:
         clear_federation_cache()
         client_federation(SimpleNamespace(node_config={}), spec, 0, public=False)
