@@ -45,6 +45,9 @@ class StrategyConfig:
     aggregation: str = "mean"
     trim_fraction: float = 0.1  # trimmed-mean: share of the lowest and of the highest values dropped, in [0, 0.5)
     max_weight_share: float = 1.0  # mean: cap on any client's normalised weight, in (0, 1]; 1 = no cap
+    # clip each client's update (its arrays minus the model the round sent it) to this L2 norm before combining
+    # them, >= 0; 0 = no clipping (fedapps.robust.clip_update)
+    clip_update_norm: float = 0.0
     # how model arrays travel between server and clients, both ways (fedapps.protocol): float32 (as the models hold
     # them) | float16 (floating arrays halved; parameter-sharing strategies only, checked by strategies.base)
     transport: str = "float32"
@@ -124,6 +127,9 @@ class ExperimentConfig:
     seed: int = 0
     rounds: int = 20
     output_dir: str = "results"
+    # the run succeeds (exit 0, summary.json problems empty) only if the headline was measured on at least this
+    # share of data.num_clients, in [0, 1] (0: on at least one client); fedapps.results.run_problems
+    min_measured_share: float = 0.5
     # experiment trackers the run also writes to (optional extra "tracking"; README "Experiment tracking"):
     # any of tensorboard, mlflow; where: inside the run folder, or under tracking_dir (relative: to output_dir)
     tracking: list[str] = field(default_factory=list)
@@ -407,6 +413,11 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(0.0 <= s.trim_fraction < 0.5, f"'strategy.trim_fraction' must be in [0, 0.5), got {s.trim_fraction}")
     _check(0.0 < s.max_weight_share <= 1.0,
            f"'strategy.max_weight_share' must be in (0, 1] (1 = no cap), got {s.max_weight_share}")
+    _check(s.clip_update_norm >= 0,
+           f"'strategy.clip_update_norm' must be >= 0 (an L2 norm; 0 = no clipping), got {s.clip_update_norm}")
+    _check(0.0 <= cfg.min_measured_share <= 1.0,
+           f"'min_measured_share' must be in [0, 1] (the share of data.num_clients the headline must be measured "
+           f"on; 0: at least one client), got {cfg.min_measured_share}")
     _one_of("strategy.transport", s.transport, TRANSPORTS)
 
     d = cfg.data  # the data section itself is checked once, by fedapps.data.check_spec (see strategies.resolve)
@@ -421,6 +432,7 @@ def validate(cfg: ExperimentConfig) -> None:
         s.expected_clients <= d.num_clients,
         f"'strategy.expected_clients' ({s.expected_clients}) exceeds 'data.num_clients' ({d.num_clients})",
     )
+    check_trim(s, d.num_clients)
 
     c = cfg.client
     _check(c.epochs >= 0, f"'client.epochs' must be >= 0, got {c.epochs}")
@@ -434,6 +446,45 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(not (c.mixed_precision and c.device == "cpu"),
            "'client.mixed_precision: true' applies to CUDA devices only, but 'client.device' is 'cpu'; "
            "set client.device to 'auto' or 'cuda', or remove client.mixed_precision")
+
+
+def cohort_size(connected: int, fraction: float, min_clients: int) -> int:
+    """Clients sampled per round out of ``connected``: ceil(fraction·N), at least min_clients, at most N."""
+    return min(connected, max(min_clients, math.ceil(fraction * connected)))
+
+
+def trimmed_per_side(trim_fraction: float, k: int) -> int:
+    """How many of k values per coordinate a trimmed mean drops at each end: floor(trim_fraction·k)."""
+    return int(trim_fraction * k)
+
+
+def smallest_trim(k: int) -> float:
+    """The smallest fraction (in thousandths) that trims one of k values at each end; 0.5 or more when none can."""
+    fraction = math.ceil(1000 / k) / 1000
+    while trimmed_per_side(fraction, k) < 1:
+        fraction = round(fraction + 0.001, 3)
+    return fraction
+
+
+def check_trim(s: StrategyConfig, num_clients: int) -> None:
+    """``strategy.aggregation: trimmed-mean`` must trim at least one client at each end at the round's cohort size
+    (a fraction that trims none is the plain unweighted mean: a robust setting that silently does nothing). An
+    error, not a silent round-up: the fraction the user asked for is what config.yaml records as having run."""
+    if s.aggregation != "trimmed-mean":
+        return
+    k = cohort_size(num_clients, s.fraction, s.min_clients)
+    if trimmed_per_side(s.trim_fraction, k) >= 1:
+        return
+    cohort = f"the cohort of {k} clients per round (data.num_clients={num_clients}, strategy.fraction={s.fraction:g})"
+    smallest = smallest_trim(k)
+    if smallest >= 0.5:
+        raise ConfigError(f"'strategy.aggregation: trimmed-mean' cannot trim any client from {cohort}: trimming one "
+                          "at each end needs at least 3 clients per round; use strategy.aggregation=median, or sample "
+                          "more clients per round")
+    raise ConfigError(f"'strategy.trim_fraction: {s.trim_fraction:g}' trims no client from {cohort} "
+                      f"(floor({s.trim_fraction:g}·{k}) = 0: the plain unweighted mean); set strategy.trim_fraction to "
+                      f"at least {smallest:g} (trims {trimmed_per_side(smallest, k)} at each end), or use "
+                      "strategy.aggregation=median")
 
 
 def check_tracking(names: list[Any]) -> None:
@@ -468,12 +519,14 @@ def check_run_name(name: str) -> None:
         raise ConfigError(f"'run_name' {name!r} contains control characters; {fix}")
 
 
-HASH_EXCLUDED = ("run_name", "output_dir", "tracking", "tracking_dir")  # where a run is written, not what it computes
+# where a run is written and how its outcome is judged, not what it computes
+HASH_EXCLUDED = ("run_name", "output_dir", "tracking", "tracking_dir", "min_measured_share")
 # keys added after results were recorded: left out of the hash (and of a resumed run's comparison) while at these
 # defaults, so that a config that does not use them keeps the hash it had before they existed
 LATER_KEYS: dict[tuple[str, str], Any] = {("data", "num_classes"): 0, ("data", "input_shape"): [],
                                           ("data", "public_path"): "", ("strategy", "expected_clients"): 0,
-                                          ("strategy", "connect_timeout"): 300.0, ("strategy", "transport"): "float32"}
+                                          ("strategy", "connect_timeout"): 300.0, ("strategy", "transport"): "float32",
+                                          ("strategy", "clip_update_norm"): 0.0}
 
 
 def without_later_defaults(data: dict[str, Any]) -> dict[str, Any]:

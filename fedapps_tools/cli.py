@@ -4,7 +4,7 @@
 starts its own SuperLink (simulation mode, free port, own FLWR_HOME) or joins ``--superlink ADDRESS``; with
 ``--ray-address HOST:PORT`` (or an exported RAY_ADDRESS) its simulation runs on that Ray cluster (``raycluster``),
 submits the app with `flwr run --format json`, follows the run's log and status, stops only the processes
-it started, and exits non-zero unless the run finished ``completed`` (exit 1; Ctrl-C: 130).
+it started, and exits 0 only when the run finished and its headline means something (:data:`EXIT_HELP`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from fedapps.config import ConfigError, ExperimentConfig, load_config, source_slug
-from fedapps.results import UnusableRun
+from fedapps.results import EXIT_FAILED, EXIT_STATUSES, UnusableRun, summary_exit_status
 from fedapps_tools.flwrcli import (CONNECTION, RunFailed, _proc_stat, descendants, failure_reasons,
                                    flower_env, follow_run, stop_processes, submit_run, toml_str)
 from fedapps_tools import raycluster
+
+
+EXIT_HELP = "exit status: " + "; ".join(f"{code} {what}" for code, what in EXIT_STATUSES.items()) + (
+    ". summary.json's 'problems' says why, its 'exit_status' is the status.")
 
 
 def free_port() -> int:
@@ -211,11 +215,15 @@ def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[st
                 address = link.start()
                 print(f"SuperLink {address} (pid {link.proc.pid}, FLWR_HOME {home})", flush=True)
             write_connection(home, address)
+            submitted = time.time()
             run_id = start_run(cfg, config_path, overrides, output_dir, args, env)
             print(f"run {run_id} started on {address}", flush=True)
             status, lines = follow_run(run_id, env, args.quiet, link)
             if status != "finished:completed":
-                raise RunFailed(f"run {run_id} ended with status '{status}':\n{failure_reasons(lines, result_dir)}")
+                failed = RunFailed(f"run {run_id} ended with status '{status}':\n{failure_reasons(lines, result_dir)}")
+                # the ServerApp's verdict where it wrote one in this run (summary.json exit_status), else 1
+                failed.exit_status = summary_exit_status(result_dir / "summary.json", submitted - 1) or EXIT_FAILED
+                raise failed
         ok = True
     finally:
         if link is not None:
@@ -428,7 +436,7 @@ def add_run_options(p: argparse.ArgumentParser, output_dir: bool = True) -> None
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedapps", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run one config through flwr run and print its summary")
+    run = sub.add_parser("run", help="run one config through flwr run and print its summary", epilog=EXIT_HELP)
     run.add_argument("config")
     run.add_argument("--resume", default=None, metavar="RUN_DIR",
                      help="continue the run in RUN_DIR (<output-dir>/<run-name>) after its last checkpointed round")
@@ -521,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (RunFailed, UnusableRun) as exc:
         print(f"run failed: {exc}", file=sys.stderr)
-        return 1
+        return int(getattr(exc, "exit_status", EXIT_FAILED))
     except KeyboardInterrupt:
         print("interrupted; the processes this run started were stopped", file=sys.stderr)
         return 130
