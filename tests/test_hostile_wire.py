@@ -6,6 +6,8 @@ where the reply never arrived."""
 
 from __future__ import annotations
 
+import csv
+
 import pytest
 
 from fedapps import faults
@@ -58,6 +60,31 @@ def test_train_loss_timing_and_list_metrics_are_range_checked(strategy, kind):
     assert_rejected_as_if_dropped(strategy, kind, METRIC_REASON[kind])
 
 
-def test_every_round_is_recorded():
-    got = run("fedavg", "")
-    assert [x.round for x in got.logs] == list(range(1, ROUNDS + 1))
+def test_a_reply_a_strategy_cannot_use_is_recorded_in_rejections_csv(tmp_path):
+    """A reply the validator accepts but the algorithm leaves out (IFCA: a cluster choice outside [0, K)) is a row
+    of rejections.csv (phase 'aggregate', the strategy's reason), not only a log line."""
+    from flwr.app import MetricRecord
+
+    import server_app
+    from fedapps import protocol
+    from fedapps.inprocess import InProcessGrid
+    from strategies.ifca import CHOICE
+
+    def bad_choice(msg, context, call_next):
+        reply = call_next(msg, context)
+        if context.node_config["partition-id"] == 0 and int(msg.content["config"]["round"]) == 1 \
+                and not reply.has_error() and CHOICE in reply.content[protocol.METRICS]:
+            reply.content[protocol.METRICS] = MetricRecord({**dict(reply.content[protocol.METRICS]), CHOICE: 99})
+        return reply
+
+    args = ["strategy.name=ifca", "rounds=2", "data.source=digits", "data.num_clients=3", "model.name=mlp",
+            "client.epochs=1", "strategy.params.ifca.clusters=2", "run_name=skip"]
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("{}")
+    summary = server_app.run_experiment(InProcessGrid(3, mods=[bad_choice]), str(cfg), " ".join(args),
+                                        str(tmp_path / "out"))
+    with (tmp_path / "out" / "skip" / "rejections.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["round"], r["phase"], r["node_id"], r["client_id"]) for r in rows] == [("1", "aggregate", "100", "0")]
+    assert rows[0]["reason"] == "ifca: no valid model or cluster choice"
+    assert summary["problems"] == []  # a skipped reply is no rejection: replies_rejected stays 0
