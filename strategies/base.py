@@ -406,7 +406,7 @@ class PersonalisedStrategy(Strategy):
         outcome = self.validator.check(server_round, replies, phase)
         for r in outcome.accepted:
             self.node_to_client[r.node_id] = r.client_id
-        received = sum(protocol.record_nbytes(m.content) for m in replies if not m.has_error())
+        received = sum(reply_nbytes(m) for m in replies)
         self._checked.bytes_up_rejected += max(0, received - sum(r.nbytes for r in outcome.accepted))
         self._checked.replies_ok += len(outcome.accepted)
         self._checked.replies_rejected += len(outcome.rejections)
@@ -632,6 +632,15 @@ def round_metrics(entry: RoundLog) -> MetricRecord:
     out.update({k: float(v) for k, v in entry.extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
                 and math.isfinite(float(v))})
     return MetricRecord(out)
+
+
+def reply_nbytes(msg: Message) -> int:
+    """Payload bytes of a reply (:func:`protocol.record_nbytes`; 0 for an error reply, or one that cannot be
+    measured: counting never fails a round)."""
+    try:
+        return 0 if msg.has_error() else protocol.record_nbytes(msg.content)
+    except Exception:  # noqa: BLE001 - a hostile reply of any shape
+        return 0
 
 
 def by_client_id(node_ids: list[int], node_to_client: Mapping[int, int]) -> list[int]:

@@ -404,7 +404,14 @@ def build_federation(spec: dict[str, Any]) -> Federation:
         pool = np.arange(labels.size, dtype=np.int64)
 
     m, part = s["num_clients"], s["partition"]
-    groups, train_indices, eval_indices = split_clients(s, labels, k, pool, m)
+    try:
+        groups, train_indices, eval_indices = split_clients(s, labels, k, pool, m)
+    except DataError as exc:  # e.g. a client without any sample: name a client count that works, where one does
+        best = largest_working(m, lambda n: _clients_have_data(s, labels, k, pool, n))
+        if not best:
+            raise
+        raise DataError(f"{exc} (at most data.num_clients={best} gives every client training data and an "
+                        f"evaluation split here)") from exc
     # the transforms draw from their own stream: the partitions above stay those of earlier versions
     rng_transform = np.random.default_rng(np.random.SeedSequence([s["seed"], 0x7261]))
     label_perms = (label_swap_permutations(k, s["groups"], s["swap_pairs"], rng_transform)
