@@ -16,6 +16,13 @@ the deployed models' accuracy after the last measured round.
 Fairness across clients, beside every mean over clients: ``*_worst10`` is the mean accuracy of the worst
 ceil(10 % of n) of the n clients measured (:func:`worst_share_mean`; 3 clients: the worst one), ``*_std`` the
 population standard deviation of their accuracies (:func:`client_std`).
+
+Whether the result means something (:func:`run_problems`): summary.json's ``problems`` lists, in words, why not
+(nothing usable or delivered; a round that lost a majority of its replies to rejection; a headline measured on
+fewer than ``min_measured_share`` of the clients) and ``exit_status`` is the exit status it gives (EXIT_*).
+Bytes of rejected replies are ``bytes_up_rejected``, never part of ``bytes_up`` / ``eval_bytes_up``;
+rejections.csv lists every rejected reply (phase ``train``, ``evaluate``, ``query``, ``describe``) and every
+reply or step a strategy left out (phase ``aggregate``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 starts its own SuperLink (simulation mode, free port, own FLWR_HOME) or joins ``--superlink ADDRESS``; with
 ``--ray-address HOST:PORT`` (or an exported RAY_ADDRESS) its simulation runs on that Ray cluster (``raycluster``),
 submits the app with `flwr run --format json`, follows the run's log and status, stops only the processes
-it started, and exits 0 only when the run finished and its headline means something (:data:`EXIT_HELP`).
+it started, and exits 0 only when the run finished with a meaningful headline (the statuses: ``EXIT_HELP``,
+printed by `fedapps run --help`; summary.json's ``problems`` says why a run did not).
 """
 
 from __future__ import annotations

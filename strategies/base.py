@@ -550,7 +550,7 @@ class PersonalisedStrategy(Strategy):
             parsed += accepted
             del messages, replies
         if not sent:
-            log.warning("round %d: no client has a deployed model to evaluate", rnd)
+            self.skip_round(rnd, "no client has a deployed model to evaluate after the last round")
             return
         parsed.sort(key=lambda r: r.client_id)
         entry.measurements.append(Measurement(rnd, parsed, final=True))
