@@ -199,7 +199,9 @@ def corrupt(reply: Message, fault: Fault, cid: int, context: Context) -> None:
         elif kind == "n-1e9":
             metrics.update({k: 1e9 for k in metrics if k.endswith("-n")})
         elif kind == "loss-huge":
-            metrics.update({k: -2e299 for k in metrics if k.endswith("-loss") and k.rsplit("-", 1)[0] + "-acc" not in metrics})
+            evaluations = {k.rsplit("-", 1)[0] for k in metrics if k.endswith("-acc")}
+            metrics.update({k: -2e299 for k in metrics
+                            if k.endswith("-loss") and k.rsplit("-", 1)[0] not in evaluations})
         elif kind == "time-huge":
             metrics.update({k: 1e12 for k in metrics if k.startswith("t-")})
         elif kind == "list-huge":

@@ -71,7 +71,8 @@ EXIT_UNMEASURED = 3  # finished, but the headline was not measured, or on fewer 
 EXIT_REJECTED = 4  # finished, but some round lost a majority of its replies to rejection (rejections.csv)
 EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM
 EXIT_STATUSES = {EXIT_OK: "the run finished and its headline is meaningful",
-                 EXIT_FAILED: "the run failed (crashed, no usable reply at all, or most messages never reached a client)",
+                 EXIT_FAILED: "the run failed (crashed, no usable reply at all, or most messages never reached a "
+                              "client)",
                  EXIT_CONFIG: "refused before it started: a config, data or option error",
                  EXIT_UNMEASURED: "finished, but the headline was not measured, or on fewer than min_measured_share of "
                                   "the clients",

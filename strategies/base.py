@@ -183,7 +183,8 @@ class PersonalisedStrategy(Strategy):
         if cls.needs_public_set and cfg.data.source != NODES and cfg.data.public_fraction <= 0:
             raise ConfigError(f"strategy '{cls.name}' needs a public set U: set 'data.public_fraction' in (0, 1), e.g. 0.2")
         s = cfg.strategy
-        if not cls.robust_aggregation and (s.aggregation != "mean" or s.max_weight_share < 1.0 or s.clip_update_norm > 0):
+        robust = s.aggregation != "mean" or s.max_weight_share < 1.0 or s.clip_update_norm > 0
+        if not cls.robust_aggregation and robust:
             raise ConfigError(f"'strategy.aggregation: {s.aggregation}' / 'strategy.max_weight_share: {s.max_weight_share}' "
                               f"/ 'strategy.clip_update_norm: {s.clip_update_norm}' apply to the parameter-averaging "
                               f"strategies only (fedavg, fedprox, ditto, fedper, fedrep, fedbabu, ifca, cfl), not to "

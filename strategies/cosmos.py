@@ -235,8 +235,9 @@ class Cosmos(PersonalisedStrategy):
             fp = r.info.get("fingerprint")
             if fp != self.fed.fingerprint:
                 self.rejected_fingerprint += 1
-                self.skip_reply(server_round, r, f"public set mismatch (its U has fingerprint {fp!r}, the server's "
-                                               f"{self.fed.fingerprint!r}); both sides must build U from the same data spec")
+                self.skip_reply(server_round, r, f"public set mismatch (its U has fingerprint {fp!r}, the "
+                                                 f"server's {self.fed.fingerprint!r}); both sides must build U from "
+                                                 "the same data spec")
                 continue
             try:
                 out[r.client_id] = validate_predictions(r.predictions["predictions"], self.n_public, self.num_classes)

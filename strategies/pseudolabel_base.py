@@ -39,7 +39,8 @@ class DistillParams:
 
 
 def collect_predictions(replies: list[ClientReply], rows: int, num_classes: int, kind: str, server_round: int = 0,
-                        skip: Callable[[int, ClientReply, str], None] | None = None) -> tuple[list[ClientReply], np.ndarray]:
+                        skip: Callable[[int, ClientReply, str], None] | None = None,
+                        ) -> tuple[list[ClientReply], np.ndarray]:
     """Decoded predictions of the usable replies, stacked clients×rows(×M); bad ones are left out, each reported to
     ``skip(server_round, reply, reason)`` (the strategy's ``skip_reply``: rejections.csv) or else logged."""
     used: list[ClientReply] = []

@@ -378,7 +378,8 @@ def test_run_problems_by_hand():
     summary = {"num_clients": 10, "final_round_measured_clients": 5, "accuracy_mean": 0.5, "final_round": 3}
     assert measured_problems(summary, 0.5) == []
     [p] = measured_problems({**summary, "final_round_measured_clients": 4}, 0.5)
-    assert p.code == EXIT_UNMEASURED and "measured on 4 of 10 clients" in p.text and "min_measured_share=0.5 of them (5)" in p.text
+    assert p.code == EXIT_UNMEASURED and "measured on 4 of 10 clients" in p.text
+    assert "min_measured_share=0.5 of them (5)" in p.text
     assert measured_problems({**summary, "final_round_measured_clients": 1}, 0.0) == []  # 0: one client is enough
     [p] = measured_problems({**summary, "accuracy_mean": None, "final_round_measured_clients": None}, 0.0)
     assert p.code == EXIT_UNMEASURED and "never measured" in p.text
@@ -414,6 +415,16 @@ def test_a_headline_measured_on_too_few_clients_exits_3(tiny_config, tmp_path, c
         assert "measured on 1 of 4 clients" in capsys.readouterr().err
     else:
         assert summary["problems"] == []
+
+
+def test_a_run_whose_headline_was_never_measured_exits_3(tiny_config, tmp_path, capsys, monkeypatch):
+    grid_with(monkeypatch, drop=lambda rnd, pid: rnd == 2)  # 1 round: its evaluation-only message (group 2) is lost
+    out = tmp_path / "res"
+    assert run_cli("run", str(tiny_config(rounds=1)), "--engine", "inprocess", "--output-dir", str(out)) == 3
+    summary = json.loads((out / "fedavg-digits-iid-s0" / "summary.json").read_text())
+    assert summary["accuracy_mean"] is None and summary["exit_status"] == 3
+    assert summary["problems"] == ["the headline (deployed-model accuracy) was never measured: no client answered "
+                                   "an evaluation of its deployed model"]
 
 
 def test_a_round_that_lost_most_replies_to_rejection_exits_4(tiny_config, tmp_path, capsys, monkeypatch):

@@ -78,7 +78,8 @@ class Run:
         return [r for log in self.logs if log.round == rnd for r in log.rejections]
 
 
-def run(strategy: str, spec: str = "", clients: int = CLIENTS, extra: tuple[str, ...] = (), faulty: int = FAULTY) -> Run:
+def run(strategy: str, spec: str = "", clients: int = CLIENTS, extra: tuple[str, ...] = (),
+        faulty: int = FAULTY) -> Run:
     cfg = load_config(None, overrides(strategy, clients, extra))
     resolved = resolve(cfg)
     cfg = resolved.config(cfg)
