@@ -1,7 +1,11 @@
 # make run   - install into .venv (first time) and run the default experiment through `flwr run`
 # make test  - install into .venv (first time) and run the test suite on TEST_WORKERS pytest-xdist workers
 #              (ARGS="-n 0" runs it in one process; ARGS="tests/test_x.py" runs one file)
-# make mutate - mutation testing: the named mutations of #10, then mutmut over the maths (README "Tests and benchmarks")
+# make test-fast - the edit loop: the suite less the tests marked heavy, raycluster or netns (minutes, not tens)
+# make mutate - mutation testing: the named mutations of #10, then mutmut over the maths (docs/development.md)
+# make docs  - regenerate the reference pages, then build the site into site/ (offline; open site/index.html)
+# make docs-reference - regenerate docs/reference/ from the code (config, CLI, strategy params, bench figures)
+# make docs-serve - the site at http://127.0.0.1:8000 while you edit
 VENV    ?= .venv
 PYTHON  ?= python3
 CONFIG  ?= configs/default.yaml
@@ -10,7 +14,7 @@ TEST_WORKERS ?= 2
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.fedapps-installed
 
-.PHONY: run test bench mutate clean-results
+.PHONY: run test test-fast bench mutate docs docs-reference docs-serve clean-results
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +27,20 @@ run: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1 $(ARGS)
+
+FAST    := not heavy and not raycluster and not netns
+
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m "$(FAST)" $(ARGS)
+
+docs-reference: $(STAMP)
+	$(PY) -m fedapps_tools.docgen
+
+docs: docs-reference
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+docs-serve: docs-reference
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr 127.0.0.1:8000
 
 mutate: $(STAMP)
 	$(PY) -m pip install -q -e ".[test,mutate]"

@@ -3,7 +3,7 @@
 Importing ``strategies`` registers every algorithm's own client operations, training terms and weightings
 (:mod:`fedapps.clientops`); the worker knows none of them by name. Both are imported on the first message, not when
 this module loads: Flower's simulation loads the ClientApp in its main thread BEFORE it starts Ray, so a module that
-imports only Flower lets Ray's processes boot while the ServerApp thread imports torch (README "Start-up").
+imports only Flower lets Ray's processes boot while the ServerApp thread imports torch (docs/performance.md).
 """
 
 from flwr.app import Context, Message

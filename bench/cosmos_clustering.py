@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fedapps import clustering  # noqa: E402
+from fedapps_tools.benchrecord import record  # noqa: E402
 
 
 def synthetic_predictions(clients: int, samples: int, classes: int, groups: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
@@ -75,14 +76,17 @@ def main() -> None:
         best[metric] = min(times)
         print(f"{metric}: distances + clustering {', '.join(f'{t:.3f}' for t in times)} s (best {best[metric]:.3f}); "
               f"B0 = {result.b0:.2f}, K = {result.k}, sizes {result.sizes}, ARI vs true groups {ari:.3f}")
+    figures = {"seconds": round(best["l1"], 3), "seconds_l2": round(best["l2"], 3)}
     if not args.no_reference:
         flat = preds.reshape(args.clients, -1)
         t0 = time.perf_counter()
         torch.nn.functional.pdist(flat, p=1)
         reference = time.perf_counter() - t0
+        figures["pdist_reference_seconds"] = round(reference, 3)
         print(f"reference: torch pdist(p=1) distances alone {reference:.3f} s; "
               f"ours (ℓ1 distances + clustering) / reference = {best['l1'] / reference:.3f}")
     print(f"seconds={best['l1']:.3f}")
+    record("cosmos_clustering", figures)
 
 
 if __name__ == "__main__":

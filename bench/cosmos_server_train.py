@@ -28,6 +28,7 @@ from fedapps import ops  # noqa: E402
 from fedapps.config import load_config  # noqa: E402
 from fedapps.data import get_federation  # noqa: E402
 from fedapps.models import build_model  # noqa: E402
+from fedapps_tools.benchrecord import record  # noqa: E402
 
 LAMBDA, SIGMA, BATCH, LR, CLIP = 5.0, 0.05, 32, 1e-3, 1.0
 
@@ -85,6 +86,9 @@ def main() -> None:
     print(f"ours: {', '.join(f'{t:.2f}' for t in t_ours)} s per epoch (best {n / min(t_ours):.0f} samples/s)")
     print(f"bare: {', '.join(f'{t:.2f}' for t in t_bare)} s per epoch (best {n / min(t_bare):.0f} samples/s)")
     print(f"throughput_ratio={min(t_bare) / min(t_ours):.3f}")
+    record("cosmos_server_train", {"throughput_ratio": round(min(t_bare) / min(t_ours), 3),
+                                   "ours_samples_per_second": round(n / min(t_ours)),
+                                   "bare_samples_per_second": round(n / min(t_bare))})
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fedapps.models import build_model  # noqa: E402
+from fedapps_tools.benchrecord import record  # noqa: E402
 from strategies.cwfedavg import class_models, class_weights, classwise_keys, mix, mixing_matrix  # noqa: E402
 
 
@@ -122,6 +123,8 @@ def main() -> None:
     if not agree:
         raise SystemExit("the two approaches disagree")
     print(f"memory_ratio={mem_ours / mem_k:.4f} time_ratio={t_ours / t_k:.4f}")
+    record("cwfedavg_mixing", {"memory_ratio": round(mem_ours / mem_k, 4), "time_ratio": round(t_ours / t_k, 4),
+                               "ours_seconds": round(t_ours, 2), "ours_peak_mib": round(mem_ours / 2**20, 1)})
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fedapps.config import load_config  # noqa: E402
+from fedapps_tools.benchrecord import record  # noqa: E402
 from fedapps.protocol import ClientReply  # noqa: E402
 from strategies.cwfedavg import CwFedAvg  # noqa: E402
 
@@ -186,6 +187,8 @@ def main() -> None:
                                        f"(ratio {rss_peak / full:.4f})" if rss_peak is not None else
                                        "; RSS peak unavailable (clear_refs refused)"))
     print(f"memory_ratio={peak / full:.4f} seconds={t1:.2f}")
+    record("cwfedavg_scale", {"memory_ratio": round(peak / full, 4), "seconds": round(t1, 2),
+                              "peak_mib": round(peak / 2**20, 1)})
 
 
 if __name__ == "__main__":

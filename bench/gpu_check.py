@@ -22,13 +22,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from fedapps_tools.benchrecord import record  # noqa: E402
 
 # name -> (config, overrides, gpus per client)
 CASES: dict[str, tuple[str, list[str], float]] = {
     "cwfedavg": ("configs/cwfedavg.yaml", ["rounds=5", "client.device=cuda"], 0.25),
     "cosmos": ("configs/cosmos.yaml", ["rounds=3", "client.device=cuda", "strategy.params.cosmos.server_device=cuda"], 0.25),
     "cwfedavg-bf16": ("configs/cwfedavg.yaml", ["rounds=5", "client.device=cuda", "client.mixed_precision=true"], 0.25),
-    # the sizing case of the README's --gpus-per-client rule: a paper model at CIFAR size
+    # the sizing case of the --gpus-per-client rule (docs/deployment.md): a paper model at CIFAR size
     "fedavg-resnet18": ("configs/fedavg.yaml", ["rounds=3", "client.device=cuda", "model.name=resnet18",
                                                 "data.source=synthetic", "data.synthetic_shape=[3,32,32]",
                                                 "data.synthetic_samples=4000", "data.partition=iid",
@@ -136,6 +138,9 @@ def main() -> int:
                   f"largest client process {r['peak_client_process_mib']} MiB, {r['gpu_processes_seen']} GPU processes  "
                   f"accuracy {r['accuracy_mean']:.3f}, last round's train loss {r['final_train_loss']!r}", flush=True)
     (out / "gpu_check.json").write_text(json.dumps({"gpu": gpu.name, "torch": torch.__version__, "cases": results}, indent=2))
+    record("gpu_check", {f"{r['case']}_{key}": r[key] for r in results if "error" not in r
+                         for key in ("rounds_per_second", "peak_device_mib", "accuracy_mean")}
+           | {f"{r['case']}_failed": r["exit_code"] for r in results if "error" in r})
     return 1 if any("error" in r for r in results) else 0
 
 

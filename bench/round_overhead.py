@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fedapps.config import config_from_dict  # noqa: E402
 from fedapps.data import get_federation  # noqa: E402
 from fedapps.models import build_model  # noqa: E402
+from fedapps_tools.benchrecord import record  # noqa: E402
 from proctree import CpuSampler, cpu_between  # noqa: E402
 
 CLIENTS, ROUNDS, BATCH, LR = 20, 5, 10, 0.05
@@ -258,6 +259,9 @@ def main() -> None:
           + "  ".join(f"{role} {sec:.2f}" for role, sec in sorted(cpu.items(), key=lambda kv: -kv[1]))
           + f"  idle {2 * window - sum(cpu.values()):.2f}")
     print(f"ratio={rounds / bare:.3f} parallel_ratio={rounds / parallel:.3f}")
+    record("round_overhead", {"ratio": round(rounds / bare, 3), "parallel_ratio": round(rounds / parallel, 3),
+                              "flower_seconds": round(rounds, 2), "bare_seconds": round(bare, 2),
+                              "bare_parallel_seconds": round(parallel, 2)})
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fedapps_tools.flwrcli import descendants  # noqa: E402  (the /proc walk the CLI stops its processes with)
 from fedapps.config import apply_override  # noqa: E402
+from fedapps_tools.benchrecord import record  # noqa: E402
 from proctree import role_of  # noqa: E402
 STRATEGIES = ("fedavg", "cwfedavg", "ditto", "cosmos")
 SIZES = (20, 50, 100, 1000)
@@ -206,12 +207,19 @@ def main() -> None:
             writer.writeheader()
             writer.writerows(asdict(r) for r in rows)
     by = {(r.strategy, r.clients, r.sweep): r for r in rows}
+    figures: dict[str, float] = {}
     for sweep in args.sweep:
         suffix = "" if sweep == "one-pass" else "_flower_sweep"
+        for r in rows:
+            if r.sweep == sweep:
+                figures[f"s_per_round_{r.strategy}_{r.clients}{suffix}"] = round(r.seconds_per_round, 2)
         for strategy in args.strategies:
             big, ref = by.get((strategy, 1000, sweep)), by.get((strategy, COHORT, sweep))
             if big and ref:
-                print(f"cohort_ratio_{strategy}{suffix}={big.seconds_per_round / ref.seconds_per_round:.3f}")
+                ratio = big.seconds_per_round / ref.seconds_per_round
+                figures[f"cohort_ratio_{strategy}{suffix}"] = round(ratio, 3)
+                print(f"cohort_ratio_{strategy}{suffix}={ratio:.3f}")
+    record("scale", figures)
 
 
 if __name__ == "__main__":

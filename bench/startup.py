@@ -34,8 +34,10 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from fedapps_tools.benchrecord import record  # noqa: E402
 from proctree import CpuSampler  # noqa: E402
 
 RUN_NAME = "startup"
@@ -109,6 +111,8 @@ def main() -> None:
     print("start-up parts (s, median): " + "  ".join(f"{k} {median[k]:.2f}" for k in PARTS))
     print(f"cpu_seconds={median['cpu']:.1f} (every process of the run, sampled; median)")
     print(f"startup_seconds={median['wall']:.2f}")
+    record("startup", {"startup_seconds": round(median["wall"], 2), "cpu_seconds": round(median["cpu"], 1),
+                       **{f"{part}_seconds": round(median[part], 2) for part in PARTS}})
 
 
 if __name__ == "__main__":

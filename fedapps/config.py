@@ -29,71 +29,111 @@ class ConfigError(ValueError):
     """An invalid experiment configuration; the message names the key and the fix."""
 
 
+OPTIMIZERS = ("sgd", "adam")
+AGGREGATION_RULES = ("mean", "median", "trimmed-mean")
+TRANSPORTS = ("float32", "float16")  # strategy.transport (the encodings live in fedapps.protocol)
+DEVICES = ("auto", "cpu", "cuda")
+# tracking name -> the module its sink needs (fedapps.tracking writes; both come with pip install -e ".[tracking]")
+TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
+# data.source hf:<name>: a Hugging Face dataset (Hub id or local folder) through flwr-datasets (fedapps.data.hf); the
+# modules it needs come with the optional extra "hf"
+HF_SOURCE_PREFIX = "hf:"
+HF_MODULES = ("flwr_datasets", "datasets")
+
+
+HELP = "fedapps.help"  # field metadata: the key's help (docs/reference/configuration.md is generated from it)
+CHOICES = "fedapps.choices"  # field metadata: allowed values, a tuple or the dotted name of the registry holding them
+
+
+def setting(default: Any, help: str, choices: tuple[str, ...] | str | None = None) -> Any:  # noqa: A002
+    """A config key: its default, its help (the one source of the generated configuration reference) and, for a
+    fixed set of values, what is allowed: a tuple, or the dotted name of the registry that holds them (this module
+    imports no registry; the checks themselves are in :func:`validate` and the registries)."""
+    meta = {HELP: help, CHOICES: choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)  # a fresh copy per config
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class StrategyConfig:
     """Which strategy runs, how clients are sampled, and the strategy's own parameters."""
 
-    name: str = "fedavg"
-    fraction: float = 1.0  # fraction of the connected clients sampled per round, in (0, 1]
-    min_clients: int = 1  # never sample fewer than this many clients (if connected)
-    timeout: float = 600.0  # seconds to wait for the replies of one round
-    # before round 1 the server waits until this many client nodes are connected (0: data.num_clients, the whole
-    # federation); a deployment started before all its SuperNodes waits instead of starting with whoever is there
-    expected_clients: int = 0
-    connect_timeout: float = 300.0  # seconds to wait for them; then the run fails with a message naming the fix
-    # how parameter-averaging strategies combine client arrays (fedapps.robust): mean | median | trimmed-mean
-    aggregation: str = "mean"
-    trim_fraction: float = 0.1  # trimmed-mean: share of the lowest and of the highest values dropped, in [0, 0.5)
-    max_weight_share: float = 1.0  # mean: cap on any client's normalised weight, in (0, 1]; 1 = no cap
-    # clip each client's update (its arrays minus the model the round sent it) to this L2 norm before combining
-    # them, >= 0; 0 = no clipping (fedapps.robust.clip_update)
-    clip_update_norm: float = 0.0
-    # how model arrays travel between server and clients, both ways (fedapps.protocol): float32 (as the models hold
-    # them) | float16 (floating arrays halved; parameter-sharing strategies only, checked by strategies.base)
-    transport: str = "float32"
-    # strategy name -> that strategy's own parameters (plain data; checked by strategies.resolve)
-    params: dict[str, Any] = field(default_factory=dict)
+    name: str = setting("fedavg", "the strategy that runs: one module of strategies/ each (docs/algorithms/index.md)",
+                        "strategies.STRATEGIES")
+    fraction: float = setting(1.0, "fraction of the connected clients sampled each round, in (0, 1]")
+    min_clients: int = setting(1, "never sample fewer clients than this (when that many are connected); at most "
+                                  "data.num_clients")
+    timeout: float = setting(600.0, "seconds to wait for one round's replies; late or failed clients are logged and "
+                                    "skipped")
+    expected_clients: int = setting(0, "before round 1 the server waits until this many client nodes are connected "
+                                       "(0: data.num_clients, the whole federation): a deployment started before all "
+                                       "its SuperNodes waits instead of starting with whoever is there")
+    connect_timeout: float = setting(300.0, "seconds to wait for them; then the run fails, saying how many came and "
+                                            "what to do")
+    aggregation: str = setting("mean", "how parameter-averaging strategies combine client arrays (fedapps/robust.py); "
+                                       "the other strategies accept only mean", AGGREGATION_RULES)
+    trim_fraction: float = setting(0.1, "trimmed-mean: share of the lowest and of the highest values dropped per "
+                                        "coordinate, in [0, 0.5)")
+    max_weight_share: float = setting(1.0, "mean: cap on any client's normalised weight, in (0, 1]; 1 = no cap")
+    clip_update_norm: float = setting(0.0, "clip each client's update (its arrays minus the model the round sent it) "
+                                           "to this L2 norm before they are combined, >= 0; 0 = no clipping "
+                                           "(parameter-averaging strategies, fedapps/robust.py)")
+    transport: str = setting("float32", "how model arrays travel between server and clients, both ways "
+                                        "(fedapps/protocol.py): float32 as the models hold them, or float16 (floating "
+                                        "arrays halved; parameter-sharing strategies only)", TRANSPORTS)
+    params: dict[str, Any] = setting({}, "each strategy's own parameters, one section per strategy: "
+                                         "strategy.params.<strategy>.<key>; the chosen strategy reads its section "
+                                         "(missing keys: their defaults), the other sections are checked and ignored")
 
 
 @dataclass
 class DataConfig:
     """The data source and how it is split among clients (sent verbatim to every client)."""
 
-    source: str = "mnist5k"
-    root: str = "~/.cache/fedapps/data"
-    download: bool = False
-    partition: str = "iid"
-    num_clients: int = 20
-    classes_per_client: int = 2
-    alpha: float = 0.1
-    min_samples: int = 40
-    groups: int = 5
-    redistribute_fraction: float = 0.1
-    test_fraction: float = 0.25
-    public_fraction: float = 0.0
-    seed: int = 1
-    synthetic_classes: int = 10
-    synthetic_shape: list[int] = field(default_factory=lambda: [3, 32, 32])
-    synthetic_samples: int = 2000
-    # share of each client's TRAIN split held out as its validation split when evaluate_on is validation, in [0, 1)
-    validation_fraction: float = 0.15
-    # test: train on the whole train split, evaluate on the test split (final runs); validation: train on the rest
-    # of the train split, evaluate on the validation share, never build the test split (tuning; specs/evaluation.md)
-    evaluate_on: str = "test"
-    swap_pairs: int = 1  # label-swap: label pairs swapped in each group but group 0
-    # data.source 'nodes' only (README "A node's own data"): classes and input shape [C, H, W] (0 / []: learnt from
-    # the nodes before round 1, then recorded here in config.yaml) and the server's copy of the public set U
-    num_classes: int = 0
-    input_shape: list[int] = field(default_factory=list)
-    public_path: str = ""
+    source: str = setting("mnist5k", "the data set: a built-in source, nodes (each node brings its own data: "
+                                     "docs/data.md), or hf:<Hub id or folder> (Flower Datasets, optional extra hf)",
+                          "fedapps.data.sources.SOURCES")
+    root: str = setting("~/.cache/fedapps/data", "where torchvision sources live or download to, and where "
+                                                 "tiny-imagenet-200/ is; a leading ~ is expanded on each machine")
+    download: bool = setting(False, "let torchvision download missing files (needs internet)")
+    partition: str = setting("iid", "how the data is split among the clients (docs/data.md)",
+                             "fedapps.data.partition.PARTITIONS")
+    num_clients: int = setting(20, "number of clients (one simulated SuperNode each)")
+    classes_per_client: int = setting(2, "pathological: classes per client")
+    alpha: float = setting(0.1, "dirichlet, cosmos-groups: Dirichlet concentration")
+    min_samples: int = setting(40, "dirichlet: redraw until every client has at least this many samples")
+    groups: int = setting(5, "cosmos-groups: number of class groups; rotated, label-swap: number of client groups "
+                             "(rotated: 1, 2 or 4, group g turned by g·360/groups degrees)")
+    redistribute_fraction: float = setting(0.1, "cosmos-groups: share of each client's samples pooled and dealt to all")
+    test_fraction: float = setting(0.25, "share of each client's data kept as its local test split")
+    public_fraction: float = setting(0.0, "share of the data set held out as the unlabelled public set U "
+                                          "(pseudo-label strategies)")
+    seed: int = setting(1, "partition seed (fixed across experiment seeds: every run sees the same partition)")
+    synthetic_classes: int = setting(10, "synthetic: number of classes")
+    synthetic_shape: list[int] = setting([3, 32, 32], "synthetic: image shape [C, H, W]")
+    synthetic_samples: int = setting(2000, "synthetic: number of samples")
+    validation_fraction: float = setting(0.15, "share of each client's train split held out as its validation split "
+                                               "when evaluate_on is validation (stratified, seeded), in [0, 1)")
+    evaluate_on: str = setting("test", "test: train on the whole train split, score on the test split (final runs); "
+                                       "validation: train on the rest of the train split, score on the validation "
+                                       "share, the test split never built (tuning: docs/evaluation.md)",
+                               "fedapps.data.federation.EVALUATION_SPLITS")
+    swap_pairs: int = setting(1, "label-swap: disjoint label pairs swapped (seeded) in every group but group 0")
+    num_classes: int = setting(0, "data.source nodes only: number of classes (0: learnt from the nodes before round 1, "
+                                  "then recorded in the run's config.yaml)")
+    input_shape: list[int] = setting([], "data.source nodes only: input shape [C, H, W] ([]: learnt from the nodes "
+                                         "before round 1, then recorded)")
+    public_path: str = setting("", "data.source nodes only: the server's copy of the public set U ('': none)")
 
 
 @dataclass
 class ModelConfig:
     """The client model architecture (one for all, or a per-client list for model-agnostic strategies)."""
 
-    name: str = "cnn"
-    per_client: list[str] = field(default_factory=list)
+    name: str = setting("cnn", "the client model: cnn is the papers' 4-layer CNN", "fedapps.models.MODEL_NAMES")
+    per_client: list[str] = setting([], "model-agnostic strategies only: architectures cycled by client id, e.g. "
+                                        "[cnn, mlp]", "fedapps.models.MODEL_NAMES")
 
 
 @dataclass
@@ -101,39 +141,39 @@ class OptimSettings:
     """What a training loop needs besides the data and the loss: the ``client`` section's training keys, and the
     type of every message section that overrides them (``train.*``, ``distill.*``, ...) and of server-side loops."""
 
-    epochs: int = 1
-    batch_size: int = 10
-    lr: float = 0.05
-    optimizer: str = "sgd"
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    drop_last: bool = True
-    clip_norm: float = 0.0  # 0: no gradient clipping
-    mixed_precision: bool = False  # bf16 autocast of the forward pass on CUDA (no effect on a CPU device)
+    epochs: int = setting(1, "local epochs per round")
+    batch_size: int = setting(10, "minibatch size")
+    lr: float = setting(0.05, "learning rate")
+    optimizer: str = setting("sgd", "the local optimiser", OPTIMIZERS)
+    momentum: float = setting(0.0, "SGD momentum")
+    weight_decay: float = setting(0.0, "L2 weight decay")
+    drop_last: bool = setting(True, "drop the last incomplete minibatch (as PFLlib's loaders do)")
+    clip_norm: float = setting(0.0, "clip the gradient norm at this value during local training; 0 = no clipping")
+    mixed_precision: bool = setting(False, "bf16 autocast of the forward pass on CUDA (refused with client.device cpu)")
 
 
 @dataclass
 class ClientConfig(OptimSettings):
     """Local training hyper-parameters, and where the client computes."""
 
-    device: str = "auto"
+    device: str = setting("auto", "where the client computes: auto (CUDA when present), cpu or cuda", DEVICES)
 
 
 @dataclass
 class ExperimentConfig:
     """A whole experiment."""
 
-    run_name: str = ""
-    seed: int = 0
-    rounds: int = 20
-    output_dir: str = "results"
-    # the run succeeds (exit 0, summary.json problems empty) only if the headline was measured on at least this
-    # share of data.num_clients, in [0, 1] (0: on at least one client); fedapps.results.run_problems
-    min_measured_share: float = 0.5
-    # experiment trackers the run also writes to (optional extra "tracking"; README "Experiment tracking"):
-    # any of tensorboard, mlflow; where: inside the run folder, or under tracking_dir (relative: to output_dir)
-    tracking: list[str] = field(default_factory=list)
-    tracking_dir: str = ""
+    run_name: str = setting("", "results go to <output_dir>/<run_name>/; '': <strategy>-<source>-<partition>-s<seed>")
+    seed: int = setting(0, "seed of model initialisation, client sampling and local shuffling")
+    rounds: int = setting(20, "federated rounds")
+    output_dir: str = setting("results", "results root (relative paths resolve against the working directory)")
+    min_measured_share: float = setting(0.5, "the run succeeds (exit 0, summary.json 'problems' empty) only if its "
+                                             "headline was measured on at least this share of data.num_clients, in "
+                                             "[0, 1] (0: on at least one client)")
+    tracking: list[str] = setting([], "experiment trackers the run also writes to (optional extra tracking: "
+                                      "pip install -e \".[tracking]\")", tuple(TRACKERS))
+    tracking_dir: str = setting("", "where the trackers write: '' inside the run folder, else one root for many runs "
+                                    "(relative: to output_dir)")
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -151,16 +191,6 @@ class ExperimentConfig:
         return dataclasses.asdict(self)
 
 
-OPTIMIZERS = ("sgd", "adam")
-AGGREGATION_RULES = ("mean", "median", "trimmed-mean")
-TRANSPORTS = ("float32", "float16")  # strategy.transport (the encodings live in fedapps.protocol)
-DEVICES = ("auto", "cpu", "cuda")
-# tracking name -> the module its sink needs (fedapps.tracking writes; both come with pip install -e ".[tracking]")
-TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
-# data.source hf:<name>: a Hugging Face dataset (Hub id or local folder) through flwr-datasets (fedapps.data.hf); the
-# modules it needs come with the optional extra "hf"
-HF_SOURCE_PREFIX = "hf:"
-HF_MODULES = ("flwr_datasets", "datasets")
 
 
 def source_slug(source: str) -> str:
@@ -179,7 +209,7 @@ def check_hf_source(source: str) -> None:
     _check(not missing, f"'data.source' is {source!r}, which is read through flwr-datasets, but "
                         f"{', '.join(repr(m) for m in missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
                         "install the optional extra with  pip install -e \".[hf]\"  (in the app folder), or use a "
-                        "built-in source (README \"Data sources\")")
+                        "built-in source (docs/data.md)")
 
 
 # --------------------------------------------------------------------------- loading
@@ -424,14 +454,9 @@ def validate(cfg: ExperimentConfig) -> None:
     if d.source.startswith(HF_SOURCE_PREFIX):  # early, before any data is read: the optional extra is installed
         check_hf_source(d.source)
     _check(d.num_clients > 0, f"'data.num_clients' must be a positive integer, got {d.num_clients}")
-    _check(
-        s.min_clients <= d.num_clients,
-        f"'strategy.min_clients' ({s.min_clients}) exceeds 'data.num_clients' ({d.num_clients})",
-    )
-    _check(
-        s.expected_clients <= d.num_clients,
-        f"'strategy.expected_clients' ({s.expected_clients}) exceeds 'data.num_clients' ({d.num_clients})",
-    )
+    _check(s.min_clients <= d.num_clients, exceeds_clients("strategy.min_clients", s.min_clients, d.num_clients))
+    _check(s.expected_clients <= d.num_clients,
+           exceeds_clients("strategy.expected_clients", s.expected_clients, d.num_clients))
     check_trim(s, d.num_clients)
 
     c = cfg.client
@@ -485,6 +510,38 @@ def check_trim(s: StrategyConfig, num_clients: int) -> None:
                       f"(floor({s.trim_fraction:g}·{k}) = 0: the plain unweighted mean); set strategy.trim_fraction to "
                       f"at least {smallest:g} (trims {trimmed_per_side(smallest, k)} at each end), or use "
                       "strategy.aggregation=median")
+
+
+def exceeds_clients(key: str, value: int, num_clients: int,
+                    why: str = "a run cannot wait for more clients than the federation has") -> str:
+    """The error of a count ``key`` above ``data.num_clients``, naming both ways out as overrides."""
+    return (f"'{key}' ({value}) exceeds 'data.num_clients' ({num_clients}): {why}; lower it "
+            f"(--set {key}={num_clients}) or raise the clients (--set data.num_clients={value})")
+
+
+def unused_settings(cfg: ExperimentConfig, named: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """``(key, why)`` for each key outside ``data`` that is set (a value other than its default, or a dotted key in
+    ``named``: the overrides) but has no effect under the rest of the config (e.g. ``strategy.trim_fraction`` with
+    ``strategy.aggregation: mean``). Knows no strategy: ``strategies.ignored_settings`` adds the rest."""
+    defaults = ExperimentConfig()
+
+    def is_set(key: str, value: Any, default: Any) -> bool:
+        return key in named or value != default
+
+    out: list[tuple[str, str]] = []
+    s, ds = cfg.strategy, defaults.strategy
+    if is_set("strategy.trim_fraction", s.trim_fraction, ds.trim_fraction) and s.aggregation != "trimmed-mean":
+        out.append(("strategy.trim_fraction", f"only strategy.aggregation 'trimmed-mean' trims; this run aggregates "
+                                              f"by '{s.aggregation}'"))
+    if is_set("strategy.max_weight_share", s.max_weight_share, ds.max_weight_share) and s.aggregation != "mean":
+        out.append(("strategy.max_weight_share", f"the cap applies to strategy.aggregation 'mean'; '{s.aggregation}' "
+                                                 "weighs every client equally"))
+    if is_set("tracking_dir", cfg.tracking_dir, defaults.tracking_dir) and not cfg.tracking:
+        out.append(("tracking_dir", "no tracker is on ('tracking' is empty)"))
+    c = cfg.client
+    if is_set("client.momentum", c.momentum, defaults.client.momentum) and c.optimizer != "sgd":
+        out.append(("client.momentum", f"only client.optimizer 'sgd' uses it; the optimizer is '{c.optimizer}'"))
+    return out
 
 
 def check_tracking(names: list[Any]) -> None:

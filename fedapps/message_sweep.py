@@ -6,7 +6,7 @@ call each; each call walks all stored messages and validates each one (expiry, f
 costs nodes × messages validations, under the LinkState's lock and in the process that also runs the ServerApp:
 with 1,000 nodes and a 50-client cohort that is 50,000 validations every 0.1 s, and 1,000,000 when the final
 evaluation messages all 1,000 clients. py-spy on ``bench/scale.py``'s 1,000-client FedAvg run put 65 % of the
-server process's samples in that loop (README "Scale").
+server process's samples in that loop (docs/performance.md).
 
 :func:`deliverable_messages` does the same sweep in one pass: every stored message is validated once (Flower's own
 ``_check_stored_messages``, which deletes expired messages and messages whose nodes left), then each node's first
@@ -19,7 +19,7 @@ Being one pass, a sweep is cheap enough to run every :data:`INTERVAL` (0.02 s) i
 the LinkState holds so many messages that a sweep takes over 1 ms, :func:`interval_after`), and
 :func:`poll_replies_often` has the ServerApp's in-memory grid look for replies as often: between the last reply of a
 round and the next round's first message both waits used to add ~0.1 s on average, while both workers idled
-(README "Round overhead"). ``FEDAPPS_MESSAGE_SWEEP=flower`` keeps Flower's sweep and polling (``bench/scale.py
+(docs/performance.md). ``FEDAPPS_MESSAGE_SWEEP=flower`` keeps Flower's sweep and polling (``bench/scale.py
 --sweep flower`` measures it).
 """
 

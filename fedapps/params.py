@@ -3,7 +3,7 @@
     @dataclass
     class MyParams:
         lr: float = param(1e-3, gt=0, help="learning rate")
-        mode: str = param("mean", choices=("mean", "median"))
+        mode: str = param("mean", choices=("mean", "median"), help="how replies are combined")
 
 ``parse_params(MyParams, raw, "strategy.params.mine")`` builds the dataclass from a plain mapping (the same
 typed coercion as the rest of the config: unknown keys and wrong types are errors naming the key) and checks
@@ -34,7 +34,7 @@ class Constraint:
     le: float | None = None
     lt: float | None = None
     normalise: Callable[[Any], Any] | None = None  # applied after type coercion, before the checks
-    help: str = ""  # shown after the rule in error messages, e.g. "0 = off"
+    help: str = ""  # what it is: in the generated reference (docs/reference/params/) and after the rule in errors
 
     def allowed_choices(self) -> tuple[Any, ...] | None:
         if self.choices is None:

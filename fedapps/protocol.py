@@ -50,7 +50,7 @@ EVAL_ARRAYS = "eval-arrays"
 CLIENT_ID = "client-id"
 NUM_EXAMPLES = "num-examples"
 EVAL_FIELDS = ("acc", "loss", "n", "correct")
-# the two evaluations of the deployed-model protocol (specs/evaluation.md, strategies.base): the model client i
+# the two evaluations of the deployed-model protocol (docs/evaluation.md, strategies.base): the model client i
 # would deploy after a round (``deployed-acc`` ...), and its model right after local training (``after-acc`` ...)
 DEPLOYED_TAG = "deployed"
 AFTER_TAG = "after"

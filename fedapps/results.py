@@ -8,7 +8,7 @@ it did), summary.json, accuracy.png and the artefacts. Strategies never write fi
 Row r of rounds.csv holds round r's training phase (bytes, losses, extras, ``acc_after_training_*``: the
 clients' models right after their local update) and the DEPLOYED models after round r (``acc_mean``,
 ``acc_weighted``, ``acc_worst10``, ``acc_std``, ``loss``, ``acc_client_<i>``, ``measured_clients``;
-specs/evaluation.md). The deployed models
+docs/evaluation.md). The deployed models
 are measured one message later (round r+1's, or the evaluation-only message after the last round), so those
 columns stay empty until then and are filled in by :func:`merge_measurement`. The headline of summary.json is
 the deployed models' accuracy after the last measured round.
@@ -42,7 +42,7 @@ from fedapps.config import ExperimentConfig, config_hash, dump_yaml
 log = logging.getLogger("fedapps")
 
 ARTIFACT_KINDS = ("table", "json", "heatmaps", "clusters")
-PROTOCOL = "deployed-model"  # what every headline number measures (specs/evaluation.md); named in summary.json
+PROTOCOL = "deployed-model"  # what every headline number measures (docs/evaluation.md); named in summary.json
 
 
 @dataclass

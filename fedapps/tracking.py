@@ -124,7 +124,7 @@ class MLflowSink:
 
     def __init__(self, cfg: ExperimentConfig, run_dir: Path, resumed: bool = False) -> None:
         # set before mlflow is imported: no telemetry (offline runs), and its file store, which MLflow 3 keeps only
-        # behind this switch (a database store would need a server-side schema; README "Experiment tracking")
+        # behind this switch (a database store would need a server-side schema)
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow.entities import Metric, Param, RunTag

@@ -38,7 +38,7 @@ Identity is bound to the node: the node ↔ client-id pairing is fixed on the fi
 claiming an id bound to another node, a node changing its id, or an id no node has yet but that several
 nodes claim in the same batch, is rejected; so no reply can touch another client's state. (A node that
 claims a free id on first contact before its owner ever replies does get it: the server has no other
-source of identity in deployment. Documented in the README.)
+source of identity in deployment. docs/reliability.md says so.)
 
 ANY exception while validating a reply becomes a rejection with its reason; :meth:`check` never raises.
 """

@@ -278,7 +278,7 @@ tbody tr:nth-child(even){background:#fafafa}.wide{overflow-x:auto}figure{margin:
 img{max-width:100%;height:auto}pre{background:#f6f6f6;padding:8px;font-size:.8em;overflow:auto}
 """
 
-PROTOCOL_TEXT = ("Protocol: the deployed models after the last round (specs/evaluation.md), each measured on its "
+PROTOCOL_TEXT = ("Protocol: the deployed models after the last round (docs/evaluation.md), each measured on its "
                  "client's own evaluation split. Worst 10 %: the mean accuracy of the worst ⌈10 % of n⌉ of the n "
                  "clients; std: the population standard deviation of the clients' accuracies.")
 

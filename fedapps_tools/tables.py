@@ -43,12 +43,25 @@ from fedapps.results import read_csv
 MAX_GRID_POINTS = 4  # evaluation.md: the same tuning budget for every method
 
 
+PAPER_COLUMNS = {  # a method's ``paper_metric`` -> the report column it names
+    "deployed": "accuracy, deployed model",
+    "after-training": "after local training",
+    "global": "global model",
+}
+
+
 @dataclass
 class Method:
     name: str
     overrides: list[str] = field(default_factory=list)
     grid: dict[str, list[Any]] = field(default_factory=dict)
     label: str = ""  # table row label (default: the method's name)
+    settings: list[str] = field(default_factory=list)  # the settings it runs in (empty: all of the spec's)
+    paper_metric: str = ""  # which column matches what the method's own paper reports (PAPER_COLUMNS)
+    paper_note: str = ""  # why, in a sentence (the report's footnote)
+
+    def runs_in(self, setting: str) -> bool:
+        return not self.settings or setting in self.settings
 
 
 @dataclass
@@ -88,18 +101,29 @@ def load_spec(path: str | os.PathLike) -> Spec:
     for key in ("name", "settings", "methods"):
         if not raw.get(key):
             raise ConfigError(f"tables spec '{path}': '{key}' is missing")
+    settings = {str(k): str(v) for k, v in raw["settings"].items()}
     methods = []
+    allowed = ("set", "grid", "label", "settings", "paper_metric", "paper_note")
     for name, body in raw["methods"].items():
         body = body or {}
-        bad = sorted(set(body) - {"set", "grid", "label"})
+        bad = sorted(set(body) - set(allowed))
         if bad:
-            raise ConfigError(f"tables spec '{path}': methods.{name} has unknown key(s) {bad}; allowed: set, grid, label")
+            raise ConfigError(f"tables spec '{path}': methods.{name} has unknown key(s) {bad}; allowed: "
+                              + ", ".join(allowed))
         grid = {str(k): list(v) if isinstance(v, list) else [v] for k, v in (body.get("grid") or {}).items()}
         if grid_points(grid) > MAX_GRID_POINTS:
             raise ConfigError(f"tables spec '{path}': methods.{name}.grid has {grid_points(grid)} points; the equal "
-                              f"budget is at most {MAX_GRID_POINTS} (evaluation.md): drop values")
-        methods.append(Method(name, [str(o) for o in body.get("set") or []], grid, str(body.get("label") or name)))
-    settings = {str(k): str(v) for k, v in raw["settings"].items()}
+                              f"budget is at most {MAX_GRID_POINTS} (docs/evaluation.md): drop values")
+        only = [str(s) for s in body.get("settings") or []]
+        if any(s not in settings for s in only):
+            raise ConfigError(f"tables spec '{path}': methods.{name}.settings {only} names a setting the spec does "
+                              f"not have ({', '.join(settings)})")
+        metric = str(body.get("paper_metric") or "")
+        if metric and metric not in PAPER_COLUMNS:
+            raise ConfigError(f"tables spec '{path}': methods.{name}.paper_metric '{metric}' is not one of "
+                              f"{', '.join(PAPER_COLUMNS)}")
+        methods.append(Method(name, [str(o) for o in body.get("set") or []], grid, str(body.get("label") or name),
+                              only, metric, str(body.get("paper_note") or "")))
     base = p.parent
     for setting, cfg in settings.items():
         if not (base / cfg).is_file() and not Path(cfg).is_file():
@@ -159,6 +183,35 @@ def fedapps(args: list[str], log: Path) -> None:
     if rc != 0:
         tail = log.read_text()[-2000:]
         raise RuntimeError(f"`fedapps {' '.join(args[:3])} ...` exited {rc}; log {log}:\n{tail}")
+
+
+PROVENANCE = "provenance.json"  # in a comparison folder: the code and machine its runs were made with
+
+
+def provenance() -> dict[str, str]:
+    """The code (git commit of this checkout, ``+dirty`` with uncommitted changes to tracked files) and the machine
+    (cores, GPU) a comparison runs with: the report prints them beside its rows."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "--short=10", "HEAD") or "unknown"
+    if commit != "unknown" and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    gpu = "no GPU"
+    try:
+        import torch  # local: only to name the GPU
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return {"commit": commit, "machine": f"{os.cpu_count()} CPU cores, {gpu}",
+            "date": time.strftime("%Y-%m-%d", time.gmtime())}
 
 
 def grid_text(m: Method) -> str:
@@ -257,7 +310,10 @@ class Tables:
                 "--name", self.compare_dir(setting, m).name, "--output-dir", str(self.work / "compare"),
                 "--engine", self.engine, "--quiet"]
         started = time.monotonic()
+        before = provenance()
         fedapps(args, self.work / "logs" / f"compare-{setting}-{m.name}.log")
+        if self.compare_dir(setting, m).is_dir():  # the comparison's own folder (absent only when mocked in tests)
+            (self.compare_dir(setting, m) / PROVENANCE).write_text(json.dumps(before, indent=1))
         print(f"ran {m.name} on {setting} over seeds {self.spec.seeds} ({time.monotonic() - started:.0f} s)", flush=True)
 
     def run(self, settings: list[str], methods: list[Method], stages: set[str]) -> None:
@@ -278,7 +334,7 @@ class Tables:
                 self.compare(setting, m)
 
         with ThreadPoolExecutor(max_workers=self.jobs) as pool:
-            list(pool.map(lambda sm: task(*sm), [(s, m) for s in settings for m in methods]))
+            list(pool.map(lambda sm: task(*sm), [(s, m) for s in settings for m in methods if m.runs_in(s)]))
 
 
 # ------------------------------------------------------------------------------------------------ the report
@@ -315,7 +371,13 @@ def published(out: Path, spec: Spec) -> tuple[dict[tuple[str, str], dict[str, st
     rows, scores = {}, {}
     f = out / f"{spec.name}.csv"
     if f.is_file():
-        rows = {(r["setting"], r["method"]): r for r in read_rows(f)}
+        listed = read_rows(f)
+        if any(not r.get("commit") and not r.get("published_in") for r in listed):
+            blamed = line_commits(f)  # data row k is line k + 2 (after the header)
+            for k, r in enumerate(listed):
+                if not r.get("commit") and not r.get("published_in") and blamed.get(k + 2):
+                    r["published_in"] = blamed[k + 2]
+        rows = {(r["setting"], r["method"]): r for r in listed}
     f = out / f"{spec.name}-tuning.csv"
     if f.is_file():
         for r in read_rows(f):
@@ -323,20 +385,74 @@ def published(out: Path, spec: Spec) -> tuple[dict[tuple[str, str], dict[str, st
     return rows, scores
 
 
+REPO = Path(__file__).resolve().parent.parent  # the checkout: where docs/evaluation.md lives
+
+
+def line_commits(path: Path) -> dict[int, str]:
+    """Line number -> the (short) commit that last wrote that line of a committed file (git blame); {} outside git
+    or for uncommitted lines. The provenance of published rows measured before rows recorded their own commit."""
+    try:
+        out = subprocess.run(["git", "blame", "--porcelain", path.name], cwd=path.parent, capture_output=True,
+                             text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    lines = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and len(parts[0]) == 40 and parts[1].isdigit() and parts[2].isdigit():
+            if set(parts[0]) != {"0"}:  # all zeros: not committed yet
+                lines[int(parts[2])] = parts[0][:10]
+    return lines
+
+
+def report_header(spec: Spec, out: Path) -> list[str]:
+    """The report's opening: how to regenerate it, and the protocol (linked to docs/evaluation.md)."""
+    protocol = Path(os.path.relpath(REPO / "docs" / "evaluation.md", out.resolve()))
+    spec_path = os.path.relpath(spec.path.resolve(), REPO) if spec.path.resolve().is_relative_to(REPO) else spec.path
+    return [f"# {spec.title}", "",
+            f"Generated by `fedapps tables {spec_path} --out {os.path.relpath(out.resolve(), REPO)}` "
+            "(fedapps_tools/tables.py); do not edit by hand. Each table ends with the commit and machine its rows "
+            "were measured with.", "",
+            f"**Protocol** ([evaluation protocol]({protocol.as_posix()})): accuracy of each client's *deployed model* "
+            "after the LAST round on its own test split, mean over clients (± SEM over "
+            f"{len(spec.seeds)} seeds: {', '.join(map(str, spec.seeds))}; the partition is fixed). \"After local "
+            "training\": the client's model right after its local update, where the method has one. Every method was "
+            f"tuned with at most {MAX_GRID_POINTS} grid points at seed(s) {', '.join(map(str, spec.tune_seeds))} on a "
+            "validation split carved from the clients' training data (deployed model, final round); the test split "
+            "was not read while choosing.", ""]
+
+
+def paper_metric_lines(methods: list[Method]) -> list[str]:
+    """The footnote saying, per method, which column matches the metric its own paper reports."""
+    named = [m for m in methods if m.paper_metric]
+    if not named:
+        return []
+    return ["", "**Which column matches what each method's paper reports:** " + "; ".join(
+        f"{m.label}: *{PAPER_COLUMNS[m.paper_metric]}*" + (f" ({m.paper_note.strip()})" if m.paper_note else "")
+        for m in named) + "."]
+
+
+def provenance_lines(rows: dict[str, dict[str, Any]], labels: dict[str, str]) -> list[str]:
+    """'Measured with commit C on M: methods …' per distinct (commit, machine) of the rows."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for name, r in rows.items():
+        if r.get("commit"):
+            key = (f"commit `{r['commit']}` on {r.get('machine') or 'an unrecorded machine'}"
+                   + (f", {r['date']}" if r.get("date") else ""))
+        elif r.get("published_in"):
+            key = f"runs published in commit `{r['published_in']}` (their own commit was not recorded)"
+        else:
+            key = "a commit not recorded"
+        groups[key].append(labels[name])
+    return ["", "Measured with " + "; ".join(f"{k} ({', '.join(v)})" for k, v in groups.items()) + "."]
+
+
 def report(spec: Spec, work: Path, out: Path) -> Path:
     """``<out>/<name>.md``, ``.csv`` and ``-tuning.csv`` from the finished comparisons and tunings; a setting ×
     method with no result in ``work`` keeps the row of the published CSV, and the report says which."""
     tables = Tables(spec, work, "inprocess", 1, out)
     old_rows = tables.record_rows
-    lines = [f"# {spec.title}", "",
-             "Generated by `fedapps tables " + str(spec.path) + "` (fedapps_tools/tables.py); do not edit by hand.", "",
-             "**Protocol** (`../shared/specs/evaluation.md`, README \"Evaluation protocol\"): accuracy of each client's "
-             "*deployed model* after the LAST round on its own test split, mean over clients (± SEM over "
-             f"{len(spec.seeds)} seeds: {', '.join(map(str, spec.seeds))}; the partition is fixed). \"After local "
-             "training\": the client's model right after its local update, where the method has one. Every method was "
-             f"tuned with at most {MAX_GRID_POINTS} grid points at seed(s) {', '.join(map(str, spec.tune_seeds))} on a "
-             "validation split carved from the clients' training data (deployed model, final round); the test split "
-             "was not read while choosing.", ""]
+    lines = report_header(spec, out)
     if spec.tune_on:
         lines += ["**CPU cut:** " + "; ".join(f"`{s}` reuses the values tuned on `{t}`" for s, t in spec.tune_on.items())
                   + " (no tuning of its own).", ""]
@@ -347,47 +463,50 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
     csv_rows, carried = [], []
     mib = 1024 * 1024
     for setting in spec.settings:
+        methods = [m for m in spec.methods if m.runs_in(setting)]
         rows: dict[str, tuple[dict[str, str], dict[str, Any]]] = {}
         carried_here: list[str] = []
         short: dict[str, list[str]] = {}  # method label -> its runs that lost replies
-        for m in spec.methods:
+        for m in methods:
             f = tables.compare_dir(setting, m) / "comparison.csv"
             found = {r["config"]: r for r in read_rows(f)} if f.is_file() else {}
             if m.name in found:
                 row = {**found[m.name], "config_hash": tables.final_hash(setting, m)}
                 if not finite(row.get("accuracy_worst10")):  # runs made before summary.json recorded it
                     row.update(fairness_from_runs(run_folders(tables, setting, m)))
+                made = tables.compare_dir(setting, m) / PROVENANCE
+                row.update(json.loads(made.read_text()) if made.is_file() else {})
                 rows[m.name] = (row, tables.chosen(setting, m) if m.grid else {})
             elif (setting, m.name) in old_rows:
                 r = old_rows[(setting, m.name)]
                 rows[m.name] = (r, published_choice(r, m.grid))
                 carried_here.append(m.name)
         if carried_here:
-            carried.append(f"{setting} (" + ("all methods" if len(carried_here) == len(spec.methods)
+            carried.append(f"{setting} (" + ("all methods" if len(carried_here) == len(methods)
                                              else ", ".join(carried_here)) + ")")
         if not rows:
             lines += [f"## {setting}", "", "not run yet", ""]
             continue
+        with_global = any(finite(r.get("final_generic_acc_mean")) for r, _ in rows.values())
         lines += [f"## {setting} (`{spec.settings[setting]}`)", "",
                   "| method | accuracy, deployed model | sample-weighted | worst 10 % of clients | std over clients | "
-                  "after local training | up MiB/client/round | down MiB/client/round | wall s | chosen (validation) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for m in spec.methods:
+                  "after local training | " + ("global model | " if with_global else "")
+                  + "up MiB/client/round | down MiB/client/round | wall s | chosen (validation) |",
+                  "|---|---|---|---|---|---|" + ("---|" if with_global else "") + "---|---|---|---|"]
+        for m in methods:
             if m.name not in rows:
-                lines.append(f"| {m.label} | not run yet | | | | | | | | |")
+                lines.append(f"| {m.label} | not run yet |" + " |" * (8 + with_global))
                 continue
             r, chosen = rows[m.name]
-            after, after_sem = r.get("accuracy_after_training_mean"), r.get("accuracy_after_training_mean_sem")
             lost = delivery_shortfalls(run_folders(tables, setting, m))
             if lost:
                 short[m.label] = lost
             lines.append(
-                f"| {m.label}{' ⚠' if lost else ''} | "
-                f"{number(r['accuracy_mean'])} ± {number(r['accuracy_mean_sem'])} | "
-                f"{number(r['accuracy_weighted'])} ± {number(r['accuracy_weighted_sem'])} | "
-                f"{pm(r, 'accuracy_worst10')} | {pm(r, 'accuracy_std')} | "
-                f"{number(after) + ' ± ' + number(after_sem) if after else '—'} | "
-                f"{float(r['bytes_up_per_client_round']) / mib:.3f} | {float(r['bytes_down_per_client_round']) / mib:.3f} | "
+                f"| {m.label}{' ⚠' if lost else ''} | {pm(r, 'accuracy_mean')} | {pm(r, 'accuracy_weighted')} | "
+                f"{pm(r, 'accuracy_worst10')} | {pm(r, 'accuracy_std')} | {pm(r, 'accuracy_after_training_mean')} | "
+                + (f"{pm(r, 'final_generic_acc_mean')} | " if with_global else "")
+                + f"{float(r['bytes_up_per_client_round']) / mib:.3f} | "
+                f"{float(r['bytes_down_per_client_round']) / mib:.3f} | "
                 f"{number(r['wall_seconds'], 0)} | {', '.join(f'{k}={v}' for k, v in chosen.items()) or '(no grid)'} |")
             measured = {k: v for k, v in r.items() if k not in ("setting", "method") and not k.startswith("chosen:")}
             csv_rows.append({"setting": setting, "method": m.name, **measured,
@@ -397,7 +516,9 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
             lines += ["", "⚠ **Runs that lost replies** (less training than the protocol's budget, e.g. a round that "
                       "timed out; rerun them before citing the row): "
                       + "; ".join(f"{label}: {', '.join(runs)}" for label, runs in short.items()) + "."]
-        lines += figure_lines(tables, setting, out, [m.label for m in spec.methods if m.name in carried_here])
+        lines += paper_metric_lines([m for m in methods if m.name in rows])
+        lines += provenance_lines({n: r for n, (r, _) in rows.items()}, {m.name: m.label for m in methods})
+        lines += figure_lines(tables, setting, out, [m.label for m in methods if m.name in carried_here])
         lines.append("")
     if carried:
         lines += [f"**Carried over** from the published `{spec.name}.csv` (their work folder was not present when this "
@@ -407,7 +528,7 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
     score_rows = []
     for m in spec.methods:
         for setting in spec.settings:
-            if setting in spec.tune_on or not m.grid:
+            if setting in spec.tune_on or not m.grid or not m.runs_in(setting):
                 continue
             grid = grid_text(m)
             scores = tuning_scores(tables.tune_dir(setting, m)) or next(
@@ -550,11 +671,12 @@ def tuning_scores(folder: Path) -> str:
     return "; ".join(f"{p}: {sum(v) / len(v):.3f}" for p, v in by_point.items())
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fedapps tables", description=__doc__.splitlines()[0])
-    ap.add_argument("spec")
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fedapps tables`` parser (built without side effects: the CLI reference is generated from it)."""
+    ap = argparse.ArgumentParser(prog="fedapps tables", description=__doc__.splitlines()[0].strip("`"))
+    ap.add_argument("spec", help="the tables spec, e.g. experiments/param-sharing.yaml")
     ap.add_argument("--work", default="results/tables", help="where tunings and runs go (resumable)")
-    ap.add_argument("--out", default="docs", help="where the report goes")
+    ap.add_argument("--out", default="docs/results", help="where the report goes")
     ap.add_argument("--settings", default="", help="comma-separated subset of the spec's settings")
     ap.add_argument("--methods", default="", help="comma-separated subset of the spec's methods")
     ap.add_argument("--stages", default="tune,final,report", help="any of tune, final, report")
@@ -562,7 +684,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="fedapps sub-processes at a time (one thread each)")
     ap.add_argument("--rerun-published", action="store_true",
                     help="run the seeds of rows the published CSV already holds (reproduce them; draw their curves)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         spec = load_spec(args.spec)
         settings = [s for s in args.settings.split(",") if s] or list(spec.settings)

@@ -5,7 +5,7 @@ validation, byte accounting, the evaluation protocol and the per-round record. A
 per-round extras from ``aggregate``, summary entries from ``final_summary``, artefacts as data from
 ``artifacts`` — and the result sinks write it; ``start`` returns Flower's ``Result``.
 
-The evaluation protocol (specs/evaluation.md), owned here for every strategy: client i's DEPLOYED model after
+The evaluation protocol (docs/evaluation.md), owned here for every strategy: client i's DEPLOYED model after
 round r (what it would use for inference if the federation stopped after round r's server step) is evaluated
 on its evaluation split at the start of round r+1's message, before any training, and, for the last round R,
 by one evaluation-only message to every connected client; the measurement is attributed to round r. Every
@@ -30,7 +30,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedapps import protocol
-from fedapps.config import ConfigError, ExperimentConfig, cohort_size
+from fedapps.config import ConfigError, ExperimentConfig, cohort_size, exceeds_clients
 from fedapps.connect import wait_for_clients
 from fedapps.data import NODES
 from fedapps.params import parse_params
@@ -63,9 +63,9 @@ class DeployedModel:
     ``prepare``: client operations that form the deployed model from the message before it is evaluated (IFCA's
     choice among K models); the strategy's round operations start with them. ``evaluate``: the evaluation
     operation (``evaluate`` | ``evaluate-finetuned`` | ``evaluate-received``). ``what``: the definition in
-    words (summary.json, the README's table). ``companions``: (name, evaluation operation) pairs, other models
-    of the same round measured right after the deployed one on the same messages (the evaluation-only one
-    included), e.g. FedNH's generic model ``("generic", "evaluate")``; tagged ``deployed.<name>``, filed under
+    words (summary.json, the table of docs/algorithms/index.md). ``companions``: (name, evaluation operation) pairs,
+    other models of the same round measured right after the deployed one on the same messages (the evaluation-only
+    one included), e.g. FedNH's generic model ``("generic", "evaluate")``; tagged ``deployed.<name>``, filed under
     the round they measure (rounds.csv ``<name>_acc_mean`` / ``_weighted``, summary ``final_<name>_acc_*``).
     """
 
@@ -199,8 +199,8 @@ class PersonalisedStrategy(Strategy):
     def require_at_most_clients(cls, cfg: ExperimentConfig, key: str, value: int) -> None:
         """A count parameter (e.g. K cluster models) must not exceed ``data.num_clients``."""
         if value > cfg.data.num_clients:
-            raise ConfigError(f"'strategy.params.{cls.name}.{key}' ({value}) exceeds 'data.num_clients' "
-                              f"({cfg.data.num_clients}); lower it or raise data.num_clients")
+            raise ConfigError(exceeds_clients(f"strategy.params.{cls.name}.{key}", value, cfg.data.num_clients,
+                                              "there are not that many clients to share out"))
 
     # ------------------------------------------------------------------ construction
     def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
@@ -533,7 +533,7 @@ class PersonalisedStrategy(Strategy):
         client (sampled this round or not), filed as round ``rnd``'s measurement; its bytes are evaluation
         traffic. Sent in batches of a training round's cohort, one after another, so that the server holds no
         more messages at once than in a round (a personalised model per client: cwFedAvg's 1,000 clients held
-        ~17 GB when sent at once, README "Scale"); each batch gets ``timeout``."""
+        ~17 GB when sent at once, docs/performance.md); each batch gets ``timeout``."""
         nodes = sorted(int(n) for n in grid.get_node_ids() if int(n) not in self.excluded_nodes)
         batch = max(1, self.cohort_size(len(nodes)))
         parsed: list[ClientReply] = []

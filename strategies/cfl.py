@@ -73,12 +73,13 @@ class CFLParams:
     """CFL's parameters (the norms depend on the model and the learning rate: read them in rounds.csv)."""
 
     # read off rounds.csv on configs/cfl.yaml's setting (CNN, SGD lr 0.005): mean 0.08, max 0.38 in round 5
-    # split only when the cluster's mean update norm is below this (it has converged as a whole)
-    eps1: float = param(0.09, gt=0)
-    eps2: float = param(0.2, gt=0)  # ... and some client's update norm is above this (that client still disagrees)
-    # split only clusters with more replying members than this
-    min_split_size: int = param(2, ge=2, help="two halves")
-    warmup_rounds: int = param(5, ge=0)  # no split before this round
+    eps1: float = param(0.09, gt=0, help="split a cluster only when its mean update norm is below this (it has "
+                                         "converged as a whole)")
+    eps2: float = param(0.2, gt=0, help="... and some client's update norm is above this (that client still "
+                                        "disagrees)")
+    min_split_size: int = param(2, ge=2, help="split only clusters with more replying members than this (at least "
+                                              "two halves)")
+    warmup_rounds: int = param(5, ge=0, help="no split before this round")
 
 
 class CFL(PersonalisedStrategy):

@@ -90,8 +90,8 @@ def cluster_means(stack: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
 class COMETParams(DistillParams):
     """COMET's parameters (beside the shared distillation settings)."""
 
-    clusters: int = param(5, ge=1)  # K, fixed in advance (capped at the number of replying clients)
-    kmeans_iters: int = param(100, ge=1)  # at most this many Lloyd iterations per round
+    clusters: int = param(5, ge=1, help="K, fixed in advance (capped at the number of replying clients)")
+    kmeans_iters: int = param(100, ge=1, help="at most this many Lloyd iterations per round")
 
 
 class COMET(PseudoLabelStrategy):

@@ -74,44 +74,44 @@ def oracle_weights(w, targets: np.ndarray, rows) -> torch.Tensor:
 class CosmosParams:
     """COSMOS hyper-parameters (defaults: the paper's, with the spec's label-free w_i(x) and r_B with gradient)."""
 
-    server_model: str = param("vgg16", choices=MODEL_NAMES)  # architecture of every cluster model h_k
-    # E0: local cross-entropy epochs in round 1 (later rounds use client.epochs)
-    pretrain_epochs: int = param(5, ge=0)
+    server_model: str = param("vgg16", choices=MODEL_NAMES, help="architecture of every cluster model h_k")
+    pretrain_epochs: int = param(5, ge=0, help="E0: local cross-entropy epochs in round 1 (later rounds use "
+                                               "client.epochs)")
     # clustering (round 1 only; clusters stay fixed)
-    # l1 (paper) or l2 (reference code's Frobenius norm); both per public sample
-    distance: str = param("l1", choices=clustering.DISTANCES)
-    # auto: raise B0 until at most max_clusters clusters (reference rule); fixed: use b0
-    b0_mode: str = param("auto", choices=clustering.B0_MODES)
-    b0: float = param(0.5, ge=0)  # explicit threshold on the per-sample distance (b0_mode: fixed)
-    max_clusters: int = param(5, gt=0)  # b0_mode auto: target upper bound on K
-    b0_start: float = param(0.05, ge=0)  # b0_mode auto: first B0 tried
-    b0_step: float = param(0.05, gt=0)  # b0_mode auto: B0 increment
+    distance: str = param("l1", choices=clustering.DISTANCES,
+                          help="l1 (paper) or l2 (reference code's Frobenius norm); both per public sample")
+    b0_mode: str = param("auto", choices=clustering.B0_MODES,
+                         help="auto: raise B0 until at most max_clusters clusters (reference rule); fixed: use b0")
+    b0: float = param(0.5, ge=0, help="explicit threshold on the per-sample distance (b0_mode fixed)")
+    max_clusters: int = param(5, gt=0, help="b0_mode auto: target upper bound on K")
+    b0_start: float = param(0.05, ge=0, help="b0_mode auto: first B0 tried")
+    b0_step: float = param(0.05, gt=0, help="b0_mode auto: B0 increment")
     # server distillation (objective 1)
-    aggregation: str = param("mean", choices=pseudolabels.AGGREGATIONS)  # mean | median | max over a cluster's members
-    temperature: float = param(1.0, ge=0, help="0 = hard labels")  # targets p^(1/T) renormalised; 0 = hard (one-hot) labels
-    rb_lambda: float = param(5.0, ge=0)  # λ of r_B, server and client
-    rb_sigma: float = param(0.05, ge=0)  # std of r_B's input noise
-    server_epochs: int = param(5, ge=0)
-    server_batch_size: int = param(32, gt=0)
-    server_lr: float = param(1e-4, gt=0)
-    server_optimizer: str = param("adam", choices=OPTIMIZERS)
-    server_clip_norm: float = param(1.0, ge=0)
-    server_device: str = param("auto", choices=DEVICES)
+    aggregation: str = param("mean", choices=pseudolabels.AGGREGATIONS,
+                             help="how a cluster's members' predictions make its target")
+    temperature: float = param(1.0, ge=0, help="targets p^(1/T) renormalised; 0 = hard (one-hot) labels")
+    rb_lambda: float = param(5.0, ge=0, help="λ of r_B, server and client")
+    rb_sigma: float = param(0.05, ge=0, help="std of r_B's input noise")
+    server_epochs: int = param(5, ge=0, help="epochs of each cluster model's distillation on U per round")
+    server_batch_size: int = param(32, gt=0, help="minibatch size of the server distillation")
+    server_lr: float = param(1e-4, gt=0, help="learning rate of the server distillation")
+    server_optimizer: str = param("adam", choices=OPTIMIZERS, help="optimiser of the server distillation")
+    server_clip_norm: float = param(1.0, ge=0, help="gradient-norm clipping of the server distillation; 0 = off")
+    server_device: str = param("auto", choices=DEVICES, help="where the cluster models train: auto (CUDA when "
+                                                             "present), cpu or cuda")
     # client distillation (objective 2)
-    distill_epochs: int = param(5, ge=0)
-    distill_batch_size: int = param(32, gt=0)
-    distill_lr: float = param(1e-4, gt=0)
-    distill_optimizer: str = param("adam", choices=OPTIMIZERS)
-    distill_clip_norm: float = param(1.0, ge=0)
-    # w_i(x): label-free | none | oracle (true labels of U: reproduction only)
-    weighting: str = param("label-free", choices=WEIGHTINGS)
+    distill_epochs: int = param(5, ge=0, help="epochs of each client's distillation on U per round")
+    distill_batch_size: int = param(32, gt=0, help="minibatch size of the client distillation")
+    distill_lr: float = param(1e-4, gt=0, help="learning rate of the client distillation")
+    distill_optimizer: str = param("adam", choices=OPTIMIZERS, help="optimiser of the client distillation")
+    distill_clip_norm: float = param(1.0, ge=0, help="gradient-norm clipping of the client distillation; 0 = off")
+    weighting: str = param("label-free", choices=WEIGHTINGS,
+                           help="w_i(x): label-free | none | oracle (true labels of U: reproduction only)")
     # wire
-    # client → server predictions: float32 | float16 | hard
-    uplink_encoding: str = param("float32", choices=pseudolabels.ENCODINGS)
-    # server → client pseudo-labels: float32 | float16 | hard
-    downlink_encoding: str = param("float32", choices=pseudolabels.ENCODINGS)
-    # send cluster models for evaluation every this many rounds (and in the last round)
-    eval_every: int = param(1, gt=0)
+    uplink_encoding: str = param("float32", choices=pseudolabels.ENCODINGS, help="client → server predictions")
+    downlink_encoding: str = param("float32", choices=pseudolabels.ENCODINGS, help="server → client pseudo-labels")
+    eval_every: int = param(1, gt=0, help="send the cluster models for evaluation every this many rounds (and in the "
+                                          "last round)")
 
 
 def validate_predictions(pred: np.ndarray, n: int, num_classes: int) -> np.ndarray:

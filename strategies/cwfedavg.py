@@ -12,7 +12,7 @@ Which layers are class-wise: ``output`` (the classifier, default), ``last-N`` (t
 children that own parameters) or ``all``; matched by exact parameter name. Every other layer is plain
 sample-weighted FedAvg. Parameters travel; buffers (BatchNorm statistics) stay on the clients by default.
 
-Where p̂ comes from (``estimator``) — README "What the server learns about a client's labels":
+Where p̂ comes from (``estimator``) — docs/algorithms/cwfedavg.md:
 - ``norm``  the paper's, the default (with WDR λ = 10, the paper's value for MNIST/CIFAR-10): normalised L2
   norms of the uploaded classifier rows. No counts are sent, but WDR trains those norms towards the client's
   class distribution, so the upload itself approximates p_i ever more closely as training goes on.
@@ -32,7 +32,7 @@ so far (with full participation: exactly this round's models); ``mix: round`` on
 repliers. A client with an estimate gets its row of A; a client never seen gets the FedAvg model (the
 sample-weighted mean of the same set); before any reply, everyone gets the initial model.
 
-Server memory (F shared floats, C class-wise parameters per client, M clients; README "Server memory"). The
+Server memory (F shared floats, C class-wise parameters per client, M clients; docs/algorithms/cwfedavg.md). The
 shared (non-class-wise) keys are one FedAvg for everybody, kept as a float64 running sum Σ_l n_l w_l:
 - ``mix: round``: the sum is over this round's replies only, so the server holds O(F + M·C): never a whole
   client model beyond the reply being added.
@@ -123,19 +123,21 @@ def report_class_counts(w, tag: str) -> None:
 class CwFedAvgParams:
     """cwFedAvg's parameters (``strategy.params.cwfedavg``); strings are read lower-case (YAML's bare `true`)."""
 
-    # output | last-N (e.g. last-2) | all: which layers are aggregated class-wise (parsed by parse_layers in check)
-    layers: str = param("output", normalise=lower)
-    # norm (the paper's: classifier row norms; needs WDR) | true (clients report class counts) | bias (ours: support
-    # from classifier-bias updates; not FedAvg on IID data, drops held classes the model over-predicts)
-    estimator: str = param("norm", choices=ESTIMATORS, normalise=lower)
-    # WDR strength λ on the clients (0 = off): the paper's value for MNIST/CIFAR-10 (CIFAR-100 1000, Tiny ImageNet
-    # 2000); to be re-chosen on a validation split, never on test accuracy. `bias` and `true` do not need it
-    wdr_lambda: float = param(10.0, ge=0, help="0 turns WDR off")
-    # latest: mix every client's latest model | round: only this round's repliers
-    mix: str = param("latest", choices=MIX_SETS, normalise=lower)
-    # local: buffers (BN statistics) never leave the clients | fedavg: averaged
-    buffers: str = param("local", choices=BUFFER_MODES, normalise=lower)
-    track_estimation_error: bool = True  # log mean L1(p̂, p) per estimator (simulation: the server knows p)
+    layers: str = param("output", normalise=lower, help="which layers are aggregated class-wise: output | last-N "
+                                                         "(e.g. last-2) | all (parsed by parse_layers in check)")
+    estimator: str = param("norm", choices=ESTIMATORS, normalise=lower,
+                           help="norm (the paper's: classifier row norms; needs WDR) | true (clients report class "
+                                "counts) | bias (ours: support from classifier-bias updates; not FedAvg on IID data, "
+                                "drops held classes the model over-predicts)")
+    # λ = 10 is the paper's value for MNIST/CIFAR-10 (CIFAR-100 1000, Tiny ImageNet 2000); to be re-chosen on a
+    # validation split, never on test accuracy
+    wdr_lambda: float = param(10.0, ge=0, help="WDR strength λ on the clients; 0 turns WDR off (`bias` and `true` do "
+                                               "not need it)")
+    mix: str = param("latest", choices=MIX_SETS, normalise=lower,
+                     help="latest: mix every client's latest model | round: only this round's repliers")
+    buffers: str = param("local", choices=BUFFER_MODES, normalise=lower,
+                         help="local: buffers (BN statistics) never leave the clients | fedavg: averaged")
+    track_estimation_error: bool = param(True, help="log mean L1(p̂, p) per estimator (simulation: the server knows p)")
 
 
 # --------------------------------------------------------------------------- pure maths

@@ -40,7 +40,7 @@ def train_received(w, tag: str) -> None:
 class DittoParams:
     """Ditto's parameters."""
 
-    lam: float = param(0.1, ge=0)  # λ: weight of the personal model's proximal term to the global model
+    lam: float = param(0.1, ge=0, help="λ: weight of the personal model's proximal term to the global model")
 
 
 class Ditto(PersonalisedStrategy):

@@ -98,9 +98,11 @@ def unflatten(vector: np.ndarray, like: dict[str, np.ndarray], keys: list[str]) 
 class FedAMPParams:
     """FedAMP's parameters."""
 
-    alpha_k: float = param(0.01, gt=0)  # α_K: attention step; (num_clients − 1)·α_K/σ must stay <= 1 so that ξ_ii >= 0
-    sigma: float = param(0.2, gt=0)  # σ: scale of the squared parameter distance in the attention kernel (kappa = 0)
-    lam: float = param(1.0, ge=0)  # λ: the client's proximal term is (λ/(2α_K))‖w − u_i‖² (μ = λ/α_K on the wire)
+    alpha_k: float = param(0.01, gt=0, help="α_K, the attention step; with a fixed σ, (num_clients − 1)·α_K/σ must "
+                                            "stay <= 1 so that every self-weight ξ_ii >= 0")
+    sigma: float = param(0.2, gt=0, help="σ, the scale of the squared model distance in the attention kernel "
+                                         "(used when kappa = 0)")
+    lam: float = param(1.0, ge=0, help="λ: the client's proximal term is (λ/(2α_K))‖w − u_i‖² (μ = λ/α_K on the wire)")
     kappa: float = param(0.0, ge=0, help="0: σ fixed at sigma; > 0: σ = kappa × the round's median non-zero squared "
                                          "distance between client models, and the attention step relative (share)")
     share: float = param(0.5, gt=0, le=1, help="kappa > 0: the most weight all other clients together get")

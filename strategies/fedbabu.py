@@ -37,7 +37,8 @@ def evaluate_finetuned(w, tag: str) -> None:
 class FedBABUParams:
     """FedBABU's parameters."""
 
-    finetune_epochs: int = param(5, ge=1)  # head fine-tuning epochs before each evaluation (on a copy of the model)
+    finetune_epochs: int = param(5, ge=1, help="head fine-tuning epochs before each evaluation (on a copy of the "
+                                               "model)")
 
 
 class FedBABU(FedPer):

@@ -68,9 +68,9 @@ def qualified_vote(votes: np.ndarray, num_classes: int, threshold: float) -> np.
 class FedCTParams(DistillParams):
     """FedCT's parameters (beside the shared distillation settings; 'encoding' is always hard here)."""
 
-    # 0 = plain majority; in (0, 1]: label only samples with this vote share
-    qualified_threshold: float = param(0.0, ge=0, le=1, help="0 = plain majority")
-    encoding: str = param("hard", choices=("hard",))  # labels on the wire, both directions (fixed: hard)
+    qualified_threshold: float = param(0.0, ge=0, le=1, help="0 = plain majority; in (0, 1]: label only samples "
+                                                             "with this vote share")
+    encoding: str = param("hard", choices=("hard",), help="labels on the wire, both directions (fixed: hard)")
 
 
 class FedCT(PseudoLabelStrategy):

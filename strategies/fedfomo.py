@@ -108,11 +108,11 @@ def choose_candidates(affinity: dict[int, float], others: list[int], m: int, eps
 class FedFomoParams:
     """FedFomo's parameters."""
 
-    candidates: int = param(5, ge=1)  # M: other clients' models each client downloads per round
-    epsilon: float = param(0.3, ge=0, le=1)  # ε-greedy exploration probability in round 1
-    epsilon_decay: float = param(0.95, gt=0, le=1)  # ε is multiplied by this every round
-    # share of each client's training split held out to score the candidates
-    holdout_fraction: float = param(0.2, gt=0, lt=1)
+    candidates: int = param(5, ge=1, help="M: other clients' models each client downloads per round")
+    epsilon: float = param(0.3, ge=0, le=1, help="ε-greedy exploration probability in round 1")
+    epsilon_decay: float = param(0.95, gt=0, le=1, help="ε is multiplied by this every round")
+    holdout_fraction: float = param(0.2, gt=0, lt=1, help="share of each client's training split held out to score "
+                                                          "the candidates")
 
 
 class FedFomo(PersonalisedStrategy):

@@ -75,14 +75,14 @@ def train_public(w, tag: str) -> None:
 class FedMDParams(DistillParams):
     """FedMD's parameters (beside the shared distillation settings)."""
 
-    # what clients send and the server averages: logits (original) | probs
-    scores: str = param("logits", choices=("logits", "probs"))
-    # mae: L1 on logits (original; needs scores=logits) | kl: KL on softmax targets
-    digest_loss: str = param("mae", choices=("mae", "kl"))
-    alignment_size: int = param(0, ge=0, help="0 = all of U")  # rows of U per round (original: 5,000); 0 = all of U
-    # >0: round 1 first trains on U WITH its true labels (original; off by default)
-    pretrain_public_epochs: int = param(0, ge=0)
-    pretrain_lr: float = param(1e-3, gt=0)  # learning rate of that labelled pre-training
+    scores: str = param("logits", choices=("logits", "probs"),
+                        help="what clients send and the server averages: logits (original) | probs")
+    digest_loss: str = param("mae", choices=("mae", "kl"),
+                             help="mae: L1 on logits (original; needs scores=logits) | kl: KL on softmax targets")
+    alignment_size: int = param(0, ge=0, help="rows of U per round (original: 5,000); 0 = all of U")
+    pretrain_public_epochs: int = param(0, ge=0, help="> 0: round 1 first trains on U WITH its true labels "
+                                                      "(original; off by default)")
+    pretrain_lr: float = param(1e-3, gt=0, help="learning rate of that labelled pre-training")
 
 
 class FedMD(PseudoLabelStrategy):

@@ -185,10 +185,11 @@ def fednh_train(w, tag: str) -> None:
 class FedNHParams:
     """FedNH's parameters."""
 
-    rho: float = param(0.9, ge=0, le=1, help="1 = prototypes never move")  # ρ: smoothing of the prototype update
-    scale: float = param(10.0, gt=0)  # initial s of the cosine logits (learnable, averaged like the body)
-    init: str = param("uniform", choices=("uniform", "orthogonal"))  # the prototypes' initial spread
-    finetune_epochs: int = param(5, ge=1)  # prototypes and s fine-tuned (body frozen) for the deployed model
+    rho: float = param(0.9, ge=0, le=1, help="ρ: smoothing of the prototype update; 1 = prototypes never move")
+    scale: float = param(10.0, gt=0, help="initial s of the cosine logits (learnable, averaged like the body)")
+    init: str = param("uniform", choices=("uniform", "orthogonal"), help="the prototypes' initial spread")
+    finetune_epochs: int = param(5, ge=1, help="epochs the prototypes and s are fine-tuned (body frozen) for the "
+                                               "deployed model")
 
 
 def cosine_arch(cfg: ExperimentConfig) -> str:

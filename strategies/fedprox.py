@@ -1,6 +1,6 @@
 """FedProx (Li et al., MLSys 2020): FedAvg whose clients add a proximal term (μ/2)‖w − w_global‖² to their loss.
 
-The worked example of an algorithm with client behaviour of its own (README, "Adding a strategy"): the
+The worked example of an algorithm with client behaviour of its own (docs/development.md): the
 server side is FedAvg's; the client side is one training term, registered here under the name ``proximal``
 and switched on by the message setting ``train.prox_mu`` (μ). Its anchor is the arrays the message carries
 (for FedProx the global model the client starts from). Ditto and FedAMP use the same term with their own
@@ -52,7 +52,7 @@ def proximal_term(w, section: dict) -> Any:
 class FedProxParams:
     """FedProx's parameters."""
 
-    mu: float = param(0.01, ge=0, help="0 = FedAvg")  # μ: weight of the proximal term (the paper tries 0.001 to 1)
+    mu: float = param(0.01, ge=0, help="μ: weight of the proximal term (the paper tries 0.001 to 1); 0 = FedAvg")
 
 
 class FedProx(FedAvg):

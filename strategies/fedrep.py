@@ -19,7 +19,8 @@ from strategies.fedper import FedPer
 class FedRepParams:
     """FedRep's parameters."""
 
-    head_epochs: int = param(5, ge=1)  # epochs on the head (body frozen) before the body's client.epochs (head frozen)
+    head_epochs: int = param(5, ge=1, help="epochs on the head (body frozen) before the body's client.epochs (head "
+                                           "frozen)")
 
 
 class FedRep(FedPer):

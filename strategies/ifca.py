@@ -63,7 +63,7 @@ def average_per_cluster(models: list[dict[str, np.ndarray]], replies: list[Clien
 class IFCAParams:
     """IFCA's parameters."""
 
-    clusters: int = param(2, ge=1)  # K cluster models
+    clusters: int = param(2, ge=1, help="K: the number of cluster models")
 
 
 class IFCA(PersonalisedStrategy):

@@ -3,7 +3,7 @@
 The floor every personalised method must beat. The deployed model after round r is the client's own model
 after that round's training. ``pretrain_epochs`` gives round 1 as many epochs as the pseudo-label methods'
 pre-training, so Local gets the same number of local epochs over a run as the methods it is compared with
-(specs/evaluation.md, "Same work").
+(docs/evaluation.md#same-work).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from strategies.base import DeployedModel, PersonalisedStrategy
 
 @dataclass
 class LocalParams:
-    pretrain_epochs: int = param(0, ge=0, help="0 = client.epochs")  # local epochs of round 1 (the others: client.epochs)
+    pretrain_epochs: int = param(0, ge=0, help="local epochs of round 1 (the others: client.epochs); 0 = "
+                                               "client.epochs")
 
 
 class Local(PersonalisedStrategy):

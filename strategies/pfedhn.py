@@ -169,11 +169,12 @@ class PFedHNParams:
     hidden_layers: int = param(3, ge=0, help="[ReLU, Linear(H→H)] blocks after the first Linear(d→H)")
     lr: float = param(1e-2, gt=0, help="SGD learning rate of the hypernetwork")
     embed_lr: float = param(0.0, ge=0, help="learning rate of the client embeddings; 0 = lr")
-    momentum: float = param(0.9, ge=0, lt=1)
-    weight_decay: float = param(1e-3, ge=0)
+    momentum: float = param(0.9, ge=0, lt=1, help="SGD momentum of the hypernetwork")
+    weight_decay: float = param(1e-3, ge=0, help="SGD weight decay of the hypernetwork")
     clip_norm: float = param(50.0, ge=0, help="the round's gradient norm is clipped to this; 0 = off")
     max_hn_params: int = param(100_000_000, gt=0, help="refuse a model whose hypernetwork would be larger")
-    server_device: str = param("auto", choices=DEVICES)
+    server_device: str = param("auto", choices=DEVICES, help="where the hypernetwork lives and steps: auto (CUDA "
+                                                             "when present), cpu or cuda")
 
 
 def check_size(cfg: ExperimentConfig, params: PFedHNParams, num_classes: int,

@@ -27,15 +27,14 @@ log = logging.getLogger("fedapps")
 class DistillParams:
     """Client distillation (on U) and wire settings shared by the pseudo-label baselines."""
 
-    distill_epochs: int = param(5, ge=0)  # epochs over the (subset of) U per round
-    distill_lr: float = param(1e-4, gt=0)  # learning rate of the distillation optimiser
-    distill_batch_size: int = param(32, gt=0)  # minibatch size on U
-    distill_optimizer: str = param("adam", choices=OPTIMIZERS)  # adam | sgd (a new optimiser every round)
-    distill_clip_norm: float = param(1.0, ge=0, help="0 = off")  # gradient-norm clipping during distillation; 0 = off
-    # soft labels on the wire, both directions: float32 | float16
-    encoding: str = param("float32", choices=("float32", "float16"))
-    # local CE epochs in round 1 (before the first predictions); 0 = client.epochs
-    pretrain_epochs: int = param(0, ge=0, help="0 = client.epochs")
+    distill_epochs: int = param(5, ge=0, help="epochs over the (subset of) U per round")
+    distill_lr: float = param(1e-4, gt=0, help="learning rate of the distillation optimiser")
+    distill_batch_size: int = param(32, gt=0, help="minibatch size on U")
+    distill_optimizer: str = param("adam", choices=OPTIMIZERS, help="a new optimiser every round")
+    distill_clip_norm: float = param(1.0, ge=0, help="gradient-norm clipping during distillation; 0 = off")
+    encoding: str = param("float32", choices=("float32", "float16"), help="soft labels on the wire, both directions")
+    pretrain_epochs: int = param(0, ge=0, help="local cross-entropy epochs in round 1 (before the first predictions); "
+                                               "0 = client.epochs")
 
 
 def collect_predictions(replies: list[ClientReply], rows: int, num_classes: int, kind: str, server_round: int = 0,

@@ -1,5 +1,5 @@
-"""FedProx, the README's worked example of an algorithm with client behaviour of its own: the proximal term
-by hand (value and gradient), and the strategy end to end against FedAvg."""
+"""FedProx, docs/development.md's worked example of an algorithm with client behaviour of its own: the proximal
+term by hand (value and gradient), and the strategy end to end against FedAvg."""
 
 import numpy as np
 import pytest

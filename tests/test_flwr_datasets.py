@@ -1,7 +1,7 @@
 """``data.source: hf:<name>`` through flwr-datasets, offline: datasets built in memory and written in the Hub's own
 layout (``data/<split>-00000-of-00001.parquet``) into a local folder, read by the same code path a Hub id takes
 (``FederatedDataset`` → ``datasets.load_dataset``); and how this project's PFLlib-style partitioners compare with
-flwr-datasets' where both define the same split (README "Data sources" quotes the measured differences).
+flwr-datasets' where both define the same split (docs/data.md quotes the measured differences).
 
 The optional extra ``hf`` (pip install -e ".[hf]") is part of ``test``, so these run in CI; where it is missing
 the tests that need it skip, saying so. The config checks that concern a missing extra run either way.
@@ -379,4 +379,4 @@ def test_pathological_same_class_counts_different_assignment_and_sizes():
     theirs_nonzero = shares[1][shares[1] > 0]
     ours_nonzero = shares[0][shares[0] > 0]
     assert theirs_nonzero.min() == theirs_nonzero.max() == 15  # 60 rows of a class over 4 clients
-    assert ours_nonzero.min() <= 5 and ours_nonzero.max() >= 25  # measured with this seed: see README
+    assert ours_nonzero.min() <= 5 and ours_nonzero.max() >= 25  # measured with this seed: see docs/data.md

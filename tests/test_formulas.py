@@ -177,7 +177,8 @@ def test_fedamp_refuses_a_proximal_step_that_diverges(tiny_config) -> None:
 
 
 def test_cwfedavg_defaults_are_the_papers_estimator_and_lambda() -> None:
-    """The `bias` estimator is an option, not the default (README "cwFedAvg"); λ = 10 is the paper's MNIST value."""
+    """The `bias` estimator is an option, not the default (docs/algorithms/cwfedavg.md); λ = 10 is the paper's MNIST
+    value."""
     p = CwFedAvgParams()
     assert (p.estimator, p.wdr_lambda) == ("norm", 10.0)
     for path in ("configs/cwfedavg.yaml", "configs/default.yaml"):

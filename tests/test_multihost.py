@@ -1,6 +1,6 @@
 """Across machines, on one machine: the SuperLink, three SuperNodes and the CLI each in its own network namespace
 (veth pairs to a bridge in a hub namespace; addresses exist inside the namespaces only, never on a real network),
-TLS and SuperNode authentication on, every step done with `fedapps deploy` exactly as README "Across machines"
+TLS and SuperNode authentication on, every step done with `fedapps deploy` exactly as docs/deployment.md
 tells a user. Each node reads its own data file (node config ``data-path``) and U (``public-path``); the server
 holds neither. A node with a wrong data-path is refused with its reason and the runs go on with the others; an
 unregistered node is refused. Every process and namespace is removed afterwards, also when the

@@ -318,7 +318,7 @@ def test_state_dir_survives_a_supernode_restart(tmp_path, monkeypatch, digits):
     handle(message(cfg, "local", 2, ["evaluate"], "run-a"), restarted)
     restored = restarted.state[STATE_MODEL].to_torch_state_dict()
     assert all(torch.equal(trained[k], restored[k]) for k in trained)
-    # without the node's state-dir the restarted node starts from the initial model (what the README table says)
+    # without the node's state-dir the restarted node starts from the initial model (what docs/deployment.md's table says)
     node.pop("state-dir")
     bare = fresh()
     handle(message(cfg, "local", 2, ["evaluate"], "run-a"), bare)
@@ -342,7 +342,7 @@ def test_threads_node_config_is_checked():
         node_threads(ctx)
 
 
-# ------------------------------------------------------------------ the README's table of what a restart loses
+# ------------------------------------------------------------------ docs/deployment.md's table of what a restart loses
 
 LOSS_WORDS = {
     "nothing": "nothing: the whole model comes with every message",
@@ -353,14 +353,14 @@ LOSS_WORDS = {
 
 
 def readme_restart_table() -> dict[str, str]:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "deployment.md").read_text()
     section = text.split("#### What a restarted SuperNode loses without `state-dir`", 1)[1].split("\n#", 1)[0]
     return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\| `([a-z0-9_-]+)` \| ([^|]+) \|", section, re.M)}
 
 
 def test_readme_restart_table_matches_what_each_strategy_sends(tmp_path):
     """Derived from the strategies' own round messages (persist-model, load-arrays, arrays.keys), checked against
-    the README's table: a strategy whose messages change, or a new one, fails here until the table says so."""
+    docs/deployment.md's table: a strategy whose messages change, or a new one, fails here until the table says so."""
     from fedapps.inprocess import InProcessGrid
     from fedapps.models import build_model, state_part
 

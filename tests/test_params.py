@@ -70,7 +70,8 @@ def test_unknown_key_in_a_section_names_it_and_the_allowed_keys():
 def test_real_params_name_the_full_key():
     cfg = config_from_dict({"strategy": {"name": "cosmos", "params": {"cosmos": {"distill_lr": 0}}},
                             "data": {"public_fraction": 0.2}})
-    with pytest.raises(ConfigError, match=r"'strategy\.params\.cosmos\.distill_lr' must be > 0, got 0"):
+    with pytest.raises(ConfigError, match=r"'strategy\.params\.cosmos\.distill_lr' must be > 0 "
+                                             r"\(learning rate of the client distillation\), got 0"):
         resolve(cfg)
 
 

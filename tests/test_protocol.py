@@ -1,4 +1,4 @@
-"""The deployed-model evaluation protocol (specs/evaluation.md), owned by strategies.base for every strategy.
+"""The deployed-model evaluation protocol (docs/evaluation.md), owned by strategies.base for every strategy.
 
 - every strategy's deployed model, checked on a 2-client toy against a hand computation from the server's and
   the clients' state right after the round it belongs to (the number must be that model on the client's test
@@ -33,7 +33,7 @@ from strategies.base import DeployedModel, Measurement, RoundLog, with_evaluatio
 
 CLIENTS = 2
 SHAPE, CLASSES = (1, 8, 8), 10
-# the table of specs/evaluation.md, by where the deployed model lives
+# the table of docs/evaluation.md, by where the deployed model lives
 SOURCES = {"fedavg": "message", "fedprox": "message", "feduv": "message", "ifca": "message", "cfl": "message", "cwfedavg": "message",
            "fedper": "message", "fedrep": "message", "fedbabu": "message", "local": "client", "fedamp": "client",
            "ditto": "client", "fedfomo": "client", "fedmd": "client", "fedct": "client", "comet": "client",

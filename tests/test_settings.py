@@ -236,7 +236,7 @@ def test_one_round_of_fedavg_on_digits(partition, tiny_config, tmp_path):
 @pytest.mark.parametrize("config", SETTINGS)
 def test_settings_configs_resolve_under_every_strategy_or_refuse_naming_a_key(config):
     """Each base YAML takes every strategy through strategy.name (or refuses with a key to set); cheap: no rounds
-    (the rounds were run by hand, README "Settings where methods separate")."""
+    (the rounds were run by hand, docs/results/index.md)."""
     accepted = []
     for name in sorted(STRATEGIES):
         cfg = load_config(config, f"strategy.name={name} data.source=digits")

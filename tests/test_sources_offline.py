@@ -168,7 +168,7 @@ def test_mnist_family_idx_files(tmp_path, source, folder):
 
 
 def test_mnist_gz_archives_are_extracted_without_network(tmp_path, accept_any_md5):
-    """The README's offline route: the original .gz files in MNIST/raw with data.download: true are only checked
+    """The offline route of docs/data.md: the original .gz files in MNIST/raw with data.download: true are only checked
     and extracted."""
     train, test = mnist_like(np.random.default_rng(2), 10)
     write_mnist(tmp_path / "MNIST" / "raw", train, test, gz=True)

@@ -335,3 +335,87 @@ def test_figures_keep_the_published_one_for_carried_settings_and_name_the_curves
     assert (docs / "demo-b.png").read_bytes() == b"published figure"
     (docs / "demo-b.png").unlink()  # no published figure: no link to a file that is not there
     assert "demo-b.png" not in tables.report(spec, tmp_path / "work", docs).read_text()
+
+
+def test_a_method_runs_only_in_its_settings_and_the_report_says_which_column_its_paper_reports(tmp_path, monkeypatch):
+    """``settings:`` restricts a method (no task, no row elsewhere); ``paper_metric``/``paper_note`` become the
+    table's footnote; a comparison's provenance (commit, machine) is printed under its table and kept in the CSV;
+    a global-model column appears only where a row has one."""
+    p = write_spec(tmp_path, settings={"a": str(BASE), "b": str(BASE)}, methods={
+        "fedavg": {"paper_metric": "deployed"},
+        "fednh": {"settings": ["a"], "paper_metric": "after-training", "paper_note": "the released code's metric"}})
+    spec = tables.load_spec(p)
+    work = tmp_path / "work"
+    t = tables.Tables(spec, work, "inprocess", 1)
+    ran = []
+    monkeypatch.setattr(tables.Tables, "compare", lambda self, s, m: ran.append((s, m.name)))
+    t.run(["a", "b"], spec.methods, {"final"})
+    assert sorted(ran) == [("a", "fedavg"), ("a", "fednh"), ("b", "fedavg")]
+    for setting, name, generic in (("a", "fedavg", ""), ("a", "fednh", 0.91), ("b", "fedavg", "")):
+        m = next(m for m in spec.methods if m.name == name)
+        folder = t.compare_dir(setting, m)
+        folder.mkdir(parents=True)
+        keys = COMPARISON_COLUMNS + ["final_generic_acc_mean", "final_generic_acc_mean_sem"]
+        tables.write_csv(folder / "comparison.csv", keys, [dict(zip(keys, [
+            name, name, 3, 0.8, 0.01, 0.8, 0.01, 1048576, 1048576, 9, generic, 0.02 if generic else ""]))])
+        if setting == "a":
+            (folder / tables.PROVENANCE).write_text(json.dumps({"commit": "abc123", "machine": "2 CPU cores, no GPU"}))
+    md = tables.report(spec, work, tmp_path / "docs" / "results").read_text()
+    section_a, section_b = md.split("## a (")[1].split("## b (")
+    assert "global model |" in section_a and "global model |" not in section_b  # only where a row has it
+    assert "| fednh | 0.800 ± 0.010 |" in section_a and "0.910 ± 0.020 |" in section_a
+    assert "fednh" not in section_b.split("## Tuning")[0]  # restricted to setting a: no row, not "not run yet"
+    assert ("**Which column matches what each method's paper reports:** fedavg: *accuracy, deployed model*; fednh: "
+            "*after local training* (the released code's metric).") in section_a
+    assert "Measured with commit `abc123` on 2 CPU cores, no GPU (fedavg, fednh)." in section_a
+    assert "Measured with a commit not recorded (fedavg)." in section_b
+    link = md.split("[evaluation protocol](")[1].split(")")[0]  # relative to the page: it resolves wherever it is
+    assert (tmp_path / "docs" / "results" / link).resolve() == tables.REPO / "docs" / "evaluation.md"
+    rows = tables.read_rows(tmp_path / "docs" / "results" / "demo.csv")
+    assert [(r["setting"], r["method"], r["commit"]) for r in rows] == [
+        ("a", "fedavg", "abc123"), ("a", "fednh", "abc123"), ("b", "fedavg", "")]
+    with pytest.raises(ConfigError, match="methods.fednh.settings"):
+        tables.load_spec(write_spec(tmp_path, methods={"fednh": {"settings": ["zz"]}}))
+    with pytest.raises(ConfigError, match="paper_metric 'best'"):
+        tables.load_spec(write_spec(tmp_path, methods={"fednh": {"paper_metric": "best"}}))
+
+
+def test_provenance_names_the_checkout_commit_and_the_machine():
+    got = tables.provenance()
+    head = tables.subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=tables.REPO, capture_output=True,
+                                 text=True).stdout.strip()
+    assert got["commit"].split("+")[0] == (head or "unknown")
+    assert got["machine"].startswith(f"{tables.os.cpu_count()} CPU cores")
+
+
+def test_published_rows_without_a_commit_name_the_commit_that_published_them(tmp_path):
+    """Rows measured before comparisons recorded their commit: git blame of the published CSV names the commit that
+    wrote each row (stamped as ``published_in``, so it survives the report rewriting the file)."""
+    import subprocess
+
+    spec = tables.load_spec(write_spec(tmp_path, methods={"fedavg": {}, "local": {}}, settings={"a": str(BASE)}))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    keys = ["setting", "method", "config", "strategy", "seeds", "accuracy_mean", "accuracy_mean_sem",
+            "accuracy_weighted", "accuracy_weighted_sem", "bytes_up_per_client_round", "bytes_down_per_client_round",
+            "wall_seconds"]
+    row = ["a", "fedavg", "fedavg", "fedavg", 3, 0.61, 0.02, 0.6, 0.01, 1, 1, 9]
+    tables.write_csv(docs / "demo.csv", keys, [dict(zip(keys, row))])
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=docs, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", "demo.csv")
+    git("commit", "-qm", "first row")
+    first = git("rev-parse", "--short=10", "HEAD")
+    tables.write_csv(docs / "demo.csv", keys, [dict(zip(keys, row)), dict(zip(keys, ["a", "local", "local", "local",
+                                                                                     3, 0.5, 0.1, 0.5, 0.1, 0, 0, 4]))])
+    git("commit", "-qam", "second row")
+    second = git("rev-parse", "--short=10", "HEAD")
+    assert first != second
+    md = tables.report(spec, tmp_path / "empty-work", docs).read_text()
+    assert f"runs published in commit `{first}` (their own commit was not recorded) (fedavg)" in md
+    assert f"runs published in commit `{second}` (their own commit was not recorded) (local)" in md
+    assert [r["published_in"] for r in tables.read_rows(docs / "demo.csv")] == [first, second]

@@ -5,7 +5,7 @@ stratified public set U → partition the rest over clients → split each clien
 (stratified within the client; train keeps at least one sample). Under `rotated` / `label-swap` each client's
 group transform is then applied (rotation of its images / permutation of its labels; U: see below).
 
-Evaluation split (``evaluate_on``, specs/evaluation.md): ``test`` (final runs) evaluates on the test split and
+Evaluation split (``evaluate_on``, docs/evaluation.md#splits): ``test`` (final runs) evaluates on the test split and
 trains on the whole train split. ``validation`` (tuning) carves ``validation_fraction`` out of each client's
 TRAIN split (stratified, seeded by ``derive_seed(seed, "validation-split", client)``, so the train/test split is
 the same in both modes); the client then trains on the rest ("fit") and everything that evaluates on
@@ -19,7 +19,7 @@ it serves (``get_federation`` caches one federation per data spec and process). 
 `rotated` and `label-swap` are applied in place to that store, block by block, after the gather: the client
 splits stay views of one tensor, and the store holds every sample as its client (or U) sees it.
 
-The public set U under the group settings (README "Settings where methods separate"):
+The public set U under the group settings (docs/data.md):
 - `rotated`: U is drawn before partitioning, as always, then cut into `groups` equal shares, stratified by
   class; share g is rotated like group g (``Federation.public_groups``). U thus follows the same input
   distribution as the union of the clients' data, as it does under every other partition; its labels are the
@@ -33,6 +33,7 @@ The public set U under the group settings (README "Settings where methods separa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -48,6 +49,7 @@ import torch
 from ..seeds import derive_rng
 from .errors import DataError
 from .partition import (
+    PARTITION_KEYS,
     PARTITIONS,
     _check_alpha,
     _check_fraction,
@@ -484,6 +486,56 @@ _CACHE_LOCK = threading.Lock()
 def spec_key(spec: dict[str, Any]) -> str:
     """Canonical JSON of a validated data spec: the cache key, and a stable identity for the data."""
     return json.dumps(check_spec(spec), sort_keys=True, separators=(",", ":"))
+
+
+SYNTHETIC_KEYS: tuple[str, ...] = ("synthetic_classes", "synthetic_shape", "synthetic_samples")  # source synthetic
+
+
+def unused_data_keys(spec: dict[str, Any], defaults: dict[str, Any],
+                     named: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """``(key, why)`` for each data key that is set (a value other than its default in ``defaults``, or a key in
+    ``named``: the overrides) but that the spec's source and partition do not read (e.g. ``alpha`` under a
+    pathological partition). Pure; the caller reports them."""
+    out: list[tuple[str, str]] = []
+    source, partition = spec.get("source"), spec.get("partition")
+
+    def changed(key: str) -> bool:
+        return key in spec and (key in named or (key in defaults and spec[key] != defaults[key]))
+
+    for key, partitions in PARTITION_KEYS.items():
+        if not changed(key):
+            continue
+        if source == NODES:
+            out.append((key, "data.source is 'nodes': every node brings its own data, nothing is partitioned"))
+        elif partition not in partitions:
+            out.append((key, f"only the {' / '.join(partitions)} partition{'s' if len(partitions) > 1 else ''} "
+                             f"read{'' if len(partitions) > 1 else 's'} it; data.partition is '{partition}'"))
+    for key in SYNTHETIC_KEYS:
+        if changed(key) and source != "synthetic":
+            out.append((key, f"only data.source 'synthetic' reads it; data.source is '{source}'"))
+    if changed("validation_fraction") and spec.get("evaluate_on") != "validation":
+        out.append(("validation_fraction", "the validation split is carved only when data.evaluate_on is "
+                                           "'validation' (tuning, e.g. fedapps tune); data.evaluate_on is "
+                                           f"'{spec.get('evaluate_on')}'"))
+    return out
+
+
+class _DropWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno != logging.WARNING
+
+
+@contextlib.contextmanager
+def data_warnings_silenced():
+    """While inside, this process logs no warning about the data it builds (a partition that leaves classes unused,
+    an empty validation split, ...): a client rebuilding the federation the server has built and reported from the
+    same spec would repeat each warning once per client process. Errors still raise."""
+    dropper = _DropWarnings()
+    log.addFilter(dropper)
+    try:
+        yield
+    finally:
+        log.removeFilter(dropper)
 
 
 def get_federation(spec: dict[str, Any]) -> Federation:

@@ -4,7 +4,7 @@ Hub's layout), read through Flower's data library ``flwr-datasets`` (optional ex
 As for the other sources, every split the dataset has is loaded and MERGED (in the order the dataset lists them),
 then the federation splits it with this project's partitioners (PFLlib's ``iid`` / ``pathological`` /
 ``dirichlet``, COSMOS's groups, ...): ``FederatedDataset`` serves the whole dataset, its own partitioners are not
-used (README "Data sources" says how they differ from ours). Rows whose label is negative (the Hub's "no label",
+used (docs/data.md says how they differ from ours). Rows whose label is negative (the Hub's "no label",
 e.g. an unlabelled test split) and splits without the label column are left out.
 
 Columns: the image column is the one ``Image`` feature; the label column the one ``ClassLabel`` feature, else the
