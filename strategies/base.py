@@ -704,6 +704,9 @@ def average_matching(replies: list[ClientReply], current: Mapping[str, np.ndarra
             log.info("clip_update_norm %g: %d of %d updates clipped (largest norm %.3g)", rule.clip_update_norm,
                      len(over), len(arrays), max(over))
     weights = [r.num_examples for r in usable]
+    if rule is not None and rule.method == "trimmed-mean" and int(rule.trim_fraction * len(arrays)) == 0:
+        log.warning("trimmed-mean: %d replies and strategy.trim_fraction %g trim no client this time (the config's "
+                    "cohort would); the unweighted mean of the %d is used", len(arrays), rule.trim_fraction, len(arrays))
     if rule is None or rule.plain:
         out = weighted_average(arrays, weights)
     else:
