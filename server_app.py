@@ -64,7 +64,8 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     from fedapps.config import dump_yaml, load_config, split_overrides
     from fedapps.data import NODES, get_federation, set_described_counts, spec_key
     from fedapps.describe import bind_accepted
-    from fedapps.results import REJECTIONS, DeliveryCheck, FileSink, ResultSink, UnusableRun, append_rejections
+    from fedapps.results import (REJECTIONS, DeliveryCheck, FileSink, ResultSink, UnusableRun, append_rejections,
+                                 exit_status, run_problems)
     from strategies import report_ignored, resolve
 
     setup_logging()
@@ -137,11 +138,14 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     except BaseException as exc:  # the trackers mark their run failed; the error itself goes on
         tracking.abort(trackers, f"{type(exc).__name__}: {exc}")
         raise
-    problems = delivery.problems()
     described = {"nodes": description.summary()} if description is not None else {}
     summary = files.summary(time.time() - t0, {**strategy.protocol_summary(), **strategy.final_summary(),
-                                               **delivery.totals(), **described, "problems": problems,
+                                               **delivery.totals(), **described,
                                                "simulation_message_sweep": message_sweep.in_use()})
+    # whether the result means something: what went wrong, in words, and the exit status it gives (fedapps run)
+    found = run_problems(summary, files.rows, cfg.min_measured_share, delivery)
+    problems = [p.text for p in found]
+    summary.update({"problems": problems, "exit_status": exit_status(found)})
     artifacts = strategy.artifacts()
     for sink in sinks:
         sink.on_finish(summary, artifacts)
@@ -149,7 +153,7 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     if summary.get("final_round_had_no_replies"):
         log.warning("the last round got no usable reply: the reported accuracy is from round %s", summary.get("final_round"))
     if problems:  # results are on disk for inspection; the run itself fails (Flower: finished:failed)
-        raise UnusableRun("; ".join(problems) + f" (results: {files.dir})")
+        raise UnusableRun("; ".join(problems) + f" (results: {files.dir})", exit_status(found))
     return summary
 
 

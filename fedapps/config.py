@@ -76,6 +76,9 @@ class StrategyConfig:
     trim_fraction: float = setting(0.1, "trimmed-mean: share of the lowest and of the highest values dropped per "
                                         "coordinate, in [0, 0.5)")
     max_weight_share: float = setting(1.0, "mean: cap on any client's normalised weight, in (0, 1]; 1 = no cap")
+    clip_update_norm: float = setting(0.0, "clip each client's update (its arrays minus the model the round sent it) "
+                                           "to this L2 norm before they are combined, >= 0; 0 = no clipping "
+                                           "(parameter-averaging strategies, fedapps/robust.py)")
     transport: str = setting("float32", "how model arrays travel between server and clients, both ways "
                                         "(fedapps/protocol.py): float32 as the models hold them, or float16 (floating "
                                         "arrays halved; parameter-sharing strategies only)", TRANSPORTS)
@@ -164,6 +167,9 @@ class ExperimentConfig:
     seed: int = setting(0, "seed of model initialisation, client sampling and local shuffling")
     rounds: int = setting(20, "federated rounds")
     output_dir: str = setting("results", "results root (relative paths resolve against the working directory)")
+    min_measured_share: float = setting(0.5, "the run succeeds (exit 0, summary.json 'problems' empty) only if its "
+                                             "headline was measured on at least this share of data.num_clients, in "
+                                             "[0, 1] (0: on at least one client)")
     tracking: list[str] = setting([], "experiment trackers the run also writes to (optional extra tracking: "
                                       "pip install -e \".[tracking]\")", tuple(TRACKERS))
     tracking_dir: str = setting("", "where the trackers write: '' inside the run folder, else one root for many runs "
@@ -437,6 +443,11 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(0.0 <= s.trim_fraction < 0.5, f"'strategy.trim_fraction' must be in [0, 0.5), got {s.trim_fraction}")
     _check(0.0 < s.max_weight_share <= 1.0,
            f"'strategy.max_weight_share' must be in (0, 1] (1 = no cap), got {s.max_weight_share}")
+    _check(s.clip_update_norm >= 0,
+           f"'strategy.clip_update_norm' must be >= 0 (an L2 norm; 0 = no clipping), got {s.clip_update_norm}")
+    _check(0.0 <= cfg.min_measured_share <= 1.0,
+           f"'min_measured_share' must be in [0, 1] (the share of data.num_clients the headline must be measured "
+           f"on; 0: at least one client), got {cfg.min_measured_share}")
     _one_of("strategy.transport", s.transport, TRANSPORTS)
 
     d = cfg.data  # the data section itself is checked once, by fedapps.data.check_spec (see strategies.resolve)
@@ -446,6 +457,7 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(s.min_clients <= d.num_clients, exceeds_clients("strategy.min_clients", s.min_clients, d.num_clients))
     _check(s.expected_clients <= d.num_clients,
            exceeds_clients("strategy.expected_clients", s.expected_clients, d.num_clients))
+    check_trim(s, d.num_clients)
 
     c = cfg.client
     _check(c.epochs >= 0, f"'client.epochs' must be >= 0, got {c.epochs}")
@@ -459,6 +471,45 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(not (c.mixed_precision and c.device == "cpu"),
            "'client.mixed_precision: true' applies to CUDA devices only, but 'client.device' is 'cpu'; "
            "set client.device to 'auto' or 'cuda', or remove client.mixed_precision")
+
+
+def cohort_size(connected: int, fraction: float, min_clients: int) -> int:
+    """Clients sampled per round out of ``connected``: ceil(fraction·N), at least min_clients, at most N."""
+    return min(connected, max(min_clients, math.ceil(fraction * connected)))
+
+
+def trimmed_per_side(trim_fraction: float, k: int) -> int:
+    """How many of k values per coordinate a trimmed mean drops at each end: floor(trim_fraction·k)."""
+    return int(trim_fraction * k)
+
+
+def smallest_trim(k: int) -> float:
+    """The smallest fraction (in thousandths) that trims one of k values at each end; 0.5 or more when none can."""
+    fraction = math.ceil(1000 / k) / 1000
+    while trimmed_per_side(fraction, k) < 1:
+        fraction = round(fraction + 0.001, 3)
+    return fraction
+
+
+def check_trim(s: StrategyConfig, num_clients: int) -> None:
+    """``strategy.aggregation: trimmed-mean`` must trim at least one client at each end at the round's cohort size
+    (a fraction that trims none is the plain unweighted mean: a robust setting that silently does nothing). An
+    error, not a silent round-up: the fraction the user asked for is what config.yaml records as having run."""
+    if s.aggregation != "trimmed-mean":
+        return
+    k = cohort_size(num_clients, s.fraction, s.min_clients)
+    if trimmed_per_side(s.trim_fraction, k) >= 1:
+        return
+    cohort = f"the cohort of {k} clients per round (data.num_clients={num_clients}, strategy.fraction={s.fraction:g})"
+    smallest = smallest_trim(k)
+    if smallest >= 0.5:
+        raise ConfigError(f"'strategy.aggregation: trimmed-mean' cannot trim any client from {cohort}: trimming one "
+                          "at each end needs at least 3 clients per round; use strategy.aggregation=median, or sample "
+                          "more clients per round")
+    raise ConfigError(f"'strategy.trim_fraction: {s.trim_fraction:g}' trims no client from {cohort} "
+                      f"(floor({s.trim_fraction:g}·{k}) = 0: the plain unweighted mean); set strategy.trim_fraction to "
+                      f"at least {smallest:g} (trims {trimmed_per_side(smallest, k)} at each end), or use "
+                      "strategy.aggregation=median")
 
 
 def exceeds_clients(key: str, value: int, num_clients: int,
@@ -525,12 +576,14 @@ def check_run_name(name: str) -> None:
         raise ConfigError(f"'run_name' {name!r} contains control characters; {fix}")
 
 
-HASH_EXCLUDED = ("run_name", "output_dir", "tracking", "tracking_dir")  # where a run is written, not what it computes
+# where a run is written and how its outcome is judged, not what it computes
+HASH_EXCLUDED = ("run_name", "output_dir", "tracking", "tracking_dir", "min_measured_share")
 # keys added after results were recorded: left out of the hash (and of a resumed run's comparison) while at these
 # defaults, so that a config that does not use them keeps the hash it had before they existed
 LATER_KEYS: dict[tuple[str, str], Any] = {("data", "num_classes"): 0, ("data", "input_shape"): [],
                                           ("data", "public_path"): "", ("strategy", "expected_clients"): 0,
-                                          ("strategy", "connect_timeout"): 300.0, ("strategy", "transport"): "float32"}
+                                          ("strategy", "connect_timeout"): 300.0, ("strategy", "transport"): "float32",
+                                          ("strategy", "clip_update_norm"): 0.0}
 
 
 def without_later_defaults(data: dict[str, Any]) -> dict[str, Any]:

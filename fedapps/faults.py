@@ -16,11 +16,17 @@ CLIENTS and ROUNDS are ``*`` or comma-separated integers (client ids; rounds fro
 - identity: ``spoof[=ID]`` claims another client's id (default: the next one), ``bad-id`` an id outside the
   federation, ``list-id`` a list-valued id;
 - metrics: ``huge-n`` (num-examples 10**12), ``zero-n``, ``list-n``, ``no-eval-n`` (drops ``<tag>-n``),
-  ``acc-50`` (every ``<tag>-acc`` = 50), ``n-1e9`` (every ``<tag>-n`` = 10**9);
+  ``acc-50`` (every ``<tag>-acc`` = 50), ``n-1e9`` (every ``<tag>-n`` = 10**9), ``loss-huge`` (every loss other
+  than an evaluation's = −2e299), ``time-huge`` (every ``t-*`` timing = 10**12 s), ``list-huge`` (an extra metric
+  holding a list of ARG floats, default 10**5);
 - arrays: ``shape`` (one array gets an extra row), ``transpose`` (a non-square matrix transposed),
-  ``undecodable`` (garbage bytes), ``int-arrays`` (every array cast to int64), ``nan-arrays``;
+  ``undecodable`` (garbage bytes), ``int-arrays`` (every array cast to int64), ``nan-arrays``; wire types:
+  ``f64-huge`` (every floating array as float64, one value 1e300: finite in float64, inf in float32),
+  ``longdouble`` (every floating array as numpy's longdouble), ``big-endian`` (float32 in big-endian byte order),
+  ``dtype-lie`` (float64 bytes under a float32 label), ``trailing-bytes`` (1 MB of junk after a valid array);
 - predictions: ``pred-shape`` (a row short), ``pred-huge`` (float scores 1e30; hard labels the dtype's
-  maximum), ``pred-undecodable``, ``fingerprint`` (another public-set fingerprint).
+  maximum), ``pred-undecodable``, ``pred-dtype`` (float scores as float64, hard labels as uint64),
+  ``fingerprint`` (another public-set fingerprint).
 """
 
 from __future__ import annotations
@@ -43,10 +49,11 @@ ENV = "FEDAPPS_FAULTS"
 NODE_KEY = "faults"
 CONTROL = ("drop", "raise", "late", "duplicate")
 IDENTITY = ("spoof", "bad-id", "list-id")
-METRIC_FAULTS = ("huge-n", "zero-n", "list-n", "no-eval-n", "acc-50", "n-1e9")
+METRIC_FAULTS = ("huge-n", "zero-n", "list-n", "no-eval-n", "acc-50", "n-1e9", "loss-huge", "time-huge", "list-huge")
+WIRE_FAULTS = ("f64-huge", "longdouble", "big-endian", "dtype-lie", "trailing-bytes")  # arrays of the wrong wire type
 ARRAY_FAULTS = ("shape", "transpose", "undecodable", "int-arrays", "nan-arrays")
-PREDICTION_FAULTS = ("pred-shape", "pred-huge", "pred-undecodable", "fingerprint")
-KINDS = CONTROL + IDENTITY + METRIC_FAULTS + ARRAY_FAULTS + PREDICTION_FAULTS
+PREDICTION_FAULTS = ("pred-shape", "pred-huge", "pred-undecodable", "pred-dtype", "fingerprint")
+KINDS = CONTROL + IDENTITY + METRIC_FAULTS + ARRAY_FAULTS + WIRE_FAULTS + PREDICTION_FAULTS
 
 
 class ReplyDropped(Exception):
@@ -159,8 +166,10 @@ def _put(reply: Message, record: str, arrays: dict) -> None:
                                          for k, v in arrays.items()})
 
 
-def _garbage(dtype: str = "float32") -> Array:
-    return Array(dtype=dtype, shape=(3, 3), stype="numpy.ndarray", data=b"\x00garbage, not an .npy file")
+def _garbage(like: np.ndarray) -> Array:
+    """Bytes that are no .npy file under the label (dtype, shape) of the array they replace."""
+    return Array(dtype=str(like.dtype), shape=tuple(int(d) for d in like.shape), stype="numpy.ndarray",
+                 data=b"\x00garbage, not an .npy file")
 
 
 def corrupt(reply: Message, fault: Fault, cid: int, context: Context) -> None:
@@ -189,9 +198,17 @@ def corrupt(reply: Message, fault: Fault, cid: int, context: Context) -> None:
             metrics.update({k: 50.0 for k in metrics if k.endswith("-acc")})
         elif kind == "n-1e9":
             metrics.update({k: 1e9 for k in metrics if k.endswith("-n")})
+        elif kind == "loss-huge":
+            evaluations = {k.rsplit("-", 1)[0] for k in metrics if k.endswith("-acc")}
+            metrics.update({k: -2e299 for k in metrics
+                            if k.endswith("-loss") and k.rsplit("-", 1)[0] not in evaluations})
+        elif kind == "time-huge":
+            metrics.update({k: 1e12 for k in metrics if k.startswith("t-")})
+        elif kind == "list-huge":
+            metrics["junk-list"] = [0.5] * int(fault.arg or 10**5)
         reply.content[protocol.METRICS] = MetricRecord(metrics)
         return
-    if kind in ARRAY_FAULTS:
+    if kind in ARRAY_FAULTS or kind in WIRE_FAULTS:
         arrays = _arrays(reply, protocol.ARRAYS)
         if not arrays:
             log.warning("fault '%s': the reply carries no arrays; left as it is", kind)
@@ -205,11 +222,13 @@ def corrupt(reply: Message, fault: Fault, cid: int, context: Context) -> None:
             key = two_d[0] if two_d else first
             arrays[key] = np.ascontiguousarray(arrays[key].T if two_d else arrays[key][None])
         elif kind == "undecodable":
-            arrays[first] = _garbage()
+            arrays[first] = _garbage(arrays[first])
         elif kind == "int-arrays":
             arrays = {k: v.astype(np.int64) for k, v in arrays.items()}
         elif kind == "nan-arrays":
             arrays[first] = np.full_like(arrays[first], np.nan, dtype=np.float32)
+        elif kind in WIRE_FAULTS:
+            arrays = wire_fault(kind, arrays)
         _put(reply, protocol.ARRAYS, arrays)
         return
     if kind == "fingerprint":
@@ -230,5 +249,32 @@ def corrupt(reply: Message, fault: Fault, cid: int, context: Context) -> None:
         else:
             preds["predictions"] = np.full_like(p, np.iinfo(p.dtype).max)
     elif kind == "pred-undecodable":
-        preds["predictions"] = _garbage()
+        preds["predictions"] = _garbage(p)
+    elif kind == "pred-dtype":
+        preds["predictions"] = p.astype(np.float64 if np.issubdtype(p.dtype, np.floating) else np.uint64)
     _put(reply, protocol.PREDICTIONS, preds)
+
+
+def wire_fault(kind: str, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray | Array]:
+    """The floating arrays of a reply re-sent in a wire type the message did not ask for (see the module
+    docstring); integer arrays are left as they are."""
+    floating = [k for k, v in arrays.items() if np.issubdtype(v.dtype, np.floating)]
+    out: dict[str, np.ndarray | Array] = dict(arrays)
+    if not floating:
+        return out
+    if kind == "f64-huge":
+        out.update({k: arrays[k].astype(np.float64) for k in floating})
+        huge = np.array(out[floating[0]], copy=True)
+        huge.reshape(-1)[:1] = 1e300
+        out[floating[0]] = huge
+    elif kind == "longdouble":
+        out.update({k: arrays[k].astype(np.longdouble) for k in floating})
+    elif kind == "big-endian":
+        out.update({k: arrays[k].astype(np.dtype(np.float32).newbyteorder(">")) for k in floating})
+    elif kind == "dtype-lie":
+        a = np.ascontiguousarray(arrays[floating[0]], dtype=np.float64)
+        out[floating[0]] = Array(dtype="float32", shape=tuple(a.shape), stype="numpy.ndarray", data=Array(a).data)
+    elif kind == "trailing-bytes":
+        a = Array(np.ascontiguousarray(arrays[floating[0]]))
+        out[floating[0]] = Array(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype, data=a.data + b"\0" * 2**20)
+    return out

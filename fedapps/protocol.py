@@ -195,9 +195,9 @@ def parse_reply(msg: Message, expect_arrays: bool = False, expect_predictions: b
     arrays = None
     if ARRAYS in content:
         arrays = {k: from_wire(v.numpy(), np.float32) for k, v in content[ARRAYS].items()}
-        for k, a in arrays.items():
-            if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a)):
-                raise ReplyError(f"array '{k}' has non-finite values")
+        for k, a in arrays.items():  # finite as float32, the models' dtype (1e300 is finite only in float64)
+            if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a.astype(np.float32))):
+                raise ReplyError(f"array '{k}' has non-finite values (as float32)")
     elif expect_arrays:
         raise ReplyError("reply lacks the model arrays it was asked for")
     predictions = None

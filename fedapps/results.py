@@ -16,6 +16,13 @@ the deployed models' accuracy after the last measured round.
 Fairness across clients, beside every mean over clients: ``*_worst10`` is the mean accuracy of the worst
 ceil(10 % of n) of the n clients measured (:func:`worst_share_mean`; 3 clients: the worst one), ``*_std`` the
 population standard deviation of their accuracies (:func:`client_std`).
+
+Whether the result means something (:func:`run_problems`): summary.json's ``problems`` lists, in words, why not
+(nothing usable or delivered; a round that lost a majority of its replies to rejection; a headline measured on
+fewer than ``min_measured_share`` of the clients) and ``exit_status`` is the exit status it gives (EXIT_*).
+Bytes of rejected replies are ``bytes_up_rejected``, never part of ``bytes_up`` / ``eval_bytes_up``;
+rejections.csv lists every rejected reply (phase ``train``, ``evaluate``, ``query``, ``describe``) and every
+reply or step a strategy left out (phase ``aggregate``).
 """
 
 from __future__ import annotations
@@ -56,10 +63,96 @@ class Artifact:
             raise ValueError(f"unknown artifact kind '{self.kind}'; allowed: {', '.join(ARTIFACT_KINDS)}")
 
 
+# exit statuses of `fedapps run` (fedapps_tools.cli) and summary.json's ``exit_status``
+EXIT_OK = 0
+EXIT_FAILED = 1  # the run failed: it crashed, or no reply was usable at all, or most messages never reached a client
+EXIT_CONFIG = 2  # refused before it started (config, data, options)
+EXIT_UNMEASURED = 3  # finished, but the headline was not measured, or on fewer than min_measured_share of the clients
+EXIT_REJECTED = 4  # finished, but some round lost a majority of its replies to rejection (rejections.csv)
+EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM
+EXIT_STATUSES = {EXIT_OK: "the run finished and its headline is meaningful",
+                 EXIT_FAILED: "the run failed (crashed, no usable reply at all, or most messages never reached a "
+                              "client)",
+                 EXIT_CONFIG: "refused before it started: a config, data or option error",
+                 EXIT_UNMEASURED: "finished, but the headline was not measured, or on fewer than min_measured_share of "
+                                  "the clients",
+                 EXIT_REJECTED: "finished, but some round lost a majority of its replies to rejection",
+                 EXIT_INTERRUPTED: "interrupted (Ctrl-C or SIGTERM)"}
+
+
 class UnusableRun(RuntimeError):
-    """A run that produced nothing usable (no usable reply at all, or most messages never reached a client).
+    """A run whose result is not meaningful (:func:`run_problems`): nothing usable, a headline measured on too few
+    clients, or rounds built on a majority of rejected replies; ``exit_status`` says which (EXIT_*).
 
     The ServerApp raises it after writing the results, so the Flower run ends ``finished:failed``."""
+
+    def __init__(self, message: str, exit_status: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a run's result is not meaningful, and the exit status it gives (EXIT_*)."""
+
+    code: int
+    text: str
+
+
+def rejection_problems(rows: Sequence[Mapping[str, Any]]) -> list[Problem]:
+    """Rounds (rounds.csv rows, both phases counted) that lost a majority of their replies to rejection: more
+    rejected than accepted. A round's missing replies are not counted (they are the delivery check's)."""
+    lost = []
+    for r in rows:
+        ok, rejected = int(r.get("replies_ok") or 0), int(r.get("replies_rejected") or 0)
+        if 2 * rejected > ok + rejected:
+            lost.append(f"round {r.get('round')}: {rejected} of {ok + rejected}")
+    if not lost:
+        return []
+    return [Problem(EXIT_REJECTED, f"{len(lost)} round(s) lost a majority of their replies to rejection ("
+                                   f"{'; '.join(lost[:5])}{' ...' if len(lost) > 5 else ''}): the model is built on a "
+                                   "minority of the replies; see rejections.csv for the reasons")]
+
+
+def measured_problems(summary: Mapping[str, Any], min_share: float) -> list[Problem]:
+    """The headline (deployed-model accuracy after the last measured round) must exist and cover at least
+    ``min_share`` of ``num_clients`` (at least one client)."""
+    clients = int(summary.get("num_clients") or 0)
+    measured = int(summary.get("final_round_measured_clients") or 0)
+    need = max(1, math.ceil(min_share * clients - 1e-9))
+    if summary.get("accuracy_mean") is None or measured == 0:
+        return [Problem(EXIT_UNMEASURED, "the headline (deployed-model accuracy) was never measured: no client "
+                                         "answered an evaluation of its deployed model")]
+    if measured < need:
+        return [Problem(EXIT_UNMEASURED, f"the headline was measured on {measured} of {clients} clients (after round "
+                                         f"{summary.get('final_round')}), fewer than min_measured_share="
+                                         f"{min_share:g} of them ({need})")]
+    return []
+
+
+def run_problems(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], min_share: float,
+                 delivery: "DeliveryCheck | None" = None) -> list[Problem]:
+    """Everything that makes a finished run's result not meaningful, most basic first: nothing delivered or usable
+    (:class:`DeliveryCheck`), rounds lost to rejection, a headline measured on too few clients."""
+    out = [Problem(EXIT_FAILED, text) for text in (delivery.problems() if delivery is not None else [])]
+    return out + rejection_problems(rows) + measured_problems(summary, min_share)
+
+
+def exit_status(problems: Sequence[Problem]) -> int:
+    """The exit status of a run with these problems: the first one's (EXIT_OK without any)."""
+    return problems[0].code if problems else EXIT_OK
+
+
+def summary_exit_status(path: Path, since: float = 0.0) -> int | None:
+    """``exit_status`` of a summary.json written at or after ``since`` (a Unix time); None when there is none,
+    it is older, or it does not say."""
+    try:
+        if path.stat().st_mtime < since:
+            return None
+        value = json.loads(path.read_text()).get("exit_status")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class DeliveryCheck:
@@ -215,6 +308,8 @@ def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
         # the deployed models after this round (measured one message later)
         "acc_mean": "", "acc_weighted": "", "acc_worst10": "", "acc_std": "", "loss": "", "measured_clients": "",
         "bytes_up": entry.bytes_up,
+        # bytes of the replies the validator rejected (both phases): not algorithm traffic, counted apart
+        "bytes_up_rejected": getattr(entry, "bytes_up_rejected", 0),
         "bytes_down": entry.bytes_down,
         "eval_bytes_up": entry.eval_bytes_up,
         "eval_bytes_down": entry.eval_bytes_down,
@@ -328,7 +423,7 @@ class FileSink:
             else:
                 log.warning("no row of round %d for its deployed-model measurement", m.round)
         write_csv(self.dir / "rounds.csv", self.rows)
-        append_rejections(self.dir / REJECTIONS, getattr(entry, "rejections", []))
+        append_rejections(self.dir / REJECTIONS, [*getattr(entry, "rejections", []), *getattr(entry, "skips", [])])
         self.progress.step()
         log.info("round %d/%d  clients %d  after training: acc_mean %s  up %.2f MB  down %.2f MB  %.1f s  (%s)%s",
                  entry.round, self.cfg.rounds, row["clients"], _fmt(row.get("acc_after_training_mean")),
@@ -422,6 +517,7 @@ def summarise(cfg: ExperimentConfig, rows: list[Mapping[str, Any]], wall_seconds
         "bytes_up": up,
         "bytes_down": down,
         "eval_bytes_up": sum(int(r["eval_bytes_up"]) for r in rows),
+        "bytes_up_rejected": sum(int(r.get("bytes_up_rejected") or 0) for r in rows),
         "eval_bytes_down": sum(int(r["eval_bytes_down"]) for r in rows),
         "bytes_up_per_client_round": up / max(1, sum(int(r["clients"]) for r in rows)),
         "bytes_down_per_client_round": down / max(1, sum(int(r["clients"]) for r in rows)),

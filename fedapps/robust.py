@@ -1,7 +1,8 @@
-"""Robust aggregation of client arrays (pure functions): coordinate-wise median, trimmed mean, weight capping.
+"""Robust aggregation of client arrays (pure functions): coordinate-wise median, trimmed mean, weight capping,
+update-norm clipping.
 
-Chosen by ``strategy.aggregation`` (mean | median | trimmed-mean), ``strategy.trim_fraction`` and
-``strategy.max_weight_share`` for the strategies that average parameters with
+Chosen by ``strategy.aggregation`` (mean | median | trimmed-mean), ``strategy.trim_fraction``,
+``strategy.max_weight_share`` and ``strategy.clip_update_norm`` for the strategies that average parameters with
 :func:`strategies.base.average_matching` (FedAvg, FedProx, Ditto, FedPer, FedRep, FedBABU, IFCA, CFL).
 
 - ``mean``: the sample-weighted mean; weights are the clients' ``num-examples``, normalised, then capped by
@@ -9,18 +10,25 @@ Chosen by ``strategy.aggregation`` (mean | median | trimmed-mean), ``strategy.tr
 - ``median``: the coordinate-wise median over clients, unweighted (as Flower's ``FedMedian``).
 - ``trimmed-mean``: per coordinate, drop the ``floor(trim_fraction·k)`` smallest and largest of the k client
   values and average the rest, unweighted (as Flower's ``FedTrimmedAvg``); with ``floor(trim_fraction·k) = 0``
-  it is the plain unweighted mean.
+  it is the plain unweighted mean. The config refuses a fraction that trims nobody at the round's cohort size
+  (:func:`fedapps.config.check_trim`).
+- ``clip_update_norm`` > 0 (with any of the three): before they are combined, each client's UPDATE — its arrays
+  minus the model the round sent it — is scaled down to that L2 norm where it is longer (:func:`clip_update`;
+  the norm over all floating arrays together). ``max_weight_share`` bounds how much one client's update COUNTS;
+  this bounds how LARGE it can be.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 
 from fedapps.config import AGGREGATION_RULES
 
-__all__ = ["AGGREGATION_RULES", "AggregationRule", "cap_weights", "coordinate_median", "trimmed_mean", "combine"]
+__all__ = ["AGGREGATION_RULES", "AggregationRule", "cap_weights", "coordinate_median", "trimmed_mean", "combine",
+           "update_norm", "clip_update"]
 
 
 @dataclass(frozen=True)
@@ -30,14 +38,16 @@ class AggregationRule:
     method: str = "mean"
     trim_fraction: float = 0.1
     max_weight_share: float = 1.0
+    clip_update_norm: float = 0.0  # 0: updates are not clipped
 
     @classmethod
     def from_config(cls, strategy_cfg) -> "AggregationRule":
-        return cls(strategy_cfg.aggregation, float(strategy_cfg.trim_fraction), float(strategy_cfg.max_weight_share))
+        return cls(strategy_cfg.aggregation, float(strategy_cfg.trim_fraction), float(strategy_cfg.max_weight_share),
+                   float(strategy_cfg.clip_update_norm))
 
     @property
     def plain(self) -> bool:
-        """The plain sample-weighted mean (no capping)."""
+        """The plain sample-weighted mean (no capping; updates may still be clipped before it)."""
         return self.method == "mean" and self.max_weight_share >= 1.0
 
 
@@ -101,3 +111,34 @@ def combine(stack: np.ndarray, weights, rule: AggregationRule) -> np.ndarray:
         raise ValueError(f"unknown aggregation '{rule.method}'; allowed: {', '.join(AGGREGATION_RULES)}")
     w = cap_weights(weights, rule.max_weight_share)
     return np.tensordot(w, stack, axes=1)
+
+
+def update_norm(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> float:
+    """L2 norm of ``arrays − reference`` over every floating array together (float64): sqrt(Σ_k ‖a_k − r_k‖²)."""
+    total = 0.0
+    for key, ref in reference.items():
+        ref = np.asarray(ref)
+        if np.issubdtype(ref.dtype, np.floating):
+            delta = np.asarray(arrays[key], dtype=np.float64) - ref.astype(np.float64)
+            total += float(np.dot(delta.ravel(), delta.ravel()))
+    return float(np.sqrt(total))
+
+
+def clip_update(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],
+                max_norm: float) -> tuple[dict[str, np.ndarray], float]:
+    """``reference + s·(arrays − reference)`` with s = min(1, max_norm / ‖arrays − reference‖) on the floating
+    arrays (integer arrays as they are), and the update's norm before clipping. An update within the norm comes
+    back unchanged; ``max_norm`` <= 0: no clipping."""
+    norm = update_norm(arrays, reference)
+    if max_norm <= 0 or norm <= max_norm:
+        return dict(arrays), norm
+    scale = max_norm / norm
+    out: dict[str, np.ndarray] = {}
+    for key, value in arrays.items():
+        ref = np.asarray(reference[key])
+        if np.issubdtype(ref.dtype, np.floating):
+            r64 = ref.astype(np.float64)
+            out[key] = (r64 + scale * (np.asarray(value, dtype=np.float64) - r64)).astype(np.asarray(value).dtype)
+        else:
+            out[key] = value
+    return out, norm

@@ -9,7 +9,10 @@ on U asked for (a ``predict`` op → rows, classes, ``predict.output`` and ``pre
 ``-loss``, ``-n``, ``-correct``). :meth:`ReplyValidator.check` then accepts a reply only if
 
 - it is not an error reply, carries a ``metrics`` record and no record but metrics/arrays/predictions/info;
-- every metric is a finite number or a list of finite numbers; ``client-id`` and ``num-examples`` are integers;
+- every metric is a finite number or a list of finite numbers, at most :data:`MAX_METRICS` of them, a list no
+  longer than the validator's ``max_list`` (its length is checked before any value is read); ``client-id`` and
+  ``num-examples`` are integers; timings (``t-*``) in [0, :data:`MAX_SECONDS`], losses (``*-loss``) within
+  ±:data:`LOSS_BOUND`, every other metric within ±:data:`METRIC_BOUND`;
 - ``client-id`` is in ``[0, data.num_clients)`` and belongs to this node (identity, below);
 - ``num-examples`` is positive and not above the client's training-set size where the server knows it
   (simulation: it builds the federation); where it cannot (deployment), the first value a client reports is
@@ -17,11 +20,17 @@ on U asked for (a ``predict`` op → rows, classes, ``predict.output`` and ``pre
 - every evaluation asked for is complete, no other is present: accuracy in [0, 1], loss finite and >= 0,
   counts integral and >= 0, ``correct <= n``, ``n`` <= the client's test-set size where known, and the
   accuracy equals ``correct / n``;
-- arrays: exactly the expected names and shapes, a floating dtype where the model's is floating (an
-  integer dtype only where the model has an integer buffer of that shape), all decodable and finite; float16
-  arrays (``strategy.transport: float16``) are then cast up to the model's dtype;
-- predictions: decodable, of the expected shape; probabilities on the simplex (entries >= -1e-3, rows summing
-  to 1 within 1e-2), logits within ``|x| <= 1e4``, hard labels of an unsigned type and in [0, classes);
+- arrays (strict wire types, :func:`wire_array`): exactly the expected names; each labelled (Flower's ``Array``
+  ``dtype`` / ``shape`` / ``stype``) with exactly the dtype the message asked for — the model's own, byte order
+  included (float32, or the integer type of an integer buffer), or float16 where ``arrays.transport: float16``
+  (an array beyond float16's range may come in the model's dtype, as :func:`fedapps.protocol.encode_arrays`
+  sends it) — and the expected shape; its byte length that of such an array; these are checked BEFORE any
+  byte is decoded, then the .npy header must say the same; after decoding, float16 is cast up to the model's
+  dtype and every value must be finite in that dtype;
+- predictions: the same wire checks (float32 / float16 scores as ``predict.encoding`` says, hard labels in
+  :func:`fedapps.pseudolabels.label_dtype`), then probabilities on the simplex (entries >= -1e-3, rows summing
+  to 1 within 1e-2), logits within ``|x| <= 1e4``, hard labels in [0, classes);
+- ``info``: at most :data:`INFO_MAX_KEYS` entries of at most :data:`INFO_MAX_SIZE` characters / items each;
 - U's fingerprint (``info["fingerprint"]``) equals the server's wherever the message named one;
 - it is the node's only reply in this round's phase, to a message the server sent it.
 
@@ -37,6 +46,7 @@ ANY exception while validating a reply becomes a rejection with its reason; :met
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import math
 import re
@@ -44,9 +54,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 
-from fedapps import protocol
+from fedapps import protocol, pseudolabels
 from fedapps.protocol import ClientReply, ReplyError
 
 log = logging.getLogger("fedapps")
@@ -56,6 +66,16 @@ PROB_NEGATIVE = 1e-3  # smallest entry allowed in a probability row: −this
 LOGIT_BOUND = 1e4  # |logit| above this is no model's output: it would take over a mean consensus
 ACC_TOLERANCE = 1e-6  # |acc − correct/n|
 RECORDS = (protocol.METRICS, protocol.ARRAYS, protocol.PREDICTIONS, protocol.INFO)
+# metric ranges: a reply outside them is rejected (rounds.csv averages train losses and sums timings)
+MAX_METRICS = 1024  # metrics in one reply (a client sends a few dozen)
+MAX_SECONDS = 7 * 24 * 3600.0  # a timing (t-<op>, t-total) in [0, one week]
+LOSS_BOUND = 1e9  # |loss| (ops.evaluate reports a non-finite evaluation loss as 1e9)
+METRIC_BOUND = 1e15  # |value| of every other metric (client-id and num-examples are checked on their own)
+LIST_FLOOR = 4096  # a list metric may hold max(this, clients, classes + 1) values (per class or per client lists)
+LIST_UNKNOWN = 65536  # ... or this many where the classes are not known yet (the describe phase)
+INFO_MAX_KEYS = 16  # entries of a reply's info record (arch, fingerprint)
+INFO_MAX_SIZE = 1024  # characters (or items) of one info entry
+NPY_MAX_HEADER = 10000  # bytes of an .npy header (numpy's own limit when it reads one)
 
 
 @dataclass(frozen=True)
@@ -86,6 +106,7 @@ class Expectation:
     predictions: PredictionSpec | None = None
     fingerprint: str | None = None
     eval_tags: tuple[str, ...] = ()
+    transport: str = "float32"  # arrays.transport of the message: float16 lets floating arrays come as float16
 
 
 @dataclass
@@ -164,7 +185,8 @@ def expectation_for(msg: Message, model_part: Callable[[str], Mapping[str, np.nd
     config = dict(msg.content[protocol.CONFIG])
     ops = [str(o) for o in config.get("ops", [])]
     exp = Expectation(node_id=int(msg.metadata.dst_node_id), phase=str(msg.metadata.message_type),
-                      fingerprint=config.get("public.fingerprint"), eval_tags=eval_tags_of(ops))
+                      fingerprint=config.get("public.fingerprint"), eval_tags=eval_tags_of(ops),
+                      transport=str(config.get(protocol.TRANSPORT_KEY, "float32")))
     if config.get("return-arrays", False):
         part = str(config.get("arrays.keys", "state"))
         if model_part is not None:
@@ -197,15 +219,45 @@ def _integral(key: str, v: Any) -> int:
     return int(float(v))
 
 
-def check_metrics(metrics: Mapping[str, Any]) -> None:
-    """Every metric a finite number or a list of finite numbers."""
+def _short(value: Any, limit: int = 80) -> str:
+    """A value for a message (a printable string as it is, else its repr; a long list by its length), cut to
+    ``limit`` characters: a hostile value may be huge."""
+    if isinstance(value, str) and value.isprintable():
+        text = value
+    else:
+        text = repr(value) if not isinstance(value, list) or len(value) <= 8 else f"[{len(value)} values]"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def metric_bound(key: str) -> tuple[float, float]:
+    """The range a metric's values must lie in: timings [0, MAX_SECONDS], losses ±LOSS_BOUND, else ±METRIC_BOUND."""
+    if key.startswith("t-"):
+        return 0.0, MAX_SECONDS
+    if key.endswith("-loss"):
+        return -LOSS_BOUND, LOSS_BOUND
+    return -METRIC_BOUND, METRIC_BOUND
+
+
+def check_metrics(metrics: Mapping[str, Any], max_list: int = LIST_UNKNOWN) -> None:
+    """Every metric a finite number or a list of finite numbers, within its range (:func:`metric_bound`); at most
+    :data:`MAX_METRICS` metrics and ``max_list`` values per list, both counted before any value is read.
+    ``client-id`` and ``num-examples`` are only checked to be finite numbers here (their own checks follow)."""
+    if len(metrics) > MAX_METRICS:
+        raise ReplyError(f"reply carries {len(metrics)} metrics; at most {MAX_METRICS} are expected")
+    for key, value in metrics.items():
+        if isinstance(value, list) and len(value) > max_list:
+            raise ReplyError(f"metric '{key}' is a list of {len(value)} values; at most {max_list} are expected")
     for key, value in metrics.items():
         values = value if isinstance(value, list) else [value]
+        low, high = metric_bound(key)
+        ranged = key not in (protocol.CLIENT_ID, protocol.NUM_EXAMPLES)
         for v in values:
             if not _is_number(v):
                 raise ReplyError(f"metric '{key}' must be a number or a list of numbers, got {type(v).__name__}")
             if not math.isfinite(float(v)):
-                raise ReplyError(f"metric '{key}' is not finite: {value!r}")
+                raise ReplyError(f"metric '{key}' is not finite: {_short(value)}")
+            if ranged and not low <= float(v) <= high:
+                raise ReplyError(f"metric '{key}' = {_short(value)} is outside [{low:g}, {high:g}]")
 
 
 def check_evaluations(metrics: Mapping[str, Any], expected: Iterable[str], test_size: int | None) -> None:
@@ -238,34 +290,130 @@ def check_evaluations(metrics: Mapping[str, Any], expected: Iterable[str], test_
             raise ReplyError(f"metric '{names['acc']}' = {acc} disagrees with correct/n = {correct}/{n}")
 
 
-def decode_record(record: Any, what: str) -> dict[str, np.ndarray]:
+def _label_shape(value: Any) -> tuple[int, ...] | None:
+    """An Array's shape label as a tuple of ints (None when it is not one)."""
+    try:
+        shape = tuple(value)
+    except TypeError:
+        return None
+    return shape if all(_is_int(d) and int(d) >= 0 for d in shape) else None
+
+
+def _shape_fits(shape: tuple[int, ...], expected: tuple[int | None, ...]) -> bool:
+    return len(shape) == len(expected) and all(e is None or int(s) == e for s, e in zip(shape, expected))
+
+
+def _shape_text(expected: tuple[int | None, ...]) -> str:
+    return "(" + ", ".join("any" if e is None else str(e) for e in expected) + ("," if len(expected) == 1 else "") + ")"
+
+
+def wire_array(value: Any, name: str, what: str, shape: tuple[int | None, ...],
+               dtypes: Iterable[np.dtype]) -> np.ndarray:
+    """One received array, checked as it travels and only then decoded: a Flower ``Array`` of stype
+    ``numpy.ndarray`` labelled with one of ``dtypes`` (exactly: width and byte order) and ``shape`` (None: any
+    length on that axis), whose byte length is that of such an array plus an .npy header; then the header
+    itself must say the same dtype and shape (C order). The body is read with that dtype (no pickle, no
+    conversion). ReplyError, naming ``what`` and ``name``, otherwise."""
+    allowed = [np.dtype(d) for d in dtypes]
+    if not isinstance(value, Array):
+        raise ReplyError(f"{what} '{name}' is not an Array ({type(value).__name__})")
+    if value.stype != "numpy.ndarray":
+        raise ReplyError(f"{what} '{name}' has serialisation {_short(value.stype)}, expected numpy.ndarray")
+    label = str(value.dtype)
+    dtype = next((d for d in allowed if str(d) == label), None)
+    if dtype is None:
+        raise ReplyError(f"{what} '{name}' has dtype {_short(label, 40)}, expected "
+                         f"{' or '.join(str(d) for d in allowed)}")
+    labelled = _label_shape(value.shape)
+    if labelled is None or not _shape_fits(labelled, shape):
+        raise ReplyError(f"{what} '{name}' has shape {_short(value.shape, 60)}, expected {_shape_text(shape)}")
+    data = value.data
+    body = math.prod(labelled) * dtype.itemsize
+    if not isinstance(data, (bytes, bytearray)) or not body < len(data) <= body + NPY_MAX_HEADER:
+        size = len(data) if isinstance(data, (bytes, bytearray)) else type(data).__name__
+        raise ReplyError(f"{what} '{name}' cannot be decoded: {size} bytes for a {dtype} array of shape "
+                         f"{labelled} ({body} bytes and an .npy header)")
+    try:
+        fh = io.BytesIO(data)
+        version = np.lib.format.read_magic(fh)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        head_shape, fortran, head_dtype = read(fh, max_header_size=NPY_MAX_HEADER)
+        offset = fh.tell()
+    except Exception as exc:  # noqa: BLE001 - a malformed header of any kind
+        raise ReplyError(f"{what} '{name}' cannot be decoded: {type(exc).__name__}: {_short(str(exc))}") from exc
+    if head_dtype != dtype or tuple(head_shape) != labelled or fortran or offset + body != len(data):
+        raise ReplyError(f"{what} '{name}' cannot be decoded: its bytes hold a {_short(str(head_dtype), 40)} array of "
+                         f"shape {_short(head_shape, 60)}{' (Fortran order)' if fortran else ''} in {len(data)} bytes, "
+                         f"labelled {dtype} {labelled}")
+    count = math.prod(labelled)
+    flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset) if count else np.empty(0, dtype)
+    return flat.reshape(labelled).copy()
+
+
+def array_dtypes(spec: ArraySpec, transport: str) -> list[np.dtype]:
+    """The wire dtypes a model array may come in: the model's own; under ``float16`` transport a floating array
+    wider than float16 comes as float16 (or, beyond float16's range, in the model's own dtype)."""
+    own = np.dtype(spec.dtype)
+    if transport == "float16" and own.kind == "f" and own.itemsize > 2:
+        return [np.dtype(np.float16), own]
+    return [own]
+
+
+def prediction_dtype(spec: PredictionSpec) -> np.dtype:
+    """The wire dtype of predictions: float32 / float16 scores, hard labels in the smallest unsigned type."""
+    if spec.encoding == "hard":
+        return pseudolabels.label_dtype(spec.classes)
+    return np.dtype(np.float16 if spec.encoding == "float16" else np.float32)
+
+
+def _record_names(record: Any, what: str, expected: Iterable[str]) -> list[str]:
+    """A received ArrayRecord holds exactly the ``expected`` names (checked before any array is decoded)."""
     if not isinstance(record, ArrayRecord):
         raise ReplyError(f"'{what}' must be an ArrayRecord, got {type(record).__name__}")
+    expected = list(expected)
+    names = list(record.keys())
+    if set(names) != set(expected) or len(names) != len(expected):
+        missing, unknown = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
+        raise ReplyError(f"{what} do not match the request ({len(names)} given, {len(expected)} expected): missing "
+                         f"{missing[:3]}, unknown {[_short(u, 40) for u in unknown[:3]]}")
+    return expected
+
+
+def read_arrays(record: Any, expected: Mapping[str, ArraySpec], transport: str = "float32") -> dict[str, np.ndarray]:
+    """The model arrays of a reply: names, then each array's wire type (:func:`wire_array`), then the values cast
+    to the model's dtype (float16 up) and checked finite in it."""
     out: dict[str, np.ndarray] = {}
-    for k, v in record.items():
-        try:
-            out[k] = np.asarray(v.numpy())
-        except Exception as exc:  # noqa: BLE001 - undecodable bytes of any kind
-            raise ReplyError(f"{what} '{k}' cannot be decoded: {type(exc).__name__}: {exc}") from exc
+    for k in _record_names(record, "arrays", expected):
+        spec = expected[k]
+        a = wire_array(record[k], k, "array", tuple(spec.shape), array_dtypes(spec, transport))
+        a = protocol.from_wire(a, spec.dtype)
+        if a.dtype != spec.dtype:
+            raise ReplyError(f"array '{k}' has dtype {a.dtype} after decoding, expected {spec.dtype}")
+        if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+            raise ReplyError(f"array '{k}' has non-finite values (in {spec.dtype})")
+        out[k] = a
     return out
 
 
-def check_arrays(arrays: Mapping[str, np.ndarray], expected: Mapping[str, ArraySpec]) -> None:
-    """Exactly the expected names and shapes, floating where the model is floating, finite."""
-    if set(arrays) != set(expected):
-        missing, unknown = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
-        raise ReplyError(f"arrays do not match the model: missing {missing[:3]}, unknown {unknown[:3]}")
-    for k, spec in expected.items():
-        a = arrays[k]
-        if tuple(a.shape) != tuple(spec.shape):
-            raise ReplyError(f"array '{k}' has shape {tuple(a.shape)}, expected {tuple(spec.shape)}")
-        if np.issubdtype(spec.dtype, np.floating):
-            if not np.issubdtype(a.dtype, np.floating):
-                raise ReplyError(f"array '{k}' has dtype {a.dtype}, expected a floating dtype ({spec.dtype})")
-            if not np.all(np.isfinite(a)):
-                raise ReplyError(f"array '{k}' has non-finite values")
-        elif a.dtype.kind != spec.dtype.kind:
-            raise ReplyError(f"array '{k}' has dtype {a.dtype}, expected {spec.dtype}")
+def read_predictions(record: Any, spec: PredictionSpec) -> np.ndarray:
+    """The predictions of a reply: the one array 'predictions', its wire type, then its values."""
+    _record_names(record, "predictions", ["predictions"])
+    shape: tuple[int | None, ...] = (spec.rows,) if spec.encoding == "hard" else (spec.rows, spec.classes)
+    wire = wire_array(record["predictions"], "predictions", "prediction", shape, [prediction_dtype(spec)])
+    problem = prediction_problem(wire, spec)
+    if problem:
+        raise ReplyError(f"predictions unusable: {problem}")
+    return wire
+
+
+def check_info(info: Mapping[str, Any]) -> None:
+    """A reply's info record is small: at most INFO_MAX_KEYS entries of at most INFO_MAX_SIZE characters/items."""
+    if len(info) > INFO_MAX_KEYS:
+        raise ReplyError(f"'info' carries {len(info)} entries; at most {INFO_MAX_KEYS} are expected")
+    for k, v in info.items():
+        if isinstance(v, (str, bytes, list)) and len(v) > INFO_MAX_SIZE:
+            raise ReplyError(f"'info' entry '{_short(k, 40)}' holds {len(v)} characters or items; at most "
+                             f"{INFO_MAX_SIZE} are expected")
 
 
 def prediction_problem(wire: np.ndarray, spec: PredictionSpec) -> str | None:
@@ -317,6 +465,9 @@ class ReplyValidator:
         self._parts: dict[str, dict[str, np.ndarray]] = {}
         self.public_size = public_size
         self.num_classes = num_classes
+        # the longest list metric a reply may carry (per-class and per-client lists are the longest clients send)
+        self.max_list = max(LIST_FLOOR, self.num_clients, int(num_classes) + 1) if num_classes else max(
+            LIST_UNKNOWN, self.num_clients)
         self.expected: dict[str, dict[int, Expectation]] = {}  # phase -> node -> expectation
         self.node_client: dict[int, int] = {}  # bound on first accepted reply
         self.client_node: dict[int, int] = {}
@@ -383,7 +534,7 @@ class ReplyValidator:
                 raise ReplyError(f"reply metrics lack '{key}'")
             if not _is_int(metrics[key]):
                 raise ReplyError(f"metric '{key}' must be an integer, got {metrics[key]!r}")
-        check_metrics(metrics)
+        check_metrics(metrics, self.max_list)
         cid, n = int(metrics[protocol.CLIENT_ID]), int(metrics[protocol.NUM_EXAMPLES])
         if not 0 <= cid < self.num_clients:
             raise ReplyError(f"client-id {cid} is outside the federation [0, {self.num_clients})")
@@ -399,6 +550,7 @@ class ReplyValidator:
             if not isinstance(content[protocol.INFO], ConfigRecord):
                 raise ReplyError("'info' must be a ConfigRecord")
             info = dict(content[protocol.INFO])
+            check_info(info)
         if exp.fingerprint is not None and info.get("fingerprint") != exp.fingerprint:
             raise ReplyError(f"public set mismatch: the reply's U has fingerprint {info.get('fingerprint')!r}, "
                              f"the server's {exp.fingerprint!r}")
@@ -406,22 +558,14 @@ class ReplyValidator:
         if protocol.ARRAYS in content:
             if exp.arrays is None:
                 raise ReplyError("reply carries model arrays that were not asked for")
-            arrays = decode_record(content[protocol.ARRAYS], "array")
-            check_arrays(arrays, exp.arrays)
-            # float16 on the wire (strategy.transport) -> the server model's dtype before any strategy sees it
-            arrays = {k: protocol.from_wire(a, exp.arrays[k].dtype) for k, a in arrays.items()}
+            arrays = read_arrays(content[protocol.ARRAYS], exp.arrays, exp.transport)
         elif exp.arrays is not None:
             raise ReplyError("reply lacks the model arrays it was asked for")
         predictions = None
         if protocol.PREDICTIONS in content:
             if exp.predictions is None:
                 raise ReplyError("reply carries predictions that were not asked for")
-            predictions = decode_record(content[protocol.PREDICTIONS], "prediction")
-            if set(predictions) != {"predictions"}:
-                raise ReplyError(f"predictions record must hold exactly 'predictions', got {sorted(predictions)}")
-            problem = prediction_problem(predictions["predictions"], exp.predictions)
-            if problem:
-                raise ReplyError(f"predictions unusable: {problem}")
+            predictions = {"predictions": read_predictions(content[protocol.PREDICTIONS], exp.predictions)}
         elif exp.predictions is not None:
             raise ReplyError("reply lacks the predictions it was asked for")
         return ClientReply(node_id=int(msg.metadata.src_node_id), client_id=cid, num_examples=n, metrics=metrics,

@@ -5,7 +5,8 @@ regenerate the published tables, deploy across machines (each sub-command's --he
 starts its own SuperLink (simulation mode, free port, own FLWR_HOME) or joins --superlink ADDRESS; with
 --ray-address HOST:PORT (or an exported RAY_ADDRESS) its simulation runs on that Ray cluster (`raycluster`),
 submits the app with `flwr run --format json`, follows the run's log and status, stops only the processes
-it started, and exits non-zero unless the run finished `completed` (exit 1; Ctrl-C: 130).
+it started, and exits 0 only when the run finished with a meaningful headline (every exit status is listed by
+`fedapps run --help`; summary.json's `problems` says why a run did not).
 """
 
 from __future__ import annotations
@@ -27,13 +28,17 @@ import urllib.request
 from pathlib import Path
 
 from fedapps.config import ConfigError, ExperimentConfig, load_config
-from fedapps.results import UnusableRun
+from fedapps.results import EXIT_FAILED, EXIT_STATUSES, UnusableRun, summary_exit_status
 from fedapps_tools.flwrcli import (CONNECTION, RunFailed, _proc_stat, descendants, failure_reasons,
                                    flower_env, follow_run, stop_processes, submit_run, toml_str)
 from fedapps_tools import raycluster
 from fedapps_tools.logfilter import LogFilter, command_logging
 from fedapps_tools.options import add_seeds_option, output_dir_help, package_version, resolve_root
 from fedapps_tools.summary import print_summary
+
+
+EXIT_HELP = "exit status:\n" + "".join(f"  {code:<5}{what}\n" for code, what in EXIT_STATUSES.items()) + (
+    "summary.json's 'problems' says why a run did not exit 0; its 'exit_status' is the status.")
 
 
 def free_port() -> int:
@@ -213,11 +218,15 @@ def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[st
                 address = link.start()
                 print(f"SuperLink {address} (pid {link.proc.pid}, FLWR_HOME {home})", flush=True)
             write_connection(home, address)
+            submitted = time.time()
             run_id = start_run(cfg, config_path, overrides, output_dir, args, env)
             print(f"run {run_id} started on {address}", flush=True)
             status, lines = follow_run(run_id, env, args.quiet, link, log_filter=getattr(args, "log_filter", None))
             if status != "finished:completed":
-                raise RunFailed(f"run {run_id} ended with status '{status}':\n{failure_reasons(lines, result_dir)}")
+                failed = RunFailed(f"run {run_id} ended with status '{status}':\n{failure_reasons(lines, result_dir)}")
+                # the ServerApp's verdict where it wrote one in this run (summary.json exit_status), else 1
+                failed.exit_status = summary_exit_status(result_dir / "summary.json", submitted - 1) or EXIT_FAILED
+                raise failed
         ok = True
     finally:
         if link is not None:
@@ -403,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="run one config through `flwr run` and print its summary",
                          description="Run one config through `flwr run` (or in this process with --engine inprocess) "
-                                     "and print its summary.")
+                                     "and print its summary.",
+                         epilog=EXIT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("config", metavar="CONFIG",
                      help="the experiment's YAML file, e.g. configs/default.yaml (every key is checked before "
                           "anything starts)")
@@ -524,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (RunFailed, UnusableRun) as exc:
         print(f"run failed: {exc}", file=sys.stderr)
-        return 1
+        return int(getattr(exc, "exit_status", EXIT_FAILED))
     except KeyboardInterrupt:
         print("interrupted; the processes this run started were stopped", file=sys.stderr)
         return 130

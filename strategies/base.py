@@ -30,13 +30,13 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedapps import protocol
-from fedapps.config import ConfigError, ExperimentConfig, exceeds_clients
+from fedapps.config import ConfigError, ExperimentConfig, cohort_size, exceeds_clients
 from fedapps.connect import wait_for_clients
 from fedapps.data import NODES
 from fedapps.params import parse_params
 from fedapps.protocol import ClientReply
 from fedapps.results import Artifact, accuracy_stats, after_training_stats
-from fedapps.robust import AggregationRule, combine
+from fedapps.robust import AggregationRule, clip_update, combine
 from fedapps.validation import Rejection, ReplyValidator
 
 log = logging.getLogger("fedapps")
@@ -48,6 +48,7 @@ class NoParams:
 
 
 DEPLOYED_SOURCES = ("client", "message", "server")
+SKIP_PHASE = "aggregate"  # rejections.csv's phase of what a strategy left out (PersonalisedStrategy.skip_reply)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,8 @@ class RoundLog:
     bytes_up: int
     eval_bytes_down: int = 0
     eval_bytes_up: int = 0
+    # bytes of the replies the validator rejected (both phases): counted apart, never in bytes_up / eval_bytes_up
+    bytes_up_rejected: int = 0
     wall_seconds: float = 0.0
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     # reply validation (both phases of the round together): accepted, rejected, asked for but never answered
@@ -118,6 +121,9 @@ class RoundLog:
     replies_rejected: int = 0
     replies_missing: int = 0
     rejections: list[Rejection] = dataclasses.field(default_factory=list)  # the sinks append them to rejections.csv
+    # what the algorithm left out of a validated round (a reply it could not use, or the whole round's step),
+    # phase "aggregate"; also written to rejections.csv, not counted in replies_rejected
+    skips: list[Rejection] = dataclasses.field(default_factory=list)
     sent: int = 0  # training messages sent this round (one per sampled node)
     received: int = 0  # replies that came back (error replies included: the message reached a client)
     skipped: bool = False  # fewer usable replies than strategy.min_clients: nothing was aggregated
@@ -177,10 +183,12 @@ class PersonalisedStrategy(Strategy):
         if cls.needs_public_set and cfg.data.source != NODES and cfg.data.public_fraction <= 0:
             raise ConfigError(f"strategy '{cls.name}' needs a public set U: set 'data.public_fraction' in (0, 1), e.g. 0.2")
         s = cfg.strategy
-        if not cls.robust_aggregation and (s.aggregation != "mean" or s.max_weight_share < 1.0):
+        robust = s.aggregation != "mean" or s.max_weight_share < 1.0 or s.clip_update_norm > 0
+        if not cls.robust_aggregation and robust:
             raise ConfigError(f"'strategy.aggregation: {s.aggregation}' / 'strategy.max_weight_share: {s.max_weight_share}' "
-                              f"apply to the parameter-averaging strategies only (fedavg, fedprox, ditto, fedper, fedrep, "
-                              f"fedbabu, ifca, cfl), not to '{cls.name}'; remove them (defaults: mean, 1.0)")
+                              f"/ 'strategy.clip_update_norm: {s.clip_update_norm}' apply to the parameter-averaging "
+                              f"strategies only (fedavg, fedprox, ditto, fedper, fedrep, fedbabu, ifca, cfl), not to "
+                              f"'{cls.name}'; remove them (defaults: mean, 1.0, 0)")
         if s.transport != "float32" and cls.model_agnostic:
             raise ConfigError(f"'strategy.transport: {s.transport}' applies to the strategies that exchange model "
                               f"parameters; '{cls.name}' sends none (its clients may run different architectures). "
@@ -395,14 +403,30 @@ class PersonalisedStrategy(Strategy):
         ``validator.expect`` when the messages were built) and bind node ↔ client; never raises. What each reply
         must carry is read off its message, so ``expect_arrays`` / ``expect_predictions`` are no longer needed
         (kept for callers). The counts and rejections go into the round's record."""
+        replies = list(replies)
         outcome = self.validator.check(server_round, replies, phase)
         for r in outcome.accepted:
             self.node_to_client[r.node_id] = r.client_id
+        received = sum(reply_nbytes(m) for m in replies)
+        self._checked.bytes_up_rejected += max(0, received - sum(r.nbytes for r in outcome.accepted))
         self._checked.replies_ok += len(outcome.accepted)
         self._checked.replies_rejected += len(outcome.rejections)
         self._checked.replies_missing += outcome.missing
         self._checked.rejections.extend(outcome.rejections)
         return outcome.accepted
+
+    def skip_reply(self, server_round: int, reply: ClientReply, reason: str) -> None:
+        """A validated reply the algorithm cannot use (e.g. arrays that answer no model of this round): logged and
+        recorded (rejections.csv, phase ``aggregate``), never silently dropped."""
+        log.warning("round %d: %s left out client %d's reply: %s", server_round, self.name, reply.client_id, reason)
+        self._checked.skips.append(Rejection(server_round, SKIP_PHASE, reply.node_id, reply.client_id,
+                                             f"{self.name}: {reason}"))
+
+    def skip_round(self, server_round: int, reason: str) -> None:
+        """A step of the round the algorithm did not take (no usable reply for it; too few replies): logged and
+        recorded like :meth:`skip_reply`, without a node."""
+        log.warning("round %d: %s: %s", server_round, self.name, reason)
+        self._checked.skips.append(Rejection(server_round, SKIP_PHASE, None, None, f"{self.name}: {reason}"))
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
               timeout: float | None = None, first_round: int = 1, **_: Any) -> Result:
@@ -502,7 +526,7 @@ class PersonalisedStrategy(Strategy):
     def cohort_size(self, connected: int) -> int:
         """Clients per training round out of ``connected``: ceil(fraction·N), at least min_clients, at most N."""
         s = self.cfg.strategy
-        return min(connected, max(s.min_clients, math.ceil(s.fraction * connected)))
+        return cohort_size(connected, s.fraction, s.min_clients)
 
     def final_evaluation(self, grid: Grid, rnd: int, timeout: float, entry: RoundLog) -> None:
         """The deployed models after the last round ``rnd``: one evaluation-only message to EVERY connected
@@ -522,11 +546,12 @@ class PersonalisedStrategy(Strategy):
             self.validator.expect(messages)
             entry.eval_bytes_down += sum(protocol.record_nbytes(m.content) for m in messages)
             replies = list(grid.send_and_receive(messages, timeout=timeout))
-            entry.eval_bytes_up += sum(protocol.record_nbytes(m.content) for m in replies if not m.has_error())
-            parsed += self.validate(rnd, replies, phase=protocol.EVAL_MESSAGE_TYPE)
+            accepted = self.validate(rnd, replies, phase=protocol.EVAL_MESSAGE_TYPE)
+            entry.eval_bytes_up += sum(r.nbytes for r in accepted)
+            parsed += accepted
             del messages, replies
         if not sent:
-            log.warning("round %d: no client has a deployed model to evaluate", rnd)
+            self.skip_round(rnd, "no client has a deployed model to evaluate after the last round")
             return
         parsed.sort(key=lambda r: r.client_id)
         entry.measurements.append(Measurement(rnd, parsed, final=True))
@@ -541,13 +566,13 @@ class PersonalisedStrategy(Strategy):
         eval_down = sum(protocol.eval_nbytes(m.content) for m in messages)  # a model sent for evaluation only
         down = sum(protocol.record_nbytes(m.content) for m in messages) - eval_down
         replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
-        up = sum(protocol.record_nbytes(m.content) for m in replies if not m.has_error())
         parsed = self.validate(rnd, replies, self.expect_arrays(), self.expect_predictions())
+        up = sum(r.nbytes for r in parsed)  # the accepted replies' bytes (the rejected ones: bytes_up_rejected)
         parsed.sort(key=lambda r: r.client_id)  # replies arrive in any order (Ray): sums over clients must not depend on it
         skipped = len(parsed) < self.cfg.strategy.min_clients
         if skipped:
-            log.warning("round %d skipped: %d usable replies, fewer than strategy.min_clients=%d (no aggregation)",
-                        rnd, len(parsed), self.cfg.strategy.min_clients)
+            self.skip_round(rnd, f"round skipped: {len(parsed)} usable replies, fewer than strategy.min_clients="
+                                 f"{self.cfg.strategy.min_clients} (no aggregation)")
         extra = {} if skipped else self.aggregate(rnd, parsed)
         if not skipped:
             self.last_extra = dict(extra)
@@ -565,6 +590,7 @@ class PersonalisedStrategy(Strategy):
                 self.last_measured = {"round": m.round, "clients": len(m.replies), **stats}
         entry.replies_ok, entry.replies_rejected = self._checked.replies_ok, self._checked.replies_rejected
         entry.replies_missing, entry.rejections = self._checked.replies_missing, list(self._checked.rejections)
+        entry.bytes_up_rejected, entry.skips = self._checked.bytes_up_rejected, list(self._checked.skips)
         if entry.replies_missing:
             log.warning("round %d: %d of the replies asked for did not arrive within %.0f s", rnd, entry.replies_missing,
                         timeout)
@@ -607,6 +633,15 @@ def round_metrics(entry: RoundLog) -> MetricRecord:
     out.update({k: float(v) for k, v in entry.extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
                 and math.isfinite(float(v))})
     return MetricRecord(out)
+
+
+def reply_nbytes(msg: Message) -> int:
+    """Payload bytes of a reply (:func:`protocol.record_nbytes`; 0 for an error reply, or one that cannot be
+    measured: counting never fails a round)."""
+    try:
+        return 0 if msg.has_error() else protocol.record_nbytes(msg.content)
+    except Exception:  # noqa: BLE001 - a hostile reply of any shape
+        return 0
 
 
 def by_client_id(node_ids: list[int], node_to_client: Mapping[int, int]) -> list[int]:
@@ -652,19 +687,33 @@ def weighted_average(arrays: list[Mapping[str, np.ndarray]], weights: list[float
 def average_matching(replies: list[ClientReply], current: Mapping[str, np.ndarray],
                      rule: AggregationRule | None = None) -> dict[str, np.ndarray]:
     """Sample-weighted mean (or ``rule``'s robust combination, :mod:`fedapps.robust`) of the replies whose arrays
-    have exactly ``current``'s keys and shapes (others are ignored); ``current`` itself when none has. Integer
-    arrays (e.g. BN counters) take the first client's, as in :func:`weighted_average`."""
+    have exactly ``current``'s keys and shapes (others are ignored); ``current`` itself when none has. With
+    ``rule.clip_update_norm`` > 0 each reply's update (its arrays minus ``current``, the model the round sent) is
+    first clipped to that L2 norm (:func:`fedapps.robust.clip_update`). Integer arrays (e.g. BN counters) take the
+    first client's, as in :func:`weighted_average`. The result has ``current``'s dtypes, whatever a reply's."""
     usable = [r for r in replies if r.arrays is not None and set(r.arrays) == set(current)
               and all(np.shape(r.arrays[k]) == np.shape(v) for k, v in current.items())]
     if not usable:
         return dict(current)
-    if rule is None or rule.plain:
-        return weighted_average([r.arrays for r in usable], [r.num_examples for r in usable])
+    arrays = [r.arrays for r in usable]
+    if rule is not None and rule.clip_update_norm > 0:
+        clipped = [clip_update(a, current, rule.clip_update_norm) for a in arrays]
+        arrays = [a for a, _ in clipped]
+        over = [norm for _, norm in clipped if norm > rule.clip_update_norm]
+        if over:
+            log.info("clip_update_norm %g: %d of %d updates clipped (largest norm %.3g)", rule.clip_update_norm,
+                     len(over), len(arrays), max(over))
     weights = [r.num_examples for r in usable]
-    out: dict[str, np.ndarray] = {}
-    for key, value in current.items():
-        if np.issubdtype(np.asarray(value).dtype, np.floating):
-            out[key] = combine(np.stack([r.arrays[key] for r in usable]), weights, rule).astype(np.asarray(value).dtype)
-        else:
-            out[key] = np.array(usable[0].arrays[key], copy=True)
-    return out
+    if rule is not None and rule.method == "trimmed-mean" and int(rule.trim_fraction * len(arrays)) == 0:
+        log.warning("trimmed-mean: %d replies and strategy.trim_fraction %g trim no client this time (the config's "
+                    "cohort would); the unweighted mean of the %d is used", len(arrays), rule.trim_fraction, len(arrays))
+    if rule is None or rule.plain:
+        out = weighted_average(arrays, weights)
+    else:
+        out = {}
+        for key, value in current.items():
+            if np.issubdtype(np.asarray(value).dtype, np.floating):
+                out[key] = combine(np.stack([a[key] for a in arrays]), weights, rule)
+            else:
+                out[key] = np.array(arrays[0][key], copy=True)
+    return {k: np.asarray(out[k]).astype(np.asarray(v).dtype, copy=False) for k, v in current.items()}

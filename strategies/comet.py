@@ -123,9 +123,10 @@ class COMET(PseudoLabelStrategy):
         return messages
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
-        used, stack = collect_predictions(replies, self.public_size, self.num_classes, "probs", server_round)
+        used, stack = collect_predictions(replies, self.public_size, self.num_classes, "probs", server_round,
+                                          self.skip_reply)
         if not used:
-            log.warning("round %d: no usable predictions; clusters stay as they were", server_round)
+            self.skip_round(server_round, "no usable predictions; clusters stay as they were")
             return {"clusters": len(self.cluster_targets)}
         x = stack.reshape(len(used), -1).astype(np.float64)
         k = min(self.params.clusters, len(used))

@@ -228,20 +228,21 @@ class Cosmos(PersonalisedStrategy):
         return out
 
     # ------------------------------------------------------------------ aggregation
-    def accept(self, replies: list[ClientReply]) -> dict[int, np.ndarray]:
+    def accept(self, replies: list[ClientReply], server_round: int = 0) -> dict[int, np.ndarray]:
         """Client id -> validated soft predictions; replies with another U or malformed predictions are refused."""
         out: dict[int, np.ndarray] = {}
         for r in replies:
             fp = r.info.get("fingerprint")
             if fp != self.fed.fingerprint:
                 self.rejected_fingerprint += 1
-                log.error("refused reply of client %d: public set mismatch (its U has fingerprint '%s', the server's "
-                          "'%s'); both sides must build U from the same data spec", r.client_id, fp, self.fed.fingerprint)
+                self.skip_reply(server_round, r, f"public set mismatch (its U has fingerprint {fp!r}, the "
+                                                 f"server's {self.fed.fingerprint!r}); both sides must build U from "
+                                                 "the same data spec")
                 continue
             try:
                 out[r.client_id] = validate_predictions(r.predictions["predictions"], self.n_public, self.num_classes)
             except (KeyError, TypeError, ValueError) as exc:
-                log.warning("refused predictions of client %d: %s", r.client_id, exc)
+                self.skip_reply(server_round, r, f"predictions refused: {exc}")
         return out
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
@@ -250,9 +251,9 @@ class Cosmos(PersonalisedStrategy):
         accs = [float(r.metrics[after]) for r in replies if after in r.metrics]
         if accs:
             self.last_acc["client"] = float(np.mean(accs))  # the clients' own models, after this round's training
-        preds = self.accept(replies)
+        preds = self.accept(replies, server_round)
         if not preds:
-            log.warning("cosmos round %d: no usable predictions; server models unchanged", server_round)
+            self.skip_round(server_round, "no usable predictions; server models unchanged")
             return {}
         if self.clustering is None:
             self.cluster_round_one(preds)

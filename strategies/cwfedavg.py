@@ -474,13 +474,13 @@ class CwFedAvg(PersonalisedStrategy):
         """Whether a reply can be aggregated: the model's keys and shapes, examples > 0, once per client."""
         if r.arrays is None or set(r.arrays) != set(self.keys) or any(
                 r.arrays[k].shape != self.initial[k].shape for k in self.keys):
-            log.warning("round %d: client %d sent arrays that do not match the model; ignored", server_round, r.client_id)
+            self.skip_reply(server_round, r, "arrays that do not match the model")
             return False
         if r.num_examples <= 0:  # the reply validator refuses these already
-            log.warning("round %d: client %d reported %d examples; ignored", server_round, r.client_id, r.num_examples)
+            self.skip_reply(server_round, r, f"{r.num_examples} examples reported")
             return False
         if r.client_id in taken:  # the validator allows one reply per node and node per client
-            log.warning("round %d: a second reply from client %d; ignored", server_round, r.client_id)
+            self.skip_reply(server_round, r, "a second reply from this client")
             return False
         return True
 

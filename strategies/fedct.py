@@ -92,9 +92,10 @@ class FedCT(PseudoLabelStrategy):
         return [protocol.build_message(n, server_round, ops, config, targets=targets) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
-        used, votes = collect_predictions(replies, self.public_size, self.num_classes, "hard", server_round)
+        used, votes = collect_predictions(replies, self.public_size, self.num_classes, "hard", server_round,
+                                          self.skip_reply)
         if not used:
-            log.warning("round %d: no usable labels; the consensus stays as it was", server_round)
+            self.skip_round(server_round, "no usable labels; the consensus stays as it was")
             return {"vote_clients": 0}
         labels, agreement = majority_vote(votes, self.num_classes)
         if self.params.qualified_threshold > 0:

@@ -11,7 +11,6 @@ model and the weights back; the server adds the weights to P_i·. Download cost:
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -29,7 +28,6 @@ from fedapps.params import param
 from fedapps.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy
 
-log = logging.getLogger("fedapps")
 
 WEIGHTS = "fedfomo-weights"  # the metric the client reports its weights in
 
@@ -65,7 +63,6 @@ def state_distance(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
     return math.sqrt(total)
 
 
-
 # --------------------------------------------------------------------------- client side
 
 
@@ -86,7 +83,6 @@ def fomo_mix(w, tag: str) -> None:
 
 
 # --------------------------------------------------------------------------- server side
-
 
 
 def choose_candidates(affinity: dict[int, float], others: list[int], m: int, epsilon: float,
@@ -161,8 +157,8 @@ class FedFomo(PersonalisedStrategy):
             chosen = self.sent_candidates.get(r.node_id, [])
             weights = r.metrics.get(WEIGHTS)
             if chosen and (not isinstance(weights, list) or len(weights) != len(chosen)):
-                log.warning("round %d: client %d sent %s weights for %d candidates; affinities unchanged",
-                            server_round, r.client_id, weights, len(chosen))
+                got = f"{len(weights)} weights" if isinstance(weights, list) else f"weights {weights!r}"
+                self.skip_reply(server_round, r, f"{got} for {len(chosen)} candidates; its affinities unchanged")
                 continue
             for j, w in zip(chosen, weights or []):
                 self.affinity[r.client_id][j] = self.affinity[r.client_id].get(j, 0.0) + float(w)

@@ -17,7 +17,6 @@ The machinery FedMD, FedCT and COMET share is in :mod:`strategies.pseudolabel_ba
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +31,6 @@ from fedapps.protocol import ClientReply
 from fedapps.seeds import derive_rng
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, index_array, targets_record
 
-log = logging.getLogger("fedapps")
 
 # --------------------------------------------------------------------------- FedMD maths
 
@@ -133,9 +131,10 @@ class FedMD(PseudoLabelStrategy):
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         rows = self.public_size if self.pending_rows is None else len(self.pending_rows)
-        used, scores = collect_predictions(replies, rows, self.num_classes, self.params.scores, server_round)
+        used, scores = collect_predictions(replies, rows, self.num_classes, self.params.scores, server_round,
+                                           self.skip_reply)
         if not used:
-            log.warning("round %d: no usable scores; the consensus stays as it was", server_round)
+            self.skip_round(server_round, "no usable scores; the consensus stays as it was")
             return {"consensus_clients": 0}
         self.consensus = fedmd_consensus(scores)
         self.consensus_rows = self.pending_rows

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +45,6 @@ from fedapps.validation import ReplyValidator
 from strategies.base import DeployedModel, PersonalisedStrategy, weighted_average
 from strategies.fedbabu import EVALUATE_FINETUNED
 
-log = logging.getLogger("fedapps")
 
 HEAD = "cosine"  # the classifier head of FedNH's model (fedapps.models.heads)
 COUNTS = "fednh-counts"  # reply metric: the client's training samples per class (K numbers)
@@ -257,23 +255,23 @@ class FedNH(PersonalisedStrategy):
         arrays = protocol.arrays_record(self.global_arrays)
         return [protocol.build_message(n, server_round, [TRAIN_OP], config, arrays=arrays) for n in node_ids]
 
-    def class_counts(self, reply: ClientReply) -> np.ndarray | None:
+    def class_counts(self, reply: ClientReply, server_round: int = 0) -> np.ndarray | None:
         """The reply's ``fednh-counts`` if they are K whole non-negative numbers summing to at most its
-        ``num-examples``; None (logged) otherwise."""
+        ``num-examples``; None (the reply left out: :meth:`skip_reply`) otherwise."""
         k = self.global_arrays[self.prototype_key].shape[0]
         raw = reply.metrics.get(COUNTS)
         counts = np.asarray(raw if isinstance(raw, list) else [], dtype=np.float64)
         if counts.shape != (k,) or np.any(counts < 0) or np.any(counts != np.round(counts)) \
                 or counts.sum() > reply.num_examples:
-            log.warning("fednh: client %d's '%s' is not %d class counts within its %d samples; reply left out",
-                        reply.client_id, COUNTS, k, reply.num_examples)
+            self.skip_reply(server_round, reply, f"'{COUNTS}' is not {k} class counts within its "
+                                                 f"{reply.num_examples} samples")
             return None
         return counts
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         usable: list[tuple[ClientReply, np.ndarray]] = []
         for r in replies:
-            counts = self.class_counts(r) if r.arrays is not None else None
+            counts = self.class_counts(r, server_round) if r.arrays is not None else None
             if counts is not None:
                 usable.append((r, counts))
         if not usable:

@@ -102,7 +102,7 @@ class IFCA(PersonalisedStrategy):
             choice = r.metrics.get(CHOICE)
             if (r.arrays is None or set(r.arrays) != keys or isinstance(choice, (bool, list)) or choice is None
                     or float(choice) != int(choice) or not 0 <= int(choice) < len(self.models)):
-                log.warning("round %d: client %d's reply has no valid model or cluster choice; skipped", server_round, r.client_id)
+                self.skip_reply(server_round, r, "no valid model or cluster choice")
                 continue
             usable.append(r)
             self.assignment[r.client_id] = int(choice)

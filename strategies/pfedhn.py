@@ -41,7 +41,6 @@ The reply carries θ̃_i rather than Δθ_i (the same bytes; the server knows θ
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -60,7 +59,6 @@ from fedapps.protocol import ClientReply
 from fedapps.seeds import derive_seed
 from strategies.base import DeployedModel, PersonalisedStrategy, _state_value
 
-log = logging.getLogger("fedapps")
 
 BYTES_PER_PARAMETER = 4  # float32
 REPLY_CHUNK = 16  # replies back-propagated together (memory: a few × REPLY_CHUNK × the target model)
@@ -280,8 +278,7 @@ class PFedHN(PersonalisedStrategy):
         usable = []
         for r in replies:
             if r.arrays is None or int(r.node_id) not in self.sent_from or set(r.arrays) != set(self.hn.names):
-                log.warning("round %d: client %d's reply does not answer a model of this round; ignored",
-                            server_round, r.client_id)
+                self.skip_reply(server_round, r, "its arrays answer no model this round sent it")
                 continue
             usable.append(r)
         if not usable:
@@ -292,8 +289,8 @@ class PFedHN(PersonalisedStrategy):
         # θ_i is generated again at the same φ (in a batch: equal to what was sent up to float rounding)
         for start in range(0, len(usable), REPLY_CHUNK):
             chunk = usable[start:start + REPLY_CHUNK]
-            trained = [{k: torch.as_tensor(np.asarray(r.arrays[k]), device=self.device) for k in self.hn.names}
-                       for r in chunk]
+            trained = [{k: torch.as_tensor(np.asarray(r.arrays[k], dtype=np.float32), device=self.device)
+                        for k in self.hn.names} for r in chunk]
             deltas += accumulate_delta_gradient(self.hn, sources[start:start + REPLY_CHUNK], trained)
         from_mean = sum(1 for s in sources if s is None)
         grad_norm = hypernetwork_step(self.hn, self.optimizer, float(self.params.clip_norm))

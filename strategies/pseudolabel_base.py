@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from flwr.app import ArrayRecord
@@ -37,16 +37,21 @@ class DistillParams:
                                                "0 = client.epochs")
 
 
-def collect_predictions(replies: list[ClientReply], rows: int, num_classes: int, kind: str,
-                        server_round: int = 0) -> tuple[list[ClientReply], np.ndarray]:
-    """Decoded predictions of the usable replies, stacked clients×rows(×M); bad ones are dropped and logged."""
+def collect_predictions(replies: list[ClientReply], rows: int, num_classes: int, kind: str, server_round: int = 0,
+                        skip: Callable[[int, ClientReply, str], None] | None = None,
+                        ) -> tuple[list[ClientReply], np.ndarray]:
+    """Decoded predictions of the usable replies, stacked clients×rows(×M); bad ones are left out, each reported to
+    ``skip(server_round, reply, reason)`` (the strategy's ``skip_reply``: rejections.csv) or else logged."""
     used: list[ClientReply] = []
     arrays: list[np.ndarray] = []
     for r in sorted(replies, key=lambda r: r.client_id):
         wire = (r.predictions or {}).get("predictions")
         reason = "no 'predictions' array" if wire is None else pseudolabels.prediction_problem(wire, rows, num_classes, kind)
         if reason:
-            log.warning("round %d: predictions of client %d not used: %s", server_round, r.client_id, reason)
+            if skip is not None:
+                skip(server_round, r, f"predictions not used: {reason}")
+            else:
+                log.warning("round %d: predictions of client %d not used: %s", server_round, r.client_id, reason)
             continue
         used.append(r)
         arrays.append(pseudolabels.decode(wire, num_classes))

@@ -1,9 +1,10 @@
 """`fedapps run` through real `flwr run` processes (Ray simulation): two concurrent runs each own a SuperLink
 and neither stops the other's (nor a bystander named like one); partial participation with 40 clients
-delivers every sampled message (uint64 node ids)."""
+delivers every sampled message (uint64 node ids); a run whose headline covers too few clients exits 3."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -31,8 +32,8 @@ def require_flower() -> None:
         pytest.skip("Ray is not installed (flwr[simulation]): the simulation engine cannot start here")
 
 
-def fedapps_run(cfg: Path, out: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def fedapps_run(cfg: Path, out: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--output-dir", str(out), "--quiet",
                              *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -86,6 +87,20 @@ def test_partial_participation_40_clients_through_flwr_run(tiny_config, tmp_path
     assert [r["measured_clients"] for r in rows] == [10, 40], out[-3000:]
     _, pid = superlink_of(out)
     assert cli._proc_stat(pid) is None
+
+
+@pytest.mark.heavy
+def test_a_headline_on_too_few_clients_exits_3_through_flwr_run(tiny_config, tmp_path):
+    """Under `flwr run` the ServerApp's verdict (summary.json exit_status) becomes the exit status: clients 1 and 2
+    fail the evaluation-only message (fault injection through FEDAPPS_FAULTS), so the headline covers 1 of 3."""
+    require_flower()
+    cfg = tiny_config(rounds=1, run_name="few", data={"num_clients": 3})
+    proc = fedapps_run(cfg, tmp_path / "res", env={"FEDAPPS_FAULTS": "raise@1,2/*/evaluate"})
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 3, out[-4000:]
+    assert "the headline was measured on 1 of 3 clients" in out, out[-4000:]
+    summary = json.loads((tmp_path / "res" / "few" / "summary.json").read_text())
+    assert summary["exit_status"] == 3 and summary["final_round_measured_clients"] == 1
 
 
 @pytest.mark.heavy

@@ -4,6 +4,7 @@ run owns its processes (unit tests here; the two `flwr run` process tests are in
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -17,7 +18,9 @@ import yaml
 from fedapps_tools import cli, flwrcli
 from fedapps_tools.compare import resume_decision
 from fedapps.config import ConfigError, check_run_name, config_hash, load_config, parse_yaml
-from fedapps.results import read_csv
+from fedapps import faults
+from fedapps.results import (EXIT_FAILED, EXIT_REJECTED, EXIT_UNMEASURED, Problem, exit_status, measured_problems,
+                             read_csv, rejection_problems, run_problems)
 
 
 def run_cli(*argv: str) -> int:
@@ -194,6 +197,11 @@ def test_round_below_min_clients_is_skipped(tiny_config, tmp_path):
     assert [r["clients"] for r in rows] == [4, 1, 4]
     assert summary["skipped_rounds"] == [2] and summary["final_round"] == 3
     assert summary["final_round_had_no_replies"] is False
+    # the skipped round is in rejections.csv too, with its reason (phase 'aggregate': the strategy's step)
+    with (tmp_path / "fedavg-digits-iid-s0" / "rejections.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["round"], r["phase"], r["node_id"]) for r in rows] == [("2", "aggregate", "")]
+    assert "fedavg: round skipped: 1 usable replies, fewer than strategy.min_clients=2" in rows[0]["reason"]
 
 
 def test_skipped_round_does_not_aggregate(tiny_config):
@@ -361,3 +369,112 @@ def test_resume_judges_an_earlier_run_by_its_config_under_todays_rules(tiny_conf
     (run / "config.yaml").write_text(yaml.safe_dump(old))
     skip, why = resume_decision(run, 2, config_hash(resolved))
     assert skip is False and "config changed" in why
+
+
+# --------------------------------------------------------------------------- exit statuses that mean something
+
+
+def test_run_problems_by_hand():
+    summary = {"num_clients": 10, "final_round_measured_clients": 5, "accuracy_mean": 0.5, "final_round": 3}
+    assert measured_problems(summary, 0.5) == []
+    [p] = measured_problems({**summary, "final_round_measured_clients": 4}, 0.5)
+    assert p.code == EXIT_UNMEASURED and "measured on 4 of 10 clients" in p.text
+    assert "min_measured_share=0.5 of them (5)" in p.text
+    assert measured_problems({**summary, "final_round_measured_clients": 1}, 0.0) == []  # 0: one client is enough
+    [p] = measured_problems({**summary, "accuracy_mean": None, "final_round_measured_clients": None}, 0.0)
+    assert p.code == EXIT_UNMEASURED and "never measured" in p.text
+    rows = [{"round": 1, "replies_ok": 2, "replies_rejected": 2}, {"round": 2, "replies_ok": 1, "replies_rejected": 2}]
+    [p] = rejection_problems(rows)  # 2 of 4 is no majority; 2 of 3 is
+    assert p.code == EXIT_REJECTED and "round 2: 2 of 3" in p.text and "round 1" not in p.text
+    assert exit_status([]) == 0
+    assert exit_status([Problem(EXIT_REJECTED, "a"), Problem(EXIT_UNMEASURED, "b")]) == EXIT_REJECTED
+    found = run_problems({**summary, "final_round_measured_clients": 1}, rows, 0.5)
+    assert [p.code for p in found] == [EXIT_REJECTED, EXIT_UNMEASURED]  # most basic first
+
+
+def grid_with(monkeypatch, **kwargs):
+    """`fedapps run --engine inprocess` serves its clients through an InProcessGrid built with ``kwargs``."""
+    from fedapps.inprocess import InProcessGrid
+
+    real = InProcessGrid
+    monkeypatch.setattr("fedapps.inprocess.InProcessGrid", lambda n: real(n, **kwargs))
+
+
+@pytest.mark.parametrize("share, code", [(0.5, EXIT_UNMEASURED), (0.25, 0)])
+def test_a_headline_measured_on_too_few_clients_exits_3(tiny_config, tmp_path, capsys, monkeypatch, share, code):
+    # the evaluation-only message after the last round (group 3) reaches client 0 only: 1 of 4 clients measured
+    grid_with(monkeypatch, drop=lambda rnd, pid: rnd == 3 and pid != 0)
+    out = tmp_path / "res"
+    assert run_cli("run", str(tiny_config(min_measured_share=share)), "--engine", "inprocess",
+                   "--output-dir", str(out)) == code
+    summary = json.loads((out / "fedavg-digits-iid-s0" / "summary.json").read_text())
+    assert summary["final_round_measured_clients"] == 1 and summary["exit_status"] == code
+    if code:
+        assert summary["problems"] == ["the headline was measured on 1 of 4 clients (after round 2), fewer than "
+                                       "min_measured_share=0.5 of them (2)"]
+        assert "measured on 1 of 4 clients" in capsys.readouterr().err
+    else:
+        assert summary["problems"] == []
+
+
+def test_a_run_whose_headline_was_never_measured_exits_3(tiny_config, tmp_path, capsys, monkeypatch):
+    grid_with(monkeypatch, drop=lambda rnd, pid: rnd == 2)  # 1 round: its evaluation-only message (group 2) is lost
+    out = tmp_path / "res"
+    assert run_cli("run", str(tiny_config(rounds=1)), "--engine", "inprocess", "--output-dir", str(out)) == 3
+    summary = json.loads((out / "fedavg-digits-iid-s0" / "summary.json").read_text())
+    assert summary["accuracy_mean"] is None and summary["exit_status"] == 3
+    assert summary["problems"] == ["the headline (deployed-model accuracy) was never measured: no client answered "
+                                   "an evaluation of its deployed model"]
+
+
+def test_a_round_that_lost_most_replies_to_rejection_exits_4(tiny_config, tmp_path, capsys, monkeypatch):
+    grid_with(monkeypatch, node_configs={i: {"faults": "f64-huge@1,2,3/1"} for i in range(4)},
+              mods=[faults.faults_mod])
+    out = tmp_path / "res"
+    assert run_cli("run", str(tiny_config()), "--engine", "inprocess", "--output-dir", str(out)) == EXIT_REJECTED
+    run_dir = out / "fedavg-digits-iid-s0"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exit_status"] == EXIT_REJECTED and len(summary["problems"]) == 1
+    assert "1 round(s) lost a majority of their replies to rejection (round 1: 3 of 4)" in summary["problems"][0]
+    assert summary["final_round_measured_clients"] == 4  # the headline itself was measured on every client
+    rows = read_csv(run_dir / "rounds.csv")
+    assert [r["replies_rejected"] for r in rows] == [3, 0]
+    assert rows[0]["bytes_up_rejected"] > 3 * 10_000 and rows[1]["bytes_up_rejected"] == 0  # 3 float64 MLPs
+    assert summary["bytes_up_rejected"] == rows[0]["bytes_up_rejected"]
+    assert rows[0]["bytes_up"] < rows[1]["bytes_up"]  # one accepted reply's bytes against four's
+    assert "lost a majority of their replies" in capsys.readouterr().err
+
+
+def test_the_exit_statuses_are_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        run_cli("run", "--help")
+    text = " ".join(capsys.readouterr().out.split())
+    for code in ("0 the run finished", "1 the run failed", "2 refused", "3 finished, but the headline",
+                 "4 finished, but some round lost a majority", "130 interrupted"):
+        assert code in text, code
+
+
+def test_a_partition_leaving_clients_without_a_test_split_is_refused(tiny_config, tmp_path, capsys):
+    cfg = tiny_config(data={"source": "digits", "partition": "iid", "num_clients": 1000})
+    assert run_cli("run", str(cfg), "--engine", "inprocess", "--output-dir", str(tmp_path / "res")) == 2
+    err = capsys.readouterr().err
+    assert "data.source=digits data.num_clients=1000" in err and "without a test split" in err
+    assert "at most data.num_clients=599 gives every client training data and a test split" in err
+    assert not (tmp_path / "res" / "fedavg-digits-iid-s0").exists()  # refused before anything ran
+    # the count it names works (and one more does not)
+    from fedapps.data import get_federation
+
+    fed = get_federation({**load_config(cfg).to_dict()["data"], "num_clients": 599})
+    assert fed.test_counts.sum(axis=1).min() >= 1 and fed.train_counts.sum(axis=1).min() >= 1
+    with pytest.raises(ConfigError, match="without a test split"):
+        get_federation({**load_config(cfg).to_dict()["data"], "num_clients": 600})
+
+
+def test_a_validation_split_left_empty_is_refused(tiny_config):
+    from fedapps.data import get_federation
+
+    data = {**load_config(tiny_config()).to_dict()["data"], "num_clients": 300, "evaluate_on": "validation",
+            "validation_fraction": 0.05}
+    with pytest.raises(ConfigError, match=r"data\.validation_fraction=0\.05\) leaves 300 of the 300 clients without a "
+                                          r"validation split .* at most data\.num_clients=119 "):
+        get_federation(data)

@@ -50,12 +50,13 @@ METRICS_ONLY = ("local",)
 
 REASON = {
     "shape": "has shape", "transpose": "has shape", "undecodable": "cannot be decoded",
-    "int-arrays": "floating dtype", "nan-arrays": "non-finite",
+    "int-arrays": "has dtype int64", "nan-arrays": "non-finite",
     "huge-n": "exceeds client", "zero-n": "not a positive integer", "list-n": "'num-examples' must be an integer",
     "list-id": "'client-id' must be an integer", "no-eval-n": "lacks", "acc-50": "not an accuracy",
     "n-1e9": "test-set size", "bad-id": "outside the federation", "spoof": "bound to",
     "duplicate": "duplicate reply", "raise": "client error",
-    "pred-shape": "predictions unusable", "pred-huge": "predictions unusable", "pred-undecodable": "cannot be decoded",
+    "pred-shape": "has shape", "pred-huge": "predictions unusable", "pred-undecodable": "cannot be decoded",
+    "pred-dtype": "has dtype",
     "fingerprint": "public set mismatch",
 }
 METRIC_KINDS = ("huge-n", "zero-n", "list-n", "list-id", "no-eval-n", "acc-50", "n-1e9", "bad-id")
@@ -77,21 +78,22 @@ class Run:
         return [r for log in self.logs if log.round == rnd for r in log.rejections]
 
 
-def run(strategy: str, spec: str = "", clients: int = CLIENTS, extra: tuple[str, ...] = ()) -> Run:
+def run(strategy: str, spec: str = "", clients: int = CLIENTS, extra: tuple[str, ...] = (),
+        faulty: int = FAULTY) -> Run:
     cfg = load_config(None, overrides(strategy, clients, extra))
     resolved = resolve(cfg)
     cfg = resolved.config(cfg)
     logs: list = []
     torch.manual_seed(0)  # r_B's input noise (fedapps.ops.robustness_penalty) draws from torch's global RNG
     s = resolved.build(cfg, on_round=logs.append)
-    grid = InProcessGrid(clients, node_configs={FAULTY: {"faults": spec}} if spec else None, mods=[faults.faults_mod])
+    grid = InProcessGrid(clients, node_configs={faulty: {"faults": spec}} if spec else None, mods=[faults.faults_mod])
     s.start(grid, num_rounds=ROUNDS, timeout=cfg.strategy.timeout)
     return Run(s, logs)
 
 
 @lru_cache(maxsize=None)
-def baseline(strategy: str, spec: str) -> Run:
-    return run(strategy, spec)
+def baseline(strategy: str, spec: str, faulty: int = FAULTY) -> Run:
+    return run(strategy, spec, faulty=faulty)
 
 
 # --------------------------------------------------------------------------- comparing server state

@@ -23,6 +23,7 @@ from fedapps.config import load_config
 from fedapps.data import DataError, load_source, node_path, read_labelled
 from fedapps.describe import NodeReport, agree
 from fedapps.inprocess import InProcessGrid
+from fedapps.results import UnusableRun
 from fedapps.worker import STATE_MODEL, handle, lost_on_restart
 from strategies import STRATEGIES, resolve
 
@@ -194,7 +195,12 @@ def test_broken_nodes_are_refused_with_their_reason_and_the_run_completes(tmp_pa
     configs = {0: {"data-path": str(sites[0]), "client-id": 0}, 1: {"data-path": str(sites[1]), "client-id": 1},
                2: {"data-path": str(missing), "client-id": 2}, 3: {"data-path": str(garbage), "client-id": 3},
                4: {"data-path": str(five), "client-id": 4}, 5: {"data-path": str(wide), "client-id": 5}}
-    out = run(tmp_path, configs, rounds=2)
+    # 2 of the 6 clients take part: below the default min_measured_share 0.5 the run would exit 3 (its headline
+    # covers a third of the federation); this test is about the refusals, so it accepts a third
+    with pytest.raises(UnusableRun, match="measured on 2 of 6 clients") as failed:
+        run(tmp_path / "default", configs, rounds=2)
+    assert failed.value.exit_status == 3
+    out = run(tmp_path, configs, rounds=2, extra="min_measured_share=0.3")
     # keyed by node (InProcessGrid: node 100 + i); a node that fails before reading its data names no client id
     refused = {int(r["node_id"]) - 100: r for r in read_csv(out / "rejections.csv") if r["phase"] == "describe"}
     assert sorted(refused) == [2, 3, 4, 5]

@@ -4,6 +4,7 @@ own FedMedian / FedTrimmedAvg on the same inputs, and a property test over arbit
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -12,11 +13,12 @@ from flwr.serverapp.strategy import FedMedian, FedTrimmedAvg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedapps import protocol
-from fedapps.config import ConfigError, load_config
+from fedapps import protocol, validation
+from fedapps.config import ConfigError, load_config, smallest_trim, trimmed_per_side
 from fedapps.inprocess import InProcessGrid  # noqa: F401  (sets Flower's task identity for Message())
 from fedapps.protocol import ClientReply
-from fedapps.robust import AggregationRule, cap_weights, combine, coordinate_median, trimmed_mean
+from fedapps.robust import (AggregationRule, cap_weights, clip_update, combine, coordinate_median, trimmed_mean,
+                            update_norm)
 from fedapps.validation import LOGIT_BOUND, ArraySpec, Expectation, PredictionSpec, ReplyValidator
 from strategies import resolve
 from strategies.base import average_matching
@@ -301,16 +303,16 @@ def test_validator_never_raises_and_accepted_replies_respect_every_bound(reply, 
         assert r.info.get("fingerprint") == "abc"
         if want_arrays:
             assert set(r.arrays) == set(MODEL)
-            assert all(r.arrays[k].shape == MODEL[k].shape and r.arrays[k].dtype.kind == MODEL[k].dtype.kind
-                       or (MODEL[k].dtype.kind == "f" and r.arrays[k].dtype.kind == "f") for k in MODEL)
+            # strict wire types: exactly the model's shapes and dtypes, whatever was sent
+            assert all(r.arrays[k].shape == MODEL[k].shape and r.arrays[k].dtype == MODEL[k].dtype for k in MODEL)
             assert all(np.all(np.isfinite(a)) for a in r.arrays.values() if a.dtype.kind == "f")
         else:
             assert r.arrays is None
         p = r.predictions["predictions"]
         if output == "hard":
-            assert p.shape == (4,) and p.dtype.kind == "u" and (p.size == 0 or p.max() < 3)
+            assert p.shape == (4,) and p.dtype == np.uint8 and (p.size == 0 or p.max() < 3)
         else:
-            assert p.shape == (4, 3) and p.dtype.kind == "f" and np.all(np.isfinite(p))
+            assert p.shape == (4, 3) and p.dtype == np.float32 and np.all(np.isfinite(p))
             if output == "logits":
                 assert np.abs(p).max() <= LOGIT_BOUND
             else:
@@ -332,3 +334,213 @@ def test_the_unmutated_reply_of_the_property_test_is_accepted(output, want_array
 def test_expectation_defaults_ask_for_nothing():
     exp = Expectation(node_id=1)
     assert exp.arrays is None and exp.predictions is None and exp.fingerprint is None and exp.eval_tags == ()
+
+
+# --------------------------------------------------------------------------- strict wire types, by hand
+
+
+def _wire(a: np.ndarray, **label) -> Array:
+    """An Array of ``a``'s bytes under its own label, or under ``label`` (dtype / shape / stype / data) instead."""
+    real = Array(protocol.contiguous(a))
+    fields = {"dtype": real.dtype, "shape": tuple(real.shape), "stype": real.stype, "data": real.data, **label}
+    return Array(**fields)
+
+
+def arrays_reply(records: dict, transport: str | None = None) -> tuple[ReplyValidator, Message]:
+    v = validator()
+    config = {"return-arrays": True, **({protocol.TRANSPORT_KEY: transport} if transport else {})}
+    a = request(100, ("train", "evaluate"), **config)
+    v.expect([a])
+    return v, answer(a, 0, arrays=ArrayRecord(records))
+
+
+W = np.arange(6, dtype=np.float32).reshape(3, 2)
+
+
+@pytest.mark.parametrize("w, reason", [
+    (W.astype(np.float64), "array 'w' has dtype float64, expected float32"),
+    (W.astype(np.longdouble), f"array 'w' has dtype {np.dtype(np.longdouble)}, expected float32"),
+    (W.astype(np.dtype(np.float32).newbyteorder(">")), "array 'w' has dtype >f4, expected float32"),
+    (W.astype(np.float16), "array 'w' has dtype float16, expected float32"),  # no float16 transport asked for
+    (np.full((3, 2), 1e300), "has dtype float64"),  # finite in float64, inf in float32: never decoded
+    (W.astype(np.int32), "has dtype int32, expected float32"),
+])
+def test_an_array_of_another_dtype_is_rejected_before_decoding(w, reason):
+    v, reply = arrays_reply({"w": _wire(w), "count": _wire(MODEL["count"])})
+    out = v.check(1, [reply])
+    assert not out.accepted and reason in out.rejections[0].reason, out.rejections
+
+
+def test_the_label_and_the_bytes_must_agree():
+    count = _wire(MODEL["count"])
+    f64 = Array(W.astype(np.float64))
+    cases = [
+        (_wire(W, dtype="float32", data=f64.data), "cannot be decoded"),  # float64 bytes labelled float32
+        (_wire(W, data=Array(W.T.copy()).data), "cannot be decoded"),  # (2, 3) bytes labelled (3, 2)
+        (_wire(W, data=Array(W).data + b"\0" * 4096), "cannot be decoded"),  # trailing bytes
+        (_wire(W, data=Array(W).data[:-4]), "cannot be decoded"),  # a value short
+        (_wire(W, data=Array(np.asfortranarray(np.ones((3, 2), np.float32))).data), "Fortran order"),
+        (_wire(W, stype="torch.Tensor"), "serialisation torch.Tensor"),
+        (_wire(W, shape=(6,)), "has shape (6,), expected (3, 2)"),
+    ]
+    for w, reason in cases:
+        v, reply = arrays_reply({"w": w, "count": count})
+        out = v.check(1, [reply])
+        assert not out.accepted and reason in out.rejections[0].reason, (reason, out.rejections)
+
+
+def test_names_and_count_are_checked_before_any_array_is_decoded(monkeypatch):
+    decoded = []
+    original = validation.wire_array
+    monkeypatch.setattr(validation, "wire_array", lambda *a, **k: decoded.append(a[1]) or original(*a, **k))
+    v, reply = arrays_reply({"w": _wire(W), "count": _wire(MODEL["count"]), "extra": _wire(W)})
+    out = v.check(1, [reply])
+    assert not out.accepted and "do not match the request (3 given, 2 expected)" in out.rejections[0].reason
+    assert decoded == []
+
+
+def test_float16_transport_accepts_float16_and_the_models_dtype_only():
+    count = _wire(MODEL["count"])
+    for w in (W.astype(np.float16), W):  # float16, or float32 for an array beyond float16's range
+        v, reply = arrays_reply({"w": _wire(w), "count": count}, transport="float16")
+        [r] = v.check(1, [reply]).accepted
+        assert r.arrays["w"].dtype == np.float32 and np.array_equal(r.arrays["w"], W)
+    v, reply = arrays_reply({"w": _wire(W.astype(np.float64)), "count": count}, transport="float16")
+    assert "expected float16 or float32" in v.check(1, [reply]).rejections[0].reason
+
+
+def test_integer_buffers_and_predictions_must_have_their_exact_type():
+    v, reply = arrays_reply({"w": _wire(W), "count": _wire(np.array(3, np.int32))})
+    assert "array 'count' has dtype int32, expected int64" in v.check(1, [reply]).rejections[0].reason
+    msg = property_request("hard", False)
+    for preds, reason in [(np.array([0, 2, 1, 1], np.uint16), "has dtype uint16, expected uint8"),
+                          (np.full((4, 3), 1 / 3), "has dtype float64, expected float32")]:
+        if preds.dtype.kind == "f":
+            msg = property_request("probs", False)
+        v = validator()
+        v.expect([msg])
+        metrics, records = valid_reply(0, "hard" if preds.dtype.kind == "u" else "probs", False)
+        records["predictions"] = protocol.arrays_record({"predictions": preds})
+        out = v.check(1, [Message(RecordDict({"metrics": MetricRecord(metrics), **records}), reply_to=msg)])
+        assert not out.accepted and reason in out.rejections[0].reason, out.rejections
+
+
+def test_accepted_arrays_are_writable_copies_in_the_models_dtype():
+    v, reply = arrays_reply({"w": _wire(W), "count": _wire(MODEL["count"])})
+    [r] = v.check(1, [reply]).accepted
+    assert r.arrays["w"].flags.writeable and r.arrays["w"].dtype == np.float32 and r.arrays["count"].shape == ()
+    r.arrays["w"] += 1  # a strategy may update them in place
+
+
+# --------------------------------------------------------------------------- metric ranges
+
+
+@pytest.mark.parametrize("key, value, reason", [
+    ("train-loss", -2e299, "'train-loss' = -2e+299 is outside [-1e+09, 1e+09]"),
+    ("train-loss", 2e9, "is outside"),
+    ("t-total", -1.0, "'t-total' = -1.0 is outside [0, 604800]"),
+    ("t-train", 1e12, "'t-train' = 1000000000000.0 is outside"),
+    ("junk", 1e16, "'junk' = 1e+16 is outside"),
+    ("junk", [0.5] * 5000, "'junk' is a list of 5000 values; at most 4096"),
+])
+def test_losses_timings_and_lists_are_range_checked(key, value, reason):
+    v = validator()
+    a = request(100)
+    v.expect([a])
+    out = v.check(1, [answer(a, 0, metrics={key: value})])
+    assert not out.accepted and reason in out.rejections[0].reason, out.rejections
+    v.expect([a])
+    ok = {"train-loss": 0.7, "t-total": 1.5, "t-train": 0.2, "junk": [0.5] * 10}[key]
+    assert v.check(1, [answer(a, 0, metrics={key: ok})]).accepted
+
+
+def test_a_huge_list_is_refused_by_its_length_before_its_values_are_read():
+    class Unreadable(list):
+        def __iter__(self):
+            raise AssertionError("the values of an over-long list were read")
+
+    with pytest.raises(protocol.ReplyError, match="is a list of 100000 values"):
+        validation.check_metrics({"x": Unreadable([0.0] * 100000)}, max_list=4096)
+    assert validator().max_list == 4096  # 2 clients, 3 classes: the floor
+    assert ReplyValidator(10000, num_classes=10).max_list == 10000  # a per-client list fits
+    assert ReplyValidator(3).max_list == validation.LIST_UNKNOWN  # classes not known yet (describe phase)
+
+
+def test_a_large_info_record_is_rejected():
+    v = validator()
+    a = request(100)
+    v.expect([a])
+    out = v.check(1, [answer(a, 0, info=ConfigRecord({"arch": "x" * 5000}))])
+    assert not out.accepted and "'info' entry 'arch' holds 5000" in out.rejections[0].reason
+
+
+# --------------------------------------------------------------------------- update-norm clipping, trim check
+
+
+def test_update_norm_and_clip_by_hand():
+    ref = {"w": np.zeros(2, np.float32), "b": np.array([1.0], np.float32), "n": np.array(7, np.int64)}
+    # update (3, 0) on w and (4) on b: norm 5 (integer arrays are not part of it)
+    got = {"w": np.array([3.0, 0.0], np.float32), "b": np.array([5.0], np.float32), "n": np.array(9, np.int64)}
+    assert update_norm(got, ref) == pytest.approx(5.0)
+    clipped, norm = clip_update(got, ref, 1.0)
+    assert norm == pytest.approx(5.0)
+    np.testing.assert_allclose(clipped["w"], [0.6, 0.0], rtol=1e-6)  # ref + (1/5)·update
+    np.testing.assert_allclose(clipped["b"], [1.8], rtol=1e-6)
+    assert clipped["n"] == 9 and clipped["w"].dtype == np.float32
+    assert update_norm(clipped, ref) == pytest.approx(1.0, rel=1e-6)
+    same, _ = clip_update(got, ref, 10.0)  # within the norm: unchanged
+    assert all(np.array_equal(same[k], got[k]) for k in got)
+    off, _ = clip_update(got, ref, 0.0)  # 0 = off
+    assert all(np.array_equal(off[k], got[k]) for k in got)
+
+
+def test_clipped_mean_bounds_one_huge_update_by_hand():
+    current = {"w": np.zeros(2, np.float32)}
+    replies = [ClientReply(100, 0, 10, {}, arrays={"w": np.array([1.0, 0.0], np.float32)}),
+               ClientReply(101, 1, 10, {}, arrays={"w": np.array([0.0, 1e6], np.float32)})]
+    plain = average_matching(replies, current)
+    assert plain["w"][1] == pytest.approx(5e5)
+    # clip 2: the first update (norm 1) stays, the second becomes (0, 2): mean (0.5, 1)
+    clipped = average_matching(replies, current, AggregationRule("mean", clip_update_norm=2.0))
+    np.testing.assert_allclose(clipped["w"], [0.5, 1.0], rtol=1e-6)
+    # with the median (2 clients: the mean of the two) the clipped updates are combined the same way
+    np.testing.assert_allclose(average_matching(replies, current, AggregationRule("median", clip_update_norm=2.0))["w"],
+                               [0.5, 1.0], rtol=1e-6)
+
+
+def test_the_average_keeps_the_models_dtypes():
+    current = {"w": np.zeros(2, np.float32), "n": np.array(0, np.int64)}
+    replies = [ClientReply(100, 0, 10, {}, arrays={"w": np.ones(2, np.float64), "n": np.array(3, np.int32)})]
+    for rule in (None, AggregationRule("median")):
+        out = average_matching(replies, current, rule)
+        assert out["w"].dtype == np.float32 and out["n"].dtype == np.int64
+
+
+def test_clip_update_norm_is_validated_and_refused_where_it_does_not_apply():
+    with pytest.raises(ConfigError, match="strategy.clip_update_norm"):
+        load_config(None, ["strategy.clip_update_norm=-1"])
+    base = ["data.source=digits", "data.num_clients=4", "model.name=mlp", "strategy.clip_update_norm=5"]
+    assert AggregationRule.from_config(load_config(None, base).strategy).clip_update_norm == 5.0
+    resolve(load_config(None, [*base, "strategy.name=fedavg"]))
+    with pytest.raises(ConfigError, match="strategy.clip_update_norm"):
+        resolve(load_config(None, [*base, "strategy.name=cwfedavg"]))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.num_clients=5", "strategy.trim_fraction=0.1"],
+     "'strategy.trim_fraction: 0.1' trims no client from the cohort of 5 clients per round (data.num_clients=5, "
+     "strategy.fraction=1) (floor(0.1·5) = 0: the plain unweighted mean); set strategy.trim_fraction to at least 0.2"),
+    (["data.num_clients=20", "strategy.fraction=0.3", "strategy.trim_fraction=0.1"], "at least 0.167"),
+    (["data.num_clients=2", "strategy.trim_fraction=0.4"], "trimming one at each end needs at least 3 clients"),
+])
+def test_a_trimmed_mean_that_trims_nobody_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, ["strategy.aggregation=trimmed-mean", *overrides])
+
+
+def test_the_smallest_trim_named_trims_exactly_one_client():
+    for k in range(3, 200):
+        f = smallest_trim(k)
+        assert trimmed_per_side(f, k) == 1 and trimmed_per_side(f - 0.001, k) == 0, k
+        assert trimmed_mean(np.arange(k, dtype=float)[:, None], f)[0] == pytest.approx((k - 1) / 2)
+    load_config(None, ["strategy.aggregation=trimmed-mean", "data.num_clients=10", "strategy.trim_fraction=0.1"])

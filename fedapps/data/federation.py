@@ -41,7 +41,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -301,30 +301,15 @@ def validation_split(train: np.ndarray, labels: np.ndarray, fraction: float,
     return train[fit_loc], train[val_loc]
 
 
-def build_federation(spec: dict[str, Any]) -> Federation:
-    """Load, split off U, partition and split per client, as the data spec says (deterministic for its seed).
-    Under data.source 'nodes': the server's view, :func:`nodes_server_federation`."""
-    s = check_spec(spec)
-    if s["source"] == NODES:
-        return nodes_server_federation(s)
-    t0 = time.perf_counter()
-    ds = load_source(s["source"], s["root"], download=s["download"], synthetic_classes=s["synthetic_classes"],
-                     synthetic_shape=s["synthetic_shape"], synthetic_samples=s["synthetic_samples"],
-                     seed=s["seed"])
-    labels = ds.y.numpy()
-    k = ds.num_classes
-    rng_public, rng_partition, rng_split = (np.random.default_rng(c)
-                                            for c in np.random.SeedSequence(s["seed"]).spawn(3))
-
-    public_idx: np.ndarray | None = None
-    if s["public_fraction"] > 0:
-        public_idx, pool = stratified_split(labels, s["public_fraction"], rng_public)
-    else:
-        pool = np.arange(labels.size, dtype=np.int64)
+def split_clients(s: dict[str, Any], labels: np.ndarray, k: int, pool: np.ndarray,
+                  m: int) -> tuple[np.ndarray | None, list[np.ndarray], list[np.ndarray]]:
+    """The pool (source indices left after U) partitioned among ``m`` clients as spec ``s`` says, each client's part
+    split into train and evaluation indices (test, or the validation share of train): (groups, train, eval).
+    Deterministic for the spec's seed (the partition and split streams of :func:`build_federation`)."""
+    _, rng_partition, rng_split = (np.random.default_rng(c) for c in np.random.SeedSequence(s["seed"]).spawn(3))
     pool_labels = labels[pool]
-
+    part = s["partition"]
     groups: np.ndarray | None = None
-    m, part = s["num_clients"], s["partition"]
     if m > pool.size:
         raise DataError(f"data.num_clients={m} exceeds the {pool.size} samples left for clients "
                         f"(source {s['source']!r}, public_fraction={s['public_fraction']})")
@@ -339,15 +324,8 @@ def build_federation(spec: dict[str, Any]) -> Federation:
                                                 s["redistribute_fraction"], rng_partition)
     else:  # rotated / label-swap
         local, groups = partition_groups_iid(pool_labels, m, s["groups"], rng_partition)
-    # the transforms draw from their own stream: the partitions above stay those of earlier versions
-    rng_transform = np.random.default_rng(np.random.SeedSequence([s["seed"], 0x7261]))
-    label_perms = (label_swap_permutations(k, s["groups"], s["swap_pairs"], rng_transform)
-                   if part == "label-swap" else None)
-
     validating = s["evaluate_on"] == "validation"
     train_indices, eval_indices = [], []
-    train_counts = np.zeros((m, k), dtype=np.int64)
-    eval_counts = np.zeros((m, k), dtype=np.int64)
     for i, loc in enumerate(local):
         if loc.size == 0:
             raise DataError(f"client {i} received no samples with partition {part!r} "
@@ -357,13 +335,98 @@ def build_federation(spec: dict[str, Any]) -> Federation:
             tr, te = validation_split(tr, labels, s["validation_fraction"], derive_rng(s["seed"], VALIDATION_SEED_PURPOSE, i))
         train_indices.append(tr)
         eval_indices.append(te)
+    return groups, train_indices, eval_indices
+
+
+def _clients_have_data(s: dict[str, Any], labels: np.ndarray, k: int, pool: np.ndarray, m: int) -> bool:
+    """Whether ``m`` clients (the rest of spec ``s`` as it is) would each get training data and an evaluation split."""
+    try:
+        _, train, evaluation = split_clients(s, labels, k, pool, m)
+    except DataError:
+        return False
+    return all(tr.size and ev.size for tr, ev in zip(train, evaluation))
+
+
+def largest_working(m: int, works: Callable[[int], bool]) -> int:
+    """The largest client count below ``m`` for which ``works`` holds (binary search: fewer clients get more data
+    each); 0 when even one client does not work."""
+    lo, hi = 0, m  # works(lo) holds (0 trivially), works(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if works(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def check_every_client_has_data(s: dict[str, Any], train_sizes: np.ndarray, eval_sizes: np.ndarray,
+                                works: Callable[[int], bool]) -> None:
+    """DataError (exit 2 before any run starts) when a client has no training data or an empty evaluation split: a
+    headline averaged over clients measured on nothing means nothing. Names the largest ``data.num_clients`` that
+    gives every client both (``works(m)``: whether m clients do)."""
+    m = s["num_clients"]
+    no_train = np.flatnonzero(np.asarray(train_sizes) == 0).tolist()
+    no_eval = np.flatnonzero(np.asarray(eval_sizes) == 0).tolist()
+    if not no_train and not no_eval:
+        return
+    split = "validation" if s["evaluate_on"] == "validation" else "test"
+    fraction = "data.validation_fraction" if split == "validation" else "data.test_fraction"
+    parts = []
+    if no_eval:
+        parts.append(f"{len(no_eval)} of the {m} clients without a {split} split (e.g. clients {no_eval[:5]})")
+    if no_train:
+        parts.append(f"{len(no_train)} without training data (e.g. clients {no_train[:5]})")
+    best = largest_working(m, works)
+    fix = (f"at most data.num_clients={best} gives every client training data and a {split} split here"
+           if best else f"no client count gives every client training data and a {split} split here")
+    raise DataError(f"data.source={s['source']} data.num_clients={m} (partition {s['partition']}, "
+                    f"{fraction}={s['test_fraction'] if split == 'test' else s['validation_fraction']}) leaves "
+                    f"{' and '.join(parts)}: {fix}; use fewer clients, raise {fraction}, or a larger source")
+
+
+def build_federation(spec: dict[str, Any]) -> Federation:
+    """Load, split off U, partition and split per client, as the data spec says (deterministic for its seed).
+    Under data.source 'nodes': the server's view, :func:`nodes_server_federation`."""
+    s = check_spec(spec)
+    if s["source"] == NODES:
+        return nodes_server_federation(s)
+    t0 = time.perf_counter()
+    ds = load_source(s["source"], s["root"], download=s["download"], synthetic_classes=s["synthetic_classes"],
+                     synthetic_shape=s["synthetic_shape"], synthetic_samples=s["synthetic_samples"],
+                     seed=s["seed"])
+    labels = ds.y.numpy()
+    k = ds.num_classes
+    rng_public = np.random.default_rng(np.random.SeedSequence(s["seed"]).spawn(3)[0])
+
+    public_idx: np.ndarray | None = None
+    if s["public_fraction"] > 0:
+        public_idx, pool = stratified_split(labels, s["public_fraction"], rng_public)
+    else:
+        pool = np.arange(labels.size, dtype=np.int64)
+
+    m, part = s["num_clients"], s["partition"]
+    try:
+        groups, train_indices, eval_indices = split_clients(s, labels, k, pool, m)
+    except DataError as exc:  # e.g. a client without any sample: name a client count that works, where one does
+        best = largest_working(m, lambda n: _clients_have_data(s, labels, k, pool, n))
+        if not best:
+            raise
+        raise DataError(f"{exc} (at most data.num_clients={best} gives every client training data and an "
+                        f"evaluation split here)") from exc
+    # the transforms draw from their own stream: the partitions above stay those of earlier versions
+    rng_transform = np.random.default_rng(np.random.SeedSequence([s["seed"], 0x7261]))
+    label_perms = (label_swap_permutations(k, s["groups"], s["swap_pairs"], rng_transform)
+                   if part == "label-swap" else None)
+
+    train_counts = np.zeros((m, k), dtype=np.int64)
+    eval_counts = np.zeros((m, k), dtype=np.int64)
+    for i, (tr, te) in enumerate(zip(train_indices, eval_indices)):
         relabel = label_perms[groups[i]] if label_perms is not None else np.arange(k)  # counts: the client's labels
         train_counts[i] = np.bincount(relabel[labels[tr]], minlength=k)
         eval_counts[i] = np.bincount(relabel[labels[te]], minlength=k)
-    if validating and not eval_counts.sum(axis=1).all():
-        log.warning("data: clients %s have an empty validation split (train split too small for "
-                    "validation_fraction=%s)", np.flatnonzero(eval_counts.sum(axis=1) == 0).tolist(),
-                    s["validation_fraction"])
+    check_every_client_has_data(s, train_counts.sum(axis=1), eval_counts.sum(axis=1),
+                                lambda n: _clients_have_data(s, labels, k, pool, n))
 
     # One gather from the source into the stored order; every split below is a slice (a view) of it.
     blocks = [b for tr, te in zip(train_indices, eval_indices) for b in (tr, te)]
