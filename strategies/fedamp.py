@@ -177,7 +177,6 @@ class FedAMP(PersonalisedStrategy):
             if r.arrays is not None and set(r.arrays) == set(self.keys):
                 self.models[r.client_id] = flatten(r.arrays, self.keys)
             else:
-                log.warning("round %d: client %d sent arrays that do not match the model; kept its previous one",
-                            server_round, r.client_id)
+                self.skip_reply(server_round, r, "arrays that do not match the model; its previous model kept")
         return {"attention_self_mean": self._last_self_weight, "model_distance_sq_median": self._last_median_d2,
                 "attention_sigma": self._last_sigma}
