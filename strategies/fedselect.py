@@ -327,7 +327,7 @@ class FedSelect(PersonalisedStrategy):
         for r in replies:
             masks = self.client_masks(r.client_id)
             expected = {name: shared_values(v, masks.get(name)).shape for name, v in sent.items()}
-            if r.arrays is None or set(r.arrays) != set(sent) or any(r.arrays[k].shape != s for k, s in expected.items()):
+            if r.arrays is None or set(r.arrays) != set(sent) or any(r.arrays[k].shape != expected[k] for k in sent):
                 log.warning("round %d: client %d's reply does not hold its shared entries; left out", server_round,
                             r.client_id)
                 continue

@@ -207,7 +207,8 @@ class PFedCK(PersonalisedStrategy):
         held = set(self.model_of.values())
         self.models = {mid: m for mid, m in self.models.items() if mid in held}
         log.info("round %d: pFedCK K=%d, cluster sizes %s", server_round, k, sizes.tolist())
-        out: dict[str, Any] = {"clusters": int((sizes > 0).sum()), "cluster_sizes": " ".join(str(int(s)) for s in sizes)}
+        out: dict[str, Any] = {"clusters": int((sizes > 0).sum()),
+                               "cluster_sizes": " ".join(str(int(s)) for s in sizes)}
         for key, metric in (("pfedck_kl_personal", KL_PERSONAL), ("pfedck_kl_interactive", KL_INTERACTIVE)):
             values = [float(r.metrics[metric]) for r in usable if metric in r.metrics]
             if values:

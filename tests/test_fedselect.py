@@ -294,6 +294,18 @@ def test_short_run_sends_only_shared_entries_and_personalises(tiny_config):
     assert set(s.final_summary()["personal_fraction"]) == {"0", "1", "2", "3"}
 
 
+def test_with_nothing_personal_it_is_fedavg(tiny_config):
+    """A mask that never grows: the same values sent, the same training, the same average as FedAvg (up to the
+    rounding of the two ways of dividing by the weights)."""
+    s, _, selected, _, _ = run_inprocess(tiny_config, 2, grow_every=1000)
+    cfg = load_config(tiny_config(rounds=2, data=PATHOLOGICAL, strategy={"name": "fedavg"}))
+    plain = resolve(cfg).build(cfg).start(InProcessGrid(4))
+    for k, v in s.global_params.items():
+        np.testing.assert_allclose(v, plain.arrays[k].numpy(), rtol=1e-5, atol=1e-7, err_msg=k)
+    for r in (1, 2):
+        assert selected.evaluate_metrics_clientapp[r]["acc_mean"] == plain.evaluate_metrics_clientapp[r]["acc_mean"]
+
+
 def test_same_seed_same_rounds_csv(tiny_config, tmp_path):
     import server_app
 
