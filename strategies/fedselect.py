@@ -214,25 +214,20 @@ def fedselect_load(w, tag: str) -> None:
     entries and its buffers stay as they are."""
     masks = message_masks(w)
     received = w.received
+    params = dict(w.model.named_parameters())
+    unknown = [k for k in received if not k.startswith(MASK_PREFIX) and k not in params]
+    if unknown:
+        raise ProtocolError(f"the message carries arrays this model has no parameter of: {unknown[:3]}")
     with torch.no_grad():
-        for name, p in w.model.named_parameters():
+        for name, p in params.items():
             if name not in received:
                 raise ProtocolError(f"the message lacks the shared values of '{name}'")
             values = received[name].to(p.device, p.dtype).reshape(-1)
-            flat = p.view(-1)
-            if name in masks:
-                shared = ~masks[name].reshape(-1)
-                if values.numel() != int(shared.sum()):
-                    raise ProtocolError(f"'{name}': {values.numel()} shared values for {int(shared.sum())} shared "
-                                        "entries")
-                flat[shared] = values
-            elif values.numel() != flat.numel():
-                raise ProtocolError(f"'{name}': {values.numel()} values for {flat.numel()} entries")
-            else:
-                flat.copy_(values)
-    unknown = [k for k in received if not k.startswith(MASK_PREFIX) and k not in dict(w.model.named_parameters())]
-    if unknown:
-        raise ProtocolError(f"the message carries arrays this model has no parameter of: {unknown[:3]}")
+            shared = ~masks[name].reshape(-1) if name in masks else torch.ones(p.numel(), dtype=torch.bool,
+                                                                                 device=p.device)
+            if values.numel() != int(shared.sum()):
+                raise ProtocolError(f"'{name}': {values.numel()} shared values for {int(shared.sum())} shared entries")
+            p.view(-1)[shared] = values
 
 
 @client_op(TRAIN_OP, default_tag="train")
