@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 import torch.nn.functional as F
 from flwr.app import Message
 from torch import Tensor, nn

@@ -14,14 +14,15 @@ from fedapps import ops, protocol
 from fedapps.config import ConfigError, OptimSettings, load_config
 from fedapps.data import get_federation
 from fedapps.inprocess import InProcessGrid
+from fedapps.models import build_model
 from fedapps.protocol import ClientReply
 from fedapps.results import read_csv
-from fedapps.models import build_model
 from fedapps.seeds import derive_seed
 from fedapps.worker import STATE_MODEL, Worker, data_spec
 from strategies import resolve
-from strategies.pfedck import ALPHA, BETA, KL_INTERACTIVE, KL_PERSONAL, TEMPERATURE, TRAIN_OP, cluster_updates, \
-    mutual_losses, unit_rows
+from strategies.comet import kmeans, kmeans_plus_plus
+from strategies.pfedck import (ALPHA, BETA, KL_INTERACTIVE, KL_PERSONAL, TEMPERATURE, TRAIN_OP, cluster_updates,
+                               mutual_losses, unit_rows)
 from test_ops_worker import worker_message
 
 PATHOLOGICAL = {"source": "digits", "partition": "pathological", "num_clients": 4, "classes_per_client": 4}
@@ -107,7 +108,6 @@ def test_clustering_recovers_planted_groups_whatever_the_update_size():
     assert len(set(labels[:3])) == 1 and len(set(labels[3:])) == 1 and labels[0] != labels[3]
     assert centroids.shape == (2, 50)
     np.testing.assert_allclose(np.linalg.norm(unit_rows(updates), axis=1), 1.0)
-    from strategies.comet import kmeans, kmeans_plus_plus
     raw, _ = kmeans(updates, kmeans_plus_plus(updates, 2, np.random.default_rng(0)))
     assert not (len(set(raw[:3])) == 1 and len(set(raw[3:])) == 1)  # on the raw rows the sizes decide instead
     # warm start keeps the cluster ids; k is capped at the number of clients
