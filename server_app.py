@@ -61,17 +61,18 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     last round, the rows of rounds.csv so far restored, the clients' private models read from its client-state/.
     """
     from fedapps import checkpoint, message_sweep, tracking
-    from fedapps.config import dump_yaml, load_config
+    from fedapps.config import dump_yaml, load_config, split_overrides
     from fedapps.data import NODES, get_federation, set_described_counts, spec_key
     from fedapps.describe import bind_accepted
     from fedapps.results import REJECTIONS, DeliveryCheck, FileSink, ResultSink, UnusableRun, append_rejections
-    from strategies import resolve
+    from strategies import report_ignored, resolve
 
     setup_logging()
     set_server_threads()
     t0 = time.time()
     cfg = load_config(config_path, overrides)
     resolved = resolve(cfg)  # strategy.name and strategy.params checked here (ConfigError naming the key)
+    report_ignored(cfg, split_overrides(overrides))  # keys set but not read by this run: a warning each
     cfg = resolved.config(cfg)  # config.yaml shows the chosen strategy's params with every default filled in
     saved = None
     if resume_dir:

@@ -443,14 +443,9 @@ def validate(cfg: ExperimentConfig) -> None:
     if d.source.startswith(HF_SOURCE_PREFIX):  # early, before any data is read: the optional extra is installed
         check_hf_source(d.source)
     _check(d.num_clients > 0, f"'data.num_clients' must be a positive integer, got {d.num_clients}")
-    _check(
-        s.min_clients <= d.num_clients,
-        f"'strategy.min_clients' ({s.min_clients}) exceeds 'data.num_clients' ({d.num_clients})",
-    )
-    _check(
-        s.expected_clients <= d.num_clients,
-        f"'strategy.expected_clients' ({s.expected_clients}) exceeds 'data.num_clients' ({d.num_clients})",
-    )
+    _check(s.min_clients <= d.num_clients, exceeds_clients("strategy.min_clients", s.min_clients, d.num_clients))
+    _check(s.expected_clients <= d.num_clients,
+           exceeds_clients("strategy.expected_clients", s.expected_clients, d.num_clients))
 
     c = cfg.client
     _check(c.epochs >= 0, f"'client.epochs' must be >= 0, got {c.epochs}")
@@ -464,6 +459,38 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(not (c.mixed_precision and c.device == "cpu"),
            "'client.mixed_precision: true' applies to CUDA devices only, but 'client.device' is 'cpu'; "
            "set client.device to 'auto' or 'cuda', or remove client.mixed_precision")
+
+
+def exceeds_clients(key: str, value: int, num_clients: int,
+                    why: str = "a run cannot wait for more clients than the federation has") -> str:
+    """The error of a count ``key`` above ``data.num_clients``, naming both ways out as overrides."""
+    return (f"'{key}' ({value}) exceeds 'data.num_clients' ({num_clients}): {why}; lower it "
+            f"(--set {key}={num_clients}) or raise the clients (--set data.num_clients={value})")
+
+
+def unused_settings(cfg: ExperimentConfig, named: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """``(key, why)`` for each key outside ``data`` that is set (a value other than its default, or a dotted key in
+    ``named``: the overrides) but has no effect under the rest of the config (e.g. ``strategy.trim_fraction`` with
+    ``strategy.aggregation: mean``). Knows no strategy: ``strategies.ignored_settings`` adds the rest."""
+    defaults = ExperimentConfig()
+
+    def is_set(key: str, value: Any, default: Any) -> bool:
+        return key in named or value != default
+
+    out: list[tuple[str, str]] = []
+    s, ds = cfg.strategy, defaults.strategy
+    if is_set("strategy.trim_fraction", s.trim_fraction, ds.trim_fraction) and s.aggregation != "trimmed-mean":
+        out.append(("strategy.trim_fraction", f"only strategy.aggregation 'trimmed-mean' trims; this run aggregates "
+                                              f"by '{s.aggregation}'"))
+    if is_set("strategy.max_weight_share", s.max_weight_share, ds.max_weight_share) and s.aggregation != "mean":
+        out.append(("strategy.max_weight_share", f"the cap applies to strategy.aggregation 'mean'; '{s.aggregation}' "
+                                                 "weighs every client equally"))
+    if is_set("tracking_dir", cfg.tracking_dir, defaults.tracking_dir) and not cfg.tracking:
+        out.append(("tracking_dir", "no tracker is on ('tracking' is empty)"))
+    c = cfg.client
+    if is_set("client.momentum", c.momentum, defaults.client.momentum) and c.optimizer != "sgd":
+        out.append(("client.momentum", f"only client.optimizer 'sgd' uses it; the optimizer is '{c.optimizer}'"))
+    return out
 
 
 def check_tracking(names: list[Any]) -> None:

@@ -28,7 +28,8 @@ from fedapps import checkpoint, ops, protocol, pseudolabels
 from fedapps.seeds import derive_seed
 from fedapps.clientops import DISTILL_WEIGHTINGS, TRAINING_TERMS, ProtocolError, client_op, parse_op
 from fedapps.data import (DATA_PATH, NODES, NUM_CLASSES, PUBLIC_PATH, ClientData, DataError, Federation,
-                          get_federation, node_federation, node_path, read_labelled, read_public, spec_key)
+                          data_warnings_silenced, get_federation, node_federation, node_path, read_labelled,
+                          read_public, spec_key)
 from fedapps.models import STATE_PARTS, build_model, classifier_name, state_part
 
 log = logging.getLogger("fedapps")
@@ -105,7 +106,8 @@ def client_federation(context: Context, spec: dict[str, Any], client_id: int, pu
                                     f"every client's data from that source); run with data.source: nodes, or start this "
                                     f"SuperNode without '{key}'")
         try:
-            return get_federation(spec)
+            with data_warnings_silenced():  # the server built the same federation from this spec and reported it
+                return get_federation(spec)
         except DataError as exc:
             raise ProtocolError(f"client {client_id}: the data spec cannot be served here: {exc}") from exc
     if not own:

@@ -1,17 +1,17 @@
-"""`fedapps run / compare / tune / report`: thin helpers around `flwr run`.
+"""The `fedapps` command: run one config, compare configs over seeds, tune on the validation split, report a run,
+regenerate the published tables, deploy across machines (each sub-command's --help says how).
 
 `fedapps run CONFIG` validates the config and the data here (a bad key fails at once, naming it: exit 2),
-starts its own SuperLink (simulation mode, free port, own FLWR_HOME) or joins ``--superlink ADDRESS``; with
-``--ray-address HOST:PORT`` (or an exported RAY_ADDRESS) its simulation runs on that Ray cluster (``raycluster``),
+starts its own SuperLink (simulation mode, free port, own FLWR_HOME) or joins --superlink ADDRESS; with
+--ray-address HOST:PORT (or an exported RAY_ADDRESS) its simulation runs on that Ray cluster (`raycluster`),
 submits the app with `flwr run --format json`, follows the run's log and status, stops only the processes
-it started, and exits non-zero unless the run finished ``completed`` (exit 1; Ctrl-C: 130).
+it started, and exits non-zero unless the run finished `completed` (exit 1; Ctrl-C: 130).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import re
@@ -25,13 +25,15 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
-from fedapps.config import ConfigError, ExperimentConfig, load_config, source_slug
+from fedapps.config import ConfigError, ExperimentConfig, load_config
 from fedapps.results import UnusableRun
 from fedapps_tools.flwrcli import (CONNECTION, RunFailed, _proc_stat, descendants, failure_reasons,
                                    flower_env, follow_run, stop_processes, submit_run, toml_str)
 from fedapps_tools import raycluster
+from fedapps_tools.logfilter import LogFilter, command_logging
+from fedapps_tools.options import add_seeds_option, output_dir_help, package_version, resolve_root
+from fedapps_tools.summary import print_summary
 
 
 def free_port() -> int:
@@ -213,7 +215,7 @@ def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[st
             write_connection(home, address)
             run_id = start_run(cfg, config_path, overrides, output_dir, args, env)
             print(f"run {run_id} started on {address}", flush=True)
-            status, lines = follow_run(run_id, env, args.quiet, link)
+            status, lines = follow_run(run_id, env, args.quiet, link, log_filter=getattr(args, "log_filter", None))
             if status != "finished:completed":
                 raise RunFailed(f"run {run_id} ended with status '{status}':\n{failure_reasons(lines, result_dir)}")
         ok = True
@@ -246,46 +248,6 @@ def run_in_process(cfg: ExperimentConfig, config_path: Path, overrides: list[str
     return Path(resume) if resume else output_dir / cfg.resolved_run_name()
 
 
-def print_summary(result_dir: Path) -> None:
-    """A small table of the run's summary.json."""
-    s = json.loads((result_dir / "summary.json").read_text())
-    keys = ["strategy", "dataset", "partition", "model", "num_clients", "rounds", "protocol", "final_round",
-            "accuracy_mean", "accuracy_weighted", "accuracy_worst10", "accuracy_std", "accuracy_after_training_mean"]
-    keys += sorted(k for k in s if k.startswith("final_") or k in ("clusters",))
-    keys += ["bytes_up_per_client_round", "bytes_down_per_client_round", "wall_seconds"]
-    width = max(len(k) for k in keys)
-    print("\n" + "-" * (width + 24))
-    for k in keys:
-        if k in s:
-            v = s[k]
-            print(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
-    print("-" * (width + 24))
-    print(f"results: {result_dir}")
-    if s.get("strategy") != "fedavg":
-        print_fedavg_reference(result_dir, s)
-
-
-def number(value: Any) -> str:
-    """A metric for printing: 4 decimals, or 'none' where a run produced no value."""
-    return f"{value:.4f}" if isinstance(value, (int, float)) else "none"
-
-
-def print_fedavg_reference(result_dir: Path, summary: dict[str, Any]) -> None:
-    """FedAvg's number beside a personalised run: from a FedAvg run of the same setting if one is on disk."""
-    cfg = load_config(result_dir / "config.yaml")
-    twin = result_dir.parent / f"fedavg-{source_slug(cfg.data.source)}-{cfg.data.partition}-s{cfg.seed}"
-    same = twin / "config.yaml"
-    if same.is_file() and (twin / "summary.json").is_file():
-        other = load_config(same)
-        if (other.data, other.model, other.client, other.rounds) == (cfg.data, cfg.model, cfg.client, cfg.rounds):
-            ref = json.loads((twin / "summary.json").read_text())
-            print(f"FedAvg on the same setting ({twin.name}): accuracy_mean {number(ref.get('accuracy_mean'))} "
-                  f"vs {summary['strategy']} {number(summary.get('accuracy_mean'))}")
-            return
-    print("FedAvg's number on the same setting: add  --set strategy.name=fedavg  "
-          "(e.g. make run ARGS=\"--set strategy.name=fedavg\"); it is then shown here.")
-
-
 def check_output_dir(out: Path) -> None:
     """The results root must be (or become) a writable folder: checked before any process starts."""
     try:
@@ -297,15 +259,17 @@ def check_output_dir(out: Path) -> None:
                           "pass --output-dir DIR (or set output_dir) to a folder you can write") from exc
 
 
-def preflight(cfg: ExperimentConfig) -> None:
+def preflight(cfg: ExperimentConfig, overrides: list[str] = ()) -> None:
     """What can be checked before a run starts: strategy and params, then the data (loaded and partitioned
-    here, so a DataError is a message and exit 2, not a failed Flower run)."""
+    here, so a DataError is a message and exit 2, not a failed Flower run); keys set but not read by the run are
+    reported (a warning each)."""
     import dataclasses
 
     from fedapps.data import get_federation
-    from strategies import resolve  # local: the strategies (torch, flwr) load only when a run starts
+    from strategies import report_ignored, resolve  # local: the strategies (torch, flwr) load only when a run starts
 
     resolve(cfg)  # strategy.name and strategy.params: a bad one fails here, before flwr run starts
+    report_ignored(cfg, overrides)
     get_federation(dataclasses.asdict(cfg.data))
 
 
@@ -373,7 +337,7 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
     if not config_path.is_file():
         raise ConfigError(f"config file '{config}' not found; pass the path of a YAML file (e.g. configs/default.yaml)")
     cfg = load_config(config_path, overrides)
-    out = Path(output_dir or cfg.output_dir).expanduser().resolve()
+    out = resolve_root(output_dir, cfg.output_dir)
     check_output_dir(out)
     ray_address, ray_source = ray_cluster_request(args)
     if ray_address:
@@ -384,7 +348,7 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
             if args.engine == "flower" and not args.superlink:
                 link = new_superlink(ray_address)
                 link.launch()
-            preflight(cfg)
+            preflight(cfg, overrides)
             if getattr(args, "resume", None):
                 args.resume = str(Path(args.resume).expanduser().resolve())
                 from fedapps import checkpoint
@@ -403,18 +367,22 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
     return run_in_process(cfg, config_path, overrides, out, getattr(args, "resume", None))
 
 
-def add_run_options(p: argparse.ArgumentParser, output_dir: bool = True) -> None:
-    """Options shared by run, compare and tune (tune names its folder with --out instead of --output-dir)."""
+def add_run_options(p: argparse.ArgumentParser, writes: str) -> None:
+    """Options shared by run, compare and tune; ``writes``: what the sub-command writes under --output-dir."""
     p.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                   help="dotted overrides, e.g. --set rounds=5 client.lr=0.01")
-    if output_dir:
-        p.add_argument("--output-dir", default=None, help="results root (default: the config's output_dir)")
+                   help="dotted overrides of the config's keys, e.g. --set rounds=5 client.lr=0.01")
+    p.add_argument("--output-dir", default=None, metavar="DIR", help=output_dir_help(writes))
     p.add_argument("--engine", choices=("flower", "inprocess"), default="flower",
                    help="flower: `flwr run` on the Ray simulation engine (default); inprocess: same code, no Ray")
-    p.add_argument("--supernodes", type=int, default=0, help="simulated SuperNodes (default: data.num_clients)")
-    p.add_argument("--cpus-per-client", type=float, default=1, help="client-resources-num-cpus (default 1)")
-    p.add_argument("--gpus-per-client", type=float, default=0, help="client-resources-num-gpus (default 0)")
-    p.add_argument("--federation-config", default="", help="raw --federation-config for flwr run (overrides the three above)")
+    p.add_argument("--supernodes", type=int, default=0, metavar="N",
+                   help="simulated SuperNodes (default: data.num_clients)")
+    p.add_argument("--cpus-per-client", type=float, default=1, metavar="CPUS",
+                   help="CPUs Ray reserves per client, Flower's client-resources-num-cpus (default 1)")
+    p.add_argument("--gpus-per-client", type=float, default=0, metavar="GPUS",
+                   help="GPUs (or a share of one, e.g. 0.25) Ray reserves per client, Flower's "
+                        "client-resources-num-gpus (default 0)")
+    p.add_argument("--federation-config", default="", metavar="TEXT",
+                   help="the raw --federation-config of flwr run (replaces the three options above)")
     p.add_argument("--superlink", default="", metavar="ADDRESS",
                    help="join this running SuperLink (host:port, insecure) instead of starting one; nothing is stopped")
     p.add_argument("--ray-address", default=None, metavar="HOST:PORT",
@@ -426,45 +394,78 @@ def add_run_options(p: argparse.ArgumentParser, output_dir: bool = True) -> None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedapps", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run one config through flwr run and print its summary")
-    run.add_argument("config")
+    """The `fedapps` command line (run, compare, tune, report; tables and deploy parse their own options). Builds
+    the parsers only: nothing is read or started (the CLI reference is generated from it)."""
+    parser = argparse.ArgumentParser(
+        prog="fedapps", description=__doc__.split("\n\n")[0].replace("\n", " "),
+        epilog="`fedapps COMMAND --help` lists a command's options.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = sub.add_parser("run", help="run one config through `flwr run` and print its summary",
+                         description="Run one config through `flwr run` (or in this process with --engine inprocess) "
+                                     "and print its summary.")
+    run.add_argument("config", metavar="CONFIG",
+                     help="the experiment's YAML file, e.g. configs/default.yaml (every key is checked before "
+                          "anything starts)")
     run.add_argument("--resume", default=None, metavar="RUN_DIR",
                      help="continue the run in RUN_DIR (<output-dir>/<run-name>) after its last checkpointed round")
-    add_run_options(run)
-    cmp_ = sub.add_parser("compare", help="run configs × seeds, then tabulate mean ± SEM")
-    cmp_.add_argument("configs", nargs="+")
-    cmp_.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    cmp_.add_argument("--name", default="comparison", help="folder under the output dir for the table and plot")
-    add_run_options(cmp_)
-    sub.add_parser("tables", add_help=False, help="regenerate the published comparison tables from a spec "
-                   "(experiments/*.yaml): tune every method on validation, run the seeds, write the report; "
-                   "`fedapps tables --help` for its options")
-    sub.add_parser("deploy", add_help=False, help="across machines: certificates, node keys, SuperLink/SuperNodes with "
-                   "TLS and authentication, runs on a named SuperLink, stop; `fedapps deploy --help`")
-    tun = sub.add_parser("tune", help="run a grid on the validation split and choose by validation accuracy")
-    tun.add_argument("config")
+    add_seeds_option(run, None, "the run's seed, the same as --set seed=N; a run has one: for several use "
+                                "`fedapps compare CONFIG --seeds 0,1,2`", default_text="the config's seed")
+    add_run_options(run, "the run folder DIR/<run name>/")
+    cmp_ = sub.add_parser("compare", help="run configs × seeds, then tabulate mean ± SEM",
+                          description="Run every config at every seed (runs already complete with the same config are "
+                                      "skipped), then write comparison.csv, comparison.md and comparison.png.")
+    cmp_.add_argument("configs", nargs="+", metavar="CONFIG",
+                      help="YAML files, one row of the table each (e.g. configs/fedavg.yaml configs/local.yaml)")
+    add_seeds_option(cmp_, [0, 1, 2], "the seeds every config runs at")
+    cmp_.add_argument("--name", default="comparison",
+                      help="the comparison's folder under --output-dir (default: comparison)")
+    add_run_options(cmp_, "DIR/<name>/: the table, the plot and the runs (runs/)")
+    tun = sub.add_parser("tune", help="run a grid on the validation split and choose by validation accuracy",
+                         description="Run every point of a grid on the validation split, choose the point with the "
+                                     "best validation accuracy and write it as chosen.yaml (for the final runs).")
+    tun.add_argument("config", metavar="CONFIG",
+                     help="the YAML file whose keys the grid varies, e.g. configs/fedavg.yaml")
     tun.add_argument("--grid", nargs="+", action="extend", default=[], required=True, metavar="KEY=V1,V2,...",
                      help="a key and its values (YAML scalars, comma-separated); repeat for more keys: the cartesian "
                           "grid runs, e.g. --grid client.lr=0.01,0.05 --grid client.epochs=1,2")
-    tun.add_argument("--seeds", nargs="+", default=["0"], metavar="SEED[,SEED...]",
-                     help="seeds each point runs at (default 0: docs/evaluation.md tunes at 1 seed)")
-    tun.add_argument("--max-points", type=int, default=4,
-                     help="refuse a grid with more points (default 4: the equal-budget rule of docs/evaluation.md)")
-    tun.add_argument("--out", "--output-dir", dest="output_dir", default=None, metavar="DIR",
-                     help="folder for tuning.csv, tuning.md, chosen.yaml and runs/ "
-                          "(default: <output_dir>/tune-<config name>)")
-    add_run_options(tun, output_dir=False)
+    add_seeds_option(tun, [0], "the seeds every grid point runs at (one seed is the tuning rule of the published "
+                               "tables)")
+    tun.add_argument("--max-points", type=int, default=4, metavar="N",
+                     help="refuse a grid with more points (default 4: every method gets the same budget of grid "
+                          "points in a comparison)")
+    tun.add_argument("--name", default=None,
+                     help="the tuning's folder under --output-dir (default: tune-<config file name>)")
+    tun.add_argument("--out", default=None, metavar="DIR",
+                     help="the tuning's folder itself, instead of --output-dir and --name")
+    add_run_options(tun, "DIR/<name>/: tuning.csv, tuning.md, chosen.yaml and the runs (runs/)")
     rep = sub.add_parser("report", help="print the summary of a run folder (a comparison folder: its table), or "
                          "with --html write one self-contained HTML report of it")
-    rep.add_argument("result_dir", help="a run folder (<output-dir>/<run-name>) or a `fedapps compare` folder")
+    rep.add_argument("result_dir", metavar="RESULT_DIR",
+                     help="a run folder (<output-dir>/<run-name>) or a `fedapps compare` folder")
     rep.add_argument("--html", action="store_true",
                      help="write a static HTML page (table, curves, per-client spread, strategy figures; no network "
                           "needed to view it) and print its path")
     rep.add_argument("--out", default=None, metavar="FILE",
                      help="where --html writes (default: RESULT_DIR/report.html)")
+    sub.add_parser("tables", add_help=False, help="regenerate the published comparison tables from a spec "
+                   "(experiments/*.yaml): tune every method on validation, run the seeds, write the report; "
+                   "`fedapps tables --help` for its options")
+    sub.add_parser("deploy", add_help=False, help="across machines: certificates, node keys, SuperLink/SuperNodes with "
+                   "TLS and authentication, runs on a named SuperLink, stop; `fedapps deploy --help` for its steps")
     return parser
+
+
+def run_overrides(args: argparse.Namespace) -> list[str]:
+    """`fedapps run`'s overrides: --set, then --seeds (one seed: seed=N)."""
+    seeds = getattr(args, "seeds", None)
+    if not seeds:
+        return list(args.overrides)
+    if len(seeds) > 1:
+        raise ConfigError(f"fedapps run makes one run, but --seeds names {len(seeds)} seeds "
+                          f"({','.join(map(str, seeds))}); pass one (--seeds {seeds[0]}), or run them all with "
+                          f"`fedapps compare {args.config} --seeds {','.join(map(str, seeds))}`")
+    return list(args.overrides) + [f"seed={seeds[0]}"]
 
 
 def report(args: argparse.Namespace) -> int:
@@ -503,9 +504,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return deploy_main(argv[1:])
     args = build_parser().parse_args(argv)
+    args.log_filter = LogFilter()  # config/data warnings once, Flower's noise left out (see logfilter)
+    command_logging(args.log_filter)
     try:
         if args.command == "run":
-            print_summary(execute(args.config, args.overrides, args.output_dir, args))
+            print_summary(execute(args.config, run_overrides(args), args.output_dir, args))
         elif args.command == "compare":
             from fedapps_tools.compare import compare
 

@@ -20,6 +20,7 @@ from scipy import stats
 from fedapps import plots
 from fedapps.config import ConfigError, ExperimentConfig, config_hash, load_config
 from fedapps.results import read_csv, write_csv
+from fedapps_tools.options import parse_seeds, resolve_root
 from fedapps_tools.progressbar import RunProgress
 
 log = logging.getLogger("fedapps")
@@ -205,27 +206,52 @@ def plot_curves(lines: list[Line], path: Path) -> None:
     plots.plot_comparison(comparison_curves(lines), path)
 
 
+FORMER_DEFAULT_ROOT = "results"  # compare's results root before it followed the configs' output_dir
+
+
+def comparison_root(output_dir: str | None, configs: Sequence[ExperimentConfig], name: str) -> Path:
+    """The results root: ``--output-dir``, else the configs' ``output_dir`` (as `fedapps run` and `tune`); configs
+    that name different ones need --output-dir. An earlier comparison of this name under the former default root
+    (./results, whatever the configs said) is not left behind silently: ConfigError naming both places."""
+    if output_dir:
+        return resolve_root(output_dir, "")
+    roots = sorted({resolve_root(None, c.output_dir) for c in configs})
+    if len(roots) > 1:
+        raise ConfigError(f"compare: the configs name different output_dir ({', '.join(map(str, roots))}); pass "
+                          "--output-dir DIR for the comparison's results root")
+    root = roots[0]
+    former = resolve_root(FORMER_DEFAULT_ROOT, "") / name
+    if root != former.parent and ((former / "comparison.csv").is_file() or (former / "runs").is_dir()):
+        raise ConfigError(f"compare writes under the configs' output_dir, here {root / name} (as run and tune do), "
+                          f"but an earlier comparison '{name}' is in {former} (the former default, ./results); "
+                          f"to continue that one pass --output-dir {former.parent}, or --name another name")
+    return root
+
+
 def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
     """Run every config × seed (resuming), then write the table and the plot; returns the table folder."""
-    base_out = Path(args.output_dir or "results").expanduser().resolve()
-    folder = base_out / args.name
-    runs_dir = folder / "runs"
     labels = [run_label(c) for c in args.configs]
     if len(set(labels)) != len(labels):
         raise ConfigError("compare: two configs share a file name; rename one (the name labels the table row)")
-    from strategies import resolve  # local: tools sit above the strategies; `fedapps_tools.compare` stays light
+    from strategies import report_ignored, resolve  # local: tools sit above the strategies; this module stays light
 
     from fedapps.data import get_federation
 
+    seeds = parse_seeds(args.seeds)
+    checked_configs = []
     for config in args.configs:  # every config's strategy, params and data checked before the first run starts
         checked = load_config(Path(config).expanduser().resolve(), list(args.overrides))
         resolve(checked)
+        report_ignored(checked, list(args.overrides))
         get_federation(dataclasses.asdict(checked.data))  # a DataError (a ConfigError) here: exit 2
+        checked_configs.append(checked)
+    folder = comparison_root(args.output_dir, checked_configs, args.name) / args.name
+    runs_dir = folder / "runs"
     rows, lines = [], []
-    progress = RunProgress(len(args.configs) * len(args.seeds))
+    progress = RunProgress(len(args.configs) * len(seeds))
     for config, label in zip(args.configs, labels):
         summaries, label_curves = [], []
-        for seed in args.seeds:
+        for seed in seeds:
             overrides = list(args.overrides) + [f"seed={seed}", f"run_name={label}-s{seed}"]
             cfg = load_config(Path(config).expanduser().resolve(), overrides)
             result_dir = runs_dir / cfg.resolved_run_name()

@@ -58,17 +58,47 @@ def curve(run_dir: Path) -> tuple[list[int], list[float]]:
     return [int(r["round"]) for r in rows], [float(r["acc_mean"]) for r in rows]
 
 
+def strategy_of(run_dir: Path) -> str:
+    """The run's strategy: summary.json's, or (a run still going) its resolved config's."""
+    if (run_dir / "summary.json").is_file():
+        return str(json.loads((run_dir / "summary.json").read_text()).get("strategy", ""))
+    import yaml
+
+    raw = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
+    return str((raw or {}).get("strategy", {}).get("name", ""))
+
+
 def describe(run_dir: Path, window: int, tolerance: float, after: int) -> dict[str, object]:
     rounds, acc = curve(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
     i = flattening_index(acc, window, tolerance, after)
     s = smoothed(acc, window)
-    return {"run": run_dir.name, "strategy": summary.get("strategy", ""), "partition": summary.get("partition", ""),
+    return {"run": run_dir.name, "strategy": strategy_of(run_dir), "partition": summary.get("partition", ""),
             "evaluated_on": summary.get("evaluated_on", ""), "rounds_observed": rounds[-1] if rounds else 0,
             "flattening_round": rounds[i] if i is not None else "",
             "smoothed_acc_at_flattening": round(float(s[i]), 4) if i is not None else "",
             "smoothed_acc_final": round(float(s[-1]), 4) if len(s) else "",
             "window": window, "tolerance": tolerance, "after": after}
+
+
+def plot_curves(runs: list[Path], path: Path, window: int, tolerance: float, after: int) -> None:
+    """Each run's validation curve (faint) and its trailing mean, the flattening round marked where there is one."""
+    from fedapps import plots
+
+    plt = plots._pyplot()  # noqa: SLF001 - the project's one matplotlib set-up
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for run, style in zip(runs, plots.line_styles([strategy_of(d) for d in runs])):
+        rounds, acc = curve(run)
+        s = smoothed(acc, window)
+        ax.plot(rounds, acc, color=style["color"], alpha=0.25, linewidth=0.8)
+        ax.plot(rounds, s, color=style["color"], linestyle=style.get("linestyle", "-"), label=run.name)
+        i = flattening_index(acc, window, tolerance, after)
+        if i is not None:
+            ax.axvline(rounds[i], color=style["color"], linestyle=":", linewidth=1)
+    plots.round_axis(ax)
+    ax.set_ylabel(f"accuracy, deployed model (mean over clients; {window}-round mean)")
+    ax.legend(fontsize=8)
+    plots.save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tolerance", type=float, default=TOLERANCE, help="largest later gain counted as flat")
     ap.add_argument("--after", type=int, default=AFTER, help="rounds that must be observed past the flattening round")
     ap.add_argument("--csv", default="", help="append one row per run to this CSV (with the command and commit)")
+    ap.add_argument("--figure", default="", help="draw the runs' curves (and flattening rounds) into this PNG")
     args = ap.parse_args(argv)
     from fedapps_tools.tables import provenance  # local: git is only asked when a CSV is written
 
@@ -92,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['run']}: {r['rounds_observed']} rounds observed, flat from round "
               f"{r['flattening_round'] or '— (still rising, or too few rounds after)'} "
               f"(smoothed acc there {r['smoothed_acc_at_flattening'] or '—'}, final {r['smoothed_acc_final']})")
+    if args.figure:
+        plot_curves([Path(r) for r in args.runs], Path(args.figure), args.window, args.tolerance, args.after)
     if args.csv:
         made = provenance()
         command = "python -m fedapps_tools.convergence " + " ".join(argv if argv is not None else sys.argv[1:])

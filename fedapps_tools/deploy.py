@@ -9,8 +9,8 @@
     run CONFIG --link NAME            run a config (path relative to the app) and check its FINAL status
     stop --state S                    stop exactly the processes these commands started from S
 
-Every process started here is recorded in ``<state>/pids/<name>.json`` (pid + start time, so a recycled pid is
-never signalled); ``stop`` signals those and their descendants, nothing else. Plain-text (insecure) mode is
+Every process started here is recorded in <state>/pids/<name>.json (pid + start time, so a recycled pid is
+never signalled); `stop` signals those and their descendants, nothing else. Plain-text (insecure) mode is
 refused unless the address is a loopback one.
 """
 
@@ -361,12 +361,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
     sub = p.add_subparsers(dest="step", required=True)
     c = sub.add_parser("certs", help="a CA and a SuperLink certificate for the given host names / IPs")
-    c.add_argument("dir", type=Path)
+    c.add_argument("dir", type=Path, metavar="DIR", help="the folder the CA and the SuperLink's certificate and key "
+                                                          "are written to (ca.crt, server.pem, server.key)")
     c.add_argument("--host", action="append", default=[], required=True, help="an address SuperNodes and the CLI dial")
-    c.add_argument("--days", type=int, default=365)
+    c.add_argument("--days", type=int, default=365, help="how long the certificates are valid (default 365)")
     k = sub.add_parser("node-key", help="a SuperNode key pair (OpenSSH ECDSA P-384)")
-    k.add_argument("dir", type=Path)
-    k.add_argument("name")
+    k.add_argument("dir", type=Path, metavar="DIR", help="the folder the key pair is written to")
+    k.add_argument("name", metavar="NAME", help="the key's file name: DIR/NAME (private) and DIR/NAME.pub")
     s = sub.add_parser("superlink", help="start a SuperLink in the background")
     s.add_argument("--state", type=Path, required=True, help="its folder: database, logs, pid files, relative results")
     s.add_argument("--host", required=True, help="the address to serve on (in the certificate's SAN)")
@@ -386,13 +387,13 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--check-seconds", type=float, default=20.0,
                    help="watch it until the SuperLink accepts it, at most this long (a refusal exits with status 2)")
     cn = sub.add_parser("connect", help="write the CLI's connection NAME into $FLWR_HOME/config.toml")
-    cn.add_argument("name")
+    cn.add_argument("name", metavar="NAME", help="the connection's name, used later as `run --link NAME`")
     cn.add_argument("--address", required=True, metavar="HOST:PORT")
     cn.add_argument("--ca", type=Path, default=None)
     cn.add_argument("--insecure", action="store_true")
     r = sub.add_parser("register", help="register a SuperNode's public key (flwr supernode register)")
-    r.add_argument("link")
-    r.add_argument("public_key", type=Path)
+    r.add_argument("link", metavar="NAME", help="the connection (see `connect`) of the SuperLink to register with")
+    r.add_argument("public_key", type=Path, metavar="KEY.pub", help="the SuperNode's public key (see `node-key`)")
     ru = sub.add_parser("run", help="run a config on a named SuperLink and fetch the results")
     ru.add_argument("config", help="a YAML file inside the app folder (e.g. configs/cwfedavg.yaml)")
     ru.add_argument("--link", required=True, help="connection name (see `connect`)")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fedapps.config import APP_DIR
+from fedapps_tools.logfilter import LogFilter
 
 
 OFFLINE_ENV = {
@@ -217,12 +218,15 @@ def local_run_status(run_id: str, address: str) -> str | None:
 class LogStream:
     """The run's log, line by line as it comes, read on a thread: in this process from the Control API of a SuperLink
     at ``address`` (this tool's own), else from `flwr log ID CONNECTION --stream`. ``ended`` is set when the stream
-    ends: the SuperLink ends it once the run has finished (or the connection broke)."""
+    ends: the SuperLink ends it once the run has finished (or the connection broke). ``log_filter``: which lines are
+    shown (:class:`fedapps_tools.logfilter.LogFilter`; None: all); ``lines`` keeps every line."""
 
-    def __init__(self, run_id: str, env: dict[str, str], connection: str, quiet: bool, address: str | None = None):
+    def __init__(self, run_id: str, env: dict[str, str], connection: str, quiet: bool, address: str | None = None,
+                 log_filter: LogFilter | None = None):
         self.lines: list[str] = []
         self.ended = threading.Event()
         self._quiet = quiet
+        self._filter = log_filter
         self._client = control_client(address) if address is not None else None
         self._proc: subprocess.Popen | None = None
         if self._client is None:
@@ -234,7 +238,7 @@ class LogStream:
 
     def _emit(self, line: str) -> None:
         self.lines.append(line)
-        if not self._quiet:
+        if not self._quiet and (self._filter is None or self._filter.show(line)):
             sys.stdout.write(line)
             sys.stdout.flush()
 
@@ -279,16 +283,17 @@ STATUS_BACKSTOP = 30.0  # seconds between status checks while the log stream is 
 
 def follow_run(run_id: str, env: dict[str, str], quiet: bool, link: Any | None,
                poll: float = 2.0, connection: str = CONNECTION,
-               backstop: float = STATUS_BACKSTOP) -> tuple[str, list[str]]:
+               backstop: float = STATUS_BACKSTOP, log_filter: LogFilter | None = None) -> tuple[str, list[str]]:
     """Stream the run's log until the run finishes; return (final status, log). ``link``: a SuperLink process this
     run owns (its children are noted, its exit ends the wait; its log and status are read in this process, see
-    :func:`control_client`), or None (`flwr log` / `flwr ls` on the connection).
+    :func:`control_client`), or None (`flwr log` / `flwr ls` on the connection). ``log_filter``: which streamed
+    lines are shown (see :class:`LogStream`).
 
     The SuperLink ends the log stream once the run has finished, so the status is asked when the stream has ended —
     then every ``poll`` seconds until it reads finished — and, while the stream is open, only every ``backstop``
     seconds (a stream that hangs cannot hide the end of a run; each `flwr ls` is a Python process of ~1 CPU-second
     that would compete with the run's workers)."""
-    stream = LogStream(run_id, env, connection, quiet, link.address if link is not None else None)
+    stream = LogStream(run_id, env, connection, quiet, link.address if link is not None else None, log_filter)
     status = "unknown"
     tick = 0.5 if link is not None else poll  # how often the SuperLink's children are noted
     stream_open = True

@@ -671,9 +671,10 @@ def tuning_scores(folder: Path) -> str:
     return "; ".join(f"{p}: {sum(v) / len(v):.3f}" for p, v in by_point.items())
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fedapps tables", description=__doc__.splitlines()[0])
-    ap.add_argument("spec")
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fedapps tables`` parser (built without side effects: the CLI reference is generated from it)."""
+    ap = argparse.ArgumentParser(prog="fedapps tables", description=__doc__.splitlines()[0].strip("`"))
+    ap.add_argument("spec", help="the tables spec, e.g. experiments/param-sharing.yaml")
     ap.add_argument("--work", default="results/tables", help="where tunings and runs go (resumable)")
     ap.add_argument("--out", default="docs/results", help="where the report goes")
     ap.add_argument("--settings", default="", help="comma-separated subset of the spec's settings")
@@ -683,7 +684,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="fedapps sub-processes at a time (one thread each)")
     ap.add_argument("--rerun-published", action="store_true",
                     help="run the seeds of rows the published CSV already holds (reproduce them; draw their curves)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         spec = load_spec(args.spec)
         settings = [s for s in args.settings.split(",") if s] or list(spec.settings)

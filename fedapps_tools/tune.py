@@ -38,8 +38,9 @@ from fedapps.config import (
     split_overrides,
 )
 from fedapps.results import write_csv
-from fedapps_tools.progressbar import RunProgress
 from fedapps_tools.compare import mean_sem, resume_decision
+from fedapps_tools.options import parse_seeds, resolve_root
+from fedapps_tools.progressbar import RunProgress
 
 # docs/evaluation.md#equal-tuning-budget: the same number of grid points (at most 4) for every method
 DEFAULT_MAX_POINTS = 4
@@ -48,7 +49,7 @@ DEFAULT_MAX_POINTS = 4
 NOT_TUNABLE: dict[str, str] = {
     "seed": "the seeds come from --seeds",
     "run_name": "tune names every run itself",
-    "output_dir": "use --out",
+    "output_dir": "use --output-dir (or --out for the tuning's folder itself)",
     "data.evaluate_on": "tuning always evaluates on the validation split",
     "data.validation_fraction": "every point must be scored on the same validation split",
     "data.seed": "the partition stays fixed while tuning (docs/evaluation.md)",
@@ -117,7 +118,7 @@ def check_budget(grid: Sequence[tuple[str, list[Any]]], max_points: int) -> int:
         shape = " × ".join(f"{k}: {len(v)}" for k, v in grid)
         raise ConfigError(
             f"the grid has {n} points ({shape}), more than --max-points {max_points}. The equal-budget rule "
-            f"(docs/evaluation.md) gives every method the same number of grid points, at most "
+            f"of a comparison (docs/evaluation.md) gives every method the same number of grid points, at most "
             f"{DEFAULT_MAX_POINTS}: drop values or keys (raise --max-points only for a study that is not a "
             "comparison)")
     return n
@@ -137,25 +138,6 @@ def point_overrides(point: dict[str, Any]) -> list[str]:
 def point_label(point: dict[str, Any]) -> str:
     """``client.lr=0.1, client.epochs=2``."""
     return ", ".join(f"{k}={_yaml_text(v)}" for k, v in point.items())
-
-
-def parse_seeds(items: Sequence[str]) -> list[int]:
-    """``["0,1", "2"]`` -> ``[0, 1, 2]``: non-negative integers, each once."""
-    seeds: list[int] = []
-    for item in items:
-        for part in str(item).split(","):
-            if not part.strip():
-                continue
-            try:
-                seed = int(part)
-            except ValueError:
-                raise ConfigError(f"--seeds: {part!r} is not an integer; pass e.g. --seeds 0 or --seeds 0,1,2") from None
-            if seed < 0 or seed in seeds:
-                raise ConfigError(f"--seeds: {seed} is negative or repeated; pass distinct seeds >= 0")
-            seeds.append(seed)
-    if not seeds:
-        raise ConfigError("--seeds: give at least one seed (docs/evaluation.md tunes at 1 seed: --seeds 0)")
-    return seeds
 
 
 def choose_point(scores: Sequence[float]) -> int:
@@ -265,6 +247,30 @@ def markdown(config_path: Path, grid: list[tuple[str, list[Any]]], points: list[
     return "\n".join(lines)
 
 
+def looks_like_tuning(folder: Path) -> bool:
+    """A folder an earlier `fedapps tune` wrote into (its table, its choice, or its runs p<point>-s<seed>)."""
+    return ((folder / "tuning.csv").is_file() or (folder / "chosen.yaml").is_file()
+            or any((folder / "runs").glob("p*-s*")))
+
+
+def tuning_folder(args: argparse.Namespace, config_output_dir: str, config_path: Path) -> Path:
+    """Where the tuning goes: ``--out DIR`` itself, else ``<--output-dir>/<--name>`` (the results root as in run and
+    compare; defaults: the config's output_dir and ``tune-<config file name>``). ``--output-dir`` once named the
+    tuning's folder itself: a folder holding such a tuning is refused (ConfigError naming both meanings) rather
+    than a new tuning started silently under it."""
+    out, root, name = getattr(args, "out", None), getattr(args, "output_dir", None), getattr(args, "name", None)
+    if out:
+        if root or name:
+            raise ConfigError("tune: --out names the tuning's folder itself; drop --output-dir / --name, or drop --out")
+        return Path(out).expanduser().resolve()
+    base = resolve_root(root, config_output_dir)
+    if root and looks_like_tuning(base):
+        raise ConfigError(f"tune: --output-dir is the results root (as in run and compare), so this tuning would go "
+                          f"to {base / (name or f'tune-{config_path.stem}')}; but {base} holds an earlier tuning "
+                          f"(tuning.csv / chosen.yaml / runs): to continue that one pass --out {base}")
+    return base / (name or f"tune-{config_path.stem}")
+
+
 def tune(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
     """Run the grid (resuming), choose, write tuning.csv / tuning.md / chosen.yaml; return the folder."""
     from strategies import resolve
@@ -284,7 +290,8 @@ def tune(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
     _check_points(config_path, base, grid, points)  # every point checked before the first run starts
 
     first = load_config(config_path, base + ["data.evaluate_on=validation"])
-    folder = Path(args.output_dir or Path(first.output_dir) / f"tune-{config_path.stem}").expanduser().resolve()
+    folder = tuning_folder(args, first.output_dir, config_path)
+    print(f"tuning folder: {folder}", flush=True)
     runs_dir = folder / "runs"
     keys = [k for k, _ in grid]
     rows: list[dict[str, Any]] = []

@@ -14,10 +14,12 @@ import dataclasses
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
-from fedapps.config import ConfigError, ExperimentConfig, with_strategy_params
-from fedapps.data import check_spec
+import logging
+
+from fedapps.config import ConfigError, ExperimentConfig, split_overrides, unused_settings, with_strategy_params
+from fedapps.data import check_spec, unused_data_keys
 from fedapps.models import check_model_names
 from strategies.base import PersonalisedStrategy
 
@@ -92,4 +94,44 @@ def resolve(cfg: ExperimentConfig) -> ResolvedStrategy:
     return ResolvedStrategy(cls, cls.params_from(cfg))
 
 
-__all__ = ["STRATEGIES", "PersonalisedStrategy", "ResolvedStrategy", "resolve"]
+def ignored_settings(cfg: ExperimentConfig, overrides: Sequence[str] = ()) -> list[tuple[str, str]]:
+    """``(key, why)`` for every key set, yet not read by this run: what the chosen model family ignores
+    (``model.name`` where ``model.per_client`` names every client's architecture), what the data's source and
+    partition ignore, and keys the rest of the config switches off. "Set": a value other than the key's default,
+    or named in ``overrides``; a config's ``model.name`` that is one of its ``model.per_client`` is the documented
+    default architecture, not a setting. Pure; :func:`report_ignored` logs them."""
+    named = {str(item).partition("=")[0].strip().replace("-", "_") for item in split_overrides(list(overrides))}
+    defaults = ExperimentConfig()
+    out = [(key, why) for key, why in unused_settings(cfg, named)]
+    m = cfg.model
+    if m.per_client and ("model.name" in named or m.name not in m.per_client):
+        owner = f"strategy '{cfg.strategy.name}' lets clients run different models"
+        out.append(("model.name", f"model.per_client {list(m.per_client)} gives every client its architecture "
+                                  f"({owner}); to run one architecture everywhere, list only it "
+                                  f"(--set model.per_client={m.name})"))
+    data = dataclasses.asdict(cfg.data)
+    out += [(f"data.{key}", why) for key, why in unused_data_keys(
+        data, dataclasses.asdict(defaults.data), {k.removeprefix("data.") for k in named if k.startswith("data.")})]
+    return out
+
+
+CONFIG_LOG = logging.getLogger("fedapps.config")  # warnings about the config itself (the same however often checked)
+
+
+def report_ignored(cfg: ExperimentConfig, overrides: Sequence[str] = ()) -> list[str]:
+    """Log one warning per key of :func:`ignored_settings` (naming the key, its value and why it has no effect);
+    returns the messages."""
+    messages = [f"'{key}' = {_value(cfg, key)!r} is ignored: {why}" for key, why in ignored_settings(cfg, overrides)]
+    for message in messages:
+        CONFIG_LOG.warning("%s", message)
+    return messages
+
+
+def _value(cfg: ExperimentConfig, dotted: str) -> object:
+    node: object = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+__all__ = ["STRATEGIES", "PersonalisedStrategy", "ResolvedStrategy", "ignored_settings", "report_ignored", "resolve"]

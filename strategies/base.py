@@ -30,7 +30,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedapps import protocol
-from fedapps.config import ConfigError, ExperimentConfig
+from fedapps.config import ConfigError, ExperimentConfig, exceeds_clients
 from fedapps.connect import wait_for_clients
 from fedapps.data import NODES
 from fedapps.params import parse_params
@@ -191,8 +191,8 @@ class PersonalisedStrategy(Strategy):
     def require_at_most_clients(cls, cfg: ExperimentConfig, key: str, value: int) -> None:
         """A count parameter (e.g. K cluster models) must not exceed ``data.num_clients``."""
         if value > cfg.data.num_clients:
-            raise ConfigError(f"'strategy.params.{cls.name}.{key}' ({value}) exceeds 'data.num_clients' "
-                              f"({cfg.data.num_clients}); lower it or raise data.num_clients")
+            raise ConfigError(exceeds_clients(f"strategy.params.{cls.name}.{key}", value, cfg.data.num_clients,
+                                              "there are not that many clients to share out"))
 
     # ------------------------------------------------------------------ construction
     def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:

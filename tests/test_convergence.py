@@ -54,3 +54,21 @@ def test_the_command_reads_run_folders_and_appends_its_rows_with_the_commit(tmp_
     assert len(rows) == 2 and rows[0]["flattening_round"] == "50" and rows[0]["strategy"] == "cwfedavg"
     assert rows[0]["commit"] == tables.provenance()["commit"] and "--window 1" in rows[0]["command"]
     assert convergence.main([str(tmp_path / "nothing")]) == 2
+
+
+def test_the_figure_is_drawn_for_finished_and_running_runs(tmp_path):
+    runs = []
+    for name, strategy, finished in (("a", "fedavg", True), ("b", "cwfedavg", False)):
+        run = tmp_path / name
+        run.mkdir()
+        tables.write_csv(run / "rounds.csv", ["round", "acc_mean"], [{"round": r + 1, "acc_mean": min(0.9, 0.1 * r)}
+                                                                     for r in range(40)])
+        if finished:
+            (run / "summary.json").write_text(f'{{"strategy": "{strategy}"}}')
+        else:  # still running: no summary yet, its resolved config names the strategy
+            (run / "config.yaml").write_text(f"strategy:\n  name: {strategy}\n")
+        runs.append(run)
+    assert [convergence.strategy_of(r) for r in runs] == ["fedavg", "cwfedavg"]
+    figure = tmp_path / "curves.png"
+    assert convergence.main([*map(str, runs), "--window", "1", "--after", "5", "--figure", str(figure)]) == 0
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -229,8 +229,9 @@ def test_tune_refuses_set_of_what_it_controls(tmp_path, capsys):
     argv = ["tune", str(tune_config(tmp_path)), "--grid", "client.lr=0.1,0.2", "--set", "data.evaluate_on=test"]
     assert cli.main(argv) == 2
     assert "data.evaluate_on" in capsys.readouterr().err
-    assert cli.main(["tune", str(tune_config(tmp_path)), "--grid", "client.lr=0.1", "--seeds", "0,0"]) == 2
-    assert "repeated" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # a bad --seeds is a usage error, as any other bad option value
+        cli.main(["tune", str(tune_config(tmp_path)), "--grid", "client.lr=0.1", "--seeds", "0,0"])
+    assert exited.value.code == 2 and "--seeds: 0 is repeated" in capsys.readouterr().err
 
 
 def test_eta_from_the_pace_of_the_steps_that_worked():

@@ -8,10 +8,12 @@ from .federation import (
     build_federation,
     check_spec,
     clear_federation_cache,
+    data_warnings_silenced,
     get_federation,
     node_federation,
     nodes_server_federation,
     spec_key,
+    unused_data_keys,
 )
 from .nodes import (
     DATA_PATH,
@@ -27,6 +29,7 @@ from .nodes import (
 )
 from .partition import (
     GROUP_TRANSFORM_PARTITIONS,
+    PARTITION_KEYS,
     PARTITIONS,
     client_groups,
     group_classes,
@@ -77,6 +80,9 @@ __all__ = [
     "get_federation",
     "spec_key",
     "clear_federation_cache",
+    "data_warnings_silenced",
+    "unused_data_keys",
+    "PARTITION_KEYS",
     "node_federation",
     "nodes_server_federation",
     "DATA_PATH",

@@ -33,6 +33,7 @@ The public set U under the group settings (docs/data.md):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -48,6 +49,7 @@ import torch
 from ..seeds import derive_rng
 from .errors import DataError
 from .partition import (
+    PARTITION_KEYS,
     PARTITIONS,
     _check_alpha,
     _check_fraction,
@@ -421,6 +423,56 @@ _CACHE_LOCK = threading.Lock()
 def spec_key(spec: dict[str, Any]) -> str:
     """Canonical JSON of a validated data spec: the cache key, and a stable identity for the data."""
     return json.dumps(check_spec(spec), sort_keys=True, separators=(",", ":"))
+
+
+SYNTHETIC_KEYS: tuple[str, ...] = ("synthetic_classes", "synthetic_shape", "synthetic_samples")  # source synthetic
+
+
+def unused_data_keys(spec: dict[str, Any], defaults: dict[str, Any],
+                     named: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """``(key, why)`` for each data key that is set (a value other than its default in ``defaults``, or a key in
+    ``named``: the overrides) but that the spec's source and partition do not read (e.g. ``alpha`` under a
+    pathological partition). Pure; the caller reports them."""
+    out: list[tuple[str, str]] = []
+    source, partition = spec.get("source"), spec.get("partition")
+
+    def changed(key: str) -> bool:
+        return key in spec and (key in named or (key in defaults and spec[key] != defaults[key]))
+
+    for key, partitions in PARTITION_KEYS.items():
+        if not changed(key):
+            continue
+        if source == NODES:
+            out.append((key, "data.source is 'nodes': every node brings its own data, nothing is partitioned"))
+        elif partition not in partitions:
+            out.append((key, f"only the {' / '.join(partitions)} partition{'s' if len(partitions) > 1 else ''} "
+                             f"read{'' if len(partitions) > 1 else 's'} it; data.partition is '{partition}'"))
+    for key in SYNTHETIC_KEYS:
+        if changed(key) and source != "synthetic":
+            out.append((key, f"only data.source 'synthetic' reads it; data.source is '{source}'"))
+    if changed("validation_fraction") and spec.get("evaluate_on") != "validation":
+        out.append(("validation_fraction", "the validation split is carved only when data.evaluate_on is "
+                                           "'validation' (tuning, e.g. fedapps tune); data.evaluate_on is "
+                                           f"'{spec.get('evaluate_on')}'"))
+    return out
+
+
+class _DropWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno != logging.WARNING
+
+
+@contextlib.contextmanager
+def data_warnings_silenced():
+    """While inside, this process logs no warning about the data it builds (a partition that leaves classes unused,
+    an empty validation split, ...): a client rebuilding the federation the server has built and reported from the
+    same spec would repeat each warning once per client process. Errors still raise."""
+    dropper = _DropWarnings()
+    log.addFilter(dropper)
+    try:
+        yield
+    finally:
+        log.removeFilter(dropper)
 
 
 def get_federation(spec: dict[str, Any]) -> Federation:

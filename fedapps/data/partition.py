@@ -19,6 +19,15 @@ log = logging.getLogger("fedapps.data")
 
 PARTITIONS: tuple[str, ...] = ("iid", "pathological", "dirichlet", "cosmos-groups", "rotated", "label-swap")
 GROUP_TRANSFORM_PARTITIONS: tuple[str, ...] = ("rotated", "label-swap")  # IID samples, a transform per client group
+# data keys that only some partitions read -> those partitions (every other data key is read whatever the partition)
+PARTITION_KEYS: dict[str, tuple[str, ...]] = {
+    "classes_per_client": ("pathological",),
+    "alpha": ("dirichlet", "cosmos-groups"),
+    "min_samples": ("dirichlet",),
+    "groups": ("cosmos-groups", "rotated", "label-swap"),
+    "redistribute_fraction": ("cosmos-groups",),
+    "swap_pairs": ("label-swap",),
+}
 
 
 # ----------------------------------------------------------------------------------------- checks
