@@ -29,7 +29,7 @@ STYLE_SLOTS = len(COLOURS) * len(LINESTYLES)  # 40 distinct (colour, line style)
 # line style i div 10, so the first ten differ by colour alone. Append a new strategy at the end (a test asks).
 METHOD_ORDER: tuple[str, ...] = ("fedavg", "local", "cwfedavg", "cosmos", "fedprox", "ditto", "fedamp", "ifca",
                                  "cfl", "fedfomo", "fedper", "fedrep", "fedbabu", "fedmd", "fedct", "comet",
-                                 "feduv", "fednh", "pfedhn")
+                                 "feduv", "fednh", "pfedhn", "fedselect", "pfedck")
 DPI = 110
 
 

@@ -44,7 +44,7 @@ SHRINK = {
 }
 # which reply kind each strategy's round messages ask for (a new strategy must be added here)
 ARRAYS = ("fedavg", "fedprox", "feduv", "ditto", "fedper", "fedrep", "fedbabu", "ifca", "cfl", "fedamp", "fedfomo",
-          "cwfedavg", "fednh", "pfedhn")
+          "cwfedavg", "fednh", "pfedhn", "fedselect", "pfedck")
 PREDICTIONS = ("fedmd", "fedct", "comet", "cosmos")
 METRICS_ONLY = ("local",)
 

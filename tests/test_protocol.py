@@ -37,13 +37,13 @@ SHAPE, CLASSES = (1, 8, 8), 10
 SOURCES = {"fedavg": "message", "fedprox": "message", "feduv": "message", "ifca": "message", "cfl": "message", "cwfedavg": "message",
            "fedper": "message", "fedrep": "message", "fedbabu": "message", "local": "client", "fedamp": "client",
            "ditto": "client", "fedfomo": "client", "fedmd": "client", "fedct": "client", "comet": "client",
-           "cosmos": "server", "fednh": "message", "pfedhn": "message"}
+           "cosmos": "server", "fednh": "message", "pfedhn": "message", "fedselect": "message", "pfedck": "client"}
 SMALL = {"cosmos": ["server_model=mlp", "pretrain_epochs=1", "server_epochs=1", "distill_epochs=1"],
          "fedmd": ["pretrain_epochs=1", "distill_epochs=1"], "fedct": ["pretrain_epochs=1", "distill_epochs=1"],
          "comet": ["pretrain_epochs=1", "distill_epochs=1", "clusters=2"], "fedrep": ["head_epochs=1"],
          "fedbabu": ["finetune_epochs=2"], "ifca": ["clusters=2"], "cfl": ["warmup_rounds=1"],
          "fedfomo": ["candidates=1"], "fedamp": ["lam=0.01"],  # fedamp: λ/α_K = 1 (lr·λ/α_K < 2)
-         "fednh": ["finetune_epochs=2"]}
+         "fednh": ["finetune_epochs=2"], "fedselect": ["grow_every=1"]}
 
 
 def test_every_strategy_declares_its_deployed_model():
@@ -89,6 +89,16 @@ def _ifca(s, grid, cid, data, rnd):
     return _evaluate(_tensors(s.models[int(np.argmin(losses))]), data)
 
 
+def _fedselect(s, grid, cid, data, rnd):
+    """Round rnd's shared values under the client's personal entries (its mask after round rnd's growth)."""
+    state = {}
+    for k, own in _private(grid, cid).items():
+        personal = s.client_masks(cid).get(k)
+        shared = torch.as_tensor(s.global_params[k]) if k in s.global_params else own
+        state[k] = shared if personal is None else torch.where(torch.as_tensor(personal), own, shared)
+    return _evaluate(state, data)
+
+
 HAND = {  # strategy -> (strategy, grid, client id, its data, round) -> evaluation of its deployed model after that round
     "fedavg": lambda s, g, c, d, r: _evaluate(_tensors(s.global_arrays), d),
     "fedprox": lambda s, g, c, d, r: _evaluate(_tensors(s.global_arrays), d),
@@ -102,8 +112,9 @@ HAND = {  # strategy -> (strategy, grid, client id, its data, round) -> evaluati
     "fednh": lambda s, g, c, d, r: _fedbabu(s, g, c, d, r, "mlp+cosine", _tensors(s.global_arrays)),
     "cosmos": lambda s, g, c, d, r: _evaluate(s.models[s.cluster_of[c]].state_dict(), d),
     "pfedhn": lambda s, g, c, d, r: _evaluate(_tensors(s.generated(c)), d),  # the MLP has no buffers
+    "fedselect": _fedselect,
     **{name: (lambda s, g, c, d, r: _evaluate(_private(g, c), d))
-       for name in ("local", "fedamp", "ditto", "fedfomo", "fedmd", "fedct", "comet")},
+       for name in ("local", "fedamp", "ditto", "fedfomo", "fedmd", "fedct", "comet", "pfedck")},
 }
 
 

@@ -247,7 +247,7 @@ def test_settings_configs_resolve_under_every_strategy_or_refuse_naming_a_key(co
             assert "data." in str(exc) or "model." in str(exc), f"{config} + {name}: {exc}"
     family = {"cosmos", "fedmd", "fedct", "comet", "local"} if "agnostic" in config else \
         {"fedavg", "local", "cwfedavg", "fedprox", "feduv", "fedamp", "ditto", "ifca", "cfl", "fedfomo", "fedper", "fedrep",
-         "fedbabu", "pfedhn", "fednh"}
+         "fedbabu", "pfedhn", "fednh", "fedselect", "pfedck"}
     assert family <= set(accepted), f"{config}: refused {sorted(family - set(accepted))}"
 
 

@@ -219,7 +219,7 @@ EXTRA = {"fedamp": ["client.lr=0.01"], "fedrep": ["strategy.params.fedrep.head_e
 
 def test_the_parameter_sharing_strategies_are_the_expected_ones():
     assert set(PARAMETER_SHARING) >= {"fedavg", "fedprox", "cwfedavg", "ditto", "fedamp", "fedfomo", "ifca", "cfl",
-                                      "fedper", "fedrep", "fedbabu", "feduv", "fednh", "pfedhn"}
+                                      "fedper", "fedrep", "fedbabu", "feduv", "fednh", "pfedhn", "fedselect", "pfedck"}
     assert not {"local", "cosmos", "fedmd", "fedct", "comet"} & set(PARAMETER_SHARING)
 
 
