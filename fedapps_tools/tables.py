@@ -186,16 +186,15 @@ def fedapps(args: list[str], log: Path) -> None:
 
 
 PROVENANCE = "provenance.json"  # in a comparison folder: the code and machine its runs were made with
+REPO = Path(__file__).resolve().parent.parent  # the checkout: its commit, and where docs/evaluation.md lives
 
 
 def provenance() -> dict[str, str]:
     """The code (git commit of this checkout, ``+dirty`` with uncommitted changes to tracked files) and the machine
     (cores, GPU) a comparison runs with: the report prints them beside its rows."""
-    root = Path(__file__).resolve().parent.parent
-
     def git(*args: str) -> str:
         try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=20).stdout.strip()
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=20).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
 
@@ -383,9 +382,6 @@ def published(out: Path, spec: Spec) -> tuple[dict[tuple[str, str], dict[str, st
         for r in read_rows(f):
             scores.setdefault((r["setting"], r["method"]), []).append(r)
     return rows, scores
-
-
-REPO = Path(__file__).resolve().parent.parent  # the checkout: where docs/evaluation.md lives
 
 
 def line_commits(path: Path) -> dict[int, str]:
