@@ -122,14 +122,14 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     strategy = resolved.build(cfg, on_round=on_round)
     strategy.client_state = {"state-dir": str(files.dir / checkpoint.CLIENT_STATE), "state-run": token}
     strategy.server_state_dir = str(files.dir / checkpoint.SERVER_STATE)
-    if description is not None:
-        strategy.excluded_nodes = set(description.excluded)
-        bind_accepted(describe_validator, strategy.validator, description)
     first_round = 1
     if saved is not None:
         strategy.load_checkpoint_state(saved["state"])
         first_round = int(saved["round"]) + 1
         log.info("resuming '%s' after round %d of %d", files.dir, first_round - 1, cfg.rounds)
+    if description is not None:  # after a checkpoint's bindings: the nodes described now are who they said
+        strategy.excluded_nodes = set(description.excluded)
+        bind_accepted(describe_validator, strategy.validator, description)
     # experiment trackers (config key tracking), after the file sink: at the end they read the files it wrote
     trackers = tracking.tracking_sinks(cfg, files.dir, resumed=saved is not None)
     sinks.extend(trackers)
