@@ -51,12 +51,12 @@ def run(config: Path, out: Path, resume: Path | None = None, kill_after: int = 0
     return finish(start(config, out, resume, kill_after))
 
 
-def run_here(config: Path, out: Path) -> None:
+def run_here(config: Path, out: Path, keep_state: bool = False) -> None:
     """The uninterrupted reference run, in the test's own process (so three processes take part in all)."""
     import server_app
     from fedapps.inprocess import InProcessGrid
 
-    server_app.run_experiment(InProcessGrid(4), str(config), "", str(out))
+    server_app.run_experiment(InProcessGrid(4), str(config), "", str(out), keep_state=keep_state)
 
 
 def rows(run_dir: Path) -> list[dict[str, str]]:
@@ -109,7 +109,7 @@ def test_sigkill_after_round_two_then_resume_equals_uninterrupted(strategy, tmp_
 
 def test_resume_with_another_config_is_refused_naming_the_key(tmp_path):
     config = write_config(tmp_path / "cfg.yaml", rounds=1)
-    run_here(config, tmp_path / "a")
+    run_here(config, tmp_path / "a", keep_state=True)
     run_dir = next((tmp_path / "a").iterdir())
     other = write_config(tmp_path / "other.yaml", rounds=1, client={"lr": 0.01})
     from fedapps_tools import cli
