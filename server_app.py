@@ -8,6 +8,7 @@ Ray) under one import lock: a light module lets Ray's processes boot while the r
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -98,6 +99,8 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
         checkpoint.check_fresh(Path(output_dir).expanduser().resolve() / cfg.resolved_run_name())
         files = FileSink(cfg, output_dir)
     delivery = DeliveryCheck()  # a run with no usable reply, or mostly undelivered messages, fails below
+    if saved is not None:  # its counts cover the whole run: the rounds before the checkpoint too
+        vars(delivery).update(copy.deepcopy(saved.get("delivery", {})))
     sinks: list[ResultSink] = [files, delivery]
     if description is not None:
         files.write_partition(description.partition_rows(cfg.data.evaluate_on))
@@ -115,7 +118,8 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
             sink.on_round(entry)
         checkpoint.save_checkpoint(files.dir, {
             "round": entry.round, "config": config_yaml, "strategy_name": resolved.name, "run_token": token,
-            "state": strategy.checkpoint_state(), "rows": files.rows, "wall_seconds": time.time() - t0})
+            "state": strategy.checkpoint_state(), "rows": files.rows, "wall_seconds": time.time() - t0,
+            "delivery": copy.deepcopy(vars(delivery))})
         if after_round is not None:
             after_round(entry.round)
 

@@ -100,7 +100,8 @@ def test_sigkill_after_round_two_then_resume_equals_uninterrupted(strategy, tmp_
     assert all(r["acc_mean"] != "" for r in got)
     a = json.loads((full_dir / "summary.json").read_text())
     b = json.loads((run_dir / "summary.json").read_text())
-    for key in ("accuracy_mean", "accuracy_weighted", "accuracy_mean_last5", "rounds", "bytes_up", "bytes_down"):
+    for key in ("accuracy_mean", "accuracy_weighted", "accuracy_mean_last5", "rounds", "bytes_up", "bytes_down",
+                "messages_sent", "messages_answered", "usable_replies"):
         assert b[key] == a[key], key
     assert {k: v for k, v in b.items() if "accuracy" in k} == {k: v for k, v in a.items() if "accuracy" in k}
     if strategy == "cosmos":
@@ -250,13 +251,14 @@ def require_flower() -> None:
 
 @pytest.fixture(scope="module")
 def flower_reference(tmp_path_factory):
-    """The uninterrupted `flwr run` of FLOWER: its rounds.csv rows (timings aside)."""
+    """The uninterrupted `flwr run` of FLOWER: its rounds.csv rows (timings aside) and its summary."""
     require_flower()
     tmp = tmp_path_factory.mktemp("flower-ref")
     config = write_config(tmp / "cfg.yaml", **FLOWER)
     run = FlowerRun(config, "--output-dir", str(tmp / "ref"))  # "ref": as long as "int"/"kil" (state-dir in bytes)
     assert run.wait() == 0, run.output[-4000:]
-    return rows(next((tmp / "ref").iterdir()))
+    folder = next((tmp / "ref").iterdir())
+    return rows(folder), json.loads((folder / "summary.json").read_text())
 
 
 @pytest.mark.heavy
@@ -265,7 +267,7 @@ def test_an_interrupted_flwr_run_resumes_to_the_uninterrupted_rounds(how, flower
     """`fedapps run` under `flwr run` stopped after round 2 of 6 — by Ctrl-C (SIGINT to fedapps: it stops what it
     started), or by SIGKILL to every process of the run at once (a crash: nothing cleans up) — then
     `fedapps run CONFIG --resume RUN_DIR`: the resumed run, in a new simulation whose nodes have new ids, ends with
-    exactly the uninterrupted run's rounds.csv (timings aside)."""
+    exactly the uninterrupted run's rounds.csv (timings aside) and summary (its wall time aside)."""
     from fedapps_tools.flwrcli import _proc_stat, descendants
 
     config = write_config(tmp_path / "cfg.yaml", **FLOWER)
@@ -300,5 +302,9 @@ def test_an_interrupted_flwr_run_resumes_to_the_uninterrupted_rounds(how, flower
 
     resumed = FlowerRun(config, "--resume", str(run_dir))
     assert resumed.wait() == 0, resumed.output[-4000:]
-    assert rows(run_dir) == flower_reference  # every accuracy, loss, byte count and cohort, exactly
-    assert (run_dir / "summary.json").is_file() and not (run_dir / "checkpoint.pt").exists()
+    reference, reference_summary = flower_reference
+    assert rows(run_dir) == reference  # every accuracy, loss, byte count and cohort, exactly
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # the same summary but the wall time (the interrupted part up to its checkpoint, a new start-up, the rest)
+    assert sorted(k for k in summary if summary[k] != reference_summary.get(k)) == ["wall_seconds"]
+    assert not (run_dir / "checkpoint.pt").exists()
