@@ -390,18 +390,20 @@ class FileSink:
         # run_dir: an existing run folder to write into (a resumed run), whatever the config's run name
         self.dir = Path(run_dir) if run_dir is not None else Path(output_dir).expanduser().resolve() / cfg.resolved_run_name()
         self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in ("summary.json", "rounds.csv", REJECTIONS):
-            (self.dir / stale).unlink(missing_ok=True)
+        for stale in ("summary.json", "rounds.csv") + (() if run_dir is not None else (REJECTIONS,)):
+            (self.dir / stale).unlink(missing_ok=True)  # a resumed run keeps rejections.csv (see restore_rows)
         (self.dir / "config.yaml").write_text(dump_yaml(cfg))
         self.config_hash = config_hash(cfg)
         (self.dir / "config.sha256").write_text(self.config_hash + "\n")
         self.rows: list[dict[str, Any]] = []
         self.progress = Progress(cfg.rounds)
 
-    def restore_rows(self, rows: list[Mapping[str, Any]]) -> None:
-        """The rows of the rounds already run (from a checkpoint): kept and rounds.csv rewritten."""
+    def restore_rows(self, rows: list[Mapping[str, Any]], last_round: int) -> None:
+        """The rows of the rounds already run (from a checkpoint of round ``last_round``): kept and rounds.csv
+        rewritten; rejections.csv keeps its rows up to that round (later ones were of rounds now run again)."""
         self.rows = [dict(r) for r in rows]
         write_csv(self.dir / "rounds.csv", self.rows)
+        trim_rejections(self.dir / REJECTIONS, last_round)
         self.progress = Progress(self.cfg.rounds - len(self.rows))  # the pace of the rounds this process runs
 
     def write_partition(self, rows: list[Mapping[str, Any]]) -> None:
@@ -547,6 +549,18 @@ def append_rejections(path: Path, rejections: Iterable[Any]) -> None:
             w.writeheader()
         for r in rejections:
             w.writerow({k: v for k, v in r.row().items() if k in REJECTION_COLUMNS})
+
+
+def trim_rejections(path: Path, last_round: int) -> None:
+    """Keep the rows of rejections.csv up to round ``last_round`` (a resumed run runs the later rounds again)."""
+    if not path.is_file():
+        return
+    with path.open(newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if not r.get("round", "").isdigit() or int(r["round"]) <= last_round]
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=REJECTION_COLUMNS, restval="", extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
 
 
 def write_csv(path: Path, rows: list[Mapping[str, Any]]) -> None:

@@ -96,7 +96,7 @@ def test_an_in_process_run_builds_its_data_once(tiny_config, tmp_path, monkeypat
             params = {"comet": {"clusters": 2}} if name == "comet" else {}
             cfg = tiny_config(rounds=2, strategy={"name": name, "params": params}, data=data)
             server_app.run_experiment(InProcessGrid(load_config(cfg).data.num_clients), str(cfg), "",
-                                      str(tmp_path / "out"))
+                                      str(tmp_path / name))
             assert len(calls) == 1, f"{name}: data built {len(calls)} times in one process"
     finally:
         clear_federation_cache()
@@ -106,7 +106,7 @@ def test_an_in_process_run_builds_its_data_once(tiny_config, tmp_path, monkeypat
 def test_in_process_grid_keeps_no_history_by_default(tiny_config, tmp_path):
     cfg = tiny_config(rounds=2)
     quiet, recording = InProcessGrid(4), InProcessGrid(4, record=True)
-    for grid in (quiet, recording):
-        server_app.run_experiment(grid, str(cfg), "", str(tmp_path / "out"))
+    for name, grid in (("quiet", quiet), ("recording", recording)):
+        server_app.run_experiment(grid, str(cfg), "", str(tmp_path / name))
     assert quiet.sent == [] and quiet.replies == []
     assert len(recording.sent) >= 8 and len(recording.replies) == len(recording.sent)
