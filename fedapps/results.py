@@ -346,16 +346,22 @@ def eta_seconds(spent: float, steps_timed: int, steps_left: int) -> float | None
     return spent / steps_timed * max(0, steps_left)
 
 
-def format_duration(seconds: float | None) -> str:
-    """'42s', '3m05s', '1h02m'; '?' when unknown."""
+def format_duration(seconds: float | None, words: bool = False) -> str:
+    """A duration as a person reads it: compact for progress lines ('42s', '3m05s', '1h02m'), or in words for the
+    end-of-run summary ('2.5 s', '29 s', '1 min 29 s', '2 h 05 min'); '?' when unknown."""
     if seconds is None:
         return "?"
-    s = int(round(seconds))
+    raw = max(0.0, float(seconds))
+    if words and raw < 10:
+        return f"{raw:.1f} s"
+    s = int(round(raw))
+    minute, hour = (" min ", " h ") if words else ("m", "h")
+    second, tail = (" s", " min") if words else ("s", "m")
     if s < 60:
-        return f"{s}s"
+        return f"{s}{second}"
     if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+        return f"{s // 60}{minute}{s % 60:{'d' if words else '02d'}}{second}"
+    return f"{s // 3600}{hour}{s % 3600 // 60:02d}{tail}"
 
 
 class Progress:
