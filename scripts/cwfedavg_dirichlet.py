@@ -7,9 +7,10 @@ class-distribution estimator's error, and the longer-run curve (the cwFedAvg pag
 Runs (``fedapps run``, in-process, one thread each, ``--jobs`` at a time) the parameter-sharing table's
 ``dirichlet`` setting (configs/settings/param-dirichlet.yaml: 20 clients, CNN, batch 10, 1 epoch) for three
 configurations, each at the learning rate and λ its table row chose on validation, for ``--rounds`` rounds and
-seeds 0-2: FedAvg (lr 0.1), cwFedAvg with WDR λ = 100 and the row-norm estimator (lr 0.05), and the same cwFedAvg
+seeds 0-2: FedAvg (lr 0.1), cwFedAvg with WDR λ = 100 and the row-norm estimator (lr 0.05), the same cwFedAvg
 mixing with the clients' TRUE class distributions (the estimator's ceiling: same training, only the mixing
-weights differ). Every run's rounds.csv holds the deployed-model accuracy of every client at every round, so the
+weights differ), and cwFedAvg with the true distributions and no WDR (what the regulariser itself costs: with the
+true p sent, WDR is not needed). Every run's rounds.csv holds the deployed-model accuracy of every client at every round, so the
 table reads round 20 (the table's budget) and the last round from the same runs.
 
 Writes ``<out>/cwfedavg-dirichlet.csv`` (one row per method × round read × metric), ``cwfedavg-dirichlet.md``
@@ -43,6 +44,9 @@ METHODS = {  # name -> (label, overrides): the table's validation choices for th
     "cwfedavg-true": ("cwFedAvg, same training, true class distributions",
                       ["strategy.name=cwfedavg", "client.lr=0.05", "strategy.params.cwfedavg.wdr_lambda=100",
                        "strategy.params.cwfedavg.estimator=true"]),
+    "cwfedavg-true-nowdr": ("cwFedAvg, true class distributions, no WDR (λ = 0)",
+                            ["strategy.name=cwfedavg", "client.lr=0.05", "strategy.params.cwfedavg.wdr_lambda=0",
+                             "strategy.params.cwfedavg.estimator=true"]),
 }
 SEEDS = (0, 1, 2)
 SIZE_BINS = ((0, 100, "< 100"), (100, 250, "100–249"), (250, 10**9, "≥ 250"))  # training samples per client
