@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fedapps.results import read_csv  # noqa: E402
-from fedapps_tools.tables import provenance  # noqa: E402
+from fedapps_tools.tables import PROVENANCE, provenance  # noqa: E402
 
 SETTING = ROOT / "configs" / "settings" / "param-dirichlet.yaml"
 METHODS = {  # name -> (label, overrides): the table's validation choices for the dirichlet setting
@@ -60,12 +61,25 @@ def run_one(work: Path, method: str, seed: int, rounds: int) -> Path:
         return folder
     cmd = [sys.executable, "-m", "fedapps_tools.cli", "run", str(SETTING), "--engine", "inprocess", "--output-dir",
            str(work), "--set", *METHODS[method][1], f"rounds={rounds}", f"seed={seed}", f"run_name={name}"]
+    made = provenance()
     with open(work / f"{name}.log", "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {rc}; see {work / (name + '.log')}")
+    (folder / PROVENANCE).write_text(json.dumps(made))
     return folder
+
+
+def run_commits(work: Path) -> str:
+    """'commit C (n runs); …' over the runs' provenance files (runs resume across commits)."""
+    commits: dict[str, int] = {}
+    for method in METHODS:
+        for seed in SEEDS:
+            f = work / f"{method}-s{seed}" / PROVENANCE
+            key = json.loads(f.read_text())["commit"] if f.is_file() else "not recorded"
+            commits[key] = commits.get(key, 0) + 1
+    return "; ".join(f"`{c}` ({n} runs)" for c, n in commits.items())
 
 
 def train_sizes(folder: Path) -> dict[int, int]:
@@ -163,7 +177,8 @@ def write_report(rows: list[dict], work: Path, out: Path, rounds: int, command: 
         lines += ["", f"Estimator error after round {rounds} (cwFedAvg, λ = 100): mean over clients of ‖p̂ − p‖₂ = "
                   f"{est[0]['mean']:.3f} ± {est[0]['sem']:.3f} (over seeds)."]
     lines += ["", f"Mean ± SEM over seeds {', '.join(map(str, SEEDS))}; deployed models on each client's test split; "
-              f"produced by `{command}` at commit `{made['commit']}` on {made['machine']}.", "",
+              f"produced by `{command}` on {made['machine']}; the runs were made at commit {run_commits(work)}, the "
+              f"report at `{made['commit']}`.", "",
               "![deployed-model accuracy per round, mean ± SEM over seeds](../results/cwfedavg-dirichlet.png)"]
     (out / "cwfedavg-dirichlet.md").write_text("\n".join(lines) + "\n")
 
