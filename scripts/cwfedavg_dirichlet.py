@@ -59,10 +59,13 @@ def run_one(work: Path, method: str, seed: int, rounds: int) -> Path:
     folder = work / name
     if (folder / "summary.json").is_file():
         return folder
-    cmd = [sys.executable, "-m", "fedapps_tools.cli", "run", str(SETTING), "--engine", "inprocess", "--output-dir",
-           str(work), "--set", *METHODS[method][1], f"rounds={rounds}", f"seed={seed}", f"run_name={name}"]
+    if (folder / "checkpoint.pt").is_file():  # an interrupted run continues after its last checkpointed round
+        cmd = [sys.executable, "-m", "fedapps_tools.cli", "run", "--resume", str(folder), "--engine", "inprocess"]
+    else:
+        cmd = [sys.executable, "-m", "fedapps_tools.cli", "run", str(SETTING), "--engine", "inprocess", "--output-dir",
+               str(work), "--set", *METHODS[method][1], f"rounds={rounds}", f"seed={seed}", f"run_name={name}"]
     made = provenance()
-    with open(work / f"{name}.log", "w") as log:
+    with open(work / f"{name}.log", "a") as log:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
     if rc != 0:
@@ -71,10 +74,15 @@ def run_one(work: Path, method: str, seed: int, rounds: int) -> Path:
     return folder
 
 
+def finished(work: Path) -> list[str]:
+    """The configurations all of whose seeds have finished (a summary.json)."""
+    return [m for m in METHODS if all((work / f"{m}-s{s}" / "summary.json").is_file() for s in SEEDS)]
+
+
 def run_commits(work: Path) -> str:
-    """'commit C (n runs); …' over the runs' provenance files (runs resume across commits)."""
+    """'commit C (n runs); …' over the finished runs' provenance files (runs resume across commits)."""
     commits: dict[str, int] = {}
-    for method in METHODS:
+    for method in finished(work):
         for seed in SEEDS:
             f = work / f"{method}-s{seed}" / PROVENANCE
             key = json.loads(f.read_text())["commit"] if f.is_file() else "not recorded"
@@ -124,7 +132,7 @@ def analyse(work: Path, rounds: int) -> list[dict]:
     """One row per (method, round read, metric): mean ± SEM over the seeds."""
     out = []
     reads = sorted({min(20, rounds), rounds})
-    for method in METHODS:
+    for method in finished(work):
         folders = [work / f"{method}-s{s}" for s in SEEDS]
         sizes = train_sizes(folders[0])
         for rnd in reads:
@@ -151,7 +159,7 @@ def curves_figure(work: Path, path: Path) -> None:
     from fedapps_tools.compare import Line, plot_curves
 
     lines = [Line(method, "", label, [read_csv(work / f"{method}-s{s}" / "rounds.csv") for s in SEEDS])
-             for method, (label, _) in METHODS.items()]
+             for method, (label, _) in METHODS.items() if method in finished(work)]
     plot_curves(lines, path)
 
 
@@ -177,6 +185,9 @@ def write_report(rows: list[dict], work: Path, out: Path, rounds: int, command: 
     for metric in metrics:
         for rnd in reads:
             lines.append(f"| {metric} | {rnd} | " + " | ".join(cell.get((m, rnd, metric), "—") for m in METHODS) + " |")
+    missing = [m for m in METHODS if m not in finished(work)]
+    if missing:
+        lines += ["", "Not run yet (a — above): " + "; ".join(METHODS[m][0] for m in missing) + "."]
     est = [r for r in rows if r["metric"].startswith("estimator")]
     if est:
         lines += ["", f"Estimator error after round {rounds} (cwFedAvg, λ = 100): mean over clients of ‖p̂ − p‖₂ = "
