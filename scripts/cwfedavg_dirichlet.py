@@ -59,11 +59,10 @@ def run_one(work: Path, method: str, seed: int, rounds: int) -> Path:
     folder = work / name
     if (folder / "summary.json").is_file():
         return folder
+    cmd = [sys.executable, "-m", "fedapps_tools.cli", "run", str(SETTING), "--engine", "inprocess", "--output-dir",
+           str(work), "--set", *METHODS[method][1], f"rounds={rounds}", f"seed={seed}", f"run_name={name}"]
     if (folder / "checkpoint.pt").is_file():  # an interrupted run continues after its last checkpointed round
-        cmd = [sys.executable, "-m", "fedapps_tools.cli", "run", "--resume", str(folder), "--engine", "inprocess"]
-    else:
-        cmd = [sys.executable, "-m", "fedapps_tools.cli", "run", str(SETTING), "--engine", "inprocess", "--output-dir",
-               str(work), "--set", *METHODS[method][1], f"rounds={rounds}", f"seed={seed}", f"run_name={name}"]
+        cmd += ["--resume", str(folder)]
     made = provenance()
     with open(work / f"{name}.log", "a") as log:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
