@@ -59,6 +59,7 @@ class Method:
     settings: list[str] = field(default_factory=list)  # the settings it runs in (empty: all of the spec's)
     paper_metric: str = ""  # which column matches what the method's own paper reports (PAPER_COLUMNS)
     paper_note: str = ""  # why, in a sentence (the report's footnote)
+    withdrawn_rows: str = ""  # why published rows of this method that carry no config hash no longer stand
 
     def runs_in(self, setting: str) -> bool:
         return not self.settings or setting in self.settings
@@ -103,7 +104,7 @@ def load_spec(path: str | os.PathLike) -> Spec:
             raise ConfigError(f"tables spec '{path}': '{key}' is missing")
     settings = {str(k): str(v) for k, v in raw["settings"].items()}
     methods = []
-    allowed = ("set", "grid", "label", "settings", "paper_metric", "paper_note")
+    allowed = ("set", "grid", "label", "settings", "paper_metric", "paper_note", "withdrawn_rows")
     for name, body in raw["methods"].items():
         body = body or {}
         bad = sorted(set(body) - set(allowed))
@@ -123,7 +124,8 @@ def load_spec(path: str | os.PathLike) -> Spec:
             raise ConfigError(f"tables spec '{path}': methods.{name}.paper_metric '{metric}' is not one of "
                               f"{', '.join(PAPER_COLUMNS)}")
         methods.append(Method(name, [str(o) for o in body.get("set") or []], grid, str(body.get("label") or name),
-                              only, metric, str(body.get("paper_note") or "")))
+                              only, metric, str(body.get("paper_note") or ""),
+                              " ".join(str(body.get("withdrawn_rows") or "").split())))
     base = p.parent
     for setting, cfg in settings.items():
         if not (base / cfg).is_file() and not Path(cfg).is_file():
@@ -219,6 +221,22 @@ def provenance() -> dict[str, str]:
 def grid_text(m: Method) -> str:
     """A method's grid as the report (and ``<name>-tuning.csv``'s ``grid`` column) writes it."""
     return "; ".join(f"{k} ∈ {{{', '.join(map(str, v))}}}" for k, v in m.grid.items())
+
+
+def withdrawn_reason(tables: "Tables", setting: str, m: Method, row: Mapping[str, Any]) -> str:
+    """Why a published row of (setting, method) no longer stands for the spec's method, or "" when it does: its
+    method was since tuned over another grid; its config hash differs from the final config the spec makes now
+    (a changed setting, override or default); or it carries no hash and the spec withdraws such rows
+    (``withdrawn_rows``, for a change the row cannot show, e.g. from before hashes were recorded)."""
+    if m.grid and tables.recorded_choice(tables.spec.tune_on.get(setting, setting), m) is None:
+        return f"{m.label} is now tuned over {grid_text(m)}"
+    if row.get("config_hash"):
+        try:
+            now = tables.final_hash(setting, m)
+        except (ConfigError, RuntimeError, ValueError) as e:
+            return f"its configuration cannot be rebuilt from the spec: {e}"
+        return "" if now == row["config_hash"] else "made with another configuration than the spec's (config hash)"
+    return m.withdrawn_rows
 
 
 def published_choice(row: Mapping[str, Any], keys: Iterable[str]) -> dict[str, str]:
@@ -465,6 +483,7 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
         methods = [m for m in spec.methods if m.runs_in(setting)]
         rows: dict[str, tuple[dict[str, str], dict[str, Any]]] = {}
         carried_here: list[str] = []
+        withdrawn: dict[str, str] = {}  # method -> why its published row no longer stands
         short: dict[str, list[str]] = {}  # method label -> its runs that lost replies
         for m in methods:
             f = tables.compare_dir(setting, m) / "comparison.csv"
@@ -478,13 +497,19 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
                 rows[m.name] = (row, tables.chosen(setting, m) if m.grid else {})
             elif (setting, m.name) in old_rows:
                 r = old_rows[(setting, m.name)]
+                why = withdrawn_reason(tables, setting, m, r)
+                if why:
+                    withdrawn[m.name] = why
+                    continue
                 rows[m.name] = (r, published_choice(r, m.grid))
                 carried_here.append(m.name)
         if carried_here:
             carried.append(f"{setting} (" + ("all methods" if len(carried_here) == len(methods)
                                              else ", ".join(carried_here)) + ")")
         if not rows:
-            lines += [f"## {setting}", "", "not run yet", ""]
+            lines += [f"## {setting}", "", "not run yet", ""] + [
+                f"- {m.label}: the published row was withdrawn ({withdrawn[m.name]})." for m in methods
+                if m.name in withdrawn] + ([""] if withdrawn else [])
             continue
         with_global = any(finite(r.get("final_generic_acc_mean")) for r, _ in rows.values())
         lines += [f"## {setting} (`{spec.settings[setting]}`)", "",
@@ -494,7 +519,9 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
                   "|---|---|---|---|---|---|" + ("---|" if with_global else "") + "---|---|---|---|"]
         for m in methods:
             if m.name not in rows:
-                lines.append(f"| {m.label} | not run yet |" + " |" * (8 + with_global))
+                note = f"not run yet; the published row was withdrawn ({withdrawn[m.name]})" if m.name in withdrawn \
+                    else "not run yet"
+                lines.append(f"| {m.label} | {note} |" + " |" * (8 + with_global))
                 continue
             r, chosen = rows[m.name]
             lost = delivery_shortfalls(run_folders(tables, setting, m))

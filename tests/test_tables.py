@@ -218,6 +218,38 @@ def test_report_keeps_published_rows_of_settings_whose_work_folder_is_gone(tmp_p
     assert tables.read_rows(docs / "demo-tuning.csv")[0]["validation_scores"] == "client.lr=0.01: 0.3"
 
 
+def test_published_rows_that_no_longer_match_the_spec_are_withdrawn_not_carried(tmp_path):
+    """A carried row stands only for the method the spec defines now: a row tuned over another grid, a row whose
+    config hash differs from today's final config, and a hash-less row of a method whose spec withdraws such rows
+    are each replaced by 'not run yet' with the reason, and dropped from the CSV; a matching row is carried."""
+    methods = {"fedavg": {"grid": {"client.lr": [0.01, 0.1]}}, "local": {},
+               "fedprox": {"set": ["strategy.params.fedprox.mu=0.5"]},
+               "cw": {"set": ["strategy.name=fedavg", "rounds=7"], "withdrawn_rows": "it ran 2 rounds\n before"}}
+    spec = tables.load_spec(write_spec(tmp_path, methods=methods, settings={"a": str(BASE)}))
+    by_name = {m.name: m for m in spec.methods}
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    probe = tables.Tables(spec, tmp_path / "probe", "inprocess", 1)
+    local_hash = probe.final_hash("a", by_name["local"])
+    keys = ["setting", "method", "config", "strategy", "seeds", "accuracy_mean", "accuracy_mean_sem",
+            "accuracy_weighted", "accuracy_weighted_sem", "bytes_up_per_client_round", "bytes_down_per_client_round",
+            "wall_seconds", "config_hash", "chosen:client.lr", "chosen:client.epochs"]
+    rows = [["fedavg", "0.1", "2"], ["local", "", ""], ["fedprox", "", ""], ["cw", "", ""]]
+    hashes = {"fedavg": "", "local": local_hash, "fedprox": "0" * 64, "cw": ""}
+    tables.write_csv(docs / "demo.csv", keys, [dict(zip(keys, ["a", n, n, n, 3, 0.6, 0.01, 0.6, 0.01, 0, 0, 1,
+                                                                  hashes[n], lr, ep])) for n, lr, ep in rows])
+    tables.write_csv(docs / "demo-tuning.csv", ["setting", "method", "grid", "validation_scores"],
+                     [{"setting": "a", "method": "fedavg", "grid": "client.lr ∈ {0.01, 0.1} × client.epochs ∈ {1, 2}",
+                       "validation_scores": "x"}])
+    md = tables.report(spec, tmp_path / "work", docs).read_text()
+    assert "| fedavg | not run yet; the published row was withdrawn (fedavg is now tuned over client.lr ∈ {0.01, 0.1})" in md
+    assert "| local | 0.600 ± 0.010 |" in md  # same hash: carried
+    assert "| fedprox | not run yet; the published row was withdrawn (made with another configuration" in md
+    assert "| cw | not run yet; the published row was withdrawn (it ran 2 rounds before) |" in md
+    assert [r["method"] for r in tables.read_rows(docs / "demo.csv")] == ["local"]
+    assert "Carried over" in md and "a (local)" in md
+
+
 def test_a_published_choice_stands_in_for_a_lost_tuning_only_over_the_same_grid(tmp_path, monkeypatch):
     """`tune_on: {b: a}` with a's tuning known only from the published record: b's final config takes a's
     published values (typed, not strings) and a is not tuned again; a record tuned over another grid is not used."""
