@@ -16,6 +16,10 @@ Chosen by ``strategy.aggregation`` (mean | median | trimmed-mean), ``strategy.tr
   minus the model the round sent it — is scaled down to that L2 norm where it is longer (:func:`clip_update`;
   the norm over all floating arrays together). ``max_weight_share`` bounds how much one client's update COUNTS;
   this bounds how LARGE it can be.
+
+:func:`clip_to_median` is the scale-free form the personalising strategies offer as their robust option
+(``median_clip`` of cwFedAvg, IFCA and pFedHN): each update clipped to a multiple of the round's median update
+norm, so that no client moves what other clients receive further than the cohort's typical client does.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import numpy as np
 from fedapps.config import AGGREGATION_RULES
 
 __all__ = ["AGGREGATION_RULES", "AggregationRule", "cap_weights", "coordinate_median", "trimmed_mean", "combine",
-           "update_norm", "clip_update"]
+           "update_norm", "clip_update", "scale_update", "median_bound", "clip_to_median"]
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,13 @@ def clip_update(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.nda
     norm = update_norm(arrays, reference)
     if max_norm <= 0 or norm <= max_norm:
         return dict(arrays), norm
-    scale = max_norm / norm
+    return scale_update(arrays, reference, max_norm / norm), norm
+
+
+def scale_update(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],
+                 scale: float) -> dict[str, np.ndarray]:
+    """``reference + scale·(arrays − reference)`` on the floating arrays (computed in float64, returned in each
+    array's own dtype); integer arrays as they are."""
     out: dict[str, np.ndarray] = {}
     for key, value in arrays.items():
         ref = np.asarray(reference[key])
@@ -141,4 +151,31 @@ def clip_update(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.nda
             out[key] = (r64 + scale * (np.asarray(value, dtype=np.float64) - r64)).astype(np.asarray(value).dtype)
         else:
             out[key] = value
-    return out, norm
+    return out
+
+
+def median_bound(norms, factor: float) -> float:
+    """``factor`` × the median of ``norms``: the longest update a client may send when no client may move the
+    model more than ``factor`` times as far as the cohort's typical client (the median resists a minority)."""
+    norms = np.asarray(norms, dtype=np.float64)
+    if norms.ndim != 1 or norms.size == 0 or np.any(~np.isfinite(norms)) or np.any(norms < 0):
+        raise ValueError(f"norms must be a non-empty list of finite non-negative numbers, got {norms}")
+    if factor <= 0:
+        raise ValueError(f"factor must be > 0, got {factor}")
+    return float(factor * np.median(norms))
+
+
+def clip_to_median(arrays: list[Mapping[str, np.ndarray]], references: list[Mapping[str, np.ndarray]],
+                   factor: float) -> tuple[list[dict[str, np.ndarray]], float, list[float]]:
+    """Each client's update (``arrays[i] − references[i]``, over the reference's keys: what the client was sent)
+    scaled down to at most :func:`median_bound` of the cohort's update norms; returns the clipped arrays, the
+    bound and the norms before clipping. An update within the bound comes back unchanged (the same values)."""
+    if len(arrays) != len(references):
+        raise ValueError(f"{len(arrays)} clients' arrays but {len(references)} references")
+    if not arrays:
+        return [], 0.0, []
+    norms = [update_norm(a, ref) for a, ref in zip(arrays, references)]
+    bound = median_bound(norms, factor)
+    out = [dict(a) if n <= bound else scale_update(a, ref, bound / n)
+           for a, ref, n in zip(arrays, references, norms)]
+    return out, bound, norms
