@@ -6,7 +6,10 @@ Chosen by ``strategy.aggregation`` (mean | median | trimmed-mean), ``strategy.tr
 :func:`strategies.base.average_matching` (FedAvg, FedProx, Ditto, FedPer, FedRep, FedBABU, IFCA, CFL).
 
 - ``mean``: the sample-weighted mean; weights are the clients' ``num-examples``, normalised, then capped by
-  :func:`cap_weights` when ``max_weight_share`` < 1.
+  :func:`cap_weights` when ``max_weight_share`` < 1. Under ``data.source: nodes`` without an operator's node registry
+  (``data.node_registry``) every ``num-examples`` is the node's own unverifiable claim, so the cap is on by default:
+  at most :func:`nodes_weight_cap` = min(0.5, 2/k) for a cohort of k clients (no client above half the weight, nor
+  above twice an equal share), or the configured cap where that is lower (:meth:`AggregationRule.for_run`).
 - ``median``: the coordinate-wise median over clients, unweighted (as Flower's ``FedMedian``).
 - ``trimmed-mean``: per coordinate, drop the ``floor(trim_fraction·k)`` smallest and largest of the k client
   values and average the rest, unweighted (as Flower's ``FedTrimmedAvg``); with ``floor(trim_fraction·k) = 0``
@@ -29,9 +32,14 @@ from typing import Mapping
 
 import numpy as np
 
-from fedapps.config import AGGREGATION_RULES
+import dataclasses
+import logging
 
-__all__ = ["AGGREGATION_RULES", "AggregationRule", "cap_weights", "coordinate_median", "trimmed_mean", "combine",
+from fedapps.config import AGGREGATION_RULES, cohort_size
+
+log = logging.getLogger("fedapps")
+
+__all__ = ["AGGREGATION_RULES", "AggregationRule", "nodes_weight_cap", "cap_weights", "coordinate_median", "trimmed_mean", "combine",
            "update_norm", "clip_update", "scale_update", "median_bound", "clip_to_median"]
 
 
@@ -49,10 +57,36 @@ class AggregationRule:
         return cls(strategy_cfg.aggregation, float(strategy_cfg.trim_fraction), float(strategy_cfg.max_weight_share),
                    float(strategy_cfg.clip_update_norm))
 
+    @classmethod
+    def for_run(cls, cfg) -> "AggregationRule":
+        """The rule of an experiment config: :meth:`from_config`, with the weight cap of deployments whose nodes
+        bring their own data and no registry vouches for their sizes (see the module docstring)."""
+        from fedapps.data.nodes import NODES
+
+        rule = cls.from_config(cfg.strategy)
+        d, s = cfg.data, cfg.strategy
+        if d.source != NODES or getattr(d, "node_registry", "") or rule.method != "mean":
+            return rule
+        cap = nodes_weight_cap(cohort_size(d.num_clients, s.fraction, s.min_clients))
+        if cap >= rule.max_weight_share:
+            return rule
+        log.info("data.source nodes without data.node_registry: each client's weight capped at %g (min(0.5, 2/cohort); "
+                 "strategy.max_weight_share is %g)", cap, rule.max_weight_share)
+        return dataclasses.replace(rule, max_weight_share=cap)
+
     @property
     def plain(self) -> bool:
         """The plain sample-weighted mean (no capping; updates may still be clipped before it)."""
         return self.method == "mean" and self.max_weight_share >= 1.0
+
+
+NODES_MAX_SHARE = 0.5  # data.source nodes without a registry: no client above half the weight ...
+NODES_EQUAL_SHARES = 2  # ... nor above twice an equal share of the cohort
+
+
+def nodes_weight_cap(cohort: int) -> float:
+    """The default weight cap when the nodes' sizes are their own claims: min(0.5, 2/cohort)."""
+    return min(NODES_MAX_SHARE, NODES_EQUAL_SHARES / max(1, int(cohort)))
 
 
 def cap_weights(weights, max_share: float) -> np.ndarray:

@@ -212,7 +212,8 @@ class PFedHNParams:
     max_hn_params: int = param(100_000_000, gt=0, help="refuse a model whose hypernetwork would be larger")
     median_clip: float = param(0.0, ge=0, help="robust option, 0 = off: each client's gradient into the hypernetwork "
                                                "(its Δθ back-propagated) is scaled down to at most this multiple of "
-                                               "the round's median client gradient norm (e.g. 2)")
+                                               "the round's median client gradient norm (e.g. 1: no client pulls "
+                                               "harder than the median one)")
     server_device: str = param("auto", choices=DEVICES, help="where the hypernetwork lives and steps: auto (CUDA "
                                                              "when present), cpu or cuda")
 
