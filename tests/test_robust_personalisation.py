@@ -81,20 +81,21 @@ def test_clip_to_median_by_hand():
 
 def test_cwfedavg_median_clip_clips_against_the_model_each_client_was_sent_before_anything_reads_it():
     s = build("cwfedavg", "median_clip=2")
-    sent = s.personalised(None)
     key = s.head_w
-    replies, deltas = [], [1.0, 1.5, 30.0]
+    replies, deltas, sent = [], [1.0, 1.5, 30.0], []
     for i, d in enumerate(deltas):
-        arrays = {k: np.array(v, copy=True) for k, v in sent.items()}
-        arrays[key] = arrays[key].copy()
-        arrays[key][0, 0] += d  # an update of norm d on one coordinate of the classifier
+        # each client was sent its own model (here: the initial one shifted by 0.1·(i+1) everywhere)
+        sent.append({k: (v + 0.1 * (i + 1)).astype(v.dtype) for k, v in s.personalised(None).items()})
+        arrays = {k: np.array(v, copy=True) for k, v in sent[i].items()}
+        arrays[key][0, 0] += d  # an update of norm d, on one coordinate of the classifier, against what it was sent
         replies.append(reply(100 + i, i, arrays))
-        s.sent_models[100 + i] = sent
+        s.sent_models[100 + i] = sent[i]
     extra = s.aggregate(1, replies)
     assert extra["clip_bound"] == pytest.approx(3.0) and extra["clipped"] == 1  # 2 × median(1, 1.5, 30)
     stored = s.stack.get(2, key)
-    assert stored[0, 0] == pytest.approx(sent[key][0, 0] + 3.0, rel=1e-5)  # 30 scaled to the bound
-    assert s.stack.get(0, key)[0, 0] == pytest.approx(sent[key][0, 0] + 1.0, rel=1e-5)
+    np.testing.assert_allclose(stored[0, 0], sent[2][key][0, 0] + 3.0, rtol=1e-5)  # 30 scaled to the bound
+    np.testing.assert_allclose(stored[1:], sent[2][key][1:], rtol=1e-6)  # the rest is what it was sent
+    assert s.stack.get(0, key)[0, 0] == pytest.approx(sent[0][key][0, 0] + 1.0, rel=1e-5)
     from strategies.cwfedavg import row_norm_distribution
     # the class estimate is read off the clipped upload, not the one sent
     np.testing.assert_allclose(s.p_hat[s.stack.row_of[2]], row_norm_distribution(stored))
