@@ -44,7 +44,9 @@ model up" — is the direction h amplifies most, measured 8× an honest update's
 ``median_clip`` = c > 0 each client's own gradient g_i = (∂θ_i/∂φ)ᵀ Δθ_i is measured first (one backward per reply)
 and its Δθ_i scaled by s_i = min(1, c·m/‖g_i‖), m the round's median ‖g_i‖ (:func:`fedapps.robust.median_bound`);
 g is linear in Δθ, so the round's gradient is Σ_i s_i·g_i: no client pulls h further than c times the cohort's
-typical client. It costs one more backward of h per reply.
+typical client. It costs one more backward of h per reply. A hostile client's pull points the same way every round
+while the honest ones vary, and SGD's momentum adds up what repeats: measured, c = 1 still lets one scaled model pull
+a victim 0.5 below its accuracy on some seeds, c = 0.5 does not (docs/results/capture.md).
 """
 
 from __future__ import annotations
@@ -212,8 +214,8 @@ class PFedHNParams:
     max_hn_params: int = param(100_000_000, gt=0, help="refuse a model whose hypernetwork would be larger")
     median_clip: float = param(0.0, ge=0, help="robust option, 0 = off: each client's gradient into the hypernetwork "
                                                "(its Δθ back-propagated) is scaled down to at most this multiple of "
-                                               "the round's median client gradient norm (e.g. 1: no client pulls "
-                                               "harder than the median one)")
+                                               "the round's median client gradient norm (e.g. 0.5; measured: 1 is not "
+                                               "always enough, docs/results/capture.md)")
     server_device: str = param("auto", choices=DEVICES, help="where the hypernetwork lives and steps: auto (CUDA "
                                                              "when present), cpu or cuda")
 
