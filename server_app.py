@@ -8,10 +8,10 @@ Ray) under one import lock: a light module lets Ray's processes boot while the r
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -53,12 +53,15 @@ def set_server_threads() -> int:
 
 
 def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str, resume_dir: str = "",
-                   after_round: Callable[[int], Any] | None = None) -> dict:
+                   after_round: Callable[[int], Any] | None = None, keep_state: bool = False) -> dict:
     """Run one configured experiment on a Grid and return its summary (used by the ServerApp and tests).
 
+    A new run's folder (``<output_dir>/<run name>``) must be new or empty (a used one is refused: ConfigError).
     After every round the results and ``checkpoint.pt`` are written to the run folder (then ``after_round(k)``
     is called). ``resume_dir``: a run folder with a checkpoint of the same config; the run continues after its
     last round, the rows of rounds.csv so far restored, the clients' private models read from its client-state/.
+    A run that ends successfully removes its resume state (checkpoint.pt, client-state/, server-state/) unless
+    ``keep_state``.
     """
     from fedapps import checkpoint, message_sweep, tracking
     from fedapps.config import dump_yaml, load_config, split_overrides
@@ -89,15 +92,15 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     if saved is not None:
         run_dir = Path(resume_dir).expanduser().resolve()
         files = FileSink(cfg, run_dir.parent, run_dir=run_dir)
-        files.restore_rows(saved["rows"])
+        files.restore_rows(saved["rows"], int(saved["round"]))
         t0 -= float(saved.get("wall_seconds", 0.0))
     else:
         output_dir = output_dir or cfg.output_dir
+        checkpoint.check_fresh(Path(output_dir).expanduser().resolve() / cfg.resolved_run_name())
         files = FileSink(cfg, output_dir)
-        for state in (checkpoint.CLIENT_STATE, checkpoint.SERVER_STATE):  # a previous run's state files
-            shutil.rmtree(files.dir / state, ignore_errors=True)
-        (files.dir / checkpoint.CHECKPOINT).unlink(missing_ok=True)
     delivery = DeliveryCheck()  # a run with no usable reply, or mostly undelivered messages, fails below
+    if saved is not None:  # its counts cover the whole run: the rounds before the checkpoint too
+        vars(delivery).update(copy.deepcopy(saved.get("delivery", {})))
     sinks: list[ResultSink] = [files, delivery]
     if description is not None:
         files.write_partition(description.partition_rows(cfg.data.evaluate_on))
@@ -115,21 +118,22 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
             sink.on_round(entry)
         checkpoint.save_checkpoint(files.dir, {
             "round": entry.round, "config": config_yaml, "strategy_name": resolved.name, "run_token": token,
-            "state": strategy.checkpoint_state(), "rows": files.rows, "wall_seconds": time.time() - t0})
+            "state": strategy.checkpoint_state(), "rows": files.rows, "wall_seconds": time.time() - t0,
+            "delivery": copy.deepcopy(vars(delivery))})
         if after_round is not None:
             after_round(entry.round)
 
     strategy = resolved.build(cfg, on_round=on_round)
     strategy.client_state = {"state-dir": str(files.dir / checkpoint.CLIENT_STATE), "state-run": token}
     strategy.server_state_dir = str(files.dir / checkpoint.SERVER_STATE)
-    if description is not None:
-        strategy.excluded_nodes = set(description.excluded)
-        bind_accepted(describe_validator, strategy.validator, description)
     first_round = 1
     if saved is not None:
         strategy.load_checkpoint_state(saved["state"])
         first_round = int(saved["round"]) + 1
         log.info("resuming '%s' after round %d of %d", files.dir, first_round - 1, cfg.rounds)
+    if description is not None:  # after a checkpoint's bindings: the nodes described now are who they said
+        strategy.excluded_nodes = set(description.excluded)
+        bind_accepted(describe_validator, strategy.validator, description)
     # experiment trackers (config key tracking), after the file sink: at the end they read the files it wrote
     trackers = tracking.tracking_sinks(cfg, files.dir, resumed=saved is not None)
     sinks.extend(trackers)
@@ -154,6 +158,10 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
         log.warning("the last round got no usable reply: the reported accuracy is from round %s", summary.get("final_round"))
     if problems:  # results are on disk for inspection; the run itself fails (Flower: finished:failed)
         raise UnusableRun("; ".join(problems) + f" (results: {files.dir})", exit_status(found))
+    if not keep_state:
+        freed = checkpoint.remove_resume_state(files.dir)
+        log.info("run finished: its resume state (checkpoint, client-state/, server-state/; %.1f MB) removed "
+                 "(keep it with --keep-state)", freed / 1e6)
     return summary
 
 
@@ -198,10 +206,12 @@ def nodes_as_checkpointed(cfg: ExperimentConfig, saved_yaml: str) -> ExperimentC
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Entry point under `flwr run`: run config keys 'config', 'overrides', 'output-dir', 'resume-dir'."""
+    """Entry point under `flwr run`: run config keys 'config', 'overrides', 'output-dir', 'resume-dir',
+    'keep-state'."""
     from fedapps import message_sweep
 
     message_sweep.poll_replies_often(grid)  # simulation: replies looked for every 0.02 s, not 0.1 s
     rc = context.run_config
     run_experiment(grid, str(rc.get("config", "configs/default.yaml")), str(rc.get("overrides", "")),
-                   str(rc.get("output-dir", "")), resume_dir=str(rc.get("resume-dir", "")))
+                   str(rc.get("output-dir", "")), resume_dir=str(rc.get("resume-dir", "")),
+                   keep_state=str(rc.get("keep-state", "false")).lower() in ("true", "1"))

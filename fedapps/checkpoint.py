@@ -7,6 +7,11 @@ and the run's token. ``<run>/client-state/<client-id>.pt`` holds a client's priv
 itself after each message, see :mod:`fedapps.worker`); the token tells a resumed run's files from a stale run's.
 ``<run>/server-state/`` holds the strategy's per-client state that is too large to rewrite every round (cwFedAvg's
 stack), one file per client, written only when it changed (:class:`RowFiles`); checkpoint.pt names the files.
+
+A run folder is either a new run's (:func:`check_fresh` refuses a used one) or a resumed run of the same config
+(:func:`load_checkpoint`, :func:`check_same_config`). These three are resume state only: a run that ends successfully
+removes them (:func:`remove_resume_state`) unless it is asked to keep them; an interrupted, crashed or failed run
+keeps them.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ CLIENT_STATE = "client-state"
 SERVER_STATE = "server-state"
 FORMAT = 1
 IGNORED_KEYS = HASH_EXCLUDED  # where a run is written (and tracked) may differ between the run and its resumption
+RESUME_STATE = (CHECKPOINT, CLIENT_STATE, SERVER_STATE)  # what a resumption needs; removed at a successful end
 
 
 def ndarray_from_tensor(tensor: torch.Tensor) -> np.ndarray:
@@ -172,3 +178,40 @@ def check_same_config(saved_yaml: str, given_yaml: str, run_dir: str | Path) -> 
 def client_state_path(state_dir: str | Path, client_id: int) -> Path:
     """Where a client keeps its private model between messages (and across a resumption)."""
     return Path(state_dir) / f"{int(client_id)}.pt"
+
+
+def check_fresh(run_dir: str | Path) -> None:
+    """A new run writes into a folder of its own: ConfigError when ``run_dir`` already holds anything (an earlier
+    run's results would mix with this one's: e.g. another strategy's figures beside this run's tables), naming
+    ``--resume`` where that run can be continued, and how to move it aside."""
+    path = Path(run_dir).expanduser()
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise ConfigError(f"results folder '{path}' is a file; remove it, or give this run another folder "
+                          "(--set run_name=NAME, or --output-dir DIR)")
+    entries = sorted(p.name for p in path.iterdir())
+    if not entries:
+        return
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    resumable = (path / CHECKPOINT).is_file() and not (path / "summary.json").is_file()
+    how = (f"continue that run (same config) with --resume {path}, or " if resumable else "")
+    raise ConfigError(f"results folder '{path}' already holds a run ({shown}); a new run never writes into a used "
+                      f"folder. To go on: {how}move the old folder aside (mv '{path}' '{path}.old') or delete it, or "
+                      "give this run another folder (--set run_name=NAME, or --output-dir DIR)")
+
+
+def remove_resume_state(run_dir: str | Path) -> int:
+    """Delete a finished run's resume state (:data:`RESUME_STATE`); the bytes freed."""
+    import shutil
+
+    freed = 0
+    for name in RESUME_STATE:
+        path = Path(run_dir) / name
+        if path.is_dir():
+            freed += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.is_file():
+            freed += path.stat().st_size
+            path.unlink(missing_ok=True)
+    return freed

@@ -7,6 +7,7 @@ belong to one algorithm live in that algorithm's module and reach ``train`` as a
 from __future__ import annotations
 
 import math
+import threading
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -20,6 +21,32 @@ from fedapps.config import OptimSettings
 
 Regulariser = Callable[[nn.Module], Tensor]
 BatchLoss = Callable[[nn.Module, Tensor, Tensor, Tensor | None], Tensor]
+
+
+class Cancelled(RuntimeError):
+    """The message being served on this thread was abandoned (its deadline passed, or the run was interrupted)."""
+
+
+_CANCEL = threading.local()  # the event that abandons the message served on this thread (see cancel_when)
+
+
+@contextmanager
+def cancel_when(event: threading.Event) -> Iterator[None]:
+    """Within the block, on this thread, the training loop stops at its next minibatch (:class:`Cancelled`) once
+    ``event`` is set: how the in-process engine pre-empts a client that runs past its deadline."""
+    previous = getattr(_CANCEL, "event", None)
+    _CANCEL.event = event
+    try:
+        yield
+    finally:
+        _CANCEL.event = previous
+
+
+def check_cancelled() -> None:
+    """Raise :class:`Cancelled` if the message served on this thread was abandoned (a no-op elsewhere)."""
+    event = getattr(_CANCEL, "event", None)
+    if event is not None and event.is_set():
+        raise Cancelled("the message was abandoned (deadline passed or run interrupted)")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -66,6 +93,7 @@ def run_epochs(
     use_bf16 = settings.mixed_precision and device.type == "cuda"
     for _ in range(settings.epochs):
         for idx in batches(len(x), settings.batch_size, True, settings.drop_last, generator):
+            check_cancelled()
             if has_batchnorm and len(idx) < 2:
                 continue  # BatchNorm cannot train on a single sample
             xb, yb = x[idx].to(device, non_blocking=True), y[idx].to(device, non_blocking=True)

@@ -346,16 +346,22 @@ def eta_seconds(spent: float, steps_timed: int, steps_left: int) -> float | None
     return spent / steps_timed * max(0, steps_left)
 
 
-def format_duration(seconds: float | None) -> str:
-    """'42s', '3m05s', '1h02m'; '?' when unknown."""
+def format_duration(seconds: float | None, words: bool = False) -> str:
+    """A duration as a person reads it: compact for progress lines ('42s', '3m05s', '1h02m'), or in words for the
+    end-of-run summary ('2.5 s', '29 s', '1 min 29 s', '2 h 05 min'); '?' when unknown."""
     if seconds is None:
         return "?"
-    s = int(round(seconds))
+    raw = max(0.0, float(seconds))
+    if words and raw < 10:
+        return f"{raw:.1f} s"
+    s = int(round(raw))
+    minute, hour = (" min ", " h ") if words else ("m", "h")
+    second, tail = (" s", " min") if words else ("s", "m")
     if s < 60:
-        return f"{s}s"
+        return f"{s}{second}"
     if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+        return f"{s // 60}{minute}{s % 60:{'d' if words else '02d'}}{second}"
+    return f"{s // 3600}{hour}{s % 3600 // 60:02d}{tail}"
 
 
 class Progress:
@@ -390,18 +396,20 @@ class FileSink:
         # run_dir: an existing run folder to write into (a resumed run), whatever the config's run name
         self.dir = Path(run_dir) if run_dir is not None else Path(output_dir).expanduser().resolve() / cfg.resolved_run_name()
         self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in ("summary.json", "rounds.csv", REJECTIONS):
-            (self.dir / stale).unlink(missing_ok=True)
+        for stale in ("summary.json", "rounds.csv") + (() if run_dir is not None else (REJECTIONS,)):
+            (self.dir / stale).unlink(missing_ok=True)  # a resumed run keeps rejections.csv (see restore_rows)
         (self.dir / "config.yaml").write_text(dump_yaml(cfg))
         self.config_hash = config_hash(cfg)
         (self.dir / "config.sha256").write_text(self.config_hash + "\n")
         self.rows: list[dict[str, Any]] = []
         self.progress = Progress(cfg.rounds)
 
-    def restore_rows(self, rows: list[Mapping[str, Any]]) -> None:
-        """The rows of the rounds already run (from a checkpoint): kept and rounds.csv rewritten."""
+    def restore_rows(self, rows: list[Mapping[str, Any]], last_round: int) -> None:
+        """The rows of the rounds already run (from a checkpoint of round ``last_round``): kept and rounds.csv
+        rewritten; rejections.csv keeps its rows up to that round (later ones were of rounds now run again)."""
         self.rows = [dict(r) for r in rows]
         write_csv(self.dir / "rounds.csv", self.rows)
+        trim_rejections(self.dir / REJECTIONS, last_round)
         self.progress = Progress(self.cfg.rounds - len(self.rows))  # the pace of the rounds this process runs
 
     def write_partition(self, rows: list[Mapping[str, Any]]) -> None:
@@ -547,6 +555,18 @@ def append_rejections(path: Path, rejections: Iterable[Any]) -> None:
             w.writeheader()
         for r in rejections:
             w.writerow({k: v for k, v in r.row().items() if k in REJECTION_COLUMNS})
+
+
+def trim_rejections(path: Path, last_round: int) -> None:
+    """Keep the rows of rejections.csv up to round ``last_round`` (a resumed run runs the later rounds again)."""
+    if not path.is_file():
+        return
+    with path.open(newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if not r.get("round", "").isdigit() or int(r["round"]) <= last_round]
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=REJECTION_COLUMNS, restval="", extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
 
 
 def write_csv(path: Path, rows: list[Mapping[str, Any]]) -> None:

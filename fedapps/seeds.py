@@ -8,11 +8,17 @@ on every machine: the purpose is hashed with CRC-32, never with Python's salted 
 
 from __future__ import annotations
 
+import threading
 import zlib
 
 import numpy as np
 
-__all__ = ["derive_seed", "derive_rng"]
+__all__ = ["GLOBAL_RNG_LOCK", "derive_seed", "derive_rng"]
+
+# torch's global CPU generator is one per process. Code that seeds it and draws from it (a seeded model build, a
+# client message re-seeding it, dropout during a message) holds this lock, so that clients served on several threads
+# of one process (the in-process engine, :mod:`fedapps.inprocess`) draw exactly what they would draw one at a time.
+GLOBAL_RNG_LOCK = threading.RLock()
 
 
 def derive_seed(seed: int, purpose: str, *parts: int) -> int:

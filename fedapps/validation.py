@@ -523,6 +523,14 @@ class ReplyValidator:
             self._parts[part] = dict(self._model_part(part))
         return self._parts[part]
 
+    def forget_nodes(self, nodes: Iterable[int]) -> None:
+        """Drop the node <-> client bindings of ``nodes`` (a resumed run whose nodes have new ids): the clients
+        they served are free to be bound again, by their new node's first accepted reply."""
+        for node in nodes:
+            client = self.node_client.pop(int(node), None)
+            if client is not None and self.client_node.get(client) == int(node):
+                del self.client_node[client]
+
     # ------------------------------------------------------------------ expectations
     def expect(self, messages: Iterable[Message]) -> None:
         """Record what each message asks its node for (replaces the previous expectations of that phase)."""

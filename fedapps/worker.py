@@ -10,14 +10,17 @@ process (a run resumed from its checkpoint): ``<state-dir>/<client-id>.r<round>.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
 import os
 import re
+import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -25,7 +28,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from torch import nn
 
 from fedapps import checkpoint, ops, protocol, pseudolabels
-from fedapps.seeds import derive_seed
+from fedapps.seeds import GLOBAL_RNG_LOCK, derive_seed
 from fedapps.clientops import DISTILL_WEIGHTINGS, TRAINING_TERMS, ProtocolError, client_op, parse_op
 from fedapps.data import (DATA_PATH, NODES, NUM_CLASSES, PUBLIC_PATH, ClientData, DataError, Federation,
                           data_warnings_silenced, get_federation, node_federation, node_path, read_labelled,
@@ -174,14 +177,24 @@ def private_arch(context: Context, config: Mapping[str, Any], client_id: int) ->
     return model_arch(config, context, client_id)
 
 
+def skeleton_key(arch: str, fed: Federation, config: Mapping[str, Any]) -> SkeletonKey:
+    """The :class:`SkeletonPool` key of a client model of ``arch`` for this data and message."""
+    return arch, int(fed.num_classes), tuple(int(d) for d in fed.input_shape), int(config.get("model.seed", 0))
+
+
 def private_model(context: Context, config: Mapping[str, Any], fed: Federation, client_id: int, device: torch.device,
-                  incoming: Mapping[str, torch.Tensor] | None = None) -> tuple[nn.Module, str]:
+                  incoming: Mapping[str, torch.Tensor] | None = None,
+                  taken: list[tuple[SkeletonKey, tuple[nn.Module, dict]]] | None = None) -> tuple[nn.Module, str]:
     """The client's model: restored from Context.state, or built fresh on first contact. ``incoming``: the arrays
     the message loads into it next (``load-arrays``); when they cover its whole state (e.g. a global model sent whole)
-    nothing is loaded first, since every value would be overwritten (one state copy less per message)."""
+    nothing is loaded first, since every value would be overwritten (one state copy less per message). The module
+    comes from :data:`SKELETONS`; it is appended to ``taken`` (the caller gives it back after the message)."""
     arch = private_arch(context, config, client_id)
-    seed = int(config.get("model.seed", 0))
-    model, initial = model_skeleton(arch, fed.num_classes, tuple(fed.input_shape), seed)
+    key = skeleton_key(arch, fed, config)
+    item = SKELETONS.take(key)
+    if taken is not None:
+        taken.append((key, item))
+    model, initial = item
     overwritten = incoming is not None and initial.keys() <= incoming.keys()  # every value is loaded next
     if not overwritten:
         saved = STATE_MODEL in context.state
@@ -197,12 +210,58 @@ def on_device(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
-@functools.lru_cache(maxsize=8)
-def model_skeleton(arch: str, num_classes: int, input_shape: tuple[int, int, int], seed: int) -> tuple[nn.Module, dict]:
-    """One module object per architecture per process, reused across messages (each message loads a full
-    state into it first), and its seeded initial state; building a model per message costs more than loading."""
-    model = build_model(arch, num_classes, input_shape, seed=seed)
-    return model, {k: v.clone() for k, v in model.state_dict().items()}
+SkeletonKey = tuple[str, int, tuple[int, int, int], int]  # architecture, classes, input shape, seed
+
+
+class SkeletonPool:
+    """Model modules reused across messages (each message loads a full state into its module first; building a
+    model per message costs more than loading), with their seeded initial state. A module is taken for one message
+    and given back after it, so messages served at the same time on several threads (the in-process engine) never
+    share one; a process serving one message at a time (a Ray actor, a SuperNode) reuses one per architecture.
+    At most ``keys`` architectures are kept (the least recently used is dropped), ``per_key`` modules each."""
+
+    def __init__(self, keys: int = 8, per_key: int = 8) -> None:
+        self.keys, self.per_key = keys, per_key
+        self._free: OrderedDict[SkeletonKey, list[tuple[nn.Module, dict]]] = OrderedDict()
+        self._draws: dict[SkeletonKey, bool] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: SkeletonKey) -> tuple[nn.Module, dict]:
+        """A module of ``key`` no other message holds, and the seeded initial state (do not modify it)."""
+        with self._lock:
+            free = self._free.get(key)
+            if free:
+                self._free.move_to_end(key)
+                return free.pop()
+        arch, num_classes, input_shape, seed = key
+        model = build_model(arch, num_classes, input_shape, seed=seed)
+        return model, {k: v.clone() for k, v in model.state_dict().items()}
+
+    def give(self, key: SkeletonKey, item: tuple[nn.Module, dict]) -> None:
+        """Give a module back for the next message."""
+        with self._lock:
+            free = self._free.setdefault(key, [])
+            self._free.move_to_end(key)
+            if len(free) < self.per_key:
+                free.append(item)
+            while len(self._free) > self.keys:
+                dropped, _ = self._free.popitem(last=False)
+                self._draws.pop(dropped, None)
+
+    def draws_global_rng(self, key: SkeletonKey) -> bool:
+        """Whether training this architecture draws from torch's global RNG (a dropout layer)."""
+        with self._lock:
+            known = self._draws.get(key)
+        if known is None:
+            item = self.take(key)
+            known = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in item[0].modules())
+            self.give(key, item)
+            with self._lock:
+                self._draws[key] = known
+        return known
+
+
+SKELETONS = SkeletonPool()
 
 
 def load_arrays(model: nn.Module, received: Mapping[str, torch.Tensor], strict: bool) -> None:
@@ -421,17 +480,39 @@ class Worker:
         rnd = int(self.config.get("round", 0))
         seed = int(self.config.get("model.seed", 0))
         self.generator = torch.Generator().manual_seed(derive_seed(seed, "client-batches", rnd, self.client_id))
-        # ops that draw from torch's global RNG (dropout) see a stream fixed by (seed, round, client) too; on the CPU
-        # only its generator is used (torch.manual_seed also queues every accelerator's: ~0.4 ms per message)
-        global_seed = derive_seed(seed, "client-global", rnd, self.client_id)
-        if self.device.type == "cpu":
-            torch.default_generator.manual_seed(global_seed)
-        else:
-            torch.manual_seed(global_seed)
+        self.global_seed = derive_seed(seed, "client-global", rnd, self.client_id)  # see :meth:`global_rng`
+        self.taken: list[tuple[SkeletonKey, tuple[nn.Module, dict]]] = []  # modules of SKELETONS, given back by run
+
+    @contextlib.contextmanager
+    def global_rng(self) -> Iterator[None]:
+        """Ops that draw from torch's global RNG (dropout) see a stream fixed by (seed, round, client) too: it is
+        seeded here, at the start of the message. Where the private model has dropout, the whole message holds
+        :data:`GLOBAL_RNG_LOCK`, so that clients served on other threads of this process (the in-process engine)
+        neither re-seed nor draw from the stream meanwhile. On the CPU only its generator is seeded
+        (torch.manual_seed also queues every accelerator's: ~0.4 ms per message)."""
+        builds = any(str(op).partition(":")[0] != DESCRIBE_OP for op in self.config.get("ops", []))  # a model
+        draws = builds and SKELETONS.draws_global_rng(skeleton_key(self.arch, self.fed, self.config))
+        with GLOBAL_RNG_LOCK if draws else contextlib.nullcontext():
+            with GLOBAL_RNG_LOCK:
+                if self.device.type == "cpu":
+                    torch.default_generator.manual_seed(self.global_seed)
+                else:
+                    torch.manual_seed(self.global_seed)
+            yield
 
     # ------------------------------------------------------------------ entry point
     def run(self) -> Message:
-        """Run every operation in the message, save the private model, and build the reply."""
+        """Run every operation in the message, save the private model, and build the reply (the model modules the
+        message took from :data:`SKELETONS` are given back at the end)."""
+        try:
+            with self.global_rng():
+                return self._run()
+        finally:
+            for key, item in self.taken:
+                SKELETONS.give(key, item)
+            self.taken = []
+
+    def _run(self) -> Message:
         self._check_public_set()
         steps = [parse_op(op) for op in self.config["ops"]]  # refuse an unknown operation before running any
         transport = message_transport(self.config)  # and an unknown transport
@@ -461,7 +542,7 @@ class Worker:
         """The private model (restored or built on first use: a message that needs none, e.g. ``describe``,
         builds none)."""
         incoming = self.received if self.config.get("load-arrays", False) else None
-        return private_model(self.context, self.config, self.fed, self.client_id, self.device, incoming)[0]
+        return private_model(self.context, self.config, self.fed, self.client_id, self.device, incoming, self.taken)[0]
 
     @functools.cached_property
     def received(self) -> dict[str, torch.Tensor] | None:

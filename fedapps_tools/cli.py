@@ -30,7 +30,7 @@ from pathlib import Path
 from fedapps.config import ConfigError, ExperimentConfig, load_config
 from fedapps.results import EXIT_FAILED, EXIT_STATUSES, UnusableRun, summary_exit_status
 from fedapps_tools.flwrcli import (CONNECTION, RunFailed, _proc_stat, descendants, failure_reasons,
-                                   flower_env, follow_run, stop_processes, submit_run, toml_str)
+                                   flower_env, follow_run, stop_processes, stop_run, submit_run, toml_str)
 from fedapps_tools import raycluster
 from fedapps_tools.logfilter import LogFilter, command_logging
 from fedapps_tools.options import add_seeds_option, output_dir_help, package_version, resolve_root
@@ -131,11 +131,17 @@ class OwnSuperLink:
         return alive
 
     def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM to the SuperLink's process group and to each process it started; SIGKILL what is left."""
+        """SIGTERM to the SuperLink's process group and to each process it started; SIGKILL what is left after
+        ``grace`` seconds (an interrupted run: :data:`INTERRUPT_GRACE`)."""
         if self.proc is None:
             return
         self.note_children()
         stop_processes(dict(self.owned), group=self.proc, grace=grace)
+
+
+# Ctrl-C: seconds the run's processes get after SIGTERM before SIGKILL. Ray's exit within ~3 s of SIGTERM and the
+# rounds stop with them; the SuperLink itself takes longer than 15 s; an atomic checkpoint survives SIGKILL.
+INTERRUPT_GRACE = 2.0
 
 
 def write_connection(home: Path, address: str) -> None:
@@ -183,6 +189,7 @@ def start_run(cfg: ExperimentConfig, config_path: Path, overrides: list[str], ou
         f"overrides={toml_str(' '.join(overrides))}",
         f"output-dir={toml_str(str(output_dir))}",
         f"resume-dir={toml_str(str(getattr(args, 'resume', None) or ''))}",
+        f"keep-state={'true' if getattr(args, 'keep_state', False) else 'false'}",
     ])
     return submit_run(CONNECTION, run_config, env, ["--federation-config", federation_config(cfg, args)])
 
@@ -209,7 +216,8 @@ def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[st
         link = link if link is not None else new_superlink(ray_address)
         home, env = link.home, link.env
     result_dir = Path(args.resume) if getattr(args, "resume", None) else output_dir / cfg.resolved_run_name()
-    ok = False
+    ok = interrupted = False
+    run_id = ""
     try:
         with sigterm_as_interrupt():
             if link is None:
@@ -228,12 +236,19 @@ def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[st
                 failed.exit_status = summary_exit_status(result_dir / "summary.json", submitted - 1) or EXIT_FAILED
                 raise failed
         ok = True
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM: the run stops (its checkpoint stays, for --resume)
+        interrupted = True
+        if run_id and (link is None or args.keep_superlink):  # a SuperLink this command does not stop
+            stopped = stop_run(run_id, env)
+            print(f"run {run_id} {'stopped' if stopped else 'could not be stopped: flwr stop ' + run_id}",
+                  file=sys.stderr)
+        raise
     finally:
         if link is not None:
             if args.keep_superlink:
                 print(f"SuperLink left running: {link.address}, pid {link.proc.pid} (stop it with kill {link.proc.pid})")
             else:
-                link.stop()
+                link.stop(grace=INTERRUPT_GRACE if interrupted else 10.0)
         if ok and not args.keep_superlink:
             shutil.rmtree(home, ignore_errors=True)
         elif not ok:
@@ -244,8 +259,9 @@ def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[st
 
 
 def run_in_process(cfg: ExperimentConfig, config_path: Path, overrides: list[str], output_dir: Path,
-                   resume: str | None = None) -> Path:
-    """The same strategy and client code without Ray: clients served sequentially in this process."""
+                   resume: str | None = None, keep_state: bool = False) -> Path:
+    """The same strategy and client code without Ray: clients served in this process, several at a time on threads
+    (FEDAPPS_INPROCESS_WORKERS, default the usable CPUs), each with FEDAPPS_CLIENT_THREADS torch threads (default 1)."""
     import torch
 
     import server_app
@@ -253,7 +269,7 @@ def run_in_process(cfg: ExperimentConfig, config_path: Path, overrides: list[str
 
     torch.set_num_threads(int(os.environ.get("FEDAPPS_CLIENT_THREADS", "1")))
     server_app.run_experiment(InProcessGrid(cfg.data.num_clients), str(config_path), " ".join(overrides), str(output_dir),
-                              resume_dir=resume or "")
+                              resume_dir=resume or "", keep_state=keep_state)
     return Path(resume) if resume else output_dir / cfg.resolved_run_name()
 
 
@@ -365,6 +381,10 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
 
                 saved = checkpoint.load_checkpoint(args.resume)  # refuse here, before flwr run starts
                 checkpoint.check_same_config(saved["config"], dump_yaml(resolved_config(cfg)), args.resume)
+            else:  # a new run: its folder must not hold an earlier run's files
+                from fedapps import checkpoint
+
+                checkpoint.check_fresh(out / resolved_config(cfg).resolved_run_name())
             if not ray_address:
                 check_gpu_request(args)
         except BaseException:
@@ -373,7 +393,8 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
             raise
         if args.engine != "inprocess":  # still under the SIGTERM handler: the launched SuperLink is never left behind
             return run_with_flower(cfg, config_path, overrides, out, args, ray_address=ray_address, link=link)
-    return run_in_process(cfg, config_path, overrides, out, getattr(args, "resume", None))
+    return run_in_process(cfg, config_path, overrides, out, getattr(args, "resume", None),
+                          getattr(args, "keep_state", False))
 
 
 def add_run_options(p: argparse.ArgumentParser, writes: str) -> None:
@@ -399,6 +420,9 @@ def add_run_options(p: argparse.ArgumentParser, writes: str) -> None:
                         "RAY_ADDRESS, else a Ray instance of the run's own; 'local' ignores RAY_ADDRESS). Run it on a "
                         "node of the cluster; --cpus/--gpus-per-client are per client actor on any node")
     p.add_argument("--keep-superlink", action="store_true", help="leave the SuperLink this run started running afterwards")
+    p.add_argument("--keep-state", action="store_true",
+                   help="keep a finished run's resume state (checkpoint.pt, client-state/, server-state/); by default "
+                        "a run that ends successfully removes it (an interrupted or failed run keeps it for --resume)")
     p.add_argument("--quiet", action="store_true", help="do not stream the run's log")
 
 

@@ -103,6 +103,15 @@ def resume_decision(result_dir: Path, rounds: int, expected_hash: str) -> tuple[
     return True, "already complete with the same config, skipped"
 
 
+def clear_for_rerun(result_dir: Path) -> None:
+    """The folder of a run this tool decided to run again (:func:`resume_decision`) is emptied first: a new run
+    never writes into a used folder (`fedapps run` refuses one), and the earlier run's files would mix with it."""
+    import shutil
+
+    if result_dir.is_dir():
+        shutil.rmtree(result_dir)
+
+
 def is_complete(result_dir: Path, rounds: int, expected_hash: str) -> bool:
     """A run counts as done when :func:`resume_decision` says it may be skipped."""
     return resume_decision(result_dir, rounds, expected_hash)[0]
@@ -258,6 +267,7 @@ def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
             skip, why = resume_decision(result_dir, cfg.rounds, config_hash(resolve(cfg).config(cfg)))
             progress.start(f"{label} seed {seed}: {why}")
             if not skip:
+                clear_for_rerun(result_dir)
                 execute(config, overrides, str(runs_dir), args)
             progress.finish(worked=not skip)
             summaries.append(json.loads((result_dir / "summary.json").read_text()))

@@ -275,7 +275,7 @@ class LogStream:
                 self._proc.kill()
         if self._client is not None:
             self._client.close()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=5 if wait else 0.5)
 
 
 STATUS_BACKSTOP = 30.0  # seconds between status checks while the log stream is still open (see follow_run)
@@ -295,6 +295,7 @@ def follow_run(run_id: str, env: dict[str, str], quiet: bool, link: Any | None,
     that would compete with the run's workers)."""
     stream = LogStream(run_id, env, connection, quiet, link.address if link is not None else None, log_filter)
     status = "unknown"
+    finished = False  # an interrupt (Ctrl-C) does not wait for the stream: the caller stops the run at once
     tick = 0.5 if link is not None else poll  # how often the SuperLink's children are noted
     stream_open = True
     next_check = time.monotonic() + backstop
@@ -317,9 +318,19 @@ def follow_run(run_id: str, env: dict[str, str], quiet: bool, link: Any | None,
                 stream.ended.wait(tick)  # wakes at once when the stream ends
             else:
                 time.sleep(tick)
+        finished = True
     finally:
-        stream.close()
+        stream.close(wait=5.0 if finished else 0.0)
     return status, stream.lines
+
+
+def stop_run(run_id: str, env: dict[str, str], connection: str = CONNECTION) -> bool:
+    """`flwr stop RUN_ID`: ask the SuperLink to stop a run (one this tool submitted to a SuperLink it does not stop
+    itself); whether it said so."""
+    try:
+        return bool(flwr_json(["flwr", "stop", run_id, connection, "--format", "json"], env, timeout=30).get("success"))
+    except (RunFailed, subprocess.TimeoutExpired):
+        return False
 
 
 def failure_reasons(lines: list[str], result_dir: Path) -> str:

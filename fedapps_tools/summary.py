@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fedapps.config import ConfigError, ExperimentConfig, load_config
+from fedapps.results import format_duration
 
 RULE = "-" * 78
 MARK = ">>"  # the headline's lines start with it
@@ -36,15 +37,7 @@ def human_bytes(n: float) -> str:
 
 def human_duration(seconds: float) -> str:
     """A duration as a person reads it: '2.5 s', '29 s', '1 min 29 s', '2 h 05 min'."""
-    s = max(0.0, float(seconds))
-    if s < 10:
-        return f"{s:.1f} s"
-    whole = int(round(s))
-    if whole < 60:
-        return f"{whole} s"
-    if whole < 3600:
-        return f"{whole // 60} min {whole % 60} s"
-    return f"{whole // 3600} h {(whole % 3600) // 60:02d} min"
+    return format_duration(seconds, words=True)
 
 
 def _acc(value: Any) -> str:

@@ -171,10 +171,13 @@ def write_yaml(path: Path, raw: Mapping[str, Any]) -> Path:
     return path
 
 
-def fedapps(args: list[str], log: Path) -> None:
-    """One ``fedapps`` sub-command, its output appended to ``log``; a failure stops the tables with its tail."""
+def fedapps(args: list[str], log: Path, jobs: int = 1) -> None:
+    """One ``fedapps`` sub-command, its output appended to ``log``; a failure stops the tables with its tail. With
+    ``jobs`` sub-commands at a time, each in-process engine serves its clients on its share of the cores (one torch
+    thread per client), so the jobs together do not oversubscribe the machine."""
     log.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.setdefault("FEDAPPS_INPROCESS_WORKERS", str(max(1, (os.cpu_count() or 1) // max(1, jobs))))
     with open(log, "a") as out:
         out.write(f"\n$ fedapps {' '.join(args)}\n")
         out.flush()
@@ -264,7 +267,7 @@ class Tables:
         for key, values in m.grid.items():
             args += ["--grid", f"{key}=" + ",".join(yaml_scalar(v) for v in values)]
         started = time.monotonic()
-        fedapps(args, self.work / "logs" / f"tune-{setting}-{m.name}.log")
+        fedapps(args, self.work / "logs" / f"tune-{setting}-{m.name}.log", self.jobs)
         print(f"tuned {m.name} on {setting} ({time.monotonic() - started:.0f} s)", flush=True)
 
     def chosen(self, setting: str, m: Method) -> dict[str, Any]:
@@ -310,7 +313,7 @@ class Tables:
                 "--engine", self.engine, "--quiet"]
         started = time.monotonic()
         before = provenance()
-        fedapps(args, self.work / "logs" / f"compare-{setting}-{m.name}.log")
+        fedapps(args, self.work / "logs" / f"compare-{setting}-{m.name}.log", self.jobs)
         if self.compare_dir(setting, m).is_dir():  # the comparison's own folder (absent only when mocked in tests)
             (self.compare_dir(setting, m) / PROVENANCE).write_text(json.dumps(before, indent=1))
         print(f"ran {m.name} on {setting} over seeds {self.spec.seeds} ({time.monotonic() - started:.0f} s)", flush=True)

@@ -38,7 +38,7 @@ from fedapps.config import (
     split_overrides,
 )
 from fedapps.results import write_csv
-from fedapps_tools.compare import mean_sem, resume_decision
+from fedapps_tools.compare import clear_for_rerun, mean_sem, resume_decision
 from fedapps_tools.options import parse_seeds, resolve_root
 from fedapps_tools.progressbar import RunProgress
 
@@ -307,6 +307,7 @@ def tune(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
             skip, why = resume_decision(result_dir, cfg.rounds, config_hash(resolve(cfg).config(cfg)))
             progress.start(f"point {n} ({point_label(point)}) seed {seed}: {why}")
             if not skip:
+                clear_for_rerun(result_dir)
                 execute(str(config_path), overrides, str(runs_dir), args)
             progress.finish(worked=not skip)
             got = validation_numbers(result_dir)

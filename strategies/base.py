@@ -49,6 +49,7 @@ class NoParams:
 
 DEPLOYED_SOURCES = ("client", "message", "server")
 SKIP_PHASE = "aggregate"  # rejections.csv's phase of what a strategy left out (PersonalisedStrategy.skip_reply)
+IDENTIFY_PHASE = "identify"  # rejections.csv's phase of the identify messages (see PersonalisedStrategy.identify)
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ class PersonalisedStrategy(Strategy):
     # every class in the MRO count.
     checkpoint_exclude: ClassVar[frozenset[str]] = frozenset(
         {"cfg", "params", "on_round", "rng", "node_to_client", "last_extra", "client_state", "rule", "validator",
-         "_checked", "last_measured", "excluded_nodes", "server_state_dir"})
+         "_checked", "last_measured", "excluded_nodes", "server_state_dir", "identify_asked"})
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -222,6 +223,7 @@ class PersonalisedStrategy(Strategy):
         self.server_state_dir: str | None = None
         # nodes refused before round 1 (data.source 'nodes': their data do not fit, see fedapps.describe): never sampled
         self.excluded_nodes: set[int] = set()
+        self.identify_asked: set[int] = set()  # nodes sent an identify message (each is asked once)
 
     def base_config(self) -> dict[str, Any]:
         """Settings every message carries: the data spec, the model spec and the client's training settings."""
@@ -336,37 +338,59 @@ class PersonalisedStrategy(Strategy):
             time.sleep(0.5)
 
     def sample_nodes(self, grid: Grid) -> list[int]:
-        """ceil(fraction·N) nodes, at least min_clients (when that many are connected), seeded. The draw is over
-        the nodes ordered by CLIENT id (:meth:`identify` first asks the nodes not heard from yet): node ids are
-        random per run (Flower's simulation draws them afresh), so a draw over them would give the same seed
-        another cohort in every run."""
+        """ceil(fraction·N) nodes, at least min_clients (when that many are connected), seeded. Every node is
+        identified before it is first sampled (:meth:`identify`). The draw is over the nodes ordered by CLIENT id:
+        node ids are random per run (Flower's simulation draws them afresh), so a draw over them would give the
+        same seed another cohort in every run."""
         nodes = [n for n in self.available_nodes(grid) if n not in self.excluded_nodes]
         if not nodes:
             raise RuntimeError("no client nodes are connected")
+        self.identify(grid, nodes)
         k = self.cohort_size(len(nodes))
         if k == len(nodes):
             return nodes
-        self.identify(grid, [n for n in nodes if n not in self.node_to_client])
         return sample_ids(by_client_id(nodes, self.node_to_client), k, self.rng)
 
     def identify(self, grid: Grid, node_ids: list[int]) -> None:
-        """Learn the client id of each of ``node_ids``: a message with no operation (the client loads its data
-        split, trains and stores nothing, and replies with its identity). Once per node, before the first draw of
-        a sampled run; a node that does not answer (or is rejected) stays unknown and is drawn after the known
-        ones, by node id."""
-        if not node_ids:
+        """Settle which client each node is, once, before its first round message: the nodes of ``node_ids`` whose
+        identity is not bound yet (by the describe phase, or an earlier identify) and that were not asked before get
+        a message with no operation (the client loads its data split, trains and stores nothing, and replies with
+        its identity). The validator binds node <-> client id on the accepted replies; from then on a reply is
+        attributed by its node, and one claiming another client's id is rejected alone (the owner's reply stands).
+        A node that does not answer, or is rejected (e.g. two nodes claiming one id: neither gets it), stays
+        unbound, is drawn after the known ones, by node id, and is bound by its first accepted round reply.
+        Rejections go to the round's record (rejections.csv, phase ``identify``)."""
+        for node, client in self.validator.node_client.items():
+            self.node_to_client.setdefault(node, client)
+        ask = [n for n in node_ids if n not in self.validator.node_client and n not in self.identify_asked]
+        if not ask:
             return
+        self.identify_asked.update(ask)
         settings = {**self.base_config(), "return-arrays": False, "persist-model": False, "save-model": False}
         messages = [protocol.build_message(n, 0, [], settings, message_type=protocol.QUERY_MESSAGE_TYPE)
-                    for n in node_ids]
+                    for n in ask]
         self.validator.expect(messages)
         t0 = time.time()
         replies = grid.send_and_receive(messages, timeout=self.cfg.strategy.timeout)
         outcome = self.validator.check(0, replies, protocol.QUERY_MESSAGE_TYPE)
         for r in outcome.accepted:
             self.node_to_client[r.node_id] = r.client_id
-        log.info("identified %d of %d nodes before sampling (%.1f s)", len(outcome.accepted), len(node_ids),
-                 time.time() - t0)
+        self._checked.rejections.extend(dataclasses.replace(r, round=self._checked.round, phase=IDENTIFY_PHASE)
+                                        for r in outcome.rejections)
+        log.info("identified %d of %d nodes (%.1f s)%s", len(outcome.accepted), len(ask), time.time() - t0,
+                 f"; {len(outcome.rejections)} rejected (rejections.csv)" if outcome.rejections else "")
+
+    def rebind_after_resume(self, connected: Iterable[int]) -> None:
+        """A resumed run: the checkpoint's node <-> client bindings of nodes that are not connected now are
+        dropped (Flower's simulation gives its nodes new ids in every run), so the nodes now serving those clients
+        are identified afresh; a node that is still connected keeps its binding."""
+        now = {int(n) for n in connected}
+        gone = [n for n in self.validator.node_client if n not in now]
+        self.validator.forget_nodes(gone)
+        self.node_to_client = {n: c for n, c in self.node_to_client.items() if n in now}
+        if gone:
+            log.info("resumed: %d node(s) of the checkpointed run are gone (new node ids); their clients are "
+                     "identified again", len(gone))
 
     # ------------------------------------------------------------------ Flower's Strategy interface
     # The round loop is :meth:`start`; these adapters give Flower's abstract interface the same behaviour.
@@ -438,8 +462,10 @@ class PersonalisedStrategy(Strategy):
         num_rounds = num_rounds or self.cfg.rounds
         timeout = timeout or self.cfg.strategy.timeout
         self.summary()
-        wait_for_clients(grid, self.cfg.strategy.expected_clients or self.cfg.data.num_clients,
-                         self.cfg.strategy.connect_timeout)
+        connected = wait_for_clients(grid, self.cfg.strategy.expected_clients or self.cfg.data.num_clients,
+                                     self.cfg.strategy.connect_timeout)
+        if first_round > 1:
+            self.rebind_after_resume(connected)
         result = Result()
         for rnd in range(first_round, num_rounds + 1):
             entry = self.run_round(grid, rnd, timeout, last=rnd == num_rounds)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
@@ -126,11 +127,23 @@ def unpack_mask(bits: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 # --------------------------------------------------------------------------- client side
 
 
+# torch's optimiser-step hooks are process-wide (a dict every optimiser step iterates): a block that registers one
+# runs alone, so that clients trained on other threads of this process (the in-process engine) neither fire it nor
+# see the dict change under their own step
+_STEP_HOOK_LOCK = threading.RLock()
+
+
 @contextmanager
 def entries_frozen(model: nn.Module, frozen: Mapping[str, Tensor]) -> Iterator[None]:
     """Within the block, the entries where ``frozen[name]`` is True get no gradient and keep their values through
     every optimiser step (restored after each step, so weight decay cannot move them either); a parameter frozen
-    entirely is frozen as a whole (``requires_grad`` off). Restored afterwards."""
+    entirely is frozen as a whole (``requires_grad`` off). Restored afterwards. One such block at a time per
+    process (:data:`_STEP_HOOK_LOCK`)."""
+    with _STEP_HOOK_LOCK:
+        yield from _entries_frozen(model, frozen)
+
+
+def _entries_frozen(model: nn.Module, frozen: Mapping[str, Tensor]) -> Iterator[None]:
     params = dict(model.named_parameters())
     whole: list[nn.Parameter] = []
     kept: list[tuple[nn.Parameter, Tensor, Tensor]] = []

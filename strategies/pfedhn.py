@@ -19,10 +19,11 @@ taken at the same φ and applied together (their code trains one client after an
 The deployed model of client i after round r is h(v_i; φ) after round r's step: what i receives in round r+1,
 evaluated by the base class on that message before training.
 
-Clients the server has not heard from yet. The server learns which client a node is from its first reply
-(``node_to_client``), so in a node's first round it cannot pick its embedding: such a node gets the model
-generated from the mean of all M embeddings, taken as a constant (the chain rule of its reply then reaches the
-trunk and the heads, no embedding). From its next round on a client gets h(v_i; φ).
+Clients the server has not heard from yet. Every node is identified before its first round (``node_to_client``,
+:meth:`PersonalisedStrategy.identify`), so a client gets h(v_i; φ) from round 1. A node whose identity is not known
+(it did not answer the identify message, or was rejected there) gets the model generated from the mean of all M
+embeddings, taken as a constant (the chain rule of its reply then reaches the trunk and the heads, no embedding);
+from its next round on it gets its own.
 
 Only parameters are generated. Buffers (BatchNorm running statistics) are not: they stay on each client, in its
 private model, updated by its own training (the message carries ``arrays.keys: params``). The 4-layer CNN and
@@ -290,7 +291,7 @@ class PFedHN(PersonalisedStrategy):
 
     # ------------------------------------------------------------------ the hypernetwork's models
     def client_of(self, node: int) -> int | None:
-        """The client a node is known to be (None before its first reply)."""
+        """The client a node is known to be (None before it is identified)."""
         return self.node_to_client.get(int(node))
 
     def generated(self, client: int | None) -> dict[str, np.ndarray]:

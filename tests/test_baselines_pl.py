@@ -344,7 +344,8 @@ def test_fedmd_labelled_pretraining_runs_train_public_in_round_one(tmp_path):
     overrides = f"strategy.name=fedmd strategy.params.fedmd.pretrain_public_epochs=1 {SMALL} rounds=1"
     grid = InProcessGrid(4, record=True)
     server_app.run_experiment(grid, None, overrides, str(tmp_path))
-    assert list(grid.sent[0].content["config"]["ops"])[0] == "train-public"
+    first = next(m for m in grid.sent if m.metadata.message_type == protocol.MESSAGE_TYPE)  # after the identify ones
+    assert list(first.content["config"]["ops"])[0] == "train-public"
     assert all("train-public-loss" in protocol.parse_reply(r).metrics for r in grid.replies
                if r.metadata.message_type == protocol.MESSAGE_TYPE)
 

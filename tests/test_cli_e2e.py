@@ -82,5 +82,5 @@ def test_summary_shows_fedavg_beside_personalised_run(tiny_config, tmp_path, cap
     assert cli.main(["run", str(cfg), "--engine", "inprocess", "--output-dir", out,
                      "--set", "strategy.name=fedavg", "strategy.params={}"]) == 0
     capsys.readouterr()
-    assert cli.main(["run", str(cfg), "--engine", "inprocess", "--output-dir", out]) == 0
+    assert cli.main(["report", f"{out}/cwfedavg-digits-pathological-s0"]) == 0
     assert "FedAvg on the same setting (fedavg-digits-pathological-s0)" in capsys.readouterr().out

@@ -375,5 +375,5 @@ def test_privacy_through_flower_simulation(tmp_path: Path) -> None:
     assert summaries, "the ServerApp did not finish"
     fed = Cosmos(load_config(path)).fed
     assert assert_pseudo_labels_and_metrics_only(recorded, int(fed.public_x.shape[0]), fed.num_classes) == 2 * N_CLIENTS
-    assert len(recorded) == 3 * N_CLIENTS  # 2 rounds' replies + the evaluation-only replies after the last
+    assert len(recorded) == 4 * N_CLIENTS  # identify, 2 rounds' replies, the evaluation-only replies after the last
     assert summaries[0]["clusters"] >= 1

@@ -55,7 +55,7 @@ def test_fedprox_at_zero_is_fedavg(tiny_config):
 def test_fedprox_sends_mu_and_a_large_mu_keeps_clients_near_the_global_model(tiny_config):
     free, grid, _ = run(tiny_config, 0.0, rounds=1)
     tied, grid_tied, _ = run(tiny_config, 5.0, rounds=1)  # lr·μ = 0.25: stable
-    assert all(m.content["config"][PROX_MU] == 5.0 for m in grid_tied.sent)
+    assert all(m.content["config"][PROX_MU] == 5.0 for m in grid_tied.sent if m.metadata.message_type == "train")
     from strategies.fedavg import initial_model_arrays
 
     start = initial_model_arrays(free.cfg)

@@ -11,7 +11,8 @@ import torch
 
 import server_app
 from fedapps.config import DataConfig, load_config
-from fedapps.data import build_federation, clear_federation_cache, federation, get_federation, load_source
+from fedapps.data import (DataError, build_federation, clear_federation_cache, federation, get_federation,
+                          load_source)
 from fedapps.inprocess import InProcessGrid
 
 torch.set_num_threads(1)
@@ -77,10 +78,12 @@ def test_views_equal_the_fancy_indexed_copies_sample_for_sample(s):
         assert fed.public_x is None and fed.public_y is None
 
 
-def test_a_client_split_with_no_test_samples_is_an_empty_view():
-    fed = build_federation(spec(num_clients=4, test_fraction=0.0))
-    for i in range(fed.num_clients):
-        assert fed.client(i).test_x.shape == (0, *fed.input_shape) and fed.client(i).test_y.shape == (0,)
+def test_a_split_that_holds_out_no_test_samples_is_refused_naming_the_fraction():
+    """No test split means no headline: refused before any view is built, with the fix (not a client count)."""
+    with pytest.raises(DataError, match=r"data.test_fraction=0.0 holds out nothing to measure on; raise "
+                                        r"data.test_fraction") as err:
+        build_federation(spec(num_clients=4, test_fraction=0.0))
+    assert "num_clients=" not in str(err.value).split(":", 1)[1]
 
 
 def test_an_in_process_run_builds_its_data_once(tiny_config, tmp_path, monkeypatch):
@@ -96,7 +99,7 @@ def test_an_in_process_run_builds_its_data_once(tiny_config, tmp_path, monkeypat
             params = {"comet": {"clusters": 2}} if name == "comet" else {}
             cfg = tiny_config(rounds=2, strategy={"name": name, "params": params}, data=data)
             server_app.run_experiment(InProcessGrid(load_config(cfg).data.num_clients), str(cfg), "",
-                                      str(tmp_path / "out"))
+                                      str(tmp_path / name))
             assert len(calls) == 1, f"{name}: data built {len(calls)} times in one process"
     finally:
         clear_federation_cache()
@@ -106,7 +109,7 @@ def test_an_in_process_run_builds_its_data_once(tiny_config, tmp_path, monkeypat
 def test_in_process_grid_keeps_no_history_by_default(tiny_config, tmp_path):
     cfg = tiny_config(rounds=2)
     quiet, recording = InProcessGrid(4), InProcessGrid(4, record=True)
-    for grid in (quiet, recording):
-        server_app.run_experiment(grid, str(cfg), "", str(tmp_path / "out"))
+    for name, grid in (("quiet", quiet), ("recording", recording)):
+        server_app.run_experiment(grid, str(cfg), "", str(tmp_path / name))
     assert quiet.sent == [] and quiet.replies == []
     assert len(recording.sent) >= 8 and len(recording.replies) == len(recording.sent)

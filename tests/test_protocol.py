@@ -310,10 +310,14 @@ def test_client_sampling_is_seeded_over_client_ids_whatever_the_node_ids():
     assert len(grid.sent) == 20 and all(list(m.content[protocol.CONFIG]["ops"]) == [] for m in grid.sent)
 
 
-def test_full_participation_asks_nobody_to_identify():
+def test_full_participation_identifies_every_node_once():
+    """Identity is settled before round 1 whatever the cohort (tests/test_identity.py): each node is asked once."""
     cfg = load_config(None, "data.source=digits data.num_clients=4 model.name=mlp client.device=cpu")
     grid = InProcessGrid(4, record=True)
-    assert STRATEGIES["fedavg"](cfg).sample_nodes(grid) == sorted(grid.contexts) and grid.sent == []
+    strategy = STRATEGIES["fedavg"](cfg)
+    assert strategy.sample_nodes(grid) == sorted(grid.contexts) == strategy.sample_nodes(grid)
+    assert sorted(int(m.metadata.dst_node_id) for m in grid.sent) == sorted(grid.contexts)
+    assert all(list(m.content[protocol.CONFIG]["ops"]) == [] for m in grid.sent)
 
 
 def worker_message(ops_list, extra):

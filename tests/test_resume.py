@@ -1,5 +1,6 @@
 """Checkpoints and resume: a run SIGKILLed right after round 2's checkpoint and resumed in a new process ends
-with exactly the uninterrupted run's rounds.csv and summary (FedAvg, cwFedAvg, COSMOS); a resumption with
+with exactly the uninterrupted run's rounds.csv and summary (FedAvg, cwFedAvg, COSMOS); so does a `flwr run`
+interrupted by Ctrl-C or killed (SIGKILL), resumed in a new simulation whose nodes have new ids; a resumption with
 another config is refused, naming the key; the strategy state round-trips through state_dict."""
 
 import csv
@@ -8,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,12 +53,12 @@ def run(config: Path, out: Path, resume: Path | None = None, kill_after: int = 0
     return finish(start(config, out, resume, kill_after))
 
 
-def run_here(config: Path, out: Path) -> None:
+def run_here(config: Path, out: Path, keep_state: bool = False) -> None:
     """The uninterrupted reference run, in the test's own process (so three processes take part in all)."""
     import server_app
     from fedapps.inprocess import InProcessGrid
 
-    server_app.run_experiment(InProcessGrid(4), str(config), "", str(out))
+    server_app.run_experiment(InProcessGrid(4), str(config), "", str(out), keep_state=keep_state)
 
 
 def rows(run_dir: Path) -> list[dict[str, str]]:
@@ -83,6 +85,10 @@ def test_sigkill_after_round_two_then_resume_equals_uninterrupted(strategy, tmp_
     if strategy == "cwfedavg":  # its stack is kept in per-client files, only a round's repliers' rewritten
         stack_files = [p.name for p in (run_dir / "server-state" / "stack").glob("*.pt")]
         assert stack_files and all(".v1." in n or ".v2." in n for n in stack_files)
+    if strategy == "cosmos":  # the private models are on disk, for the resumed run's clients to read back
+        assert sorted(p.name for p in (run_dir / "client-state").iterdir())
+    if strategy == "fedavg":  # the whole model comes with every message: nothing is kept on the client
+        assert not (run_dir / "client-state").exists() or not any((run_dir / "client-state").iterdir())
 
     resumed = run(config, tmp_path / "b", resume=run_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -94,19 +100,19 @@ def test_sigkill_after_round_two_then_resume_equals_uninterrupted(strategy, tmp_
     assert all(r["acc_mean"] != "" for r in got)
     a = json.loads((full_dir / "summary.json").read_text())
     b = json.loads((run_dir / "summary.json").read_text())
-    for key in ("accuracy_mean", "accuracy_weighted", "accuracy_mean_last5", "rounds", "bytes_up", "bytes_down"):
+    for key in ("accuracy_mean", "accuracy_weighted", "accuracy_mean_last5", "rounds", "bytes_up", "bytes_down",
+                "messages_sent", "messages_answered", "usable_replies"):
         assert b[key] == a[key], key
     assert {k: v for k, v in b.items() if "accuracy" in k} == {k: v for k, v in a.items() if "accuracy" in k}
     if strategy == "cosmos":
         assert b["cluster_members"] == a["cluster_members"]
-        assert sorted(p.name for p in (run_dir / "client-state").iterdir())  # private models were kept on disk
-    if strategy == "fedavg":  # the whole model comes with every message: nothing is kept on the client
-        assert not (run_dir / "client-state").exists() or not any((run_dir / "client-state").iterdir())
+    for folder in (full_dir, run_dir):  # a run that ends successfully removes its resume state
+        assert not [n for n in ("checkpoint.pt", "client-state", "server-state") if (folder / n).exists()], folder
 
 
 def test_resume_with_another_config_is_refused_naming_the_key(tmp_path):
     config = write_config(tmp_path / "cfg.yaml", rounds=1)
-    run_here(config, tmp_path / "a")
+    run_here(config, tmp_path / "a", keep_state=True)
     run_dir = next((tmp_path / "a").iterdir())
     other = write_config(tmp_path / "other.yaml", rounds=1, client={"lr": 0.01})
     from fedapps_tools import cli
@@ -199,3 +205,110 @@ def test_row_files_write_changed_rows_only_and_keep_the_committed_version(tmp_pa
     (tmp_path / "stack" / "1.v1.pt").unlink()
     with pytest.raises(ConfigError, match="server-state file.*missing from .*stack"):
         checkpoint.RowFiles(tmp_path / "stack").restore(first, 1)
+
+
+# --------------------------------------------------------------------------- through `flwr run`
+
+FLOWER = {"rounds": 6, "strategy": {"name": "cwfedavg", "fraction": 0.75},
+          "data": {"partition": "pathological", "classes_per_client": 3}}
+
+
+class FlowerRun:
+    """`fedapps run` (engine flower: its own SuperLink, Ray simulation) in a process of its own, its output read
+    on a thread; ``superlink`` is the SuperLink's pid once printed."""
+
+    def __init__(self, config: Path, *args: str) -> None:
+        import threading
+
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "fedapps_tools.cli", "run", str(config), "--quiet", *args],
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    @property
+    def superlink(self) -> int | None:
+        import re
+
+        m = re.search(r"^SuperLink \S+ \(pid (\d+)", self.output, re.M)
+        return int(m.group(1)) if m else None
+
+    def wait(self, timeout: float = 600) -> int:
+        rc = self.proc.wait(timeout=timeout)
+        self.reader.join(timeout=10)
+        return rc
+
+
+def require_flower() -> None:
+    if not (Path(sys.executable).parent / "flower-superlink").exists():
+        pytest.skip(f"flower-superlink is not installed next to {sys.executable}: cannot start Flower here")
+
+
+@pytest.fixture(scope="module")
+def flower_reference(tmp_path_factory):
+    """The uninterrupted `flwr run` of FLOWER: its rounds.csv rows (timings aside) and its summary."""
+    require_flower()
+    tmp = tmp_path_factory.mktemp("flower-ref")
+    config = write_config(tmp / "cfg.yaml", **FLOWER)
+    run = FlowerRun(config, "--output-dir", str(tmp / "ref"))  # "ref": as long as "int"/"kil" (state-dir in bytes)
+    assert run.wait() == 0, run.output[-4000:]
+    folder = next((tmp / "ref").iterdir())
+    return rows(folder), json.loads((folder / "summary.json").read_text())
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
+def test_an_interrupted_flwr_run_resumes_to_the_uninterrupted_rounds(how, flower_reference, tmp_path):
+    """`fedapps run` under `flwr run` stopped after round 2 of 6 — by Ctrl-C (SIGINT to fedapps: it stops what it
+    started), or by SIGKILL to every process of the run at once (a crash: nothing cleans up) — then
+    `fedapps run CONFIG --resume RUN_DIR`: the resumed run, in a new simulation whose nodes have new ids, ends with
+    exactly the uninterrupted run's rounds.csv (timings aside) and summary (its wall time aside)."""
+    from fedapps_tools.flwrcli import _proc_stat, descendants
+
+    config = write_config(tmp_path / "cfg.yaml", **FLOWER)
+    out = tmp_path / ("int" if how == "SIGINT" else "kil")
+    run = FlowerRun(config, "--output-dir", str(out))
+    run_dir = out / "cwfedavg-digits-pathological-s0"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and run.proc.poll() is None:
+        if (run_dir / "rounds.csv").is_file() and len(rows(run_dir)) >= 2:
+            break
+        time.sleep(0.05)
+    assert run.proc.poll() is None, run.output[-4000:]
+    link = run.superlink
+    started = {link: _proc_stat(link)[1], **descendants(link)}
+    t0 = time.monotonic()
+    if how == "SIGINT":
+        run.proc.send_signal(signal.SIGINT)
+        assert run.wait(60) == 130, run.output[-4000:]
+        assert time.monotonic() - t0 < 10, f"Ctrl-C took {time.monotonic() - t0:.1f} s"
+    else:
+        for pid, ticks in [(run.proc.pid, None), *started.items()]:
+            st = _proc_stat(pid)
+            if st is not None and (ticks is None or st[1] == ticks):
+                os.kill(pid, signal.SIGKILL)
+        run.wait(60)
+    def alive() -> list[int]:
+        return [pid for pid, ticks in started.items() if (_proc_stat(pid) or (0, -1))[1] == ticks]
+
+    gone_by = time.monotonic() + 10  # a killed process with much memory takes a moment to exit on a busy machine
+    while alive() and time.monotonic() < gone_by:
+        time.sleep(0.2)
+    assert not alive(), f"processes of the run still alive: {alive()}"
+    stopped_at = len(rows(run_dir))
+    assert 2 <= stopped_at < 6 and not (run_dir / "summary.json").exists()
+    assert (run_dir / "checkpoint.pt").is_file() and (run_dir / "client-state").is_dir()
+
+    resumed = FlowerRun(config, "--resume", str(run_dir))
+    assert resumed.wait() == 0, resumed.output[-4000:]
+    reference, reference_summary = flower_reference
+    assert rows(run_dir) == reference  # every accuracy, loss, byte count and cohort, exactly
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # the same summary but the wall time (the interrupted part up to its checkpoint, a new start-up, the rest)
+    assert sorted(k for k in summary if summary[k] != reference_summary.get(k)) == ["wall_seconds"]
+    assert not (run_dir / "checkpoint.pt").exists()

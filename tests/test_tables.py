@@ -232,7 +232,7 @@ def test_a_published_choice_stands_in_for_a_lost_tuning_only_over_the_same_grid(
     tables.write_csv(tuning, ["setting", "method", "grid", "validation_scores"],
                      [{"setting": "a", "method": "fedavg", "grid": tables.grid_text(m), "validation_scores": "x"}])
     calls = []
-    monkeypatch.setattr(tables, "fedapps", lambda args, log: calls.append(args))
+    monkeypatch.setattr(tables, "fedapps", lambda args, log, jobs=1: calls.append(args))
     t = tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs)
     t.run(["b"], spec.methods, {"tune"})
     assert calls == []  # a's published choice stands; nothing is tuned
@@ -257,7 +257,7 @@ def test_a_published_row_of_the_same_final_config_is_not_run_again(tmp_path, mon
     t = tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs)
     keys = ["setting", "method", "config", "accuracy_mean", "config_hash"]
     calls = []
-    monkeypatch.setattr(tables, "fedapps", lambda args, log: calls.append(args))
+    monkeypatch.setattr(tables, "fedapps", lambda args, log, jobs=1: calls.append(args))
     for recorded, runs in ((t.final_hash("a", m), 0), ("0" * 64, 1)):
         tables.write_csv(docs / "demo.csv", keys, [dict(zip(keys, ["a", "local", "local", 0.5, recorded]))])
         tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs).run(["a"], spec.methods, {"final"})
@@ -419,3 +419,20 @@ def test_published_rows_without_a_commit_name_the_commit_that_published_them(tmp
     assert f"runs published in commit `{first}` (their own commit was not recorded) (fedavg)" in md
     assert f"runs published in commit `{second}` (their own commit was not recorded) (local)" in md
     assert [r["published_in"] for r in tables.read_rows(docs / "demo.csv")] == [first, second]
+
+
+def test_parallel_jobs_share_the_cores_between_their_in_process_engines(tmp_path, monkeypatch):
+    seen = []
+
+    class Done:
+        returncode = 0
+
+    monkeypatch.setattr(tables.subprocess, "run", lambda cmd, **kw: seen.append(kw["env"]) or Done())
+    monkeypatch.delenv("FEDAPPS_INPROCESS_WORKERS", raising=False)
+    monkeypatch.setattr(tables.os, "cpu_count", lambda: 8)
+    for jobs, workers in ((1, "8"), (2, "4"), (3, "2"), (16, "1")):
+        tables.fedapps(["run"], tmp_path / "log.txt", jobs)
+        assert seen[-1]["FEDAPPS_INPROCESS_WORKERS"] == workers and seen[-1]["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("FEDAPPS_INPROCESS_WORKERS", "3")  # the user's own choice stands
+    tables.fedapps(["run"], tmp_path / "log.txt", 2)
+    assert seen[-1]["FEDAPPS_INPROCESS_WORKERS"] == "3"

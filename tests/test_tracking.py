@@ -173,7 +173,9 @@ def test_interrupted_run_is_failed_and_its_resumption_continues_the_mlflow_run(t
         assert same_series([(e.step, e.value) for e in events.Scalars(column)], expected, 1e-6), column
     assert not (run_dir / "tensorboard").exists() and not (run_dir / "mlruns").exists()
 
-    # a new (not resumed) run of the same folder: its own MLflow run, and the old TensorBoard curves are gone
+    # a new (not resumed) run of the same name, the old folder moved aside (a used one is refused): its own MLflow
+    # run, and the old TensorBoard curves are gone
+    run_dir.rename(out / "moved-aside")
     run(config, out)
     assert len(client.search_runs([experiment.experiment_id])) == 2
     assert len(list((out / "tracking" / "tensorboard" / run_dir.name).glob("events.out.tfevents.*"))) == 1

@@ -380,12 +380,16 @@ def check_every_client_has_data(s: dict[str, Any], train_sizes: np.ndarray, eval
         parts.append(f"{len(no_eval)} of the {m} clients without a {split} split (e.g. clients {no_eval[:5]})")
     if no_train:
         parts.append(f"{len(no_train)} without training data (e.g. clients {no_train[:5]})")
-    best = largest_working(m, works)
-    fix = (f"at most data.num_clients={best} gives every client training data and a {split} split here"
-           if best else f"no client count gives every client training data and a {split} split here")
+    share = s["test_fraction"] if split == "test" else s["validation_fraction"]
+    if share <= 0:  # no client count helps: nothing is held out at all
+        fix = f"{fraction}={share} holds out nothing to measure on; raise {fraction} (e.g. 0.25)"
+    else:
+        best = largest_working(m, works)
+        fix = ((f"at most data.num_clients={best} gives every client training data and a {split} split here"
+                if best else f"no client count gives every client training data and a {split} split here")
+               + f"; use fewer clients, raise {fraction}, or a larger source")
     raise DataError(f"data.source={s['source']} data.num_clients={m} (partition {s['partition']}, "
-                    f"{fraction}={s['test_fraction'] if split == 'test' else s['validation_fraction']}) leaves "
-                    f"{' and '.join(parts)}: {fix}; use fewer clients, raise {fraction}, or a larger source")
+                    f"{fraction}={share}) leaves {' and '.join(parts)}: {fix}")
 
 
 def build_federation(spec: dict[str, Any]) -> Federation:

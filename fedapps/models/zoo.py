@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fedapps.config import ConfigError
+from fedapps.seeds import GLOBAL_RNG_LOCK
 
 from . import simple, vision
 from .heads import HEADS
@@ -47,13 +48,16 @@ _CLASSIFIER_ATTR = "_fedapps_classifier"
 
 @contextlib.contextmanager
 def _seeded(seed: int | None) -> Iterator[None]:
-    """Seed the CPU RNG for the block and restore it after, so the caller's global RNG is untouched."""
-    if seed is None:
-        yield
-        return
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(int(seed))
-        yield
+    """Seed the CPU RNG for the block and restore it after, so the caller's global RNG is untouched. Either way
+    the block holds :data:`GLOBAL_RNG_LOCK`: an initialisation draws from the global RNG, which another thread
+    must not re-seed or draw from meanwhile."""
+    with GLOBAL_RNG_LOCK:
+        if seed is None:
+            yield
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(int(seed))
+            yield
 
 
 def _check_shape(name: str, input_shape: object, min_size: int) -> Shape:
