@@ -172,7 +172,7 @@ def describe(grid: Grid, cfg: ExperimentConfig, uses_public: bool) -> tuple[Desc
     from fedapps import protocol
     from fedapps.data import get_federation
     from fedapps.describe import describe_nodes
-    from fedapps.validation import ReplyValidator
+    from fedapps.validation import ReplyValidator, registry_of
 
     d = cfg.data
     spec = dataclasses.asdict(d)
@@ -180,7 +180,7 @@ def describe(grid: Grid, cfg: ExperimentConfig, uses_public: bool) -> tuple[Desc
     config.update({"model.name": cfg.model.name, "model.seed": cfg.seed})
     if uses_public:  # the nodes' copies of U are checked against the server's before round 1
         config["public.fingerprint"] = get_federation(spec).fingerprint
-    validator = ReplyValidator(d.num_clients)
+    validator = ReplyValidator(d.num_clients, registry=registry_of(d))  # the operator's caps bind before round 1
     # wait for the whole federation (strategy.expected_clients, default data.num_clients) before asking
     wanted = cfg.strategy.expected_clients or d.num_clients
     description = describe_nodes(grid, config, d.num_clients, cfg.strategy.timeout, validator,

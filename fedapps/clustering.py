@@ -75,6 +75,22 @@ def distance_to_centres(pred: np.ndarray, centres: np.ndarray, metric: str = "l1
     raise ValueError(f"unknown distance '{metric}'; allowed: {', '.join(DISTANCES)}")
 
 
+def isolated(dist: np.ndarray, factor: float) -> np.ndarray:
+    """Which clients are outliers: their distance to their NEAREST other client exceeds ``factor`` × the median of
+    every client's nearest-neighbour distance (``dist``: N×N, symmetric). With fewer than 3 clients nobody is (two
+    clients are each other's nearest neighbour). A client far from all others then takes no part in a clustering."""
+    dist = np.asarray(dist, dtype=np.float64)
+    if dist.ndim != 2 or dist.shape[0] != dist.shape[1]:
+        raise ValueError(f"distance matrix must be square, got shape {dist.shape}")
+    if factor <= 0:
+        raise ValueError(f"factor must be > 0, got {factor}")
+    n = dist.shape[0]
+    if n < 3:
+        return np.zeros(n, dtype=bool)
+    nearest = np.where(np.eye(n, dtype=bool), np.inf, dist).min(axis=1)
+    return nearest > factor * np.median(nearest)
+
+
 def greedy_threshold_clustering(dist: np.ndarray, b0: float) -> list[list[int]]:
     """Algorithm 1: clusters (lists of client indices, founder's cluster first) for threshold b0."""
     dist = np.asarray(dist, dtype=np.float64)

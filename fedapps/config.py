@@ -75,7 +75,9 @@ class StrategyConfig:
                                        "the other strategies accept only mean", AGGREGATION_RULES)
     trim_fraction: float = setting(0.1, "trimmed-mean: share of the lowest and of the highest values dropped per "
                                         "coordinate, in [0, 0.5)")
-    max_weight_share: float = setting(1.0, "mean: cap on any client's normalised weight, in (0, 1]; 1 = no cap")
+    max_weight_share: float = setting(1.0, "mean: cap on any client's normalised weight, in (0, 1]; 1 = no cap (with "
+                                           "data.source nodes and no data.node_registry at most min(0.5, 2/cohort): "
+                                           "the nodes' sizes are their own claims)")
     clip_update_norm: float = setting(0.0, "clip each client's update (its arrays minus the model the round sent it) "
                                            "to this L2 norm before they are combined, >= 0; 0 = no clipping "
                                            "(parameter-averaging strategies, fedapps/robust.py)")
@@ -125,6 +127,11 @@ class DataConfig:
     input_shape: list[int] = setting([], "data.source nodes only: input shape [C, H, W] ([]: learnt from the nodes "
                                          "before round 1, then recorded)")
     public_path: str = setting("", "data.source nodes only: the server's copy of the public set U ('': none)")
+    node_registry: str = setting("", "data.source nodes only: the operator's registry of the nodes' data, a CSV "
+                                     "client_id,max_num_examples (fedapps deploy node-key writes it next to the node "
+                                     "keys): a reply claiming more examples than its client's cap is rejected "
+                                     "(docs/deployment.md); '': none, and the weight cap of strategy.max_weight_share "
+                                     "defaults to min(0.5, 2/cohort)")
 
 
 @dataclass
@@ -583,7 +590,7 @@ HASH_EXCLUDED = ("run_name", "output_dir", "tracking", "tracking_dir", "min_meas
 LATER_KEYS: dict[tuple[str, str], Any] = {("data", "num_classes"): 0, ("data", "input_shape"): [],
                                           ("data", "public_path"): "", ("strategy", "expected_clients"): 0,
                                           ("strategy", "connect_timeout"): 300.0, ("strategy", "transport"): "float32",
-                                          ("strategy", "clip_update_norm"): 0.0}
+                                          ("strategy", "clip_update_norm"): 0.0, ("data", "node_registry"): ""}
 
 
 def without_later_defaults(data: dict[str, Any]) -> dict[str, Any]:

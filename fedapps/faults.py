@@ -27,12 +27,31 @@ CLIENTS and ROUNDS are ``*`` or comma-separated integers (client ids; rounds fro
 - predictions: ``pred-shape`` (a row short), ``pred-huge`` (float scores 1e30; hard labels the dtype's
   maximum), ``pred-undecodable``, ``pred-dtype`` (float scores as float64, hard labels as uint64),
   ``fingerprint`` (another public-set fingerprint).
+
+Capture attacks (:data:`CAPTURE_FAULTS`): replies the validator accepts — right names, shapes, wire types, finite
+values within every bound — crafted to take over OTHER clients' models (tests/test_hostile_clients.py, the capture
+table scripts/capture_table.py, docs/reliability.md's threat model):
+
+- ``scale=S``: every floating array of the reply multiplied by S (default 100): one scaled model;
+- ``one-hot-rows=C``: the classifier (the last 2-D floating array, as this project's models order their state) keeps
+  only row C, scaled by 100: its row norms, cwFedAvg's class-distribution estimate, say "class C only";
+- ``pred-const=C``: every row of the predictions votes for class C (default 0) as confidently as the reply's kind
+  allows: a one-hot probability row, logits of +1e4 on C and -1e4 elsewhere (inside the validator's bound), the hard
+  label C;
+- ``pred-flip``: every row votes (one-hot, as ``pred-const``) for the class after the argmax of the targets the message
+  brought (the cluster's or the consensus' labels), or after its own argmax where the message brought none;
+- ``pred-copy=V``: the predictions are replaced by client V's predictions of the same round, which V's ``leak`` entry
+  published (``leak@V/R;pred-copy=V@A/R``: the attacker is assumed to know the victim's outputs). Both clients must
+  run in one process (the in-process engine); the copy waits up to :data:`COPY_WAIT` s for V's reply and otherwise
+  leaves the reply as it is, with a warning;
+- ``leak``: not an attack: the client's reply is unchanged, its predictions are published for ``pred-copy``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -53,7 +72,14 @@ METRIC_FAULTS = ("huge-n", "zero-n", "list-n", "no-eval-n", "acc-50", "n-1e9", "
 WIRE_FAULTS = ("f64-huge", "longdouble", "big-endian", "dtype-lie", "trailing-bytes")  # arrays of the wrong wire type
 ARRAY_FAULTS = ("shape", "transpose", "undecodable", "int-arrays", "nan-arrays")
 PREDICTION_FAULTS = ("pred-shape", "pred-huge", "pred-undecodable", "pred-dtype", "fingerprint")
-KINDS = CONTROL + IDENTITY + METRIC_FAULTS + ARRAY_FAULTS + WIRE_FAULTS + PREDICTION_FAULTS
+# valid-looking replies that take over other clients' models (see the module docstring)
+CAPTURE_ARRAY_FAULTS = ("scale", "one-hot-rows")
+CAPTURE_PREDICTION_FAULTS = ("pred-const", "pred-flip", "pred-copy", "leak")
+CAPTURE_FAULTS = CAPTURE_ARRAY_FAULTS + CAPTURE_PREDICTION_FAULTS
+KINDS = CONTROL + IDENTITY + METRIC_FAULTS + ARRAY_FAULTS + WIRE_FAULTS + PREDICTION_FAULTS + CAPTURE_FAULTS
+CONFIDENT_LOGIT = 1e4  # pred-const / pred-flip logits: +this on the chosen class, -this elsewhere (the validator's bound)
+ROW_SCALE = 100.0  # one-hot-rows: the kept classifier row is multiplied by this
+COPY_WAIT = 60.0  # seconds pred-copy waits for the victim's leaked predictions
 
 
 class ReplyDropped(Exception):
@@ -146,7 +172,7 @@ def faults_mod(msg: Message, context: Context, call_next: Callable[[Message, Con
         raise ReplyDropped(f"reply of client {cid} in round {rnd} dropped")
     for f in active:
         if f.kind not in CONTROL:
-            corrupt(reply, f, cid, context)
+            corrupt(reply, f, cid, context, msg)
     if "duplicate" in kinds:
         _DUPLICATES.add(id(reply))
     return reply
@@ -172,11 +198,15 @@ def _garbage(like: np.ndarray) -> Array:
                  data=b"\x00garbage, not an .npy file")
 
 
-def corrupt(reply: Message, fault: Fault, cid: int, context: Context) -> None:
-    """Apply one corruption to the reply in place (a reply without the part it corrupts is left as it is)."""
+def corrupt(reply: Message, fault: Fault, cid: int, context: Context, msg: Message | None = None) -> None:
+    """Apply one corruption to the reply in place (a reply without the part it corrupts is left as it is);
+    ``msg``: the message the reply answers (what ``pred-flip`` reads its targets from)."""
     if reply.has_error():
         return
     kind = fault.kind
+    if kind in CAPTURE_FAULTS:
+        capture(reply, fault, cid, msg)
+        return
     metrics = dict(reply.content[protocol.METRICS]) if protocol.METRICS in reply.content else {}
     if kind in IDENTITY or kind in METRIC_FAULTS:
         if kind == "spoof":
@@ -278,3 +308,117 @@ def wire_fault(kind: str, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray
         a = Array(np.ascontiguousarray(arrays[floating[0]]))
         out[floating[0]] = Array(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype, data=a.data + b"\0" * 2**20)
     return out
+
+
+# --------------------------------------------------------------------------- capture attacks
+
+_BOARD: dict[tuple[int, int], np.ndarray] = {}  # (round, client) -> predictions a `leak` client published
+_BOARD_LOCK = threading.Condition()
+
+
+def clear_board() -> None:
+    """Forget every leaked prediction (a driver running several federations in one process calls it between)."""
+    with _BOARD_LOCK:
+        _BOARD.clear()
+
+
+def _round_of(msg: Message | None) -> int:
+    if msg is None or protocol.CONFIG not in msg.content:
+        return 0
+    return int(msg.content[protocol.CONFIG].get("round", 0))
+
+
+def capture(reply: Message, fault: Fault, cid: int, msg: Message | None) -> None:
+    """Apply one capture attack (:data:`CAPTURE_FAULTS`) to the reply in place."""
+    kind = fault.kind
+    if kind in CAPTURE_ARRAY_FAULTS:
+        arrays = _arrays(reply, protocol.ARRAYS)
+        if not arrays:
+            log.warning("fault '%s': the reply carries no arrays; left as it is", kind)
+            return
+        if kind == "scale":
+            arrays = scaled(arrays, float(fault.arg or 100.0))
+        else:
+            arrays = one_hot_rows(arrays, int(fault.arg or 0))
+        _put(reply, protocol.ARRAYS, arrays)
+        return
+    preds = _arrays(reply, protocol.PREDICTIONS)
+    if not preds or "predictions" not in preds:
+        log.warning("fault '%s': the reply carries no predictions; left as it is", kind)
+        return
+    p = preds["predictions"]
+    rnd = _round_of(msg)
+    if kind == "leak":
+        with _BOARD_LOCK:
+            _BOARD[(rnd, cid)] = np.array(p, copy=True)
+            _BOARD_LOCK.notify_all()
+        return
+    if kind == "pred-copy":
+        victim = int(fault.arg if fault.arg is not None else 0)
+        with _BOARD_LOCK:
+            found = _BOARD_LOCK.wait_for(lambda: (rnd, victim) in _BOARD, timeout=COPY_WAIT)
+            copied = _BOARD.pop((rnd, victim), None) if found else None
+        if copied is None or copied.shape != p.shape or copied.dtype != p.dtype:
+            log.warning("fault 'pred-copy': no leaked predictions of client %d in round %d that fit; left as it is",
+                        victim, rnd)
+            return
+        preds["predictions"] = copied
+    else:
+        output = str(msg.content[protocol.CONFIG].get("predict.output", "probs")) if msg is not None else "probs"
+        if kind == "pred-const":
+            labels = np.full(p.shape[0], int(fault.arg or 0), dtype=np.int64)
+        else:
+            labels = (reference_labels(p, msg) + 1) % num_classes_of(p, msg)
+        preds["predictions"] = votes(labels, p, output, num_classes_of(p, msg))
+    _put(reply, protocol.PREDICTIONS, preds)
+
+
+def scaled(arrays: dict[str, np.ndarray], factor: float) -> dict[str, np.ndarray]:
+    """Every floating array multiplied by ``factor`` (in its own dtype); integer arrays as they are."""
+    return {k: (v * v.dtype.type(factor)).astype(v.dtype) if np.issubdtype(v.dtype, np.floating) else v
+            for k, v in arrays.items()}
+
+
+def one_hot_rows(arrays: dict[str, np.ndarray], row: int) -> dict[str, np.ndarray]:
+    """The last 2-D floating array (the classifier) with every row zero but ``row``, which is scaled by
+    :data:`ROW_SCALE`; the other arrays as they are."""
+    matrices = [k for k, v in arrays.items() if v.ndim == 2 and np.issubdtype(v.dtype, np.floating)]
+    if not matrices:
+        log.warning("fault 'one-hot-rows': no 2-D floating array; left as it is")
+        return arrays
+    key = matrices[-1]
+    w = arrays[key]
+    out = np.zeros_like(w)
+    out[row % w.shape[0]] = w[row % w.shape[0]] * w.dtype.type(ROW_SCALE)
+    return {**arrays, key: out}
+
+
+def num_classes_of(p: np.ndarray, msg: Message | None) -> int:
+    """The class count of a prediction array: its columns, or (hard labels) the message's ``data.num_classes``."""
+    if p.ndim == 2:
+        return int(p.shape[1])
+    config = msg.content[protocol.CONFIG] if msg is not None and protocol.CONFIG in msg.content else {}
+    return int(config.get("data.num_classes", 0)) or int(p.max()) + 1
+
+
+def reference_labels(p: np.ndarray, msg: Message | None) -> np.ndarray:
+    """Per row, the label the message's targets give (their argmax, or the hard label), where they cover the same
+    rows as the predictions; else the reply's own argmax."""
+    if msg is not None and protocol.TARGETS in msg.content and "targets" in msg.content[protocol.TARGETS]:
+        t = msg.content[protocol.TARGETS]["targets"].numpy()
+        labels = t.argmax(axis=-1) if t.ndim == 2 else t.astype(np.int64)
+        if len(labels) == p.shape[0]:
+            return labels.astype(np.int64)
+    return (p.argmax(axis=-1) if p.ndim == 2 else p).astype(np.int64)
+
+
+def votes(labels: np.ndarray, like: np.ndarray, output: str, num_classes: int) -> np.ndarray:
+    """Predictions voting for ``labels`` (one per row) in the wire type of ``like``: hard labels, logits of
+    ±:data:`CONFIDENT_LOGIT` (``output`` logits) or one-hot probabilities."""
+    if not np.issubdtype(like.dtype, np.floating):
+        return labels.astype(like.dtype)
+    hot = np.zeros((len(labels), num_classes), dtype=np.float64)
+    hot[np.arange(len(labels)), labels] = 1.0
+    if output == "logits":
+        hot = (2.0 * hot - 1.0) * CONFIDENT_LOGIT
+    return hot.astype(like.dtype)

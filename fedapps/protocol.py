@@ -114,9 +114,9 @@ def build_message(
 
 
 # data-spec keys a message carries only when set (a spec without them means their defaults, see
-# fedapps.data.SPEC_DEFAULTS); the server's own path of U (data.public_path) never goes to a client
+# fedapps.data.SPEC_DEFAULTS); the server's own files (U: data.public_path, the node registry) never go to a client
 CLIENT_SPEC_OPTIONAL = {"num_classes": 0, "input_shape": []}
-SERVER_ONLY_SPEC_KEYS = ("public_path",)
+SERVER_ONLY_SPEC_KEYS = ("public_path", "node_registry")
 
 
 def data_spec_for_clients(spec: Mapping[str, Any]) -> dict[str, Any]:

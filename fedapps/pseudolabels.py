@@ -81,6 +81,23 @@ def aggregate(stack: np.ndarray, method: str = "mean") -> np.ndarray:
     raise ValueError(f"unknown aggregation '{method}'; allowed: {', '.join(AGGREGATIONS)}")
 
 
+def clip_to_centre(stack: np.ndarray, centre: np.ndarray, max_l1: float) -> np.ndarray:
+    """Members' probability rows (members×n×M) each moved towards ``centre`` (n×M) so that its L1 distance to
+    the centre's row is at most ``max_l1``: c + min(1, max_l1/‖p − c‖₁)·(p − c), a point between the two rows
+    (still a probability row). A member can then move the rows of an aggregate over k members by at most
+    max_l1/k (mean) wherever it reports."""
+    if max_l1 < 0:
+        raise ValueError(f"max_l1 must be >= 0, got {max_l1}")
+    stack = np.asarray(stack, dtype=np.float64)
+    centre = np.asarray(centre, dtype=np.float64)
+    if stack.ndim != 3 or centre.shape != stack.shape[1:]:
+        raise ValueError(f"expected members×n×M and an n×M centre, got {stack.shape} and {centre.shape}")
+    deviation = stack - centre[None]
+    l1 = np.abs(deviation).sum(axis=-1, keepdims=True)
+    scale = np.where(l1 > max_l1, max_l1 / np.where(l1 > 0, l1, 1.0), 1.0)
+    return (centre[None] + scale * deviation).astype(np.float32)
+
+
 def prediction_problem(wire: np.ndarray, rows: int, num_classes: int, kind: str) -> str | None:
     """Why a client's prediction array is unusable (None if fine). kind: probs | logits | hard."""
     if kind == "hard":

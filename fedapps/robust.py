@@ -6,7 +6,10 @@ Chosen by ``strategy.aggregation`` (mean | median | trimmed-mean), ``strategy.tr
 :func:`strategies.base.average_matching` (FedAvg, FedProx, Ditto, FedPer, FedRep, FedBABU, IFCA, CFL).
 
 - ``mean``: the sample-weighted mean; weights are the clients' ``num-examples``, normalised, then capped by
-  :func:`cap_weights` when ``max_weight_share`` < 1.
+  :func:`cap_weights` when ``max_weight_share`` < 1. Under ``data.source: nodes`` without an operator's node registry
+  (``data.node_registry``) every ``num-examples`` is the node's own unverifiable claim, so the cap is on by default:
+  at most :func:`nodes_weight_cap` = min(0.5, 2/k) for a cohort of k clients (no client above half the weight, nor
+  above twice an equal share), or the configured cap where that is lower (:meth:`AggregationRule.for_run`).
 - ``median``: the coordinate-wise median over clients, unweighted (as Flower's ``FedMedian``).
 - ``trimmed-mean``: per coordinate, drop the ``floor(trim_fraction·k)`` smallest and largest of the k client
   values and average the rest, unweighted (as Flower's ``FedTrimmedAvg``); with ``floor(trim_fraction·k) = 0``
@@ -16,6 +19,10 @@ Chosen by ``strategy.aggregation`` (mean | median | trimmed-mean), ``strategy.tr
   minus the model the round sent it — is scaled down to that L2 norm where it is longer (:func:`clip_update`;
   the norm over all floating arrays together). ``max_weight_share`` bounds how much one client's update COUNTS;
   this bounds how LARGE it can be.
+
+:func:`clip_to_median` is the scale-free form the personalising strategies offer as their robust option
+(``median_clip`` of cwFedAvg, IFCA and pFedHN): each update clipped to a multiple of the round's median update
+norm, so that no client moves what other clients receive further than the cohort's typical client does.
 """
 
 from __future__ import annotations
@@ -25,10 +32,15 @@ from typing import Mapping
 
 import numpy as np
 
-from fedapps.config import AGGREGATION_RULES
+import dataclasses
+import logging
 
-__all__ = ["AGGREGATION_RULES", "AggregationRule", "cap_weights", "coordinate_median", "trimmed_mean", "combine",
-           "update_norm", "clip_update"]
+from fedapps.config import AGGREGATION_RULES, cohort_size
+
+log = logging.getLogger("fedapps")
+
+__all__ = ["AGGREGATION_RULES", "AggregationRule", "nodes_weight_cap", "cap_weights", "coordinate_median", "trimmed_mean", "combine",
+           "update_norm", "clip_update", "scale_update", "median_bound", "clip_to_median"]
 
 
 @dataclass(frozen=True)
@@ -45,10 +57,36 @@ class AggregationRule:
         return cls(strategy_cfg.aggregation, float(strategy_cfg.trim_fraction), float(strategy_cfg.max_weight_share),
                    float(strategy_cfg.clip_update_norm))
 
+    @classmethod
+    def for_run(cls, cfg) -> "AggregationRule":
+        """The rule of an experiment config: :meth:`from_config`, with the weight cap of deployments whose nodes
+        bring their own data and no registry vouches for their sizes (see the module docstring)."""
+        from fedapps.data.nodes import NODES
+
+        rule = cls.from_config(cfg.strategy)
+        d, s = cfg.data, cfg.strategy
+        if d.source != NODES or getattr(d, "node_registry", "") or rule.method != "mean":
+            return rule
+        cap = nodes_weight_cap(cohort_size(d.num_clients, s.fraction, s.min_clients))
+        if cap >= rule.max_weight_share:
+            return rule
+        log.info("data.source nodes without data.node_registry: each client's weight capped at %g (min(0.5, 2/cohort); "
+                 "strategy.max_weight_share is %g)", cap, rule.max_weight_share)
+        return dataclasses.replace(rule, max_weight_share=cap)
+
     @property
     def plain(self) -> bool:
         """The plain sample-weighted mean (no capping; updates may still be clipped before it)."""
         return self.method == "mean" and self.max_weight_share >= 1.0
+
+
+NODES_MAX_SHARE = 0.5  # data.source nodes without a registry: no client above half the weight ...
+NODES_EQUAL_SHARES = 2  # ... nor above twice an equal share of the cohort
+
+
+def nodes_weight_cap(cohort: int) -> float:
+    """The default weight cap when the nodes' sizes are their own claims: min(0.5, 2/cohort)."""
+    return min(NODES_MAX_SHARE, NODES_EQUAL_SHARES / max(1, int(cohort)))
 
 
 def cap_weights(weights, max_share: float) -> np.ndarray:
@@ -132,7 +170,13 @@ def clip_update(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.nda
     norm = update_norm(arrays, reference)
     if max_norm <= 0 or norm <= max_norm:
         return dict(arrays), norm
-    scale = max_norm / norm
+    return scale_update(arrays, reference, max_norm / norm), norm
+
+
+def scale_update(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],
+                 scale: float) -> dict[str, np.ndarray]:
+    """``reference + scale·(arrays − reference)`` on the floating arrays (computed in float64, returned in each
+    array's own dtype); integer arrays as they are."""
     out: dict[str, np.ndarray] = {}
     for key, value in arrays.items():
         ref = np.asarray(reference[key])
@@ -141,4 +185,31 @@ def clip_update(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.nda
             out[key] = (r64 + scale * (np.asarray(value, dtype=np.float64) - r64)).astype(np.asarray(value).dtype)
         else:
             out[key] = value
-    return out, norm
+    return out
+
+
+def median_bound(norms, factor: float) -> float:
+    """``factor`` × the median of ``norms``: the longest update a client may send when no client may move the
+    model more than ``factor`` times as far as the cohort's typical client (the median resists a minority)."""
+    norms = np.asarray(norms, dtype=np.float64)
+    if norms.ndim != 1 or norms.size == 0 or np.any(~np.isfinite(norms)) or np.any(norms < 0):
+        raise ValueError(f"norms must be a non-empty list of finite non-negative numbers, got {norms}")
+    if factor <= 0:
+        raise ValueError(f"factor must be > 0, got {factor}")
+    return float(factor * np.median(norms))
+
+
+def clip_to_median(arrays: list[Mapping[str, np.ndarray]], references: list[Mapping[str, np.ndarray]],
+                   factor: float) -> tuple[list[dict[str, np.ndarray]], float, list[float]]:
+    """Each client's update (``arrays[i] − references[i]``, over the reference's keys: what the client was sent)
+    scaled down to at most :func:`median_bound` of the cohort's update norms; returns the clipped arrays, the
+    bound and the norms before clipping. An update within the bound comes back unchanged (the same values)."""
+    if len(arrays) != len(references):
+        raise ValueError(f"{len(arrays)} clients' arrays but {len(references)} references")
+    if not arrays:
+        return [], 0.0, []
+    norms = [update_norm(a, ref) for a, ref in zip(arrays, references)]
+    bound = median_bound(norms, factor)
+    out = [dict(a) if n <= bound else scale_update(a, ref, bound / n)
+           for a, ref, n in zip(arrays, references, norms)]
+    return out, bound, norms

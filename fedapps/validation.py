@@ -16,7 +16,9 @@ on U asked for (a ``predict`` op → rows, classes, ``predict.output`` and ``pre
 - ``client-id`` is in ``[0, data.num_clients)`` and belongs to this node (identity, below);
 - ``num-examples`` is positive and not above the client's training-set size where the server knows it
   (simulation: it builds the federation); where it cannot (deployment), the first value a client reports is
-  bound and a later different value is rejected;
+  bound and a later different value is rejected, and with an operator's node registry (``data.node_registry``,
+  :class:`fedapps.data.nodes.NodeRegistry`) a value above the client's cap, or an id the registry does not list,
+  is rejected too;
 - every evaluation asked for is complete, no other is present: accuracy in [0, 1], loss finite and >= 0,
   counts integral and >= 0, ``correct <= n``, ``n`` <= the client's test-set size where known, and the
   accuracy equals ``correct / n``;
@@ -446,19 +448,34 @@ def prediction_problem(wire: np.ndarray, spec: PredictionSpec) -> str | None:
 # --------------------------------------------------------------------------- the validator
 
 
+def registry_of(data_cfg: Any) -> Any:
+    """The operator's node registry of a data config (``data.node_registry`` under data.source 'nodes'; None
+    without one). Read on the server, where the file is; a DataError names the key and the file's problem."""
+    from fedapps.data import NODES
+    from fedapps.data.nodes import read_registry
+
+    if data_cfg.source != NODES or not getattr(data_cfg, "node_registry", ""):
+        return None
+    return read_registry(data_cfg.node_registry, data_cfg.num_clients)
+
+
+
 class ReplyValidator:
     """Checks each reply against the expectation recorded when its message was built; binds identities.
 
     ``train_sizes`` / ``test_sizes`` (per client id) are the bounds of ``num-examples`` / ``<tag>-n`` where the
     server knows them (simulation); None in deployment (then ``num-examples`` is bound on first report).
-    ``model_part(part)`` gives the server's model arrays for 'state' | 'params' | 'body'.
+    ``model_part(part)`` gives the server's model arrays for 'state' | 'params' | 'body'. ``registry``: the
+    operator's cap on each client's ``num-examples`` (deployment with a node registry).
     """
 
     def __init__(self, num_clients: int, train_sizes: Iterable[int] | None = None,
                  test_sizes: Iterable[int] | None = None,
                  model_part: Callable[[str], Mapping[str, np.ndarray]] | None = None,
-                 public_size: int | None = None, num_classes: int | None = None) -> None:
+                 public_size: int | None = None, num_classes: int | None = None,
+                 registry: Any = None) -> None:
         self.num_clients = int(num_clients)
+        self.registry = registry  # a fedapps.data.nodes.NodeRegistry, or None
         self.train_sizes = None if train_sizes is None else [int(v) for v in train_sizes]
         self.test_sizes = None if test_sizes is None else [int(v) for v in test_sizes]
         self._model_part = model_part
@@ -497,7 +514,7 @@ class ReplyValidator:
             model = build_model(cfg.model.name, num_classes, shape, seed=cfg.seed)
             return {k: v.detach().cpu().numpy() for k, v in state_part(model, part).items()}
 
-        return cls(d.num_clients, train, test, model_part, public_size, num_classes)
+        return cls(d.num_clients, train, test, model_part, public_size, num_classes, registry_of(d))
 
     def model_part(self, part: str) -> dict[str, np.ndarray] | None:
         if self._model_part is None:
@@ -552,6 +569,10 @@ class ReplyValidator:
             raise ReplyError(f"num-examples {n} exceeds client {cid}'s training-set size {self.train_sizes[cid]}")
         if self.train_sizes is None and cid in self.bound_examples and n != self.bound_examples[cid]:
             raise ReplyError(f"num-examples {n} differs from the {self.bound_examples[cid]} client {cid} first reported")
+        if self.registry is not None:
+            problem = self.registry.problem(cid, n)
+            if problem:
+                raise ReplyError(problem)
         check_evaluations(metrics, exp.eval_tags, None if self.test_sizes is None else self.test_sizes[cid])
         info: dict[str, Any] = {}
         if protocol.INFO in content:

@@ -2,6 +2,8 @@
 
     certs DIR --host H [--host H2]    a CA and a SuperLink certificate whose SAN holds every given name/IP
     node-key DIR NAME                 a SuperNode key pair (OpenSSH ECDSA P-384): DIR/NAME and DIR/NAME.pub
+                                      (--client-id C --max-num-examples N: its row in the node registry DIR/nodes.csv)
+    node-cap DIR --client-id C --max-num-examples N   add or change a row of the node registry DIR/nodes.csv
     superlink --state S --host H ...  start a SuperLink (TLS, --auth: SuperNode authentication) in the background
     connect NAME --address H:P ...    write the CLI's connection NAME into $FLWR_HOME/config.toml
     register NAME KEY.pub             register a node's public key with the SuperLink (before the node starts)
@@ -29,6 +31,7 @@ import time
 from pathlib import Path
 
 from fedapps.config import APP_DIR, ConfigError, load_config
+from fedapps.data.nodes import REGISTRY_FILE, record_node
 from fedapps_tools.flwrcli import (RunFailed, _alive, _proc_stat, descendants, failure_reasons, flower_env,
                                     follow_run, stop_processes, submit_run, toml_str)
 
@@ -368,6 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("node-key", help="a SuperNode key pair (OpenSSH ECDSA P-384)")
     k.add_argument("dir", type=Path, metavar="DIR", help="the folder the key pair is written to")
     k.add_argument("name", metavar="NAME", help="the key's file name: DIR/NAME (private) and DIR/NAME.pub")
+    add_cap_arguments(k, required=False)
+    nc = sub.add_parser("node-cap", help=f"add or change a client's row of the node registry DIR/{REGISTRY_FILE}")
+    nc.add_argument("dir", type=Path, metavar="DIR", help="the folder of the node keys (the registry lies beside them)")
+    nc.add_argument("--node", default="", help="the node's key name, for the operator's reference")
+    add_cap_arguments(nc, required=True)
     s = sub.add_parser("superlink", help="start a SuperLink in the background")
     s.add_argument("--state", type=Path, required=True, help="its folder: database, logs, pid files, relative results")
     s.add_argument("--host", required=True, help="the address to serve on (in the certificate's SAN)")
@@ -409,6 +417,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_cap_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
+    """--client-id and --max-num-examples: a client's row of the node registry (docs/deployment.md)."""
+    parser.add_argument("--client-id", type=int, default=None, required=required,
+                        help="the client id the node serves (its node config client-id)")
+    parser.add_argument("--max-num-examples", type=int, default=None, required=required,
+                        help=f"the most training examples that client may claim; recorded in DIR/{REGISTRY_FILE}, "
+                             "which the server's data.node_registry names (replies above it are rejected)")
+
+
+def record_cap(directory: Path, client_id: int | None, max_num_examples: int | None, node: str) -> Path | None:
+    """Write a client's cap into ``directory``'s registry (both or neither of the two values; None: nothing)."""
+    if client_id is None and max_num_examples is None:
+        return None
+    if client_id is None or max_num_examples is None:
+        raise DeployError("give both --client-id and --max-num-examples (a registry row needs the two)")
+    if client_id < 0 or max_num_examples <= 0:
+        raise DeployError(f"--client-id must be >= 0 and --max-num-examples > 0, got {client_id} and {max_num_examples}")
+    path = directory / REGISTRY_FILE
+    record_node(path, client_id, max_num_examples, node)
+    return path
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -428,8 +458,17 @@ def dispatch(args: argparse.Namespace) -> int:
         print(f"CA {made['ca']} (give it to every SuperNode and CLI machine); SuperLink certificate {made['cert']}, "
               f"key {made['key']} (SuperLink machine only) for {', '.join(san_entries(args.host))}")
     elif args.step == "node-key":
+        if (args.client_id is None) != (args.max_num_examples is None):
+            raise DeployError("give both --client-id and --max-num-examples (a registry row needs the two), or neither")
         private, public = make_node_key(args.dir, args.name)
         print(f"private key {private} (stays on the node); public key {public} (register it on the SuperLink)")
+        registry = record_cap(args.dir, args.client_id, args.max_num_examples, args.name)
+        if registry is not None:
+            print(f"client {args.client_id} may claim at most {args.max_num_examples} examples: {registry} (name it in "
+                  "the server's config: data.node_registry)")
+    elif args.step == "node-cap":
+        registry = record_cap(args.dir, args.client_id, args.max_num_examples, args.node)
+        print(f"client {args.client_id} may claim at most {args.max_num_examples} examples: {registry}")
     elif args.step == "superlink":
         state = args.state.resolve()
         cmd = superlink_command(args.host, args.port, args.certs.resolve() if args.certs else None, args.auth,

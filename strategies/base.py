@@ -212,7 +212,7 @@ class PersonalisedStrategy(Strategy):
         self.on_round = on_round  # callback(RoundLog) -> None: the result sinks
         self.last_extra: dict[str, Any] = {}  # the extras of the last round that had usable replies
         self.last_measured: dict[str, Any] = {}  # round and accuracy of the latest deployed-model measurement
-        self.rule = AggregationRule.from_config(cfg.strategy)  # for average_matching (robust_aggregation strategies)
+        self.rule = AggregationRule.for_run(cfg)  # for average_matching (robust_aggregation strategies)
         self.validator = ReplyValidator.from_config(cfg)  # every reply is checked against what its message asked
         self._checked = RoundLog(0, [], 0, 0)  # validation counts of the phases validated since the last reset
         # where clients keep their private model across a resumption: {"state-dir": ..., "state-run": token};

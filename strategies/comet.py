@@ -10,6 +10,14 @@ predictions. The server trains no model.
 Difference from the original, on purpose: the original adds the KL term to the local CE loss in one
 objective; here the generic client's ``distill`` (KL on U) runs before ``train`` (CE on private data)
 in the same message — the same client protocol as COSMOS, so the comparison isolates the server side.
+
+Robust option ``outlier_factor`` (off by default): K is fixed, so a client whose predictions are far from everybody's
+(one-hot votes for one class on every row) takes a centroid for itself and the honest clients share the other K − 1:
+some are merged into a cluster that is not theirs. With ``outlier_factor`` = f > 0 a client whose nearest other client
+is more than f × the median nearest-neighbour distance away (per public sample, L1: :func:`fedapps.clustering.
+isolated`) is set aside for the round: it takes no centroid, counts in no cluster's mean, and gets no targets next
+round (it trains on its own data only); each such reply is recorded (rejections.csv, phase aggregate). A client
+that stays near the others to escape the guard can only send predictions close to theirs.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import numpy as np
 from flwr.app import Message
 from threadpoolctl import threadpool_limits
 
-from fedapps import protocol, pseudolabels
+from fedapps import clustering, protocol, pseudolabels
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
@@ -92,6 +100,9 @@ class COMETParams(DistillParams):
 
     clusters: int = param(5, ge=1, help="K, fixed in advance (capped at the number of replying clients)")
     kmeans_iters: int = param(100, ge=1, help="at most this many Lloyd iterations per round")
+    outlier_factor: float = param(0.0, ge=0, help="robust option, 0 = off: a client whose nearest other client is "
+                                                  "more than this × the median nearest-neighbour distance away takes "
+                                                  "no part in the round's clustering and gets no targets (e.g. 3)")
 
 
 class COMET(PseudoLabelStrategy):
@@ -128,6 +139,9 @@ class COMET(PseudoLabelStrategy):
         if not used:
             self.skip_round(server_round, "no usable predictions; clusters stay as they were")
             return {"clusters": len(self.cluster_targets)}
+        set_aside = 0
+        if self.params.outlier_factor > 0:
+            used, stack, set_aside = self.without_outliers(server_round, used, stack)
         x = stack.reshape(len(used), -1).astype(np.float64)
         k = min(self.params.clusters, len(used))
         if self.centroids is None or len(self.centroids) != k:
@@ -143,8 +157,23 @@ class COMET(PseudoLabelStrategy):
         log.info("round %d: COMET K=%d, cluster sizes %s", server_round, k, sizes.tolist())
         member_targets = means[labels].argmax(axis=-1)  # each client's target labels (clients×n)
         diag = [self.oracle_accuracy(t) for t in member_targets]
-        return {"clusters": int((sizes > 0).sum()), "cluster_sizes": " ".join(str(int(s)) for s in sizes),
-                "diag_target_acc_on_U": None if None in diag else float(np.mean(diag))}
+        out = {"clusters": int((sizes > 0).sum()), "cluster_sizes": " ".join(str(int(s)) for s in sizes),
+               "diag_target_acc_on_U": None if None in diag else float(np.mean(diag))}
+        return {**out, "set_aside": set_aside} if self.params.outlier_factor > 0 else out
+
+    def without_outliers(self, server_round: int, used: list[ClientReply],
+                         stack: np.ndarray) -> tuple[list[ClientReply], np.ndarray, int]:
+        """``outlier_factor``: the replies (and their predictions) without the clients :func:`fedapps.clustering.
+        isolated` finds, each recorded as left out; everybody when that would leave nobody."""
+        far = clustering.isolated(clustering.pairwise_distances(stack, "l1"), float(self.params.outlier_factor))
+        if far.all() or not far.any():
+            return used, stack, 0
+        for r in (r for r, f in zip(used, far) if f):
+            self.skip_reply(server_round, r, f"outlier_factor {self.params.outlier_factor:g}: its predictions are far "
+                                             "from every other client's; set aside this round (no centroid, no "
+                                             "targets)")
+        keep = ~far
+        return [r for r, k in zip(used, keep) if k], stack[keep], int(far.sum())
 
     def final_summary(self) -> dict[str, Any]:
         return {"cluster_assignment": {str(c): k for c, k in sorted(self.assignment.items())}}

@@ -11,6 +11,15 @@ protocol): every ``eval_every`` rounds (and after the last) the base class measu
 round r+1's message carries h_π(i) in its ``eval-arrays`` record, the last round's by an evaluation-only
 message; those bytes are counted apart (eval_bytes_*). The client's own model is the second column.
 Paper: COSMOS, ECML PKDD 2026; where we follow the reference code instead, the parameter comments say so.
+
+Robust option ``member_clip`` (off by default). A cluster's target is its members' aggregate, so a client that joins a
+victim's cluster (round 1's predictions copied from the victim's) and then sends one-hot labels of other classes
+takes the victim's cluster model over (measured: victim 0.68 against 0.94 with that client dropped). With
+``member_clip`` = τ > 0 every member's predictions are first moved towards the cluster's centre until no row is more
+than τ away in L1 (:func:`fedapps.pseudolabels.clip_to_centre`); the centre is the cluster model's own predictions
+h_k(U) sent last round (round 1, before any: the members' coordinate-wise median). A member then moves its cluster's
+target by at most τ/|members| per row and round (mean aggregation) and the members' pulls balance: an honest member
+whose data disagree with a drifting h_k pulls back as hard as the liar pushes.
 """
 
 from __future__ import annotations
@@ -90,6 +99,10 @@ class CosmosParams:
     aggregation: str = param("mean", choices=pseudolabels.AGGREGATIONS,
                              help="how a cluster's members' predictions make its target")
     temperature: float = param(1.0, ge=0, help="targets p^(1/T) renormalised; 0 = hard (one-hot) labels")
+    member_clip: float = param(0.0, ge=0, le=2, help="robust option, 0 = off: each member's predictions moved towards "
+                                                     "the cluster's last targets h_k(U) (round 1: the members' median) "
+                                                     "until no row is further than this in L1, before they are "
+                                                     "aggregated (e.g. 0.5; rows differ by at most 2)")
     rb_lambda: float = param(5.0, ge=0, help="λ of r_B, server and client")
     rb_sigma: float = param(0.05, ge=0, help="std of r_B's input noise")
     server_epochs: int = param(5, ge=0, help="epochs of each cluster model's distillation on U per round")
@@ -316,7 +329,13 @@ class Cosmos(PersonalisedStrategy):
             if not present:
                 continue
             t0 = time.perf_counter()
-            target = server_target(np.stack([preds[c] for c in present]), p.aggregation, p.temperature)
+            members = np.stack([preds[c] for c in present])
+            if p.member_clip > 0:
+                centre = self.server_targets.get(k)
+                if centre is None:
+                    centre = pseudolabels.aggregate(members, "median")
+                members = pseudolabels.clip_to_centre(members, centre, p.member_clip)
+            target = server_target(members, p.aggregation, p.temperature)
             model = self.server_model(k)
             gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "cosmos-server-distill", server_round, k))
             with torch.random.fork_rng(devices=[]):  # dropout in h_k draws from a seeded global stream, restored after

@@ -41,6 +41,13 @@ shared (non-class-wise) keys are one FedAvg for everybody, kept as a float64 run
   the server also keeps each client's latest shared arrays: O(M·(F + C)), whole models. Exact, not O(model);
   the sum only makes a round cost O(repliers·F) instead of O(M·F).
 
+Robust option ``median_clip`` (off by default): one client's upload enters every other client's personalised model
+through A, so a hostile client can take them over with valid-looking arrays — classifier rows that make its p̂ one-hot
+on a class and scale that row up (measured: every other client at chance). With ``median_clip`` = c > 0 each upload
+w_l is replaced, before anything else reads it (stack, running sum, estimate), by s + min(1, c·m/‖w_l − s‖)(w_l − s),
+s the personalised model client l was sent and m the median of this round's ‖w_l − s‖ (:func:`fedapps.robust.
+clip_to_median`): no client moves anyone's model further than c times the cohort's typical update.
+
 Client side (registered here): the training term ``wdr``, switched on by ``train.wdr_lambda`` → loss
 CE + (λ/2)·‖p_i − p̃_i‖₂ (:func:`wdr_penalty`), p_i from the
 client's TRAIN split (the authors' code uses train+test). The deployed model after round r is client i's
@@ -69,6 +76,7 @@ from fedapps.models import build_model, classifier_name, top_level_children
 from fedapps.params import lower, param
 from fedapps.protocol import ClientReply
 from fedapps.results import Artifact
+from fedapps.robust import clip_to_median
 from strategies.base import DeployedModel, PersonalisedStrategy
 
 log = logging.getLogger("fedapps")
@@ -138,6 +146,11 @@ class CwFedAvgParams:
     buffers: str = param("local", choices=BUFFER_MODES, normalise=lower,
                          help="local: buffers (BN statistics) never leave the clients | fedavg: averaged")
     track_estimation_error: bool = param(True, help="log mean L1(p̂, p) per estimator (simulation: the server knows p)")
+    # robust option (docs/reliability.md, threat model): off by default, so published results are the paper's method
+    median_clip: float = param(0.0, ge=0, help="robust option, 0 = off: each upload's update (the upload minus the "
+                                               "personalised model the client was sent) is clipped to this multiple "
+                                               "of the round's median update norm before it enters any mixing, its "
+                                               "class estimate included (e.g. 2)")
 
 
 # --------------------------------------------------------------------------- pure maths
@@ -342,7 +355,9 @@ class CwFedAvg(PersonalisedStrategy):
 
     name = "cwfedavg"
     Params = CwFedAvgParams
-    checkpoint_exclude = frozenset({"stack_files"})  # the stack's files: state_dict writes them, the map is state
+    # the stack's files: state_dict writes them, the map is state; the models the round's messages carried (for
+    # median_clip): rebuilt with every round's messages
+    checkpoint_exclude = frozenset({"stack_files", "sent_models"})
     deployed = DeployedModel("client i's personalised model formed from round r's uploads (what it receives in "
                              "round r+1)", source="message")
 
@@ -399,6 +414,7 @@ class CwFedAvg(PersonalisedStrategy):
         self.true_p = _true_distributions(cfg) if p.track_estimation_error else None
         self.snapshots: dict[str, tuple[int, np.ndarray, np.ndarray]] = {}  # 'first'/'last' -> (round, ids, p̃)
         self.stack_files: checkpoint.RowFiles | None = None  # where state_dict writes the stack's rows
+        self.sent_models: dict[int, dict[str, np.ndarray]] = {}  # node id -> the model its message carried (median_clip)
         log.info("cwfedavg: %d of %d parameter tensors class-wise (%s), estimator %s, WDR λ=%g, mix %s, buffers %s",
                  len(self.classwise), len(params), p.layers, p.estimator, p.wdr_lambda, p.mix, p.buffers)
 
@@ -428,35 +444,43 @@ class CwFedAvg(PersonalisedStrategy):
                   WDR_LAMBDA: float(p.wdr_lambda)}
         client_ops = ["train"] + (["report-class-counts"] if p.estimator == "true" else [])
         messages = []
+        self.sent_models = {}
         for node in node_ids:
             arrays = self.personalised(self.node_to_client.get(node))
             if self.has_bias:
                 self.sent_bias[node] = np.array(arrays[self.head_b], dtype=np.float64)
+            if p.median_clip > 0:
+                self.sent_models[node] = arrays
             messages.append(protocol.build_message(node, server_round, client_ops, config,
                                                    arrays=protocol.arrays_record(arrays)))
         return messages
 
     # ------------------------------------------------------------------ aggregation
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
-        """Take each usable reply in one pass (``replies`` is iterated once, so it may be a generator): its
-        class-wise arrays into the stack, its shared arrays into the running sum, its estimate; then Q, the
-        FedAvg weights and the shared arrays for the next messages."""
+        """Take each usable reply (``replies`` is iterated once, so it may be a generator; ``median_clip`` clips
+        the usable ones first): its class-wise arrays into the stack, its shared arrays into the running sum, its
+        estimate; then Q, the FedAvg weights and the shared arrays for the next messages."""
         p: CwFedAvgParams = self.params
         errors: dict[str, list[tuple[int, np.ndarray]]] = {e: [] for e in ESTIMATORS}
         taken: set[int] = set()
-        last: ClientReply | None = None
+        usable: list[ClientReply] = []
         for r in replies:
-            if not self._usable(server_round, r, taken):
-                continue
-            if last is None:  # the first usable reply opens the aggregation (nothing changes without one)
-                self.fresh[:] = False
-                if p.mix == "round" or not self.sums:
-                    self.sums = {k: np.zeros(self.initial[k].shape, np.float64) for k in self.shared_float}
-            taken.add(r.client_id)
-            last = r
-            self._take(r, errors)
-        if last is None:
+            if self._usable(server_round, r, taken):
+                taken.add(r.client_id)
+                usable.append(r)
+        if not usable:
             return {}
+        extra: dict[str, Any] = {}
+        if p.median_clip > 0:
+            usable, extra = self._clipped(server_round, usable)
+            if not usable:
+                return {}
+        self.fresh[:] = False  # the first usable reply opens the aggregation (nothing changes without one)
+        if p.mix == "round" or not self.sums:
+            self.sums = {k: np.zeros(self.initial[k].shape, np.float64) for k in self.shared_float}
+        for r in usable:
+            self._take(r, errors)
+        last = usable[-1]
         self._record_snapshot(server_round)
         mask = self.estimated & (self.fresh if p.mix == "round" else True)
         self.q = class_weights(self.n, self.p_hat, mask)
@@ -468,7 +492,28 @@ class CwFedAvg(PersonalisedStrategy):
                 self.shared[k] = np.array(last.arrays[k], dtype=self.initial[k].dtype)
         if p.mix == "round":
             self.sums = {}  # this round's sum is spent: O(F) only while aggregating
-        return self._error_metrics(errors)
+        return {**extra, **self._error_metrics(errors)}
+
+    def _clipped(self, server_round: int, replies: list[ClientReply]) -> tuple[list[ClientReply], dict[str, Any]]:
+        """``median_clip``: each reply's update against the model its message carried, clipped to median_clip × the
+        round's median update norm (:func:`fedapps.robust.clip_to_median`); the replies with the clipped arrays and
+        the round's extras (the bound, how many were clipped)."""
+        known = []
+        for r in replies:  # every training message's model is recorded: a reply without one answers none
+            if r.node_id in self.sent_models:
+                known.append(r)
+            else:
+                self.skip_reply(server_round, r, "median_clip: no model was sent to this node this round")
+        if not known:
+            return [], {}
+        clipped, bound, norms = clip_to_median([r.arrays for r in known], [self.sent_models[r.node_id] for r in known],
+                                               float(self.params.median_clip))
+        out = [dataclasses.replace(r, arrays=arrays) for r, arrays in zip(known, clipped)]
+        over = [n for n in norms if n > bound]
+        if over:
+            log.info("cwfedavg round %d: median_clip %g clipped %d of %d updates to %.3g (largest %.3g)", server_round,
+                     self.params.median_clip, len(over), len(norms), bound, max(over))
+        return out, {"clip_bound": bound, "clipped": len(over)}
 
     def _usable(self, server_round: int, r: ClientReply, taken: set[int]) -> bool:
         """Whether a reply can be aggregated: the model's keys and shapes, examples > 0, once per client."""

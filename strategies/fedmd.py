@@ -12,6 +12,14 @@ by default); (2) the original pre-trains every model on the LABELLED public set 
 here that is off by default (``pretrain_public_epochs: 0``) because U is meant to be unlabelled — when
 switched on, round 1 runs the client operation ``train-public`` (CE on U with its true labels) first.
 
+Robust option ``consensus`` (default ``mean``, the original: the plain mean of the scores as sent). Raw logits let one
+client outvote everybody: logits of ±1e4 on every row of U (inside the validator's bound) make the mean's argmax
+that client's class on every row. ``probs`` turns each client's scores into probabilities first (the softmax of its
+logits; probabilities as sent) and averages those, so one client of K moves a consensus row by at most 2/K in L1
+however large its logits; ``median`` takes their coordinate-wise median (renormalised), which a minority cannot move
+beyond the honest clients' range. Either way the consensus is a probability row: the KL digest receives it as it
+is, the MAE digest (logits) receives its log (:func:`consensus_logits`), logits whose softmax is the consensus.
+
 The machinery FedMD, FedCT and COMET share is in :mod:`strategies.pseudolabel_base`.
 """
 
@@ -40,6 +48,26 @@ def fedmd_consensus(scores: np.ndarray) -> np.ndarray:
     if scores.ndim != 3 or scores.shape[0] == 0:
         raise ValueError(f"expected clients×samples×classes with at least one client, got {scores.shape}")
     return scores.astype(np.float64).mean(axis=0).astype(np.float32)
+
+
+CONSENSUS_RULES = ("mean", "probs", "median")
+LOG_FLOOR = 1e-6  # the smallest probability consensus_logits takes the log of (log 1e-6 ≈ -13.8)
+
+
+def robust_consensus(scores: np.ndarray, kind: str, rule: str) -> np.ndarray:
+    """A consensus on PROBABILITIES (clients×n×M → n×M): each client's rows as probabilities (``kind`` logits: their
+    softmax; probs: as sent), then their mean (``probs``) or coordinate-wise median, renormalised (``median``)."""
+    if scores.ndim != 3 or scores.shape[0] == 0:
+        raise ValueError(f"expected clients×samples×classes with at least one client, got {scores.shape}")
+    if rule not in ("probs", "median"):
+        raise ValueError(f"robust consensus rule '{rule}'; allowed: probs, median")
+    probs = softmax(scores.astype(np.float64)) if kind == "logits" else np.asarray(scores, dtype=np.float32)
+    return pseudolabels.aggregate(probs.astype(np.float32), "mean" if rule == "probs" else "median").astype(np.float32)
+
+
+def consensus_logits(probs: np.ndarray) -> np.ndarray:
+    """Logits whose softmax is ``probs``: log(max(p, :data:`LOG_FLOOR`)) (what the MAE digest regresses onto)."""
+    return np.log(np.maximum(np.asarray(probs, dtype=np.float64), LOG_FLOOR)).astype(np.float32)
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -83,6 +111,10 @@ class FedMDParams(DistillParams):
     pretrain_public_epochs: int = param(0, ge=0, help="> 0: round 1 first trains on U WITH its true labels "
                                                       "(original; off by default)")
     pretrain_lr: float = param(1e-3, gt=0, help="learning rate of that labelled pre-training")
+    consensus: str = param("mean", choices=CONSENSUS_RULES,
+                           help="mean: the plain mean of the scores as sent (original) | robust options on "
+                                "probabilities (each client's softmax): probs, their mean | median, their "
+                                "coordinate-wise median")
 
 
 class FedMD(PseudoLabelStrategy):
@@ -105,7 +137,7 @@ class FedMD(PseudoLabelStrategy):
             raise ConfigError("'strategy.params.fedmd.pretrain_public_epochs' > 0 needs a LABELLED public set, "
                               "but this data source's U has no labels; set it to 0")
         self.subset_rng = derive_rng(cfg.seed, "fedmd-alignment-subset")
-        self.consensus: np.ndarray | None = None  # n_sub×M, on self.consensus_rows
+        self.consensus: np.ndarray | None = None  # n_sub×M, on self.consensus_rows (probabilities unless consensus mean)
         self.consensus_rows: np.ndarray | None = None  # None = all of U
         self.pending_rows: np.ndarray | None = None  # the subset clients predict on this round
 
@@ -119,7 +151,10 @@ class FedMD(PseudoLabelStrategy):
             config.update({"train-public.epochs": int(p.pretrain_public_epochs), "train-public.lr": float(p.pretrain_lr)})
         wire = None
         if self.consensus is not None:
-            target = self.consensus if p.digest_loss == "mae" or p.scores == "probs" else softmax(self.consensus)
+            if p.consensus != "mean":  # a consensus on probabilities
+                target = consensus_logits(self.consensus) if p.digest_loss == "mae" else self.consensus
+            else:
+                target = self.consensus if p.digest_loss == "mae" or p.scores == "probs" else softmax(self.consensus)
             wire = pseudolabels.encode(target, p.encoding, self.num_classes)
         targets = targets_record(
             wire,
@@ -136,7 +171,9 @@ class FedMD(PseudoLabelStrategy):
         if not used:
             self.skip_round(server_round, "no usable scores; the consensus stays as it was")
             return {"consensus_clients": 0}
-        self.consensus = fedmd_consensus(scores)
+        p: FedMDParams = self.params
+        self.consensus = fedmd_consensus(scores) if p.consensus == "mean" else robust_consensus(scores, p.scores,
+                                                                                              p.consensus)
         self.consensus_rows = self.pending_rows
         return {"consensus_clients": len(used), "alignment_rows": rows,
                 "diag_consensus_acc_on_U": self.oracle_accuracy(self.consensus.argmax(axis=1), self.consensus_rows)}

@@ -6,10 +6,17 @@ training) is the client's deployed model: after round r, the model of lowest tra
 cluster, the models of the clients that chose it (by sample count); a cluster nobody chose keeps its model.
 The K models start from different seeds (the experiment seed + k) so that they can separate. No model stays
 on the client. Download cost: K models per client per round.
+
+Robust option ``median_clip`` (off by default): a cluster model is the mean of its choosers' models, so one scaled
+model drags every client of its cluster with it (and a cluster nobody else can fit). With ``median_clip`` = c > 0
+each reply's update (its model minus the cluster model it chose, as sent) is first clipped to c × the round's median
+update norm over every reply of every cluster (:func:`fedapps.robust.clip_to_median`). It works beside
+``strategy.aggregation`` / ``clip_update_norm`` (applied after it, per cluster).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +29,7 @@ from fedapps.clientops import client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
-from fedapps.robust import AggregationRule
+from fedapps.robust import AggregationRule, clip_to_median
 from strategies.base import DeployedModel, PersonalisedStrategy, average_matching
 from strategies.fedavg import initial_model_arrays
 
@@ -59,11 +66,28 @@ def average_per_cluster(models: list[dict[str, np.ndarray]], replies: list[Clien
     return out, sizes
 
 
+def clip_choosers(models: list[dict[str, np.ndarray]], replies: list[ClientReply],
+                  factor: float) -> tuple[list[ClientReply], dict[str, Any]]:
+    """The replies with each update (arrays minus the cluster model it chose) clipped to ``factor`` × the median
+    update norm of all of them (:func:`fedapps.robust.clip_to_median`); the bound and the count clipped."""
+    sent = [models[int(r.metrics[CHOICE])] for r in replies]
+    clipped, bound, norms = clip_to_median([r.arrays for r in replies], sent, factor)
+    over = [n for n in norms if n > bound]
+    if over:
+        log.info("IFCA median_clip %g: %d of %d updates clipped to %.3g (largest %.3g)", factor, len(over), len(norms),
+                 bound, max(over))
+    out = [dataclasses.replace(r, arrays=arrays) for r, arrays in zip(replies, clipped)]
+    return out, {"clip_bound": bound, "clipped": len(over)}
+
+
 @dataclass
 class IFCAParams:
     """IFCA's parameters."""
 
     clusters: int = param(2, ge=1, help="K: the number of cluster models")
+    median_clip: float = param(0.0, ge=0, help="robust option, 0 = off: each update (the returned model minus the "
+                                               "cluster model it chose) is clipped to this multiple of the round's "
+                                               "median update norm before the clusters are averaged (e.g. 2)")
 
 
 class IFCA(PersonalisedStrategy):
@@ -106,9 +130,12 @@ class IFCA(PersonalisedStrategy):
                 continue
             usable.append(r)
             self.assignment[r.client_id] = int(choice)
+        extra: dict[str, Any] = {}
+        if usable and self.params.median_clip > 0:
+            usable, extra = clip_choosers(self.models, usable, float(self.params.median_clip))
         self.models, sizes = average_per_cluster(self.models, usable, self.rule)
         log.info("round %d: IFCA cluster sizes %s", server_round, sizes)
-        return {"clusters": sum(1 for s in sizes if s), "cluster_sizes": " ".join(str(s) for s in sizes)}
+        return {"clusters": sum(1 for s in sizes if s), "cluster_sizes": " ".join(str(s) for s in sizes), **extra}
 
     def final_summary(self) -> dict[str, Any]:
         return {"cluster_assignment": {str(c): k for c, k in sorted(self.assignment.items())}}

@@ -37,6 +37,17 @@ of h (H·P multiply-adds), per round one batched forward and backward over the r
 replies). A model whose h would exceed ``max_hn_params`` is refused with a ConfigError.
 
 The reply carries θ̃_i rather than Δθ_i (the same bytes; the server knows θ_i), through the generic machinery.
+
+Robust option ``median_clip`` (off by default): every client's Δθ_i reaches the shared trunk and heads, so one
+scaled model steers the model the hypernetwork generates for everybody (``clip_norm`` bounds the round's summed
+gradient, not one client's share of it; and clipping Δθ_i itself is not enough: a Δθ_i along θ_i — "scale the
+model up" — is the direction h amplifies most, measured 8× an honest update's gradient at twice its norm). With
+``median_clip`` = c > 0 each client's own gradient g_i = (∂θ_i/∂φ)ᵀ Δθ_i is measured first (one backward per reply)
+and its Δθ_i scaled by s_i = min(1, c·m/‖g_i‖), m the round's median ‖g_i‖ (:func:`fedapps.robust.median_bound`);
+g is linear in Δθ, so the round's gradient is Σ_i s_i·g_i: no client pulls h further than c times the cohort's
+typical client. It costs one more backward of h per reply. A hostile client's pull points the same way every round
+while the honest ones vary, and SGD's momentum adds up what repeats: measured, c = 1 still lets one scaled model pull
+a victim 0.5 below its accuracy on some seeds, c = 0.5 does not (docs/results/capture.md).
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ from fedapps.data import DataError, spec_info
 from fedapps.models import build_model
 from fedapps.params import param
 from fedapps.protocol import ClientReply
+from fedapps.robust import median_bound
 from fedapps.seeds import derive_seed
 from strategies.base import DeployedModel, PersonalisedStrategy, _state_value
 
@@ -125,15 +137,42 @@ class HyperNetwork(nn.Module):
 
 
 def accumulate_delta_gradient(hn: HyperNetwork, clients: Sequence[int | None],
-                              trained: Sequence[Mapping[str, Tensor]]) -> list[float]:
-    """Add Σ_i (∂θ_i/∂φ)ᵀ Δθ_i to the ``.grad`` of h's parameters, θ_i = h(v_i; φ) at the current φ and
-    Δθ_i = θ_i − θ̃_i (generated minus ``trained[i]``): the gradient of Σ_i ½‖h(v_i; φ) − θ̃_i‖². One batched
-    forward and one backward of h for all of them. Returns ‖Δθ_i‖ per client (over all its tensors)."""
+                              trained: Sequence[Mapping[str, Tensor]],
+                              scales: Sequence[float] | None = None) -> list[float]:
+    """Add Σ_i s_i·(∂θ_i/∂φ)ᵀ Δθ_i to the ``.grad`` of h's parameters, θ_i = h(v_i; φ) at the current φ and
+    Δθ_i = θ_i − θ̃_i (generated minus ``trained[i]``), s_i = ``scales[i]`` (default 1): the gradient of
+    Σ_i ½·s_i·‖h(v_i; φ) − θ̃_i‖². One batched forward and one backward of h for all of them. Returns ‖Δθ_i‖ per
+    client (over all its tensors, before scaling)."""
     generated = hn.generate_batch(clients)
     deltas = [generated[k].detach() - torch.stack([t[k] for t in trained]).to(generated[k].dtype) for k in hn.names]
-    torch.autograd.backward([generated[k] for k in hn.names], grad_tensors=deltas)
     squares = sum(d.flatten(1).double().pow(2).sum(1) for d in deltas)
+    grads = deltas
+    if scales is not None:
+        s = torch.as_tensor(list(scales), dtype=deltas[0].dtype, device=deltas[0].device)
+        grads = [d * s.view(-1, *([1] * (d.dim() - 1))) for d in deltas]
+    torch.autograd.backward([generated[k] for k in hn.names], grad_tensors=grads)
     return [float(v) for v in squares.sqrt()]
+
+
+def client_gradient_norms(hn: HyperNetwork, clients: Sequence[int | None],
+                          trained: Sequence[Mapping[str, Tensor]]) -> list[float]:
+    """‖(∂θ_i/∂φ)ᵀ Δθ_i‖ of each client alone (one backward each; h's ``.grad`` is left empty): how far its reply
+    alone would pull h."""
+    norms = []
+    for client, t in zip(clients, trained):
+        hn.zero_grad(set_to_none=True)
+        accumulate_delta_gradient(hn, [client], [t])
+        squares = [p.grad.double().pow(2).sum() for p in hn.parameters() if p.grad is not None]
+        norms.append(float(torch.stack(squares).sum().sqrt()) if squares else 0.0)
+    hn.zero_grad(set_to_none=True)
+    return norms
+
+
+def median_clip_scales(norms: Sequence[float], factor: float) -> list[float]:
+    """s_i = min(1, bound / norm_i) with bound = ``factor`` × the median norm (:func:`fedapps.robust.median_bound`):
+    what each client's contribution is multiplied by so that none is longer than the bound."""
+    bound = median_bound(norms, factor)
+    return [1.0 if n <= bound else bound / n for n in norms]
 
 
 def hypernetwork_step(hn: HyperNetwork, optimizer: torch.optim.Optimizer, clip_norm: float) -> float:
@@ -174,6 +213,10 @@ class PFedHNParams:
     weight_decay: float = param(1e-3, ge=0, help="SGD weight decay of the hypernetwork")
     clip_norm: float = param(50.0, ge=0, help="the round's gradient norm is clipped to this; 0 = off")
     max_hn_params: int = param(100_000_000, gt=0, help="refuse a model whose hypernetwork would be larger")
+    median_clip: float = param(0.0, ge=0, help="robust option, 0 = off: each client's gradient into the hypernetwork "
+                                               "(its Δθ back-propagated) is scaled down to at most this multiple of "
+                                               "the round's median client gradient norm (e.g. 0.5; measured: 1 is not "
+                                               "always enough, docs/results/capture.md)")
     server_device: str = param("auto", choices=DEVICES, help="where the hypernetwork lives and steps: auto (CUDA "
                                                              "when present), cpu or cuda")
 
@@ -287,16 +330,26 @@ class PFedHN(PersonalisedStrategy):
         self.optimizer.zero_grad(set_to_none=True)
         deltas: list[float] = []
         sources = [self.sent_from[int(r.node_id)] for r in usable]
+        extra: dict[str, Any] = {}
+        scales = [1.0] * len(usable)
+        if self.params.median_clip > 0:
+            norms = client_gradient_norms(self.hn, sources, [self.trained(r) for r in usable])
+            scales = median_clip_scales(norms, float(self.params.median_clip))
+            extra = {"clip_bound": median_bound(norms, float(self.params.median_clip)),
+                     "clipped": sum(1 for v in scales if v < 1.0)}
         # θ_i is generated again at the same φ (in a batch: equal to what was sent up to float rounding)
         for start in range(0, len(usable), REPLY_CHUNK):
             chunk = usable[start:start + REPLY_CHUNK]
-            trained = [{k: torch.as_tensor(np.asarray(r.arrays[k], dtype=np.float32), device=self.device)
-                        for k in self.hn.names} for r in chunk]
-            deltas += accumulate_delta_gradient(self.hn, sources[start:start + REPLY_CHUNK], trained)
+            deltas += accumulate_delta_gradient(self.hn, sources[start:start + REPLY_CHUNK],
+                                                [self.trained(r) for r in chunk], scales[start:start + REPLY_CHUNK])
         from_mean = sum(1 for s in sources if s is None)
         grad_norm = hypernetwork_step(self.hn, self.optimizer, float(self.params.clip_norm))
         return {"hn_delta_norm_mean": float(np.mean(deltas)), "hn_grad_norm": grad_norm,
-                "hn_from_mean_embedding": from_mean}
+                "hn_from_mean_embedding": from_mean, **extra}
+
+    def trained(self, r: ClientReply) -> dict[str, Tensor]:
+        """θ̃_i of a reply as float32 tensors on the server's device."""
+        return {k: torch.as_tensor(np.asarray(r.arrays[k], dtype=np.float32), device=self.device) for k in self.hn.names}
 
     def final_summary(self) -> dict[str, Any]:
         n = self.hypernetwork_parameters()

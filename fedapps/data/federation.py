@@ -72,12 +72,13 @@ SPEC_KEYS: tuple[str, ...] = (
     "source", "root", "download", "partition", "num_clients", "classes_per_client", "alpha",
     "min_samples", "groups", "redistribute_fraction", "test_fraction", "public_fraction", "seed",
     "synthetic_classes", "synthetic_shape", "synthetic_samples", "validation_fraction", "evaluate_on", "swap_pairs",
-    "num_classes", "input_shape", "public_path",
+    "num_classes", "input_shape", "public_path", "node_registry",
 )
 # keys a spec may leave out (older servers, hand-built specs, messages that omit keys at their default): check_spec
-# fills in these defaults. num_classes / input_shape / public_path belong to data.source 'nodes' (fedapps.data.nodes)
+# fills in these defaults. num_classes / input_shape / public_path / node_registry belong to data.source 'nodes'
+# (fedapps.data.nodes)
 SPEC_DEFAULTS: dict[str, Any] = {"validation_fraction": 0.15, "evaluate_on": "test", "swap_pairs": 1,
-                                 "num_classes": 0, "input_shape": [], "public_path": ""}
+                                 "num_classes": 0, "input_shape": [], "public_path": "", "node_registry": ""}
 EVALUATION_SPLITS: tuple[str, ...] = ("test", "validation")
 VALIDATION_SEED_PURPOSE = "validation-split"  # derive_seed(data.seed, this, client id): the validation split
 
@@ -253,7 +254,8 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_nodes_keys(s: dict[str, Any]) -> None:
-    """``num_classes`` / ``input_shape`` / ``public_path``: data.source 'nodes' only (normalised in ``s``)."""
+    """``num_classes`` / ``input_shape`` / ``public_path`` / ``node_registry``: data.source 'nodes' only (normalised
+    in ``s``)."""
     k = s["num_classes"]
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
         raise DataError(f"data.num_classes={k!r} must be a non-negative integer (0: learnt from the nodes)")
@@ -263,12 +265,13 @@ def _check_nodes_keys(s: dict[str, Any]) -> None:
             or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in shape)):
         raise DataError(f"data.input_shape={shape!r} must be [] (learnt from the nodes) or 3 positive integers [C, H, W]")
     s["input_shape"] = [int(d) for d in shape]
-    if not isinstance(s["public_path"], (str, os.PathLike)):
-        raise DataError(f"data.public_path={s['public_path']!r} must be a path string ('' = none)")
-    s["public_path"] = str(s["public_path"])
+    for key in ("public_path", "node_registry"):
+        if not isinstance(s[key], (str, os.PathLike)):
+            raise DataError(f"data.{key}={s[key]!r} must be a path string ('' = none)")
+        s[key] = str(s[key])
     if s["source"] == NODES:  # U is a file (public_path); public_fraction and the partition keys do not apply
         return
-    for key, default in (("num_classes", 0), ("input_shape", []), ("public_path", "")):
+    for key, default in (("num_classes", 0), ("input_shape", []), ("public_path", ""), ("node_registry", "")):
         if s[key] != default:
             raise DataError(f"data.{key}={s[key]!r} applies to data.source 'nodes' only (data.source is "
                             f"{s['source']!r}); remove it")

@@ -19,6 +19,13 @@ fingerprint is a content hash of the normalised tensor, so every copy of the sam
 
 Paths in node config are the node's own: ``~`` is expanded here, on the node, never on the server. Files are
 read once per process (cached on path, size and modification time).
+
+The node registry (``data.node_registry``, on the server): the operator's cap on the ``num-examples`` each client
+may claim, a CSV ``client_id,max_num_examples[,node]`` (a row ``*`` caps every client not listed; without one an
+unlisted client is refused). ``fedapps deploy node-key DIR NAME --client-id C --max-num-examples N`` writes the row
+into DIR/:data:`REGISTRY_FILE`, next to the node's keys. The server cannot check a node's claimed size (the data never
+leave the node) and the node cannot be trusted to cap itself (a hostile node runs its own code): the cap is the
+operator's knowledge of each site, enforced by the reply validation (:class:`fedapps.validation.ReplyValidator`).
 """
 
 from __future__ import annotations
@@ -240,6 +247,106 @@ def read_public(path: Path, where: str) -> tuple[torch.Tensor, torch.Tensor | No
 def server_public_path(value: str) -> Path:
     """``data.public_path`` on the server: ``~`` is the server's home; a relative path is taken against the working
     directory, then the app folder (as config files are)."""
+    return _server_file(value, "data.public_path", "the server's copy of U, an .npz with 'x'")
+
+
+REGISTRY_FILE = "nodes.csv"  # the node registry fedapps deploy node-key writes next to the node keys
+REGISTRY_COLUMNS = ("client_id", "max_num_examples", "node")  # node: the key's name, for the operator only
+ANY_CLIENT = "*"  # a registry row for every client not listed
+
+
+@dataclass(frozen=True)
+class NodeRegistry:
+    """The operator's caps on the training examples each client may claim (``data.node_registry``)."""
+
+    path: str
+    caps: Mapping[int, int]
+    default: int | None = None  # the '*' row: every client not listed; None: an unlisted client is refused
+
+    def problem(self, client_id: int, num_examples: int) -> str | None:
+        """Why a reply claiming ``num_examples`` for ``client_id`` breaks the registry (None: within its cap)."""
+        cap = self.caps.get(client_id, self.default)
+        if cap is None:
+            return (f"client-id {client_id} is not in the node registry {self.path} (data.node_registry); add its row: "
+                    f"fedapps deploy node-key DIR NAME --client-id {client_id} --max-num-examples N")
+        if num_examples > cap:
+            return (f"num-examples {num_examples} exceeds the {cap} the node registry {self.path} "
+                    f"(data.node_registry) allows client {client_id}")
+        return None
+
+
+def parse_registry(text: str, where: str, num_clients: int) -> NodeRegistry:
+    """A registry from CSV text (header naming ``client_id`` and ``max_num_examples``; other columns ignored);
+    DataError naming ``where`` and the line for a bad row: an id outside [0, num_clients) or listed twice, a cap that
+    is not a positive integer."""
+    import csv
+    import io
+
+    reader = csv.DictReader(io.StringIO(text))
+    missing = [c for c in REGISTRY_COLUMNS[:2] if c not in (reader.fieldnames or [])]
+    if missing:
+        raise DataError(f"{where}: the header must name {', '.join(REGISTRY_COLUMNS[:2])} (missing: {', '.join(missing)}); "
+                        f"e.g. 'client_id,max_num_examples,node' then rows '3,5000,site3'")
+    caps: dict[int, int] = {}
+    default: int | None = None
+    for row in reader:
+        line = reader.line_num
+        raw_id, raw_cap = (row.get("client_id") or "").strip(), (row.get("max_num_examples") or "").strip()
+        try:
+            cap = int(raw_cap)
+        except ValueError:
+            cap = 0
+        if cap <= 0:
+            raise DataError(f"{where}, line {line}: max_num_examples {raw_cap!r} must be a positive integer")
+        if raw_id == ANY_CLIENT:
+            if default is not None:
+                raise DataError(f"{where}, line {line}: a second '{ANY_CLIENT}' row")
+            default = cap
+            continue
+        if not raw_id.isdigit() or int(raw_id) >= num_clients:
+            raise DataError(f"{where}, line {line}: client_id {raw_id!r} must be an id in [0, {num_clients}) "
+                            f"(data.num_clients) or '{ANY_CLIENT}'")
+        if int(raw_id) in caps:
+            raise DataError(f"{where}, line {line}: client_id {raw_id} is listed twice")
+        caps[int(raw_id)] = cap
+    return NodeRegistry(where, caps, default)
+
+
+def read_registry(value: str, num_clients: int) -> NodeRegistry:
+    """``data.node_registry`` on the server (``~``: the server's home; relative: the working directory, then the
+    app folder)."""
+    path = _server_file(value, "data.node_registry", f"the operator's node registry, a CSV {','.join(REGISTRY_COLUMNS)}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"data.node_registry={value!r}: cannot read {path}: {exc}") from exc
+    return parse_registry(text, str(path), num_clients)
+
+
+def record_node(path: Path, client_id: int, max_num_examples: int, node: str = "") -> None:
+    """Add (or replace) client ``client_id``'s row of the registry at ``path`` (created with its header)."""
+    import csv
+    import io
+
+    if client_id < 0 or max_num_examples <= 0:
+        raise DataError(f"client id {client_id} must be >= 0 and max_num_examples {max_num_examples} > 0")
+    rows: list[dict[str, str]] = []
+    if path.is_file():
+        reader = csv.DictReader(io.StringIO(path.read_text(encoding="utf-8")))
+        rows = [r for r in reader if (r.get("client_id") or "").strip() != str(client_id)]
+    rows.append({"client_id": str(client_id), "max_num_examples": str(max_num_examples), "node": node})
+    rows.sort(key=lambda r: (not r["client_id"].isdigit(), int(r["client_id"]) if r["client_id"].isdigit() else 0))
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(REGISTRY_COLUMNS), extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(out.getvalue(), encoding="utf-8")
+
+
+def _server_file(value: str, key: str, what: str) -> Path:
+    """A server-side file named by a config key: ``~`` is the server's home; a relative path is taken against the
+    working directory, then the app folder (as config files are)."""
     from fedapps.config import APP_DIR
 
     p = Path(os.path.expanduser(str(value)))
@@ -247,8 +354,8 @@ def server_public_path(value: str) -> Path:
     for c in candidates:
         if c.is_file():
             return c.resolve()
-    raise DataError(f"data.public_path={value!r}: no such file on the server (looked at: "
-                    f"{', '.join(str(c) for c in candidates)}); give the server's copy of U, an .npz with 'x'")
+    raise DataError(f"{key}={value!r}: no such file on the server (looked at: "
+                    f"{', '.join(str(c) for c in candidates)}); give {what}")
 
 
 STAND_IN_INFO = (10, (3, 32, 32))  # classes and shape of a model built only to check its structure (see spec_info)
