@@ -223,20 +223,26 @@ def grid_text(m: Method) -> str:
     return "; ".join(f"{k} ∈ {{{', '.join(map(str, v))}}}" for k, v in m.grid.items())
 
 
-def withdrawn_reason(tables: "Tables", setting: str, m: Method, row: Mapping[str, Any]) -> str:
-    """Why a published row of (setting, method) no longer stands for the spec's method, or "" when it does: its
-    method was since tuned over another grid; its config hash differs from the final config the spec makes now
-    (a changed setting, override or default); or it carries no hash and the spec withdraws such rows
-    (``withdrawn_rows``, for a change the row cannot show, e.g. from before hashes were recorded)."""
-    if m.grid and tables.recorded_choice(tables.spec.tune_on.get(setting, setting), m) is None:
+def withdrawn_reason(m: Method, row: Mapping[str, Any], recorded_choice: Mapping[str, Any] | None) -> str:
+    """Why a published row of a method no longer stands for the spec's method, or "" when it does: the method is
+    now tuned over another grid (``recorded_choice``: the published choice over today's grid, None when there is
+    none), or the spec withdraws the method's rows that carry no config hash (``withdrawn_rows``: a change such a
+    row cannot show, e.g. the method's round count)."""
+    if m.grid and recorded_choice is None:
         return f"{m.label} is now tuned over {grid_text(m)}"
-    if row.get("config_hash"):
-        try:
-            now = tables.final_hash(setting, m)
-        except (ConfigError, RuntimeError, ValueError) as e:
-            return f"its configuration cannot be rebuilt from the spec: {e}"
-        return "" if now == row["config_hash"] else "made with another configuration than the spec's (config hash)"
-    return m.withdrawn_rows
+    return "" if row.get("config_hash") else m.withdrawn_rows
+
+
+def config_changed(tables: "Tables", setting: str, m: Method, row: Mapping[str, Any]) -> bool:
+    """Whether a published row's config hash differs from the final config the spec makes today (a parameter added
+    or a default changed since it was measured). Such a row is carried with a mark, not withdrawn: most such changes
+    (a new option, off by default) leave the method's runs as they were."""
+    if not row.get("config_hash"):
+        return False
+    try:
+        return tables.final_hash(setting, m) != row["config_hash"]
+    except (ConfigError, RuntimeError, ValueError):
+        return True
 
 
 def published_choice(row: Mapping[str, Any], keys: Iterable[str]) -> dict[str, str]:
@@ -484,6 +490,7 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
         rows: dict[str, tuple[dict[str, str], dict[str, Any]]] = {}
         carried_here: list[str] = []
         withdrawn: dict[str, str] = {}  # method -> why its published row no longer stands
+        changed: list[str] = []  # carried rows whose config hash differs from today's final config
         short: dict[str, list[str]] = {}  # method label -> its runs that lost replies
         for m in methods:
             f = tables.compare_dir(setting, m) / "comparison.csv"
@@ -497,12 +504,14 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
                 rows[m.name] = (row, tables.chosen(setting, m) if m.grid else {})
             elif (setting, m.name) in old_rows:
                 r = old_rows[(setting, m.name)]
-                why = withdrawn_reason(tables, setting, m, r)
+                why = withdrawn_reason(m, r, tables.recorded_choice(spec.tune_on.get(setting, setting), m))
                 if why:
                     withdrawn[m.name] = why
                     continue
                 rows[m.name] = (r, published_choice(r, m.grid))
                 carried_here.append(m.name)
+                if config_changed(tables, setting, m, r):
+                    changed.append(m.label)
         if carried_here:
             carried.append(f"{setting} (" + ("all methods" if len(carried_here) == len(methods)
                                              else ", ".join(carried_here)) + ")")
@@ -528,7 +537,7 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
             if lost:
                 short[m.label] = lost
             lines.append(
-                f"| {m.label}{' ⚠' if lost else ''} | {pm(r, 'accuracy_mean')} | {pm(r, 'accuracy_weighted')} | "
+                f"| {m.label}{' ⚠' if lost else ''}{' †' if m.label in changed else ''} | {pm(r, 'accuracy_mean')} | {pm(r, 'accuracy_weighted')} | "
                 f"{pm(r, 'accuracy_worst10')} | {pm(r, 'accuracy_std')} | {pm(r, 'accuracy_after_training_mean')} | "
                 + (f"{pm(r, 'final_generic_acc_mean')} | " if with_global else "")
                 + f"{float(r['bytes_up_per_client_round']) / mib:.3f} | "
@@ -542,6 +551,11 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
             lines += ["", "⚠ **Runs that lost replies** (less training than the protocol's budget, e.g. a round that "
                       "timed out; rerun them before citing the row): "
                       + "; ".join(f"{label}: {', '.join(runs)}" for label, runs in short.items()) + "."]
+        if changed:
+            lines += ["", "† **Carried over with a changed configuration**: measured with a config whose hash differs "
+                      "from the one the spec makes today (a parameter added or a default changed since; the algorithm "
+                      "pages say where that changed a method's runs); `--rerun-published` refreshes them: "
+                      + ", ".join(changed) + "."]
         lines += paper_metric_lines([m for m in methods if m.name in rows])
         lines += provenance_lines({n: r for n, (r, _) in rows.items()}, {m.name: m.label for m in methods})
         lines += figure_lines(tables, setting, out, [m.label for m in methods if m.name in carried_here])
