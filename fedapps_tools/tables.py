@@ -536,8 +536,9 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
             lost = delivery_shortfalls(run_folders(tables, setting, m))
             if lost:
                 short[m.label] = lost
+            marks = (" ⚠" if lost else "") + (" †" if m.label in changed else "")
             lines.append(
-                f"| {m.label}{' ⚠' if lost else ''}{' †' if m.label in changed else ''} | {pm(r, 'accuracy_mean')} | {pm(r, 'accuracy_weighted')} | "
+                f"| {m.label}{marks} | {pm(r, 'accuracy_mean')} | {pm(r, 'accuracy_weighted')} | "
                 f"{pm(r, 'accuracy_worst10')} | {pm(r, 'accuracy_std')} | {pm(r, 'accuracy_after_training_mean')} | "
                 + (f"{pm(r, 'final_generic_acc_mean')} | " if with_global else "")
                 + f"{float(r['bytes_up_per_client_round']) / mib:.3f} | "
