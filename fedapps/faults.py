@@ -187,6 +187,19 @@ def _arrays(reply: Message, record: str) -> dict[str, np.ndarray] | None:
     return {k: v.numpy() for k, v in reply.content[record].items()}
 
 
+def _part(reply: Message, kind: str, record: str) -> dict[str, np.ndarray] | None:
+    """The reply's arrays (``protocol.ARRAYS``) or predictions (``protocol.PREDICTIONS``) that fault ``kind``
+    corrupts; None, with a warning, when the reply does not carry them (it is then left as it is)."""
+    part = _arrays(reply, record)
+    if record == protocol.PREDICTIONS and part is not None and "predictions" not in part:
+        part = None
+    if not part:
+        what = "predictions" if record == protocol.PREDICTIONS else "arrays"
+        log.warning("fault '%s': the reply carries no %s; left as it is", kind, what)
+        return None
+    return part
+
+
 def _put(reply: Message, record: str, arrays: dict) -> None:
     reply.content[record] = ArrayRecord({k: v if isinstance(v, Array) else Array(np.ascontiguousarray(v))
                                          for k, v in arrays.items()})
@@ -239,9 +252,8 @@ def corrupt(reply: Message, fault: Fault, cid: int, context: Context, msg: Messa
         reply.content[protocol.METRICS] = MetricRecord(metrics)
         return
     if kind in ARRAY_FAULTS or kind in WIRE_FAULTS:
-        arrays = _arrays(reply, protocol.ARRAYS)
-        if not arrays:
-            log.warning("fault '%s': the reply carries no arrays; left as it is", kind)
+        arrays = _part(reply, kind, protocol.ARRAYS)
+        if arrays is None:
             return
         first = next(iter(arrays))
         if kind == "shape":
@@ -266,9 +278,8 @@ def corrupt(reply: Message, fault: Fault, cid: int, context: Context, msg: Messa
         info["fingerprint"] = "0000000000000000"
         reply.content[protocol.INFO] = ConfigRecord(info)
         return
-    preds = _arrays(reply, protocol.PREDICTIONS)
-    if not preds or "predictions" not in preds:
-        log.warning("fault '%s': the reply carries no predictions; left as it is", kind)
+    preds = _part(reply, kind, protocol.PREDICTIONS)
+    if preds is None:
         return
     p = preds["predictions"]
     if kind == "pred-shape":
@@ -332,9 +343,8 @@ def capture(reply: Message, fault: Fault, cid: int, msg: Message | None) -> None
     """Apply one capture attack (:data:`CAPTURE_FAULTS`) to the reply in place."""
     kind = fault.kind
     if kind in CAPTURE_ARRAY_FAULTS:
-        arrays = _arrays(reply, protocol.ARRAYS)
-        if not arrays:
-            log.warning("fault '%s': the reply carries no arrays; left as it is", kind)
+        arrays = _part(reply, kind, protocol.ARRAYS)
+        if arrays is None:
             return
         if kind == "scale":
             arrays = scaled(arrays, float(fault.arg or 100.0))
@@ -342,9 +352,8 @@ def capture(reply: Message, fault: Fault, cid: int, msg: Message | None) -> None
             arrays = one_hot_rows(arrays, int(fault.arg or 0))
         _put(reply, protocol.ARRAYS, arrays)
         return
-    preds = _arrays(reply, protocol.PREDICTIONS)
-    if not preds or "predictions" not in preds:
-        log.warning("fault '%s': the reply carries no predictions; left as it is", kind)
+    preds = _part(reply, kind, protocol.PREDICTIONS)
+    if preds is None:
         return
     p = preds["predictions"]
     rnd = _round_of(msg)
