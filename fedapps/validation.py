@@ -43,6 +43,11 @@ claims a free id on first contact before its owner ever replies does get it: the
 source of identity in deployment. docs/reliability.md says so.)
 
 ANY exception while validating a reply becomes a rejection with its reason; :meth:`check` never raises.
+
+Each reply is checked once, here: the strategies receive the accepted replies only and do not check them again
+(a reply the algorithm cannot use for a reason of its own is recorded by the strategy's ``skip_reply``). The
+predictions of every pseudo-label strategy (COSMOS, FedMD, FedCT, COMET) pass the one prediction check,
+:func:`prediction_problem`.
 """
 
 from __future__ import annotations
@@ -419,7 +424,9 @@ def check_info(info: Mapping[str, Any]) -> None:
 
 
 def prediction_problem(wire: np.ndarray, spec: PredictionSpec) -> str | None:
-    """Why a prediction array does not answer ``spec`` (None if it does)."""
+    """Why a prediction array does not answer ``spec`` (None if it does): the shape (rows × classes; rows for hard
+    labels), hard labels of an unsigned type in [0, classes) (the abstain marker ``classes`` is the server's, never
+    a client's), scores finite, logits within ±LOGIT_BOUND, probabilities on the simplex. The one prediction check."""
     m = spec.classes
     if spec.encoding == "hard":
         if wire.ndim != 1 or (spec.rows is not None and wire.shape[0] != spec.rows):

@@ -29,7 +29,7 @@ from torch import nn
 
 from fedapps import checkpoint, ops, protocol, pseudolabels
 from fedapps.seeds import GLOBAL_RNG_LOCK, derive_seed
-from fedapps.clientops import DISTILL_WEIGHTINGS, TRAINING_TERMS, ProtocolError, client_op, parse_op
+from fedapps.clientops import DISTILL_TERMS, DISTILL_WEIGHTINGS, TRAINING_TERMS, ProtocolError, client_op, parse_op
 from fedapps.data import (DATA_PATH, NODES, NUM_CLASSES, PUBLIC_PATH, ClientData, DataError, Federation,
                           data_warnings_silenced, get_federation, node_federation, node_path, read_labelled,
                           read_public, spec_key)
@@ -601,6 +601,14 @@ class Worker:
         terms = [t for t in (build(self, dict(section)) for build in TRAINING_TERMS.values()) if t is not None]
         return (lambda m: sum(t(m) for t in terms)) if terms else None
 
+    def distill_terms(self, section: Mapping[str, Any]) -> ops.DistillTerm | None:
+        """The sum of every registered distillation term that the ``distill.*`` settings switch on (None: none is;
+        a single term is returned as it is)."""
+        terms = [t for t in (build(self, dict(section)) for build in DISTILL_TERMS.values()) if t is not None]
+        if len(terms) <= 1:
+            return terms[0] if terms else None
+        return lambda m, x, logits, weights: sum(t(m, x, logits, weights) for t in terms)
+
     def _check_public_set(self) -> None:
         expected = self.config.get("public.fingerprint")
         if expected is not None and expected != self.fed.fingerprint:
@@ -674,7 +682,8 @@ def train(w: Worker, tag: str) -> None:
 @client_op("distill")
 def distill(w: Worker, tag: str) -> None:
     """Fit the private model on U (or the rows in ``distill-indices``) towards the message's targets.
-    Settings ``distill.*``: optimiser, ``loss`` (kl | mae | ce), ``weighting`` (none or a registered one), r_B."""
+    Settings ``distill.*``: optimiser, ``loss`` (kl | mae | ce), ``weighting`` (none or a registered one), and
+    those of the registered distillation terms (:func:`fedapps.clientops.distill_term`)."""
     if protocol.TARGETS not in w.msg.content:
         return  # nothing to distil on yet (e.g. the first round)
     if w.fed.public_x is None:
@@ -697,11 +706,8 @@ def distill(w: Worker, tag: str) -> None:
             keep = torch.as_tensor(~abstain)
             weights = keep.float() if weights is None else weights * keep.float()
             targets = np.where(abstain, 0, targets)
-    result = ops.distill(
-        w.model, x, torch.as_tensor(targets), settings,
-        ops.DistillSettings(loss=loss, rb_lambda=float(section.get("rb_lambda", 0.0)), rb_sigma=float(section.get("rb_sigma", 0.05))),
-        sample_weights=weights, generator=w.generator,
-    )
+    result = ops.distill(w.model, x, torch.as_tensor(targets), settings, ops.DistillSettings(loss=loss),
+                         sample_weights=weights, generator=w.generator, term=w.distill_terms(section))
     w.metrics[protocol.metric_name(tag, "loss")] = result["loss"]
 
 
