@@ -128,12 +128,12 @@ def test_a_hard_label_equal_to_the_classes_is_a_row_of_rejections_csv(tmp_path):
     import server_app
     from fedapps.inprocess import InProcessGrid
 
-    args = ["strategy.name=fedct", "rounds=1", "data.source=digits", "data.num_clients=2", "strategy.min_clients=2",
+    args = ["strategy.name=fedct", "rounds=1", "data.source=digits", "data.num_clients=3", "strategy.min_clients=2",
             "model.name=mlp", "client.epochs=1", "data.public_fraction=0.2", "strategy.params.fedct.pretrain_epochs=1",
             "strategy.params.fedct.distill_epochs=1", "run_name=bound"]
     cfg = tmp_path / "c.yaml"
     cfg.write_text("{}")
-    server_app.run_experiment(InProcessGrid(2, mods=[predictions_beyond_the_bound]), str(cfg), " ".join(args),
+    server_app.run_experiment(InProcessGrid(3, mods=[predictions_beyond_the_bound]), str(cfg), " ".join(args),
                               str(tmp_path / "out"))
     with (tmp_path / "out" / "bound" / "rejections.csv").open() as fh:
         rows = list(csv.DictReader(fh))

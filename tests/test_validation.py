@@ -580,12 +580,3 @@ def test_the_one_prediction_check_at_its_bounds():
         assert "not probability vectors" in check(bad, probs), (row, values)
     assert "not probability vectors" in check(np.zeros((5, 10), np.float32), probs)
 
-
-def test_prediction_problem_is_defined_once():
-    """One prediction check: no other module of the core or the strategies defines its own."""
-    import pathlib
-
-    root = pathlib.Path(validation.__file__).resolve().parents[1]
-    defining = sorted(str(p.relative_to(root)) for d in ("fedapps", "strategies") for p in (root / d).rglob("*.py")
-                      if re.search(r"^def prediction_problem\(", p.read_text(), re.M))
-    assert defining == ["fedapps/validation.py"]
