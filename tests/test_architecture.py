@@ -316,7 +316,8 @@ def test_the_maths_checks_see_a_violation(tmp_path):
     """On a made-up tree, both checks report what they must."""
     (tmp_path / "fedapps").mkdir()
     (tmp_path / "strategies").mkdir()
-    (tmp_path / "fedapps" / "ops.py").write_text("def robustness_penalty(x):\n    return x  # rb_lambdas is another word\n")
+    (tmp_path / "fedapps" / "ops.py").write_text(
+        "def robustness_penalty(x):\n    return x  # rb_lambdas is another word\n")
     (tmp_path / "fedapps" / "validation.py").write_text("def prediction_problem(w):\n    pass\n")
     (tmp_path / "strategies" / "pl.py").write_text("class A:\n    def prediction_problem(self):\n        pass\n")
     assert core_mentions(["robustness_penalty", "rb_lambda"], tmp_path) == [
