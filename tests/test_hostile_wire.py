@@ -1,8 +1,8 @@
 """Hostile replies on the wire: arrays of a type the message did not ask for, out-of-range train-loss and timing
 metrics, huge list metrics, predictions just outside the one prediction check's bounds. Each case runs a strategy
-in-process (digits, MLP, 2 clients, 2 rounds; the helpers of test_faults.py) with the fault on the LOWEST client id (whose reply comes first: the one an average takes its dtype
-from) and checks that the reply is rejected with its reason and that the server's state equals that of the run
-where the reply never arrived."""
+in-process (digits, MLP, 2 clients, 2 rounds; the helpers of test_faults.py) with the fault on the LOWEST client id
+(whose reply comes first: the one an average takes its dtype from) and checks that the reply is rejected with its
+reason and that the server's state equals that of the run where the reply never arrived."""
 
 from __future__ import annotations
 
