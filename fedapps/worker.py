@@ -88,7 +88,7 @@ def data_spec(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def needs_public(config: Mapping[str, Any]) -> bool:
     """Whether a message needs the public set U on the client: it names U's fingerprint or predicts/distils on U."""
-    return "public.fingerprint" in config or any(
+    return protocol.PUBLIC_FINGERPRINT in config or any(
         str(op).partition(":")[0] in ("predict", "distill") for op in config.get("ops", []))
 
 
@@ -534,7 +534,7 @@ class Worker:
             save_private_state(self.context, self.config, self.client_id, self.model, self.arch)
         self.metrics["t-total"] = time.perf_counter() - self.t0
         self.reply[protocol.METRICS] = protocol.metrics_record(self.metrics)
-        self.reply[protocol.INFO] = ConfigRecord({"arch": self.arch, "fingerprint": self.fed.fingerprint})
+        self.reply[protocol.INFO] = ConfigRecord({"arch": self.arch, protocol.INFO_FINGERPRINT: self.fed.fingerprint})
         return Message(content=self.reply, reply_to=self.msg)
 
     @functools.cached_property
@@ -610,7 +610,7 @@ class Worker:
         return lambda m, x, logits, weights: sum(t(m, x, logits, weights) for t in terms)
 
     def _check_public_set(self) -> None:
-        expected = self.config.get("public.fingerprint")
+        expected = self.config.get(protocol.PUBLIC_FINGERPRINT)
         if expected is not None and expected != self.fed.fingerprint:
             if str(self.context.node_config.get(PUBLIC_PATH, "")).strip():
                 raise ProtocolError(
@@ -690,8 +690,8 @@ def distill(w: Worker, tag: str) -> None:
         raise ProtocolError("distill needs a public set U: set data.public_fraction > 0")
     section = protocol.section(w.config, "distill")
     settings = optim_settings(section, protocol.section(w.config, "client"))
-    targets = pseudolabels.decode(w.msg.content[protocol.TARGETS]["targets"].numpy(), w.fed.num_classes)
-    rows = w.public_rows("distill-indices")
+    targets = pseudolabels.decode(w.msg.content[protocol.TARGETS][protocol.TARGET_ARRAY].numpy(), w.fed.num_classes)
+    rows = w.public_rows(protocol.DISTILL_INDICES)
     x = w.fed.public_x if rows is None else w.fed.public_x[rows]
     if len(targets) != len(x):
         raise ProtocolError(f"targets cover {len(targets)} samples but U (subset) has {len(x)}")
@@ -726,13 +726,13 @@ def predict(w: Worker, tag: str) -> None:
     if w.fed.public_x is None:
         raise ProtocolError("predict needs a public set U: set data.public_fraction > 0")
     section = protocol.section(w.config, "predict")
-    rows = w.public_rows("predict-indices")
+    rows = w.public_rows(protocol.PREDICT_INDICES)
     x = w.fed.public_x if rows is None else w.fed.public_x[rows]
     output = str(section.get("output", "probs"))
     encoding = str(section.get("encoding", "float32"))
     values = ops.predict(w.model, x, output="logits" if output == "logits" else "probs").numpy()
     wire = pseudolabels.encode(values, encoding, w.fed.num_classes)
-    w.reply[protocol.PREDICTIONS] = protocol.arrays_record({"predictions": wire})
+    w.reply[protocol.PREDICTIONS] = protocol.arrays_record({protocol.PREDICTION_ARRAY: wire})
 
 
 def handle(msg: Message, context: Context) -> Message:

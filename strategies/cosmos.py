@@ -231,12 +231,12 @@ class Cosmos(PersonalisedStrategy):
         p: CosmosParams = self.params
         cfg = {
             **self.base_config(),
-            "public.fingerprint": self.fed.fingerprint,
+            protocol.PUBLIC_FINGERPRINT: self.fed.fingerprint,
             "distill.epochs": p.distill_epochs, "distill.batch_size": p.distill_batch_size,
             "distill.lr": p.distill_lr, "distill.optimizer": p.distill_optimizer,
             "distill.clip_norm": p.distill_clip_norm, "distill.loss": "kl", "distill.weighting": p.weighting,
             RB_LAMBDA: p.rb_lambda, RB_SIGMA: p.rb_sigma,
-            "predict.output": "probs", "predict.encoding": p.uplink_encoding,
+            protocol.PREDICT_OUTPUT: "probs", protocol.PREDICT_ENCODING: p.uplink_encoding,
         }
         if server_round == 1:
             cfg["train.epochs"] = p.pretrain_epochs  # E0 pre-training
@@ -251,7 +251,7 @@ class Cosmos(PersonalisedStrategy):
             messages.append(protocol.build_message(node, server_round, ["distill", "train", "predict"], config,
                                                    targets=targets))
         with_targets = sum(1 for m in messages if protocol.TARGETS in m.content)
-        self.pseudo_bytes_down = sum(m.content[protocol.TARGETS]["targets"].numpy().nbytes
+        self.pseudo_bytes_down = sum(m.content[protocol.TARGETS][protocol.TARGET_ARRAY].numpy().nbytes
                                      for m in messages if protocol.TARGETS in m.content)
         log.info("cosmos round %d: %d messages (%d with cluster pseudo-labels)", server_round, len(messages), with_targets)
         return messages
@@ -282,7 +282,8 @@ class Cosmos(PersonalisedStrategy):
     def accept(self, replies: list[ClientReply]) -> dict[int, np.ndarray]:
         """Client id -> soft predictions. The reply validator has checked each reply once (U's fingerprint, the
         predictions' wire type, shape and values: :func:`fedapps.validation.prediction_problem`)."""
-        return {r.client_id: soft_predictions(r.predictions["predictions"], self.num_classes) for r in replies}
+        return {r.client_id: soft_predictions(r.predictions[protocol.PREDICTION_ARRAY], self.num_classes)
+                for r in replies}
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -303,7 +304,8 @@ class Cosmos(PersonalisedStrategy):
             "clusters": self.clustering.k if self.clustering else 0,
             "server_distill_loss": float(np.mean(list(losses.values()))) if losses else "",
             "server_seconds": round(time.perf_counter() - t0, 3),
-            "pseudo_bytes_up": int(sum(r.predictions["predictions"].nbytes for r in replies if r.client_id in preds)),
+            "pseudo_bytes_up": int(sum(r.predictions[protocol.PREDICTION_ARRAY].nbytes for r in replies
+                                       if r.client_id in preds)),
             "pseudo_bytes_down": int(self.pseudo_bytes_down),
         }
         return extra
@@ -371,7 +373,7 @@ class Cosmos(PersonalisedStrategy):
             probs = ops.predict(model, self.fed.public_x).numpy()
             self.server_targets[k] = probs
             wire = pseudolabels.encode(probs, p.downlink_encoding, self.num_classes)
-            self.wire_targets[k] = protocol.arrays_record({"targets": wire})
+            self.wire_targets[k] = protocol.arrays_record({protocol.TARGET_ARRAY: wire})
             agree = float((probs.argmax(1) == target.argmax(1)).mean())
             losses[k] = result["loss"]
             log.info("cosmos round %d: server model %d (%s) distilled on %d members' %s targets, %d epochs: loss %.4f, "

@@ -41,7 +41,7 @@ def collect_predictions(replies: list[ClientReply], rows: int, num_classes: int,
     used = sorted(replies, key=lambda r: r.client_id)
     arrays: list[np.ndarray] = []
     for r in used:
-        wire = (r.predictions or {}).get("predictions")
+        wire = (r.predictions or {}).get(protocol.PREDICTION_ARRAY)
         if wire is None:
             raise ValueError(f"client {r.client_id}'s reply carries no predictions; pass replies through "
                              "fedapps.validation.ReplyValidator (the strategy's validate) first")
@@ -92,7 +92,7 @@ class PseudoLabelStrategy(PersonalisedStrategy):
         return {
             **first,
             **self.base_config(),
-            "public.fingerprint": self.public_fingerprint,
+            protocol.PUBLIC_FINGERPRINT: self.public_fingerprint,
             "distill.epochs": int(p.distill_epochs),
             "distill.lr": float(p.distill_lr),
             "distill.batch_size": int(p.distill_batch_size),
@@ -101,8 +101,8 @@ class PseudoLabelStrategy(PersonalisedStrategy):
             "distill.drop_last": False,
             "distill.loss": distill_loss,
             "distill.weighting": weighting,
-            "predict.output": predict_output,
-            "predict.encoding": predict_encoding,
+            protocol.PREDICT_OUTPUT: predict_output,
+            protocol.PREDICT_ENCODING: predict_encoding,
         }
 
     @staticmethod
@@ -116,9 +116,9 @@ def targets_record(targets: np.ndarray | None, distill_rows: np.ndarray | None =
     """The 'targets' record: encoded targets, and optional 'distill-indices' / 'predict-indices' into U."""
     arrays: dict[str, np.ndarray] = {}
     if targets is not None:
-        arrays["targets"] = targets
+        arrays[protocol.TARGET_ARRAY] = targets
         if distill_rows is not None:
-            arrays["distill-indices"] = distill_rows
+            arrays[protocol.DISTILL_INDICES] = distill_rows
     if predict_rows is not None:
-        arrays["predict-indices"] = predict_rows
+        arrays[protocol.PREDICT_INDICES] = predict_rows
     return protocol.arrays_record(arrays) if arrays else None

@@ -18,7 +18,11 @@ functions. Rules:
 (d) an algorithm's own maths stays in its module: COSMOS's r_B (:data:`MOVED_OUT_OF_CORE`: the function, its term
     builder and its message settings) is defined in ``strategies/cosmos.py`` and named nowhere in ``fedapps/``;
 (e) each reply is checked once, with one prediction check: ``prediction_problem`` is defined in
-    ``fedapps/validation.py`` and in no other module of ``fedapps/`` or ``strategies/``.
+    ``fedapps/validation.py`` and in no other module of ``fedapps/`` or ``strategies/``;
+(f) the wire keys of the public set U (:data:`PROTOCOL_KEYS`: the ``public.fingerprint`` / ``predict.*`` settings and
+    the array names of the predictions and targets records) are spelled in ``fedapps/protocol.py`` only: no other
+    module of the project holds a string literal equal to one of them (docstrings, comments and longer strings that
+    contain one do not count).
 
 Run ``python tests/test_architecture.py`` to print the graph's layer violations and cycles (exit status 1
 when there are any). A standard alternative for looking at the graph is ``pydeps`` (e.g.
@@ -49,6 +53,9 @@ WORKER = ROOT / "fedapps" / "worker.py"
 MOVED_OUT_OF_CORE = {"robustness_penalty": "strategies/cosmos.py", "rb_term": "strategies/cosmos.py",
                      "rb_lambda": "strategies/cosmos.py", "rb_sigma": "strategies/cosmos.py"}
 PREDICTION_CHECK = ("prediction_problem", "fedapps/validation.py")  # rule (e): the one prediction check, where
+PROTOCOL = "fedapps/protocol.py"
+PROTOCOL_KEYS = ("public.fingerprint", "predict.output", "predict.encoding", "predictions", "targets",
+                 "distill-indices", "predict-indices")  # rule (f); the rest of the keys: issue #27's typed schema
 
 
 # --------------------------------------------------------------------------- the graph
@@ -264,6 +271,19 @@ def definers(function: str, root: Path = ROOT) -> list[str]:
                   if function in defined_functions(f))
 
 
+def key_literals(keys: tuple[str, ...], root: Path = ROOT) -> list[str]:
+    """'file:line: key' for every string literal equal to one of ``keys`` outside fedapps/protocol.py."""
+    out = []
+    for name, path in sorted(module_files(root).items()):
+        rel = str(path.relative_to(root))
+        if rel == PROTOCOL:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in keys:
+                out.append(f"{rel}:{node.lineno}: {node.value!r}")
+    return out
+
+
 # --------------------------------------------------------------------------- tests
 
 
@@ -312,6 +332,13 @@ def test_one_prediction_check():
     assert definers(function) == [home]
 
 
+def test_public_set_keys_are_spelled_in_the_protocol_module_only():
+    text = (ROOT / PROTOCOL).read_text(encoding="utf-8")
+    assert all(f'"{k}"' in text for k in PROTOCOL_KEYS)  # each key is spelled there
+    found = key_literals(PROTOCOL_KEYS)
+    assert not found, "protocol keys spelled outside fedapps/protocol.py (use its constants):\n" + "\n".join(found)
+
+
 def test_the_maths_checks_see_a_violation(tmp_path):
     """On a made-up tree, both checks report what they must."""
     (tmp_path / "fedapps").mkdir()
@@ -323,6 +350,9 @@ def test_the_maths_checks_see_a_violation(tmp_path):
     assert core_mentions(["robustness_penalty", "rb_lambda"], tmp_path) == [
         "fedapps/ops.py:1: def robustness_penalty(x):"]
     assert definers("prediction_problem", tmp_path) == ["fedapps/validation.py", "strategies/pl.py"]
+    (tmp_path / "fedapps" / "protocol.py").write_text('KEY = "predict.output"\n')
+    (tmp_path / "strategies" / "pl.py").write_text('"""Reads predict.output."""\nconfig = {"predict.output": 1}\n')
+    assert key_literals(("predict.output",), tmp_path) == ["strategies/pl.py:2: 'predict.output'"]
 
 
 def main() -> int:
@@ -334,7 +364,8 @@ def main() -> int:
                          ("algorithm names in fedapps/worker.py", algorithm_mentions()),
                          ("names of COSMOS's r_B in fedapps/", core_mentions(sorted(MOVED_OUT_OF_CORE))),
                          ("other definitions of the prediction check",
-                          [d for d in definers(PREDICTION_CHECK[0]) if d != PREDICTION_CHECK[1]])):
+                          [d for d in definers(PREDICTION_CHECK[0]) if d != PREDICTION_CHECK[1]]),
+                         ("public-set keys outside fedapps/protocol.py", key_literals(PROTOCOL_KEYS))):
         print(f"{title}: {len(lines) or 'none'}")
         for line in lines:
             print("  " + line)
