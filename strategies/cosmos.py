@@ -304,8 +304,7 @@ class Cosmos(PersonalisedStrategy):
             "clusters": self.clustering.k if self.clustering else 0,
             "server_distill_loss": float(np.mean(list(losses.values()))) if losses else "",
             "server_seconds": round(time.perf_counter() - t0, 3),
-            "pseudo_bytes_up": int(sum(r.predictions[protocol.PREDICTION_ARRAY].nbytes for r in replies
-                                       if r.client_id in preds)),
+            "pseudo_bytes_up": int(sum(r.predictions[protocol.PREDICTION_ARRAY].nbytes for r in replies)),
             "pseudo_bytes_down": int(self.pseudo_bytes_down),
         }
         return extra
