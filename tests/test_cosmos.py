@@ -241,6 +241,29 @@ def test_rb_is_the_clients_registered_distillation_term() -> None:
     assert got.item() == pytest.approx(want.item(), rel=1e-6)
 
 
+def test_the_client_distils_with_r_b_when_the_message_asks(tmp_path: Path) -> None:
+    """End to end on the worker: the same distill message sent with distill.rb_lambda 0, then 5, then 0 again. Both
+    λ = 0 runs report the same distillation loss, the λ = 5 run another: r_B, registered by this module, reaches the
+    client's loss (it is not silently lost)."""
+    from fedapps.worker import Worker
+
+    cfg = load_config(write_config(tmp_path, rounds=1))
+    strategy = Cosmos(cfg)
+    InProcessGrid(1)  # sets the task identity Message() needs outside Flower
+    n, m = int(strategy.fed.public_x.shape[0]), strategy.fed.num_classes
+    targets = protocol.arrays_record({protocol.TARGET_ARRAY: np.full((n, m), 1.0 / m, np.float32)})
+    losses = []
+    for lam in (0.0, 5.0, 0.0):
+        config = {**strategy.client_config(2), "distill.rb_lambda": lam, "model.seed": 0}
+        msg = protocol.build_message(100, 2, ["distill"], config, targets=targets)
+        ctx = Context(run_id=1, node_id=100, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+        reply = Worker(msg, ctx).run()
+        assert not reply.has_error(), reply.error.reason
+        losses.append(float(reply.content[protocol.METRICS]["distill-loss"]))
+    assert losses[0] == losses[2]  # the same message twice: the same loss (nothing else differs between the runs)
+    assert losses[1] != losses[0]
+
+
 def test_robustness_penalty_is_seeded_and_weighted_per_sample() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
