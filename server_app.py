@@ -179,7 +179,7 @@ def describe(grid: Grid, cfg: ExperimentConfig, uses_public: bool) -> tuple[Desc
     config: dict[str, Any] = dict(protocol.flatten("data", protocol.data_spec_for_clients(spec)))
     config.update({"model.name": cfg.model.name, "model.seed": cfg.seed})
     if uses_public:  # the nodes' copies of U are checked against the server's before round 1
-        config["public.fingerprint"] = get_federation(spec).fingerprint
+        config[protocol.PUBLIC_FINGERPRINT] = get_federation(spec).fingerprint
     validator = ReplyValidator(d.num_clients, registry=registry_of(d))  # the operator's caps bind before round 1
     # wait for the whole federation (strategy.expected_clients, default data.num_clients) before asking
     wanted = cfg.strategy.expected_clients or d.num_clients

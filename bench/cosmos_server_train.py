@@ -29,15 +29,17 @@ from fedapps.config import load_config  # noqa: E402
 from fedapps.data import get_federation  # noqa: E402
 from fedapps.models import build_model  # noqa: E402
 from fedapps_tools.benchrecord import record  # noqa: E402
+from strategies.cosmos import rb_term  # noqa: E402
 
 LAMBDA, SIGMA, BATCH, LR, CLIP = 5.0, 0.05, 32, 1e-3, 1.0
 
 
 def ours(model: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor) -> float:
-    """One epoch through fedapps.ops.distill; returns seconds."""
+    """One epoch through fedapps.ops.distill (KL + COSMOS's λ·r_B term); returns seconds."""
     t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
     ops.distill(model, x, targets, ops.OptimSettings(epochs=1, batch_size=BATCH, lr=LR, optimizer="adam", clip_norm=CLIP, drop_last=False),
-                ops.DistillSettings(loss="kl", rb_lambda=LAMBDA, rb_sigma=SIGMA), generator=torch.Generator().manual_seed(0))
+                ops.DistillSettings(loss="kl"), generator=gen, term=rb_term(LAMBDA, SIGMA, gen))
     return time.perf_counter() - t0
 
 

@@ -6,6 +6,8 @@ An algorithm module registers what only it needs next to its server strategy:
 - ``@client_op("select-model")`` — a whole operation ``fn(worker, tag)``, run when a message lists it;
 - ``@training_term("wdr")`` — a term added to the local training loss, ``fn(worker, settings) -> Regulariser |
   None`` (None when the message's ``train.*`` settings do not ask for it);
+- ``@distill_term("rb")`` — a term added to the distillation loss on U, ``fn(worker, settings) -> DistillTerm |
+  None`` (:data:`fedapps.ops.DistillTerm`; None when the message's ``distill.*`` settings do not ask for it);
 - ``@distill_weighting("label-free")`` — per-sample weights on the public set U for ``distill``,
   ``fn(worker, targets, rows) -> Tensor``.
 
@@ -37,6 +39,7 @@ class ClientOp:
 
 OPERATIONS: dict[str, ClientOp] = {}
 TRAINING_TERMS: dict[str, TermFn] = {}
+DISTILL_TERMS: dict[str, TermFn] = {}
 DISTILL_WEIGHTINGS: dict[str, WeightingFn] = {}
 
 
@@ -58,6 +61,14 @@ def training_term(name: str) -> Callable[[TermFn], TermFn]:
     """Register a builder of an extra training-loss term (see the module docstring)."""
     def register(fn: TermFn) -> TermFn:
         _register(TRAINING_TERMS, name, fn, "training term")
+        return fn
+    return register
+
+
+def distill_term(name: str) -> Callable[[TermFn], TermFn]:
+    """Register a builder of an extra distillation-loss term (see the module docstring)."""
+    def register(fn: TermFn) -> TermFn:
+        _register(DISTILL_TERMS, name, fn, "distillation term")
         return fn
     return register
 

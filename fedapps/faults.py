@@ -191,7 +191,7 @@ def _part(reply: Message, kind: str, record: str) -> dict[str, np.ndarray] | Non
     """The reply's arrays (``protocol.ARRAYS``) or predictions (``protocol.PREDICTIONS``) that fault ``kind``
     corrupts; None, with a warning, when the reply does not carry them (it is then left as it is)."""
     part = _arrays(reply, record)
-    if record == protocol.PREDICTIONS and part is not None and "predictions" not in part:
+    if record == protocol.PREDICTIONS and part is not None and protocol.PREDICTION_ARRAY not in part:
         part = None
     if not part:
         what = "predictions" if record == protocol.PREDICTIONS else "arrays"
@@ -275,24 +275,24 @@ def corrupt(reply: Message, fault: Fault, cid: int, context: Context, msg: Messa
         return
     if kind == "fingerprint":
         info = dict(reply.content[protocol.INFO]) if protocol.INFO in reply.content else {}
-        info["fingerprint"] = "0000000000000000"
+        info[protocol.INFO_FINGERPRINT] = "0000000000000000"
         reply.content[protocol.INFO] = ConfigRecord(info)
         return
     preds = _part(reply, kind, protocol.PREDICTIONS)
     if preds is None:
         return
-    p = preds["predictions"]
+    p = preds[protocol.PREDICTION_ARRAY]
     if kind == "pred-shape":
-        preds["predictions"] = np.ascontiguousarray(p[:-1])
+        preds[protocol.PREDICTION_ARRAY] = np.ascontiguousarray(p[:-1])
     elif kind == "pred-huge":
         if np.issubdtype(p.dtype, np.floating):
-            preds["predictions"] = np.full_like(p, 1e30, dtype=np.float32)
+            preds[protocol.PREDICTION_ARRAY] = np.full_like(p, 1e30, dtype=np.float32)
         else:
-            preds["predictions"] = np.full_like(p, np.iinfo(p.dtype).max)
+            preds[protocol.PREDICTION_ARRAY] = np.full_like(p, np.iinfo(p.dtype).max)
     elif kind == "pred-undecodable":
-        preds["predictions"] = _garbage(p)
+        preds[protocol.PREDICTION_ARRAY] = _garbage(p)
     elif kind == "pred-dtype":
-        preds["predictions"] = p.astype(np.float64 if np.issubdtype(p.dtype, np.floating) else np.uint64)
+        preds[protocol.PREDICTION_ARRAY] = p.astype(np.float64 if np.issubdtype(p.dtype, np.floating) else np.uint64)
     _put(reply, protocol.PREDICTIONS, preds)
 
 
@@ -355,7 +355,7 @@ def capture(reply: Message, fault: Fault, cid: int, msg: Message | None) -> None
     preds = _part(reply, kind, protocol.PREDICTIONS)
     if preds is None:
         return
-    p = preds["predictions"]
+    p = preds[protocol.PREDICTION_ARRAY]
     rnd = _round_of(msg)
     if kind == "leak":
         with _BOARD_LOCK:
@@ -371,14 +371,14 @@ def capture(reply: Message, fault: Fault, cid: int, msg: Message | None) -> None
             log.warning("fault 'pred-copy': no leaked predictions of client %d in round %d that fit; left as it is",
                         victim, rnd)
             return
-        preds["predictions"] = copied
+        preds[protocol.PREDICTION_ARRAY] = copied
     else:
-        output = str(msg.content[protocol.CONFIG].get("predict.output", "probs")) if msg is not None else "probs"
+        output = str(msg.content[protocol.CONFIG].get(protocol.PREDICT_OUTPUT, "probs")) if msg is not None else "probs"
         if kind == "pred-const":
             labels = np.full(p.shape[0], int(fault.arg or 0), dtype=np.int64)
         else:
             labels = (reference_labels(p, msg) + 1) % num_classes_of(p, msg)
-        preds["predictions"] = votes(labels, p, output, num_classes_of(p, msg))
+        preds[protocol.PREDICTION_ARRAY] = votes(labels, p, output, num_classes_of(p, msg))
     _put(reply, protocol.PREDICTIONS, preds)
 
 
@@ -413,8 +413,8 @@ def num_classes_of(p: np.ndarray, msg: Message | None) -> int:
 def reference_labels(p: np.ndarray, msg: Message | None) -> np.ndarray:
     """Per row, the label the message's targets give (their argmax, or the hard label), where they cover the same
     rows as the predictions; else the reply's own argmax."""
-    if msg is not None and protocol.TARGETS in msg.content and "targets" in msg.content[protocol.TARGETS]:
-        t = msg.content[protocol.TARGETS]["targets"].numpy()
+    if msg is not None and protocol.TARGETS in msg.content and protocol.TARGET_ARRAY in msg.content[protocol.TARGETS]:
+        t = msg.content[protocol.TARGETS][protocol.TARGET_ARRAY].numpy()
         labels = t.argmax(axis=-1) if t.ndim == 2 else t.astype(np.int64)
         if len(labels) == p.shape[0]:
             return labels.astype(np.int64)

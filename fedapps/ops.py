@@ -1,7 +1,8 @@
 """The common client operations on in-memory tensors: train, distill, predict, evaluate, and their losses.
 
 All loops share :func:`run_epochs`; the operations differ only in the loss they hand it. Loss terms that
-belong to one algorithm live in that algorithm's module and reach ``train`` as a ``Regulariser``.
+belong to one algorithm live in that algorithm's module and reach ``train`` as a ``Regulariser`` and ``distill`` as
+a ``DistillTerm``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from fedapps.config import OptimSettings
 
 
 Regulariser = Callable[[nn.Module], Tensor]
+DistillTerm = Callable[[nn.Module, Tensor, Tensor, Tensor | None], Tensor]  # (model, x, logits, weights) -> loss
 BatchLoss = Callable[[nn.Module, Tensor, Tensor, Tensor | None], Tensor]
 
 
@@ -140,23 +142,6 @@ def weighted_mean(values: Tensor, weights: Tensor | None) -> Tensor:
     return (values * weights).sum() / weights.sum().clamp_min(1e-12)
 
 
-def robustness_penalty(model: nn.Module, x: Tensor, logits: Tensor, sigma: float, lo: float = -1.0, hi: float = 1.0,
-                       sample_weights: Tensor | None = None, generator: torch.Generator | None = None) -> Tensor:
-    """COSMOS r_B: MSE between softmax on clean and noisy inputs, gradient through the clean branch.
-
-    Per sample the MSE over classes; averaged over the batch, weighted by w(x) when weights are given
-    (objective (2) weights the whole bracket KL + λ·r_B). Without weights it equals F.mse_loss.
-    The noise is drawn from ``generator`` (on its device, then moved to x's), so a seeded
-    caller gets the same noise on every run and engine; without one, from torch's global RNG.
-    """
-    with torch.no_grad():
-        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=generator.device if generator is not None else x.device)
-        noisy = (x + sigma * noise.to(x.device)).clamp(lo, hi)
-        p_noisy = F.softmax(model(noisy), dim=-1)
-    per_sample = ((F.softmax(logits, dim=-1) - p_noisy) ** 2).mean(dim=-1)
-    return weighted_mean(per_sample, sample_weights)
-
-
 # --------------------------------------------------------------------------- operations
 
 
@@ -182,8 +167,6 @@ class DistillSettings:
     """How to fit the public set U towards server targets."""
 
     loss: str = "kl"  # kl: KL(target‖model) on probabilities; mae: L1 on logits; ce: cross-entropy on hard labels
-    rb_lambda: float = 0.0  # weight of the robustness regulariser r_B (COSMOS); 0 = off
-    rb_sigma: float = 0.05
 
 
 def distill(
@@ -194,8 +177,10 @@ def distill(
     settings: DistillSettings,
     sample_weights: Tensor | None = None,
     generator: torch.Generator | None = None,
+    term: DistillTerm | None = None,
 ) -> dict[str, float]:
-    """Fit the model on U towards targets (probabilities, logits or hard labels) with optional weights."""
+    """Fit the model on U towards targets (probabilities, logits or hard labels) with optional weights; ``term``
+    (an algorithm's own loss term on the minibatch and its logits) is added to every minibatch's loss."""
     if settings.loss not in ("kl", "mae", "ce"):
         raise ValueError(f"unknown distillation loss '{settings.loss}'; allowed: kl, mae, ce")
 
@@ -207,9 +192,8 @@ def distill(
             loss = weighted_mean((logits - tb).abs().mean(dim=-1), wb)
         else:
             loss = weighted_mean(F.cross_entropy(logits, tb, reduction="none"), wb)
-        if settings.rb_lambda > 0:
-            loss = loss + settings.rb_lambda * robustness_penalty(m, xb, logits, settings.rb_sigma, sample_weights=wb,
-                                                                     generator=generator)
+        if term is not None:
+            loss = loss + term(m, xb, logits, wb)
         return loss
 
     return run_epochs(model, x, targets, loss_fn, optim, weights=sample_weights, generator=generator)

@@ -46,6 +46,16 @@ PREDICTIONS = "predictions"
 INFO = "info"
 EVAL_ARRAYS = "eval-arrays"
 
+# the public set U on the wire: settings of a message, array names in its records, the reply's info entry
+PUBLIC_FINGERPRINT = "public.fingerprint"  # config: the fingerprint of the server's U (the client refuses another)
+PREDICT_OUTPUT = "predict.output"  # config: probs | logits, what ``predict`` returns
+PREDICT_ENCODING = "predict.encoding"  # config: float32 | float16 | hard, how ``predict`` encodes it
+PREDICTION_ARRAY = "predictions"  # the array of the reply's predictions record
+TARGET_ARRAY = "targets"  # the server's targets on U in the message's targets record
+DISTILL_INDICES = "distill-indices"  # ... with the rows of U they are for (absent: all of U)
+PREDICT_INDICES = "predict-indices"  # ... and the rows of U to predict on (absent: all of U)
+INFO_FINGERPRINT = "fingerprint"  # the reply's info entry: the fingerprint of the client's U
+
 # metric names every reply carries; an evaluation tagged <tag> reports <tag>-acc, <tag>-loss, <tag>-n, <tag>-correct
 CLIENT_ID = "client-id"
 NUM_EXAMPLES = "num-examples"

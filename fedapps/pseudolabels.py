@@ -97,24 +97,3 @@ def clip_to_centre(stack: np.ndarray, centre: np.ndarray, max_l1: float) -> np.n
     scale = np.where(l1 > max_l1, max_l1 / np.where(l1 > 0, l1, 1.0), 1.0)
     return (centre[None] + scale * deviation).astype(np.float32)
 
-
-def prediction_problem(wire: np.ndarray, rows: int, num_classes: int, kind: str) -> str | None:
-    """Why a client's prediction array is unusable (None if fine). kind: probs | logits | hard."""
-    if kind == "hard":
-        if wire.shape != (rows,):
-            return f"hard labels of shape {wire.shape}, expected ({rows},)"
-        if not np.issubdtype(wire.dtype, np.unsignedinteger):
-            return f"hard labels of dtype {wire.dtype}, expected an unsigned integer type"
-        if wire.size and int(wire.max()) > num_classes:
-            return f"hard label {int(wire.max())} out of range [0, {num_classes}]"
-        return None
-    if wire.shape != (rows, num_classes):
-        return f"scores of shape {wire.shape}, expected ({rows}, {num_classes})"
-    if not np.issubdtype(wire.dtype, np.floating):
-        return f"scores of dtype {wire.dtype}, expected float"
-    values = wire.astype(np.float64)
-    if not np.all(np.isfinite(values)):
-        return "scores contain non-finite values"
-    if kind == "probs" and (values.min() < -1e-3 or np.abs(values.sum(axis=1) - 1).max() > 1e-2):
-        return "not probability vectors (rows must be >= 0 and sum to 1)"
-    return None

@@ -43,6 +43,11 @@ claims a free id on first contact before its owner ever replies does get it: the
 source of identity in deployment. docs/reliability.md says so.)
 
 ANY exception while validating a reply becomes a rejection with its reason; :meth:`check` never raises.
+
+Each reply is checked once, here: the strategies receive the accepted replies only and do not check them again
+(a reply the algorithm cannot use for a reason of its own is recorded by the strategy's ``skip_reply``). The
+predictions of every pseudo-label strategy (COSMOS, FedMD, FedCT, COMET) pass the one prediction check,
+:func:`prediction_problem`.
 """
 
 from __future__ import annotations
@@ -187,7 +192,7 @@ def expectation_for(msg: Message, model_part: Callable[[str], Mapping[str, np.nd
     config = dict(msg.content[protocol.CONFIG])
     ops = [str(o) for o in config.get("ops", [])]
     exp = Expectation(node_id=int(msg.metadata.dst_node_id), phase=str(msg.metadata.message_type),
-                      fingerprint=config.get("public.fingerprint"), eval_tags=eval_tags_of(ops),
+                      fingerprint=config.get(protocol.PUBLIC_FINGERPRINT), eval_tags=eval_tags_of(ops),
                       transport=str(config.get(protocol.TRANSPORT_KEY, "float32")))
     if config.get("return-arrays", False):
         part = str(config.get("arrays.keys", "state"))
@@ -196,11 +201,11 @@ def expectation_for(msg: Message, model_part: Callable[[str], Mapping[str, np.nd
     if any(o.partition(":")[0] == "predict" for o in ops):
         rows = public_size
         targets = msg.content.get(protocol.TARGETS) if protocol.TARGETS in msg.content else None
-        if targets is not None and "predict-indices" in targets:
-            rows = int(targets["predict-indices"].numpy().shape[0])
+        if targets is not None and protocol.PREDICT_INDICES in targets:
+            rows = int(targets[protocol.PREDICT_INDICES].numpy().shape[0])
         exp.predictions = PredictionSpec(rows=rows, classes=int(num_classes or 0),
-                                         output=str(config.get("predict.output", "probs")),
-                                         encoding=str(config.get("predict.encoding", "float32")))
+                                         output=str(config.get(protocol.PREDICT_OUTPUT, "probs")),
+                                         encoding=str(config.get(protocol.PREDICT_ENCODING, "float32")))
     return exp
 
 
@@ -399,9 +404,10 @@ def read_arrays(record: Any, expected: Mapping[str, ArraySpec], transport: str =
 
 def read_predictions(record: Any, spec: PredictionSpec) -> np.ndarray:
     """The predictions of a reply: the one array 'predictions', its wire type, then its values."""
-    _record_names(record, "predictions", ["predictions"])
+    _record_names(record, protocol.PREDICTIONS, [protocol.PREDICTION_ARRAY])
     shape: tuple[int | None, ...] = (spec.rows,) if spec.encoding == "hard" else (spec.rows, spec.classes)
-    wire = wire_array(record["predictions"], "predictions", "prediction", shape, [prediction_dtype(spec)])
+    name = protocol.PREDICTION_ARRAY
+    wire = wire_array(record[name], name, "prediction", shape, [prediction_dtype(spec)])
     problem = prediction_problem(wire, spec)
     if problem:
         raise ReplyError(f"predictions unusable: {problem}")
@@ -419,7 +425,9 @@ def check_info(info: Mapping[str, Any]) -> None:
 
 
 def prediction_problem(wire: np.ndarray, spec: PredictionSpec) -> str | None:
-    """Why a prediction array does not answer ``spec`` (None if it does)."""
+    """Why a prediction array does not answer ``spec`` (None if it does): the shape (rows × classes; rows for hard
+    labels), hard labels of an unsigned type in [0, classes) (the abstain marker ``classes`` is the server's, never
+    a client's), scores finite, logits within ±LOGIT_BOUND, probabilities on the simplex. The one prediction check."""
     m = spec.classes
     if spec.encoding == "hard":
         if wire.ndim != 1 or (spec.rows is not None and wire.shape[0] != spec.rows):
@@ -580,8 +588,9 @@ class ReplyValidator:
                 raise ReplyError("'info' must be a ConfigRecord")
             info = dict(content[protocol.INFO])
             check_info(info)
-        if exp.fingerprint is not None and info.get("fingerprint") != exp.fingerprint:
-            raise ReplyError(f"public set mismatch: the reply's U has fingerprint {info.get('fingerprint')!r}, "
+        fingerprint = info.get(protocol.INFO_FINGERPRINT)
+        if exp.fingerprint is not None and fingerprint != exp.fingerprint:
+            raise ReplyError(f"public set mismatch: the reply's U has fingerprint {fingerprint!r}, "
                              f"the server's {exp.fingerprint!r}")
         arrays = None
         if protocol.ARRAYS in content:
@@ -594,7 +603,7 @@ class ReplyValidator:
         if protocol.PREDICTIONS in content:
             if exp.predictions is None:
                 raise ReplyError("reply carries predictions that were not asked for")
-            predictions = {"predictions": read_predictions(content[protocol.PREDICTIONS], exp.predictions)}
+            predictions = {protocol.PREDICTION_ARRAY: read_predictions(content[protocol.PREDICTIONS], exp.predictions)}
         elif exp.predictions is not None:
             raise ReplyError("reply lacks the predictions it was asked for")
         return ClientReply(node_id=int(msg.metadata.src_node_id), client_id=cid, num_examples=n, metrics=metrics,

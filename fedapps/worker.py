@@ -29,7 +29,7 @@ from torch import nn
 
 from fedapps import checkpoint, ops, protocol, pseudolabels
 from fedapps.seeds import GLOBAL_RNG_LOCK, derive_seed
-from fedapps.clientops import DISTILL_WEIGHTINGS, TRAINING_TERMS, ProtocolError, client_op, parse_op
+from fedapps.clientops import DISTILL_TERMS, DISTILL_WEIGHTINGS, TRAINING_TERMS, ProtocolError, client_op, parse_op
 from fedapps.data import (DATA_PATH, NODES, NUM_CLASSES, PUBLIC_PATH, ClientData, DataError, Federation,
                           data_warnings_silenced, get_federation, node_federation, node_path, read_labelled,
                           read_public, spec_key)
@@ -88,7 +88,7 @@ def data_spec(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def needs_public(config: Mapping[str, Any]) -> bool:
     """Whether a message needs the public set U on the client: it names U's fingerprint or predicts/distils on U."""
-    return "public.fingerprint" in config or any(
+    return protocol.PUBLIC_FINGERPRINT in config or any(
         str(op).partition(":")[0] in ("predict", "distill") for op in config.get("ops", []))
 
 
@@ -534,7 +534,7 @@ class Worker:
             save_private_state(self.context, self.config, self.client_id, self.model, self.arch)
         self.metrics["t-total"] = time.perf_counter() - self.t0
         self.reply[protocol.METRICS] = protocol.metrics_record(self.metrics)
-        self.reply[protocol.INFO] = ConfigRecord({"arch": self.arch, "fingerprint": self.fed.fingerprint})
+        self.reply[protocol.INFO] = ConfigRecord({"arch": self.arch, protocol.INFO_FINGERPRINT: self.fed.fingerprint})
         return Message(content=self.reply, reply_to=self.msg)
 
     @functools.cached_property
@@ -601,8 +601,16 @@ class Worker:
         terms = [t for t in (build(self, dict(section)) for build in TRAINING_TERMS.values()) if t is not None]
         return (lambda m: sum(t(m) for t in terms)) if terms else None
 
+    def distill_terms(self, section: Mapping[str, Any]) -> ops.DistillTerm | None:
+        """The sum of every registered distillation term that the ``distill.*`` settings switch on (None: none is;
+        a single term is returned as it is)."""
+        terms = [t for t in (build(self, dict(section)) for build in DISTILL_TERMS.values()) if t is not None]
+        if len(terms) <= 1:
+            return terms[0] if terms else None
+        return lambda m, x, logits, weights: sum(t(m, x, logits, weights) for t in terms)
+
     def _check_public_set(self) -> None:
-        expected = self.config.get("public.fingerprint")
+        expected = self.config.get(protocol.PUBLIC_FINGERPRINT)
         if expected is not None and expected != self.fed.fingerprint:
             if str(self.context.node_config.get(PUBLIC_PATH, "")).strip():
                 raise ProtocolError(
@@ -674,15 +682,16 @@ def train(w: Worker, tag: str) -> None:
 @client_op("distill")
 def distill(w: Worker, tag: str) -> None:
     """Fit the private model on U (or the rows in ``distill-indices``) towards the message's targets.
-    Settings ``distill.*``: optimiser, ``loss`` (kl | mae | ce), ``weighting`` (none or a registered one), r_B."""
+    Settings ``distill.*``: optimiser, ``loss`` (kl | mae | ce), ``weighting`` (none or a registered one), and
+    those of the registered distillation terms (:func:`fedapps.clientops.distill_term`)."""
     if protocol.TARGETS not in w.msg.content:
         return  # nothing to distil on yet (e.g. the first round)
     if w.fed.public_x is None:
         raise ProtocolError("distill needs a public set U: set data.public_fraction > 0")
     section = protocol.section(w.config, "distill")
     settings = optim_settings(section, protocol.section(w.config, "client"))
-    targets = pseudolabels.decode(w.msg.content[protocol.TARGETS]["targets"].numpy(), w.fed.num_classes)
-    rows = w.public_rows("distill-indices")
+    targets = pseudolabels.decode(w.msg.content[protocol.TARGETS][protocol.TARGET_ARRAY].numpy(), w.fed.num_classes)
+    rows = w.public_rows(protocol.DISTILL_INDICES)
     x = w.fed.public_x if rows is None else w.fed.public_x[rows]
     if len(targets) != len(x):
         raise ProtocolError(f"targets cover {len(targets)} samples but U (subset) has {len(x)}")
@@ -697,11 +706,8 @@ def distill(w: Worker, tag: str) -> None:
             keep = torch.as_tensor(~abstain)
             weights = keep.float() if weights is None else weights * keep.float()
             targets = np.where(abstain, 0, targets)
-    result = ops.distill(
-        w.model, x, torch.as_tensor(targets), settings,
-        ops.DistillSettings(loss=loss, rb_lambda=float(section.get("rb_lambda", 0.0)), rb_sigma=float(section.get("rb_sigma", 0.05))),
-        sample_weights=weights, generator=w.generator,
-    )
+    result = ops.distill(w.model, x, torch.as_tensor(targets), settings, ops.DistillSettings(loss=loss),
+                         sample_weights=weights, generator=w.generator, term=w.distill_terms(section))
     w.metrics[protocol.metric_name(tag, "loss")] = result["loss"]
 
 
@@ -720,13 +726,13 @@ def predict(w: Worker, tag: str) -> None:
     if w.fed.public_x is None:
         raise ProtocolError("predict needs a public set U: set data.public_fraction > 0")
     section = protocol.section(w.config, "predict")
-    rows = w.public_rows("predict-indices")
+    rows = w.public_rows(protocol.PREDICT_INDICES)
     x = w.fed.public_x if rows is None else w.fed.public_x[rows]
     output = str(section.get("output", "probs"))
     encoding = str(section.get("encoding", "float32"))
     values = ops.predict(w.model, x, output="logits" if output == "logits" else "probs").numpy()
     wire = pseudolabels.encode(values, encoding, w.fed.num_classes)
-    w.reply[protocol.PREDICTIONS] = protocol.arrays_record({"predictions": wire})
+    w.reply[protocol.PREDICTIONS] = protocol.arrays_record({protocol.PREDICTION_ARRAY: wire})
 
 
 def handle(msg: Message, context: Context) -> Message:

@@ -134,8 +134,7 @@ class COMET(PseudoLabelStrategy):
         return messages
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
-        used, stack = collect_predictions(replies, self.public_size, self.num_classes, "probs", server_round,
-                                          self.skip_reply)
+        used, stack = collect_predictions(replies, self.public_size, self.num_classes, "probs")
         if not used:
             self.skip_round(server_round, "no usable predictions; clusters stay as they were")
             return {"clusters": len(self.cluster_targets)}

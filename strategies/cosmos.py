@@ -32,10 +32,12 @@ from typing import Any, Mapping
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from flwr.app import ArrayRecord, Message
+from torch import Tensor, nn
 
 from fedapps import clustering, ops, protocol, pseudolabels
-from fedapps.clientops import ProtocolError, distill_weighting
+from fedapps.clientops import ProtocolError, distill_term, distill_weighting
 from fedapps.config import DEVICES, OPTIMIZERS, ConfigError, ExperimentConfig
 from fedapps.data import Federation, get_federation
 from fedapps.models import MODEL_NAMES, build_model
@@ -48,6 +50,8 @@ from strategies.base import DeployedModel, PersonalisedStrategy
 log = logging.getLogger("fedapps")
 
 WEIGHTINGS = ("label-free", "oracle", "none")
+RB_LAMBDA = "distill.rb_lambda"  # the message settings of r_B on the client (λ > 0 switches it on)
+RB_SIGMA = "distill.rb_sigma"
 
 
 # --------------------------------------------------------------------------- client side
@@ -74,6 +78,42 @@ def oracle_weights(w, targets: np.ndarray, rows) -> torch.Tensor:
         raise ProtocolError("distill.weighting 'oracle' needs the true labels of U")
     y = w.fed.public_y if rows is None else w.fed.public_y[rows]
     return frequency_weights(w.fed.train_counts[w.client_id], y.numpy())
+
+
+# --------------------------------------------------------------------------- r_B, client and server
+
+
+def robustness_penalty(model: nn.Module, x: Tensor, logits: Tensor, sigma: float, lo: float = -1.0, hi: float = 1.0,
+                       sample_weights: Tensor | None = None, generator: torch.Generator | None = None) -> Tensor:
+    """r_B: MSE between softmax on clean and noisy inputs, gradient through the clean branch.
+
+    Per sample the MSE over classes; averaged over the batch, weighted by w(x) when weights are given
+    (objective (2) weights the whole bracket KL + λ·r_B). Without weights it equals F.mse_loss.
+    The noise is drawn from ``generator`` (on its device, then moved to x's), so a seeded
+    caller gets the same noise on every run and engine; without one, from torch's global RNG.
+    """
+    with torch.no_grad():
+        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype,
+                            device=generator.device if generator is not None else x.device)
+        noisy = (x + sigma * noise.to(x.device)).clamp(lo, hi)
+        p_noisy = F.softmax(model(noisy), dim=-1)
+    per_sample = ((F.softmax(logits, dim=-1) - p_noisy) ** 2).mean(dim=-1)
+    return ops.weighted_mean(per_sample, sample_weights)
+
+
+def rb_term(lam: float, sigma: float, generator: torch.Generator | None = None) -> ops.DistillTerm | None:
+    """λ·r_B as a distillation term of :func:`fedapps.ops.distill` (noise from ``generator``); None when λ = 0."""
+    if lam <= 0:
+        return None
+    return lambda model, x, logits, weights: lam * robustness_penalty(model, x, logits, sigma, sample_weights=weights,
+                                                                      generator=generator)
+
+
+@distill_term("rb")
+def rb_client_term(w, section: dict) -> ops.DistillTerm | None:
+    """r_B on the client, as the message's ``distill.rb_lambda`` / ``distill.rb_sigma`` ask (None when λ = 0)."""
+    return rb_term(float(section.get(RB_LAMBDA.partition(".")[2], 0.0)),
+                   float(section.get(RB_SIGMA.partition(".")[2], 0.05)), w.generator)
 
 
 # --------------------------------------------------------------------------- server side
@@ -127,14 +167,13 @@ class CosmosParams:
                                           "last round)")
 
 
-def validate_predictions(pred: np.ndarray, n: int, num_classes: int) -> np.ndarray:
-    """Predictions on U as float32 soft labels (n×M; hard labels one-hot); ValueError if unusable."""
-    kind = "hard" if np.issubdtype(pred.dtype, np.integer) else "probs"
-    problem = pseudolabels.prediction_problem(pred, n, num_classes, kind)
-    if problem:
-        raise ValueError(problem)
+def soft_predictions(pred: np.ndarray, num_classes: int) -> np.ndarray:
+    """A client's predictions on U (already checked by the reply validator) as float32 soft labels (n×M): hard
+    labels one-hot, probabilities clipped at 0 (the validator lets entries down to -1e-3 through)."""
     decoded = pseudolabels.decode(pred, num_classes)
-    return pseudolabels.one_hot(decoded, num_classes) if kind == "hard" else np.clip(decoded, 0.0, None)
+    if np.issubdtype(pred.dtype, np.integer):
+        return pseudolabels.one_hot(decoded, num_classes)
+    return np.clip(decoded, 0.0, None)
 
 
 class Cosmos(PersonalisedStrategy):
@@ -164,7 +203,6 @@ class Cosmos(PersonalisedStrategy):
         self.wire_targets: dict[int, ArrayRecord] = {}  # cluster -> encoded h_k(U), as sent
         self.distances: np.ndarray | None = None
         self.distance_clients: list[int] = []
-        self.rejected_fingerprint = 0
         self.last_acc: dict[str, float] = {}
         self.pseudo_bytes_down = 0
 
@@ -193,12 +231,12 @@ class Cosmos(PersonalisedStrategy):
         p: CosmosParams = self.params
         cfg = {
             **self.base_config(),
-            "public.fingerprint": self.fed.fingerprint,
+            protocol.PUBLIC_FINGERPRINT: self.fed.fingerprint,
             "distill.epochs": p.distill_epochs, "distill.batch_size": p.distill_batch_size,
             "distill.lr": p.distill_lr, "distill.optimizer": p.distill_optimizer,
             "distill.clip_norm": p.distill_clip_norm, "distill.loss": "kl", "distill.weighting": p.weighting,
-            "distill.rb_lambda": p.rb_lambda, "distill.rb_sigma": p.rb_sigma,
-            "predict.output": "probs", "predict.encoding": p.uplink_encoding,
+            RB_LAMBDA: p.rb_lambda, RB_SIGMA: p.rb_sigma,
+            protocol.PREDICT_OUTPUT: "probs", protocol.PREDICT_ENCODING: p.uplink_encoding,
         }
         if server_round == 1:
             cfg["train.epochs"] = p.pretrain_epochs  # E0 pre-training
@@ -213,7 +251,7 @@ class Cosmos(PersonalisedStrategy):
             messages.append(protocol.build_message(node, server_round, ["distill", "train", "predict"], config,
                                                    targets=targets))
         with_targets = sum(1 for m in messages if protocol.TARGETS in m.content)
-        self.pseudo_bytes_down = sum(m.content[protocol.TARGETS]["targets"].numpy().nbytes
+        self.pseudo_bytes_down = sum(m.content[protocol.TARGETS][protocol.TARGET_ARRAY].numpy().nbytes
                                      for m in messages if protocol.TARGETS in m.content)
         log.info("cosmos round %d: %d messages (%d with cluster pseudo-labels)", server_round, len(messages), with_targets)
         return messages
@@ -241,22 +279,11 @@ class Cosmos(PersonalisedStrategy):
         return out
 
     # ------------------------------------------------------------------ aggregation
-    def accept(self, replies: list[ClientReply], server_round: int = 0) -> dict[int, np.ndarray]:
-        """Client id -> validated soft predictions; replies with another U or malformed predictions are refused."""
-        out: dict[int, np.ndarray] = {}
-        for r in replies:
-            fp = r.info.get("fingerprint")
-            if fp != self.fed.fingerprint:
-                self.rejected_fingerprint += 1
-                self.skip_reply(server_round, r, f"public set mismatch (its U has fingerprint {fp!r}, the "
-                                                 f"server's {self.fed.fingerprint!r}); both sides must build U from "
-                                                 "the same data spec")
-                continue
-            try:
-                out[r.client_id] = validate_predictions(r.predictions["predictions"], self.n_public, self.num_classes)
-            except (KeyError, TypeError, ValueError) as exc:
-                self.skip_reply(server_round, r, f"predictions refused: {exc}")
-        return out
+    def accept(self, replies: list[ClientReply]) -> dict[int, np.ndarray]:
+        """Client id -> soft predictions. The reply validator has checked each reply once (U's fingerprint, the
+        predictions' wire type, shape and values: :func:`fedapps.validation.prediction_problem`)."""
+        return {r.client_id: soft_predictions(r.predictions[protocol.PREDICTION_ARRAY], self.num_classes)
+                for r in replies}
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -264,7 +291,7 @@ class Cosmos(PersonalisedStrategy):
         accs = [float(r.metrics[after]) for r in replies if after in r.metrics]
         if accs:
             self.last_acc["client"] = float(np.mean(accs))  # the clients' own models, after this round's training
-        preds = self.accept(replies, server_round)
+        preds = self.accept(replies)
         if not preds:
             self.skip_round(server_round, "no usable predictions; server models unchanged")
             return {}
@@ -277,7 +304,7 @@ class Cosmos(PersonalisedStrategy):
             "clusters": self.clustering.k if self.clustering else 0,
             "server_distill_loss": float(np.mean(list(losses.values()))) if losses else "",
             "server_seconds": round(time.perf_counter() - t0, 3),
-            "pseudo_bytes_up": int(sum(r.predictions["predictions"].nbytes for r in replies if r.client_id in preds)),
+            "pseudo_bytes_up": int(sum(r.predictions[protocol.PREDICTION_ARRAY].nbytes for r in replies)),
             "pseudo_bytes_down": int(self.pseudo_bytes_down),
         }
         return extra
@@ -322,7 +349,7 @@ class Cosmos(PersonalisedStrategy):
         p: CosmosParams = self.params
         optim = ops.OptimSettings(epochs=p.server_epochs, batch_size=p.server_batch_size, lr=p.server_lr,
                                   optimizer=p.server_optimizer, clip_norm=p.server_clip_norm, drop_last=False)
-        dist = ops.DistillSettings(loss="kl", rb_lambda=p.rb_lambda, rb_sigma=p.rb_sigma)
+        dist = ops.DistillSettings(loss="kl")
         losses: dict[int, float] = {}
         for k, members in enumerate(self.clustering.clusters):
             present = [c for c in members if c in preds]
@@ -340,11 +367,12 @@ class Cosmos(PersonalisedStrategy):
             gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "cosmos-server-distill", server_round, k))
             with torch.random.fork_rng(devices=[]):  # dropout in h_k draws from a seeded global stream, restored after
                 torch.manual_seed(derive_seed(self.cfg.seed, "cosmos-server-global", server_round, k))
-                result = ops.distill(model, self.fed.public_x, torch.as_tensor(target), optim, dist, generator=gen)
+                result = ops.distill(model, self.fed.public_x, torch.as_tensor(target), optim, dist, generator=gen,
+                                     term=rb_term(p.rb_lambda, p.rb_sigma, gen))
             probs = ops.predict(model, self.fed.public_x).numpy()
             self.server_targets[k] = probs
             wire = pseudolabels.encode(probs, p.downlink_encoding, self.num_classes)
-            self.wire_targets[k] = protocol.arrays_record({"targets": wire})
+            self.wire_targets[k] = protocol.arrays_record({protocol.TARGET_ARRAY: wire})
             agree = float((probs.argmax(1) == target.argmax(1)).mean())
             losses[k] = result["loss"]
             log.info("cosmos round %d: server model %d (%s) distilled on %d members' %s targets, %d epochs: loss %.4f, "
@@ -364,7 +392,6 @@ class Cosmos(PersonalisedStrategy):
             "distance": self.params.distance,
             "cluster_model_accuracy": self.last_measured.get("acc_mean"),  # the headline (deployed model)
             "client_model_accuracy": self.last_acc.get("client"),
-            "replies_refused_for_public_set_mismatch": self.rejected_fingerprint,
         }
         if c and self.fed.groups is not None:
             summary["cluster_group_ari"] = adjusted_rand(self.fed.groups, self.cluster_of)

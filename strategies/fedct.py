@@ -92,8 +92,7 @@ class FedCT(PseudoLabelStrategy):
         return [protocol.build_message(n, server_round, ops, config, targets=targets) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
-        used, votes = collect_predictions(replies, self.public_size, self.num_classes, "hard", server_round,
-                                          self.skip_reply)
+        used, votes = collect_predictions(replies, self.public_size, self.num_classes, "hard")
         if not used:
             self.skip_round(server_round, "no usable labels; the consensus stays as it was")
             return {"vote_clients": 0}

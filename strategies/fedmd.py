@@ -166,8 +166,7 @@ class FedMD(PseudoLabelStrategy):
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         rows = self.public_size if self.pending_rows is None else len(self.pending_rows)
-        used, scores = collect_predictions(replies, rows, self.num_classes, self.params.scores, server_round,
-                                           self.skip_reply)
+        used, scores = collect_predictions(replies, rows, self.num_classes, self.params.scores)
         if not used:
             self.skip_round(server_round, "no usable scores; the consensus stays as it was")
             return {"consensus_clients": 0}

@@ -5,9 +5,8 @@ targets on U, train and predict on U in one message per round; the own model aft
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord
@@ -18,9 +17,6 @@ from fedapps.data import get_federation
 from fedapps.params import param
 from fedapps.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy
-
-log = logging.getLogger("fedapps")
-
 
 
 @dataclass
@@ -37,23 +33,18 @@ class DistillParams:
                                                "0 = client.epochs")
 
 
-def collect_predictions(replies: list[ClientReply], rows: int, num_classes: int, kind: str, server_round: int = 0,
-                        skip: Callable[[int, ClientReply, str], None] | None = None,
-                        ) -> tuple[list[ClientReply], np.ndarray]:
-    """Decoded predictions of the usable replies, stacked clients×rows(×M); bad ones are left out, each reported to
-    ``skip(server_round, reply, reason)`` (the strategy's ``skip_reply``: rejections.csv) or else logged."""
-    used: list[ClientReply] = []
+def collect_predictions(replies: list[ClientReply], rows: int, num_classes: int,
+                        kind: str) -> tuple[list[ClientReply], np.ndarray]:
+    """The replies in client-id order and their decoded predictions stacked clients×rows(×M). Each reply was
+    checked once, by the reply validator (:func:`fedapps.validation.prediction_problem`), against what its message
+    asked for; a reply without predictions here is a caller's error (it bypassed the validator)."""
+    used = sorted(replies, key=lambda r: r.client_id)
     arrays: list[np.ndarray] = []
-    for r in sorted(replies, key=lambda r: r.client_id):
-        wire = (r.predictions or {}).get("predictions")
-        reason = "no 'predictions' array" if wire is None else pseudolabels.prediction_problem(wire, rows, num_classes, kind)
-        if reason:
-            if skip is not None:
-                skip(server_round, r, f"predictions not used: {reason}")
-            else:
-                log.warning("round %d: predictions of client %d not used: %s", server_round, r.client_id, reason)
-            continue
-        used.append(r)
+    for r in used:
+        wire = (r.predictions or {}).get(protocol.PREDICTION_ARRAY)
+        if wire is None:
+            raise ValueError(f"client {r.client_id}'s reply carries no predictions; pass replies through "
+                             "fedapps.validation.ReplyValidator (the strategy's validate) first")
         arrays.append(pseudolabels.decode(wire, num_classes))
     if not arrays:
         return used, np.zeros((0, rows) if kind == "hard" else (0, rows, num_classes))
@@ -101,7 +92,7 @@ class PseudoLabelStrategy(PersonalisedStrategy):
         return {
             **first,
             **self.base_config(),
-            "public.fingerprint": self.public_fingerprint,
+            protocol.PUBLIC_FINGERPRINT: self.public_fingerprint,
             "distill.epochs": int(p.distill_epochs),
             "distill.lr": float(p.distill_lr),
             "distill.batch_size": int(p.distill_batch_size),
@@ -110,8 +101,8 @@ class PseudoLabelStrategy(PersonalisedStrategy):
             "distill.drop_last": False,
             "distill.loss": distill_loss,
             "distill.weighting": weighting,
-            "predict.output": predict_output,
-            "predict.encoding": predict_encoding,
+            protocol.PREDICT_OUTPUT: predict_output,
+            protocol.PREDICT_ENCODING: predict_encoding,
         }
 
     @staticmethod
@@ -125,9 +116,9 @@ def targets_record(targets: np.ndarray | None, distill_rows: np.ndarray | None =
     """The 'targets' record: encoded targets, and optional 'distill-indices' / 'predict-indices' into U."""
     arrays: dict[str, np.ndarray] = {}
     if targets is not None:
-        arrays["targets"] = targets
+        arrays[protocol.TARGET_ARRAY] = targets
         if distill_rows is not None:
-            arrays["distill-indices"] = distill_rows
+            arrays[protocol.DISTILL_INDICES] = distill_rows
     if predict_rows is not None:
-        arrays["predict-indices"] = predict_rows
+        arrays[protocol.PREDICT_INDICES] = predict_rows
     return protocol.arrays_record(arrays) if arrays else None

@@ -14,7 +14,15 @@ functions. Rules:
 (c) ``fedapps/worker.py`` (the generic client) names no algorithm: no registered strategy name (the
     ``name = "..."`` class attributes in ``strategies/*.py``) and no algorithm display name appears in it,
     case-insensitively, as a whole word (letters and digits only form words: ``ditto_lam`` and ``FedAvg's``
-    both count), in code, strings or comments.
+    both count), in code, strings or comments;
+(d) an algorithm's own maths stays in its module: COSMOS's r_B (:data:`MOVED_OUT_OF_CORE`: the function, its term
+    builder and its message settings) is defined in ``strategies/cosmos.py`` and named nowhere in ``fedapps/``;
+(e) each reply is checked once, with one prediction check: ``prediction_problem`` is defined in
+    ``fedapps/validation.py`` and in no other module of ``fedapps/`` or ``strategies/``;
+(f) the wire keys of the public set U (:data:`PROTOCOL_KEYS`: the ``public.fingerprint`` / ``predict.*`` settings and
+    the array names of the predictions and targets records) are spelled in ``fedapps/protocol.py`` only: no other
+    module of the project holds a string literal equal to one of them (docstrings, comments and longer strings that
+    contain one do not count).
 
 Run ``python tests/test_architecture.py`` to print the graph's layer violations and cycles (exit status 1
 when there are any). A standard alternative for looking at the graph is ``pydeps`` (e.g.
@@ -41,6 +49,13 @@ DISPLAY_NAMES = ("FedAvg", "cwFedAvg", "COSMOS", "FedMD", "FedCT", "COMET", "Fed
 # A registered name that is an ordinary word ('local' training/epochs/data) says nothing about an algorithm.
 ORDINARY_WORDS = frozenset({"local"})
 WORKER = ROOT / "fedapps" / "worker.py"
+# names that left the core for their algorithm's module (rule d): name -> the module that defines or reads it
+MOVED_OUT_OF_CORE = {"robustness_penalty": "strategies/cosmos.py", "rb_term": "strategies/cosmos.py",
+                     "rb_lambda": "strategies/cosmos.py", "rb_sigma": "strategies/cosmos.py"}
+PREDICTION_CHECK = ("prediction_problem", "fedapps/validation.py")  # rule (e): the one prediction check, where
+PROTOCOL = "fedapps/protocol.py"
+PROTOCOL_KEYS = ("public.fingerprint", "predict.output", "predict.encoding", "predictions", "targets",
+                 "distill-indices", "predict-indices")  # rule (f); the rest of the keys: issue #27's typed schema
 
 
 # --------------------------------------------------------------------------- the graph
@@ -230,6 +245,45 @@ def algorithm_mentions(path: Path = WORKER, root: Path = ROOT) -> list[str]:
     return out
 
 
+# --------------------------------------------------------------------------- algorithm maths and the one check
+
+
+def defined_functions(path: Path) -> set[str]:
+    """Names of the functions (at any depth) a file defines."""
+    return {n.name for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def core_mentions(names: list[str], root: Path = ROOT) -> list[str]:
+    """'file:line: the line' for every whole-word mention of one of ``names`` in a module under fedapps/."""
+    pattern = re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(map(re.escape, names)) + r")(?![A-Za-z0-9_])")
+    out = []
+    for f in sorted((root / "fedapps").rglob("*.py")):
+        for no, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            if pattern.search(line):
+                out.append(f"{f.relative_to(root)}:{no}: {line.strip()}")
+    return out
+
+
+def definers(function: str, root: Path = ROOT) -> list[str]:
+    """The modules of fedapps/ and strategies/ that define ``function``."""
+    return sorted(str(f.relative_to(root)) for d in ("fedapps", "strategies") for f in sorted((root / d).rglob("*.py"))
+                  if function in defined_functions(f))
+
+
+def key_literals(keys: tuple[str, ...], root: Path = ROOT) -> list[str]:
+    """'file:line: key' for every string literal equal to one of ``keys`` outside fedapps/protocol.py."""
+    out = []
+    for name, path in sorted(module_files(root).items()):
+        rel = str(path.relative_to(root))
+        if rel == PROTOCOL:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in keys:
+                out.append(f"{rel}:{node.lineno}: {node.value!r}")
+    return out
+
+
 # --------------------------------------------------------------------------- tests
 
 
@@ -265,13 +319,53 @@ def test_worker_names_no_algorithm():
     assert not mentions, f"{len(mentions)} algorithm names in the generic client:\n" + "\n".join(mentions)
 
 
+def test_cosmos_r_b_lives_in_its_module_and_not_in_the_core():
+    for name, home in MOVED_OUT_OF_CORE.items():  # the check is not vacuous: each name is where it moved
+        assert name in (ROOT / home).read_text(encoding="utf-8"), (name, home)
+    assert {"robustness_penalty", "rb_term"} <= defined_functions(ROOT / "strategies" / "cosmos.py")
+    mentions = core_mentions(sorted(MOVED_OUT_OF_CORE))
+    assert not mentions, "names of COSMOS's r_B in the core (fedapps/):\n" + "\n".join(mentions)
+
+
+def test_one_prediction_check():
+    function, home = PREDICTION_CHECK
+    assert definers(function) == [home]
+
+
+def test_public_set_keys_are_spelled_in_the_protocol_module_only():
+    text = (ROOT / PROTOCOL).read_text(encoding="utf-8")
+    assert all(f'"{k}"' in text for k in PROTOCOL_KEYS)  # each key is spelled there
+    found = key_literals(PROTOCOL_KEYS)
+    assert not found, "protocol keys spelled outside fedapps/protocol.py (use its constants):\n" + "\n".join(found)
+
+
+def test_the_maths_checks_see_a_violation(tmp_path):
+    """On a made-up tree, both checks report what they must."""
+    (tmp_path / "fedapps").mkdir()
+    (tmp_path / "strategies").mkdir()
+    (tmp_path / "fedapps" / "ops.py").write_text(
+        "def robustness_penalty(x):\n    return x  # rb_lambdas is another word\n")
+    (tmp_path / "fedapps" / "validation.py").write_text("def prediction_problem(w):\n    pass\n")
+    (tmp_path / "strategies" / "pl.py").write_text("class A:\n    def prediction_problem(self):\n        pass\n")
+    assert core_mentions(["robustness_penalty", "rb_lambda"], tmp_path) == [
+        "fedapps/ops.py:1: def robustness_penalty(x):"]
+    assert definers("prediction_problem", tmp_path) == ["fedapps/validation.py", "strategies/pl.py"]
+    (tmp_path / "fedapps" / "protocol.py").write_text('KEY = "predict.output"\n')
+    (tmp_path / "strategies" / "pl.py").write_text('"""Reads predict.output."""\nconfig = {"predict.output": 1}\n')
+    assert key_literals(("predict.output",), tmp_path) == ["strategies/pl.py:2: 'predict.output'"]
+
+
 def main() -> int:
     """Print the layer violations, cycles and algorithm names in the worker; 1 if there are any."""
     graph = import_graph()
     problems = 0
     for title, lines in (("layer violations", layer_violations(graph)),
                          ("import cycles", [" -> ".join(c) for c in find_cycles(graph)]),
-                         ("algorithm names in fedapps/worker.py", algorithm_mentions())):
+                         ("algorithm names in fedapps/worker.py", algorithm_mentions()),
+                         ("names of COSMOS's r_B in fedapps/", core_mentions(sorted(MOVED_OUT_OF_CORE))),
+                         ("other definitions of the prediction check",
+                          [d for d in definers(PREDICTION_CHECK[0]) if d != PREDICTION_CHECK[1]]),
+                         ("public-set keys outside fedapps/protocol.py", key_literals(PROTOCOL_KEYS))):
         print(f"{title}: {len(lines) or 'none'}")
         for line in lines:
             print("  " + line)

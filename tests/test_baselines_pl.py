@@ -17,7 +17,6 @@ from fedapps.inprocess import InProcessGrid
 from fedapps.protocol import ClientReply
 from strategies.comet import COMET, cluster_means, kmeans, kmeans_plus_plus
 from strategies.fedct import FedCT, majority_vote, qualified_vote, vote_counts
-from fedapps.pseudolabels import prediction_problem as check_predictions
 from strategies import resolve
 from strategies.fedmd import FedMD, alignment_subset, fedmd_consensus
 from strategies.pseudolabel_base import collect_predictions
@@ -88,18 +87,6 @@ def test_hard_label_encoding_is_one_byte_per_sample():
     assert pseudolabels.label_dtype(256) == np.uint16
 
 
-def test_check_predictions_rejects_bad_arrays():
-    assert check_predictions(np.zeros(5, np.uint8), 5, 10, "hard") is None
-    assert check_predictions(np.full(5, 11, np.uint8), 5, 10, "hard") is not None
-    assert check_predictions(np.zeros(5, np.int64), 5, 10, "hard") is not None
-    assert check_predictions(np.zeros((5, 10), np.float32), 5, 10, "probs") is not None  # not on the simplex
-    assert check_predictions(np.zeros((5, 10), np.float32), 5, 10, "logits") is None
-    bad = np.zeros((5, 10), np.float32)
-    bad[0, 0] = np.nan
-    assert check_predictions(bad, 5, 10, "logits") is not None
-    assert check_predictions(np.zeros((4, 10), np.float32), 5, 10, "logits") is not None
-
-
 @pytest.fixture(autouse=True)
 def _flower_identity() -> None:
     """Message() needs a task identity outside Flower's runtime; the in-process grid sets one."""
@@ -110,12 +97,19 @@ def _reply(cid: int, preds: np.ndarray) -> ClientReply:
     return ClientReply(node_id=100 + cid, client_id=cid, num_examples=10, metrics={}, predictions={"predictions": preds})
 
 
-def test_collect_predictions_drops_bad_replies_and_orders_by_client():
-    good = np.full((3, 2), 0.5, np.float32)
-    replies = [_reply(2, good), _reply(0, good * 2), _reply(1, np.full((2, 2), 0.5, np.float32))]
-    used, stack = collect_predictions(replies, 3, 2, "probs")
-    assert [r.client_id for r in used] == [2]  # client 0 is off the simplex, client 1 has the wrong shape
-    assert stack.shape == (1, 3, 2)
+def test_collect_predictions_stacks_validated_replies_in_client_order():
+    """The replies were checked once, by the reply validator: collect_predictions decodes and orders them, and a
+    reply without predictions (one that bypassed the validator) is an error, not a silent drop."""
+    p = [np.full((3, 2), v, np.float32) for v in (0.1, 0.2, 0.3)]
+    used, stack = collect_predictions([_reply(2, p[2]), _reply(0, p[0]), _reply(1, p[1])], 3, 2, "probs")
+    assert [r.client_id for r in used] == [0, 1, 2]
+    assert stack.shape == (3, 3, 2) and np.array_equal(stack, np.stack(p))
+    used, votes = collect_predictions([_reply(1, np.array([2, 0], np.uint8)), _reply(0, np.array([1, 1], np.uint8))],
+                                      2, 3, "hard")
+    assert votes.dtype == np.int64 and votes.tolist() == [[1, 1], [2, 0]]
+    assert collect_predictions([], 3, 2, "probs")[1].shape == (0, 3, 2)
+    with pytest.raises(ValueError, match="client 4's reply carries no predictions"):
+        collect_predictions([ClientReply(node_id=104, client_id=4, num_examples=10, metrics={})], 3, 2, "probs")
 
 
 def test_fedct_broadcasts_one_uint8_vote_and_skips_u_when_all_abstain():

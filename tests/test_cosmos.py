@@ -18,10 +18,9 @@ import server_app
 from fedapps import clustering, ops, protocol, pseudolabels
 from fedapps.config import ConfigError, load_config
 from fedapps.inprocess import InProcessGrid
-from fedapps.protocol import ClientReply
-from strategies.cosmos import frequency_weights
 from strategies import resolve
-from strategies.cosmos import Cosmos, server_target, validate_predictions
+from strategies.cosmos import (Cosmos, frequency_weights, rb_term, robustness_penalty, server_target,
+                               soft_predictions)
 
 torch.set_num_threads(1)
 
@@ -166,28 +165,120 @@ def test_rb_has_a_gradient_through_the_clean_branch_and_is_weighted() -> None:
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 5))
     x = torch.rand(8, 1, 4, 4) * 2 - 1
     logits = model(x)
-    penalty = ops.robustness_penalty(model, x, logits, sigma=0.5)
+    penalty = robustness_penalty(model, x, logits, sigma=0.5)
     assert penalty.requires_grad and penalty.item() > 0
     penalty.backward()
     assert model[1].weight.grad is not None and model[1].weight.grad.abs().sum() > 0
     # unweighted equals the plain MSE; zero weights silence it
     torch.manual_seed(1)
-    a = ops.robustness_penalty(model, x, model(x), 0.5)
+    a = robustness_penalty(model, x, model(x), 0.5)
     torch.manual_seed(1)
     with torch.no_grad():
         noisy = (x + 0.5 * torch.randn_like(x)).clamp(-1, 1)
         ref = torch.nn.functional.mse_loss(torch.softmax(model(x), -1), torch.softmax(model(noisy), -1))
     assert a.item() == pytest.approx(ref.item(), rel=1e-5)
-    zero = ops.robustness_penalty(model, x, model(x), 0.5, sample_weights=torch.zeros(8))
+    zero = robustness_penalty(model, x, model(x), 0.5, sample_weights=torch.zeros(8))
     assert zero.item() == 0.0
     # λ·r_B moves the parameters beyond what KL alone does (same seed, same data)
     def fit(lam: float) -> torch.Tensor:
         torch.manual_seed(2)
         m = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 5))
+        gen = torch.Generator().manual_seed(0)
         ops.distill(m, x, torch.softmax(torch.randn(8, 5), 1), ops.OptimSettings(epochs=2, batch_size=4, lr=0.1),
-                    ops.DistillSettings(rb_lambda=lam, rb_sigma=0.3), generator=torch.Generator().manual_seed(0))
+                    ops.DistillSettings(), generator=gen, term=rb_term(lam, 0.3, gen))
         return m[1].weight.detach().clone()
+    assert rb_term(0.0, 0.3) is None  # λ = 0: no term at all
     assert not torch.allclose(fit(0.0), fit(50.0))
+
+
+def test_rb_term_is_lambda_times_the_penalty_and_added_to_the_distillation_loss() -> None:
+    """rb_term(λ, σ) = λ·r_B with the noise of its generator; ops.distill adds it to the KL of every minibatch: one
+    full-batch SGD step equals the step on KL + λ·r_B computed by hand."""
+    torch.manual_seed(3)
+    model = torch.nn.Linear(4, 3)
+    x, targets = torch.rand(6, 4) * 2 - 1, torch.softmax(torch.randn(6, 3), 1)
+    term = rb_term(2.5, 0.4, torch.Generator().manual_seed(9))
+    by_hand = 2.5 * robustness_penalty(model, x, model(x), 0.4, generator=torch.Generator().manual_seed(9))
+    assert term(model, x, model(x), None).item() == pytest.approx(by_hand.item(), rel=1e-6)
+    # one SGD step of lr 0.1 on the whole batch, in the order distill shuffles it (the noise follows that order)
+    perm = torch.randperm(6, generator=torch.Generator().manual_seed(1))
+    ref = torch.nn.Linear(4, 3)
+    ref.load_state_dict(model.state_dict())
+    logits = ref(x[perm])
+    loss = ops.kl_to_targets(logits, targets[perm]) + 2.5 * robustness_penalty(
+        ref, x[perm], logits, 0.4, generator=torch.Generator().manual_seed(9))
+    loss.backward()
+    want = ref.weight.detach() - 0.1 * ref.weight.grad
+    ops.distill(model, x, targets, ops.OptimSettings(epochs=1, batch_size=6, lr=0.1, optimizer="sgd"),
+                ops.DistillSettings(), generator=torch.Generator().manual_seed(1),
+                term=rb_term(2.5, 0.4, torch.Generator().manual_seed(9)))
+    assert torch.allclose(model.weight.detach(), want, atol=1e-6)
+    kl_only = torch.nn.Linear(4, 3)
+    kl_only.load_state_dict(ref.state_dict())
+    ops.distill(kl_only, x, targets, ops.OptimSettings(epochs=1, batch_size=6, lr=0.1, optimizer="sgd"),
+                ops.DistillSettings(), generator=torch.Generator().manual_seed(1))
+    assert not torch.allclose(kl_only.weight.detach(), want, atol=1e-4)  # without the term: another step
+
+
+def test_rb_is_the_clients_registered_distillation_term() -> None:
+    """The client switches r_B on through the message's distill.rb_lambda / rb_sigma (registered by this module,
+    not the core): λ = 0 or no setting gives no term; otherwise λ·r_B with the worker's generator."""
+    from types import SimpleNamespace
+
+    from fedapps.clientops import DISTILL_TERMS
+
+    build = DISTILL_TERMS["rb"]
+    assert build.__module__ == Cosmos.__module__  # registered by strategies/cosmos.py, not by the core
+    w = SimpleNamespace(generator=torch.Generator().manual_seed(5))
+    assert build(w, {}) is None and build(w, {"rb_lambda": 0.0}) is None
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x = torch.rand(5, 4) * 2 - 1
+    got = build(w, {"rb_lambda": 3.0, "rb_sigma": 0.2})(model, x, model(x), None)
+    want = 3.0 * robustness_penalty(model, x, model(x), 0.2, generator=torch.Generator().manual_seed(5))
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_the_client_distils_with_r_b_when_the_message_asks(tmp_path: Path) -> None:
+    """End to end on the worker: the same distill message sent with distill.rb_lambda 0, then 5, then 0 again. Both
+    λ = 0 runs report the same distillation loss, the λ = 5 run another: r_B, registered by this module, reaches the
+    client's loss (it is not silently lost)."""
+    from fedapps.worker import Worker
+
+    cfg = load_config(write_config(tmp_path, rounds=1))
+    strategy = Cosmos(cfg)
+    InProcessGrid(1)  # sets the task identity Message() needs outside Flower
+    n, m = int(strategy.fed.public_x.shape[0]), strategy.fed.num_classes
+    targets = protocol.arrays_record({protocol.TARGET_ARRAY: np.full((n, m), 1.0 / m, np.float32)})
+    losses = []
+    for lam in (0.0, 5.0, 0.0):
+        config = {**strategy.client_config(2), "distill.rb_lambda": lam, "model.seed": 0}
+        msg = protocol.build_message(100, 2, ["distill"], config, targets=targets)
+        ctx = Context(run_id=1, node_id=100, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+        reply = Worker(msg, ctx).run()
+        assert not reply.has_error(), reply.error.reason
+        losses.append(float(reply.content[protocol.METRICS]["distill-loss"]))
+    assert losses[0] == losses[2]  # the same message twice: the same loss (nothing else differs between the runs)
+    assert losses[1] != losses[0]
+
+
+def test_robustness_penalty_is_seeded_and_weighted_per_sample() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x = torch.rand(5, 4) * 2 - 1
+    logits = model(x)
+    values = []
+    for global_seed in (1, 2):  # the global RNG differs, the generator does not
+        torch.manual_seed(global_seed)
+        values.append(robustness_penalty(model, x, logits, 0.5, generator=torch.Generator().manual_seed(7)).item())
+    assert values[0] == values[1]
+    assert robustness_penalty(model, x, logits, 0.5, generator=torch.Generator().manual_seed(8)).item() != values[0]
+    # weights [1, 0, 0, 0, 0]: exactly sample 0's mean squared difference
+    g = lambda: torch.Generator().manual_seed(7)  # noqa: E731
+    weighted = robustness_penalty(model, x, logits, 0.5, sample_weights=torch.tensor([1.0, 0, 0, 0, 0]), generator=g())
+    noisy = (x + 0.5 * torch.randn(x.shape, generator=g())).clamp(-1, 1)
+    first = ((torch.softmax(logits[0], -1) - torch.softmax(model(noisy[:1]), -1)[0]) ** 2).mean()
+    assert weighted.item() == pytest.approx(first.item(), rel=1e-5)
 
 
 # --------------------------------------------------------------------------- encodings
@@ -200,7 +291,9 @@ def test_hard_labels_use_the_smallest_integer_type(classes: int, dtype: type) ->
     wire = pseudolabels.encode(probs, "hard", classes)
     assert wire.dtype == dtype and wire.shape == (40,)
     assert pseudolabels.decode(wire, classes).tolist() == probs.argmax(1).tolist()
-    assert validate_predictions(wire, 40, classes).argmax(1).tolist() == probs.argmax(1).tolist()
+    soft = soft_predictions(wire, classes)
+    assert soft.shape == (40, classes) and soft.argmax(1).tolist() == probs.argmax(1).tolist()
+    assert np.array_equal(soft.sum(1), np.ones(40, np.float32))  # one-hot rows
 
 
 def test_soft_encodings_round_trip() -> None:
@@ -210,11 +303,11 @@ def test_soft_encodings_round_trip() -> None:
     assert f32.nbytes == 30 * 10 * 4 and f16.nbytes == 30 * 10 * 2
     assert np.array_equal(pseudolabels.decode(f32, 10), probs)
     assert np.abs(pseudolabels.decode(f16, 10) - probs).max() < 1e-3
-    assert validate_predictions(f16, 30, 10).shape == (30, 10)
-    with pytest.raises(ValueError, match="shape"):
-        validate_predictions(f32[:, :5], 30, 10)
-    with pytest.raises(ValueError, match="probability"):
-        validate_predictions(f32 * 3, 30, 10)
+    soft = soft_predictions(f16, 10)
+    assert soft.dtype == np.float32 and np.array_equal(soft, f16.astype(np.float32))
+    slightly_negative = f32.copy()
+    slightly_negative[0, 0] = -5e-4  # within the validator's tolerance; COSMOS clips it to 0
+    assert soft_predictions(slightly_negative, 10)[0, 0] == 0.0
 
 
 def test_bad_params_are_config_errors(tmp_path: Path) -> None:
@@ -323,13 +416,23 @@ def test_public_set_mismatch_is_refused_on_both_ends(tmp_path: Path) -> None:
     [reply] = grid.send_and_receive([protocol.build_message(100, 1, ["train", "predict"], config)])
     assert reply.has_error() and "public set mismatch" in reply.error.reason
     assert protocol.parse_replies([reply], 1, expect_predictions=True) == []
-    # server end: predictions computed on another U are not used
+    # server end: predictions computed on another U are rejected by the reply validator (the one check of a reply)
     n, m = int(strategy.fed.public_x.shape[0]), strategy.fed.num_classes
-    preds = {"predictions": np.full((n, m), 1.0 / m, dtype=np.float32)}
-    good = ClientReply(1, 0, 10, {}, predictions=preds, info={"fingerprint": strategy.fed.fingerprint})
-    bad = ClientReply(2, 1, 10, {}, predictions=preds, info={"fingerprint": "ffffffffffffffff"})
-    assert list(strategy.accept([good, bad])) == [0]
-    assert strategy.rejected_fingerprint == 1
+    [a, b] = strategy.round_messages(1, [100, 101])
+    strategy.validator.expect([a, b])
+    preds = protocol.arrays_record({"predictions": np.full((n, m), 1.0 / m, dtype=np.float32)})
+    tags = strategy.validator.expected[protocol.MESSAGE_TYPE][100].eval_tags  # evaluations the message asks for
+    metrics = {"client-id": 0, "num-examples": 10, **{f"{t}-{f}": v for t in tags for f, v in
+                                                      (("acc", 0.5), ("loss", 1.0), ("n", 2), ("correct", 1))}}
+
+    def reply(to: Message, cid: int, fingerprint: str) -> Message:
+        return Message(RecordDict({"metrics": MetricRecord({**metrics, "client-id": cid}), "predictions": preds,
+                                   "info": ConfigRecord({"fingerprint": fingerprint})}), reply_to=to)
+
+    out = strategy.validator.check(1, [reply(a, 0, strategy.fed.fingerprint), reply(b, 1, "ffffffffffffffff")])
+    assert [r.client_id for r in out.accepted] == [0]
+    assert [r.node_id for r in out.rejections] == [101] and "public set mismatch" in out.rejections[0].reason
+    assert list(strategy.accept(out.accepted)) == [0]
 
 
 # --------------------------------------------------------------------------- through Flower's simulation engine

@@ -79,14 +79,16 @@ class Run:
 
 
 def run(strategy: str, spec: str = "", clients: int = CLIENTS, extra: tuple[str, ...] = (),
-        faulty: int = FAULTY) -> Run:
+        faulty: int = FAULTY, mods: tuple = ()) -> Run:
+    """One in-process run; ``spec``: the fault spec of client ``faulty``; ``mods``: client mods after the faults'."""
     cfg = load_config(None, overrides(strategy, clients, extra))
     resolved = resolve(cfg)
     cfg = resolved.config(cfg)
     logs: list = []
-    torch.manual_seed(0)  # r_B's input noise (fedapps.ops.robustness_penalty) draws from torch's global RNG
+    torch.manual_seed(0)  # r_B's input noise (strategies.cosmos.robustness_penalty) draws from torch's global RNG
     s = resolved.build(cfg, on_round=logs.append)
-    grid = InProcessGrid(clients, node_configs={faulty: {"faults": spec}} if spec else None, mods=[faults.faults_mod])
+    grid = InProcessGrid(clients, node_configs={faulty: {"faults": spec}} if spec else None,
+                         mods=[faults.faults_mod, *mods])
     s.start(grid, num_rounds=ROUNDS, timeout=cfg.strategy.timeout)
     return Run(s, logs)
 

@@ -544,3 +544,39 @@ def test_the_smallest_trim_named_trims_exactly_one_client():
         assert trimmed_per_side(f, k) == 1 and trimmed_per_side(f - 0.001, k) == 0, k
         assert trimmed_mean(np.arange(k, dtype=float)[:, None], f)[0] == pytest.approx((k - 1) / 2)
     load_config(None, ["strategy.aggregation=trimmed-mean", "data.num_clients=10", "strategy.trim_fraction=0.1"])
+
+
+def test_the_one_prediction_check_at_its_bounds():
+    """validation.prediction_problem is the only check of predictions (every pseudo-label strategy's): hard labels
+    in [0, classes) — the abstain marker ``classes`` is the server's only —, logits within ±LOGIT_BOUND,
+    probabilities on the simplex within the tolerances, the shape the message asked for."""
+    check = validation.prediction_problem
+    hard = PredictionSpec(rows=5, classes=10, encoding="hard")
+    assert check(np.full(5, 9, np.uint8), hard) is None
+    assert check(np.full(5, 10, np.uint8), hard) == "hard label 10 out of range [0, 10)"
+    assert "dtype int64" in check(np.zeros(5, np.int64), hard)
+    assert "shape (4,)" in check(np.zeros(4, np.uint8), hard)
+    assert check(np.zeros(7, np.uint8), PredictionSpec(rows=None, classes=10, encoding="hard")) is None
+    logits = PredictionSpec(rows=5, classes=10, output="logits")
+    edge = np.zeros((5, 10), np.float32)
+    edge[0, 0] = -LOGIT_BOUND
+    assert check(edge, logits) is None
+    edge[0, 0] = np.nextafter(np.float32(-LOGIT_BOUND), np.float32(-np.inf))
+    assert "logits beyond" in check(edge, logits)
+    edge[0, 0] = np.nan
+    assert check(edge, logits) == "scores contain non-finite values"
+    assert "shape (4, 10)" in check(np.zeros((4, 10), np.float32), logits)
+    probs = PredictionSpec(rows=5, classes=10, output="probs")
+    rows = np.full((5, 10), 0.1, np.float32)
+    assert check(rows, probs) is None
+    near = rows.copy()
+    near[0, 0] += 0.009  # row sum 1.009: within PROB_TOLERANCE
+    near[1, :2] = [-0.0009, 0.2009]  # an entry just above -PROB_NEGATIVE
+    assert check(near, probs) is None
+    for row, values in ((0, {0: 0.1 + 0.011}), (1, {0: -0.0011, 1: 0.2011})):
+        bad = rows.copy()
+        for col, v in values.items():
+            bad[row, col] = v
+        assert "not probability vectors" in check(bad, probs), (row, values)
+    assert "not probability vectors" in check(np.zeros((5, 10), np.float32), probs)
+
