@@ -194,8 +194,7 @@ def _part(reply: Message, kind: str, record: str) -> dict[str, np.ndarray] | Non
     if record == protocol.PREDICTIONS and part is not None and protocol.PREDICTION_ARRAY not in part:
         part = None
     if not part:
-        what = "predictions" if record == protocol.PREDICTIONS else "arrays"
-        log.warning("fault '%s': the reply carries no %s; left as it is", kind, what)
+        log.warning("fault '%s': the reply carries no '%s' record; left as it is", kind, record)
         return None
     return part
 
