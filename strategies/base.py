@@ -25,9 +25,9 @@ from typing import Any, ClassVar, Iterable, Mapping
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy import Result
 
 from fedapps import protocol
 from fedapps.config import ConfigError, ExperimentConfig, cohort_size, exceeds_clients
@@ -134,9 +134,16 @@ class RoundLog:
     measurements: list[Measurement] = dataclasses.field(default_factory=list)
 
 
-class PersonalisedStrategy(Strategy):
+class PersonalisedStrategy:
     """Base class: one message phase per round (plus the evaluation-only one after the last round);
-    subclasses hold the algorithm."""
+    subclasses hold the algorithm.
+
+    It does not subclass Flower's ``flwr.serverapp.strategy.Strategy``: that contract is a loop of
+    ``configure_train`` / ``aggregate_train`` / ``configure_evaluate`` / ``aggregate_evaluate`` around one global
+    model, driven by ``Strategy.start(grid, initial_arrays, ...)``. Ours sends a personalised message per client,
+    measures the previous round's deployed models on the next round's messages and resumes from a checkpoint
+    (``start(grid, num_rounds, timeout, first_round)``), so the four adapters would only be code nothing calls.
+    What it keeps of Flower: the Grid it drives, the Message API and the ``Result`` that ``start`` returns."""
 
     name: ClassVar[str] = ""
     Params: ClassVar[type] = NoParams  # a dataclass of fedapps.params.param fields: strategy.params.<name>.*
@@ -257,14 +264,6 @@ class PersonalisedStrategy(Strategy):
         """Whether round ``server_round``'s deployed models are measured (default: every round; the last round
         always is)."""
         return True
-
-    def expect_arrays(self) -> bool:
-        """Whether round replies must carry model arrays."""
-        return False
-
-    def expect_predictions(self) -> bool:
-        """Whether round replies must carry predictions on U."""
-        return False
 
     def final_summary(self) -> dict[str, Any]:
         """Extra keys for summary.json."""
@@ -392,41 +391,11 @@ class PersonalisedStrategy(Strategy):
             log.info("resumed: %d node(s) of the checkpointed run are gone (new node ids); their clients are "
                      "identified again", len(gone))
 
-    # ------------------------------------------------------------------ Flower's Strategy interface
-    # The round loop is :meth:`start`; these adapters give Flower's abstract interface the same behaviour.
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        messages = self.messages_for_round(server_round, self.sample_nodes(grid))
-        self.validator.expect(messages)
-        return messages
-
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        parsed = self.validate(server_round, replies, self.expect_arrays(), self.expect_predictions())
-        extra = self.aggregate(server_round, parsed) if parsed else {}
-        return None, round_metrics(RoundLog(server_round, parsed, 0, 0, extra=extra))
-
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        """Flower's evaluation phase: the evaluation-only message after the last round (earlier rounds' deployed
-        models are measured on the next round's training messages)."""
-        if server_round != self.cfg.rounds:
-            return []
-        messages = self.deployed_messages(server_round + 1, sorted(n for n in grid.get_node_ids()
-                                                                   if n not in self.excluded_nodes))
-        self.validator.expect(messages)
-        return messages
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        parsed = self.validate(server_round, replies, phase=protocol.EVAL_MESSAGE_TYPE)
-        return measurement_metrics(Measurement(server_round, parsed, final=True))
-
-    def summary(self) -> None:
-        log.info("strategy %s, params: %s", self.name, self.params)
-
-    def validate(self, server_round: int, replies: Iterable[Message], expect_arrays: bool = False,
-                 expect_predictions: bool = False, phase: str = protocol.MESSAGE_TYPE) -> list[ClientReply]:
+    def validate(self, server_round: int, replies: Iterable[Message],
+                 phase: str = protocol.MESSAGE_TYPE) -> list[ClientReply]:
         """Check replies against what their messages asked (:mod:`fedapps.validation`; recorded by
-        ``validator.expect`` when the messages were built) and bind node ↔ client; never raises. What each reply
-        must carry is read off its message, so ``expect_arrays`` / ``expect_predictions`` are no longer needed
-        (kept for callers). The counts and rejections go into the round's record."""
+        ``validator.expect`` when the messages were built: what each reply must carry is read off its message) and
+        bind node ↔ client; never raises. The counts and rejections go into the round's record."""
         replies = list(replies)
         outcome = self.validator.check(server_round, replies, phase)
         for r in outcome.accepted:
@@ -452,16 +421,17 @@ class PersonalisedStrategy(Strategy):
         log.warning("round %d: %s: %s", server_round, self.name, reason)
         self._checked.skips.append(Rejection(server_round, SKIP_PHASE, None, None, f"{self.name}: {reason}"))
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
-              timeout: float | None = None, first_round: int = 1, **_: Any) -> Result:
+    def start(self, grid: Grid, num_rounds: int | None = None, timeout: float | None = None,
+              first_round: int = 1) -> Result:
         """The round loop: messages out, replies in, aggregate, optional evaluation phase, record.
         ``first_round`` > 1 continues a run restored with :meth:`load_checkpoint_state`.
 
-        Returns Flower's ``Result``: per round the aggregated client metrics (``train_metrics_clientapp``), and
-        the final global model (``arrays``) where the algorithm has one."""
+        Returns Flower's ``Result``: per round the aggregated client metrics (``train_metrics_clientapp``), the
+        deployed models' accuracy filed under the round it measures (``evaluate_metrics_clientapp``), and the final
+        global model (``arrays``) where the algorithm has one."""
         num_rounds = num_rounds or self.cfg.rounds
         timeout = timeout or self.cfg.strategy.timeout
-        self.summary()
+        log.info("strategy %s, params: %s", self.name, self.params)
         connected = wait_for_clients(grid, self.cfg.strategy.expected_clients or self.cfg.data.num_clients,
                                      self.cfg.strategy.connect_timeout)
         if first_round > 1:
@@ -592,7 +562,7 @@ class PersonalisedStrategy(Strategy):
         eval_down = sum(protocol.eval_nbytes(m.content) for m in messages)  # a model sent for evaluation only
         down = sum(protocol.record_nbytes(m.content) for m in messages) - eval_down
         replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
-        parsed = self.validate(rnd, replies, self.expect_arrays(), self.expect_predictions())
+        parsed = self.validate(rnd, replies)
         up = sum(r.nbytes for r in parsed)  # the accepted replies' bytes (the rejected ones: bytes_up_rejected)
         parsed.sort(key=lambda r: r.client_id)  # replies arrive in any order (Ray): sums over clients must not depend on it
         skipped = len(parsed) < self.cfg.strategy.min_clients

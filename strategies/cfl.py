@@ -98,9 +98,6 @@ class CFL(PersonalisedStrategy):
         self.cluster_of: dict[int, int] = {}  # client id -> cluster (unknown clients: cluster 0)
         self.splits: list[tuple[int, int, int]] = []  # (round, parent cluster, new cluster)
 
-    def expect_arrays(self) -> bool:
-        return True
-
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "state",
                   "persist-model": False}

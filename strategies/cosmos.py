@@ -256,9 +256,6 @@ class Cosmos(PersonalisedStrategy):
         log.info("cosmos round %d: %d messages (%d with cluster pseudo-labels)", server_round, len(messages), with_targets)
         return messages
 
-    def expect_predictions(self) -> bool:
-        return True
-
     def measures_round(self, server_round: int) -> bool:
         """The cluster models are sent for evaluation every ``eval_every`` rounds (the last round always)."""
         return server_round % self.params.eval_every == 0 or server_round == self.cfg.rounds

@@ -418,9 +418,6 @@ class CwFedAvg(PersonalisedStrategy):
         log.info("cwfedavg: %d of %d parameter tensors class-wise (%s), estimator %s, WDR λ=%g, mix %s, buffers %s",
                  len(self.classwise), len(params), p.layers, p.estimator, p.wdr_lambda, p.mix, p.buffers)
 
-    def expect_arrays(self) -> bool:
-        return True
-
     # ------------------------------------------------------------------ personalised models
     def personalised(self, client_id: int | None) -> dict[str, np.ndarray]:
         """Client's model: the shared FedAvg arrays, and its row of A on the stacked class-wise arrays (FedAvg

@@ -55,9 +55,6 @@ class Ditto(PersonalisedStrategy):
         super().__init__(cfg, params, on_round)
         self.global_arrays = initial_model_arrays(cfg)
 
-    def expect_arrays(self) -> bool:
-        return True
-
     def final_arrays(self) -> dict[str, Any]:
         return self.global_arrays
 

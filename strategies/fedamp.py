@@ -143,9 +143,6 @@ class FedAMP(PersonalisedStrategy):
         self._last_median_d2: float | None = None  # clients, median non-zero ‖w_i − w_j‖² (what σ is compared with)
         self._last_sigma: float | None = None  # and the σ used
 
-    def expect_arrays(self) -> bool:
-        return True
-
     def anchors(self, clients: list[int]) -> dict[int, np.ndarray]:
         """u_i for the given clients over every client known (and the given ones, at their current models)."""
         pool = sorted(set(self.models) | set(clients))

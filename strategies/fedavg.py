@@ -40,9 +40,6 @@ class FedAvg(PersonalisedStrategy):
         super().__init__(cfg, params, on_round)
         self.global_arrays = initial_model_arrays(cfg)
 
-    def expect_arrays(self) -> bool:
-        return True
-
     def final_arrays(self) -> dict[str, np.ndarray]:
         return self.global_arrays
 

@@ -128,9 +128,6 @@ class FedFomo(PersonalisedStrategy):
         self.affinity: dict[int, dict[int, float]] = defaultdict(dict)  # P_ij
         self.sent_candidates: dict[int, list[int]] = {}  # node -> candidate client ids of this round
 
-    def expect_arrays(self) -> bool:
-        return True
-
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         config = {**self.base_config(), "holdout-fraction": float(self.params.holdout_fraction),
                   "arrays.multi": True, "return-arrays": True, "arrays.keys": "state"}

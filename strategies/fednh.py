@@ -239,9 +239,6 @@ class FedNH(PersonalisedStrategy):
         self.validator = ReplyValidator.from_config(
             dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=self.arch)))
 
-    def expect_arrays(self) -> bool:
-        return True
-
     def final_arrays(self) -> dict[str, np.ndarray]:
         return self.global_arrays
 

@@ -31,9 +31,6 @@ class FedPer(PersonalisedStrategy):
         super().__init__(cfg, params, on_round)
         self.body = initial_model_arrays(cfg, "body")
 
-    def expect_arrays(self) -> bool:
-        return True
-
     def client_ops(self) -> list[str]:
         """What the client runs after loading the body (FedRep trains differently)."""
         return ["train"]

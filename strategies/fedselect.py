@@ -300,9 +300,6 @@ class FedSelect(PersonalisedStrategy):
         self.trainings: dict[int, int] = {}  # client id -> accepted local trainings so far
         self.validator = SharedEntriesValidator.from_config(cfg)
 
-    def expect_arrays(self) -> bool:
-        return True
-
     def client_masks(self, client_id: int | None) -> dict[str, np.ndarray]:
         """Client's personal masks (only the tensors with personal entries; none: everything shared)."""
         return {} if client_id is None else self.masks.get(client_id, {})

@@ -109,9 +109,6 @@ class IFCA(PersonalisedStrategy):
         self.models = [initial_model_arrays(cfg, seed=cfg.seed + k) for k in range(self.params.clusters)]
         self.assignment: dict[int, int] = {}  # client id -> cluster chosen last
 
-    def expect_arrays(self) -> bool:
-        return True
-
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         config = {**self.base_config(), "arrays.multi": True, "load-arrays": False, "persist-model": False,
                   "return-arrays": True, "arrays.keys": "state"}

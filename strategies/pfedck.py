@@ -161,9 +161,6 @@ class PFedCK(PersonalisedStrategy):
         self.centroids: np.ndarray | None = None
         self.assignment: dict[int, int] = {}  # client id -> cluster of the last clustering it took part in
 
-    def expect_arrays(self) -> bool:
-        return True
-
     def interactive_of(self, client_id: int | None) -> dict[str, np.ndarray]:
         """The interactive model the client receives: its cluster's latest, or the initial one."""
         mid = self.model_of.get(client_id) if client_id is not None else None

@@ -303,9 +303,6 @@ class PFedHN(PersonalisedStrategy):
         return sum(p.numel() for p in self.hn.parameters())
 
     # ------------------------------------------------------------------ the round
-    def expect_arrays(self) -> bool:
-        return True
-
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "params"}
         self.sent_from = {}

@@ -81,9 +81,6 @@ class PseudoLabelStrategy(PersonalisedStrategy):
         truth = self._public_y if rows is None else self._public_y[rows]
         return float(np.mean(np.asarray(labels) == truth))
 
-    def expect_predictions(self) -> bool:
-        return True
-
     def message_config(self, server_round: int, distill_loss: str, predict_output: str, predict_encoding: str,
                        weighting: str = "none") -> dict[str, Any]:
         """Base settings plus the public-set fingerprint, the distill / predict sections and round 1's epochs."""
