@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -134,6 +134,22 @@ class RoundLog:
     measurements: list[Measurement] = dataclasses.field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class RunContext:
+    """What the app driver knows of a run beyond its config, given to the strategy at construction (never set
+    afterwards). The defaults (rounds recorded nowhere, state kept in memory, every node sampled) suit tests."""
+
+    on_round: Callable[[RoundLog], None] | None = None  # called with every round's record: the result sinks
+    # where clients keep their private model across a resumption, sent in every message (see fedapps.worker):
+    # {"state-dir": <run folder>/client-state, "state-run": the run's token}; empty: clients keep it in memory only
+    client_state: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # where the strategy may keep per-client state too large to rewrite in checkpoint.pt every round (see
+    # fedapps.checkpoint.RowFiles; cwFedAvg's stack); None: everything goes in checkpoint.pt
+    server_state_dir: str | None = None
+    # nodes refused before round 1 (data.source 'nodes': their data do not fit, see fedapps.describe): never sampled
+    excluded_nodes: frozenset[int] = frozenset()
+
+
 class PersonalisedStrategy:
     """Base class: one message phase per round (plus the evaluation-only one after the last round);
     subclasses hold the algorithm.
@@ -156,8 +172,8 @@ class PersonalisedStrategy:
     # attributes (data, devices, caches rebuilt from the config) in its ``checkpoint_exclude``; the sets of
     # every class in the MRO count.
     checkpoint_exclude: ClassVar[frozenset[str]] = frozenset(
-        {"cfg", "params", "on_round", "rng", "node_to_client", "last_extra", "client_state", "rule", "validator",
-         "_checked", "last_measured", "excluded_nodes", "server_state_dir", "identify_asked"})
+        {"cfg", "params", "context", "rng", "node_to_client", "last_extra", "rule", "validator", "_checked",
+         "last_measured", "identify_asked"})
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -211,25 +227,19 @@ class PersonalisedStrategy:
                                               "there are not that many clients to share out"))
 
     # ------------------------------------------------------------------ construction
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        """``params``: normally from :func:`strategies.resolve` (None: read and checked from ``cfg``);
+        ``context``: the run's collaborators and places (:class:`RunContext`; None: its defaults)."""
         self.cfg = cfg
-        self.params = params if params is not None else self.params_from(cfg)  # normally from strategies.resolve
+        self.params = params if params is not None else self.params_from(cfg)
+        self.context = context if context is not None else RunContext()
         self.rng = np.random.default_rng(cfg.seed)
         self.node_to_client: dict[int, int] = {}
-        self.on_round = on_round  # callback(RoundLog) -> None: the result sinks
         self.last_extra: dict[str, Any] = {}  # the extras of the last round that had usable replies
         self.last_measured: dict[str, Any] = {}  # round and accuracy of the latest deployed-model measurement
         self.rule = AggregationRule.for_run(cfg)  # for average_matching (robust_aggregation strategies)
         self.validator = ReplyValidator.from_config(cfg)  # every reply is checked against what its message asked
         self._checked = RoundLog(0, [], 0, 0)  # validation counts of the phases validated since the last reset
-        # where clients keep their private model across a resumption: {"state-dir": ..., "state-run": token};
-        # set by the app driver, sent in every message (see fedapps.worker); empty: clients keep it in memory only
-        self.client_state: dict[str, str] = {}
-        # where the strategy may keep per-client state too large to rewrite in checkpoint.pt every round (see
-        # fedapps.checkpoint.RowFiles; cwFedAvg's stack); set by the app driver; None: everything goes in checkpoint.pt
-        self.server_state_dir: str | None = None
-        # nodes refused before round 1 (data.source 'nodes': their data do not fit, see fedapps.describe): never sampled
-        self.excluded_nodes: set[int] = set()
         self.identify_asked: set[int] = set()  # nodes sent an identify message (each is asked once)
 
     def base_config(self) -> dict[str, Any]:
@@ -241,7 +251,7 @@ class PersonalisedStrategy:
         if c.model.per_client:
             out["model.per_client"] = list(c.model.per_client)
         out.update(protocol.flatten("client", dataclasses.asdict(c.client)))
-        out.update(self.client_state)
+        out.update(self.context.client_state)
         return out
 
     # ------------------------------------------------------------------ to implement
@@ -341,7 +351,7 @@ class PersonalisedStrategy:
         identified before it is first sampled (:meth:`identify`). The draw is over the nodes ordered by CLIENT id:
         node ids are random per run (Flower's simulation draws them afresh), so a draw over them would give the
         same seed another cohort in every run."""
-        nodes = [n for n in self.available_nodes(grid) if n not in self.excluded_nodes]
+        nodes = [n for n in self.available_nodes(grid) if n not in self.context.excluded_nodes]
         if not nodes:
             raise RuntimeError("no client nodes are connected")
         self.identify(grid, nodes)
@@ -442,8 +452,8 @@ class PersonalisedStrategy:
             result.train_metrics_clientapp[rnd] = round_metrics(entry)
             for m in entry.measurements:  # the deployed models, filed under the round they belong to
                 result.evaluate_metrics_clientapp[m.round] = measurement_metrics(m)
-            if self.on_round is not None:
-                self.on_round(entry)
+            if self.context.on_round is not None:
+                self.context.on_round(entry)
         final = self.final_arrays()
         if final is not None:
             result.arrays = protocol.arrays_record(final)
@@ -530,7 +540,7 @@ class PersonalisedStrategy:
         traffic. Sent in batches of a training round's cohort, one after another, so that the server holds no
         more messages at once than in a round (a personalised model per client: cwFedAvg's 1,000 clients held
         ~17 GB when sent at once, docs/performance.md); each batch gets ``timeout``."""
-        nodes = sorted(int(n) for n in grid.get_node_ids() if int(n) not in self.excluded_nodes)
+        nodes = sorted(int(n) for n in grid.get_node_ids() if int(n) not in self.context.excluded_nodes)
         batch = max(1, self.cohort_size(len(nodes)))
         parsed: list[ClientReply] = []
         sent = 0

@@ -27,7 +27,7 @@ from fedapps.clustering import l2_distance_matrix
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
 from strategies.fedprox import PROX_MU
 
@@ -133,8 +133,8 @@ class FedAMP(PersonalisedStrategy):
                 f"{cfg.client.lr * mu:.3g} >= {limit:.3g}: plain SGD on the proximal term diverges. Lower "
                 "'strategy.params.fedamp.lam' or 'client.lr', or raise 'strategy.params.fedamp.alpha_k'")
 
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
-        super().__init__(cfg, params, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        super().__init__(cfg, params, context)
         self.like = initial_model_arrays(cfg, "params")  # shapes and dtypes of the parameters
         self.keys = list(self.like)
         self.initial = flatten(self.like, self.keys)
