@@ -1,9 +1,11 @@
 """Flower ServerApp: resolve the experiment config, build the strategy, run it, write the results.
 
-This module imports only Flower when it loads; torch, the core and the strategies are imported when a run starts.
-Flower's simulation loads the ServerApp (on its thread) and the ClientApp (on its main thread, which then starts
-Ray) under one import lock: a light module lets Ray's processes boot while the run's imports happen
-(docs/performance.md, the start-up benchmark).
+When it loads, this module imports Flower and the light part of the core only (config, protocol, results,
+validation, message_sweep: no torch, ~0.1 s); whatever imports torch (the data, checkpoints, trackers, the node
+description and the strategies, ~4 s) is imported inside the functions, when a run starts. Flower's simulation loads
+the ServerApp (on its thread) and the ClientApp (on its main thread, which then starts Ray) under one import lock:
+a light module lets Ray's processes boot while the run's imports happen (docs/performance.md, the start-up
+benchmark).
 """
 
 from __future__ import annotations
@@ -17,13 +19,18 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+import yaml
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-if TYPE_CHECKING:  # annotations only
-    from fedapps.config import ExperimentConfig
+from fedapps import message_sweep, protocol
+from fedapps.config import ExperimentConfig, dump_yaml, load_config, split_overrides
+from fedapps.results import (REJECTIONS, DeliveryCheck, FileSink, ResultSink, UnusableRun, append_rejections,
+                             exit_status, run_problems)
+from fedapps.validation import ReplyValidator, registry_of
+
+if TYPE_CHECKING:  # annotations only (fedapps.describe imports torch)
     from fedapps.describe import Description
-    from fedapps.validation import ReplyValidator
 
 log = logging.getLogger("fedapps")
 app = ServerApp()
@@ -45,7 +52,7 @@ def set_server_threads() -> int:
     In simulation the ServerApp shares the cores with the client workers; a multi-threaded server process
     next to them was measured ~15x slower on 2 cores (oversubscription), so one thread is the safe default.
     """
-    import torch
+    import torch  # see the module docstring
 
     threads = int(os.environ.get("FEDAPPS_SERVER_THREADS", "1"))
     torch.set_num_threads(max(1, threads))
@@ -63,13 +70,11 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     A run that ends successfully removes its resume state (checkpoint.pt, client-state/, server-state/) unless
     ``keep_state``.
     """
-    from fedapps import checkpoint, message_sweep, tracking
-    from fedapps.config import dump_yaml, load_config, split_overrides
+    # these import torch: when the run starts, not when Flower loads the module (the module docstring)
+    from fedapps import checkpoint, tracking
     from fedapps.data import NODES, get_federation, set_described_counts, spec_key
     from fedapps.describe import bind_accepted
-    from fedapps.results import (REJECTIONS, DeliveryCheck, FileSink, ResultSink, UnusableRun, append_rejections,
-                                 exit_status, run_problems)
-    from strategies import report_ignored, resolve
+    from strategies import RunContext, report_ignored, resolve
 
     setup_logging()
     set_server_threads()
@@ -123,16 +128,18 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
         if after_round is not None:
             after_round(entry.round)
 
-    strategy = resolved.build(cfg, on_round=on_round)
-    strategy.client_state = {"state-dir": str(files.dir / checkpoint.CLIENT_STATE), "state-run": token}
-    strategy.server_state_dir = str(files.dir / checkpoint.SERVER_STATE)
+    context = RunContext(
+        on_round=on_round,
+        client_state={"state-dir": str(files.dir / checkpoint.CLIENT_STATE), "state-run": token},
+        server_state_dir=str(files.dir / checkpoint.SERVER_STATE),
+        excluded_nodes=frozenset(description.excluded) if description is not None else frozenset())
+    strategy = resolved.build(cfg, context)
     first_round = 1
     if saved is not None:
         strategy.load_checkpoint_state(saved["state"])
         first_round = int(saved["round"]) + 1
         log.info("resuming '%s' after round %d of %d", files.dir, first_round - 1, cfg.rounds)
     if description is not None:  # after a checkpoint's bindings: the nodes described now are who they said
-        strategy.excluded_nodes = set(description.excluded)
         bind_accepted(describe_validator, strategy.validator, description)
     # experiment trackers (config key tracking), after the file sink: at the end they read the files it wrote
     trackers = tracking.tracking_sinks(cfg, files.dir, resumed=saved is not None)
@@ -169,10 +176,8 @@ def describe(grid: Grid, cfg: ExperimentConfig, uses_public: bool) -> tuple[Desc
     """data.source 'nodes': every connected node describes its data (:mod:`fedapps.describe`); classes and shape
     are settled (pinned by data.num_classes / data.input_shape where given), refused nodes excluded. A strategy
     that ``uses_public`` U has each node's copy checked against the server's here, before round 1."""
-    from fedapps import protocol
-    from fedapps.data import get_federation
+    from fedapps.data import get_federation  # torch: see the module docstring
     from fedapps.describe import describe_nodes
-    from fedapps.validation import ReplyValidator, registry_of
 
     d = cfg.data
     spec = dataclasses.asdict(d)
@@ -192,9 +197,7 @@ def describe(grid: Grid, cfg: ExperimentConfig, uses_public: bool) -> tuple[Desc
 def nodes_as_checkpointed(cfg: ExperimentConfig, saved_yaml: str) -> ExperimentConfig:
     """A resumed data.source 'nodes' run: the classes and shape its nodes described (in the checkpointed config)
     are pinned, unless the given config pins its own."""
-    import yaml
-
-    from fedapps.data import NODES
+    from fedapps.data import NODES  # torch: see the module docstring
 
     if cfg.data.source != NODES or (cfg.data.num_classes and cfg.data.input_shape):
         return cfg
@@ -208,8 +211,6 @@ def nodes_as_checkpointed(cfg: ExperimentConfig, saved_yaml: str) -> ExperimentC
 def main(grid: Grid, context: Context) -> None:
     """Entry point under `flwr run`: run config keys 'config', 'overrides', 'output-dir', 'resume-dir',
     'keep-state'."""
-    from fedapps import message_sweep
-
     message_sweep.poll_replies_often(grid)  # simulation: replies looked for every 0.02 s, not 0.1 s
     rc = context.run_config
     run_experiment(grid, str(rc.get("config", "configs/default.yaml")), str(rc.get("overrides", "")),

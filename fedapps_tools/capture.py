@@ -27,7 +27,7 @@ import torch
 from fedapps import faults, protocol
 from fedapps.config import load_config
 from fedapps.inprocess import InProcessGrid
-from strategies import resolve
+from strategies import RunContext, resolve
 
 log = logging.getLogger("fedapps")
 
@@ -181,7 +181,7 @@ def run_arm(c: Case, arm: str, seed: int = 0) -> Outcome:
     faults.clear_board()
     t0, c0 = time.perf_counter(), time.process_time()
     torch.manual_seed(seed)  # r_B's input noise draws from torch's global RNG
-    strategy = resolved.build(cfg, on_round=logs.append)
+    strategy = resolved.build(cfg, RunContext(on_round=logs.append))
     spec = node_spec(c, arm)
     grid = InProcessGrid(CLIENTS, node_configs={i: {faults.NODE_KEY: spec} for i in range(CLIENTS)},
                          mods=[faults.faults_mod])

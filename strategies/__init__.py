@@ -21,7 +21,7 @@ import logging
 from fedapps.config import ConfigError, ExperimentConfig, split_overrides, unused_settings, with_strategy_params
 from fedapps.data import check_spec, unused_data_keys
 from fedapps.models import check_model_names
-from strategies.base import PersonalisedStrategy
+from strategies.base import PersonalisedStrategy, RunContext
 
 
 def _discover() -> dict[str, type[PersonalisedStrategy]]:
@@ -56,9 +56,9 @@ class ResolvedStrategy:
         """A copy of ``cfg`` with the chosen strategy's section written out in full (defaults filled in)."""
         return with_strategy_params(cfg, self.cls.name, dataclasses.asdict(self.params))
 
-    def build(self, cfg: ExperimentConfig, on_round: Any = None) -> PersonalisedStrategy:
-        """The strategy object for ``cfg``, with these params."""
-        return self.cls(cfg, self.params, on_round=on_round)
+    def build(self, cfg: ExperimentConfig, context: RunContext | None = None) -> PersonalisedStrategy:
+        """The strategy object for ``cfg``, with these params and the run's ``context`` (None: its defaults)."""
+        return self.cls(cfg, self.params, context)
 
 
 def resolve(cfg: ExperimentConfig) -> ResolvedStrategy:
@@ -134,4 +134,4 @@ def _value(cfg: ExperimentConfig, dotted: str) -> object:
     return node
 
 
-__all__ = ["STRATEGIES", "PersonalisedStrategy", "ResolvedStrategy", "ignored_settings", "report_ignored", "resolve"]
+__all__ = ["STRATEGIES", "PersonalisedStrategy", "ResolvedStrategy", "RunContext", "ignored_settings", "report_ignored", "resolve"]

@@ -21,13 +21,13 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy import Result
 
 from fedapps import protocol
 from fedapps.config import ConfigError, ExperimentConfig, cohort_size, exceeds_clients
@@ -134,9 +134,32 @@ class RoundLog:
     measurements: list[Measurement] = dataclasses.field(default_factory=list)
 
 
-class PersonalisedStrategy(Strategy):
+@dataclass(frozen=True)
+class RunContext:
+    """What the app driver knows of a run beyond its config, given to the strategy at construction (never set
+    afterwards). The defaults (rounds recorded nowhere, state kept in memory, every node sampled) suit tests."""
+
+    on_round: Callable[[RoundLog], None] | None = None  # called with every round's record: the result sinks
+    # where clients keep their private model across a resumption, sent in every message (see fedapps.worker):
+    # {"state-dir": <run folder>/client-state, "state-run": the run's token}; empty: clients keep it in memory only
+    client_state: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # where the strategy may keep per-client state too large to rewrite in checkpoint.pt every round (see
+    # fedapps.checkpoint.RowFiles; cwFedAvg's stack); None: everything goes in checkpoint.pt
+    server_state_dir: str | None = None
+    # nodes refused before round 1 (data.source 'nodes': their data do not fit, see fedapps.describe): never sampled
+    excluded_nodes: frozenset[int] = frozenset()
+
+
+class PersonalisedStrategy:
     """Base class: one message phase per round (plus the evaluation-only one after the last round);
-    subclasses hold the algorithm."""
+    subclasses hold the algorithm.
+
+    It does not subclass Flower's ``flwr.serverapp.strategy.Strategy``: that contract is a loop of
+    ``configure_train`` / ``aggregate_train`` / ``configure_evaluate`` / ``aggregate_evaluate`` around one global
+    model, driven by ``Strategy.start(grid, initial_arrays, ...)``. Ours sends a personalised message per client,
+    measures the previous round's deployed models on the next round's messages and resumes from a checkpoint
+    (``start(grid, num_rounds, timeout, first_round)``), so the four adapters would only be code nothing calls.
+    What it keeps of Flower: the Grid it drives, the Message API and the ``Result`` that ``start`` returns."""
 
     name: ClassVar[str] = ""
     Params: ClassVar[type] = NoParams  # a dataclass of fedapps.params.param fields: strategy.params.<name>.*
@@ -149,8 +172,8 @@ class PersonalisedStrategy(Strategy):
     # attributes (data, devices, caches rebuilt from the config) in its ``checkpoint_exclude``; the sets of
     # every class in the MRO count.
     checkpoint_exclude: ClassVar[frozenset[str]] = frozenset(
-        {"cfg", "params", "on_round", "rng", "node_to_client", "last_extra", "client_state", "rule", "validator",
-         "_checked", "last_measured", "excluded_nodes", "server_state_dir", "identify_asked"})
+        {"cfg", "params", "context", "rng", "node_to_client", "last_extra", "rule", "validator", "_checked",
+         "last_measured", "identify_asked"})
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -204,25 +227,19 @@ class PersonalisedStrategy(Strategy):
                                               "there are not that many clients to share out"))
 
     # ------------------------------------------------------------------ construction
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        """``params``: normally from :func:`strategies.resolve` (None: read and checked from ``cfg``);
+        ``context``: the run's collaborators and places (:class:`RunContext`; None: its defaults)."""
         self.cfg = cfg
-        self.params = params if params is not None else self.params_from(cfg)  # normally from strategies.resolve
+        self.params = params if params is not None else self.params_from(cfg)
+        self.context = context if context is not None else RunContext()
         self.rng = np.random.default_rng(cfg.seed)
         self.node_to_client: dict[int, int] = {}
-        self.on_round = on_round  # callback(RoundLog) -> None: the result sinks
         self.last_extra: dict[str, Any] = {}  # the extras of the last round that had usable replies
         self.last_measured: dict[str, Any] = {}  # round and accuracy of the latest deployed-model measurement
         self.rule = AggregationRule.for_run(cfg)  # for average_matching (robust_aggregation strategies)
         self.validator = ReplyValidator.from_config(cfg)  # every reply is checked against what its message asked
         self._checked = RoundLog(0, [], 0, 0)  # validation counts of the phases validated since the last reset
-        # where clients keep their private model across a resumption: {"state-dir": ..., "state-run": token};
-        # set by the app driver, sent in every message (see fedapps.worker); empty: clients keep it in memory only
-        self.client_state: dict[str, str] = {}
-        # where the strategy may keep per-client state too large to rewrite in checkpoint.pt every round (see
-        # fedapps.checkpoint.RowFiles; cwFedAvg's stack); set by the app driver; None: everything goes in checkpoint.pt
-        self.server_state_dir: str | None = None
-        # nodes refused before round 1 (data.source 'nodes': their data do not fit, see fedapps.describe): never sampled
-        self.excluded_nodes: set[int] = set()
         self.identify_asked: set[int] = set()  # nodes sent an identify message (each is asked once)
 
     def base_config(self) -> dict[str, Any]:
@@ -234,7 +251,7 @@ class PersonalisedStrategy(Strategy):
         if c.model.per_client:
             out["model.per_client"] = list(c.model.per_client)
         out.update(protocol.flatten("client", dataclasses.asdict(c.client)))
-        out.update(self.client_state)
+        out.update(self.context.client_state)
         return out
 
     # ------------------------------------------------------------------ to implement
@@ -257,14 +274,6 @@ class PersonalisedStrategy(Strategy):
         """Whether round ``server_round``'s deployed models are measured (default: every round; the last round
         always is)."""
         return True
-
-    def expect_arrays(self) -> bool:
-        """Whether round replies must carry model arrays."""
-        return False
-
-    def expect_predictions(self) -> bool:
-        """Whether round replies must carry predictions on U."""
-        return False
 
     def final_summary(self) -> dict[str, Any]:
         """Extra keys for summary.json."""
@@ -342,7 +351,7 @@ class PersonalisedStrategy(Strategy):
         identified before it is first sampled (:meth:`identify`). The draw is over the nodes ordered by CLIENT id:
         node ids are random per run (Flower's simulation draws them afresh), so a draw over them would give the
         same seed another cohort in every run."""
-        nodes = [n for n in self.available_nodes(grid) if n not in self.excluded_nodes]
+        nodes = [n for n in self.available_nodes(grid) if n not in self.context.excluded_nodes]
         if not nodes:
             raise RuntimeError("no client nodes are connected")
         self.identify(grid, nodes)
@@ -392,41 +401,11 @@ class PersonalisedStrategy(Strategy):
             log.info("resumed: %d node(s) of the checkpointed run are gone (new node ids); their clients are "
                      "identified again", len(gone))
 
-    # ------------------------------------------------------------------ Flower's Strategy interface
-    # The round loop is :meth:`start`; these adapters give Flower's abstract interface the same behaviour.
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        messages = self.messages_for_round(server_round, self.sample_nodes(grid))
-        self.validator.expect(messages)
-        return messages
-
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        parsed = self.validate(server_round, replies, self.expect_arrays(), self.expect_predictions())
-        extra = self.aggregate(server_round, parsed) if parsed else {}
-        return None, round_metrics(RoundLog(server_round, parsed, 0, 0, extra=extra))
-
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        """Flower's evaluation phase: the evaluation-only message after the last round (earlier rounds' deployed
-        models are measured on the next round's training messages)."""
-        if server_round != self.cfg.rounds:
-            return []
-        messages = self.deployed_messages(server_round + 1, sorted(n for n in grid.get_node_ids()
-                                                                   if n not in self.excluded_nodes))
-        self.validator.expect(messages)
-        return messages
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        parsed = self.validate(server_round, replies, phase=protocol.EVAL_MESSAGE_TYPE)
-        return measurement_metrics(Measurement(server_round, parsed, final=True))
-
-    def summary(self) -> None:
-        log.info("strategy %s, params: %s", self.name, self.params)
-
-    def validate(self, server_round: int, replies: Iterable[Message], expect_arrays: bool = False,
-                 expect_predictions: bool = False, phase: str = protocol.MESSAGE_TYPE) -> list[ClientReply]:
+    def validate(self, server_round: int, replies: Iterable[Message],
+                 phase: str = protocol.MESSAGE_TYPE) -> list[ClientReply]:
         """Check replies against what their messages asked (:mod:`fedapps.validation`; recorded by
-        ``validator.expect`` when the messages were built) and bind node ↔ client; never raises. What each reply
-        must carry is read off its message, so ``expect_arrays`` / ``expect_predictions`` are no longer needed
-        (kept for callers). The counts and rejections go into the round's record."""
+        ``validator.expect`` when the messages were built: what each reply must carry is read off its message) and
+        bind node ↔ client; never raises. The counts and rejections go into the round's record."""
         replies = list(replies)
         outcome = self.validator.check(server_round, replies, phase)
         for r in outcome.accepted:
@@ -452,16 +431,17 @@ class PersonalisedStrategy(Strategy):
         log.warning("round %d: %s: %s", server_round, self.name, reason)
         self._checked.skips.append(Rejection(server_round, SKIP_PHASE, None, None, f"{self.name}: {reason}"))
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
-              timeout: float | None = None, first_round: int = 1, **_: Any) -> Result:
+    def start(self, grid: Grid, num_rounds: int | None = None, timeout: float | None = None,
+              first_round: int = 1) -> Result:
         """The round loop: messages out, replies in, aggregate, optional evaluation phase, record.
         ``first_round`` > 1 continues a run restored with :meth:`load_checkpoint_state`.
 
-        Returns Flower's ``Result``: per round the aggregated client metrics (``train_metrics_clientapp``), and
-        the final global model (``arrays``) where the algorithm has one."""
+        Returns Flower's ``Result``: per round the aggregated client metrics (``train_metrics_clientapp``), the
+        deployed models' accuracy filed under the round it measures (``evaluate_metrics_clientapp``), and the final
+        global model (``arrays``) where the algorithm has one."""
         num_rounds = num_rounds or self.cfg.rounds
         timeout = timeout or self.cfg.strategy.timeout
-        self.summary()
+        log.info("strategy %s, params: %s", self.name, self.params)
         connected = wait_for_clients(grid, self.cfg.strategy.expected_clients or self.cfg.data.num_clients,
                                      self.cfg.strategy.connect_timeout)
         if first_round > 1:
@@ -472,8 +452,8 @@ class PersonalisedStrategy(Strategy):
             result.train_metrics_clientapp[rnd] = round_metrics(entry)
             for m in entry.measurements:  # the deployed models, filed under the round they belong to
                 result.evaluate_metrics_clientapp[m.round] = measurement_metrics(m)
-            if self.on_round is not None:
-                self.on_round(entry)
+            if self.context.on_round is not None:
+                self.context.on_round(entry)
         final = self.final_arrays()
         if final is not None:
             result.arrays = protocol.arrays_record(final)
@@ -560,7 +540,7 @@ class PersonalisedStrategy(Strategy):
         traffic. Sent in batches of a training round's cohort, one after another, so that the server holds no
         more messages at once than in a round (a personalised model per client: cwFedAvg's 1,000 clients held
         ~17 GB when sent at once, docs/performance.md); each batch gets ``timeout``."""
-        nodes = sorted(int(n) for n in grid.get_node_ids() if int(n) not in self.excluded_nodes)
+        nodes = sorted(int(n) for n in grid.get_node_ids() if int(n) not in self.context.excluded_nodes)
         batch = max(1, self.cohort_size(len(nodes)))
         parsed: list[ClientReply] = []
         sent = 0
@@ -592,7 +572,7 @@ class PersonalisedStrategy(Strategy):
         eval_down = sum(protocol.eval_nbytes(m.content) for m in messages)  # a model sent for evaluation only
         down = sum(protocol.record_nbytes(m.content) for m in messages) - eval_down
         replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
-        parsed = self.validate(rnd, replies, self.expect_arrays(), self.expect_predictions())
+        parsed = self.validate(rnd, replies)
         up = sum(r.nbytes for r in parsed)  # the accepted replies' bytes (the rejected ones: bytes_up_rejected)
         parsed.sort(key=lambda r: r.client_id)  # replies arrive in any order (Ray): sums over clients must not depend on it
         skipped = len(parsed) < self.cfg.strategy.min_clients

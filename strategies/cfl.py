@@ -24,7 +24,7 @@ from fedapps import protocol
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy, average_matching
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
 from strategies.fedavg import initial_model_arrays
 
 log = logging.getLogger("fedapps")
@@ -91,15 +91,12 @@ class CFL(PersonalisedStrategy):
     deployed = DeployedModel("the model of client i's cluster aggregated in round r (after round r's splits)",
                              source="message")
 
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
-        super().__init__(cfg, params, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        super().__init__(cfg, params, context)
         self.models = [initial_model_arrays(cfg)]  # one model per cluster
         self.parameter_keys = list(initial_model_arrays(cfg, "params"))
         self.cluster_of: dict[int, int] = {}  # client id -> cluster (unknown clients: cluster 0)
         self.splits: list[tuple[int, int, int]] = []  # (round, parent cluster, new cluster)
-
-    def expect_arrays(self) -> bool:
-        return True
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "state",

@@ -36,6 +36,7 @@ from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
 from fedapps.seeds import derive_rng
+from strategies.base import RunContext
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, targets_record
 
 log = logging.getLogger("fedapps")
@@ -116,8 +117,8 @@ class COMET(PseudoLabelStrategy):
         super().check(cfg, params)
         cls.require_at_most_clients(cfg, "clusters", params.clusters)
 
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
-        super().__init__(cfg, params, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        super().__init__(cfg, params, context)
         self.centroids: np.ndarray | None = None
         self.assignment: dict[int, int] = {}  # client id -> cluster of the last clustering
         self.cluster_targets: dict[int, np.ndarray] = {}  # cluster -> encoded mean prediction

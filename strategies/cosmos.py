@@ -45,7 +45,7 @@ from fedapps.params import param
 from fedapps.protocol import ClientReply
 from fedapps.results import Artifact
 from fedapps.seeds import derive_seed
-from strategies.base import DeployedModel, PersonalisedStrategy
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 
 log = logging.getLogger("fedapps")
 
@@ -187,8 +187,8 @@ class Cosmos(PersonalisedStrategy):
                              evaluate="evaluate-received")
     checkpoint_exclude = frozenset({"fed", "device", "num_classes", "n_public"})  # rebuilt from the config
 
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
-        super().__init__(cfg, params, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        super().__init__(cfg, params, context)
         p: CosmosParams = self.params
         self.fed: Federation = get_federation(dataclasses.asdict(cfg.data))
         if self.fed.public_x is None:
@@ -255,9 +255,6 @@ class Cosmos(PersonalisedStrategy):
                                      for m in messages if protocol.TARGETS in m.content)
         log.info("cosmos round %d: %d messages (%d with cluster pseudo-labels)", server_round, len(messages), with_targets)
         return messages
-
-    def expect_predictions(self) -> bool:
-        return True
 
     def measures_round(self, server_round: int) -> bool:
         """The cluster models are sent for evaluation every ``eval_every`` rounds (the last round always)."""

@@ -77,7 +77,7 @@ from fedapps.params import lower, param
 from fedapps.protocol import ClientReply
 from fedapps.results import Artifact
 from fedapps.robust import clip_to_median
-from strategies.base import DeployedModel, PersonalisedStrategy
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 
 log = logging.getLogger("fedapps")
 
@@ -378,8 +378,8 @@ class CwFedAvg(PersonalisedStrategy):
                               f"'{head}' of model '{cfg.model.name}'; use estimator 'norm' or 'true'")
 
     # ------------------------------------------------------------------ construction
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
-        super().__init__(cfg, params, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        super().__init__(cfg, params, context)
         p: CwFedAvgParams = self.params
         model = _build(cfg)
         state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
@@ -417,9 +417,6 @@ class CwFedAvg(PersonalisedStrategy):
         self.sent_models: dict[int, dict[str, np.ndarray]] = {}  # node id -> the model its message carried (median_clip)
         log.info("cwfedavg: %d of %d parameter tensors class-wise (%s), estimator %s, WDR λ=%g, mix %s, buffers %s",
                  len(self.classwise), len(params), p.layers, p.estimator, p.wdr_lambda, p.mix, p.buffers)
-
-    def expect_arrays(self) -> bool:
-        return True
 
     # ------------------------------------------------------------------ personalised models
     def personalised(self, client_id: int | None) -> dict[str, np.ndarray]:
@@ -553,17 +550,17 @@ class CwFedAvg(PersonalisedStrategy):
         self.estimated[row] = True
 
     def state_dict(self) -> dict[str, Any]:
-        """The state, with the stack's changed rows written to ``server-state/stack/`` (when the driver gave a
+        """The state, with the stack's changed rows written to ``server-state/stack/`` (when its RunContext gives a
         folder) rather than the whole stack into checkpoint.pt every round: under partial participation the
         stack holds every client heard from, a round changes a cohort's rows."""
         state = super().state_dict()
-        if self.server_state_dir is not None:
+        if self.context.server_state_dir is not None:
             state["stack"] = self.stack.save_rows(self._stack_files())
         return state
 
     def _stack_files(self) -> checkpoint.RowFiles:
         if self.stack_files is None:
-            self.stack_files = checkpoint.RowFiles(f"{self.server_state_dir}/stack")
+            self.stack_files = checkpoint.RowFiles(f"{self.context.server_state_dir}/stack")
         return self.stack_files
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -572,9 +569,9 @@ class CwFedAvg(PersonalisedStrategy):
         is converted: the keys this configuration keeps per client taken over, the sum rebuilt (`latest`)."""
         saved = state.get("stack")
         if isinstance(saved, SavedStack):
-            if self.server_state_dir is None:
-                raise ValueError("cwfedavg: this checkpoint keeps the stack in server-state files; set "
-                                 "server_state_dir (the run folder's server-state) before loading it")
+            if self.context.server_state_dir is None:
+                raise ValueError("cwfedavg: this checkpoint keeps the stack in server-state files; build the strategy "
+                                 "with RunContext(server_state_dir=<run folder>/server-state) to load it")
             state = {**state, "stack": ModelStack.from_saved(saved, self._stack_files())}
         super().load_state_dict(state)
         if hasattr(self.stack, "loose"):

@@ -19,7 +19,7 @@ from fedapps.clientops import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy, average_matching
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
 from strategies.fedavg import initial_model_arrays
 from strategies.fedprox import PROX_MU
 
@@ -51,12 +51,9 @@ class Ditto(PersonalisedStrategy):
     Params = DittoParams
     deployed = DeployedModel("client i's personal model v_i after its local training in round r")
 
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
-        super().__init__(cfg, params, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        super().__init__(cfg, params, context)
         self.global_arrays = initial_model_arrays(cfg)
-
-    def expect_arrays(self) -> bool:
-        return True
 
     def final_arrays(self) -> dict[str, Any]:
         return self.global_arrays

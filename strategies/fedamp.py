@@ -27,7 +27,7 @@ from fedapps.clustering import l2_distance_matrix
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
 from strategies.fedprox import PROX_MU
 
@@ -133,8 +133,8 @@ class FedAMP(PersonalisedStrategy):
                 f"{cfg.client.lr * mu:.3g} >= {limit:.3g}: plain SGD on the proximal term diverges. Lower "
                 "'strategy.params.fedamp.lam' or 'client.lr', or raise 'strategy.params.fedamp.alpha_k'")
 
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
-        super().__init__(cfg, params, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        super().__init__(cfg, params, context)
         self.like = initial_model_arrays(cfg, "params")  # shapes and dtypes of the parameters
         self.keys = list(self.like)
         self.initial = flatten(self.like, self.keys)
@@ -142,9 +142,6 @@ class FedAMP(PersonalisedStrategy):
         self._last_self_weight: float | None = None  # diagnostics of the last anchors: mean ξ_ii of the sampled
         self._last_median_d2: float | None = None  # clients, median non-zero ‖w_i − w_j‖² (what σ is compared with)
         self._last_sigma: float | None = None  # and the σ used
-
-    def expect_arrays(self) -> bool:
-        return True
 
     def anchors(self, clients: list[int]) -> dict[int, np.ndarray]:
         """u_i for the given clients over every client known (and the given ones, at their current models)."""

@@ -14,10 +14,11 @@ import numpy as np
 from flwr.app import Message
 
 from fedapps import protocol
+from fedapps.config import ExperimentConfig
 from fedapps.data import spec_info
 from fedapps.models import build_model, state_part
 from fedapps.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy, average_matching
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
 
 
 def initial_model_arrays(cfg, part: str = "state", seed: int | None = None) -> dict[str, np.ndarray]:
@@ -36,12 +37,9 @@ class FedAvg(PersonalisedStrategy):
     deployed = DeployedModel("the global model aggregated in round r", source="message")
     train_op: ClassVar[str] = "train"  # the client operation that trains the received model (FedUV: its own)
 
-    def __init__(self, cfg, params=None, on_round=None) -> None:
-        super().__init__(cfg, params, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        super().__init__(cfg, params, context)
         self.global_arrays = initial_model_arrays(cfg)
-
-    def expect_arrays(self) -> bool:
-        return True
 
     def final_arrays(self) -> dict[str, np.ndarray]:
         return self.global_arrays

@@ -26,6 +26,7 @@ from fedapps import protocol, pseudolabels
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
+from strategies.base import RunContext
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, targets_record
 
 log = logging.getLogger("fedapps")
@@ -79,8 +80,8 @@ class FedCT(PseudoLabelStrategy):
     name = "fedct"
     Params = FedCTParams
 
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
-        super().__init__(cfg, params, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        super().__init__(cfg, params, context)
         self.consensus: np.ndarray | None = None  # hard labels on U (M = abstain)
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:

@@ -26,7 +26,7 @@ from fedapps.clientops import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 
 
 WEIGHTS = "fedfomo-weights"  # the metric the client reports its weights in
@@ -122,14 +122,11 @@ class FedFomo(PersonalisedStrategy):
     Params = FedFomoParams
     deployed = DeployedModel("client i's own model after its mixing and local training in round r")
 
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
-        super().__init__(cfg, params, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        super().__init__(cfg, params, context)
         self.models: dict[int, dict[str, np.ndarray]] = {}  # client id -> latest model
         self.affinity: dict[int, dict[int, float]] = defaultdict(dict)  # P_ij
         self.sent_candidates: dict[int, list[int]] = {}  # node -> candidate client ids of this round
-
-    def expect_arrays(self) -> bool:
-        return True
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         config = {**self.base_config(), "holdout-fraction": float(self.params.holdout_fraction),

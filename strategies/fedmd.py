@@ -37,6 +37,7 @@ from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
 from fedapps.seeds import derive_rng
+from strategies.base import RunContext
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, index_array, targets_record
 
 
@@ -130,8 +131,8 @@ class FedMD(PseudoLabelStrategy):
             raise ConfigError("'strategy.params.fedmd.digest_loss: mae' regresses logits onto logits; "
                               "set 'scores: logits', or use 'digest_loss: kl' with 'scores: probs'")
 
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
-        super().__init__(cfg, params, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        super().__init__(cfg, params, context)
         p: FedMDParams = self.params
         if p.pretrain_public_epochs > 0 and not self.public_has_labels:
             raise ConfigError("'strategy.params.fedmd.pretrain_public_epochs' > 0 needs a LABELLED public set, "

@@ -42,7 +42,7 @@ from fedapps.params import param
 from fedapps.protocol import ClientReply
 from fedapps.seeds import derive_seed
 from fedapps.validation import ReplyValidator
-from strategies.base import DeployedModel, PersonalisedStrategy, weighted_average
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, weighted_average
 from strategies.fedbabu import EVALUATE_FINETUNED
 
 
@@ -222,8 +222,8 @@ class FedNH(PersonalisedStrategy):
                 raise ConfigError(f"'strategy.params.fednh.init: orthogonal' needs no more classes than feature "
                                   f"dimensions ({k} classes, '{cfg.model.name}' has {d}); use init: uniform")
 
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
-        super().__init__(cfg, params, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        super().__init__(cfg, params, context)
         self.arch = cosine_arch(cfg)
         num_classes, shape = spec_info(dataclasses.asdict(cfg.data))
         model = build_model(self.arch, num_classes, shape, seed=cfg.seed)
@@ -238,9 +238,6 @@ class FedNH(PersonalisedStrategy):
         # replies carry the cosine model's arrays: check them against it, not against model.name's
         self.validator = ReplyValidator.from_config(
             dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=self.arch)))
-
-    def expect_arrays(self) -> bool:
-        return True
 
     def final_arrays(self) -> dict[str, np.ndarray]:
         return self.global_arrays

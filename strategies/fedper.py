@@ -16,7 +16,7 @@ from flwr.app import Message
 from fedapps import protocol
 from fedapps.config import ExperimentConfig
 from fedapps.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy, average_matching
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
 from strategies.fedavg import initial_model_arrays
 
 
@@ -27,12 +27,9 @@ class FedPer(PersonalisedStrategy):
     robust_aggregation = True
     deployed = DeployedModel("round r's aggregated body with client i's own head", source="message")
 
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
-        super().__init__(cfg, params, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        super().__init__(cfg, params, context)
         self.body = initial_model_arrays(cfg, "body")
-
-    def expect_arrays(self) -> bool:
-        return True
 
     def client_ops(self) -> list[str]:
         """What the client runs after loading the body (FedRep trains differently)."""

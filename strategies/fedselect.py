@@ -40,7 +40,7 @@ from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
 from fedapps.validation import ArraySpec, ReplyValidator
-from strategies.base import DeployedModel, PersonalisedStrategy
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
 
 log = logging.getLogger("fedapps")
@@ -293,15 +293,12 @@ class FedSelect(PersonalisedStrategy):
     deployed = DeployedModel("round r's shared values (each entry averaged over the clients sharing it) under "
                              "client i's personal entries and buffers", source="message", prepare=(LOAD_OP,))
 
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
-        super().__init__(cfg, params, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        super().__init__(cfg, params, context)
         self.global_params = initial_model_arrays(cfg, "params")
         self.masks: dict[int, dict[str, np.ndarray]] = {}  # client id -> parameter -> personal entries (bool)
         self.trainings: dict[int, int] = {}  # client id -> accepted local trainings so far
         self.validator = SharedEntriesValidator.from_config(cfg)
-
-    def expect_arrays(self) -> bool:
-        return True
 
     def client_masks(self, client_id: int | None) -> dict[str, np.ndarray]:
         """Client's personal masks (only the tensors with personal entries; none: everything shared)."""

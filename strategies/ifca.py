@@ -30,7 +30,7 @@ from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
 from fedapps.robust import AggregationRule, clip_to_median
-from strategies.base import DeployedModel, PersonalisedStrategy, average_matching
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
 from strategies.fedavg import initial_model_arrays
 
 log = logging.getLogger("fedapps")
@@ -104,13 +104,10 @@ class IFCA(PersonalisedStrategy):
         super().check(cfg, params)
         cls.require_at_most_clients(cfg, "clusters", params.clusters)
 
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
-        super().__init__(cfg, params, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        super().__init__(cfg, params, context)
         self.models = [initial_model_arrays(cfg, seed=cfg.seed + k) for k in range(self.params.clusters)]
         self.assignment: dict[int, int] = {}  # client id -> cluster chosen last
-
-    def expect_arrays(self) -> bool:
-        return True
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         config = {**self.base_config(), "arrays.multi": True, "load-arrays": False, "persist-model": False,

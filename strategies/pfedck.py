@@ -35,7 +35,7 @@ from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
 from fedapps.seeds import derive_rng
-from strategies.base import DeployedModel, PersonalisedStrategy, average_matching
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
 from strategies.cfl import update_vector
 from strategies.comet import kmeans, kmeans_plus_plus
 from strategies.fedavg import initial_model_arrays
@@ -151,8 +151,8 @@ class PFedCK(PersonalisedStrategy):
         super().check(cfg, params)
         cls.require_at_most_clients(cfg, "clusters", params.clusters)
 
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
-        super().__init__(cfg, params, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        super().__init__(cfg, params, context)
         self.initial = initial_model_arrays(cfg)
         self.parameter_keys = list(initial_model_arrays(cfg, "params"))
         self.models: dict[int, dict[str, np.ndarray]] = {}  # model id -> an interactive model some client holds
@@ -160,9 +160,6 @@ class PFedCK(PersonalisedStrategy):
         self.next_id = 0
         self.centroids: np.ndarray | None = None
         self.assignment: dict[int, int] = {}  # client id -> cluster of the last clustering it took part in
-
-    def expect_arrays(self) -> bool:
-        return True
 
     def interactive_of(self, client_id: int | None) -> dict[str, np.ndarray]:
         """The interactive model the client receives: its cluster's latest, or the initial one."""

@@ -70,7 +70,7 @@ from fedapps.params import param
 from fedapps.protocol import ClientReply
 from fedapps.robust import median_bound
 from fedapps.seeds import derive_seed
-from strategies.base import DeployedModel, PersonalisedStrategy, _state_value
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, _state_value
 
 
 BYTES_PER_PARAMETER = 4  # float32
@@ -260,8 +260,8 @@ class PFedHN(PersonalisedStrategy):
             return  # data.source 'nodes' before the describe phase: checked when the strategy is built
         check_size(cfg, params, num_classes, shape)
 
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
-        super().__init__(cfg, params, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        super().__init__(cfg, params, context)
         p: PFedHNParams = self.params
         num_classes, shape = spec_info(dataclasses.asdict(cfg.data))  # under 'nodes': what the nodes described
         shapes = check_size(cfg, p, num_classes, shape)
@@ -303,9 +303,6 @@ class PFedHN(PersonalisedStrategy):
         return sum(p.numel() for p in self.hn.parameters())
 
     # ------------------------------------------------------------------ the round
-    def expect_arrays(self) -> bool:
-        return True
-
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "params"}
         self.sent_from = {}

@@ -16,7 +16,7 @@ from fedapps.config import OPTIMIZERS, ConfigError, ExperimentConfig
 from fedapps.data import get_federation
 from fedapps.params import param
 from fedapps.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 
 
 @dataclass
@@ -63,8 +63,8 @@ class PseudoLabelStrategy(PersonalisedStrategy):
     model_agnostic = True
     deployed = DeployedModel("client i's own model after its digest and local training in round r")
 
-    def __init__(self, cfg: ExperimentConfig, params: Any = None, on_round: Any = None) -> None:
-        super().__init__(cfg, params, on_round)
+    def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
+        super().__init__(cfg, params, context)
         fed = get_federation(dataclasses.asdict(cfg.data))
         if fed.public_x is None:
             raise ConfigError(f"strategy '{self.name}' needs a public set U: set 'data.public_fraction' in (0, 1)")
@@ -80,9 +80,6 @@ class PseudoLabelStrategy(PersonalisedStrategy):
             return None
         truth = self._public_y if rows is None else self._public_y[rows]
         return float(np.mean(np.asarray(labels) == truth))
-
-    def expect_predictions(self) -> bool:
-        return True
 
     def message_config(self, server_round: int, distill_loss: str, predict_output: str, predict_encoding: str,
                        weighting: str = "none") -> dict[str, Any]:

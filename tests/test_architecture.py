@@ -22,7 +22,11 @@ functions. Rules:
 (f) the wire keys of the public set U (:data:`PROTOCOL_KEYS`: the ``public.fingerprint`` / ``predict.*`` settings and
     the array names of the predictions and targets records) are spelled in ``fedapps/protocol.py`` only: no other
     module of the project holds a string literal equal to one of them (docstrings, comments and longer strings that
-    contain one do not count).
+    contain one do not count);
+(g) a strategy is given its run context at construction, never wired afterwards: no module of the project and no test
+    assigns an attribute named after a field of ``strategies.base.RunContext`` (``x.client_state = ...``);
+(h) no dead hooks or adapters: every method a class in ``strategies/`` defines is named somewhere in the project's
+    modules (called, referenced or looked up by a string; tests do not count), torch's ``forward`` aside.
 
 Run ``python tests/test_architecture.py`` to print the graph's layer violations and cycles (exit status 1
 when there are any). A standard alternative for looking at the graph is ``pydeps`` (e.g.
@@ -56,6 +60,8 @@ PREDICTION_CHECK = ("prediction_problem", "fedapps/validation.py")  # rule (e): 
 PROTOCOL = "fedapps/protocol.py"
 PROTOCOL_KEYS = ("public.fingerprint", "predict.output", "predict.encoding", "predictions", "targets",
                  "distill-indices", "predict-indices")  # rule (f); the rest of the keys: issue #27's typed schema
+RUN_CONTEXT = ("strategies/base.py", "RunContext")  # rule (g): the class whose fields are construction inputs
+CALLED_BY_TORCH = frozenset({"forward"})  # rule (h): methods torch calls for us (nn.Module.__call__)
 
 
 # --------------------------------------------------------------------------- the graph
@@ -284,6 +290,65 @@ def key_literals(keys: tuple[str, ...], root: Path = ROOT) -> list[str]:
     return out
 
 
+# --------------------------------------------------------------------------- construction and dead code
+
+
+def class_fields(path: Path, cls: str) -> list[str]:
+    """The annotated fields (``name: type = ...``) of class ``cls`` in ``path``, in order."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return [b.target.id for b in node.body if isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name)]
+    raise LookupError(f"no class {cls} in {path}")
+
+
+def _assigned(node: ast.AST) -> list[ast.expr]:
+    """The targets an assignment statement writes, tuples unpacked."""
+    if isinstance(node, ast.Assign):
+        targets = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    else:
+        return []
+    out: list[ast.expr] = []
+    while targets:
+        t = targets.pop()
+        targets.extend(t.elts) if isinstance(t, (ast.Tuple, ast.List)) else out.append(t)
+    return out
+
+
+def attribute_writes(names: list[str], root: Path = ROOT) -> list[str]:
+    """'file:line: .name' for every assignment to an attribute called one of ``names``, in the project's modules
+    and its tests."""
+    paths = [*module_files(root).values(), *sorted((root / "tests").glob("*.py"))]
+    out = []
+    for path in sorted(set(paths)):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            out += [f"{path.relative_to(root)}:{node.lineno}: .{t.attr}" for t in _assigned(node)
+                    if isinstance(t, ast.Attribute) and t.attr in names]
+    return out
+
+
+def unreferenced_methods(root: Path = ROOT) -> list[str]:
+    """'file:line: Class.method' for every method a class in strategies/ defines (dunders aside) whose name no
+    module of the project mentions as an attribute, a name or a string constant."""
+    named: set[str] = set()
+    defined: list[tuple[str, int, str, str]] = []
+    for path in module_files(root).values():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                named.add(node.attr)
+            elif isinstance(node, ast.Name):
+                named.add(node.id)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                named.add(node.value)
+            elif isinstance(node, ast.ClassDef) and path.relative_to(root).parts[0] == "strategies":
+                defined += [(str(path.relative_to(root)), f.lineno, node.name, f.name) for f in node.body
+                            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and not f.name.startswith("__")]
+    return [f"{file}:{line}: {cls}.{name}" for file, line, cls, name in sorted(defined)
+            if name not in named and name not in CALLED_BY_TORCH]
+
+
 # --------------------------------------------------------------------------- tests
 
 
@@ -355,6 +420,37 @@ def test_the_maths_checks_see_a_violation(tmp_path):
     assert key_literals(("predict.output",), tmp_path) == ["strategies/pl.py:2: 'predict.output'"]
 
 
+def test_strategies_are_not_wired_after_construction():
+    fields = class_fields(ROOT / RUN_CONTEXT[0], RUN_CONTEXT[1])
+    assert {"on_round", "client_state", "server_state_dir", "excluded_nodes"} <= set(fields)  # the check has teeth
+    found = attribute_writes(fields)
+    assert not found, ("run context set on an object after its construction (pass it in RunContext instead):\n"
+                       + "\n".join(found))
+
+
+def test_no_strategy_method_is_left_uncalled():
+    found = unreferenced_methods()
+    assert not found, "methods of strategies/ that nothing in the project names (dead hooks or adapters):\n" + \
+        "\n".join(found)
+
+
+def test_the_construction_checks_see_a_violation(tmp_path):
+    """On a made-up tree, the wiring and dead-method checks report what they must, and only that."""
+    (tmp_path / "strategies").mkdir()
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "strategies" / "base.py").write_text(
+        "class RunContext:\n    on_round: object = None\n    excluded_nodes: frozenset = frozenset()\n\n"
+        "class Base:\n    def start(self):\n        self.round()\n\n    def round(self):\n        pass\n\n"
+        "    def configure_train(self):\n        pass\n")
+    (tmp_path / "server_app.py").write_text("def run(s):\n    s.start()\n    s.context = 1\n")
+    (tmp_path / "tests" / "test_x.py").write_text("def test(s):\n    s.x, s.excluded_nodes = 1, {2}\n"
+                                                  "    s.configure_train()\n")
+    fields = class_fields(tmp_path / "strategies" / "base.py", "RunContext")
+    assert fields == ["on_round", "excluded_nodes"]
+    assert attribute_writes(fields, tmp_path) == ["tests/test_x.py:2: .excluded_nodes"]
+    assert unreferenced_methods(tmp_path) == ["strategies/base.py:12: Base.configure_train"]  # a test's call: no
+
+
 def main() -> int:
     """Print the layer violations, cycles and algorithm names in the worker; 1 if there are any."""
     graph = import_graph()
@@ -365,7 +461,10 @@ def main() -> int:
                          ("names of COSMOS's r_B in fedapps/", core_mentions(sorted(MOVED_OUT_OF_CORE))),
                          ("other definitions of the prediction check",
                           [d for d in definers(PREDICTION_CHECK[0]) if d != PREDICTION_CHECK[1]]),
-                         ("public-set keys outside fedapps/protocol.py", key_literals(PROTOCOL_KEYS))):
+                         ("public-set keys outside fedapps/protocol.py", key_literals(PROTOCOL_KEYS)),
+                         ("run context set after construction",
+                          attribute_writes(class_fields(ROOT / RUN_CONTEXT[0], RUN_CONTEXT[1]))),
+                         ("methods of strategies/ nothing names", unreferenced_methods())):
         print(f"{title}: {len(lines) or 'none'}")
         for line in lines:
             print("  " + line)

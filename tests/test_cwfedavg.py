@@ -18,7 +18,7 @@ from fedapps.inprocess import InProcessGrid
 from fedapps.models import build_model
 from fedapps.protocol import ClientReply
 from strategies import resolve
-from strategies.base import weighted_average
+from strategies.base import RunContext, weighted_average
 from strategies.cwfedavg import (
     CwFedAvg,
     class_distribution_from_rows,
@@ -37,9 +37,9 @@ torch.set_num_threads(1)
 BASE = "strategy.name=cwfedavg data.source=digits model.name=cnn client.lr=0.05"
 
 
-def make_strategy(overrides: str = "", clients: int = 6) -> CwFedAvg:
+def make_strategy(overrides: str = "", clients: int = 6, context: RunContext | None = None) -> CwFedAvg:
     cfg = load_config(None, f"{BASE} data.num_clients={clients} strategy.params.cwfedavg.track_estimation_error=false {overrides}")
-    return CwFedAvg(cfg)
+    return CwFedAvg(cfg, context=context)
 
 
 def perturbed(base: dict[str, np.ndarray], seed: int, scale: float = 0.1) -> dict[str, np.ndarray]:
@@ -288,11 +288,11 @@ class TinyBN(nn.Module):
         self._fedapps_classifier = "fc"
 
 
-def tiny_strategy(monkeypatch, overrides: str, clients: int) -> CwFedAvg:
+def tiny_strategy(monkeypatch, overrides: str, clients: int, context: RunContext | None = None) -> CwFedAvg:
     from strategies import cwfedavg
 
     monkeypatch.setattr(cwfedavg, "_build", lambda cfg, stand_in=False: TinyBN(10))
-    return make_strategy(f"strategy.params.cwfedavg.estimator=true {overrides}", clients=clients)
+    return make_strategy(f"strategy.params.cwfedavg.estimator=true {overrides}", clients=clients, context=context)
 
 
 def reference_personalised(latest: dict[int, tuple[dict[str, np.ndarray], np.ndarray]], mixed: list[int],
@@ -461,13 +461,11 @@ def test_checkpoint_writes_the_changed_rows_of_the_stack_only(monkeypatch, tmp_p
         return [reply(c, perturbed(s.initial, seed=10 * rnd + c, scale=1.0), counts[c] + rnd) for c in rounds[rnd]]
 
     def restored(state, folder):
-        other = tiny_strategy(monkeypatch, over, clients=5)
-        other.server_state_dir = str(folder)
+        other = tiny_strategy(monkeypatch, over, clients=5, context=RunContext(server_state_dir=str(folder)))
         other.load_state_dict(copy.deepcopy(state))
         return other
 
-    s = tiny_strategy(monkeypatch, over, clients=5)
-    s.server_state_dir = str(tmp_path / "run")
+    s = tiny_strategy(monkeypatch, over, clients=5, context=RunContext(server_state_dir=str(tmp_path / "run")))
     stack_dir = tmp_path / "run" / "stack"
     s.aggregate(1, replies(1))
     state1 = copy.deepcopy(s.state_dict())

@@ -52,7 +52,7 @@ def test_dropout_is_seeded_per_message(tiny_config):
     from fedapps import protocol
     from fedapps.inprocess import InProcessGrid
     from fedapps.worker import STATE_MODEL, handle
-    from strategies.base import PersonalisedStrategy
+    from strategies.base import PersonalisedStrategy, RunContext
 
     InProcessGrid(1)  # sets a task identity so that Message() works outside Flower
     cfg_path = tiny_config(model={"name": "alexnet"}, data={"source": "synthetic", "synthetic_shape": [3, 32, 32],
@@ -61,7 +61,7 @@ def test_dropout_is_seeded_per_message(tiny_config):
 
     cfg = load_config(cfg_path)
     base = PersonalisedStrategy.__new__(PersonalisedStrategy)
-    base.cfg, base.client_state = cfg, {}
+    base.cfg, base.context = cfg, RunContext()
     config = {**PersonalisedStrategy.base_config(base), "client.epochs": 1}
     states = []
     for junk in (1, 2):

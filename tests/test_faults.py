@@ -24,7 +24,7 @@ import server_app
 from fedapps import faults
 from fedapps.config import load_config
 from fedapps.inprocess import InProcessGrid
-from strategies import STRATEGIES, resolve
+from strategies import STRATEGIES, RunContext, resolve
 
 CLIENTS, ROUNDS = 2, 2
 FAULTY = 1  # the client that misbehaves
@@ -86,7 +86,7 @@ def run(strategy: str, spec: str = "", clients: int = CLIENTS, extra: tuple[str,
     cfg = resolved.config(cfg)
     logs: list = []
     torch.manual_seed(0)  # r_B's input noise (strategies.cosmos.robustness_penalty) draws from torch's global RNG
-    s = resolved.build(cfg, on_round=logs.append)
+    s = resolved.build(cfg, RunContext(on_round=logs.append))
     grid = InProcessGrid(clients, node_configs={faulty: {"faults": spec}} if spec else None,
                          mods=[faults.faults_mod, *mods])
     s.start(grid, num_rounds=ROUNDS, timeout=cfg.strategy.timeout)

@@ -100,11 +100,11 @@ def test_client_error_is_dropped_not_fatal(tiny_config, tmp_path):
 
 def test_start_returns_flower_result_with_metrics_and_final_model(tiny_config):
     from fedapps.config import load_config
-    from strategies import STRATEGIES
+    from strategies import STRATEGIES, RunContext
 
     cfg = load_config(tiny_config(rounds=2))
     seen = []
-    strategy = STRATEGIES["fedavg"](cfg, on_round=seen.append)
+    strategy = STRATEGIES["fedavg"](cfg, context=RunContext(on_round=seen.append))
     result = strategy.start(InProcessGrid(cfg.data.num_clients))
     assert sorted(result.train_metrics_clientapp) == [1, 2] and [e.round for e in seen] == [1, 2]
     for rnd, entry in zip((1, 2), seen):

@@ -19,7 +19,7 @@ from fedapps.models.heads import CosineClassifier
 from fedapps.protocol import ARRAYS, ClientReply
 from fedapps.results import measured_columns, read_csv, round_row
 from fedapps.worker import Worker
-from strategies import resolve
+from strategies import RunContext, resolve
 from strategies.base import DeployedModel, RoundLog, with_evaluations
 from strategies.fednh import (COUNTS, TRAIN_OP, FedNH, class_prototypes, min_pairwise_angle,
                               orthogonal_prototypes, penultimate_features, uniform_prototypes, update_prototypes)
@@ -218,7 +218,7 @@ def test_generic_column_is_the_global_model_of_the_round_it_is_filed_under() -> 
         model.load_state_dict({k: torch.as_tensor(v) for k, v in s.global_arrays.items()})
         expected[entry.round] = {c: ops.evaluate(model, fed.client(c).test_x, fed.client(c).test_y) for c in (0, 1)}
 
-    s = resolved.build(cfg, on_round=on_round)
+    s = resolved.build(cfg, RunContext(on_round=on_round))
     s.start(InProcessGrid(2))
     measured = {m.round: m for e in logs for m in e.measurements}
     assert sorted(measured) == [1, 2]

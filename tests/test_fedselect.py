@@ -18,7 +18,7 @@ from fedapps.inprocess import InProcessGrid
 from fedapps.protocol import ClientReply
 from fedapps.results import read_csv
 from fedapps.worker import STATE_MODEL, Worker
-from strategies import resolve
+from strategies import RunContext, resolve
 from strategies.fedselect import (LOAD_OP, MASK_PREFIX, TRAIN_OP, entries_frozen, grow_mask, local_alt,
                                   masked_average, pack_mask, scatter_shared, selectable, shared_values, unpack_mask)
 from test_ops_worker import worker_message
@@ -264,7 +264,7 @@ def run_inprocess(tiny_config, rounds: int, **params):
         logs.append(entry)
         personal.append({c: sum(int(m.sum()) for m in s.client_masks(c).values()) for c in range(4)})
 
-    s = resolved.build(cfg, on_round=on_round)
+    s = resolved.build(cfg, RunContext(on_round=on_round))
     grid = InProcessGrid(4, record=True)
     return s, grid, s.start(grid), logs, personal
 

@@ -25,7 +25,7 @@ from fedapps.describe import NodeReport, agree
 from fedapps.inprocess import InProcessGrid
 from fedapps.results import UnusableRun
 from fedapps.worker import STATE_MODEL, handle, lost_on_restart
-from strategies import STRATEGIES, resolve
+from strategies import STRATEGIES, RunContext, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -290,8 +290,8 @@ def test_agree_takes_the_majority_and_refuses_the_rest():
 
 
 def message(cfg, strategy, rnd: int, ops: list[str], token: str):
-    s = resolve(cfg).build(cfg)
-    s.client_state = {"state-run": token}  # no run-folder state-dir in the message: only the node's own counts
+    # no run-folder state-dir in the message: only the node's own counts
+    s = resolve(cfg).build(cfg, RunContext(client_state={"state-run": token}))
     config = {**s.base_config(), "persist-model": True}
     return protocol.build_message(100, rnd, ops, config)
 

@@ -21,7 +21,7 @@ from fedapps.models import build_model
 from fedapps.protocol import ClientReply
 from fedapps.results import read_csv
 from fedapps.worker import STATE_MODEL
-from strategies import resolve
+from strategies import RunContext, resolve
 from strategies.pfedhn import (HyperNetwork, accumulate_delta_gradient, embedding_size, hypernetwork_size,
                                hypernetwork_step, make_optimizer, target_shapes)
 
@@ -252,7 +252,7 @@ def run_inprocess(tiny_config, rounds: int, grid: InProcessGrid | None = None):
     resolved = resolve(cfg)
     cfg = resolved.config(cfg)
     logs: list = []
-    s = resolved.build(cfg, on_round=logs.append)
+    s = resolved.build(cfg, RunContext(on_round=logs.append))
     grid = grid if grid is not None else InProcessGrid(4, record=True)
     return s, grid, s.start(grid), logs, resolved, cfg
 

@@ -28,7 +28,7 @@ from fedapps.protocol import ClientReply
 from fedapps.results import FileSink, accuracy_stats, measured_columns, merge_measurement, round_row, summarise
 from fedapps.seeds import derive_seed
 from fedapps.worker import STATE_MODEL, Worker, optim_settings, part_names
-from strategies import STRATEGIES, resolve
+from strategies import STRATEGIES, RunContext, resolve
 from strategies.base import DeployedModel, Measurement, RoundLog, with_evaluations
 
 CLIENTS = 2
@@ -139,7 +139,7 @@ def test_deployed_model_of_every_strategy_on_a_two_client_toy(name):
         logs.append(entry)
         expected[entry.round] = {c: HAND[name](s, grid, c, fed.client(c), entry.round) for c in range(CLIENTS)}
 
-    s = resolved.build(cfg, on_round=on_round)
+    s = resolved.build(cfg, RunContext(on_round=on_round))
     s.start(grid)
     measured = {m.round: (m, e.round) for e in logs for m in e.measurements}
     assert sorted(measured) == [1, 2]
