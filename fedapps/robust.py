@@ -27,20 +27,19 @@ norm, so that no client moves what other clients receive further than the cohort
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
 
-import dataclasses
-import logging
-
 from fedapps.config import AGGREGATION_RULES, cohort_size
 
 log = logging.getLogger("fedapps")
 
-__all__ = ["AGGREGATION_RULES", "AggregationRule", "nodes_weight_cap", "cap_weights", "coordinate_median", "trimmed_mean", "combine",
-           "update_norm", "clip_update", "scale_update", "median_bound", "clip_to_median"]
+__all__ = ["AGGREGATION_RULES", "AggregationRule", "nodes_weight_cap", "cap_weights", "coordinate_median", "trimmed_mean",
+           "combine", "update_norm", "clip_update", "scale_update", "median_bound", "clip_to_median"]
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from fedapps.data import NODES
 from fedapps.params import parse_params
 from fedapps.protocol import ClientReply
 from fedapps.results import Artifact, accuracy_stats, after_training_stats
-from fedapps.robust import AggregationRule, clip_update, combine
+from fedapps.robust import AggregationRule, clip_to_median, clip_update, combine
 from fedapps.validation import Rejection, ReplyValidator
 
 log = logging.getLogger("fedapps")
@@ -688,6 +688,21 @@ def weighted_average(arrays: list[Mapping[str, np.ndarray]], weights: list[float
         else:
             out[key] = first.copy()
     return out
+
+
+def clip_replies_to_median(replies: list[ClientReply], sent: list[Mapping[str, np.ndarray]], factor: float,
+                           who: str) -> tuple[list[ClientReply], dict[str, Any]]:
+    """A personalising strategy's ``median_clip``: each reply's update (its arrays minus ``sent[i]``, the model its
+    message carried) clipped to ``factor`` × the median update norm of all of them (:func:`fedapps.robust.
+    clip_to_median`); the replies with the clipped arrays and the round's extras (the bound, how many were clipped),
+    the clipping logged under ``who``."""
+    clipped, bound, norms = clip_to_median([r.arrays for r in replies], sent, factor)
+    over = [n for n in norms if n > bound]
+    if over:
+        log.info("%s median_clip %g: %d of %d updates clipped to %.3g (largest %.3g)", who, factor, len(over),
+                 len(norms), bound, max(over))
+    return [dataclasses.replace(r, arrays=a) for r, a in zip(replies, clipped)], {"clip_bound": bound,
+                                                                                  "clipped": len(over)}
 
 
 def average_matching(replies: list[ClientReply], current: Mapping[str, np.ndarray],

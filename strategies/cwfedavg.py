@@ -76,8 +76,7 @@ from fedapps.models import build_model, classifier_name, top_level_children
 from fedapps.params import lower, param
 from fedapps.protocol import ClientReply
 from fedapps.results import Artifact
-from fedapps.robust import clip_to_median
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, clip_replies_to_median
 
 log = logging.getLogger("fedapps")
 
@@ -503,14 +502,8 @@ class CwFedAvg(PersonalisedStrategy):
                 self.skip_reply(server_round, r, "median_clip: no model was sent to this node this round")
         if not known:
             return [], {}
-        clipped, bound, norms = clip_to_median([r.arrays for r in known], [self.sent_models[r.node_id] for r in known],
-                                               float(self.params.median_clip))
-        out = [dataclasses.replace(r, arrays=arrays) for r, arrays in zip(known, clipped)]
-        over = [n for n in norms if n > bound]
-        if over:
-            log.info("cwfedavg round %d: median_clip %g clipped %d of %d updates to %.3g (largest %.3g)", server_round,
-                     self.params.median_clip, len(over), len(norms), bound, max(over))
-        return out, {"clip_bound": bound, "clipped": len(over)}
+        return clip_replies_to_median(known, [self.sent_models[r.node_id] for r in known],
+                                      float(self.params.median_clip), f"cwfedavg round {server_round}:")
 
     def _usable(self, server_round: int, r: ClientReply, taken: set[int]) -> bool:
         """Whether a reply can be aggregated: the model's keys and shapes, examples > 0, once per client."""

@@ -16,7 +16,6 @@ update norm over every reply of every cluster (:func:`fedapps.robust.clip_to_med
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +28,9 @@ from fedapps.clientops import client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.protocol import ClientReply
-from fedapps.robust import AggregationRule, clip_to_median
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
+from fedapps.robust import AggregationRule
+from strategies.base import (DeployedModel, PersonalisedStrategy, RunContext, average_matching,
+                             clip_replies_to_median)
 from strategies.fedavg import initial_model_arrays
 
 log = logging.getLogger("fedapps")
@@ -70,14 +70,7 @@ def clip_choosers(models: list[dict[str, np.ndarray]], replies: list[ClientReply
                   factor: float) -> tuple[list[ClientReply], dict[str, Any]]:
     """The replies with each update (arrays minus the cluster model it chose) clipped to ``factor`` × the median
     update norm of all of them (:func:`fedapps.robust.clip_to_median`); the bound and the count clipped."""
-    sent = [models[int(r.metrics[CHOICE])] for r in replies]
-    clipped, bound, norms = clip_to_median([r.arrays for r in replies], sent, factor)
-    over = [n for n in norms if n > bound]
-    if over:
-        log.info("IFCA median_clip %g: %d of %d updates clipped to %.3g (largest %.3g)", factor, len(over), len(norms),
-                 bound, max(over))
-    out = [dataclasses.replace(r, arrays=arrays) for r, arrays in zip(replies, clipped)]
-    return out, {"clip_bound": bound, "clipped": len(over)}
+    return clip_replies_to_median(replies, [models[int(r.metrics[CHOICE])] for r in replies], factor, "IFCA")
 
 
 @dataclass
