@@ -23,14 +23,16 @@ import yaml
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedapps import message_sweep, protocol
-from fedapps.config import ExperimentConfig, dump_yaml, load_config, split_overrides
-from fedapps.results import (REJECTIONS, DeliveryCheck, FileSink, ResultSink, UnusableRun, append_rejections,
-                             exit_status, run_problems)
-from fedapps.validation import ReplyValidator, registry_of
+from fedapps.flower import message_sweep
 
-if TYPE_CHECKING:  # annotations only (fedapps.describe imports torch)
-    from fedapps.describe import Description
+from fedapps.wire import protocol
+from fedapps.config import ExperimentConfig, dump_yaml, load_config, split_overrides
+from fedapps.reporting.results import (REJECTIONS, DeliveryCheck, FileSink, ResultSink, UnusableRun, append_rejections,
+                             exit_status, run_problems)
+from fedapps.wire.validation import ReplyValidator, registry_of
+
+if TYPE_CHECKING:  # annotations only (fedapps.flower.describe imports torch)
+    from fedapps.flower.describe import Description
 
 log = logging.getLogger("fedapps")
 app = ServerApp()
@@ -71,9 +73,9 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     ``keep_state``.
     """
     # these import torch: when the run starts, not when Flower loads the module (the module docstring)
-    from fedapps import checkpoint, tracking
+    from fedapps.reporting import checkpoint, tracking
     from fedapps.data import NODES, get_federation, set_described_counts, spec_key
-    from fedapps.describe import bind_accepted
+    from fedapps.flower.describe import bind_accepted
     from strategies import RunContext, report_ignored, resolve
 
     setup_logging()
@@ -173,11 +175,11 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
 
 
 def describe(grid: Grid, cfg: ExperimentConfig, uses_public: bool) -> tuple[Description, ReplyValidator]:
-    """data.source 'nodes': every connected node describes its data (:mod:`fedapps.describe`); classes and shape
+    """data.source 'nodes': every connected node describes its data (:mod:`fedapps.flower.describe`); classes and shape
     are settled (pinned by data.num_classes / data.input_shape where given), refused nodes excluded. A strategy
     that ``uses_public`` U has each node's copy checked against the server's here, before round 1."""
     from fedapps.data import get_federation  # torch: see the module docstring
-    from fedapps.describe import describe_nodes
+    from fedapps.flower.describe import describe_nodes
 
     d = cfg.data
     spec = dataclasses.asdict(d)

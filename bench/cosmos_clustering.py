@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fedapps import clustering  # noqa: E402
+from fedapps.server import clustering  # noqa: E402
 from fedapps_tools.benchrecord import record  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Benchmark: one COSMOS server distillation epoch through our code path against a bare PyTorch loop.
 
-Ours: ``fedapps.ops.distill`` (the loop every client and the server use) with KL(target‖h) + λ·r_B, Adam,
+Ours: ``fedapps.client.ops.distill`` (the loop every client and the server use) with KL(target‖h) + λ·r_B, Adam,
 gradient clipping at 1.0, batch 32 — exactly what ``strategies/cosmos.py`` runs per cluster. Bare: the same
 computation written inline (index batches, forward, KL 'batchmean', r_B with a no-grad noisy branch, backward,
 clip, step). Same model initialisation, same U (the public set of configs/cosmos.yaml), same targets; the two
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fedapps import ops  # noqa: E402
+from fedapps.client import ops  # noqa: E402
 from fedapps.config import load_config  # noqa: E402
 from fedapps.data import get_federation  # noqa: E402
 from fedapps.models import build_model  # noqa: E402
@@ -35,7 +35,7 @@ LAMBDA, SIGMA, BATCH, LR, CLIP = 5.0, 0.05, 32, 1e-3, 1.0
 
 
 def ours(model: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor) -> float:
-    """One epoch through fedapps.ops.distill (KL + COSMOS's λ·r_B term); returns seconds."""
+    """One epoch through fedapps.client.ops.distill (KL + COSMOS's λ·r_B term); returns seconds."""
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
     ops.distill(model, x, targets, ops.OptimSettings(epochs=1, batch_size=BATCH, lr=LR, optimizer="adam", clip_norm=CLIP, drop_last=False),

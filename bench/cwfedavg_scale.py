@@ -44,7 +44,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fedapps.config import load_config  # noqa: E402
 from fedapps_tools.benchrecord import record  # noqa: E402
-from fedapps.protocol import ClientReply  # noqa: E402
+from fedapps.wire.protocol import ClientReply  # noqa: E402
 from strategies.cwfedavg import CwFedAvg  # noqa: E402
 
 GiB = 2**30

@@ -186,7 +186,7 @@ def main() -> None:
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                     help="config overrides for every run, e.g. strategy.params.cwfedavg.mix=round")
     ap.add_argument("--sweep", nargs="+", default=["one-pass"], choices=["one-pass", "flower"],
-                    help="the simulation's message sweep (fedapps/message_sweep.py); 'flower' is Flower's own, one "
+                    help="the simulation's message sweep (fedapps/flower/message_sweep.py); 'flower' is Flower's own, one "
                          "pass per node: give both to measure the difference in the same session")
     args = ap.parse_args()
     rows: list[ScaleRow] = []

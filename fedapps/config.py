@@ -31,9 +31,9 @@ class ConfigError(ValueError):
 
 OPTIMIZERS = ("sgd", "adam")
 AGGREGATION_RULES = ("mean", "median", "trimmed-mean")
-TRANSPORTS = ("float32", "float16")  # strategy.transport (the encodings live in fedapps.protocol)
+TRANSPORTS = ("float32", "float16")  # strategy.transport (the encodings live in fedapps.wire.protocol)
 DEVICES = ("auto", "cpu", "cuda")
-# tracking name -> the module its sink needs (fedapps.tracking writes; both come with pip install -e ".[tracking]")
+# tracking name -> the module its sink needs (fedapps.reporting.tracking writes; both come with pip install -e ".[tracking]")
 TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
 # data.source hf:<name>: a Hugging Face dataset (Hub id or local folder) through flwr-datasets (fedapps.data.hf); the
 # modules it needs come with the optional extra "hf"
@@ -71,7 +71,7 @@ class StrategyConfig:
                                        "its SuperNodes waits instead of starting with whoever is there")
     connect_timeout: float = setting(300.0, "seconds to wait for them; then the run fails, saying how many came and "
                                             "what to do")
-    aggregation: str = setting("mean", "how parameter-averaging strategies combine client arrays (fedapps/robust.py); "
+    aggregation: str = setting("mean", "how parameter-averaging strategies combine client arrays (fedapps/server/robust.py); "
                                        "the other strategies accept only mean", AGGREGATION_RULES)
     trim_fraction: float = setting(0.1, "trimmed-mean: share of the lowest and of the highest values dropped per "
                                         "coordinate, in [0, 0.5)")
@@ -80,9 +80,9 @@ class StrategyConfig:
                                            "the nodes' sizes are their own claims)")
     clip_update_norm: float = setting(0.0, "clip each client's update (its arrays minus the model the round sent it) "
                                            "to this L2 norm before they are combined, >= 0; 0 = no clipping "
-                                           "(parameter-averaging strategies, fedapps/robust.py)")
+                                           "(parameter-averaging strategies, fedapps/server/robust.py)")
     transport: str = setting("float32", "how model arrays travel between server and clients, both ways "
-                                        "(fedapps/protocol.py): float32 as the models hold them, or float16 (floating "
+                                        "(fedapps/wire/protocol.py): float32 as the models hold them, or float16 (floating "
                                         "arrays halved; parameter-sharing strategies only)", TRANSPORTS)
     params: dict[str, Any] = setting({}, "each strategy's own parameters, one section per strategy: "
                                          "strategy.params.<strategy>.<key>; the chosen strategy reads its section "

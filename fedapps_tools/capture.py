@@ -4,7 +4,7 @@ dropped (the reference). Shared by tests/test_hostile_clients.py and scripts/cap
 
 Setting: digits, MLP, :data:`CLIENTS` clients (pathological partition, :data:`CLASSES_PER_CLIENT` classes each, so
 every class is held by two clients), every client every round, in-process; client :data:`ATTACKER` is hostile (its
-replies rewritten by a capture fault of :mod:`fedapps.faults`), client :data:`VICTIM` is the one a targeted attack
+replies rewritten by a capture fault of :mod:`fedapps.flower.faults`), client :data:`VICTIM` is the one a targeted attack
 aims at. The reference run drops every reply of the attacker (it computes, nothing of it arrives), so the honest
 clients' data and seeds are those of the attacked runs.
 
@@ -24,9 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedapps import faults, protocol
+from fedapps.flower import faults
+
+from fedapps.wire import protocol
 from fedapps.config import load_config
-from fedapps.inprocess import InProcessGrid
+from fedapps.flower.inprocess import InProcessGrid
 from strategies import RunContext, resolve
 
 log = logging.getLogger("fedapps")

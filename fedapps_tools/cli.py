@@ -28,7 +28,7 @@ import urllib.request
 from pathlib import Path
 
 from fedapps.config import ConfigError, ExperimentConfig, load_config
-from fedapps.results import EXIT_FAILED, EXIT_STATUSES, UnusableRun, summary_exit_status
+from fedapps.reporting.results import EXIT_FAILED, EXIT_STATUSES, UnusableRun, summary_exit_status
 from fedapps_tools.flwrcli import (CONNECTION, RunFailed, _proc_stat, descendants, failure_reasons,
                                    flower_env, follow_run, stop_processes, stop_run, submit_run, toml_str)
 from fedapps_tools import raycluster
@@ -265,7 +265,7 @@ def run_in_process(cfg: ExperimentConfig, config_path: Path, overrides: list[str
     import torch
 
     import server_app
-    from fedapps.inprocess import InProcessGrid
+    from fedapps.flower.inprocess import InProcessGrid
 
     torch.set_num_threads(int(os.environ.get("FEDAPPS_CLIENT_THREADS", "1")))
     server_app.run_experiment(InProcessGrid(cfg.data.num_clients), str(config_path), " ".join(overrides), str(output_dir),
@@ -376,13 +376,13 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
             preflight(cfg, overrides)
             if getattr(args, "resume", None):
                 args.resume = str(Path(args.resume).expanduser().resolve())
-                from fedapps import checkpoint
+                from fedapps.reporting import checkpoint
                 from fedapps.config import dump_yaml
 
                 saved = checkpoint.load_checkpoint(args.resume)  # refuse here, before flwr run starts
                 checkpoint.check_same_config(saved["config"], dump_yaml(resolved_config(cfg)), args.resume)
             else:  # a new run: its folder must not hold an earlier run's files
-                from fedapps import checkpoint
+                from fedapps.reporting import checkpoint
 
                 checkpoint.check_fresh(out / resolved_config(cfg).resolved_run_name())
             if not ray_address:

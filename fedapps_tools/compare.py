@@ -17,9 +17,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from scipy import stats
 
-from fedapps import plots
+from fedapps.reporting import plots
 from fedapps.config import ConfigError, ExperimentConfig, config_hash, load_config
-from fedapps.results import read_csv, write_csv
+from fedapps.reporting.results import read_csv, write_csv
 from fedapps_tools.options import parse_seeds, resolve_root
 from fedapps_tools.progressbar import RunProgress
 
@@ -200,7 +200,7 @@ def per_round_mean_sem(runs: list[list[dict[str, Any]]], key: str) -> tuple[list
 
 def comparison_curves(lines: list[Line]) -> list[plots.Curve]:
     """The plot's curves: per line, the deployed models' accuracy (mean over clients; worst 10 % of clients)
-    as mean ± SEM over seeds per round, labelled by :func:`fedapps.plots.legend_labels`."""
+    as mean ± SEM over seeds per round, labelled by :func:`fedapps.reporting.plots.legend_labels`."""
     labels = plots.legend_labels([(ln.method, ln.setting, ln.config) for ln in lines])
     out = []
     for ln, label in zip(lines, labels):

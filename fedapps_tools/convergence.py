@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedapps.results import read_csv
+from fedapps.reporting.results import read_csv
 
 WINDOW, TOLERANCE, AFTER = 20, 0.005, 100
 
@@ -83,7 +83,7 @@ def describe(run_dir: Path, window: int, tolerance: float, after: int) -> dict[s
 
 def plot_curves(runs: list[Path], path: Path, window: int, tolerance: float, after: int) -> None:
     """Each run's validation curve (faint) and its trailing mean, the flattening round marked where there is one."""
-    from fedapps import plots
+    from fedapps.reporting import plots
 
     plt = plots._pyplot()  # noqa: SLF001 - the project's one matplotlib set-up
     fig, ax = plt.subplots(figsize=(7.5, 4.2))

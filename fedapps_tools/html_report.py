@@ -3,7 +3,7 @@
 The page holds the results table (mean ± SEM over seeds, fairness across clients, traffic, wall time, the
 protocol), accuracy against rounds and against cumulative traffic, the spread of the clients' accuracies per
 method, the strategies' own figures (cwFedAvg's clients × classes heatmaps, COSMOS's clusters) and one row per
-run. Figures are embedded as base64 PNG, drawn by :mod:`fedapps.plots` in the project's one style; there is no
+run. Figures are embedded as base64 PNG, drawn by :mod:`fedapps.reporting.plots` in the project's one style; there is no
 script and nothing external (no CSS, font or image is fetched when the page is viewed).
 """
 
@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from fedapps import plots
-from fedapps.results import read_csv
+from fedapps.reporting import plots
+from fedapps.reporting.results import read_csv
 from fedapps_tools.compare import Line, _pm, comparison_curves, setting_label, summarise_runs
 
 log = logging.getLogger("fedapps")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fedapps.config import ConfigError, ExperimentConfig, load_config
-from fedapps.results import format_duration
+from fedapps.reporting.results import format_duration
 
 RULE = "-" * 78
 MARK = ">>"  # the headline's lines start with it

@@ -38,7 +38,7 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from fedapps.config import ConfigError, apply_override, config_hash, load_config
-from fedapps.results import read_csv
+from fedapps.reporting.results import read_csv
 
 MAX_GRID_POINTS = 4  # evaluation.md: the same tuning budget for every method
 
@@ -652,7 +652,7 @@ def final_client_accuracies(rows: list[dict[str, Any]]) -> list[float]:
 def fairness_from_runs(folders: list[Path]) -> dict[str, float]:
     """Worst 10 % of clients and the std over clients of the final deployed models, mean ± SEM over the runs,
     recomputed from each run's per-client accuracies (for runs made before summary.json recorded them)."""
-    from fedapps.results import client_std, worst_share_mean
+    from fedapps.reporting.results import client_std, worst_share_mean
     from fedapps_tools.compare import mean_sem
 
     per_run = [final_client_accuracies(read_csv(d / "rounds.csv")) for d in folders]

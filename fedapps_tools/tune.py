@@ -37,7 +37,7 @@ from fedapps.config import (
     read_config_text,
     split_overrides,
 )
-from fedapps.results import write_csv
+from fedapps.reporting.results import write_csv
 from fedapps_tools.compare import clear_for_rerun, mean_sem, resume_decision
 from fedapps_tools.options import parse_seeds, resolve_root
 from fedapps_tools.progressbar import RunProgress

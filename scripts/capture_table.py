@@ -23,7 +23,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from fedapps.results import write_csv  # noqa: E402
+from fedapps.reporting.results import write_csv  # noqa: E402
 from fedapps_tools import capture  # noqa: E402
 from fedapps_tools.tables import provenance  # noqa: E402
 
@@ -100,7 +100,7 @@ def table(rows: list[dict[str, Any]], cases: list[capture.Case], seeds: list[int
             f"{fmt(mean_of(arm['default'], 'mean_acc'))}{note} | {fmt(mean_of(arm['robust'], 'mean_acc'))} | "
             f"{fmt(mean_of(arm[capture.REFERENCE], 'mean_acc'))} | "
             f"{fmt(mean_of(arm[capture.REFERENCE_ROBUST], 'mean_acc'))} | {verdict(c, arm['robust'])} |")
-    lines += ["", "The attacks (fault kinds of `fedapps/faults.py`):", ""]
+    lines += ["", "The attacks (fault kinds of `fedapps/flower/faults.py`):", ""]
     lines += [f"- **{c.name}** (`{c.fault_spec()}`{', ' + ' '.join(c.setting) if c.setting else ''}): {c.what}."
               for c in cases]
     diag = [c for c in cases if any(r["diagnostic"] is not None for r in rows if r["case"] == c.name)]

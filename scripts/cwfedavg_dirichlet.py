@@ -34,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fedapps.results import read_csv  # noqa: E402
+from fedapps.reporting.results import read_csv  # noqa: E402
 from fedapps_tools.tables import PROVENANCE, provenance  # noqa: E402
 
 SETTING = ROOT / "configs" / "settings" / "param-dirichlet.yaml"

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fedapps.config import load_config  # noqa: E402
-from fedapps.inprocess import InProcessGrid  # noqa: E402
+from fedapps.flower.inprocess import InProcessGrid  # noqa: E402
 from strategies import resolve  # noqa: E402
 from strategies.cwfedavg import fedavg_weights, l1_error, mixing_matrix  # noqa: E402
 

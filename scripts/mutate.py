@@ -12,7 +12,7 @@ runs mutmut on them, prints the figures and writes mutation-report.md (every sur
 docs/mutation.md argues the survivors that are equivalent; this script lists those it does not find there.
 
     python scripts/mutate.py                  # everything in SCOPE (15 to 60 minutes on 2 shared cores, by their load)
-    python scripts/mutate.py fedapps.robust   # one module
+    python scripts/mutate.py fedapps.server.robust   # one module
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ EQUIVALENT = ROOT / "docs" / "mutation.md"
 # kernels of pairwise_l1, the registered client terms and operations (client_op), FedNH's lru_cache'd uniform
 # initialisation and its no_grad feature pass; those are pinned by scripts/named_mutations.py and the tests)
 SCOPE: dict[str, list[str]] = {
-    "fedapps.robust": ["cap_weights", "coordinate_median", "trimmed_mean", "combine"],
-    "fedapps.pairwise_l1": ["l1_distance_matrix"],
-    "fedapps.clustering": ["l2_distance_matrix", "distance_to_centres", "greedy_threshold_clustering", "assignment",
+    "fedapps.server.robust": ["cap_weights", "coordinate_median", "trimmed_mean", "combine"],
+    "fedapps.server.pairwise_l1": ["l1_distance_matrix"],
+    "fedapps.server.clustering": ["l2_distance_matrix", "distance_to_centres", "greedy_threshold_clustering", "assignment",
                            "auto_threshold"],
-    "fedapps.pseudolabels": ["label_dtype", "encode", "decode", "one_hot", "apply_temperature", "aggregate"],
-    "fedapps.ops": ["kl_to_targets", "weighted_mean"],
+    "fedapps.wire.pseudolabels": ["label_dtype", "encode", "decode", "one_hot", "apply_temperature", "aggregate"],
+    "fedapps.client.ops": ["kl_to_targets", "weighted_mean"],
     "strategies.cosmos": ["robustness_penalty"],
     "strategies.fedprox": ["proximal_penalty"],
     "strategies.fedamp": ["squared_distances", "attention_weights", "median_nonzero", "relative_attention_weights",

@@ -40,11 +40,11 @@ MUTATIONS = [
              "target = counts / counts.sum()",
              "target = torch.full_like(counts, 1.0 / len(counts))",
              (FORMULAS,)),
-    Mutation("kl-reversed", "fedapps/ops.py",
+    Mutation("kl-reversed", "fedapps/client/ops.py",
              "per_sample = (target_probs * (torch.log(target_probs.clamp_min(1e-12)) - log_q)).sum(dim=-1)",
              "per_sample = (log_q.exp() * (log_q - torch.log(target_probs.clamp_min(1e-12)))).sum(dim=-1)",
              (FORMULAS,)),
-    Mutation("kl-sum-reduction", "fedapps/ops.py",
+    Mutation("kl-sum-reduction", "fedapps/client/ops.py",
              "    return weighted_mean(per_sample, sample_weights)\n\n\ndef weighted_mean",
              "    return per_sample.sum() if sample_weights is None else weighted_mean(per_sample, sample_weights)\n\n\n"
              "def weighted_mean",

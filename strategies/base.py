@@ -29,15 +29,15 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from fedapps import protocol
+from fedapps.wire import protocol
 from fedapps.config import ConfigError, ExperimentConfig, cohort_size, exceeds_clients
-from fedapps.connect import wait_for_clients
+from fedapps.flower.connect import wait_for_clients
 from fedapps.data import NODES
 from fedapps.params import parse_params
-from fedapps.protocol import ClientReply
-from fedapps.results import Artifact, accuracy_stats, after_training_stats
-from fedapps.robust import AggregationRule, clip_to_median, clip_update, combine
-from fedapps.validation import Rejection, ReplyValidator
+from fedapps.wire.protocol import ClientReply
+from fedapps.reporting.results import Artifact, accuracy_stats, after_training_stats
+from fedapps.server.robust import AggregationRule, clip_to_median, clip_update, combine
+from fedapps.wire.validation import Rejection, ReplyValidator
 
 log = logging.getLogger("fedapps")
 
@@ -140,13 +140,13 @@ class RunContext:
     afterwards). The defaults (rounds recorded nowhere, state kept in memory, every node sampled) suit tests."""
 
     on_round: Callable[[RoundLog], None] | None = None  # called with every round's record: the result sinks
-    # where clients keep their private model across a resumption, sent in every message (see fedapps.worker):
+    # where clients keep their private model across a resumption, sent in every message (see fedapps.client.worker):
     # {"state-dir": <run folder>/client-state, "state-run": the run's token}; empty: clients keep it in memory only
     client_state: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # where the strategy may keep per-client state too large to rewrite in checkpoint.pt every round (see
-    # fedapps.checkpoint.RowFiles; cwFedAvg's stack); None: everything goes in checkpoint.pt
+    # fedapps.reporting.checkpoint.RowFiles; cwFedAvg's stack); None: everything goes in checkpoint.pt
     server_state_dir: str | None = None
-    # nodes refused before round 1 (data.source 'nodes': their data do not fit, see fedapps.describe): never sampled
+    # nodes refused before round 1 (data.source 'nodes': their data do not fit, see fedapps.flower.describe): never sampled
     excluded_nodes: frozenset[int] = frozenset()
 
 
@@ -403,7 +403,7 @@ class PersonalisedStrategy:
 
     def validate(self, server_round: int, replies: Iterable[Message],
                  phase: str = protocol.MESSAGE_TYPE) -> list[ClientReply]:
-        """Check replies against what their messages asked (:mod:`fedapps.validation`; recorded by
+        """Check replies against what their messages asked (:mod:`fedapps.wire.validation`; recorded by
         ``validator.expect`` when the messages were built: what each reply must carry is read off its message) and
         bind node ↔ client; never raises. The counts and rejections go into the round's record."""
         replies = list(replies)
@@ -693,7 +693,7 @@ def weighted_average(arrays: list[Mapping[str, np.ndarray]], weights: list[float
 def clip_replies_to_median(replies: list[ClientReply], sent: list[Mapping[str, np.ndarray]], factor: float,
                            who: str) -> tuple[list[ClientReply], dict[str, Any]]:
     """A personalising strategy's ``median_clip``: each reply's update (its arrays minus ``sent[i]``, the model its
-    message carried) clipped to ``factor`` × the median update norm of all of them (:func:`fedapps.robust.
+    message carried) clipped to ``factor`` × the median update norm of all of them (:func:`fedapps.server.robust.
     clip_to_median`); the replies with the clipped arrays and the round's extras (the bound, how many were clipped),
     the clipping logged under ``who``."""
     clipped, bound, norms = clip_to_median([r.arrays for r in replies], sent, factor)
@@ -707,10 +707,10 @@ def clip_replies_to_median(replies: list[ClientReply], sent: list[Mapping[str, n
 
 def average_matching(replies: list[ClientReply], current: Mapping[str, np.ndarray],
                      rule: AggregationRule | None = None) -> dict[str, np.ndarray]:
-    """Sample-weighted mean (or ``rule``'s robust combination, :mod:`fedapps.robust`) of the replies whose arrays
+    """Sample-weighted mean (or ``rule``'s robust combination, :mod:`fedapps.server.robust`) of the replies whose arrays
     have exactly ``current``'s keys and shapes (others are ignored); ``current`` itself when none has. With
     ``rule.clip_update_norm`` > 0 each reply's update (its arrays minus ``current``, the model the round sent) is
-    first clipped to that L2 norm (:func:`fedapps.robust.clip_update`). Integer arrays (e.g. BN counters) take the
+    first clipped to that L2 norm (:func:`fedapps.server.robust.clip_update`). Integer arrays (e.g. BN counters) take the
     first client's, as in :func:`weighted_average`. The result has ``current``'s dtypes, whatever a reply's."""
     usable = [r for r in replies if r.arrays is not None and set(r.arrays) == set(current)
               and all(np.shape(r.arrays[k]) == np.shape(v) for k, v in current.items())]

@@ -14,7 +14,7 @@ in the same message — the same client protocol as COSMOS, so the comparison is
 Robust option ``outlier_factor`` (off by default): K is fixed, so a client whose predictions are far from everybody's
 (one-hot votes for one class on every row) takes a centroid for itself and the honest clients share the other K − 1:
 some are merged into a cluster that is not theirs. With ``outlier_factor`` = f > 0 a client whose nearest other client
-is more than f × the median nearest-neighbour distance away (per public sample, L1: :func:`fedapps.clustering.
+is more than f × the median nearest-neighbour distance away (per public sample, L1: :func:`fedapps.server.clustering.
 isolated`) is set aside for the round: it takes no centroid, counts in no cluster's mean, and gets no targets next
 round (it trains on its own data only); each such reply is recorded (rejections.csv, phase aggregate). A client
 that stays near the others to escape the guard can only send predictions close to theirs.
@@ -31,10 +31,12 @@ import numpy as np
 from flwr.app import Message
 from threadpoolctl import threadpool_limits
 
-from fedapps import clustering, protocol, pseudolabels
+from fedapps.server import clustering
+
+from fedapps.wire import protocol, pseudolabels
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
-from fedapps.protocol import ClientReply
+from fedapps.wire.protocol import ClientReply
 from fedapps.seeds import derive_rng
 from strategies.base import RunContext
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, targets_record
@@ -163,7 +165,7 @@ class COMET(PseudoLabelStrategy):
 
     def without_outliers(self, server_round: int, used: list[ClientReply],
                          stack: np.ndarray) -> tuple[list[ClientReply], np.ndarray, int]:
-        """``outlier_factor``: the replies (and their predictions) without the clients :func:`fedapps.clustering.
+        """``outlier_factor``: the replies (and their predictions) without the clients :func:`fedapps.server.clustering.
         isolated` finds, each recorded as left out; everybody when that would leave nobody."""
         far = clustering.isolated(clustering.pairwise_distances(stack, "l1"), float(self.params.outlier_factor))
         if far.all() or not far.any():

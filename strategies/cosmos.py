@@ -16,7 +16,7 @@ Robust option ``member_clip`` (off by default). A cluster's target is its member
 victim's cluster (round 1's predictions copied from the victim's) and then sends one-hot labels of other classes
 takes the victim's cluster model over (measured: victim 0.68 against 0.94 with that client dropped). With
 ``member_clip`` = τ > 0 every member's predictions are first moved towards the cluster's centre until no row is more
-than τ away in L1 (:func:`fedapps.pseudolabels.clip_to_centre`); the centre is the cluster model's own predictions
+than τ away in L1 (:func:`fedapps.wire.pseudolabels.clip_to_centre`); the centre is the cluster model's own predictions
 h_k(U) sent last round (round 1, before any: the members' coordinate-wise median). A member then moves its cluster's
 target by at most τ/|members| per row and round (mean aggregation) and the members' pulls balance: an honest member
 whose data disagree with a drifting h_k pulls back as hard as the liar pushes.
@@ -36,14 +36,18 @@ import torch.nn.functional as F
 from flwr.app import ArrayRecord, Message
 from torch import Tensor, nn
 
-from fedapps import clustering, ops, protocol, pseudolabels
-from fedapps.clientops import ProtocolError, distill_term, distill_weighting
+from fedapps.server import clustering
+
+from fedapps.client import ops
+
+from fedapps.wire import protocol, pseudolabels
+from fedapps.client.clientops import ProtocolError, distill_term, distill_weighting
 from fedapps.config import DEVICES, OPTIMIZERS, ConfigError, ExperimentConfig
 from fedapps.data import Federation, get_federation
 from fedapps.models import MODEL_NAMES, build_model
 from fedapps.params import param
-from fedapps.protocol import ClientReply
-from fedapps.results import Artifact
+from fedapps.wire.protocol import ClientReply
+from fedapps.reporting.results import Artifact
 from fedapps.seeds import derive_seed
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 
@@ -102,7 +106,7 @@ def robustness_penalty(model: nn.Module, x: Tensor, logits: Tensor, sigma: float
 
 
 def rb_term(lam: float, sigma: float, generator: torch.Generator | None = None) -> ops.DistillTerm | None:
-    """λ·r_B as a distillation term of :func:`fedapps.ops.distill` (noise from ``generator``); None when λ = 0."""
+    """λ·r_B as a distillation term of :func:`fedapps.client.ops.distill` (noise from ``generator``); None when λ = 0."""
     if lam <= 0:
         return None
     return lambda model, x, logits, weights: lam * robustness_penalty(model, x, logits, sigma, sample_weights=weights,
@@ -278,7 +282,7 @@ class Cosmos(PersonalisedStrategy):
     # ------------------------------------------------------------------ aggregation
     def accept(self, replies: list[ClientReply]) -> dict[int, np.ndarray]:
         """Client id -> soft predictions. The reply validator has checked each reply once (U's fingerprint, the
-        predictions' wire type, shape and values: :func:`fedapps.validation.prediction_problem`)."""
+        predictions' wire type, shape and values: :func:`fedapps.wire.validation.prediction_problem`)."""
         return {r.client_id: soft_predictions(r.predictions[protocol.PREDICTION_ARRAY], self.num_classes)
                 for r in replies}
 

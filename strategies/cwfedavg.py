@@ -45,7 +45,7 @@ Robust option ``median_clip`` (off by default): one client's upload enters every
 through A, so a hostile client can take them over with valid-looking arrays — classifier rows that make its p̂ one-hot
 on a class and scale that row up (measured: every other client at chance). With ``median_clip`` = c > 0 each upload
 w_l is replaced, before anything else reads it (stack, running sum, estimate), by s + min(1, c·m/‖w_l − s‖)(w_l − s),
-s the personalised model client l was sent and m the median of this round's ‖w_l − s‖ (:func:`fedapps.robust.
+s the personalised model client l was sent and m the median of this round's ‖w_l − s‖ (:func:`fedapps.server.robust.
 clip_to_median`): no client moves anyone's model further than c times the cohort's typical update.
 
 Client side (registered here): the training term ``wdr``, switched on by ``train.wdr_lambda`` → loss
@@ -68,14 +68,16 @@ import torch
 from flwr.app import Message
 from torch import Tensor, nn
 
-from fedapps import checkpoint, protocol
-from fedapps.clientops import client_op, training_term
+from fedapps.reporting import checkpoint
+
+from fedapps.wire import protocol
+from fedapps.client.clientops import client_op, training_term
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.data import get_federation, spec_info
 from fedapps.models import build_model, classifier_name, top_level_children
 from fedapps.params import lower, param
-from fedapps.protocol import ClientReply
-from fedapps.results import Artifact
+from fedapps.wire.protocol import ClientReply
+from fedapps.reporting.results import Artifact
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, clip_replies_to_median
 
 log = logging.getLogger("fedapps")
@@ -492,7 +494,7 @@ class CwFedAvg(PersonalisedStrategy):
 
     def _clipped(self, server_round: int, replies: list[ClientReply]) -> tuple[list[ClientReply], dict[str, Any]]:
         """``median_clip``: each reply's update against the model its message carried, clipped to median_clip × the
-        round's median update norm (:func:`fedapps.robust.clip_to_median`); the replies with the clipped arrays and
+        round's median update norm (:func:`fedapps.server.robust.clip_to_median`); the replies with the clipped arrays and
         the round's extras (the bound, how many were clipped)."""
         known = []
         for r in replies:  # every training message's model is recorded: a reply without one answers none

@@ -14,11 +14,13 @@ from typing import Any
 
 from flwr.app import Message
 
-from fedapps import ops, protocol
-from fedapps.clientops import ProtocolError, client_op
+from fedapps.client import ops
+
+from fedapps.wire import protocol
+from fedapps.client.clientops import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
-from fedapps.protocol import ClientReply
+from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
 from strategies.fedavg import initial_model_arrays
 from strategies.fedprox import PROX_MU

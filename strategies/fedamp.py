@@ -22,11 +22,11 @@ import numpy as np
 import torch
 from flwr.app import Message
 
-from fedapps import protocol
-from fedapps.clustering import l2_distance_matrix
+from fedapps.wire import protocol
+from fedapps.server.clustering import l2_distance_matrix
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
-from fedapps.protocol import ClientReply
+from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
 from strategies.fedprox import PROX_MU

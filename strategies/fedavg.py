@@ -13,11 +13,11 @@ from typing import Any, ClassVar
 import numpy as np
 from flwr.app import Message
 
-from fedapps import protocol
+from fedapps.wire import protocol
 from fedapps.config import ExperimentConfig
 from fedapps.data import spec_info
 from fedapps.models import build_model, state_part
-from fedapps.protocol import ClientReply
+from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedapps import ops
-from fedapps.clientops import client_op
+from fedapps.client import ops
+from fedapps.client.clientops import client_op
 from fedapps.params import param
-from fedapps.worker import part_names
+from fedapps.client.worker import part_names
 from strategies.base import DeployedModel
 from strategies.fedper import FedPer
 

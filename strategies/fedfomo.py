@@ -21,11 +21,13 @@ from flwr.app import Message
 
 from torch import Tensor
 
-from fedapps import ops, protocol
-from fedapps.clientops import ProtocolError, client_op
+from fedapps.client import ops
+
+from fedapps.wire import protocol
+from fedapps.client.clientops import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
-from fedapps.protocol import ClientReply
+from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 
 

@@ -31,11 +31,13 @@ from typing import Any
 import numpy as np
 from flwr.app import Message
 
-from fedapps import ops, protocol, pseudolabels
-from fedapps.clientops import ProtocolError, client_op
+from fedapps.client import ops
+
+from fedapps.wire import protocol, pseudolabels
+from fedapps.client.clientops import ProtocolError, client_op
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
-from fedapps.protocol import ClientReply
+from fedapps.wire.protocol import ClientReply
 from fedapps.seeds import derive_rng
 from strategies.base import RunContext
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, index_array, targets_record

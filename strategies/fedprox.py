@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedapps.clientops import ProtocolError, training_term
+from fedapps.client.clientops import ProtocolError, training_term
 from fedapps.params import param
 from strategies.fedavg import FedAvg
 

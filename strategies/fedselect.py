@@ -34,12 +34,14 @@ from flwr.app import Message
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from fedapps import ops, protocol, worker
-from fedapps.clientops import ProtocolError, client_op
+from fedapps.client import ops, worker
+
+from fedapps.wire import protocol
+from fedapps.client.clientops import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
-from fedapps.protocol import ClientReply
-from fedapps.validation import ArraySpec, ReplyValidator
+from fedapps.wire.protocol import ClientReply
+from fedapps.wire.validation import ArraySpec, ReplyValidator
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
 

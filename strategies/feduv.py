@@ -51,11 +51,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedapps import ops, protocol
-from fedapps.clientops import client_op
+from fedapps.client import ops
+
+from fedapps.wire import protocol
+from fedapps.client.clientops import client_op
 from fedapps.models import classifier_name
 from fedapps.params import param
-from fedapps.protocol import ClientReply
+from fedapps.wire.protocol import ClientReply
 from strategies.fedavg import FedAvg
 
 TRAIN_OP = "feduv-train"  # the client operation: FedAvg's local training with the two terms

@@ -10,7 +10,7 @@ on the client. Download cost: K models per client per round.
 Robust option ``median_clip`` (off by default): a cluster model is the mean of its choosers' models, so one scaled
 model drags every client of its cluster with it (and a cluster nobody else can fit). With ``median_clip`` = c > 0
 each reply's update (its model minus the cluster model it chose, as sent) is first clipped to c × the round's median
-update norm over every reply of every cluster (:func:`fedapps.robust.clip_to_median`). It works beside
+update norm over every reply of every cluster (:func:`fedapps.server.robust.clip_to_median`). It works beside
 ``strategy.aggregation`` / ``clip_update_norm`` (applied after it, per cluster).
 """
 
@@ -23,12 +23,14 @@ from typing import Any
 import numpy as np
 from flwr.app import Message
 
-from fedapps import ops, protocol
-from fedapps.clientops import client_op
+from fedapps.client import ops
+
+from fedapps.wire import protocol
+from fedapps.client.clientops import client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
-from fedapps.protocol import ClientReply
-from fedapps.robust import AggregationRule
+from fedapps.wire.protocol import ClientReply
+from fedapps.server.robust import AggregationRule
 from strategies.base import (DeployedModel, PersonalisedStrategy, RunContext, average_matching,
                              clip_replies_to_median)
 from strategies.fedavg import initial_model_arrays
@@ -69,7 +71,7 @@ def average_per_cluster(models: list[dict[str, np.ndarray]], replies: list[Clien
 def clip_choosers(models: list[dict[str, np.ndarray]], replies: list[ClientReply],
                   factor: float) -> tuple[list[ClientReply], dict[str, Any]]:
     """The replies with each update (arrays minus the cluster model it chose) clipped to ``factor`` × the median
-    update norm of all of them (:func:`fedapps.robust.clip_to_median`); the bound and the count clipped."""
+    update norm of all of them (:func:`fedapps.server.robust.clip_to_median`); the bound and the count clipped."""
     return clip_replies_to_median(replies, [models[int(r.metrics[CHOICE])] for r in replies], factor, "IFCA")
 
 

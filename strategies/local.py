@@ -13,9 +13,9 @@ from typing import Any
 
 from flwr.app import Message
 
-from fedapps import protocol
+from fedapps.wire import protocol
 from fedapps.params import param
-from fedapps.protocol import ClientReply
+from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy
 
 

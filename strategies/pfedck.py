@@ -29,11 +29,13 @@ import torch.nn.functional as F
 from flwr.app import Message
 from torch import Tensor, nn
 
-from fedapps import ops, protocol
-from fedapps.clientops import ProtocolError, client_op
+from fedapps.client import ops
+
+from fedapps.wire import protocol
+from fedapps.client.clientops import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
-from fedapps.protocol import ClientReply
+from fedapps.wire.protocol import ClientReply
 from fedapps.seeds import derive_rng
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
 from strategies.cfl import update_vector

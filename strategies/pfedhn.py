@@ -43,7 +43,7 @@ scaled model steers the model the hypernetwork generates for everybody (``clip_n
 gradient, not one client's share of it; and clipping Δθ_i itself is not enough: a Δθ_i along θ_i — "scale the
 model up" — is the direction h amplifies most, measured 8× an honest update's gradient at twice its norm). With
 ``median_clip`` = c > 0 each client's own gradient g_i = (∂θ_i/∂φ)ᵀ Δθ_i is measured first (one backward per reply)
-and its Δθ_i scaled by s_i = min(1, c·m/‖g_i‖), m the round's median ‖g_i‖ (:func:`fedapps.robust.median_bound`);
+and its Δθ_i scaled by s_i = min(1, c·m/‖g_i‖), m the round's median ‖g_i‖ (:func:`fedapps.server.robust.median_bound`);
 g is linear in Δθ, so the round's gradient is Σ_i s_i·g_i: no client pulls h further than c times the cohort's
 typical client. It costs one more backward of h per reply. A hostile client's pull points the same way every round
 while the honest ones vary, and SGD's momentum adds up what repeats: measured, c = 1 still lets one scaled model pull
@@ -62,13 +62,15 @@ import torch
 from flwr.app import Message
 from torch import Tensor, nn
 
-from fedapps import ops, protocol
+from fedapps.client import ops
+
+from fedapps.wire import protocol
 from fedapps.config import DEVICES, ConfigError, ExperimentConfig
 from fedapps.data import DataError, spec_info
 from fedapps.models import build_model
 from fedapps.params import param
-from fedapps.protocol import ClientReply
-from fedapps.robust import median_bound
+from fedapps.wire.protocol import ClientReply
+from fedapps.server.robust import median_bound
 from fedapps.seeds import derive_seed
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, _state_value
 
@@ -169,7 +171,7 @@ def client_gradient_norms(hn: HyperNetwork, clients: Sequence[int | None],
 
 
 def median_clip_scales(norms: Sequence[float], factor: float) -> list[float]:
-    """s_i = min(1, bound / norm_i) with bound = ``factor`` × the median norm (:func:`fedapps.robust.median_bound`):
+    """s_i = min(1, bound / norm_i) with bound = ``factor`` × the median norm (:func:`fedapps.server.robust.median_bound`):
     what each client's contribution is multiplied by so that none is longer than the bound."""
     bound = median_bound(norms, factor)
     return [1.0 if n <= bound else bound / n for n in norms]

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord
 
-from fedapps import protocol, pseudolabels
+from fedapps.wire import protocol, pseudolabels
 from fedapps.config import OPTIMIZERS, ConfigError, ExperimentConfig
 from fedapps.data import get_federation
 from fedapps.params import param
-from fedapps.protocol import ClientReply
+from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 
 
@@ -36,7 +36,7 @@ class DistillParams:
 def collect_predictions(replies: list[ClientReply], rows: int, num_classes: int,
                         kind: str) -> tuple[list[ClientReply], np.ndarray]:
     """The replies in client-id order and their decoded predictions stacked clients×rows(×M). Each reply was
-    checked once, by the reply validator (:func:`fedapps.validation.prediction_problem`), against what its message
+    checked once, by the reply validator (:func:`fedapps.wire.validation.prediction_problem`), against what its message
     asked for; a reply without predictions here is a caller's error (it bypassed the validator)."""
     used = sorted(replies, key=lambda r: r.client_id)
     arrays: list[np.ndarray] = []
@@ -44,7 +44,7 @@ def collect_predictions(replies: list[ClientReply], rows: int, num_classes: int,
         wire = (r.predictions or {}).get(protocol.PREDICTION_ARRAY)
         if wire is None:
             raise ValueError(f"client {r.client_id}'s reply carries no predictions; pass replies through "
-                             "fedapps.validation.ReplyValidator (the strategy's validate) first")
+                             "fedapps.wire.validation.ReplyValidator (the strategy's validate) first")
         arrays.append(pseudolabels.decode(wire, num_classes))
     if not arrays:
         return used, np.zeros((0, rows) if kind == "hard" else (0, rows, num_classes))

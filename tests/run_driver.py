@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 
 import server_app  # noqa: E402
 from fedapps.config import load_config  # noqa: E402
-from fedapps.inprocess import InProcessGrid  # noqa: E402
+from fedapps.flower.inprocess import InProcessGrid  # noqa: E402
 
 
 def main() -> None:

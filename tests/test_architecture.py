@@ -11,16 +11,16 @@ functions. Rules:
     - ``fedapps.config`` knows no strategy and nothing above it: of the project's modules it imports at most
       ``fedapps.params`` and error modules (a module whose last name ends in ``errors``/``exceptions``);
     - ``strategies/*`` import neither ``server_app``, ``client_app`` nor the tools;
-(c) ``fedapps/worker.py`` (the generic client) names no algorithm: no registered strategy name (the
+(c) ``fedapps/client/worker.py`` (the generic client) names no algorithm: no registered strategy name (the
     ``name = "..."`` class attributes in ``strategies/*.py``) and no algorithm display name appears in it,
     case-insensitively, as a whole word (letters and digits only form words: ``ditto_lam`` and ``FedAvg's``
     both count), in code, strings or comments;
 (d) an algorithm's own maths stays in its module: COSMOS's r_B (:data:`MOVED_OUT_OF_CORE`: the function, its term
     builder and its message settings) is defined in ``strategies/cosmos.py`` and named nowhere in ``fedapps/``;
 (e) each reply is checked once, with one prediction check: ``prediction_problem`` is defined in
-    ``fedapps/validation.py`` and in no other module of ``fedapps/`` or ``strategies/``;
+    ``fedapps/wire/validation.py`` and in no other module of ``fedapps/`` or ``strategies/``;
 (f) the wire keys of the public set U (:data:`PROTOCOL_KEYS`: the ``public.fingerprint`` / ``predict.*`` settings and
-    the array names of the predictions and targets records) are spelled in ``fedapps/protocol.py`` only: no other
+    the array names of the predictions and targets records) are spelled in ``fedapps/wire/protocol.py`` only: no other
     module of the project holds a string literal equal to one of them (docstrings, comments and longer strings that
     contain one do not count);
 (g) a strategy is given its run context at construction, never wired afterwards: no module of the project and no test
@@ -52,12 +52,12 @@ DISPLAY_NAMES = ("FedAvg", "cwFedAvg", "COSMOS", "FedMD", "FedCT", "COMET", "Fed
                  "Ditto", "FedBABU", "FedPer", "FedRep", "FedProx", "WDR")
 # A registered name that is an ordinary word ('local' training/epochs/data) says nothing about an algorithm.
 ORDINARY_WORDS = frozenset({"local"})
-WORKER = ROOT / "fedapps" / "worker.py"
+WORKER = ROOT / "fedapps" / "client" / "worker.py"
 # names that left the core for their algorithm's module (rule d): name -> the module that defines or reads it
 MOVED_OUT_OF_CORE = {"robustness_penalty": "strategies/cosmos.py", "rb_term": "strategies/cosmos.py",
                      "rb_lambda": "strategies/cosmos.py", "rb_sigma": "strategies/cosmos.py"}
-PREDICTION_CHECK = ("prediction_problem", "fedapps/validation.py")  # rule (e): the one prediction check, where
-PROTOCOL = "fedapps/protocol.py"
+PREDICTION_CHECK = ("prediction_problem", "fedapps/wire/validation.py")  # rule (e): the one prediction check, where
+PROTOCOL = "fedapps/wire/protocol.py"
 PROTOCOL_KEYS = ("public.fingerprint", "predict.output", "predict.encoding", "predictions", "targets",
                  "distill-indices", "predict-indices")  # rule (f); the rest of the keys: issue #27's typed schema
 RUN_CONTEXT = ("strategies/base.py", "RunContext")  # rule (g): the class whose fields are construction inputs
@@ -278,7 +278,7 @@ def definers(function: str, root: Path = ROOT) -> list[str]:
 
 
 def key_literals(keys: tuple[str, ...], root: Path = ROOT) -> list[str]:
-    """'file:line: key' for every string literal equal to one of ``keys`` outside fedapps/protocol.py."""
+    """'file:line: key' for every string literal equal to one of ``keys`` outside fedapps/wire/protocol.py."""
     out = []
     for name, path in sorted(module_files(root).items()):
         rel = str(path.relative_to(root))
@@ -354,8 +354,8 @@ def unreferenced_methods(root: Path = ROOT) -> list[str]:
 
 def test_the_graph_sees_the_project():
     graph = import_graph()
-    assert {"fedapps.config", "fedapps.worker", "strategies", "strategies.base", "server_app", "client_app"} <= set(graph)
-    assert "fedapps.worker" in graph["client_app"]  # an import inside a function (the first message's)
+    assert {"fedapps.config", "fedapps.client.worker", "strategies", "strategies.base", "server_app", "client_app"} <= set(graph)
+    assert "fedapps.client.worker" in graph["client_app"]  # an import inside a function (the first message's)
     assert "fedapps.config" in graph["server_app"]  # a top-level import
     assert "fedapps.data.errors" in graph["fedapps.data.federation"]  # a relative import
     assert {"fedapps.models.simple", "fedapps.models.vision"} <= set(graph["fedapps.models.zoo"])  # from . import x
@@ -401,21 +401,22 @@ def test_public_set_keys_are_spelled_in_the_protocol_module_only():
     text = (ROOT / PROTOCOL).read_text(encoding="utf-8")
     assert all(f'"{k}"' in text for k in PROTOCOL_KEYS)  # each key is spelled there
     found = key_literals(PROTOCOL_KEYS)
-    assert not found, "protocol keys spelled outside fedapps/protocol.py (use its constants):\n" + "\n".join(found)
+    assert not found, "protocol keys spelled outside fedapps/wire/protocol.py (use its constants):\n" + "\n".join(found)
 
 
 def test_the_maths_checks_see_a_violation(tmp_path):
     """On a made-up tree, both checks report what they must."""
-    (tmp_path / "fedapps").mkdir()
+    for sub in ("client", "wire"):
+        (tmp_path / "fedapps" / sub).mkdir(parents=True)
     (tmp_path / "strategies").mkdir()
-    (tmp_path / "fedapps" / "ops.py").write_text(
+    (tmp_path / "fedapps" / "client" / "ops.py").write_text(
         "def robustness_penalty(x):\n    return x  # rb_lambdas is another word\n")
-    (tmp_path / "fedapps" / "validation.py").write_text("def prediction_problem(w):\n    pass\n")
+    (tmp_path / "fedapps" / "wire" / "validation.py").write_text("def prediction_problem(w):\n    pass\n")
     (tmp_path / "strategies" / "pl.py").write_text("class A:\n    def prediction_problem(self):\n        pass\n")
     assert core_mentions(["robustness_penalty", "rb_lambda"], tmp_path) == [
-        "fedapps/ops.py:1: def robustness_penalty(x):"]
-    assert definers("prediction_problem", tmp_path) == ["fedapps/validation.py", "strategies/pl.py"]
-    (tmp_path / "fedapps" / "protocol.py").write_text('KEY = "predict.output"\n')
+        "fedapps/client/ops.py:1: def robustness_penalty(x):"]
+    assert definers("prediction_problem", tmp_path) == ["fedapps/wire/validation.py", "strategies/pl.py"]
+    (tmp_path / "fedapps" / "wire" / "protocol.py").write_text('KEY = "predict.output"\n')
     (tmp_path / "strategies" / "pl.py").write_text('"""Reads predict.output."""\nconfig = {"predict.output": 1}\n')
     assert key_literals(("predict.output",), tmp_path) == ["strategies/pl.py:2: 'predict.output'"]
 
@@ -457,11 +458,11 @@ def main() -> int:
     problems = 0
     for title, lines in (("layer violations", layer_violations(graph)),
                          ("import cycles", [" -> ".join(c) for c in find_cycles(graph)]),
-                         ("algorithm names in fedapps/worker.py", algorithm_mentions()),
+                         ("algorithm names in fedapps/client/worker.py", algorithm_mentions()),
                          ("names of COSMOS's r_B in fedapps/", core_mentions(sorted(MOVED_OUT_OF_CORE))),
                          ("other definitions of the prediction check",
                           [d for d in definers(PREDICTION_CHECK[0]) if d != PREDICTION_CHECK[1]]),
-                         ("public-set keys outside fedapps/protocol.py", key_literals(PROTOCOL_KEYS)),
+                         ("public-set keys outside fedapps/wire/protocol.py", key_literals(PROTOCOL_KEYS)),
                          ("run context set after construction",
                           attribute_writes(class_fields(ROOT / RUN_CONTEXT[0], RUN_CONTEXT[1]))),
                          ("methods of strategies/ nothing names", unreferenced_methods())):
@@ -482,6 +483,6 @@ def test_the_clientapp_does_not_import_what_only_the_server_or_some_models_need(
     l1 distances) are imported where used."""
     import subprocess
 
-    code = ("import sys, client_app, strategies, fedapps.worker; "  # what the ClientApp imports for its first message
+    code = ("import sys, client_app, strategies, fedapps.client.worker; "  # what the ClientApp imports for its first message
             "heavy = [m for m in ('torchvision', 'sklearn.cluster', 'numba') if m in sys.modules]; assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).parents[1]))

@@ -11,10 +11,10 @@ import torch
 
 import server_app
 from flwr.app import RecordDict
-from fedapps import protocol, pseudolabels
+from fedapps.wire import protocol, pseudolabels
 from fedapps.config import ConfigError, load_config
-from fedapps.inprocess import InProcessGrid
-from fedapps.protocol import ClientReply
+from fedapps.flower.inprocess import InProcessGrid
+from fedapps.wire.protocol import ClientReply
 from strategies.comet import COMET, cluster_means, kmeans, kmeans_plus_plus
 from strategies.fedct import FedCT, majority_vote, qualified_vote, vote_counts
 from strategies import resolve

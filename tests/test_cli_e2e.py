@@ -38,7 +38,7 @@ def test_flwr_run_end_to_end(flower_run_of_tiny_config):
 
 
 def test_compare_table_and_resume(tiny_config, tmp_path, capsys, monkeypatch):
-    from fedapps import plots
+    from fedapps.reporting import plots
 
     figures = []
     draw = plots.comparison_figure

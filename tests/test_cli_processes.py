@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fedapps_tools import cli
-from fedapps.results import read_csv
+from fedapps.reporting.results import read_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 FLWR = Path(sys.executable).parent / "flwr"

@@ -18,8 +18,8 @@ import yaml
 from fedapps_tools import cli, flwrcli
 from fedapps_tools.compare import resume_decision
 from fedapps.config import ConfigError, check_run_name, config_hash, load_config, parse_yaml
-from fedapps import faults
-from fedapps.results import (EXIT_FAILED, EXIT_REJECTED, EXIT_UNMEASURED, Problem, exit_status, measured_problems,
+from fedapps.flower import faults
+from fedapps.reporting.results import (EXIT_FAILED, EXIT_REJECTED, EXIT_UNMEASURED, Problem, exit_status, measured_problems,
                              read_csv, rejection_problems, run_problems)
 
 
@@ -136,7 +136,7 @@ def test_compare_duplicate_labels_exit_2(tiny_config, tmp_path, capsys):
 
 def failing_train(monkeypatch, fails):
     """Make the client 'train' operation raise for clients where fails(client_id) is true."""
-    from fedapps.clientops import OPERATIONS, ClientOp
+    from fedapps.client.clientops import OPERATIONS, ClientOp
 
     original = OPERATIONS["train"]
 
@@ -164,8 +164,8 @@ def test_every_client_failing_fails_the_run(tiny_config, tmp_path, capsys, monke
 
 def test_server_app_raises_so_flower_marks_the_run_failed(tiny_config, tmp_path, monkeypatch):
     import server_app
-    from fedapps.inprocess import InProcessGrid
-    from fedapps.results import UnusableRun
+    from fedapps.flower.inprocess import InProcessGrid
+    from fedapps.reporting.results import UnusableRun
 
     failing_train(monkeypatch, lambda cid: True)
     with pytest.raises(UnusableRun, match="no usable client reply"):
@@ -173,10 +173,10 @@ def test_server_app_raises_so_flower_marks_the_run_failed(tiny_config, tmp_path,
 
 
 def test_most_messages_never_delivered_fails_the_run(tiny_config, tmp_path, capsys, monkeypatch):
-    from fedapps.inprocess import InProcessGrid
+    from fedapps.flower.inprocess import InProcessGrid
 
     real = InProcessGrid
-    monkeypatch.setattr("fedapps.inprocess.InProcessGrid", lambda n: real(n, drop=lambda rnd, pid: pid != 0))
+    monkeypatch.setattr("fedapps.flower.inprocess.InProcessGrid", lambda n: real(n, drop=lambda rnd, pid: pid != 0))
     out = tmp_path / "res"
     assert run_cli("run", str(tiny_config()), "--engine", "inprocess", "--output-dir", str(out)) == 1
     err = capsys.readouterr().err
@@ -187,7 +187,7 @@ def test_most_messages_never_delivered_fails_the_run(tiny_config, tmp_path, caps
 
 def test_round_below_min_clients_is_skipped(tiny_config, tmp_path):
     import server_app
-    from fedapps.inprocess import InProcessGrid
+    from fedapps.flower.inprocess import InProcessGrid
 
     cfg = tiny_config(rounds=3, strategy={"name": "fedavg", "min_clients": 2})
     grid = InProcessGrid(4, drop=lambda rnd, pid: rnd == 2 and pid != 0)  # round 2: one usable reply
@@ -205,7 +205,7 @@ def test_round_below_min_clients_is_skipped(tiny_config, tmp_path):
 
 
 def test_skipped_round_does_not_aggregate(tiny_config):
-    from fedapps.inprocess import InProcessGrid
+    from fedapps.flower.inprocess import InProcessGrid
     from strategies import STRATEGIES
 
     cfg = load_config(tiny_config(rounds=2, strategy={"name": "fedavg", "min_clients": 3}))
@@ -222,7 +222,7 @@ def test_skipped_round_does_not_aggregate(tiny_config):
 
 def test_last_round_without_replies_is_flagged(tiny_config, tmp_path, capsys):
     import server_app
-    from fedapps.inprocess import InProcessGrid
+    from fedapps.flower.inprocess import InProcessGrid
 
     grid = InProcessGrid(4, drop=lambda rnd, pid: rnd == 2)  # every message of round 2, not the evaluation after it
     summary = server_app.run_experiment(grid, str(tiny_config()), "", str(tmp_path))
@@ -394,10 +394,10 @@ def test_run_problems_by_hand():
 
 def grid_with(monkeypatch, **kwargs):
     """`fedapps run --engine inprocess` serves its clients through an InProcessGrid built with ``kwargs``."""
-    from fedapps.inprocess import InProcessGrid
+    from fedapps.flower.inprocess import InProcessGrid
 
     real = InProcessGrid
-    monkeypatch.setattr("fedapps.inprocess.InProcessGrid", lambda n: real(n, **kwargs))
+    monkeypatch.setattr("fedapps.flower.inprocess.InProcessGrid", lambda n: real(n, **kwargs))
 
 
 @pytest.mark.parametrize("share, code", [(0.5, EXIT_UNMEASURED), (0.25, 0)])

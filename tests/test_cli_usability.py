@@ -387,7 +387,7 @@ def test_a_client_does_not_repeat_the_datas_warnings():
     import logging
 
     from fedapps.data import clear_federation_cache, get_federation
-    from fedapps.worker import client_federation
+    from fedapps.client.worker import client_federation
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler()

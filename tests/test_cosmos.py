@@ -15,9 +15,11 @@ import yaml
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 import server_app
-from fedapps import clustering, ops, protocol, pseudolabels
+from fedapps.server import clustering
+from fedapps.client import ops
+from fedapps.wire import protocol, pseudolabels
 from fedapps.config import ConfigError, load_config
-from fedapps.inprocess import InProcessGrid
+from fedapps.flower.inprocess import InProcessGrid
 from strategies import resolve
 from strategies.cosmos import (Cosmos, frequency_weights, rb_term, robustness_penalty, server_target,
                                soft_predictions)
@@ -141,7 +143,7 @@ def test_label_free_weights_are_local_frequencies_of_the_server_label() -> None:
 
 def test_distill_weighting_on_the_client(tmp_path: Path) -> None:
     """The worker's label-free weight uses the argmax of the targets; the oracle uses U's true labels."""
-    from fedapps.worker import Worker, distill_weights
+    from fedapps.client.worker import Worker, distill_weights
 
     cfg_path = write_config(tmp_path, rounds=1)
     cfg = load_config(cfg_path)
@@ -225,7 +227,7 @@ def test_rb_is_the_clients_registered_distillation_term() -> None:
     not the core): λ = 0 or no setting gives no term; otherwise λ·r_B with the worker's generator."""
     from types import SimpleNamespace
 
-    from fedapps.clientops import DISTILL_TERMS
+    from fedapps.client.clientops import DISTILL_TERMS
 
     build = DISTILL_TERMS["rb"]
     assert build.__module__ == Cosmos.__module__  # registered by strategies/cosmos.py, not by the core
@@ -243,7 +245,7 @@ def test_the_client_distils_with_r_b_when_the_message_asks(tmp_path: Path) -> No
     """End to end on the worker: the same distill message sent with distill.rb_lambda 0, then 5, then 0 again. Both
     λ = 0 runs report the same distillation loss, the λ = 5 run another: r_B, registered by this module, reaches the
     client's loss (it is not silently lost)."""
-    from fedapps.worker import Worker
+    from fedapps.client.worker import Worker
 
     cfg = load_config(write_config(tmp_path, rounds=1))
     strategy = Cosmos(cfg)

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from fedapps.config import ConfigError, load_config
-from fedapps.inprocess import InProcessGrid
+from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
-from fedapps.protocol import ClientReply
+from fedapps.wire.protocol import ClientReply
 from strategies import resolve
 from strategies.base import RunContext, weighted_average
 from strategies.cwfedavg import (

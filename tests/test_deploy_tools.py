@@ -14,7 +14,7 @@ import pytest
 from fedapps.config import ConfigError
 from fedapps_tools import deploy
 from fedapps_tools.flwrcli import _proc_stat, descendants, exception_lines
-from fedapps.connect import FederationIncomplete, wait_for_clients
+from fedapps.flower.connect import FederationIncomplete, wait_for_clients
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -49,9 +49,9 @@ def test_dropout_is_seeded_per_message(tiny_config):
     whatever the global RNG was before (the worker seeds it per message)."""
     from flwr.app import Context, RecordDict
 
-    from fedapps import protocol
-    from fedapps.inprocess import InProcessGrid
-    from fedapps.worker import STATE_MODEL, handle
+    from fedapps.wire import protocol
+    from fedapps.flower.inprocess import InProcessGrid
+    from fedapps.client.worker import STATE_MODEL, handle
     from strategies.base import PersonalisedStrategy, RunContext
 
     InProcessGrid(1)  # sets a task identity so that Message() works outside Flower
@@ -79,7 +79,7 @@ def test_every_strategy_state_round_trips(tiny_config):
 
     import server_app  # noqa: F401  (the app layer: strategies registered)
     from fedapps.config import load_config
-    from fedapps.inprocess import InProcessGrid
+    from fedapps.flower.inprocess import InProcessGrid
     from strategies import STRATEGIES, resolve
 
     for name, cls in sorted(STRATEGIES.items()):

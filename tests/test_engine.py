@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import server_app
-from fedapps import faults
+from fedapps.flower import faults
 from fedapps.config import ConfigError
-from fedapps.inprocess import InProcessGrid, default_workers
+from fedapps.flower.inprocess import InProcessGrid, default_workers
 from strategies import STRATEGIES
 from tests.conftest import write_config
 
@@ -75,7 +75,7 @@ def test_a_node_busy_with_an_abandoned_message_serves_the_next_one_after_it(tmp_
     own deadline."""
     from flwr.app import Message, RecordDict
 
-    from fedapps import protocol
+    from fedapps.wire import protocol
 
     active, overlaps = [], []
 
@@ -202,7 +202,7 @@ def test_a_new_run_into_a_used_folder_is_refused(tiny_config, tmp_path):
 
 
 def test_an_interrupted_run_folder_names_resume(tiny_config, tmp_path):
-    from fedapps import checkpoint
+    from fedapps.reporting import checkpoint
 
     folder = tmp_path / "run"
     folder.mkdir()
@@ -249,7 +249,7 @@ def test_a_resumed_run_keeps_the_rejections_of_the_rounds_it_does_not_repeat(tin
     with pytest.raises(Stop):
         server_app.run_experiment(grid, str(cfg), "", str(tmp_path / "out"), after_round=stop_after)
     run_dir = tmp_path / "out" / "fedavg-digits-iid-s0"
-    from fedapps import checkpoint
+    from fedapps.reporting import checkpoint
 
     saved = checkpoint.load(run_dir / "checkpoint.pt")
     saved["round"], saved["rows"] = 2, saved["rows"][:2]  # as if killed after round 3's rows, before its checkpoint

@@ -14,8 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedapps import plots, protocol
-from fedapps.results import (accuracy_stats, after_training_stats, client_std, measured_columns, round_row,
+from fedapps.reporting import plots
+
+from fedapps.wire import protocol
+from fedapps.reporting.results import (accuracy_stats, after_training_stats, client_std, measured_columns, round_row,
                              worst_share_count, worst_share_mean)
 from fedapps_tools import cli
 from fedapps_tools.compare import Line, comparison_curves, markdown_table, summarise_runs
@@ -120,7 +122,7 @@ def test_method_style_gives_at_least_20_distinct_pairs_stable_per_name():
 
 
 def test_method_style_of_an_unlisted_name_is_the_same_in_another_process():
-    code = "from fedapps.plots import method_style; print(method_style('my-method'))"
+    code = "from fedapps.reporting.plots import method_style; print(method_style('my-method'))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(plots.method_style("my-method"))
 
@@ -129,7 +131,7 @@ def test_every_registered_strategy_has_a_fixed_style():
     from strategies import STRATEGIES
 
     missing = sorted(set(STRATEGIES) - set(plots.METHOD_ORDER))
-    assert not missing, f"append {missing} to fedapps.plots.METHOD_ORDER (each method's fixed plot style)"
+    assert not missing, f"append {missing} to fedapps.reporting.plots.METHOD_ORDER (each method's fixed plot style)"
 
 
 def test_the_same_method_twice_in_a_plot_keeps_its_colour_and_changes_its_line():
@@ -242,7 +244,7 @@ def test_short_run_writes_fairness_into_summary_and_rounds(tiny_config, tmp_path
 
 def test_accuracy_limits_keep_close_methods_apart():
     """The comparison panel starts just below the lowest mean − SEM (a multiple of 0.05) and ends at 1."""
-    from fedapps.plots import accuracy_limits
+    from fedapps.reporting.plots import accuracy_limits
 
     assert accuracy_limits([0.861, 0.903, 0.95]) == (0.8, 1.0)  # 0.861 − 0.025 = 0.836 → 0.80
     assert accuracy_limits([0.876]) == (0.85, 1.0)  # 0.851 → 0.85, not 0.80 or 0.90

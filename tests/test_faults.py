@@ -1,4 +1,4 @@
-"""Untrusted replies never crash or steer a run: every registered strategy with injected faults (fedapps.faults).
+"""Untrusted replies never crash or steer a run: every registered strategy with injected faults (fedapps.flower.faults).
 
 Each case runs a strategy in-process (digits, MLP, 2 clients, 2 rounds) with one fault on client 1 and checks
 that the run completes, that the faulty reply is rejected with its reason, and that the server's state after
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import server_app
-from fedapps import faults
+from fedapps.flower import faults
 from fedapps.config import load_config
-from fedapps.inprocess import InProcessGrid
+from fedapps.flower.inprocess import InProcessGrid
 from strategies import STRATEGIES, RunContext, resolve
 
 CLIENTS, ROUNDS = 2, 2

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import server_app
-from fedapps.inprocess import InProcessGrid
-from fedapps.protocol import ARRAYS
+from fedapps.flower.inprocess import InProcessGrid
+from fedapps.wire.protocol import ARRAYS
 from strategies.base import weighted_average
 
 
@@ -78,7 +78,7 @@ def test_partial_participation_and_dropped_client(tiny_config, tmp_path):
 
 
 def test_client_error_is_dropped_not_fatal(tiny_config, tmp_path):
-    from fedapps.clientops import OPERATIONS, ClientOp
+    from fedapps.client.clientops import OPERATIONS, ClientOp
 
     grid = InProcessGrid(4)
     original = OPERATIONS["train"]

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 import server_app
-from fedapps import protocol
+from fedapps.wire import protocol
 from fedapps.config import ConfigError, load_config
-from fedapps.inprocess import InProcessGrid
+from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import ModelError, build_model
 from fedapps.models.heads import CosineClassifier
-from fedapps.protocol import ARRAYS, ClientReply
-from fedapps.results import measured_columns, read_csv, round_row
-from fedapps.worker import Worker
+from fedapps.wire.protocol import ARRAYS, ClientReply
+from fedapps.reporting.results import measured_columns, read_csv, round_row
+from fedapps.client.worker import Worker
 from strategies import RunContext, resolve
 from strategies.base import DeployedModel, RoundLog, with_evaluations
 from strategies.fednh import (COUNTS, TRAIN_OP, FedNH, class_prototypes, min_pairwise_angle,
@@ -201,7 +201,7 @@ def test_generic_column_is_the_global_model_of_the_round_it_is_filed_under() -> 
     global body, prototypes and s right after round r's server step; the model after training is another one."""
     import dataclasses
 
-    from fedapps import ops
+    from fedapps.client import ops
     from fedapps.data import get_federation
 
     cfg = load_config(None, "strategy.name=fednh rounds=2 data.source=digits data.partition=pathological "

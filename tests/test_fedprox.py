@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedapps.clientops import TRAINING_TERMS
+from fedapps.client.clientops import TRAINING_TERMS
 from fedapps.config import load_config
-from fedapps.inprocess import InProcessGrid
+from fedapps.flower.inprocess import InProcessGrid
 from strategies import resolve
 from strategies.fedprox import PROX_MU, proximal_penalty
 

@@ -11,13 +11,15 @@ import torch
 from flwr.app import Array
 from torch import nn
 
-from fedapps import ops, protocol
-from fedapps.clientops import ProtocolError
+from fedapps.client import ops
+
+from fedapps.wire import protocol
+from fedapps.client.clientops import ProtocolError
 from fedapps.config import ConfigError, OptimSettings, load_config
-from fedapps.inprocess import InProcessGrid
-from fedapps.protocol import ClientReply
-from fedapps.results import read_csv
-from fedapps.worker import STATE_MODEL, Worker
+from fedapps.flower.inprocess import InProcessGrid
+from fedapps.wire.protocol import ClientReply
+from fedapps.reporting.results import read_csv
+from fedapps.client.worker import STATE_MODEL, Worker
 from strategies import RunContext, resolve
 from strategies.fedselect import (LOAD_OP, MASK_PREFIX, TRAIN_OP, entries_frozen, grow_mask, local_alt,
                                   masked_average, pack_mask, scatter_shared, selectable, shared_values, unpack_mask)

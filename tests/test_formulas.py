@@ -2,7 +2,7 @@
 named in its docstring makes it fail (checked by applying the mutation; see docs/mutation.md):
 
 - WDR (cwFedAvg's client term) through the registered term: value (λ/2)·‖p − p̃‖₂ and its gradient;
-- the distillation KL of ``fedapps.ops`` (COSMOS, FedMD, COMET use it) against ``torch.nn.functional.kl_div``:
+- the distillation KL of ``fedapps.client.ops`` (COSMOS, FedMD, COMET use it) against ``torch.nn.functional.kl_div``:
   direction KL(target ‖ model) and reduction ``batchmean``, in the loss value and in the SGD step ``distill`` takes;
 - FedAMP's client coefficient λ/(2α_K), from the server's message to the client's gradient;
 - cwFedAvg's defaults: the paper's estimator and λ.
@@ -20,10 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedapps import ops, protocol
-from fedapps.clientops import TRAINING_TERMS
+from fedapps.client import ops
+
+from fedapps.wire import protocol
+from fedapps.client.clientops import TRAINING_TERMS
 from fedapps.config import ConfigError, OptimSettings, load_config
-from fedapps.inprocess import InProcessGrid
+from fedapps.flower.inprocess import InProcessGrid
 from strategies import resolve
 from strategies.cwfedavg import CwFedAvgParams
 
@@ -191,7 +193,7 @@ def test_cwfedavg_defaults_are_the_papers_estimator_and_lambda() -> None:
 
 def test_cap_weights_refuses_bad_weights_and_shares() -> None:
     """Each refusal on its own (the conditions are or-ed: a mutant that drops one must be caught by one case)."""
-    from fedapps.robust import cap_weights
+    from fedapps.server.robust import cap_weights
 
     for bad in ([2.0, -1.0], [1.0, np.nan], [np.inf, 1.0], [0.0, 0.0], [], [[1.0, 2.0]]):
         with pytest.raises(ValueError):
@@ -203,7 +205,7 @@ def test_cap_weights_refuses_bad_weights_and_shares() -> None:
 
 
 def test_robust_rules_return_float64_and_trim_zero_is_the_mean() -> None:
-    from fedapps.robust import AggregationRule, combine, coordinate_median, trimmed_mean
+    from fedapps.server.robust import AggregationRule, combine, coordinate_median, trimmed_mean
 
     stack = np.array([[1.0, 4.0], [2.0, 0.0], [6.0, 5.0]], np.float32)
     assert coordinate_median(stack).dtype == np.float64 and trimmed_mean(stack, 0.2).dtype == np.float64
@@ -232,7 +234,7 @@ def test_bias_evidence_and_l1_error_by_hand() -> None:
 
 
 def test_temperature_row_by_row() -> None:
-    from fedapps.pseudolabels import apply_temperature
+    from fedapps.wire.pseudolabels import apply_temperature
 
     p = np.array([[0.2, 0.3, 0.5], [0.6, 0.3, 0.1]])
     sharp = apply_temperature(p, 0.5)  # p² renormalised, per row
@@ -249,7 +251,7 @@ def test_temperature_row_by_row() -> None:
 
 
 def test_aggregations_per_sample() -> None:
-    from fedapps.pseudolabels import aggregate
+    from fedapps.wire.pseudolabels import aggregate
 
     stack = np.array([  # 3 members × 3 samples × 3 classes
         [[1.0, 0.0, 0.0], [0.6, 0.4, 0.0], [0.2, 0.8, 0.0]],
@@ -264,7 +266,7 @@ def test_aggregations_per_sample() -> None:
 
 
 def test_pseudo_label_encodings_edges() -> None:
-    from fedapps.pseudolabels import decode, encode, label_dtype, one_hot
+    from fedapps.wire.pseudolabels import decode, encode, label_dtype, one_hot
 
     assert label_dtype(2 ** 32) == np.uint64  # beyond uint32 (the marker M itself must fit)
     np.testing.assert_array_equal(encode(np.array([2, 0, 3]), "hard", 3), [2, 0, 3])  # hard labels as they are; 3 = abstain
@@ -297,7 +299,7 @@ def graph(n: int, edges: list[tuple[int, int]], asymmetric: tuple[int, int] | No
 def test_greedy_clustering_counts_only_the_remaining_neighbours() -> None:
     """After the first cluster, 7 has lost its neighbours 1 and 2: with one remaining neighbour each, 5 (lowest id)
     founds the second cluster, not 7 (which would if taken neighbours were still counted)."""
-    from fedapps.clustering import greedy_threshold_clustering
+    from fedapps.server.clustering import greedy_threshold_clustering
 
     d = graph(9, [(0, 1), (0, 2), (0, 3), (0, 4), (7, 1), (7, 2), (7, 8), (5, 6)])
     assert greedy_threshold_clustering(d, 0.5) == [[0, 1, 2, 3, 4], [5, 6], [7, 8]]
@@ -309,7 +311,7 @@ def test_greedy_clustering_counts_only_the_remaining_neighbours() -> None:
 
 
 def test_auto_threshold_defaults_and_refusals() -> None:
-    from fedapps.clustering import auto_threshold
+    from fedapps.server.clustering import auto_threshold
 
     d = graph(4, [(0, 1), (2, 3)])
     b0, clusters, tried = auto_threshold(d, 2)  # defaults: start 0.05, step 0.05
@@ -392,7 +394,7 @@ def test_attention_weights_are_float64_and_an_empty_anchor_costs_nothing() -> No
 
 
 def test_distance_to_centres_both_metrics_by_hand() -> None:
-    from fedapps.clustering import distance_to_centres
+    from fedapps.server.clustering import distance_to_centres
 
     pred = np.array([[1.0, 0.0], [0.0, 1.0]])  # n = 2 samples × 2 classes
     centres = np.array([pred, [[0.0, 1.0], [0.0, 1.0]], [[0.5, 0.5], [0.5, 0.5]]])
@@ -401,8 +403,8 @@ def test_distance_to_centres_both_metrics_by_hand() -> None:
 
 
 def test_identical_rows_are_at_distance_zero_and_one_column_blocks_work() -> None:
-    from fedapps.clustering import l2_distance_matrix
-    from fedapps.pairwise_l1 import l1_distance_matrix
+    from fedapps.server.clustering import l2_distance_matrix
+    from fedapps.server.pairwise_l1 import l1_distance_matrix
 
     x = np.array([[0.2, 0.8, 0.0], [0.2, 0.8, 0.0], [1.0, 0.0, 0.0]], np.float32)
     np.testing.assert_array_equal(np.diag(l2_distance_matrix(x)), 0.0)
@@ -413,7 +415,7 @@ def test_identical_rows_are_at_distance_zero_and_one_column_blocks_work() -> Non
 
 
 def test_cap_weights_spreads_the_excess_over_zero_weight_clients():
-    from fedapps.robust import cap_weights
+    from fedapps.server.robust import cap_weights
 
     out = cap_weights([1.0, 0.0, 0.0], 0.5)
     np.testing.assert_allclose(out, [0.5, 0.25, 0.25])

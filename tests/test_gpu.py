@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedapps import ops
+from fedapps.client import ops
 from fedapps.config import ConfigError, load_config
 
 CUDA = torch.cuda.is_available()
@@ -52,7 +52,7 @@ def test_mixed_precision_runs_forward_in_bf16_on_cuda():
 
 @pytest.mark.skipif(not CUDA, reason="no CUDA GPU visible")
 def test_client_trains_on_cuda_in_process(tmp_path):
-    from fedapps.inprocess import InProcessGrid
+    from fedapps.flower.inprocess import InProcessGrid
     from server_app import run_experiment
     grid = InProcessGrid(3)
     out = run_experiment(grid, "configs/fedavg.yaml", ["data.source=digits", "data.num_clients=3", "rounds=1",

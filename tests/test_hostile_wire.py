@@ -11,7 +11,9 @@ import csv
 import numpy as np
 import pytest
 
-from fedapps import faults, protocol
+from fedapps.flower import faults
+
+from fedapps.wire import protocol
 from test_faults import ARRAYS, PREDICTIONS, ROUNDS, Run, assert_same_state, baseline, run
 
 HOSTILE = 0  # the lowest client id: first in every sum over replies (sorted by client id)
@@ -66,7 +68,7 @@ def test_train_loss_timing_and_list_metrics_are_range_checked(strategy, kind):
     assert_rejected_as_if_dropped(strategy, kind, METRIC_REASON[kind])
 
 
-# predictions just outside the one prediction check (fedapps.validation.prediction_problem), per pseudo-label
+# predictions just outside the one prediction check (fedapps.wire.validation.prediction_problem), per pseudo-label
 # strategy in the form its message asks for: hard labels (FedCT; COSMOS with uplink_encoding hard) with one label
 # equal to the number of classes (the abstain marker, which only the server may send); logits (FedMD) one step
 # beyond LOGIT_BOUND; probabilities (COMET) with one row summing to 1 + 1.1 × PROB_TOLERANCE
@@ -76,7 +78,7 @@ NUM_CLASSES = 10  # digits
 def beyond_the_bound(wire: np.ndarray, output: str) -> np.ndarray:
     """A copy of ``wire`` with its first row just outside the prediction check's bound for its kind (hard labels by
     their dtype, else the message's ``predict.output``)."""
-    from fedapps.validation import LOGIT_BOUND, PROB_TOLERANCE
+    from fedapps.wire.validation import LOGIT_BOUND, PROB_TOLERANCE
 
     out = wire.copy()
     if out.dtype.kind == "u":
@@ -126,7 +128,7 @@ def test_predictions_just_outside_the_one_check_are_rejected_and_change_nothing(
 def test_a_hard_label_equal_to_the_classes_is_a_row_of_rejections_csv(tmp_path):
     """Through the server app: FedCT's rejected reply is written to rejections.csv with the check's reason."""
     import server_app
-    from fedapps.inprocess import InProcessGrid
+    from fedapps.flower.inprocess import InProcessGrid
 
     args = ["strategy.name=fedct", "rounds=1", "data.source=digits", "data.num_clients=3", "strategy.min_clients=2",
             "model.name=mlp", "client.epochs=1", "data.public_fraction=0.2", "strategy.params.fedct.pretrain_epochs=1",
@@ -147,8 +149,8 @@ def test_a_reply_a_strategy_cannot_use_is_recorded_in_rejections_csv(tmp_path):
     from flwr.app import MetricRecord
 
     import server_app
-    from fedapps import protocol
-    from fedapps.inprocess import InProcessGrid
+    from fedapps.wire import protocol
+    from fedapps.flower.inprocess import InProcessGrid
     from strategies.ifca import CHOICE
 
     def bad_choice(msg, context, call_next):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import write_config
-from fedapps import plots
+from fedapps.reporting import plots
 from fedapps_tools import cli
 from fedapps_tools.html_report import (Run, cumulative_megabytes, final_client_accuracies, read_comparison,
                                        seed_runs, traffic_at)

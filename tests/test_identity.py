@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import server_app
-from fedapps import faults
-from fedapps.inprocess import InProcessGrid
+from fedapps.flower import faults
+from fedapps.flower.inprocess import InProcessGrid
 
 CLIENTS, ROUNDS = 4, 4
 ATTACKER, VICTIM = 1, 2

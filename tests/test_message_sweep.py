@@ -1,4 +1,4 @@
-"""fedapps.message_sweep: the one-pass message sweep hands out exactly what Flower's per-node sweep does, on a real
+"""fedapps.flower.message_sweep: the one-pass message sweep hands out exactly what Flower's per-node sweep does, on a real
 InMemoryLinkState filled through Flower's own InMemoryGrid (as in Flower's simulation)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid import InMemoryGrid
 
-from fedapps import message_sweep
+from fedapps.flower import message_sweep
 
 RUN_ID, TASK_ID = 7, 11
 

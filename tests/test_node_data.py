@@ -18,13 +18,13 @@ import torch
 from flwr.app import Context, RecordDict
 
 import server_app
-from fedapps import protocol
+from fedapps.wire import protocol
 from fedapps.config import load_config
 from fedapps.data import DataError, load_source, node_path, read_labelled
-from fedapps.describe import NodeReport, agree
-from fedapps.inprocess import InProcessGrid
-from fedapps.results import UnusableRun
-from fedapps.worker import STATE_MODEL, handle, lost_on_restart
+from fedapps.flower.describe import NodeReport, agree
+from fedapps.flower.inprocess import InProcessGrid
+from fedapps.reporting.results import UnusableRun
+from fedapps.client.worker import STATE_MODEL, handle, lost_on_restart
 from strategies import STRATEGIES, RunContext, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -332,8 +332,8 @@ def test_state_dir_survives_a_supernode_restart(tmp_path, monkeypatch, digits):
 
 
 def test_threads_node_config_is_checked():
-    from fedapps.clientops import ProtocolError
-    from fedapps.worker import node_threads
+    from fedapps.client.clientops import ProtocolError
+    from fedapps.client.worker import node_threads
 
     ctx = Context(run_id=1, node_id=1, node_config={"threads": 3}, state=RecordDict(), run_config={})
     assert node_threads(ctx) == 3
@@ -361,7 +361,7 @@ def readme_restart_table() -> dict[str, str]:
 def test_readme_restart_table_matches_what_each_strategy_sends(tmp_path):
     """Derived from the strategies' own round messages (persist-model, load-arrays, arrays.keys), checked against
     docs/deployment.md's table: a strategy whose messages change, or a new one, fails here until the table says so."""
-    from fedapps.inprocess import InProcessGrid
+    from fedapps.flower.inprocess import InProcessGrid
     from fedapps.models import build_model, state_part
 
     InProcessGrid(1)  # building Messages outside Flower's runtime needs a task identity; the grid sets one
@@ -396,12 +396,12 @@ def test_a_resumed_nodes_run_pins_what_its_nodes_described():
 def test_error_replies_read_as_the_clients_own_exception():
     """Flower 1.42's two reason formats (observed: a SuperNode's, and the Ray simulation's, which wraps the whole
     remote traceback with colour codes) become 'ProtocolError: <message>' in the rejection."""
-    from fedapps.validation import error_reason
+    from fedapps.wire.validation import error_reason
 
     msg = "node config 'data-path'='/x/site.npz': /x/site.npz does not exist on this node; fix the path"
-    supernode = f"<class 'fedapps.clientops.ProtocolError'>:<'{msg}'>"
+    supernode = f"<class 'fedapps.client.clientops.ProtocolError'>:<'{msg}'>"
     ray = ("<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()\x1b[39m "
-           "(pid=1, ip=127.0.0.1)\n  File \"/w/fedapps/worker.py\", line 110, in client_federation\n"
+           "(pid=1, ip=127.0.0.1)\n  File \"/w/fedapps/client/worker.py\", line 110, in client_federation\n"
            f"    raise ProtocolError(...)\nfedapps.clientops.ProtocolError: {msg}\n\nThe above exception was the "
            "direct cause of the following exception:\n\n  File \"/f/ray_actor.py\", line 65, in run\n    raise "
            "ClientAppException(str(ex)) from ex\nflwr.clientapp.client_app.ClientAppException: \nException "

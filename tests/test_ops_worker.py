@@ -4,10 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedapps import ops, protocol, pseudolabels
-from fedapps.inprocess import InProcessGrid
+from fedapps.client import ops
+
+from fedapps.wire import protocol, pseudolabels
+from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model, classifier_name
-from fedapps.worker import STATE_MODEL, Worker
+from fedapps.client.worker import STATE_MODEL, Worker
 from strategies.cwfedavg import wdr_penalty
 from strategies.fedprox import proximal_penalty
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedapps.pairwise_l1 import compiled, l1_distance_matrix
+from fedapps.server.pairwise_l1 import compiled, l1_distance_matrix
 
 
 def brute_force(x: np.ndarray) -> np.ndarray:

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 import server_app
-from fedapps import protocol
+from fedapps.wire import protocol
 from fedapps.config import ConfigError, load_config
-from fedapps.inprocess import InProcessGrid
+from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
-from fedapps.protocol import ARRAYS, ClientReply
-from fedapps.worker import STATE_MODEL, ProtocolError, Worker, model_arrays, split_models
-from fedapps.protocol import pack_models
+from fedapps.wire.protocol import ARRAYS, ClientReply
+from fedapps.client.worker import STATE_MODEL, ProtocolError, Worker, model_arrays, split_models
+from fedapps.wire.protocol import pack_models
 from strategies import resolve
 from strategies.fedamp import (attention_weights, flatten, median_nonzero, relative_attention_weights, squared_distances,
                                unflatten)
@@ -293,7 +293,7 @@ def test_candidates_follow_affinity_and_exploration_keeps_them_distinct() -> Non
 
 
 def test_holdout_split_is_fixed_and_disjoint() -> None:
-    from fedapps.worker import holdout_split
+    from fedapps.client.worker import holdout_split
 
     fit, held = holdout_split(50, 0.2, seed=4)
     assert len(held) == 10 and len(fit) == 40 and not set(fit.tolist()) & set(held.tolist())

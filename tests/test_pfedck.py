@@ -10,15 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedapps import ops, protocol
+from fedapps.client import ops
+
+from fedapps.wire import protocol
 from fedapps.config import ConfigError, OptimSettings, load_config
 from fedapps.data import get_federation
-from fedapps.inprocess import InProcessGrid
+from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
-from fedapps.protocol import ClientReply
-from fedapps.results import read_csv
+from fedapps.wire.protocol import ClientReply
+from fedapps.reporting.results import read_csv
 from fedapps.seeds import derive_seed
-from fedapps.worker import STATE_MODEL, Worker, data_spec
+from fedapps.client.worker import STATE_MODEL, Worker, data_spec
 from strategies import resolve
 from strategies.comet import kmeans, kmeans_plus_plus
 from strategies.pfedck import (ALPHA, BETA, KL_INTERACTIVE, KL_PERSONAL, TEMPERATURE, TRAIN_OP, cluster_updates,

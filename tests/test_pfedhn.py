@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedapps import protocol
+from fedapps.wire import protocol
 from fedapps.config import ConfigError, load_config
-from fedapps.inprocess import InProcessGrid
+from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
-from fedapps.protocol import ClientReply
-from fedapps.results import read_csv
-from fedapps.worker import STATE_MODEL
+from fedapps.wire.protocol import ClientReply
+from fedapps.reporting.results import read_csv
+from fedapps.client.worker import STATE_MODEL
 from strategies import RunContext, resolve
 from strategies.pfedhn import (HyperNetwork, accumulate_delta_gradient, embedding_size, hypernetwork_size,
                                hypernetwork_step, make_optimizer, target_shapes)

@@ -19,15 +19,17 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedapps import ops, protocol
+from fedapps.client import ops
+
+from fedapps.wire import protocol
 from fedapps.config import load_config
 from fedapps.data import get_federation
-from fedapps.inprocess import InProcessGrid
+from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
-from fedapps.protocol import ClientReply
-from fedapps.results import FileSink, accuracy_stats, measured_columns, merge_measurement, round_row, summarise
+from fedapps.wire.protocol import ClientReply
+from fedapps.reporting.results import FileSink, accuracy_stats, measured_columns, merge_measurement, round_row, summarise
 from fedapps.seeds import derive_seed
-from fedapps.worker import STATE_MODEL, Worker, optim_settings, part_names
+from fedapps.client.worker import STATE_MODEL, Worker, optim_settings, part_names
 from strategies import STRATEGIES, RunContext, resolve
 from strategies.base import DeployedModel, Measurement, RoundLog, with_evaluations
 
@@ -351,12 +353,12 @@ def test_no_module_reads_the_test_split_but_the_worker_accessor():
 
     root = Path(__file__).resolve().parent.parent
     readers = []
-    for path in [*root.glob("strategies/*.py"), *root.glob("fedapps/*.py"), root / "client_app.py", root / "server_app.py"]:
+    for path in [*root.glob("strategies/*.py"), *root.glob("fedapps/*.py"), *root.glob("fedapps/*/*.py"), root / "client_app.py", root / "server_app.py"]:
         text = path.read_text()
         if "test_x" in text or "test_y" in text:
             readers.append(path.relative_to(root).as_posix())
-    assert readers == ["fedapps/worker.py"], readers  # fedapps/data builds the split; the worker's eval_x reads it
-    worker = (root / "fedapps" / "worker.py").read_text()
+    assert [r for r in readers if not r.startswith("fedapps/data/")] == ["fedapps/client/worker.py"], readers  # fedapps/data builds the split; the worker's eval_x reads it
+    worker = (root / "fedapps" / "client" / "worker.py").read_text()
     assert worker.count("self.data.test_x") == 1 and worker.count("self.data.test_y") == 1
 
 

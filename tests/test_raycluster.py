@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from fedapps.results import read_csv
+from fedapps.reporting.results import read_csv
 from fedapps_tools import cli, flwrcli, raycluster
 from fedapps_tools.raycluster import RayClusterError
 

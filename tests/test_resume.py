@@ -56,7 +56,7 @@ def run(config: Path, out: Path, resume: Path | None = None, kill_after: int = 0
 def run_here(config: Path, out: Path, keep_state: bool = False) -> None:
     """The uninterrupted reference run, in the test's own process (so three processes take part in all)."""
     import server_app
-    from fedapps.inprocess import InProcessGrid
+    from fedapps.flower.inprocess import InProcessGrid
 
     server_app.run_experiment(InProcessGrid(4), str(config), "", str(out), keep_state=keep_state)
 
@@ -119,14 +119,14 @@ def test_resume_with_another_config_is_refused_naming_the_key(tmp_path):
 
     with pytest.raises(Exception) as info:
         import server_app
-        from fedapps.inprocess import InProcessGrid
+        from fedapps.flower.inprocess import InProcessGrid
 
         server_app.run_experiment(InProcessGrid(4), str(other), "", str(tmp_path / "x"), resume_dir=str(run_dir))
     assert "client.lr" in str(info.value) and "0.05" in str(info.value) and "0.01" in str(info.value)
     rc = cli.main(["run", str(other), "--engine", "inprocess", "--resume", str(run_dir)])
     assert rc == 2
     # the same config, with another output_dir / run_name, is accepted
-    from fedapps import checkpoint
+    from fedapps.reporting import checkpoint
     from fedapps.config import dump_yaml, load_config
 
     saved = checkpoint.load_checkpoint(run_dir)
@@ -137,7 +137,7 @@ def test_resume_with_another_config_is_refused_naming_the_key(tmp_path):
 
 
 def test_no_checkpoint_is_a_config_error(tmp_path):
-    from fedapps import checkpoint
+    from fedapps.reporting import checkpoint
     from fedapps.config import ConfigError
 
     with pytest.raises(ConfigError, match="no checkpoint.pt"):
@@ -158,7 +158,7 @@ def test_checkpoint_arrays_round_trip_as_numpy_and_are_written_as_tensors(tmp_pa
 
     import numpy as np
 
-    from fedapps import checkpoint
+    from fedapps.reporting import checkpoint
 
     holder = ArrayHolder({"w": np.arange(12, dtype=np.float32).reshape(3, 4), "t": np.arange(6).reshape(2, 3).T,
                           "h": np.ones(3, np.float16), "b": np.array([True, False]), "s": np.array(["x", "yz"]),
@@ -182,7 +182,7 @@ def test_row_files_write_changed_rows_only_and_keep_the_committed_version(tmp_pa
     deletes every file it does not name; a named file that is missing is a ConfigError naming the folder."""
     import numpy as np
 
-    from fedapps import checkpoint
+    from fedapps.reporting import checkpoint
     from fedapps.config import ConfigError
 
     files = checkpoint.RowFiles(tmp_path / "stack")

@@ -13,15 +13,17 @@ import pytest
 import torch
 from flwr.app import Message, MetricRecord, RecordDict
 
-from fedapps import faults, protocol, pseudolabels
-from fedapps.clustering import ClusteringResult, isolated
+from fedapps.flower import faults
+
+from fedapps.wire import protocol, pseudolabels
+from fedapps.server.clustering import ClusteringResult, isolated
 from fedapps.config import ConfigError, load_config
 from fedapps.data import DataError
 from fedapps.data.nodes import NodeRegistry, parse_registry, read_registry, record_node
-from fedapps.inprocess import InProcessGrid
-from fedapps.protocol import ClientReply
-from fedapps.robust import AggregationRule, clip_to_median, median_bound, nodes_weight_cap, scale_update
-from fedapps.validation import ReplyValidator
+from fedapps.flower.inprocess import InProcessGrid
+from fedapps.wire.protocol import ClientReply
+from fedapps.server.robust import AggregationRule, clip_to_median, median_bound, nodes_weight_cap, scale_update
+from fedapps.wire.validation import ReplyValidator
 from strategies import resolve
 from strategies.fedmd import consensus_logits, robust_consensus, softmax
 from strategies.ifca import CHOICE, clip_choosers
@@ -48,7 +50,7 @@ def reply(node: int, client: int, arrays=None, predictions=None, metrics=None, n
                        info={})
 
 
-# --------------------------------------------------------------------------- fedapps.robust: clipping to the median
+# --------------------------------------------------------------------------- fedapps.server.robust: clipping to the median
 
 
 def test_median_bound_is_factor_times_the_median():
@@ -409,7 +411,7 @@ def test_registry_caps_are_enforced_by_the_validator():
 def test_registry_is_read_for_data_source_nodes_only(tmp_path: Path):
     path = tmp_path / "nodes.csv"
     path.write_text("client_id,max_num_examples\n0,10\n")
-    from fedapps.validation import registry_of
+    from fedapps.wire.validation import registry_of
 
     nodes = load_config(None, ["data.source=nodes", "data.num_clients=2", f"data.node_registry={path}"])
     assert registry_of(nodes.data).caps == {0: 10}

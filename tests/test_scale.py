@@ -10,7 +10,7 @@ import pytest
 
 from conftest import flwr_run
 from fedapps.models import build_model
-from fedapps.results import read_csv
+from fedapps.reporting.results import read_csv
 
 CLIENTS, SAMPLED = 200, 10
 
@@ -29,7 +29,7 @@ def test_200_clients_two_rounds_sampled_cohort(tmp_path):
     # round 1's deployed models are measured by round 2's cohort; the final evaluation reaches every client
     assert [r["measured_clients"] for r in rows] == [SAMPLED, CLIENTS]
     assert summary["final_round_measured_clients"] == CLIENTS and summary["num_clients"] == CLIENTS
-    assert summary["simulation_message_sweep"] == "one-pass"  # fedapps/message_sweep.py is in effect
+    assert summary["simulation_message_sweep"] == "one-pass"  # fedapps/flower/message_sweep.py is in effect
     per_client = [k for k in rows[0] if k.startswith("acc_client_")]
     assert len(per_client) == CLIENTS
     assert sum(rows[0][k] != "" and rows[0][k] is not None for k in per_client) == SAMPLED

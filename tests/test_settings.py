@@ -24,7 +24,7 @@ from fedapps.data import (
     public_group_shares,
     rotation_quarter_turns,
 )
-from fedapps.inprocess import InProcessGrid
+from fedapps.flower.inprocess import InProcessGrid
 from strategies import STRATEGIES, resolve
 
 torch.set_num_threads(1)

@@ -18,9 +18,9 @@ import yaml
 import server_app
 from fedapps.config import ConfigError, load_config
 from fedapps.data import source_info
-from fedapps.inprocess import InProcessGrid
+from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import MODEL_NAMES
-from fedapps.results import read_csv
+from fedapps.reporting.results import read_csv
 from strategies import STRATEGIES, RunContext, resolve
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,7 +22,7 @@ import pytest
 
 import server_app
 from fedapps.config import ConfigError, ExperimentConfig, load_config
-from fedapps.inprocess import InProcessGrid
+from fedapps.flower.inprocess import InProcessGrid
 from strategies import STRATEGIES, resolve
 
 ROOT = Path(__file__).resolve().parent.parent

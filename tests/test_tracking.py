@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedapps import tracking
+from fedapps.reporting import tracking
 from fedapps.config import TRACKERS, ConfigError, config_from_dict, config_hash, dump_yaml, load_config
-from fedapps.checkpoint import config_differences
+from fedapps.reporting.checkpoint import config_differences
 
 NEEDS = "pip install -e \".[tracking]\" (the test extra includes it)"
 
@@ -25,7 +25,7 @@ def needs(module: str):
 
 def run(config: Path, out: Path, after_round=None, resume_dir: str = "") -> Path:
     import server_app
-    from fedapps.inprocess import InProcessGrid
+    from fedapps.flower.inprocess import InProcessGrid
 
     server_app.run_experiment(InProcessGrid(3), str(config), "", str(out), resume_dir=resume_dir,
                               after_round=after_round)

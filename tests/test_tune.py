@@ -235,7 +235,7 @@ def test_tune_refuses_set_of_what_it_controls(tmp_path, capsys):
 
 
 def test_eta_from_the_pace_of_the_steps_that_worked():
-    from fedapps.results import Progress, eta_seconds, format_duration
+    from fedapps.reporting.results import Progress, eta_seconds, format_duration
 
     assert eta_seconds(30.0, 3, 5) == 50.0  # 10 s a step, 5 steps left
     assert eta_seconds(0.0, 0, 5) is None and eta_seconds(30.0, 3, -1) == 0.0

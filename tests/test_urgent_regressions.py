@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import server_app
-from fedapps import protocol
+from fedapps.wire import protocol
 from fedapps.config import load_config
-from fedapps.inprocess import InProcessGrid
+from fedapps.flower.inprocess import InProcessGrid
 from strategies.base import sample_ids
 
 BIG = 2**63 - 40  # Flower's node ids are uint64: a federation mixes ids below and above 2**63 (-> float64 in numpy)
@@ -48,7 +48,7 @@ def test_partial_participation_reaches_every_sampled_node_with_large_ids(tiny_co
         assert len(sent) == k
         destinations = [m.metadata.dst_node_id for m in sent]
         assert len(set(destinations)) == k and set(destinations) <= set(grid.contexts)
-    from fedapps.results import read_csv
+    from fedapps.reporting.results import read_csv
     rows = read_csv(out / "rounds.csv")
     assert [r["clients"] for r in rows] == [k, k]
 
@@ -73,7 +73,7 @@ def test_batchnorm_model_exchanges_parameters(strategy, tiny_config, tmp_path):
                       client={"epochs": 1, "batch_size": 16, "lr": 0.01})
     grid = InProcessGrid(2, record=True)
     summary, out = run(cfg, tmp_path, grid)
-    from fedapps.results import read_csv
+    from fedapps.reporting.results import read_csv
     rows = read_csv(out / "rounds.csv")
     assert [r["clients"] for r in rows] == [2, 2]
     assert all(not m.has_error() for m in grid.replies)

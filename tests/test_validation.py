@@ -1,4 +1,4 @@
-"""Reply validation (fedapps.validation) and robust aggregation (fedapps.robust): hand-computed cases, Flower's
+"""Reply validation (fedapps.wire.validation) and robust aggregation (fedapps.server.robust): hand-computed cases, Flower's
 own FedMedian / FedTrimmedAvg on the same inputs, and a property test over arbitrary reply contents."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from flwr.serverapp.strategy import FedMedian, FedTrimmedAvg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedapps import protocol, validation
+from fedapps.wire import protocol, validation
 from fedapps.config import ConfigError, load_config, smallest_trim, trimmed_per_side
-from fedapps.inprocess import InProcessGrid  # noqa: F401  (sets Flower's task identity for Message())
-from fedapps.protocol import ClientReply
-from fedapps.robust import (AggregationRule, cap_weights, clip_update, combine, coordinate_median, trimmed_mean,
+from fedapps.flower.inprocess import InProcessGrid  # noqa: F401  (sets Flower's task identity for Message())
+from fedapps.wire.protocol import ClientReply
+from fedapps.server.robust import (AggregationRule, cap_weights, clip_update, combine, coordinate_median, trimmed_mean,
                             update_norm)
-from fedapps.validation import LOGIT_BOUND, ArraySpec, Expectation, PredictionSpec, ReplyValidator
+from fedapps.wire.validation import LOGIT_BOUND, ArraySpec, Expectation, PredictionSpec, ReplyValidator
 from strategies import resolve
 from strategies.base import average_matching
 

@@ -25,7 +25,7 @@ may claim, a CSV ``client_id,max_num_examples[,node]`` (a row ``*`` caps every c
 unlisted client is refused). ``fedapps deploy node-key DIR NAME --client-id C --max-num-examples N`` writes the row
 into DIR/:data:`REGISTRY_FILE`, next to the node's keys. The server cannot check a node's claimed size (the data never
 leave the node) and the node cannot be trusted to cap itself (a hostile node runs its own code): the cap is the
-operator's knowledge of each site, enforced by the reply validation (:class:`fedapps.validation.ReplyValidator`).
+operator's knowledge of each site, enforced by the reply validation (:class:`fedapps.wire.validation.ReplyValidator`).
 """
 
 from __future__ import annotations

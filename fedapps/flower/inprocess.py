@@ -19,8 +19,10 @@ from flwr.app.error import Error
 
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedapps import faults, ops
-from fedapps.worker import handle
+from fedapps.flower import faults
+
+from fedapps.client import ops
+from fedapps.client.worker import handle
 
 log = logging.getLogger("fedapps")
 
@@ -69,9 +71,9 @@ class InProcessGrid:
     the traffic); by default nothing is kept, so memory does not grow with the run.
 
     ``mods`` are Flower client mods (``mod(msg, context, call_next) -> Message``) wrapped around the worker as
-    ``ClientApp(mods=...)`` does, the first outermost; e.g. :func:`fedapps.faults.faults_mod` with a node config
-    ``faults`` (``node_configs={1: {"faults": "shape@1/1"}}``). A mod raising :class:`fedapps.faults.ReplyDropped`
-    means no reply; a reply :func:`fedapps.faults.take_duplicate` marks is delivered twice.
+    ``ClientApp(mods=...)`` does, the first outermost; e.g. :func:`fedapps.flower.faults.faults_mod` with a node config
+    ``faults`` (``node_configs={1: {"faults": "shape@1/1"}}``). A mod raising :class:`fedapps.flower.faults.ReplyDropped`
+    means no reply; a reply :func:`fedapps.flower.faults.take_duplicate` marks is delivered twice.
 
     ``send_and_receive`` serves up to ``workers`` messages at once (default :func:`default_workers`), each on a
     thread of its own, and returns the replies in the order of the messages, whatever order they finished in.

@@ -1,7 +1,7 @@
 """Experiment-tracking sinks (opt-in, config key ``tracking``): TensorBoard event files and an MLflow file store.
 
-They receive what :class:`fedapps.results.FileSink` receives and turn it into the same numbers, by the same
-functions (:func:`fedapps.results.round_row` for a round's training phase, :func:`fedapps.results.measured_columns`
+They receive what :class:`fedapps.reporting.results.FileSink` receives and turn it into the same numbers, by the same
+functions (:func:`fedapps.reporting.results.round_row` for a round's training phase, :func:`fedapps.reporting.results.measured_columns`
 for the deployed models, filed under the round they measure), so every value equals its rounds.csv cell:
 
 - TensorBoard: one scalar per numeric rounds.csv column (tag = the column's name, step = the round), strategy
@@ -24,9 +24,9 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from fedapps.checkpoint import CHECKPOINT, CLIENT_STATE
+from fedapps.reporting.checkpoint import CHECKPOINT, CLIENT_STATE
 from fedapps.config import ExperimentConfig, config_hash
-from fedapps.results import Artifact, measured_columns, round_row
+from fedapps.reporting.results import Artifact, measured_columns, round_row
 
 log = logging.getLogger("fedapps")
 

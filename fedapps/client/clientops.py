@@ -1,13 +1,13 @@
 """The registries through which an algorithm adds client behaviour, from its own module.
 
-The generic client (:mod:`fedapps.worker`) knows no algorithm: it looks every operation a message names up here.
+The generic client (:mod:`fedapps.client.worker`) knows no algorithm: it looks every operation a message names up here.
 An algorithm module registers what only it needs next to its server strategy:
 
 - ``@client_op("select-model")`` — a whole operation ``fn(worker, tag)``, run when a message lists it;
 - ``@training_term("wdr")`` — a term added to the local training loss, ``fn(worker, settings) -> Regulariser |
   None`` (None when the message's ``train.*`` settings do not ask for it);
 - ``@distill_term("rb")`` — a term added to the distillation loss on U, ``fn(worker, settings) -> DistillTerm |
-  None`` (:data:`fedapps.ops.DistillTerm`; None when the message's ``distill.*`` settings do not ask for it);
+  None`` (:data:`fedapps.client.ops.DistillTerm`; None when the message's ``distill.*`` settings do not ask for it);
 - ``@distill_weighting("label-free")`` — per-sample weights on the public set U for ``distill``,
   ``fn(worker, targets, rows) -> Tensor``.
 

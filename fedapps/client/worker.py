@@ -1,7 +1,7 @@
 """The generic client: runs the operations a message asks for on its private data and private model.
 
 No algorithm logic lives here: the server says which operations to run, in which order, with which settings
-(see :mod:`fedapps.protocol`); each name is looked up in :mod:`fedapps.clientops`, where this module registers
+(see :mod:`fedapps.wire.protocol`); each name is looked up in :mod:`fedapps.client.clientops`, where this module registers
 the common operations (evaluate, evaluate-received, train, distill, predict) and every algorithm module
 registers its own. The private model persists in ``Context.state`` between rounds; where a state directory is
 named (node config ``state-dir``, else the message's ``state-dir``), also on disk, so that it survives the
@@ -27,9 +27,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from torch import nn
 
-from fedapps import checkpoint, ops, protocol, pseudolabels
+from fedapps.reporting import checkpoint
+
+from fedapps.client import ops
+
+from fedapps.wire import protocol, pseudolabels
 from fedapps.seeds import GLOBAL_RNG_LOCK, derive_seed
-from fedapps.clientops import DISTILL_TERMS, DISTILL_WEIGHTINGS, TRAINING_TERMS, ProtocolError, client_op, parse_op
+from fedapps.client.clientops import DISTILL_TERMS, DISTILL_WEIGHTINGS, TRAINING_TERMS, ProtocolError, client_op, parse_op
 from fedapps.data import (DATA_PATH, NODES, NUM_CLASSES, PUBLIC_PATH, ClientData, DataError, Federation,
                           data_warnings_silenced, get_federation, node_federation, node_path, read_labelled,
                           read_public, spec_key)
@@ -39,7 +43,7 @@ log = logging.getLogger("fedapps")
 
 STATE_MODEL = "private-model"
 STATE_ARCH = "private-model-arch"
-__all__ = ["ProtocolError", "Worker", "handle"]  # ProtocolError is defined in fedapps.clientops
+__all__ = ["ProtocolError", "Worker", "handle"]  # ProtocolError is defined in fedapps.client.clientops
 
 THREADS_KEY = "threads"  # node config: torch threads of this node's ClientApp
 
@@ -683,7 +687,7 @@ def train(w: Worker, tag: str) -> None:
 def distill(w: Worker, tag: str) -> None:
     """Fit the private model on U (or the rows in ``distill-indices``) towards the message's targets.
     Settings ``distill.*``: optimiser, ``loss`` (kl | mae | ce), ``weighting`` (none or a registered one), and
-    those of the registered distillation terms (:func:`fedapps.clientops.distill_term`)."""
+    those of the registered distillation terms (:func:`fedapps.client.clientops.distill_term`)."""
     if protocol.TARGETS not in w.msg.content:
         return  # nothing to distil on yet (e.g. the first round)
     if w.fed.public_x is None:

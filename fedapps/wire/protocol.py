@@ -2,7 +2,7 @@
 
 A message to a client carries:
   ``config``  (ConfigRecord) the operations to run in order (``ops``, names registered in
-              :mod:`fedapps.clientops`), the round, and settings flattened as ``data.*``, ``model.*``,
+              :mod:`fedapps.client.clientops`), the round, and settings flattened as ``data.*``, ``model.*``,
               ``client.*``, ``train.*``, ``distill.*``, ``predict.*`` and the algorithms' own sections;
   ``arrays``  (ArrayRecord, optional) model parameters: loaded into the client's own model when
               ``load-arrays`` is true, or used apart by an operation (evaluated, trained, the anchor of a
@@ -232,7 +232,7 @@ def parse_replies(
     replies: Iterable[Message], server_round: int, expect_arrays: bool = False, expect_predictions: bool = False
 ) -> list[ClientReply]:
     """Unpack every reply; drop (and log) the bad ones; never raise. The round loop uses the stricter
-    :mod:`fedapps.validation` (checked against what each message asked); this stays for direct callers."""
+    :mod:`fedapps.wire.validation` (checked against what each message asked); this stays for direct callers."""
     good: list[ClientReply] = []
     for msg in replies:
         try:

@@ -58,7 +58,7 @@ def pairwise_distances(predictions: np.ndarray | torch.Tensor, metric: str = "l1
     x, n_samples = _as_matrix(predictions)
     if metric == "l1":
         # imported here: numba (~0.5 s to import) then loads only in processes that compute an l1 matrix
-        from fedapps.pairwise_l1 import l1_distance_matrix
+        from fedapps.server.pairwise_l1 import l1_distance_matrix
 
         return l1_distance_matrix(x, threads or torch.get_num_threads()) / n_samples
     return l2_distance_matrix(x) / math.sqrt(n_samples)

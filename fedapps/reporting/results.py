@@ -36,7 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
-from fedapps import plots, protocol
+from fedapps.reporting import plots
+
+from fedapps.wire import protocol
 from fedapps.config import ExperimentConfig, config_hash, dump_yaml
 
 log = logging.getLogger("fedapps")
@@ -50,7 +52,7 @@ class Artifact:
     """Something a strategy measured, as data; a sink decides how to write it.
 
     kind ``table``: a list of row dicts (CSV); ``json``: a JSON-serialisable document; ``heatmaps``: a list of
-    (title, row ids, matrix) panels; ``clusters``: the keyword arguments of :func:`fedapps.plots.plot_clusters`
+    (title, row ids, matrix) panels; ``clusters``: the keyword arguments of :func:`fedapps.reporting.plots.plot_clusters`
     (without ``path``). ``name`` is the file stem.
     """
 
@@ -317,7 +319,7 @@ def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
         # seconds the clients spent serving the round's training messages (sum of their t-total): the rest of
         # workers x wall_seconds is transport, the server step and waiting (bench/round_overhead.py)
         "client_seconds": round(sum(float(m.get("t-total", 0.0)) for m in metrics), 3),
-        # reply validation (fedapps.validation): accepted, rejected (see rejections.csv), asked for but not received
+        # reply validation (fedapps.wire.validation): accepted, rejected (see rejections.csv), asked for but not received
         "replies_ok": getattr(entry, "replies_ok", len(entry.replies)),
         "replies_rejected": getattr(entry, "replies_rejected", 0),
         "replies_missing": getattr(entry, "replies_missing", 0),

@@ -10,7 +10,7 @@ CLIENTS and ROUNDS are ``*`` or comma-separated integers (client ids; rounds fro
 ``raise@0,3/*`` (clients 0 and 3 fail every round), ``late=3@2/1``. Kinds:
 
 - ``drop``: the client computes (its state moves on) but its reply is lost: :class:`ReplyDropped` is raised,
-  which :class:`fedapps.inprocess.InProcessGrid` treats as no reply (under Flower it becomes an error reply);
+  which :class:`fedapps.flower.inprocess.InProcessGrid` treats as no reply (under Flower it becomes an error reply);
 - ``raise``: the client fails before doing anything (an error reply); ``late=S``: it answers after S seconds;
 - ``duplicate``: the reply is delivered twice (InProcessGrid asks :func:`take_duplicate`);
 - identity: ``spoof[=ID]`` claims another client's id (default: the next one), ``bad-id`` an id outside the
@@ -59,8 +59,8 @@ from typing import Callable
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 
-from fedapps import protocol
-from fedapps.worker import client_id_of
+from fedapps.wire import protocol
+from fedapps.client.worker import client_id_of
 
 log = logging.getLogger("fedapps")
 

@@ -1,9 +1,9 @@
 """Before round 1 under ``data.source: nodes``: the server learns the data from the nodes themselves.
 
-Every connected node gets one ``describe`` message (a registered client operation, :func:`fedapps.worker.describe`;
+Every connected node gets one ``describe`` message (a registered client operation, :func:`fedapps.client.worker.describe`;
 no model is built, nothing is trained) and answers with its input shape, the class count it declares, its largest
 label and the per-class counts of its train and evaluation splits. The replies are validated like any other
-(:class:`fedapps.validation.ReplyValidator`: identity, U's fingerprint when the run has U, ...); then
+(:class:`fedapps.wire.validation.ReplyValidator`: identity, U's fingerprint when the run has U, ...); then
 :func:`agree` settles the federation's input shape and class count — pinned by ``data.input_shape`` /
 ``data.num_classes`` where the config gives them, else the nodes' majority — and refuses every node whose data do
 not fit, with a readable reason. Refused nodes are excluded from the run (never sampled); the others' class counts
@@ -20,11 +20,11 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from fedapps import protocol
-from fedapps.connect import wait_for_clients
-from fedapps.protocol import ClientReply
-from fedapps.validation import Rejection, ReplyValidator
-from fedapps.worker import (DESCRIBE_CLASSES, DESCRIBE_EVAL, DESCRIBE_MAX_LABEL, DESCRIBE_OP, DESCRIBE_SHAPE,
+from fedapps.wire import protocol
+from fedapps.flower.connect import wait_for_clients
+from fedapps.wire.protocol import ClientReply
+from fedapps.wire.validation import Rejection, ReplyValidator
+from fedapps.client.worker import (DESCRIBE_CLASSES, DESCRIBE_EVAL, DESCRIBE_MAX_LABEL, DESCRIBE_OP, DESCRIBE_SHAPE,
                             DESCRIBE_TRAIN)
 
 log = logging.getLogger("fedapps")

@@ -25,12 +25,12 @@ on U asked for (a ``predict`` op → rows, classes, ``predict.output`` and ``pre
 - arrays (strict wire types, :func:`wire_array`): exactly the expected names; each labelled (Flower's ``Array``
   ``dtype`` / ``shape`` / ``stype``) with exactly the dtype the message asked for — the model's own, byte order
   included (float32, or the integer type of an integer buffer), or float16 where ``arrays.transport: float16``
-  (an array beyond float16's range may come in the model's dtype, as :func:`fedapps.protocol.encode_arrays`
+  (an array beyond float16's range may come in the model's dtype, as :func:`fedapps.wire.protocol.encode_arrays`
   sends it) — and the expected shape; its byte length that of such an array; these are checked BEFORE any
   byte is decoded, then the .npy header must say the same; after decoding, float16 is cast up to the model's
   dtype and every value must be finite in that dtype;
 - predictions: the same wire checks (float32 / float16 scores as ``predict.encoding`` says, hard labels in
-  :func:`fedapps.pseudolabels.label_dtype`), then probabilities on the simplex (entries >= -1e-3, rows summing
+  :func:`fedapps.wire.pseudolabels.label_dtype`), then probabilities on the simplex (entries >= -1e-3, rows summing
   to 1 within 1e-2), logits within ``|x| <= 1e4``, hard labels in [0, classes);
 - ``info``: at most :data:`INFO_MAX_KEYS` entries of at most :data:`INFO_MAX_SIZE` characters / items each;
 - U's fingerprint (``info["fingerprint"]``) equals the server's wherever the message named one;
@@ -63,8 +63,8 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 
-from fedapps import protocol, pseudolabels
-from fedapps.protocol import ClientReply, ReplyError
+from fedapps.wire import protocol, pseudolabels
+from fedapps.wire.protocol import ClientReply, ReplyError
 
 log = logging.getLogger("fedapps")
 
@@ -172,7 +172,7 @@ def error_reason(reason: str) -> str:
 
 def eval_tags_of(ops: Iterable[str]) -> tuple[str, ...]:
     """The evaluation tags the ops produce: every ``evaluate*`` op (tagged ``op:tag`` or its default tag)."""
-    from fedapps.clientops import OPERATIONS  # registry of the ops (core module)
+    from fedapps.client.clientops import OPERATIONS  # registry of the ops (core module)
 
     tags: list[str] = []
     for op in ops:

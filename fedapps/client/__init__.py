@@ -1,0 +1,1 @@
+"""Client execution: the generic worker, the operation registries, the common training operations."""

@@ -1,0 +1,1 @@
+"""Server-side maths shared by strategies: robust aggregation, clustering, pairwise distances."""
