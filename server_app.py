@@ -73,7 +73,8 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     ``keep_state``.
     """
     # these import torch: when the run starts, not when Flower loads the module (the module docstring)
-    from fedapps.reporting import checkpoint, tracking
+    from fedapps import checkpoint
+    from fedapps.reporting import tracking
     from fedapps.data import NODES, get_federation, set_described_counts, spec_key
     from fedapps.flower.describe import bind_accepted
     from strategies import RunContext, report_ignored, resolve

@@ -376,13 +376,13 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
             preflight(cfg, overrides)
             if getattr(args, "resume", None):
                 args.resume = str(Path(args.resume).expanduser().resolve())
-                from fedapps.reporting import checkpoint
+                from fedapps import checkpoint
                 from fedapps.config import dump_yaml
 
                 saved = checkpoint.load_checkpoint(args.resume)  # refuse here, before flwr run starts
                 checkpoint.check_same_config(saved["config"], dump_yaml(resolved_config(cfg)), args.resume)
             else:  # a new run: its folder must not hold an earlier run's files
-                from fedapps.reporting import checkpoint
+                from fedapps import checkpoint
 
                 checkpoint.check_fresh(out / resolved_config(cfg).resolved_run_name())
             if not ray_address:

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from fedapps.config import APP_DIR
+from fedapps.flower.control import control_client, gitignore_matcher, log_chunks
+from fedapps.flower.control import run_status as control_run_status
 from fedapps_tools.logfilter import LogFilter
 
 
@@ -109,17 +111,14 @@ def app_files(app_dir: Path) -> dict[str, Path]:
     that is ~60,000 paths, each resolved — most of the `submit` part of a run's start-up (docs/performance.md). What
     this returns filters down to the same FAB (``tests/test_flwrcli.py`` compares both on this repository); where
     the .gitignore has negations (``!``) nothing is pruned."""
-    from flwr.cli.utils import build_pathspec, load_gitignore_patterns
-
     root = Path(app_dir).resolve()
-    patterns = load_gitignore_patterns(root / ".gitignore")
-    spec = build_pathspec(tuple(patterns)) if patterns and not any(p.startswith("!") for p in patterns) else None
+    ignored = gitignore_matcher(root)
     files: dict[str, Path] = {}
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         rel_dir = Path(dirpath).relative_to(root)
-        if spec is not None:  # a directory ignored as a whole: it and anything under it
-            dirnames[:] = [d for d in dirnames if not (spec.match_file((rel_dir / d).as_posix() + "/")
-                                                      and spec.match_file((rel_dir / d / "x" / "x.py").as_posix()))]
+        if ignored is not None:  # a directory ignored as a whole: it and anything under it
+            dirnames[:] = [d for d in dirnames if not (ignored((rel_dir / d).as_posix() + "/")
+                                                      and ignored((rel_dir / d / "x" / "x.py").as_posix()))]
         for name in filenames:
             path = Path(dirpath) / name
             if not path.is_symlink() and path.resolve().is_relative_to(root):  # as Flower: no symlinks, nothing outside
@@ -184,20 +183,6 @@ def run_status(run_id: str, env: dict[str, str], connection: str = CONNECTION) -
         return "unknown"
 
 
-def control_client(address: str) -> Any | None:
-    """A client of an insecure loopback SuperLink's Control API in this process (what `flwr ls` / `flwr log` use),
-    so that following a run of this tool's own SuperLink starts no Python process of ~1 CPU-second next to the run's
-    workers; None when Flower's client classes cannot be imported (then the `flwr` commands are used)."""
-    try:
-        from flwr.supercore.control import ControlHttpClient
-        from flwr.supercore.interceptors.http.runtime_version import RuntimeVersionHttpInterceptor
-    except ImportError:
-        return None
-    return ControlHttpClient.from_server_address(
-        server_address=address, insecure=True, root_certificates=None,
-        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")])
-
-
 def local_run_status(run_id: str, address: str) -> str | None:
     """The run's status asked in this process (see :func:`control_client`); None when it cannot be asked so (no
     client, or no answer): then :func:`run_status` is used."""
@@ -205,10 +190,7 @@ def local_run_status(run_id: str, address: str) -> str | None:
     if client is None:
         return None
     try:
-        from flwr.proto.control_pb2 import ListRunsRequest  # pylint: disable=no-name-in-module
-
-        status = client.ListRuns(ListRunsRequest(run_id=int(run_id))).run_dict[int(run_id)].status
-        return f"{status.status}:{status.sub_status}" if status.sub_status else str(status.status)
+        return control_run_status(client, run_id)
     except Exception:  # noqa: BLE001 - any failure of the shortcut falls back to `flwr ls`
         return None
     finally:
@@ -250,11 +232,9 @@ class LogStream:
                     self._emit(line)
                 self._proc.wait()
             else:
-                from flwr.proto.control_pb2 import StreamLogsRequest  # pylint: disable=no-name-in-module
-
                 pending = ""  # a line the last chunk did not finish
-                for res in self._client.StreamLogs(StreamLogsRequest(run_id=int(run_id), after_timestamp=0.0)):
-                    *complete, pending = (pending + res.log_output).split("\n")
+                for chunk in log_chunks(self._client, run_id):
+                    *complete, pending = (pending + chunk).split("\n")
                     for line in complete:
                         self._emit(line + "\n")
                 if pending:

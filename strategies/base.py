@@ -144,7 +144,7 @@ class RunContext:
     # {"state-dir": <run folder>/client-state, "state-run": the run's token}; empty: clients keep it in memory only
     client_state: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # where the strategy may keep per-client state too large to rewrite in checkpoint.pt every round (see
-    # fedapps.reporting.checkpoint.RowFiles; cwFedAvg's stack); None: everything goes in checkpoint.pt
+    # fedapps.checkpoint.RowFiles; cwFedAvg's stack); None: everything goes in checkpoint.pt
     server_state_dir: str | None = None
     # nodes refused before round 1 (data.source 'nodes': their data do not fit, see fedapps.flower.describe): never sampled
     excluded_nodes: frozenset[int] = frozenset()

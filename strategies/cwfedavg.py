@@ -68,7 +68,7 @@ import torch
 from flwr.app import Message
 from torch import Tensor, nn
 
-from fedapps.reporting import checkpoint
+from fedapps import checkpoint
 
 from fedapps.wire import protocol
 from fedapps.client.clientops import client_op, training_term

@@ -27,6 +27,16 @@ functions. Rules:
     assigns an attribute named after a field of ``strategies.base.RunContext`` (``x.client_state = ...``);
 (h) no dead hooks or adapters: every method a class in ``strategies/`` defines is named somewhere in the project's
     modules (called, referenced or looked up by a string; tests do not count), torch's ``forward`` aside.
+(i) the core's sub-packages show its layers (:data:`CORE_LEVELS`), and a core module imports only core modules of a
+    LOWER level or of its own sub-package: the base (``config``, ``params``, ``seeds``, ``checkpoint``, ``data``,
+    ``models``) < the wire (``fedapps.wire``: message layout, reply validation, pseudo-label encodings) < client
+    execution (``fedapps.client``), server maths (``fedapps.server``) and reporting (``fedapps.reporting``), which
+    know nothing of each other < the Flower glue (``fedapps.flower``); a core module the table does not place is
+    reported too, so a new module must be given its layer;
+(j) only ``fedapps/flower/`` touches Flower's private modules: no other project module imports a ``flwr`` module
+    outside :data:`PUBLIC_FLWR` (``flwr.app``, ``flwr.serverapp``, ``flwr.clientapp``, ``flwr.simulation`` and the
+    ``flwr`` package itself, for its version); each touch there is gated on the checked Flower release
+    (``fedapps.flower.require_checked_flower``). Tests may reach into Flower to test that glue.
 
 Run ``python tests/test_architecture.py`` to print the graph's layer violations and cycles (exit status 1
 when there are any). A standard alternative for looking at the graph is ``pydeps`` (e.g.
@@ -62,6 +72,12 @@ PROTOCOL_KEYS = ("public.fingerprint", "predict.output", "predict.encoding", "pr
                  "distill-indices", "predict-indices")  # rule (f); the rest of the keys: issue #27's typed schema
 RUN_CONTEXT = ("strategies/base.py", "RunContext")  # rule (g): the class whose fields are construction inputs
 CALLED_BY_TORCH = frozenset({"forward"})  # rule (h): methods torch calls for us (nn.Module.__call__)
+# rule (i): the core's layers, bottom (0) to top; a module is placed by its longest listed prefix
+CORE_LEVELS = {"fedapps": 0, "fedapps.config": 0, "fedapps.params": 0, "fedapps.seeds": 0, "fedapps.checkpoint": 0,
+               "fedapps.data": 0, "fedapps.models": 0, "fedapps.wire": 1, "fedapps.client": 2, "fedapps.server": 2,
+               "fedapps.reporting": 2, "fedapps.flower": 3}
+PUBLIC_FLWR = ("flwr.app", "flwr.serverapp", "flwr.clientapp", "flwr.simulation")  # rule (j); and ``flwr`` itself
+FLOWER_GLUE = "fedapps.flower"  # rule (j): the one place for Flower's private modules
 
 
 # --------------------------------------------------------------------------- the graph
@@ -211,7 +227,55 @@ def layer_violations(graph: dict[str, dict[str, int]], files: dict[str, Path] | 
                 report(src, dst, f"{CONFIG} imports only {', '.join(CONFIG_MAY_IMPORT)} and error modules")
             if _in(src, ("strategies",)) and _in(dst, APPS + ENTRY_POINTS):
                 report(src, dst, "strategies below the apps and entry points")
+            if _in(src, ("fedapps",)) and _in(dst, ("fedapps",)) and core_part(src) != core_part(dst):
+                src_level, dst_level = core_level(src), core_level(dst)
+                if src_level is None or dst_level is None:
+                    report(src, dst, "a core module with no layer in CORE_LEVELS: give it one")
+                elif dst_level >= src_level and src_level > 0:
+                    report(src, dst, f"core layers: {core_part(src)} (level {src_level}) imports only lower levels, "
+                                     f"not {core_part(dst)} (level {dst_level})")
     return out
+
+
+def core_part(module: str) -> str:
+    """The CORE_LEVELS entry a core module belongs to (its longest listed prefix; "" when none)."""
+    return max((p for p in CORE_LEVELS if _in(module, (p,))), key=len, default="")
+
+
+def core_level(module: str) -> int | None:
+    part = core_part(module)
+    return CORE_LEVELS[part] if part and (part != "fedapps" or module == "fedapps") else None
+
+
+def flwr_imports(path: Path) -> dict[str, int]:
+    """Every ``flwr`` module one file imports (anywhere in it) -> line of the first such import."""
+    found: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else [])
+        for name in names:
+            if name == "flwr" or name.startswith("flwr."):
+                found.setdefault(name, node.lineno)
+    return found
+
+
+def private_flower_imports(files: dict[str, Path] | None = None) -> list[str]:
+    """'file:line: module imports flwr.x' for every import of a non-public Flower module outside the glue."""
+    files = files or module_files()
+    out = []
+    for module, path in sorted(files.items()):
+        if _in(module, (FLOWER_GLUE,)):
+            continue
+        for name, line in sorted(flwr_imports(path).items()):
+            if is_private_flwr(name):
+                out.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{line}: "
+                           f"{module} imports {name}")
+    return out
+
+
+def is_private_flwr(name: str) -> bool:
+    """A Flower module outside its public API (the ``flwr`` package itself is public: its version)."""
+    return name != "flwr" and not _in(name, PUBLIC_FLWR)
 
 
 # --------------------------------------------------------------------------- algorithm names in the worker
@@ -379,6 +443,44 @@ def test_layers_point_down_only():
     assert not violations, "imports pointing up a layer:\n" + "\n".join(violations)
 
 
+def test_core_layers_on_a_made_up_graph():
+    graph = {"fedapps.wire.protocol": {"fedapps.client.worker": 3, "fedapps.config": 4},
+             "fedapps.client.worker": {"fedapps.server.robust": 5, "fedapps.wire.protocol": 6, "fedapps.client.ops": 7},
+             "fedapps.flower.inprocess": {"fedapps.client.worker": 8}, "fedapps.client.ops": {},
+             "fedapps.server.robust": {}, "fedapps.config": {}, "fedapps.newthing": {"fedapps.config": 9}}
+    files = {m: ROOT / (m.replace(".", "/") + ".py") for m in graph}
+    found = [v.split(": ", 1)[1] for v in layer_violations(graph, files)]
+    assert found == [
+        "fedapps.client.worker imports fedapps.server.robust (core layers: fedapps.client (level 2) imports only lower "
+        "levels, not fedapps.server (level 2))",
+        "fedapps.newthing imports fedapps.config (a core module with no layer in CORE_LEVELS: give it one)",
+        "fedapps.wire.protocol imports fedapps.client.worker (core layers: fedapps.wire (level 1) imports only lower "
+        "levels, not fedapps.client (level 2))"]
+
+
+def test_every_core_module_has_a_layer():
+    unplaced = [m for m in module_files() if _in(m, ("fedapps",)) and core_level(m) is None]
+    assert not unplaced, f"core modules with no layer in CORE_LEVELS: {unplaced}"
+
+
+def test_only_the_flower_glue_imports_flowers_private_modules():
+    found = private_flower_imports()
+    assert not found, "private Flower modules imported outside fedapps/flower/:\n" + "\n".join(found)
+    glue = [m for m, f in module_files().items() if _in(m, (FLOWER_GLUE,)) and any(map(is_private_flwr, flwr_imports(f)))]
+    assert glue, "the check has teeth: the glue does import private modules"
+
+
+def test_the_private_flower_check_sees_a_violation(tmp_path):
+    (tmp_path / "a.py").write_text("import flwr\nfrom flwr.app import Message\n\ndef f():\n"
+                                   "    from flwr.supercore.control import X\n    import flwr.proto.x_pb2\n")
+    assert flwr_imports(tmp_path / "a.py") == {"flwr": 1, "flwr.app": 2, "flwr.supercore.control": 5,
+                                              "flwr.proto.x_pb2": 6}
+    found = private_flower_imports({"fedapps_tools.a": tmp_path / "a.py"})
+    assert [f.split(": ", 1)[1] for f in found] == ["fedapps_tools.a imports flwr.proto.x_pb2",
+                                                    "fedapps_tools.a imports flwr.supercore.control"]
+    assert private_flower_imports({"fedapps.flower.a": tmp_path / "a.py"}) == []
+
+
 def test_worker_names_no_algorithm():
     mentions = algorithm_mentions()
     assert not mentions, f"{len(mentions)} algorithm names in the generic client:\n" + "\n".join(mentions)
@@ -458,6 +560,7 @@ def main() -> int:
     problems = 0
     for title, lines in (("layer violations", layer_violations(graph)),
                          ("import cycles", [" -> ".join(c) for c in find_cycles(graph)]),
+                         ("private Flower imports outside fedapps/flower/", private_flower_imports()),
                          ("algorithm names in fedapps/client/worker.py", algorithm_mentions()),
                          ("names of COSMOS's r_B in fedapps/", core_mentions(sorted(MOVED_OUT_OF_CORE))),
                          ("other definitions of the prediction check",

@@ -202,7 +202,7 @@ def test_a_new_run_into_a_used_folder_is_refused(tiny_config, tmp_path):
 
 
 def test_an_interrupted_run_folder_names_resume(tiny_config, tmp_path):
-    from fedapps.reporting import checkpoint
+    from fedapps import checkpoint
 
     folder = tmp_path / "run"
     folder.mkdir()
@@ -249,7 +249,7 @@ def test_a_resumed_run_keeps_the_rejections_of_the_rounds_it_does_not_repeat(tin
     with pytest.raises(Stop):
         server_app.run_experiment(grid, str(cfg), "", str(tmp_path / "out"), after_round=stop_after)
     run_dir = tmp_path / "out" / "fedavg-digits-iid-s0"
-    from fedapps.reporting import checkpoint
+    from fedapps import checkpoint
 
     saved = checkpoint.load(run_dir / "checkpoint.pt")
     saved["round"], saved["rows"] = 2, saved["rows"][:2]  # as if killed after round 3's rows, before its checkpoint

@@ -3,6 +3,7 @@ InMemoryLinkState filled through Flower's own InMemoryGrid (as in Flower's simul
 
 from __future__ import annotations
 
+import sys
 import threading
 from queue import Queue
 
@@ -169,3 +170,27 @@ def test_the_grid_poll_adapts_its_interval_to_its_own_cost(monkeypatch):
     assert message_sweep.poll_replies_often(grid)
     grid.pull_messages({"a"})
     assert slow == [{"a"}] and 0.08 <= grid.pull_interval <= 0.1
+
+
+def test_private_touches_are_gated_on_the_checked_flower_release(monkeypatch):
+    """Another Flower release than the one the glue was checked against: a clear error naming the installed version,
+    the pinned range and the workaround; the Control API shortcut (public fallback: the flwr commands) is unavailable."""
+    import fedapps.flower as glue
+    from fedapps.flower import control, message_sweep
+
+    assert glue.is_checked_release("1.42.0") and glue.is_checked_release("1.42.3rc1")
+    assert not any(map(glue.is_checked_release, ["1.43.0", "1.4.2", "2.42.0", "", "x.y"]))
+    glue.require_checked_flower("anything")  # the installed release passes
+    with pytest.raises(glue.UnsupportedFlowerVersion) as err:
+        glue.require_checked_flower("The sweep", workaround="set X=flower", flwr_version="1.43.0")
+    assert str(err.value) == ("The sweep uses Flower 1.42's private internals, but flwr 1.43.0 is installed: install the "
+                              "release this project pins (pip install 'flwr[simulation]>=1.42,<1.43'); or set X=flower")
+    monkeypatch.setattr(glue, "installed_flwr", lambda: "1.43.0")
+    monkeypatch.setattr(control, "installed_flwr", lambda: "1.43.0")
+    monkeypatch.setitem(sys.modules, message_sweep.VCE_MODULE, vce_api)
+    monkeypatch.delenv(message_sweep.ENV, raising=False)
+    with pytest.raises(glue.UnsupportedFlowerVersion, match="FEDAPPS_MESSAGE_SWEEP=flower"):
+        message_sweep.install()
+    monkeypatch.setenv(message_sweep.ENV, "flower")
+    assert message_sweep.install() is False  # Flower's own sweep needs no private touch
+    assert control.control_client("127.0.0.1:1") is None

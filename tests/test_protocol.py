@@ -379,3 +379,23 @@ def test_final_evaluation_reaches_every_client_in_batches_of_a_cohort():
     (m,) = entry.measurements
     assert m.final and sorted(r.client_id for r in m.replies) == list(range(8))
     assert entry.eval_bytes_down > 0 and entry.eval_bytes_up > 0
+
+
+
+def test_evaluation_ops_file_their_tags_where_the_validator_reads_them():
+    """The validator reads an evaluation op's default tag from protocol.EVALUATION_TAGS (the wire, below the client),
+    which registering the op fills: the worker's own ops, an algorithm's, and one registered here."""
+    from fedapps.client.clientops import client_op
+    from fedapps.wire import protocol
+    from fedapps.wire.validation import eval_tags_of
+
+    assert protocol.EVALUATION_TAGS["evaluate"] == "eval" and protocol.EVALUATION_TAGS["evaluate-received"] == "received"
+    client_op("evaluate-made-up-here", default_tag="madeup")(lambda w, tag: None)
+    try:
+        assert eval_tags_of(["train", "evaluate", "evaluate-made-up-here", "evaluate:deployed", "evaluate"]) == (
+            "eval", "madeup", "deployed")
+    finally:
+        from fedapps.client.clientops import OPERATIONS
+
+        OPERATIONS.pop("evaluate-made-up-here")
+        protocol.EVALUATION_TAGS.pop("evaluate-made-up-here")

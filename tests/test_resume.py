@@ -126,7 +126,7 @@ def test_resume_with_another_config_is_refused_naming_the_key(tmp_path):
     rc = cli.main(["run", str(other), "--engine", "inprocess", "--resume", str(run_dir)])
     assert rc == 2
     # the same config, with another output_dir / run_name, is accepted
-    from fedapps.reporting import checkpoint
+    from fedapps import checkpoint
     from fedapps.config import dump_yaml, load_config
 
     saved = checkpoint.load_checkpoint(run_dir)
@@ -137,7 +137,7 @@ def test_resume_with_another_config_is_refused_naming_the_key(tmp_path):
 
 
 def test_no_checkpoint_is_a_config_error(tmp_path):
-    from fedapps.reporting import checkpoint
+    from fedapps import checkpoint
     from fedapps.config import ConfigError
 
     with pytest.raises(ConfigError, match="no checkpoint.pt"):
@@ -158,7 +158,7 @@ def test_checkpoint_arrays_round_trip_as_numpy_and_are_written_as_tensors(tmp_pa
 
     import numpy as np
 
-    from fedapps.reporting import checkpoint
+    from fedapps import checkpoint
 
     holder = ArrayHolder({"w": np.arange(12, dtype=np.float32).reshape(3, 4), "t": np.arange(6).reshape(2, 3).T,
                           "h": np.ones(3, np.float16), "b": np.array([True, False]), "s": np.array(["x", "yz"]),
@@ -182,7 +182,7 @@ def test_row_files_write_changed_rows_only_and_keep_the_committed_version(tmp_pa
     deletes every file it does not name; a named file that is missing is a ConfigError naming the folder."""
     import numpy as np
 
-    from fedapps.reporting import checkpoint
+    from fedapps import checkpoint
     from fedapps.config import ConfigError
 
     files = checkpoint.RowFiles(tmp_path / "stack")

@@ -14,7 +14,7 @@ import yaml
 
 from fedapps.reporting import tracking
 from fedapps.config import TRACKERS, ConfigError, config_from_dict, config_hash, dump_yaml, load_config
-from fedapps.reporting.checkpoint import config_differences
+from fedapps.checkpoint import config_differences
 
 NEEDS = "pip install -e \".[tracking]\" (the test extra includes it)"
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from fedapps.wire import protocol
+
 OpFn = Callable[[Any, str], None]
 TermFn = Callable[[Any, dict], Any]
 WeightingFn = Callable[[Any, Any, Any], Any]
@@ -50,9 +52,14 @@ def _register(table: dict, name: str, value: Any, what: str) -> None:
 
 
 def client_op(name: str, default_tag: str | None = None) -> Callable[[OpFn], OpFn]:
-    """Register ``fn(worker, tag)`` as the client operation ``name`` (metrics tagged ``default_tag`` or ``name``)."""
+    """Register ``fn(worker, tag)`` as the client operation ``name`` (metrics tagged ``default_tag`` or ``name``).
+
+    An evaluation operation (a name starting ``evaluate``) also files its tag in the wire's
+    :data:`~fedapps.wire.protocol.EVALUATION_TAGS`, where the server's reply validator reads it."""
     def register(fn: OpFn) -> OpFn:
         _register(OPERATIONS, name, ClientOp(name, fn, default_tag or name), "client operation")
+        if name.startswith("evaluate"):
+            _register(protocol.EVALUATION_TAGS, name, default_tag or name, "evaluation tag")
         return fn
     return register
 

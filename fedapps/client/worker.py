@@ -27,7 +27,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from torch import nn
 
-from fedapps.reporting import checkpoint
+from fedapps import checkpoint
 
 from fedapps.client import ops
 

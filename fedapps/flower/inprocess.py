@@ -17,12 +17,9 @@ from typing import Callable, Iterable
 from flwr.app import Context, Message, RecordDict
 from flwr.app.error import Error
 
-from flwr.supercore.task_identity import TaskIdentity
-
-from fedapps.flower import faults
-
 from fedapps.client import ops
 from fedapps.client.worker import handle
+from fedapps.flower import faults, require_checked_flower
 
 log = logging.getLogger("fedapps")
 
@@ -100,6 +97,10 @@ class InProcessGrid:
             for i, node in enumerate(ids)
         }
         self.node_locks = {node: threading.Lock() for node in ids}  # a node serves one message at a time
+        require_checked_flower("The in-process engine (Message() outside Flower's runtime: flwr.supercore)",
+                               workaround="run through `flwr run` (--engine flower)")
+        from flwr.supercore.task_identity import TaskIdentity
+
         for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
             if getattr(TaskIdentity, attr) is None:  # Message() needs an identity outside Flower's runtime
                 setattr(TaskIdentity, attr, value)

@@ -33,10 +33,13 @@ from datetime import UTC, datetime
 from queue import Queue
 from typing import Any, Callable, Iterable
 
+from fedapps.flower import require_checked_flower
+
 VCE_MODULE = "flwr.server.superlink.fleet.vce.vce_api"
 ENV = "FEDAPPS_MESSAGE_SWEEP"
 INTERVAL = 0.02  # seconds between two sweeps, and between two polls of the ServerApp's grid for replies (Flower: 0.1)
 FLOWER_INTERVAL = 0.1  # Flower's own wait: never waited longer than this
+SWEEP_WORKAROUND = f"set {ENV}=flower to keep Flower's own sweep and polling"
 BUDGET = 20  # wait at least this many times as long as a sweep or poll took: at most ~5 % of a core on polling
 
 
@@ -90,6 +93,7 @@ def install() -> bool:
     vce = sys.modules.get(VCE_MODULE)
     if vce is None or os.environ.get(ENV, "").strip().lower() == "flower":
         return False
+    require_checked_flower("The one-pass message sweep of the simulation engine", workaround=SWEEP_WORKAROUND)
     current = getattr(vce, "add_messages_to_queue", None)
     if current is None:
         return False  # a Flower without this function: nothing to replace
@@ -113,6 +117,7 @@ def poll_replies_often(grid: Any) -> bool:
     Other grids (deployment) are left alone. True when set."""
     if os.environ.get(ENV, "").strip().lower() == "flower":
         return False
+    require_checked_flower("Polling the simulation's grid for replies every 0.02 s", workaround=SWEEP_WORKAROUND)
     from flwr.superlink.grid import InMemoryGrid
 
     if not isinstance(grid, InMemoryGrid):

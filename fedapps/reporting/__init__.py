@@ -1,1 +1,1 @@
-"""What a run writes down: results files, figures, experiment tracking, checkpoints."""
+"""What a run writes down: results files, figures, experiment tracking."""

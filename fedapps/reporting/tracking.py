@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from fedapps.reporting.checkpoint import CHECKPOINT, CLIENT_STATE
+from fedapps.checkpoint import CHECKPOINT, CLIENT_STATE
 from fedapps.config import ExperimentConfig, config_hash
 from fedapps.reporting.results import Artifact, measured_columns, round_row
 

@@ -64,6 +64,11 @@ EVAL_FIELDS = ("acc", "loss", "n", "correct")
 # would deploy after a round (``deployed-acc`` ...), and its model right after local training (``after-acc`` ...)
 DEPLOYED_TAG = "deployed"
 AFTER_TAG = "after"
+# the evaluation operations a message may name (``op`` or ``op:tag``) -> the tag their metrics carry when the message
+# names none. Filled by fedapps.client.clientops.client_op as each ``evaluate*`` operation is registered (the worker's,
+# and an algorithm's own from its module), so that the reply validator knows which metrics a message asks for without
+# reaching up into the client's registry.
+EVALUATION_TAGS: dict[str, str] = {}
 
 
 def metric_name(tag: str, field: str) -> str:

@@ -172,15 +172,12 @@ def error_reason(reason: str) -> str:
 
 def eval_tags_of(ops: Iterable[str]) -> tuple[str, ...]:
     """The evaluation tags the ops produce: every ``evaluate*`` op (tagged ``op:tag`` or its default tag)."""
-    from fedapps.client.clientops import OPERATIONS  # registry of the ops (core module)
-
     tags: list[str] = []
     for op in ops:
         base, _, tag = str(op).partition(":")
         if not base.startswith("evaluate"):
             continue
-        found = OPERATIONS.get(base)
-        tag = tag or (found.default_tag if found is not None else base)
+        tag = tag or protocol.EVALUATION_TAGS.get(base, base)
         if tag not in tags:
             tags.append(tag)
     return tuple(tags)
