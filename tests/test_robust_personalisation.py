@@ -392,7 +392,7 @@ def test_registry_rows_are_recorded_and_replaced(tmp_path: Path):
 def test_registry_caps_are_enforced_by_the_validator():
     reg = NodeRegistry("nodes.csv", {0: 100})
     v = ReplyValidator(2, registry=reg)
-    msgs = [protocol.build_message(100 + i, 1, [], {}) for i in range(2)]
+    msgs = [protocol.build_message(100 + i, protocol.Request(ops=(), round=1)) for i in range(2)]
     v.expect(msgs)
 
     def answer(msg: Message, cid: int, n: int) -> Message:

@@ -382,7 +382,7 @@ class Request:
     def decode(cls, config: Any) -> "Request":
         """The request a config record holds; MessageError (naming the key) for anything the schema does not allow:
         a missing ``ops`` / ``round``, a value of the wrong type, an unknown array transport, an unknown key."""
-        if not isinstance(config, (ConfigRecord, Mapping)):
+        if not isinstance(config, (ConfigRecord, dict)):  # a dict: the same settings before they are a record
             raise MessageError(f"the message's '{CONFIG}' record must be a ConfigRecord, got {type(config).__name__}")
         values = dict(config)
         for key in (OPS, ROUND):
