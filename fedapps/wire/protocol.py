@@ -160,12 +160,6 @@ def flatten(prefix: str, values: Mapping[str, Any]) -> dict[str, Any]:
     return {f"{prefix}.{k}": v for k, v in values.items() if v is not None}
 
 
-def section(config: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    """Inverse of :func:`flatten` for one prefix."""
-    p = prefix + "."
-    return {k[len(p):]: v for k, v in config.items() if k.startswith(p)}
-
-
 # data-spec keys a message carries only when set (a spec without them means their defaults, see
 # fedapps.data.SPEC_DEFAULTS); the server's own files (U: data.public_path, the node registry) never go to a client
 CLIENT_SPEC_OPTIONAL = {"num_classes": 0, "input_shape": []}
@@ -400,7 +394,9 @@ class Request:
         per_client = values.pop(MODEL_PER_CLIENT, [])
         if not isinstance(per_client, list) or not all(isinstance(a, str) for a in per_client):
             raise MessageError(f"'{MODEL_PER_CLIENT}' must be a list of architecture names, got {_short(per_client)}")
-        data, client, sections = {}, {}, {}
+        data: dict[str, Any] = {}
+        client: dict[str, Any] = {}
+        sections: dict[str, dict[str, Any]] = {}
         for key, value in values.items():
             prefix, dot, name = key.partition(".")
             if not (prefix and dot and name) or prefix in _RESERVED_PREFIXES:
@@ -533,11 +529,12 @@ class Targets:
             raise MessageError(f"the '{TARGETS}' record holds unknown array(s) {[_short(k, 40) for k in unknown[:3]]}")
         if DISTILL_INDICES in record and TARGET_ARRAY not in record:
             raise MessageError(f"the '{TARGETS}' record has '{DISTILL_INDICES}' but no '{TARGET_ARRAY}'")
-        out = {k: record[k].numpy() if k in record else None for k in (TARGET_ARRAY, DISTILL_INDICES, PREDICT_INDICES)}
+        out = {k: record[k].numpy() for k in (TARGET_ARRAY, DISTILL_INDICES, PREDICT_INDICES) if k in record}
         for k in (DISTILL_INDICES, PREDICT_INDICES):
-            if out[k] is not None and (out[k].ndim != 1 or not np.issubdtype(out[k].dtype, np.integer)):
-                raise MessageError(f"'{k}' must be a vector of row indices of U, got {out[k].dtype} {out[k].shape}")
-        return cls(out[TARGET_ARRAY], out[DISTILL_INDICES], out[PREDICT_INDICES])
+            rows = out.get(k)
+            if rows is not None and (rows.ndim != 1 or not np.issubdtype(rows.dtype, np.integer)):
+                raise MessageError(f"'{k}' must be a vector of row indices of U, got {rows.dtype} {rows.shape}")
+        return cls(out.get(TARGET_ARRAY), out.get(DISTILL_INDICES), out.get(PREDICT_INDICES))
 
 
 # ====================================================================== the reply
