@@ -251,7 +251,8 @@ class PersonalisedStrategy:
 
     def request(self, server_round: int, ops: Iterable[str], **parts: Any) -> protocol.Request:
         """A request of this run: the operations, :meth:`setup`, the run's bookkeeping (where clients keep their
-        state) and ``parts``, the other fields of :class:`fedapps.wire.protocol.Request` (load, returns, training ...)."""
+        state) and ``parts``, the other fields of :class:`fedapps.wire.protocol.Request` (load, returns, training,
+        ...)."""
         return protocol.Request(ops=tuple(ops), round=server_round, setup=self.setup(),
                                 bookkeeping=self.context.client_state, **parts)
 

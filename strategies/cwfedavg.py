@@ -438,8 +438,9 @@ class CwFedAvg(PersonalisedStrategy):
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         p: CwFedAvgParams = self.params
         client_ops = ["train"] + (["report-class-counts"] if p.estimator == "true" else [])
+        part = "state" if p.buffers == "fedavg" else "params"
         request = self.request(server_round, client_ops, load=protocol.Load(into_model=True),
-                               returns=protocol.Return(arrays=True, part="state" if p.buffers == "fedavg" else "params"),
+                               returns=protocol.Return(arrays=True, part=part),
                                training=protocol.Training(sections={
                                    protocol.TRAIN: protocol.Section(extra={WDR_LAMBDA: float(p.wdr_lambda)})}))
         messages = []

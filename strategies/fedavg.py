@@ -51,7 +51,7 @@ class FedAvg(PersonalisedStrategy):
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         request = self.request(server_round, [self.train_op], load=protocol.Load(into_model=True),
                                returns=protocol.Return(arrays=True, part="state"),
-                               keep=protocol.Keep(persist=False),  # the whole model arrives every round: nothing to keep
+                               keep=protocol.Keep(persist=False),  # the whole model arrives every round: none kept
                                training=protocol.Training(sections=self.client_settings()))
         arrays = protocol.arrays_record(self.global_arrays)
         return [protocol.build_message(n, request, arrays=arrays) for n in node_ids]

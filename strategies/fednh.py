@@ -251,7 +251,7 @@ class FedNH(PersonalisedStrategy):
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         request = self.request(server_round, [TRAIN_OP], load=protocol.Load(into_model=True),
                                returns=protocol.Return(arrays=True, part="state"),
-                               keep=protocol.Keep(persist=False),  # the whole model arrives every round: nothing to keep
+                               keep=protocol.Keep(persist=False),  # the whole model arrives every round: none kept
                                training=protocol.Training(sections={
                                    FINETUNE: protocol.Section(epochs=int(self.params.finetune_epochs))}))
         arrays = protocol.arrays_record(self.global_arrays)

@@ -2,9 +2,10 @@
 
 The worked example of an algorithm with client behaviour of its own (docs/development.md): the
 server side is FedAvg's; the client side is one training term, registered here under the name ``proximal``
-and switched on by the message setting ``train.prox_mu`` (μ: :data:`PROX_MU` in the ``train`` section). Its anchor is the arrays the message carries
-(for FedProx the global model the client starts from). Ditto and FedAMP use the same term with their own
-anchors (the global model, the personalised aggregate u_i) and import it from here.
+and switched on by the message setting ``train.prox_mu`` (μ: :data:`PROX_MU` in the ``train`` section). Its
+anchor is the arrays the message carries (for FedProx the global model the client starts from). Ditto and FedAMP
+use the same term with their own anchors (the global model, the personalised aggregate u_i) and import it from
+here.
 """
 
 from __future__ import annotations

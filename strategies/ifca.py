@@ -105,7 +105,8 @@ class IFCA(PersonalisedStrategy):
         self.assignment: dict[int, int] = {}  # client id -> cluster chosen last
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        request = self.request(server_round, ["select-model", "train"], load=protocol.Load(into_model=False, multi=True),
+        request = self.request(server_round, ["select-model", "train"],
+                               load=protocol.Load(into_model=False, multi=True),
                                keep=protocol.Keep(persist=False), returns=protocol.Return(arrays=True, part="state"))
         arrays = protocol.arrays_record(protocol.pack_models(self.models))
         return [protocol.build_message(n, request, arrays=arrays) for n in node_ids]

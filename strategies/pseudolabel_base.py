@@ -92,9 +92,10 @@ class PseudoLabelStrategy(PersonalisedStrategy):
                                    batch_size=int(p.distill_batch_size), optimizer=str(p.distill_optimizer),
                                    clip_norm=float(p.distill_clip_norm), drop_last=False, loss=distill_loss,
                                    weighting=weighting)
+        sections = {**first, protocol.DISTILL: distill, **(sections or {})}
         return self.request(server_round, ops,
                             public=protocol.PublicSet(self.public_fingerprint, predict_output, predict_encoding),
-                            training=protocol.Training(sections={**first, protocol.DISTILL: distill, **(sections or {})}))
+                            training=protocol.Training(sections=sections))
 
     @staticmethod
     def round_ops(with_distill: bool, first: tuple[str, ...] = ()) -> list[str]:

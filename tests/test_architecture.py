@@ -77,7 +77,8 @@ ALSO_A_NAME = {
               "strategies/cwfedavg.py": "a value of its parameter mix",
               "tests/": "the columns of rounds.csv and rejections.csv the tests read"},
     "config": {"fedapps/config.py": "the config itself", "fedapps_tools/": "the run's config (config.yaml, specs)",
-               "server_app.py": "the checkpoint's field, config.yaml", "tests/": "the run's config (checkpoints, specs)"},
+               "server_app.py": "the checkpoint's field, config.yaml",
+               "tests/": "the run's config (checkpoints, specs)"},
     "fingerprint": {"fedapps/flower/faults.py": "the name of a fault", "tests/test_faults.py": "the name of a fault"},
     "model.name": {"strategies/__init__.py": "the config key the wire key is named after",
                    "fedapps/models/zoo.py": "the config key", "tests/test_cli_usability.py": "the config key",
@@ -323,8 +324,9 @@ def docstrings(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-                out.add(id(first.value))
+            value = first.value if isinstance(first, ast.Expr) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                out.add(id(value))
     return out
 
 

@@ -157,7 +157,8 @@ def test_client_trains_the_body_never_the_prototypes_and_sends_its_class_means(t
     mu, counts = class_prototypes(penultimate_features(w.model, w.train_x), w.train_y, 10)
     np.testing.assert_allclose(back["fc.weight"], mu.numpy(), atol=1e-6)  # the prototype slot: its class means
     np.testing.assert_array_equal(back["fc1.0.weight"], kept["fc1.0.weight"])
-    assert list(reply.content[protocol.METRICS][COUNTS]) == torch.bincount(w.train_y, minlength=10).tolist() == counts.tolist()
+    reported = list(reply.content[protocol.METRICS][COUNTS])
+    assert reported == torch.bincount(w.train_y, minlength=10).tolist() == counts.tolist()
 
 
 def test_server_leaves_out_replies_with_bad_counts(tiny_config) -> None:

@@ -41,7 +41,8 @@ FULL_WIRE = {
     "load-arrays": False, "arrays.multi": True, "return-arrays": True, "arrays.keys": "params",
     "persist-model": False, "save-model": False, "arrays.transport": "float16", "holdout-fraction": 0.2,
     "received.model": "cnn", "public.fingerprint": "0123abcd", "predict.output": "logits", "predict.encoding": "hard",
-    "train.epochs": 5, "train.freeze": "head", "train.prox_mu": 0.1, "train:head.lr": 0.5, "train:head.drop_last": False,
+    "train.epochs": 5, "train.freeze": "head", "train.prox_mu": 0.1,
+    "train:head.lr": 0.5, "train:head.drop_last": False,
     "distill.batch_size": 32, "distill.optimizer": "adam", "distill.clip_norm": 1.0, "distill.loss": "kl",
     "distill.weighting": "label-free", "distill.rb_lambda": 0.5, "pfedck.alpha": 1.0,
 }

@@ -3,9 +3,10 @@
 No algorithm logic lives here: the server says which operations to run, in which order, with which settings
 (a :class:`fedapps.wire.protocol.Request`, decoded once per message); each name is looked up in
 :mod:`fedapps.client.clientops`, where this module registers the common operations (evaluate, evaluate-received,
-train, distill, predict) and every algorithm module registers its own. The private model persists in ``Context.state`` between rounds; where a state directory is
-named (node config ``state-dir``, else the message's ``state-dir``), also on disk, so that it survives the
-process (a run resumed from its checkpoint): ``<state-dir>/<client-id>.r<round>.pt``, the newest two rounds.
+train, distill, predict) and every algorithm module registers its own. The private model persists in
+``Context.state`` between rounds; where a state directory is named (node config ``state-dir``, else the message's
+``state-dir``), also on disk, so that it survives the process (a run resumed from its checkpoint):
+``<state-dir>/<client-id>.r<round>.pt``, the newest two rounds.
 """
 
 from __future__ import annotations
@@ -354,7 +355,8 @@ def restore_private_state(context: Context, request: protocol.Request, client_id
         return
 
 
-def save_private_state(context: Context, request: protocol.Request, client_id: int, model: nn.Module, arch: str) -> None:
+def save_private_state(context: Context, request: protocol.Request, client_id: int, model: nn.Module,
+                       arch: str) -> None:
     """Write the private model to the state directory (atomically) for this round; keep the newest earlier
     round's file too (the one a resumption from the last checkpoint needs), remove older ones."""
     directory = state_dir(request, context)
