@@ -5,7 +5,9 @@ An algorithm module registers what only it needs next to its server strategy:
 
 - ``@client_op("select-model")`` — a whole operation ``fn(worker, tag)``, run when a message lists it;
 - ``@training_term("wdr")`` — a term added to the local training loss, ``fn(worker, settings) -> Regulariser |
-  None`` (None when the message's ``train.*`` settings do not ask for it);
+  None`` (None when the message's ``train.*`` settings do not ask for it; ``settings`` is the operation's
+  :class:`fedapps.wire.protocol.Section`, the algorithm's own settings in its ``extra``, named by constants of the
+  algorithm's module);
 - ``@distill_term("rb")`` — a term added to the distillation loss on U, ``fn(worker, settings) -> DistillTerm |
   None`` (:data:`fedapps.client.ops.DistillTerm`; None when the message's ``distill.*`` settings do not ask for it);
 - ``@distill_weighting("label-free")`` — per-sample weights on the public set U for ``distill``,
@@ -22,7 +24,7 @@ from typing import Any, Callable
 from fedapps.wire import protocol
 
 OpFn = Callable[[Any, str], None]
-TermFn = Callable[[Any, dict], Any]
+TermFn = Callable[[Any, Any], Any]  # (worker, its operation's protocol.Section) -> term or None
 WeightingFn = Callable[[Any, Any, Any], Any]
 
 
