@@ -29,13 +29,23 @@ from pathlib import Path
 
 from fedapps.config import ConfigError, ExperimentConfig, load_config
 from fedapps.reporting.results import EXIT_FAILED, EXIT_STATUSES, UnusableRun, summary_exit_status
-from fedapps_tools.flwrcli import (CONNECTION, RunFailed, _proc_stat, descendants, failure_reasons,
-                                   flower_env, follow_run, stop_processes, stop_run, submit_run, toml_str)
 from fedapps_tools import raycluster
+from fedapps_tools.flwrcli import (
+    CONNECTION,
+    RunFailed,
+    _proc_stat,
+    descendants,
+    failure_reasons,
+    flower_env,
+    follow_run,
+    stop_processes,
+    stop_run,
+    submit_run,
+    toml_str,
+)
 from fedapps_tools.logfilter import LogFilter, command_logging
 from fedapps_tools.options import add_seeds_option, output_dir_help, package_version, resolve_root
 from fedapps_tools.summary import print_summary
-
 
 EXIT_HELP = "exit status:\n" + "".join(f"  {code:<5}{what}\n" for code, what in EXIT_STATUSES.items()) + (
     "summary.json's 'problems' says why a run did not exit 0; its 'exit_status' is the status.")
@@ -88,7 +98,7 @@ class OwnSuperLink:
     def start(self, timeout: float = 60.0, attempts: int = 3) -> str:
         """Start it (unless :meth:`launch` already did) and wait until its HTTP API answers; a port taken in between
         is retried with another."""
-        for attempt in range(attempts):
+        for _attempt in range(attempts):
             if self.proc is None:
                 self.launch()
             assert self.proc is not None
@@ -376,8 +386,8 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
             preflight(cfg, overrides)
             if getattr(args, "resume", None):
                 args.resume = str(Path(args.resume).expanduser().resolve())
-                from fedapps.reporting import checkpoint
                 from fedapps.config import dump_yaml
+                from fedapps.reporting import checkpoint
 
                 saved = checkpoint.load_checkpoint(args.resume)  # refuse here, before flwr run starts
                 checkpoint.check_same_config(saved["config"], dump_yaml(resolved_config(cfg)), args.resume)

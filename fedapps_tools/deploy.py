@@ -32,8 +32,18 @@ from pathlib import Path
 
 from fedapps.config import APP_DIR, ConfigError, load_config
 from fedapps.data.nodes import REGISTRY_FILE, record_node
-from fedapps_tools.flwrcli import (RunFailed, _alive, _proc_stat, descendants, failure_reasons, flower_env,
-                                    follow_run, stop_processes, submit_run, toml_str)
+from fedapps_tools.flwrcli import (
+    RunFailed,
+    _alive,
+    _proc_stat,
+    descendants,
+    failure_reasons,
+    flower_env,
+    follow_run,
+    stop_processes,
+    submit_run,
+    toml_str,
+)
 
 CA_CERT, CA_KEY = "ca.crt", "ca.key"
 SERVER_CERT, SERVER_KEY = "server.pem", "server.key"
@@ -67,7 +77,7 @@ def san_entries(hosts: list[str]) -> list[str]:
             entry = f"IP:{ipaddress.ip_address(host.strip('[]'))}"
         except ValueError:
             if not re.fullmatch(r"[A-Za-z0-9.-]+", host):
-                raise DeployError(f"--host '{host}' is neither an IP address nor a DNS name")
+                raise DeployError(f"--host '{host}' is neither an IP address nor a DNS name") from None
             entry = f"DNS:{host}"
         if entry not in out:
             out.append(entry)

@@ -23,8 +23,9 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from fedapps import config as config_module
 from fedapps.params import constraint
@@ -128,10 +129,10 @@ def configuration_page(strategies: dict[str, type]) -> str:
     parts = [
         "# Configuration reference\n",
         NOTE.format(source="the dataclasses of fedapps/config.py and each strategy's Params") + "\n",
-        "Every key an experiment config knows. The **default** is what a key takes when the YAML file leaves it out "
-        "(configs/default.yaml, what `make run` runs, sets some of them differently). Ranges and the rules between "
-        "keys are checked when the config is loaded: a bad value stops the run with a message naming the key. "
-        "How configs, `--set` overrides and errors work: [Configuration](../configuration.md).\n",
+        ("Every key an experiment config knows. The **default** is what a key takes when the YAML file leaves it "
+         "out (configs/default.yaml, what `make run` runs, sets some of them differently). Ranges and the rules "
+         "between keys are checked when the config is loaded: a bad value stops the run with a message naming the "
+         "key. How configs, `--set` overrides and errors work: [Configuration](../configuration.md).\n"),
     ]
     for prefix, cls in config_sections():
         title = f"`{prefix.rstrip('.')}`" if prefix else "Top level"
@@ -308,8 +309,8 @@ def cli_page() -> str:
         parts = [
             "# Command-line reference\n",
             NOTE.format(source="the argparse parsers of fedapps_tools/") + "\n",
-            "Every command and argument of `fedapps` (`.venv/bin/fedapps` after `make run` or `make test` has "
-            "installed it), as `fedapps COMMAND --help` prints it.\n",
+            ("Every command and argument of `fedapps` (`.venv/bin/fedapps` after `make run` or `make test` has "
+             "installed it), as `fedapps COMMAND --help` prints it.\n"),
             "```text\n" + top.format_usage().strip() + "\n```\n",
             cell(top.description or "") + "\n",
             table(["Command", "What it does"], [[f"[`{top.prog} {n}`](#{slug(f'{top.prog} {n}')})", cell(h)]

@@ -18,7 +18,6 @@ from typing import Any
 from fedapps.config import APP_DIR
 from fedapps_tools.logfilter import LogFilter
 
-
 OFFLINE_ENV = {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
     "FLWR_TELEMETRY_ENABLED": "0",

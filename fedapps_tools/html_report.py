@@ -16,9 +16,10 @@ import json
 import logging
 import math
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -260,7 +261,7 @@ def figure(draw: Callable[[], Any], alt: str, caption: str) -> str:
     everything else is still written."""
     try:
         png = plots.png_bytes(draw())
-    except Exception as exc:  # a figure never costs the rest of the report
+    except Exception as exc:  # noqa: BLE001 - a figure never costs the rest of the report
         log.warning("report: could not draw %s: %s", alt, exc)
         return f'<p class="note">{_esc(alt)}: could not be drawn ({_esc(exc)})</p>'
     return f"<figure>{img(png, alt)}<figcaption>{_esc(caption)}</figcaption></figure>"

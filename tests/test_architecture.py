@@ -1,8 +1,8 @@
 """Architecture rules, checked on the source with ``ast`` alone (no project module is imported).
 
 The module import graph of the project's own modules (``fedapps/``, ``strategies/``, ``fedapps_tools/``,
-``server_app.py``, ``client_app.py``) is built from every ``import`` / ``from ... import`` statement, including those inside
-functions. Rules:
+``server_app.py``, ``client_app.py``) is built from every ``import`` / ``from ... import`` statement, including those
+inside functions. Rules:
 
 (a) no import cycle among the project's modules;
 (b) layers point down only:
@@ -280,7 +280,7 @@ def definers(function: str, root: Path = ROOT) -> list[str]:
 def key_literals(keys: tuple[str, ...], root: Path = ROOT) -> list[str]:
     """'file:line: key' for every string literal equal to one of ``keys`` outside fedapps/wire/protocol.py."""
     out = []
-    for name, path in sorted(module_files(root).items()):
+    for _name, path in sorted(module_files(root).items()):
         rel = str(path.relative_to(root))
         if rel == PROTOCOL:
             continue
@@ -483,6 +483,8 @@ def test_the_clientapp_does_not_import_what_only_the_server_or_some_models_need(
     l1 distances) are imported where used."""
     import subprocess
 
-    code = ("import sys, client_app, strategies, fedapps.client.worker; "  # what the ClientApp imports for its first message
-            "heavy = [m for m in ('torchvision', 'sklearn.cluster', 'numba') if m in sys.modules]; assert not heavy, heavy")
+    # what the ClientApp imports for its first message, then the heavy modules it must not have imported
+    code = ("import sys, client_app, strategies, fedapps.client.worker; "
+            "heavy = [m for m in ('torchvision', 'sklearn.cluster', 'numba') if m in sys.modules]; "
+            "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).parents[1]))

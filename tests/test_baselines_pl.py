@@ -8,16 +8,16 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from flwr.app import RecordDict
 
 import server_app
-from flwr.app import RecordDict
-from fedapps.wire import protocol, pseudolabels
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
+from strategies import resolve
 from strategies.comet import COMET, cluster_means, kmeans, kmeans_plus_plus
 from strategies.fedct import FedCT, majority_vote, qualified_vote, vote_counts
-from strategies import resolve
 from strategies.fedmd import FedMD, alignment_subset, fedmd_consensus
 from strategies.pseudolabel_base import collect_predictions
 

@@ -74,8 +74,8 @@ def test_cpu_sampler_counts_a_child_that_burns_cpu_and_exits(tmp_path):
     import subprocess
 
     proctree = load_proctree()
-    code = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time\\nt=time.process_time()\\n" \
-           "while time.process_time() - t < 0.6: pass'])"
+    code = ("import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time\\nt=time.process_time()\\n"
+            "while time.process_time() - t < 0.6: pass'])")
     proc = subprocess.Popen([sys.executable, "-c", code])
     sampler = proctree.CpuSampler(proc.pid, interval=0.05)
     proc.wait()

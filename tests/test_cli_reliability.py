@@ -15,12 +15,20 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedapps_tools import cli, flwrcli
-from fedapps_tools.compare import resume_decision
 from fedapps.config import ConfigError, check_run_name, config_hash, load_config, parse_yaml
 from fedapps.flower import faults
-from fedapps.reporting.results import (EXIT_FAILED, EXIT_REJECTED, EXIT_UNMEASURED, Problem, exit_status, measured_problems,
-                             read_csv, rejection_problems, run_problems)
+from fedapps.reporting.results import (
+    EXIT_REJECTED,
+    EXIT_UNMEASURED,
+    Problem,
+    exit_status,
+    measured_problems,
+    read_csv,
+    rejection_problems,
+    run_problems,
+)
+from fedapps_tools import cli, flwrcli
+from fedapps_tools.compare import resume_decision
 
 
 def run_cli(*argv: str) -> int:
@@ -410,8 +418,8 @@ def test_a_headline_measured_on_too_few_clients_exits_3(tiny_config, tmp_path, c
     summary = json.loads((out / "fedavg-digits-iid-s0" / "summary.json").read_text())
     assert summary["final_round_measured_clients"] == 1 and summary["exit_status"] == code
     if code:
-        assert summary["problems"] == ["the headline was measured on 1 of 4 clients (after round 2), fewer than "
-                                       "min_measured_share=0.5 of them (2)"]
+        assert summary["problems"] == [("the headline was measured on 1 of 4 clients (after round 2), fewer than "
+                                        "min_measured_share=0.5 of them (2)")]
         assert "measured on 1 of 4 clients" in capsys.readouterr().err
     else:
         assert summary["problems"] == []
@@ -423,8 +431,8 @@ def test_a_run_whose_headline_was_never_measured_exits_3(tiny_config, tmp_path, 
     assert run_cli("run", str(tiny_config(rounds=1)), "--engine", "inprocess", "--output-dir", str(out)) == 3
     summary = json.loads((out / "fedavg-digits-iid-s0" / "summary.json").read_text())
     assert summary["accuracy_mean"] is None and summary["exit_status"] == 3
-    assert summary["problems"] == ["the headline (deployed-model accuracy) was never measured: no client answered "
-                                   "an evaluation of its deployed model"]
+    assert summary["problems"] == [("the headline (deployed-model accuracy) was never measured: no client answered "
+                                    "an evaluation of its deployed model")]
 
 
 def test_a_round_that_lost_most_replies_to_rejection_exits_4(tiny_config, tmp_path, capsys, monkeypatch):

@@ -15,14 +15,13 @@ import yaml
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 import server_app
-from fedapps.server import clustering
 from fedapps.client import ops
-from fedapps.wire import protocol, pseudolabels
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server import clustering
+from fedapps.wire import protocol, pseudolabels
 from strategies import resolve
-from strategies.cosmos import (Cosmos, frequency_weights, rb_term, robustness_penalty, server_target,
-                               soft_predictions)
+from strategies.cosmos import Cosmos, frequency_weights, rb_term, robustness_penalty, server_target, soft_predictions
 
 torch.set_num_threads(1)
 

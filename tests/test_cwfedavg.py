@@ -22,7 +22,6 @@ from strategies.base import RunContext, weighted_average
 from strategies.cwfedavg import (
     CwFedAvg,
     class_distribution_from_rows,
-    wdr_penalty,
     class_models,
     class_weights,
     classwise_keys,
@@ -30,6 +29,7 @@ from strategies.cwfedavg import (
     mix,
     mixing_matrix,
     row_norm_distribution,
+    wdr_penalty,
 )
 
 torch.set_num_threads(1)
@@ -62,7 +62,7 @@ def explicit_personalised(models: list[dict[str, np.ndarray]], n: np.ndarray, p:
         for j in range(k):
             q = n * p[:, j]
             q = q / q.sum() if q.sum() > 0 else n / n.sum()
-            class_model.append(sum(q[l] * models[l][key].astype(np.float64) for l in range(len(models))))
+            class_model.append(sum(q[c] * models[c][key].astype(np.float64) for c in range(len(models))))
         out[key] = sum(p[i, j] * class_model[j] for j in range(k))
     return out
 

@@ -49,9 +49,9 @@ def test_dropout_is_seeded_per_message(tiny_config):
     whatever the global RNG was before (the worker seeds it per message)."""
     from flwr.app import Context, RecordDict
 
-    from fedapps.wire import protocol
-    from fedapps.flower.inprocess import InProcessGrid
     from fedapps.client.worker import STATE_MODEL, handle
+    from fedapps.flower.inprocess import InProcessGrid
+    from fedapps.wire import protocol
     from strategies.base import PersonalisedStrategy, RunContext
 
     InProcessGrid(1)  # sets a task identity so that Message() works outside Flower

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import server_app
-from fedapps.flower import faults
 from fedapps.config import ConfigError
+from fedapps.flower import faults
 from fedapps.flower.inprocess import InProcessGrid, default_workers
 from strategies import STRATEGIES
 from tests.conftest import write_config

@@ -11,18 +11,27 @@ import pytest
 import torch
 
 import server_app
-from fedapps.wire import protocol
+from fedapps.client.worker import Worker
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import ModelError, build_model
 from fedapps.models.heads import CosineClassifier
-from fedapps.wire.protocol import ARRAYS, ClientReply
 from fedapps.reporting.results import measured_columns, read_csv, round_row
-from fedapps.client.worker import Worker
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ARRAYS, ClientReply
 from strategies import RunContext, resolve
 from strategies.base import DeployedModel, RoundLog, with_evaluations
-from strategies.fednh import (COUNTS, TRAIN_OP, FedNH, class_prototypes, min_pairwise_angle,
-                              orthogonal_prototypes, penultimate_features, uniform_prototypes, update_prototypes)
+from strategies.fednh import (
+    COUNTS,
+    TRAIN_OP,
+    FedNH,
+    class_prototypes,
+    min_pairwise_angle,
+    orthogonal_prototypes,
+    penultimate_features,
+    uniform_prototypes,
+    update_prototypes,
+)
 from test_ops_worker import worker_message
 
 PATHOLOGICAL = {"source": "digits", "partition": "pathological", "num_clients": 4, "classes_per_client": 2}

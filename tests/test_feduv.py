@@ -12,17 +12,32 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedapps.wire import protocol
+from fedapps.client.worker import Worker
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
-from fedapps.wire.protocol import ARRAYS
 from fedapps.reporting.results import read_csv
-from fedapps.client.worker import Worker
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ARRAYS
 from strategies import resolve
-from strategies.feduv import (FORM, LOG_GAUSSIAN, MEDIAN_RBF, MU_U, MU_V, TEMPERATURE, TRAIN_OP, UNIFORMITY, VARIANCE, FeatureTap,
-                              feduv_loss, iid_threshold, log_gaussian_uniformity, median_rbf_uniformity, uniformity,
-                              variance_hinge)
+from strategies.feduv import (
+    FORM,
+    LOG_GAUSSIAN,
+    MEDIAN_RBF,
+    MU_U,
+    MU_V,
+    TEMPERATURE,
+    TRAIN_OP,
+    UNIFORMITY,
+    VARIANCE,
+    FeatureTap,
+    feduv_loss,
+    iid_threshold,
+    log_gaussian_uniformity,
+    median_rbf_uniformity,
+    uniformity,
+    variance_hinge,
+)
 from test_ops_worker import worker_message
 
 LN3 = math.log(3.0)

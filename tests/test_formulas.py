@@ -21,11 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol
 from fedapps.client.clientops import TRAINING_TERMS
 from fedapps.config import ConfigError, OptimSettings, load_config
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.wire import protocol
 from strategies import resolve
 from strategies.cwfedavg import CwFedAvgParams
 
@@ -143,8 +142,8 @@ def test_distill_takes_the_sgd_step_of_torch_kl_div() -> None:
 def test_fedamp_client_term_is_lambda_over_two_alpha_k_with_gradient(tiny_config) -> None:
     """From the server's message to the client's loss: (λ/(2α_K))‖w − u_i‖², gradient (λ/α_K)(w − u_i).
     Fails with the coefficient λ/2 (Ditto's) or a term computed on detached parameters."""
-    from strategies.fedamp import FedAMP
     from fedapps.models import build_model
+    from strategies.fedamp import FedAMP
 
     lam, alpha_k = 0.3, 0.05
     cfg = load_config(tiny_config(strategy={"name": "fedamp", "params": {"fedamp": {

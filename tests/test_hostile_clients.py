@@ -13,8 +13,8 @@ each option: tests/test_robust_personalisation.py.
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Callable
+from collections.abc import Callable
+from functools import cache
 
 import pytest
 
@@ -24,7 +24,7 @@ from fedapps_tools.capture import ATTACKER, BOUND, VICTIM, Case, Outcome
 CASES = [c for c in capture.CASES if not c.limits]
 
 
-@lru_cache(maxsize=None)
+@cache
 def arm(name: str, which: str) -> Outcome:
     return capture.run_arm(capture.case(name), which, seed=0)
 

@@ -18,13 +18,13 @@ import torch
 from flwr.app import Context, RecordDict
 
 import server_app
-from fedapps.wire import protocol
+from fedapps.client.worker import STATE_MODEL, handle, lost_on_restart
 from fedapps.config import load_config
 from fedapps.data import DataError, load_source, node_path, read_labelled
 from fedapps.flower.describe import NodeReport, agree
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.reporting.results import UnusableRun
-from fedapps.client.worker import STATE_MODEL, handle, lost_on_restart
+from fedapps.wire import protocol
 from strategies import STRATEGIES, RunContext, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,9 +132,10 @@ def test_image_folder_is_read_like_the_npz_it_was_written_from(tmp_path, digits)
 
 
 def test_a_nodes_split_is_seeded_by_its_client_id_and_its_counts_are_its_own(tmp_path, digits):
+    import dataclasses
+
     from fedapps.config import DataConfig
     from fedapps.data import node_federation
-    import dataclasses
 
     x, y = digits
     np.savez(tmp_path / "own.npz", x=x[:300], y=y[:300])
@@ -318,7 +319,7 @@ def test_state_dir_survives_a_supernode_restart(tmp_path, monkeypatch, digits):
     handle(message(cfg, "local", 2, ["evaluate"], "run-a"), restarted)
     restored = restarted.state[STATE_MODEL].to_torch_state_dict()
     assert all(torch.equal(trained[k], restored[k]) for k in trained)
-    # without the node's state-dir the restarted node starts from the initial model (what docs/deployment.md's table says)
+    # without the node's state-dir the restarted node starts from the initial model (as docs/deployment.md's table says)
     node.pop("state-dir")
     bare = fresh()
     handle(message(cfg, "local", 2, ["evaluate"], "run-a"), bare)

@@ -5,11 +5,10 @@ import pytest
 import torch
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol, pseudolabels
+from fedapps.client.worker import STATE_MODEL, Worker
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model, classifier_name
-from fedapps.client.worker import STATE_MODEL, Worker
+from fedapps.wire import protocol, pseudolabels
 from strategies.cwfedavg import wdr_penalty
 from strategies.fedprox import proximal_penalty
 

@@ -7,16 +7,21 @@ import pytest
 import torch
 
 import server_app
-from fedapps.wire import protocol
+from fedapps.client.worker import STATE_MODEL, ProtocolError, Worker, model_arrays, split_models
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
-from fedapps.wire.protocol import ARRAYS, ClientReply
-from fedapps.client.worker import STATE_MODEL, ProtocolError, Worker, model_arrays, split_models
-from fedapps.wire.protocol import pack_models
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ARRAYS, ClientReply, pack_models
 from strategies import resolve
-from strategies.fedamp import (attention_weights, flatten, median_nonzero, relative_attention_weights, squared_distances,
-                               unflatten)
+from strategies.fedamp import (
+    attention_weights,
+    flatten,
+    median_nonzero,
+    relative_attention_weights,
+    squared_distances,
+    unflatten,
+)
 from strategies.fedfomo import WEIGHTS
 from strategies.ifca import CHOICE, LOSSES, average_per_cluster
 from test_ops_worker import worker_message

@@ -11,20 +11,28 @@ import torch
 import torch.nn.functional as F
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol
+from fedapps.client.worker import STATE_MODEL, Worker, data_spec
 from fedapps.config import ConfigError, OptimSettings, load_config
 from fedapps.data import get_federation
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
-from fedapps.wire.protocol import ClientReply
 from fedapps.reporting.results import read_csv
 from fedapps.seeds import derive_seed
-from fedapps.client.worker import STATE_MODEL, Worker, data_spec
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
 from strategies import resolve
 from strategies.comet import kmeans, kmeans_plus_plus
-from strategies.pfedck import (ALPHA, BETA, KL_INTERACTIVE, KL_PERSONAL, TEMPERATURE, TRAIN_OP, cluster_updates,
-                               mutual_losses, unit_rows)
+from strategies.pfedck import (
+    ALPHA,
+    BETA,
+    KL_INTERACTIVE,
+    KL_PERSONAL,
+    TEMPERATURE,
+    TRAIN_OP,
+    cluster_updates,
+    mutual_losses,
+    unit_rows,
+)
 from test_ops_worker import worker_message
 
 PATHOLOGICAL = {"source": "digits", "partition": "pathological", "num_clients": 4, "classes_per_client": 4}

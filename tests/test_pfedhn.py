@@ -14,16 +14,23 @@ import numpy as np
 import pytest
 import torch
 
-from fedapps.wire import protocol
+from fedapps.client.worker import STATE_MODEL
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
-from fedapps.wire.protocol import ClientReply
 from fedapps.reporting.results import read_csv
-from fedapps.client.worker import STATE_MODEL
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
 from strategies import RunContext, resolve
-from strategies.pfedhn import (HyperNetwork, accumulate_delta_gradient, embedding_size, hypernetwork_size,
-                               hypernetwork_step, make_optimizer, target_shapes)
+from strategies.pfedhn import (
+    HyperNetwork,
+    accumulate_delta_gradient,
+    embedding_size,
+    hypernetwork_size,
+    hypernetwork_step,
+    make_optimizer,
+    target_shapes,
+)
 
 TOY = {"w": (2, 3), "b": (2,)}  # a toy target network: one linear layer 3 → 2
 

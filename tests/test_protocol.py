@@ -20,16 +20,22 @@ import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol
+from fedapps.client.worker import STATE_MODEL, Worker, optim_settings, part_names
 from fedapps.config import load_config
 from fedapps.data import get_federation
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
-from fedapps.wire.protocol import ClientReply
-from fedapps.reporting.results import FileSink, accuracy_stats, measured_columns, merge_measurement, round_row, summarise
+from fedapps.reporting.results import (
+    FileSink,
+    accuracy_stats,
+    measured_columns,
+    merge_measurement,
+    round_row,
+    summarise,
+)
 from fedapps.seeds import derive_seed
-from fedapps.client.worker import STATE_MODEL, Worker, optim_settings, part_names
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
 from strategies import STRATEGIES, RunContext, resolve
 from strategies.base import DeployedModel, Measurement, RoundLog, with_evaluations
 
@@ -101,7 +107,7 @@ def _fedselect(s, grid, cid, data, rnd):
     return _evaluate(state, data)
 
 
-HAND = {  # strategy -> (strategy, grid, client id, its data, round) -> evaluation of its deployed model after that round
+HAND = {  # strategy -> (strategy, grid, client id, its data, round) -> its deployed model evaluated after that round
     "fedavg": lambda s, g, c, d, r: _evaluate(_tensors(s.global_arrays), d),
     "fedprox": lambda s, g, c, d, r: _evaluate(_tensors(s.global_arrays), d),
     "feduv": lambda s, g, c, d, r: _evaluate(_tensors(s.global_arrays), d),

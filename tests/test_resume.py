@@ -126,8 +126,8 @@ def test_resume_with_another_config_is_refused_naming_the_key(tmp_path):
     rc = cli.main(["run", str(other), "--engine", "inprocess", "--resume", str(run_dir)])
     assert rc == 2
     # the same config, with another output_dir / run_name, is accepted
-    from fedapps.reporting import checkpoint
     from fedapps.config import dump_yaml, load_config
+    from fedapps.reporting import checkpoint
 
     saved = checkpoint.load_checkpoint(run_dir)
     same = load_config(config, "output_dir=/elsewhere run_name=renamed")
@@ -137,8 +137,8 @@ def test_resume_with_another_config_is_refused_naming_the_key(tmp_path):
 
 
 def test_no_checkpoint_is_a_config_error(tmp_path):
-    from fedapps.reporting import checkpoint
     from fedapps.config import ConfigError
+    from fedapps.reporting import checkpoint
 
     with pytest.raises(ConfigError, match="no checkpoint.pt"):
         checkpoint.load_checkpoint(tmp_path)
@@ -182,8 +182,8 @@ def test_row_files_write_changed_rows_only_and_keep_the_committed_version(tmp_pa
     deletes every file it does not name; a named file that is missing is a ConfigError naming the folder."""
     import numpy as np
 
-    from fedapps.reporting import checkpoint
     from fedapps.config import ConfigError
+    from fedapps.reporting import checkpoint
 
     files = checkpoint.RowFiles(tmp_path / "stack")
     first = files.save({c: {"w": np.full(3, c, np.float32)} for c in (1, 2, 3)})

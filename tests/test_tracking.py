@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedapps.reporting import tracking
 from fedapps.config import TRACKERS, ConfigError, config_from_dict, config_hash, dump_yaml, load_config
+from fedapps.reporting import tracking
 from fedapps.reporting.checkpoint import config_differences
 
 NEEDS = "pip install -e \".[tracking]\" (the test extra includes it)"

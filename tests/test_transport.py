@@ -13,12 +13,12 @@ import torch
 from flwr.app import MetricRecord, RecordDict
 
 import server_app
-from fedapps.wire import protocol
+from fedapps.client.worker import ProtocolError, message_transport, model_arrays, received_state
 from fedapps.config import ConfigError, config_hash, load_config, without_later_defaults
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
+from fedapps.wire import protocol
 from fedapps.wire.validation import ReplyValidator
-from fedapps.client.worker import ProtocolError, message_transport, model_arrays, received_state
 from strategies import STRATEGIES, resolve
 
 InProcessGrid(1)  # Message() needs a task identity outside Flower's runtime

@@ -1,5 +1,5 @@
-"""Reply validation (fedapps.wire.validation) and robust aggregation (fedapps.server.robust): hand-computed cases, Flower's
-own FedMedian / FedTrimmedAvg on the same inputs, and a property test over arbitrary reply contents."""
+"""Reply validation (fedapps.wire.validation) and robust aggregation (fedapps.server.robust): hand-computed cases,
+Flower's own FedMedian / FedTrimmedAvg on the same inputs, and a property test over arbitrary reply contents."""
 
 from __future__ import annotations
 
@@ -13,12 +13,19 @@ from flwr.serverapp.strategy import FedMedian, FedTrimmedAvg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedapps.wire import protocol, validation
 from fedapps.config import ConfigError, load_config, smallest_trim, trimmed_per_side
-from fedapps.flower.inprocess import InProcessGrid  # noqa: F401  (sets Flower's task identity for Message())
+from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.robust import (
+    AggregationRule,
+    cap_weights,
+    clip_update,
+    combine,
+    coordinate_median,
+    trimmed_mean,
+    update_norm,
+)
+from fedapps.wire import protocol, validation
 from fedapps.wire.protocol import ClientReply
-from fedapps.server.robust import (AggregationRule, cap_weights, clip_update, combine, coordinate_median, trimmed_mean,
-                            update_norm)
 from fedapps.wire.validation import LOGIT_BOUND, ArraySpec, Expectation, PredictionSpec, ReplyValidator
 from strategies import resolve
 from strategies.base import average_matching
@@ -273,7 +280,7 @@ def _metric_record(metrics: dict) -> MetricRecord | None:
         clean[k] = v
     try:
         return MetricRecord(clean)
-    except Exception:  # Flower refuses some lists itself (e.g. ints beyond 64 bits): not a reply that can arrive
+    except Exception:  # noqa: BLE001 - Flower refuses some lists itself (e.g. ints beyond 64 bits): not a reply that can arrive
         return None
 
 
@@ -528,8 +535,9 @@ def test_clip_update_norm_is_validated_and_refused_where_it_does_not_apply():
 
 @pytest.mark.parametrize("overrides, message", [
     (["data.num_clients=5", "strategy.trim_fraction=0.1"],
-     "'strategy.trim_fraction: 0.1' trims no client from the cohort of 5 clients per round (data.num_clients=5, "
-     "strategy.fraction=1) (floor(0.1·5) = 0: the plain unweighted mean); set strategy.trim_fraction to at least 0.2"),
+     ("'strategy.trim_fraction: 0.1' trims no client from the cohort of 5 clients per round "
+      "(data.num_clients=5, strategy.fraction=1) (floor(0.1·5) = 0: the plain unweighted mean); "
+      "set strategy.trim_fraction to at least 0.2")),
     (["data.num_clients=20", "strategy.fraction=0.3", "strategy.trim_fraction=0.1"], "at least 0.167"),
     (["data.num_clients=2", "strategy.trim_fraction=0.4"], "trimming one at each end needs at least 3 clients"),
 ])

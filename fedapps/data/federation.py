@@ -40,14 +40,17 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..seeds import derive_rng
 from .errors import DataError
+from .hf import is_hf_source
+from .nodes import NODE_SPLIT_PURPOSE, NODES, Labelled, described_counts, read_public, server_public_path
 from .partition import (
     PARTITION_KEYS,
     PARTITIONS,
@@ -61,8 +64,6 @@ from .partition import (
     partition_pathological,
     stratified_split,
 )
-from .nodes import NODE_SPLIT_PURPOSE, NODES, Labelled, described_counts, read_public, server_public_path
-from .hf import is_hf_source
 from .sources import SOURCES, load_source, source_info
 from .transforms import label_swap_permutations, public_group_shares, rotate_images, rotation_quarter_turns
 
@@ -515,15 +516,15 @@ def unused_data_keys(spec: dict[str, Any], defaults: dict[str, Any],
         if source == NODES:
             out.append((key, "data.source is 'nodes': every node brings its own data, nothing is partitioned"))
         elif partition not in partitions:
-            out.append((key, f"only the {' / '.join(partitions)} partition{'s' if len(partitions) > 1 else ''} "
-                             f"read{'' if len(partitions) > 1 else 's'} it; data.partition is '{partition}'"))
+            out.append((key, (f"only the {' / '.join(partitions)} partition{'s' if len(partitions) > 1 else ''} "
+                              f"read{'' if len(partitions) > 1 else 's'} it; data.partition is '{partition}'")))
     for key in SYNTHETIC_KEYS:
         if changed(key) and source != "synthetic":
             out.append((key, f"only data.source 'synthetic' reads it; data.source is '{source}'"))
     if changed("validation_fraction") and spec.get("evaluate_on") != "validation":
-        out.append(("validation_fraction", "the validation split is carved only when data.evaluate_on is "
-                                           "'validation' (tuning, e.g. fedapps tune); data.evaluate_on is "
-                                           f"'{spec.get('evaluate_on')}'"))
+        out.append(("validation_fraction", ("the validation split is carved only when data.evaluate_on is "
+                                            "'validation' (tuning, e.g. fedapps tune); data.evaluate_on is "
+                                            f"'{spec.get('evaluate_on')}'")))
     return out
 
 

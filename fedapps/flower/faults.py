@@ -53,14 +53,14 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 
-from fedapps.wire import protocol
 from fedapps.client.worker import client_id_of
+from fedapps.wire import protocol
 
 log = logging.getLogger("fedapps")
 

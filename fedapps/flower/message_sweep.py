@@ -29,9 +29,10 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from queue import Queue
-from typing import Any, Callable, Iterable
+from typing import Any
 
 VCE_MODULE = "flwr.server.superlink.fleet.vce.vce_api"
 ENV = "FEDAPPS_MESSAGE_SWEEP"
@@ -53,7 +54,7 @@ def deliverable_messages(state: Any, node_ids: set[int]) -> list:
     ``state`` is Flower's ``InMemoryLinkState``; all stored messages are validated first (invalid ones deleted).
     """
     with state.lock:
-        state._check_stored_messages(set(state.message_ins_store))  # one validation per message, not per node
+        state._check_stored_messages(set(state.message_ins_store))  # noqa: SLF001 - one validation per message
         first: dict[int, Any] = {}
         for message in state.message_ins_store.values():
             metadata = message.metadata

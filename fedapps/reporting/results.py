@@ -32,14 +32,14 @@ import json
 import logging
 import math
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
-from fedapps.reporting import plots
-
-from fedapps.wire import protocol
 from fedapps.config import ExperimentConfig, config_hash, dump_yaml
+from fedapps.reporting import plots
+from fedapps.wire import protocol
 
 log = logging.getLogger("fedapps")
 
@@ -51,8 +51,8 @@ PROTOCOL = "deployed-model"  # what every headline number measures (docs/evaluat
 class Artifact:
     """Something a strategy measured, as data; a sink decides how to write it.
 
-    kind ``table``: a list of row dicts (CSV); ``json``: a JSON-serialisable document; ``heatmaps``: a list of
-    (title, row ids, matrix) panels; ``clusters``: the keyword arguments of :func:`fedapps.reporting.plots.plot_clusters`
+    kind ``table``: a list of row dicts (CSV); ``json``: a JSON-serialisable document; ``heatmaps``: a list of (title,
+    row ids, matrix) panels; ``clusters``: the keyword arguments of :func:`fedapps.reporting.plots.plot_clusters`
     (without ``path``). ``name`` is the file stem.
     """
 
@@ -133,7 +133,7 @@ def measured_problems(summary: Mapping[str, Any], min_share: float) -> list[Prob
 
 
 def run_problems(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], min_share: float,
-                 delivery: "DeliveryCheck | None" = None) -> list[Problem]:
+                 delivery: DeliveryCheck | None = None) -> list[Problem]:
     """Everything that makes a finished run's result not meaningful, most basic first: nothing delivered or usable
     (:class:`DeliveryCheck`), rounds lost to rejection, a headline measured on too few clients."""
     out = [Problem(EXIT_FAILED, text) for text in (delivery.problems() if delivery is not None else [])]
@@ -319,7 +319,8 @@ def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
         # seconds the clients spent serving the round's training messages (sum of their t-total): the rest of
         # workers x wall_seconds is transport, the server step and waiting (bench/round_overhead.py)
         "client_seconds": round(sum(float(m.get("t-total", 0.0)) for m in metrics), 3),
-        # reply validation (fedapps.wire.validation): accepted, rejected (see rejections.csv), asked for but not received
+        # reply validation (fedapps.wire.validation): accepted, rejected (see rejections.csv), asked for but not
+        # received
         "replies_ok": getattr(entry, "replies_ok", len(entry.replies)),
         "replies_rejected": getattr(entry, "replies_rejected", 0),
         "replies_missing": getattr(entry, "replies_missing", 0),
@@ -468,7 +469,7 @@ class FileSink:
         """draw(path) into the run folder; a failing figure is logged and never loses the results."""
         try:
             draw(self.dir / filename)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a figure never costs the results
             log.warning("could not draw %s: %s", filename, exc)
 
 
