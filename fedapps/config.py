@@ -374,7 +374,7 @@ def _build_dataclass(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
                 f"unknown key '{prefix}{key}'; allowed keys here: {', '.join(sorted(known))}"
             )
         f = known[name]
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(default):
             kwargs[name] = _build_dataclass(type(default), value or {}, prefix=f"{prefix}{name}.")
         elif name == "params" and cls is StrategyConfig:

@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from fedapps.config import ConfigError, ExperimentConfig, load_config
@@ -234,6 +235,7 @@ def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[st
                 address = args.superlink
             else:
                 address = link.start()
+                assert link.proc is not None  # start() returned: it runs
                 print(f"SuperLink {address} (pid {link.proc.pid}, FLWR_HOME {home})", flush=True)
             write_connection(home, address)
             submitted = time.time()
@@ -255,7 +257,7 @@ def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[st
         raise
     finally:
         if link is not None:
-            if args.keep_superlink:
+            if args.keep_superlink and link.proc is not None:  # None: it never started
                 print(f"SuperLink left running: {link.address}, pid {link.proc.pid} (stop it with kill {link.proc.pid})")
             else:
                 link.stop(grace=INTERRUPT_GRACE if interrupted else 10.0)
@@ -294,7 +296,7 @@ def check_output_dir(out: Path) -> None:
                           "pass --output-dir DIR (or set output_dir) to a folder you can write") from exc
 
 
-def preflight(cfg: ExperimentConfig, overrides: list[str] = ()) -> None:
+def preflight(cfg: ExperimentConfig, overrides: Sequence[str] = ()) -> None:
     """What can be checked before a run starts: strategy and params, then the data (loaded and partitioned
     here, so a DataError is a message and exit 2, not a failed Flower run); keys set but not read by the run are
     reported (a warning each)."""

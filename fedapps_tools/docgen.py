@@ -25,11 +25,14 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedapps import config as config_module
 from fedapps.params import constraint
 from fedapps_tools import benchrecord
+
+if TYPE_CHECKING:
+    from strategies.base import PersonalisedStrategy
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = Path("docs") / "reference"
@@ -72,8 +75,8 @@ def yaml_value(value: Any) -> str:
 
 
 def field_default(f: dataclasses.Field) -> Any:
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
     return f.default
 
 
@@ -124,7 +127,7 @@ def config_sections() -> list[tuple[str, type]]:
     return out
 
 
-def configuration_page(strategies: dict[str, type]) -> str:
+def configuration_page(strategies: dict[str, type[PersonalisedStrategy]]) -> str:
     header = ["Key", "Type", "Default", "Allowed", "Description"]
     parts = [
         "# Configuration reference\n",
@@ -169,7 +172,7 @@ def params_rows(name: str, params_cls: type) -> list[list[str]]:
     return rows
 
 
-def params_table(name: str, cls: type) -> str:
+def params_table(name: str, cls: type[PersonalisedStrategy]) -> str:
     fields = dataclasses.fields(cls.Params)
     if not fields:
         return f"`{name}` has no parameters of its own.\n"
@@ -177,13 +180,13 @@ def params_table(name: str, cls: type) -> str:
     return table(header, params_rows(name, cls.Params))
 
 
-def params_page(name: str, cls: type) -> str:
+def params_page(name: str, cls: type[PersonalisedStrategy]) -> str:
     """A bare table (no heading, no link: the algorithm page that includes it gives the context)."""
     source = f"{cls.Params.__name__} in {cls.__module__.replace('.', '/')}.py"
     return NOTE.format(source=source) + "\n\n" + params_table(name, cls)
 
 
-def undocumented_params(strategies: dict[str, type]) -> list[str]:
+def undocumented_params(strategies: dict[str, type[PersonalisedStrategy]]) -> list[str]:
     """``strategy.params.<name>.<key>`` of every declared parameter without help text."""
     return [f"strategy.params.{name}.{f.name}" for name, cls in sorted(strategies.items())
             for f in dataclasses.fields(cls.Params) if not getattr(constraint(f), "help", "")]
@@ -257,7 +260,9 @@ def argument_rows(parser: argparse.ArgumentParser) -> list[list[str]]:
         elif action.choices is not None:
             value = code("{" + ",".join(map(str, action.choices)) + "}")
         else:
-            metavar = formatter._format_args(action, action.metavar or action.dest.upper())  # noqa: SLF001
+            # a tuple metavar (nargs=N) is fine with argparse, which typeshed does not say
+            named = action.metavar or action.dest.upper()
+            metavar = formatter._format_args(action, named)  # type: ignore[arg-type]  # noqa: SLF001
             value = code(metavar) if action.option_strings else ""
             if not action.option_strings and action.nargs in ("+", "*"):
                 value = code(metavar)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,8 @@ OFFLINE_ENV = {
 
 class RunFailed(RuntimeError):
     """A run that did not finish with status completed."""
+
+    exit_status: int  # where set: the ServerApp's verdict (summary.json), the CLI's exit status
 
 
 CONNECTION = "fedapps"  # the name of the SuperLink connection this tool writes into its own FLWR_HOME
@@ -142,7 +145,7 @@ def staged_app(app_dir: Path, into: Path) -> Path:
     return into
 
 
-def submit_run(connection: str, run_config: str, env: dict[str, str], extra: list[str] = ()) -> str:
+def submit_run(connection: str, run_config: str, env: dict[str, str], extra: Sequence[str] = ()) -> str:
     """`flwr run APP connection --format json --run-config ... [extra]`: the run submitted, its id returned
     (RunFailed otherwise). The command shown is the one a user would type; it runs on the app's files staged in a
     temporary folder (:func:`staged_app`), the same FAB without walking the virtual environment."""
@@ -251,6 +254,7 @@ class LogStream:
             else:
                 from flwr.proto.control_pb2 import StreamLogsRequest  # pylint: disable=no-name-in-module
 
+                assert self._client is not None  # __init__ starts `flwr log` only without a control client
                 pending = ""  # a line the last chunk did not finish
                 for res in self._client.StreamLogs(StreamLogsRequest(run_id=int(run_id), after_timestamp=0.0)):
                     *complete, pending = (pending + res.log_output).split("\n")

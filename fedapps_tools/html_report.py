@@ -135,7 +135,7 @@ def read_comparison(path: Path) -> list[dict[str, Any]]:
         rows = list(csv.DictReader(fh))
     out = []
     for r in rows:
-        row = {k: (v if k in TEXT_COLUMNS else _number(v)) for k, v in r.items()}
+        row: dict[str, Any] = {k: (v if k in TEXT_COLUMNS else _number(v)) for k, v in r.items()}
         row["seeds"] = int(row["seeds"]) if math.isfinite(row.get("seeds", math.nan)) else 0
         out.append(row)
     return out

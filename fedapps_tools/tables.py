@@ -370,7 +370,7 @@ def read_rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def number(value: str | None, digits: int = 3) -> str:
+def number(value: Any, digits: int = 3) -> str:
     try:
         return f"{float(value):.{digits}f}"
     except (TypeError, ValueError):
@@ -395,7 +395,8 @@ def published(out: Path, spec: Spec) -> tuple[dict[tuple[str, str], dict[str, st
 
     The published CSVs are the durable record of a table: a setting whose work folder is gone (another machine, a
     fresh clone) keeps its published rows when the report is regenerated for the settings that did run."""
-    rows, scores = {}, {}
+    rows: dict[tuple[str, str], dict[str, str]] = {}
+    scores: dict[tuple[str, str], list[dict[str, str]]] = {}
     f = out / f"{spec.name}.csv"
     if f.is_file():
         listed = read_rows(f)
@@ -497,7 +498,7 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
             f = tables.compare_dir(setting, m) / "comparison.csv"
             found = {r["config"]: r for r in read_rows(f)} if f.is_file() else {}
             if m.name in found:
-                row = {**found[m.name], "config_hash": tables.final_hash(setting, m)}
+                row: dict[str, Any] = {**found[m.name], "config_hash": tables.final_hash(setting, m)}
                 if not finite(row.get("accuracy_worst10")):  # runs made before summary.json recorded it
                     row.update(fairness_from_runs(run_folders(tables, setting, m)))
                 made = tables.compare_dir(setting, m) / PROVENANCE

@@ -430,7 +430,10 @@ def build_federation(spec: dict[str, Any]) -> Federation:
     train_counts = np.zeros((m, k), dtype=np.int64)
     eval_counts = np.zeros((m, k), dtype=np.int64)
     for i, (tr, te) in enumerate(zip(train_indices, eval_indices)):
-        relabel = label_perms[groups[i]] if label_perms is not None else np.arange(k)  # counts: the client's labels
+        relabel = np.arange(k)  # counts: the client's labels
+        if label_perms is not None:
+            assert groups is not None  # the group partitions give every client its group
+            relabel = label_perms[groups[i]]
         train_counts[i] = np.bincount(relabel[labels[tr]], minlength=k)
         eval_counts[i] = np.bincount(relabel[labels[te]], minlength=k)
     check_every_client_has_data(s, train_counts.sum(axis=1), eval_counts.sum(axis=1),
@@ -449,12 +452,13 @@ def build_federation(spec: dict[str, Any]) -> Federation:
     # Group transforms, in place on the one store (x / y are the gathered copy, not the source's tensors).
     group_rotation = public_groups = None
     if part == "rotated":
+        assert groups is not None  # the group partitions give every client its group
         quarters = rotation_quarter_turns(s["groups"])
         group_rotation = quarters * 90
         for i in range(m):
             start, end = (ends[2 * i - 1] if i else 0), ends[2 * i + 1]
             if quarters[groups[i]]:
-                x[start:end] = rotate_images(x[start:end], quarters[groups[i]])
+                x[start:end] = rotate_images(x[start:end], int(quarters[groups[i]]))
         if public_idx is not None:
             public_groups = public_group_shares(labels[public_idx], s["groups"], rng_transform)
             for g, turns in enumerate(quarters):
@@ -462,11 +466,12 @@ def build_federation(spec: dict[str, Any]) -> Federation:
                 if turns and rows.numel():
                     x[rows] = rotate_images(x[rows], turns)
     elif label_perms is not None:
+        assert groups is not None  # the group partitions give every client its group
         perms = torch.from_numpy(label_perms)
         for i in range(m):
             start, end = (ends[2 * i - 1] if i else 0), ends[2 * i + 1]
             y[start:end] = perms[groups[i]][y[start:end]]
-    clients: list[ClientData] = []
+    clients: list[ClientData | None] = []
     for i in range(m):
         start, mid, end = (ends[2 * i - 1] if i else 0), ends[2 * i], ends[2 * i + 1]
         clients.append(ClientData(x[start:mid], y[start:mid], x[mid:end], y[mid:end]))

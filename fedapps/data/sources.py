@@ -92,7 +92,7 @@ def _check_synthetic(classes: int, shape: Sequence[int], samples: int | None = N
     if samples is not None and (isinstance(samples, bool) or not isinstance(samples, (int, np.integer))
                                 or samples < classes):
         raise DataError(f"data.synthetic_samples={samples!r} must be an integer >= synthetic_classes ({classes})")
-    return dims  # type: ignore[return-value]
+    return dims
 
 
 def source_info(source: str, synthetic_classes: int = 10, synthetic_shape: Sequence[int] = (3, 32, 32), *,

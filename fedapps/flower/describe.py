@@ -101,7 +101,7 @@ def report_of(r: ClientReply) -> NodeReport:
 
     def ints(key: str) -> tuple[int, ...]:
         value = m.get(key)
-        values = value if isinstance(value, list) else [value]
+        values: list[Any] = value if isinstance(value, list) else [value]
         if value is None or any(not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < -1 for v in values):
             raise ValueError(f"describe reply lacks a valid '{key}' (got {value!r})")
         return tuple(int(v) for v in values)
@@ -192,9 +192,9 @@ def describe_nodes(grid: Any, config: Mapping[str, Any], num_clients: int, timeo
         except ValueError as exc:
             rejections.append(Rejection(0, PHASE, r.node_id, r.client_id, str(exc)))
     k, shape, refused = agree(reports, pinned_classes, pinned_shape)
-    for r in reports:
-        if r.node_id in refused:
-            rejections.append(Rejection(0, PHASE, r.node_id, r.client_id, refused[r.node_id]))
+    for report in reports:
+        if report.node_id in refused:
+            rejections.append(Rejection(0, PHASE, report.node_id, report.client_id, refused[report.node_id]))
     accepted = [r for r in reports if r.node_id not in refused]
     excluded = {int(r.node_id) for r in rejections if r.node_id is not None}
     for rej in rejections:

@@ -151,7 +151,7 @@ class InProcessGrid:
     def _run(self, jobs: list[_Job], timeout: float | None) -> None:
         """Serve the jobs, ``self.workers`` at a time, until each is done or past its deadline."""
         finished = threading.Condition()
-        pending, running = deque(jobs), []
+        pending, running = deque(jobs), list[_Job]()
         try:
             while pending or running:
                 while pending and len(running) < self.workers:

@@ -81,7 +81,7 @@ def one_pass_sweep(flower_sweep: Callable) -> Callable:
                 queue.put(message)
             f_stop.wait(interval_after(time.perf_counter() - started))
 
-    add_messages_to_queue.flower_sweep = flower_sweep
+    add_messages_to_queue.flower_sweep = flower_sweep  # type: ignore[attr-defined]  # read by install / in_use
     return add_messages_to_queue
 
 
@@ -95,7 +95,7 @@ def install() -> bool:
     if current is None:
         return False  # a Flower without this function: nothing to replace
     if getattr(current, "flower_sweep", None) is None:
-        vce.add_messages_to_queue = one_pass_sweep(current)
+        vce.add_messages_to_queue = one_pass_sweep(current)  # type: ignore[attr-defined]  # Flower's engine, patched
     return True
 
 
@@ -126,6 +126,6 @@ def poll_replies_often(grid: Any) -> bool:
         grid.pull_interval = interval_after(time.perf_counter() - started)  # send_and_receive's next wait
         return replies
 
-    grid.pull_messages = timed_pull
+    grid.pull_messages = timed_pull  # type: ignore[method-assign]  # this grid's own poll, patched
     grid.pull_interval = INTERVAL
     return True

@@ -407,7 +407,7 @@ class FileSink:
         self.rows: list[dict[str, Any]] = []
         self.progress = Progress(cfg.rounds)
 
-    def restore_rows(self, rows: list[Mapping[str, Any]], last_round: int) -> None:
+    def restore_rows(self, rows: Sequence[Mapping[str, Any]], last_round: int) -> None:
         """The rows of the rounds already run (from a checkpoint of round ``last_round``): kept and rounds.csv
         rewritten; rejections.csv keeps its rows up to that round (later ones were of rounds now run again)."""
         self.rows = [dict(r) for r in rows]
@@ -415,7 +415,7 @@ class FileSink:
         trim_rejections(self.dir / REJECTIONS, last_round)
         self.progress = Progress(self.cfg.rounds - len(self.rows))  # the pace of the rounds this process runs
 
-    def write_partition(self, rows: list[Mapping[str, Any]]) -> None:
+    def write_partition(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """Samples per client per class (train and test) as partition.csv."""
         write_csv(self.dir / "partition.csv", rows)
 
@@ -481,7 +481,7 @@ def _fmt(v: Any) -> str:
     return f"{v:.4f}" if isinstance(v, float) else "-"
 
 
-def summarise(cfg: ExperimentConfig, rows: list[Mapping[str, Any]], wall_seconds: float) -> dict[str, Any]:
+def summarise(cfg: ExperimentConfig, rows: Sequence[Mapping[str, Any]], wall_seconds: float) -> dict[str, Any]:
     """summary.json content: the headline (``accuracy_mean`` / ``accuracy_weighted``: the DEPLOYED models after
     the last measured round, never the best round) with its fairness across clients (``accuracy_worst10``,
     ``accuracy_std``), the after-training accuracy of that round (the same four), totals, and the best round as
@@ -572,7 +572,7 @@ def trim_rejections(path: Path, last_round: int) -> None:
         w.writerows(rows)
 
 
-def write_csv(path: Path, rows: list[Mapping[str, Any]]) -> None:
+def write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
     """Rows with possibly different keys -> one CSV whose header is the union (in first-seen order)."""
     columns: list[str] = []
     for r in rows:

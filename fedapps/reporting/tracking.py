@@ -145,7 +145,10 @@ class MLflowSink:
             try:
                 experiment_id = self.client.create_experiment(EXPERIMENT)
             except MlflowException:  # another run sharing the store created it in the meantime
-                experiment_id = self.client.get_experiment_by_name(EXPERIMENT).experiment_id
+                created = self.client.get_experiment_by_name(EXPERIMENT)
+                if created is None:  # not that: the store refused it
+                    raise
+                experiment_id = created.experiment_id
         else:
             experiment_id = experiment.experiment_id
         earlier = self._earlier_run(experiment_id) if resumed else None
