@@ -41,6 +41,8 @@ import sys
 from collections import deque
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("fedapps", "strategies", "fedapps_tools")
 TOP_MODULES = ("server_app", "client_app")
@@ -477,6 +479,7 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
+@pytest.mark.heavy
 def test_the_clientapp_does_not_import_what_only_the_server_or_some_models_need():
     """Every message in deployment starts a fresh ClientApp process: torchvision (~1.3 s, only the vision models
     need it), scikit-learn's clustering (~1 s, server side of CFL / COMET) and numba (~0.5 s, COSMOS's server-side

@@ -309,6 +309,7 @@ def test_comet_sends_each_client_its_cluster_mean():
     ("fedct", "strategy.params.fedct.qualified_threshold=0.5"),
     ("comet", "strategy.params.comet.clusters=2"),
 ])
+@pytest.mark.heavy
 def test_end_to_end_in_process(tmp_path, name, extra):
     overrides = f"strategy.name={name} {SMALL} {extra}"
     cfg = load_config(None, overrides)

@@ -7,6 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "round_overhead.py"
@@ -69,6 +70,7 @@ def test_cpu_between_takes_the_window_between_markers():
     assert cpu == {"ray": 0.2, "server": 0.5, "worker": 3.0}
 
 
+@pytest.mark.heavy
 def test_cpu_sampler_counts_a_child_that_burns_cpu_and_exits(tmp_path):
     """The sampler's total includes a child process of the root (found in /proc), also after it has exited."""
     import subprocess

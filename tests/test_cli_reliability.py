@@ -103,6 +103,7 @@ def test_data_error_exits_2_and_submits_no_run(tiny_config, capsys, monkeypatch)
     assert not link.home.exists()
 
 
+@pytest.mark.heavy
 def test_the_command_exits_with_mains_code_and_its_output_flushed(tmp_path):
     """`python -m fedapps_tools.cli` (the `fedapps` console entry) leaves through os._exit: the exit code is main's
     and what was printed (stdout and stderr, also when piped) arrives whole."""
@@ -294,6 +295,7 @@ def test_run_writes_config_hash(tiny_config, tmp_path):
     assert config_hash(load_config(out / "config.yaml")) == expected  # config.yaml is what was hashed
 
 
+@pytest.mark.heavy
 def test_compare_reruns_when_the_config_changed(tiny_config, tmp_path, capsys):
     cfg = tiny_config(rounds=1)
     args = ["compare", str(cfg), "--seeds", "0", "--engine", "inprocess", "--output-dir", str(tmp_path)]

@@ -67,6 +67,7 @@ def rel(path: Path) -> str:
 
 
 @needs_mkdocs
+@pytest.mark.heavy
 def test_site_builds_strict(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
                            str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],

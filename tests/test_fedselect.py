@@ -319,6 +319,7 @@ def test_with_nothing_personal_it_is_fedavg(tiny_config):
         assert selected.evaluate_metrics_clientapp[r]["acc_mean"] == plain.evaluate_metrics_clientapp[r]["acc_mean"]
 
 
+@pytest.mark.heavy
 def test_same_seed_same_rounds_csv(tiny_config, tmp_path):
     import server_app
 

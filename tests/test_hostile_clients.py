@@ -97,12 +97,14 @@ def test_every_case_says_what_its_attack_does():
 
 
 @pytest.mark.parametrize("name", [c.name for c in CASES])
+@pytest.mark.heavy
 def test_without_the_robust_option_the_attack_does_what_the_issue_measured(name):
     c = capture.case(name)
     CAPTURED[name](c, arm(name, "default"), arm(name, capture.REFERENCE))
 
 
 @pytest.mark.parametrize("name", [c.name for c in CASES])
+@pytest.mark.heavy
 def test_with_the_robust_option_the_damage_is_bounded(name):
     c = capture.case(name)
     default, robust, ref = arm(name, "default"), arm(name, "robust"), arm(name, capture.REFERENCE)

@@ -130,6 +130,7 @@ def colour_pixels(image: np.ndarray, hex_colour: str, tol: float = 0.08) -> int:
 # --------------------------------------------------------------------------- the comparison page in a browser
 
 
+@pytest.mark.heavy
 def test_comparison_report_renders_in_a_browser(comparison, tmp_path, capsys):
     import matplotlib.image
 

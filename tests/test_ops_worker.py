@@ -96,6 +96,11 @@ def test_proximal_penalty_value():
     assert torch.allclose(proximal_penalty(model, anchor, 2.0), expected)
 
 
+# found by `make mutate`
+def test_weighted_mean_with_weights_below_one() -> None:
+    assert ops.weighted_mean(torch.tensor([1.0, 3.0]), torch.tensor([0.2, 0.3])).item() == pytest.approx(2.2)
+
+
 def worker_message(ops_list, extra=None, arrays=None):
     grid = InProcessGrid(2)  # sets Flower's task identity so messages can be built
     cfg = {

@@ -143,6 +143,13 @@ def test_anchor_arrays_are_not_loaded_and_pull_the_model(tmp_path) -> None:
     assert distances[10.0] < 0.5 * distances[0.0]  # the proximal term carries gradient towards the anchor
 
 
+# found by `make mutate`
+def test_attention_weights_are_float64_and_their_rows_sum_to_one() -> None:
+    xi = attention_weights(np.zeros((3, 3), np.float32), 0.1, 1.0)
+    assert xi.dtype == np.float64
+    np.testing.assert_allclose(xi.sum(axis=1), 1.0, rtol=0, atol=1e-15)
+
+
 # --------------------------------------------------------------------------- Ditto
 
 

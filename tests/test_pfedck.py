@@ -202,6 +202,7 @@ def test_params_are_declared_and_checked(tiny_config):
         resolve(load_config(tiny_config(strategy={"name": "pfedck", "params": {"pfedck": {"clusters": 9}}})))
 
 
+@pytest.mark.heavy
 def test_short_run_sends_one_model_each_way_and_personalises(tiny_config, tmp_path):
     import server_app
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,6 +20,7 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
+from conftest import run_in_process
 from fedapps.client import ops
 from fedapps.client.worker import STATE_MODEL, Worker, optim_settings, part_names
 from fedapps.config import load_config
@@ -30,6 +32,7 @@ from fedapps.reporting.results import (
     accuracy_stats,
     measured_columns,
     merge_measurement,
+    read_csv,
     round_row,
     summarise,
 )
@@ -37,7 +40,7 @@ from fedapps.seeds import derive_seed
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies import STRATEGIES, RunContext, resolve
-from strategies.base import DeployedModel, Measurement, RoundLog, with_evaluations
+from strategies.base import DeployedModel, Measurement, RoundLog, sample_ids, with_evaluations
 
 CLIENTS = 2
 SHAPE, CLASSES = (1, 8, 8), 10
@@ -326,6 +329,43 @@ def test_full_participation_identifies_every_node_once():
     assert strategy.sample_nodes(grid) == sorted(grid.contexts) == strategy.sample_nodes(grid)
     assert sorted(int(m.metadata.dst_node_id) for m in grid.sent) == sorted(grid.contexts)
     assert all(list(m.content[protocol.CONFIG]["ops"]) == [] for m in grid.sent)
+
+
+BIG = 2**63 - 40  # Flower's node ids are uint64: a federation mixes ids below and above 2**63 (-> float64 in numpy)
+
+
+# regression: exit 0 with wrong or empty results
+def test_sample_ids_keeps_64_bit_ids_exact():
+    ids = [BIG + 7 * i for i in range(200)]  # straddles 2**63
+    picked = sample_ids(ids, 20, np.random.default_rng(0))
+    assert len(picked) == 20 and len(set(picked)) == 20
+    assert set(picked) <= set(ids)  # float64 would round BIG + 7i to a multiple of 2048: not an id
+    assert picked == sorted(picked)
+
+
+# regression: exit 0 with wrong or empty results
+def test_sample_ids_is_seeded():
+    ids = [BIG + i for i in range(50)]
+    a = sample_ids(ids, 10, np.random.default_rng(3))
+    b = sample_ids(ids, 10, np.random.default_rng(3))
+    c = sample_ids(ids, 10, np.random.default_rng(4))
+    assert a == b and a != c
+
+
+# regression: exit 0 with wrong or empty results
+def test_partial_participation_reaches_every_sampled_node_with_large_ids(tiny_config, tmp_path):
+    cfg = tiny_config(rounds=2, strategy={"name": "fedavg", "fraction": 0.25, "min_clients": 1},
+                      data={"source": "digits", "partition": "iid", "num_clients": 12})
+    grid = InProcessGrid(12, first_node_id=2**63 - 6, record=True)  # ids on both sides of 2**63
+    _, out = run_in_process(cfg, tmp_path / "out", grid)
+    k = math.ceil(0.25 * 12)
+    for rnd in ("1", "2"):
+        sent = [m for m in grid.sent if m.metadata.group_id == rnd]
+        assert len(sent) == k
+        destinations = [m.metadata.dst_node_id for m in sent]
+        assert len(set(destinations)) == k and set(destinations) <= set(grid.contexts)
+    rows = read_csv(out / "rounds.csv")
+    assert [r["clients"] for r in rows] == [k, k]
 
 
 def worker_message(ops_list, extra):

@@ -86,6 +86,7 @@ def history(client, run_id: str, key: str) -> list[tuple[int, float]]:
 # --------------------------------------------------------------------------- a tracked run, read back
 
 
+@pytest.mark.heavy
 def test_tensorboard_and_mlflow_hold_what_rounds_csv_holds(tiny_config, tmp_path):
     needs("tensorboard")
     needs("mlflow")

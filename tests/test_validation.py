@@ -112,6 +112,35 @@ def test_fedavg_with_median_shrugs_off_a_plausible_but_huge_update(tmp_path):
     assert max(float(np.abs(v).max()) for v in s.global_arrays.values()) < 100
 
 
+# ------------------------------------------------------------------- robust aggregation: edges (found by `make mutate`)
+
+
+def test_cap_weights_refuses_bad_weights_and_shares() -> None:
+    """Each refusal on its own (the conditions are or-ed: a mutant that drops one must be caught by one case)."""
+    for bad in ([2.0, -1.0], [1.0, np.nan], [np.inf, 1.0], [0.0, 0.0], [], [[1.0, 2.0]]):
+        with pytest.raises(ValueError):
+            cap_weights(bad, 0.5)
+    with pytest.raises(ValueError):
+        cap_weights([1.0, 1.0], 0.0)
+    np.testing.assert_array_equal(cap_weights([5.0], 0.5), [1.0])  # one client: all the weight, cap or not
+    assert cap_weights(np.array([1, 3], np.float32), 0.6).dtype == np.float64
+
+
+def test_robust_rules_return_float64_and_trim_zero_is_the_mean() -> None:
+    stack = np.array([[1.0, 4.0], [2.0, 0.0], [6.0, 5.0]], np.float32)
+    assert coordinate_median(stack).dtype == np.float64 and trimmed_mean(stack, 0.2).dtype == np.float64
+    assert combine(stack, [1, 1, 1], AggregationRule("median")).dtype == np.float64
+    np.testing.assert_allclose(trimmed_mean(stack, 0.0), stack.mean(axis=0), rtol=1e-6)
+    np.testing.assert_allclose(combine(stack, [1, 1, 2], AggregationRule("mean")), [3.75, 3.5], rtol=1e-6)
+
+
+def test_cap_weights_spreads_the_excess_over_zero_weight_clients():
+    out = cap_weights([1.0, 0.0, 0.0], 0.5)
+    np.testing.assert_allclose(out, [0.5, 0.25, 0.25])
+    out = cap_weights([3.0, 1.0, 0.0, 0.0], 0.4)  # 0.75 capped to 0.4; 0.25 scaled to 0.6 -> capped; zeros share 0.2
+    np.testing.assert_allclose(out, [0.4, 0.4, 0.1, 0.1])
+
+
 # --------------------------------------------------------------------------- the validator, by hand
 
 
@@ -286,6 +315,7 @@ def _metric_record(metrics: dict) -> MetricRecord | None:
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(replies_st(), st.booleans())
+@pytest.mark.heavy
 def test_validator_never_raises_and_accepted_replies_respect_every_bound(reply, known_sizes):
     output, want_arrays, metrics, records = reply
     record = _metric_record(metrics)
@@ -587,4 +617,3 @@ def test_the_one_prediction_check_at_its_bounds():
             bad[row, col] = v
         assert "not probability vectors" in check(bad, probs), (row, values)
     assert "not probability vectors" in check(np.zeros((5, 10), np.float32), probs)
-
