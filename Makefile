@@ -1,7 +1,8 @@
 # make run   - install into .venv (first time) and run the default experiment through `flwr run`
-# make test  - install into .venv (first time) and run the test suite on TEST_WORKERS pytest-xdist workers
+# make lint  - ruff check, ruff format --check, mypy (settings in pyproject.toml)
+# make test  - install into .venv (first time), lint, then the test suite on TEST_WORKERS pytest-xdist workers
 #              (ARGS="-n 0" runs it in one process; ARGS="tests/test_x.py" runs one file)
-# make test-fast - the edit loop: the suite less the tests marked heavy, raycluster or netns (minutes, not tens)
+# make test-fast - the edit loop: lint, then the suite less the tests marked heavy, raycluster or netns (<= 3 min)
 # make mutate - mutation testing: the named mutations of #10, then mutmut over the maths (docs/development.md)
 # make docs  - regenerate the reference pages, then build the site into site/ (offline; open site/index.html)
 # make docs-reference - regenerate docs/reference/ from the code (config, CLI, strategy params, bench figures)
@@ -14,7 +15,7 @@ TEST_WORKERS ?= 2
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.fedapps-installed
 
-.PHONY: run test test-fast bench mutate docs docs-reference docs-serve clean-results
+.PHONY: run lint test test-fast bench mutate docs docs-reference docs-serve clean-results
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,12 +26,17 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/fedapps run $(CONFIG) --output-dir $(CURDIR)/results $(ARGS)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1 $(ARGS)
 
 FAST    := not heavy and not raycluster and not netns
 
-test-fast: $(STAMP)
+test-fast: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m "$(FAST)" $(ARGS)
 
 docs-reference: $(STAMP)

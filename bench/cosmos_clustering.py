@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fedapps.server import clustering  # noqa: E402
-from fedapps_tools.benchrecord import record  # noqa: E402
+from fedapps.server import clustering
+from fedapps_tools.benchrecord import record
 
 
 def synthetic_predictions(clients: int, samples: int, classes: int, groups: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:

@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fedapps.client import ops  # noqa: E402
-from fedapps.config import load_config  # noqa: E402
-from fedapps.data import get_federation  # noqa: E402
-from fedapps.models import build_model  # noqa: E402
-from fedapps_tools.benchrecord import record  # noqa: E402
-from strategies.cosmos import rb_term  # noqa: E402
+from fedapps.client import ops
+from fedapps.config import load_config
+from fedapps.data import get_federation
+from fedapps.models import build_model
+from fedapps_tools.benchrecord import record
+from strategies.cosmos import rb_term
 
 LAMBDA, SIGMA, BATCH, LR, CLIP = 5.0, 0.05, 32, 1e-3, 1.0
 

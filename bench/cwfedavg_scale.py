@@ -35,16 +35,16 @@ import argparse  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import tracemalloc  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Iterator  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fedapps.config import load_config  # noqa: E402
-from fedapps_tools.benchrecord import record  # noqa: E402
 from fedapps.wire.protocol import ClientReply  # noqa: E402
+from fedapps_tools.benchrecord import record  # noqa: E402
 from strategies.cwfedavg import CwFedAvg  # noqa: E402
 
 GiB = 2**30

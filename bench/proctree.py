@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 # (substring of the command line, role), first match wins
 ROLES = (

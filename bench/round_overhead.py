@@ -19,8 +19,8 @@ workers do in the warm-up round. Last line: ``ratio=<flower/bare> parallel_ratio
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import csv
+import dataclasses
 import json
 import multiprocessing as mp
 import subprocess
@@ -86,7 +86,7 @@ def flower_seconds(workdir: Path) -> dict:
         rows = list(csv.DictReader(fh))
     walls = [float(r["wall_seconds"]) for r in rows]
     summary = json.loads((run_dir / "summary.json").read_text())
-    print(f"flower: final accuracy_mean {summary['accuracy_mean']:.4f}; round walls {['%.2f' % w for w in walls]}")
+    print(f"flower: final accuracy_mean {summary['accuracy_mean']:.4f}; round walls {[f'{w:.2f}' for w in walls]}")
     cpu_wall, cpu = cpu_between(sampler.timeline, 1, ROUNDS + 1)
     return {"rounds": sum(walls[1:]), "warmup": walls[0], "total": total,
             "clients": sum(float(r.get("client_seconds") or 0.0) for r in rows[1:]), "cpu": cpu, "cpu_wall": cpu_wall}
@@ -96,7 +96,7 @@ Clients = list  # the ClientData of the clients a process serves
 State = dict  # parameter/buffer name -> tensor
 
 
-def bare_setup(client_ids: range | list[int]) -> tuple[list, "torch.nn.Module", State]:
+def bare_setup(client_ids: range | list[int]) -> tuple[list, torch.nn.Module, State]:
     """The listed clients' data and the seeded CNN every bare run starts from (built before any timer starts), warmed
     up as Flower's workers are by their warm-up round: torch's first optimizer imports torch._dynamo (~1 s) and the
     first forward/backward pass allocates, once per process; done here, outside the timed rounds."""

@@ -42,10 +42,11 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fedapps_tools.flwrcli import descendants  # noqa: E402  (the /proc walk the CLI stops its processes with)
 from fedapps.config import apply_override  # noqa: E402
 from fedapps_tools.benchrecord import record  # noqa: E402
+from fedapps_tools.flwrcli import descendants  # noqa: E402  (the /proc walk the CLI stops its processes with)
 from proctree import role_of  # noqa: E402
+
 STRATEGIES = ("fedavg", "cwfedavg", "ditto", "cosmos")
 SIZES = (20, 50, 100, 1000)
 COHORT = 50  # clients sampled per round at most
@@ -106,7 +107,7 @@ class PeakMemory:
                     self.peaks[r] = max(self.peaks[r], hwm)
             self._stop.wait(self.every)
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         self._thread.start()
         return self
 

@@ -13,8 +13,9 @@ process to its exit. The parts, from the CLI's own output (when each line arrive
               evaluate the 20 clients, and the evaluation-only message of the protocol
   results     summary, plots (summary.json)
   shutdown    Ray and flwr-simulation exit, the run's final status is read, the SuperLink is stopped, the CLI exits
-cpu_seconds: CPU time of the `fedapps run` process and every process it started, sampled from /proc (Linux): the
-figure to compare on busy cores, where wall times stretch with the load. Last line: ``startup_seconds=<wall>`` (target <= 15 on 2 quiet cores); with --repeat N the median.
+cpu_seconds: CPU time of the `fedapps run` process and every process it started, sampled from /proc (Linux): the figure
+to compare on busy cores, where wall times stretch with the load. Last line: ``startup_seconds=<wall>`` (target <= 15 on
+2 quiet cores); with --repeat N the median.
 """
 
 from __future__ import annotations

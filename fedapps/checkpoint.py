@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch

@@ -16,9 +16,10 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -33,7 +34,8 @@ OPTIMIZERS = ("sgd", "adam")
 AGGREGATION_RULES = ("mean", "median", "trimmed-mean")
 TRANSPORTS = ("float32", "float16")  # strategy.transport (the encodings live in fedapps.wire.protocol)
 DEVICES = ("auto", "cpu", "cuda")
-# tracking name -> the module its sink needs (fedapps.reporting.tracking writes; both come with pip install -e ".[tracking]")
+# tracking name -> the module its sink needs (fedapps.reporting.tracking writes; both come with
+# pip install -e ".[tracking]")
 TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
 # data.source hf:<name>: a Hugging Face dataset (Hub id or local folder) through flwr-datasets (fedapps.data.hf); the
 # modules it needs come with the optional extra "hf"
@@ -245,7 +247,7 @@ class UniqueKeyLoader(yaml.SafeLoader):
 
 def parse_yaml(text: str) -> Any:
     """YAML text -> data, rejecting duplicate keys (yaml.YAMLError naming the key and its line)."""
-    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    return yaml.load(text, Loader=UniqueKeyLoader)  # a SafeLoader subclass
 
 
 def read_config_text(p: Path) -> str:
@@ -372,7 +374,7 @@ def _build_dataclass(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
                 f"unknown key '{prefix}{key}'; allowed keys here: {', '.join(sorted(known))}"
             )
         f = known[name]
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(default):
             kwargs[name] = _build_dataclass(type(default), value or {}, prefix=f"{prefix}{name}.")
         elif name == "params" and cls is StrategyConfig:
@@ -538,11 +540,11 @@ def unused_settings(cfg: ExperimentConfig, named: set[str] | frozenset[str] = fr
     out: list[tuple[str, str]] = []
     s, ds = cfg.strategy, defaults.strategy
     if is_set("strategy.trim_fraction", s.trim_fraction, ds.trim_fraction) and s.aggregation != "trimmed-mean":
-        out.append(("strategy.trim_fraction", f"only strategy.aggregation 'trimmed-mean' trims; this run aggregates "
-                                              f"by '{s.aggregation}'"))
+        out.append(("strategy.trim_fraction", (f"only strategy.aggregation 'trimmed-mean' trims; this run aggregates "
+                                               f"by '{s.aggregation}'")))
     if is_set("strategy.max_weight_share", s.max_weight_share, ds.max_weight_share) and s.aggregation != "mean":
-        out.append(("strategy.max_weight_share", f"the cap applies to strategy.aggregation 'mean'; '{s.aggregation}' "
-                                                 "weighs every client equally"))
+        out.append(("strategy.max_weight_share", (f"the cap applies to strategy.aggregation 'mean'; '{s.aggregation}' "
+                                                  "weighs every client equally")))
     if is_set("tracking_dir", cfg.tracking_dir, defaults.tracking_dir) and not cfg.tracking:
         out.append(("tracking_dir", "no tracker is on ('tracking' is empty)"))
     c = cfg.client
@@ -603,9 +605,10 @@ def without_later_defaults(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_hash(cfg: ExperimentConfig) -> str:
-    """sha256 of the config as dumped (every section, strategy params included), without ``run_name``,
-    ``output_dir``, ``tracking``, ``tracking_dir`` and ``data.root`` (where things are written and read): two runs with the same hash compute the same thing. Pass the RESOLVED config
-    (``strategies.resolve(cfg).config(cfg)``, what config.yaml holds) so that filled-in defaults count."""
+    """sha256 of the config as dumped (every section, strategy params included), without ``run_name``, ``output_dir``,
+    ``tracking``, ``tracking_dir`` and ``data.root`` (where things are written and read): two runs with the same hash
+    compute the same thing. Pass the RESOLVED config (``strategies.resolve(cfg).config(cfg)``, what config.yaml holds)
+    so that filled-in defaults count."""
     data = {k: v for k, v in without_later_defaults(cfg.to_dict()).items() if k not in HASH_EXCLUDED}
     data["data"] = {k: v for k, v in data["data"].items() if k != "root"}  # where the files are, not what is computed
     text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)

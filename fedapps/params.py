@@ -16,8 +16,9 @@ This module knows no strategy (the registry in ``strategies`` uses it, not the o
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from fedapps.config import ConfigError, _build_dataclass
 

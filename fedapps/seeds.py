@@ -15,9 +15,9 @@ import numpy as np
 
 __all__ = ["GLOBAL_RNG_LOCK", "derive_seed", "derive_rng"]
 
-# torch's global CPU generator is one per process. Code that seeds it and draws from it (a seeded model build, a
-# client message re-seeding it, dropout during a message) holds this lock, so that clients served on several threads
-# of one process (the in-process engine, :mod:`fedapps.flower.inprocess`) draw exactly what they would draw one at a time.
+# torch's global CPU generator is one per process. Code that seeds it and draws from it (a seeded model build, a client
+# message re-seeding it, dropout during a message) holds this lock, so that clients served on several threads of one
+# process (the in-process engine, :mod:`fedapps.flower.inprocess`) draw exactly what they would draw one at a time.
 GLOBAL_RNG_LOCK = threading.RLock()
 
 

@@ -15,8 +15,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -131,7 +131,7 @@ def append_row(bench: str, figures: Mapping[str, object], argv: Sequence[str] | 
         raise ValueError(f"bench {bench}: no figures to record")
     path = (folder or results_dir()) / f"{bench}.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
-    when = when or dt.datetime.now(dt.timezone.utc)
+    when = when or dt.datetime.now(dt.UTC)
     row = {"date_utc": when.strftime("%Y-%m-%d %H:%M"), "commit": git_commit(), "command": command_line(argv),
            "machine": machine(), **{k: figure_text(v) for k, v in figures.items()}}
     header, rows = read_rows(path)

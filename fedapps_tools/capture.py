@@ -2,11 +2,11 @@
 into OTHER clients' models, each with and without the strategy's robust option, beside the run with the attacker
 dropped (the reference). Shared by tests/test_hostile_clients.py and scripts/capture_table.py.
 
-Setting: digits, MLP, :data:`CLIENTS` clients (pathological partition, :data:`CLASSES_PER_CLIENT` classes each, so
-every class is held by two clients), every client every round, in-process; client :data:`ATTACKER` is hostile (its
-replies rewritten by a capture fault of :mod:`fedapps.flower.faults`), client :data:`VICTIM` is the one a targeted attack
-aims at. The reference run drops every reply of the attacker (it computes, nothing of it arrives), so the honest
-clients' data and seeds are those of the attacked runs.
+Setting: digits, MLP, :data:`CLIENTS` clients (pathological partition, :data:`CLASSES_PER_CLIENT` classes each, so every
+class is held by two clients), every client every round, in-process; client :data:`ATTACKER` is hostile (its replies
+rewritten by a capture fault of :mod:`fedapps.flower.faults`), client :data:`VICTIM` is the one a targeted attack aims
+at. The reference run drops every reply of the attacker (it computes, nothing of it arrives), so the honest clients'
+data and seeds are those of the attacked runs.
 
 What is measured: the honest clients' deployed-model accuracy after the last round (the final evaluation-only
 message), per client; from it the mean over honest clients and the VICTIM's: for a targeted attack the client it
@@ -24,11 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedapps.flower import faults
-
-from fedapps.wire import protocol
 from fedapps.config import load_config
+from fedapps.flower import faults
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.wire import protocol
 from strategies import RunContext, resolve
 
 log = logging.getLogger("fedapps")

@@ -25,17 +25,28 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from fedapps.config import ConfigError, ExperimentConfig, load_config
 from fedapps.reporting.results import EXIT_FAILED, EXIT_STATUSES, UnusableRun, summary_exit_status
-from fedapps_tools.flwrcli import (CONNECTION, RunFailed, _proc_stat, descendants, failure_reasons,
-                                   flower_env, follow_run, stop_processes, stop_run, submit_run, toml_str)
 from fedapps_tools import raycluster
+from fedapps_tools.flwrcli import (
+    CONNECTION,
+    RunFailed,
+    _proc_stat,
+    descendants,
+    failure_reasons,
+    flower_env,
+    follow_run,
+    stop_processes,
+    stop_run,
+    submit_run,
+    toml_str,
+)
 from fedapps_tools.logfilter import LogFilter, command_logging
 from fedapps_tools.options import add_seeds_option, output_dir_help, package_version, resolve_root
 from fedapps_tools.summary import print_summary
-
 
 EXIT_HELP = "exit status:\n" + "".join(f"  {code:<5}{what}\n" for code, what in EXIT_STATUSES.items()) + (
     "summary.json's 'problems' says why a run did not exit 0; its 'exit_status' is the status.")
@@ -88,7 +99,7 @@ class OwnSuperLink:
     def start(self, timeout: float = 60.0, attempts: int = 3) -> str:
         """Start it (unless :meth:`launch` already did) and wait until its HTTP API answers; a port taken in between
         is retried with another."""
-        for attempt in range(attempts):
+        for _attempt in range(attempts):
             if self.proc is None:
                 self.launch()
             assert self.proc is not None
@@ -224,6 +235,7 @@ def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[st
                 address = args.superlink
             else:
                 address = link.start()
+                assert link.proc is not None  # start() returned: it runs
                 print(f"SuperLink {address} (pid {link.proc.pid}, FLWR_HOME {home})", flush=True)
             write_connection(home, address)
             submitted = time.time()
@@ -245,7 +257,7 @@ def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[st
         raise
     finally:
         if link is not None:
-            if args.keep_superlink:
+            if args.keep_superlink and link.proc is not None:  # None: it never started
                 print(f"SuperLink left running: {link.address}, pid {link.proc.pid} (stop it with kill {link.proc.pid})")
             else:
                 link.stop(grace=INTERRUPT_GRACE if interrupted else 10.0)
@@ -284,7 +296,7 @@ def check_output_dir(out: Path) -> None:
                           "pass --output-dir DIR (or set output_dir) to a folder you can write") from exc
 
 
-def preflight(cfg: ExperimentConfig, overrides: list[str] = ()) -> None:
+def preflight(cfg: ExperimentConfig, overrides: Sequence[str] = ()) -> None:
     """What can be checked before a run starts: strategy and params, then the data (loaded and partitioned
     here, so a DataError is a message and exit 2, not a failed Flower run); keys set but not read by the run are
     reported (a warning each)."""

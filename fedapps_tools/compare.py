@@ -11,14 +11,15 @@ import dataclasses
 import json
 import logging
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 from scipy import stats
 
-from fedapps.reporting import plots
 from fedapps.config import ConfigError, ExperimentConfig, config_hash, load_config
+from fedapps.reporting import plots
 from fedapps.reporting.results import read_csv, write_csv
 from fedapps_tools.options import parse_seeds, resolve_root
 from fedapps_tools.progressbar import RunProgress
@@ -145,17 +146,18 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     """comparison.md: accuracy ± SEM (the deployed models after the last round: mean over clients,
     sample-weighted, worst 10 % of clients, std over clients; the models right after local training beside it),
     bytes per client per round (MiB), wall time."""
-    lines = ["Protocol: deployed model after the last round (docs/evaluation.md), on each client's own evaluation "
-             "split; mean ± SEM over seeds. Worst 10 %: the mean accuracy of the worst ceil(10 % of n) of the n "
-             "clients; std: the population standard deviation over clients.", "",
-             "| config | strategy | seeds | accuracy (mean over clients) | accuracy (sample-weighted) | "
-             "worst 10 % of clients | std over clients | "
-             "after local training (mean) | up MiB/client/round | down MiB/client/round | wall s |",
+    lines = [("Protocol: deployed model after the last round (docs/evaluation.md), on each client's own evaluation "
+              "split; mean ± SEM over seeds. Worst 10 %: the mean accuracy of the worst ceil(10 % of n) of the n "
+              "clients; std: the population standard deviation over clients."), "",
+             ("| config | strategy | seeds | accuracy (mean over clients) | accuracy (sample-weighted) | "
+              "worst 10 % of clients | std over clients | "
+              "after local training (mean) | up MiB/client/round | down MiB/client/round | wall s |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     mib = 1024 * 1024
     for r in rows:
         lines.append(
-            f"| {r['config']} | {r['strategy']} | {r['seeds']} | {r['accuracy_mean']:.4f} ± {r['accuracy_mean_sem']:.4f} | "
+            f"| {r['config']} | {r['strategy']} | {r['seeds']} | "
+            f"{r['accuracy_mean']:.4f} ± {r['accuracy_mean_sem']:.4f} | "
             f"{r['accuracy_weighted']:.4f} ± {r['accuracy_weighted_sem']:.4f} | "
             f"{_pm(r, 'accuracy_worst10')} | {_pm(r, 'accuracy_std')} | "
             f"{_pm(r, 'accuracy_after_training_mean')} | "
@@ -242,9 +244,8 @@ def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
     labels = [run_label(c) for c in args.configs]
     if len(set(labels)) != len(labels):
         raise ConfigError("compare: two configs share a file name; rename one (the name labels the table row)")
-    from strategies import report_ignored, resolve  # local: tools sit above the strategies; this module stays light
-
     from fedapps.data import get_federation
+    from strategies import report_ignored, resolve  # local: tools sit above the strategies; this module stays light
 
     seeds = parse_seeds(args.seeds)
     checked_configs = []

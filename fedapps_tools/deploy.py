@@ -32,8 +32,18 @@ from pathlib import Path
 
 from fedapps.config import APP_DIR, ConfigError, load_config
 from fedapps.data.nodes import REGISTRY_FILE, record_node
-from fedapps_tools.flwrcli import (RunFailed, _alive, _proc_stat, descendants, failure_reasons, flower_env,
-                                    follow_run, stop_processes, submit_run, toml_str)
+from fedapps_tools.flwrcli import (
+    RunFailed,
+    _alive,
+    _proc_stat,
+    descendants,
+    failure_reasons,
+    flower_env,
+    follow_run,
+    stop_processes,
+    submit_run,
+    toml_str,
+)
 
 CA_CERT, CA_KEY = "ca.crt", "ca.key"
 SERVER_CERT, SERVER_KEY = "server.pem", "server.key"
@@ -67,7 +77,7 @@ def san_entries(hosts: list[str]) -> list[str]:
             entry = f"IP:{ipaddress.ip_address(host.strip('[]'))}"
         except ValueError:
             if not re.fullmatch(r"[A-Za-z0-9.-]+", host):
-                raise DeployError(f"--host '{host}' is neither an IP address nor a DNS name")
+                raise DeployError(f"--host '{host}' is neither an IP address nor a DNS name") from None
             entry = f"DNS:{host}"
         if entry not in out:
             out.append(entry)
@@ -270,9 +280,12 @@ def flwr_home() -> Path:
 def connection_block(name: str, address: str, ca: Path | None, insecure: bool) -> str:
     if insecure and not is_loopback(address.rsplit(":", 1)[0]):
         raise DeployError(f"an insecure connection is allowed to a loopback address only, not '{address}'; pass --ca")
-    if not insecure and (ca is None or not ca.is_file()):
+    if insecure:
+        security = "insecure = true\n"
+    elif ca is None or not ca.is_file():
         raise DeployError(f"pass --ca with the deployment's CA certificate (ca.crt); got {ca}")
-    security = "insecure = true\n" if insecure else f"root-certificates = {toml_str(str(ca.resolve()))}\n"
+    else:
+        security = f"root-certificates = {toml_str(str(ca.resolve()))}\n"
     return f"[superlink.{name}]\naddress = {toml_str(address)}\n{security}"
 
 
@@ -497,10 +510,10 @@ def dispatch(args: argparse.Namespace) -> int:
     elif args.step == "register":
         if not args.public_key.is_file():
             raise DeployError(f"public key {args.public_key} not found")
-        proc = subprocess.run(["flwr", "supernode", "register", str(args.public_key.resolve()), args.link],
+        done = subprocess.run(["flwr", "supernode", "register", str(args.public_key.resolve()), args.link],
                               env=env, capture_output=True, text=True, cwd=APP_DIR, stdin=subprocess.DEVNULL)
-        out = (proc.stdout + proc.stderr).strip()
-        if proc.returncode != 0 or "❌" in out:
+        out = (done.stdout + done.stderr).strip()
+        if done.returncode != 0 or "❌" in out:
             raise DeployError(f"registering {args.public_key} with '{args.link}' failed: {out[-1500:]}")
         print(out.splitlines()[-1] if out else f"registered {args.public_key}")
     elif args.step == "run":

@@ -23,12 +23,16 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from fedapps import config as config_module
 from fedapps.params import constraint
 from fedapps_tools import benchrecord
+
+if TYPE_CHECKING:
+    from strategies.base import PersonalisedStrategy
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = Path("docs") / "reference"
@@ -71,8 +75,8 @@ def yaml_value(value: Any) -> str:
 
 
 def field_default(f: dataclasses.Field) -> Any:
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
     return f.default
 
 
@@ -123,15 +127,15 @@ def config_sections() -> list[tuple[str, type]]:
     return out
 
 
-def configuration_page(strategies: dict[str, type]) -> str:
+def configuration_page(strategies: dict[str, type[PersonalisedStrategy]]) -> str:
     header = ["Key", "Type", "Default", "Allowed", "Description"]
     parts = [
         "# Configuration reference\n",
         NOTE.format(source="the dataclasses of fedapps/config.py and each strategy's Params") + "\n",
-        "Every key an experiment config knows. The **default** is what a key takes when the YAML file leaves it out "
-        "(configs/default.yaml, what `make run` runs, sets some of them differently). Ranges and the rules between "
-        "keys are checked when the config is loaded: a bad value stops the run with a message naming the key. "
-        "How configs, `--set` overrides and errors work: [Configuration](../configuration.md).\n",
+        ("Every key an experiment config knows. The **default** is what a key takes when the YAML file leaves it "
+         "out (configs/default.yaml, what `make run` runs, sets some of them differently). Ranges and the rules "
+         "between keys are checked when the config is loaded: a bad value stops the run with a message naming the "
+         "key. How configs, `--set` overrides and errors work: [Configuration](../configuration.md).\n"),
     ]
     for prefix, cls in config_sections():
         title = f"`{prefix.rstrip('.')}`" if prefix else "Top level"
@@ -168,7 +172,7 @@ def params_rows(name: str, params_cls: type) -> list[list[str]]:
     return rows
 
 
-def params_table(name: str, cls: type) -> str:
+def params_table(name: str, cls: type[PersonalisedStrategy]) -> str:
     fields = dataclasses.fields(cls.Params)
     if not fields:
         return f"`{name}` has no parameters of its own.\n"
@@ -176,13 +180,13 @@ def params_table(name: str, cls: type) -> str:
     return table(header, params_rows(name, cls.Params))
 
 
-def params_page(name: str, cls: type) -> str:
+def params_page(name: str, cls: type[PersonalisedStrategy]) -> str:
     """A bare table (no heading, no link: the algorithm page that includes it gives the context)."""
     source = f"{cls.Params.__name__} in {cls.__module__.replace('.', '/')}.py"
     return NOTE.format(source=source) + "\n\n" + params_table(name, cls)
 
 
-def undocumented_params(strategies: dict[str, type]) -> list[str]:
+def undocumented_params(strategies: dict[str, type[PersonalisedStrategy]]) -> list[str]:
     """``strategy.params.<name>.<key>`` of every declared parameter without help text."""
     return [f"strategy.params.{name}.{f.name}" for name, cls in sorted(strategies.items())
             for f in dataclasses.fields(cls.Params) if not getattr(constraint(f), "help", "")]
@@ -256,7 +260,9 @@ def argument_rows(parser: argparse.ArgumentParser) -> list[list[str]]:
         elif action.choices is not None:
             value = code("{" + ",".join(map(str, action.choices)) + "}")
         else:
-            metavar = formatter._format_args(action, action.metavar or action.dest.upper())  # noqa: SLF001
+            # a tuple metavar (nargs=N) is fine with argparse, which typeshed does not say
+            named = action.metavar or action.dest.upper()
+            metavar = formatter._format_args(action, named)  # type: ignore[arg-type]  # noqa: SLF001
             value = code(metavar) if action.option_strings else ""
             if not action.option_strings and action.nargs in ("+", "*"):
                 value = code(metavar)
@@ -308,8 +314,8 @@ def cli_page() -> str:
         parts = [
             "# Command-line reference\n",
             NOTE.format(source="the argparse parsers of fedapps_tools/") + "\n",
-            "Every command and argument of `fedapps` (`.venv/bin/fedapps` after `make run` or `make test` has "
-            "installed it), as `fedapps COMMAND --help` prints it.\n",
+            ("Every command and argument of `fedapps` (`.venv/bin/fedapps` after `make run` or `make test` has "
+             "installed it), as `fedapps COMMAND --help` prints it.\n"),
             "```text\n" + top.format_usage().strip() + "\n```\n",
             cell(top.description or "") + "\n",
             table(["Command", "What it does"], [[f"[`{top.prog} {n}`](#{slug(f'{top.prog} {n}')})", cell(h)]

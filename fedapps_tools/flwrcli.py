@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,6 @@ from fedapps.config import APP_DIR
 from fedapps.flower.control import control_client, gitignore_matcher, log_chunks
 from fedapps.flower.control import run_status as control_run_status
 from fedapps_tools.logfilter import LogFilter
-
 
 OFFLINE_ENV = {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
@@ -37,6 +37,8 @@ OFFLINE_ENV = {
 
 class RunFailed(RuntimeError):
     """A run that did not finish with status completed."""
+
+    exit_status: int  # where set: the ServerApp's verdict (summary.json), the CLI's exit status
 
 
 CONNECTION = "fedapps"  # the name of the SuperLink connection this tool writes into its own FLWR_HOME
@@ -142,7 +144,7 @@ def staged_app(app_dir: Path, into: Path) -> Path:
     return into
 
 
-def submit_run(connection: str, run_config: str, env: dict[str, str], extra: list[str] = ()) -> str:
+def submit_run(connection: str, run_config: str, env: dict[str, str], extra: Sequence[str] = ()) -> str:
     """`flwr run APP connection --format json --run-config ... [extra]`: the run submitted, its id returned
     (RunFailed otherwise). The command shown is the one a user would type; it runs on the app's files staged in a
     temporary folder (:func:`staged_app`), the same FAB without walking the virtual environment."""

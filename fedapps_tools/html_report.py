@@ -16,9 +16,10 @@ import json
 import logging
 import math
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -134,7 +135,7 @@ def read_comparison(path: Path) -> list[dict[str, Any]]:
         rows = list(csv.DictReader(fh))
     out = []
     for r in rows:
-        row = {k: (v if k in TEXT_COLUMNS else _number(v)) for k, v in r.items()}
+        row: dict[str, Any] = {k: (v if k in TEXT_COLUMNS else _number(v)) for k, v in r.items()}
         row["seeds"] = int(row["seeds"]) if math.isfinite(row.get("seeds", math.nan)) else 0
         out.append(row)
     return out
@@ -260,7 +261,7 @@ def figure(draw: Callable[[], Any], alt: str, caption: str) -> str:
     everything else is still written."""
     try:
         png = plots.png_bytes(draw())
-    except Exception as exc:  # a figure never costs the rest of the report
+    except Exception as exc:  # noqa: BLE001 - a figure never costs the rest of the report
         log.warning("report: could not draw %s: %s", alt, exc)
         return f'<p class="note">{_esc(alt)}: could not be drawn ({_esc(exc)})</p>'
     return f"<figure>{img(png, alt)}<figcaption>{_esc(caption)}</figcaption></figure>"

@@ -7,8 +7,9 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import re
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from fedapps.config import APP_DIR, ConfigError
 

@@ -11,7 +11,8 @@ from fedapps.reporting.results import Progress
 
 
 class RunProgress:
-    """Runs done / total with the ETA of :class:`fedapps.reporting.results.Progress` (paced by the runs that did work)."""
+    """Runs done / total with the ETA of :class:`fedapps.reporting.results.Progress` (paced by the runs that did
+    work)."""
 
     def __init__(self, total: int, stream: TextIO | None = None, clock: Any = None) -> None:
         self.stream = stream if stream is not None else sys.stdout

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shlex
 import socket
@@ -141,8 +142,8 @@ def check_reachable(address: str, source: str, timeout: float = 5.0) -> None:
 
     channel = grpc.insecure_channel(f"{host}:{port}")
     try:
-        gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(gcs_service_pb2.GetClusterIdRequest(),
-                                                                            timeout=timeout)
+        request = gcs_service_pb2.GetClusterIdRequest()  # type: ignore[attr-defined]  # made by protobuf at import
+        gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(request, timeout=timeout)
     except grpc.RpcError as exc:
         code = exc.code() if hasattr(exc, "code") else None
         what = ("a gRPC service that is not a Ray head answers there (a Flower SuperLink? `fedapps run --superlink` "
@@ -232,7 +233,7 @@ def describe(address: str, runs: bool) -> dict[str, Any]:
     messages each node ran per job."""
     import ray
 
-    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
     try:
         nodes = [{
             "node_id": n["NodeID"],

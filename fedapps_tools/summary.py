@@ -57,8 +57,8 @@ def summary_lines(s: dict[str, Any], result_dir: Path) -> list[str]:
     split = s.get("evaluated_on", "test")
     final = s.get("final_round")
     lines = [RULE,
-             f"{s.get('strategy')} on {s.get('dataset')} / {s.get('partition')}, model {s.get('model')}, "
-             f"{s.get('num_clients')} clients, {rounds} round{'s' if rounds != 1 else ''}, seed {s.get('seed', '?')}"]
+             (f"{s.get('strategy')} on {s.get('dataset')} / {s.get('partition')}, model {s.get('model')}, "
+              f"{s.get('num_clients')} clients, {rounds} round{'s' if rounds != 1 else ''}, seed {s.get('seed', '?')}")]
     if s.get("deployed_model"):
         lines.append(f"deployed model: {s['deployed_model']}")
     measured = s.get("final_round_measured_clients")
@@ -71,10 +71,10 @@ def summary_lines(s: dict[str, Any], result_dir: Path) -> list[str]:
         lines.append(f"{MARK}   (a tuning run: validation-split numbers, not test results)")
     lines.append("")
     rows: list[tuple[str, str]] = [
-        ("fairness", f"worst 10 % of clients {_acc(s.get('accuracy_worst10'))} (accuracy_worst10), "
-                     f"std over clients {_acc(s.get('accuracy_std'))} (accuracy_std)"),
-        ("not deployed", f"right after local training {_acc(s.get('accuracy_after_training_mean'))} "
-                         "(accuracy_after_training_mean)"),
+        ("fairness", (f"worst 10 % of clients {_acc(s.get('accuracy_worst10'))} (accuracy_worst10), "
+                      f"std over clients {_acc(s.get('accuracy_std'))} (accuracy_std)")),
+        ("not deployed", (f"right after local training {_acc(s.get('accuracy_after_training_mean'))} "
+                          "(accuracy_after_training_mean)")),
     ]
     extra = strategy_numbers(s)
     if extra:

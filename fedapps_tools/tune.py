@@ -22,8 +22,9 @@ import itertools
 import json
 import math
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import yaml
 
@@ -181,9 +182,8 @@ def _check_points(config_path: Path, base: list[str], grid: list[tuple[str, list
                   points: list[dict[str, Any]]) -> None:
     """Every point loads, resolves and builds its data before anything runs; points that compute the same thing
     (a repeated value, a key the strategy ignores) are an error."""
-    from strategies import resolve  # local: tools sit above the strategies
-
     from fedapps.data import get_federation
+    from strategies import resolve  # local: tools sit above the strategies
 
     first = load_config(config_path, base + ["data.evaluate_on=validation"])
     for key, _ in grid:
@@ -232,16 +232,17 @@ def markdown(config_path: Path, grid: list[tuple[str, list[Any]]], points: list[
     grid_text = "; ".join(f"`{k}` ∈ {{{', '.join(_yaml_text(v) for v in values)}}}" for k, values in grid)
     lines += [
         "",
-        f"**Chosen** (point {chosen + 1}): `{point_label(points[chosen])}` — written to `chosen.yaml` "
-        "(with `data.evaluate_on: test`, for the final runs).",
+        (f"**Chosen** (point {chosen + 1}): `{point_label(points[chosen])}` — written to `chosen.yaml` "
+         "(with `data.evaluate_on: test`, for the final runs)."),
         "",
         f"**Grid**: {grid_text} — {len(points)} point(s) (budget {max_points}), seeds {', '.join(map(str, seeds))}.",
         "",
-        "**Protocol**: every point was trained on the fit share of each client's train split and scored on the "
-        f"validation share (`data.validation_fraction` = {validation_fraction}, stratified, seeded from `data.seed`); "
-        "the point with the highest final-round validation accuracy of the deployed model (mean over clients, "
-        "averaged over the seeds) was chosen, a tie going to the first point in grid order. The test split was "
-        "never built while choosing (docs/evaluation.md).",
+        ("**Protocol**: every point was trained on the fit share of each client's train split and scored on the "
+         f"validation share (`data.validation_fraction` = {validation_fraction}, stratified, seeded from "
+         "`data.seed`); "
+         "the point with the highest final-round validation accuracy of the deployed model (mean over clients, "
+         "averaged over the seeds) was chosen, a tie going to the first point in grid order. The test split was "
+         "never built while choosing (docs/evaluation.md)."),
         "",
     ]
     return "\n".join(lines)

@@ -72,21 +72,21 @@ def table(rows: list[dict[str, Any]], cases: list[capture.Case], seeds: list[int
     """capture.md: one row per case, figures averaged over the seeds."""
     lines = ["# Capture table: one hostile client against the personalising strategies", "",
              f"<!-- written by `{command}`: do not edit by hand -->", "",
-             f"In-process, digits, MLP, {capture.CLIENTS} clients (pathological partition, "
-             f"{capture.CLASSES_PER_CLIENT} classes each: every class held by two clients), every client every round, "
-             f"{', '.join(sorted({str(c.rounds) for c in cases}))} rounds, seeds {', '.join(map(str, seeds))}. Client "
-             f"{capture.ATTACKER} is hostile (its replies pass every check of the reply validation); the **victim** "
-             f"is client {capture.VICTIM} for a targeted attack, else the honest client whose accuracy falls furthest "
-             "below its own accuracy in the run without the attacker when the option is off (per seed; the robust "
-             "run of that seed is judged on the same client). Accuracy: the deployed models "
-             "after the last round (mean over seeds); an honest client whose replies were all rejected counts 0 for "
-             "the victim column and is left out of the mean (`measured`). **Robust** turns on the option named in the "
-             "row, which is off by default; **dropped**: the attacker's every reply lost (the reference); "
-             f"**dropped + robust**: the reference with the option on (its cost without an attack). **Bounded**: with the "
-             f"option on, the victim's and the mean accuracy, averaged over the seeds, within {capture.BOUND:g} of the "
-             "reference's, every honest client measured.", "",
-             "| strategy | attack | robust option | victim default (ref) | victim robust (ref) | mean default | "
-             "mean robust | mean dropped | mean dropped + robust | bounded |",
+             (f"In-process, digits, MLP, {capture.CLIENTS} clients (pathological partition, "
+              f"{capture.CLASSES_PER_CLIENT} classes each: every class held by two clients), every client every round, "
+              f"{', '.join(sorted({str(c.rounds) for c in cases}))} rounds, seeds {', '.join(map(str, seeds))}. Client "
+              f"{capture.ATTACKER} is hostile (its replies pass every check of the reply validation); the **victim** "
+              f"is client {capture.VICTIM} for a targeted attack, else the honest client whose accuracy falls furthest "
+              "below its own accuracy in the run without the attacker when the option is off (per seed; the robust "
+              "run of that seed is judged on the same client). Accuracy: the deployed models "
+              "after the last round (mean over seeds); an honest client whose replies were all rejected counts 0 for "
+              "the victim column and is left out of the mean (`measured`). **Robust** turns on the option named in the "
+              "row, which is off by default; **dropped**: the attacker's every reply lost (the reference); "
+              "**dropped + robust**: the reference with the option on (its cost without an attack). **Bounded**: "
+              "with the option on, the victim's and the mean accuracy, averaged over the seeds, within "
+              f"{capture.BOUND:g} of the reference's, every honest client measured."), "",
+             ("| strategy | attack | robust option | victim default (ref) | victim robust (ref) | mean default | "
+              "mean robust | mean dropped | mean dropped + robust | bounded |"),
              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         mine = [r for r in rows if r["case"] == c.name]
@@ -105,16 +105,16 @@ def table(rows: list[dict[str, Any]], cases: list[capture.Case], seeds: list[int
               for c in cases]
     diag = [c for c in cases if any(r["diagnostic"] is not None for r in rows if r["case"] == c.name)]
     if diag:
-        lines += ["", "Server side, where the deployed models hardly move (the clients train on their own data after "
-                      "the digest): accuracy of the consensus (FedMD) or of the clients' targets (COMET) on U's true "
-                      "labels after the last round, a diagnostic the method never sees.", "",
+        lines += ["", ("Server side, where the deployed models hardly move (the clients train on their own data after "
+                       "the digest): accuracy of the consensus (FedMD) or of the clients' targets (COMET) on U's true "
+                       "labels after the last round, a diagnostic the method never sees."), "",
                   "| strategy | attack | default | robust | dropped | dropped + robust |", "|---|---|---|---|---|---|"]
         for c in diag:
             mine = [r for r in rows if r["case"] == c.name]
             cells = [fmt(mean_of([r for r in mine if r["arm"] == a], "diagnostic")) for a in capture.ARMS]
             lines.append(f"| {c.strategy} | {c.attack} | " + " | ".join(cells) + " |")
-    lines += ["", f"Measured with commit `{prov['commit']}` on {prov['machine']}, {prov['date']}: "
-                  f"{len(rows)} runs, {cpu / 60:.1f} CPU minutes. Per run and seed: `capture.csv`.", ""]
+    lines += ["", (f"Measured with commit `{prov['commit']}` on {prov['machine']}, {prov['date']}: "
+                   f"{len(rows)} runs, {cpu / 60:.1f} CPU minutes. Per run and seed: `capture.csv`."), ""]
     return "\n".join(lines)
 
 

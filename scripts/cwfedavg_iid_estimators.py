@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fedapps.config import load_config  # noqa: E402
-from fedapps.flower.inprocess import InProcessGrid  # noqa: E402
-from strategies import resolve  # noqa: E402
-from strategies.cwfedavg import fedavg_weights, l1_error, mixing_matrix  # noqa: E402
+from fedapps.config import load_config
+from fedapps.flower.inprocess import InProcessGrid
+from strategies import resolve
+from strategies.cwfedavg import fedavg_weights, l1_error, mixing_matrix
 
 CLIENTS = 10
 
@@ -33,8 +33,10 @@ def measure(estimator: str, lam: float, rounds: int) -> str:
     rows = [strategy.stack.row_of[c] for c in range(CLIENTS)]
     a = mixing_matrix(strategy.p_hat[rows], strategy.q[rows])
     fedavg = fedavg_weights(strategy.n[rows])
-    return (f"{estimator:5s} λ={lam:g} rounds={rounds}: L1(p̂, p) {l1_error(strategy.p_hat[rows], strategy.true_p[:CLIENTS]):.3f}  "
-            f"self-weights A_ii {np.diag(a).min():.3f}–{np.diag(a).max():.3f} (FedAvg {fedavg.min():.3f}–{fedavg.max():.3f})  "
+    l1 = l1_error(strategy.p_hat[rows], strategy.true_p[:CLIENTS])
+    return (f"{estimator:5s} λ={lam:g} rounds={rounds}: L1(p̂, p) {l1:.3f}  "
+            f"self-weights A_ii {np.diag(a).min():.3f}–{np.diag(a).max():.3f} "
+            f"(FedAvg {fedavg.min():.3f}–{fedavg.max():.3f})  "
             f"max |A − FedAvg| {np.abs(a - fedavg[None]).max():.3f}")
 
 

@@ -114,13 +114,13 @@ def main(argv: list[str]) -> int:
     unexplained = [n for n in survivors if n not in argued]
     lines = [f"# Mutation report ({date.today().isoformat()}, {minutes:.1f} min)", "",
              f"Command: `python scripts/mutate.py {' '.join(argv)}`".rstrip() + "; modules: " + ", ".join(modules), "",
-             f"mutants {len(status)}, killed {counts['killed']}, survived {counts['survived']}, "
-             f"other {len(status) - counts['killed'] - counts['survived']} ({dict(counts)}); timed out at first "
-             f"{len(first_timeouts)}, re-run alone", "",
+             (f"mutants {len(status)}, killed {counts['killed']}, survived {counts['survived']}, "
+              f"other {len(status) - counts['killed'] - counts['survived']} ({dict(counts)}); timed out at first "
+              f"{len(first_timeouts)}, re-run alone"), "",
              f"## Survivors ({len(survivors)}; {len(unexplained)} not argued equivalent in docs/mutation.md)", ""]
     for name in survivors:
         diff = mutmut("show", name).stdout
-        body = [l for l in diff.splitlines() if l[:1] in "+-" and not l.startswith(("+++", "---"))]
+        body = [line for line in diff.splitlines() if line[:1] in "+-" and not line.startswith(("+++", "---"))]
         lines += [f"### `{name}`{'' if name in argued else '  (not argued)'}", "", "```diff", *body, "```", ""]
     REPORT.write_text("\n".join(lines) + "\n")
     print(f"mutants {len(status)}  killed {counts['killed']}  survived {counts['survived']}  "

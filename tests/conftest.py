@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``heavy`` (~10 s or more each: real `flwr run`s and other process trees, the largest models)
+    """Tests marked ``heavy`` (a second or more each: real `flwr run`s and other process trees, the model zoo)
     run first, in their collection order. `make test` runs the suite on two pytest-xdist workers, which take tests
     in this order: the heavy ones are shared out while plenty of short tests remain to even out the end, instead of
     a late 60-s test leaving one worker alone at the finish. Serially the order changes nothing."""
@@ -60,6 +60,16 @@ def flwr_run(folder: Path, **sections) -> Path:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run,) = [d for d in out.iterdir() if (d / "summary.json").is_file()]
     return run
+
+
+def run_in_process(config: Path, out: Path, grid, overrides: str = "") -> tuple[dict, Path]:
+    """``server_app.run_experiment`` of ``config`` on ``grid`` (an in-process grid) with results under ``out``:
+    (the summary, the run's folder)."""
+    import server_app
+    from fedapps.config import load_config
+
+    summary = server_app.run_experiment(grid, str(config), overrides, str(out))
+    return summary, out / load_config(config, overrides).resolved_run_name()
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """Architecture rules, checked on the source with ``ast`` alone (no project module is imported).
 
 The module import graph of the project's own modules (``fedapps/``, ``strategies/``, ``fedapps_tools/``,
-``server_app.py``, ``client_app.py``) is built from every ``import`` / ``from ... import`` statement, including those inside
-functions. Rules:
+``server_app.py``, ``client_app.py``) is built from every ``import`` / ``from ... import`` statement, including those
+inside functions. Rules:
 
 (a) no import cycle among the project's modules;
 (b) layers point down only:
@@ -54,6 +54,8 @@ import sys
 from collections import deque
 from pathlib import Path
 from typing import Iterable
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("fedapps", "strategies", "fedapps_tools")
@@ -696,12 +698,15 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
+@pytest.mark.heavy
 def test_the_clientapp_does_not_import_what_only_the_server_or_some_models_need():
     """Every message in deployment starts a fresh ClientApp process: torchvision (~1.3 s, only the vision models
     need it), scikit-learn's clustering (~1 s, server side of CFL / COMET) and numba (~0.5 s, COSMOS's server-side
     l1 distances) are imported where used."""
     import subprocess
 
-    code = ("import sys, client_app, strategies, fedapps.client.worker; "  # what the ClientApp imports for its first message
-            "heavy = [m for m in ('torchvision', 'sklearn.cluster', 'numba') if m in sys.modules]; assert not heavy, heavy")
+    # what the ClientApp imports for its first message, then the heavy modules it must not have imported
+    code = ("import sys, client_app, strategies, fedapps.client.worker; "
+            "heavy = [m for m in ('torchvision', 'sklearn.cluster', 'numba') if m in sys.modules]; "
+            "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).parents[1]))

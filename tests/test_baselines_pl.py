@@ -8,16 +8,16 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from flwr.app import RecordDict
 
 import server_app
-from flwr.app import RecordDict
-from fedapps.wire import protocol, pseudolabels
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
+from strategies import resolve
 from strategies.comet import COMET, cluster_means, kmeans, kmeans_plus_plus
 from strategies.fedct import FedCT, majority_vote, qualified_vote, vote_counts
-from strategies import resolve
 from strategies.fedmd import TRAIN_PUBLIC, FedMD, alignment_subset, fedmd_consensus
 from strategies.pseudolabel_base import collect_predictions
 
@@ -318,6 +318,7 @@ def test_comet_sends_each_client_its_cluster_mean():
     ("fedct", "strategy.params.fedct.qualified_threshold=0.5"),
     ("comet", "strategy.params.comet.clusters=2"),
 ])
+@pytest.mark.heavy
 def test_end_to_end_in_process(tmp_path, name, extra):
     overrides = f"strategy.name={name} {SMALL} {extra}"
     cfg = load_config(None, overrides)

@@ -7,6 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "round_overhead.py"
@@ -69,13 +70,14 @@ def test_cpu_between_takes_the_window_between_markers():
     assert cpu == {"ray": 0.2, "server": 0.5, "worker": 3.0}
 
 
+@pytest.mark.heavy
 def test_cpu_sampler_counts_a_child_that_burns_cpu_and_exits(tmp_path):
     """The sampler's total includes a child process of the root (found in /proc), also after it has exited."""
     import subprocess
 
     proctree = load_proctree()
-    code = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time\\nt=time.process_time()\\n" \
-           "while time.process_time() - t < 0.6: pass'])"
+    code = ("import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time\\nt=time.process_time()\\n"
+            "while time.process_time() - t < 0.6: pass'])")
     proc = subprocess.Popen([sys.executable, "-c", code])
     sampler = proctree.CpuSampler(proc.pid, interval=0.05)
     proc.wait()

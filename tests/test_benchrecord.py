@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def when(minute: int) -> dt.datetime:
-    return dt.datetime(2026, 1, 2, 3, minute, tzinfo=dt.timezone.utc)
+    return dt.datetime(2026, 1, 2, 3, minute, tzinfo=dt.UTC)
 
 
 def rows_of(path: Path) -> tuple[list[str], list[dict[str, str]]]:

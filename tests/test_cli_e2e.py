@@ -37,6 +37,7 @@ def test_flwr_run_end_to_end(flower_run_of_tiny_config):
     assert cli._proc_stat(pid) is None, "the SuperLink started by the run must be stopped"
 
 
+@pytest.mark.heavy
 def test_compare_table_and_resume(tiny_config, tmp_path, capsys, monkeypatch):
     from fedapps.reporting import plots
 
@@ -74,6 +75,7 @@ def test_mean_sem():
     assert mean_sem([0.5]) == (0.5, 0.0)
 
 
+@pytest.mark.heavy
 def test_summary_shows_fedavg_beside_personalised_run(tiny_config, tmp_path, capsys):
     cfg = tiny_config(strategy={"name": "cwfedavg"}, data={"partition": "pathological"})
     out = str(tmp_path / "res")

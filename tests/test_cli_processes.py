@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from fedapps_tools import cli
 from fedapps.reporting.results import read_csv
+from fedapps_tools import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 FLWR = Path(sys.executable).parent / "flwr"

@@ -15,12 +15,20 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedapps_tools import cli, flwrcli
-from fedapps_tools.compare import resume_decision
 from fedapps.config import ConfigError, check_run_name, config_hash, load_config, parse_yaml
 from fedapps.flower import faults
-from fedapps.reporting.results import (EXIT_FAILED, EXIT_REJECTED, EXIT_UNMEASURED, Problem, exit_status, measured_problems,
-                             read_csv, rejection_problems, run_problems)
+from fedapps.reporting.results import (
+    EXIT_REJECTED,
+    EXIT_UNMEASURED,
+    Problem,
+    exit_status,
+    measured_problems,
+    read_csv,
+    rejection_problems,
+    run_problems,
+)
+from fedapps_tools import cli, flwrcli
+from fedapps_tools.compare import resume_decision
 
 
 def run_cli(*argv: str) -> int:
@@ -95,6 +103,7 @@ def test_data_error_exits_2_and_submits_no_run(tiny_config, capsys, monkeypatch)
     assert not link.home.exists()
 
 
+@pytest.mark.heavy
 def test_the_command_exits_with_mains_code_and_its_output_flushed(tmp_path):
     """`python -m fedapps_tools.cli` (the `fedapps` console entry) leaves through os._exit: the exit code is main's
     and what was printed (stdout and stderr, also when piped) arrives whole."""
@@ -286,6 +295,7 @@ def test_run_writes_config_hash(tiny_config, tmp_path):
     assert config_hash(load_config(out / "config.yaml")) == expected  # config.yaml is what was hashed
 
 
+@pytest.mark.heavy
 def test_compare_reruns_when_the_config_changed(tiny_config, tmp_path, capsys):
     cfg = tiny_config(rounds=1)
     args = ["compare", str(cfg), "--seeds", "0", "--engine", "inprocess", "--output-dir", str(tmp_path)]
@@ -410,8 +420,8 @@ def test_a_headline_measured_on_too_few_clients_exits_3(tiny_config, tmp_path, c
     summary = json.loads((out / "fedavg-digits-iid-s0" / "summary.json").read_text())
     assert summary["final_round_measured_clients"] == 1 and summary["exit_status"] == code
     if code:
-        assert summary["problems"] == ["the headline was measured on 1 of 4 clients (after round 2), fewer than "
-                                       "min_measured_share=0.5 of them (2)"]
+        assert summary["problems"] == [("the headline was measured on 1 of 4 clients (after round 2), fewer than "
+                                        "min_measured_share=0.5 of them (2)")]
         assert "measured on 1 of 4 clients" in capsys.readouterr().err
     else:
         assert summary["problems"] == []
@@ -423,8 +433,8 @@ def test_a_run_whose_headline_was_never_measured_exits_3(tiny_config, tmp_path, 
     assert run_cli("run", str(tiny_config(rounds=1)), "--engine", "inprocess", "--output-dir", str(out)) == 3
     summary = json.loads((out / "fedavg-digits-iid-s0" / "summary.json").read_text())
     assert summary["accuracy_mean"] is None and summary["exit_status"] == 3
-    assert summary["problems"] == ["the headline (deployed-model accuracy) was never measured: no client answered "
-                                   "an evaluation of its deployed model"]
+    assert summary["problems"] == [("the headline (deployed-model accuracy) was never measured: no client answered "
+                                    "an evaluation of its deployed model")]
 
 
 def test_a_round_that_lost_most_replies_to_rejection_exits_4(tiny_config, tmp_path, capsys, monkeypatch):

@@ -19,8 +19,15 @@ import pytest
 from fedapps.config import ConfigError, load_config
 from fedapps_tools import cli, deploy
 from fedapps_tools.logfilter import FLOWER_NOISE, LogFilter, is_flower_noise, parse_line
-from fedapps_tools.options import (RST_MARKUP, SeedsAction, help_texts, package_version, parse_seeds, parsers_of,
-                                   pyproject_version)
+from fedapps_tools.options import (
+    RST_MARKUP,
+    SeedsAction,
+    help_texts,
+    package_version,
+    parse_seeds,
+    parsers_of,
+    pyproject_version,
+)
 from fedapps_tools.summary import MARK, human_bytes, human_duration, summary_lines
 from strategies import ignored_settings, resolve
 
@@ -261,7 +268,7 @@ def test_summary_marks_the_headline_and_prints_human_units(tmp_path):
          "rounds": 3, "seed": 0, "final_round": 3, "final_round_measured_clients": 4, "evaluated_on": "test",
          "accuracy_mean": 0.81234, "accuracy_weighted": 0.79876, "accuracy_worst10": 0.5, "accuracy_std": 0.1,
          "accuracy_after_training_mean": 0.9, "bytes_up_per_client_round": 2.2 * 1024 ** 2,
-         "bytes_down_per_client_round": 1024, "wall_seconds": 89.0, "final_est_l1": 0.25, "final_round": 3,
+         "bytes_down_per_client_round": 1024, "wall_seconds": 89.0, "final_est_l1": 0.25,
          "final_round_had_no_replies": False, "deployed_model": "client i's own model", "problems": []}
     lines = summary_lines(s, tmp_path)
     headline = [ln for ln in lines if ln.startswith(MARK)]
@@ -386,8 +393,8 @@ def test_an_ignored_key_and_a_data_warning_are_printed_once(tiny_config, tmp_pat
 def test_a_client_does_not_repeat_the_datas_warnings():
     import logging
 
-    from fedapps.data import clear_federation_cache, get_federation
     from fedapps.client.worker import client_federation
+    from fedapps.data import clear_federation_cache, get_federation
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler()

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import math
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +18,12 @@ import yaml
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 import server_app
-from fedapps.server import clustering
+from conftest import run_in_process
 from fedapps.client import ops
-from fedapps.wire import protocol, pseudolabels
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server import clustering
+from fedapps.wire import protocol, pseudolabels
 from strategies import resolve
 from strategies.cosmos import (RB_LAMBDA, RB_SIGMA, Cosmos, frequency_weights, rb_term, robustness_penalty,
                                server_target, soft_predictions)
@@ -110,6 +113,51 @@ def test_distances_match_brute_force_and_are_per_sample() -> None:
         clustering.pairwise_distances(p, "cosine")
 
 
+# --------------------------------------------------------------------------- clustering: edges (found by `make mutate`)
+
+
+def graph(n: int, edges: list[tuple[int, int]], asymmetric: tuple[int, int] | None = None) -> np.ndarray:
+    """A distance matrix: 0.1 on the given edges, 1 elsewhere (0 on the diagonal)."""
+    d = np.ones((n, n))
+    np.fill_diagonal(d, 0.0)
+    for i, j in edges:
+        d[i, j] = d[j, i] = 0.1
+    if asymmetric is not None:
+        d[asymmetric] = 0.1  # one direction only
+    return d
+
+
+def test_greedy_clustering_counts_only_the_remaining_neighbours() -> None:
+    """After the first cluster, 7 has lost its neighbours 1 and 2: with one remaining neighbour each, 5 (lowest id)
+    founds the second cluster, not 7 (which would if taken neighbours were still counted)."""
+    d = graph(9, [(0, 1), (0, 2), (0, 3), (0, 4), (7, 1), (7, 2), (7, 8), (5, 6)])
+    assert clustering.greedy_threshold_clustering(d, 0.5) == [[0, 1, 2, 3, 4], [5, 6], [7, 8]]
+    # closeness in one direction is enough: the relation is made symmetric
+    assert clustering.greedy_threshold_clustering(graph(3, [], asymmetric=(0, 2)), 0.5) == [[0, 2], [1]]
+    for bad in (np.zeros(4), np.zeros((2, 3))):
+        with pytest.raises(ValueError, match="square"):
+            clustering.greedy_threshold_clustering(bad, 0.5)
+
+
+def test_auto_threshold_defaults_and_refusals() -> None:
+    d = graph(4, [(0, 1), (2, 3)])
+    b0, clusters, tried = clustering.auto_threshold(d, 2)  # defaults: start 0.05, step 0.05
+    assert (b0, clusters, tried) == (0.1, [[0, 1], [2, 3]], [(0.05, 4), (0.1, 2)])
+    assert clustering.auto_threshold(d, 2, start=0.0, step=0.1)[0] == 0.1  # start 0 is allowed
+    assert clustering.auto_threshold(np.zeros((0, 0)), 1)[1] == []  # no clients: nothing to cluster
+    for bad in ({"max_clusters": 0}, {"max_clusters": 2, "step": 0.0}, {"max_clusters": 2, "start": -0.1}):
+        with pytest.raises(ValueError):
+            clustering.auto_threshold(d, **bad)
+
+
+def test_distance_to_centres_both_metrics_by_hand() -> None:
+    pred = np.array([[1.0, 0.0], [0.0, 1.0]])  # n = 2 samples × 2 classes
+    centres = np.array([pred, [[0.0, 1.0], [0.0, 1.0]], [[0.5, 0.5], [0.5, 0.5]]])
+    # Σ|·| / n (l1, the default); ‖·‖₂ / √n (l2)
+    np.testing.assert_allclose(clustering.distance_to_centres(pred, centres), [0.0, 1.0, 1.0])
+    np.testing.assert_allclose(clustering.distance_to_centres(pred, centres, "l2"), [0.0, 1.0, math.sqrt(0.5)])
+
+
 # --------------------------------------------------------------------------- aggregation, temperature
 
 
@@ -127,6 +175,37 @@ def test_aggregation_and_temperature() -> None:
     hard = server_target(stack, "mean", 0.0)
     assert hard.tolist() == [[1.0, 0.0, 0.0]] or hard.tolist() == [[0.0, 1.0, 0.0]]
     assert server_target(stack, "mean", 0.0)[0].sum() == 1.0
+
+
+# found by `make mutate`
+def test_temperature_row_by_row() -> None:
+    p = np.array([[0.2, 0.3, 0.5], [0.6, 0.3, 0.1]])
+    sharp = pseudolabels.apply_temperature(p, 0.5)  # p² renormalised, per row
+    np.testing.assert_allclose(sharp, (p ** 2) / (p ** 2).sum(axis=1, keepdims=True), rtol=1e-6)
+    assert sharp.dtype == np.float32
+    np.testing.assert_array_equal(pseudolabels.apply_temperature(p, 0), [[0, 0, 1], [1, 0, 0]])
+    assert pseudolabels.apply_temperature(p, 1) is p  # T = 1 leaves p as it is
+    # tiny T on a row of tiny probabilities: stable (the row's own max is subtracted before exp), no warnings
+    tiny = np.array([[1e-5, 2e-5, 0.0], [0.5, 0.5, 0.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = pseudolabels.apply_temperature(tiny, 0.01)
+    np.testing.assert_allclose(out, [[0.0, 1.0, 0.0], [0.5, 0.5, 0.0]], atol=1e-6)
+
+
+# found by `make mutate`
+def test_aggregations_per_sample() -> None:
+    stack = np.array([  # 3 members × 3 samples × 3 classes
+        [[1.0, 0.0, 0.0], [0.6, 0.4, 0.0], [0.2, 0.8, 0.0]],
+        [[0.0, 1.0, 0.0], [0.1, 0.1, 0.8], [0.3, 0.7, 0.0]],
+        [[0.0, 0.0, 1.0], [0.5, 0.5, 0.0], [0.4, 0.6, 0.0]],
+    ])
+    np.testing.assert_allclose(pseudolabels.aggregate(stack), stack.mean(axis=0))  # the default is the mean
+    # median per class, renormalised per sample; sample 0: every median is 0 (no division by zero)
+    np.testing.assert_allclose(pseudolabels.aggregate(stack, "median"), [[0, 0, 0], [5 / 9, 4 / 9, 0], [0.3, 0.7, 0]],
+                               atol=1e-12)
+    # max: sample 0 — all members equally confident, the first wins; sample 1 — member 1 (0.8); 2 — member 0
+    np.testing.assert_allclose(pseudolabels.aggregate(stack, "max"), [[1, 0, 0], [0.1, 0.1, 0.8], [0.2, 0.8, 0]])
 
 
 # --------------------------------------------------------------------------- client weights and r_B
@@ -329,6 +408,23 @@ def test_bad_params_are_config_errors(tmp_path: Path) -> None:
         resolve(load_config(path, "strategy.params.cosmos.kmeans=3"))
 
 
+# found by `make mutate`
+def test_pseudo_label_encodings_edges() -> None:
+    assert pseudolabels.label_dtype(2 ** 32) == np.uint64  # beyond uint32 (the marker M itself must fit)
+    # hard labels as they are; 3 = abstain
+    np.testing.assert_array_equal(pseudolabels.encode(np.array([2, 0, 3]), "hard", 3), [2, 0, 3])
+    for bad in (np.array([-1, 0]), np.array([4, 0])):
+        with pytest.raises(ValueError):
+            pseudolabels.encode(bad, "hard", 3)
+    for bad in (np.zeros(3, np.float32), np.zeros((2, 4), np.float32)):
+        with pytest.raises(ValueError):
+            pseudolabels.encode(bad, "float32", 3)
+    assert pseudolabels.decode(np.zeros((2, 3), np.float16), 3).dtype == np.float32
+    labels = pseudolabels.one_hot(np.array([1, 3, 0]), 3)
+    assert labels.dtype == np.float32
+    np.testing.assert_array_equal(labels, [[0, 1, 0], [0, 0, 0], [1, 0, 0]])
+
+
 # --------------------------------------------------------------------------- end to end (in-process)
 
 
@@ -375,6 +471,7 @@ def assert_pseudo_labels_and_metrics_only(replies: list[Message], n_public: int,
 
 
 @pytest.mark.parametrize("up,down", [("float32", "float32"), ("hard", "float16")])
+@pytest.mark.heavy
 def test_end_to_end_in_process_sends_pseudo_labels_only(tmp_path: Path, up: str, down: str) -> None:
     path = write_config(tmp_path, rounds=2, uplink_encoding=up, downlink_encoding=down)
     grid = InProcessGrid(N_CLIENTS, record=True)
@@ -447,6 +544,22 @@ def test_public_set_mismatch_is_refused_on_both_ends(tmp_path: Path) -> None:
     assert [r.client_id for r in out.accepted] == [0]
     assert [r.node_id for r in out.rejections] == [101] and "public set mismatch" in out.rejections[0].reason
     assert list(strategy.accept(out.accepted)) == [0]
+
+
+# regression: exit 0 with wrong or empty results
+@pytest.mark.heavy
+def test_cosmos_vgg16_cluster_model_is_evaluated(tiny_config, tmp_path):
+    """The paper's VGG16 (BatchNorm) server model travels to the clients for evaluation: its accuracy is a number."""
+    data = {"source": "synthetic", "partition": "iid", "num_clients": 2, "synthetic_samples": 100,
+            "synthetic_classes": 4, "synthetic_shape": [3, 8, 8], "public_fraction": 0.2}  # 8×8: see test_transport.py
+    params = {"server_model": "vgg16", "pretrain_epochs": 1, "server_epochs": 1, "distill_epochs": 1}
+    cfg = tiny_config(rounds=1, strategy={"name": "cosmos", "params": {"cosmos": params}}, data=data, model={"name": "cnn"},
+                      client={"epochs": 1, "batch_size": 16, "lr": 0.001, "optimizer": "adam"})
+    grid = InProcessGrid(2, record=True)
+    summary, _ = run_in_process(cfg, tmp_path / "out", grid)
+    assert all(not m.has_error() for m in grid.replies)
+    assert isinstance(summary["cluster_model_accuracy"], float)
+    assert isinstance(summary["accuracy_mean"], float)
 
 
 # --------------------------------------------------------------------------- through Flower's simulation engine

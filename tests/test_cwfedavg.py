@@ -7,6 +7,7 @@ import copy
 import csv
 import json
 import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -23,15 +24,18 @@ from strategies.cwfedavg import (
     CLASS_COUNTS,
     CwFedAvg,
     SavedStack,
+    bias_evidence,
     class_distribution_from_rows,
-    wdr_penalty,
     class_models,
     class_weights,
     classwise_keys,
     fedavg_weights,
+    l1_error,
     mix,
     mixing_matrix,
+    normalise_rows,
     row_norm_distribution,
+    wdr_penalty,
 )
 
 torch.set_num_threads(1)
@@ -64,7 +68,7 @@ def explicit_personalised(models: list[dict[str, np.ndarray]], n: np.ndarray, p:
         for j in range(k):
             q = n * p[:, j]
             q = q / q.sum() if q.sum() > 0 else n / n.sum()
-            class_model.append(sum(q[l] * models[l][key].astype(np.float64) for l in range(len(models))))
+            class_model.append(sum(q[c] * models[c][key].astype(np.float64) for c in range(len(models))))
         out[key] = sum(p[i, j] * class_model[j] for j in range(k))
     return out
 
@@ -164,6 +168,59 @@ def test_params_are_validated(bad, match):
         resolve(load_config(None, f"{BASE} strategy.params.cwfedavg.{bad}"))
 
 
+# --------------------------------------------------------------------------- pure maths: edges (found by `make mutate`)
+
+
+def test_bias_evidence_and_l1_error_by_hand() -> None:
+    sent = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+    uploaded = np.array([0.8, -1.5, 2.0, 0.25], np.float32)
+    # only the classes whose bias went UP count, by how much
+    np.testing.assert_allclose(bias_evidence(uploaded, sent), [0.3, 0.0, 0.0, 0.25], atol=1e-7)
+    assert bias_evidence(uploaded, sent).dtype == np.float64
+    p_hat = np.array([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    p_true = np.array([[0.25, 0.25, 0.5], [0.0, 1.0, 0.0]])
+    assert l1_error(p_hat, p_true) == pytest.approx((1.0 + 2.0) / 2)  # Σ_j |p̂ − p| per client, mean over clients
+
+
+def test_normalise_rows_zero_rows_small_sums_and_dtype() -> None:
+    x = np.array([[0.2, 0.3, 0.0], [0.0, 0.0, 0.0], [2.0, 6.0, 0.0]], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an all-zero row must not divide by zero
+        out = normalise_rows(x)
+    np.testing.assert_allclose(out, [[0.4, 0.6, 0.0], [1 / 3, 1 / 3, 1 / 3], [0.25, 0.75, 0.0]], rtol=1e-6)
+    assert out.dtype == np.float64
+
+
+def test_fedavg_and_class_weights_with_masks_and_small_counts() -> None:
+    np.testing.assert_allclose(fedavg_weights([1.0, 3.0, 4.0], [True, False, True]), [0.2, 0.0, 0.8])
+    np.testing.assert_allclose(fedavg_weights([0.2, 0.3]), [0.4, 0.6])  # counts below 1 are fine
+    np.testing.assert_allclose(fedavg_weights([0.0, 0.0, 0.0], [True, False, False]), [1.0, 0.0, 0.0])
+    np.testing.assert_allclose(fedavg_weights([0.0, 0.0, 0.0], [True, False, True]), [0.5, 0.0, 0.5])
+    n = np.array([1.0, 1.0, 2.0])
+    p = np.array([[0.3, 0.7, 0.0], [0.2, 0.8, 0.0], [0.5, 0.5, 0.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # class 2 is held by nobody: no 0/0
+        q = class_weights(n, p, [True, True, False])
+    # class 0: masses 0.3, 0.2 (client 2 masked out) -> 0.6, 0.4; class 2: nobody -> FedAvg over the mask
+    np.testing.assert_allclose(q, [[0.6, 0.7 / 1.5, 0.5], [0.4, 0.8 / 1.5, 0.5], [0.0, 0.0, 0.0]])
+    np.testing.assert_allclose(class_weights(n, p)[:, 0], [0.3 / 1.5, 0.2 / 1.5, 1.0 / 1.5])
+
+
+def test_mixing_keeps_the_models_dtype_and_mixes_integer_arrays_in_float() -> None:
+    stack = np.array([[1.0, 2.0], [3.0, 6.0]], np.float32)
+    out = mix(np.array([0.25, 0.75]), stack)
+    assert out.dtype == np.float32  # float64 weights do not upcast (and double) the personalised models
+    np.testing.assert_allclose(out, [2.5, 5.0])
+    np.testing.assert_allclose(mix(np.array([0.5, 0.5]), np.array([[2], [5]])), [3.5])  # not truncated to int
+    a = mixing_matrix(np.array([[1.0, 0.0]], np.float32), np.array([[0.5, 0.5], [0.5, 0.5]], np.float32))
+    assert a.dtype == np.float64
+
+
+def test_row_norm_distribution_of_small_rows() -> None:
+    np.testing.assert_allclose(class_distribution_from_rows(torch.tensor([[0.1, 0.0], [0.0, 0.3]])).numpy(), [0.25, 0.75],
+                               rtol=1e-6)
+
+
 # --------------------------------------------------------------------------- the strategy's aggregation
 
 
@@ -200,6 +257,7 @@ def test_strategy_iid_limit_is_fedavg():
             np.testing.assert_allclose(value, fedavg[key], atol=1e-6)
 
 
+@pytest.mark.heavy
 def test_buffers_stay_local_by_default():
     s = make_strategy("model.name=resnet18 data.source=synthetic data.synthetic_shape=[3,8,8]", clients=2)
     assert all("running_" not in k and "num_batches" not in k for k in s.keys)
@@ -238,6 +296,7 @@ def run(tmp_path, overrides: str, clients: int = 8, drop=None) -> tuple[dict, li
     return summary, rows
 
 
+@pytest.mark.heavy
 def test_bias_estimator_recovers_p_in_round_one(tmp_path):
     summary, rows = run(tmp_path, "rounds=1 strategy.params.cwfedavg.estimator=bias")
     assert float(rows[0]["est_l1_bias"]) < 0.15
@@ -255,6 +314,7 @@ def test_true_estimator_is_exact(tmp_path):
     assert float(rows[0]["est_l1"]) < 1e-9
 
 
+@pytest.mark.heavy
 def test_partial_participation_and_a_dropped_client(tmp_path):
     dropped = lambda rnd, pid: rnd == 2 and pid == 3  # noqa: E731
     summary, rows = run(tmp_path, "rounds=2 strategy.fraction=0.5 strategy.params.cwfedavg.estimator=norm strategy.params.cwfedavg.wdr_lambda=10", clients=6, drop=dropped)

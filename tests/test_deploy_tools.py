@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from fedapps.config import ConfigError
+from fedapps.flower.connect import FederationIncomplete, wait_for_clients
 from fedapps_tools import deploy
 from fedapps_tools.flwrcli import _proc_stat, descendants, exception_lines
-from fedapps.flower.connect import FederationIncomplete, wait_for_clients
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,8 +109,8 @@ def test_results_folder_and_failure_reason_read_off_the_log():
 def test_stop_signals_exactly_the_recorded_processes_and_their_children(tmp_path):
     env = {"PATH": "/usr/bin:/bin"}
     # a recorded process with a child of its own, and an unrecorded bystander
-    parent = deploy.start_background([sys.executable, "-c", "import subprocess, time; "
-                                      "subprocess.Popen(['sleep', '300']); time.sleep(300)"], tmp_path, "link", env)
+    parent = deploy.start_background([sys.executable, "-c", ("import subprocess, time; "
+                                       "subprocess.Popen(['sleep', '300']); time.sleep(300)")], tmp_path, "link", env)
     bystander = subprocess.Popen(["sleep", "300"])
     try:
         deadline = time.monotonic() + 20

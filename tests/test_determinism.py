@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from tests.conftest import write_config
@@ -31,6 +32,7 @@ def rounds(run_dir: Path) -> list[dict[str, str]]:
         return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(fh)]
 
 
+@pytest.mark.heavy
 def test_same_config_and_seed_give_identical_rounds_in_two_processes(tmp_path):
     config = write_config(tmp_path / "cfg.yaml", **COSMOS)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDAPPS_TEST_KILL_AFTER_ROUND": "0"}
@@ -44,6 +46,7 @@ def test_same_config_and_seed_give_identical_rounds_in_two_processes(tmp_path):
     assert a == b  # acc_mean, acc_weighted, every acc_client_i, losses, clusters, bytes: exactly
 
 
+@pytest.mark.heavy
 def test_dropout_is_seeded_per_message(tiny_config):
     """A model with dropout (alexnet) trained by the worker: the same message twice gives the same model,
     whatever the global RNG was before (the worker seeds it per message)."""
@@ -51,9 +54,9 @@ def test_dropout_is_seeded_per_message(tiny_config):
 
     from flwr.app import Context, RecordDict
 
-    from fedapps.wire import protocol
-    from fedapps.flower.inprocess import InProcessGrid
     from fedapps.client.worker import STATE_MODEL, handle
+    from fedapps.flower.inprocess import InProcessGrid
+    from fedapps.wire import protocol
     from strategies.base import PersonalisedStrategy, RunContext
 
     InProcessGrid(1)  # sets a task identity so that Message() works outside Flower
@@ -77,6 +80,7 @@ def test_dropout_is_seeded_per_message(tiny_config):
         assert torch.equal(states[0][k], states[1][k]), k
 
 
+@pytest.mark.heavy
 def test_every_strategy_state_round_trips(tiny_config):
     """state_dict() of each strategy after one round loads into a fresh instance and gives the same state."""
     import pickle
@@ -126,6 +130,7 @@ def _assert_same(a, b, where):
         assert a == b or (a != a and b != b), where
 
 
+@pytest.mark.heavy
 def test_flower_engine_and_inprocess_engine_give_identical_rounds(flower_run_of_tiny_config):
     """FedAvg on 3 clients, 2 rounds: `flwr run` (Ray simulation, replies in arrival order) and the in-process
     grid give the same rounds.csv exactly (the round loop sorts replies by client id before any sum)."""

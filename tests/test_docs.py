@@ -44,8 +44,8 @@ FRONT_PAGE = "READ" + "ME"  # spelt in two halves so that this file does not cit
 FORBIDDEN = (
     (re.compile(rf"\b{FRONT_PAGE}\b(?!\.md)"), f"cites the {FRONT_PAGE} (its headings move; cite a docs/ page)"),
     (re.compile(r"(?<![\w.])\.\./shared\b|/work/share[d]\b"), "cites a path outside the repository"),
-    (re.compile(r"(?<![\w/])specs/[\w.-]+"), "cites the team's spec notes, which are not in the repository "
-                                              "(docs/evaluation.md says the evaluation protocol)"),
+    (re.compile(r"(?<![\w/])specs/[\w.-]+"), ("cites the team's spec notes, which are not in the repository "
+                                               "(docs/evaluation.md says the evaluation protocol)")),
     (re.compile(r"\b(?:DESIGN|FLOWER)\.md\b"), "cites the team's design notes, which are not in the repository"),
 )
 DOC_CITATION = re.compile(r"(?<![\w/.-])docs/((?:[\w-]+/)*[\w.-]+\.md)(?:#([\w-]+))?")
@@ -67,6 +67,7 @@ def rel(path: Path) -> str:
 
 
 @needs_mkdocs
+@pytest.mark.heavy
 def test_site_builds_strict(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
                            str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],

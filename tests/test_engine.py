@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import server_app
-from fedapps.flower import faults
 from fedapps.config import ConfigError
+from fedapps.flower import faults
 from fedapps.flower.inprocess import InProcessGrid, default_workers
 from strategies import STRATEGIES
 from tests.conftest import write_config
@@ -46,6 +46,7 @@ def faulty(n: int, spec: str, workers: int = 2) -> InProcessGrid:
 # --------------------------------------------------------------------------- slow and hung clients
 
 
+@pytest.mark.heavy
 def test_a_slow_client_served_first_does_not_time_out_the_others(tiny_config, tmp_path):
     """Client 0 (served first) takes 20 s in round 2, past the 6 s timeout: it alone is missing, the other four
     reply (served one after another within one deadline, all five were missing: the slow one used up the time);
@@ -58,6 +59,7 @@ def test_a_slow_client_served_first_does_not_time_out_the_others(tiny_config, tm
     assert time.monotonic() - t0 < 20
 
 
+@pytest.mark.heavy
 def test_a_hung_client_is_abandoned_every_round_and_the_run_goes_on(tiny_config, tmp_path):
     """Client 1 hangs (300 s) in round 2: abandoned at its 4 s deadline; its node is still busy in round 3, so
     the messages to it are missing too; the run ends in seconds with the others' results."""
@@ -97,6 +99,7 @@ def test_a_node_busy_with_an_abandoned_message_serves_the_next_one_after_it(tmp_
 # --------------------------------------------------------------------------- results independent of concurrency
 
 
+@pytest.mark.heavy
 def test_rounds_are_the_same_whatever_the_number_of_workers_with_dropout(tiny_config, tmp_path):
     """One client at a time or four at once: identical rounds.csv (timings aside). SqueezeNet has dropout (torch's
     global RNG, seeded per message): its messages hold the process's RNG lock (without it they differ)."""
@@ -158,6 +161,7 @@ def test_default_workers_reads_the_environment(monkeypatch):
 # --------------------------------------------------------------------------- Ctrl-C
 
 
+@pytest.mark.heavy
 def test_ctrl_c_stops_an_in_process_run_within_seconds(tmp_path):
     """SIGINT to `fedapps run --engine inprocess` in round 2, while client 0 hangs in its message: exit 130 in a few
     seconds, no round written after the signal, the checkpoint kept for --resume."""
@@ -183,6 +187,7 @@ def test_ctrl_c_stops_an_in_process_run_within_seconds(tmp_path):
 # --------------------------------------------------------------------------- the run folder
 
 
+@pytest.mark.heavy
 def test_a_new_run_into_a_used_folder_is_refused(tiny_config, tmp_path):
     """A FedAvg run into the folder of a cwFedAvg run (same run_name) would keep the other's estimates and figures:
     refused (exit 2) before anything is written, naming how to go on."""
@@ -214,6 +219,7 @@ def test_an_interrupted_run_folder_names_resume(tiny_config, tmp_path):
     checkpoint.check_fresh(tmp_path / "empty")
 
 
+@pytest.mark.heavy
 def test_a_finished_run_removes_its_resume_state_unless_kept(tiny_config, tmp_path):
     """cwFedAvg keeps private models on the clients (client-state/) and its stack on the server (server-state/):
     both, and checkpoint.pt, are gone after a successful end; --keep-state keeps them."""

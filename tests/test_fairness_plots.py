@@ -16,10 +16,16 @@ import numpy as np
 import pytest
 
 from fedapps.reporting import plots
-
+from fedapps.reporting.results import (
+    accuracy_stats,
+    after_training_stats,
+    client_std,
+    measured_columns,
+    round_row,
+    worst_share_count,
+    worst_share_mean,
+)
 from fedapps.wire import protocol
-from fedapps.reporting.results import (accuracy_stats, after_training_stats, client_std, measured_columns, round_row,
-                             worst_share_count, worst_share_mean)
 from fedapps_tools import cli
 from fedapps_tools.compare import Line, comparison_curves, markdown_table, summarise_runs
 

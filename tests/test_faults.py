@@ -13,7 +13,7 @@ from __future__ import annotations
 import csv
 import math
 from dataclasses import dataclass, is_dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import server_app
-from fedapps.flower import faults
 from fedapps.config import load_config
+from fedapps.flower import faults
 from fedapps.flower.inprocess import InProcessGrid
 from strategies import STRATEGIES, RunContext, resolve
 
@@ -93,7 +93,7 @@ def run(strategy: str, spec: str = "", clients: int = CLIENTS, extra: tuple[str,
     return Run(s, logs)
 
 
-@lru_cache(maxsize=None)
+@cache
 def baseline(strategy: str, spec: str, faulty: int = FAULTY) -> Run:
     return run(strategy, spec, faulty=faulty)
 

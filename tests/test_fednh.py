@@ -5,24 +5,36 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import server_app
-from fedapps.wire import protocol
+from fedapps.client.worker import Worker
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import ModelError, build_model
 from fedapps.models.heads import CosineClassifier
-from fedapps.wire.protocol import ARRAYS, ClientReply
 from fedapps.reporting.results import measured_columns, read_csv, round_row
-from fedapps.client.worker import Worker
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ARRAYS, ClientReply
 from strategies import RunContext, resolve
 from strategies.base import DeployedModel, RoundLog, with_evaluations
-from strategies.fednh import (COUNTS, TRAIN_OP, FedNH, class_prototypes, min_pairwise_angle,
-                              orthogonal_prototypes, penultimate_features, uniform_prototypes, update_prototypes)
+from strategies.fednh import (
+    COUNTS,
+    TRAIN_OP,
+    FedNH,
+    class_prototypes,
+    min_pairwise_angle,
+    normalise_rows,
+    orthogonal_prototypes,
+    penultimate_features,
+    uniform_prototypes,
+    update_prototypes,
+)
 from test_ops_worker import worker_message
 
 PATHOLOGICAL = {"source": "digits", "partition": "pathological", "num_clients": 4, "classes_per_client": 2}
@@ -60,6 +72,17 @@ def test_cosine_variant_of_a_zoo_model_replaces_only_the_classifier() -> None:
         build_model("cnn+arc", 10, (1, 8, 8))
 
 
+# found by `make mutate`
+def test_cosine_head_normalises_each_feature_vector_also_with_extra_leading_dimensions() -> None:
+    """Like nn.Linear, the head takes (*, d) inputs: each d-vector is normalised, not a column across samples."""
+    head = CosineClassifier(2, 2, scale=3.0)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    z = torch.tensor([[[3.0, 4.0], [0.0, 2.0], [5.0, 0.0]], [[1.0, 1.0], [-2.0, 0.0], [0.0, 0.5]]])  # 2 × 3 × d
+    want = 3.0 * F.normalize(z, dim=-1)  # cosines with the unit axes
+    torch.testing.assert_close(head(z), want)
+
+
 # --------------------------------------------------------------------------- the prototype update
 
 
@@ -91,6 +114,18 @@ def test_class_prototypes_are_normalised_means_of_normalised_features() -> None:
     m0 = (unit(3, 4) + unit(0, 1) + unit(1, 1)) / 3  # each feature normalised before the mean
     np.testing.assert_allclose(mu.numpy(), [unit(*m0), [0, 0], [-1, 0], [0, 0]], atol=1e-6)
     assert counts.tolist() == [3, 0, 1, 0]
+
+
+# found by `make mutate`
+def test_fednh_update_keeps_unseen_classes_at_rho_zero_and_the_input_dtype() -> None:
+    p = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
+    local = np.array([[[0.0, 1.0], [0.0, 0.0]]], np.float32)
+    counts = np.array([[2, 0]])  # class 1: nobody has samples
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no 0/0 for the unseen class
+        new = update_prototypes(p, local, counts, 0.0)
+    assert new.dtype == np.float32
+    np.testing.assert_array_equal(new, [[0.0, 1.0], [0.0, 1.0]])  # class 0 moved all the way; class 1 kept
 
 
 # --------------------------------------------------------------------------- the initial spread
@@ -126,6 +161,32 @@ def test_orthogonal_init_with_too_few_dimensions_is_refused(tiny_config) -> None
                                           "synthetic_shape": [1, 8, 8], "partition": "iid", "num_clients": 2}), "")
     with pytest.raises(ConfigError, match=r"strategy\.params\.fednh\.init.*300 classes.*200"):
         resolve(small)
+
+
+# found by `make mutate`
+def test_fednh_normalise_rows_zero_and_tiny_rows() -> None:
+    """A row at or below the guard (norm ≤ 1e-12) is set to zero, not left as whatever memory np.divide found."""
+    a = np.array([[3.0, 4.0], [0.0, 0.0], [1e-12, 0.0], [2e-12, 0.0]])
+    for _ in range(3):  # freed arrays of the same size are reused: an unset output row would show their values
+        junk = np.full_like(a, 7.0)
+        del junk
+        np.testing.assert_array_equal(normalise_rows(a), [[0.6, 0.8], [0.0, 0.0], [0.0, 0.0], [1.0, 0.0]])
+
+
+# found by `make mutate`
+def test_fednh_min_pairwise_angle_of_integer_and_rounded_rows() -> None:
+    assert min_pairwise_angle([[1, 0], [0, 1]]) == pytest.approx(90.0)  # integer rows are fine
+    # (1, 1, 1)/√3 · itself rounds to 1 + 2e-16: clipped, not a math domain error
+    assert min_pairwise_angle(np.array([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]])) == 0.0
+
+
+# found by `make mutate`
+def test_fednh_orthogonal_prototypes_square_seeded_float32() -> None:
+    p = orthogonal_prototypes(4, 4, seed=5)  # K = d is allowed: a rotation
+    assert p.dtype == np.float32
+    np.testing.assert_allclose(p @ p.T, np.eye(4), atol=1e-6)
+    np.testing.assert_array_equal(orthogonal_prototypes(3, 6, seed=5), orthogonal_prototypes(3, 6, seed=5))
+    assert not np.allclose(orthogonal_prototypes(3, 6, seed=5), orthogonal_prototypes(3, 6, seed=6))
 
 
 # --------------------------------------------------------------------------- the client

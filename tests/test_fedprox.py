@@ -4,6 +4,7 @@ term by hand (value and gradient), and the strategy end to end against FedAvg.""
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from fedapps.client.clientops import TRAINING_TERMS
 from fedapps.config import load_config
@@ -26,6 +27,11 @@ def test_proximal_penalty_value_and_gradient_by_hand():
     # d/dw (mu/2)||w - a||^2 = mu (w - a): pulls TOWARDS the anchor
     np.testing.assert_allclose(model.weight.grad.numpy(), 0.4 * np.array([[1.0, -3.0]]), rtol=1e-6)
     np.testing.assert_allclose(model.bias.grad.numpy(), [0.2], rtol=1e-6)
+
+
+# found by `make mutate`
+def test_an_empty_anchor_costs_nothing() -> None:
+    assert proximal_penalty(nn.Linear(2, 1), {}, 1.0).item() == 0.0
 
 
 def test_proximal_term_is_registered_and_off_at_zero():

@@ -12,17 +12,28 @@ from flwr.app import Array
 from torch import nn
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol
 from fedapps.client.clientops import ProtocolError
+from fedapps.client.worker import STATE_MODEL, Worker
 from fedapps.config import ConfigError, OptimSettings, load_config
 from fedapps.flower.inprocess import InProcessGrid
-from fedapps.wire.protocol import ClientReply
 from fedapps.reporting.results import read_csv
-from fedapps.client.worker import STATE_MODEL, Worker
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
 from strategies import RunContext, resolve
-from strategies.fedselect import (LOAD_OP, MASK_PREFIX, TRAIN_OP, entries_frozen, grow_mask, local_alt,
-                                  masked_average, pack_mask, scatter_shared, selectable, shared_values, unpack_mask)
+from strategies.fedselect import (
+    LOAD_OP,
+    MASK_PREFIX,
+    TRAIN_OP,
+    entries_frozen,
+    grow_mask,
+    local_alt,
+    masked_average,
+    pack_mask,
+    scatter_shared,
+    selectable,
+    shared_values,
+    unpack_mask,
+)
 from test_ops_worker import worker_message
 
 PATHOLOGICAL = {"source": "digits", "partition": "pathological", "num_clients": 4, "classes_per_client": 4}
@@ -308,6 +319,7 @@ def test_with_nothing_personal_it_is_fedavg(tiny_config):
         assert selected.evaluate_metrics_clientapp[r]["acc_mean"] == plain.evaluate_metrics_clientapp[r]["acc_mean"]
 
 
+@pytest.mark.heavy
 def test_same_seed_same_rounds_csv(tiny_config, tmp_path):
     import server_app
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedapps.wire import protocol
+from fedapps.client.worker import Worker
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
-from fedapps.wire.protocol import ARRAYS
 from fedapps.reporting.results import read_csv
-from fedapps.client.worker import Worker
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ARRAYS
 from strategies import resolve
 from strategies.feduv import (FORM, LOG_GAUSSIAN, MEDIAN_RBF, MU_U, MU_V, TEMPERATURE, TRAIN_OP, UNIFORMITY, VARIANCE, FeatureTap,
                               feduv_loss, iid_threshold, log_gaussian_uniformity, median_rbf_uniformity, uniformity,
@@ -342,6 +342,60 @@ def test_each_term_moves_local_training_its_way():
     assert v1 < v0 - 0.03  # the class probabilities vary more over the batch
     assert u1 < u0 - 0.01  # no pair of samples much closer than the batch's typical distance
     assert g1 < g0 - 0.5  # the normalised features are spread more uniformly over the sphere
+
+
+# found by `make mutate`
+def test_feduv_terms_on_a_batch_of_two_and_of_one() -> None:
+    """Two samples are enough for both terms (a batch of 2 has a variance and one pair); one sample gives 0, not
+    the logits' sum."""
+    logits = torch.tensor([[math.log(3.0), 0.0], [0.0, math.log(3.0)]], dtype=torch.float64)
+    # each column (3/4, 1/4): unbiased variance 1/8, std 0.3536; hinge 0.5 − std per class
+    assert variance_hinge(logits, 0.5, eps=0.0).item() == pytest.approx(0.5 - math.sqrt(1 / 8), abs=1e-12)
+    z = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+    # one pair: log-gaussian on the unit rows, squared distance 2; median-rbf on the raw rows, d = m = 5: exp(−1)
+    assert uniformity(z, LOG_GAUSSIAN, 2.0).item() == pytest.approx(-2.0 * 2.0, abs=1e-12)
+    assert uniformity(z).item() == pytest.approx(math.exp(-1.0), abs=1e-12)
+    assert variance_hinge(torch.tensor([[1.0, 2.0, 3.0]]), 0.5).item() == 0.0
+    for form in ("median-rbf", LOG_GAUSSIAN):
+        assert uniformity(torch.tensor([[1.0, 2.0, 3.0]]), form).item() == 0.0
+
+
+def feduv_batch():
+    model = build_model("mlp", 10, (1, 8, 8), seed=0)
+    g = torch.Generator().manual_seed(1)
+    return model, torch.randn(6, 1, 8, 8, generator=g), torch.randint(0, 10, (6,), generator=g)
+
+
+# found by `make mutate`
+def test_feduv_loss_computes_only_the_terms_that_are_on_and_sums_them_over_batches() -> None:
+    model, x, y = feduv_batch()
+    with torch.no_grad():
+        feats = model.fc2(model.fc1(torch.flatten(x, 1)))
+        logits = model.fc(feats)
+        ce, v, u = F.cross_entropy(logits, y), variance_hinge(logits, iid_threshold(10)), uniformity(feats)
+        loss_fn, sums = feduv_loss(None, 0.0, 0.0)  # both off: the cross-entropy exactly, nothing summed
+        assert torch.equal(loss_fn(model, x, y, None), ce) and sums == {}
+        loss_fn, sums = feduv_loss(None, 0.5, 0.0)  # the variance term alone needs no features
+        assert loss_fn(model, x, y, None).item() == pytest.approx((ce + 0.5 * v).item(), rel=1e-6)
+        assert set(sums) == {"variance", "batches"}
+        assert float(sums["variance"]) == pytest.approx(v.item(), rel=1e-6)
+        tap = FeatureTap(model)
+        loss_fn, sums = feduv_loss(tap, 0.0, 0.5)  # the uniformity term alone (a coefficient below 1)
+        with tap:
+            assert loss_fn(model, x, y, None).item() == pytest.approx((ce + 0.5 * u).item(), rel=1e-6)
+            loss_fn(model, x, y, None)  # a second batch: the running sums add up
+        assert set(sums) == {"uniformity", "batches"}
+        assert float(sums["batches"]) == 2.0 and float(sums["uniformity"]) == pytest.approx(2 * u.item(), rel=1e-6)
+
+
+# found by `make mutate`
+def test_feduv_loss_adds_the_other_training_terms_evaluated_on_the_model() -> None:
+    model, x, y = feduv_batch()
+    regulariser = lambda m: (m.fc.weight ** 2).sum()  # noqa: E731
+    with torch.no_grad():
+        ce = F.cross_entropy(model(x), y)
+        loss_fn, _ = feduv_loss(None, 0.0, 0.0, regulariser=regulariser)
+        assert loss_fn(model, x, y, None).item() == pytest.approx((ce + regulariser(model)).item(), rel=1e-6)
 
 
 # --------------------------------------------------------------------------- the strategy

@@ -19,8 +19,15 @@ import torch
 
 import fedapps.config as config_module
 from fedapps.config import ConfigError, config_from_dict, load_config
-from fedapps.data import DataError, build_federation, load_source, partition_dirichlet, partition_iid, source_info
-from fedapps.data import partition_pathological
+from fedapps.data import (
+    DataError,
+    build_federation,
+    load_source,
+    partition_dirichlet,
+    partition_iid,
+    partition_pathological,
+    source_info,
+)
 from fedapps.data.federation import check_spec
 
 # DirichletPartitioner warns on every redraw (the agreement tests redraw on purpose)
@@ -340,8 +347,8 @@ def test_dirichlet_gives_up_after_11_draws_in_flwr_datasets_after_1000_in_ours()
 
 @needs_hf
 def test_dirichlet_differs_when_a_client_holds_exactly_n_over_m():
-    """The one cutting rule that differs: PFLlib stops filling a client once it holds N/M samples (>=), flwr-datasets once
-    it holds more (>). Scripted shares: 40 rows (20, 10, 10 per class), 2 clients, N/M = 20; after class 1 client 0
+    """The one cutting rule that differs: PFLlib stops filling a client once it holds N/M samples (>=), flwr-datasets
+    once it holds more (>). Scripted shares: 40 rows (20, 10, 10 per class), 2 clients, N/M = 20; after class 1 client 0
     holds exactly 20. Ours then gives class 2 to client 1 only (20/20); flwr-datasets splits it (25/15)."""
     labels = np.array([0] * 20 + [1] * 10 + [2] * 10)
     shares = [[0.5, 0.5], [1.0, 0.0], [0.5, 0.5]]

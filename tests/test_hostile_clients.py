@@ -13,8 +13,8 @@ each option: tests/test_robust_personalisation.py.
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Callable
+from collections.abc import Callable
+from functools import cache
 
 import pytest
 
@@ -24,7 +24,7 @@ from fedapps_tools.capture import ATTACKER, BOUND, VICTIM, Case, Outcome
 CASES = [c for c in capture.CASES if not c.limits]
 
 
-@lru_cache(maxsize=None)
+@cache
 def arm(name: str, which: str) -> Outcome:
     return capture.run_arm(capture.case(name), which, seed=0)
 
@@ -97,12 +97,14 @@ def test_every_case_says_what_its_attack_does():
 
 
 @pytest.mark.parametrize("name", [c.name for c in CASES])
+@pytest.mark.heavy
 def test_without_the_robust_option_the_attack_does_what_the_issue_measured(name):
     c = capture.case(name)
     CAPTURED[name](c, arm(name, "default"), arm(name, capture.REFERENCE))
 
 
 @pytest.mark.parametrize("name", [c.name for c in CASES])
+@pytest.mark.heavy
 def test_with_the_robust_option_the_damage_is_bounded(name):
     c = capture.case(name)
     default, robust, ref = arm(name, "default"), arm(name, "robust"), arm(name, capture.REFERENCE)

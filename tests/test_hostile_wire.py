@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from fedapps.flower import faults
-
 from fedapps.wire import protocol
-from test_faults import ARRAYS, PREDICTIONS, ROUNDS, Run, assert_same_state, baseline, run
+from test_faults import ARRAYS, PREDICTIONS, Run, assert_same_state, baseline, run
 
 HOSTILE = 0  # the lowest client id: first in every sum over replies (sorted by client id)
 
@@ -150,8 +149,8 @@ def test_a_reply_a_strategy_cannot_use_is_recorded_in_rejections_csv(tmp_path):
     from flwr.app import MetricRecord
 
     import server_app
-    from fedapps.wire import protocol
     from fedapps.flower.inprocess import InProcessGrid
+    from fedapps.wire import protocol
     from strategies.ifca import CHOICE
 
     def bad_choice(msg, context, call_next):

@@ -21,8 +21,14 @@ import pytest
 from conftest import write_config
 from fedapps.reporting import plots
 from fedapps_tools import cli
-from fedapps_tools.html_report import (Run, cumulative_megabytes, final_client_accuracies, read_comparison,
-                                       seed_runs, traffic_at)
+from fedapps_tools.html_report import (
+    Run,
+    cumulative_megabytes,
+    final_client_accuracies,
+    read_comparison,
+    seed_runs,
+    traffic_at,
+)
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
@@ -124,6 +130,7 @@ def colour_pixels(image: np.ndarray, hex_colour: str, tol: float = 0.08) -> int:
 # --------------------------------------------------------------------------- the comparison page in a browser
 
 
+@pytest.mark.heavy
 def test_comparison_report_renders_in_a_browser(comparison, tmp_path, capsys):
     import matplotlib.image
 
@@ -226,7 +233,7 @@ def test_seed_runs_finds_exactly_one_configs_finished_runs(tmp_path):
     for name in ("a-s0", "a-s10", "a-s1", "a-s1-s0", "ab-s0", "a-s2"):
         (tmp_path / name).mkdir()
         if name != "a-s2":  # a-s2 never finished
-            (tmp_path / name / "summary.json").write_text('{"seed": %d}' % int(name.rsplit("-s", 1)[1]))
+            (tmp_path / name / "summary.json").write_text(f'{{"seed": {int(name.rsplit("-s", 1)[1])}}}')
     assert [r.path.name for r in seed_runs(tmp_path, "a")] == ["a-s0", "a-s1", "a-s10"]
     assert [r.path.name for r in seed_runs(tmp_path, "a-s1")] == ["a-s1-s0"]
     assert seed_runs(tmp_path / "missing", "a") == []

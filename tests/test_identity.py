@@ -40,6 +40,7 @@ def client_columns(rows: list[dict], client: int) -> list[str]:
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "cwfedavg"])
+@pytest.mark.heavy
 def test_a_client_claiming_another_id_every_round_is_rejected_alone(strategy, tmp_path):
     spoofing = InProcessGrid(CLIENTS, node_configs={ATTACKER: {"faults": f"spoof={VICTIM}@{ATTACKER}"}},
                              mods=[faults.faults_mod])

@@ -11,8 +11,7 @@ import torch
 
 import server_app
 from fedapps.config import DataConfig, load_config
-from fedapps.data import (DataError, build_federation, clear_federation_cache, federation, get_federation,
-                          load_source)
+from fedapps.data import DataError, build_federation, clear_federation_cache, federation, get_federation, load_source
 from fedapps.flower.inprocess import InProcessGrid
 
 torch.set_num_threads(1)

@@ -1,5 +1,5 @@
-"""fedapps.flower.message_sweep: the one-pass message sweep hands out exactly what Flower's per-node sweep does, on a real
-InMemoryLinkState filled through Flower's own InMemoryGrid (as in Flower's simulation)."""
+"""fedapps.flower.message_sweep: the one-pass message sweep hands out exactly what Flower's per-node sweep does, on a
+real InMemoryLinkState filled through Flower's own InMemoryGrid (as in Flower's simulation)."""
 
 from __future__ import annotations
 

@@ -18,12 +18,12 @@ import torch
 from flwr.app import Context, RecordDict
 
 import server_app
-from fedapps.wire import protocol
 from fedapps.config import load_config
 from fedapps.data import DataError, load_source, node_path, read_labelled
 from fedapps.flower.describe import NodeReport, agree
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.reporting.results import UnusableRun
+from fedapps.wire import protocol
 from fedapps.client.worker import NODE_CLIENT_ID, STATE_DIR_KEY, STATE_MODEL, handle, lost_on_restart
 from strategies import STRATEGIES, RunContext, resolve
 
@@ -132,9 +132,10 @@ def test_image_folder_is_read_like_the_npz_it_was_written_from(tmp_path, digits)
 
 
 def test_a_nodes_split_is_seeded_by_its_client_id_and_its_counts_are_its_own(tmp_path, digits):
+    import dataclasses
+
     from fedapps.config import DataConfig
     from fedapps.data import node_federation
-    import dataclasses
 
     x, y = digits
     np.savez(tmp_path / "own.npz", x=x[:300], y=y[:300])

@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol, pseudolabels
+from fedapps.client.worker import STATE_MODEL, Worker
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model, classifier_name
-from fedapps.client.worker import STATE_MODEL, Worker
+from fedapps.wire import protocol, pseudolabels
 from strategies.cwfedavg import wdr_penalty
 from strategies.fedprox import proximal_penalty
 
@@ -97,6 +96,11 @@ def test_proximal_penalty_value():
     anchor = {k: torch.zeros_like(v) for k, v in model.named_parameters()}
     expected = 0.5 * 2.0 * sum((p ** 2).sum() for p in model.parameters())
     assert torch.allclose(proximal_penalty(model, anchor, 2.0), expected)
+
+
+# found by `make mutate`
+def test_weighted_mean_with_weights_below_one() -> None:
+    assert ops.weighted_mean(torch.tensor([1.0, 3.0]), torch.tensor([0.2, 0.3])).item() == pytest.approx(2.2)
 
 
 # what the worker tests' messages carry: digits over two clients with a public set, the small MLP, SGD on the CPU

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fedapps.server.clustering import l2_distance_matrix
 from fedapps.server.pairwise_l1 import compiled, l1_distance_matrix
 
 
@@ -60,3 +61,13 @@ def test_kernels_still_compile_where_no_cache_directory_can_be_used(caplog: pyte
         triple = compiled()(namespace["triple"])
     assert triple(7) == 21
     assert "cannot cache triple" in caplog.text
+
+
+# found by `make mutate`
+def test_identical_rows_are_at_distance_zero_and_one_column_blocks_work() -> None:
+    x = np.array([[0.2, 0.8, 0.0], [0.2, 0.8, 0.0], [1.0, 0.0, 0.0]], np.float32)
+    np.testing.assert_array_equal(np.diag(l2_distance_matrix(x)), 0.0)
+    assert l2_distance_matrix(x)[0, 1] == 0.0
+    np.testing.assert_allclose(l1_distance_matrix(x, block=1), [[0, 0, 1.6], [0, 0, 1.6], [1.6, 1.6, 0]], rtol=1e-6)
+    # more threads asked for than there are blocks (3 columns in blocks of 2: 2 blocks): as many threads as blocks
+    np.testing.assert_allclose(l1_distance_matrix(x, threads=3, block=2), l1_distance_matrix(x), rtol=1e-6)

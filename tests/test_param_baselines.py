@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import server_app
-from fedapps.wire import protocol
+from fedapps.client.worker import STATE_MODEL, ProtocolError, Worker, model_arrays, split_models
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
 from fedapps.wire.protocol import ARRAYS, METRICS, ClientReply
-from fedapps.client.worker import STATE_MODEL, ProtocolError, Worker, model_arrays, split_models
+from fedapps.wire import protocol
 from fedapps.wire.protocol import pack_models
 from strategies import resolve
 from strategies.fedamp import (attention_weights, flatten, median_nonzero, relative_attention_weights, squared_distances,
@@ -142,6 +142,13 @@ def test_anchor_arrays_are_not_loaded_and_pull_the_model(tmp_path) -> None:
     initial = sum(float((v ** 2).sum()) for k, v in mlp_state(0).items())
     assert distances[0.0] > 0.5 * initial  # not loaded: training started from the client's own model
     assert distances[10.0] < 0.5 * distances[0.0]  # the proximal term carries gradient towards the anchor
+
+
+# found by `make mutate`
+def test_attention_weights_are_float64_and_their_rows_sum_to_one() -> None:
+    xi = attention_weights(np.zeros((3, 3), np.float32), 0.1, 1.0)
+    assert xi.dtype == np.float64
+    np.testing.assert_allclose(xi.sum(axis=1), 1.0, rtol=0, atol=1e-15)
 
 
 # --------------------------------------------------------------------------- Ditto

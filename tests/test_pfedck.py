@@ -11,16 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol
+from fedapps.client.worker import STATE_MODEL, Worker, data_spec
 from fedapps.config import ConfigError, OptimSettings, load_config
 from fedapps.data import get_federation
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
-from fedapps.wire.protocol import ClientReply
 from fedapps.reporting.results import read_csv
 from fedapps.seeds import derive_seed
-from fedapps.client.worker import STATE_MODEL, Worker, data_spec
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
 from strategies import resolve
 from strategies.comet import kmeans, kmeans_plus_plus
 from strategies.pfedck import (ALPHA, BETA, KL_INTERACTIVE, KL_PERSONAL, SECTION, TEMPERATURE, TRAIN_OP,
@@ -198,6 +197,7 @@ def test_params_are_declared_and_checked(tiny_config):
         resolve(load_config(tiny_config(strategy={"name": "pfedck", "params": {"pfedck": {"clusters": 9}}})))
 
 
+@pytest.mark.heavy
 def test_short_run_sends_one_model_each_way_and_personalises(tiny_config, tmp_path):
     import server_app
 

@@ -14,16 +14,23 @@ import numpy as np
 import pytest
 import torch
 
-from fedapps.wire import protocol
+from fedapps.client.worker import STATE_MODEL
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
-from fedapps.wire.protocol import ClientReply
 from fedapps.reporting.results import read_csv
-from fedapps.client.worker import STATE_MODEL
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
 from strategies import RunContext, resolve
-from strategies.pfedhn import (HyperNetwork, accumulate_delta_gradient, embedding_size, hypernetwork_size,
-                               hypernetwork_step, make_optimizer, target_shapes)
+from strategies.pfedhn import (
+    HyperNetwork,
+    accumulate_delta_gradient,
+    embedding_size,
+    hypernetwork_size,
+    hypernetwork_step,
+    make_optimizer,
+    target_shapes,
+)
 
 TOY = {"w": (2, 3), "b": (2,)}  # a toy target network: one linear layer 3 → 2
 
@@ -137,6 +144,26 @@ def test_the_step_applies_the_gradient_and_pulls_the_generated_model_to_the_trai
     torch.testing.assert_close(flat_params(hn2), phi - 0.05 * 0.1 * grad / (grad.norm() + 1e-6), rtol=1e-9, atol=1e-12)
 
 
+# found by `make mutate`
+def test_pfedhn_embedding_size_one_and_optimizer_settings() -> None:
+    assert embedding_size(20, 1) == 1  # a given size of 1 is kept, not replaced by the rule
+    hn = HyperNetwork(3, {"w": (2, 3)}, embed_dim=2, hidden_dim=3, hidden_layers=1)
+    rest, emb = make_optimizer(hn, lr=0.1, embed_lr=0.0, momentum=0.7, weight_decay=0.01).param_groups
+    assert (rest["lr"], rest["momentum"], rest["weight_decay"]) == (0.1, 0.7, 0.01)
+    assert (emb["lr"], emb["momentum"], emb["weight_decay"]) == (0.1, 0.7, 0.01)  # embed_lr 0: the same lr
+    assert [id(t) for t in emb["params"]] == [id(hn.embeddings.weight)]
+    assert {id(t) for t in rest["params"]} == {id(t) for n, t in hn.named_parameters() if not n.startswith("emb")}
+    assert make_optimizer(hn, lr=0.1, embed_lr=0.3, momentum=0.0, weight_decay=0.0).param_groups[1]["lr"] == 0.3
+
+
+# found by `make mutate`
+def test_pfedhn_step_without_a_gradient_reports_zero_and_moves_nothing() -> None:
+    hn = HyperNetwork(3, {"w": (2, 3)}, embed_dim=2, hidden_dim=3, hidden_layers=1)
+    before = [p.detach().clone() for p in hn.parameters()]
+    assert hypernetwork_step(hn, make_optimizer(hn, 0.1, 0.0, 0.9, 0.0), clip_norm=1.0) == 0.0
+    assert all(torch.equal(a, p) for a, p in zip(before, hn.parameters()))
+
+
 # --------------------------------------------------------------------------- the strategy's round, by hand
 
 
@@ -224,6 +251,7 @@ def test_params_are_declared_and_a_model_too_large_for_the_server_is_refused(tin
     resolve(load_config(tiny_config(strategy={"name": "pfedhn", "params": {"pfedhn": small}}, model={"name": "resnet18"})))
 
 
+@pytest.mark.heavy
 def test_batchnorm_buffers_stay_on_the_clients(tiny_config):
     """MobileNetV2 (BatchNorm): the messages carry parameters only; each client keeps its own running statistics,
     trained on its data, in its private model between rounds."""

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,19 +20,27 @@ import pytest
 import torch
 from flwr.app import Message
 
+from conftest import run_in_process
 from fedapps.client import ops
-
-from fedapps.wire import protocol
+from fedapps.client.worker import STATE_MODEL, Worker, optim_settings, part_names
 from fedapps.config import load_config
 from fedapps.data import get_federation
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
-from fedapps.wire.protocol import ClientReply
-from fedapps.reporting.results import FileSink, accuracy_stats, measured_columns, merge_measurement, round_row, summarise
+from fedapps.reporting.results import (
+    FileSink,
+    accuracy_stats,
+    measured_columns,
+    merge_measurement,
+    read_csv,
+    round_row,
+    summarise,
+)
 from fedapps.seeds import derive_seed
-from fedapps.client.worker import STATE_MODEL, Worker, optim_settings, part_names
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
 from strategies import STRATEGIES, RunContext, resolve
-from strategies.base import DeployedModel, Measurement, RoundLog, with_evaluations
+from strategies.base import DeployedModel, Measurement, RoundLog, sample_ids, with_evaluations
 from strategies.fedbabu import FINETUNE
 
 CLIENTS = 2
@@ -102,7 +111,7 @@ def _fedselect(s, grid, cid, data, rnd):
     return _evaluate(state, data)
 
 
-HAND = {  # strategy -> (strategy, grid, client id, its data, round) -> evaluation of its deployed model after that round
+HAND = {  # strategy -> (strategy, grid, client id, its data, round) -> its deployed model evaluated after that round
     "fedavg": lambda s, g, c, d, r: _evaluate(_tensors(s.global_arrays), d),
     "fedprox": lambda s, g, c, d, r: _evaluate(_tensors(s.global_arrays), d),
     "feduv": lambda s, g, c, d, r: _evaluate(_tensors(s.global_arrays), d),
@@ -320,6 +329,43 @@ def test_full_participation_identifies_every_node_once():
     assert strategy.sample_nodes(grid) == sorted(grid.contexts) == strategy.sample_nodes(grid)
     assert sorted(int(m.metadata.dst_node_id) for m in grid.sent) == sorted(grid.contexts)
     assert all(protocol.request_of(m).ops == () for m in grid.sent)
+
+
+BIG = 2**63 - 40  # Flower's node ids are uint64: a federation mixes ids below and above 2**63 (-> float64 in numpy)
+
+
+# regression: exit 0 with wrong or empty results
+def test_sample_ids_keeps_64_bit_ids_exact():
+    ids = [BIG + 7 * i for i in range(200)]  # straddles 2**63
+    picked = sample_ids(ids, 20, np.random.default_rng(0))
+    assert len(picked) == 20 and len(set(picked)) == 20
+    assert set(picked) <= set(ids)  # float64 would round BIG + 7i to a multiple of 2048: not an id
+    assert picked == sorted(picked)
+
+
+# regression: exit 0 with wrong or empty results
+def test_sample_ids_is_seeded():
+    ids = [BIG + i for i in range(50)]
+    a = sample_ids(ids, 10, np.random.default_rng(3))
+    b = sample_ids(ids, 10, np.random.default_rng(3))
+    c = sample_ids(ids, 10, np.random.default_rng(4))
+    assert a == b and a != c
+
+
+# regression: exit 0 with wrong or empty results
+def test_partial_participation_reaches_every_sampled_node_with_large_ids(tiny_config, tmp_path):
+    cfg = tiny_config(rounds=2, strategy={"name": "fedavg", "fraction": 0.25, "min_clients": 1},
+                      data={"source": "digits", "partition": "iid", "num_clients": 12})
+    grid = InProcessGrid(12, first_node_id=2**63 - 6, record=True)  # ids on both sides of 2**63
+    _, out = run_in_process(cfg, tmp_path / "out", grid)
+    k = math.ceil(0.25 * 12)
+    for rnd in ("1", "2"):
+        sent = [m for m in grid.sent if m.metadata.group_id == rnd]
+        assert len(sent) == k
+        destinations = [m.metadata.dst_node_id for m in sent]
+        assert len(set(destinations)) == k and set(destinations) <= set(grid.contexts)
+    rows = read_csv(out / "rounds.csv")
+    assert [r["clients"] for r in rows] == [k, k]
 
 
 def worker_message(ops_list, training, client=None):

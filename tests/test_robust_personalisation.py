@@ -13,22 +13,20 @@ import pytest
 import torch
 from flwr.app import Message
 
-from fedapps.flower import faults
-
-from fedapps.wire import protocol, pseudolabels
-from fedapps.server.clustering import ClusteringResult, isolated
 from fedapps.config import ConfigError, load_config
 from fedapps.data import DataError
 from fedapps.data.nodes import NodeRegistry, parse_registry, read_registry, record_node
+from fedapps.flower import faults
 from fedapps.flower.inprocess import InProcessGrid
-from fedapps.wire.protocol import ClientReply
+from fedapps.server.clustering import ClusteringResult, isolated
 from fedapps.server.robust import AggregationRule, clip_to_median, median_bound, nodes_weight_cap, scale_update
+from fedapps.wire import protocol, pseudolabels
+from fedapps.wire.protocol import ClientReply
 from fedapps.wire.validation import ReplyValidator
 from strategies import resolve
 from strategies.fedmd import consensus_logits, robust_consensus, softmax
 from strategies.ifca import CHOICE, clip_choosers
-from strategies.pfedhn import (HyperNetwork, accumulate_delta_gradient, client_gradient_norms,
-                               median_clip_scales)
+from strategies.pfedhn import HyperNetwork, accumulate_delta_gradient, client_gradient_norms, median_clip_scales
 
 InProcessGrid(1)  # sets Flower's task identity, which Message() needs outside Flower's runtime
 
@@ -50,7 +48,7 @@ def reply(node: int, client: int, arrays=None, predictions=None, metrics=None, n
                        info={})
 
 
-# --------------------------------------------------------------------------- fedapps.server.robust: clipping to the median
+# ----------------------------------------------------------------------- fedapps.server.robust: clipping to the median
 
 
 def test_median_bound_is_factor_times_the_median():

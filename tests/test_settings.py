@@ -5,7 +5,6 @@ FedAvg end to end on each (digits: 8×8, square, 10 classes)."""
 from __future__ import annotations
 
 import dataclasses
-
 from pathlib import Path
 
 import numpy as np

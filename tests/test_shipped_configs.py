@@ -50,12 +50,8 @@ def shrink(path: Path) -> list[str]:
     return out
 
 
-HEAVY = {"cosmos-tinyimagenet.yaml"}  # ~60 s: VGG16 and MobileNetV2 on 64×64 images (pytest mark `heavy`)
-
-
-@pytest.mark.parametrize("path", [pytest.param(p, id=str(p.relative_to(ROOT / "configs")),
-                                               marks=[pytest.mark.heavy] if p.name in HEAVY else [])
-                                  for p in CONFIGS])
+@pytest.mark.parametrize("path", [pytest.param(p, id=str(p.relative_to(ROOT / "configs"))) for p in CONFIGS])
+@pytest.mark.heavy  # the papers' models at their input shapes: seconds to a minute each
 def test_shipped_config_runs_two_rounds(path, tmp_path):
     overrides = " ".join(shrink(path))
     cfg = load_config(path, overrides)
@@ -75,6 +71,7 @@ PARAMETER_SHARING = sorted(n for n, c in STRATEGIES.items() if not c.model_agnos
 
 @pytest.mark.parametrize("name", PARAMETER_SHARING)
 @pytest.mark.parametrize("model", MODEL_NAMES)
+@pytest.mark.heavy
 def test_every_zoo_model_under_every_parameter_sharing_strategy(model, name, tiny_config):
     """2 clients, 2 rounds, on the smallest input every zoo model takes (1×8×8: SqueezeNet's minimum). What is
     tested is the exchange of each model's full state (BatchNorm buffers included), which does not depend on the

@@ -80,6 +80,7 @@ def refusal(cfg: ExperimentConfig) -> str | None:
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 @pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.heavy
 def test_every_config_runs_or_refuses_every_strategy(config, strategy, tmp_path):
     overrides = overrides_for(config, strategy)
     cfg = load_config(config, overrides)

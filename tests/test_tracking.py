@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedapps.reporting import tracking
 from fedapps.config import TRACKERS, ConfigError, config_from_dict, config_hash, dump_yaml, load_config
 from fedapps.checkpoint import config_differences
+from fedapps.reporting import tracking
 
 NEEDS = "pip install -e \".[tracking]\" (the test extra includes it)"
 
@@ -86,6 +86,7 @@ def history(client, run_id: str, key: str) -> list[tuple[int, float]]:
 # --------------------------------------------------------------------------- a tracked run, read back
 
 
+@pytest.mark.heavy
 def test_tensorboard_and_mlflow_hold_what_rounds_csv_holds(tiny_config, tmp_path):
     needs("tensorboard")
     needs("mlflow")

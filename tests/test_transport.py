@@ -14,10 +14,12 @@ import torch
 from flwr.app import RecordDict
 
 import server_app
-from fedapps.wire import protocol
+from conftest import run_in_process
 from fedapps.config import ConfigError, config_hash, load_config, without_later_defaults
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
+from fedapps.reporting.results import read_csv
+from fedapps.wire import protocol
 from fedapps.wire.validation import ReplyValidator
 from fedapps.client.worker import model_arrays, received_state
 from strategies import STRATEGIES, resolve
@@ -114,6 +116,15 @@ def test_the_bytes_of_a_model_halve():
     assert f16 == payload // 2 + header
     assert 0.5 <= f16 / f32 <= 0.501
     assert nbytes(model_arrays(model, "state", "float16")) == f16  # the client's reply: the same bytes
+
+
+# regression: exit 0 with wrong or empty results
+def test_zero_dim_arrays_keep_their_shape():
+    rec = protocol.arrays_record({"num_batches_tracked": np.array(5, dtype=np.int64),
+                                  "w": np.arange(6, dtype=np.float32).reshape(2, 3).T})
+    assert rec["num_batches_tracked"].numpy().shape == ()
+    assert int(rec["num_batches_tracked"].numpy()) == 5
+    np.testing.assert_array_equal(rec["w"].numpy(), np.arange(6, dtype=np.float32).reshape(2, 3).T)
 
 
 # --------------------------------------------------------------------------- the server side
@@ -270,3 +281,23 @@ def test_fedavg_run_float16_halves_the_bytes_and_keeps_the_accuracy(tiny_config,
     for key in ("bytes_up_per_client_round", "bytes_down_per_client_round"):
         assert 0.5 <= s16[key] / s32[key] <= 0.51
     assert abs(s16["accuracy_mean"] - s32["accuracy_mean"]) <= 0.03
+
+
+# 8×8 images: what these regressions are about (BatchNorm buffers in the exchange, the server model's evaluation)
+# does not depend on the input size, and 32×32 costs ~5× the time
+SYNTH = {"source": "synthetic", "partition": "iid", "num_clients": 2, "synthetic_samples": 120,
+         "synthetic_classes": 4, "synthetic_shape": [3, 8, 8]}
+
+
+# regression: exit 0 with wrong or empty results
+@pytest.mark.parametrize("strategy", ["fedavg", "fedper"])
+@pytest.mark.heavy
+def test_batchnorm_model_exchanges_parameters(strategy, tiny_config, tmp_path):
+    cfg = tiny_config(rounds=2, strategy={"name": strategy}, data=SYNTH, model={"name": "resnet18"},
+                      client={"epochs": 1, "batch_size": 16, "lr": 0.01})
+    grid = InProcessGrid(2, record=True)
+    summary, out = run_in_process(cfg, tmp_path / "out", grid)
+    logged = read_csv(out / "rounds.csv")
+    assert [r["clients"] for r in logged] == [2, 2]
+    assert all(not m.has_error() for m in grid.replies)
+    assert isinstance(summary["accuracy_mean"], float)

@@ -1,5 +1,5 @@
-"""Reply validation (fedapps.wire.validation) and robust aggregation (fedapps.server.robust): hand-computed cases, Flower's
-own FedMedian / FedTrimmedAvg on the same inputs, and a property test over arbitrary reply contents."""
+"""Reply validation (fedapps.wire.validation) and robust aggregation (fedapps.server.robust): hand-computed cases,
+Flower's own FedMedian / FedTrimmedAvg on the same inputs, and a property test over arbitrary reply contents."""
 
 from __future__ import annotations
 
@@ -13,12 +13,19 @@ from flwr.serverapp.strategy import FedMedian, FedTrimmedAvg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedapps.wire import protocol, validation
 from fedapps.config import ConfigError, load_config, smallest_trim, trimmed_per_side
-from fedapps.flower.inprocess import InProcessGrid  # noqa: F401  (sets Flower's task identity for Message())
+from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.robust import (
+    AggregationRule,
+    cap_weights,
+    clip_update,
+    combine,
+    coordinate_median,
+    trimmed_mean,
+    update_norm,
+)
+from fedapps.wire import protocol, validation
 from fedapps.wire.protocol import ClientReply
-from fedapps.server.robust import (AggregationRule, cap_weights, clip_update, combine, coordinate_median, trimmed_mean,
-                            update_norm)
 from fedapps.wire.validation import LOGIT_BOUND, ArraySpec, Expectation, PredictionSpec, ReplyValidator
 from strategies import resolve
 from strategies.base import average_matching
@@ -103,6 +110,35 @@ def test_fedavg_with_median_shrugs_off_a_plausible_but_huge_update(tmp_path):
     replies = [ClientReply(100 + i, i, 100, {}, arrays=a) for i, a in enumerate([*good, bad])]
     s.aggregate(1, replies)
     assert max(float(np.abs(v).max()) for v in s.global_arrays.values()) < 100
+
+
+# ------------------------------------------------------------------- robust aggregation: edges (found by `make mutate`)
+
+
+def test_cap_weights_refuses_bad_weights_and_shares() -> None:
+    """Each refusal on its own (the conditions are or-ed: a mutant that drops one must be caught by one case)."""
+    for bad in ([2.0, -1.0], [1.0, np.nan], [np.inf, 1.0], [0.0, 0.0], [], [[1.0, 2.0]]):
+        with pytest.raises(ValueError):
+            cap_weights(bad, 0.5)
+    with pytest.raises(ValueError):
+        cap_weights([1.0, 1.0], 0.0)
+    np.testing.assert_array_equal(cap_weights([5.0], 0.5), [1.0])  # one client: all the weight, cap or not
+    assert cap_weights(np.array([1, 3], np.float32), 0.6).dtype == np.float64
+
+
+def test_robust_rules_return_float64_and_trim_zero_is_the_mean() -> None:
+    stack = np.array([[1.0, 4.0], [2.0, 0.0], [6.0, 5.0]], np.float32)
+    assert coordinate_median(stack).dtype == np.float64 and trimmed_mean(stack, 0.2).dtype == np.float64
+    assert combine(stack, [1, 1, 1], AggregationRule("median")).dtype == np.float64
+    np.testing.assert_allclose(trimmed_mean(stack, 0.0), stack.mean(axis=0), rtol=1e-6)
+    np.testing.assert_allclose(combine(stack, [1, 1, 2], AggregationRule("mean")), [3.75, 3.5], rtol=1e-6)
+
+
+def test_cap_weights_spreads_the_excess_over_zero_weight_clients():
+    out = cap_weights([1.0, 0.0, 0.0], 0.5)
+    np.testing.assert_allclose(out, [0.5, 0.25, 0.25])
+    out = cap_weights([3.0, 1.0, 0.0, 0.0], 0.4)  # 0.75 capped to 0.4; 0.25 scaled to 0.6 -> capped; zeros share 0.2
+    np.testing.assert_allclose(out, [0.4, 0.4, 0.1, 0.1])
 
 
 # --------------------------------------------------------------------------- the validator, by hand
@@ -275,12 +311,13 @@ def _metric_record(metrics: dict) -> MetricRecord | None:
         clean[k] = v
     try:
         return MetricRecord(clean)
-    except Exception:  # Flower refuses some lists itself (e.g. ints beyond 64 bits): not a reply that can arrive
+    except Exception:  # noqa: BLE001 - Flower refuses some lists itself (e.g. ints beyond 64 bits): not a reply that can arrive
         return None
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(replies_st(), st.booleans())
+@pytest.mark.heavy
 def test_validator_never_raises_and_accepted_replies_respect_every_bound(reply, known_sizes):
     output, want_arrays, metrics, records = reply
     record = _metric_record(metrics)
@@ -530,8 +567,9 @@ def test_clip_update_norm_is_validated_and_refused_where_it_does_not_apply():
 
 @pytest.mark.parametrize("overrides, message", [
     (["data.num_clients=5", "strategy.trim_fraction=0.1"],
-     "'strategy.trim_fraction: 0.1' trims no client from the cohort of 5 clients per round (data.num_clients=5, "
-     "strategy.fraction=1) (floor(0.1·5) = 0: the plain unweighted mean); set strategy.trim_fraction to at least 0.2"),
+     ("'strategy.trim_fraction: 0.1' trims no client from the cohort of 5 clients per round "
+      "(data.num_clients=5, strategy.fraction=1) (floor(0.1·5) = 0: the plain unweighted mean); "
+      "set strategy.trim_fraction to at least 0.2")),
     (["data.num_clients=20", "strategy.fraction=0.3", "strategy.trim_fraction=0.1"], "at least 0.167"),
     (["data.num_clients=2", "strategy.trim_fraction=0.4"], "trimming one at each end needs at least 3 clients"),
 ])
@@ -581,4 +619,3 @@ def test_the_one_prediction_check_at_its_bounds():
             bad[row, col] = v
         assert "not probability vectors" in check(bad, probs), (row, values)
     assert "not probability vectors" in check(np.zeros((5, 10), np.float32), probs)
-

@@ -40,14 +40,17 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..seeds import derive_rng
 from .errors import DataError
+from .hf import is_hf_source
+from .nodes import NODE_SPLIT_PURPOSE, NODES, Labelled, described_counts, read_public, server_public_path
 from .partition import (
     PARTITION_KEYS,
     PARTITIONS,
@@ -61,8 +64,6 @@ from .partition import (
     partition_pathological,
     stratified_split,
 )
-from .nodes import NODE_SPLIT_PURPOSE, NODES, Labelled, described_counts, read_public, server_public_path
-from .hf import is_hf_source
 from .sources import SOURCES, load_source, source_info
 from .transforms import label_swap_permutations, public_group_shares, rotate_images, rotation_quarter_turns
 
@@ -429,7 +430,10 @@ def build_federation(spec: dict[str, Any]) -> Federation:
     train_counts = np.zeros((m, k), dtype=np.int64)
     eval_counts = np.zeros((m, k), dtype=np.int64)
     for i, (tr, te) in enumerate(zip(train_indices, eval_indices)):
-        relabel = label_perms[groups[i]] if label_perms is not None else np.arange(k)  # counts: the client's labels
+        relabel = np.arange(k)  # counts: the client's labels
+        if label_perms is not None:
+            assert groups is not None  # the group partitions give every client its group
+            relabel = label_perms[groups[i]]
         train_counts[i] = np.bincount(relabel[labels[tr]], minlength=k)
         eval_counts[i] = np.bincount(relabel[labels[te]], minlength=k)
     check_every_client_has_data(s, train_counts.sum(axis=1), eval_counts.sum(axis=1),
@@ -448,12 +452,13 @@ def build_federation(spec: dict[str, Any]) -> Federation:
     # Group transforms, in place on the one store (x / y are the gathered copy, not the source's tensors).
     group_rotation = public_groups = None
     if part == "rotated":
+        assert groups is not None  # the group partitions give every client its group
         quarters = rotation_quarter_turns(s["groups"])
         group_rotation = quarters * 90
         for i in range(m):
             start, end = (ends[2 * i - 1] if i else 0), ends[2 * i + 1]
             if quarters[groups[i]]:
-                x[start:end] = rotate_images(x[start:end], quarters[groups[i]])
+                x[start:end] = rotate_images(x[start:end], int(quarters[groups[i]]))
         if public_idx is not None:
             public_groups = public_group_shares(labels[public_idx], s["groups"], rng_transform)
             for g, turns in enumerate(quarters):
@@ -461,11 +466,12 @@ def build_federation(spec: dict[str, Any]) -> Federation:
                 if turns and rows.numel():
                     x[rows] = rotate_images(x[rows], turns)
     elif label_perms is not None:
+        assert groups is not None  # the group partitions give every client its group
         perms = torch.from_numpy(label_perms)
         for i in range(m):
             start, end = (ends[2 * i - 1] if i else 0), ends[2 * i + 1]
             y[start:end] = perms[groups[i]][y[start:end]]
-    clients: list[ClientData] = []
+    clients: list[ClientData | None] = []
     for i in range(m):
         start, mid, end = (ends[2 * i - 1] if i else 0), ends[2 * i], ends[2 * i + 1]
         clients.append(ClientData(x[start:mid], y[start:mid], x[mid:end], y[mid:end]))
@@ -515,15 +521,15 @@ def unused_data_keys(spec: dict[str, Any], defaults: dict[str, Any],
         if source == NODES:
             out.append((key, "data.source is 'nodes': every node brings its own data, nothing is partitioned"))
         elif partition not in partitions:
-            out.append((key, f"only the {' / '.join(partitions)} partition{'s' if len(partitions) > 1 else ''} "
-                             f"read{'' if len(partitions) > 1 else 's'} it; data.partition is '{partition}'"))
+            out.append((key, (f"only the {' / '.join(partitions)} partition{'s' if len(partitions) > 1 else ''} "
+                              f"read{'' if len(partitions) > 1 else 's'} it; data.partition is '{partition}'")))
     for key in SYNTHETIC_KEYS:
         if changed(key) and source != "synthetic":
             out.append((key, f"only data.source 'synthetic' reads it; data.source is '{source}'"))
     if changed("validation_fraction") and spec.get("evaluate_on") != "validation":
-        out.append(("validation_fraction", "the validation split is carved only when data.evaluate_on is "
-                                           "'validation' (tuning, e.g. fedapps tune); data.evaluate_on is "
-                                           f"'{spec.get('evaluate_on')}'"))
+        out.append(("validation_fraction", ("the validation split is carved only when data.evaluate_on is "
+                                            "'validation' (tuning, e.g. fedapps tune); data.evaluate_on is "
+                                            f"'{spec.get('evaluate_on')}'")))
     return out
 
 

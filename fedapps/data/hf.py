@@ -22,8 +22,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -109,7 +110,7 @@ def pick_columns(features: Any, source: str) -> tuple[str, str]:
                     f"{' / '.join(INT_LABEL_NAMES)}); its columns: {listing}")
 
 
-def _merge_splits(source: str):  # noqa: ANN202 - returns flwr-datasets' preprocessor (a callable)
+def _merge_splits(source: str):  # returns flwr-datasets' preprocessor (a callable)
     """A flwr-datasets preprocessor: every labelled split, reduced to (image, label), concatenated into one split."""
 
     def merge(dd: Any) -> Any:
@@ -163,7 +164,7 @@ def _open(source: str, root: str | Path, download: bool) -> tuple[Any, str, str]
             f"data.download is false, so the Hub was not contacted ({reason}). Set data.download: true to fetch "
             f"it (needs network access), or give a local folder in the Hub's layout "
             f"(data.source: hf:/path/to/folder)") from exc
-    except Exception as exc:  # noqa: BLE001 - datasets' own errors (bad config name, corrupt files, ...)
+    except Exception as exc:  # datasets' own errors (bad config name, corrupt files, ...)
         raise DataError(f"data.source={source!r}: could not be loaded ({type(exc).__name__}: "
                         f"{str(exc).strip()})") from exc
     image_col, label_col = pick_columns(ds.features, source)  # the merged split holds just these two

@@ -34,9 +34,10 @@ import functools
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -124,7 +125,7 @@ def _open_npz(path: Path, where: str) -> Mapping[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as f:
             return {k: f[k] for k in f.files}
-    except Exception as exc:  # noqa: BLE001 - unreadable, truncated, not an npz, pickled objects
+    except Exception as exc:  # unreadable, truncated, not an npz, pickled objects
         raise DataError(f"{where}: cannot be read as an .npz file ({type(exc).__name__}: {exc}); give an .npz "
                         "written with numpy.savez (arrays 'x' and 'y') or a folder of class sub-folders") from exc
 
@@ -362,9 +363,9 @@ STAND_IN_INFO = (10, (3, 32, 32))  # classes and shape of a model built only to 
 
 
 def spec_info(spec: Mapping[str, Any], stand_in: bool = False) -> tuple[int, tuple[int, int, int]]:
-    """(num_classes, input shape) of a data spec: the source's, or, under ``nodes``, what the server learnt
-    from the nodes (``num_classes`` / ``input_shape``; a DataError before that, or with ``stand_in`` the
-    placeholder :data:`STAND_IN_INFO` for config checks of a model's structure, which run before the nodes are asked)."""
+    """(num_classes, input shape) of a data spec: the source's, or, under ``nodes``, what the server learnt from the
+    nodes (``num_classes`` / ``input_shape``; a DataError before that, or with ``stand_in`` the placeholder
+    :data:`STAND_IN_INFO` for config checks of a model's structure, which run before the nodes are asked)."""
     from .sources import source_info
 
     if spec.get("source") != NODES:

@@ -1,9 +1,9 @@
 """Partitioners: pure functions from a label array and a numpy Generator to per-client index arrays.
 
-`iid`, `pathological` ("pat") and `dirichlet` ("dir") follow PFLlib's procedures (used by the cwFedAvg
-paper); `cosmos-groups` follows the COSMOS paper; `rotated` (IFCA paper) and `label-swap` (CFL paper) deal
-samples IID to clients split into groups (their per-group transforms are in ``transforms``). Every partitioner returns disjoint, sorted int64 index
-arrays, one per client, and is deterministic for the state of the generator it is given.
+`iid`, `pathological` ("pat") and `dirichlet` ("dir") follow PFLlib's procedures (used by the cwFedAvg paper);
+`cosmos-groups` follows the COSMOS paper; `rotated` (IFCA paper) and `label-swap` (CFL paper) deal samples IID to
+clients split into groups (their per-group transforms are in ``transforms``). Every partitioner returns disjoint, sorted
+int64 index arrays, one per client, and is deterministic for the state of the generator it is given.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -51,8 +51,8 @@ _MNIST_FILES = "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-id
 _EXPECTED_FILES: dict[str, tuple[str, str, str]] = {
     "mnist": ("MNIST/raw", _MNIST_FILES, "the same four files with .gz in MNIST/raw"),
     "fmnist": ("FashionMNIST/raw", _MNIST_FILES, "the same four files with .gz in FashionMNIST/raw"),
-    "emnist-balanced": ("EMNIST/raw", "emnist-balanced-train-images-idx3-ubyte, emnist-balanced-train-labels-"
-                        "idx1-ubyte, emnist-balanced-test-images-idx3-ubyte, emnist-balanced-test-labels-idx1-ubyte",
+    "emnist-balanced": ("EMNIST/raw", ("emnist-balanced-train-images-idx3-ubyte, emnist-balanced-train-labels-"
+                         "idx1-ubyte, emnist-balanced-test-images-idx3-ubyte, emnist-balanced-test-labels-idx1-ubyte"),
                         "EMNIST/raw/gzip.zip"),
     "cifar10": ("cifar-10-batches-py", "data_batch_1..data_batch_5, test_batch, batches.meta",
                 "cifar-10-python.tar.gz in the root"),
@@ -92,7 +92,7 @@ def _check_synthetic(classes: int, shape: Sequence[int], samples: int | None = N
     if samples is not None and (isinstance(samples, bool) or not isinstance(samples, (int, np.integer))
                                 or samples < classes):
         raise DataError(f"data.synthetic_samples={samples!r} must be an integer >= synthetic_classes ({classes})")
-    return dims  # type: ignore[return-value]
+    return dims
 
 
 def source_info(source: str, synthetic_classes: int = 10, synthetic_shape: Sequence[int] = (3, 32, 32), *,

@@ -1,31 +1,38 @@
 """Before round 1 under ``data.source: nodes``: the server learns the data from the nodes themselves.
 
-Every connected node gets one ``describe`` message (a registered client operation, :func:`fedapps.client.worker.describe`;
-no model is built, nothing is trained) and answers with its input shape, the class count it declares, its largest
-label and the per-class counts of its train and evaluation splits. The replies are validated like any other
-(:class:`fedapps.wire.validation.ReplyValidator`: identity, U's fingerprint when the run has U, ...); then
-:func:`agree` settles the federation's input shape and class count — pinned by ``data.input_shape`` /
-``data.num_classes`` where the config gives them, else the nodes' majority — and refuses every node whose data do
-not fit, with a readable reason. Refused nodes are excluded from the run (never sampled); the others' class counts
-become partition.csv and the server federation's counts (cwFedAvg's diagnostics). Every later message carries the
-settled classes and shape, so a node that joins later with data that do not fit refuses its first message.
+Every connected node gets one ``describe`` message (a registered client operation,
+:func:`fedapps.client.worker.describe`; no model is built, nothing is trained) and answers with its input shape, the
+class count it declares, its largest label and the per-class counts of its train and evaluation splits. The replies are
+validated like any other (:class:`fedapps.wire.validation.ReplyValidator`: identity, U's fingerprint when the run has U,
+...); then :func:`agree` settles the federation's input shape and class count — pinned by ``data.input_shape`` /
+``data.num_classes`` where the config gives them, else the nodes' majority — and refuses every node whose data do not
+fit, with a readable reason. Refused nodes are excluded from the run (never sampled); the others' class counts become
+partition.csv and the server federation's counts (cwFedAvg's diagnostics). Every later message carries the settled
+classes and shape, so a node that joins later with data that do not fit refuses its first message.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
-from fedapps.wire import protocol
+from fedapps.client.worker import (
+    DESCRIBE_CLASSES,
+    DESCRIBE_EVAL,
+    DESCRIBE_MAX_LABEL,
+    DESCRIBE_OP,
+    DESCRIBE_SHAPE,
+    DESCRIBE_TRAIN,
+)
 from fedapps.flower.connect import wait_for_clients
+from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from fedapps.wire.validation import Rejection, ReplyValidator
-from fedapps.client.worker import (DESCRIBE_CLASSES, DESCRIBE_EVAL, DESCRIBE_MAX_LABEL, DESCRIBE_OP, DESCRIBE_SHAPE,
-                            DESCRIBE_TRAIN)
 
 log = logging.getLogger("fedapps")
 
@@ -94,7 +101,7 @@ def report_of(r: ClientReply) -> NodeReport:
 
     def ints(key: str) -> tuple[int, ...]:
         value = m.get(key)
-        values = value if isinstance(value, list) else [value]
+        values: list[Any] = value if isinstance(value, list) else [value]
         if value is None or any(not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < -1 for v in values):
             raise ValueError(f"describe reply lacks a valid '{key}' (got {value!r})")
         return tuple(int(v) for v in values)
@@ -188,9 +195,9 @@ def describe_nodes(grid: Any, setup: protocol.Setup, num_clients: int, timeout: 
         except ValueError as exc:
             rejections.append(Rejection(0, PHASE, r.node_id, r.client_id, str(exc)))
     k, shape, refused = agree(reports, pinned_classes, pinned_shape)
-    for r in reports:
-        if r.node_id in refused:
-            rejections.append(Rejection(0, PHASE, r.node_id, r.client_id, refused[r.node_id]))
+    for report in reports:
+        if report.node_id in refused:
+            rejections.append(Rejection(0, PHASE, report.node_id, report.client_id, refused[report.node_id]))
     accepted = [r for r in reports if r.node_id not in refused]
     excluded = {int(r.node_id) for r in rejections if r.node_id is not None}
     for rej in rejections:

@@ -53,14 +53,15 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 
-from fedapps.wire import protocol
 from fedapps.client.worker import client_id_of
+from fedapps.wire import protocol
 
 log = logging.getLogger("fedapps")
 
@@ -184,7 +185,7 @@ def faults_mod(msg: Message, context: Context, call_next: Callable[[Message, Con
 def _arrays(reply: Message, record: str) -> dict[str, np.ndarray] | None:
     if record not in reply.content:
         return None
-    return {k: v.numpy() for k, v in reply.content[record].items()}
+    return {k: v.numpy() for k, v in reply.content.array_records[record].items()}
 
 
 def _part(reply: Message, kind: str, record: str) -> dict[str, np.ndarray] | None:
@@ -219,7 +220,8 @@ def corrupt(reply: Message, fault: Fault, cid: int, context: Context, msg: Messa
     if kind in CAPTURE_FAULTS:
         capture(reply, fault, cid, msg)
         return
-    metrics = dict(reply.content[protocol.METRICS]) if protocol.METRICS in reply.content else {}
+    # Any: the faults below write values of the wrong type on purpose
+    metrics: dict[str, Any] = dict(reply.content[protocol.METRICS]) if protocol.METRICS in reply.content else {}
     if kind in IDENTITY or kind in METRIC_FAULTS:
         if kind == "spoof":
             n = int(context.node_config.get("num-partitions", cid + 2))
@@ -255,25 +257,26 @@ def corrupt(reply: Message, fault: Fault, cid: int, context: Context, msg: Messa
         if arrays is None:
             return
         first = next(iter(arrays))
+        sent: dict[str, np.ndarray | Array] = dict(arrays)  # the arrays sent back, or wire Arrays a fault forged
         if kind == "shape":
             a = np.atleast_1d(arrays[first])
-            arrays[first] = np.concatenate([a, np.zeros((1, *a.shape[1:]), a.dtype)])
+            sent[first] = np.concatenate([a, np.zeros((1, *a.shape[1:]), a.dtype)])
         elif kind == "transpose":
             two_d = [k for k, v in arrays.items() if v.ndim == 2 and v.shape[0] != v.shape[1]]
             key = two_d[0] if two_d else first
-            arrays[key] = np.ascontiguousarray(arrays[key].T if two_d else arrays[key][None])
+            sent[key] = np.ascontiguousarray(arrays[key].T if two_d else arrays[key][None])
         elif kind == "undecodable":
-            arrays[first] = _garbage(arrays[first])
+            sent[first] = _garbage(arrays[first])
         elif kind == "int-arrays":
-            arrays = {k: v.astype(np.int64) for k, v in arrays.items()}
+            sent = {k: v.astype(np.int64) for k, v in arrays.items()}
         elif kind == "nan-arrays":
-            arrays[first] = np.full_like(arrays[first], np.nan, dtype=np.float32)
+            sent[first] = np.full_like(arrays[first], np.nan, dtype=np.float32)
         elif kind in WIRE_FAULTS:
-            arrays = wire_fault(kind, arrays)
-        _put(reply, protocol.ARRAYS, arrays)
+            sent = wire_fault(kind, arrays)
+        _put(reply, protocol.ARRAYS, sent)
         return
     if kind == "fingerprint":
-        info = dict(reply.content[protocol.INFO]) if protocol.INFO in reply.content else {}
+        info = dict(reply.content.config_records[protocol.INFO]) if protocol.INFO in reply.content else {}
         info[protocol.INFO_FINGERPRINT] = "0000000000000000"
         reply.content[protocol.INFO] = ConfigRecord(info)
         return
@@ -281,18 +284,20 @@ def corrupt(reply: Message, fault: Fault, cid: int, context: Context, msg: Messa
     if preds is None:
         return
     p = preds[protocol.PREDICTION_ARRAY]
+    sent_preds: dict[str, np.ndarray | Array] = dict(preds)  # the predictions sent back, or a forged wire Array
     if kind == "pred-shape":
-        preds[protocol.PREDICTION_ARRAY] = np.ascontiguousarray(p[:-1])
+        sent_preds[protocol.PREDICTION_ARRAY] = np.ascontiguousarray(p[:-1])
     elif kind == "pred-huge":
         if np.issubdtype(p.dtype, np.floating):
-            preds[protocol.PREDICTION_ARRAY] = np.full_like(p, 1e30, dtype=np.float32)
+            sent_preds[protocol.PREDICTION_ARRAY] = np.full_like(p, 1e30, dtype=np.float32)
         else:
-            preds[protocol.PREDICTION_ARRAY] = np.full_like(p, np.iinfo(p.dtype).max)
+            sent_preds[protocol.PREDICTION_ARRAY] = np.full_like(p, np.iinfo(p.dtype).max)
     elif kind == "pred-undecodable":
-        preds[protocol.PREDICTION_ARRAY] = _garbage(p)
+        sent_preds[protocol.PREDICTION_ARRAY] = _garbage(p)
     elif kind == "pred-dtype":
-        preds[protocol.PREDICTION_ARRAY] = p.astype(np.float64 if np.issubdtype(p.dtype, np.floating) else np.uint64)
-    _put(reply, protocol.PREDICTIONS, preds)
+        sent_preds[protocol.PREDICTION_ARRAY] = p.astype(np.float64 if np.issubdtype(p.dtype, np.floating)
+                                                         else np.uint64)
+    _put(reply, protocol.PREDICTIONS, sent_preds)
 
 
 def wire_fault(kind: str, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray | Array]:
@@ -315,8 +320,9 @@ def wire_fault(kind: str, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray
         a = np.ascontiguousarray(arrays[floating[0]], dtype=np.float64)
         out[floating[0]] = Array(dtype="float32", shape=tuple(a.shape), stype="numpy.ndarray", data=Array(a).data)
     elif kind == "trailing-bytes":
-        a = Array(np.ascontiguousarray(arrays[floating[0]]))
-        out[floating[0]] = Array(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype, data=a.data + b"\0" * 2**20)
+        wire = Array(np.ascontiguousarray(arrays[floating[0]]))
+        out[floating[0]] = Array(dtype=wire.dtype, shape=tuple(wire.shape), stype=wire.stype,
+                                 data=wire.data + b"\0" * 2**20)
     return out
 
 
@@ -424,7 +430,7 @@ def reference_labels(p: np.ndarray, msg: Message | None) -> np.ndarray:
     """Per row, the label the message's targets give (their argmax, or the hard label), where they cover the same
     rows as the predictions; else the reply's own argmax."""
     if msg is not None and protocol.TARGETS in msg.content and protocol.TARGET_ARRAY in msg.content[protocol.TARGETS]:
-        t = msg.content[protocol.TARGETS][protocol.TARGET_ARRAY].numpy()
+        t = msg.content.array_records[protocol.TARGETS][protocol.TARGET_ARRAY].numpy()
         labels = t.argmax(axis=-1) if t.ndim == 2 else t.astype(np.int64)
         if len(labels) == p.shape[0]:
             return labels.astype(np.int64)

@@ -11,8 +11,8 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 from flwr.app import Context, Message, RecordDict
 from flwr.app.error import Error
@@ -69,8 +69,9 @@ class InProcessGrid:
 
     ``mods`` are Flower client mods (``mod(msg, context, call_next) -> Message``) wrapped around the worker as
     ``ClientApp(mods=...)`` does, the first outermost; e.g. :func:`fedapps.flower.faults.faults_mod` with a node config
-    ``faults`` (``node_configs={1: {"faults": "shape@1/1"}}``). A mod raising :class:`fedapps.flower.faults.ReplyDropped`
-    means no reply; a reply :func:`fedapps.flower.faults.take_duplicate` marks is delivered twice.
+    ``faults`` (``node_configs={1: {"faults": "shape@1/1"}}``). A mod raising
+    :class:`fedapps.flower.faults.ReplyDropped` means no reply; a reply :func:`fedapps.flower.faults.take_duplicate`
+    marks is delivered twice.
 
     ``send_and_receive`` serves up to ``workers`` messages at once (default :func:`default_workers`), each on a
     thread of its own, and returns the replies in the order of the messages, whatever order they finished in.
@@ -153,7 +154,7 @@ class InProcessGrid:
     def _run(self, jobs: list[_Job], timeout: float | None) -> None:
         """Serve the jobs, ``self.workers`` at a time, until each is done or past its deadline."""
         finished = threading.Condition()
-        pending, running = deque(jobs), []
+        pending, running = deque(jobs), list[_Job]()
         try:
             while pending or running:
                 while pending and len(running) < self.workers:
@@ -192,7 +193,7 @@ class InProcessGrid:
                     job.reply = self._serve(job.msg, job.ctx)
             except faults.ReplyDropped as exc:
                 job.dropped = str(exc)
-            except Exception as exc:  # as Flower does: an exception becomes an error reply
+            except Exception as exc:  # noqa: BLE001 - as Flower does: an exception becomes an error reply
                 log.warning("node %s raised %s", job.node, exc)
                 job.reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=job.msg)
             finally:

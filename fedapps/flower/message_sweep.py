@@ -29,9 +29,10 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from queue import Queue
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from fedapps.flower import require_checked_flower
 
@@ -56,7 +57,7 @@ def deliverable_messages(state: Any, node_ids: set[int]) -> list:
     ``state`` is Flower's ``InMemoryLinkState``; all stored messages are validated first (invalid ones deleted).
     """
     with state.lock:
-        state._check_stored_messages(set(state.message_ins_store))  # one validation per message, not per node
+        state._check_stored_messages(set(state.message_ins_store))  # noqa: SLF001 - one validation per message
         first: dict[int, Any] = {}
         for message in state.message_ins_store.values():
             metadata = message.metadata
@@ -83,7 +84,7 @@ def one_pass_sweep(flower_sweep: Callable) -> Callable:
                 queue.put(message)
             f_stop.wait(interval_after(time.perf_counter() - started))
 
-    add_messages_to_queue.flower_sweep = flower_sweep
+    add_messages_to_queue.flower_sweep = flower_sweep  # type: ignore[attr-defined]  # read by install / in_use
     return add_messages_to_queue
 
 
@@ -98,7 +99,7 @@ def install() -> bool:
     if current is None:
         return False  # a Flower without this function: nothing to replace
     if getattr(current, "flower_sweep", None) is None:
-        vce.add_messages_to_queue = one_pass_sweep(current)
+        vce.add_messages_to_queue = one_pass_sweep(current)  # type: ignore[attr-defined]  # Flower's engine, patched
     return True
 
 
@@ -130,6 +131,6 @@ def poll_replies_often(grid: Any) -> bool:
         grid.pull_interval = interval_after(time.perf_counter() - started)  # send_and_receive's next wait
         return replies
 
-    grid.pull_messages = timed_pull
+    grid.pull_messages = timed_pull  # type: ignore[method-assign]  # this grid's own poll, patched
     grid.pull_interval = INTERVAL
     return True

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,16 +61,16 @@ def _seeded(seed: int | None) -> Iterator[None]:
             yield
 
 
-def _check_shape(name: str, input_shape: object, min_size: int) -> Shape:
+def _check_shape(name: str, input_shape: Any, min_size: int) -> Shape:
     try:
-        shape = tuple(int(s) for s in input_shape)  # type: ignore[union-attr]
+        shape = tuple(int(s) for s in input_shape)
     except (TypeError, ValueError):
         raise ModelError(f"input_shape must be (channels, height, width), got {input_shape!r}") from None
     if len(shape) != 3 or min(shape) < 1:
         raise ModelError(f"input_shape must be 3 positive ints (C, H, W), got {input_shape!r}")
     if min(shape[1:]) < min_size:
         raise ModelError(f"model {name!r} needs height and width >= {min_size}, got {shape}")
-    return shape  # type: ignore[return-value]
+    return shape
 
 
 def split_head(name: str) -> tuple[str, str]:
@@ -102,6 +103,7 @@ def build_model(name: str, num_classes: int, input_shape: tuple[int, int, int],
             vision.kaiming_init(model)
         if head_kind:
             linear = model.get_submodule(spec.classifier)
+            assert isinstance(linear, nn.Linear), spec.classifier  # every spec names its final nn.Linear
             parent, _, attr = spec.classifier.rpartition(".")
             setattr(model.get_submodule(parent), attr, HEADS[head_kind](linear.in_features, linear.out_features))
     setattr(model, _CLASSIFIER_ATTR, spec.classifier)

@@ -14,9 +14,10 @@ from __future__ import annotations
 import io
 import math
 import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -78,7 +79,9 @@ def line_styles(methods: Sequence[str]) -> list[dict[str, str]]:
                     next((c for c in candidates if c not in taken), own))
         taken.add(slot)
         slots[i] = slot
-    return [style_of_slot(int(s)) for s in slots]
+    filled = [s for s in slots if s is not None]
+    assert len(filled) == len(slots)  # the second pass gave every line without its own slot a free one
+    return [style_of_slot(s) for s in filled]
 
 
 def legend_labels(lines: Sequence[tuple[str, str, str]]) -> list[str]:
@@ -160,7 +163,7 @@ RUN_SERIES: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def accuracy_figure(rows: list[Mapping[str, Any]], title: str = "", method: str = "") -> Any:
+def accuracy_figure(rows: Sequence[Mapping[str, Any]], title: str = "", method: str = "") -> Any:
     """A run's accuracy against rounds: the deployed models (mean over clients, sample-weighted, worst 10 % of
     clients), the models right after local training, plus any other evaluation (mean over clients); drawn in
     ``method``'s colour."""
@@ -189,7 +192,7 @@ def accuracy_figure(rows: list[Mapping[str, Any]], title: str = "", method: str 
     return fig
 
 
-def plot_accuracy(rows: list[Mapping[str, Any]], path: Path, title: str = "", method: str = "") -> None:
+def plot_accuracy(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "", method: str = "") -> None:
     """:func:`accuracy_figure` into ``path``."""
     save(accuracy_figure(rows, title, method), path)
 

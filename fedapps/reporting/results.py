@@ -32,14 +32,14 @@ import json
 import logging
 import math
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
-from fedapps.reporting import plots
-
-from fedapps.wire import protocol
 from fedapps.config import ExperimentConfig, config_hash, dump_yaml
+from fedapps.reporting import plots
+from fedapps.wire import protocol
 
 log = logging.getLogger("fedapps")
 
@@ -51,8 +51,8 @@ PROTOCOL = "deployed-model"  # what every headline number measures (docs/evaluat
 class Artifact:
     """Something a strategy measured, as data; a sink decides how to write it.
 
-    kind ``table``: a list of row dicts (CSV); ``json``: a JSON-serialisable document; ``heatmaps``: a list of
-    (title, row ids, matrix) panels; ``clusters``: the keyword arguments of :func:`fedapps.reporting.plots.plot_clusters`
+    kind ``table``: a list of row dicts (CSV); ``json``: a JSON-serialisable document; ``heatmaps``: a list of (title,
+    row ids, matrix) panels; ``clusters``: the keyword arguments of :func:`fedapps.reporting.plots.plot_clusters`
     (without ``path``). ``name`` is the file stem.
     """
 
@@ -133,7 +133,7 @@ def measured_problems(summary: Mapping[str, Any], min_share: float) -> list[Prob
 
 
 def run_problems(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], min_share: float,
-                 delivery: "DeliveryCheck | None" = None) -> list[Problem]:
+                 delivery: DeliveryCheck | None = None) -> list[Problem]:
     """Everything that makes a finished run's result not meaningful, most basic first: nothing delivered or usable
     (:class:`DeliveryCheck`), rounds lost to rejection, a headline measured on too few clients."""
     out = [Problem(EXIT_FAILED, text) for text in (delivery.problems() if delivery is not None else [])]
@@ -406,7 +406,7 @@ class FileSink:
         self.rows: list[dict[str, Any]] = []
         self.progress = Progress(cfg.rounds)
 
-    def restore_rows(self, rows: list[Mapping[str, Any]], last_round: int) -> None:
+    def restore_rows(self, rows: Sequence[Mapping[str, Any]], last_round: int) -> None:
         """The rows of the rounds already run (from a checkpoint of round ``last_round``): kept and rounds.csv
         rewritten; rejections.csv keeps its rows up to that round (later ones were of rounds now run again)."""
         self.rows = [dict(r) for r in rows]
@@ -414,7 +414,7 @@ class FileSink:
         trim_rejections(self.dir / REJECTIONS, last_round)
         self.progress = Progress(self.cfg.rounds - len(self.rows))  # the pace of the rounds this process runs
 
-    def write_partition(self, rows: list[Mapping[str, Any]]) -> None:
+    def write_partition(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """Samples per client per class (train and test) as partition.csv."""
         write_csv(self.dir / "partition.csv", rows)
 
@@ -468,7 +468,7 @@ class FileSink:
         """draw(path) into the run folder; a failing figure is logged and never loses the results."""
         try:
             draw(self.dir / filename)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a figure never costs the results
             log.warning("could not draw %s: %s", filename, exc)
 
 
@@ -480,7 +480,7 @@ def _fmt(v: Any) -> str:
     return f"{v:.4f}" if isinstance(v, float) else "-"
 
 
-def summarise(cfg: ExperimentConfig, rows: list[Mapping[str, Any]], wall_seconds: float) -> dict[str, Any]:
+def summarise(cfg: ExperimentConfig, rows: Sequence[Mapping[str, Any]], wall_seconds: float) -> dict[str, Any]:
     """summary.json content: the headline (``accuracy_mean`` / ``accuracy_weighted``: the DEPLOYED models after
     the last measured round, never the best round) with its fairness across clients (``accuracy_worst10``,
     ``accuracy_std``), the after-training accuracy of that round (the same four), totals, and the best round as
@@ -571,7 +571,7 @@ def trim_rejections(path: Path, last_round: int) -> None:
         w.writerows(rows)
 
 
-def write_csv(path: Path, rows: list[Mapping[str, Any]]) -> None:
+def write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
     """Rows with possibly different keys -> one CSV whose header is the union (in first-seen order)."""
     columns: list[str] = []
     for r in rows:

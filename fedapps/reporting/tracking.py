@@ -1,8 +1,9 @@
 """Experiment-tracking sinks (opt-in, config key ``tracking``): TensorBoard event files and an MLflow file store.
 
 They receive what :class:`fedapps.reporting.results.FileSink` receives and turn it into the same numbers, by the same
-functions (:func:`fedapps.reporting.results.round_row` for a round's training phase, :func:`fedapps.reporting.results.measured_columns`
-for the deployed models, filed under the round they measure), so every value equals its rounds.csv cell:
+functions (:func:`fedapps.reporting.results.round_row` for a round's training phase,
+:func:`fedapps.reporting.results.measured_columns` for the deployed models, filed under the round they measure), so
+every value equals its rounds.csv cell:
 
 - TensorBoard: one scalar per numeric rounds.csv column (tag = the column's name, step = the round), strategy
   extras included, and a histogram ``acc_client`` of the clients' deployed-model accuracies per round.
@@ -21,8 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from fedapps.checkpoint import CHECKPOINT, CLIENT_STATE
 from fedapps.config import ExperimentConfig, config_hash
@@ -143,7 +145,10 @@ class MLflowSink:
             try:
                 experiment_id = self.client.create_experiment(EXPERIMENT)
             except MlflowException:  # another run sharing the store created it in the meantime
-                experiment_id = self.client.get_experiment_by_name(EXPERIMENT).experiment_id
+                created = self.client.get_experiment_by_name(EXPERIMENT)
+                if created is None:  # not that: the store refused it
+                    raise
+                experiment_id = created.experiment_id
         else:
             experiment_id = experiment.experiment_id
         earlier = self._earlier_run(experiment_id) if resumed else None
@@ -217,5 +222,5 @@ def abort(sinks: Iterable[Any], reason: str) -> None:
     for sink in sinks:
         try:
             sink.on_abort(reason)
-        except Exception as exc:  # the run's own error is what matters here
+        except Exception as exc:  # noqa: BLE001 - the run's own error is what matters here
             log.warning("tracking: could not record the failure in %s: %s", type(sink).__name__, exc)

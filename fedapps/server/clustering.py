@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-
 log = logging.getLogger("fedapps")
 
 DISTANCES = ("l1", "l2")

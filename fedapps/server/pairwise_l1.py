@@ -101,7 +101,7 @@ def _min_sums_4x4(x: np.ndarray, out: np.ndarray, i: int, j: int, c0: int, c1: i
 
 
 @compiled(fastmath=True)
-def _min_sum_pair(x: np.ndarray, i: int, j: int, c0: int, c1: int) -> float:
+def _min_sum_pair(x: np.ndarray, i: int, j: int, c0: int, c1: int) -> np.float32:
     """Σ_{c0≤k<c1} min(x[i, k], x[j, k]) (rows left over when N is not a multiple of 4)."""
     a = x[i, c0:c1]
     b = x[j, c0:c1]

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
 
@@ -52,12 +52,12 @@ class AggregationRule:
     clip_update_norm: float = 0.0  # 0: updates are not clipped
 
     @classmethod
-    def from_config(cls, strategy_cfg) -> "AggregationRule":
+    def from_config(cls, strategy_cfg) -> AggregationRule:
         return cls(strategy_cfg.aggregation, float(strategy_cfg.trim_fraction), float(strategy_cfg.max_weight_share),
                    float(strategy_cfg.clip_update_norm))
 
     @classmethod
-    def for_run(cls, cfg) -> "AggregationRule":
+    def for_run(cls, cfg) -> AggregationRule:
         """The rule of an experiment config: :meth:`from_config`, with the weight cap of deployments whose nodes
         bring their own data and no registry vouches for their sizes (see the module docstring)."""
         from fedapps.data.nodes import NODES
