@@ -29,7 +29,7 @@ from torch import nn
 
 from fedapps import checkpoint
 
-from fedapps.client import ops
+from fedapps.client import ops, privacy
 
 from fedapps.wire import protocol, pseudolabels
 from fedapps.seeds import GLOBAL_RNG_LOCK, derive_seed
@@ -522,10 +522,15 @@ class Worker:
         transport = message_transport(self.config)  # and an unknown transport
         if self.received is not None and self.config.get("load-arrays", False):
             load_arrays(self.model, self.received, strict=False)
-        for op, tag in steps:
-            start = time.perf_counter()
-            op.run(self, tag)
-            self.metrics[f"t-{tag}"] = time.perf_counter() - start
+        private = privacy.start(self.config, self.context, self.client_id, self.arch,
+                                state_dir(self.config, self.context), state_dir_is_nodes(self.context))
+        with ops.privately(private.training if private is not None else None):
+            for op, tag in steps:
+                start = time.perf_counter()
+                op.run(self, tag)
+                self.metrics[f"t-{tag}"] = time.perf_counter() - start
+        if private is not None:  # the ops succeeded: their steps count, whatever leaves with the reply
+            self.metrics[protocol.PRIVACY_EPSILON] = private.commit()
         if self.config.get("return-arrays", False):
             returned = self.outgoing if self.outgoing is not None else self.model
             self.reply[protocol.ARRAYS] = model_arrays(returned, str(self.config.get("arrays.keys", "state")), transport)
@@ -602,7 +607,9 @@ class Worker:
 
     def training_terms(self, section: Mapping[str, Any]) -> ops.Regulariser | None:
         """The sum of every registered training term that the ``train.*`` settings switch on (None: none is)."""
-        terms = [t for t in (build(self, dict(section)) for build in TRAINING_TERMS.values()) if t is not None]
+        built = {name: build(self, dict(section)) for name, build in TRAINING_TERMS.items()}
+        terms = [t for t in built.values() if t is not None]
+        privacy.refuse_data_terms(name for name, t in built.items() if t is not None)
         return (lambda m: sum(t(m) for t in terms)) if terms else None
 
     def distill_terms(self, section: Mapping[str, Any]) -> ops.DistillTerm | None:

@@ -90,6 +90,13 @@ def companion_name(tag: str) -> str | None:
     return tag[len(prefix):]
 
 
+# differential privacy (docs/privacy.md): the settings section a message carries while privacy.mode is on (absent:
+# off), the metric in which every reply then reports its client's ε so far, and the words that open a client's
+# refusal to train past privacy.epsilon_budget (its error reply's reason)
+PRIVACY_SECTION = "privacy"
+PRIVACY_EPSILON = "privacy-epsilon"
+PRIVACY_REFUSED = "privacy budget exhausted"
+
 MESSAGE_TYPE = "train"  # every round message is one Flower "train" message
 EVAL_MESSAGE_TYPE = "evaluate"  # evaluation-only messages (the deployed models after the last round)
 QUERY_MESSAGE_TYPE = "query"  # before round 1: describe the node's data, or identify which client a node is
