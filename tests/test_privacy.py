@@ -394,3 +394,73 @@ def test_a_run_records_the_accountants_epsilon_per_client_and_round_and_stops_at
     reasons = (tmp_path / cfg.resolved_run_name() / "rejections.csv").read_text()
     assert reasons.count(protocol.PRIVACY_REFUSED) == 4
     assert math.isfinite(summary["accuracy_mean"])
+
+
+def test_every_strategy_runs_under_it_or_refuses_it_with_its_reason():
+    """Every registered strategy either accepts privacy.mode sample with its shipped config, or refuses it naming
+    itself and why (no strategy is silently left uncovered)."""
+    from fedapps.config import APP_DIR
+    from strategies import STRATEGIES, resolve
+
+    refused = []
+    for name in STRATEGIES:
+        cfg = load_config(APP_DIR / "configs" / f"{name}.yaml", "model.name=mlp model.per_client=[] privacy.mode=sample")
+        try:
+            resolve(cfg)
+        except ConfigError as exc:
+            assert "'privacy.mode: sample' cannot cover" in str(exc) and name in str(exc)
+            refused.append(name)
+    assert {"ifca", "fedfomo", "fednh", "feduv", "cwfedavg", "cosmos"} <= set(refused)
+    assert "fedavg" not in refused and "fedmd" not in refused
+
+
+def last_epsilon(run_dir) -> dict[int, list[float]]:
+    """rounds.csv's ε per client, round by round."""
+    with open(run_dir / "rounds.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    out: dict[int, list[float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key.startswith("epsilon_client_") and value:
+                out.setdefault(int(key.rsplit("_", 1)[1]), []).append(float(value))
+    return out
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("overrides", [
+    "strategy.name=ditto",  # two private loops per message, the proximal term after the noise
+    "strategy.name=fedbabu",  # a frozen head, and fine-tuning before each evaluation
+    "strategy.name=pfedck",  # a pair of models in one loop
+    "strategy.name=fedmd data.public_fraction=0.2",  # public pre-training on U, not counted
+    "strategy.name=cosmos data.public_fraction=0.2 strategy.params.cosmos.weighting=none "
+    "strategy.params.cosmos.server_model=mlp strategy.params.cosmos.server_epochs=1",
+])
+def test_strategies_run_in_process_with_a_growing_epsilon(tmp_path, overrides):
+    import server_app
+    from fedapps.flower.inprocess import InProcessGrid
+
+    path = tmp_path / "c.yaml"
+    path.write_text("{}\n")
+    ov = f"data.source=digits data.num_clients=3 rounds=2 model.name=mlp privacy.mode=sample {overrides}"
+    summary = server_app.run_experiment(InProcessGrid(3), str(path), ov, str(tmp_path))
+    eps = last_epsilon(tmp_path / load_config(None, ov).resolved_run_name())
+    assert sorted(eps) == [0, 1, 2]
+    for values in eps.values():
+        assert len(values) == 2 and 0 < values[0] < values[1] < 100
+    assert summary["privacy"]["epsilon_max"] == pytest.approx(max(v[-1] for v in eps.values()))
+
+
+@pytest.mark.heavy
+def test_the_ledger_persists_between_messages_under_flwr_run(tmp_path):
+    """Under `flwr run` (Ray simulation, a SuperNode per client), round 2's ε of each client is that of two rounds of
+    its own steps: the ledger outlived the message."""
+    from conftest import flwr_run
+
+    run = flwr_run(tmp_path, privacy={"mode": "sample", "noise_multiplier": 1.0})
+    cfg = load_config(run / "config.yaml")
+    fed = get_federation(dataclasses.asdict(cfg.data))
+    for cid, values in last_epsilon(run).items():
+        n = len(fed.client(cid).train_y)
+        step = (1.0, privacy.sample_rate(n, 16), privacy.planned_steps(n, ops.OptimSettings(batch_size=16)))
+        assert values == pytest.approx([privacy.epsilon([step] * r, 1e-5) for r in (1, 2)], rel=1e-9)
+    assert json.loads((run / "summary.json").read_text())["privacy"]["epsilon_max"] > 0
