@@ -305,6 +305,15 @@ def test_the_config_checks_the_privacy_section():
             load_config(None, bad)
 
 
+def test_privacy_settings_while_off_are_reported_as_ignored():
+    from strategies import ignored_settings
+
+    found = dict(ignored_settings(load_config(None, "privacy.noise_multiplier=2.0"), ["privacy.delta=0.001"]))
+    assert found["privacy.noise_multiplier"] == found["privacy.delta"] == "privacy.mode is 'off'"
+    assert not [k for k, _ in ignored_settings(load_config(None, "privacy.mode=sample privacy.noise_multiplier=2.0"))
+                if k.startswith("privacy.")]
+
+
 def test_privacy_off_keeps_the_config_hash_and_the_messages():
     """An off section is not hashed (runs recorded before it existed keep their hash) and not sent."""
     from strategies import resolve

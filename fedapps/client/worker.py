@@ -6,6 +6,8 @@ the common operations (evaluate, evaluate-received, train, distill, predict) and
 registers its own. The private model persists in ``Context.state`` between rounds; where a state directory is
 named (node config ``state-dir``, else the message's ``state-dir``), also on disk, so that it survives the
 process (a run resumed from its checkpoint): ``<state-dir>/<client-id>.r<round>.pt``, the newest two rounds.
+A message with ``privacy.*`` settings runs its operations under :mod:`fedapps.client.privacy` (DP-SGD on every loop on
+the client's data, its ledger kept beside the private model) and its reply reports the client's ε.
 """
 
 from __future__ import annotations
