@@ -9,7 +9,6 @@ import dataclasses
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -17,14 +16,21 @@ from torch import nn
 pytest.importorskip("opacus", reason="privacy.mode sample needs the optional extra privacy (pip install -e '.[privacy]')")
 dp_accounting = pytest.importorskip("dp_accounting", reason="the reference accountant comes with the extra privacy")
 
-from fedapps.client import ops, privacy  # noqa: E402
-from fedapps.client.worker import Worker  # noqa: E402
-from fedapps.config import ConfigError, ExperimentConfig, config_hash, load_config, without_later_defaults  # noqa: E402
-from fedapps.data import get_federation  # noqa: E402
-from fedapps.reporting.results import privacy_columns, rejection_problems  # noqa: E402
-from fedapps.wire import protocol  # noqa: E402
-from fedapps.wire.validation import Rejection  # noqa: E402
-from test_ops_worker import worker_message  # noqa: E402
+from test_ops_worker import worker_message
+
+from fedapps.client import ops, privacy
+from fedapps.client.worker import Worker
+from fedapps.config import (
+    ConfigError,
+    ExperimentConfig,
+    config_hash,
+    load_config,
+    without_later_defaults,
+)
+from fedapps.data import get_federation
+from fedapps.reporting.results import privacy_columns, rejection_problems
+from fedapps.wire import protocol
+from fedapps.wire.validation import Rejection
 
 SIGMA, CLIP, DELTA = 1.1, 1.0, 1e-5
 
@@ -368,6 +374,18 @@ def test_the_round_row_records_epsilon_per_client_and_refusals():
     assert rejection_problems([{"round": 3, "replies_ok": 1, "replies_rejected": 3, "privacy_refused": 1}])
 
 
+def test_the_printed_summary_shows_the_largest_epsilon_and_the_refusals(tmp_path):
+    from fedapps_tools.summary import summary_lines
+
+    s = {"strategy": "fedavg", "rounds": 3, "privacy": {"mode": "sample", "delta": 1e-5, "noise_multiplier": 1.1,
+                                                        "max_grad_norm": 1.0, "epsilon_budget": 8.0,
+                                                        "epsilon_max": 2.345678, "refused": 4}}
+    text = "\n".join(summary_lines(s, tmp_path))
+    assert "sample-level DP, ε ≤ 2.35 at δ = 1e-05 (the largest over clients; σ 1.1, C 1, budget ε 8)" in text
+    assert "4 training replies were refused past privacy.epsilon_budget" in text
+    assert "privacy" not in "\n".join(summary_lines({"strategy": "fedavg", "rounds": 3}, tmp_path))
+
+
 def test_a_run_records_the_accountants_epsilon_per_client_and_round_and_stops_at_the_budget(tmp_path, tiny_config):
     """In-process, 4 clients, 3 rounds, a budget between every client's ε of two and of three rounds: rounds.csv holds
     each client's ε as the accountant gives it for its own data; in round 3 every client refuses, nothing is
@@ -441,8 +459,8 @@ def last_epsilon(run_dir) -> dict[int, list[float]]:
     "strategy.name=fedbabu",  # a frozen head, and fine-tuning before each evaluation
     "strategy.name=pfedck",  # a pair of models in one loop
     "strategy.name=fedmd data.public_fraction=0.2",  # public pre-training on U, not counted
-    "strategy.name=cosmos data.public_fraction=0.2 strategy.params.cosmos.weighting=none "
-    "strategy.params.cosmos.server_model=mlp strategy.params.cosmos.server_epochs=1",
+    ("strategy.name=cosmos data.public_fraction=0.2 strategy.params.cosmos.weighting=none "
+     "strategy.params.cosmos.server_model=mlp strategy.params.cosmos.server_epochs=1"),
 ])
 def test_strategies_run_in_process_with_a_growing_epsilon(tmp_path, overrides):
     import server_app
