@@ -133,7 +133,7 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
 
     context = RunContext(
         on_round=on_round,
-        client_state={"state-dir": str(files.dir / checkpoint.CLIENT_STATE), "state-run": token},
+        client_state=protocol.Bookkeeping(state_dir=str(files.dir / checkpoint.CLIENT_STATE), state_run=token),
         server_state_dir=str(files.dir / checkpoint.SERVER_STATE),
         excluded_nodes=frozenset(description.excluded) if description is not None else frozenset())
     strategy = resolved.build(cfg, context)
@@ -184,16 +184,16 @@ def describe(grid: Grid, cfg: ExperimentConfig, uses_public: bool) -> tuple[Desc
 
     d = cfg.data
     spec = dataclasses.asdict(d)
-    config: dict[str, Any] = dict(protocol.flatten("data", protocol.data_spec_for_clients(spec)))
-    config.update({"model.name": cfg.model.name, "model.seed": cfg.seed})
-    if uses_public:  # the nodes' copies of U are checked against the server's before round 1
-        config[protocol.PUBLIC_FINGERPRINT] = get_federation(spec).fingerprint
+    setup = protocol.Setup(data=protocol.data_spec_for_clients(spec),
+                           model=protocol.ModelSpec(cfg.model.name, cfg.seed))
+    # the nodes' copies of U are checked against the server's before round 1
+    public = protocol.PublicSet(fingerprint=get_federation(spec).fingerprint) if uses_public else protocol.PublicSet()
     validator = ReplyValidator(d.num_clients, registry=registry_of(d))  # the operator's caps bind before round 1
     # wait for the whole federation (strategy.expected_clients, default data.num_clients) before asking
     wanted = cfg.strategy.expected_clients or d.num_clients
-    description = describe_nodes(grid, config, d.num_clients, cfg.strategy.timeout, validator,
+    description = describe_nodes(grid, setup, d.num_clients, cfg.strategy.timeout, validator,
                                  pinned_classes=d.num_classes, pinned_shape=tuple(d.input_shape), wanted=wanted,
-                                 wait_seconds=cfg.strategy.connect_timeout)
+                                 wait_seconds=cfg.strategy.connect_timeout, public=public)
     return description, validator
 
 

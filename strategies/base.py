@@ -141,8 +141,8 @@ class RunContext:
 
     on_round: Callable[[RoundLog], None] | None = None  # called with every round's record: the result sinks
     # where clients keep their private model across a resumption, sent in every message (see fedapps.client.worker):
-    # {"state-dir": <run folder>/client-state, "state-run": the run's token}; empty: clients keep it in memory only
-    client_state: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # <run folder>/client-state and the run's token; unset: clients keep it in memory only
+    client_state: protocol.Bookkeeping = protocol.Bookkeeping()
     # where the strategy may keep per-client state too large to rewrite in checkpoint.pt every round (see
     # fedapps.checkpoint.RowFiles; cwFedAvg's stack); None: everything goes in checkpoint.pt
     server_state_dir: str | None = None
@@ -249,19 +249,22 @@ class PersonalisedStrategy:
         self._checked = RoundLog(0, [], 0, 0)  # validation counts of the phases validated since the last reset
         self.identify_asked: set[int] = set()  # nodes sent an identify message (each is asked once)
 
-    def base_config(self) -> dict[str, Any]:
-        """Settings every message carries: the data spec, the model spec and the client's training settings."""
+    def setup(self) -> protocol.Setup:
+        """What every message carries: the data spec, the model spec and the client's training settings."""
         c = self.cfg
-        out: dict[str, Any] = {}
-        out.update(protocol.flatten("data", protocol.data_spec_for_clients(dataclasses.asdict(c.data))))
-        out.update({"model.name": c.model.name, "model.seed": c.seed})
-        if c.model.per_client:
-            out["model.per_client"] = list(c.model.per_client)
-        out.update(protocol.flatten("client", dataclasses.asdict(c.client)))
-        if c.privacy.mode != "off":  # absent while off: a message without it trains as it always did
-            out.update(protocol.flatten(protocol.PRIVACY_SECTION, dataclasses.asdict(c.privacy)))
-        out.update(self.context.client_state)
-        return out
+        return protocol.Setup(data=protocol.data_spec_for_clients(dataclasses.asdict(c.data)),
+                              model=protocol.ModelSpec(c.model.name, c.seed, tuple(c.model.per_client)),
+                              client=dataclasses.asdict(c.client))
+
+    def request(self, server_round: int, ops: Iterable[str], **parts: Any) -> protocol.Request:
+        """A request of this run: the operations, :meth:`setup`, the run's bookkeeping (where clients keep their
+        state), its privacy settings (sent only while privacy.mode is on: a message without them trains as it always
+        did) and ``parts``, the other fields of :class:`fedapps.wire.protocol.Request` (load, returns, training,
+        ...)."""
+        p = self.cfg.privacy
+        private = protocol.Privacy(**dataclasses.asdict(p)) if p.mode != "off" else None
+        return protocol.Request(ops=tuple(ops), round=server_round, setup=self.setup(),
+                                bookkeeping=self.context.client_state, privacy=private, **parts)
 
     # ------------------------------------------------------------------ to implement
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
@@ -384,9 +387,9 @@ class PersonalisedStrategy:
         if not ask:
             return
         self.identify_asked.update(ask)
-        settings = {**self.base_config(), "return-arrays": False, "persist-model": False, "save-model": False}
-        messages = [protocol.build_message(n, 0, [], settings, message_type=protocol.QUERY_MESSAGE_TYPE)
-                    for n in ask]
+        request = self.request(0, [], returns=protocol.Return(arrays=False),
+                               keep=protocol.Keep(persist=False, save=False))
+        messages = [protocol.build_message(n, request, message_type=protocol.QUERY_MESSAGE_TYPE) for n in ask]
         self.validator.expect(messages)
         t0 = time.time()
         replies = grid.send_and_receive(messages, timeout=self.cfg.strategy.timeout)
@@ -479,15 +482,15 @@ class PersonalisedStrategy:
             return messages
         encoded: dict[int, ArrayRecord] = {}
         for msg in messages:
-            config = msg.content[protocol.CONFIG]
+            request = protocol.request_of(msg)
             names = [n for n in (protocol.ARRAYS, protocol.EVAL_ARRAYS) if n in msg.content]
             for name in names:
                 record = msg.content[name]
                 if id(record) not in encoded:
                     encoded[id(record)] = protocol.transport_record(record, transport)
                 msg.content[name] = encoded[id(record)]
-            if names or config.get("return-arrays", False):
-                config[protocol.TRANSPORT_KEY] = transport
+            if names or request.returns.arrays:
+                protocol.with_request(msg, dataclasses.replace(request, transport=transport))
         return messages
 
     def messages_for_round(self, server_round: int, node_ids: list[int]) -> list[Message]:
@@ -502,11 +505,12 @@ class PersonalisedStrategy:
         if measure and d.source == "server":
             models = self.evaluation_models([self.node_to_client.get(int(m.metadata.dst_node_id)) for m in messages])
         for msg, model in zip(messages, models):
-            config = msg.content[protocol.CONFIG]
-            config["ops"] = with_evaluations([str(o) for o in config["ops"]], d,
-                                             measure and (d.source != "server" or model is not None), self.name)
+            request = protocol.request_of(msg)
+            ops = with_evaluations(list(request.ops), d, measure and (d.source != "server" or model is not None),
+                                   self.name)
+            evaluation = protocol.Evaluation(model[0]) if model is not None else request.evaluation
+            protocol.with_request(msg, dataclasses.replace(request, ops=tuple(ops), evaluation=evaluation))
             if model is not None:
-                config["received.model"] = model[0]
                 msg.content[protocol.EVAL_ARRAYS] = model[1]
         return self.with_transport(messages)
 
@@ -519,22 +523,23 @@ class PersonalisedStrategy:
 
     def _deployed_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         d = self.deployed
-        ops = [*d.prepare, *d.ops]
-        keep = {"return-arrays": False, "save-model": False}
+        ops = (*d.prepare, *d.ops)
         out: list[Message] = []
-        if d.source == "message":
+        if d.source == "message":  # the round message, nothing sent back, the client's model read but not written
             for msg in self.round_messages(server_round, node_ids):
-                config = {k: v for k, v in msg.content[protocol.CONFIG].items() if k not in ("ops", "round")}
+                r = protocol.request_of(msg)
+                request = dataclasses.replace(r, ops=ops, round=server_round,
+                                              returns=dataclasses.replace(r.returns, arrays=False),
+                                              keep=dataclasses.replace(r.keep, save=False))
                 arrays = msg.content[protocol.ARRAYS] if protocol.ARRAYS in msg.content else None
-                out.append(protocol.build_message(int(msg.metadata.dst_node_id), server_round, ops, {**config, **keep},
-                                                  arrays=arrays, message_type=protocol.EVAL_MESSAGE_TYPE))
+                out.append(protocol.build_message(int(msg.metadata.dst_node_id), request, arrays=arrays,
+                                                  message_type=protocol.EVAL_MESSAGE_TYPE))
             return out
-        config = {**self.base_config(), **keep}
+        request = self.request(server_round, ops, returns=protocol.Return(arrays=False), keep=protocol.Keep(save=False))
         if d.source == "client":
-            return [protocol.build_message(n, server_round, ops, config, message_type=protocol.EVAL_MESSAGE_TYPE)
-                    for n in node_ids]
+            return [protocol.build_message(n, request, message_type=protocol.EVAL_MESSAGE_TYPE) for n in node_ids]
         models = self.evaluation_models([self.node_to_client.get(n) for n in node_ids])
-        return [protocol.build_message(n, server_round, ops, {**config, "received.model": model[0]},
+        return [protocol.build_message(n, dataclasses.replace(request, evaluation=protocol.Evaluation(model[0])),
                                        eval_arrays=model[1], message_type=protocol.EVAL_MESSAGE_TYPE)
                 for n, model in zip(node_ids, models) if model is not None]
 

@@ -99,15 +99,15 @@ class CFL(PersonalisedStrategy):
         self.splits: list[tuple[int, int, int]] = []  # (round, parent cluster, new cluster)
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "state",
-                  "persist-model": False}
+        request = self.request(server_round, ["train"], load=protocol.Load(into_model=True),
+                               returns=protocol.Return(arrays=True, part="state"), keep=protocol.Keep(persist=False))
         records = {}
         messages = []
         for n in node_ids:
             k = self.cluster_of.get(self.node_to_client.get(n, -1), 0)
             if k not in records:
                 records[k] = protocol.arrays_record(self.models[k])
-            messages.append(protocol.build_message(n, server_round, ["train"], config, arrays=records[k]))
+            messages.append(protocol.build_message(n, request, arrays=records[k]))
         return messages
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from fedapps.params import param
 from fedapps.wire.protocol import ClientReply
 from fedapps.seeds import derive_rng
 from strategies.base import RunContext
-from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, targets_record
+from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions
 
 log = logging.getLogger("fedapps")
 
@@ -126,14 +126,14 @@ class COMET(PseudoLabelStrategy):
         self.cluster_targets: dict[int, np.ndarray] = {}  # cluster -> encoded mean prediction
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        config = self.message_config(server_round, "kl", "probs", self.params.encoding)
-        records = {k: targets_record(t) for k, t in self.cluster_targets.items()}
+        records = {k: protocol.Targets(t).encode() for k, t in self.cluster_targets.items()}
+        requests = {with_targets: self.round_request(server_round, self.round_ops(with_targets), "kl", "probs",
+                                                     self.params.encoding) for with_targets in (False, True)}
         messages = []
         for n in node_ids:
             cluster = self.assignment.get(self.node_to_client.get(n, -1))
             targets = records.get(cluster) if cluster is not None else None
-            messages.append(protocol.build_message(n, server_round, self.round_ops(targets is not None), config,
-                                                   targets=targets))
+            messages.append(protocol.build_message(n, requests[targets is not None], targets=targets))
         return messages
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:

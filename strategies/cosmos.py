@@ -54,8 +54,9 @@ from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 log = logging.getLogger("fedapps")
 
 WEIGHTINGS = ("label-free", "oracle", "none")
-RB_LAMBDA = "distill.rb_lambda"  # the message settings of r_B on the client (λ > 0 switches it on)
-RB_SIGMA = "distill.rb_sigma"
+RB_LAMBDA = "rb_lambda"  # the distill-section settings of r_B on the client (λ > 0 switches it on): distill.rb_*
+RB_SIGMA = "rb_sigma"
+ROUND_OPS = ("distill", "train", "predict")  # the client operations of a round message
 
 
 # --------------------------------------------------------------------------- client side
@@ -114,10 +115,9 @@ def rb_term(lam: float, sigma: float, generator: torch.Generator | None = None) 
 
 
 @distill_term("rb")
-def rb_client_term(w, section: dict) -> ops.DistillTerm | None:
+def rb_client_term(w, section: protocol.Section) -> ops.DistillTerm | None:
     """r_B on the client, as the message's ``distill.rb_lambda`` / ``distill.rb_sigma`` ask (None when λ = 0)."""
-    return rb_term(float(section.get(RB_LAMBDA.partition(".")[2], 0.0)),
-                   float(section.get(RB_SIGMA.partition(".")[2], 0.05)), w.generator)
+    return rb_term(float(section.extra.get(RB_LAMBDA, 0.0)), float(section.extra.get(RB_SIGMA, 0.05)), w.generator)
 
 
 # --------------------------------------------------------------------------- server side
@@ -239,30 +239,25 @@ class Cosmos(PersonalisedStrategy):
             self.server_model(k).load_state_dict(saved[k])
 
     # ------------------------------------------------------------------ messages
-    def client_config(self, server_round: int) -> dict[str, Any]:
-        """Settings of the round message: data/model/client spec, U's fingerprint, distil/train/predict settings."""
+    def round_request(self, server_round: int) -> protocol.Request:
+        """The round message's request: data/model/client spec, U's fingerprint, distil/train/predict settings."""
         p: CosmosParams = self.params
-        cfg = {
-            **self.base_config(),
-            protocol.PUBLIC_FINGERPRINT: self.fed.fingerprint,
-            "distill.epochs": p.distill_epochs, "distill.batch_size": p.distill_batch_size,
-            "distill.lr": p.distill_lr, "distill.optimizer": p.distill_optimizer,
-            "distill.clip_norm": p.distill_clip_norm, "distill.loss": "kl", "distill.weighting": p.weighting,
-            RB_LAMBDA: p.rb_lambda, RB_SIGMA: p.rb_sigma,
-            protocol.PREDICT_OUTPUT: "probs", protocol.PREDICT_ENCODING: p.uplink_encoding,
-        }
+        sections = {protocol.DISTILL: protocol.Section(
+            epochs=p.distill_epochs, batch_size=p.distill_batch_size, lr=p.distill_lr, optimizer=p.distill_optimizer,
+            clip_norm=p.distill_clip_norm, loss="kl", weighting=p.weighting,
+            extra={RB_LAMBDA: p.rb_lambda, RB_SIGMA: p.rb_sigma})}
         if server_round == 1:
-            cfg["train.epochs"] = p.pretrain_epochs  # E0 pre-training
-        return cfg
+            sections[protocol.TRAIN] = protocol.Section(epochs=p.pretrain_epochs)  # E0 pre-training
+        return self.request(server_round, ROUND_OPS, training=protocol.Training(sections=sections),
+                            public=protocol.PublicSet(self.fed.fingerprint, "probs", p.uplink_encoding))
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        config = self.client_config(server_round)
+        request = self.round_request(server_round)
         messages = []
         for node in node_ids:
             cluster = self.cluster_of.get(self.node_to_client.get(node, -1))
             targets = self.wire_targets.get(cluster) if cluster is not None else None
-            messages.append(protocol.build_message(node, server_round, ["distill", "train", "predict"], config,
-                                                   targets=targets))
+            messages.append(protocol.build_message(node, request, targets=targets))
         with_targets = sum(1 for m in messages if protocol.TARGETS in m.content)
         self.pseudo_bytes_down = sum(m.content[protocol.TARGETS][protocol.TARGET_ARRAY].numpy().nbytes
                                      for m in messages if protocol.TARGETS in m.content)
@@ -382,7 +377,7 @@ class Cosmos(PersonalisedStrategy):
             probs = ops.predict(model, self.fed.public_x).numpy()
             self.server_targets[k] = probs
             wire = pseudolabels.encode(probs, p.downlink_encoding, self.num_classes)
-            self.wire_targets[k] = protocol.arrays_record({protocol.TARGET_ARRAY: wire})
+            self.wire_targets[k] = protocol.Targets(wire).encode()
             agree = float((probs.argmax(1) == target.argmax(1)).mean())
             losses[k] = result["loss"]
             log.info("cosmos round %d: server model %d (%s) distilled on %d members' %s targets, %d epochs: loss %.4f, "

@@ -88,7 +88,7 @@ BUFFER_MODES = ("local", "fedavg")
 _LAST_N = re.compile(r"^last-(\d+)$")
 
 
-WDR_LAMBDA = "train.wdr_lambda"  # the message setting that switches WDR on (λ > 0)
+WDR_LAMBDA = "wdr_lambda"  # the train-section setting that switches WDR on (λ > 0): train.wdr_lambda
 CLASS_COUNTS = "class-counts"  # the metric the `true` estimator's clients report their training class counts in
 
 
@@ -108,9 +108,9 @@ def wdr_penalty(weight: Tensor, target_distribution: Tensor, lam: float) -> Tens
 
 
 @training_term("wdr")
-def wdr_term(w, section: dict):
+def wdr_term(w, section: protocol.Section):
     """WDR on the client's classifier rows towards its training class distribution; None when λ = 0."""
-    lam = float(section.get(WDR_LAMBDA.partition(".")[2], 0.0))
+    lam = float(section.extra.get(WDR_LAMBDA, 0.0))
     if lam <= 0:
         return None
     weight = w.model.get_submodule(classifier_name(w.model)).weight
@@ -445,10 +445,12 @@ class CwFedAvg(PersonalisedStrategy):
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         p: CwFedAvgParams = self.params
-        config = {**self.base_config(), "load-arrays": True, "return-arrays": True,
-                  "arrays.keys": "state" if p.buffers == "fedavg" else "params",
-                  WDR_LAMBDA: float(p.wdr_lambda)}
         client_ops = ["train"] + (["report-class-counts"] if p.estimator == "true" else [])
+        part = "state" if p.buffers == "fedavg" else "params"
+        request = self.request(server_round, client_ops, load=protocol.Load(into_model=True),
+                               returns=protocol.Return(arrays=True, part=part),
+                               training=protocol.Training(sections={
+                                   protocol.TRAIN: protocol.Section(extra={WDR_LAMBDA: float(p.wdr_lambda)})}))
         messages = []
         self.sent_models = {}
         for node in node_ids:
@@ -457,8 +459,7 @@ class CwFedAvg(PersonalisedStrategy):
                 self.sent_bias[node] = np.array(arrays[self.head_b], dtype=np.float64)
             if p.median_clip > 0:
                 self.sent_models[node] = arrays
-            messages.append(protocol.build_message(node, server_round, client_ops, config,
-                                                   arrays=protocol.arrays_record(arrays)))
+            messages.append(protocol.build_message(node, request, arrays=protocol.arrays_record(arrays)))
         return messages
 
     # ------------------------------------------------------------------ aggregation

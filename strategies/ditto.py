@@ -61,11 +61,12 @@ class Ditto(PersonalisedStrategy):
         return self.global_arrays
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        config = {**self.base_config(), "load-arrays": False, PROX_MU: float(self.params.lam),
-                  "return-arrays": True, "arrays.keys": "state"}
+        request = self.request(server_round, ["train-received", "train"], load=protocol.Load(into_model=False),
+                               training=protocol.Training(sections={
+                                   protocol.TRAIN: protocol.Section(extra={PROX_MU: float(self.params.lam)})}),
+                               returns=protocol.Return(arrays=True, part="state"))
         arrays = protocol.arrays_record(self.global_arrays)
-        return [protocol.build_message(n, server_round, ["train-received", "train"], config, arrays=arrays)
-                for n in node_ids]
+        return [protocol.build_message(n, request, arrays=arrays) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         self.global_arrays = average_matching(replies, self.global_arrays, self.rule)

@@ -160,12 +160,15 @@ class FedAMP(PersonalisedStrategy):
         return {c: u[i].numpy() for i, c in enumerate(clients)}
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        config = {**self.base_config(), "load-arrays": False, PROX_MU: proximal_mu(self.params.lam, self.params.alpha_k),
-                  "return-arrays": True, "arrays.keys": "params"}
+        mu = proximal_mu(self.params.lam, self.params.alpha_k)
+        request = self.request(server_round, ["train"], load=protocol.Load(into_model=False),
+                               training=protocol.Training(
+                                   sections={protocol.TRAIN: protocol.Section(extra={PROX_MU: mu})}),
+                               returns=protocol.Return(arrays=True, part="params"))
         # a node not heard from yet is a client whose model is still the initial one: any id outside the pool does
         clients = [self.node_to_client.get(n, -1 - i) for i, n in enumerate(node_ids)]
         anchors = self.anchors(clients)
-        return [protocol.build_message(n, server_round, ["train"], config,
+        return [protocol.build_message(n, request,
                                        arrays=protocol.arrays_record(unflatten(anchors[c], self.like, self.keys)))
                 for n, c in zip(node_ids, clients)]
 

@@ -44,16 +44,17 @@ class FedAvg(PersonalisedStrategy):
     def final_arrays(self) -> dict[str, np.ndarray]:
         return self.global_arrays
 
-    def client_settings(self) -> dict[str, Any]:
-        """Settings beyond FedAvg's own (FedProx adds its proximal term)."""
+    def client_settings(self) -> dict[str, protocol.Section]:
+        """Operation settings beyond FedAvg's own, by section (FedProx adds its proximal term to ``train``)."""
         return {}
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "state",
-                  "persist-model": False,  # the whole model arrives every round: nothing to keep
-                  **self.client_settings()}
+        request = self.request(server_round, [self.train_op], load=protocol.Load(into_model=True),
+                               returns=protocol.Return(arrays=True, part="state"),
+                               keep=protocol.Keep(persist=False),  # the whole model arrives every round: none kept
+                               training=protocol.Training(sections=self.client_settings()))
         arrays = protocol.arrays_record(self.global_arrays)
-        return [protocol.build_message(n, server_round, [self.train_op], config, arrays=arrays) for n in node_ids]
+        return [protocol.build_message(n, request, arrays=arrays) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         self.global_arrays = average_matching(replies, self.global_arrays, self.rule)

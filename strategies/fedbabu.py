@@ -10,17 +10,17 @@ is the model as trained, with its frozen initial head (the paper's accuracy befo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
 from fedapps.client import ops
 from fedapps.client.clientops import client_op
 from fedapps.params import param
 from fedapps.client.worker import part_names
+from fedapps.wire import protocol
 from strategies.base import DeployedModel
 from strategies.fedper import FedPer
 
 
 EVALUATE_FINETUNED = "evaluate-finetuned"  # the operation below (FedNH's deployed model uses it too)
+FINETUNE = "finetune"  # its settings section (finetune.*)
 
 
 @client_op(EVALUATE_FINETUNED, default_tag="eval")
@@ -29,7 +29,7 @@ def evaluate_finetuned(w, tag: str) -> None:
     the model itself is left as it was."""
     copy = w.model_from(w.model.state_dict())
     with ops.frozen(copy, part_names(copy, "body")):
-        ops.train(copy, w.train_x, w.train_y, w.settings("finetune"), None, w.generator)
+        ops.train(copy, w.train_x, w.train_y, w.settings(FINETUNE), None, w.generator)
     w.evaluate(copy, tag)
 
 
@@ -52,5 +52,6 @@ class FedBABU(FedPer):
     def client_ops(self) -> list[str]:
         return ["train"]
 
-    def client_settings(self) -> dict[str, Any]:
-        return {"train.freeze": "head", "finetune.epochs": int(self.params.finetune_epochs)}
+    def client_settings(self) -> dict[str, protocol.Section]:
+        return {protocol.TRAIN: protocol.Section(freeze="head"),
+                FINETUNE: protocol.Section(epochs=int(self.params.finetune_epochs))}

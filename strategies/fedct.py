@@ -27,7 +27,7 @@ from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.wire.protocol import ClientReply
 from strategies.base import RunContext
-from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, targets_record
+from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions
 
 log = logging.getLogger("fedapps")
 
@@ -85,12 +85,11 @@ class FedCT(PseudoLabelStrategy):
         self.consensus: np.ndarray | None = None  # hard labels on U (M = abstain)
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        config = self.message_config(server_round, "ce", "probs", "hard")
         usable = self.consensus is not None and bool(np.any(self.consensus < self.num_classes))
         wire = pseudolabels.encode(self.consensus, "hard", self.num_classes) if usable else None  # all abstain: skip U
-        targets = targets_record(wire)
-        ops = self.round_ops(wire is not None)
-        return [protocol.build_message(n, server_round, ops, config, targets=targets) for n in node_ids]
+        targets = protocol.Targets(wire).encode()
+        request = self.round_request(server_round, self.round_ops(wire is not None), "ce", "probs", "hard")
+        return [protocol.build_message(n, request, targets=targets) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         used, votes = collect_predictions(replies, self.public_size, self.num_classes, "hard")

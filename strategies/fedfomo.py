@@ -11,6 +11,7 @@ model and the weights back; the server adds the weights to P_i·. Download cost:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -133,8 +134,9 @@ class FedFomo(PersonalisedStrategy):
         self.sent_candidates: dict[int, list[int]] = {}  # node -> candidate client ids of this round
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        config = {**self.base_config(), "holdout-fraction": float(self.params.holdout_fraction),
-                  "arrays.multi": True, "return-arrays": True, "arrays.keys": "state"}
+        request = self.request(server_round, ["fomo-mix", "train"],
+                               training=protocol.Training(holdout_fraction=float(self.params.holdout_fraction)),
+                               load=protocol.Load(multi=True), returns=protocol.Return(arrays=True, part="state"))
         epsilon = self.params.epsilon * self.params.epsilon_decay ** (server_round - 1)
         self.sent_candidates = {}
         messages = []
@@ -145,9 +147,9 @@ class FedFomo(PersonalisedStrategy):
             self.sent_candidates[n] = chosen
             if chosen:
                 arrays = protocol.arrays_record(protocol.pack_models([self.models[c] for c in chosen]))
-                messages.append(protocol.build_message(n, server_round, ["fomo-mix", "train"], config, arrays=arrays))
+                messages.append(protocol.build_message(n, request, arrays=arrays))
             else:  # nobody to learn from yet (round 1)
-                messages.append(protocol.build_message(n, server_round, ["train"], config))
+                messages.append(protocol.build_message(n, dataclasses.replace(request, ops=("train",))))
         return messages
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from fedapps.params import param
 from fedapps.wire.protocol import ClientReply
 from fedapps.seeds import derive_rng
 from strategies.base import RunContext
-from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, index_array, targets_record
+from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, index_array
 
 
 # --------------------------------------------------------------------------- FedMD maths
@@ -90,12 +90,15 @@ def alignment_subset(rng: np.random.Generator, public_size: int, size: int) -> n
 # --------------------------------------------------------------------------- client side
 
 
-@client_op("train-public")
+TRAIN_PUBLIC = "train-public"  # the operation below and its settings section (train-public.*)
+
+
+@client_op(TRAIN_PUBLIC)
 def train_public(w, tag: str) -> None:
     """CE on U with its TRUE labels (the original's labelled-public pre-training; settings ``train-public.*``)."""
     if w.fed.public_x is None or w.fed.public_y is None:
         raise ProtocolError("train-public needs a labelled public set U (data.public_fraction > 0)")
-    result = ops.train(w.model, w.fed.public_x, w.fed.public_y, w.settings("train-public"), None, w.generator,
+    result = ops.train(w.model, w.fed.public_x, w.fed.public_y, w.settings(TRAIN_PUBLIC), None, w.generator,
                        public=True)
     w.metrics[protocol.metric_name(tag, "loss")] = result["loss"]
 
@@ -148,11 +151,11 @@ class FedMD(PseudoLabelStrategy):
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         p: FedMDParams = self.params
         self.pending_rows = alignment_subset(self.subset_rng, self.public_size, p.alignment_size)
-        config = self.message_config(server_round, p.digest_loss, p.scores, p.encoding)
         first: tuple[str, ...] = ()
+        sections: dict[str, protocol.Section] = {}
         if server_round == 1 and p.pretrain_public_epochs > 0:
-            first = ("train-public",)
-            config.update({"train-public.epochs": int(p.pretrain_public_epochs), "train-public.lr": float(p.pretrain_lr)})
+            first = (TRAIN_PUBLIC,)
+            sections[TRAIN_PUBLIC] = protocol.Section(epochs=int(p.pretrain_public_epochs), lr=float(p.pretrain_lr))
         wire = None
         if self.consensus is not None:
             if p.consensus != "mean":  # a consensus on probabilities
@@ -160,13 +163,14 @@ class FedMD(PseudoLabelStrategy):
             else:
                 target = self.consensus if p.digest_loss == "mae" or p.scores == "probs" else softmax(self.consensus)
             wire = pseudolabels.encode(target, p.encoding, self.num_classes)
-        targets = targets_record(
+        targets = protocol.Targets(
             wire,
             None if self.consensus_rows is None else index_array(self.consensus_rows, self.public_size),
             None if self.pending_rows is None else index_array(self.pending_rows, self.public_size),
-        )
-        ops = self.round_ops(wire is not None, first)
-        return [protocol.build_message(n, server_round, ops, config, targets=targets) for n in node_ids]
+        ).encode()
+        request = self.round_request(server_round, self.round_ops(wire is not None, first), p.digest_loss, p.scores,
+                                     p.encoding, sections=sections)
+        return [protocol.build_message(n, request, targets=targets) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         rows = self.public_size if self.pending_rows is None else len(self.pending_rows)

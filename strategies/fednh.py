@@ -45,7 +45,7 @@ from fedapps.wire.protocol import ClientReply
 from fedapps.seeds import derive_seed
 from fedapps.wire.validation import ReplyValidator
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, weighted_average
-from strategies.fedbabu import EVALUATE_FINETUNED
+from strategies.fedbabu import EVALUATE_FINETUNED, FINETUNE
 
 
 HEAD = "cosine"  # the classifier head of FedNH's model (fedapps.models.heads)
@@ -246,15 +246,18 @@ class FedNH(PersonalisedStrategy):
     def final_arrays(self) -> dict[str, np.ndarray]:
         return self.global_arrays
 
-    def base_config(self) -> dict[str, Any]:
-        return {**super().base_config(), "model.name": self.arch}
+    def setup(self) -> protocol.Setup:
+        setup = super().setup()
+        return dataclasses.replace(setup, model=dataclasses.replace(setup.model, name=self.arch))
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "state",
-                  "persist-model": False,  # the whole model arrives every round: nothing to keep
-                  "finetune.epochs": int(self.params.finetune_epochs)}
+        request = self.request(server_round, [TRAIN_OP], load=protocol.Load(into_model=True),
+                               returns=protocol.Return(arrays=True, part="state"),
+                               keep=protocol.Keep(persist=False),  # the whole model arrives every round: none kept
+                               training=protocol.Training(sections={
+                                   FINETUNE: protocol.Section(epochs=int(self.params.finetune_epochs))}))
         arrays = protocol.arrays_record(self.global_arrays)
-        return [protocol.build_message(n, server_round, [TRAIN_OP], config, arrays=arrays) for n in node_ids]
+        return [protocol.build_message(n, request, arrays=arrays) for n in node_ids]
 
     def class_counts(self, reply: ClientReply, server_round: int = 0) -> np.ndarray | None:
         """The reply's ``fednh-counts`` if they are K whole non-negative numbers summing to at most its

@@ -35,15 +35,16 @@ class FedPer(PersonalisedStrategy):
         """What the client runs after loading the body (FedRep trains differently)."""
         return ["train"]
 
-    def client_settings(self) -> dict[str, Any]:
-        """Settings those operations need beyond the shared ones."""
+    def client_settings(self) -> dict[str, protocol.Section]:
+        """Settings those operations need beyond the shared ones, by section."""
         return {}
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "body",
-                  **self.client_settings()}
+        request = self.request(server_round, self.client_ops(), load=protocol.Load(into_model=True),
+                               returns=protocol.Return(arrays=True, part="body"),
+                               training=protocol.Training(sections=self.client_settings()))
         arrays = protocol.arrays_record(self.body)
-        return [protocol.build_message(n, server_round, self.client_ops(), config, arrays=arrays) for n in node_ids]
+        return [protocol.build_message(n, request, arrays=arrays) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         self.body = average_matching(replies, self.body, self.rule)

@@ -9,9 +9,8 @@ client's own head (as FedPer's).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
 from fedapps.params import param
+from fedapps.wire import protocol
 from strategies.fedper import FedPer
 
 
@@ -32,5 +31,6 @@ class FedRep(FedPer):
     def client_ops(self) -> list[str]:
         return ["train:head", "train:body"]
 
-    def client_settings(self) -> dict[str, Any]:
-        return {"train:head.freeze": "body", "train:head.epochs": int(self.params.head_epochs), "train:body.freeze": "head"}
+    def client_settings(self) -> dict[str, protocol.Section]:
+        return {protocol.train_section("head"): protocol.Section(freeze="body", epochs=int(self.params.head_epochs)),
+                protocol.train_section("body"): protocol.Section(freeze="head")}

@@ -34,7 +34,7 @@ from flwr.app import Message
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from fedapps.client import ops, worker
+from fedapps.client import ops
 
 from fedapps.wire import protocol
 from fedapps.client.clientops import ProtocolError, client_op
@@ -255,7 +255,7 @@ def fedselect_train(w, tag: str) -> None:
     w.metrics[protocol.metric_name(tag, "loss")] = result["loss"]
     values = {name: shared_values(p.detach().cpu().numpy(), masks[name].cpu().numpy() if name in masks else None)
               for name, p in w.model.named_parameters()}
-    w.reply[protocol.ARRAYS] = protocol.arrays_record(values, worker.message_transport(w.config))
+    w.reply.arrays = protocol.arrays_record(values, w.request.array_transport)
 
 
 # --------------------------------------------------------------------------- server side
@@ -269,8 +269,7 @@ class SharedEntriesValidator(ReplyValidator):
         messages = list(messages)
         super().expect(messages)
         for msg in messages:
-            config = msg.content[protocol.CONFIG]
-            if TRAIN_OP not in [str(op).partition(":")[0] for op in config.get("ops", [])]:
+            if TRAIN_OP not in [str(op).partition(":")[0] for op in protocol.request_of(msg).ops]:
                 continue
             exp = self.expected[str(msg.metadata.message_type)][int(msg.metadata.dst_node_id)]
             exp.arrays = {k: ArraySpec(tuple(a.shape), np.dtype(np.float32))
@@ -314,7 +313,8 @@ class FedSelect(PersonalisedStrategy):
         return out
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        config = {**self.base_config(), "load-arrays": False, "return-arrays": False}
+        request = self.request(server_round, [LOAD_OP, TRAIN_OP], load=protocol.Load(into_model=False),
+                               returns=protocol.Return(arrays=False))
         everything_shared = None
         messages = []
         for n in node_ids:
@@ -325,7 +325,7 @@ class FedSelect(PersonalisedStrategy):
                 arrays = everything_shared
             else:
                 arrays = protocol.arrays_record(self.client_arrays(masks))
-            messages.append(protocol.build_message(n, server_round, [LOAD_OP, TRAIN_OP], config, arrays=arrays))
+            messages.append(protocol.build_message(n, request, arrays=arrays))
         return messages
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:

@@ -61,10 +61,10 @@ from fedapps.wire.protocol import ClientReply
 from strategies.fedavg import FedAvg
 
 TRAIN_OP = "feduv-train"  # the client operation: FedAvg's local training with the two terms
-MU_V = "train.feduv_mu_v"  # message settings (the train section, so other training terms still see theirs)
-MU_U = "train.feduv_mu_u"
-TEMPERATURE = "train.feduv_t"
-FORM = "train.feduv_uniformity"
+MU_V = "feduv_mu_v"  # settings of the train section (train.feduv_*: other training terms still see theirs)
+MU_U = "feduv_mu_u"
+TEMPERATURE = "feduv_t"
+FORM = "feduv_uniformity"
 VARIANCE = "feduv-variance"  # reply metrics: the terms' mean over the local batches (before the coefficients)
 UNIFORMITY = "feduv-uniformity"
 STD_EPS = 1e-4  # ε in sqrt(Var + ε)
@@ -191,11 +191,11 @@ def feduv_train(w, tag: str) -> None:
     """FedAvg's local training with FedUV's terms (``train.feduv_mu_v``, ``train.feduv_mu_u``,
     ``train.feduv_uniformity``, ``train.feduv_t``);
     reports each term's mean over the batches (``feduv-variance``, ``feduv-uniformity``) when it is on."""
-    section = protocol.section(w.config, "train")
-    mu_v = float(section.get(MU_V.partition(".")[2], 0.0))
-    mu_u = float(section.get(MU_U.partition(".")[2], 0.0))
-    t = float(section.get(TEMPERATURE.partition(".")[2], DEFAULT_T))
-    form = str(section.get(FORM.partition(".")[2], MEDIAN_RBF))
+    section = w.request.training.section(protocol.TRAIN)
+    mu_v = float(section.extra.get(MU_V, 0.0))
+    mu_u = float(section.extra.get(MU_U, 0.0))
+    t = float(section.extra.get(TEMPERATURE, DEFAULT_T))
+    form = str(section.extra.get(FORM, MEDIAN_RBF))
     tap = FeatureTap(w.model) if mu_u > 0 else None
     loss_fn, sums = feduv_loss(tap, mu_v, mu_u, form, t, w.training_terms(section))
     with tap if tap is not None else nullcontext():
@@ -230,9 +230,10 @@ class FedUV(FedAvg):
     Params = FedUVParams
     train_op = TRAIN_OP
 
-    def client_settings(self) -> dict[str, Any]:
-        return {MU_V: float(self.params.mu_v), MU_U: float(self.params.mu_u), FORM: str(self.params.uniformity),
-                TEMPERATURE: float(self.params.t)}
+    def client_settings(self) -> dict[str, protocol.Section]:
+        return {protocol.TRAIN: protocol.Section(extra={MU_V: float(self.params.mu_v), MU_U: float(self.params.mu_u),
+                                                        FORM: str(self.params.uniformity),
+                                                        TEMPERATURE: float(self.params.t)})}
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         """FedAvg's step; rounds.csv gets the clients' mean of each term (unweighted, where reported)."""

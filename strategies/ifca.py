@@ -107,11 +107,11 @@ class IFCA(PersonalisedStrategy):
         self.assignment: dict[int, int] = {}  # client id -> cluster chosen last
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        config = {**self.base_config(), "arrays.multi": True, "load-arrays": False, "persist-model": False,
-                  "return-arrays": True, "arrays.keys": "state"}
+        request = self.request(server_round, ["select-model", "train"],
+                               load=protocol.Load(into_model=False, multi=True),
+                               keep=protocol.Keep(persist=False), returns=protocol.Return(arrays=True, part="state"))
         arrays = protocol.arrays_record(protocol.pack_models(self.models))
-        return [protocol.build_message(n, server_round, ["select-model", "train"], config, arrays=arrays)
-                for n in node_ids]
+        return [protocol.build_message(n, request, arrays=arrays) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         keys = set(self.models[0])

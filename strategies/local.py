@@ -35,8 +35,9 @@ class Local(PersonalisedStrategy):
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         first = int(self.params.pretrain_epochs)
-        config = {**self.base_config(), **({"train.epochs": first} if server_round == 1 and first > 0 else {})}
-        return [protocol.build_message(n, server_round, ["train"], config) for n in node_ids]
+        sections = {protocol.TRAIN: protocol.Section(epochs=first)} if server_round == 1 and first > 0 else {}
+        request = self.request(server_round, ["train"], training=protocol.Training(sections=sections))
+        return [protocol.build_message(n, request) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         return {}

@@ -45,9 +45,10 @@ from strategies.fedavg import initial_model_arrays
 log = logging.getLogger("fedapps")
 
 TRAIN_OP = "pfedck-train"
-ALPHA = "pfedck.alpha"  # message settings: the two distillation weights and the temperature
-BETA = "pfedck.beta"
-TEMPERATURE = "pfedck.temperature"
+SECTION = "pfedck"  # the message's settings section of the operation (pfedck.*):
+ALPHA = "alpha"  # ... the two distillation weights and the temperature
+BETA = "beta"
+TEMPERATURE = "temperature"
 KL_PERSONAL = "pfedck-kl-personal"  # reply metrics: each KL term's mean over the local batches (before its weight)
 KL_INTERACTIVE = "pfedck-kl-interactive"
 
@@ -103,8 +104,9 @@ def pfedck_train(w, tag: str) -> None:
     interactive model is what goes back (``return-arrays``); the personalised one stays."""
     if w.received is None:
         raise ProtocolError(f"{TRAIN_OP} needs the interactive model in the message's arrays")
-    alpha, beta = float(w.config.get(ALPHA, 1.0)), float(w.config.get(BETA, 1.0))
-    temperature = float(w.config.get(TEMPERATURE, 1.0))
+    own = w.request.training.section(SECTION).extra
+    alpha, beta = float(own.get(ALPHA, 1.0)), float(own.get(BETA, 1.0))
+    temperature = float(own.get(TEMPERATURE, 1.0))
     pair = ModelPair(w.model, w.model_from(w.received))
     sums: dict[str, Any] = {"p": 0.0, "i": 0.0, "n": 0}  # summed on the device: no host sync per step
 
@@ -169,16 +171,18 @@ class PFedCK(PersonalisedStrategy):
         return self.initial if mid is None else self.models[mid]
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        config = {**self.base_config(), "load-arrays": False, "return-arrays": True, "arrays.keys": "state",
-                  ALPHA: float(self.params.alpha), BETA: float(self.params.beta),
-                  TEMPERATURE: float(self.params.temperature)}
+        own = protocol.Section(extra={ALPHA: float(self.params.alpha), BETA: float(self.params.beta),
+                                      TEMPERATURE: float(self.params.temperature)})
+        request = self.request(server_round, [TRAIN_OP], load=protocol.Load(into_model=False),
+                               returns=protocol.Return(arrays=True, part="state"),
+                               training=protocol.Training(sections={SECTION: own}))
         records: dict[int, Any] = {}
         messages = []
         for n in node_ids:
             model = self.interactive_of(self.node_to_client.get(n))
             if id(model) not in records:
                 records[id(model)] = protocol.arrays_record(model)
-            messages.append(protocol.build_message(n, server_round, [TRAIN_OP], config, arrays=records[id(model)]))
+            messages.append(protocol.build_message(n, request, arrays=records[id(model)]))
         return messages
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:

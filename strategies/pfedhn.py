@@ -306,14 +306,15 @@ class PFedHN(PersonalisedStrategy):
 
     # ------------------------------------------------------------------ the round
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        config = {**self.base_config(), "load-arrays": True, "return-arrays": True, "arrays.keys": "params"}
+        request = self.request(server_round, ["train"], load=protocol.Load(into_model=True),
+                               returns=protocol.Return(arrays=True, part="params"))
         self.sent_from = {}
         messages = []
         for n in node_ids:
             client = self.client_of(n)
             self.sent_from[int(n)] = client
             arrays = protocol.arrays_record(self.generated(client))
-            messages.append(protocol.build_message(n, server_round, ["train"], config, arrays=arrays))
+            messages.append(protocol.build_message(n, request, arrays=arrays))
         return messages
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:

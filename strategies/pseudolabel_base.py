@@ -1,15 +1,14 @@
 """Shared machinery of the pseudo-label baselines (FedMD, FedCT, COMET): their distillation parameters, the
-prediction collection, the targets record and :class:`PseudoLabelStrategy`, whose clients distil on server
+prediction collection, the round's request and :class:`PseudoLabelStrategy`, whose clients distil on server
 targets on U, train and predict on U in one message per round; the own model after that is the deployed one."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
-from flwr.app import ArrayRecord
 
 from fedapps.wire import protocol, pseudolabels
 from fedapps.config import OPTIMIZERS, ConfigError, ExperimentConfig
@@ -81,26 +80,22 @@ class PseudoLabelStrategy(PersonalisedStrategy):
         truth = self._public_y if rows is None else self._public_y[rows]
         return float(np.mean(np.asarray(labels) == truth))
 
-    def message_config(self, server_round: int, distill_loss: str, predict_output: str, predict_encoding: str,
-                       weighting: str = "none") -> dict[str, Any]:
-        """Base settings plus the public-set fingerprint, the distill / predict sections and round 1's epochs."""
+    def round_request(self, server_round: int, ops: list[str], distill_loss: str, predict_output: str,
+                      predict_encoding: str, weighting: str = "none",
+                      sections: Mapping[str, protocol.Section] | None = None) -> protocol.Request:
+        """The round's request: the base settings plus the public set (fingerprint, predict settings), the distill
+        section, round 1's training epochs and the strategy's own ``sections``."""
         p = self.params
-        first = {"train.epochs": int(p.pretrain_epochs)} if server_round == 1 and p.pretrain_epochs > 0 else {}
-        return {
-            **first,
-            **self.base_config(),
-            protocol.PUBLIC_FINGERPRINT: self.public_fingerprint,
-            "distill.epochs": int(p.distill_epochs),
-            "distill.lr": float(p.distill_lr),
-            "distill.batch_size": int(p.distill_batch_size),
-            "distill.optimizer": str(p.distill_optimizer),
-            "distill.clip_norm": float(p.distill_clip_norm),
-            "distill.drop_last": False,
-            "distill.loss": distill_loss,
-            "distill.weighting": weighting,
-            protocol.PREDICT_OUTPUT: predict_output,
-            protocol.PREDICT_ENCODING: predict_encoding,
-        }
+        first = {protocol.TRAIN: protocol.Section(epochs=int(p.pretrain_epochs))} \
+            if server_round == 1 and p.pretrain_epochs > 0 else {}
+        distill = protocol.Section(epochs=int(p.distill_epochs), lr=float(p.distill_lr),
+                                   batch_size=int(p.distill_batch_size), optimizer=str(p.distill_optimizer),
+                                   clip_norm=float(p.distill_clip_norm), drop_last=False, loss=distill_loss,
+                                   weighting=weighting)
+        sections = {**first, protocol.DISTILL: distill, **(sections or {})}
+        return self.request(server_round, ops,
+                            public=protocol.PublicSet(self.public_fingerprint, predict_output, predict_encoding),
+                            training=protocol.Training(sections=sections))
 
     @staticmethod
     def round_ops(with_distill: bool, first: tuple[str, ...] = ()) -> list[str]:
@@ -108,14 +103,3 @@ class PseudoLabelStrategy(PersonalisedStrategy):
         return [*first, *(["distill"] if with_distill else []), "train", "predict"]
 
 
-def targets_record(targets: np.ndarray | None, distill_rows: np.ndarray | None = None,
-                   predict_rows: np.ndarray | None = None) -> ArrayRecord | None:
-    """The 'targets' record: encoded targets, and optional 'distill-indices' / 'predict-indices' into U."""
-    arrays: dict[str, np.ndarray] = {}
-    if targets is not None:
-        arrays[protocol.TARGET_ARRAY] = targets
-        if distill_rows is not None:
-            arrays[protocol.DISTILL_INDICES] = distill_rows
-    if predict_rows is not None:
-        arrays[protocol.PREDICT_INDICES] = predict_rows
-    return protocol.arrays_record(arrays) if arrays else None

@@ -19,10 +19,13 @@ functions. Rules:
     builder and its message settings) is defined in ``strategies/cosmos.py`` and named nowhere in ``fedapps/``;
 (e) each reply is checked once, with one prediction check: ``prediction_problem`` is defined in
     ``fedapps/wire/validation.py`` and in no other module of ``fedapps/`` or ``strategies/``;
-(f) the wire keys of the public set U (:data:`PROTOCOL_KEYS`: the ``public.fingerprint`` / ``predict.*`` settings and
-    the array names of the predictions and targets records) are spelled in ``fedapps/wire/protocol.py`` only: no other
-    module of the project holds a string literal equal to one of them (docstrings, comments and longer strings that
-    contain one do not count);
+(f) every wire key (the names of records, settings, arrays, metrics and info entries that the schema module
+    ``fedapps/wire/protocol.py`` defines and lists in its ``KEYS``, :func:`schema_keys`) is spelled there only: no other
+    module of the project and no test (this one aside) holds a string literal equal to one (docstrings, comments and
+    longer strings that contain one do not count). Narrow exemptions, each with its reason and each still needed
+    (:func:`stale_exemptions`): :data:`WIRE_FORGING_TESTS`, test modules that build or take apart raw wire records
+    on purpose; :data:`ALSO_A_NAME`, a key that is also an ordinary name elsewhere (``round`` is a column of
+    rounds.csv too), in the places where it means that;
 (g) a strategy is given its run context at construction, never wired afterwards: no module of the project and no test
     assigns an attribute named after a field of ``strategies.base.RunContext`` (``x.client_state = ...``);
 (h) no dead hooks or adapters: every method a class in ``strategies/`` defines is named somewhere in the project's
@@ -50,6 +53,7 @@ import re
 import sys
 from collections import deque
 from pathlib import Path
+from typing import Iterable
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("fedapps", "strategies", "fedapps_tools")
@@ -67,9 +71,35 @@ WORKER = ROOT / "fedapps" / "client" / "worker.py"
 MOVED_OUT_OF_CORE = {"robustness_penalty": "strategies/cosmos.py", "rb_term": "strategies/cosmos.py",
                      "rb_lambda": "strategies/cosmos.py", "rb_sigma": "strategies/cosmos.py"}
 PREDICTION_CHECK = ("prediction_problem", "fedapps/wire/validation.py")  # rule (e): the one prediction check, where
-PROTOCOL = "fedapps/wire/protocol.py"
-PROTOCOL_KEYS = ("public.fingerprint", "predict.output", "predict.encoding", "predictions", "targets",
-                 "distill-indices", "predict-indices")  # rule (f); the rest of the keys: issue #27's typed schema
+PROTOCOL = "fedapps/wire/protocol.py"  # rule (f): the schema module, where every wire key is spelled
+RULES = "tests/test_architecture.py"  # this module (it names the keys it checks)
+# rule (f)'s exemptions. Test modules that spell wire keys to forge or take apart raw records on purpose:
+WIRE_FORGING_TESTS = {
+    "tests/test_validation.py": "forges requests and (hostile) replies, record by record, for the reply validator",
+    "tests/test_schema.py": "pins the wire format's literal keys (a changed constant would break deployment across "
+                            "versions)",
+}
+# Keys that are also ordinary names elsewhere -> the places (a file, or a folder ending in '/') where they mean that:
+ALSO_A_NAME = {
+    "round": {"fedapps/reporting/": "the column of rounds.csv and rejections.csv",
+              "fedapps_tools/": "the column of rounds.csv", "server_app.py": "the checkpoint's field",
+              "strategies/base.py": "the field of the latest measurement (summary.json)",
+              "strategies/cwfedavg.py": "a value of its parameter mix",
+              "tests/": "the columns of rounds.csv and rejections.csv the tests read"},
+    "config": {"fedapps/config.py": "the config itself", "fedapps_tools/": "the run's config (config.yaml, specs)",
+               "server_app.py": "the checkpoint's field, config.yaml",
+               "tests/": "the run's config (checkpoints, specs)"},
+    "fingerprint": {"fedapps/flower/faults.py": "the name of a fault", "tests/test_faults.py": "the name of a fault"},
+    "model.name": {"strategies/__init__.py": "the config key the wire key is named after",
+                   "fedapps/models/zoo.py": "the config key", "tests/test_cli_usability.py": "the config key",
+                   "tests/test_config.py": "the config key", "tests/test_shipped_configs.py": "the config key",
+                   "tests/test_pfedhn.py": "the config key"},
+    "model.per_client": {"tests/test_cli_usability.py": "the config key"},
+    "privacy.mode": {"fedapps/config.py": "the config key the wire key is named after"},
+    "privacy.noise_multiplier": {"tests/test_privacy.py": "the config key"},
+    "privacy.delta": {"tests/test_privacy.py": "the config key"},
+    "privacy.epsilon_budget": {"tests/test_privacy.py": "the config key the budget refusal names"},
+}
 RUN_CONTEXT = ("strategies/base.py", "RunContext")  # rule (g): the class whose fields are construction inputs
 CALLED_BY_TORCH = frozenset({"forward"})  # rule (h): methods torch calls for us (nn.Module.__call__)
 # rule (i): the core's layers, bottom (0) to top; a module is placed by its longest listed prefix
@@ -341,16 +371,75 @@ def definers(function: str, root: Path = ROOT) -> list[str]:
                   if function in defined_functions(f))
 
 
-def key_literals(keys: tuple[str, ...], root: Path = ROOT) -> list[str]:
-    """'file:line: key' for every string literal equal to one of ``keys`` outside fedapps/wire/protocol.py."""
+def schema_keys(root: Path = ROOT) -> dict[str, str]:
+    """The wire keys of the schema module: constant name -> key, for every name its ``KEYS`` tuple lists (each a
+    module-level ``NAME = "key"`` there)."""
+    constants: dict[str, str] = {}
+    listed: list[str] = []
+    for node in ast.parse((root / PROTOCOL).read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name, value = node.targets[0].id, node.value
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                constants[name] = value.value
+            elif name == "KEYS" and isinstance(value, (ast.Tuple, ast.List)):
+                listed = [e.id for e in value.elts if isinstance(e, ast.Name)]
+    return {name: constants[name] for name in listed}
+
+
+def docstrings(tree: ast.AST) -> set[int]:
+    """ids of the docstring nodes of a module and of its classes and functions."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            value = first.value if isinstance(first, ast.Expr) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                out.add(id(value))
+    return out
+
+
+def exempt(rel: str, key: str, forging: dict[str, str], also: dict[str, dict[str, str]]) -> bool:
+    """Whether ``key`` may be spelled in the file ``rel`` (rule (f)'s exemptions)."""
+    return rel in forging or any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in also.get(key, {}))
+
+
+def wire_literal_sites(keys: Iterable[str], root: Path = ROOT) -> list[tuple[str, int, str]]:
+    """(file, line, key) for every string literal equal to one of ``keys`` in the project's modules and its tests,
+    outside the schema module; docstrings do not count."""
+    keys = set(keys)
+    paths = [*module_files(root).values(), *sorted((root / "tests").glob("*.py"))]
     out = []
-    for name, path in sorted(module_files(root).items()):
-        rel = str(path.relative_to(root))
-        if rel == PROTOCOL:
+    for path in sorted(set(paths)):
+        rel = path.relative_to(root).as_posix()
+        if rel in (PROTOCOL, RULES):  # the schema spells the keys; this module names those it checks
             continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in keys:
-                out.append(f"{rel}:{node.lineno}: {node.value!r}")
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        skip = docstrings(tree)
+        out += [(rel, node.lineno, node.value) for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                and isinstance(node.value, str) and node.value in keys and id(node) not in skip]
+    return sorted(out)
+
+
+def key_literals(keys: Iterable[str], root: Path = ROOT, forging: dict[str, str] | None = None,
+                 also: dict[str, dict[str, str]] | None = None) -> list[str]:
+    """'file:line: key' for every wire-key literal (:func:`wire_literal_sites`) that no exemption allows."""
+    forging = WIRE_FORGING_TESTS if forging is None else forging
+    also = ALSO_A_NAME if also is None else also
+    return [f"{rel}:{line}: {key!r}" for rel, line, key in wire_literal_sites(keys, root)
+            if not exempt(rel, key, forging, also)]
+
+
+def stale_exemptions(keys: Iterable[str], root: Path = ROOT, forging: dict[str, str] | None = None,
+                     also: dict[str, dict[str, str]] | None = None) -> list[str]:
+    """The exemptions of rule (f) that no literal needs any more (so that the list stays as narrow as the code)."""
+    forging = WIRE_FORGING_TESTS if forging is None else forging
+    also = ALSO_A_NAME if also is None else also
+    sites = wire_literal_sites(keys, root)
+    out = [f"{path}: forges nothing" for path in forging if not any(rel == path for rel, _, _ in sites)]
+    for key, places in also.items():
+        for p in places:
+            if not any(k == key and exempt(rel, key, {}, {key: {p: ""}}) for rel, _, k in sites):
+                out.append(f"{key!r} in {p}: not spelled there")
     return out
 
 
@@ -499,11 +588,20 @@ def test_one_prediction_check():
     assert definers(function) == [home]
 
 
-def test_public_set_keys_are_spelled_in_the_protocol_module_only():
-    text = (ROOT / PROTOCOL).read_text(encoding="utf-8")
-    assert all(f'"{k}"' in text for k in PROTOCOL_KEYS)  # each key is spelled there
-    found = key_literals(PROTOCOL_KEYS)
-    assert not found, "protocol keys spelled outside fedapps/wire/protocol.py (use its constants):\n" + "\n".join(found)
+def test_wire_keys_are_spelled_in_the_schema_module_only():
+    keys = schema_keys()
+    # the check has teeth: the schema lists the keys of every part of a message and a reply
+    assert {"RETURN_ARRAYS", "ARRAYS_KEYS", "LOAD_ARRAYS", "PUBLIC_FINGERPRINT", "PREDICT_OUTPUT", "TARGET_ARRAY",
+            "STATE_DIR", "OPS", "ROUND", "CLIENT_ID", "INFO_FINGERPRINT", "CONFIG"} <= set(keys)
+    assert {"return-arrays", "arrays.keys", "state-dir", "predictions", "client-id"} <= set(keys.values())
+    found = key_literals(keys.values())
+    assert not found, ("wire keys spelled outside fedapps/wire/protocol.py (use its constants, or its dataclasses):\n"
+                       + "\n".join(found))
+
+
+def test_every_exemption_of_the_wire_key_rule_is_still_needed():
+    found = stale_exemptions(schema_keys().values())
+    assert not found, "exemptions of rule (f) that nothing needs (remove them):\n" + "\n".join(found)
 
 
 def test_the_maths_checks_see_a_violation(tmp_path):
@@ -518,9 +616,31 @@ def test_the_maths_checks_see_a_violation(tmp_path):
     assert core_mentions(["robustness_penalty", "rb_lambda"], tmp_path) == [
         "fedapps/client/ops.py:1: def robustness_penalty(x):"]
     assert definers("prediction_problem", tmp_path) == ["fedapps/wire/validation.py", "strategies/pl.py"]
-    (tmp_path / "fedapps" / "wire" / "protocol.py").write_text('KEY = "predict.output"\n')
-    (tmp_path / "strategies" / "pl.py").write_text('"""Reads predict.output."""\nconfig = {"predict.output": 1}\n')
-    assert key_literals(("predict.output",), tmp_path) == ["strategies/pl.py:2: 'predict.output'"]
+
+
+
+def test_the_wire_key_check_sees_a_violation(tmp_path):
+    """On a made-up tree: the keys are read off the schema's KEYS; a literal in a strategy and in a test is found, a
+    docstring, a longer string and the schema module itself are not, and each kind of exemption works (and is
+    reported once nothing needs it)."""
+    for sub in ("fedapps/wire", "strategies", "tests", "fedapps_tools"):
+        (tmp_path / sub).mkdir(parents=True)
+    (tmp_path / "fedapps" / "wire" / "protocol.py").write_text(
+        'OUTPUT = "predict.output"\nROUND = "round"\nOTHER = "not-listed"\nKEYS = (OUTPUT, ROUND)\n')
+    assert schema_keys(tmp_path) == {"OUTPUT": "predict.output", "ROUND": "round"}
+    (tmp_path / "strategies" / "pl.py").write_text(
+        '"""Reads predict.output."""\nconfig = {"predict.output": 1, "x": "not-listed"}\n\n\n'
+        'def f():\n    """predict.output"""\n    return "predict.output is a key"\n')
+    (tmp_path / "tests" / "test_x.py").write_text('def test():\n    assert {"predict.output": 1}["round"]\n')
+    (tmp_path / "fedapps_tools" / "table.py").write_text('COLUMN = "round"\n')
+    keys = ("predict.output", "round")
+    assert key_literals(keys, tmp_path, {}, {}) == ["fedapps_tools/table.py:1: 'round'", "strategies/pl.py:2: "
+                                                    "'predict.output'", "tests/test_x.py:2: 'predict.output'",
+                                                    "tests/test_x.py:2: 'round'"]
+    forging, also = {"tests/test_x.py": "forges"}, {"round": {"fedapps_tools/": "a column", "server_app.py": "a field"}}
+    assert key_literals(keys, tmp_path, forging, also) == ["strategies/pl.py:2: 'predict.output'"]
+    assert stale_exemptions(keys, tmp_path, forging, also) == ["'round' in server_app.py: not spelled there"]
+    assert stale_exemptions(keys, tmp_path, {"tests/test_y.py": "forges"}, {}) == ["tests/test_y.py: forges nothing"]
 
 
 def test_strategies_are_not_wired_after_construction():
@@ -565,7 +685,7 @@ def main() -> int:
                          ("names of COSMOS's r_B in fedapps/", core_mentions(sorted(MOVED_OUT_OF_CORE))),
                          ("other definitions of the prediction check",
                           [d for d in definers(PREDICTION_CHECK[0]) if d != PREDICTION_CHECK[1]]),
-                         ("public-set keys outside fedapps/wire/protocol.py", key_literals(PROTOCOL_KEYS)),
+                         ("wire keys outside fedapps/wire/protocol.py", key_literals(schema_keys().values())),
                          ("run context set after construction",
                           attribute_writes(class_fields(ROOT / RUN_CONTEXT[0], RUN_CONTEXT[1]))),
                          ("methods of strategies/ nothing names", unreferenced_methods())):

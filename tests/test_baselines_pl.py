@@ -18,7 +18,7 @@ from fedapps.wire.protocol import ClientReply
 from strategies.comet import COMET, cluster_means, kmeans, kmeans_plus_plus
 from strategies.fedct import FedCT, majority_vote, qualified_vote, vote_counts
 from strategies import resolve
-from strategies.fedmd import FedMD, alignment_subset, fedmd_consensus
+from strategies.fedmd import TRAIN_PUBLIC, FedMD, alignment_subset, fedmd_consensus
 from strategies.pseudolabel_base import collect_predictions
 
 torch.set_num_threads(1)
@@ -79,9 +79,9 @@ def test_hard_label_encoding_is_one_byte_per_sample():
     wire = pseudolabels.encode(probs, "hard", m)
     assert wire.dtype == np.uint8 and wire.shape == (n,)
     assert np.array_equal(wire, probs.argmax(axis=1))
-    nbytes = protocol.record_nbytes(RecordDict({"p": protocol.arrays_record({"predictions": wire})}))
+    nbytes = protocol.record_nbytes(RecordDict({"p": protocol.arrays_record({protocol.PREDICTION_ARRAY: wire})}))
     assert n <= nbytes <= n + 256  # |U| bytes plus the array header
-    soft = protocol.record_nbytes(RecordDict({"p": protocol.arrays_record({"predictions": probs})}))
+    soft = protocol.record_nbytes(RecordDict({"p": protocol.arrays_record({protocol.PREDICTION_ARRAY: probs})}))
     assert soft >= 4 * n * m
     assert pseudolabels.label_dtype(255) == np.uint8  # classes 0..254 plus the abstain marker 255
     assert pseudolabels.label_dtype(256) == np.uint16
@@ -94,7 +94,14 @@ def _flower_identity() -> None:
 
 
 def _reply(cid: int, preds: np.ndarray) -> ClientReply:
-    return ClientReply(node_id=100 + cid, client_id=cid, num_examples=10, metrics={}, predictions={"predictions": preds})
+    return ClientReply(node_id=100 + cid, client_id=cid, num_examples=10, metrics={},
+                       predictions={protocol.PREDICTION_ARRAY: preds})
+
+
+def targets_of(msg) -> protocol.Targets:
+    """The targets record of a message, decoded (empty without one)."""
+    return protocol.Targets.decode(msg.content[protocol.TARGETS]) if protocol.TARGETS in msg.content else \
+        protocol.Targets()
 
 
 def test_collect_predictions_stacks_validated_replies_in_client_order():
@@ -121,15 +128,16 @@ def test_fedct_broadcasts_one_uint8_vote_and_skips_u_when_all_abstain():
     s.aggregate(1, [_reply(i, v.astype(np.uint8)) for i, v in enumerate(votes)])
     msgs = s.round_messages(2, [100, 101, 102, 103])
     for msg in msgs:
-        wire = msg.content["targets"]["targets"].numpy()
+        wire = targets_of(msg).values
         assert wire.dtype == np.uint8 and np.array_equal(wire, base)
-        assert msg.content["config"]["distill.loss"] == "ce"
-        assert msg.content["config"]["predict.encoding"] == "hard"
+        request = protocol.request_of(msg)
+        assert request.training.section(protocol.DISTILL).loss == "ce"
+        assert request.public.encoding == "hard"
     split = [base, base, (base + 1) % m, (base + 2) % m]  # agreement 1/2 < 3/4: every sample abstains
     s.aggregate(2, [_reply(i, v.astype(np.uint8)) for i, v in enumerate(split)])
     assert np.all(s.consensus == m)
     msgs = s.round_messages(3, [100])
-    assert "distill" not in list(msgs[0].content["config"]["ops"]) and "targets" not in msgs[0].content
+    assert "distill" not in protocol.request_of(msgs[0]).ops and protocol.TARGETS not in msgs[0].content
 
 
 # --------------------------------------------------------------------------- FedMD
@@ -159,25 +167,25 @@ def test_fedmd_messages_carry_the_same_consensus_and_the_subset_indices():
     m = s.num_classes
     nodes = [100, 101, 102, 103]
     msgs = s.round_messages(1, nodes)
-    assert list(msgs[0].content["config"]["ops"]) == ["train", "predict"]  # nothing to digest yet
-    rows1 = msgs[0].content["targets"]["predict-indices"].numpy()
-    assert len(rows1) == 30 and "targets" not in msgs[0].content["targets"]
+    assert protocol.request_of(msgs[0]).ops == ("train", "predict")  # nothing to digest yet
+    rows1 = targets_of(msgs[0]).predict_rows
+    assert len(rows1) == 30 and targets_of(msgs[0]).values is None
     rng = np.random.default_rng(0)
     logits = [rng.normal(size=(30, m)).astype(np.float32) for _ in nodes]
     s.aggregate(1, [_reply(i, x) for i, x in enumerate(logits)])
     msgs = s.round_messages(2, nodes)
-    assert list(msgs[0].content["config"]["ops"]) == ["distill", "train", "predict"]
+    assert protocol.request_of(msgs[0]).ops == ("distill", "train", "predict")
     # the base class adds the protocol's evaluations: the own (deployed) model before the digest, after training
-    assert list(s.messages_for_round(2, nodes)[0].content["config"]["ops"]) == [
-        "evaluate:deployed", "distill", "train", "predict", "evaluate:after"]
+    assert protocol.request_of(s.messages_for_round(2, nodes)[0]).ops == (
+        "evaluate:deployed", "distill", "train", "predict", "evaluate:after")
     expected = np.mean(logits, axis=0)
     for msg in msgs:  # the same consensus for everyone, on the previous round's subset
-        rec = msg.content["targets"]
-        np.testing.assert_allclose(rec["targets"].numpy(), expected, rtol=1e-5, atol=1e-6)
-        assert np.array_equal(rec["distill-indices"].numpy(), rows1)
-        assert len(rec["predict-indices"].numpy()) == 30
-    assert not np.array_equal(msgs[0].content["targets"]["predict-indices"].numpy(), rows1)
-    assert msgs[0].content["config"]["distill.loss"] == "mae"
+        rec = targets_of(msg)
+        np.testing.assert_allclose(rec.values, expected, rtol=1e-5, atol=1e-6)
+        assert np.array_equal(rec.distill_rows, rows1)
+        assert len(rec.predict_rows) == 30
+    assert not np.array_equal(targets_of(msgs[0]).predict_rows, rows1)
+    assert protocol.request_of(msgs[0]).training.section(protocol.DISTILL).loss == "mae"
 
 
 def test_fedmd_kl_option_sends_float16_softmax_of_the_mean_logits():
@@ -187,12 +195,13 @@ def test_fedmd_kl_option_sends_float16_softmax_of_the_mean_logits():
     logits = np.random.default_rng(1).normal(size=(2, n, m)).astype(np.float32)
     s.aggregate(1, [_reply(0, logits[0]), _reply(1, logits[1])])
     msg = s.round_messages(2, [100])[0]
-    wire = msg.content["targets"]["targets"].numpy()
-    assert wire.dtype == np.float16 and "distill-indices" not in msg.content["targets"]
+    wire = targets_of(msg).values
+    assert wire.dtype == np.float16 and targets_of(msg).distill_rows is None
     mean = logits.mean(axis=0)
     expected = np.exp(mean) / np.exp(mean).sum(axis=1, keepdims=True)
     np.testing.assert_allclose(wire.astype(np.float32), expected, atol=2e-3)
-    assert msg.content["config"]["distill.loss"] == "kl" and msg.content["config"]["predict.encoding"] == "float16"
+    request = protocol.request_of(msg)
+    assert request.training.section(protocol.DISTILL).loss == "kl" and request.public.encoding == "float16"
 
 
 def test_fedmd_rejects_mae_on_probabilities():
@@ -296,9 +305,9 @@ def test_comet_sends_each_client_its_cluster_mean():
     s.aggregate(1, replies)
     assert s.assignment[0] == s.assignment[1] != s.assignment[2] == s.assignment[3]
     msgs = s.round_messages(2, [100, 101, 102, 103])
-    np.testing.assert_allclose(msgs[0].content["targets"]["targets"].numpy(), a, atol=1e-6)
-    np.testing.assert_allclose(msgs[3].content["targets"]["targets"].numpy(), b, atol=1e-6)
-    assert msgs[0].content["config"]["distill.loss"] == "kl"
+    np.testing.assert_allclose(targets_of(msgs[0]).values, a, atol=1e-6)
+    np.testing.assert_allclose(targets_of(msgs[3]).values, b, atol=1e-6)
+    assert protocol.request_of(msgs[0]).training.section(protocol.DISTILL).loss == "kl"
 
 
 # --------------------------------------------------------------------------- end to end
@@ -322,16 +331,16 @@ def test_end_to_end_in_process(tmp_path, name, extra):
     assert len(final) == cfg.data.num_clients and all(r.arrays is None and r.predictions is None for r in final)
     for r in replies:
         assert r.arrays is None  # no model parameters ever travel
-        assert r.predictions is not None and "predictions" in r.predictions
+        assert r.predictions is not None and protocol.PREDICTION_ARRAY in r.predictions
         assert "after-acc" in r.metrics
-    archs = {r.info["arch"] for r in replies}
+    archs = {protocol.ReplyInfo.decode(r.info).arch for r in replies}
     assert archs == {"cnn", "mlp"}
     if name == "fedct":
-        assert all(r.predictions["predictions"].dtype == np.uint8 for r in replies)
+        assert all(r.predictions[protocol.PREDICTION_ARRAY].dtype == np.uint8 for r in replies)
     for msg in grid.sent:
-        assert "arrays" not in msg.content
-    round2 = [m for m in grid.sent if int(m.content["config"]["round"]) == 2]
-    assert all("distill" in list(m.content["config"]["ops"]) for m in round2)
+        assert protocol.ARRAYS not in msg.content
+    round2 = [protocol.request_of(m) for m in grid.sent if protocol.request_of(m).round == 2]
+    assert all("distill" in r.ops for r in round2)
 
 
 def test_fedmd_labelled_pretraining_runs_train_public_in_round_one(tmp_path):
@@ -339,7 +348,7 @@ def test_fedmd_labelled_pretraining_runs_train_public_in_round_one(tmp_path):
     grid = InProcessGrid(4, record=True)
     server_app.run_experiment(grid, None, overrides, str(tmp_path))
     first = next(m for m in grid.sent if m.metadata.message_type == protocol.MESSAGE_TYPE)  # after the identify ones
-    assert list(first.content["config"]["ops"])[0] == "train-public"
+    assert protocol.request_of(first).ops[0] == TRAIN_PUBLIC
     assert all("train-public-loss" in protocol.parse_reply(r).metrics for r in grid.replies
                if r.metadata.message_type == protocol.MESSAGE_TYPE)
 

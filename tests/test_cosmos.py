@@ -5,6 +5,7 @@ metrics only, never model parameters."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 from pathlib import Path
 
@@ -21,8 +22,8 @@ from fedapps.wire import protocol, pseudolabels
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from strategies import resolve
-from strategies.cosmos import (Cosmos, frequency_weights, rb_term, robustness_penalty, server_target,
-                               soft_predictions)
+from strategies.cosmos import (RB_LAMBDA, RB_SIGMA, Cosmos, frequency_weights, rb_term, robustness_penalty,
+                               server_target, soft_predictions)
 
 torch.set_num_threads(1)
 
@@ -149,7 +150,7 @@ def test_distill_weighting_on_the_client(tmp_path: Path) -> None:
     cfg = load_config(cfg_path)
     strategy = Cosmos(cfg)
     InProcessGrid(1)  # sets the task identity Message() needs outside Flower
-    msg = protocol.build_message(100, 1, ["distill"], strategy.client_config(2))
+    msg = protocol.build_message(100, dataclasses.replace(strategy.round_request(2), ops=("distill",)))
     ctx = Context(run_id=1, node_id=100, node_config={"partition-id": 1}, state=RecordDict(), run_config={})
     worker = Worker(msg, ctx)
     fed = worker.fed
@@ -232,11 +233,11 @@ def test_rb_is_the_clients_registered_distillation_term() -> None:
     build = DISTILL_TERMS["rb"]
     assert build.__module__ == Cosmos.__module__  # registered by strategies/cosmos.py, not by the core
     w = SimpleNamespace(generator=torch.Generator().manual_seed(5))
-    assert build(w, {}) is None and build(w, {"rb_lambda": 0.0}) is None
+    assert build(w, protocol.Section()) is None and build(w, protocol.Section(extra={RB_LAMBDA: 0.0})) is None
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     x = torch.rand(5, 4) * 2 - 1
-    got = build(w, {"rb_lambda": 3.0, "rb_sigma": 0.2})(model, x, model(x), None)
+    got = build(w, protocol.Section(extra={RB_LAMBDA: 3.0, RB_SIGMA: 0.2}))(model, x, model(x), None)
     want = 3.0 * robustness_penalty(model, x, model(x), 0.2, generator=torch.Generator().manual_seed(5))
     assert got.item() == pytest.approx(want.item(), rel=1e-6)
 
@@ -251,11 +252,17 @@ def test_the_client_distils_with_r_b_when_the_message_asks(tmp_path: Path) -> No
     strategy = Cosmos(cfg)
     InProcessGrid(1)  # sets the task identity Message() needs outside Flower
     n, m = int(strategy.fed.public_x.shape[0]), strategy.fed.num_classes
-    targets = protocol.arrays_record({protocol.TARGET_ARRAY: np.full((n, m), 1.0 / m, np.float32)})
+    targets = protocol.Targets(np.full((n, m), 1.0 / m, np.float32)).encode()
+    base = strategy.round_request(2)
+    distill = base.training.section(protocol.DISTILL)
     losses = []
     for lam in (0.0, 5.0, 0.0):
-        config = {**strategy.client_config(2), "distill.rb_lambda": lam, "model.seed": 0}
-        msg = protocol.build_message(100, 2, ["distill"], config, targets=targets)
+        sections = {**base.training.sections,
+                    protocol.DISTILL: dataclasses.replace(distill, extra={**distill.extra, RB_LAMBDA: lam})}
+        request = dataclasses.replace(base, ops=("distill",), training=protocol.Training(sections=sections),
+                                      setup=dataclasses.replace(base.setup,
+                                                                model=dataclasses.replace(base.setup.model, seed=0)))
+        msg = protocol.build_message(100, request, targets=targets)
         ctx = Context(run_id=1, node_id=100, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
         reply = Worker(msg, ctx).run()
         assert not reply.has_error(), reply.error.reason
@@ -355,14 +362,15 @@ def assert_pseudo_labels_and_metrics_only(replies: list[Message], n_public: int,
         assert protocol.ARRAYS not in content
         for name, record in content.items():
             if name == protocol.PREDICTIONS:
-                assert isinstance(record, ArrayRecord) and list(record.keys()) == ["predictions"]
-                arr = record["predictions"].numpy()
+                assert isinstance(record, ArrayRecord) and list(record.keys()) == [protocol.PREDICTION_ARRAY]
+                arr = record[protocol.PREDICTION_ARRAY].numpy()
                 assert arr.shape in ((n_public, num_classes), (n_public,)), arr.shape  # one row per sample of U
                 seen_predictions += 1
             elif name == protocol.METRICS:
                 assert isinstance(record, MetricRecord)
             else:
-                assert isinstance(record, ConfigRecord) and set(record.keys()) == {"arch", "fingerprint"}
+                assert isinstance(record, ConfigRecord)
+                assert set(record.keys()) == {protocol.INFO_ARCH, protocol.INFO_FINGERPRINT}
     return seen_predictions
 
 
@@ -382,12 +390,14 @@ def test_end_to_end_in_process_sends_pseudo_labels_only(tmp_path: Path, up: str,
     assert all(protocol.ARRAYS not in s.content for s in grid.sent)  # nothing but pseudo-labels goes down either
     assert [protocol.EVAL_ARRAYS in s.content for s in train_msgs] == [False] * N_CLIENTS + [True] * N_CLIENTS
     assert all(protocol.EVAL_ARRAYS in s.content and protocol.TARGETS not in s.content for s in eval_msgs)
-    assert all(list(s.content["config"]["ops"]) == ["evaluate-received:deployed"] for s in eval_msgs)
+    assert all(protocol.request_of(s).ops == ("evaluate-received:deployed",) for s in eval_msgs)
     assert sum(protocol.TARGETS in s.content for s in train_msgs) == N_CLIENTS  # round 2 only
-    wire_down = [s.content[protocol.TARGETS]["targets"].numpy() for s in train_msgs if protocol.TARGETS in s.content]
+    wire_down = [protocol.Targets.decode(s.content[protocol.TARGETS]).values for s in train_msgs
+                 if protocol.TARGETS in s.content]
     assert all(w.dtype == np.dtype(down) and w.shape == (n, m) for w in wire_down)
     assert assert_pseudo_labels_and_metrics_only(grid.replies, n, m) == 2 * N_CLIENTS
-    ups = [r.content[protocol.PREDICTIONS]["predictions"].numpy() for r in grid.replies if protocol.PREDICTIONS in r.content]
+    ups = [r.content[protocol.PREDICTIONS][protocol.PREDICTION_ARRAY].numpy() for r in grid.replies
+           if protocol.PREDICTIONS in r.content]
     assert all(u.dtype == (np.uint8 if up == "hard" else np.float32) for u in ups)
     # summary and per-round bytes
     assert summary["clusters"] >= 1 and sum(summary["cluster_sizes"]) == N_CLIENTS
@@ -414,22 +424,24 @@ def test_public_set_mismatch_is_refused_on_both_ends(tmp_path: Path) -> None:
     strategy = Cosmos(cfg)
     # client end: a message naming another U is answered with an error that says so
     grid = InProcessGrid(1)
-    config = {**strategy.client_config(1), "public.fingerprint": "0123456789abcdef"}
-    [reply] = grid.send_and_receive([protocol.build_message(100, 1, ["train", "predict"], config)])
+    base = strategy.round_request(1)
+    request = dataclasses.replace(base, ops=("train", "predict"),
+                                  public=dataclasses.replace(base.public, fingerprint="0123456789abcdef"))
+    [reply] = grid.send_and_receive([protocol.build_message(100, request)])
     assert reply.has_error() and "public set mismatch" in reply.error.reason
     assert protocol.parse_replies([reply], 1, expect_predictions=True) == []
     # server end: predictions computed on another U are rejected by the reply validator (the one check of a reply)
     n, m = int(strategy.fed.public_x.shape[0]), strategy.fed.num_classes
     [a, b] = strategy.round_messages(1, [100, 101])
     strategy.validator.expect([a, b])
-    preds = protocol.arrays_record({"predictions": np.full((n, m), 1.0 / m, dtype=np.float32)})
+    preds = np.full((n, m), 1.0 / m, dtype=np.float32)
     tags = strategy.validator.expected[protocol.MESSAGE_TYPE][100].eval_tags  # evaluations the message asks for
-    metrics = {"client-id": 0, "num-examples": 10, **{f"{t}-{f}": v for t in tags for f, v in
-                                                      (("acc", 0.5), ("loss", 1.0), ("n", 2), ("correct", 1))}}
+    metrics = {f"{t}-{f}": v for t in tags for f, v in (("acc", 0.5), ("loss", 1.0), ("n", 2), ("correct", 1))}
 
     def reply(to: Message, cid: int, fingerprint: str) -> Message:
-        return Message(RecordDict({"metrics": MetricRecord({**metrics, "client-id": cid}), "predictions": preds,
-                                   "info": ConfigRecord({"fingerprint": fingerprint})}), reply_to=to)
+        content = protocol.Reply(cid, 10, dict(metrics), predictions=preds,
+                                 info=protocol.ReplyInfo(fingerprint=fingerprint)).encode()
+        return Message(content, reply_to=to)
 
     out = strategy.validator.check(1, [reply(a, 0, strategy.fed.fingerprint), reply(b, 1, "ffffffffffffffff")])
     assert [r.client_id for r in out.accepted] == [0]

@@ -16,11 +16,13 @@ from torch import nn
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
-from fedapps.wire.protocol import ClientReply
+from fedapps.wire.protocol import CLIENT_ID, NUM_EXAMPLES, ClientReply
 from strategies import resolve
 from strategies.base import RunContext, weighted_average
 from strategies.cwfedavg import (
+    CLASS_COUNTS,
     CwFedAvg,
+    SavedStack,
     class_distribution_from_rows,
     wdr_penalty,
     class_models,
@@ -48,7 +50,7 @@ def perturbed(base: dict[str, np.ndarray], seed: int, scale: float = 0.1) -> dic
 
 
 def reply(cid: int, arrays: dict[str, np.ndarray], counts: np.ndarray) -> ClientReply:
-    metrics = {"client-id": cid, "num-examples": int(counts.sum()), "class-counts": [int(c) for c in counts]}
+    metrics = {CLIENT_ID: cid, NUM_EXAMPLES: int(counts.sum()), CLASS_COUNTS: [int(c) for c in counts]}
     return ClientReply(node_id=100 + cid, client_id=cid, num_examples=int(counts.sum()), metrics=metrics, arrays=arrays)
 
 
@@ -470,7 +472,7 @@ def test_checkpoint_writes_the_changed_rows_of_the_stack_only(monkeypatch, tmp_p
     s.aggregate(1, replies(1))
     state1 = copy.deepcopy(s.state_dict())
     assert sorted(p.name for p in stack_dir.iterdir()) == [f"{c}.v1.pt" for c in range(5)]
-    assert "stack" in state1 and not hasattr(state1["stack"], "arrays")  # the map, not the arrays
+    assert "stack" in state1 and isinstance(state1["stack"], SavedStack)  # the map, not the arrays
     after1 = {c: s.personalised(c) for c in range(5)}
     s.aggregate(2, replies(2))
     state2 = copy.deepcopy(s.state_dict())

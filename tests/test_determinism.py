@@ -47,6 +47,8 @@ def test_same_config_and_seed_give_identical_rounds_in_two_processes(tmp_path):
 def test_dropout_is_seeded_per_message(tiny_config):
     """A model with dropout (alexnet) trained by the worker: the same message twice gives the same model,
     whatever the global RNG was before (the worker seeds it per message)."""
+    import dataclasses
+
     from flwr.app import Context, RecordDict
 
     from fedapps.wire import protocol
@@ -62,12 +64,14 @@ def test_dropout_is_seeded_per_message(tiny_config):
     cfg = load_config(cfg_path)
     base = PersonalisedStrategy.__new__(PersonalisedStrategy)
     base.cfg, base.context = cfg, RunContext()
-    config = {**PersonalisedStrategy.base_config(base), "client.epochs": 1}
+    setup = PersonalisedStrategy.setup(base)
+    request = protocol.Request(ops=("train",), round=1,
+                               setup=dataclasses.replace(setup, client={**setup.client, "epochs": 1}))
     states = []
     for junk in (1, 2):
         torch.manual_seed(junk)
         ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
-        handle(protocol.build_message(1, 1, ["train"], config), ctx)
+        handle(protocol.build_message(1, request), ctx)
         states.append(ctx.state[STATE_MODEL].to_torch_state_dict())
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k

@@ -87,8 +87,8 @@ def test_a_node_busy_with_an_abandoned_message_serves_the_next_one_after_it(tmp_
         return Message(RecordDict(), reply_to=msg)
 
     grid = InProcessGrid(1, mods=[mod], workers=4)
-    msg = lambda: protocol.build_message(100, 0, [], {"data.source": "digits", "data.num_clients": 1},  # noqa: E731
-                                         message_type=protocol.QUERY_MESSAGE_TYPE)
+    request = protocol.Request(ops=(), round=0, setup=protocol.Setup(data={"source": "digits", "num_clients": 1}))
+    msg = lambda: protocol.build_message(100, request, message_type=protocol.QUERY_MESSAGE_TYPE)  # noqa: E731
     assert grid.send_and_receive([msg()], timeout=0.2) == []  # abandoned at 0.2 s, runs on
     (reply,) = grid.send_and_receive([msg()], timeout=5.0)  # waits for the node, then served
     assert not reply.has_error() and overlaps == [1, 1]

@@ -10,6 +10,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -83,7 +84,7 @@ def test_accuracy_stats_report_worst_and_std_of_the_per_client_accuracies():
 def test_round_row_places_the_fairness_columns_next_to_the_mean():
     from strategies.base import RoundLog
 
-    reply = type("R", (), {"metrics": _metrics(0, "after", 1, 2)})()
+    reply = SimpleNamespace(metrics=_metrics(0, "after", 1, 2))
     row = round_row(RoundLog(1, [reply], 0, 0), 1)
     keys = list(row)
     assert keys[keys.index("acc_mean"):keys.index("acc_mean") + 4] == ["acc_mean", "acc_weighted", "acc_worst10", "acc_std"]

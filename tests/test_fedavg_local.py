@@ -8,6 +8,7 @@ import pytest
 
 import server_app
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.wire import protocol
 from fedapps.wire.protocol import ARRAYS
 from strategies.base import weighted_average
 
@@ -141,6 +142,6 @@ def test_local_pretrain_epochs_lengthen_round_one_only(tiny_config, tmp_path):
     """Local's round 1 trains pretrain_epochs epochs (equal work with the pseudo-label methods' pre-training)."""
     cfg = tiny_config(rounds=2, strategy={"name": "local", "params": {"local": {"pretrain_epochs": 3}}})
     _, grid, _ = run(cfg, tmp_path)
-    epochs = {m.metadata.group_id: m.content.config_records["config"].get("train.epochs")
-              for m in grid.sent if m.metadata.message_type == "train"}
+    epochs = {m.metadata.group_id: protocol.request_of(m).training.section(protocol.TRAIN).epochs
+              for m in grid.sent if m.metadata.message_type == protocol.MESSAGE_TYPE}
     assert epochs == {"1": 3, "2": None}  # the worker's train op reads train.* over client.* (test_ops_worker)

@@ -132,8 +132,9 @@ def test_orthogonal_init_with_too_few_dimensions_is_refused(tiny_config) -> None
 
 
 def fednh_message(strategy: FedNH, ops: list[str]):
-    grid, msg = worker_message(ops, {"model.name": strategy.arch, "load-arrays": True, "return-arrays": True,
-                                     "persist-model": False, "client.momentum": 0.9, "client.weight_decay": 0.01},
+    grid, msg = worker_message(ops, model=strategy.arch, load=protocol.Load(into_model=True),
+                               returns=protocol.Return(arrays=True), keep=protocol.Keep(persist=False),
+                               client={"momentum": 0.9, "weight_decay": 0.01},
                                arrays=protocol.arrays_record(strategy.global_arrays))
     return grid, msg
 
@@ -156,7 +157,8 @@ def test_client_trains_the_body_never_the_prototypes_and_sends_its_class_means(t
     mu, counts = class_prototypes(penultimate_features(w.model, w.train_x), w.train_y, 10)
     np.testing.assert_allclose(back["fc.weight"], mu.numpy(), atol=1e-6)  # the prototype slot: its class means
     np.testing.assert_array_equal(back["fc1.0.weight"], kept["fc1.0.weight"])
-    assert list(reply.content["metrics"][COUNTS]) == torch.bincount(w.train_y, minlength=10).tolist() == counts.tolist()
+    reported = list(reply.content[protocol.METRICS][COUNTS])
+    assert reported == torch.bincount(w.train_y, minlength=10).tolist() == counts.tolist()
 
 
 def test_server_leaves_out_replies_with_bad_counts(tiny_config) -> None:
@@ -245,7 +247,7 @@ def test_short_run_in_process(tiny_config, tmp_path) -> None:
     assert summary["accuracy_mean"] > 0.8 and summary["final_generic_acc_mean"] == rows[-1]["generic_acc_mean"]
     assert rows[-1]["prototype_min_angle_deg"] > 45 and all(r["prototype_shift_deg"] > 0 for r in rows)
     sent = [m for m in grid.sent if m.metadata.group_id == "2" and m.metadata.message_type == "train"]
-    assert all(m.content["config"]["model.name"] == "mlp+cosine" for m in sent)
+    assert all(protocol.request_of(m).setup.model.name == "mlp+cosine" for m in sent)
     p = sent[0].content[ARRAYS]["fc.weight"].numpy()
     np.testing.assert_allclose(np.linalg.norm(p, axis=1), 1.0, atol=1e-5)  # the server's prototypes stay unit
     summary_json = json.loads((tmp_path / "out" / "fednh-digits-pathological-s0" / "summary.json").read_text())

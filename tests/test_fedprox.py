@@ -8,6 +8,7 @@ import torch
 from fedapps.client.clientops import TRAINING_TERMS
 from fedapps.config import load_config
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.wire import protocol
 from strategies import resolve
 from strategies.fedprox import PROX_MU, proximal_penalty
 
@@ -29,7 +30,7 @@ def test_proximal_penalty_value_and_gradient_by_hand():
 
 def test_proximal_term_is_registered_and_off_at_zero():
     assert "proximal" in TRAINING_TERMS
-    assert TRAINING_TERMS["proximal"](object(), {"prox_mu": 0.0}) is None
+    assert TRAINING_TERMS["proximal"](object(), protocol.Section(extra={PROX_MU: 0.0})) is None
 
 
 def run(tiny_config, mu, strategy="fedprox", rounds=2):
@@ -55,7 +56,8 @@ def test_fedprox_at_zero_is_fedavg(tiny_config):
 def test_fedprox_sends_mu_and_a_large_mu_keeps_clients_near_the_global_model(tiny_config):
     free, grid, _ = run(tiny_config, 0.0, rounds=1)
     tied, grid_tied, _ = run(tiny_config, 5.0, rounds=1)  # lr·μ = 0.25: stable
-    assert all(m.content["config"][PROX_MU] == 5.0 for m in grid_tied.sent if m.metadata.message_type == "train")
+    assert all(protocol.request_of(m).training.section(protocol.TRAIN).extra[PROX_MU] == 5.0
+               for m in grid_tied.sent if m.metadata.message_type == protocol.MESSAGE_TYPE)
     from strategies.fedavg import initial_model_arrays
 
     start = initial_model_arrays(free.cfg)

@@ -290,7 +290,7 @@ def test_short_run_sends_only_shared_entries_and_personalises(tiny_config):
     for m in grid.sent:
         if m.metadata.message_type == "train":
             masks = [k for k in m.content[protocol.ARRAYS].keys() if k.startswith(MASK_PREFIX)]
-            assert (m.content["config"]["round"] == 1) == (not masks)
+            assert (protocol.request_of(m).round == 1) == (not masks)
     acc = {r: result.evaluate_metrics_clientapp[r]["acc_mean"] for r in (1, 4)}
     assert acc[4] > acc[1], acc
     assert set(s.final_summary()["personal_fraction"]) == {"0", "1", "2", "3"}

@@ -23,7 +23,7 @@ from strategies import resolve
 from strategies.feduv import (FORM, LOG_GAUSSIAN, MEDIAN_RBF, MU_U, MU_V, TEMPERATURE, TRAIN_OP, UNIFORMITY, VARIANCE, FeatureTap,
                               feduv_loss, iid_threshold, log_gaussian_uniformity, median_rbf_uniformity, uniformity,
                               variance_hinge)
-from test_ops_worker import worker_message
+from test_ops_worker import train_settings, worker_message
 
 LN3 = math.log(3.0)
 
@@ -286,16 +286,19 @@ def test_loss_is_ce_plus_the_weighted_terms_on_the_classifiers_input():
         feduv_loss(None, 0.0, 0.5)
 
 
-def feduv_message(mu_v: float, mu_u: float, ops_list=(TRAIN_OP,), **extra):
-    settings = {MU_V: mu_v, MU_U: mu_u, TEMPERATURE: 2.0, "return-arrays": True, **extra}  # no FORM: the default
-    return worker_message(list(ops_list), settings, arrays=protocol.arrays_record(
+def feduv_message(mu_v: float, mu_u: float, ops_list=(TRAIN_OP,), form: str | None = None, **client):
+    """A message of ``ops_list`` with FedUV's settings (no FORM unless ``form``: the default) and ``client`` over the
+    client settings."""
+    own = {MU_V: mu_v, MU_U: mu_u, TEMPERATURE: 2.0, **({FORM: form} if form else {})}
+    return worker_message(list(ops_list), returns=protocol.Return(arrays=True), client=client,
+                          training=train_settings(extra=own), arrays=protocol.arrays_record(
         {k: v.numpy() for k, v in build_model("mlp", 10, (1, 8, 8), seed=0).state_dict().items()}))
 
 
 def reply_arrays(mu_v: float, mu_u: float, ops_list=(TRAIN_OP,)):
     grid, msg = feduv_message(mu_v, mu_u, ops_list)
     reply = Worker(msg, grid.contexts[100]).run()
-    return {k: v.numpy() for k, v in reply.content[ARRAYS].items()}, dict(reply.content["metrics"])
+    return {k: v.numpy() for k, v in reply.content[ARRAYS].items()}, dict(reply.content[protocol.METRICS])
 
 
 def test_at_zero_coefficients_the_client_step_is_fedavgs_to_the_bit():
@@ -314,7 +317,7 @@ def terms_after_training(mu_v: float, mu_u: float, form: str | None = None) -> t
     """V on the client's whole training split (IID digits) and U (in ``form``; None: the default form, also for
     training) as a mean over the split's batches of the training batch size (U is a per-batch term: its median
     bandwidth is the batch's), for the model after 3 local epochs."""
-    grid, msg = feduv_message(mu_v, mu_u, **{"client.epochs": 3, **({FORM: form} if form else {})})
+    grid, msg = feduv_message(mu_v, mu_u, form=form, epochs=3)
     w = Worker(msg, grid.contexts[100])
     w.run()
     model, batch = w.model.eval(), 16  # worker_message's client.batch_size
@@ -368,14 +371,16 @@ def test_feduv_at_zero_is_fedavg_and_otherwise_sends_its_settings(tiny_config):
         np.testing.assert_array_equal(zero.arrays[k].numpy(), avg.arrays[k].numpy())
     assert zero.evaluate_metrics_clientapp[1]["acc_mean"] == avg.evaluate_metrics_clientapp[1]["acc_mean"]
     s, grid, result = run_inprocess(tiny_config, "feduv", {"mu_v": 1.0, "mu_u": 0.25})
-    assert all(TRAIN_OP in m.content["config"]["ops"] and m.content["config"][MU_V] == 1.0
-               and m.content["config"][MU_U] == 0.25 and m.content["config"][FORM] == MEDIAN_RBF
-               for m in grid.sent if m.metadata.message_type == "train")
+    sent = [protocol.request_of(m) for m in grid.sent if m.metadata.message_type == protocol.MESSAGE_TYPE]
+    own = [r.training.section(protocol.TRAIN).extra for r in sent]
+    assert all(TRAIN_OP in r.ops for r in sent)
+    assert all(e[MU_V] == 1.0 and e[MU_U] == 0.25 and e[FORM] == MEDIAN_RBF for e in own)
     extras = result.train_metrics_clientapp[2]
     assert 0.0 <= extras["feduv_variance"] <= iid_threshold(10) and math.exp(-1) / 2 <= extras["feduv_uniformity"] <= 1.0
     s, grid, result = run_inprocess(tiny_config, "feduv", {"uniformity": LOG_GAUSSIAN, "t": 3.0})
-    assert all(m.content["config"][FORM] == LOG_GAUSSIAN and m.content["config"][TEMPERATURE] == 3.0
-               for m in grid.sent if m.metadata.message_type == "train")
+    assert all(r.training.section(protocol.TRAIN).extra[FORM] == LOG_GAUSSIAN
+               and r.training.section(protocol.TRAIN).extra[TEMPERATURE] == 3.0
+               for r in (protocol.request_of(m) for m in grid.sent if m.metadata.message_type == protocol.MESSAGE_TYPE))
     assert result.train_metrics_clientapp[2]["feduv_uniformity"] <= 0.0  # a log of a mean of values <= 1
     assert not all(np.array_equal(result.arrays[k].numpy(), avg.arrays[k].numpy()) for k in avg.arrays)
 

@@ -27,7 +27,7 @@ from fedapps.client.clientops import TRAINING_TERMS
 from fedapps.config import ConfigError, OptimSettings, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from strategies import resolve
-from strategies.cwfedavg import CwFedAvgParams
+from strategies.cwfedavg import WDR_LAMBDA, CwFedAvgParams
 
 torch.set_num_threads(1)
 
@@ -59,10 +59,15 @@ def wdr_by_hand(rows: np.ndarray, p: np.ndarray, lam: float) -> tuple[float, np.
     return value, grad
 
 
+def wdr(lam: float) -> protocol.Section:
+    """The train section of a message asking for WDR with λ = ``lam``."""
+    return protocol.Section(extra={WDR_LAMBDA: lam})
+
+
 def test_wdr_value_and_gradient_by_hand() -> None:
     """Fails when the norm is squared, or when the target is not the client's class distribution (e.g. uniform)."""
     w = wdr_worker()
-    term = TRAINING_TERMS["wdr"](w, {"wdr_lambda": 4.0})
+    term = TRAINING_TERMS["wdr"](w, wdr(4.0))
     value = term(w.model)
     # p̃ − p = [−0.25, 0, 0.25], ‖·‖₂ = 0.25·√2; (4/2)·0.25·√2 = √2/2 (squared: 0.25; uniform target: 0.408)
     assert value.item() == pytest.approx(math.sqrt(2) / 2, rel=1e-6)
@@ -81,10 +86,10 @@ def test_wdr_value_and_gradient_by_hand() -> None:
 def test_wdr_target_is_each_clients_own_distribution() -> None:
     """Another client's counts give another value: the target is read from the client's counts, not fixed."""
     w = wdr_worker(np.array([10, 10, 20]))  # p = [0.25, 0.25, 0.5]: p̃ − p = [0, 0.25, −0.25]
-    assert TRAINING_TERMS["wdr"](w, {"wdr_lambda": 4.0})(w.model).item() == pytest.approx(math.sqrt(2) / 2, rel=1e-6)
+    assert TRAINING_TERMS["wdr"](w, wdr(4.0))(w.model).item() == pytest.approx(math.sqrt(2) / 2, rel=1e-6)
     w = wdr_worker(np.array([1, 2, 1]))  # p = p̃: no penalty
-    assert TRAINING_TERMS["wdr"](w, {"wdr_lambda": 4.0})(w.model).item() == pytest.approx(0.0, abs=1e-7)
-    assert TRAINING_TERMS["wdr"](w, {"wdr_lambda": 0.0}) is None
+    assert TRAINING_TERMS["wdr"](w, wdr(4.0))(w.model).item() == pytest.approx(0.0, abs=1e-7)
+    assert TRAINING_TERMS["wdr"](w, wdr(0.0)) is None
 
 
 # --------------------------------------------------------------------------- the distillation KL
@@ -152,7 +157,7 @@ def test_fedamp_client_term_is_lambda_over_two_alpha_k_with_gradient(tiny_config
     InProcessGrid(cfg.data.num_clients)  # gives Message() the run identity it needs outside Flower's runtime
     message = FedAMP(cfg).round_messages(1, [11])[0]
     anchor = message.content[protocol.ARRAYS].to_torch_state_dict()  # u_i (here the initial model)
-    section = protocol.section(dict(message.content["config"]), "train")
+    section = protocol.request_of(message).training.section(protocol.TRAIN)
     model = build_model("mlp", 10, (1, 8, 8), seed=5)  # a model away from the anchor
     term = TRAINING_TERMS["proximal"](SimpleNamespace(received=anchor, device=torch.device("cpu")), section)
     value = term(model)

@@ -93,11 +93,12 @@ def beyond_the_bound(wire: np.ndarray, output: str) -> np.ndarray:
 def predictions_beyond_the_bound(msg, context, call_next):
     """Client mod: the hostile client's round-1 predictions moved just outside the bound (beyond_the_bound)."""
     reply = call_next(msg, context)
-    if int(context.node_config["partition-id"]) == HOSTILE and int(msg.content["config"]["round"]) == 1 \
+    if int(context.node_config["partition-id"]) == HOSTILE and protocol.request_of(msg).round == 1 \
             and not reply.has_error() and protocol.PREDICTIONS in reply.content:
-        wire = reply.content[protocol.PREDICTIONS]["predictions"].numpy()
-        output = str(msg.content["config"]["predict.output"])
-        reply.content[protocol.PREDICTIONS] = protocol.arrays_record({"predictions": beyond_the_bound(wire, output)})
+        wire = reply.content[protocol.PREDICTIONS][protocol.PREDICTION_ARRAY].numpy()
+        output = protocol.request_of(msg).public.predict_output
+        reply.content[protocol.PREDICTIONS] = protocol.arrays_record(
+            {protocol.PREDICTION_ARRAY: beyond_the_bound(wire, output)})
     return reply
 
 
@@ -155,7 +156,7 @@ def test_a_reply_a_strategy_cannot_use_is_recorded_in_rejections_csv(tmp_path):
 
     def bad_choice(msg, context, call_next):
         reply = call_next(msg, context)
-        if context.node_config["partition-id"] == 0 and int(msg.content["config"]["round"]) == 1 \
+        if context.node_config["partition-id"] == 0 and protocol.request_of(msg).round == 1 \
                 and not reply.has_error() and CHOICE in reply.content[protocol.METRICS]:
             reply.content[protocol.METRICS] = MetricRecord({**dict(reply.content[protocol.METRICS]), CHOICE: 99})
         return reply

@@ -12,6 +12,7 @@ import pytest
 import server_app
 from fedapps.flower import faults
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.wire import protocol
 
 CLIENTS, ROUNDS = 4, 4
 ATTACKER, VICTIM = 1, 2
@@ -64,7 +65,7 @@ def test_every_node_is_identified_once_before_round_one(tmp_path):
     run(tmp_path, "fedavg", grid)
     queries = [m for m in grid.sent if m.metadata.message_type == "query"]
     assert sorted(int(m.metadata.dst_node_id) for m in queries) == sorted(grid.contexts)
-    assert all(list(m.content["config"]["ops"]) == [] for m in queries)
+    assert all(protocol.request_of(m).ops == () for m in queries)
     first_train = next(i for i, m in enumerate(grid.sent) if m.metadata.message_type == "train")
     assert first_train == len(queries)  # all of them before the first round message
 

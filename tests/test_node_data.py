@@ -24,7 +24,7 @@ from fedapps.data import DataError, load_source, node_path, read_labelled
 from fedapps.flower.describe import NodeReport, agree
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.reporting.results import UnusableRun
-from fedapps.client.worker import STATE_MODEL, handle, lost_on_restart
+from fedapps.client.worker import NODE_CLIENT_ID, STATE_DIR_KEY, STATE_MODEL, handle, lost_on_restart
 from strategies import STRATEGIES, RunContext, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,9 +79,9 @@ def test_three_nodes_read_their_own_files_and_the_server_learns_counts_from_them
     folder = tmp_path / "site1-images"  # node 1 brings a folder of class sub-folders of PNG images instead
     x, y = np.load(sites[1])["x"], np.load(sites[1])["y"]
     write_image_folder(folder, x, y)
-    configs = {0: {"data-path": str(sites[0]), "client-id": 0},
-               1: {"data-path": str(folder), "client-id": 1},
-               2: {"data-path": str(sites[2]), "client-id": 2}}
+    configs = {0: {"data-path": str(sites[0]), NODE_CLIENT_ID: 0},
+               1: {"data-path": str(folder), NODE_CLIENT_ID: 1},
+               2: {"data-path": str(sites[2]), NODE_CLIENT_ID: 2}}
     out = run(tmp_path, configs)
     cfg = load_config(out / "config.yaml")
     assert (cfg.data.num_classes, cfg.data.input_shape) == (10, [1, 8, 8])  # learnt from the nodes
@@ -192,9 +192,9 @@ def test_broken_nodes_are_refused_with_their_reason_and_the_run_completes(tmp_pa
     wide = tmp_path / "wide.npz"  # 1×8×9 images
     np.savez(wide, x=np.zeros((50, 1, 8, 9), np.float32), y=np.arange(50) % 10)
     missing = tmp_path / "nowhere" / "site.npz"
-    configs = {0: {"data-path": str(sites[0]), "client-id": 0}, 1: {"data-path": str(sites[1]), "client-id": 1},
-               2: {"data-path": str(missing), "client-id": 2}, 3: {"data-path": str(garbage), "client-id": 3},
-               4: {"data-path": str(five), "client-id": 4}, 5: {"data-path": str(wide), "client-id": 5}}
+    configs = {0: {"data-path": str(sites[0]), NODE_CLIENT_ID: 0}, 1: {"data-path": str(sites[1]), NODE_CLIENT_ID: 1},
+               2: {"data-path": str(missing), NODE_CLIENT_ID: 2}, 3: {"data-path": str(garbage), NODE_CLIENT_ID: 3},
+               4: {"data-path": str(five), NODE_CLIENT_ID: 4}, 5: {"data-path": str(wide), NODE_CLIENT_ID: 5}}
     # 2 of the 6 clients take part: below the default min_measured_share 0.5 the run would exit 3 (its headline
     # covers a third of the federation); this test is about the refusals, so it accepts a third
     with pytest.raises(UnusableRun, match="measured on 2 of 6 clients") as failed:
@@ -228,8 +228,8 @@ def test_a_node_whose_data_do_not_fit_refuses_a_later_message(tmp_path, digits):
     cfg = load_config(None, ["strategy.name=local", "data.source=nodes", "data.num_clients=2", "model.name=mlp",
                              "data.num_classes=10", "data.input_shape=[1,8,8]"])
     s = resolve(cfg).build(cfg)
-    grid = InProcessGrid(2, node_configs={0: {"data-path": str(sites[0]), "client-id": 0},
-                                          1: {"data-path": str(wrong), "client-id": 1}})
+    grid = InProcessGrid(2, node_configs={0: {"data-path": str(sites[0]), NODE_CLIENT_ID: 0},
+                                          1: {"data-path": str(wrong), NODE_CLIENT_ID: 1}})
     (msg,) = s.messages_for_round(1, [101])
     reply = grid.send_and_receive([msg])[0]
     assert reply.has_error()
@@ -238,7 +238,7 @@ def test_a_node_whose_data_do_not_fit_refuses_a_later_message(tmp_path, digits):
     assert not ok.has_error()
     shifted = tmp_path / "shifted.npz"  # no declared count, labels 5..14
     np.savez(shifted, x=x[:60], y=y[:60] + 5)
-    grid = InProcessGrid(2, node_configs={1: {"data-path": str(shifted), "client-id": 1}})
+    grid = InProcessGrid(2, node_configs={1: {"data-path": str(shifted), NODE_CLIENT_ID: 1}})
     reply = grid.send_and_receive(s.messages_for_round(1, [101]))[0]
     assert reply.has_error() and "label 14 is outside the federation's 10 classes" in reply.error.reason
 
@@ -247,7 +247,7 @@ def test_a_wrong_public_set_is_refused_before_round_one(tmp_path, digits):
     sites = write_sites(tmp_path, digits, 3)
     u = write_public(tmp_path, digits)
     other_u = write_public(tmp_path, digits, "otherU.npz", slice(200, 320))
-    configs = {i: {"data-path": str(sites[i]), "client-id": i, "public-path": str(u)} for i in range(3)}
+    configs = {i: {"data-path": str(sites[i]), NODE_CLIENT_ID: i, "public-path": str(u)} for i in range(3)}
     configs[2]["public-path"] = str(other_u)
     out = run(tmp_path, configs, strategy="fedmd",
               extra=f"data.public_path={u} strategy.params.fedmd.pretrain_epochs=1 "
@@ -291,9 +291,8 @@ def test_agree_takes_the_majority_and_refuses_the_rest():
 
 def message(cfg, strategy, rnd: int, ops: list[str], token: str):
     # no run-folder state-dir in the message: only the node's own counts
-    s = resolve(cfg).build(cfg, RunContext(client_state={"state-run": token}))
-    config = {**s.base_config(), "persist-model": True}
-    return protocol.build_message(100, rnd, ops, config)
+    s = resolve(cfg).build(cfg, RunContext(client_state=protocol.Bookkeeping(state_run=token)))
+    return protocol.build_message(100, s.request(rnd, ops, keep=protocol.Keep(persist=True)))
 
 
 def test_state_dir_survives_a_supernode_restart(tmp_path, monkeypatch, digits):
@@ -303,7 +302,7 @@ def test_state_dir_survives_a_supernode_restart(tmp_path, monkeypatch, digits):
     monkeypatch.setenv("HOME", str(home))
     cfg = load_config(None, ["strategy.name=local", "data.source=nodes", "data.num_clients=2", "model.name=mlp",
                              "data.num_classes=10", "data.input_shape=[1,8,8]"])
-    node = {"data-path": str(sites[0]), "client-id": 0, "state-dir": "~/state", "threads": 1}
+    node = {"data-path": str(sites[0]), NODE_CLIENT_ID: 0, STATE_DIR_KEY: "~/state", "threads": 1}
 
     def fresh() -> Context:  # what a restarted SuperNode has: a new Context with the same node config
         return Context(run_id=1, node_id=100, node_config=dict(node), state=RecordDict(), run_config={})
@@ -319,13 +318,13 @@ def test_state_dir_survives_a_supernode_restart(tmp_path, monkeypatch, digits):
     restored = restarted.state[STATE_MODEL].to_torch_state_dict()
     assert all(torch.equal(trained[k], restored[k]) for k in trained)
     # without the node's state-dir the restarted node starts from the initial model (what docs/deployment.md's table says)
-    node.pop("state-dir")
+    node.pop(STATE_DIR_KEY)
     bare = fresh()
     handle(message(cfg, "local", 2, ["evaluate"], "run-a"), bare)
     initial = bare.state[STATE_MODEL].to_torch_state_dict()
     assert not all(torch.equal(trained[k], initial[k]) for k in trained)
     # another run's files are never restored
-    node["state-dir"] = "~/state"
+    node[STATE_DIR_KEY] = "~/state"
     other = fresh()
     handle(message(cfg, "local", 2, ["evaluate"], "run-b"), other)
     assert all(torch.equal(initial[k], v) for k, v in other.state[STATE_MODEL].to_torch_state_dict().items())
@@ -374,11 +373,11 @@ def test_readme_restart_table_matches_what_each_strategy_sends(tmp_path):
         kinds = set()
         for rnd in (1, 2):
             for msg in s.messages_for_round(rnd, [100, 101]):
-                config = dict(msg.content[protocol.CONFIG])
-                kinds.add(lost_on_restart(config))
-                if config.get("load-arrays") and protocol.ARRAYS in msg.content:  # arrays.keys says what is loaded
-                    model = build_model(str(config["model.name"]), 10, (1, 8, 8))  # FedNH's: mlp+cosine
-                    part = str(config.get("arrays.keys", "state"))
+                request = protocol.request_of(msg)
+                kinds.add(lost_on_restart(request))
+                if request.load.into_model and protocol.ARRAYS in msg.content:  # arrays.keys says what is loaded
+                    model = build_model(str(request.setup.model.name), 10, (1, 8, 8))  # FedNH's: mlp+cosine
+                    part = request.returns.which
                     assert set(msg.content[protocol.ARRAYS].keys()) == set(state_part(model, part)), name
         assert len(kinds) == 1, (name, kinds)
         derived[name] = LOSS_WORDS[kinds.pop()]

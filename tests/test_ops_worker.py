@@ -1,5 +1,7 @@
 """Each client operation on tiny data, directly and through the generic worker."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -97,34 +99,46 @@ def test_proximal_penalty_value():
     assert torch.allclose(proximal_penalty(model, anchor, 2.0), expected)
 
 
-def worker_message(ops_list, extra=None, arrays=None):
+# what the worker tests' messages carry: digits over two clients with a public set, the small MLP, SGD on the CPU
+SETUP = protocol.Setup(
+    data={"source": "digits", "root": "/tmp", "download": False, "partition": "iid", "num_clients": 2,
+          "classes_per_client": 2, "alpha": 0.1, "min_samples": 40, "groups": 5, "redistribute_fraction": 0.1,
+          "test_fraction": 0.25, "public_fraction": 0.2, "seed": 1, "synthetic_classes": 10,
+          "synthetic_shape": [3, 32, 32], "synthetic_samples": 100, "swap_pairs": 1},
+    model=protocol.ModelSpec("mlp", 0),
+    client={"epochs": 1, "batch_size": 16, "lr": 0.05, "optimizer": "sgd", "device": "cpu"})
+
+
+def train_settings(**settings):
+    """The Training of a request whose ``train`` section holds ``settings`` (optimiser fields, freeze) and
+    ``extra`` (an algorithm's own)."""
+    return protocol.Training(sections={protocol.TRAIN: protocol.Section(**settings)})
+
+
+def worker_message(ops_list, arrays=None, client=None, model=None, **parts):
+    """A fresh two-node grid and a round-1 message of ``ops_list`` to its node 100 (client 0): :data:`SETUP` with
+    ``client`` over its client settings and ``model`` for its architecture, ``parts`` the other fields of the
+    request (load, returns, training, public ...), ``arrays`` its arrays record."""
     grid = InProcessGrid(2)  # sets Flower's task identity so messages can be built
-    cfg = {
-        "data.source": "digits", "data.root": "/tmp", "data.download": False, "data.partition": "iid",
-        "data.num_clients": 2, "data.classes_per_client": 2, "data.alpha": 0.1, "data.min_samples": 40,
-        "data.groups": 5, "data.redistribute_fraction": 0.1, "data.test_fraction": 0.25,
-        "data.public_fraction": 0.2, "data.seed": 1, "data.synthetic_classes": 10,
-        "data.synthetic_shape": [3, 32, 32], "data.synthetic_samples": 100, "data.swap_pairs": 1,
-        "model.name": "mlp", "model.seed": 0, "client.epochs": 1, "client.batch_size": 16, "client.lr": 0.05,
-        "client.optimizer": "sgd", "client.device": "cpu",
-    }
-    cfg.update(extra or {})
-    return grid, protocol.build_message(100, 1, ops_list, cfg, arrays=arrays)
+    setup = dataclasses.replace(SETUP, client={**SETUP.client, **(client or {})},
+                                model=protocol.ModelSpec(model, 0) if model else SETUP.model)
+    request = protocol.Request(ops=tuple(ops_list), round=1, setup=setup, **parts)
+    return grid, protocol.build_message(100, request, arrays=arrays)
 
 
 def test_worker_runs_ops_in_order_and_persists_model():
     grid, msg = worker_message(["evaluate", "train", "evaluate:after", "predict"],
-                               {"predict.encoding": "float16", "return-arrays": True})
+                               public=protocol.PublicSet(encoding="float16"), returns=protocol.Return(arrays=True))
     ctx = grid.contexts[100]
-    reply = Worker(msg, ctx).run()
-    m = reply.content["metrics"]
-    assert m["client-id"] == 0 and m["num-examples"] > 0
-    for key in ("eval-acc", "after-acc", "train-loss", "t-train", "t-total"):
+    reply = protocol.parse_reply(Worker(msg, ctx).run())
+    m = reply.metrics
+    assert reply.client_id == 0 and reply.num_examples > 0
+    for key in ("eval-acc", "after-acc", "train-loss", "t-train", protocol.TOTAL_TIME):
         assert key in m
     assert m["after-acc"] > m["eval-acc"]
-    pred = reply.content["predictions"]["predictions"].numpy()
+    pred = reply.predictions[protocol.PREDICTION_ARRAY]
     assert pred.dtype == np.float16 and pred.shape[1] == 10
-    assert STATE_MODEL in ctx.state and "arrays" in reply.content
+    assert STATE_MODEL in ctx.state and reply.arrays is not None
 
 
 def test_arrays_for_part_of_the_state_leave_the_rest_as_the_client_starts_it():
@@ -134,12 +148,12 @@ def test_arrays_for_part_of_the_state_leave_the_rest_as_the_client_starts_it():
     initial = build_model("mlp", 10, (1, 8, 8), seed=0).state_dict()
     head = classifier_name(build_model("mlp", 10, (1, 8, 8), seed=0)) + "."
     rng = np.random.default_rng(3)
-    settings = {"load-arrays": True, "persist-model": False, "return-arrays": True}
+    settings = dict(load=protocol.Load(into_model=True), keep=protocol.Keep(persist=False),
+                    returns=protocol.Return(arrays=True))
 
     def returned(arrays):
-        grid, msg = worker_message(["evaluate"], settings, arrays=protocol.arrays_record(arrays))
-        out = Worker(msg, grid.contexts[100]).run().content["arrays"]
-        return {k: out[k].numpy() for k in out.keys()}
+        grid, msg = worker_message(["evaluate"], arrays=protocol.arrays_record(arrays), **settings)
+        return protocol.parse_reply(Worker(msg, grid.contexts[100]).run()).arrays
 
     whole = {k: rng.normal(size=tuple(v.shape)).astype(np.float32) for k, v in initial.items()}
     got = returned(whole)  # the shared model now holds these random values
@@ -154,19 +168,20 @@ def test_arrays_for_part_of_the_state_leave_the_rest_as_the_client_starts_it():
 
 
 def test_worker_hard_labels_smallest_type_and_distill():
-    grid, msg = worker_message(["predict"], {"predict.encoding": "hard"})
-    reply = Worker(msg, grid.contexts[100]).run()
-    labels = reply.content["predictions"]["predictions"].numpy()
+    grid, msg = worker_message(["predict"], public=protocol.PublicSet(encoding="hard"))
+    reply = protocol.parse_reply(Worker(msg, grid.contexts[100]).run())
+    labels = reply.predictions[protocol.PREDICTION_ARRAY]
     assert labels.dtype == np.uint8
-    targets = protocol.arrays_record({"targets": pseudolabels.encode(labels.astype(np.int64), "hard", 10)})
-    grid2, msg2 = worker_message(["distill"], {"distill.loss": "ce"})
+    targets = protocol.Targets(pseudolabels.encode(labels.astype(np.int64), "hard", 10)).encode()
+    grid2, msg2 = worker_message(["distill"], training=protocol.Training(
+        sections={protocol.DISTILL: protocol.Section(loss="ce")}))
     msg2.content[protocol.TARGETS] = targets
-    reply2 = Worker(msg2, grid2.contexts[100]).run()
-    assert "distill-loss" in reply2.content["metrics"]
+    reply2 = protocol.parse_reply(Worker(msg2, grid2.contexts[100]).run())
+    assert "distill-loss" in reply2.metrics
 
 
 def test_worker_refuses_other_public_set():
-    grid, msg = worker_message(["predict"], {"public.fingerprint": "deadbeef"})
+    grid, msg = worker_message(["predict"], public=protocol.PublicSet(fingerprint="deadbeef"))
     reply = grid.send_and_receive([msg])[0]
     assert reply.has_error() and "public set mismatch" in reply.error.reason
 
@@ -177,3 +192,13 @@ def test_unknown_op_rejected_before_any_op_runs():
     reply = grid.send_and_receive([msg])[0]
     assert reply.has_error() and "unknown client operation 'dance'" in reply.error.reason
     assert STATE_MODEL not in ctx.state  # 'train' did not run either
+
+
+def test_worker_refuses_a_malformed_message_naming_the_key():
+    grid, msg = worker_message(["train"])
+    msg.content[protocol.CONFIG][protocol.LOAD_ARRAYS] = "yes"  # a setting of the wrong type
+    ctx = grid.contexts[100]
+    reply = grid.send_and_receive([msg])[0]
+    assert reply.has_error() and "malformed message" in reply.error.reason
+    assert f"'{protocol.LOAD_ARRAYS}' must be true or false" in reply.error.reason
+    assert STATE_MODEL not in ctx.state  # nothing ran

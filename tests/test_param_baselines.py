@@ -11,15 +11,19 @@ from fedapps.wire import protocol
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
-from fedapps.wire.protocol import ARRAYS, ClientReply
+from fedapps.wire.protocol import ARRAYS, METRICS, ClientReply
 from fedapps.client.worker import STATE_MODEL, ProtocolError, Worker, model_arrays, split_models
 from fedapps.wire.protocol import pack_models
 from strategies import resolve
 from strategies.fedamp import (attention_weights, flatten, median_nonzero, relative_attention_weights, squared_distances,
                                unflatten)
+from strategies.fedbabu import FINETUNE
 from strategies.fedfomo import WEIGHTS
+from strategies.fedprox import PROX_MU
 from strategies.ifca import CHOICE, LOSSES, average_per_cluster
-from test_ops_worker import worker_message
+from test_ops_worker import train_settings, worker_message
+
+RETURN = protocol.Return(arrays=True)  # the private model goes back
 
 PATHOLOGICAL = {"source": "digits", "partition": "pathological", "num_clients": 4, "classes_per_client": 2}
 
@@ -127,8 +131,10 @@ def test_anchor_arrays_are_not_loaded_and_pull_the_model(tmp_path) -> None:
     anchor = {k: np.zeros_like(v) for k, v in mlp_state(0).items()}
     distances = {}
     for mu in (0.0, 10.0):
-        grid, msg = worker_message(["train"], {"load-arrays": False, "train.prox_mu": mu, "return-arrays": True,
-                                               "arrays.keys": "params"}, arrays=protocol.arrays_record(anchor))
+        grid, msg = worker_message(["train"], load=protocol.Load(into_model=False),
+                                   training=train_settings(extra={PROX_MU: mu}),
+                                   returns=protocol.Return(arrays=True, part="params"),
+                                   arrays=protocol.arrays_record(anchor))
         reply = Worker(msg, grid.contexts[100]).run()
         sent = {k: v.numpy() for k, v in reply.content[ARRAYS].items()}
         assert set(sent) == {n for n, _ in build_model("mlp", 10, (1, 8, 8)).named_parameters()}
@@ -143,21 +149,21 @@ def test_anchor_arrays_are_not_loaded_and_pull_the_model(tmp_path) -> None:
 
 def test_train_received_sends_back_the_trained_copy_and_keeps_the_personal_model() -> None:
     global_state = mlp_state(3)
-    grid, msg = worker_message(["train-received", "train"], {"load-arrays": False, "train.prox_mu": 0.1,
-                                                            "return-arrays": True},
+    grid, msg = worker_message(["train-received", "train"], load=protocol.Load(into_model=False),
+                               training=train_settings(extra={PROX_MU: 0.1}), returns=RETURN,
                                arrays=protocol.arrays_record(global_state))
     ctx = grid.contexts[100]
     reply = Worker(msg, ctx).run()
     sent = {k: v.numpy() for k, v in reply.content[ARRAYS].items()}
     personal = {k: v.numpy() for k, v in ctx.state[STATE_MODEL].items()}
-    assert "train-received-loss" in reply.content["metrics"]
+    assert "train-received-loss" in reply.content[METRICS]
     key = "fc.weight"
     assert not np.allclose(sent[key], global_state[key])  # the copy was trained
     assert not np.allclose(sent[key], personal[key])  # and it is not the personal model
 
 
 def test_without_train_received_the_private_model_goes_back() -> None:
-    grid, msg = worker_message(["train"], {"return-arrays": True})
+    grid, msg = worker_message(["train"], returns=RETURN)
     ctx = grid.contexts[100]
     reply = Worker(msg, ctx).run()
     sent = {k: v.numpy() for k, v in reply.content[ARRAYS].items()}
@@ -178,12 +184,12 @@ def test_packed_models_split_back_and_bad_keys_are_refused() -> None:
 
 def test_select_model_picks_the_lowest_training_loss() -> None:
     # a model trained on this client's data against an untrained one, in either order
-    grid, msg = worker_message(["train"], {"client.epochs": 5, "return-arrays": True})
+    grid, msg = worker_message(["train"], client={"epochs": 5}, returns=RETURN)
     trained = {k: v.numpy() for k, v in Worker(msg, grid.contexts[100]).run().content[ARRAYS].items()}
     for order, expected in (([mlp_state(5), trained], 1), ([trained, mlp_state(5)], 0)):
-        grid, msg = worker_message(["select-model"], {"arrays.multi": True, "load-arrays": False},
+        grid, msg = worker_message(["select-model"], load=protocol.Load(into_model=False, multi=True),
                                    arrays=protocol.arrays_record(pack_models(order)))
-        metrics = Worker(msg, grid.contexts[100]).run().content["metrics"]
+        metrics = Worker(msg, grid.contexts[100]).run().content[METRICS]
         assert metrics[CHOICE] == expected
         losses = metrics[LOSSES]
         assert losses[expected] == min(losses) and len(losses) == 2
@@ -208,7 +214,7 @@ def test_body_selection_leaves_the_head_out() -> None:
     model = build_model("cnn", 10, (1, 28, 28))
     body = model_arrays(model, "body")
     assert set(body) == {k for k in model.state_dict() if not k.startswith("fc.")}  # `fc` is the CNN's head
-    with pytest.raises(ProtocolError, match="arrays.keys"):
+    with pytest.raises(ProtocolError, match=protocol.ARRAYS_KEYS):
         model_arrays(model, "head")
 
 
@@ -299,16 +305,17 @@ def test_holdout_split_is_fixed_and_disjoint() -> None:
     assert len(held) == 10 and len(fit) == 40 and not set(fit.tolist()) & set(held.tolist())
     again_fit, again_held = holdout_split(50, 0.2, seed=4)
     assert torch.equal(held, again_held) and torch.equal(fit, again_fit)
-    with pytest.raises(ProtocolError, match="holdout-fraction"):
+    with pytest.raises(ProtocolError, match=protocol.HOLDOUT_FRACTION):
         holdout_split(50, 1.0, seed=4)
 
 
 def test_fomo_mix_moves_towards_a_better_model_and_reports_weights() -> None:
-    grid, msg = worker_message(["train"], {"client.epochs": 5, "return-arrays": True})
+    grid, msg = worker_message(["train"], client={"epochs": 5}, returns=RETURN)
     trained = {k: v.numpy() for k, v in Worker(msg, grid.contexts[100]).run().content[ARRAYS].items()}
-    grid, msg = worker_message(["fomo-mix", "evaluate"], {"arrays.multi": True, "holdout-fraction": 0.2},
+    grid, msg = worker_message(["fomo-mix", "evaluate"], load=protocol.Load(multi=True),
+                               training=protocol.Training(holdout_fraction=0.2),
                                arrays=protocol.arrays_record(pack_models([mlp_state(7), trained])))
-    metrics = Worker(msg, grid.contexts[100]).run().content["metrics"]
+    metrics = Worker(msg, grid.contexts[100]).run().content[METRICS]
     weights = metrics[WEIGHTS]
     # the trained model takes (nearly) all the weight; another untrained one can at best be marginally better
     assert sum(weights) == pytest.approx(1.0) and weights[1] > 0.95
@@ -324,28 +331,30 @@ def changed_parts(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -
     return {"head" if k.startswith("fc.") else "body" for k in moved}
 
 
-@pytest.mark.parametrize("ops_list,extra,expected", [
-    (["train"], {"train.freeze": "head"}, {"body"}),
-    (["train"], {"train.freeze": "body"}, {"head"}),
+@pytest.mark.parametrize("ops_list,sections,expected", [
+    (["train"], {protocol.TRAIN: protocol.Section(freeze="head")}, {"body"}),
+    (["train"], {protocol.TRAIN: protocol.Section(freeze="body")}, {"head"}),
     (["train"], {}, {"head", "body"}),
-    (["train:head"], {"train:head.freeze": "body", "train.freeze": "head"}, {"head"}),  # the tagged section wins
+    (["train:head"], {protocol.train_section("head"): protocol.Section(freeze="body"),
+                      protocol.TRAIN: protocol.Section(freeze="head")}, {"head"}),  # the tagged section wins
 ])
-def test_freeze_keeps_a_part_fixed(ops_list, extra, expected) -> None:
-    grid, msg = worker_message(ops_list, {"return-arrays": True, **extra})
+def test_freeze_keeps_a_part_fixed(ops_list, sections, expected) -> None:
+    grid, msg = worker_message(ops_list, returns=RETURN, training=protocol.Training(sections=sections))
     after = {k: v.numpy() for k, v in Worker(msg, grid.contexts[100]).run().content[ARRAYS].items()}
     assert changed_parts(mlp_state(0), after) == expected
 
 
 def test_unknown_part_to_freeze_is_an_error() -> None:
-    grid, msg = worker_message(["train"], {"train.freeze": "tail"})
+    grid, msg = worker_message(["train"], training=train_settings(freeze="tail"))
     reply = grid.send_and_receive([msg])[0]
     assert reply.has_error() and "allowed: none, head, body" in reply.error.reason
 
 
 def test_evaluate_finetuned_trains_a_copy_of_the_head_only() -> None:
-    grid, msg = worker_message(["evaluate:plain", "evaluate-finetuned"], {"finetune.epochs": 5})
+    grid, msg = worker_message(["evaluate:plain", "evaluate-finetuned"],
+                               training=protocol.Training(sections={FINETUNE: protocol.Section(epochs=5)}))
     ctx = grid.contexts[100]
-    metrics = Worker(msg, ctx).run().content["metrics"]
+    metrics = Worker(msg, ctx).run().content[METRICS]
     kept = {k: v.numpy() for k, v in ctx.state[STATE_MODEL].items()}
     assert changed_parts(mlp_state(0), kept) == set()  # the model itself did not move
     assert metrics["eval-acc"] > metrics["plain-acc"] + 0.2  # a trained head on the random body beats none
@@ -368,7 +377,7 @@ def test_short_runs_learn_and_send_what_they_should(tiny_config, tmp_path, name,
     assert len(sent) == 4 and all(ARRAYS in m.content for m in sent + replies)
     if name == "fedfomo":  # round 2: two other clients' models each, and weights back for both
         assert all(len(m.content[ARRAYS]) == 2 * len(build_model("mlp", 10, (1, 8, 8)).state_dict()) for m in sent)
-        assert all(len(m.content["metrics"][WEIGHTS]) == 2 for m in replies if m.metadata.group_id == "2")
+        assert all(len(m.content[METRICS][WEIGHTS]) == 2 for m in replies if m.metadata.group_id == "2")
     model_keys = set(build_model("mlp", 10, (1, 8, 8)).state_dict())
     head = {"fc.weight", "fc.bias"}  # the MLP's classifier
     if name in ("ifca", "cfl"):

@@ -23,8 +23,8 @@ from fedapps.seeds import derive_seed
 from fedapps.client.worker import STATE_MODEL, Worker, data_spec
 from strategies import resolve
 from strategies.comet import kmeans, kmeans_plus_plus
-from strategies.pfedck import (ALPHA, BETA, KL_INTERACTIVE, KL_PERSONAL, TEMPERATURE, TRAIN_OP, cluster_updates,
-                               mutual_losses, unit_rows)
+from strategies.pfedck import (ALPHA, BETA, KL_INTERACTIVE, KL_PERSONAL, SECTION, TEMPERATURE, TRAIN_OP,
+                               cluster_updates, mutual_losses, unit_rows)
 from test_ops_worker import worker_message
 
 PATHOLOGICAL = {"source": "digits", "partition": "pathological", "num_clients": 4, "classes_per_client": 4}
@@ -155,14 +155,18 @@ def test_client_trains_both_models_and_sends_the_interactive_one():
     start = {k: v.clone() for k, v in ctx.state[STATE_MODEL].to_torch_state_dict().items()}
     rng = np.random.default_rng(1)
     interactive = {k: (v.numpy() + 0.05 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in start.items()}
-    settings = {ALPHA: 0.0, BETA: 0.0, TEMPERATURE: 1.0, "return-arrays": True}
-    _, msg = worker_message([TRAIN_OP], settings, arrays=protocol.arrays_record(interactive))
+    def settings(**own):
+        own = {ALPHA: 0.0, BETA: 0.0, TEMPERATURE: 1.0, **own}
+        return dict(returns=protocol.Return(arrays=True),
+                    training=protocol.Training(sections={SECTION: protocol.Section(extra=own)}))
+
+    _, msg = worker_message([TRAIN_OP], arrays=protocol.arrays_record(interactive), **settings())
     reply = Worker(msg, ctx).run()
     personal = ctx.state[STATE_MODEL].to_torch_state_dict()
     sent_back = {k: v.numpy() for k, v in reply.content[protocol.ARRAYS].items()}
     # α = β = 0: each model is trained by its own cross-entropy alone, on the same batches
     alone = {"p": start, "i": {k: torch.from_numpy(v) for k, v in interactive.items()}}
-    fed = get_federation(data_spec(dict(msg.content["config"])))
+    fed = get_federation(data_spec(protocol.request_of(msg)))
     data = fed.client(0)
     for key, result in (("p", {k: v.numpy() for k, v in personal.items()}), ("i", sent_back)):
         model = build_model("mlp", 10, (1, 8, 8))
@@ -171,11 +175,11 @@ def test_client_trains_both_models_and_sends_the_interactive_one():
         ops.train(model, data.train_x, data.train_y, OptimSettings(epochs=1, batch_size=16, lr=0.05), None, gen)
         for k, v in model.state_dict().items():
             np.testing.assert_allclose(result[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{key}:{k}")
-    assert reply.content["metrics"][KL_PERSONAL] > 0 and reply.content["metrics"][KL_INTERACTIVE] > 0
+    assert reply.content[protocol.METRICS][KL_PERSONAL] > 0 and reply.content[protocol.METRICS][KL_INTERACTIVE] > 0
     # with distillation on, the personalised model ends elsewhere
     ctx2 = worker_message([])[0].contexts[100]
     Worker(worker_message([])[1], ctx2).run()
-    _, msg = worker_message([TRAIN_OP], {**settings, ALPHA: 1.0}, arrays=protocol.arrays_record(interactive))
+    _, msg = worker_message([TRAIN_OP], arrays=protocol.arrays_record(interactive), **settings(**{ALPHA: 1.0}))
     Worker(msg, ctx2).run()
     distilled = ctx2.state[STATE_MODEL].to_torch_state_dict()
     assert not torch.allclose(distilled["fc.weight"], personal["fc.weight"])

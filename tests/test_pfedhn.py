@@ -168,7 +168,7 @@ def test_messages_carry_each_clients_generated_parameters_and_the_update_is_the_
     s.node_to_client = {100: 0, 101: 1}  # node 102 has not replied yet
     messages = s.round_messages(1, [100, 101, 102])
     sent = {int(m.metadata.dst_node_id): {k: v.numpy() for k, v in m.content[protocol.ARRAYS].items()} for m in messages}
-    assert all(m.content[protocol.CONFIG]["arrays.keys"] == "params" for m in messages)
+    assert all(protocol.request_of(m).returns.part == "params" for m in messages)
     shapes = {k: p.shape for k, p in build_model("mlp", 10, (1, 8, 8)).named_parameters()}
     for node, v in ((100, V[0]), (101, V[1]), (102, V.mean(0))):  # the unknown node: the mean embedding
         _, want = theta(v)
@@ -263,7 +263,7 @@ def test_short_run_personalises_and_learns(tiny_config):
     s, grid, result, logs, resolved, cfg = run_inprocess(tiny_config, 3, grid)
     train = [m for m in grid.sent if m.metadata.message_type == "train"]
     by_round = {r: {int(m.metadata.dst_node_id) - 100: m.content[protocol.ARRAYS]["fc.weight"].numpy()
-                    for m in train if m.content["config"]["round"] == r} for r in (1, 2)}
+                    for m in train if protocol.request_of(m).round == r} for r in (1, 2)}
     initial = resolved.build(cfg)  # φ as it was in round 1
     for c in (0, 2, 3):  # identified before round 1: each its own h(v_i)
         np.testing.assert_array_equal(by_round[1][c], initial.generated(c)["fc.weight"])

@@ -31,20 +31,22 @@ from fedapps.data import get_federation
 from fedapps.reporting.results import privacy_columns, rejection_problems
 from fedapps.wire import protocol
 from fedapps.wire.validation import Rejection
+from strategies.cwfedavg import WDR_LAMBDA
+from strategies.fedprox import PROX_MU
 
 SIGMA, CLIP, DELTA = 1.1, 1.0, 1e-5
 
 
-def settings(**kw) -> privacy.PrivacySettings:
+def settings(**kw) -> protocol.Privacy:
     values = {"mode": "sample", "noise_multiplier": SIGMA, "max_grad_norm": CLIP, "delta": DELTA,
               "reproducible_noise": True, **kw}
-    return privacy.PrivacySettings(**values)
+    return protocol.Privacy(**values)
 
 
-def message_settings(**kw) -> dict:
-    """The ``privacy.*`` keys of a message, as the server's base_config writes them."""
+def message_settings(**kw) -> protocol.Privacy:
+    """The privacy settings of a message, as the server's request() builds them from the config."""
     cfg = dataclasses.replace(ExperimentConfig().privacy, mode="sample", **kw)
-    return protocol.flatten(protocol.PRIVACY_SECTION, dataclasses.asdict(cfg))
+    return protocol.Privacy(**dataclasses.asdict(cfg))
 
 
 def reference_epsilon(history, delta, orders) -> float:
@@ -94,7 +96,7 @@ def test_planned_steps_are_the_plain_loops():
 # --------------------------------------------------------------------------- the mechanism
 
 
-def one_private_step(model: nn.Module, x, y, loss_fn, s: privacy.PrivacySettings, lr: float, batch_size: int,
+def one_private_step(model: nn.Module, x, y, loss_fn, s: protocol.Privacy, lr: float, batch_size: int,
                      regulariser=None) -> dict[str, torch.Tensor]:
     """The parameters' change by one DP-SGD step through ``run_epochs`` (batch_size >= n: q = 1, so that every
     sample is in the one minibatch)."""
@@ -213,8 +215,12 @@ def test_public_loops_and_other_threads_train_as_usual():
 # --------------------------------------------------------------------------- through the worker
 
 
-def private_message(extra=None, **privacy_kw):
-    return worker_message(["train", "evaluate:after"], {**message_settings(**privacy_kw), **(extra or {})})
+def private_message(bookkeeping=protocol.Bookkeeping(), train=None, **privacy_kw):
+    """A message to train and evaluate with privacy on: ``bookkeeping`` where the client keeps its state, ``train``
+    the ``train`` section's algorithm settings, ``privacy_kw`` over the default privacy settings."""
+    training = protocol.Training(sections={protocol.TRAIN: protocol.Section(extra=train)} if train else {})
+    return worker_message(["train", "evaluate:after"], privacy=message_settings(**privacy_kw),
+                          bookkeeping=bookkeeping, training=training)
 
 
 def client_rate_and_steps(batch_size=16, epochs=1) -> tuple[float, int]:
@@ -229,21 +235,21 @@ def test_each_reply_reports_the_epsilon_of_all_the_clients_steps_so_far(tmp_path
     """ε in the reply of message r is the accountant's over r loops; a fresh process (an empty Context.state) reads the
     ledger back from the state directory and goes on from there."""
     q, steps = client_rate_and_steps()
-    state = {"state-dir": str(tmp_path), "state-run": "run1"}
+    state = protocol.Bookkeeping(state_dir=str(tmp_path), state_run="run1")
     context = private_message(state)[0].contexts[100]
     for r in (1, 2):
         reply = Worker(private_message(state)[1], context).run()
         expected = privacy.epsilon([(1.0, q, steps)] * r, 1e-5)
-        assert reply.content["metrics"][protocol.PRIVACY_EPSILON] == pytest.approx(expected, rel=1e-9)
+        assert reply.content[protocol.METRICS][protocol.PRIVACY_EPSILON] == pytest.approx(expected, rel=1e-9)
     ledger = json.loads((tmp_path / f"0{privacy.LEDGER_SUFFIX}").read_text())
     assert ledger["run"] == "run1" and len(ledger["history"]) == 2
     fresh_grid, fresh_msg = private_message(state)  # another process: a new Context
     reply = Worker(fresh_msg, fresh_grid.contexts[100]).run()
-    assert reply.content["metrics"][protocol.PRIVACY_EPSILON] == pytest.approx(
+    assert reply.content[protocol.METRICS][protocol.PRIVACY_EPSILON] == pytest.approx(
         privacy.epsilon([(1.0, q, steps)] * 3, 1e-5), rel=1e-9)
-    other_grid, other_msg = private_message({**state, "state-run": "run2"})  # another run's ledger is not this one's
+    other_grid, other_msg = private_message(dataclasses.replace(state, state_run="run2"))  # another run's ledger is not this one's
     reply = Worker(other_msg, other_grid.contexts[100]).run()
-    assert reply.content["metrics"][protocol.PRIVACY_EPSILON] == pytest.approx(
+    assert reply.content[protocol.METRICS][protocol.PRIVACY_EPSILON] == pytest.approx(
         privacy.epsilon([(1.0, q, steps)], 1e-5), rel=1e-9)
 
 
@@ -258,7 +264,7 @@ def test_a_client_stops_at_its_budget():
     for _ in range(4):
         seen.append(_serve(private_message(epsilon_budget=budget)[1], context))
     assert [r.has_error() for r in seen] == [False, False, True, True]
-    assert seen[1].content["metrics"][protocol.PRIVACY_EPSILON] == pytest.approx(two, rel=1e-9) and two <= budget
+    assert seen[1].content[protocol.METRICS][protocol.PRIVACY_EPSILON] == pytest.approx(two, rel=1e-9) and two <= budget
     assert protocol.PRIVACY_REFUSED in seen[2].error.reason and "privacy.epsilon_budget" in seen[2].error.reason
     assert len(json.loads(context.state[privacy.STATE_LEDGER]["ledger"])["history"]) == 2
 
@@ -274,25 +280,27 @@ def _serve(msg, context):
 
 
 def test_a_training_term_that_reads_the_data_is_refused_and_a_proximal_one_is_not():
-    grid, msg = private_message({"train.wdr_lambda": 10.0})
+    grid, msg = private_message(train={WDR_LAMBDA: 10.0})
     reply = _serve(msg, grid.contexts[100])
     assert reply.has_error() and "['wdr']" in reply.error.reason and "read the client's data" in reply.error.reason
     from fedapps.models import build_model
 
     arrays = protocol.arrays_record({k: v.numpy() for k, v in build_model("mlp", 10, (1, 8, 8), seed=0)
                                     .state_dict().items()})
-    grid, msg = worker_message(["train"], {**message_settings(), "train.prox_mu": 0.1, "load-arrays": True},
-                               arrays=arrays)
+    grid, msg = worker_message(["train"], arrays, privacy=message_settings(), load=protocol.Load(into_model=True),
+                               training=protocol.Training(sections={protocol.TRAIN: protocol.Section(
+                                   extra={PROX_MU: 0.1})}))
     reply = _serve(msg, grid.contexts[100])
-    assert not reply.has_error() and reply.content["metrics"][protocol.PRIVACY_EPSILON] > 0
+    assert not reply.has_error() and reply.content[protocol.METRICS][protocol.PRIVACY_EPSILON] > 0
 
 
 def test_a_message_without_privacy_settings_trains_as_before():
     """Privacy off: no privacy key in the message, no ε in the reply, no ledger: the plain loop."""
     grid, msg = worker_message(["train"])
-    assert not protocol.section(msg.content[protocol.CONFIG], protocol.PRIVACY_SECTION)
+    assert protocol.request_of(msg).privacy is None
+    assert not [k for k in msg.content[protocol.CONFIG] if k.startswith("privacy.")]
     reply = Worker(msg, grid.contexts[100]).run()
-    assert protocol.PRIVACY_EPSILON not in reply.content["metrics"]
+    assert protocol.PRIVACY_EPSILON not in reply.content[protocol.METRICS]
     assert privacy.STATE_LEDGER not in grid.contexts[100].state
 
 
@@ -327,8 +335,11 @@ def test_privacy_off_keeps_the_config_hash_and_the_messages():
     off, on = load_config(None, "data.source=digits"), load_config(None, "data.source=digits privacy.mode=sample")
     assert "privacy" not in without_later_defaults(off.to_dict())
     assert "privacy" in without_later_defaults(on.to_dict()) and config_hash(on) != config_hash(off)
-    assert not protocol.section(resolve(off).build(off).base_config(), protocol.PRIVACY_SECTION)
-    assert protocol.section(resolve(on).build(on).base_config(), protocol.PRIVACY_SECTION)["mode"] == "sample"
+    sent_off, sent_on = (resolve(c).build(c).request(1, ["train"]) for c in (off, on))
+    assert sent_off.privacy is None and not [k for k in sent_off.encode() if k.startswith("privacy.")]
+    assert sent_on.privacy == protocol.Privacy(**dataclasses.asdict(on.privacy)) and sent_on.privacy.mode == "sample"
+    assert protocol.Request.decode(sent_on.encode()).privacy == sent_on.privacy
+    assert dict(dataclasses.replace(sent_on, privacy=None).encode()) == dict(sent_off.encode())  # nothing else differs
 
 
 @pytest.mark.parametrize("overrides, words", [

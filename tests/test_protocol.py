@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Message
 
 from fedapps.client import ops
 
@@ -32,6 +32,7 @@ from fedapps.seeds import derive_seed
 from fedapps.client.worker import STATE_MODEL, Worker, optim_settings, part_names
 from strategies import STRATEGIES, RunContext, resolve
 from strategies.base import DeployedModel, Measurement, RoundLog, with_evaluations
+from strategies.fedbabu import FINETUNE
 
 CLIENTS = 2
 SHAPE, CLASSES = (1, 8, 8), 10
@@ -78,7 +79,7 @@ def _fedbabu(s, grid, cid, data, rnd, arch="mlp", state=None):
     (cosine head: prototypes and scale fine-tuned)."""
     model = build_model(arch, CLASSES, SHAPE)
     model.load_state_dict(state if state is not None else {**_private(grid, cid), **_tensors(s.body)})
-    settings = optim_settings({"epochs": s.params.finetune_epochs}, dataclasses.asdict(s.cfg.client))
+    settings = optim_settings(protocol.Section(epochs=s.params.finetune_epochs), dataclasses.asdict(s.cfg.client))
     gen = torch.Generator().manual_seed(derive_seed(s.cfg.seed, "client-batches", rnd + 1, cid))
     with ops.frozen(model, part_names(model, "body")):
         ops.train(model, data.train_x, data.train_y, settings, None, gen)
@@ -259,11 +260,10 @@ def test_cosmos_headline_is_its_cluster_models_on_hand_built_replies(tmp_path):
                 own = s.models[s.cluster_of[cid]].state_dict()
                 assert all(torch.equal(sent[k], own[k]) for k in own)  # h_π(i), and only for evaluation
                 n = int(fed.test_counts[cid].sum())
-                metrics = {protocol.CLIENT_ID: cid, protocol.NUM_EXAMPLES: int(fed.train_counts[cid].sum()),
-                           "deployed-acc": correct[cid] / n, "deployed-loss": 1.0, "deployed-n": n,
+                metrics = {"deployed-acc": correct[cid] / n, "deployed-loss": 1.0, "deployed-n": n,
                            "deployed-correct": correct[cid]}
-                content = RecordDict({protocol.METRICS: MetricRecord(metrics),
-                                      protocol.INFO: ConfigRecord({"arch": "mlp", "fingerprint": fed.fingerprint})})
+                content = protocol.Reply(cid, int(fed.train_counts[cid].sum()), metrics,
+                                         info=protocol.ReplyInfo(arch="mlp", fingerprint=fed.fingerprint)).encode()
                 out.append(Message(content=content, reply_to=msg))
             return out
 
@@ -309,7 +309,7 @@ def test_client_sampling_is_seeded_over_client_ids_whatever_the_node_ids():
     assert a != c  # another seed, other clients
     assert len({tuple(d) for d in a}) > 1  # and the draw changes between rounds
     # every node was asked once who it is (a message with no operation), before the first draw only
-    assert len(grid.sent) == 20 and all(list(m.content[protocol.CONFIG]["ops"]) == [] for m in grid.sent)
+    assert len(grid.sent) == 20 and all(protocol.request_of(m).ops == () for m in grid.sent)
 
 
 def test_full_participation_identifies_every_node_once():
@@ -319,16 +319,18 @@ def test_full_participation_identifies_every_node_once():
     strategy = STRATEGIES["fedavg"](cfg)
     assert strategy.sample_nodes(grid) == sorted(grid.contexts) == strategy.sample_nodes(grid)
     assert sorted(int(m.metadata.dst_node_id) for m in grid.sent) == sorted(grid.contexts)
-    assert all(list(m.content[protocol.CONFIG]["ops"]) == [] for m in grid.sent)
+    assert all(protocol.request_of(m).ops == () for m in grid.sent)
 
 
-def worker_message(ops_list, extra):
-    """A message for client 0 on digits (the data spec every message carries), with the given operations."""
+def worker_message(ops_list, training, client=None):
+    """A message for client 0 on digits (the data spec every message carries), with the given operations, training
+    settings and ``client`` over the config's client settings."""
     grid = InProcessGrid(2)
     cfg = load_config(None, "data.source=digits data.num_clients=2 model.name=mlp client.device=cpu")
-    config = {**protocol.flatten("data", dataclasses.asdict(cfg.data)), "model.name": "mlp", "model.seed": 0,
-              **protocol.flatten("client", dataclasses.asdict(cfg.client)), **extra}
-    return grid, protocol.build_message(100, 1, ops_list, config)
+    setup = protocol.Setup(data=dataclasses.asdict(cfg.data), model=protocol.ModelSpec("mlp", 0),
+                           client={**dataclasses.asdict(cfg.client), **(client or {})})
+    return grid, protocol.build_message(100, protocol.Request(ops=tuple(ops_list), round=1, setup=setup,
+                                                              training=training))
 
 
 @pytest.mark.parametrize("op", ["evaluate", "evaluate-finetuned", "evaluate-received"])
@@ -337,7 +339,8 @@ def test_every_evaluation_reads_the_workers_evaluation_split(op, monkeypatch):
     evaluation operation measures: none reads the test split by another way."""
     model = build_model("mlp", CLASSES, SHAPE, seed=0)
     eval_arrays = protocol.arrays_record({k: v.numpy() for k, v in model.state_dict().items()})
-    grid, msg = worker_message([f"{op}:deployed"], {"finetune.epochs": 1, "client.batch_size": 16})
+    grid, msg = worker_message([f"{op}:deployed"], protocol.Training(sections={FINETUNE: protocol.Section(epochs=1)}),
+                               client={"batch_size": 16})
     if op == "evaluate-received":
         msg.content[protocol.EVAL_ARRAYS] = eval_arrays
     probe = Worker(msg, grid.contexts[100])

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import Message, MetricRecord, RecordDict
+from flwr.app import Message
 
 from fedapps.flower import faults
 
@@ -46,7 +46,7 @@ def build(strategy: str, *params: str, extra: tuple[str, ...] = ()):
 
 def reply(node: int, client: int, arrays=None, predictions=None, metrics=None, n: int = 10) -> ClientReply:
     return ClientReply(node_id=node, client_id=client, num_examples=n, metrics=dict(metrics or {}), arrays=arrays,
-                       predictions=None if predictions is None else {"predictions": predictions},
+                       predictions=None if predictions is None else {protocol.PREDICTION_ARRAY: predictions},
                        info={})
 
 
@@ -264,7 +264,8 @@ def test_fedmd_robust_consensus_is_what_the_next_messages_carry():
     np.testing.assert_allclose(s.consensus, want, rtol=1e-5)
     assert (s.consensus.argmax(1) != 0).any()
     msg = s.round_messages(2, [100])[0]  # digest mae (the default): the log of the consensus
-    np.testing.assert_allclose(msg.content[protocol.TARGETS]["targets"].numpy(), consensus_logits(want), rtol=1e-5)
+    np.testing.assert_allclose(protocol.Targets.decode(msg.content[protocol.TARGETS]).values, consensus_logits(want),
+                               rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- COMET's outlier guard
@@ -317,14 +318,12 @@ def test_votes_in_every_wire_type():
 
 
 def _message(targets: np.ndarray | None = None) -> Message:
-    record = protocol.arrays_record({"targets": targets}) if targets is not None else None
-    return protocol.build_message(100, 2, ["predict"], {"predict.output": "probs"}, targets=record)
+    request = protocol.Request(ops=("predict",), round=2, public=protocol.PublicSet(output="probs"))
+    return protocol.build_message(100, request, targets=protocol.Targets(targets).encode())
 
 
 def _reply_to(msg: Message, predictions: np.ndarray) -> Message:
-    return Message(RecordDict({protocol.METRICS: MetricRecord({"client-id": 4, "num-examples": 5}),
-                               protocol.PREDICTIONS: protocol.arrays_record({"predictions": predictions})}),
-                   reply_to=msg)
+    return Message(protocol.Reply(4, 5, predictions=predictions).encode(), reply_to=msg)
 
 
 def test_pred_flip_votes_one_class_after_the_targets_the_message_brought():
@@ -332,10 +331,10 @@ def test_pred_flip_votes_one_class_after_the_targets_the_message_brought():
     msg = _message(np.array([[0.0, 0.0, 1.0], [0.0, 1.0, 0.0]], np.float32))  # targets: classes 2, 1
     r = _reply_to(msg, own)
     faults.capture(r, faults.Fault("pred-flip", None, None, None), 4, msg)
-    assert r.content[protocol.PREDICTIONS]["predictions"].numpy().argmax(1).tolist() == [0, 2]
+    assert r.content[protocol.PREDICTIONS][protocol.PREDICTION_ARRAY].numpy().argmax(1).tolist() == [0, 2]
     r = _reply_to(_message(), own)  # no targets: one after its own argmax (0, 1)
     faults.capture(r, faults.Fault("pred-flip", None, None, None), 4, _message())
-    assert r.content[protocol.PREDICTIONS]["predictions"].numpy().argmax(1).tolist() == [1, 2]
+    assert r.content[protocol.PREDICTIONS][protocol.PREDICTION_ARRAY].numpy().argmax(1).tolist() == [1, 2]
 
 
 def test_pred_copy_takes_the_leaked_predictions_of_the_same_round(monkeypatch):
@@ -345,11 +344,11 @@ def test_pred_copy_takes_the_leaked_predictions_of_the_same_round(monkeypatch):
     faults.capture(_reply_to(msg, victim), faults.Fault("leak", None, None, None), 0, msg)
     r = _reply_to(msg, np.array([[1.0, 0.0]], np.float32))
     faults.capture(r, faults.Fault("pred-copy", "0", None, None), 4, msg)
-    np.testing.assert_array_equal(r.content[protocol.PREDICTIONS]["predictions"].numpy(), victim)
+    np.testing.assert_array_equal(r.content[protocol.PREDICTIONS][protocol.PREDICTION_ARRAY].numpy(), victim)
     monkeypatch.setattr(faults, "COPY_WAIT", 0.05)  # consumed: a second copy finds nothing and leaves the reply
     r = _reply_to(msg, np.array([[1.0, 0.0]], np.float32))
     faults.capture(r, faults.Fault("pred-copy", "0", None, None), 4, msg)
-    np.testing.assert_array_equal(r.content[protocol.PREDICTIONS]["predictions"].numpy(), [[1.0, 0.0]])
+    np.testing.assert_array_equal(r.content[protocol.PREDICTIONS][protocol.PREDICTION_ARRAY].numpy(), [[1.0, 0.0]])
 
 
 def test_capture_kinds_parse():
@@ -393,12 +392,11 @@ def test_registry_rows_are_recorded_and_replaced(tmp_path: Path):
 def test_registry_caps_are_enforced_by_the_validator():
     reg = NodeRegistry("nodes.csv", {0: 100})
     v = ReplyValidator(2, registry=reg)
-    msgs = [protocol.build_message(100 + i, 1, [], {}) for i in range(2)]
+    msgs = [protocol.build_message(100 + i, protocol.Request(ops=(), round=1)) for i in range(2)]
     v.expect(msgs)
 
     def answer(msg: Message, cid: int, n: int) -> Message:
-        return Message(RecordDict({protocol.METRICS: MetricRecord({"client-id": cid, "num-examples": n})}),
-                       reply_to=msg)
+        return Message(protocol.Reply(cid, n).encode(), reply_to=msg)
 
     out = v.check(1, [answer(msgs[0], 0, 10**15), answer(msgs[1], 1, 5)])
     assert not out.accepted and len(out.rejections) == 2

@@ -5,12 +5,13 @@ server keeps float32; every parameter-sharing strategy sends and receives float1
 from __future__ import annotations
 
 import csv
+import dataclasses
 import logging
 
 import numpy as np
 import pytest
 import torch
-from flwr.app import MetricRecord, RecordDict
+from flwr.app import RecordDict
 
 import server_app
 from fedapps.wire import protocol
@@ -18,7 +19,7 @@ from fedapps.config import ConfigError, config_hash, load_config, without_later_
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
 from fedapps.wire.validation import ReplyValidator
-from fedapps.client.worker import ProtocolError, message_transport, model_arrays, received_state
+from fedapps.client.worker import model_arrays, received_state
 from strategies import STRATEGIES, resolve
 
 InProcessGrid(1)  # Message() needs a task identity outside Flower's runtime
@@ -94,10 +95,12 @@ def test_out_of_range_or_non_finite_arrays_travel_in_their_own_dtype_with_a_warn
 def test_unknown_transport_is_refused_on_both_sides():
     with pytest.raises(ValueError, match="strategy.transport"):
         protocol.arrays_record(sample_arrays(), "int8")
-    assert message_transport({}) == "float32"
-    assert message_transport({protocol.TRANSPORT_KEY: "float16"}) == "float16"
-    with pytest.raises(ProtocolError, match="arrays.transport"):
-        message_transport({protocol.TRANSPORT_KEY: "bfloat16"})
+    request = protocol.Request(ops=(), round=1)
+    assert protocol.Request.decode(request.encode()).array_transport == "float32"
+    f16 = dataclasses.replace(request, transport="float16")
+    assert protocol.Request.decode(f16.encode()).array_transport == "float16"
+    with pytest.raises(protocol.MessageError, match=f"unknown {protocol.TRANSPORT_KEY} 'bfloat16'"):
+        protocol.Request.decode(dataclasses.replace(request, transport="bfloat16").encode())
 
 
 def test_the_bytes_of_a_model_halve():
@@ -116,14 +119,18 @@ def test_the_bytes_of_a_model_halve():
 # --------------------------------------------------------------------------- the server side
 
 
+# a training message asking for the model back in float16
+F16_TRAIN = protocol.Request(ops=("train",), round=1, returns=protocol.Return(arrays=True), transport="float16")
+
+
 def test_validator_casts_a_float16_reply_back_to_the_models_dtype():
     model = {"w": np.zeros((3, 2), np.float32), "count": np.zeros((), np.int64)}
     v = ReplyValidator(1, [50], [10], model_part=lambda part: model)
-    msg = protocol.build_message(100, 1, ["train"], {"return-arrays": True, protocol.TRANSPORT_KEY: "float16"})
+    msg = protocol.build_message(100, F16_TRAIN)
     v.expect([msg])
     w = np.array([[0.1, 0.2], [1 / 3, -2.5], [1000.7, 1e-3]], np.float32)
-    content = RecordDict({protocol.METRICS: MetricRecord({"client-id": 0, "num-examples": 50}),
-                          protocol.ARRAYS: protocol.arrays_record({"w": w, "count": np.array(3, np.int64)}, "float16")})
+    content = protocol.Reply(0, 50, arrays=protocol.arrays_record({"w": w, "count": np.array(3, np.int64)},
+                                                                 "float16")).encode()
     from flwr.app import Message
 
     out = v.check(1, [Message(content, reply_to=msg)])
@@ -147,11 +154,11 @@ def test_a_batchnorm_model_round_trips_through_client_and_validator():
     assert own["1.num_batches_tracked"].dtype == np.int64 and int(own["1.num_batches_tracked"]) == 1
     record = model_arrays(model, "state", "float16")  # the client's reply
     v = ReplyValidator(1, [50], [10], model_part=lambda part: own)
-    msg = protocol.build_message(100, 1, ["train"], {"return-arrays": True, protocol.TRANSPORT_KEY: "float16"})
+    msg = protocol.build_message(100, F16_TRAIN)
     v.expect([msg])
     from flwr.app import Message
 
-    content = RecordDict({protocol.METRICS: MetricRecord({"client-id": 0, "num-examples": 50}), protocol.ARRAYS: record})
+    content = protocol.Reply(0, 50, arrays=record).encode()
     out = v.check(1, [Message(content, reply_to=msg)])
     assert not out.rejections, out.rejections
     got = out.accepted[0].arrays
@@ -184,9 +191,9 @@ def test_messages_carry_float16_arrays_encoded_once_and_ask_for_float16_back():
         assert {str(a.dtype) for a in wire_of(m.content[protocol.ARRAYS]).values()} == {"float16"}
     assert all(a.dtype == np.float32 for a in s.global_arrays.values())  # the server's state is untouched
     # a model sent for evaluation only travels the same way; a message without arrays gets no key
-    eval_msg = protocol.build_message(100, 2, ["evaluate-received"], {},
+    eval_msg = protocol.build_message(100, protocol.Request(ops=("evaluate-received",), round=2),
                                       eval_arrays=protocol.arrays_record(s.global_arrays))
-    bare = protocol.build_message(101, 2, ["evaluate"], {})
+    bare = protocol.build_message(101, protocol.Request(ops=("evaluate",), round=2))
     s.with_transport([eval_msg, bare])
     assert {str(a.dtype) for a in wire_of(eval_msg.content[protocol.EVAL_ARRAYS]).values()} == {"float16"}
     assert protocol.TRANSPORT_KEY not in bare.content[protocol.CONFIG]

@@ -59,7 +59,7 @@ def test_capped_mean_by_hand():
 
 
 def _reply_message(node: int, arrays: dict[str, np.ndarray], n: int) -> Message:
-    msg = protocol.build_message(node, 1, ["train"], {})
+    msg = protocol.build_message(node, protocol.Request(ops=("train",), round=1))
     content = RecordDict({"arrays": protocol.arrays_record(arrays), "metrics": MetricRecord({"num-examples": n})})
     return Message(content, reply_to=msg)
 
@@ -116,7 +116,9 @@ def validator(train=(50, 60), test=(10, 12)) -> ReplyValidator:
 
 
 def request(node: int, ops=("train", "evaluate"), **config) -> Message:
-    return protocol.build_message(node, 1, list(ops), config)
+    """A round-1 message to ``node`` whose settings are ``config``, spelled as the wire spells them (decoded into
+    the request the server would have built)."""
+    return protocol.build_message(node, protocol.Request.decode({"ops": list(ops), "round": 1, **config}))
 
 
 def answer(to: Message, cid: int, n: int = 50, metrics: dict | None = None, **records) -> Message:

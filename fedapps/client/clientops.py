@@ -5,9 +5,10 @@ An algorithm module registers what only it needs next to its server strategy:
 
 - ``@client_op("select-model")`` — a whole operation ``fn(worker, tag)``, run when a message lists it;
 - ``@training_term("wdr")`` — a term added to the local training loss, ``fn(worker, settings) -> Regulariser |
-  None`` (None when the message's ``train.*`` settings do not ask for it); ``data_free=True`` declares that the term
-  reads nothing of the client's data (e.g. a proximal term to the received model), the one kind DP-SGD can add
-  after its noise (:mod:`fedapps.client.privacy`);
+  None`` (None when the message's ``train.*`` settings do not ask for it; ``settings`` is the operation's
+  :class:`fedapps.wire.protocol.Section`, the algorithm's own settings in its ``extra``, named by constants of the
+  algorithm's module); ``data_free=True`` declares that the term reads nothing of the client's data (e.g. a proximal
+  term to the received model), the one kind DP-SGD can add after its noise (:mod:`fedapps.client.privacy`);
 - ``@distill_term("rb")`` — a term added to the distillation loss on U, ``fn(worker, settings) -> DistillTerm |
   None`` (:data:`fedapps.client.ops.DistillTerm`; None when the message's ``distill.*`` settings do not ask for it);
 - ``@distill_weighting("label-free")`` — per-sample weights on the public set U for ``distill``,
@@ -24,7 +25,7 @@ from typing import Any, Callable
 from fedapps.wire import protocol
 
 OpFn = Callable[[Any, str], None]
-TermFn = Callable[[Any, dict], Any]
+TermFn = Callable[[Any, Any], Any]  # (worker, its operation's protocol.Section) -> term or None
 WeightingFn = Callable[[Any, Any, Any], Any]
 
 

@@ -1,8 +1,8 @@
 """Sample-level differential privacy of a client's local training: DP-SGD with Opacus, and the client's ledger.
 
-While a message's ``privacy.*`` settings say ``mode: sample`` (docs/privacy.md), every training loop the message runs
-on the client's private data (:func:`fedapps.client.ops.run_epochs`; loops on the public set U are marked public) is
-DP-SGD: Poisson-sampled minibatches (each training sample in with probability q = batch_size / n), each sample's
+While a message carries privacy settings (:class:`fedapps.wire.protocol.Privacy`, ``mode: sample``, docs/privacy.md),
+every training loop the message runs on the client's private data (:func:`fedapps.client.ops.run_epochs`; loops on the
+public set U are marked public) is DP-SGD: Poisson-sampled minibatches (each training sample in with probability q = batch_size / n), each sample's
 gradient clipped to L2 norm C (``privacy.max_grad_norm``), Gaussian noise N(0, σ²C²) added to their sum
 (σ = ``privacy.noise_multiplier``), the result divided by the expected batch size. Opacus computes the per-sample
 gradients (:class:`opacus.grad_sample.GradSampleHooks`) and clips and noises them
@@ -27,7 +27,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from flwr.app import ConfigRecord, Context
@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from fedapps.client import ops
 from fedapps.client.clientops import DATA_FREE_TERMS, ProtocolError
-from fedapps.config import PRIVACY_MODES, OptimSettings
+from fedapps.config import OptimSettings
 from fedapps.wire import protocol
 
 log = logging.getLogger("fedapps")
@@ -55,38 +55,6 @@ class PrivacyError(ProtocolError):
 class PrivacyBudgetExhausted(RuntimeError):
     """The client's ε would pass ``privacy.epsilon_budget``: it does not train (its message opens with
     :data:`fedapps.wire.protocol.PRIVACY_REFUSED`, which the server's records look for)."""
-
-
-@dataclass(frozen=True)
-class PrivacySettings:
-    """A message's ``privacy.*`` settings (the server's :class:`fedapps.config.PrivacyConfig`)."""
-
-    mode: str
-    noise_multiplier: float
-    max_grad_norm: float
-    delta: float
-    epsilon_budget: float = 0.0
-    reproducible_noise: bool = False
-
-    @classmethod
-    def from_message(cls, config: Mapping[str, Any]) -> PrivacySettings | None:
-        """The settings of a message; None when it carries none or says ``mode: off``."""
-        section = protocol.section(config, protocol.PRIVACY_SECTION)
-        mode = str(section.get("mode", "off"))
-        if mode == "off":
-            return None
-        if mode not in PRIVACY_MODES:
-            raise ProtocolError(f"unknown privacy.mode '{mode}' in the message; allowed: {', '.join(PRIVACY_MODES)} "
-                                "(server and client versions differ?)")
-        try:
-            out = cls(mode, float(section["noise_multiplier"]), float(section["max_grad_norm"]),
-                      float(section["delta"]), float(section.get("epsilon_budget", 0.0)),
-                      bool(section.get("reproducible_noise", False)))
-        except KeyError as exc:
-            raise ProtocolError(f"privacy.mode '{mode}' without privacy.{exc.args[0]} in the message") from exc
-        if not (out.noise_multiplier > 0 and out.max_grad_norm > 0 and 0 < out.delta < 1):
-            raise ProtocolError(f"the message's privacy settings are out of range: {out}")
-        return out
 
 
 # --------------------------------------------------------------------------- accounting
@@ -162,7 +130,7 @@ class PrivateTraining:
     """The DP-SGD loop of one client's message and its ledger of (σ, q, steps) so far (:mod:`fedapps.client.ops`
     runs every private loop of the message through :meth:`run`, see :func:`ops.privately`)."""
 
-    def __init__(self, settings: PrivacySettings, history: list[Step], client_id: int, arch: str) -> None:
+    def __init__(self, settings: protocol.Privacy, history: list[Step], client_id: int, arch: str) -> None:
         self.settings = settings
         self.history = list(history)
         self.client_id = client_id
@@ -344,12 +312,13 @@ class PrivateSession:
         return t.epsilon()
 
 
-def start(config: Mapping[str, Any], context: Context, client_id: int, arch: str, directory: Path | None,
+def start(request: protocol.Request, context: Context, client_id: int, arch: str, directory: Path | None,
           node_dir: bool) -> PrivateSession | None:
-    """The message's privacy session (None when its settings say off), its ledger loaded."""
-    settings = PrivacySettings.from_message(config)
+    """The message's privacy session (None when it carries no privacy settings: off), its ledger loaded (the ledger
+    of the run named by the message's ``state-run`` token)."""
+    settings = request.privacy
     if settings is None:
         return None
-    run = str(config.get("state-run", ""))
+    run = str(request.bookkeeping.state_run or "")
     history = load_ledger(context, directory, client_id, run)
     return PrivateSession(PrivateTraining(settings, history, client_id, arch), context, directory, run, node_dir)

@@ -1,13 +1,15 @@
 """The generic client: runs the operations a message asks for on its private data and private model.
 
 No algorithm logic lives here: the server says which operations to run, in which order, with which settings
-(see :mod:`fedapps.wire.protocol`); each name is looked up in :mod:`fedapps.client.clientops`, where this module registers
-the common operations (evaluate, evaluate-received, train, distill, predict) and every algorithm module
-registers its own. The private model persists in ``Context.state`` between rounds; where a state directory is
-named (node config ``state-dir``, else the message's ``state-dir``), also on disk, so that it survives the
-process (a run resumed from its checkpoint): ``<state-dir>/<client-id>.r<round>.pt``, the newest two rounds.
-A message with ``privacy.*`` settings runs its operations under :mod:`fedapps.client.privacy` (DP-SGD on every loop on
-the client's data, its ledger kept beside the private model) and its reply reports the client's ε.
+(a :class:`fedapps.wire.protocol.Request`, decoded once per message); each name is looked up in
+:mod:`fedapps.client.clientops`, where this module registers the common operations (evaluate, evaluate-received,
+train, distill, predict) and every algorithm module registers its own. The private model persists in
+``Context.state`` between rounds; where a state directory is named (node config ``state-dir``, else the message's
+``state-dir``), also on disk, so that it survives the process (a run resumed from its checkpoint):
+``<state-dir>/<client-id>.r<round>.pt``, the newest two rounds.
+A message with privacy settings (:class:`fedapps.wire.protocol.Privacy`) runs its operations under
+:mod:`fedapps.client.privacy` (DP-SGD on every loop on the client's data, its ledger kept beside the private model)
+and its reply reports the client's ε.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from torch import nn
 
 from fedapps import checkpoint
@@ -48,6 +51,10 @@ STATE_ARCH = "private-model-arch"
 __all__ = ["ProtocolError", "Worker", "handle"]  # ProtocolError is defined in fedapps.client.clientops
 
 THREADS_KEY = "threads"  # node config: torch threads of this node's ClientApp
+# node config keys named as the wire names the same thing: the client's id, its architecture, its state directory
+NODE_CLIENT_ID = protocol.CLIENT_ID
+NODE_ARCH = protocol.INFO_ARCH
+STATE_DIR_KEY = protocol.STATE_DIR  # node config (and message setting): where the client keeps its model on disk
 
 
 @functools.lru_cache(maxsize=4)
@@ -78,24 +85,24 @@ def node_threads(context: Context) -> int:
 def client_id_of(context: Context) -> int:
     """Stable client id: node_config 'client-id' (deployment) or 'partition-id' (simulation)."""
     nc = context.node_config
-    for key in ("client-id", "partition-id"):
+    for key in (NODE_CLIENT_ID, "partition-id"):
         if key in nc:
             return int(nc[key])
     raise ProtocolError("node_config has neither 'partition-id' nor 'client-id'; start the SuperNode with "
                         "--node-config \"partition-id=<i> num-partitions=<n>\"")
 
 
-def data_spec(config: Mapping[str, Any]) -> dict[str, Any]:
+def data_spec(request: protocol.Request) -> dict[str, Any]:
     """The data spec the server put in the message (``data.*`` keys)."""
-    spec = protocol.section(config, "data")
+    spec = dict(request.setup.data)
     spec["synthetic_shape"] = list(spec.get("synthetic_shape", [3, 32, 32]))
     return spec
 
 
-def needs_public(config: Mapping[str, Any]) -> bool:
+def needs_public(request: protocol.Request) -> bool:
     """Whether a message needs the public set U on the client: it names U's fingerprint or predicts/distils on U."""
-    return protocol.PUBLIC_FINGERPRINT in config or any(
-        str(op).partition(":")[0] in ("predict", "distill") for op in config.get("ops", []))
+    return request.public.fingerprint is not None or any(
+        str(op).partition(":")[0] in ("predict", "distill") for op in request.ops)
 
 
 _NODE_FEDERATIONS: dict[tuple, Federation] = {}  # one per spec, client and files (per process)
@@ -168,35 +175,39 @@ def check_fits(spec: Mapping[str, Any], labelled: Any, public: tuple[torch.Tenso
                             "U must have the clients' input shape")
 
 
-def model_arch(config: Mapping[str, Any], context: Context, client_id: int) -> str:
+def model_arch(request: protocol.Request, context: Context, client_id: int) -> str:
     """Architecture of this client's private model: node_config 'arch', else the per-client list, else one name."""
-    if "arch" in context.node_config:
-        return str(context.node_config["arch"])
-    per_client = list(config.get("model.per_client", []))
-    return str(per_client[client_id % len(per_client)]) if per_client else str(config["model.name"])
+    if NODE_ARCH in context.node_config:
+        return str(context.node_config[NODE_ARCH])
+    model = request.setup.model
+    if model.per_client:
+        return str(model.per_client[client_id % len(model.per_client)])
+    if model.name is None:
+        raise ProtocolError("the message names no model (model.name) and this node no architecture (node config arch)")
+    return model.name
 
 
-def private_arch(context: Context, config: Mapping[str, Any], client_id: int) -> str:
+def private_arch(context: Context, request: protocol.Request, client_id: int) -> str:
     """The architecture of the client's private model: the kept one's, else the configured one."""
     if STATE_ARCH in context.state:
-        return str(context.state[STATE_ARCH]["arch"])
-    return model_arch(config, context, client_id)
+        return str(context.state[STATE_ARCH][NODE_ARCH])
+    return model_arch(request, context, client_id)
 
 
-def skeleton_key(arch: str, fed: Federation, config: Mapping[str, Any]) -> SkeletonKey:
+def skeleton_key(arch: str, fed: Federation, request: protocol.Request) -> SkeletonKey:
     """The :class:`SkeletonPool` key of a client model of ``arch`` for this data and message."""
-    return arch, int(fed.num_classes), tuple(int(d) for d in fed.input_shape), int(config.get("model.seed", 0))
+    return arch, int(fed.num_classes), tuple(int(d) for d in fed.input_shape), int(request.setup.model.seed or 0)
 
 
-def private_model(context: Context, config: Mapping[str, Any], fed: Federation, client_id: int, device: torch.device,
+def private_model(context: Context, request: protocol.Request, fed: Federation, client_id: int, device: torch.device,
                   incoming: Mapping[str, torch.Tensor] | None = None,
                   taken: list[tuple[SkeletonKey, tuple[nn.Module, dict]]] | None = None) -> tuple[nn.Module, str]:
     """The client's model: restored from Context.state, or built fresh on first contact. ``incoming``: the arrays
     the message loads into it next (``load-arrays``); when they cover its whole state (e.g. a global model sent whole)
     nothing is loaded first, since every value would be overwritten (one state copy less per message). The module
     comes from :data:`SKELETONS`; it is appended to ``taken`` (the caller gives it back after the message)."""
-    arch = private_arch(context, config, client_id)
-    key = skeleton_key(arch, fed, config)
+    arch = private_arch(context, request, client_id)
+    key = skeleton_key(arch, fed, request)
     item = SKELETONS.take(key)
     if taken is not None:
         taken.append((key, item))
@@ -282,21 +293,18 @@ def load_arrays(model: nn.Module, received: Mapping[str, torch.Tensor], strict: 
     model.load_state_dict(received, strict=False)
 
 
-STATE_DIR_KEY = "state-dir"  # node config (and message key): where the client keeps its private model on disk
-
-
-def state_dir(config: Mapping[str, Any], context: Context) -> Path | None:
+def state_dir(request: protocol.Request, context: Context) -> Path | None:
     """The directory where this client keeps its private model on disk: node config ``state-dir`` first (``~``
     expanded here, on the node; ``<state-dir>/<run token>/``), then the message's (the run folder's, a path of the
     server's machine)."""
     if str(context.node_config.get(STATE_DIR_KEY, "")).strip():
         base = Path(os.path.expanduser(str(context.node_config[STATE_DIR_KEY]).strip()))
         # one sub-folder per run (its state-run token): a node serving several runs at once never mixes their files
-        token = str(config.get("state-run", "")).strip()
+        token = str(request.bookkeeping.state_run or "").strip()
         if token and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", token):
             raise ProtocolError(f"state-run token {token!r} is not a plain name; refusing to use it as a folder")
         return base / token if token else base
-    value = config.get(STATE_DIR_KEY, "")
+    value = request.bookkeeping.state_dir
     return Path(str(value)) if value else None
 
 
@@ -315,11 +323,22 @@ def state_files(directory: Path, client_id: int) -> dict[int, Path]:
     return out
 
 
-def restore_private_state(context: Context, config: Mapping[str, Any], client_id: int) -> None:
+@dataclass(frozen=True)
+class SavedModel:
+    """A private model's file in the state directory (``<client-id>.r<round>.pt``): the run's token, the round that
+    wrote it, the model's architecture and its state."""
+
+    run: str
+    round: int
+    arch: str
+    state: dict[str, torch.Tensor]
+
+
+def restore_private_state(context: Context, request: protocol.Request, client_id: int) -> None:
     """A process that has not served this client yet (a resumed run): the newest saved private model of an
     EARLIER round of the same run (state-run token) goes into Context.state. A file of the current round is
     skipped: it was written by a round the server never checkpointed and now repeats."""
-    directory = state_dir(config, context)
+    directory = state_dir(request, context)
     if directory is None or STATE_MODEL in context.state:
         return
     try:
@@ -327,28 +346,29 @@ def restore_private_state(context: Context, config: Mapping[str, Any], client_id
             return
     except OSError:
         return
-    rnd, token = int(config.get("round", 0)), str(config.get("state-run", ""))
+    rnd, token = request.round, str(request.bookkeeping.state_run or "")
     for saved_round, path in sorted(state_files(directory, client_id).items(), reverse=True):
         if saved_round >= rnd:
             continue
-        saved = checkpoint.load(path)
-        if saved.get("run") != token:
+        saved = SavedModel(**checkpoint.load(path))
+        if saved.run != token:
             return  # another run's file
-        context.state[STATE_MODEL] = ArrayRecord({k: v for k, v in saved["state"].items()})
-        context.state[STATE_ARCH] = ConfigRecord({"arch": str(saved["arch"])})
+        context.state[STATE_MODEL] = ArrayRecord(dict(saved.state))
+        context.state[STATE_ARCH] = ConfigRecord({NODE_ARCH: str(saved.arch)})
         return
 
 
-def save_private_state(context: Context, config: Mapping[str, Any], client_id: int, model: nn.Module, arch: str) -> None:
+def save_private_state(context: Context, request: protocol.Request, client_id: int, model: nn.Module,
+                       arch: str) -> None:
     """Write the private model to the state directory (atomically) for this round; keep the newest earlier
     round's file too (the one a resumption from the last checkpoint needs), remove older ones."""
-    directory = state_dir(config, context)
+    directory = state_dir(request, context)
     if directory is None:
         return
-    rnd = int(config.get("round", 0))
+    rnd = request.round
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     try:
-        checkpoint.atomic_save({"run": str(config.get("state-run", "")), "round": rnd, "arch": arch, "state": state},
+        checkpoint.atomic_save(vars(SavedModel(str(request.bookkeeping.state_run or ""), rnd, arch, state)),
                                directory / f"{int(client_id)}.r{rnd}.pt")
         earlier = sorted(r for r in state_files(directory, client_id) if r < rnd)
         for r in earlier[:-1]:
@@ -366,16 +386,16 @@ def save_private_state(context: Context, config: Mapping[str, Any], client_id: i
 RESTART_LOSSES = ("nothing", "buffers", "head", "model")
 
 
-def lost_on_restart(config: Mapping[str, Any]) -> str:
+def lost_on_restart(request: protocol.Request) -> str:
     """What of a client's private model a message with these settings leaves to the client's own keeping, i.e. what
     a restarted SuperNode without ``state-dir`` loses (the table of docs/deployment.md): ``nothing`` (the model is
     not kept, or the whole state is loaded from the message), ``buffers`` (parameters loaded, buffers kept), ``head``
     (the body loaded, the classifier head kept) or ``model`` (nothing loaded: the whole private model is the
     client's)."""
-    if not config.get("persist-model", True):
+    if not request.keep.persists:
         return "nothing"
-    if config.get("load-arrays", False) and not config.get("arrays.multi", False):
-        return {"state": "nothing", "params": "buffers", "body": "head"}[str(config.get("arrays.keys", "state"))]
+    if request.load.into_model and not request.load.multi:
+        return {"state": "nothing", "params": "buffers", "body": "head"}[request.returns.which]
     return "model"
 
 
@@ -388,15 +408,6 @@ def model_arrays(model: nn.Module, which: str, transport: str = "float32") -> Ar
         return ArrayRecord({k: v.detach().cpu() for k, v in state_part(model, which).items()})
     return protocol.arrays_record({k: v.detach().cpu().numpy() for k, v in state_part(model, which).items()},
                                   transport)
-
-
-def message_transport(config: Mapping[str, Any]) -> str:
-    """How the message's arrays travel and the reply's must (``arrays.transport``; absent: float32)."""
-    transport = str(config.get(protocol.TRANSPORT_KEY, "float32"))
-    if transport not in protocol.TRANSPORTS:
-        raise ProtocolError(f"unknown {protocol.TRANSPORT_KEY} '{transport}' in the message; allowed: "
-                            f"{', '.join(protocol.TRANSPORTS)} (server and client versions differ?)")
-    return transport
 
 
 def received_state(record: ArrayRecord) -> dict[str, torch.Tensor]:
@@ -440,9 +451,9 @@ def split_models(arrays: ArrayRecord) -> list[dict[str, torch.Tensor]]:
     return [models[k] for k in range(len(models))]
 
 
-def optim_settings(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> ops.OptimSettings:
-    """OptimSettings from a message section, falling back to the client section."""
-    merged = {**defaults, **values}
+def optim_settings(section: protocol.Section, defaults: Mapping[str, Any]) -> ops.OptimSettings:
+    """OptimSettings from a message section, falling back to the client section (``client.*``)."""
+    merged = {**defaults, **section.optimiser()}
     keys = ops.OptimSettings.__dataclass_fields__
     return ops.OptimSettings(**{k: merged[k] for k in keys if k in merged})
 
@@ -450,12 +461,14 @@ def optim_settings(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> op
 class Worker:
     """Serves one message for one client: parse, run the named operations, reply.
 
-    What an operation may use: ``config`` (the message's settings), ``data`` / ``fed`` (this client's data and
+    What an operation may use: ``request`` (the message's settings, :class:`fedapps.wire.protocol.Request`),
+    ``targets`` (its targets record, :class:`fedapps.wire.protocol.Targets`), ``data`` / ``fed`` (this client's data and
     the data spec's federation), ``train_x`` / ``train_y`` (the training split less any held-out share),
     ``val_x`` / ``val_y`` (the held-out share), ``eval_x`` / ``eval_y`` (THE evaluation split: every evaluation
     reads its data there and nowhere else, see :meth:`evaluate`), ``model`` (the private model), ``received``
     (the message's arrays as tensors), ``generator`` (seeded per client and round), ``metrics`` and ``reply``
-    (what goes back), and ``outgoing``: the model whose arrays ``return-arrays`` sends (default: the private model).
+    (what goes back: :class:`fedapps.wire.protocol.Reply`, whose ``metrics`` ``metrics`` is), and ``outgoing``: the
+    model whose arrays ``return-arrays`` sends (default: the private model).
     """
 
     def __init__(self, msg: Message, context: Context) -> None:
@@ -463,28 +476,32 @@ class Worker:
         set_threads_once(node_threads(context))
         self.msg = msg
         self.context = context
-        self.config = dict(msg.content[protocol.CONFIG])
+        try:
+            self.request = protocol.request_of(msg)
+        except protocol.MessageError as exc:
+            raise ProtocolError(f"malformed message: {exc}") from exc
         self.client_id = client_id_of(context)
-        self.fed = client_federation(context, data_spec(self.config), self.client_id, needs_public(self.config))
+        self.fed = client_federation(context, data_spec(self.request), self.client_id, needs_public(self.request))
         self.data: ClientData = self.fed.client(self.client_id)
         # a held-out share of the training split (scored on by operations that need one); training uses the rest
         self.train_x, self.train_y = self.data.train_x, self.data.train_y
         self.val_x, self.val_y = self.data.train_x[:0], self.data.train_y[:0]
-        holdout = float(self.config.get("holdout-fraction", 0.0))
+        holdout = float(self.request.training.holdout_fraction or 0.0)
         if holdout:
             fit, held_out = holdout_split(len(self.data.train_y), holdout,
-                                           derive_seed(int(self.config.get("data.seed", 0)), "holdout", self.client_id))
+                                           derive_seed(int(self.request.setup.data.get("seed", 0)), "holdout",
+                                                       self.client_id))
             self.train_x, self.train_y = self.data.train_x[fit], self.data.train_y[fit]
             self.val_x, self.val_y = self.data.train_x[held_out], self.data.train_y[held_out]
-        self.device = ops.resolve_device(str(self.config.get("client.device", "auto")))
-        if self.config.get("persist-model", True):
-            restore_private_state(context, self.config, self.client_id)
-        self.arch = private_arch(context, self.config, self.client_id)
+        self.device = ops.resolve_device(str(self.request.setup.client.get("device", "auto")))
+        if self.request.keep.persists:
+            restore_private_state(context, self.request, self.client_id)
+        self.arch = private_arch(context, self.request, self.client_id)
         self.outgoing: nn.Module | None = None  # set by an operation that returns another model than the private one
-        self.metrics: dict[str, Any] = {protocol.CLIENT_ID: self.client_id, protocol.NUM_EXAMPLES: len(self.data.train_y)}
-        self.reply = RecordDict()
-        rnd = int(self.config.get("round", 0))
-        seed = int(self.config.get("model.seed", 0))
+        self.reply = protocol.Reply(self.client_id, len(self.data.train_y))
+        self.metrics: dict[str, Any] = self.reply.metrics
+        rnd = self.request.round
+        seed = int(self.request.setup.model.seed or 0)
         self.generator = torch.Generator().manual_seed(derive_seed(seed, "client-batches", rnd, self.client_id))
         self.global_seed = derive_seed(seed, "client-global", rnd, self.client_id)  # see :meth:`global_rng`
         self.taken: list[tuple[SkeletonKey, tuple[nn.Module, dict]]] = []  # modules of SKELETONS, given back by run
@@ -496,8 +513,8 @@ class Worker:
         :data:`GLOBAL_RNG_LOCK`, so that clients served on other threads of this process (the in-process engine)
         neither re-seed nor draw from the stream meanwhile. On the CPU only its generator is seeded
         (torch.manual_seed also queues every accelerator's: ~0.4 ms per message)."""
-        builds = any(str(op).partition(":")[0] != DESCRIBE_OP for op in self.config.get("ops", []))  # a model
-        draws = builds and SKELETONS.draws_global_rng(skeleton_key(self.arch, self.fed, self.config))
+        builds = any(str(op).partition(":")[0] != DESCRIBE_OP for op in self.request.ops)  # a model
+        draws = builds and SKELETONS.draws_global_rng(skeleton_key(self.arch, self.fed, self.request))
         with GLOBAL_RNG_LOCK if draws else contextlib.nullcontext():
             with GLOBAL_RNG_LOCK:
                 if self.device.type == "cpu":
@@ -520,40 +537,39 @@ class Worker:
 
     def _run(self) -> Message:
         self._check_public_set()
-        steps = [parse_op(op) for op in self.config["ops"]]  # refuse an unknown operation before running any
-        transport = message_transport(self.config)  # and an unknown transport
-        if self.received is not None and self.config.get("load-arrays", False):
+        steps = [parse_op(op) for op in self.request.ops]  # refuse an unknown operation before running any
+        req = self.request
+        if self.received is not None and req.load.into_model:
             load_arrays(self.model, self.received, strict=False)
-        private = privacy.start(self.config, self.context, self.client_id, self.arch,
-                                state_dir(self.config, self.context), state_dir_is_nodes(self.context))
+        private = privacy.start(req, self.context, self.client_id, self.arch, state_dir(req, self.context),
+                                state_dir_is_nodes(self.context))
         with ops.privately(private.training if private is not None else None):
             for op, tag in steps:
                 start = time.perf_counter()
                 op.run(self, tag)
-                self.metrics[f"t-{tag}"] = time.perf_counter() - start
+                self.metrics[protocol.timing_name(tag)] = time.perf_counter() - start
         if private is not None:  # the ops succeeded: their steps count, whatever leaves with the reply
             self.metrics[protocol.PRIVACY_EPSILON] = private.commit()
-        if self.config.get("return-arrays", False):
+        if req.returns.arrays:
             returned = self.outgoing if self.outgoing is not None else self.model
-            self.reply[protocol.ARRAYS] = model_arrays(returned, str(self.config.get("arrays.keys", "state")), transport)
-        if self.config.get("persist-model", True) and self.config.get("save-model", True):
+            self.reply.arrays = model_arrays(returned, req.returns.which, req.array_transport)
+        if req.keep.saves:
             # the private model lives in Context.state between rounds; strategies that send the whole model
             # every round switch this off, which halves what travels with each message in simulation. An
             # evaluation-only message reads the private model (persist-model) but never writes it (save-model false)
             self.context.state[STATE_MODEL] = model_arrays(self.model.cpu(), "state")
-            self.context.state[STATE_ARCH] = ConfigRecord({"arch": self.arch})
-            save_private_state(self.context, self.config, self.client_id, self.model, self.arch)
-        self.metrics["t-total"] = time.perf_counter() - self.t0
-        self.reply[protocol.METRICS] = protocol.metrics_record(self.metrics)
-        self.reply[protocol.INFO] = ConfigRecord({"arch": self.arch, protocol.INFO_FINGERPRINT: self.fed.fingerprint})
-        return Message(content=self.reply, reply_to=self.msg)
+            self.context.state[STATE_ARCH] = ConfigRecord({NODE_ARCH: self.arch})
+            save_private_state(self.context, self.request, self.client_id, self.model, self.arch)
+        self.metrics[protocol.TOTAL_TIME] = time.perf_counter() - self.t0
+        self.reply.info = protocol.ReplyInfo(arch=self.arch, fingerprint=self.fed.fingerprint)
+        return Message(content=self.reply.encode(), reply_to=self.msg)
 
     @functools.cached_property
     def model(self) -> nn.Module:
         """The private model (restored or built on first use: a message that needs none, e.g. ``describe``,
         builds none)."""
-        incoming = self.received if self.config.get("load-arrays", False) else None
-        return private_model(self.context, self.config, self.fed, self.client_id, self.device, incoming, self.taken)[0]
+        incoming = self.received if self.request.load.into_model else None
+        return private_model(self.context, self.request, self.fed, self.client_id, self.device, incoming, self.taken)[0]
 
     @functools.cached_property
     def received(self) -> dict[str, torch.Tensor] | None:
@@ -561,13 +577,13 @@ class Worker:
         decoded once on first use: loaded into the model (``load-arrays``), the anchor of a training term, or a
         model evaluated or trained apart. None without arrays, or when they hold several models (``arrays.multi``,
         see :meth:`candidate_models`)."""
-        if protocol.ARRAYS not in self.msg.content or self.config.get("arrays.multi", False):
+        if protocol.ARRAYS not in self.msg.content or self.request.load.multi:
             return None
         return received_state(self.msg.content[protocol.ARRAYS])
 
     def candidate_models(self, op: str) -> list[dict[str, torch.Tensor]]:
         """The several models of an ``arrays.multi`` message, as state dicts in the order the server packed them."""
-        if protocol.ARRAYS not in self.msg.content or not self.config.get("arrays.multi", False):
+        if protocol.ARRAYS not in self.msg.content or not self.request.load.multi:
             raise ProtocolError(f"{op} needs several models in the message (arrays.multi)")
         return split_models(self.msg.content[protocol.ARRAYS])
 
@@ -594,36 +610,40 @@ class Worker:
 
     def settings(self, section_name: str) -> ops.OptimSettings:
         """Optimiser settings of a message section (e.g. ``train``), falling back to the ``client`` section."""
-        return optim_settings(protocol.section(self.config, section_name), protocol.section(self.config, "client"))
+        return optim_settings(self.request.training.section(section_name), self.request.setup.client)
 
     def record_eval(self, tag: str, result: Mapping[str, float]) -> None:
         """Evaluation results as the metrics ``<tag>-acc``, ``<tag>-loss``, ``<tag>-n``, ``<tag>-correct``."""
         for k in protocol.EVAL_FIELDS:
             self.metrics[protocol.metric_name(tag, k)] = result[k]
 
-    def public_rows(self, key: str) -> torch.Tensor | None:
-        """Row indices of U named in the targets record (e.g. an alignment subset), or None = all of U."""
-        if protocol.TARGETS in self.msg.content and key in self.msg.content[protocol.TARGETS]:
-            return torch.as_tensor(self.msg.content[protocol.TARGETS][key].numpy().astype(np.int64))
-        return None
+    @functools.cached_property
+    def targets(self) -> protocol.Targets:
+        """The message's targets record (decoded on first use; empty without one)."""
+        if protocol.TARGETS not in self.msg.content:
+            return protocol.Targets()
+        try:
+            return protocol.Targets.decode(self.msg.content[protocol.TARGETS])
+        except protocol.MessageError as exc:
+            raise ProtocolError(f"malformed message: {exc}") from exc
 
-    def training_terms(self, section: Mapping[str, Any]) -> ops.Regulariser | None:
+    def training_terms(self, section: protocol.Section) -> ops.Regulariser | None:
         """The sum of every registered training term that the ``train.*`` settings switch on (None: none is)."""
-        built = {name: build(self, dict(section)) for name, build in TRAINING_TERMS.items()}
+        built = {name: build(self, section) for name, build in TRAINING_TERMS.items()}
         terms = [t for t in built.values() if t is not None]
         privacy.refuse_data_terms(name for name, t in built.items() if t is not None)
         return (lambda m: sum(t(m) for t in terms)) if terms else None
 
-    def distill_terms(self, section: Mapping[str, Any]) -> ops.DistillTerm | None:
+    def distill_terms(self, section: protocol.Section) -> ops.DistillTerm | None:
         """The sum of every registered distillation term that the ``distill.*`` settings switch on (None: none is;
         a single term is returned as it is)."""
-        terms = [t for t in (build(self, dict(section)) for build in DISTILL_TERMS.values()) if t is not None]
+        terms = [t for t in (build(self, section) for build in DISTILL_TERMS.values()) if t is not None]
         if len(terms) <= 1:
             return terms[0] if terms else None
         return lambda m, x, logits, weights: sum(t(m, x, logits, weights) for t in terms)
 
     def _check_public_set(self) -> None:
-        expected = self.config.get(protocol.PUBLIC_FINGERPRINT)
+        expected = self.request.public.fingerprint
         if expected is not None and expected != self.fed.fingerprint:
             if str(self.context.node_config.get(PUBLIC_PATH, "")).strip():
                 raise ProtocolError(
@@ -675,7 +695,7 @@ def evaluate_received(w: Worker, tag: str) -> None:
     client's own) on the evaluation split; the private model is untouched."""
     if protocol.EVAL_ARRAYS not in w.msg.content:
         raise ProtocolError("evaluate-received needs a model in the message's 'eval-arrays' record")
-    arch = str(w.config.get("received.model", w.arch))
+    arch = w.request.evaluation.received_model or w.arch
     scratch = build_model(arch, w.fed.num_classes, tuple(w.fed.input_shape)).to(w.device)
     load_arrays(scratch, received_state(w.msg.content[protocol.EVAL_ARRAYS]), strict=True)
     w.evaluate(scratch, tag)
@@ -685,9 +705,10 @@ def evaluate_received(w: Worker, tag: str) -> None:
 def train(w: Worker, tag: str) -> None:
     """CE on the local data (+ registered training terms). Settings: ``train.*``, overridden for a tagged op
     ``train:<tag>`` by ``train:<tag>.*``; ``freeze`` (head | body) keeps one part of the model fixed."""
-    section = {**protocol.section(w.config, "train"), **protocol.section(w.config, f"train:{tag}")}
-    settings = optim_settings(section, protocol.section(w.config, "client"))
-    with ops.frozen(w.model, part_names(w.model, str(section.get("freeze", "none")))):
+    training = w.request.training
+    section = training.section(protocol.train_section(tag)).over(training.section(protocol.TRAIN))
+    settings = optim_settings(section, w.request.setup.client)
+    with ops.frozen(w.model, part_names(w.model, section.freeze or "none")):
         result = ops.train(w.model, w.train_x, w.train_y, settings, w.training_terms(section), w.generator)
     w.metrics[protocol.metric_name(tag, "loss")] = result["loss"]
 
@@ -697,22 +718,22 @@ def distill(w: Worker, tag: str) -> None:
     """Fit the private model on U (or the rows in ``distill-indices``) towards the message's targets.
     Settings ``distill.*``: optimiser, ``loss`` (kl | mae | ce), ``weighting`` (none or a registered one), and
     those of the registered distillation terms (:func:`fedapps.client.clientops.distill_term`)."""
-    if protocol.TARGETS not in w.msg.content:
+    if w.targets.values is None:
         return  # nothing to distil on yet (e.g. the first round)
     if w.fed.public_x is None:
         raise ProtocolError("distill needs a public set U: set data.public_fraction > 0")
-    section = protocol.section(w.config, "distill")
-    settings = optim_settings(section, protocol.section(w.config, "client"))
-    targets = pseudolabels.decode(w.msg.content[protocol.TARGETS][protocol.TARGET_ARRAY].numpy(), w.fed.num_classes)
-    rows = w.public_rows(protocol.DISTILL_INDICES)
+    section = w.request.training.section(protocol.DISTILL)
+    settings = optim_settings(section, w.request.setup.client)
+    targets = pseudolabels.decode(w.targets.values, w.fed.num_classes)
+    rows = public_rows(w.targets.distill_rows)
     x = w.fed.public_x if rows is None else w.fed.public_x[rows]
     if len(targets) != len(x):
         raise ProtocolError(f"targets cover {len(targets)} samples but U (subset) has {len(x)}")
-    loss = str(section.get("loss", "kl"))
+    loss = section.loss or "kl"
     hard = targets.ndim == 1
     if hard and loss != "ce":
         targets, hard = pseudolabels.one_hot(targets, w.fed.num_classes), False
-    weights = distill_weights(w, str(section.get("weighting", "none")), targets, rows)
+    weights = distill_weights(w, section.weighting or "none", targets, rows)
     if hard:
         abstain = targets >= w.fed.num_classes
         if abstain.any():
@@ -722,6 +743,11 @@ def distill(w: Worker, tag: str) -> None:
     result = ops.distill(w.model, x, torch.as_tensor(targets), settings, ops.DistillSettings(loss=loss),
                          sample_weights=weights, generator=w.generator, term=w.distill_terms(section))
     w.metrics[protocol.metric_name(tag, "loss")] = result["loss"]
+
+
+def public_rows(rows: np.ndarray | None) -> torch.Tensor | None:
+    """Row indices of U from the targets record (e.g. an alignment subset) as a tensor, or None = all of U."""
+    return None if rows is None else torch.as_tensor(rows.astype(np.int64))
 
 
 def distill_weights(w: Worker, weighting: str, targets: np.ndarray, rows: torch.Tensor | None) -> torch.Tensor | None:
@@ -738,14 +764,11 @@ def predict(w: Worker, tag: str) -> None:
     """Encoded predictions of the private model on U (or ``predict-indices``): ``predict.output``, ``.encoding``."""
     if w.fed.public_x is None:
         raise ProtocolError("predict needs a public set U: set data.public_fraction > 0")
-    section = protocol.section(w.config, "predict")
-    rows = w.public_rows(protocol.PREDICT_INDICES)
+    rows = public_rows(w.targets.predict_rows)
     x = w.fed.public_x if rows is None else w.fed.public_x[rows]
-    output = str(section.get("output", "probs"))
-    encoding = str(section.get("encoding", "float32"))
+    output, encoding = w.request.public.predict_output, w.request.public.predict_encoding
     values = ops.predict(w.model, x, output="logits" if output == "logits" else "probs").numpy()
-    wire = pseudolabels.encode(values, encoding, w.fed.num_classes)
-    w.reply[protocol.PREDICTIONS] = protocol.arrays_record({protocol.PREDICTION_ARRAY: wire})
+    w.reply.predictions = pseudolabels.encode(values, encoding, w.fed.num_classes)
 
 
 def handle(msg: Message, context: Context) -> Message:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -156,24 +156,27 @@ def fits(r: NodeReport, k: int) -> bool:
     return r.declared == k if r.declared else r.max_label < k
 
 
-def describe_messages(node_ids: Iterable[int], config: Mapping[str, Any]) -> list:
-    """One describe message per node: the data spec (and U's fingerprint, when the run has U), nothing to keep."""
-    settings = {**config, "persist-model": False, "save-model": False}
-    return [protocol.build_message(int(n), 0, [DESCRIBE_OP], settings, message_type=protocol.QUERY_MESSAGE_TYPE)
-            for n in node_ids]
+def describe_messages(node_ids: Iterable[int], setup: protocol.Setup,
+                      public: protocol.PublicSet = protocol.PublicSet()) -> list:
+    """One describe message per node: the data spec and model (and U's fingerprint, when the run has U), nothing to
+    keep."""
+    request = protocol.Request(ops=(DESCRIBE_OP,), round=0, setup=setup, public=public,
+                               keep=protocol.Keep(persist=False, save=False))
+    return [protocol.build_message(int(n), request, message_type=protocol.QUERY_MESSAGE_TYPE) for n in node_ids]
 
 
-def describe_nodes(grid: Any, config: Mapping[str, Any], num_clients: int, timeout: float,
+def describe_nodes(grid: Any, setup: protocol.Setup, num_clients: int, timeout: float,
                    validator: ReplyValidator, pinned_classes: int = 0, pinned_shape: tuple[int, ...] = (),
-                   wanted: int = 1, wait_seconds: float = 120.0) -> Description:
+                   wanted: int = 1, wait_seconds: float = 120.0,
+                   public: protocol.PublicSet = protocol.PublicSet()) -> Description:
     """Ask every connected node (after waiting for ``wanted``) to describe its data; settle classes and shape
-    (:func:`agree`); refuse what does not fit. ``config``: the message settings (flattened data spec, U's
-    fingerprint). ``validator`` checks the replies and binds node <-> client (the caller hands the bindings of the
-    accepted nodes on to the run's validator)."""
+    (:func:`agree`); refuse what does not fit. ``setup``: the data spec and model the messages carry; ``public``: U's
+    fingerprint, when the run has U. ``validator`` checks the replies and binds node <-> client (the caller hands
+    the bindings of the accepted nodes on to the run's validator)."""
     nodes = wait_for_clients(grid, wanted, wait_seconds)
     if not nodes:
         raise RuntimeError("data.source 'nodes': no node is connected to describe its data")
-    messages = describe_messages(nodes, config)
+    messages = describe_messages(nodes, setup, public)
     validator.expect(messages)
     replies = list(grid.send_and_receive(messages, timeout=timeout))
     outcome = validator.check(0, replies, protocol.QUERY_MESSAGE_TYPE)

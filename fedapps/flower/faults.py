@@ -156,7 +156,7 @@ def faults_mod(msg: Message, context: Context, call_next: Callable[[Message, Con
     if not faults:
         return call_next(msg, context)
     cid = client_id_of(context)
-    rnd = int(msg.content[protocol.CONFIG].get("round", 0)) if protocol.CONFIG in msg.content else 0
+    rnd = _round_of(msg)
     active = [f for f in faults if f.applies(cid, rnd, str(msg.metadata.message_type))]
     if not active:
         return call_next(msg, context)
@@ -332,10 +332,20 @@ def clear_board() -> None:
         _BOARD.clear()
 
 
+def _request_of(msg: Message | None) -> protocol.Request | None:
+    """The request of the message the reply answers (None without one, or when it is malformed: the worker refuses
+    it itself)."""
+    if msg is None:
+        return None
+    try:
+        return protocol.request_of(msg)
+    except protocol.MessageError:
+        return None
+
+
 def _round_of(msg: Message | None) -> int:
-    if msg is None or protocol.CONFIG not in msg.content:
-        return 0
-    return int(msg.content[protocol.CONFIG].get("round", 0))
+    request = _request_of(msg)
+    return 0 if request is None else request.round
 
 
 def capture(reply: Message, fault: Fault, cid: int, msg: Message | None) -> None:
@@ -372,7 +382,8 @@ def capture(reply: Message, fault: Fault, cid: int, msg: Message | None) -> None
             return
         preds[protocol.PREDICTION_ARRAY] = copied
     else:
-        output = str(msg.content[protocol.CONFIG].get(protocol.PREDICT_OUTPUT, "probs")) if msg is not None else "probs"
+        request = _request_of(msg)
+        output = request.public.predict_output if request is not None else "probs"
         if kind == "pred-const":
             labels = np.full(p.shape[0], int(fault.arg or 0), dtype=np.int64)
         else:
@@ -405,8 +416,8 @@ def num_classes_of(p: np.ndarray, msg: Message | None) -> int:
     """The class count of a prediction array: its columns, or (hard labels) the message's ``data.num_classes``."""
     if p.ndim == 2:
         return int(p.shape[1])
-    config = msg.content[protocol.CONFIG] if msg is not None and protocol.CONFIG in msg.content else {}
-    return int(config.get("data.num_classes", 0)) or int(p.max()) + 1
+    request = _request_of(msg)
+    return int(request.setup.data.get("num_classes", 0) if request is not None else 0) or int(p.max()) + 1
 
 
 def reference_labels(p: np.ndarray, msg: Message | None) -> np.ndarray:

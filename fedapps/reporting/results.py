@@ -319,7 +319,7 @@ def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
         "wall_seconds": round(entry.wall_seconds, 3),
         # seconds the clients spent serving the round's training messages (sum of their t-total): the rest of
         # workers x wall_seconds is transport, the server step and waiting (bench/round_overhead.py)
-        "client_seconds": round(sum(float(m.get("t-total", 0.0)) for m in metrics), 3),
+        "client_seconds": round(sum(float(m.get(protocol.TOTAL_TIME, 0.0)) for m in metrics), 3),
         # reply validation (fedapps.wire.validation): accepted, rejected (see rejections.csv), asked for but not received
         "replies_ok": getattr(entry, "replies_ok", len(entry.replies)),
         "replies_rejected": getattr(entry, "replies_rejected", 0),

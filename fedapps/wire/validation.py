@@ -2,9 +2,10 @@
 sees them.
 
 When the server builds a round's messages, :meth:`ReplyValidator.expect` records per node an
-:class:`Expectation` read off the message itself: the model arrays asked for (``return-arrays`` with
-``arrays.keys`` state | params | body → names, shapes and dtypes of the server's own model), the predictions
-on U asked for (a ``predict`` op → rows, classes, ``predict.output`` and ``predict.encoding``), U's fingerprint
+:class:`Expectation` read off the request each message carries (:class:`fedapps.wire.protocol.Request`, decoded from
+the message itself): the model arrays asked for (``Request.returns``: ``return-arrays`` with ``arrays.keys`` state |
+params | body → names, shapes and dtypes of the server's own model), the predictions on U asked for (a ``predict``
+op → rows, classes, ``Request.public``'s ``predict.output`` and ``predict.encoding``), U's fingerprint
 (``public.fingerprint``) and the evaluations the ops produce (every ``evaluate*`` op → ``<tag>-acc``,
 ``-loss``, ``-n``, ``-correct``). :meth:`ReplyValidator.check` then accepts a reply only if
 
@@ -127,8 +128,8 @@ class Rejection:
     reason: str
 
     def row(self) -> dict[str, Any]:
-        return {"round": self.round, "phase": self.phase, "node_id": "" if self.node_id is None else self.node_id,
-                "client_id": "" if self.client_id is None else self.client_id, "reason": self.reason}
+        """The row of rejections.csv: the fields by name, an unknown node or client as ''."""
+        return {k: "" if v is None else v for k, v in dataclasses.asdict(self).items()}
 
 
 @dataclass
@@ -186,23 +187,23 @@ def eval_tags_of(ops: Iterable[str]) -> tuple[str, ...]:
 def expectation_for(msg: Message, model_part: Callable[[str], Mapping[str, np.ndarray]] | None,
                     public_size: int | None, num_classes: int | None) -> Expectation:
     """What ``msg`` asks its node for (see the module docstring)."""
-    config = dict(msg.content[protocol.CONFIG])
-    ops = [str(o) for o in config.get("ops", [])]
+    request = protocol.request_of(msg)
+    ops = list(request.ops)
     exp = Expectation(node_id=int(msg.metadata.dst_node_id), phase=str(msg.metadata.message_type),
-                      fingerprint=config.get(protocol.PUBLIC_FINGERPRINT), eval_tags=eval_tags_of(ops),
-                      transport=str(config.get(protocol.TRANSPORT_KEY, "float32")))
-    if config.get("return-arrays", False):
-        part = str(config.get("arrays.keys", "state"))
+                      fingerprint=request.public.fingerprint, eval_tags=eval_tags_of(ops),
+                      transport=request.array_transport)
+    if request.returns.arrays:
         if model_part is not None:
-            exp.arrays = {k: ArraySpec(tuple(np.shape(v)), np.asarray(v).dtype) for k, v in model_part(part).items()}
+            exp.arrays = {k: ArraySpec(tuple(np.shape(v)), np.asarray(v).dtype)
+                          for k, v in model_part(request.returns.which).items()}
     if any(o.partition(":")[0] == "predict" for o in ops):
         rows = public_size
         targets = msg.content.get(protocol.TARGETS) if protocol.TARGETS in msg.content else None
         if targets is not None and protocol.PREDICT_INDICES in targets:
             rows = int(targets[protocol.PREDICT_INDICES].numpy().shape[0])
         exp.predictions = PredictionSpec(rows=rows, classes=int(num_classes or 0),
-                                         output=str(config.get(protocol.PREDICT_OUTPUT, "probs")),
-                                         encoding=str(config.get(protocol.PREDICT_ENCODING, "float32")))
+                                         output=request.public.predict_output,
+                                         encoding=request.public.predict_encoding)
     return exp
 
 
@@ -235,7 +236,7 @@ def _short(value: Any, limit: int = 80) -> str:
 
 def metric_bound(key: str) -> tuple[float, float]:
     """The range a metric's values must lie in: timings [0, MAX_SECONDS], losses ±LOSS_BOUND, else ±METRIC_BOUND."""
-    if key.startswith("t-"):
+    if key.startswith(protocol.TIMING_PREFIX):
         return 0.0, MAX_SECONDS
     if key.endswith("-loss"):
         return -LOSS_BOUND, LOSS_BOUND
@@ -387,7 +388,7 @@ def read_arrays(record: Any, expected: Mapping[str, ArraySpec], transport: str =
     """The model arrays of a reply: names, then each array's wire type (:func:`wire_array`), then the values cast
     to the model's dtype (float16 up) and checked finite in it."""
     out: dict[str, np.ndarray] = {}
-    for k in _record_names(record, "arrays", expected):
+    for k in _record_names(record, protocol.ARRAYS, expected):
         spec = expected[k]
         a = wire_array(record[k], k, "array", tuple(spec.shape), array_dtypes(spec, transport))
         a = protocol.from_wire(a, spec.dtype)
