@@ -41,6 +41,10 @@ TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
 # modules it needs come with the optional extra "hf"
 HF_SOURCE_PREFIX = "hf:"
 HF_MODULES = ("flwr_datasets", "datasets")
+# privacy.mode (docs/privacy.md): off, or DP-SGD on every client's local training (sample); the mechanism's modules come
+# with the optional extra "privacy" (pip install -e ".[privacy]")
+PRIVACY_MODES = ("off", "sample")
+PRIVACY_MODULES = ("opacus",)
 
 
 HELP = "fedapps.help"  # field metadata: the key's help (docs/reference/configuration.md is generated from it)
@@ -169,6 +173,24 @@ class ClientConfig(OptimSettings):
 
 
 @dataclass
+class PrivacyConfig:
+    """Differential privacy of the clients' data (docs/privacy.md): sent to every client while a mode is on."""
+
+    mode: str = setting("off", "off, or sample: DP-SGD on every client's local training (per-sample clipping, "
+                               "Gaussian noise, Opacus's RDP accountant over all of the client's steps of the run); "
+                               "optional extra privacy", PRIVACY_MODES)
+    noise_multiplier: float = setting(1.0, "σ: the noise's standard deviation in units of privacy.max_grad_norm, > 0")
+    max_grad_norm: float = setting(1.0, "C: each sample's gradient is clipped to this L2 norm, > 0")
+    delta: float = setting(1e-5, "δ of the (ε, δ) each client reports, in (0, 1); below 1 / (a client's training "
+                                 "samples) to mean something")
+    epsilon_budget: float = setting(0.0, "a client refuses to train when its ε would pass this (its reply says so, "
+                                         "the server leaves it out and records it); 0 = no budget")
+    reproducible_noise: bool = setting(False, "draw the noise and the Poisson batches from the run's seed (a repeatable "
+                                              "experiment; NO protection against whoever knows the seed, e.g. the "
+                                              "server); false: from the operating system's entropy")
+
+
+@dataclass
 class ExperimentConfig:
     """A whole experiment."""
 
@@ -187,6 +209,7 @@ class ExperimentConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def resolved_run_name(self) -> str:
         """The run name, or one derived from strategy, data and seed when none is given."""
@@ -480,6 +503,25 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(not (c.mixed_precision and c.device == "cpu"),
            "'client.mixed_precision: true' applies to CUDA devices only, but 'client.device' is 'cpu'; "
            "set client.device to 'auto' or 'cuda', or remove client.mixed_precision")
+    check_privacy(cfg.privacy, c)
+
+
+def check_privacy(p: PrivacyConfig, client: ClientConfig) -> None:
+    """The ``privacy`` section: a known mode, σ and C positive, δ in (0, 1), a budget >= 0; with a mode on, its
+    optional extra installed and no bf16 autocast (the per-sample gradients are computed in float32)."""
+    _one_of("privacy.mode", p.mode, PRIVACY_MODES)
+    _check(p.noise_multiplier > 0, f"'privacy.noise_multiplier' must be > 0 (σ, in units of privacy.max_grad_norm), "
+                                   f"got {p.noise_multiplier}")
+    _check(p.max_grad_norm > 0, f"'privacy.max_grad_norm' must be > 0 (C, an L2 norm), got {p.max_grad_norm}")
+    _check(0.0 < p.delta < 1.0, f"'privacy.delta' must be in (0, 1), got {p.delta}")
+    _check(p.epsilon_budget >= 0, f"'privacy.epsilon_budget' must be >= 0 (0 = no budget), got {p.epsilon_budget}")
+    if p.mode == "off":
+        return
+    missing = [m for m in PRIVACY_MODULES if importlib.util.find_spec(m) is None]
+    _check(not missing, f"'privacy.mode' is '{p.mode}', which needs {', '.join(repr(m) for m in missing)}: install "
+                        "the optional extra with  pip install -e \".[privacy]\"  (in the app folder)")
+    _check(not client.mixed_precision, f"'privacy.mode: {p.mode}' computes per-sample gradients in float32; remove "
+                                       "client.mixed_precision (bf16 autocast)")
 
 
 def cohort_size(connected: int, fraction: float, min_clients: int) -> int:
@@ -547,6 +589,11 @@ def unused_settings(cfg: ExperimentConfig, named: set[str] | frozenset[str] = fr
                                                   "weighs every client equally")))
     if is_set("tracking_dir", cfg.tracking_dir, defaults.tracking_dir) and not cfg.tracking:
         out.append(("tracking_dir", "no tracker is on ('tracking' is empty)"))
+    if cfg.privacy.mode == "off":
+        for f in fields(PrivacyConfig):
+            key = f"privacy.{f.name}"
+            if f.name != "mode" and is_set(key, getattr(cfg.privacy, f.name), getattr(defaults.privacy, f.name)):
+                out.append((key, "privacy.mode is 'off'"))
     c = cfg.client
     if is_set("client.momentum", c.momentum, defaults.client.momentum) and c.optimizer != "sgd":
         out.append(("client.momentum", f"only client.optimizer 'sgd' uses it; the optimizer is '{c.optimizer}'"))
@@ -595,12 +642,20 @@ LATER_KEYS: dict[tuple[str, str], Any] = {("data", "num_classes"): 0, ("data", "
                                           ("strategy", "clip_update_norm"): 0.0, ("data", "node_registry"): ""}
 
 
+# whole sections added after results were recorded: left out, like LATER_KEYS, while every key holds its default
+LATER_SECTIONS: dict[str, Any] = {"privacy": dataclasses.asdict(PrivacyConfig())}
+
+
 def without_later_defaults(data: dict[str, Any]) -> dict[str, Any]:
-    """A dumped config (nested dict) without the :data:`LATER_KEYS` that hold their default (a copy)."""
+    """A dumped config (nested dict) without the :data:`LATER_KEYS` that hold their default and the
+    :data:`LATER_SECTIONS` that hold theirs (a copy)."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
     for (section, key), default in LATER_KEYS.items():
         if isinstance(out.get(section), dict) and key in out[section] and out[section][key] == default:
             del out[section][key]
+    for section, default in LATER_SECTIONS.items():
+        if out.get(section) == default:
+            del out[section]
     return out
 
 

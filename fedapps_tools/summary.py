@@ -80,6 +80,8 @@ def summary_lines(s: dict[str, Any], result_dir: Path) -> list[str]:
     if extra:
         rows.append((str(s.get("strategy")), ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                                         for k, v in extra)))
+    if isinstance(s.get("privacy"), dict):
+        rows.append(("privacy", privacy_line(s["privacy"])))
     up, down = s.get("bytes_up_per_client_round"), s.get("bytes_down_per_client_round")
     if isinstance(up, (int, float)) and isinstance(down, (int, float)):
         rows.append(("traffic", f"up {human_bytes(up)}/client/round, down {human_bytes(down)}/client/round"))
@@ -92,11 +94,24 @@ def summary_lines(s: dict[str, Any], result_dir: Path) -> list[str]:
     return lines
 
 
+def privacy_line(p: dict[str, Any]) -> str:
+    """summary.json's ``privacy`` in one line: the largest ε of a client at δ, and the mechanism's settings."""
+    eps = p.get("epsilon_max")
+    worst = f"ε ≤ {eps:.3g}" if isinstance(eps, (int, float)) else "no client reported ε"
+    budget = f", budget ε {p['epsilon_budget']:g}" if p.get("epsilon_budget") else ""
+    return (f"{p.get('mode')}-level DP, {worst} at δ = {p.get('delta'):g} (the largest over clients; σ "
+            f"{p.get('noise_multiplier'):g}, C {p.get('max_grad_norm'):g}{budget})")
+
+
 def attention(s: dict[str, Any]) -> list[str]:
     """What makes the headline less than it seems: problems, skipped rounds, a last round without replies."""
     out = [str(p) for p in s.get("problems") or []]
     if s.get("skipped_rounds"):
         out.append(f"rounds {s['skipped_rounds']} were skipped (fewer usable replies than strategy.min_clients)")
+    refused = (s.get("privacy") or {}).get("refused") if isinstance(s.get("privacy"), dict) else None
+    if refused:
+        out.append(f"{refused} training replies were refused past privacy.epsilon_budget (rejections.csv): those "
+                   "clients stopped training")
     if s.get("final_round_had_no_replies"):
         out.append(f"the last round got no usable reply: the headline is from round {s.get('final_round')}")
     return out
@@ -142,8 +157,8 @@ def fedavg_config(config_path: Path, overrides: list[str]) -> ExperimentConfig:
 
 
 def same_setting(a: ExperimentConfig, b: ExperimentConfig) -> bool:
-    """Two configs compute on the same setting: data, model, client training and rounds."""
-    return (a.data, a.model, a.client, a.rounds) == (b.data, b.model, b.client, b.rounds)
+    """Two configs compute on the same setting: data, model, client training, rounds and privacy."""
+    return (a.data, a.model, a.client, a.rounds, a.privacy) == (b.data, b.model, b.client, b.rounds, b.privacy)
 
 
 def fedavg_reference(result_dir: Path, summary: dict[str, Any]) -> str:

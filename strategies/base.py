@@ -167,6 +167,9 @@ class PersonalisedStrategy:
     model_agnostic: ClassVar[bool] = False  # may clients run different architectures?
     deployed: ClassVar[DeployedModel]  # what client i's deployed model after round r is (every strategy says)
     robust_aggregation: ClassVar[bool] = False  # averages with average_matching: strategy.aggregation applies
+    # why DP-SGD on the clients' training (privacy.mode: sample) cannot bound what this algorithm's clients send:
+    # something they compute from their data outside the noisy steps; '' when it can (docs/privacy.md)
+    sample_privacy_refused: ClassVar[str] = ""
     # Instance attributes that are NOT algorithm state (see :meth:`state_dict`): the config and callbacks, the
     # round loop's own state (saved apart by :meth:`checkpoint_state`). A subclass names its own non-state
     # attributes (data, devices, caches rebuilt from the config) in its ``checkpoint_exclude``; the sets of
@@ -206,6 +209,10 @@ class PersonalisedStrategy:
                               "own copy in node config public-path")
         if cls.needs_public_set and cfg.data.source != NODES and cfg.data.public_fraction <= 0:
             raise ConfigError(f"strategy '{cls.name}' needs a public set U: set 'data.public_fraction' in (0, 1), e.g. 0.2")
+        if cfg.privacy.mode == "sample" and cls.sample_privacy_refused:
+            raise ConfigError(f"'privacy.mode: sample' cannot cover strategy '{cls.name}': "
+                              f"{cls.sample_privacy_refused}, so ε would not bound what its clients send "
+                              "(docs/privacy.md); run it with privacy.mode off, or choose another strategy")
         s = cfg.strategy
         robust = s.aggregation != "mean" or s.max_weight_share < 1.0 or s.clip_update_norm > 0
         if not cls.robust_aggregation and robust:
@@ -251,10 +258,13 @@ class PersonalisedStrategy:
 
     def request(self, server_round: int, ops: Iterable[str], **parts: Any) -> protocol.Request:
         """A request of this run: the operations, :meth:`setup`, the run's bookkeeping (where clients keep their
-        state) and ``parts``, the other fields of :class:`fedapps.wire.protocol.Request` (load, returns, training,
+        state), its privacy settings (sent only while privacy.mode is on: a message without them trains as it always
+        did) and ``parts``, the other fields of :class:`fedapps.wire.protocol.Request` (load, returns, training,
         ...)."""
+        p = self.cfg.privacy
+        private = protocol.Privacy(**dataclasses.asdict(p)) if p.mode != "off" else None
         return protocol.Request(ops=tuple(ops), round=server_round, setup=self.setup(),
-                                bookkeeping=self.context.client_state, **parts)
+                                bookkeeping=self.context.client_state, privacy=private, **parts)
 
     # ------------------------------------------------------------------ to implement
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:

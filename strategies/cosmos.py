@@ -210,6 +210,15 @@ class Cosmos(PersonalisedStrategy):
         self.last_acc: dict[str, float] = {}
         self.pseudo_bytes_down = 0
 
+    @classmethod
+    def check(cls, cfg: ExperimentConfig, params: CosmosParams) -> None:
+        """Under sample-level privacy, the clients' distillation weights must not read their class frequencies."""
+        super().check(cfg, params)
+        if cfg.privacy.mode == "sample" and params.weighting == "label-free":
+            raise ConfigError("'privacy.mode: sample' cannot cover cosmos with weighting 'label-free': w_i(x) reads "
+                              "the client's class frequencies without noise and shapes the model it then trains; set "
+                              "strategy.params.cosmos.weighting=none (docs/privacy.md)")
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The generic state, with the cluster models h_k as CPU state dicts (rebuilt by :meth:`server_model`)."""

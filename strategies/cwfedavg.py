@@ -368,6 +368,14 @@ class CwFedAvg(PersonalisedStrategy):
         """The layer spec must parse and fit the model, and the `bias` estimator needs a classifier bias."""
         super().check(cfg, params)
         parse_layers(params.layers)
+        if cfg.privacy.mode == "sample" and (params.estimator == "true" or params.wdr_lambda > 0):
+            raise ConfigError("'privacy.mode: sample' cannot cover cwfedavg with "
+                              + ("estimator 'true': its clients report their class counts"
+                                 if params.estimator == "true" else
+                                 f"WDR (wdr_lambda {params.wdr_lambda:g}): its term pulls the classifier towards the "
+                                 "client's class distribution, read from its data without noise")
+                              + "; set strategy.params.cwfedavg.wdr_lambda=0 and estimator 'norm' or 'bias' "
+                                "(docs/privacy.md)")
         if params.estimator == "norm" and params.wdr_lambda == 0:
             log.warning("cwfedavg: estimator 'norm' without WDR (wdr_lambda=0): the row norms carry little class "
                         "information; the paper uses λ=10 (MNIST/CIFAR-10) to 2000 (Tiny ImageNet)")

@@ -122,6 +122,8 @@ class FedFomo(PersonalisedStrategy):
     """First-order model optimisation: personalised mixing of other clients' models, weighted on held-out data."""
 
     name = "fedfomo"
+    sample_privacy_refused = ("each client weighs the received models by their loss on a held-out share of its "
+                              "training data, without noise, and reports the weights")
     Params = FedFomoParams
     deployed = DeployedModel("client i's own model after its mixing and local training in round r")
 

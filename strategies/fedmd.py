@@ -98,7 +98,8 @@ def train_public(w, tag: str) -> None:
     """CE on U with its TRUE labels (the original's labelled-public pre-training; settings ``train-public.*``)."""
     if w.fed.public_x is None or w.fed.public_y is None:
         raise ProtocolError("train-public needs a labelled public set U (data.public_fraction > 0)")
-    result = ops.train(w.model, w.fed.public_x, w.fed.public_y, w.settings(TRAIN_PUBLIC), None, w.generator)
+    result = ops.train(w.model, w.fed.public_x, w.fed.public_y, w.settings(TRAIN_PUBLIC), None, w.generator,
+                       public=True)
     w.metrics[protocol.metric_name(tag, "loss")] = result["loss"]
 
 

@@ -210,6 +210,8 @@ class FedNH(PersonalisedStrategy):
     """FedAvg body, prototypes updated by the server from the clients' class means, personalised by fine-tuning."""
 
     name = "fednh"
+    sample_privacy_refused = ("each client sends class prototypes (the mean features of its training samples per "
+                              "class) and its class counts, computed without noise")
     Params = FedNHParams
     deployed = DeployedModel("round r's global body with the global prototypes and scale fine-tuned on client i's "
                              "training split (finetune_epochs, body frozen)", source="message",

@@ -35,7 +35,7 @@ def proximal_penalty(model: nn.Module, anchor: dict[str, Tensor], mu: float) -> 
 # --------------------------------------------------------------------------- client side
 
 
-@training_term("proximal")
+@training_term("proximal", data_free=True)  # reads the received model only: DP-SGD adds it after the noise
 def proximal_term(w, section: protocol.Section) -> Any:
     """(μ/2)‖w − anchor‖² with μ = ``train.prox_mu`` and the message's arrays as the anchor; None when μ = 0."""
     mu = float(section.extra.get(PROX_MU, 0.0))

@@ -225,6 +225,8 @@ class FedUV(FedAvg):
     """FedAvg aggregation; clients train with FedUV's variance and uniformity terms."""
 
     name = "feduv"
+    sample_privacy_refused = ("its variance and uniformity terms are computed over a whole minibatch, so that no "
+                              "sample has a gradient of its own to clip")
     Params = FedUVParams
     train_op = TRAIN_OP
 

@@ -89,6 +89,8 @@ class IFCA(PersonalisedStrategy):
     """Iterative federated clustering by lowest training loss."""
 
     name = "ifca"
+    sample_privacy_refused = ("each client picks its cluster's model by every model's loss on its training data, "
+                              "without noise, and the choice shows in what it returns")
     robust_aggregation = True
     Params = IFCAParams
     deployed = DeployedModel("the model of client i's cluster after round r: of round r's K cluster models, the one "

@@ -97,6 +97,10 @@ ALSO_A_NAME = {
                    "tests/test_config.py": "the config key", "tests/test_shipped_configs.py": "the config key",
                    "tests/test_pfedhn.py": "the config key"},
     "model.per_client": {"tests/test_cli_usability.py": "the config key"},
+    "privacy.mode": {"fedapps/config.py": "the config key the wire key is named after"},
+    "privacy.noise_multiplier": {"tests/test_privacy.py": "the config key"},
+    "privacy.delta": {"tests/test_privacy.py": "the config key"},
+    "privacy.epsilon_budget": {"tests/test_privacy.py": "the config key the budget refusal names"},
 }
 RUN_CONTEXT = ("strategies/base.py", "RunContext")  # rule (g): the class whose fields are construction inputs
 CALLED_BY_TORCH = frozenset({"forward"})  # rule (h): methods torch calls for us (nn.Module.__call__)

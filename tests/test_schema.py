@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord
 
-from fedapps.config import OptimSettings
+from fedapps.config import OptimSettings, PrivacyConfig
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.wire import protocol
-from fedapps.wire.protocol import (Bookkeeping, Evaluation, Keep, Load, MessageError, ModelSpec, PublicSet, Reply,
-                                   ReplyInfo, Request, Return, Section, Setup, Targets, Training)
+from fedapps.wire.protocol import (Bookkeeping, Evaluation, Keep, Load, MessageError, ModelSpec, Privacy, PublicSet,
+                                   Reply, ReplyInfo, Request, Return, Section, Setup, Targets, Training)
 
 # a request with every part set (and an algorithm's own section), and the config record it must be on the wire
 FULL = Request(
@@ -31,7 +31,8 @@ FULL = Request(
                             "distill": Section(batch_size=32, optimizer="adam", loss="kl", weighting="label-free",
                                                clip_norm=1.0, extra={"rb_lambda": 0.5}),
                             "pfedck": Section(extra={"alpha": 1.0})}),
-    public=PublicSet("0123abcd", "logits", "hard"), bookkeeping=Bookkeeping("/runs/x/client-state", "tok"))
+    public=PublicSet("0123abcd", "logits", "hard"), bookkeeping=Bookkeeping("/runs/x/client-state", "tok"),
+    privacy=Privacy("sample", 1.1, 1.0, 1e-5, 8.0, True))
 FULL_WIRE = {
     "ops": ["select-model", "evaluate:deployed", "train", "predict", "evaluate:after"], "round": 3,
     "data.source": "digits", "data.num_clients": 4, "data.synthetic_shape": [3, 32, 32],
@@ -45,6 +46,8 @@ FULL_WIRE = {
     "train:head.lr": 0.5, "train:head.drop_last": False,
     "distill.batch_size": 32, "distill.optimizer": "adam", "distill.clip_norm": 1.0, "distill.loss": "kl",
     "distill.weighting": "label-free", "distill.rb_lambda": 0.5, "pfedck.alpha": 1.0,
+    "privacy.mode": "sample", "privacy.noise_multiplier": 1.1, "privacy.max_grad_norm": 1.0, "privacy.delta": 1e-5,
+    "privacy.epsilon_budget": 8.0, "privacy.reproducible_noise": True,
 }
 
 
@@ -81,6 +84,17 @@ def test_the_targets_record_and_a_reply_are_on_the_wire_name_by_name():
     assert list(content["predictions"].keys()) == ["predictions"]
     assert dict(content["metrics"]) == {"client-id": 3, "num-examples": 40, "eval-acc": 0.5}
     assert dict(content["info"]) == {"arch": "mlp", "fingerprint": "0123abcd"}
+    assert protocol.PRIVACY_EPSILON == "privacy-epsilon"  # the metric of a private client's ε
+
+
+def test_privacy_settings_are_the_configs_and_sent_only_while_on():
+    assert [f.name for f in dataclasses.fields(Privacy)] == [f.name for f in dataclasses.fields(PrivacyConfig)]
+    off = dict(dataclasses.replace(FULL, privacy=None).encode())
+    assert off == {k: v for k, v in FULL_WIRE.items() if not k.startswith("privacy.")}
+    assert Request.decode(ConfigRecord(off)).privacy is None
+    minimal = {"ops": [], "round": 1, "privacy.mode": "sample", "privacy.noise_multiplier": 2.0,
+               "privacy.max_grad_norm": 0.5, "privacy.delta": 1e-6}
+    assert Request.decode(ConfigRecord(minimal)).privacy == Privacy("sample", 2.0, 0.5, 1e-6, 0.0, False)
 
 
 # --------------------------------------------------------------------------- round trips
@@ -94,8 +108,10 @@ def test_the_targets_record_and_a_reply_are_on_the_wire_name_by_name():
     Request(ops=("evaluate-received:deployed",), round=2, evaluation=Evaluation("vgg16"), keep=Keep(save=False)),
     Request(ops=("fomo-mix", "train"), round=4, training=Training(holdout_fraction=0.25), load=Load(multi=True)),
     Request(ops=("train",), round=5, transport="float32", bookkeeping=Bookkeeping(state_run="r1")),
+    Request(ops=("train",), round=6, privacy=Privacy("sample", 0.8, 2.0, 1e-6)),
     FULL,
-], ids=["bare", "describe", "load-return", "evaluate-received", "holdout-multi", "transport-bookkeeping", "full"])
+], ids=["bare", "describe", "load-return", "evaluate-received", "holdout-multi", "transport-bookkeeping", "privacy",
+        "full"])
 def test_every_request_survives_encode_and_decode(request_):
     assert Request.decode(request_.encode()) == request_
 
@@ -174,13 +190,15 @@ def test_a_sections_optimiser_fields_are_the_configs():
     assert set(protocol.OPTIMISER_FIELDS) <= {f.name for f in dataclasses.fields(Section)}
 
 
-@pytest.mark.parametrize("name", ["model", "arrays", "public", "received", "predict", "", "a.b"])
+@pytest.mark.parametrize("name", ["model", "arrays", "public", "received", "predict", "privacy", "", "a.b"])
 def test_a_section_may_not_take_a_reserved_or_dotted_name(name):
     with pytest.raises(ValueError, match="cannot name a settings section"):
         Request(ops=(), round=1, training=Training(sections={name: Section(epochs=1)})).encode()
 
 
 # --------------------------------------------------------------------------- malformed messages
+
+PRIVATE = {k: v for k, v in FULL_WIRE.items() if k.startswith("privacy.")}  # valid privacy settings
 
 
 @pytest.mark.parametrize("config,named", [
@@ -205,6 +223,16 @@ def test_a_section_may_not_take_a_reserved_or_dotted_name(name):
     ({"ops": [], "round": 1, "model.width": 3}, "unknown message setting 'model.width'"),
     ({"ops": [], "round": 1, "predict.temperature": 2.0}, "unknown message setting 'predict.temperature'"),
     ({"ops": [], "round": 1, ".epochs": 2}, "unknown message setting '.epochs'"),
+    ({"ops": [], "round": 1, "privacy.sigma": 2.0}, "unknown message setting 'privacy.sigma'"),
+    ({"ops": [], "round": 1, "privacy.delta": 1e-5}, "has 'privacy.delta' but no 'privacy.mode'"),
+    ({"ops": [], "round": 1, **PRIVATE, "privacy.mode": "off"}, "'privacy.mode' must be one of sample"),
+    ({"ops": [], "round": 1, **PRIVATE, "privacy.mode": "client"}, "'privacy.mode' must be one of sample"),
+    ({"ops": [], "round": 1, "privacy.mode": "sample", "privacy.delta": 1e-5}, "without 'privacy.noise_multiplier'"),
+    ({"ops": [], "round": 1, **PRIVATE, "privacy.delta": 1.0}, "privacy settings are out of range"),
+    ({"ops": [], "round": 1, **PRIVATE, "privacy.noise_multiplier": 0.0}, "privacy settings are out of range"),
+    ({"ops": [], "round": 1, **PRIVATE, "privacy.epsilon_budget": -1.0}, "privacy settings are out of range"),
+    ({"ops": [], "round": 1, **PRIVATE, "privacy.noise_multiplier": "1"}, "'privacy.noise_multiplier' must be a number"),
+    ({"ops": [], "round": 1, **PRIVATE, "privacy.reproducible_noise": 1}, "'privacy.reproducible_noise' must be true"),
 ])
 def test_decode_refuses_a_malformed_request_naming_the_key(config, named):
     with pytest.raises(MessageError, match=named.replace("(", r"\(")):

@@ -7,7 +7,8 @@ An algorithm module registers what only it needs next to its server strategy:
 - ``@training_term("wdr")`` — a term added to the local training loss, ``fn(worker, settings) -> Regulariser |
   None`` (None when the message's ``train.*`` settings do not ask for it; ``settings`` is the operation's
   :class:`fedapps.wire.protocol.Section`, the algorithm's own settings in its ``extra``, named by constants of the
-  algorithm's module);
+  algorithm's module); ``data_free=True`` declares that the term reads nothing of the client's data (e.g. a proximal
+  term to the received model), the one kind DP-SGD can add after its noise (:mod:`fedapps.client.privacy`);
 - ``@distill_term("rb")`` — a term added to the distillation loss on U, ``fn(worker, settings) -> DistillTerm |
   None`` (:data:`fedapps.client.ops.DistillTerm`; None when the message's ``distill.*`` settings do not ask for it);
 - ``@distill_weighting("label-free")`` — per-sample weights on the public set U for ``distill``,
@@ -43,6 +44,7 @@ class ClientOp:
 
 OPERATIONS: dict[str, ClientOp] = {}
 TRAINING_TERMS: dict[str, TermFn] = {}
+DATA_FREE_TERMS: set[str] = set()  # training terms that read nothing of the client's data (see training_term)
 DISTILL_TERMS: dict[str, TermFn] = {}
 DISTILL_WEIGHTINGS: dict[str, WeightingFn] = {}
 
@@ -66,10 +68,12 @@ def client_op(name: str, default_tag: str | None = None) -> Callable[[OpFn], OpF
     return register
 
 
-def training_term(name: str) -> Callable[[TermFn], TermFn]:
+def training_term(name: str, data_free: bool = False) -> Callable[[TermFn], TermFn]:
     """Register a builder of an extra training-loss term (see the module docstring)."""
     def register(fn: TermFn) -> TermFn:
         _register(TRAINING_TERMS, name, fn, "training term")
+        if data_free:
+            DATA_FREE_TERMS.add(name)
         return fn
     return register
 

@@ -2,7 +2,9 @@
 
 All loops share :func:`run_epochs`; the operations differ only in the loss they hand it. Loss terms that
 belong to one algorithm live in that algorithm's module and reach ``train`` as a ``Regulariser`` and ``distill`` as
-a ``DistillTerm``.
+a ``DistillTerm``. While differential privacy is on for the message served on a thread (:func:`privately`), every
+loop on the client's private data runs as DP-SGD (:mod:`fedapps.client.privacy`); loops on the public set U say so
+(``public``) and run as usual.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import math
 import threading
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +53,35 @@ def check_cancelled() -> None:
         raise Cancelled("the message was abandoned (deadline passed or run interrupted)")
 
 
+class PrivateLoop(Protocol):
+    """What runs the training loops on the client's private data while differential privacy is on
+    (:class:`fedapps.client.privacy.PrivateTraining`)."""
+
+    def run(self, model: nn.Module, x: Tensor, y: Tensor, loss_fn: BatchLoss, settings: OptimSettings,
+            weights: Tensor | None, regulariser: Regulariser | None,
+            generator: torch.Generator | None) -> dict[str, float]: ...
+
+
+_PRIVATE = threading.local()  # the private loop of the message served on this thread (see privately)
+
+
+@contextmanager
+def privately(loop: PrivateLoop | None) -> Iterator[None]:
+    """Within the block, on this thread, every :func:`run_epochs` on data not marked public runs through ``loop``
+    (DP-SGD); None: as usual."""
+    previous = getattr(_PRIVATE, "loop", None)
+    _PRIVATE.loop = loop
+    try:
+        yield
+    finally:
+        _PRIVATE.loop = previous
+
+
+def private_loop() -> PrivateLoop | None:
+    """The private loop in force on this thread (:func:`privately`), or None."""
+    return getattr(_PRIVATE, "loop", None)
+
+
 def resolve_device(name: str) -> torch.device:
     """'auto' -> CUDA when present, else CPU."""
     if name == "auto":
@@ -85,8 +116,15 @@ def run_epochs(
     settings: OptimSettings,
     weights: Tensor | None = None,
     generator: torch.Generator | None = None,
+    regulariser: Regulariser | None = None,
+    public: bool = False,
 ) -> dict[str, float]:
-    """The one training loop: shuffled minibatches of (x, y[, weights]) through ``loss_fn``; returns mean loss."""
+    """The one training loop: shuffled minibatches of (x, y[, weights]) through ``loss_fn`` (+ ``regulariser``, a
+    term on the model alone); returns mean loss. Under :func:`privately`, a loop on data that is not ``public`` (the
+    client's own) is the private loop's (DP-SGD)."""
+    loop = None if public else private_loop()
+    if loop is not None:
+        return loop.run(model, x, y, loss_fn, settings, weights, regulariser, generator)
     device = next(model.parameters()).device
     model.train()
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad], settings)  # frozen parts stay as they are
@@ -103,6 +141,8 @@ def run_epochs(
             opt.zero_grad(set_to_none=True)
             with torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else nullcontext():
                 loss = loss_fn(model, xb, yb, wb)
+                if regulariser is not None:
+                    loss = loss + regulariser(model)
             loss.backward()
             if settings.clip_norm > 0:
                 nn.utils.clip_grad_norm_(model.parameters(), settings.clip_norm)
@@ -152,14 +192,15 @@ def train(
     settings: OptimSettings,
     regulariser: Regulariser | None = None,
     generator: torch.Generator | None = None,
+    public: bool = False,
 ) -> dict[str, float]:
-    """Supervised training with cross-entropy (+ an optional regulariser on the model)."""
+    """Supervised training with cross-entropy (+ an optional regulariser on the model); ``public``: (x, y) is not
+    the client's own data (see :func:`run_epochs`)."""
 
     def loss_fn(m: nn.Module, xb: Tensor, yb: Tensor, _w: Tensor | None) -> Tensor:
-        loss = F.cross_entropy(m(xb), yb)
-        return loss + regulariser(m) if regulariser is not None else loss
+        return F.cross_entropy(m(xb), yb)
 
-    return run_epochs(model, x, y, loss_fn, settings, generator=generator)
+    return run_epochs(model, x, y, loss_fn, settings, generator=generator, regulariser=regulariser, public=public)
 
 
 @dataclass
@@ -180,7 +221,8 @@ def distill(
     term: DistillTerm | None = None,
 ) -> dict[str, float]:
     """Fit the model on U towards targets (probabilities, logits or hard labels) with optional weights; ``term``
-    (an algorithm's own loss term on the minibatch and its logits) is added to every minibatch's loss."""
+    (an algorithm's own loss term on the minibatch and its logits) is added to every minibatch's loss. U is public:
+    the loop runs as usual under :func:`privately`."""
     if settings.loss not in ("kl", "mae", "ce"):
         raise ValueError(f"unknown distillation loss '{settings.loss}'; allowed: kl, mae, ce")
 
@@ -196,7 +238,7 @@ def distill(
             loss = loss + term(m, xb, logits, wb)
         return loss
 
-    return run_epochs(model, x, targets, loss_fn, optim, weights=sample_weights, generator=generator)
+    return run_epochs(model, x, targets, loss_fn, optim, weights=sample_weights, generator=generator, public=True)
 
 
 @torch.no_grad()

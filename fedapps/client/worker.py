@@ -7,6 +7,9 @@ train, distill, predict) and every algorithm module registers its own. The priva
 ``Context.state`` between rounds; where a state directory is named (node config ``state-dir``, else the message's
 ``state-dir``), also on disk, so that it survives the process (a run resumed from its checkpoint):
 ``<state-dir>/<client-id>.r<round>.pt``, the newest two rounds.
+A message with privacy settings (:class:`fedapps.wire.protocol.Privacy`) runs its operations under
+:mod:`fedapps.client.privacy` (DP-SGD on every loop on the client's data, its ledger kept beside the private model)
+and its reply reports the client's ε.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from torch import nn
 
 from fedapps import checkpoint
 
-from fedapps.client import ops
+from fedapps.client import ops, privacy
 
 from fedapps.wire import protocol, pseudolabels
 from fedapps.seeds import GLOBAL_RNG_LOCK, derive_seed
@@ -538,10 +541,15 @@ class Worker:
         req = self.request
         if self.received is not None and req.load.into_model:
             load_arrays(self.model, self.received, strict=False)
-        for op, tag in steps:
-            start = time.perf_counter()
-            op.run(self, tag)
-            self.metrics[protocol.timing_name(tag)] = time.perf_counter() - start
+        private = privacy.start(req, self.context, self.client_id, self.arch, state_dir(req, self.context),
+                                state_dir_is_nodes(self.context))
+        with ops.privately(private.training if private is not None else None):
+            for op, tag in steps:
+                start = time.perf_counter()
+                op.run(self, tag)
+                self.metrics[protocol.timing_name(tag)] = time.perf_counter() - start
+        if private is not None:  # the ops succeeded: their steps count, whatever leaves with the reply
+            self.metrics[protocol.PRIVACY_EPSILON] = private.commit()
         if req.returns.arrays:
             returned = self.outgoing if self.outgoing is not None else self.model
             self.reply.arrays = model_arrays(returned, req.returns.which, req.array_transport)
@@ -621,7 +629,9 @@ class Worker:
 
     def training_terms(self, section: protocol.Section) -> ops.Regulariser | None:
         """The sum of every registered training term that the ``train.*`` settings switch on (None: none is)."""
-        terms = [t for t in (build(self, section) for build in TRAINING_TERMS.values()) if t is not None]
+        built = {name: build(self, section) for name, build in TRAINING_TERMS.items()}
+        terms = [t for t in built.values() if t is not None]
+        privacy.refuse_data_terms(name for name, t in built.items() if t is not None)
         return (lambda m: sum(t(m) for t in terms)) if terms else None
 
     def distill_terms(self, section: protocol.Section) -> ops.DistillTerm | None:

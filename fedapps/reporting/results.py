@@ -105,8 +105,9 @@ def rejection_problems(rows: Sequence[Mapping[str, Any]]) -> list[Problem]:
     """Rounds (rounds.csv rows, both phases counted) that lost a majority of their replies to rejection: more
     rejected than accepted. A round's missing replies are not counted (they are the delivery check's)."""
     lost = []
-    for r in rows:
-        ok, rejected = int(r.get("replies_ok") or 0), int(r.get("replies_rejected") or 0)
+    for r in rows:  # a client that refused to train past its privacy budget did as it was configured to
+        ok = int(r.get("replies_ok") or 0)
+        rejected = int(r.get("replies_rejected") or 0) - int(r.get("privacy_refused") or 0)
         if 2 * rejected > ok + rejected:
             lost.append(f"round {r.get('round')}: {rejected} of {ok + rejected}")
     if not lost:
@@ -327,6 +328,7 @@ def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
     row.update(after_training_stats(metrics))
     losses = [float(m["train-loss"]) for m in metrics if "train-loss" in m]
     row["train_loss"] = sum(losses) / len(losses) if losses else ""
+    row.update(privacy_columns(metrics, getattr(entry, "rejections", [])))
     for tag in eval_tags(metrics):  # companions (deployed.<name>) measure the previous round: measured_columns
         if tag not in (protocol.DEPLOYED_TAG, protocol.AFTER_TAG) and protocol.companion_name(tag) is None:
             for k, v in accuracy_stats(metrics, tag).items():
@@ -338,6 +340,40 @@ def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
     for i in range(num_clients):
         row[f"acc_client_{i}"] = ""  # the deployed model of client i (filled in with the measurement)
     return row
+
+
+def privacy_columns(metrics: Iterable[Mapping[str, Any]], rejections: Iterable[Any]) -> dict[str, Any]:
+    """Differential privacy in a round's row (docs/privacy.md): the ε each replying client reported
+    (``epsilon_client_<i>``: of all its training so far), their maximum (``epsilon_max``) and the replies refused
+    past ``privacy.epsilon_budget`` (``privacy_refused``); nothing when the round has neither (privacy off)."""
+    eps = {int(m[protocol.CLIENT_ID]): float(m[protocol.PRIVACY_EPSILON]) for m in metrics
+           if protocol.PRIVACY_EPSILON in m}
+    refused = sum(1 for r in rejections if protocol.PRIVACY_REFUSED in str(getattr(r, "reason", "")))
+    if not eps and not refused:
+        return {}
+    out: dict[str, Any] = {"epsilon_max": max(eps.values()) if eps else "", "privacy_refused": refused}
+    out.update({f"epsilon_client_{cid}": value for cid, value in sorted(eps.items())})
+    return out
+
+
+EPSILON_COLUMN = "epsilon_client_"
+
+
+def privacy_summary(cfg: ExperimentConfig, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """summary.json's ``privacy``: the settings, each client's latest reported ε (of all its training in the run),
+    their maximum and the replies refused past the budget."""
+    latest: dict[int, float] = {}
+    for r in rows:
+        for key, value in r.items():
+            if key.startswith(EPSILON_COLUMN) and _number(value) is not None:
+                latest[int(key[len(EPSILON_COLUMN):])] = float(value)
+    p = cfg.privacy
+    return {"mode": p.mode, "unit": "one training sample of a client (sample-level DP-SGD on its local training)",
+            "delta": p.delta, "noise_multiplier": p.noise_multiplier, "max_grad_norm": p.max_grad_norm,
+            "epsilon_budget": p.epsilon_budget or None, "reproducible_noise": p.reproducible_noise,
+            "epsilon_max": max(latest.values()) if latest else None,
+            "epsilon_per_client": {str(c): e for c, e in sorted(latest.items())},
+            "refused": sum(int(r.get("privacy_refused") or 0) for r in rows)}
 
 
 def eta_seconds(spent: float, steps_timed: int, steps_left: int) -> float | None:
@@ -536,6 +572,8 @@ def summarise(cfg: ExperimentConfig, rows: Sequence[Mapping[str, Any]], wall_sec
     for key in final:
         if key.endswith("_acc_mean") or key.endswith("_acc_weighted"):
             summary[f"final_{key}"] = final[key]
+    if cfg.privacy.mode != "off":
+        summary["privacy"] = privacy_summary(cfg, rows)
     if scored:
         best = max(scored, key=lambda r: r["acc_mean"])
         summary[f"best_round_on_{cfg.data.evaluate_on}_set_NOT_the_result"] = {"round": best["round"],

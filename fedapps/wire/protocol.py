@@ -32,8 +32,11 @@ A message to a client (:class:`Request`, its ``config`` ConfigRecord, plus recor
                             encoded pseudo-labels on U for ``distill``, optional row indices of U;
   bookkeeping               :class:`Bookkeeping`: ``state-dir`` / ``state-run``, where a client keeps its state (not
                             algorithm traffic: left out of the byte counts).
+  differential privacy      :class:`Privacy`: ``privacy.*`` (docs/privacy.md), sent only while ``privacy.mode`` is on:
+                            the client's training on its data runs as DP-SGD.
 A reply (:class:`Reply` on the client, :class:`ClientReply` once parsed on the server) carries ``metrics``
-(MetricRecord: ``client-id``, ``num-examples``, evaluation results, timings ``t-<tag>`` and ``t-total``), and
+(MetricRecord: ``client-id``, ``num-examples``, evaluation results, timings ``t-<tag>`` and ``t-total``, and
+while privacy is on the client's ε so far, ``privacy-epsilon``), and
 optionally ``arrays`` (the client's model) and ``predictions`` (encoded predictions on U), with ``info``
 (:class:`ReplyInfo`: the client's architecture and U's fingerprint).
 
@@ -53,7 +56,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedapps.config import TRANSPORTS
+from fedapps.config import PRIVACY_MODES, TRANSPORTS
 
 log = logging.getLogger("fedapps")
 
@@ -83,6 +86,13 @@ STATE_RUN = "state-run"  # Bookkeeping.state_run
 MODEL_NAME = "model.name"  # ModelSpec.name
 MODEL_SEED = "model.seed"  # ModelSpec.seed
 MODEL_PER_CLIENT = "model.per_client"  # ModelSpec.per_client
+# differential privacy (docs/privacy.md): the settings a message carries while privacy.mode is on (absent: off)
+PRIVACY_MODE = "privacy.mode"  # Privacy.mode
+PRIVACY_NOISE_MULTIPLIER = "privacy.noise_multiplier"  # Privacy.noise_multiplier
+PRIVACY_MAX_GRAD_NORM = "privacy.max_grad_norm"  # Privacy.max_grad_norm
+PRIVACY_DELTA = "privacy.delta"  # Privacy.delta
+PRIVACY_EPSILON_BUDGET = "privacy.epsilon_budget"  # Privacy.epsilon_budget
+PRIVACY_REPRODUCIBLE_NOISE = "privacy.reproducible_noise"  # Privacy.reproducible_noise
 # the public set U on the wire: settings of a message, array names in its records, the reply's info entry
 PUBLIC_FINGERPRINT = "public.fingerprint"  # config: the fingerprint of the server's U (the client refuses another)
 PREDICT_OUTPUT = "predict.output"  # config: probs | logits, what ``predict`` returns
@@ -106,6 +116,10 @@ CLIENT_ID = "client-id"
 NUM_EXAMPLES = "num-examples"
 TOTAL_TIME = "t-total"  # seconds from the message's arrival to its reply
 TIMING_PREFIX = "t-"  # t-<tag>: seconds of the operation tagged <tag>
+PRIVACY_EPSILON = "privacy-epsilon"  # while privacy is on: the client's ε so far (at privacy.delta), in every reply
+# the words that open a client's refusal to train past privacy.epsilon_budget (its error reply's reason): the
+# server's records count the refusals by them
+PRIVACY_REFUSED = "privacy budget exhausted"
 EVAL_FIELDS = ("acc", "loss", "n", "correct")
 # the two evaluations of the deployed-model protocol (docs/evaluation.md, strategies.base): the model client i
 # would deploy after a round (``deployed-acc`` ...), and its model right after local training (``after-acc`` ...)
@@ -123,7 +137,8 @@ KEYS = (CONFIG, ARRAYS, TARGETS, METRICS, PREDICTIONS, INFO, EVAL_ARRAYS, OPS, R
         PERSIST_MODEL, SAVE_MODEL, RETURN_ARRAYS, ARRAYS_KEYS, TRANSPORT_KEY, HOLDOUT_FRACTION, RECEIVED_MODEL,
         STATE_DIR, STATE_RUN, MODEL_NAME, MODEL_SEED, MODEL_PER_CLIENT, PUBLIC_FINGERPRINT, PREDICT_OUTPUT,
         PREDICT_ENCODING, PREDICTION_ARRAY, TARGET_ARRAY, DISTILL_INDICES, PREDICT_INDICES, INFO_FINGERPRINT,
-        INFO_ARCH, CLIENT_ID, NUM_EXAMPLES, TOTAL_TIME)
+        INFO_ARCH, CLIENT_ID, NUM_EXAMPLES, TOTAL_TIME, PRIVACY_MODE, PRIVACY_NOISE_MULTIPLIER, PRIVACY_MAX_GRAD_NORM,
+        PRIVACY_DELTA, PRIVACY_EPSILON_BUDGET, PRIVACY_REPRODUCIBLE_NOISE, PRIVACY_EPSILON)
 
 
 def metric_name(tag: str, field: str) -> str:
@@ -331,6 +346,50 @@ class Bookkeeping:
 
 
 @dataclass(frozen=True)
+class Privacy:
+    """Sample-level differential privacy of the client's training (``privacy.*``, docs/privacy.md; the fields of the
+    server's :class:`fedapps.config.PrivacyConfig`): sent, all of them, only while a mode is on, so that a message
+    without it trains as it always did. ``mode`` (not off), σ = ``noise_multiplier`` > 0, C = ``max_grad_norm`` > 0,
+    ``delta`` in (0, 1), ``epsilon_budget`` (0: none), ``reproducible_noise`` (noise drawn from the run's seed)."""
+
+    mode: str
+    noise_multiplier: float
+    max_grad_norm: float
+    delta: float
+    epsilon_budget: float = 0.0
+    reproducible_noise: bool = False
+
+    def encode(self) -> dict[str, Any]:
+        """The ``privacy.*`` settings."""
+        return {PRIVACY_MODE: self.mode, PRIVACY_NOISE_MULTIPLIER: self.noise_multiplier,
+                PRIVACY_MAX_GRAD_NORM: self.max_grad_norm, PRIVACY_DELTA: self.delta,
+                PRIVACY_EPSILON_BUDGET: self.epsilon_budget, PRIVACY_REPRODUCIBLE_NOISE: self.reproducible_noise}
+
+    @classmethod
+    def decode(cls, fixed: Mapping[str, Any]) -> "Privacy | None":
+        """The privacy settings among a message's typed fixed settings (None: the message has none); MessageError for
+        settings without ``privacy.mode`` or a required value, a mode that is off or unknown, values out of range."""
+        present = [k for k in _PRIVACY_TYPES if k in fixed]
+        if not present:
+            return None
+        mode = fixed.get(PRIVACY_MODE)
+        if mode is None:
+            raise MessageError(f"the message has '{present[0]}' but no '{PRIVACY_MODE}'")
+        if mode not in PRIVACY_MODES or mode == PRIVACY_MODES[0]:
+            raise MessageError(f"'{PRIVACY_MODE}' must be one of {', '.join(PRIVACY_MODES[1:])} (a message carries "
+                               f"privacy settings only while a mode is on), got {_short(mode)}")
+        lacking = [k for k in (PRIVACY_NOISE_MULTIPLIER, PRIVACY_MAX_GRAD_NORM, PRIVACY_DELTA) if k not in fixed]
+        if lacking:
+            raise MessageError(f"'{PRIVACY_MODE}' {mode!r} without '{lacking[0]}' in the message")
+        out = cls(mode, float(fixed[PRIVACY_NOISE_MULTIPLIER]), float(fixed[PRIVACY_MAX_GRAD_NORM]),
+                  float(fixed[PRIVACY_DELTA]), float(fixed.get(PRIVACY_EPSILON_BUDGET, 0.0)),
+                  bool(fixed.get(PRIVACY_REPRODUCIBLE_NOISE, False)))
+        if not (out.noise_multiplier > 0 and out.max_grad_norm > 0 and 0 < out.delta < 1 and out.epsilon_budget >= 0):
+            raise MessageError(f"the message's privacy settings are out of range: {out}")
+        return out
+
+
+@dataclass(frozen=True)
 class Request:
     """The settings of one message (its ``config`` record): which operations to run, in order, and everything they
     need (see the module docstring). :meth:`encode` / :meth:`decode` are the only translation to and from keys."""
@@ -346,6 +405,7 @@ class Request:
     training: Training = Training()
     public: PublicSet = PublicSet()
     bookkeeping: Bookkeeping = Bookkeeping()
+    privacy: Privacy | None = None  # None: not sent, privacy off
 
     @property
     def array_transport(self) -> str:
@@ -361,6 +421,8 @@ class Request:
         if s.model.per_client:
             out[MODEL_PER_CLIENT] = list(s.model.per_client)
         out.update(flatten(CLIENT_SECTION, s.client))
+        if self.privacy is not None:
+            out.update(self.privacy.encode())
         out.update(_present({
             STATE_DIR: self.bookkeeping.state_dir, STATE_RUN: self.bookkeeping.state_run,
             LOAD_ARRAYS: self.load.into_model, ARRAYS_MULTI: self.load.multi,
@@ -425,6 +487,7 @@ class Request:
                               {name: _section(name, entries) for name, entries in sections.items()}),
             public=PublicSet(fixed.get(PUBLIC_FINGERPRINT), fixed.get(PREDICT_OUTPUT), fixed.get(PREDICT_ENCODING)),
             bookkeeping=Bookkeeping(fixed.get(STATE_DIR), fixed.get(STATE_RUN)),
+            privacy=Privacy.decode(fixed),
         )
 
 
@@ -435,6 +498,10 @@ _FIXED: dict[str, Any] = {
     RETURN_ARRAYS: bool, ARRAYS_KEYS: str, PERSIST_MODEL: bool, SAVE_MODEL: bool, TRANSPORT_KEY: str,
     HOLDOUT_FRACTION: _NUMBER, RECEIVED_MODEL: str, PUBLIC_FINGERPRINT: str, PREDICT_OUTPUT: str,
     PREDICT_ENCODING: str}
+_PRIVACY_TYPES: dict[str, Any] = {
+    PRIVACY_MODE: str, PRIVACY_NOISE_MULTIPLIER: _NUMBER, PRIVACY_MAX_GRAD_NORM: _NUMBER, PRIVACY_DELTA: _NUMBER,
+    PRIVACY_EPSILON_BUDGET: _NUMBER, PRIVACY_REPRODUCIBLE_NOISE: bool}
+_FIXED.update(_PRIVACY_TYPES)
 # the prefixes of fixed dotted settings: no section may take their name (model.*, arrays.*, public.*, received.*,
 # predict.*), so that an unknown key under one of them is refused rather than read as a section's
 _RESERVED_PREFIXES = frozenset(k.partition(".")[0] for k in (*_FIXED, MODEL_PER_CLIENT) if "." in k)
