@@ -599,7 +599,7 @@ def eval_nbytes(content: RecordDict) -> int:
     """Bytes of the model a message carries for evaluation only (its ``eval-arrays`` record; 0 without)."""
     if EVAL_ARRAYS not in content:
         return 0
-    return sum(len(a.data) for a in content[EVAL_ARRAYS].values())
+    return sum(len(a.data) for a in content.array_records[EVAL_ARRAYS].values())
 
 
 def record_nbytes(content: RecordDict) -> int:
@@ -647,7 +647,7 @@ def parse_reply(msg: Message, expect_arrays: bool = False, expect_predictions: b
     content = msg.content
     if METRICS not in content:
         raise ReplyError("reply without a 'metrics' record")
-    metrics = dict(content[METRICS])
+    metrics: dict[str, Any] = dict(content.metric_records[METRICS])
     for key in (CLIENT_ID, NUM_EXAMPLES):
         if key not in metrics:
             raise ReplyError(f"reply metrics lack '{key}'")
@@ -660,7 +660,7 @@ def parse_reply(msg: Message, expect_arrays: bool = False, expect_predictions: b
         raise ReplyError(f"negative num-examples {num_examples}")
     arrays = None
     if ARRAYS in content:
-        arrays = {k: from_wire(v.numpy(), np.float32) for k, v in content[ARRAYS].items()}
+        arrays = {k: from_wire(v.numpy(), np.float32) for k, v in content.array_records[ARRAYS].items()}
         for k, a in arrays.items():  # finite as float32, the models' dtype (1e300 is finite only in float64)
             if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a.astype(np.float32))):
                 raise ReplyError(f"array '{k}' has non-finite values (as float32)")
@@ -668,7 +668,7 @@ def parse_reply(msg: Message, expect_arrays: bool = False, expect_predictions: b
         raise ReplyError("reply lacks the model arrays it was asked for")
     predictions = None
     if PREDICTIONS in content:
-        predictions = {k: v.numpy() for k, v in content[PREDICTIONS].items()}
+        predictions = {k: v.numpy() for k, v in content.array_records[PREDICTIONS].items()}
     elif expect_predictions:
         raise ReplyError("reply lacks the predictions it was asked for")
     info = dict(content[INFO]) if INFO in content else {}
