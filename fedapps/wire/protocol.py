@@ -635,6 +635,20 @@ class ClientReply:
     info: dict[str, Any] = field(default_factory=dict)
     nbytes: int = 0
 
+    @property
+    def required_arrays(self) -> dict[str, np.ndarray]:
+        """The model arrays of a reply that was asked for them (the validator drops one that lacks them)."""
+        if self.arrays is None:
+            raise ReplyError(f"client {self.client_id}'s reply carries no model arrays")
+        return self.arrays
+
+    @property
+    def required_predictions(self) -> dict[str, np.ndarray]:
+        """The predictions of a reply that was asked for them (the validator drops one that lacks them)."""
+        if self.predictions is None:
+            raise ReplyError(f"client {self.client_id}'s reply carries no predictions")
+        return self.predictions
+
 
 class ReplyError(ValueError):
     """A reply that must not be used; the message says why."""
