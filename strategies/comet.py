@@ -159,8 +159,9 @@ class COMET(PseudoLabelStrategy):
         log.info("round %d: COMET K=%d, cluster sizes %s", server_round, k, sizes.tolist())
         member_targets = means[labels].argmax(axis=-1)  # each client's target labels (clients×n)
         diag = [self.oracle_accuracy(t) for t in member_targets]
+        known = [d for d in diag if d is not None]
         out = {"clusters": int((sizes > 0).sum()), "cluster_sizes": " ".join(str(int(s)) for s in sizes),
-               "diag_target_acc_on_U": None if None in diag else float(np.mean(diag))}
+               "diag_target_acc_on_U": float(np.mean(known)) if len(known) == len(diag) else None}
         return {**out, "set_aside": set_aside} if self.params.outlier_factor > 0 else out
 
     def without_outliers(self, server_round: int, used: list[ClientReply],
