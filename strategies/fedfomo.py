@@ -151,7 +151,7 @@ class FedFomo(PersonalisedStrategy):
         return messages
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
-        helpful = []
+        helpful: list[int] = []
         for r in replies:
             if r.arrays is not None:
                 self.models[r.client_id] = r.arrays
@@ -164,5 +164,6 @@ class FedFomo(PersonalisedStrategy):
             for j, w in zip(chosen, weights or []):
                 self.affinity[r.client_id][j] = self.affinity[r.client_id].get(j, 0.0) + float(w)
             if chosen:
+                assert isinstance(weights, list)  # a reply to candidates without a list of weights was skipped above
                 helpful.append(sum(1 for w in weights if w > 0))
         return {"helpful_candidates_mean": float(np.mean(helpful)) if helpful else None}

@@ -48,7 +48,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -712,7 +712,7 @@ def parse_replies(
     return good
 
 
-def pack_models(models: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+def pack_models(models: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """K state dicts -> one dict with keys 'm<k>.<name>' (several models in one message, ``arrays.multi``)."""
     return {f"m{k}.{name}": value for k, model in enumerate(models) for name, value in model.items()}
 
