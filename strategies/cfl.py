@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 from flwr.app import Message
 
-from fedapps.wire import protocol
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
+from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
 from strategies.fedavg import initial_model_arrays

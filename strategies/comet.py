@@ -31,13 +31,12 @@ import numpy as np
 from flwr.app import Message
 from threadpoolctl import threadpool_limits
 
-from fedapps.server import clustering
-
-from fedapps.wire import protocol, pseudolabels
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
-from fedapps.wire.protocol import ClientReply
 from fedapps.seeds import derive_rng
+from fedapps.server import clustering
+from fedapps.wire import protocol, pseudolabels
+from fedapps.wire.protocol import ClientReply
 from strategies.base import RunContext
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions
 

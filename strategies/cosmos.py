@@ -27,8 +27,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,19 +37,17 @@ import torch.nn.functional as F
 from flwr.app import ArrayRecord, Message
 from torch import Tensor, nn
 
-from fedapps.server import clustering
-
 from fedapps.client import ops
-
-from fedapps.wire import protocol, pseudolabels
 from fedapps.client.clientops import ProtocolError, distill_term, distill_weighting
 from fedapps.config import DEVICES, OPTIMIZERS, ConfigError, ExperimentConfig
 from fedapps.data import Federation, get_federation
 from fedapps.models import MODEL_NAMES, build_model
 from fedapps.params import param
-from fedapps.wire.protocol import ClientReply
 from fedapps.reporting.results import Artifact
 from fedapps.seeds import derive_seed
+from fedapps.server import clustering
+from fedapps.wire import protocol, pseudolabels
+from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 
 log = logging.getLogger("fedapps")

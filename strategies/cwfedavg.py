@@ -60,8 +60,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,15 +70,14 @@ from flwr.app import Message
 from torch import Tensor, nn
 
 from fedapps import checkpoint
-
-from fedapps.wire import protocol
 from fedapps.client.clientops import client_op, training_term
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.data import get_federation, spec_info
 from fedapps.models import build_model, classifier_name, top_level_children
 from fedapps.params import lower, param
-from fedapps.wire.protocol import ClientReply
 from fedapps.reporting.results import Artifact
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, clip_replies_to_median
 
 log = logging.getLogger("fedapps")
@@ -684,6 +684,6 @@ def _true_distributions(cfg: ExperimentConfig) -> np.ndarray | None:
     """Clients' true training class distributions, when the server can build the federation (simulation)."""
     try:
         return normalise_rows(get_federation(dataclasses.asdict(cfg.data)).train_counts)
-    except Exception as exc:  # deployment: the data lives on the clients only
+    except Exception as exc:  # noqa: BLE001 - deployment: the data lives on the clients only
         log.info("cwfedavg: true class distributions unavailable (%s); estimation error not tracked", exc)
         return None

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 from flwr.app import Message
 
-from fedapps.wire import protocol, pseudolabels
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
+from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
 from strategies.base import RunContext
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions

@@ -19,18 +19,15 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Message
-
 from torch import Tensor
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol
 from fedapps.client.clientops import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
+from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
-
 
 WEIGHTS = "fedfomo-weights"  # the metric the client reports its weights in
 

@@ -34,19 +34,17 @@ from flwr.app import Message
 from torch import Tensor, nn
 
 from fedapps.client import ops, worker
-
-from fedapps.wire import protocol
 from fedapps.client.clientops import client_op
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.data import spec_info
 from fedapps.models import build_model, classifier_name
 from fedapps.params import param
-from fedapps.wire.protocol import ClientReply
 from fedapps.seeds import derive_seed
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
 from fedapps.wire.validation import ReplyValidator
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, weighted_average
 from strategies.fedbabu import EVALUATE_FINETUNED, FINETUNE
-
 
 HEAD = "cosine"  # the classifier head of FedNH's model (fedapps.models.heads)
 COUNTS = "fednh-counts"  # reply metric: the client's training samples per class (K numbers)

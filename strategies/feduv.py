@@ -53,11 +53,10 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol
 from fedapps.client.clientops import client_op
 from fedapps.models import classifier_name
 from fedapps.params import param
+from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies.fedavg import FedAvg
 
@@ -145,7 +144,7 @@ class FeatureTap:
     def _record(self, _module: nn.Module, args: tuple) -> None:
         self.features = args[0]
 
-    def __enter__(self) -> "FeatureTap":
+    def __enter__(self) -> FeatureTap:
         self._handle = self.head.register_forward_pre_hook(self._record)
         return self
 

@@ -30,13 +30,12 @@ from flwr.app import Message
 from torch import Tensor, nn
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol
 from fedapps.client.clientops import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
-from fedapps.wire.protocol import ClientReply
 from fedapps.seeds import derive_rng
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
 from strategies.cfl import update_vector
 from strategies.comet import kmeans, kmeans_plus_plus

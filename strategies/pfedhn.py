@@ -56,8 +56,9 @@ import dataclasses
 import functools
 import math
 import operator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,17 +66,15 @@ from flwr.app import Message
 from torch import Tensor, nn
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol
 from fedapps.config import DEVICES, ConfigError, ExperimentConfig
 from fedapps.data import DataError, spec_info
 from fedapps.models import build_model
 from fedapps.params import param
-from fedapps.wire.protocol import ClientReply
-from fedapps.server.robust import median_bound
 from fedapps.seeds import derive_seed
+from fedapps.server.robust import median_bound
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, _state_value
-
 
 BYTES_PER_PARAMETER = 4  # float32
 REPLY_CHUNK = 16  # replies back-propagated together (memory: a few × REPLY_CHUNK × the target model)

@@ -20,9 +20,10 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,16 +31,34 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from torch import nn
 
 from fedapps import checkpoint
-
 from fedapps.client import ops
-
-from fedapps.wire import protocol, pseudolabels
-from fedapps.seeds import GLOBAL_RNG_LOCK, derive_seed
-from fedapps.client.clientops import DISTILL_TERMS, DISTILL_WEIGHTINGS, TRAINING_TERMS, ProtocolError, client_op, parse_op
-from fedapps.data import (DATA_PATH, NODES, NUM_CLASSES, PUBLIC_PATH, ClientData, DataError, Federation,
-                          data_warnings_silenced, get_federation, node_federation, node_path, read_labelled,
-                          read_public, spec_key)
+from fedapps.client.clientops import (
+    DISTILL_TERMS,
+    DISTILL_WEIGHTINGS,
+    TRAINING_TERMS,
+    ProtocolError,
+    client_op,
+    parse_op,
+)
+from fedapps.data import (
+    DATA_PATH,
+    NODES,
+    NUM_CLASSES,
+    PUBLIC_PATH,
+    ClientData,
+    DataError,
+    Federation,
+    data_warnings_silenced,
+    get_federation,
+    node_federation,
+    node_path,
+    read_labelled,
+    read_public,
+    spec_key,
+)
 from fedapps.models import STATE_PARTS, build_model, classifier_name, state_part
+from fedapps.seeds import GLOBAL_RNG_LOCK, derive_seed
+from fedapps.wire import protocol, pseudolabels
 
 log = logging.getLogger("fedapps")
 
@@ -269,7 +288,8 @@ class SkeletonPool:
             known = self._draws.get(key)
         if known is None:
             item = self.take(key)
-            known = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in item[0].modules())
+            known = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0  # noqa: SLF001 - torch's dropout layers share no public base
+                        for m in item[0].modules())
             self.give(key, item)
             with self._lock:
                 self._draws[key] = known

@@ -47,8 +47,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -283,7 +284,7 @@ class Section:
         """The optimiser settings this section overrides (those set)."""
         return {k: getattr(self, k) for k in OPTIMISER_FIELDS if getattr(self, k) is not None}
 
-    def over(self, base: "Section") -> "Section":
+    def over(self, base: Section) -> Section:
         """This section's settings over ``base``'s (a tagged ``train:<tag>`` section over ``train``)."""
         changes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                    if f.name != "extra" and getattr(self, f.name) is not None}
@@ -378,7 +379,7 @@ class Request:
         return ConfigRecord(out)
 
     @classmethod
-    def decode(cls, config: Any) -> "Request":
+    def decode(cls, config: Any) -> Request:
         """The request a config record holds; MessageError (naming the key) for anything the schema does not allow:
         a missing ``ops`` / ``round``, a value of the wrong type, an unknown array transport, an unknown key."""
         if not isinstance(config, (ConfigRecord, dict)):  # a dict: the same settings before they are a record
@@ -524,7 +525,7 @@ class Targets:
         return arrays_record(arrays) if arrays else None
 
     @classmethod
-    def decode(cls, record: Any) -> "Targets":
+    def decode(cls, record: Any) -> Targets:
         """The targets a record holds; MessageError for another record type, an unknown array, row indices that are
         not integers, or rows for distillation without targets."""
         if not isinstance(record, ArrayRecord):
@@ -556,7 +557,7 @@ class ReplyInfo:
         return ConfigRecord(_present({INFO_ARCH: self.arch, INFO_FINGERPRINT: self.fingerprint}))
 
     @classmethod
-    def decode(cls, record: Mapping[str, Any]) -> "ReplyInfo":
+    def decode(cls, record: Mapping[str, Any]) -> ReplyInfo:
         """The info a record holds (entries it does not know are ignored: the reply validator bounds them)."""
         arch, fingerprint = record.get(INFO_ARCH), record.get(INFO_FINGERPRINT)
         for key, value in ((INFO_ARCH, arch), (INFO_FINGERPRINT, fingerprint)):

@@ -58,8 +58,9 @@ import io
 import logging
 import math
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -344,7 +345,7 @@ def wire_array(value: Any, name: str, what: str, shape: tuple[int | None, ...],
         read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         head_shape, fortran, head_dtype = read(fh, max_header_size=NPY_MAX_HEADER)
         offset = fh.tell()
-    except Exception as exc:  # noqa: BLE001 - a malformed header of any kind
+    except Exception as exc:
         raise ReplyError(f"{what} '{name}' cannot be decoded: {type(exc).__name__}: {_short(str(exc))}") from exc
     if head_dtype != dtype or tuple(head_shape) != labelled or fortran or offset + body != len(data):
         raise ReplyError(f"{what} '{name}' cannot be decoded: its bytes hold a {_short(str(head_dtype), 40)} array of "
@@ -497,7 +498,7 @@ class ReplyValidator:
         self.bound_examples: dict[int, int] = {}  # deployment: num-examples first reported per client
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "ReplyValidator":
+    def from_config(cls, cfg: Any) -> ReplyValidator:
         """The validator for an experiment config: sizes and U from the federation where the server can build
         it (simulation), the model from ``model.name``."""
         from fedapps.data import NODES, get_federation, spec_info
