@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 from flwr.app import Message
 
-from fedapps.wire import protocol
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
+from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
 from strategies.fedavg import initial_model_arrays
@@ -118,7 +118,7 @@ class CFL(PersonalisedStrategy):
         mean_norms, max_norms = [], []
         for k, group in sorted(members.items()):
             sent = self.models[k]
-            updates = np.stack([update_vector(r.arrays, sent, self.parameter_keys) for r in group])
+            updates = np.stack([update_vector(r.required_arrays, sent, self.parameter_keys) for r in group])
             weights = np.array([max(r.num_examples, 1) for r in group], dtype=np.float64)
             split, mean_norm, max_norm = should_split(updates, weights, self.params.eps1, self.params.eps2)
             mean_norms.append(mean_norm)

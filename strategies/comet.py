@@ -31,13 +31,12 @@ import numpy as np
 from flwr.app import Message
 from threadpoolctl import threadpool_limits
 
-from fedapps.server import clustering
-
-from fedapps.wire import protocol, pseudolabels
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
-from fedapps.wire.protocol import ClientReply
 from fedapps.seeds import derive_rng
+from fedapps.server import clustering
+from fedapps.wire import protocol, pseudolabels
+from fedapps.wire.protocol import ClientReply
 from strategies.base import RunContext
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions
 
@@ -159,8 +158,9 @@ class COMET(PseudoLabelStrategy):
         log.info("round %d: COMET K=%d, cluster sizes %s", server_round, k, sizes.tolist())
         member_targets = means[labels].argmax(axis=-1)  # each client's target labels (clients×n)
         diag = [self.oracle_accuracy(t) for t in member_targets]
+        known = [d for d in diag if d is not None]
         out = {"clusters": int((sizes > 0).sum()), "cluster_sizes": " ".join(str(int(s)) for s in sizes),
-               "diag_target_acc_on_U": None if None in diag else float(np.mean(diag))}
+               "diag_target_acc_on_U": float(np.mean(known)) if len(known) == len(diag) else None}
         return {**out, "set_aside": set_aside} if self.params.outlier_factor > 0 else out
 
     def without_outliers(self, server_round: int, used: list[ClientReply],

@@ -27,8 +27,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,19 +37,17 @@ import torch.nn.functional as F
 from flwr.app import ArrayRecord, Message
 from torch import Tensor, nn
 
-from fedapps.server import clustering
-
 from fedapps.client import ops
-
-from fedapps.wire import protocol, pseudolabels
 from fedapps.client.clientops import ProtocolError, distill_term, distill_weighting
 from fedapps.config import DEVICES, OPTIMIZERS, ConfigError, ExperimentConfig
 from fedapps.data import Federation, get_federation
 from fedapps.models import MODEL_NAMES, build_model
 from fedapps.params import param
-from fedapps.wire.protocol import ClientReply
 from fedapps.reporting.results import Artifact
 from fedapps.seeds import derive_seed
+from fedapps.server import clustering
+from fedapps.wire import protocol, pseudolabels
+from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 
 log = logging.getLogger("fedapps")
@@ -204,7 +203,7 @@ class Cosmos(PersonalisedStrategy):
         self.cluster_of: dict[int, int] = {}  # client id -> cluster
         self.models: dict[int, torch.nn.Module] = {}  # cluster -> h_k
         self.server_targets: dict[int, np.ndarray] = {}  # cluster -> h_k(U) probabilities (n×M)
-        self.wire_targets: dict[int, ArrayRecord] = {}  # cluster -> encoded h_k(U), as sent
+        self.wire_targets: dict[int, ArrayRecord | None] = {}  # cluster -> encoded h_k(U), as sent
         self.distances: np.ndarray | None = None
         self.distance_clients: list[int] = []
         self.last_acc: dict[str, float] = {}
@@ -259,7 +258,7 @@ class Cosmos(PersonalisedStrategy):
             targets = self.wire_targets.get(cluster) if cluster is not None else None
             messages.append(protocol.build_message(node, request, targets=targets))
         with_targets = sum(1 for m in messages if protocol.TARGETS in m.content)
-        self.pseudo_bytes_down = sum(m.content[protocol.TARGETS][protocol.TARGET_ARRAY].numpy().nbytes
+        self.pseudo_bytes_down = sum(m.content.array_records[protocol.TARGETS][protocol.TARGET_ARRAY].numpy().nbytes
                                      for m in messages if protocol.TARGETS in m.content)
         log.info("cosmos round %d: %d messages (%d with cluster pseudo-labels)", server_round, len(messages), with_targets)
         return messages
@@ -287,7 +286,7 @@ class Cosmos(PersonalisedStrategy):
     def accept(self, replies: list[ClientReply]) -> dict[int, np.ndarray]:
         """Client id -> soft predictions. The reply validator has checked each reply once (U's fingerprint, the
         predictions' wire type, shape and values: :func:`fedapps.wire.validation.prediction_problem`)."""
-        return {r.client_id: soft_predictions(r.predictions[protocol.PREDICTION_ARRAY], self.num_classes)
+        return {r.client_id: soft_predictions(r.required_predictions[protocol.PREDICTION_ARRAY], self.num_classes)
                 for r in replies}
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
@@ -309,7 +308,7 @@ class Cosmos(PersonalisedStrategy):
             "clusters": self.clustering.k if self.clustering else 0,
             "server_distill_loss": float(np.mean(list(losses.values()))) if losses else "",
             "server_seconds": round(time.perf_counter() - t0, 3),
-            "pseudo_bytes_up": int(sum(r.predictions[protocol.PREDICTION_ARRAY].nbytes for r in replies)),
+            "pseudo_bytes_up": int(sum(r.required_predictions[protocol.PREDICTION_ARRAY].nbytes for r in replies)),
             "pseudo_bytes_down": int(self.pseudo_bytes_down),
         }
         return extra
@@ -339,13 +338,14 @@ class Cosmos(PersonalisedStrategy):
         d = clustering.distance_to_centres(pred, np.stack([self.server_targets[k] for k in ks]), self.params.distance)
         k = ks[int(np.argmin(d))]
         self.cluster_of[cid] = k
+        assert self.clustering is not None  # server targets exist only once round one has clustered
         self.clustering.clusters[k].append(cid)
         log.info("cosmos: client %d (not seen in round 1) joins cluster %d (distance %.3f)", cid, k, float(d.min()))
 
     def server_model(self, k: int) -> torch.nn.Module:
         """h_k, built on first use (seeded by the experiment seed and k), then kept and fine-tuned forever."""
         if k not in self.models:
-            self.models[k] = build_model(self.params.server_model, self.num_classes, tuple(self.fed.input_shape),
+            self.models[k] = build_model(self.params.server_model, self.num_classes, self.fed.input_shape,
                                          seed=derive_seed(self.cfg.seed, "cosmos-server-init", k)).to(self.device)
         return self.models[k]
 
@@ -356,25 +356,27 @@ class Cosmos(PersonalisedStrategy):
                                   optimizer=p.server_optimizer, clip_norm=p.server_clip_norm, drop_last=False)
         dist = ops.DistillSettings(loss="kl")
         losses: dict[int, float] = {}
+        public_x = self.fed.public_x
+        assert self.clustering is not None and public_x is not None  # aggregate clusters first; __init__ checks U
         for k, members in enumerate(self.clustering.clusters):
             present = [c for c in members if c in preds]
             if not present:
                 continue
             t0 = time.perf_counter()
-            members = np.stack([preds[c] for c in present])
+            member_preds = np.stack([preds[c] for c in present])
             if p.member_clip > 0:
                 centre = self.server_targets.get(k)
                 if centre is None:
-                    centre = pseudolabels.aggregate(members, "median")
-                members = pseudolabels.clip_to_centre(members, centre, p.member_clip)
-            target = server_target(members, p.aggregation, p.temperature)
+                    centre = pseudolabels.aggregate(member_preds, "median")
+                member_preds = pseudolabels.clip_to_centre(member_preds, centre, p.member_clip)
+            target = server_target(member_preds, p.aggregation, p.temperature)
             model = self.server_model(k)
             gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "cosmos-server-distill", server_round, k))
             with torch.random.fork_rng(devices=[]):  # dropout in h_k draws from a seeded global stream, restored after
                 torch.manual_seed(derive_seed(self.cfg.seed, "cosmos-server-global", server_round, k))
-                result = ops.distill(model, self.fed.public_x, torch.as_tensor(target), optim, dist, generator=gen,
+                result = ops.distill(model, public_x, torch.as_tensor(target), optim, dist, generator=gen,
                                      term=rb_term(p.rb_lambda, p.rb_sigma, gen))
-            probs = ops.predict(model, self.fed.public_x).numpy()
+            probs = ops.predict(model, public_x).numpy()
             self.server_targets[k] = probs
             wire = pseudolabels.encode(probs, p.downlink_encoding, self.num_classes)
             self.wire_targets[k] = protocol.Targets(wire).encode()
@@ -414,7 +416,7 @@ class Cosmos(PersonalisedStrategy):
             "true_group_of_client": groups,
             "distance_clients": self.distance_clients,
             "distances_per_sample": None if self.distances is None else np.round(self.distances, 5).tolist(),
-            "cluster_group_ari": adjusted_rand(self.fed.groups, self.cluster_of) if groups is not None else None,
+            "cluster_group_ari": adjusted_rand(self.fed.groups, self.cluster_of) if self.fed.groups is not None else None,
         }
         figure = {"cluster_of": dict(self.cluster_of), "groups": groups, "distances": self.distances,
                   "distance_clients": self.distance_clients,

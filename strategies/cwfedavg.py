@@ -60,8 +60,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,15 +70,14 @@ from flwr.app import Message
 from torch import Tensor, nn
 
 from fedapps import checkpoint
-
-from fedapps.wire import protocol
 from fedapps.client.clientops import client_op, training_term
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.data import get_federation, spec_info
 from fedapps.models import build_model, classifier_name, top_level_children
 from fedapps.params import lower, param
-from fedapps.wire.protocol import ClientReply
 from fedapps.reporting.results import Artifact
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, clip_replies_to_median
 
 log = logging.getLogger("fedapps")
@@ -402,7 +402,9 @@ class CwFedAvg(PersonalisedStrategy):
         self.shared_keys = [k for k in self.keys if k not in self.classwise]
         # shared keys averaged over the clients; the others (BatchNorm's num_batches_tracked) are the last replier's
         self.shared_float = [k for k in self.shared_keys if np.issubdtype(self.initial[k].dtype, np.floating)]
-        self.num_classes = int(model.get_submodule(self.head).weight.shape[0])
+        head_weight = model.get_submodule(self.head).weight
+        assert isinstance(head_weight, Tensor)  # the head is the model's final nn.Linear
+        self.num_classes = int(head_weight.shape[0])
         m = cfg.data.num_clients
         # per client: the class-wise arrays; under `latest` also the shared float arrays (see the module docstring)
         per_client = self.classwise + (self.shared_float if p.mix == "latest" else [])
@@ -438,6 +440,7 @@ class CwFedAvg(PersonalisedStrategy):
             weights = self.fedavg_w
         else:
             weights = mixing_matrix(self.p_hat[row][None], self.q)[0]
+        assert weights is not None  # fedavg_w is set with q, by the same aggregation
         out = dict(self.shared)
         for k in self.classwise:
             out[k] = mix(weights, self.stack.arrays[k])
@@ -496,7 +499,7 @@ class CwFedAvg(PersonalisedStrategy):
         self.shared = {k: (self.sums[k] / total).astype(self.initial[k].dtype) for k in self.shared_float}
         for k in self.shared_keys:
             if k not in self.sums:  # integer buffers (BatchNorm's num_batches_tracked): the last replier's
-                self.shared[k] = np.array(last.arrays[k], dtype=self.initial[k].dtype)
+                self.shared[k] = np.array(last.required_arrays[k], dtype=self.initial[k].dtype)
         if p.mix == "round":
             self.sums = {}  # this round's sum is spent: O(F) only while aggregating
         return {**extra, **self._error_metrics(errors)}
@@ -539,9 +542,9 @@ class CwFedAvg(PersonalisedStrategy):
         if p.mix == "latest" and self.estimated[row]:  # its previous upload leaves the sum
             add_weighted(self.sums, {k: self.stack.get(r.client_id, k) for k in self.sums}, -float(self.n[row]))
         # shared arrays in the template dtypes, so what enters the sum is what the stack keeps (and later removes)
-        add_weighted(self.sums, {k: np.asarray(r.arrays[k], self.initial[k].dtype) for k in self.sums},
+        add_weighted(self.sums, {k: np.asarray(r.required_arrays[k], self.initial[k].dtype) for k in self.sums},
                      float(r.num_examples))
-        self.stack.put(r.client_id, r.arrays)
+        self.stack.put(r.client_id, r.required_arrays)
         self.n[row] = r.num_examples
         self.fresh[row] = True
         estimates = self._estimates(r, row)
@@ -600,10 +603,10 @@ class CwFedAvg(PersonalisedStrategy):
 
     def _estimates(self, r: ClientReply, row: int) -> dict[str, np.ndarray]:
         """Every estimate available for this reply (the chosen one drives the mixing, all are measured)."""
-        out = {"norm": row_norm_distribution(r.arrays[self.head_w])}
+        out = {"norm": row_norm_distribution(r.required_arrays[self.head_w])}
         self.norm_est[row] = out["norm"]
         if self.has_bias and r.node_id in self.sent_bias:
-            self.evidence[row] += bias_evidence(r.arrays[self.head_b], self.sent_bias.pop(r.node_id))
+            self.evidence[row] += bias_evidence(r.required_arrays[self.head_b], self.sent_bias.pop(r.node_id))
             if self.evidence[row].sum() > 0:
                 out["bias"] = normalise_rows(self.evidence[row])
         counts = r.metrics.get(CLASS_COUNTS)
@@ -689,6 +692,6 @@ def _true_distributions(cfg: ExperimentConfig) -> np.ndarray | None:
     """Clients' true training class distributions, when the server can build the federation (simulation)."""
     try:
         return normalise_rows(get_federation(dataclasses.asdict(cfg.data)).train_counts)
-    except Exception as exc:  # deployment: the data lives on the clients only
+    except Exception as exc:  # noqa: BLE001 - deployment: the data lives on the clients only
         log.info("cwfedavg: true class distributions unavailable (%s); estimation error not tracked", exc)
         return None

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 from flwr.app import Message
 
-from fedapps.wire import protocol, pseudolabels
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
+from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
 from strategies.base import RunContext
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions
@@ -85,8 +85,9 @@ class FedCT(PseudoLabelStrategy):
         self.consensus: np.ndarray | None = None  # hard labels on U (M = abstain)
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        usable = self.consensus is not None and bool(np.any(self.consensus < self.num_classes))
-        wire = pseudolabels.encode(self.consensus, "hard", self.num_classes) if usable else None  # all abstain: skip U
+        wire = None  # no consensus yet, or all abstain: skip U
+        if self.consensus is not None and np.any(self.consensus < self.num_classes):
+            wire = pseudolabels.encode(self.consensus, "hard", self.num_classes)
         targets = protocol.Targets(wire).encode()
         request = self.round_request(server_round, self.round_ops(wire is not None), "ce", "probs", "hard")
         return [protocol.build_message(n, request, targets=targets) for n in node_ids]

@@ -19,18 +19,15 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Message
-
 from torch import Tensor
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol
 from fedapps.client.clientops import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
+from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
-
 
 WEIGHTS = "fedfomo-weights"  # the metric the client reports its weights in
 
@@ -153,7 +150,7 @@ class FedFomo(PersonalisedStrategy):
         return messages
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
-        helpful = []
+        helpful: list[int] = []
         for r in replies:
             if r.arrays is not None:
                 self.models[r.client_id] = r.arrays
@@ -166,5 +163,6 @@ class FedFomo(PersonalisedStrategy):
             for j, w in zip(chosen, weights or []):
                 self.affinity[r.client_id][j] = self.affinity[r.client_id].get(j, 0.0) + float(w)
             if chosen:
+                assert isinstance(weights, list)  # a reply to candidates without a list of weights was skipped above
                 helpful.append(sum(1 for w in weights if w > 0))
         return {"helpful_candidates_mean": float(np.mean(helpful)) if helpful else None}

@@ -34,19 +34,17 @@ from flwr.app import Message
 from torch import Tensor, nn
 
 from fedapps.client import ops, worker
-
-from fedapps.wire import protocol
 from fedapps.client.clientops import client_op
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.data import spec_info
 from fedapps.models import build_model, classifier_name
 from fedapps.params import param
-from fedapps.wire.protocol import ClientReply
 from fedapps.seeds import derive_seed
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
 from fedapps.wire.validation import ReplyValidator
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, weighted_average
 from strategies.fedbabu import EVALUATE_FINETUNED, FINETUNE
-
 
 HEAD = "cosine"  # the classifier head of FedNH's model (fedapps.models.heads)
 COUNTS = "fednh-counts"  # reply metric: the client's training samples per class (K numbers)
@@ -142,10 +140,17 @@ def update_prototypes(prototypes: np.ndarray, local: np.ndarray, counts: np.ndar
 # --------------------------------------------------------------------------- client side
 
 
+def classifier(model: nn.Module) -> nn.Linear:
+    """The model's final classifier (:func:`classifier_name`: an nn.Linear; FedNH's cosine head is one)."""
+    head = model.get_submodule(classifier_name(model))
+    assert isinstance(head, nn.Linear), classifier_name(model)
+    return head
+
+
 @torch.no_grad()
 def penultimate_features(model: nn.Module, x: Tensor, batch_size: int = 256) -> Tensor:
     """What the model's classifier receives for each input (the body's features z), in eval mode, on the CPU."""
-    head = model.get_submodule(classifier_name(model))
+    head = classifier(model)
     device = next(model.parameters()).device
     captured: list[Tensor] = []
     handle = head.register_forward_hook(lambda _m, inputs, _out: captured.append(inputs[0].detach().float().cpu()))
@@ -203,7 +208,7 @@ def feature_dim(cfg: ExperimentConfig) -> tuple[int, int]:
     """(classes K, feature dimension d) of the configured model."""
     num_classes, shape = spec_info(dataclasses.asdict(cfg.data))
     model = build_model(cosine_arch(cfg), num_classes, shape, seed=cfg.seed)
-    return num_classes, model.get_submodule(classifier_name(model)).in_features
+    return num_classes, classifier(model).in_features
 
 
 class FedNH(PersonalisedStrategy):
@@ -233,7 +238,7 @@ class FedNH(PersonalisedStrategy):
         model = build_model(self.arch, num_classes, shape, seed=cfg.seed)
         self.prototype_key = prototype_name(model)
         self.scale_key = f"{classifier_name(model)}.scale"
-        k, d = model.get_submodule(classifier_name(model)).weight.shape
+        k, d = classifier(model).weight.shape
         init = uniform_prototypes if self.params.init == "uniform" else orthogonal_prototypes
         arrays = {key: v.detach().cpu().numpy() for key, v in model.state_dict().items()}
         arrays[self.prototype_key] = init(k, d, derive_seed(cfg.seed, "fednh-prototypes"))
@@ -281,10 +286,10 @@ class FedNH(PersonalisedStrategy):
         if not usable:
             return {}
         shared = [k for k in self.global_arrays if k != self.prototype_key]
-        averaged = weighted_average([{k: r.arrays[k] for k in shared} for r, _ in usable],
+        averaged = weighted_average([{k: r.required_arrays[k] for k in shared} for r, _ in usable],
                                     [r.num_examples for r, _ in usable])
         old = self.global_arrays[self.prototype_key]
-        new = update_prototypes(old, np.stack([r.arrays[self.prototype_key] for r, _ in usable]),
+        new = update_prototypes(old, np.stack([r.required_arrays[self.prototype_key] for r, _ in usable]),
                                 np.stack([c for _, c in usable]), float(self.params.rho))
         self.global_arrays = {**self.global_arrays, **averaged, self.prototype_key: new}
         shift = np.degrees(np.arccos(np.clip((normalise_rows(old.astype(np.float64)) * new).sum(axis=1), -1, 1)))

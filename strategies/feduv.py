@@ -50,13 +50,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol
 from fedapps.client.clientops import client_op
 from fedapps.models import classifier_name
 from fedapps.params import param
+from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies.fedavg import FedAvg
 
@@ -139,16 +139,17 @@ class FeatureTap:
     def __init__(self, model: nn.Module) -> None:
         self.head = model.get_submodule(classifier_name(model))
         self.features: Tensor | None = None
-        self._handle = None
+        self._handle: RemovableHandle | None = None
 
     def _record(self, _module: nn.Module, args: tuple) -> None:
         self.features = args[0]
 
-    def __enter__(self) -> "FeatureTap":
+    def __enter__(self) -> FeatureTap:
         self._handle = self.head.register_forward_pre_hook(self._record)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        assert self._handle is not None  # set by __enter__
         self._handle.remove()
         self.features = None
 
@@ -177,6 +178,7 @@ def feduv_loss(tap: FeatureTap | None, mu_v: float, mu_u: float, form: str = MED
                     add("variance", v)
                     loss = loss + mu_v * v
                 if mu_u > 0:
+                    assert tap is not None and tap.features is not None  # checked above; recorded by m(xb)
                     u = uniformity(tap.features.float(), form, t)
                     add("uniformity", u)
                     loss = loss + mu_u * u

@@ -30,13 +30,12 @@ from flwr.app import Message
 from torch import Tensor, nn
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol
 from fedapps.client.clientops import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
-from fedapps.wire.protocol import ClientReply
 from fedapps.seeds import derive_rng
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
 from strategies.cfl import update_vector
 from strategies.comet import kmeans, kmeans_plus_plus
@@ -111,6 +110,7 @@ def pfedck_train(w, tag: str) -> None:
     sums: dict[str, Any] = {"p": 0.0, "i": 0.0, "n": 0}  # summed on the device: no host sync per step
 
     def loss_fn(m: nn.Module, xb: Tensor, yb: Tensor, _w: Tensor | None) -> Tensor:
+        assert isinstance(m, ModelPair)  # run_epochs passes the model it trains: ``pair``
         total, kl_p, kl_i = mutual_losses(m.personal(xb), m.interactive(xb), yb, alpha, beta, temperature)
         sums["p"] = sums["p"] + kl_p.detach()
         sums["i"] = sums["i"] + kl_i.detach()
@@ -189,7 +189,7 @@ class PFedCK(PersonalisedStrategy):
         usable = [r for r in replies if r.arrays is not None and set(r.arrays) == set(self.initial)]
         if not usable:
             return {"clusters": len(set(self.assignment.values()))}
-        updates = np.stack([update_vector(r.arrays, self.interactive_of(r.client_id), self.parameter_keys)
+        updates = np.stack([update_vector(r.required_arrays, self.interactive_of(r.client_id), self.parameter_keys)
                             for r in usable])
         k = min(self.params.clusters, len(usable))
         previous = self.centroids if self.centroids is not None and len(self.centroids) == k else None

@@ -53,9 +53,12 @@ a victim 0.5 below its accuracy on some seeds, c = 0.5 does not (docs/results/ca
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,17 +66,15 @@ from flwr.app import Message
 from torch import Tensor, nn
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol
 from fedapps.config import DEVICES, ConfigError, ExperimentConfig
 from fedapps.data import DataError, spec_info
 from fedapps.models import build_model
 from fedapps.params import param
-from fedapps.wire.protocol import ClientReply
-from fedapps.server.robust import median_bound
 from fedapps.seeds import derive_seed
+from fedapps.server.robust import median_bound
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, _state_value
-
 
 BYTES_PER_PARAMETER = 4  # float32
 REPLY_CHUNK = 16  # replies back-propagated together (memory: a few × REPLY_CHUNK × the target model)
@@ -147,7 +148,7 @@ def accumulate_delta_gradient(hn: HyperNetwork, clients: Sequence[int | None],
     client (over all its tensors, before scaling)."""
     generated = hn.generate_batch(clients)
     deltas = [generated[k].detach() - torch.stack([t[k] for t in trained]).to(generated[k].dtype) for k in hn.names]
-    squares = sum(d.flatten(1).double().pow(2).sum(1) for d in deltas)
+    squares = functools.reduce(operator.add, (d.flatten(1).double().pow(2).sum(1) for d in deltas))
     grads = deltas
     if scales is not None:
         s = torch.as_tensor(list(scales), dtype=deltas[0].dtype, device=deltas[0].device)
@@ -195,8 +196,8 @@ def make_optimizer(hn: HyperNetwork, lr: float, embed_lr: float, momentum: float
     """SGD with momentum and weight decay over h; the embedding table in its own group (``embed_lr``, 0 = lr)."""
     embeddings = [hn.embeddings.weight]
     rest = [p for n, p in hn.named_parameters() if not n.startswith("embeddings.")]
-    return torch.optim.SGD([{"params": rest}, {"params": embeddings, "lr": embed_lr if embed_lr > 0 else lr}],
-                           lr=lr, momentum=momentum, weight_decay=weight_decay)
+    groups: list[dict[str, Any]] = [{"params": rest}, {"params": embeddings, "lr": embed_lr if embed_lr > 0 else lr}]
+    return torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
 # --------------------------------------------------------------------------- the strategy
@@ -349,7 +350,7 @@ class PFedHN(PersonalisedStrategy):
 
     def trained(self, r: ClientReply) -> dict[str, Tensor]:
         """θ̃_i of a reply as float32 tensors on the server's device."""
-        return {k: torch.as_tensor(np.asarray(r.arrays[k], dtype=np.float32), device=self.device) for k in self.hn.names}
+        return {k: torch.as_tensor(np.asarray(r.required_arrays[k], dtype=np.float32), device=self.device) for k in self.hn.names}
 
     def final_summary(self) -> dict[str, Any]:
         n = self.hypernetwork_parameters()

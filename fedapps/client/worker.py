@@ -23,9 +23,10 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,16 +34,34 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from torch import nn
 
 from fedapps import checkpoint
-
 from fedapps.client import ops, privacy
-
-from fedapps.wire import protocol, pseudolabels
-from fedapps.seeds import GLOBAL_RNG_LOCK, derive_seed
-from fedapps.client.clientops import DISTILL_TERMS, DISTILL_WEIGHTINGS, TRAINING_TERMS, ProtocolError, client_op, parse_op
-from fedapps.data import (DATA_PATH, NODES, NUM_CLASSES, PUBLIC_PATH, ClientData, DataError, Federation,
-                          data_warnings_silenced, get_federation, node_federation, node_path, read_labelled,
-                          read_public, spec_key)
+from fedapps.client.clientops import (
+    DISTILL_TERMS,
+    DISTILL_WEIGHTINGS,
+    TRAINING_TERMS,
+    ProtocolError,
+    client_op,
+    parse_op,
+)
+from fedapps.data import (
+    DATA_PATH,
+    NODES,
+    NUM_CLASSES,
+    PUBLIC_PATH,
+    ClientData,
+    DataError,
+    Federation,
+    data_warnings_silenced,
+    get_federation,
+    node_federation,
+    node_path,
+    read_labelled,
+    read_public,
+    spec_key,
+)
 from fedapps.models import STATE_PARTS, build_model, classifier_name, state_part
+from fedapps.seeds import GLOBAL_RNG_LOCK, derive_seed
+from fedapps.wire import protocol, pseudolabels
 
 log = logging.getLogger("fedapps")
 
@@ -141,13 +160,13 @@ def client_federation(context: Context, spec: dict[str, Any], client_id: int, pu
             u_path = node_path(node_config[PUBLIC_PATH], PUBLIC_PATH)
             u = read_public(u_path, f"node config '{PUBLIC_PATH}'={str(u_path)!r}")
         check_fits(spec, labelled, u)
-        key = (spec_key(spec), client_id, labelled.path, id(labelled.x), labelled.declared_classes,
-               None if u is None else id(u[0]))
-        if key not in _NODE_FEDERATIONS:
+        fed_key = (spec_key(spec), client_id, labelled.path, id(labelled.x), labelled.declared_classes,
+                   None if u is None else id(u[0]))
+        if fed_key not in _NODE_FEDERATIONS:
             if len(_NODE_FEDERATIONS) > 4:
                 _NODE_FEDERATIONS.clear()
-            _NODE_FEDERATIONS[key] = node_federation(spec, client_id, labelled, u)
-        return _NODE_FEDERATIONS[key]
+            _NODE_FEDERATIONS[fed_key] = node_federation(spec, client_id, labelled, u)
+        return _NODE_FEDERATIONS[fed_key]
     except DataError as exc:
         raise ProtocolError(str(exc)) from exc
 
@@ -196,7 +215,8 @@ def private_arch(context: Context, request: protocol.Request, client_id: int) ->
 
 def skeleton_key(arch: str, fed: Federation, request: protocol.Request) -> SkeletonKey:
     """The :class:`SkeletonPool` key of a client model of ``arch`` for this data and message."""
-    return arch, int(fed.num_classes), tuple(int(d) for d in fed.input_shape), int(request.setup.model.seed or 0)
+    c, h, w = fed.input_shape
+    return arch, int(fed.num_classes), (int(c), int(h), int(w)), int(request.setup.model.seed or 0)
 
 
 def private_model(context: Context, request: protocol.Request, fed: Federation, client_id: int, device: torch.device,
@@ -215,7 +235,7 @@ def private_model(context: Context, request: protocol.Request, fed: Federation, 
     overwritten = incoming is not None and initial.keys() <= incoming.keys()  # every value is loaded next
     if not overwritten:
         saved = STATE_MODEL in context.state
-        model.load_state_dict(context.state[STATE_MODEL].to_torch_state_dict() if saved else initial)
+        model.load_state_dict(context.state.array_records[STATE_MODEL].to_torch_state_dict() if saved else initial)
     return on_device(model, device), arch
 
 
@@ -271,7 +291,8 @@ class SkeletonPool:
             known = self._draws.get(key)
         if known is None:
             item = self.take(key)
-            known = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in item[0].modules())
+            known = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0  # noqa: SLF001 - torch's dropout layers share no public base
+                        for m in item[0].modules())
             self.give(key, item)
             with self._lock:
                 self._draws[key] = known
@@ -579,17 +600,17 @@ class Worker:
         see :meth:`candidate_models`)."""
         if protocol.ARRAYS not in self.msg.content or self.request.load.multi:
             return None
-        return received_state(self.msg.content[protocol.ARRAYS])
+        return received_state(self.msg.content.array_records[protocol.ARRAYS])
 
     def candidate_models(self, op: str) -> list[dict[str, torch.Tensor]]:
         """The several models of an ``arrays.multi`` message, as state dicts in the order the server packed them."""
         if protocol.ARRAYS not in self.msg.content or not self.request.load.multi:
             raise ProtocolError(f"{op} needs several models in the message (arrays.multi)")
-        return split_models(self.msg.content[protocol.ARRAYS])
+        return split_models(self.msg.content.array_records[protocol.ARRAYS])
 
     def model_from(self, state: Mapping[str, torch.Tensor]) -> nn.Module:
         """A separate model of the client's architecture holding the given (complete) state."""
-        model = build_model(self.arch, self.fed.num_classes, tuple(self.fed.input_shape)).to(self.device)
+        model = build_model(self.arch, self.fed.num_classes, self.fed.input_shape).to(self.device)
         model.load_state_dict(state, strict=True)
         return model
 
@@ -696,8 +717,8 @@ def evaluate_received(w: Worker, tag: str) -> None:
     if protocol.EVAL_ARRAYS not in w.msg.content:
         raise ProtocolError("evaluate-received needs a model in the message's 'eval-arrays' record")
     arch = w.request.evaluation.received_model or w.arch
-    scratch = build_model(arch, w.fed.num_classes, tuple(w.fed.input_shape)).to(w.device)
-    load_arrays(scratch, received_state(w.msg.content[protocol.EVAL_ARRAYS]), strict=True)
+    scratch = build_model(arch, w.fed.num_classes, w.fed.input_shape).to(w.device)
+    load_arrays(scratch, received_state(w.msg.content.array_records[protocol.EVAL_ARRAYS]), strict=True)
     w.evaluate(scratch, tag)
 
 

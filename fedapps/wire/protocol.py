@@ -50,8 +50,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -298,7 +299,7 @@ class Section:
         """The optimiser settings this section overrides (those set)."""
         return {k: getattr(self, k) for k in OPTIMISER_FIELDS if getattr(self, k) is not None}
 
-    def over(self, base: "Section") -> "Section":
+    def over(self, base: Section) -> Section:
         """This section's settings over ``base``'s (a tagged ``train:<tag>`` section over ``train``)."""
         changes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                    if f.name != "extra" and getattr(self, f.name) is not None}
@@ -440,7 +441,7 @@ class Request:
         return ConfigRecord(out)
 
     @classmethod
-    def decode(cls, config: Any) -> "Request":
+    def decode(cls, config: Any) -> Request:
         """The request a config record holds; MessageError (naming the key) for anything the schema does not allow:
         a missing ``ops`` / ``round``, a value of the wrong type, an unknown array transport, an unknown key."""
         if not isinstance(config, (ConfigRecord, dict)):  # a dict: the same settings before they are a record
@@ -591,7 +592,7 @@ class Targets:
         return arrays_record(arrays) if arrays else None
 
     @classmethod
-    def decode(cls, record: Any) -> "Targets":
+    def decode(cls, record: Any) -> Targets:
         """The targets a record holds; MessageError for another record type, an unknown array, row indices that are
         not integers, or rows for distillation without targets."""
         if not isinstance(record, ArrayRecord):
@@ -623,7 +624,7 @@ class ReplyInfo:
         return ConfigRecord(_present({INFO_ARCH: self.arch, INFO_FINGERPRINT: self.fingerprint}))
 
     @classmethod
-    def decode(cls, record: Mapping[str, Any]) -> "ReplyInfo":
+    def decode(cls, record: Mapping[str, Any]) -> ReplyInfo:
         """The info a record holds (entries it does not know are ignored: the reply validator bounds them)."""
         arch, fingerprint = record.get(INFO_ARCH), record.get(INFO_FINGERPRINT)
         for key, value in ((INFO_ARCH, arch), (INFO_FINGERPRINT, fingerprint)):
@@ -666,7 +667,7 @@ def eval_nbytes(content: RecordDict) -> int:
     """Bytes of the model a message carries for evaluation only (its ``eval-arrays`` record; 0 without)."""
     if EVAL_ARRAYS not in content:
         return 0
-    return sum(len(a.data) for a in content[EVAL_ARRAYS].values())
+    return sum(len(a.data) for a in content.array_records[EVAL_ARRAYS].values())
 
 
 def record_nbytes(content: RecordDict) -> int:
@@ -702,6 +703,20 @@ class ClientReply:
     info: dict[str, Any] = field(default_factory=dict)
     nbytes: int = 0
 
+    @property
+    def required_arrays(self) -> dict[str, np.ndarray]:
+        """The model arrays of a reply that was asked for them (the validator drops one that lacks them)."""
+        if self.arrays is None:
+            raise ReplyError(f"client {self.client_id}'s reply carries no model arrays")
+        return self.arrays
+
+    @property
+    def required_predictions(self) -> dict[str, np.ndarray]:
+        """The predictions of a reply that was asked for them (the validator drops one that lacks them)."""
+        if self.predictions is None:
+            raise ReplyError(f"client {self.client_id}'s reply carries no predictions")
+        return self.predictions
+
 
 class ReplyError(ValueError):
     """A reply that must not be used; the message says why."""
@@ -714,7 +729,7 @@ def parse_reply(msg: Message, expect_arrays: bool = False, expect_predictions: b
     content = msg.content
     if METRICS not in content:
         raise ReplyError("reply without a 'metrics' record")
-    metrics = dict(content[METRICS])
+    metrics: dict[str, Any] = dict(content.metric_records[METRICS])
     for key in (CLIENT_ID, NUM_EXAMPLES):
         if key not in metrics:
             raise ReplyError(f"reply metrics lack '{key}'")
@@ -727,7 +742,7 @@ def parse_reply(msg: Message, expect_arrays: bool = False, expect_predictions: b
         raise ReplyError(f"negative num-examples {num_examples}")
     arrays = None
     if ARRAYS in content:
-        arrays = {k: from_wire(v.numpy(), np.float32) for k, v in content[ARRAYS].items()}
+        arrays = {k: from_wire(v.numpy(), np.float32) for k, v in content.array_records[ARRAYS].items()}
         for k, a in arrays.items():  # finite as float32, the models' dtype (1e300 is finite only in float64)
             if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a.astype(np.float32))):
                 raise ReplyError(f"array '{k}' has non-finite values (as float32)")
@@ -735,7 +750,7 @@ def parse_reply(msg: Message, expect_arrays: bool = False, expect_predictions: b
         raise ReplyError("reply lacks the model arrays it was asked for")
     predictions = None
     if PREDICTIONS in content:
-        predictions = {k: v.numpy() for k, v in content[PREDICTIONS].items()}
+        predictions = {k: v.numpy() for k, v in content.array_records[PREDICTIONS].items()}
     elif expect_predictions:
         raise ReplyError("reply lacks the predictions it was asked for")
     info = dict(content[INFO]) if INFO in content else {}
@@ -765,7 +780,7 @@ def parse_replies(
     return good
 
 
-def pack_models(models: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+def pack_models(models: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """K state dicts -> one dict with keys 'm<k>.<name>' (several models in one message, ``arrays.multi``)."""
     return {f"m{k}.{name}": value for k, model in enumerate(models) for name, value in model.items()}
 

@@ -58,8 +58,9 @@ import io
 import logging
 import math
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -198,7 +199,7 @@ def expectation_for(msg: Message, model_part: Callable[[str], Mapping[str, np.nd
                           for k, v in model_part(request.returns.which).items()}
     if any(o.partition(":")[0] == "predict" for o in ops):
         rows = public_size
-        targets = msg.content.get(protocol.TARGETS) if protocol.TARGETS in msg.content else None
+        targets = msg.content.array_records.get(protocol.TARGETS)
         if targets is not None and protocol.PREDICT_INDICES in targets:
             rows = int(targets[protocol.PREDICT_INDICES].numpy().shape[0])
         exp.predictions = PredictionSpec(rows=rows, classes=int(num_classes or 0),
@@ -344,7 +345,7 @@ def wire_array(value: Any, name: str, what: str, shape: tuple[int | None, ...],
         read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         head_shape, fortran, head_dtype = read(fh, max_header_size=NPY_MAX_HEADER)
         offset = fh.tell()
-    except Exception as exc:  # noqa: BLE001 - a malformed header of any kind
+    except Exception as exc:
         raise ReplyError(f"{what} '{name}' cannot be decoded: {type(exc).__name__}: {_short(str(exc))}") from exc
     if head_dtype != dtype or tuple(head_shape) != labelled or fortran or offset + body != len(data):
         raise ReplyError(f"{what} '{name}' cannot be decoded: its bytes hold a {_short(str(head_dtype), 40)} array of "
@@ -497,7 +498,7 @@ class ReplyValidator:
         self.bound_examples: dict[int, int] = {}  # deployment: num-examples first reported per client
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "ReplyValidator":
+    def from_config(cls, cfg: Any) -> ReplyValidator:
         """The validator for an experiment config: sizes and U from the federation where the server can build
         it (simulation), the model from ``model.name``."""
         from fedapps.data import NODES, get_federation, spec_info
@@ -522,9 +523,10 @@ class ReplyValidator:
 
         return cls(d.num_clients, train, test, model_part, public_size, num_classes, registry_of(d))
 
-    def model_part(self, part: str) -> dict[str, np.ndarray] | None:
+    def model_part(self, part: str) -> dict[str, np.ndarray]:
+        """The model's arrays of ``part``, built once (only for a validator given ``model_part``)."""
         if self._model_part is None:
-            return None
+            raise ValueError("this validator was given no model_part")
         if part not in self._parts:
             self._parts[part] = dict(self._model_part(part))
         return self._parts[part]
@@ -559,7 +561,7 @@ class ReplyValidator:
             raise ReplyError(f"unexpected record(s) {unknown}")
         if protocol.METRICS not in content or not isinstance(content[protocol.METRICS], MetricRecord):
             raise ReplyError("reply without a 'metrics' record")
-        metrics = dict(content[protocol.METRICS])
+        metrics: dict[str, Any] = dict(content.metric_records[protocol.METRICS])
         for key in (protocol.CLIENT_ID, protocol.NUM_EXAMPLES):
             if key not in metrics:
                 raise ReplyError(f"reply metrics lack '{key}'")
@@ -584,7 +586,7 @@ class ReplyValidator:
         if protocol.INFO in content:
             if not isinstance(content[protocol.INFO], ConfigRecord):
                 raise ReplyError("'info' must be a ConfigRecord")
-            info = dict(content[protocol.INFO])
+            info = dict(content.config_records[protocol.INFO])
             check_info(info)
         fingerprint = info.get(protocol.INFO_FINGERPRINT)
         if exp.fingerprint is not None and fingerprint != exp.fingerprint:
