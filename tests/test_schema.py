@@ -258,3 +258,16 @@ def test_decode_refuses_a_message_without_settings_or_with_a_bad_record():
     assert Targets.decode(values).values.shape == (2, 3)
     with pytest.raises(MessageError, match="'arch' must be a string"):
         ReplyInfo.decode({"arch": 3})
+
+
+def test_a_reply_without_what_it_was_asked_for_cannot_be_aggregated():
+    """ClientReply.required_arrays / required_predictions: a strategy reading a reply that lacks them gets a
+    ReplyError naming the client, never None silently."""
+    reply = protocol.ClientReply(node_id=7, client_id=3, num_examples=10, metrics={})
+    with pytest.raises(protocol.ReplyError, match="client 3's reply carries no model arrays"):
+        reply.required_arrays
+    with pytest.raises(protocol.ReplyError, match="client 3's reply carries no predictions"):
+        reply.required_predictions
+    full = protocol.ClientReply(node_id=7, client_id=3, num_examples=10, metrics={},
+                                arrays={"w": np.ones(2)}, predictions={"p": np.zeros(3)})
+    assert full.required_arrays is full.arrays and full.required_predictions is full.predictions

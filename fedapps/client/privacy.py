@@ -105,12 +105,12 @@ def out_of_place(model: nn.Module) -> Iterator[None]:
     are the same; the flags are restored afterwards."""
     changed = [m for m in model.modules() if getattr(m, "inplace", False) is True]
     for m in changed:
-        m.inplace = False
+        setattr(m, "inplace", False)  # noqa: B010 - nn.Module's typing has no inplace attribute to assign
     try:
         yield
     finally:
         for m in changed:
-            m.inplace = True
+            setattr(m, "inplace", True)  # noqa: B010
 
 
 def add_regulariser_gradient(model: nn.Module, params: list[nn.Parameter], regulariser: ops.Regulariser | None) -> None:
@@ -120,6 +120,7 @@ def add_regulariser_gradient(model: nn.Module, params: list[nn.Parameter], regul
     grads = torch.autograd.grad(regulariser(model), params, allow_unused=True)
     for p, g in zip(params, grads):
         if g is not None:
+            assert p.grad is not None  # the noisy step has just written every parameter's gradient
             p.grad.add_(g)
 
 
