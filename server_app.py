@@ -125,7 +125,7 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
             sink.on_round(entry)
         checkpoint.save_checkpoint(files.dir, {
             "round": entry.round, "config": config_yaml, "strategy_name": resolved.name, "run_token": token,
-            "state": strategy.checkpoint_state(), "rows": files.rows, "wall_seconds": time.time() - t0,
+            "state": strategy.rounds.checkpoint_state(), "rows": files.rows, "wall_seconds": time.time() - t0,
             "delivery": copy.deepcopy(vars(delivery))})
         if after_round is not None:
             after_round(entry.round)
@@ -138,16 +138,16 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     strategy = resolved.build(cfg, context)
     first_round = 1
     if saved is not None:
-        strategy.load_checkpoint_state(saved["state"])
+        strategy.rounds.load_checkpoint_state(saved["state"])
         first_round = int(saved["round"]) + 1
         log.info("resuming '%s' after round %d of %d", files.dir, first_round - 1, cfg.rounds)
     if description is not None:  # after a checkpoint's bindings: the nodes described now are who they said
-        bind_accepted(describe_validator, strategy.validator, description)
+        bind_accepted(describe_validator, strategy.replies.validator, description)
     # experiment trackers (config key tracking), after the file sink: at the end they read the files it wrote
     trackers = tracking.tracking_sinks(cfg, files.dir, resumed=saved is not None)
     sinks.extend(trackers)
     try:
-        strategy.start(grid=grid, num_rounds=cfg.rounds, timeout=cfg.strategy.timeout, first_round=first_round)
+        strategy.rounds.start(grid=grid, num_rounds=cfg.rounds, timeout=cfg.strategy.timeout, first_round=first_round)
     except BaseException as exc:  # the trackers mark their run failed; the error itself goes on
         tracking.abort(trackers, f"{type(exc).__name__}: {exc}")
         raise

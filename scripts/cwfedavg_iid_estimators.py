@@ -29,7 +29,7 @@ def measure(estimator: str, lam: float, rounds: int) -> str:
                        f"strategy.params.cwfedavg.estimator={estimator}", f"strategy.params.cwfedavg.wdr_lambda={lam}"])
     resolved = resolve(cfg)
     strategy = resolved.build(resolved.config(cfg))
-    strategy.start(InProcessGrid(CLIENTS))
+    strategy.rounds.start(InProcessGrid(CLIENTS))
     rows = [strategy.stack.row_of[c] for c in range(CLIENTS)]
     a = mixing_matrix(strategy.p_hat[rows], strategy.q[rows])
     fedavg = fedavg_weights(strategy.n[rows])

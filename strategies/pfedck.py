@@ -37,7 +37,8 @@ from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.wire.protocol import ClientReply
 from fedapps.seeds import derive_rng
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
+from strategies.aggregation import average_matching
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.cfl import update_vector
 from strategies.comet import kmeans, kmeans_plus_plus
 from strategies.fedavg import initial_model_arrays
@@ -175,7 +176,7 @@ class PFedCK(PersonalisedStrategy):
         records: dict[int, Any] = {}
         messages = []
         for n in node_ids:
-            model = self.interactive_of(self.node_to_client.get(n))
+            model = self.interactive_of(self.nodes.node_to_client.get(n))
             if id(model) not in records:
                 records[id(model)] = protocol.arrays_record(model)
             messages.append(protocol.build_message(n, server_round, [TRAIN_OP], config, arrays=records[id(model)]))

@@ -168,7 +168,7 @@ def test_fedmd_messages_carry_the_same_consensus_and_the_subset_indices():
     msgs = s.round_messages(2, nodes)
     assert list(msgs[0].content["config"]["ops"]) == ["distill", "train", "predict"]
     # the base class adds the protocol's evaluations: the own (deployed) model before the digest, after training
-    assert list(s.messages_for_round(2, nodes)[0].content["config"]["ops"]) == [
+    assert list(s.evaluation.messages_for_round(2, nodes)[0].content["config"]["ops"]) == [
         "evaluate:deployed", "distill", "train", "predict", "evaluate:after"]
     expected = np.mean(logits, axis=0)
     for msg in msgs:  # the same consensus for everyone, on the previous round's subset
@@ -292,7 +292,7 @@ def test_comet_sends_each_client_its_cluster_mean():
     preds = [a, a, b, b]
     replies = [_reply(i, p.astype(np.float32)) for i, p in enumerate(preds)]
     for r in replies:
-        s.node_to_client[r.node_id] = r.client_id
+        s.nodes.node_to_client[r.node_id] = r.client_id
     s.aggregate(1, replies)
     assert s.assignment[0] == s.assignment[1] != s.assignment[2] == s.assignment[3]
     msgs = s.round_messages(2, [100, 101, 102, 103])

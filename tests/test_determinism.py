@@ -94,11 +94,11 @@ def test_every_strategy_state_round_trips(tiny_config):
         cfg = load_config(tiny_config(**sections))
         resolved = resolve(cfg)
         s = resolved.build(resolved.config(cfg))
-        s.start(InProcessGrid(6), num_rounds=1)
-        saved = pickle.loads(pickle.dumps(s.checkpoint_state()))
+        s.rounds.start(InProcessGrid(6), num_rounds=1)
+        saved = pickle.loads(pickle.dumps(s.rounds.checkpoint_state()))
         fresh = resolved.build(resolved.config(cfg))
-        fresh.load_checkpoint_state(saved)
-        again = fresh.checkpoint_state()
+        fresh.rounds.load_checkpoint_state(saved)
+        again = fresh.rounds.checkpoint_state()
         assert pickle.dumps(sorted(again["strategy"])) == pickle.dumps(sorted(saved["strategy"])), name
         assert again["rng"] == saved["rng"] and again["node_to_client"] == saved["node_to_client"], name
         for key, value in saved["strategy"].items():

@@ -20,7 +20,9 @@ from fedapps.wire.protocol import ARRAYS, ClientReply
 from fedapps.reporting.results import measured_columns, read_csv, round_row
 from fedapps.client.worker import Worker
 from strategies import RunContext, resolve
-from strategies.base import DeployedModel, RoundLog, with_evaluations
+from fedapps.server.evaluation import with_evaluations
+from fedapps.server.rounds import RoundLog
+from strategies.base import DeployedModel
 from strategies.fednh import (COUNTS, TRAIN_OP, FedNH, class_prototypes, min_pairwise_angle,
                               orthogonal_prototypes, penultimate_features, uniform_prototypes, update_prototypes)
 from test_ops_worker import worker_message
@@ -219,7 +221,7 @@ def test_generic_column_is_the_global_model_of_the_round_it_is_filed_under() -> 
         expected[entry.round] = {c: ops.evaluate(model, fed.client(c).test_x, fed.client(c).test_y) for c in (0, 1)}
 
     s = resolved.build(cfg, RunContext(on_round=on_round))
-    s.start(InProcessGrid(2))
+    s.rounds.start(InProcessGrid(2))
     measured = {m.round: m for e in logs for m in e.measurements}
     assert sorted(measured) == [1, 2]
     for rnd, m in measured.items():

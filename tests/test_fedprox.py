@@ -37,7 +37,7 @@ def run(tiny_config, mu, strategy="fedprox", rounds=2):
     resolved = resolve(cfg)
     strategy_obj = resolved.build(cfg)
     grid = InProcessGrid(cfg.data.num_clients, record=True)
-    result = strategy_obj.start(grid)
+    result = strategy_obj.rounds.start(grid)
     return strategy_obj, grid, result
 
 

@@ -358,7 +358,7 @@ def run_inprocess(tiny_config, name: str, params: dict | None = None):
     cfg = load_config(tiny_config(rounds=2, strategy=strategy))
     s = resolve(cfg).build(cfg)
     grid = InProcessGrid(cfg.data.num_clients, record=True)
-    return s, grid, s.start(grid)
+    return s, grid, s.rounds.start(grid)
 
 
 def test_feduv_at_zero_is_fedavg_and_otherwise_sends_its_settings(tiny_config):

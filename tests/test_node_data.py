@@ -230,16 +230,16 @@ def test_a_node_whose_data_do_not_fit_refuses_a_later_message(tmp_path, digits):
     s = resolve(cfg).build(cfg)
     grid = InProcessGrid(2, node_configs={0: {"data-path": str(sites[0]), "client-id": 0},
                                           1: {"data-path": str(wrong), "client-id": 1}})
-    (msg,) = s.messages_for_round(1, [101])
+    (msg,) = s.evaluation.messages_for_round(1, [101])
     reply = grid.send_and_receive([msg])[0]
     assert reply.has_error()
     assert "declares 12 classes, the federation has 10" in reply.error.reason and str(wrong) in reply.error.reason
-    (ok,) = grid.send_and_receive(s.messages_for_round(1, [100]))
+    (ok,) = grid.send_and_receive(s.evaluation.messages_for_round(1, [100]))
     assert not ok.has_error()
     shifted = tmp_path / "shifted.npz"  # no declared count, labels 5..14
     np.savez(shifted, x=x[:60], y=y[:60] + 5)
     grid = InProcessGrid(2, node_configs={1: {"data-path": str(shifted), "client-id": 1}})
-    reply = grid.send_and_receive(s.messages_for_round(1, [101]))[0]
+    reply = grid.send_and_receive(s.evaluation.messages_for_round(1, [101]))[0]
     assert reply.has_error() and "label 14 is outside the federation's 10 classes" in reply.error.reason
 
 
@@ -373,7 +373,7 @@ def test_readme_restart_table_matches_what_each_strategy_sends(tmp_path):
         s = resolve(cfg).build(cfg)
         kinds = set()
         for rnd in (1, 2):
-            for msg in s.messages_for_round(rnd, [100, 101]):
+            for msg in s.evaluation.messages_for_round(rnd, [100, 101]):
                 config = dict(msg.content[protocol.CONFIG])
                 kinds.add(lost_on_restart(config))
                 if config.get("load-arrays") and protocol.ARRAYS in msg.content:  # arrays.keys says what is loaded

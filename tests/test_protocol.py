@@ -31,7 +31,9 @@ from fedapps.reporting.results import FileSink, accuracy_stats, measured_columns
 from fedapps.seeds import derive_seed
 from fedapps.client.worker import STATE_MODEL, Worker, optim_settings, part_names
 from strategies import STRATEGIES, RunContext, resolve
-from strategies.base import DeployedModel, Measurement, RoundLog, with_evaluations
+from fedapps.server.evaluation import with_evaluations
+from fedapps.server.rounds import Measurement, RoundLog
+from strategies.base import DeployedModel
 
 CLIENTS = 2
 SHAPE, CLASSES = (1, 8, 8), 10
@@ -142,7 +144,7 @@ def test_deployed_model_of_every_strategy_on_a_two_client_toy(name):
         expected[entry.round] = {c: HAND[name](s, grid, c, fed.client(c), entry.round) for c in range(CLIENTS)}
 
     s = resolved.build(cfg, RunContext(on_round=on_round))
-    s.start(grid)
+    s.rounds.start(grid)
     measured = {m.round: (m, e.round) for e in logs for m in e.measurements}
     assert sorted(measured) == [1, 2]
     assert measured[1][1] == 2 and not measured[1][0].final  # rode on round 2's messages
@@ -244,7 +246,7 @@ def test_cosmos_headline_is_its_cluster_models_on_hand_built_replies(tmp_path):
     fed = get_federation(dataclasses.asdict(cfg.data))
     s.models = {0: build_model("mlp", CLASSES, SHAPE, seed=1), 1: build_model("mlp", CLASSES, SHAPE, seed=2)}
     s.cluster_of = {0: 0, 1: 1, 2: 0}  # client 3 has no cluster yet
-    s.node_to_client = {100 + c: c for c in range(4)}
+    s.nodes.node_to_client = {100 + c: c for c in range(4)}
     correct = {0: 3, 1: 20, 2: 40}  # per client, out of its whole test split
 
     class Grid:
@@ -269,7 +271,7 @@ def test_cosmos_headline_is_its_cluster_models_on_hand_built_replies(tmp_path):
 
     InProcessGrid(1)  # Flower's task identity, so that messages can be built outside its runtime
     entry = RoundLog(1, [_reply(c, _metrics(c, "after", 1, 10)) for c in range(4)], 0, 0)
-    s.final_evaluation(Grid(), 1, 5.0, entry)
+    s.evaluation.final_evaluation(Grid(), 1, 5.0, entry)
     assert [m.round for m in entry.measurements] == [1]
     assert sorted(r.client_id for r in entry.measurements[0].replies) == [0, 1, 2]
     sink = FileSink(cfg, tmp_path)
@@ -293,7 +295,7 @@ def sampled_clients(seed: int, node_ids: list[int], rounds: int = 4) -> tuple[li
     s = STRATEGIES["fedavg"](cfg)
     grid = InProcessGrid(20, node_ids=node_ids, record=True)
     client_of = {n: int(c.node_config["partition-id"]) for n, c in grid.contexts.items()}
-    return [sorted(client_of[n] for n in s.sample_nodes(grid)) for _ in range(rounds)], grid
+    return [sorted(client_of[n] for n in s.nodes.sample_nodes(grid)) for _ in range(rounds)], grid
 
 
 def test_client_sampling_is_seeded_over_client_ids_whatever_the_node_ids():
@@ -317,7 +319,7 @@ def test_full_participation_identifies_every_node_once():
     cfg = load_config(None, "data.source=digits data.num_clients=4 model.name=mlp client.device=cpu")
     grid = InProcessGrid(4, record=True)
     strategy = STRATEGIES["fedavg"](cfg)
-    assert strategy.sample_nodes(grid) == sorted(grid.contexts) == strategy.sample_nodes(grid)
+    assert strategy.nodes.sample_nodes(grid) == sorted(grid.contexts) == strategy.nodes.sample_nodes(grid)
     assert sorted(int(m.metadata.dst_node_id) for m in grid.sent) == sorted(grid.contexts)
     assert all(list(m.content[protocol.CONFIG]["ops"]) == [] for m in grid.sent)
 
@@ -374,7 +376,7 @@ def test_final_evaluation_reaches_every_client_in_batches_of_a_cohort():
     grid.send_and_receive = lambda messages, timeout=None: (batches.append(len(list(messages))) or
                                                              send(messages, timeout=timeout))
     entry = RoundLog(1, [], 0, 0)
-    s.final_evaluation(grid, 1, 60.0, entry)
+    s.evaluation.final_evaluation(grid, 1, 60.0, entry)
     assert batches == [2, 2, 2, 2]
     (m,) = entry.measurements
     assert m.final and sorted(r.client_id for r in m.replies) == list(range(8))

@@ -94,7 +94,7 @@ def test_every_zoo_model_under_every_parameter_sharing_strategy(model, name, tin
     logs: list = []
     grid = InProcessGrid(CLIENTS, record=True)
     # the strategy's own round loop, without the app's checkpoints and files: what is tested is the exchange
-    resolved.build(resolved.config(cfg), RunContext(on_round=logs.append)).start(grid)
+    resolved.build(resolved.config(cfg), RunContext(on_round=logs.append)).rounds.start(grid)
     errors = [m.error.reason for m in grid.replies if m.has_error()]
     assert not errors, f"{model} under {name}: {errors}"
     assert [len(e.replies) for e in logs] == [CLIENTS, CLIENTS], f"{model} under {name}"

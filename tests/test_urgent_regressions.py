@@ -10,7 +10,7 @@ import server_app
 from fedapps.wire import protocol
 from fedapps.config import load_config
 from fedapps.flower.inprocess import InProcessGrid
-from strategies.base import sample_ids
+from fedapps.server.sampling import sample_ids
 
 BIG = 2**63 - 40  # Flower's node ids are uint64: a federation mixes ids below and above 2**63 (-> float64 in numpy)
 

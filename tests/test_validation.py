@@ -21,7 +21,7 @@ from fedapps.server.robust import (AggregationRule, cap_weights, clip_update, co
                             update_norm)
 from fedapps.wire.validation import LOGIT_BOUND, ArraySpec, Expectation, PredictionSpec, ReplyValidator
 from strategies import resolve
-from strategies.base import average_matching
+from strategies.aggregation import average_matching
 
 InProcessGrid(1)  # Message() needs a task identity outside Flower's runtime
 
