@@ -104,7 +104,6 @@ class RunContext:
     excluded_nodes: frozenset[int] = frozenset()
 
 
-
 class PersonalisedStrategy:
     """Base class of the algorithms: a subclass says what its deployed model is, builds the round's messages and
     aggregates the replies; its collaborators (built here, see the module docstring) do the rest.

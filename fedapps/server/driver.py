@@ -111,8 +111,8 @@ class RoundDriver:
         min_clients = self.strategy.cfg.strategy.min_clients
         skipped = len(parsed) < min_clients
         if skipped:
-            self.replies.skip_round(rnd, f"round skipped: {len(parsed)} usable replies, fewer than strategy.min_clients="
-                                         f"{min_clients} (no aggregation)")
+            self.replies.skip_round(rnd, f"round skipped: {len(parsed)} usable replies, fewer than "
+                                         f"strategy.min_clients={min_clients} (no aggregation)")
         extra = {} if skipped else self.strategy.aggregate(rnd, parsed)
         if not skipped:
             self.last_extra = dict(extra)
