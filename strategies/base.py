@@ -4,13 +4,14 @@
 what it measured — per-round extras from ``aggregate``, summary entries from ``final_summary``, artefacts as data
 from ``artifacts`` — for the result sinks to write.
 
-What every run needs besides is done by collaborators the strategy builds at construction, from its config and
-:class:`RunContext` (nothing is wired afterwards): ``nodes`` (:class:`fedapps.server.sampling.NodeSampler`: the
-seeded cohort and which client each node is), ``replies`` (:class:`fedapps.server.replies.ReplyChecks`: reply
-validation and what the algorithm left out, ``skip_reply`` / ``skip_round``), ``evaluation``
-(:class:`fedapps.server.evaluation.EvaluationProtocol`: the evaluation protocol, docs/evaluation.md, and
-``strategy.transport``) and ``rounds`` (:class:`fedapps.server.driver.RoundDriver`: the round loop, ``start``, and
-the checkpoint of the loop's state). Helpers several algorithms aggregate with are in :mod:`strategies.aggregation`.
+The services an algorithm uses are built with it, from its config and :class:`RunContext` (nothing is wired
+afterwards): ``nodes`` (:class:`fedapps.server.sampling.NodeSampler`: the seeded cohort and which client each node
+is), ``replies`` (:class:`fedapps.server.replies.ReplyChecks`: reply validation and what the algorithm left out,
+``skip_reply`` / ``skip_round``) and ``history`` (:class:`fedapps.server.rounds.RoundHistory`: the last extras and
+measurement, for the summary). The strategy is run by :class:`fedapps.server.driver.RoundDriver` (the round loop,
+``RoundDriver(strategy).start(grid)``, and the checkpoint of the loop's state), which adds the evaluation protocol
+(:class:`fedapps.server.evaluation.EvaluationProtocol`, docs/evaluation.md). Helpers several algorithms aggregate with
+are in :mod:`strategies.aggregation`.
 """
 
 from __future__ import annotations
@@ -28,11 +29,9 @@ from fedapps.config import ConfigError, ExperimentConfig, exceeds_clients
 from fedapps.data import NODES
 from fedapps.params import parse_params
 from fedapps.reporting.results import Artifact
-from fedapps.server.driver import RoundDriver
-from fedapps.server.evaluation import EvaluationProtocol
 from fedapps.server.replies import ReplyChecks
 from fedapps.server.robust import AggregationRule
-from fedapps.server.rounds import RoundLog
+from fedapps.server.rounds import RoundHistory, RoundLog
 from fedapps.server.sampling import NodeSampler
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
@@ -106,14 +105,14 @@ class RunContext:
 
 class PersonalisedStrategy:
     """Base class of the algorithms: a subclass says what its deployed model is, builds the round's messages and
-    aggregates the replies; its collaborators (built here, see the module docstring) do the rest.
+    aggregates the replies; its services (built here) and the round driver do the rest (see the module docstring).
 
     It does not subclass Flower's ``flwr.serverapp.strategy.Strategy``: that contract is a loop of
     ``configure_train`` / ``aggregate_train`` / ``configure_evaluate`` / ``aggregate_evaluate`` around one global
     model, driven by ``Strategy.start(grid, initial_arrays, ...)``. Ours sends a personalised message per client,
     measures the previous round's deployed models on the next round's messages and resumes from a checkpoint
-    (``rounds.start(grid, num_rounds, timeout, first_round)``), so the four adapters would only be code nothing calls.
-    What it keeps of Flower: the Grid it drives, the Message API and the ``Result`` that ``rounds.start`` returns."""
+    (``RoundDriver(strategy).start(grid, num_rounds, timeout, first_round)``), so the four adapters would only be code
+    nothing calls. What it keeps of Flower: the Grid, the Message API and the ``Result`` that the driver returns."""
 
     name: ClassVar[str] = ""
     Params: ClassVar[type] = NoParams  # a dataclass of fedapps.params.param fields: strategy.params.<name>.*
@@ -122,11 +121,11 @@ class PersonalisedStrategy:
     deployed: ClassVar[DeployedModel]  # what client i's deployed model after round r is (every strategy says)
     robust_aggregation: ClassVar[bool] = False  # averages with average_matching: strategy.aggregation applies
     # Instance attributes that are NOT algorithm state (see :meth:`state_dict`): the config, the run context, the
-    # collaborators (the round loop's own state is saved apart, by ``rounds.checkpoint_state``). A subclass names its
+    # services (their state is the round loop's, saved apart by RoundDriver.checkpoint_state). A subclass names its
     # own non-state attributes (data, devices, caches rebuilt from the config) in its ``checkpoint_exclude``; the sets
     # of every class in the MRO count.
     checkpoint_exclude: ClassVar[frozenset[str]] = frozenset(
-        {"cfg", "params", "context", "rng", "rule", "replies", "nodes", "evaluation", "rounds"})
+        {"cfg", "params", "context", "rng", "rule", "replies", "nodes", "history"})
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -182,17 +181,16 @@ class PersonalisedStrategy:
     # ------------------------------------------------------------------ construction
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
         """``params``: normally from :func:`strategies.resolve` (None: read and checked from ``cfg``);
-        ``context``: what the app knows of the run (:class:`RunContext`; None: its defaults). The collaborators
-        are built here, once (see the module docstring)."""
+        ``context``: what the app knows of the run (:class:`RunContext`; None: its defaults). The services are
+        built here, once (see the module docstring); none of them holds the strategy."""
         self.cfg = cfg
         self.params = params if params is not None else self.params_from(cfg)
         self.context = context if context is not None else RunContext()
         self.rng = np.random.default_rng(cfg.seed)  # one seeded stream: the cohorts' draws and the algorithm's own
         self.rule = AggregationRule.for_run(cfg)  # for average_matching (robust_aggregation strategies)
         self.replies = ReplyChecks(self.reply_validator(), self.name)  # every reply checked against its message
-        self.nodes = NodeSampler(cfg.strategy, self.rng, self.replies, self.context.excluded_nodes, self.base_config)
-        self.evaluation = EvaluationProtocol(self, self.nodes, self.replies, cfg.strategy.transport)
-        self.rounds = RoundDriver(self, self.nodes, self.replies, self.evaluation, self.context.on_round)
+        self.nodes = NodeSampler(cfg.strategy, self.rng, self.replies, self.context.excluded_nodes)
+        self.history = RoundHistory()  # kept by the round driver
 
     def reply_validator(self) -> ReplyValidator:
         """The validator of this strategy's replies, built from ``self.cfg`` alone (it is built before a subclass's
@@ -214,7 +212,7 @@ class PersonalisedStrategy:
     # ------------------------------------------------------------------ to implement
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         """The round's messages, one per sampled node, with the algorithm's own operations only (the deployed
-        model's and the after-training evaluations are added by ``evaluation.messages_for_round``)."""
+        model's and the after-training evaluations are added by ``EvaluationProtocol.messages_for_round``)."""
         raise NotImplementedError
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:

@@ -391,7 +391,7 @@ class Cosmos(PersonalisedStrategy):
             "b0": c.b0 if c else None,
             "b0_mode": c.mode if c else None,
             "distance": self.params.distance,
-            "cluster_model_accuracy": self.rounds.last_measured.get("acc_mean"),  # the headline (deployed model)
+            "cluster_model_accuracy": self.history.last_measured.get("acc_mean"),  # the headline (deployed model)
             "client_model_accuracy": self.last_acc.get("client"),
         }
         if c and self.fed.groups is not None:

@@ -631,7 +631,7 @@ class CwFedAvg(PersonalisedStrategy):
     def final_summary(self) -> dict[str, Any]:
         p: CwFedAvgParams = self.params
         out: dict[str, Any] = {"cwfedavg": {**dataclasses.asdict(p), "classwise_keys": self.classwise}}
-        for k, v in self.rounds.last_extra.items():
+        for k, v in self.history.last_extra.items():
             if k.startswith("est_l1"):
                 out[f"final_{k}"] = v
         return out

@@ -14,6 +14,7 @@ from flwr.app import RecordDict
 from fedapps.wire import protocol, pseudolabels
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.evaluation import EvaluationProtocol
 from fedapps.wire.protocol import ClientReply
 from strategies.comet import COMET, cluster_means, kmeans, kmeans_plus_plus
 from strategies.fedct import FedCT, majority_vote, qualified_vote, vote_counts
@@ -168,7 +169,7 @@ def test_fedmd_messages_carry_the_same_consensus_and_the_subset_indices():
     msgs = s.round_messages(2, nodes)
     assert list(msgs[0].content["config"]["ops"]) == ["distill", "train", "predict"]
     # the base class adds the protocol's evaluations: the own (deployed) model before the digest, after training
-    assert list(s.evaluation.messages_for_round(2, nodes)[0].content["config"]["ops"]) == [
+    assert list(EvaluationProtocol(s).messages_for_round(2, nodes)[0].content["config"]["ops"]) == [
         "evaluate:deployed", "distill", "train", "predict", "evaluate:after"]
     expected = np.mean(logits, axis=0)
     for msg in msgs:  # the same consensus for everyone, on the previous round's subset

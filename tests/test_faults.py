@@ -24,6 +24,7 @@ import server_app
 from fedapps.flower import faults
 from fedapps.config import load_config
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.driver import RoundDriver
 from strategies import STRATEGIES, RunContext, resolve
 
 CLIENTS, ROUNDS = 2, 2
@@ -89,7 +90,7 @@ def run(strategy: str, spec: str = "", clients: int = CLIENTS, extra: tuple[str,
     s = resolved.build(cfg, RunContext(on_round=logs.append))
     grid = InProcessGrid(clients, node_configs={faulty: {"faults": spec}} if spec else None,
                          mods=[faults.faults_mod, *mods])
-    s.rounds.start(grid, num_rounds=ROUNDS, timeout=cfg.strategy.timeout)
+    RoundDriver(s).start(grid, num_rounds=ROUNDS, timeout=cfg.strategy.timeout)
     return Run(s, logs)
 
 
@@ -133,16 +134,14 @@ def snapshot(value: Any, depth: int = 0) -> Any:
     return repr(value)
 
 
-COLLABORATORS = ("replies", "nodes", "evaluation", "rounds")  # their state is the round loop's, taken below
+SERVICES = ("replies", "nodes")  # a strategy's services: what the comparison needs of them is taken below
 
 
 def server_state(r: Run, skip_round_of_fault: int | None = None) -> dict:
     s = r.strategy
     # the algorithm's attributes and the round loop's state (node_to_client is compared below: bound in another round
     # when the reply was dropped)
-    loop = {"identify_asked": s.nodes.identify_asked, "last_extra": s.rounds.last_extra,
-            "last_measured": s.rounds.last_measured}
-    state = snapshot({**{k: v for k, v in vars(s).items() if k not in COLLABORATORS}, **loop})
+    state = snapshot({**{k: v for k, v in vars(s).items() if k not in SERVICES}, "identify_asked": s.nodes.identify_asked})
     per_round = [(log.round, sorted((x.client_id, snapshot(x.metrics)) for x in log.replies), snapshot(log.extra))
                  for log in r.logs]
     return {"strategy": state, "rounds": per_round, "final": snapshot(r.strategy.final_arrays())}

@@ -14,14 +14,15 @@ import server_app
 from fedapps.wire import protocol
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.driver import RoundDriver
+from fedapps.server.evaluation import with_evaluations
+from fedapps.server.rounds import RoundLog
 from fedapps.models import ModelError, build_model
 from fedapps.models.heads import CosineClassifier
 from fedapps.wire.protocol import ARRAYS, ClientReply
 from fedapps.reporting.results import measured_columns, read_csv, round_row
 from fedapps.client.worker import Worker
 from strategies import RunContext, resolve
-from fedapps.server.evaluation import with_evaluations
-from fedapps.server.rounds import RoundLog
 from strategies.base import DeployedModel
 from strategies.fednh import (COUNTS, TRAIN_OP, FedNH, class_prototypes, min_pairwise_angle,
                               orthogonal_prototypes, penultimate_features, uniform_prototypes, update_prototypes)
@@ -221,7 +222,7 @@ def test_generic_column_is_the_global_model_of_the_round_it_is_filed_under() -> 
         expected[entry.round] = {c: ops.evaluate(model, fed.client(c).test_x, fed.client(c).test_y) for c in (0, 1)}
 
     s = resolved.build(cfg, RunContext(on_round=on_round))
-    s.rounds.start(InProcessGrid(2))
+    RoundDriver(s).start(InProcessGrid(2))
     measured = {m.round: m for e in logs for m in e.measurements}
     assert sorted(measured) == [1, 2]
     for rnd, m in measured.items():

@@ -17,6 +17,7 @@ import torch
 from fedapps.wire import protocol
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.driver import RoundDriver
 from fedapps.models import build_model
 from fedapps.wire.protocol import ClientReply
 from fedapps.reporting.results import read_csv
@@ -233,7 +234,7 @@ def test_batchnorm_buffers_stay_on_the_clients(tiny_config):
                                   strategy={"name": "pfedhn", "params": {"pfedhn": {"hidden_dim": 2, "hidden_layers": 0}}}))
     s = resolve(cfg).build(cfg)
     grid = InProcessGrid(2, record=True)
-    s.rounds.start(grid)
+    RoundDriver(s).start(grid)
     assert not [m.error.reason for m in grid.replies if m.has_error()]
     model = build_model("mobilenetv2", 4, (1, 8, 8))
     params = {n for n, _ in model.named_parameters()}
@@ -254,7 +255,7 @@ def run_inprocess(tiny_config, rounds: int, grid: InProcessGrid | None = None):
     logs: list = []
     s = resolved.build(cfg, RunContext(on_round=logs.append))
     grid = grid if grid is not None else InProcessGrid(4, record=True)
-    return s, grid, s.rounds.start(grid), logs, resolved, cfg
+    return s, grid, RoundDriver(s).start(grid), logs, resolved, cfg
 
 
 def test_short_run_personalises_and_learns(tiny_config):
@@ -281,11 +282,11 @@ def test_a_resumed_run_continues_the_hypernetwork_and_its_momentum(tiny_config):
     straight, _, _, _, resolved, cfg = run_inprocess(tiny_config, 2)
     first = resolved.build(cfg)
     grid = InProcessGrid(4)
-    first.rounds.start(grid, num_rounds=1)
-    saved = pickle.loads(pickle.dumps(first.rounds.checkpoint_state()))
+    RoundDriver(first).start(grid, num_rounds=1)
+    saved = pickle.loads(pickle.dumps(RoundDriver(first).checkpoint_state()))
     resumed = resolved.build(cfg)
-    resumed.rounds.load_checkpoint_state(saved)
-    resumed.rounds.start(grid, num_rounds=2, first_round=2)
+    RoundDriver(resumed).load_checkpoint_state(saved)
+    RoundDriver(resumed).start(grid, num_rounds=2, first_round=2)
     for k, v in straight.hn.state_dict().items():
         assert torch.equal(v, resumed.hn.state_dict()[k]), k
     a, b = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]

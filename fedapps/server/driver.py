@@ -13,34 +13,37 @@ import numpy as np
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from fedapps.config import ExperimentConfig
 from fedapps.flower.connect import wait_for_clients
 from fedapps.reporting.results import accuracy_stats
-from fedapps.server.evaluation import EvaluationProtocol
-from fedapps.server.replies import ReplyChecks
-from fedapps.server.rounds import Measurement, RoundLog, measurement_metrics, round_metrics
-from fedapps.server.sampling import NodeSampler
+from fedapps.server.evaluation import EvaluatedStrategy, EvaluationProtocol
+from fedapps.server.rounds import Measurement, RoundHistory, RoundLog, measurement_metrics, round_metrics
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 
 log = logging.getLogger("fedapps")
 
 
-class DrivenStrategy(Protocol):
-    """What the loop asks of a strategy (``strategies.base.PersonalisedStrategy``)."""
+class RoundRecorder(Protocol):
+    """Where a round's record goes (``strategies.base.RunContext``)."""
 
     @property
-    def name(self) -> str: ...
+    def on_round(self) -> Callable[[RoundLog], None] | None: ...
 
-    @property
-    def cfg(self) -> ExperimentConfig: ...
+
+class DrivenStrategy(EvaluatedStrategy, Protocol):
+    """What the loop asks of a strategy (``strategies.base.PersonalisedStrategy``) beyond what the evaluation
+    protocol does: its params (logged), run context (where rounds are recorded), history and the algorithm's steps."""
 
     @property
     def params(self) -> Any: ...
 
-    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]: ...
+    @property
+    def context(self) -> RoundRecorder: ...
 
-    def measures_round(self, server_round: int) -> bool: ...
+    @property
+    def history(self) -> RoundHistory: ...
+
+    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]: ...
 
     def final_arrays(self) -> Mapping[str, np.ndarray] | None: ...
 
@@ -50,20 +53,17 @@ class DrivenStrategy(Protocol):
 
 
 class RoundDriver:
-    """Drives one strategy: one message phase per round (plus the evaluation-only one after the last round).
-    ``nodes`` samples and identifies, ``replies`` validates and tallies, ``evaluation`` adds the protocol's
-    evaluations; ``record`` is called with every round's record (the result sinks and the checkpoint; None:
-    rounds recorded nowhere)."""
+    """Drives one strategy: one message phase per round (plus the evaluation-only one after the last round). The
+    strategy's ``nodes`` sample and identify, its ``replies`` validate and tally, the :class:`EvaluationProtocol`
+    adds the evaluations; every round's record goes to the strategy's ``context.on_round`` (the result sinks and the
+    checkpoint). The driver holds the strategy, never the other way round: a strategy nothing else holds is freed."""
 
-    def __init__(self, strategy: DrivenStrategy, nodes: NodeSampler, replies: ReplyChecks,
-                 evaluation: EvaluationProtocol, record: Callable[[RoundLog], None] | None = None) -> None:
+    def __init__(self, strategy: DrivenStrategy) -> None:
         self.strategy = strategy
-        self.nodes = nodes
-        self.replies = replies
-        self.evaluation = evaluation
-        self.record = record
-        self.last_extra: dict[str, Any] = {}  # the extras of the last round that had usable replies
-        self.last_measured: dict[str, Any] = {}  # round and accuracy of the latest deployed-model measurement
+        self.nodes = strategy.nodes
+        self.replies = strategy.replies
+        self.history = strategy.history
+        self.evaluation = EvaluationProtocol(strategy)
 
     def start(self, grid: Grid, num_rounds: int | None = None, timeout: float | None = None,
               first_round: int = 1) -> Result:
@@ -87,8 +87,8 @@ class RoundDriver:
             result.train_metrics_clientapp[rnd] = round_metrics(entry)
             for m in entry.measurements:  # the deployed models, filed under the round they belong to
                 result.evaluate_metrics_clientapp[m.round] = measurement_metrics(m)
-            if self.record is not None:
-                self.record(entry)
+            if self.strategy.context.on_round is not None:
+                self.strategy.context.on_round(entry)
         final = self.strategy.final_arrays()
         if final is not None:
             result.arrays = protocol.arrays_record(final)
@@ -99,7 +99,7 @@ class RoundDriver:
         in the ``last`` round, the evaluation-only phase measuring this round's."""
         t0 = time.time()
         self.replies.begin(rnd)
-        messages = self.evaluation.messages_for_round(rnd, self.nodes.sample_nodes(grid))
+        messages = self.evaluation.messages_for_round(rnd, self.nodes.sample_nodes(grid, self.strategy.base_config))
         self.replies.validator.expect(messages)
         eval_down = sum(protocol.eval_nbytes(m.content) for m in messages)  # a model sent for evaluation only
         down = sum(protocol.record_nbytes(m.content) for m in messages) - eval_down
@@ -115,7 +115,7 @@ class RoundDriver:
                                          f"strategy.min_clients={min_clients} (no aggregation)")
         extra = {} if skipped else self.strategy.aggregate(rnd, parsed)
         if not skipped:
-            self.last_extra = dict(extra)
+            self.history.last_extra = dict(extra)
         entry = RoundLog(rnd, parsed, down, up, eval_bytes_down=eval_down, extra=dict(extra), sent=len(messages),
                          received=len(replies), skipped=skipped,
                          errors=[str(m.error.reason) for m in replies if m.has_error()])
@@ -127,7 +127,7 @@ class RoundDriver:
         for m in entry.measurements:
             stats = accuracy_stats([r.metrics for r in m.replies], protocol.DEPLOYED_TAG)
             if stats:
-                self.last_measured = {"round": m.round, "clients": len(m.replies), **stats}
+                self.history.last_measured = {"round": m.round, "clients": len(m.replies), **stats}
         self.replies.fill(entry)
         if entry.replies_missing:
             log.warning("round %d: %d of the replies asked for did not arrive within %.0f s", rnd, entry.replies_missing,
@@ -141,8 +141,8 @@ class RoundDriver:
         which node is which client, the last extras."""
         v = self.replies.validator
         return {"strategy": self.strategy.state_dict(), "rng": self.nodes.rng.bit_generator.state,
-                "node_to_client": dict(self.nodes.node_to_client), "last_extra": dict(self.last_extra),
-                "last_measured": dict(self.last_measured),
+                "node_to_client": dict(self.nodes.node_to_client), "last_extra": dict(self.history.last_extra),
+                "last_measured": dict(self.history.last_measured),
                 "identity": {"node_client": dict(v.node_client), "client_node": dict(v.client_node),
                              "bound_examples": dict(v.bound_examples)}}
 
@@ -151,8 +151,8 @@ class RoundDriver:
         self.strategy.load_state_dict(state["strategy"])
         self.nodes.rng.bit_generator.state = state["rng"]  # the strategy's generator too: it is the same one
         self.nodes.node_to_client = dict(state["node_to_client"])
-        self.last_extra = dict(state["last_extra"])
-        self.last_measured = dict(state.get("last_measured", {}))
+        self.history.last_extra = dict(state["last_extra"])
+        self.history.last_measured = dict(state.get("last_measured", {}))
         identity = state.get("identity", {})  # node <-> client bindings survive a resumption
         self.replies.validator.node_client = dict(identity.get("node_client", {}))
         self.replies.validator.client_node = dict(identity.get("client_node", {}))

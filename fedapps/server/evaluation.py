@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
+from fedapps.config import ExperimentConfig
 from fedapps.server.replies import ReplyChecks
 from fedapps.server.rounds import Measurement, RoundLog
 from fedapps.server.sampling import NodeSampler
@@ -35,10 +36,20 @@ class DeployedSpec(Protocol):
 
 
 class EvaluatedStrategy(Protocol):
-    """What the protocol asks of a strategy (``strategies.base.PersonalisedStrategy``)."""
+    """What the protocol asks of a strategy (``strategies.base.PersonalisedStrategy``): its config, its nodes and
+    reply checks, and the algorithm's hooks."""
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def cfg(self) -> ExperimentConfig: ...
+
+    @property
+    def nodes(self) -> NodeSampler: ...
+
+    @property
+    def replies(self) -> ReplyChecks: ...
 
     @property
     def deployed(self) -> DeployedSpec: ...
@@ -54,14 +65,14 @@ class EvaluatedStrategy(Protocol):
 
 class EvaluationProtocol:
     """The protocol's messages for one strategy: its round messages with the evaluations added, and the
-    evaluation-only messages after the last round. ``nodes``: which client each node is; ``replies``: where the
-    evaluation-only replies are validated; ``transport``: ``strategy.transport``."""
+    evaluation-only messages after the last round (validated by the strategy's reply checks); its nodes say which
+    client each node is, ``strategy.transport`` how arrays travel."""
 
-    def __init__(self, strategy: EvaluatedStrategy, nodes: NodeSampler, replies: ReplyChecks, transport: str) -> None:
+    def __init__(self, strategy: EvaluatedStrategy) -> None:
         self.strategy = strategy
-        self.nodes = nodes
-        self.replies = replies
-        self.transport = transport
+        self.nodes = strategy.nodes
+        self.replies = strategy.replies
+        self.transport = strategy.cfg.strategy.transport
 
     def messages_for_round(self, server_round: int, node_ids: list[int]) -> list[Message]:
         """The strategy's round messages with the protocol's evaluations added: the deployed model of the

@@ -1,6 +1,7 @@
-"""What a round of the server's loop produced (:class:`RoundLog`, the deployed-model :class:`Measurement` s it took)
-and the same as Flower's metrics (what :meth:`fedapps.server.driver.RoundDriver.start` files in Flower's ``Result``).
-The result sinks turn a :class:`RoundLog` into a row of rounds.csv."""
+"""What a round of the server's loop produced (:class:`RoundLog`, the deployed-model :class:`Measurement` s it took),
+what the rounds so far leave for the summaries (:class:`RoundHistory`), and a round as Flower's metrics (what
+:meth:`fedapps.server.driver.RoundDriver.start` files in Flower's ``Result``). The result sinks turn a
+:class:`RoundLog` into a row of rounds.csv."""
 
 from __future__ import annotations
 
@@ -56,6 +57,16 @@ class RoundLog:
     # deployed-model measurements taken during this round: of the previous round (on this round's messages) and,
     # in the last round, of this round itself (the evaluation-only message); the sinks file each under its round
     measurements: list[Measurement] = dataclasses.field(default_factory=list)
+
+
+@dataclass
+class RoundHistory:
+    """What the rounds so far leave for a strategy's summary (kept by the round loop, saved in its checkpoint)."""
+
+    # the extras of the last round that had usable replies
+    last_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # round, clients and accuracy of the latest deployed-model measurement
+    last_measured: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def round_metrics(entry: RoundLog) -> MetricRecord:

@@ -25,16 +25,14 @@ class NodeSampler:
     """A strategy's nodes: ``node_to_client`` (which client each node is, bound from accepted replies) and the
     round's draw, by ``config`` (``strategy.*``: fraction, min_clients, timeout). ``rng``: the run's seeded
     generator (the strategy draws from the same one); ``replies``: the validator that binds identities and the
-    round's tally the identify rejections go to; ``excluded``: nodes refused before round 1, never sampled;
-    ``base_config``: what every message carries (the strategy's), for the identify messages."""
+    round's tally the identify rejections go to; ``excluded``: nodes refused before round 1, never sampled."""
 
     def __init__(self, config: StrategyConfig, rng: np.random.Generator, replies: ReplyChecks,
-                 excluded: frozenset[int], base_config: Callable[[], dict[str, Any]]) -> None:
+                 excluded: frozenset[int]) -> None:
         self.config = config
         self.rng = rng
         self.replies = replies
         self.excluded = excluded
-        self.base_config = base_config
         self.node_to_client: dict[int, int] = {}
         self.identify_asked: set[int] = set()  # nodes sent an identify message (each is asked once)
 
@@ -56,25 +54,25 @@ class NodeSampler:
                 return nodes
             time.sleep(0.5)
 
-    def sample_nodes(self, grid: Grid) -> list[int]:
+    def sample_nodes(self, grid: Grid, base_config: Callable[[], dict[str, Any]]) -> list[int]:
         """ceil(fraction·N) nodes, at least min_clients (when that many are connected), seeded. Every node is
-        identified before it is first sampled (:meth:`identify`). The draw is over the nodes ordered by CLIENT id:
+        identified before it is first sampled (:meth:`identify`; ``base_config``: the strategy's). The draw is over the nodes ordered by CLIENT id:
         node ids are random per run (Flower's simulation draws them afresh), so a draw over them would give the
         same seed another cohort in every run."""
         nodes = [n for n in self.available_nodes(grid) if n not in self.excluded]
         if not nodes:
             raise RuntimeError("no client nodes are connected")
-        self.identify(grid, nodes)
+        self.identify(grid, nodes, base_config)
         k = self.cohort_size(len(nodes))
         if k == len(nodes):
             return nodes
         return sample_ids(by_client_id(nodes, self.node_to_client), k, self.rng)
 
-    def identify(self, grid: Grid, node_ids: list[int]) -> None:
+    def identify(self, grid: Grid, node_ids: list[int], base_config: Callable[[], dict[str, Any]]) -> None:
         """Settle which client each node is, once, before its first round message: the nodes of ``node_ids`` whose
         identity is not bound yet (by the describe phase, or an earlier identify) and that were not asked before get
-        a message with no operation (the client loads its data split, trains and stores nothing, and replies with
-        its identity). The validator binds node <-> client id on the accepted replies; from then on a reply is
+        a message with no operation and the settings every message carries (``base_config()``; the client loads its
+        data split, trains and stores nothing, and replies with its identity). The validator binds node <-> client id on the accepted replies; from then on a reply is
         attributed by its node, and one claiming another client's id is rejected alone (the owner's reply stands).
         A node that does not answer, or is rejected (e.g. two nodes claiming one id: neither gets it), stays
         unbound, is drawn after the known ones, by node id, and is bound by its first accepted round reply.
@@ -86,7 +84,7 @@ class NodeSampler:
         if not ask:
             return
         self.identify_asked.update(ask)
-        settings = {**self.base_config(), "return-arrays": False, "persist-model": False, "save-model": False}
+        settings = {**base_config(), "return-arrays": False, "persist-model": False, "save-model": False}
         messages = [protocol.build_message(n, 0, [], settings, message_type=protocol.QUERY_MESSAGE_TYPE)
                     for n in ask]
         validator.expect(messages)
