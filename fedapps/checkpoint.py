@@ -1,9 +1,9 @@
 """Checkpoints of a run, written by the round loop's driver (never by a strategy), and the clients' state files.
 
 ``<run>/checkpoint.pt`` (rewritten atomically after every round) holds: the format version, the last finished
-round, the resolved config as YAML, the strategy's name and state (:meth:`PersonalisedStrategy.checkpoint_state`:
-its algorithm attributes, the sampling RNG, node -> client map, last extras), the rows of rounds.csv so far,
-and the run's token. ``<run>/client-state/<client-id>.pt`` holds a client's private model (written by the client
+round, the resolved config as YAML, the strategy's name and state
+(:meth:`fedapps.server.driver.RoundDriver.checkpoint_state`: its algorithm attributes, the sampling RNG, node -> client
+map, last extras), the rows of rounds.csv so far, and the run's token. ``<run>/client-state/<client-id>.pt`` holds a client's private model (written by the client
 itself after each message, see :mod:`fedapps.client.worker`); the token tells a resumed run's files from a stale run's.
 ``<run>/server-state/`` holds the strategy's per-client state that is too large to rewrite every round (cwFedAvg's
 stack), one file per client, written only when it changed (:class:`RowFiles`); checkpoint.pt names the files.

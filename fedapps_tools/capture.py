@@ -28,6 +28,7 @@ from fedapps.config import load_config
 from fedapps.flower import faults
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.wire import protocol
+from fedapps.server.driver import RoundDriver
 from strategies import RunContext, resolve
 
 log = logging.getLogger("fedapps")
@@ -186,7 +187,7 @@ def run_arm(c: Case, arm: str, seed: int = 0) -> Outcome:
     spec = node_spec(c, arm)
     grid = InProcessGrid(CLIENTS, node_configs={i: {faults.NODE_KEY: spec} for i in range(CLIENTS)},
                          mods=[faults.faults_mod])
-    strategy.start(grid, num_rounds=cfg.rounds, timeout=cfg.strategy.timeout)
+    RoundDriver(strategy).start(grid, num_rounds=cfg.rounds, timeout=cfg.strategy.timeout)
     final = [m for entry in logs for m in entry.measurements if m.final]
     acc_key = protocol.metric_name(protocol.DEPLOYED_TAG, "acc")
     accuracy = {r.client_id: float(r.metrics[acc_key]) for m in final for r in m.replies if acc_key in r.metrics}

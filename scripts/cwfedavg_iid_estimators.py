@@ -15,10 +15,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fedapps.config import load_config
-from fedapps.flower.inprocess import InProcessGrid
-from strategies import resolve
-from strategies.cwfedavg import fedavg_weights, l1_error, mixing_matrix
+from fedapps.config import load_config  # noqa: E402
+from fedapps.flower.inprocess import InProcessGrid  # noqa: E402
+from fedapps.server.driver import RoundDriver  # noqa: E402
+from strategies import resolve  # noqa: E402
+from strategies.cwfedavg import fedavg_weights, l1_error, mixing_matrix  # noqa: E402
 
 CLIENTS = 10
 
@@ -29,7 +30,7 @@ def measure(estimator: str, lam: float, rounds: int) -> str:
                        f"strategy.params.cwfedavg.estimator={estimator}", f"strategy.params.cwfedavg.wdr_lambda={lam}"])
     resolved = resolve(cfg)
     strategy = resolved.build(resolved.config(cfg))
-    strategy.start(InProcessGrid(CLIENTS))
+    RoundDriver(strategy).start(InProcessGrid(CLIENTS))
     rows = [strategy.stack.row_of[c] for c in range(CLIENTS)]
     a = mixing_matrix(strategy.p_hat[rows], strategy.q[rows])
     fedavg = fedavg_weights(strategy.n[rows])

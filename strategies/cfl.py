@@ -24,7 +24,8 @@ from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
+from strategies.aggregation import average_matching
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
 
 log = logging.getLogger("fedapps")
@@ -104,7 +105,7 @@ class CFL(PersonalisedStrategy):
         records = {}
         messages = []
         for n in node_ids:
-            k = self.cluster_of.get(self.node_to_client.get(n, -1), 0)
+            k = self.cluster_of.get(self.nodes.node_to_client.get(n, -1), 0)
             if k not in records:
                 records[k] = protocol.arrays_record(self.models[k])
             messages.append(protocol.build_message(n, request, arrays=records[k]))

@@ -130,7 +130,7 @@ class COMET(PseudoLabelStrategy):
                                                      self.params.encoding) for with_targets in (False, True)}
         messages = []
         for n in node_ids:
-            cluster = self.assignment.get(self.node_to_client.get(n, -1))
+            cluster = self.assignment.get(self.nodes.node_to_client.get(n, -1))
             targets = records.get(cluster) if cluster is not None else None
             messages.append(protocol.build_message(n, requests[targets is not None], targets=targets))
         return messages
@@ -138,7 +138,7 @@ class COMET(PseudoLabelStrategy):
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         used, stack = collect_predictions(replies, self.public_size, self.num_classes, "probs")
         if not used:
-            self.skip_round(server_round, "no usable predictions; clusters stay as they were")
+            self.replies.skip_round(server_round, "no usable predictions; clusters stay as they were")
             return {"clusters": len(self.cluster_targets)}
         set_aside = 0
         if self.params.outlier_factor > 0:
@@ -171,7 +171,7 @@ class COMET(PseudoLabelStrategy):
         if far.all() or not far.any():
             return used, stack, 0
         for r in (r for r, f in zip(used, far) if f):
-            self.skip_reply(server_round, r, f"outlier_factor {self.params.outlier_factor:g}: its predictions are far "
+            self.replies.skip_reply(server_round, r, f"outlier_factor {self.params.outlier_factor:g}: its predictions are far "
                                              "from every other client's; set aside this round (no centroid, no "
                                              "targets)")
         keep = ~far

@@ -254,7 +254,7 @@ class Cosmos(PersonalisedStrategy):
         request = self.round_request(server_round)
         messages = []
         for node in node_ids:
-            cluster = self.cluster_of.get(self.node_to_client.get(node, -1))
+            cluster = self.cluster_of.get(self.nodes.node_to_client.get(node, -1))
             targets = self.wire_targets.get(cluster) if cluster is not None else None
             messages.append(protocol.build_message(node, request, targets=targets))
         with_targets = sum(1 for m in messages if protocol.TARGETS in m.content)
@@ -297,7 +297,7 @@ class Cosmos(PersonalisedStrategy):
             self.last_acc["client"] = float(np.mean(accs))  # the clients' own models, after this round's training
         preds = self.accept(replies)
         if not preds:
-            self.skip_round(server_round, "no usable predictions; server models unchanged")
+            self.replies.skip_round(server_round, "no usable predictions; server models unchanged")
             return {}
         if self.clustering is None:
             self.cluster_round_one(preds)
@@ -397,7 +397,7 @@ class Cosmos(PersonalisedStrategy):
             "b0": c.b0 if c else None,
             "b0_mode": c.mode if c else None,
             "distance": self.params.distance,
-            "cluster_model_accuracy": self.last_measured.get("acc_mean"),  # the headline (deployed model)
+            "cluster_model_accuracy": self.history.last_measured.get("acc_mean"),  # the headline (deployed model)
             "client_model_accuracy": self.last_acc.get("client"),
         }
         if c and self.fed.groups is not None:

@@ -78,7 +78,8 @@ from fedapps.params import lower, param
 from fedapps.reporting.results import Artifact
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, clip_replies_to_median
+from strategies.aggregation import clip_replies_to_median
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 
 log = logging.getLogger("fedapps")
 
@@ -410,7 +411,7 @@ class CwFedAvg(PersonalisedStrategy):
         per_client = self.classwise + (self.shared_float if p.mix == "latest" else [])
         # rows for one cohort to start with; the stack grows as new clients are heard from, so memory follows the
         # clients heard from, not the federation (and a checkpoint writes the rows a round changed, see state_dict)
-        self.stack = ModelStack({k: self.initial[k] for k in per_client}, self.cohort_size(m), self.classwise)
+        self.stack = ModelStack({k: self.initial[k] for k in per_client}, self.nodes.cohort_size(m), self.classwise)
         self.sums: dict[str, np.ndarray] = {}  # Σ_l n_l w_l (float64) of the shared float keys over the mixed set
         self.n = np.zeros(self.stack.capacity)
         self.p_hat = np.full((self.stack.capacity, self.num_classes), 1.0 / self.num_classes)
@@ -457,7 +458,7 @@ class CwFedAvg(PersonalisedStrategy):
         messages = []
         self.sent_models = {}
         for node in node_ids:
-            arrays = self.personalised(self.node_to_client.get(node))
+            arrays = self.personalised(self.nodes.node_to_client.get(node))
             if self.has_bias:
                 self.sent_bias[node] = np.array(arrays[self.head_b], dtype=np.float64)
             if p.median_clip > 0:
@@ -513,7 +514,7 @@ class CwFedAvg(PersonalisedStrategy):
             if r.node_id in self.sent_models:
                 known.append(r)
             else:
-                self.skip_reply(server_round, r, "median_clip: no model was sent to this node this round")
+                self.replies.skip_reply(server_round, r, "median_clip: no model was sent to this node this round")
         if not known:
             return [], {}
         return clip_replies_to_median(known, [self.sent_models[r.node_id] for r in known],
@@ -523,13 +524,13 @@ class CwFedAvg(PersonalisedStrategy):
         """Whether a reply can be aggregated: the model's keys and shapes, examples > 0, once per client."""
         if r.arrays is None or set(r.arrays) != set(self.keys) or any(
                 r.arrays[k].shape != self.initial[k].shape for k in self.keys):
-            self.skip_reply(server_round, r, "arrays that do not match the model")
+            self.replies.skip_reply(server_round, r, "arrays that do not match the model")
             return False
         if r.num_examples <= 0:  # the reply validator refuses these already
-            self.skip_reply(server_round, r, f"{r.num_examples} examples reported")
+            self.replies.skip_reply(server_round, r, f"{r.num_examples} examples reported")
             return False
         if r.client_id in taken:  # the validator allows one reply per node and node per client
-            self.skip_reply(server_round, r, "a second reply from this client")
+            self.replies.skip_reply(server_round, r, "a second reply from this client")
             return False
         return True
 
@@ -642,7 +643,7 @@ class CwFedAvg(PersonalisedStrategy):
     def final_summary(self) -> dict[str, Any]:
         p: CwFedAvgParams = self.params
         out: dict[str, Any] = {"cwfedavg": {**dataclasses.asdict(p), "classwise_keys": self.classwise}}
-        for k, v in self.last_extra.items():
+        for k, v in self.history.last_extra.items():
             if k.startswith("est_l1"):
                 out[f"final_{k}"] = v
         return out

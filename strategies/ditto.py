@@ -21,7 +21,8 @@ from fedapps.client.clientops import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.wire.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
+from strategies.aggregation import average_matching
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
 from strategies.fedprox import PROX_MU
 

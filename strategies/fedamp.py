@@ -166,7 +166,7 @@ class FedAMP(PersonalisedStrategy):
                                    sections={protocol.TRAIN: protocol.Section(extra={PROX_MU: mu})}),
                                returns=protocol.Return(arrays=True, part="params"))
         # a node not heard from yet is a client whose model is still the initial one: any id outside the pool does
-        clients = [self.node_to_client.get(n, -1 - i) for i, n in enumerate(node_ids)]
+        clients = [self.nodes.node_to_client.get(n, -1 - i) for i, n in enumerate(node_ids)]
         anchors = self.anchors(clients)
         return [protocol.build_message(n, request,
                                        arrays=protocol.arrays_record(unflatten(anchors[c], self.like, self.keys)))
@@ -177,6 +177,6 @@ class FedAMP(PersonalisedStrategy):
             if r.arrays is not None and set(r.arrays) == set(self.keys):
                 self.models[r.client_id] = flatten(r.arrays, self.keys)
             else:
-                self.skip_reply(server_round, r, "arrays that do not match the model; its previous model kept")
+                self.replies.skip_reply(server_round, r, "arrays that do not match the model; its previous model kept")
         return {"attention_self_mean": self._last_self_weight, "model_distance_sq_median": self._last_median_d2,
                 "attention_sigma": self._last_sigma}

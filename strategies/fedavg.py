@@ -18,7 +18,8 @@ from fedapps.config import ExperimentConfig
 from fedapps.data import spec_info
 from fedapps.models import build_model, state_part
 from fedapps.wire.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
+from strategies.aggregation import average_matching
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 
 
 def initial_model_arrays(cfg, part: str = "state", seed: int | None = None) -> dict[str, np.ndarray]:

@@ -95,7 +95,7 @@ class FedCT(PseudoLabelStrategy):
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         used, votes = collect_predictions(replies, self.public_size, self.num_classes, "hard")
         if not used:
-            self.skip_round(server_round, "no usable labels; the consensus stays as it was")
+            self.replies.skip_round(server_round, "no usable labels; the consensus stays as it was")
             return {"vote_clients": 0}
         labels, agreement = majority_vote(votes, self.num_classes)
         if self.params.qualified_threshold > 0:

@@ -138,7 +138,7 @@ class FedFomo(PersonalisedStrategy):
         self.sent_candidates = {}
         messages = []
         for n in node_ids:
-            client = self.node_to_client.get(n, -1)
+            client = self.nodes.node_to_client.get(n, -1)
             others = sorted(c for c in self.models if c != client)
             chosen = choose_candidates(self.affinity[client], others, self.params.candidates, epsilon, self.rng)
             self.sent_candidates[n] = chosen
@@ -158,7 +158,7 @@ class FedFomo(PersonalisedStrategy):
             weights = r.metrics.get(WEIGHTS)
             if chosen and (not isinstance(weights, list) or len(weights) != len(chosen)):
                 got = f"{len(weights)} weights" if isinstance(weights, list) else f"weights {weights!r}"
-                self.skip_reply(server_round, r, f"{got} for {len(chosen)} candidates; its affinities unchanged")
+                self.replies.skip_reply(server_round, r, f"{got} for {len(chosen)} candidates; its affinities unchanged")
                 continue
             for j, w in zip(chosen, weights or []):
                 self.affinity[r.client_id][j] = self.affinity[r.client_id].get(j, 0.0) + float(w)

@@ -176,7 +176,7 @@ class FedMD(PseudoLabelStrategy):
         rows = self.public_size if self.pending_rows is None else len(self.pending_rows)
         used, scores = collect_predictions(replies, rows, self.num_classes, self.params.scores)
         if not used:
-            self.skip_round(server_round, "no usable scores; the consensus stays as it was")
+            self.replies.skip_round(server_round, "no usable scores; the consensus stays as it was")
             return {"consensus_clients": 0}
         p: FedMDParams = self.params
         self.consensus = fedmd_consensus(scores) if p.consensus == "mean" else robust_consensus(scores, p.scores,

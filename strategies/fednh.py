@@ -43,8 +43,10 @@ from fedapps.seeds import derive_seed
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from fedapps.wire.validation import ReplyValidator
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, weighted_average
+from strategies.aggregation import weighted_average
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedbabu import EVALUATE_FINETUNED, FINETUNE
+
 
 HEAD = "cosine"  # the classifier head of FedNH's model (fedapps.models.heads)
 COUNTS = "fednh-counts"  # reply metric: the client's training samples per class (K numbers)
@@ -244,9 +246,12 @@ class FedNH(PersonalisedStrategy):
         arrays[self.prototype_key] = init(k, d, derive_seed(cfg.seed, "fednh-prototypes"))
         arrays[self.scale_key] = np.full_like(arrays[self.scale_key], self.params.scale)
         self.global_arrays = arrays
-        # replies carry the cosine model's arrays: check them against it, not against model.name's
-        self.validator = ReplyValidator.from_config(
-            dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=self.arch)))
+
+    def reply_validator(self) -> ReplyValidator:
+        """Replies carry the cosine model's arrays: they are checked against it, not against model.name's."""
+        cfg = self.cfg
+        return ReplyValidator.from_config(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                                                             name=cosine_arch(cfg))))
 
     def final_arrays(self) -> dict[str, np.ndarray]:
         return self.global_arrays
@@ -272,7 +277,7 @@ class FedNH(PersonalisedStrategy):
         counts = np.asarray(raw if isinstance(raw, list) else [], dtype=np.float64)
         if counts.shape != (k,) or np.any(counts < 0) or np.any(counts != np.round(counts)) \
                 or counts.sum() > reply.num_examples:
-            self.skip_reply(server_round, reply, f"'{COUNTS}' is not {k} class counts within its "
+            self.replies.skip_reply(server_round, reply, f"'{COUNTS}' is not {k} class counts within its "
                                                  f"{reply.num_examples} samples")
             return None
         return counts

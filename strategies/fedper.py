@@ -16,7 +16,8 @@ from flwr.app import Message
 from fedapps.wire import protocol
 from fedapps.config import ExperimentConfig
 from fedapps.wire.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
+from strategies.aggregation import average_matching
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
 
 

@@ -299,7 +299,10 @@ class FedSelect(PersonalisedStrategy):
         self.global_params = initial_model_arrays(cfg, "params")
         self.masks: dict[int, dict[str, np.ndarray]] = {}  # client id -> parameter -> personal entries (bool)
         self.trainings: dict[int, int] = {}  # client id -> accepted local trainings so far
-        self.validator = SharedEntriesValidator.from_config(cfg)
+
+    def reply_validator(self) -> ReplyValidator:
+        """A training reply carries a client's shared entries only (:class:`SharedEntriesValidator`)."""
+        return SharedEntriesValidator.from_config(self.cfg)
 
     def client_masks(self, client_id: int | None) -> dict[str, np.ndarray]:
         """Client's personal masks (only the tensors with personal entries; none: everything shared)."""
@@ -318,7 +321,7 @@ class FedSelect(PersonalisedStrategy):
         everything_shared = None
         messages = []
         for n in node_ids:
-            masks = self.client_masks(self.node_to_client.get(n))
+            masks = self.client_masks(self.nodes.node_to_client.get(n))
             if not any(m.any() for m in masks.values()):
                 if everything_shared is None:  # one record for every client without personal entries
                     everything_shared = protocol.arrays_record(self.client_arrays({}))

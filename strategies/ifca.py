@@ -31,8 +31,8 @@ from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.wire.protocol import ClientReply
 from fedapps.server.robust import AggregationRule
-from strategies.base import (DeployedModel, PersonalisedStrategy, RunContext, average_matching,
-                             clip_replies_to_median)
+from strategies.aggregation import average_matching, clip_replies_to_median
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
 
 log = logging.getLogger("fedapps")
@@ -120,7 +120,7 @@ class IFCA(PersonalisedStrategy):
             choice = r.metrics.get(CHOICE)
             if (r.arrays is None or set(r.arrays) != keys or isinstance(choice, (bool, list)) or choice is None
                     or float(choice) != int(choice) or not 0 <= int(choice) < len(self.models)):
-                self.skip_reply(server_round, r, "no valid model or cluster choice")
+                self.replies.skip_reply(server_round, r, "no valid model or cluster choice")
                 continue
             usable.append(r)
             self.assignment[r.client_id] = int(choice)

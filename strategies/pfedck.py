@@ -36,7 +36,8 @@ from fedapps.params import param
 from fedapps.seeds import derive_rng
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, average_matching
+from strategies.aggregation import average_matching
+from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.cfl import update_vector
 from strategies.comet import kmeans, kmeans_plus_plus
 from strategies.fedavg import initial_model_arrays
@@ -179,7 +180,7 @@ class PFedCK(PersonalisedStrategy):
         records: dict[int, Any] = {}
         messages = []
         for n in node_ids:
-            model = self.interactive_of(self.node_to_client.get(n))
+            model = self.interactive_of(self.nodes.node_to_client.get(n))
             if id(model) not in records:
                 records[id(model)] = protocol.arrays_record(model)
             messages.append(protocol.build_message(n, request, arrays=records[id(model)]))

@@ -295,7 +295,7 @@ class PFedHN(PersonalisedStrategy):
     # ------------------------------------------------------------------ the hypernetwork's models
     def client_of(self, node: int) -> int | None:
         """The client a node is known to be (None before it is identified)."""
-        return self.node_to_client.get(int(node))
+        return self.nodes.node_to_client.get(int(node))
 
     def generated(self, client: int | None) -> dict[str, np.ndarray]:
         """h(v_client; φ) as float32 arrays (the mean embedding's model for None)."""
@@ -323,7 +323,7 @@ class PFedHN(PersonalisedStrategy):
         usable = []
         for r in replies:
             if r.arrays is None or int(r.node_id) not in self.sent_from or set(r.arrays) != set(self.hn.names):
-                self.skip_reply(server_round, r, "its arrays answer no model this round sent it")
+                self.replies.skip_reply(server_round, r, "its arrays answer no model this round sent it")
                 continue
             usable.append(r)
         if not usable:

@@ -32,10 +32,11 @@ inside functions. Rules:
     modules (called, referenced or looked up by a string; tests do not count), torch's ``forward`` aside.
 (i) the core's sub-packages show its layers (:data:`CORE_LEVELS`), and a core module imports only core modules of a
     LOWER level or of its own sub-package: the base (``config``, ``params``, ``seeds``, ``checkpoint``, ``data``,
-    ``models``) < the wire (``fedapps.wire``: message layout, reply validation, pseudo-label encodings) < client
-    execution (``fedapps.client``), server maths (``fedapps.server``) and reporting (``fedapps.reporting``), which
-    know nothing of each other < the Flower glue (``fedapps.flower``); a core module the table does not place is
-    reported too, so a new module must be given its layer;
+    ``models``) < the wire (``fedapps.wire``: the message schema, reply validation, pseudo-label encodings) < client
+    execution (``fedapps.client``) and reporting (``fedapps.reporting``), which know nothing of each other < the
+    Flower glue (``fedapps.flower``) < the server side (``fedapps.server``: the round loop, sampling, the evaluation
+    protocol, reply checks, and the maths strategies share); a core module the table does not place is reported
+    too, so a new module must be given its layer;
 (j) only ``fedapps/flower/`` touches Flower's private modules: no other project module imports a ``flwr`` module
     outside :data:`PUBLIC_FLWR` (``flwr.app``, ``flwr.serverapp``, ``flwr.clientapp``, ``flwr.simulation`` and the
     ``flwr`` package itself, for its version); each touch there is gated on the checked Flower release
@@ -85,7 +86,7 @@ WIRE_FORGING_TESTS = {
 ALSO_A_NAME = {
     "round": {"fedapps/reporting/": "the column of rounds.csv and rejections.csv",
               "fedapps_tools/": "the column of rounds.csv", "server_app.py": "the checkpoint's field",
-              "strategies/base.py": "the field of the latest measurement (summary.json)",
+              "fedapps/server/driver.py": "the field of the latest measurement (summary.json)",
               "strategies/cwfedavg.py": "a value of its parameter mix",
               "tests/": "the columns of rounds.csv and rejections.csv the tests read"},
     "config": {"fedapps/config.py": "the config itself", "fedapps_tools/": "the run's config (config.yaml, specs)",
@@ -106,8 +107,8 @@ RUN_CONTEXT = ("strategies/base.py", "RunContext")  # rule (g): the class whose 
 CALLED_BY_TORCH = frozenset({"forward"})  # rule (h): methods torch calls for us (nn.Module.__call__)
 # rule (i): the core's layers, bottom (0) to top; a module is placed by its longest listed prefix
 CORE_LEVELS = {"fedapps": 0, "fedapps.config": 0, "fedapps.params": 0, "fedapps.seeds": 0, "fedapps.checkpoint": 0,
-               "fedapps.data": 0, "fedapps.models": 0, "fedapps.wire": 1, "fedapps.client": 2, "fedapps.server": 2,
-               "fedapps.reporting": 2, "fedapps.flower": 3}
+               "fedapps.data": 0, "fedapps.models": 0, "fedapps.wire": 1, "fedapps.client": 2, "fedapps.reporting": 2,
+               "fedapps.flower": 3, "fedapps.server": 4}
 PUBLIC_FLWR = ("flwr.app", "flwr.serverapp", "flwr.clientapp", "flwr.simulation")  # rule (j); and ``flwr`` itself
 FLOWER_GLUE = "fedapps.flower"  # rule (j): the one place for Flower's private modules
 
@@ -536,14 +537,15 @@ def test_layers_point_down_only():
 
 def test_core_layers_on_a_made_up_graph():
     graph = {"fedapps.wire.protocol": {"fedapps.client.worker": 3, "fedapps.config": 4},
-             "fedapps.client.worker": {"fedapps.server.robust": 5, "fedapps.wire.protocol": 6, "fedapps.client.ops": 7},
+             "fedapps.client.worker": {"fedapps.reporting.plots": 5, "fedapps.wire.protocol": 6, "fedapps.client.ops": 7},
              "fedapps.flower.inprocess": {"fedapps.client.worker": 8}, "fedapps.client.ops": {},
-             "fedapps.server.robust": {}, "fedapps.config": {}, "fedapps.newthing": {"fedapps.config": 9}}
+             "fedapps.reporting.plots": {}, "fedapps.config": {}, "fedapps.newthing": {"fedapps.config": 9},
+             "fedapps.server.driver": {"fedapps.flower.connect": 10, "fedapps.reporting.results": 11}}
     files = {m: ROOT / (m.replace(".", "/") + ".py") for m in graph}
     found = [v.split(": ", 1)[1] for v in layer_violations(graph, files)]
     assert found == [
-        "fedapps.client.worker imports fedapps.server.robust (core layers: fedapps.client (level 2) imports only lower "
-        "levels, not fedapps.server (level 2))",
+        "fedapps.client.worker imports fedapps.reporting.plots (core layers: fedapps.client (level 2) imports only "
+        "lower levels, not fedapps.reporting (level 2))",
         "fedapps.newthing imports fedapps.config (a core module with no layer in CORE_LEVELS: give it one)",
         "fedapps.wire.protocol imports fedapps.client.worker (core layers: fedapps.wire (level 1) imports only lower "
         "levels, not fedapps.client (level 2))"]

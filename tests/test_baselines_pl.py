@@ -14,6 +14,7 @@ import server_app
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.wire import protocol, pseudolabels
+from fedapps.server.evaluation import EvaluationProtocol
 from fedapps.wire.protocol import ClientReply
 from strategies import resolve
 from strategies.comet import COMET, cluster_means, kmeans, kmeans_plus_plus
@@ -176,7 +177,7 @@ def test_fedmd_messages_carry_the_same_consensus_and_the_subset_indices():
     msgs = s.round_messages(2, nodes)
     assert protocol.request_of(msgs[0]).ops == ("distill", "train", "predict")
     # the base class adds the protocol's evaluations: the own (deployed) model before the digest, after training
-    assert protocol.request_of(s.messages_for_round(2, nodes)[0]).ops == (
+    assert protocol.request_of(EvaluationProtocol(s).messages_for_round(2, nodes)[0]).ops == (
         "evaluate:deployed", "distill", "train", "predict", "evaluate:after")
     expected = np.mean(logits, axis=0)
     for msg in msgs:  # the same consensus for everyone, on the previous round's subset
@@ -301,7 +302,7 @@ def test_comet_sends_each_client_its_cluster_mean():
     preds = [a, a, b, b]
     replies = [_reply(i, p.astype(np.float32)) for i, p in enumerate(preds)]
     for r in replies:
-        s.node_to_client[r.node_id] = r.client_id
+        s.nodes.node_to_client[r.node_id] = r.client_id
     s.aggregate(1, replies)
     assert s.assignment[0] == s.assignment[1] != s.assignment[2] == s.assignment[3]
     msgs = s.round_messages(2, [100, 101, 102, 103])

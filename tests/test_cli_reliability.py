@@ -215,6 +215,7 @@ def test_round_below_min_clients_is_skipped(tiny_config, tmp_path):
 
 def test_skipped_round_does_not_aggregate(tiny_config):
     from fedapps.flower.inprocess import InProcessGrid
+    from fedapps.server.driver import RoundDriver
     from strategies import STRATEGIES
 
     cfg = load_config(tiny_config(rounds=2, strategy={"name": "fedavg", "min_clients": 3}))
@@ -223,7 +224,7 @@ def test_skipped_round_does_not_aggregate(tiny_config):
     original = strategy.aggregate
     strategy.aggregate = lambda rnd, replies: calls.append(rnd) or original(rnd, replies)
     grid = InProcessGrid(4, drop=lambda rnd, pid: rnd == 2 and pid < 2)
-    entries = [strategy.run_round(grid, rnd, 60) for rnd in (1, 2)]
+    entries = [RoundDriver(strategy).run_round(grid, rnd, 60) for rnd in (1, 2)]
     assert calls == [1]
     assert [e.skipped for e in entries] == [False, True]
     assert [(e.sent, e.received) for e in entries] == [(4, 4), (4, 2)]

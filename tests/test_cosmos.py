@@ -530,9 +530,9 @@ def test_public_set_mismatch_is_refused_on_both_ends(tmp_path: Path) -> None:
     # server end: predictions computed on another U are rejected by the reply validator (the one check of a reply)
     n, m = int(strategy.fed.public_x.shape[0]), strategy.fed.num_classes
     [a, b] = strategy.round_messages(1, [100, 101])
-    strategy.validator.expect([a, b])
+    strategy.replies.validator.expect([a, b])
     preds = np.full((n, m), 1.0 / m, dtype=np.float32)
-    tags = strategy.validator.expected[protocol.MESSAGE_TYPE][100].eval_tags  # evaluations the message asks for
+    tags = strategy.replies.validator.expected[protocol.MESSAGE_TYPE][100].eval_tags  # evaluations the message asks for
     metrics = {f"{t}-{f}": v for t in tags for f, v in (("acc", 0.5), ("loss", 1.0), ("n", 2), ("correct", 1))}
 
     def reply(to: Message, cid: int, fingerprint: str) -> Message:
@@ -540,7 +540,7 @@ def test_public_set_mismatch_is_refused_on_both_ends(tmp_path: Path) -> None:
                                  info=protocol.ReplyInfo(fingerprint=fingerprint)).encode()
         return Message(content, reply_to=to)
 
-    out = strategy.validator.check(1, [reply(a, 0, strategy.fed.fingerprint), reply(b, 1, "ffffffffffffffff")])
+    out = strategy.replies.validator.check(1, [reply(a, 0, strategy.fed.fingerprint), reply(b, 1, "ffffffffffffffff")])
     assert [r.client_id for r in out.accepted] == [0]
     assert [r.node_id for r in out.rejections] == [101] and "public set mismatch" in out.rejections[0].reason
     assert list(strategy.accept(out.accepted)) == [0]

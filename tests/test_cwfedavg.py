@@ -19,7 +19,8 @@ from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
 from fedapps.wire.protocol import CLIENT_ID, NUM_EXAMPLES, ClientReply
 from strategies import resolve
-from strategies.base import RunContext, weighted_average
+from strategies.aggregation import weighted_average
+from strategies.base import RunContext
 from strategies.cwfedavg import (
     CLASS_COUNTS,
     CwFedAvg,

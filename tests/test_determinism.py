@@ -88,6 +88,7 @@ def test_every_strategy_state_round_trips(tiny_config):
     import server_app  # noqa: F401  (the app layer: strategies registered)
     from fedapps.config import load_config
     from fedapps.flower.inprocess import InProcessGrid
+    from fedapps.server.driver import RoundDriver
     from strategies import STRATEGIES, resolve
 
     for name, cls in sorted(STRATEGIES.items()):
@@ -102,11 +103,11 @@ def test_every_strategy_state_round_trips(tiny_config):
         cfg = load_config(tiny_config(**sections))
         resolved = resolve(cfg)
         s = resolved.build(resolved.config(cfg))
-        s.start(InProcessGrid(6), num_rounds=1)
-        saved = pickle.loads(pickle.dumps(s.checkpoint_state()))
+        RoundDriver(s).start(InProcessGrid(6), num_rounds=1)
+        saved = pickle.loads(pickle.dumps(RoundDriver(s).checkpoint_state()))
         fresh = resolved.build(resolved.config(cfg))
-        fresh.load_checkpoint_state(saved)
-        again = fresh.checkpoint_state()
+        RoundDriver(fresh).load_checkpoint_state(saved)
+        again = RoundDriver(fresh).checkpoint_state()
         assert pickle.dumps(sorted(again["strategy"])) == pickle.dumps(sorted(saved["strategy"])), name
         assert again["rng"] == saved["rng"] and again["node_to_client"] == saved["node_to_client"], name
         for key, value in saved["strategy"].items():

@@ -88,7 +88,7 @@ def test_accuracy_stats_report_worst_and_std_of_the_per_client_accuracies():
 
 
 def test_round_row_places_the_fairness_columns_next_to_the_mean():
-    from strategies.base import RoundLog
+    from fedapps.server.rounds import RoundLog
 
     reply = SimpleNamespace(metrics=_metrics(0, "after", 1, 2))
     row = round_row(RoundLog(1, [reply], 0, 0), 1)

@@ -9,8 +9,9 @@ import pytest
 import server_app
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.wire import protocol
+from fedapps.server.driver import RoundDriver
 from fedapps.wire.protocol import ARRAYS
-from strategies.base import weighted_average
+from strategies.aggregation import weighted_average
 
 
 def test_weighted_average_matches_hand_computation():
@@ -106,7 +107,7 @@ def test_start_returns_flower_result_with_metrics_and_final_model(tiny_config):
     cfg = load_config(tiny_config(rounds=2))
     seen = []
     strategy = STRATEGIES["fedavg"](cfg, context=RunContext(on_round=seen.append))
-    result = strategy.start(InProcessGrid(cfg.data.num_clients))
+    result = RoundDriver(strategy).start(InProcessGrid(cfg.data.num_clients))
     assert sorted(result.train_metrics_clientapp) == [1, 2] and [e.round for e in seen] == [1, 2]
     for rnd, entry in zip((1, 2), seen):
         metrics = result.train_metrics_clientapp[rnd]

@@ -16,13 +16,16 @@ import server_app
 from fedapps.client.worker import Worker
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.driver import RoundDriver
+from fedapps.server.evaluation import with_evaluations
+from fedapps.server.rounds import RoundLog
 from fedapps.models import ModelError, build_model
 from fedapps.models.heads import CosineClassifier
 from fedapps.reporting.results import measured_columns, read_csv, round_row
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ARRAYS, ClientReply
 from strategies import RunContext, resolve
-from strategies.base import DeployedModel, RoundLog, with_evaluations
+from strategies.base import DeployedModel
 from strategies.fednh import (
     COUNTS,
     TRAIN_OP,
@@ -282,7 +285,7 @@ def test_generic_column_is_the_global_model_of_the_round_it_is_filed_under() -> 
         expected[entry.round] = {c: ops.evaluate(model, fed.client(c).test_x, fed.client(c).test_y) for c in (0, 1)}
 
     s = resolved.build(cfg, RunContext(on_round=on_round))
-    s.start(InProcessGrid(2))
+    RoundDriver(s).start(InProcessGrid(2))
     measured = {m.round: m for e in logs for m in e.measurements}
     assert sorted(measured) == [1, 2]
     for rnd, m in measured.items():

@@ -10,6 +10,7 @@ from fedapps.client.clientops import TRAINING_TERMS
 from fedapps.config import load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.wire import protocol
+from fedapps.server.driver import RoundDriver
 from strategies import resolve
 from strategies.fedprox import PROX_MU, proximal_penalty
 
@@ -44,7 +45,7 @@ def run(tiny_config, mu, strategy="fedprox", rounds=2):
     resolved = resolve(cfg)
     strategy_obj = resolved.build(cfg)
     grid = InProcessGrid(cfg.data.num_clients, record=True)
-    result = strategy_obj.start(grid)
+    result = RoundDriver(strategy_obj).start(grid)
     return strategy_obj, grid, result
 
 

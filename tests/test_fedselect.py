@@ -16,9 +16,10 @@ from fedapps.client.clientops import ProtocolError
 from fedapps.client.worker import STATE_MODEL, Worker
 from fedapps.config import ConfigError, OptimSettings, load_config
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.driver import RoundDriver
+from fedapps.wire.protocol import ClientReply
 from fedapps.reporting.results import read_csv
 from fedapps.wire import protocol
-from fedapps.wire.protocol import ClientReply
 from strategies import RunContext, resolve
 from strategies.fedselect import (
     LOAD_OP,
@@ -279,7 +280,7 @@ def run_inprocess(tiny_config, rounds: int, **params):
 
     s = resolved.build(cfg, RunContext(on_round=on_round))
     grid = InProcessGrid(4, record=True)
-    return s, grid, s.start(grid), logs, personal
+    return s, grid, RoundDriver(s).start(grid), logs, personal
 
 
 def test_short_run_sends_only_shared_entries_and_personalises(tiny_config):
@@ -312,7 +313,7 @@ def test_with_nothing_personal_it_is_fedavg(tiny_config):
     rounding of the two ways of dividing by the weights)."""
     s, _, selected, _, _ = run_inprocess(tiny_config, 2, grow_every=1000)
     cfg = load_config(tiny_config(rounds=2, data=PATHOLOGICAL, strategy={"name": "fedavg"}))
-    plain = resolve(cfg).build(cfg).start(InProcessGrid(4))
+    plain = RoundDriver(resolve(cfg).build(cfg)).start(InProcessGrid(4))
     for k, v in s.global_params.items():
         np.testing.assert_allclose(v, plain.arrays[k].numpy(), rtol=1e-5, atol=1e-7, err_msg=k)
     for r in (1, 2):

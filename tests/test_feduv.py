@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from fedapps.client.worker import Worker
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.driver import RoundDriver
 from fedapps.models import build_model
 from fedapps.reporting.results import read_csv
 from fedapps.wire import protocol
@@ -415,7 +416,7 @@ def run_inprocess(tiny_config, name: str, params: dict | None = None):
     cfg = load_config(tiny_config(rounds=2, strategy=strategy))
     s = resolve(cfg).build(cfg)
     grid = InProcessGrid(cfg.data.num_clients, record=True)
-    return s, grid, s.start(grid)
+    return s, grid, RoundDriver(s).start(grid)
 
 
 def test_feduv_at_zero_is_fedavg_and_otherwise_sends_its_settings(tiny_config):

@@ -22,6 +22,7 @@ from fedapps.config import load_config
 from fedapps.data import DataError, load_source, node_path, read_labelled
 from fedapps.flower.describe import NodeReport, agree
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.evaluation import EvaluationProtocol
 from fedapps.reporting.results import UnusableRun
 from fedapps.wire import protocol
 from fedapps.client.worker import NODE_CLIENT_ID, STATE_DIR_KEY, STATE_MODEL, handle, lost_on_restart
@@ -231,16 +232,16 @@ def test_a_node_whose_data_do_not_fit_refuses_a_later_message(tmp_path, digits):
     s = resolve(cfg).build(cfg)
     grid = InProcessGrid(2, node_configs={0: {"data-path": str(sites[0]), NODE_CLIENT_ID: 0},
                                           1: {"data-path": str(wrong), NODE_CLIENT_ID: 1}})
-    (msg,) = s.messages_for_round(1, [101])
+    (msg,) = EvaluationProtocol(s).messages_for_round(1, [101])
     reply = grid.send_and_receive([msg])[0]
     assert reply.has_error()
     assert "declares 12 classes, the federation has 10" in reply.error.reason and str(wrong) in reply.error.reason
-    (ok,) = grid.send_and_receive(s.messages_for_round(1, [100]))
+    (ok,) = grid.send_and_receive(EvaluationProtocol(s).messages_for_round(1, [100]))
     assert not ok.has_error()
     shifted = tmp_path / "shifted.npz"  # no declared count, labels 5..14
     np.savez(shifted, x=x[:60], y=y[:60] + 5)
     grid = InProcessGrid(2, node_configs={1: {"data-path": str(shifted), NODE_CLIENT_ID: 1}})
-    reply = grid.send_and_receive(s.messages_for_round(1, [101]))[0]
+    reply = grid.send_and_receive(EvaluationProtocol(s).messages_for_round(1, [101]))[0]
     assert reply.has_error() and "label 14 is outside the federation's 10 classes" in reply.error.reason
 
 
@@ -373,7 +374,7 @@ def test_readme_restart_table_matches_what_each_strategy_sends(tmp_path):
         s = resolve(cfg).build(cfg)
         kinds = set()
         for rnd in (1, 2):
-            for msg in s.messages_for_round(rnd, [100, 101]):
+            for msg in EvaluationProtocol(s).messages_for_round(rnd, [100, 101]):
                 request = protocol.request_of(msg)
                 kinds.add(lost_on_restart(request))
                 if request.load.into_model and protocol.ARRAYS in msg.content:  # arrays.keys says what is loaded

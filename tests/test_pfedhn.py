@@ -17,6 +17,7 @@ import torch
 from fedapps.client.worker import STATE_MODEL
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.driver import RoundDriver
 from fedapps.models import build_model
 from fedapps.reporting.results import read_csv
 from fedapps.wire import protocol
@@ -192,7 +193,7 @@ def test_messages_carry_each_clients_generated_parameters_and_the_update_is_the_
         f = A @ v + a
         return f, {k: (W[k] @ f + b[k]) for k in names}
 
-    s.node_to_client = {100: 0, 101: 1}  # node 102 has not replied yet
+    s.nodes.node_to_client = {100: 0, 101: 1}  # node 102 has not replied yet
     messages = s.round_messages(1, [100, 101, 102])
     sent = {int(m.metadata.dst_node_id): {k: v.numpy() for k, v in m.content[protocol.ARRAYS].items()} for m in messages}
     assert all(protocol.request_of(m).returns.part == "params" for m in messages)
@@ -261,7 +262,7 @@ def test_batchnorm_buffers_stay_on_the_clients(tiny_config):
                                   strategy={"name": "pfedhn", "params": {"pfedhn": {"hidden_dim": 2, "hidden_layers": 0}}}))
     s = resolve(cfg).build(cfg)
     grid = InProcessGrid(2, record=True)
-    s.start(grid)
+    RoundDriver(s).start(grid)
     assert not [m.error.reason for m in grid.replies if m.has_error()]
     model = build_model("mobilenetv2", 4, (1, 8, 8))
     params = {n for n, _ in model.named_parameters()}
@@ -282,7 +283,7 @@ def run_inprocess(tiny_config, rounds: int, grid: InProcessGrid | None = None):
     logs: list = []
     s = resolved.build(cfg, RunContext(on_round=logs.append))
     grid = grid if grid is not None else InProcessGrid(4, record=True)
-    return s, grid, s.start(grid), logs, resolved, cfg
+    return s, grid, RoundDriver(s).start(grid), logs, resolved, cfg
 
 
 def test_short_run_personalises_and_learns(tiny_config):
@@ -309,11 +310,11 @@ def test_a_resumed_run_continues_the_hypernetwork_and_its_momentum(tiny_config):
     straight, _, _, _, resolved, cfg = run_inprocess(tiny_config, 2)
     first = resolved.build(cfg)
     grid = InProcessGrid(4)
-    first.start(grid, num_rounds=1)
-    saved = pickle.loads(pickle.dumps(first.checkpoint_state()))
+    RoundDriver(first).start(grid, num_rounds=1)
+    saved = pickle.loads(pickle.dumps(RoundDriver(first).checkpoint_state()))
     resumed = resolved.build(cfg)
-    resumed.load_checkpoint_state(saved)
-    resumed.start(grid, num_rounds=2, first_round=2)
+    RoundDriver(resumed).load_checkpoint_state(saved)
+    RoundDriver(resumed).start(grid, num_rounds=2, first_round=2)
     for k, v in straight.hn.state_dict().items():
         assert torch.equal(v, resumed.hn.state_dict()[k]), k
     a, b = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]

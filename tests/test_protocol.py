@@ -1,4 +1,4 @@
-"""The deployed-model evaluation protocol (docs/evaluation.md), owned by strategies.base for every strategy.
+"""The deployed-model evaluation protocol (docs/evaluation.md), owned by fedapps/server/evaluation.py for every strategy.
 
 - every strategy's deployed model, checked on a 2-client toy against a hand computation from the server's and
   the clients' state right after the round it belongs to (the number must be that model on the client's test
@@ -6,7 +6,8 @@
 - where the protocol puts its evaluations in a message;
 - mean-over-clients vs sample-weighted accuracy, the merging of a measurement into its round's row, the
   headline (last round, never the best), COSMOS's headline (its cluster models), all against hand-built replies;
-- seeded client sampling; every evaluation reads the one evaluation-split accessor of the worker.
+- seeded client sampling; every evaluation reads the one evaluation-split accessor of the worker;
+- the round driver holds the strategy, not the other way round: a run's strategy is freed when dropped.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from fedapps.client.worker import STATE_MODEL, Worker, optim_settings, part_name
 from fedapps.config import load_config
 from fedapps.data import get_federation
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.driver import RoundDriver
+from fedapps.server.evaluation import EvaluationProtocol, with_evaluations
+from fedapps.server.rounds import Measurement, RoundLog
 from fedapps.models import build_model
 from fedapps.reporting.results import (
     FileSink,
@@ -40,7 +44,8 @@ from fedapps.seeds import derive_seed
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies import STRATEGIES, RunContext, resolve
-from strategies.base import DeployedModel, Measurement, RoundLog, sample_ids, with_evaluations
+from fedapps.server.sampling import sample_ids
+from strategies.base import DeployedModel
 from strategies.fedbabu import FINETUNE
 
 CLIENTS = 2
@@ -152,7 +157,7 @@ def test_deployed_model_of_every_strategy_on_a_two_client_toy(name):
         expected[entry.round] = {c: HAND[name](s, grid, c, fed.client(c), entry.round) for c in range(CLIENTS)}
 
     s = resolved.build(cfg, RunContext(on_round=on_round))
-    s.start(grid)
+    RoundDriver(s).start(grid)
     measured = {m.round: (m, e.round) for e in logs for m in e.measurements}
     assert sorted(measured) == [1, 2]
     assert measured[1][1] == 2 and not measured[1][0].final  # rode on round 2's messages
@@ -254,7 +259,7 @@ def test_cosmos_headline_is_its_cluster_models_on_hand_built_replies(tmp_path):
     fed = get_federation(dataclasses.asdict(cfg.data))
     s.models = {0: build_model("mlp", CLASSES, SHAPE, seed=1), 1: build_model("mlp", CLASSES, SHAPE, seed=2)}
     s.cluster_of = {0: 0, 1: 1, 2: 0}  # client 3 has no cluster yet
-    s.node_to_client = {100 + c: c for c in range(4)}
+    s.nodes.node_to_client = {100 + c: c for c in range(4)}
     correct = {0: 3, 1: 20, 2: 40}  # per client, out of its whole test split
 
     class Grid:
@@ -278,7 +283,7 @@ def test_cosmos_headline_is_its_cluster_models_on_hand_built_replies(tmp_path):
 
     InProcessGrid(1)  # Flower's task identity, so that messages can be built outside its runtime
     entry = RoundLog(1, [_reply(c, _metrics(c, "after", 1, 10)) for c in range(4)], 0, 0)
-    s.final_evaluation(Grid(), 1, 5.0, entry)
+    EvaluationProtocol(s).final_evaluation(Grid(), 1, 5.0, entry)
     assert [m.round for m in entry.measurements] == [1]
     assert sorted(r.client_id for r in entry.measurements[0].replies) == [0, 1, 2]
     sink = FileSink(cfg, tmp_path)
@@ -302,7 +307,7 @@ def sampled_clients(seed: int, node_ids: list[int], rounds: int = 4) -> tuple[li
     s = STRATEGIES["fedavg"](cfg)
     grid = InProcessGrid(20, node_ids=node_ids, record=True)
     client_of = {n: int(c.node_config["partition-id"]) for n, c in grid.contexts.items()}
-    return [sorted(client_of[n] for n in s.sample_nodes(grid)) for _ in range(rounds)], grid
+    return [sorted(client_of[n] for n in s.nodes.sample_nodes(grid, s.request)) for _ in range(rounds)], grid
 
 
 def test_client_sampling_is_seeded_over_client_ids_whatever_the_node_ids():
@@ -326,7 +331,8 @@ def test_full_participation_identifies_every_node_once():
     cfg = load_config(None, "data.source=digits data.num_clients=4 model.name=mlp client.device=cpu")
     grid = InProcessGrid(4, record=True)
     strategy = STRATEGIES["fedavg"](cfg)
-    assert strategy.sample_nodes(grid) == sorted(grid.contexts) == strategy.sample_nodes(grid)
+    first = strategy.nodes.sample_nodes(grid, strategy.request)
+    assert first == sorted(grid.contexts) == strategy.nodes.sample_nodes(grid, strategy.request)
     assert sorted(int(m.metadata.dst_node_id) for m in grid.sent) == sorted(grid.contexts)
     assert all(protocol.request_of(m).ops == () for m in grid.sent)
 
@@ -423,7 +429,7 @@ def test_final_evaluation_reaches_every_client_in_batches_of_a_cohort():
     grid.send_and_receive = lambda messages, timeout=None: (batches.append(len(list(messages))) or
                                                              send(messages, timeout=timeout))
     entry = RoundLog(1, [], 0, 0)
-    s.final_evaluation(grid, 1, 60.0, entry)
+    EvaluationProtocol(s).final_evaluation(grid, 1, 60.0, entry)
     assert batches == [2, 2, 2, 2]
     (m,) = entry.measurements
     assert m.final and sorted(r.client_id for r in m.replies) == list(range(8))
@@ -448,3 +454,21 @@ def test_evaluation_ops_file_their_tags_where_the_validator_reads_them():
 
         OPERATIONS.pop("evaluate-made-up-here")
         protocol.EVALUATION_TAGS.pop("evaluate-made-up-here")
+def test_a_strategy_is_freed_when_dropped_after_its_run():
+    """The services a strategy holds (nodes, replies, history) hold nothing of it, and the round driver and the
+    evaluation protocol hold the strategy, not the reverse: without a reference cycle a dropped strategy (and its
+    server state, e.g. cwFedAvg's per-client stack) is freed at once, not at the garbage collector's next full pass."""
+    import gc
+    import weakref
+
+    cfg = load_config(None, "data.source=digits data.num_clients=2 model.name=mlp client.device=cpu rounds=1")
+    s = STRATEGIES["fedavg"](cfg)
+    RoundDriver(s).start(InProcessGrid(2))
+    EvaluationProtocol(s).deployed_messages(2, [100])
+    ref = weakref.ref(s)
+    gc.disable()
+    try:
+        del s
+        assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
+    finally:
+        gc.enable()

@@ -288,7 +288,7 @@ def test_comet_sets_an_outlier_aside_and_records_it():
     extra = s.aggregate(1, [reply(100 + i, i, predictions=p) for i, p in enumerate(honest)]
                         + [reply(103, 3, predictions=hostile)])
     assert extra["set_aside"] == 1 and sorted(s.assignment) == [0, 1, 2]
-    assert [x.client_id for x in s._checked.skips] == [3] and "outlier_factor" in s._checked.skips[0].reason
+    assert [x.client_id for x in s.replies.tally.skips] == [3] and "outlier_factor" in s.replies.tally.skips[0].reason
     assert s.round_messages(2, [103])[0].content.get(protocol.TARGETS) is None  # no targets for it next round
 
 

@@ -19,6 +19,7 @@ import server_app
 from fedapps.config import ConfigError, load_config
 from fedapps.data import source_info
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.driver import RoundDriver
 from fedapps.models import MODEL_NAMES
 from fedapps.reporting.results import read_csv
 from strategies import STRATEGIES, RunContext, resolve
@@ -91,7 +92,7 @@ def test_every_zoo_model_under_every_parameter_sharing_strategy(model, name, tin
     logs: list = []
     grid = InProcessGrid(CLIENTS, record=True)
     # the strategy's own round loop, without the app's checkpoints and files: what is tested is the exchange
-    resolved.build(resolved.config(cfg), RunContext(on_round=logs.append)).start(grid)
+    RoundDriver(resolved.build(resolved.config(cfg), RunContext(on_round=logs.append))).start(grid)
     errors = [m.error.reason for m in grid.replies if m.has_error()]
     assert not errors, f"{model} under {name}: {errors}"
     assert [len(e.replies) for e in logs] == [CLIENTS, CLIENTS], f"{model} under {name}"

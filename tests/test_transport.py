@@ -17,6 +17,9 @@ import server_app
 from conftest import run_in_process
 from fedapps.config import ConfigError, config_hash, load_config, without_later_defaults
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.driver import RoundDriver
+from fedapps.server.evaluation import EvaluationProtocol
+from fedapps.server.transport import with_transport
 from fedapps.models import build_model
 from fedapps.reporting.results import read_csv
 from fedapps.wire import protocol
@@ -194,7 +197,7 @@ def fedavg(transport: str, **extra):
 
 def test_messages_carry_float16_arrays_encoded_once_and_ask_for_float16_back():
     s = fedavg("float16")
-    messages = s.messages_for_round(1, [100, 101, 102])
+    messages = EvaluationProtocol(s).messages_for_round(1, [100, 101, 102])
     records = {id(m.content[protocol.ARRAYS]) for m in messages}
     assert len(records) == 1  # the one global model, encoded once for all
     for m in messages:
@@ -205,11 +208,11 @@ def test_messages_carry_float16_arrays_encoded_once_and_ask_for_float16_back():
     eval_msg = protocol.build_message(100, protocol.Request(ops=("evaluate-received",), round=2),
                                       eval_arrays=protocol.arrays_record(s.global_arrays))
     bare = protocol.build_message(101, protocol.Request(ops=("evaluate",), round=2))
-    s.with_transport([eval_msg, bare])
+    with_transport([eval_msg, bare], s.cfg.strategy.transport)
     assert {str(a.dtype) for a in wire_of(eval_msg.content[protocol.EVAL_ARRAYS]).values()} == {"float16"}
     assert protocol.TRANSPORT_KEY not in bare.content[protocol.CONFIG]
 
-    plain = fedavg("float32").messages_for_round(1, [100])[0]
+    plain = EvaluationProtocol(fedavg("float32")).messages_for_round(1, [100])[0]
     assert protocol.TRANSPORT_KEY not in plain.content[protocol.CONFIG]
     assert {str(a.dtype) for a in wire_of(plain.content[protocol.ARRAYS]).values()} == {"float32"}
 
@@ -249,7 +252,7 @@ def test_every_parameter_sharing_strategy_sends_and_receives_float16(name):
     resolved = resolve(cfg)
     s = resolved.cls(cfg, resolved.params)
     grid = InProcessGrid(3, record=True)
-    entry = s.run_round(grid, 1, 600.0, last=True)  # the training phase and the evaluation-only one
+    entry = RoundDriver(s).run_round(grid, 1, 600.0, last=True)  # the training phase and the evaluation-only one
     assert entry.replies_rejected == 0 and entry.replies_ok == 6, entry.rejections
     with_arrays = [m for m in grid.sent + grid.replies if protocol.ARRAYS in m.content]
     assert with_arrays, f"{name} sent no arrays"

@@ -28,7 +28,7 @@ from fedapps.wire import protocol, validation
 from fedapps.wire.protocol import ClientReply
 from fedapps.wire.validation import LOGIT_BOUND, ArraySpec, Expectation, PredictionSpec, ReplyValidator
 from strategies import resolve
-from strategies.base import average_matching
+from strategies.aggregation import average_matching
 
 InProcessGrid(1)  # Message() needs a task identity outside Flower's runtime
 

@@ -1,0 +1,159 @@
+"""The round loop of a strategy on Flower's Grid (:class:`RoundDriver`): messages out, replies in and validated,
+the strategy's aggregation, the deployed models measured (:mod:`fedapps.server.evaluation`), every round's record
+handed to the result sinks, and the state the loop needs to continue after a checkpointed round. ``start`` returns
+Flower's ``Result``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Mapping, Protocol
+
+import numpy as np
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+
+from fedapps.flower.connect import wait_for_clients
+from fedapps.reporting.results import accuracy_stats
+from fedapps.server.evaluation import EvaluatedStrategy, EvaluationProtocol
+from fedapps.server.rounds import Measurement, RoundHistory, RoundLog, measurement_metrics, round_metrics
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
+
+log = logging.getLogger("fedapps")
+
+
+class RoundRecorder(Protocol):
+    """Where a round's record goes (``strategies.base.RunContext``)."""
+
+    @property
+    def on_round(self) -> Callable[[RoundLog], None] | None: ...
+
+
+class DrivenStrategy(EvaluatedStrategy, Protocol):
+    """What the loop asks of a strategy (``strategies.base.PersonalisedStrategy``) beyond what the evaluation
+    protocol does: its params (logged), run context (where rounds are recorded), history and the algorithm's steps."""
+
+    @property
+    def params(self) -> Any: ...
+
+    @property
+    def context(self) -> RoundRecorder: ...
+
+    @property
+    def history(self) -> RoundHistory: ...
+
+    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]: ...
+
+    def final_arrays(self) -> Mapping[str, np.ndarray] | None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+class RoundDriver:
+    """Drives one strategy: one message phase per round (plus the evaluation-only one after the last round). The
+    strategy's ``nodes`` sample and identify, its ``replies`` validate and tally, the :class:`EvaluationProtocol`
+    adds the evaluations; every round's record goes to the strategy's ``context.on_round`` (the result sinks and the
+    checkpoint). The driver holds the strategy, never the other way round: a strategy nothing else holds is freed."""
+
+    def __init__(self, strategy: DrivenStrategy) -> None:
+        self.strategy = strategy
+        self.nodes = strategy.nodes
+        self.replies = strategy.replies
+        self.history = strategy.history
+        self.evaluation = EvaluationProtocol(strategy)
+
+    def start(self, grid: Grid, num_rounds: int | None = None, timeout: float | None = None,
+              first_round: int = 1) -> Result:
+        """The round loop: messages out, replies in, aggregate, optional evaluation phase, record.
+        ``first_round`` > 1 continues a run restored with :meth:`load_checkpoint_state`.
+
+        Returns Flower's ``Result``: per round the aggregated client metrics (``train_metrics_clientapp``), the
+        deployed models' accuracy filed under the round it measures (``evaluate_metrics_clientapp``), and the final
+        global model (``arrays``) where the algorithm has one."""
+        cfg = self.strategy.cfg
+        num_rounds = num_rounds or cfg.rounds
+        timeout = timeout or cfg.strategy.timeout
+        log.info("strategy %s, params: %s", self.strategy.name, self.strategy.params)
+        connected = wait_for_clients(grid, cfg.strategy.expected_clients or cfg.data.num_clients,
+                                     cfg.strategy.connect_timeout)
+        if first_round > 1:
+            self.nodes.rebind_after_resume(connected)
+        result = Result()
+        for rnd in range(first_round, num_rounds + 1):
+            entry = self.run_round(grid, rnd, timeout, last=rnd == num_rounds)
+            result.train_metrics_clientapp[rnd] = round_metrics(entry)
+            for m in entry.measurements:  # the deployed models, filed under the round they belong to
+                result.evaluate_metrics_clientapp[m.round] = measurement_metrics(m)
+            if self.strategy.context.on_round is not None:
+                self.strategy.context.on_round(entry)
+        final = self.strategy.final_arrays()
+        if final is not None:
+            result.arrays = protocol.arrays_record(final)
+        return result
+
+    def run_round(self, grid: Grid, rnd: int, timeout: float, last: bool = False) -> RoundLog:
+        """One round: the training phase (whose messages also measure the previous round's deployed models) and,
+        in the ``last`` round, the evaluation-only phase measuring this round's."""
+        t0 = time.time()
+        self.replies.begin(rnd)
+        messages = self.evaluation.messages_for_round(rnd, self.nodes.sample_nodes(grid, self.strategy.request))
+        self.replies.validator.expect(messages)
+        eval_down = sum(protocol.eval_nbytes(m.content) for m in messages)  # a model sent for evaluation only
+        down = sum(protocol.record_nbytes(m.content) for m in messages) - eval_down
+        replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
+        parsed = self.replies.validate(rnd, replies)
+        self.nodes.bind(parsed)
+        up = sum(r.nbytes for r in parsed)  # the accepted replies' bytes (the rejected ones: bytes_up_rejected)
+        parsed.sort(key=lambda r: r.client_id)  # replies arrive in any order (Ray): sums over clients must not depend on it
+        min_clients = self.strategy.cfg.strategy.min_clients
+        skipped = len(parsed) < min_clients
+        if skipped:
+            self.replies.skip_round(rnd, f"round skipped: {len(parsed)} usable replies, fewer than "
+                                         f"strategy.min_clients={min_clients} (no aggregation)")
+        extra = {} if skipped else self.strategy.aggregate(rnd, parsed)
+        if not skipped:
+            self.history.last_extra = dict(extra)
+        entry = RoundLog(rnd, parsed, down, up, eval_bytes_down=eval_down, extra=dict(extra), sent=len(messages),
+                         received=len(replies), skipped=skipped,
+                         errors=[str(m.error.reason) for m in replies if m.has_error()])
+        deployed = protocol.metric_name(protocol.DEPLOYED_TAG, "acc")
+        if rnd > 1 and self.strategy.measures_round(rnd - 1):
+            entry.measurements.append(Measurement(rnd - 1, [r for r in parsed if deployed in r.metrics]))
+        if last:
+            self.evaluation.final_evaluation(grid, rnd, timeout, entry)
+        for m in entry.measurements:
+            stats = accuracy_stats([r.metrics for r in m.replies], protocol.DEPLOYED_TAG)
+            if stats:
+                self.history.last_measured = {"round": m.round, "clients": len(m.replies), **stats}
+        self.replies.fill(entry)
+        if entry.replies_missing:
+            log.warning("round %d: %d of the replies asked for did not arrive within %.0f s", rnd, entry.replies_missing,
+                        timeout)
+        entry.wall_seconds = time.time() - t0
+        return entry
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything the round loop needs to continue after a round: the algorithm's state, the sampling RNG,
+        which node is which client, the last extras."""
+        v = self.replies.validator
+        return {"strategy": self.strategy.state_dict(), "rng": self.nodes.rng.bit_generator.state,
+                "node_to_client": dict(self.nodes.node_to_client), "last_extra": dict(self.history.last_extra),
+                "last_measured": dict(self.history.last_measured),
+                "identity": {"node_client": dict(v.node_client), "client_node": dict(v.client_node),
+                             "bound_examples": dict(v.bound_examples)}}
+
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`checkpoint_state` returned (onto a strategy built from the same config)."""
+        self.strategy.load_state_dict(state["strategy"])
+        self.nodes.rng.bit_generator.state = state["rng"]  # the strategy's generator too: it is the same one
+        self.nodes.node_to_client = dict(state["node_to_client"])
+        self.history.last_extra = dict(state["last_extra"])
+        self.history.last_measured = dict(state.get("last_measured", {}))
+        identity = state.get("identity", {})  # node <-> client bindings survive a resumption
+        self.replies.validator.node_client = dict(identity.get("node_client", {}))
+        self.replies.validator.client_node = dict(identity.get("client_node", {}))
+        self.replies.validator.bound_examples = dict(identity.get("bound_examples", {}))
