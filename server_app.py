@@ -25,6 +25,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedapps.flower import message_sweep
 
+from fedapps.flower import MessageGrid
 from fedapps.wire import protocol
 from fedapps.config import ExperimentConfig, dump_yaml, load_config, split_overrides
 from fedapps.reporting.results import (REJECTIONS, DeliveryCheck, FileSink, ResultSink, UnusableRun, append_rejections,
@@ -61,7 +62,7 @@ def set_server_threads() -> int:
     return torch.get_num_threads()
 
 
-def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str, resume_dir: str = "",
+def run_experiment(grid: MessageGrid, config_path: str, overrides: str, output_dir: str, resume_dir: str = "",
                    after_round: Callable[[int], Any] | None = None, keep_state: bool = False) -> dict:
     """Run one configured experiment on a Grid and return its summary (used by the ServerApp and tests).
 
@@ -177,7 +178,7 @@ def run_experiment(grid: Grid, config_path: str, overrides: str, output_dir: str
     return summary
 
 
-def describe(grid: Grid, cfg: ExperimentConfig, uses_public: bool) -> tuple[Description, ReplyValidator]:
+def describe(grid: MessageGrid, cfg: ExperimentConfig, uses_public: bool) -> tuple[Description, ReplyValidator]:
     """data.source 'nodes': every connected node describes its data (:mod:`fedapps.flower.describe`); classes and shape
     are settled (pinned by data.num_classes / data.input_shape where given), refused nodes excluded. A strategy
     that ``uses_public`` U has each node's copy checked against the server's here, before round 1."""

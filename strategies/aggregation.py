@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from fedapps.wire.protocol import ClientReply
 log = logging.getLogger("fedapps")
 
 
-def weighted_average(arrays: list[Mapping[str, np.ndarray]], weights: list[float]) -> dict[str, np.ndarray]:
+def weighted_average(arrays: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> dict[str, np.ndarray]:
     """Σ_i w_i·a_i / Σ_i w_i per key (float arrays); integer arrays (e.g. BN counters) take the first client's."""
     if not arrays:
         raise ValueError("nothing to average")
@@ -43,7 +44,7 @@ def clip_replies_to_median(replies: list[ClientReply], sent: list[Mapping[str, n
     message carried) clipped to ``factor`` × the median update norm of all of them (:func:`fedapps.server.robust.
     clip_to_median`); the replies with the clipped arrays and the round's extras (the bound, how many were clipped),
     the clipping logged under ``who``."""
-    clipped, bound, norms = clip_to_median([r.arrays for r in replies], sent, factor)
+    clipped, bound, norms = clip_to_median([r.required_arrays for r in replies], sent, factor)
     over = [n for n in norms if n > bound]
     if over:
         log.info("%s median_clip %g: %d of %d updates clipped to %.3g (largest %.3g)", who, factor, len(over),
@@ -63,7 +64,7 @@ def average_matching(replies: list[ClientReply], current: Mapping[str, np.ndarra
               and all(np.shape(r.arrays[k]) == np.shape(v) for k, v in current.items())]
     if not usable:
         return dict(current)
-    arrays = [r.arrays for r in usable]
+    arrays = [r.required_arrays for r in usable]
     if rule is not None and rule.clip_update_norm > 0:
         clipped = [clip_update(a, current, rule.clip_update_norm) for a in arrays]
         arrays = [a for a, _ in clipped]

@@ -10,9 +10,22 @@ installed, :func:`require_checked_flower` stops with a clear error that names th
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version
+from typing import Protocol
+
+from flwr.app import Message
 
 CHECKED_FLWR = (1, 42)  # the Flower minor release this package's private touches were written and tested against
+
+
+class MessageGrid(Protocol):
+    """What the server side uses of a Flower ``Grid``: the connected nodes, and messages out with their replies back.
+    Flower's grids (simulation, deployment) and the in-process grid (:mod:`fedapps.flower.inprocess`) all have it."""
+
+    def get_node_ids(self) -> Iterable[int]: ...
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]: ...
 
 
 class UnsupportedFlowerVersion(RuntimeError):

@@ -121,7 +121,7 @@ class InProcessGrid:
             call = functools.partial(_apply_mod, mod, call)
         return call(msg, ctx)
 
-    def send_and_receive(self, messages: Iterable[Message], timeout: float | None = None) -> list[Message]:
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         jobs: list[_Job] = []
         for msg in messages:
             if self.record:

@@ -10,13 +10,13 @@ import time
 from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
-from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from fedapps.flower.connect import wait_for_clients
 from fedapps.reporting.results import accuracy_stats
 from fedapps.server.evaluation import EvaluatedStrategy, EvaluationProtocol
 from fedapps.server.rounds import Measurement, RoundHistory, RoundLog, measurement_metrics, round_metrics
+from fedapps.flower import MessageGrid
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 
@@ -65,7 +65,7 @@ class RoundDriver:
         self.history = strategy.history
         self.evaluation = EvaluationProtocol(strategy)
 
-    def start(self, grid: Grid, num_rounds: int | None = None, timeout: float | None = None,
+    def start(self, grid: MessageGrid, num_rounds: int | None = None, timeout: float | None = None,
               first_round: int = 1) -> Result:
         """The round loop: messages out, replies in, aggregate, optional evaluation phase, record.
         ``first_round`` > 1 continues a run restored with :meth:`load_checkpoint_state`.
@@ -94,7 +94,7 @@ class RoundDriver:
             result.arrays = protocol.arrays_record(final)
         return result
 
-    def run_round(self, grid: Grid, rnd: int, timeout: float, last: bool = False) -> RoundLog:
+    def run_round(self, grid: MessageGrid, rnd: int, timeout: float, last: bool = False) -> RoundLog:
         """One round: the training phase (whose messages also measure the previous round's deployed models) and,
         in the ``last`` round, the evaluation-only phase measuring this round's."""
         t0 = time.time()

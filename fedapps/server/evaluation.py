@@ -13,13 +13,13 @@ import dataclasses
 from typing import Any, Iterable, Protocol
 
 from flwr.app import ArrayRecord, Message
-from flwr.serverapp import Grid
 
 from fedapps.config import ExperimentConfig
 from fedapps.server.replies import ReplyChecks
 from fedapps.server.rounds import Measurement, RoundLog
 from fedapps.server.sampling import NodeSampler
 from fedapps.server.transport import with_transport
+from fedapps.flower import MessageGrid
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 
@@ -117,7 +117,7 @@ class EvaluationProtocol:
                 request = dataclasses.replace(r, ops=ops, round=server_round,
                                               returns=dataclasses.replace(r.returns, arrays=False),
                                               keep=dataclasses.replace(r.keep, save=False))
-                arrays = msg.content[protocol.ARRAYS] if protocol.ARRAYS in msg.content else None
+                arrays = msg.content.array_records[protocol.ARRAYS] if protocol.ARRAYS in msg.content else None
                 out.append(protocol.build_message(int(msg.metadata.dst_node_id), request, arrays=arrays,
                                                   message_type=protocol.EVAL_MESSAGE_TYPE))
             return out
@@ -129,7 +129,7 @@ class EvaluationProtocol:
                                        eval_arrays=model[1], message_type=protocol.EVAL_MESSAGE_TYPE)
                 for n, model in zip(node_ids, models) if model is not None]
 
-    def final_evaluation(self, grid: Grid, rnd: int, timeout: float, entry: RoundLog) -> None:
+    def final_evaluation(self, grid: MessageGrid, rnd: int, timeout: float, entry: RoundLog) -> None:
         """The deployed models after the last round ``rnd``: one evaluation-only message to EVERY connected
         client (sampled this round or not), filed as round ``rnd``'s measurement; its bytes are evaluation
         traffic. Sent in batches of a training round's cohort, one after another, so that the server holds no

@@ -9,10 +9,10 @@ import time
 from typing import Callable, Iterable, Mapping
 
 import numpy as np
-from flwr.serverapp import Grid
 
 from fedapps.config import StrategyConfig, cohort_size
 from fedapps.server.replies import ReplyChecks
+from fedapps.flower import MessageGrid
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 
@@ -48,7 +48,7 @@ class NodeSampler:
         """Clients per training round out of ``connected``: ceil(fraction·N), at least min_clients, at most N."""
         return cohort_size(connected, self.config.fraction, self.config.min_clients)
 
-    def available_nodes(self, grid: Grid, wait_seconds: float = 120.0) -> list[int]:
+    def available_nodes(self, grid: MessageGrid, wait_seconds: float = 120.0) -> list[int]:
         """Connected node ids; waits until at least ``min_clients`` are there (simulation starts empty)."""
         deadline = time.time() + wait_seconds
         while True:
@@ -57,7 +57,7 @@ class NodeSampler:
                 return nodes
             time.sleep(0.5)
 
-    def sample_nodes(self, grid: Grid, request: RequestBuilder) -> list[int]:
+    def sample_nodes(self, grid: MessageGrid, request: RequestBuilder) -> list[int]:
         """ceil(fraction·N) nodes, at least min_clients (when that many are connected), seeded. Every node is
         identified before it is first sampled (:meth:`identify`; ``request``: the strategy's request builder). The draw is over the nodes ordered by CLIENT id:
         node ids are random per run (Flower's simulation draws them afresh), so a draw over them would give the
@@ -71,7 +71,7 @@ class NodeSampler:
             return nodes
         return sample_ids(by_client_id(nodes, self.node_to_client), k, self.rng)
 
-    def identify(self, grid: Grid, node_ids: list[int], request: RequestBuilder) -> None:
+    def identify(self, grid: MessageGrid, node_ids: list[int], request: RequestBuilder) -> None:
         """Settle which client each node is, once, before its first round message: the nodes of ``node_ids`` whose
         identity is not bound yet (by the describe phase, or an earlier identify) and that were not asked before get
         a message with no operation and the settings every message carries (``request(0, [])``; the client loads its

@@ -22,7 +22,7 @@ def with_transport(messages: list[Message], transport: str) -> list[Message]:
         request = protocol.request_of(msg)
         names = [n for n in (protocol.ARRAYS, protocol.EVAL_ARRAYS) if n in msg.content]
         for name in names:
-            record = msg.content[name]
+            record = msg.content.array_records[name]
             if id(record) not in encoded:
                 encoded[id(record)] = protocol.transport_record(record, transport)
             msg.content[name] = encoded[id(record)]
