@@ -1,7 +1,8 @@
 """Flower ClientApp: a generic worker (fedapps.client.worker) that runs the operations each message asks for.
 
 Importing ``strategies`` registers every algorithm's own client operations, training terms and weightings
-(:mod:`fedapps.client.clientops`); the worker knows none of them by name. Both are imported on the first message, not when
+(:mod:`fedapps.client.clientops`); the worker knows none of them by name. Both are imported on the first message, not
+when
 this module loads: Flower's simulation loads the ClientApp in its main thread BEFORE it starts Ray, so a module that
 imports only Flower lets Ray's processes boot while the ServerApp thread imports torch (docs/performance.md).
 """
@@ -12,7 +13,8 @@ from flwr.clientapp import ClientApp
 from fedapps.flower import message_sweep
 
 # Flower's simulation loads this module in the process that then starts its message sweep: make the sweep one pass
-# over the stored messages instead of one per node (fedapps/flower/message_sweep.py; a no-op in Ray workers and SuperNodes).
+# over the stored messages instead of one per node (fedapps/flower/message_sweep.py; a no-op in Ray workers and
+# SuperNodes).
 message_sweep.install()
 
 
@@ -26,7 +28,8 @@ def serve(msg: Message, context: Context) -> Message:
 
 
 def faults(msg: Message, context: Context, call_next):
-    """fedapps.flower.faults.faults_mod: a no-op unless the node config 'faults' or the env FEDAPPS_FAULTS asks for fault
+    """fedapps.flower.faults.faults_mod: a no-op unless the node config 'faults' or the env FEDAPPS_FAULTS asks for
+    fault
     injection (tests)."""
     from fedapps.flower.faults import faults_mod
 

@@ -16,20 +16,27 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedapps.flower import message_sweep
-
-from fedapps.flower import MessageGrid
-from fedapps.wire import protocol
 from fedapps.config import ExperimentConfig, dump_yaml, load_config, split_overrides
-from fedapps.reporting.results import (REJECTIONS, DeliveryCheck, FileSink, ResultSink, UnusableRun, append_rejections,
-                             exit_status, run_problems)
+from fedapps.flower import MessageGrid, message_sweep
+from fedapps.reporting.results import (
+    REJECTIONS,
+    DeliveryCheck,
+    FileSink,
+    ResultSink,
+    UnusableRun,
+    append_rejections,
+    exit_status,
+    run_problems,
+)
+from fedapps.wire import protocol
 from fedapps.wire.validation import ReplyValidator, registry_of
 
 if TYPE_CHECKING:  # annotations only (fedapps.flower.describe imports torch)
@@ -62,8 +69,15 @@ def set_server_threads() -> int:
     return torch.get_num_threads()
 
 
-def run_experiment(grid: MessageGrid, config_path: str, overrides: str, output_dir: str, resume_dir: str = "",
-                   after_round: Callable[[int], Any] | None = None, keep_state: bool = False) -> dict:
+def run_experiment(
+    grid: MessageGrid,
+    config_path: str,
+    overrides: str,
+    output_dir: str,
+    resume_dir: str = "",
+    after_round: Callable[[int], Any] | None = None,
+    keep_state: bool = False,
+) -> dict:
     """Run one configured experiment on a Grid and return its summary (used by the ServerApp and tests).
 
     A new run's folder (``<output_dir>/<run name>``) must be new or empty (a used one is refused: ConfigError).
@@ -75,9 +89,9 @@ def run_experiment(grid: MessageGrid, config_path: str, overrides: str, output_d
     """
     # these import torch: when the run starts, not when Flower loads the module (the module docstring)
     from fedapps import checkpoint
-    from fedapps.reporting import tracking
     from fedapps.data import NODES, get_federation, set_described_counts, spec_key
     from fedapps.flower.describe import bind_accepted
+    from fedapps.reporting import tracking
     from fedapps.server.driver import RoundDriver
     from strategies import RunContext, report_ignored, resolve
 
@@ -96,8 +110,12 @@ def run_experiment(grid: MessageGrid, config_path: str, overrides: str, output_d
     description = None
     if cfg.data.source == NODES:  # the nodes hold the data: ask them what it is before anything is built
         description, describe_validator = describe(grid, cfg, resolved.cls.needs_public_set)
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(
-            cfg.data, num_classes=description.num_classes, input_shape=list(description.input_shape)))
+        cfg = dataclasses.replace(
+            cfg,
+            data=dataclasses.replace(
+                cfg.data, num_classes=description.num_classes, input_shape=list(description.input_shape)
+            ),
+        )
         set_described_counts(spec_key(dataclasses.asdict(cfg.data)), *description.counts(cfg.data.num_clients))
     if saved is not None:
         run_dir = Path(resume_dir).expanduser().resolve()
@@ -117,19 +135,35 @@ def run_experiment(grid: MessageGrid, config_path: str, overrides: str, output_d
         append_rejections(files.dir / REJECTIONS, description.rejections)
     else:
         files.write_partition(get_federation(dataclasses.asdict(cfg.data)).stats_rows())
-    log.info("run '%s': strategy %s, data %s/%s, %d clients, %d rounds -> %s",
-             cfg.resolved_run_name(), cfg.strategy.name, cfg.data.source, cfg.data.partition,
-             cfg.data.num_clients, cfg.rounds, files.dir)
+    log.info(
+        "run '%s': strategy %s, data %s/%s, %d clients, %d rounds -> %s",
+        cfg.resolved_run_name(),
+        cfg.strategy.name,
+        cfg.data.source,
+        cfg.data.partition,
+        cfg.data.num_clients,
+        cfg.rounds,
+        files.dir,
+    )
     token = str(saved["run_token"]) if saved else uuid.uuid4().hex
     config_yaml = dump_yaml(cfg)
 
     def on_round(entry) -> None:
         for sink in sinks:
             sink.on_round(entry)
-        checkpoint.save_checkpoint(files.dir, {
-            "round": entry.round, "config": config_yaml, "strategy_name": resolved.name, "run_token": token,
-            "state": driver.checkpoint_state(), "rows": files.rows, "wall_seconds": time.time() - t0,
-            "delivery": copy.deepcopy(vars(delivery))})
+        checkpoint.save_checkpoint(
+            files.dir,
+            {
+                "round": entry.round,
+                "config": config_yaml,
+                "strategy_name": resolved.name,
+                "run_token": token,
+                "state": driver.checkpoint_state(),
+                "rows": files.rows,
+                "wall_seconds": time.time() - t0,
+                "delivery": copy.deepcopy(vars(delivery)),
+            },
+        )
         if after_round is not None:
             after_round(entry.round)
 
@@ -137,7 +171,8 @@ def run_experiment(grid: MessageGrid, config_path: str, overrides: str, output_d
         on_round=on_round,
         client_state=protocol.Bookkeeping(state_dir=str(files.dir / checkpoint.CLIENT_STATE), state_run=token),
         server_state_dir=str(files.dir / checkpoint.SERVER_STATE),
-        excluded_nodes=frozenset(description.excluded) if description is not None else frozenset())
+        excluded_nodes=frozenset(description.excluded) if description is not None else frozenset(),
+    )
     strategy = resolved.build(cfg, context)
     driver = RoundDriver(strategy)  # the round loop around the strategy
     first_round = 1
@@ -156,9 +191,16 @@ def run_experiment(grid: MessageGrid, config_path: str, overrides: str, output_d
         tracking.abort(trackers, f"{type(exc).__name__}: {exc}")
         raise
     described = {"nodes": description.summary()} if description is not None else {}
-    summary = files.summary(time.time() - t0, {**strategy.protocol_summary(), **strategy.final_summary(),
-                                               **delivery.totals(), **described,
-                                               "simulation_message_sweep": message_sweep.in_use()})
+    summary = files.summary(
+        time.time() - t0,
+        {
+            **strategy.protocol_summary(),
+            **strategy.final_summary(),
+            **delivery.totals(),
+            **described,
+            "simulation_message_sweep": message_sweep.in_use(),
+        },
+    )
     # whether the result means something: what went wrong, in words, and the exit status it gives (fedapps run)
     found = run_problems(summary, files.rows, cfg.min_measured_share, delivery)
     problems = [p.text for p in found]
@@ -168,13 +210,18 @@ def run_experiment(grid: MessageGrid, config_path: str, overrides: str, output_d
         sink.on_finish(summary, artifacts)
     log.info("RESULTS %s", files.dir)
     if summary.get("final_round_had_no_replies"):
-        log.warning("the last round got no usable reply: the reported accuracy is from round %s", summary.get("final_round"))
+        log.warning(
+            "the last round got no usable reply: the reported accuracy is from round %s", summary.get("final_round")
+        )
     if problems:  # results are on disk for inspection; the run itself fails (Flower: finished:failed)
         raise UnusableRun("; ".join(problems) + f" (results: {files.dir})", exit_status(found))
     if not keep_state:
         freed = checkpoint.remove_resume_state(files.dir)
-        log.info("run finished: its resume state (checkpoint, client-state/, server-state/; %.1f MB) removed "
-                 "(keep it with --keep-state)", freed / 1e6)
+        log.info(
+            "run finished: its resume state (checkpoint, client-state/, server-state/; %.1f MB) removed "
+            "(keep it with --keep-state)",
+            freed / 1e6,
+        )
     return summary
 
 
@@ -187,16 +234,26 @@ def describe(grid: MessageGrid, cfg: ExperimentConfig, uses_public: bool) -> tup
 
     d = cfg.data
     spec = dataclasses.asdict(d)
-    setup = protocol.Setup(data=protocol.data_spec_for_clients(spec),
-                           model=protocol.ModelSpec(cfg.model.name, cfg.seed))
+    setup = protocol.Setup(
+        data=protocol.data_spec_for_clients(spec), model=protocol.ModelSpec(cfg.model.name, cfg.seed)
+    )
     # the nodes' copies of U are checked against the server's before round 1
     public = protocol.PublicSet(fingerprint=get_federation(spec).fingerprint) if uses_public else protocol.PublicSet()
     validator = ReplyValidator(d.num_clients, registry=registry_of(d))  # the operator's caps bind before round 1
     # wait for the whole federation (strategy.expected_clients, default data.num_clients) before asking
     wanted = cfg.strategy.expected_clients or d.num_clients
-    description = describe_nodes(grid, setup, d.num_clients, cfg.strategy.timeout, validator,
-                                 pinned_classes=d.num_classes, pinned_shape=tuple(d.input_shape), wanted=wanted,
-                                 wait_seconds=cfg.strategy.connect_timeout, public=public)
+    description = describe_nodes(
+        grid,
+        setup,
+        d.num_clients,
+        cfg.strategy.timeout,
+        validator,
+        pinned_classes=d.num_classes,
+        pinned_shape=tuple(d.input_shape),
+        wanted=wanted,
+        wait_seconds=cfg.strategy.connect_timeout,
+        public=public,
+    )
     return description, validator
 
 
@@ -208,9 +265,14 @@ def nodes_as_checkpointed(cfg: ExperimentConfig, saved_yaml: str) -> ExperimentC
     if cfg.data.source != NODES or (cfg.data.num_classes and cfg.data.input_shape):
         return cfg
     saved = (yaml.safe_load(saved_yaml) or {}).get("data", {})
-    return dataclasses.replace(cfg, data=dataclasses.replace(
-        cfg.data, num_classes=cfg.data.num_classes or int(saved.get("num_classes", 0) or 0),
-        input_shape=list(cfg.data.input_shape or saved.get("input_shape", []) or [])))
+    return dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(
+            cfg.data,
+            num_classes=cfg.data.num_classes or int(saved.get("num_classes", 0) or 0),
+            input_shape=list(cfg.data.input_shape or saved.get("input_shape", []) or []),
+        ),
+    )
 
 
 @app.main()
@@ -219,6 +281,11 @@ def main(grid: Grid, context: Context) -> None:
     'keep-state'."""
     message_sweep.poll_replies_often(grid)  # simulation: replies looked for every 0.02 s, not 0.1 s
     rc = context.run_config
-    run_experiment(grid, str(rc.get("config", "configs/default.yaml")), str(rc.get("overrides", "")),
-                   str(rc.get("output-dir", "")), resume_dir=str(rc.get("resume-dir", "")),
-                   keep_state=str(rc.get("keep-state", "false")).lower() in ("true", "1"))
+    run_experiment(
+        grid,
+        str(rc.get("config", "configs/default.yaml")),
+        str(rc.get("overrides", "")),
+        str(rc.get("output-dir", "")),
+        resume_dir=str(rc.get("resume-dir", "")),
+        keep_state=str(rc.get("keep-state", "false")).lower() in ("true", "1"),
+    )

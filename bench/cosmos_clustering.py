@@ -29,7 +29,9 @@ from fedapps.server import clustering
 from fedapps_tools.benchrecord import record
 
 
-def synthetic_predictions(clients: int, samples: int, classes: int, groups: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
+def synthetic_predictions(
+    clients: int, samples: int, classes: int, groups: int, seed: int = 0
+) -> tuple[torch.Tensor, np.ndarray]:
     """Softmax predictions (clients×samples×classes, float32) of clients in `groups` latent groups."""
     gen = torch.Generator().manual_seed(seed)
     group_of = np.arange(clients) % groups
@@ -61,8 +63,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     preds, group_of = synthetic_predictions(args.clients, args.samples, args.classes, args.groups)
-    print(f"predictions: {args.clients} clients × {args.samples} samples × {args.classes} classes float32 "
-          f"({preds.numel() * 4 / 2**20:.0f} MiB), {args.threads} threads")
+    print(
+        f"predictions: {args.clients} clients × {args.samples} samples × {args.classes} classes float32 "
+        f"({preds.numel() * 4 / 2**20:.0f} MiB), {args.threads} threads"
+    )
     best: dict[str, float] = {}
     for metric in ("l1", "l2"):
         times = []
@@ -74,8 +78,10 @@ def main() -> None:
 
         ari = adjusted_rand_score(group_of, found)
         best[metric] = min(times)
-        print(f"{metric}: distances + clustering {', '.join(f'{t:.3f}' for t in times)} s (best {best[metric]:.3f}); "
-              f"B0 = {result.b0:.2f}, K = {result.k}, sizes {result.sizes}, ARI vs true groups {ari:.3f}")
+        print(
+            f"{metric}: distances + clustering {', '.join(f'{t:.3f}' for t in times)} s (best {best[metric]:.3f}); "
+            f"B0 = {result.b0:.2f}, K = {result.k}, sizes {result.sizes}, ARI vs true groups {ari:.3f}"
+        )
     figures = {"seconds": round(best["l1"], 3), "seconds_l2": round(best["l2"], 3)}
     if not args.no_reference:
         flat = preds.reshape(args.clients, -1)
@@ -83,8 +89,10 @@ def main() -> None:
         torch.nn.functional.pdist(flat, p=1)
         reference = time.perf_counter() - t0
         figures["pdist_reference_seconds"] = round(reference, 3)
-        print(f"reference: torch pdist(p=1) distances alone {reference:.3f} s; "
-              f"ours (ℓ1 distances + clustering) / reference = {best['l1'] / reference:.3f}")
+        print(
+            f"reference: torch pdist(p=1) distances alone {reference:.3f} s; "
+            f"ours (ℓ1 distances + clustering) / reference = {best['l1'] / reference:.3f}"
+        )
     print(f"seconds={best['l1']:.3f}")
     record("cosmos_clustering", figures)
 

@@ -38,8 +38,15 @@ def ours(model: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor) -> floa
     """One epoch through fedapps.client.ops.distill (KL + COSMOS's λ·r_B term); returns seconds."""
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
-    ops.distill(model, x, targets, ops.OptimSettings(epochs=1, batch_size=BATCH, lr=LR, optimizer="adam", clip_norm=CLIP, drop_last=False),
-                ops.DistillSettings(loss="kl"), generator=gen, term=rb_term(LAMBDA, SIGMA, gen))
+    ops.distill(
+        model,
+        x,
+        targets,
+        ops.OptimSettings(epochs=1, batch_size=BATCH, lr=LR, optimizer="adam", clip_norm=CLIP, drop_last=False),
+        ops.DistillSettings(loss="kl"),
+        generator=gen,
+        term=rb_term(LAMBDA, SIGMA, gen),
+    )
     return time.perf_counter() - t0
 
 
@@ -50,7 +57,7 @@ def bare(model: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor) -> floa
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     for start in range(0, len(x), BATCH):
-        idx = order[start:start + BATCH]
+        idx = order[start : start + BATCH]
         xb, tb = x[idx], targets[idx]
         opt.zero_grad(set_to_none=True)
         logits = model(xb)
@@ -88,9 +95,14 @@ def main() -> None:
     print(f"ours: {', '.join(f'{t:.2f}' for t in t_ours)} s per epoch (best {n / min(t_ours):.0f} samples/s)")
     print(f"bare: {', '.join(f'{t:.2f}' for t in t_bare)} s per epoch (best {n / min(t_bare):.0f} samples/s)")
     print(f"throughput_ratio={min(t_bare) / min(t_ours):.3f}")
-    record("cosmos_server_train", {"throughput_ratio": round(min(t_bare) / min(t_ours), 3),
-                                   "ours_samples_per_second": round(n / min(t_ours)),
-                                   "bare_samples_per_second": round(n / min(t_bare))})
+    record(
+        "cosmos_server_train",
+        {
+            "throughput_ratio": round(min(t_bare) / min(t_ours), 3),
+            "ours_samples_per_second": round(n / min(t_ours)),
+            "bare_samples_per_second": round(n / min(t_bare)),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def client_stack(base: np.ndarray, clients: int, seed: int) -> np.ndarray:
 def run_ours(a: np.ndarray, w: np.ndarray, chunk: int, sink: list[float]) -> None:
     """Personalised models chunk by chunk straight from the client models through A."""
     for start in range(0, a.shape[0], chunk):
-        out = mix(a[start:start + chunk], w)
+        out = mix(a[start : start + chunk], w)
         sink.append(float(out.sum(dtype=np.float64)))
         del out
 
@@ -59,7 +59,7 @@ def run_k_models(p: np.ndarray, q: np.ndarray, w: np.ndarray, chunk: int, sink: 
     """Materialise the K class models, then each chunk of personalised models from them."""
     g = class_models(q, w)
     for start in range(0, p.shape[0], chunk):
-        out = mix(p[start:start + chunk], g)
+        out = mix(p[start : start + chunk], g)
         sink.append(float(out.sum(dtype=np.float64)))
         del out
     del g
@@ -94,8 +94,10 @@ def main() -> None:
     p = rng.dirichlet(np.full(args.classes, args.alpha), args.clients)
     n = rng.integers(100, 1000, args.clients).astype(np.float64)
     q = class_weights(n, p)
-    print(f"{args.model}: {len(keys)} parameter tensors, {total / 1e6:.2f} M parameters; "
-          f"{args.clients} clients x {args.classes} classes; client chunk {args.chunk}")
+    print(
+        f"{args.model}: {len(keys)} parameter tensors, {total / 1e6:.2f} M parameters; "
+        f"{args.clients} clients x {args.classes} classes; client chunk {args.chunk}"
+    )
     print(f"client models (inputs, excluded): {args.clients * total * 4 / 2**30:.2f} GiB, generated per tensor")
 
     tracemalloc.start()
@@ -118,13 +120,22 @@ def main() -> None:
     agree = np.allclose(sums_ours, sums_k, rtol=1e-4, atol=1e-3)
     print(f"checksums agree: {agree}   (wall {time.perf_counter() - t0:.1f} s including input generation)")
     print(f"ours    : {t_ours:8.2f} s  peak {mem_ours / 2**20:9.1f} MiB")
-    print(f"K-model : {t_k:8.2f} s  peak {mem_k / 2**20:9.1f} MiB   (K class models of the largest tensor alone: "
-          f"{args.classes * max(params[k].numel() for k in keys) * 4 / 2**20:.1f} MiB)")
+    print(
+        f"K-model : {t_k:8.2f} s  peak {mem_k / 2**20:9.1f} MiB   (K class models of the largest tensor alone: "
+        f"{args.classes * max(params[k].numel() for k in keys) * 4 / 2**20:.1f} MiB)"
+    )
     if not agree:
         raise SystemExit("the two approaches disagree")
     print(f"memory_ratio={mem_ours / mem_k:.4f} time_ratio={t_ours / t_k:.4f}")
-    record("cwfedavg_mixing", {"memory_ratio": round(mem_ours / mem_k, 4), "time_ratio": round(t_ours / t_k, 4),
-                               "ours_seconds": round(t_ours, 2), "ours_peak_mib": round(mem_ours / 2**20, 1)})
+    record(
+        "cwfedavg_mixing",
+        {
+            "memory_ratio": round(mem_ours / mem_k, 4),
+            "time_ratio": round(t_ours / t_k, 4),
+            "ours_seconds": round(t_ours, 2),
+            "ours_peak_mib": round(mem_ours / 2**20, 1),
+        },
+    )
 
 
 if __name__ == "__main__":

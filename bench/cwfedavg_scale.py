@@ -73,8 +73,9 @@ def reset_peak_rss() -> bool:
 class Replies:
     """Streams client replies: shared arrays from the pool, fresh random classifier rows; times the generation."""
 
-    def __init__(self, pool: list[dict[str, np.ndarray]], head: dict[str, np.ndarray], n: np.ndarray,
-                 seed: int) -> None:
+    def __init__(
+        self, pool: list[dict[str, np.ndarray]], head: dict[str, np.ndarray], n: np.ndarray, seed: int
+    ) -> None:
         self.pool, self.head, self.n = pool, head, n
         self.rng = np.random.default_rng(seed)
         self.seconds = 0.0
@@ -89,8 +90,9 @@ class Replies:
             yield ClientReply(node_id=10_000 + c, client_id=c, num_examples=int(self.n[c]), metrics={}, arrays=arrays)
 
 
-def server_step(strategy: CwFedAvg, rnd: int, replies: Iterator[ClientReply], targets: list[int],
-                source: Replies) -> tuple[float, float, float]:
+def server_step(
+    strategy: CwFedAvg, rnd: int, replies: Iterator[ClientReply], targets: list[int], source: Replies
+) -> tuple[float, float, float]:
     """aggregate + the targets' personalised models (class-wise arrays summed into a checksum):
     (aggregate seconds, personalised-models seconds, checksum)."""
     generated = source.seconds
@@ -118,11 +120,21 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    cfg = load_config(None, [
-        "strategy.name=cwfedavg", "data.source=synthetic", f"data.synthetic_classes={args.classes}",
-        "data.synthetic_shape=[3,32,32]", f"model.name={args.model}", f"data.num_clients={args.clients}",
-        f"strategy.params.cwfedavg.layers={args.layers}", f"strategy.params.cwfedavg.mix={args.mix}",
-        "strategy.params.cwfedavg.track_estimation_error=false", f"seed={args.seed}"])
+    cfg = load_config(
+        None,
+        [
+            "strategy.name=cwfedavg",
+            "data.source=synthetic",
+            f"data.synthetic_classes={args.classes}",
+            "data.synthetic_shape=[3,32,32]",
+            f"model.name={args.model}",
+            f"data.num_clients={args.clients}",
+            f"strategy.params.cwfedavg.layers={args.layers}",
+            f"strategy.params.cwfedavg.mix={args.mix}",
+            "strategy.params.cwfedavg.track_estimation_error=false",
+            f"seed={args.seed}",
+        ],
+    )
 
     # the inputs, before measuring: a pool of models (shared arrays), the classifier template, sample counts
     probe = CwFedAvg(cfg)
@@ -132,22 +144,27 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     pool = []
     for _ in range(args.pool):
-        pool.append({k: v + 0.01 * rng.standard_normal(v.shape, dtype=np.float32) for k, v in template.items()
-                     if k in shared})
+        pool.append(
+            {k: v + 0.01 * rng.standard_normal(v.shape, dtype=np.float32) for k, v in template.items() if k in shared}
+        )
     n = rng.integers(100, 1000, args.clients).astype(np.int64)
     model_bytes = sum(v.nbytes for v in template.values())
     head_bytes = sum(template[k].nbytes for k in classwise)
     full = args.clients * model_bytes
-    print(f"{args.model}, {args.classes} classes: {sum(v.size for v in template.values()) / 1e6:.2f} M parameters "
-          f"({model_bytes / 2**20:.1f} MiB), class-wise ({args.layers}) {sum(template[k].size for k in classwise):,} "
-          f"({head_bytes / 2**20:.3f} MiB); {args.clients} clients, mix {args.mix}")
+    print(
+        f"{args.model}, {args.classes} classes: {sum(v.size for v in template.values()) / 1e6:.2f} M parameters "
+        f"({model_bytes / 2**20:.1f} MiB), class-wise ({args.layers}) {sum(template[k].size for k in classwise):,} "
+        f"({head_bytes / 2**20:.3f} MiB); {args.clients} clients, mix {args.mix}"
+    )
     print(f"reference: {args.clients} full models = {full / GiB:.2f} GiB")
     if args.mix == "latest":
         need = args.clients * model_bytes
         if need > 0.8 * proc_kib("MemAvailable") * 1024:
-            raise SystemExit(f"--mix latest keeps every client's shared arrays: {need / GiB:.1f} GiB for "
-                             f"{args.clients} clients, more than this machine has free "
-                             f"({proc_kib('MemAvailable') / 2**20:.1f} GiB); use fewer --clients")
+            raise SystemExit(
+                f"--mix latest keeps every client's shared arrays: {need / GiB:.1f} GiB for "
+                f"{args.clients} clients, more than this machine has free "
+                f"({proc_kib('MemAvailable') / 2**20:.1f} GiB); use fewer --clients"
+            )
 
     source = Replies(pool, {k: template[k] for k in classwise}, n, args.seed + 1)
     everyone = list(range(args.clients))
@@ -174,21 +191,32 @@ def main() -> None:
     np.testing.assert_allclose(strategy.shared[k], expected, rtol=1e-5, atol=1e-6)
 
     peak = traced_peak + torch_bytes
-    state = {"per-client stack": strategy.stack.nbytes(), "shared FedAvg arrays": sum(
-        v.nbytes for v in strategy.shared.values()), "running sums (float64)": sum(
-        v.nbytes for v in strategy.sums.values())}
+    state = {
+        "per-client stack": strategy.stack.nbytes(),
+        "shared FedAvg arrays": sum(v.nbytes for v in strategy.shared.values()),
+        "running sums (float64)": sum(v.nbytes for v in strategy.sums.values()),
+    }
     print("server state after round 2: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in state.items()))
-    print(f"round 1 ({args.clients} replies, {args.clients} personalised models): {t1:.2f} s (aggregate {a1:.2f} s, "
-          f"models {p1:.2f} s); round 2 ({len(rejoin)} replies, {len(sampled)} models): {t2:.2f} s (aggregate "
-          f"{a2:.2f} s, models {p2:.2f} s)   (reply generation excluded: {source.seconds:.1f} s; checksums "
-          f"{sum1:.4g} {sum2:.4g})")
-    print(f"peak: traced {traced_peak / 2**20:.1f} MiB + initial model (torch) {torch_bytes / 2**20:.1f} MiB = "
-          f"{peak / 2**20:.1f} MiB" + (f"; RSS peak above start {rss_peak / 2**20:.1f} MiB "
-                                       f"(ratio {rss_peak / full:.4f})" if rss_peak is not None else
-                                       "; RSS peak unavailable (clear_refs refused)"))
+    print(
+        f"round 1 ({args.clients} replies, {args.clients} personalised models): {t1:.2f} s (aggregate {a1:.2f} s, "
+        f"models {p1:.2f} s); round 2 ({len(rejoin)} replies, {len(sampled)} models): {t2:.2f} s (aggregate "
+        f"{a2:.2f} s, models {p2:.2f} s)   (reply generation excluded: {source.seconds:.1f} s; checksums "
+        f"{sum1:.4g} {sum2:.4g})"
+    )
+    print(
+        f"peak: traced {traced_peak / 2**20:.1f} MiB + initial model (torch) {torch_bytes / 2**20:.1f} MiB = "
+        f"{peak / 2**20:.1f} MiB"
+        + (
+            f"; RSS peak above start {rss_peak / 2**20:.1f} MiB (ratio {rss_peak / full:.4f})"
+            if rss_peak is not None
+            else "; RSS peak unavailable (clear_refs refused)"
+        )
+    )
     print(f"memory_ratio={peak / full:.4f} seconds={t1:.2f}")
-    record("cwfedavg_scale", {"memory_ratio": round(peak / full, 4), "seconds": round(t1, 2),
-                              "peak_mib": round(peak / 2**20, 1)})
+    record(
+        "cwfedavg_scale",
+        {"memory_ratio": round(peak / full, 4), "seconds": round(t1, 2), "peak_mib": round(peak / 2**20, 1)},
+    )
 
 
 if __name__ == "__main__":

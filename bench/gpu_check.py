@@ -28,14 +28,29 @@ from fedapps_tools.benchrecord import record  # noqa: E402
 # name -> (config, overrides, gpus per client)
 CASES: dict[str, tuple[str, list[str], float]] = {
     "cwfedavg": ("configs/cwfedavg.yaml", ["rounds=5", "client.device=cuda"], 0.25),
-    "cosmos": ("configs/cosmos.yaml", ["rounds=3", "client.device=cuda", "strategy.params.cosmos.server_device=cuda"], 0.25),
+    "cosmos": (
+        "configs/cosmos.yaml",
+        ["rounds=3", "client.device=cuda", "strategy.params.cosmos.server_device=cuda"],
+        0.25,
+    ),
     "cwfedavg-bf16": ("configs/cwfedavg.yaml", ["rounds=5", "client.device=cuda", "client.mixed_precision=true"], 0.25),
     # the sizing case of the --gpus-per-client rule (docs/deployment.md): a paper model at CIFAR size
-    "fedavg-resnet18": ("configs/fedavg.yaml", ["rounds=3", "client.device=cuda", "model.name=resnet18",
-                                                "data.source=synthetic", "data.synthetic_shape=[3,32,32]",
-                                                "data.synthetic_samples=4000", "data.partition=iid",
-                                                "client.batch_size=64", "data.num_clients=8",
-                                                "strategy.min_clients=8"], 0.25),
+    "fedavg-resnet18": (
+        "configs/fedavg.yaml",
+        [
+            "rounds=3",
+            "client.device=cuda",
+            "model.name=resnet18",
+            "data.source=synthetic",
+            "data.synthetic_shape=[3,32,32]",
+            "data.synthetic_samples=4000",
+            "data.partition=iid",
+            "client.batch_size=64",
+            "data.num_clients=8",
+            "strategy.min_clients=8",
+        ],
+        0.25,
+    ),
 }
 
 
@@ -51,8 +66,9 @@ class GpuMemorySampler(threading.Thread):
 
     @staticmethod
     def _query(args: list[str]) -> list[list[str]]:
-        out = subprocess.run(["nvidia-smi", *args, "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                             timeout=10).stdout
+        out = subprocess.run(
+            ["nvidia-smi", *args, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10
+        ).stdout
         return [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.strip()]
 
     def _device_used(self) -> int:
@@ -79,18 +95,41 @@ class GpuMemorySampler(threading.Thread):
 def run_case(name: str, out: Path) -> dict:
     config, overrides, gpus = CASES[name]
     run_name = f"gpu-check-{name}"
-    cmd = [sys.executable, "-m", "fedapps_tools.cli", "run", config, "--output-dir", str(out), "--quiet",
-           "--gpus-per-client", str(gpus), "--cpus-per-client", "2", "--set", f"run_name={run_name}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fedapps_tools.cli",
+        "run",
+        config,
+        "--output-dir",
+        str(out),
+        "--quiet",
+        "--gpus-per-client",
+        str(gpus),
+        "--cpus-per-client",
+        "2",
+        "--set",
+        f"run_name={run_name}",
+        *overrides,
+    ]
     sampler = GpuMemorySampler()
     sampler.start()
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - started
     sampler.stop()
-    result = {"case": name, "config": config, "overrides": overrides, "gpus_per_client": gpus, "exit_code": proc.returncode,
-              "wall_seconds_end_to_end": round(wall, 1), "peak_device_mib": sampler.peak_device,
-              "device_mib_before": sampler.baseline, "peak_client_process_mib": sampler.peak_process,
-              "gpu_processes_seen": len(sampler.pids)}
+    result = {
+        "case": name,
+        "config": config,
+        "overrides": overrides,
+        "gpus_per_client": gpus,
+        "exit_code": proc.returncode,
+        "wall_seconds_end_to_end": round(wall, 1),
+        "peak_device_mib": sampler.peak_device,
+        "device_mib_before": sampler.baseline,
+        "peak_client_process_mib": sampler.peak_process,
+        "gpu_processes_seen": len(sampler.pids),
+    }
     run_dir = out / run_name
     rounds_csv = run_dir / "rounds.csv"
     if proc.returncode != 0 or not rounds_csv.exists():
@@ -100,10 +139,13 @@ def run_case(name: str, out: Path) -> dict:
         rows = list(csv.DictReader(f))
     round_seconds = sum(float(r["wall_seconds"]) for r in rows)
     summary = json.loads((run_dir / "summary.json").read_text())
-    result.update(rounds=len(rows), rounds_per_second=round(len(rows) / round_seconds, 3) if round_seconds else None,
-                  rounds_per_second_end_to_end=round(len(rows) / wall, 3),
-                  accuracy_mean=summary.get("accuracy_mean"),
-                  final_train_loss=float(rows[-1]["train_loss"]) if rows[-1].get("train_loss") else None)
+    result.update(
+        rounds=len(rows),
+        rounds_per_second=round(len(rows) / round_seconds, 3) if round_seconds else None,
+        rounds_per_second_end_to_end=round(len(rows) / wall, 3),
+        accuracy_mean=summary.get("accuracy_mean"),
+        final_train_loss=float(rows[-1]["train_loss"]) if rows[-1].get("train_loss") else None,
+    )
     if sampler.peak_process == 0:
         result["error"] = "no client process held GPU memory: the clients did not train on CUDA"
     return result
@@ -122,9 +164,13 @@ def main() -> int:
         print(f"gpu_check: unknown case(s) {unknown}; choose from {', '.join(CASES)}", file=sys.stderr)
         return 2
     import torch
+
     gpu = torch.cuda.get_device_properties(0)
-    print(f"gpu_check: {gpu.name}, {gpu.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPU cores; results in {out}", flush=True)
+    print(
+        f"gpu_check: {gpu.name}, {gpu.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPU cores; results in {out}",
+        flush=True,
+    )
     results = []
     for name in names:
         r = run_case(name, out)
@@ -132,15 +178,27 @@ def main() -> int:
         if "error" in r:
             print(f"  {name:16s} FAILED (exit {r['exit_code']}): {r['error'][-1500:]}", flush=True)
         else:
-            print(f"  {name:16s} {r['rounds']} rounds  {r['rounds_per_second']:.3f} rounds/s in rounds "
-                  f"({r['rounds_per_second_end_to_end']:.3f} end to end, {r['wall_seconds_end_to_end']:.0f} s)  "
-                  f"peak GPU memory: device {r['peak_device_mib']} MiB (before: {r['device_mib_before']}), "
-                  f"largest client process {r['peak_client_process_mib']} MiB, {r['gpu_processes_seen']} GPU processes  "
-                  f"accuracy {r['accuracy_mean']:.3f}, last round's train loss {r['final_train_loss']!r}", flush=True)
-    (out / "gpu_check.json").write_text(json.dumps({"gpu": gpu.name, "torch": torch.__version__, "cases": results}, indent=2))
-    record("gpu_check", {f"{r['case']}_{key}": r[key] for r in results if "error" not in r
-                         for key in ("rounds_per_second", "peak_device_mib", "accuracy_mean")}
-           | {f"{r['case']}_failed": r["exit_code"] for r in results if "error" in r})
+            print(
+                f"  {name:16s} {r['rounds']} rounds  {r['rounds_per_second']:.3f} rounds/s in rounds "
+                f"({r['rounds_per_second_end_to_end']:.3f} end to end, {r['wall_seconds_end_to_end']:.0f} s)  "
+                f"peak GPU memory: device {r['peak_device_mib']} MiB (before: {r['device_mib_before']}), "
+                f"largest client process {r['peak_client_process_mib']} MiB, {r['gpu_processes_seen']} GPU processes  "
+                f"accuracy {r['accuracy_mean']:.3f}, last round's train loss {r['final_train_loss']!r}",
+                flush=True,
+            )
+    (out / "gpu_check.json").write_text(
+        json.dumps({"gpu": gpu.name, "torch": torch.__version__, "cases": results}, indent=2)
+    )
+    record(
+        "gpu_check",
+        {
+            f"{r['case']}_{key}": r[key]
+            for r in results
+            if "error" not in r
+            for key in ("rounds_per_second", "peak_device_mib", "accuracy_mean")
+        }
+        | {f"{r['case']}_failed": r["exit_code"] for r in results if "error" in r},
+    )
     return 1 if any("error" in r for r in results) else 0
 
 

@@ -62,7 +62,7 @@ class CpuSampler:
             raw = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             return None
-        f = raw[raw.rindex(")") + 2:].split()
+        f = raw[raw.rindex(")") + 2 :].split()
         return int(f[1]), int(f[19]), (int(f[11]) + int(f[12])) / self._ticks  # parent, start time, CPU seconds
 
     def _run(self) -> None:
@@ -105,8 +105,9 @@ class CpuSampler:
         return sum(self.seen.values())
 
 
-def cpu_between(timeline: list[tuple[float, int, dict[str, float]]], start_mark: int,
-                end_mark: int) -> tuple[float, dict[str, float]]:
+def cpu_between(
+    timeline: list[tuple[float, int, dict[str, float]]], start_mark: int, end_mark: int
+) -> tuple[float, dict[str, float]]:
     """The wall seconds and the CPU seconds by role between the first samples whose marker reached ``start_mark``
     and ``end_mark`` (to within one sampling interval)."""
     first = next(s for s in timeline if s[1] >= start_mark)

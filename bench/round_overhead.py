@@ -48,7 +48,9 @@ CLIENTS, ROUNDS, BATCH, LR = 20, 5, 10, 0.05
 
 def experiment_config(rounds: int) -> dict:
     return {
-        "run_name": "round-overhead", "seed": 0, "rounds": rounds,
+        "run_name": "round-overhead",
+        "seed": 0,
+        "rounds": rounds,
         "strategy": {"name": "fedavg"},
         "data": {"source": "mnist5k", "partition": "iid", "num_clients": CLIENTS},
         "model": {"name": "cnn"},
@@ -74,8 +76,21 @@ def flower_seconds(workdir: Path) -> dict:
     cfg_path.write_text(yaml.safe_dump(experiment_config(ROUNDS + 1)))
     run_dir = workdir / "res" / "round-overhead"
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg_path), "--output-dir",
-                             str(workdir / "res"), "--cpus-per-client", "1", "--quiet"], cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fedapps_tools.cli",
+            "run",
+            str(cfg_path),
+            "--output-dir",
+            str(workdir / "res"),
+            "--cpus-per-client",
+            "1",
+            "--quiet",
+        ],
+        cwd=ROOT,
+    )
     sampler = CpuSampler(proc.pid, marker=lambda: rows_written(run_dir / "rounds.csv"))
     rc = proc.wait()
     total = time.perf_counter() - t0
@@ -88,8 +103,14 @@ def flower_seconds(workdir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     print(f"flower: final accuracy_mean {summary['accuracy_mean']:.4f}; round walls {[f'{w:.2f}' for w in walls]}")
     cpu_wall, cpu = cpu_between(sampler.timeline, 1, ROUNDS + 1)
-    return {"rounds": sum(walls[1:]), "warmup": walls[0], "total": total,
-            "clients": sum(float(r.get("client_seconds") or 0.0) for r in rows[1:]), "cpu": cpu, "cpu_wall": cpu_wall}
+    return {
+        "rounds": sum(walls[1:]),
+        "warmup": walls[0],
+        "total": total,
+        "clients": sum(float(r.get("client_seconds") or 0.0) for r in rows[1:]),
+        "cpu": cpu,
+        "cpu_wall": cpu_wall,
+    }
 
 
 Clients = list  # the ClientData of the clients a process serves
@@ -129,7 +150,7 @@ def client_update(model: torch.nn.Module, global_state: State, c, client_id: int
     g = torch.Generator().manual_seed(rnd * 1000 + client_id)
     order = torch.randperm(len(c.train_x), generator=g)
     for s in range(0, len(order) - len(order) % BATCH, BATCH):
-        idx = order[s:s + BATCH]
+        idx = order[s : s + BATCH]
         opt.zero_grad()
         F.cross_entropy(model(c.train_x[idx]), c.train_y[idx]).backward()
         opt.step()
@@ -156,8 +177,9 @@ def bare_seconds(threads: int = 2) -> float:
     clients, model, global_state = bare_setup(range(CLIENTS))
     t0 = time.perf_counter()
     for rnd in range(ROUNDS):
-        global_state = average([weighted_sum([client_update(model, global_state, c, i, rnd)
-                                              for i, c in enumerate(clients)])])
+        global_state = average(
+            [weighted_sum([client_update(model, global_state, c, i, rnd) for i, c in enumerate(clients)])]
+        )
     model.load_state_dict(global_state)
     for c in clients:
         evaluate(model, c)
@@ -183,7 +205,9 @@ def parallel_worker(conn, client_ids: list[int]) -> None:
         request = conn.recv()
         if request[0] == "round":
             rnd, global_state = request[1], from_wire(request[2])
-            state, n = weighted_sum([client_update(model, global_state, c, i, rnd) for i, c in zip(client_ids, clients)])
+            state, n = weighted_sum(
+                [client_update(model, global_state, c, i, rnd) for i, c in zip(client_ids, clients)]
+            )
             conn.send(("partial", to_wire(state), n))
         elif request[0] == "final":
             model.load_state_dict(from_wire(request[1]))
@@ -241,27 +265,40 @@ def main() -> None:
     parallel = run_parallel(2)[0]
     bare = bare_seconds(2)
     rounds = flower["rounds"]
-    print(f"flower: {rounds:.2f} s for {ROUNDS} rounds (2 workers x 1 thread); warm-up round incl. Ray start-up "
-          f"{flower['warmup']:.2f} s; whole `flwr run` {flower['total']:.2f} s")
+    print(
+        f"flower: {rounds:.2f} s for {ROUNDS} rounds (2 workers x 1 thread); warm-up round incl. Ray start-up "
+        f"{flower['warmup']:.2f} s; whole `flwr run` {flower['total']:.2f} s"
+    )
     print(f"bare:   {bare:.2f} s for {ROUNDS} rounds (1 process x 2 threads)")
     print(f"bare-parallel: {parallel:.2f} s for {ROUNDS} rounds (2 processes x 1 thread)")
     # where Flower's time goes: the 2 workers' time over the measured rounds (2 x their wall) = the clients' own time
     # serving messages (rounds.csv client_seconds: data lookup, decoding, the operations, encoding) + the rest: Ray's
     # transport of each message, Flower's queues and polling, the server step between rounds, the round's tail
     busy = flower["clients"]
-    print(f"flower workers: 2 x {rounds:.2f} s = {2 * rounds:.2f} s, serving messages {busy:.2f} s "
-          f"({100 * busy / (2 * rounds):.0f}%), between messages {2 * rounds - busy:.2f} s; bare-parallel computed "
-          f"{2 * parallel:.2f} s (the workers' own time exceeds it by {busy - 2 * parallel:+.2f} s: decoding, setup, "
-          f"encoding, and noise)")
+    print(
+        f"flower workers: 2 x {rounds:.2f} s = {2 * rounds:.2f} s, serving messages {busy:.2f} s "
+        f"({100 * busy / (2 * rounds):.0f}%), between messages {2 * rounds - busy:.2f} s; bare-parallel computed "
+        f"{2 * parallel:.2f} s (the workers' own time exceeds it by {busy - 2 * parallel:+.2f} s: decoding, setup, "
+        f"encoding, and noise)"
+    )
     # who had the two cores while the measured rounds ran: CPU seconds by process role (bench/proctree.py)
     cpu, window = flower["cpu"], flower["cpu_wall"]
-    print(f"flower cpu over the measured rounds ({window:.2f} s wall, {2 * window:.2f} core-s): "
-          + "  ".join(f"{role} {sec:.2f}" for role, sec in sorted(cpu.items(), key=lambda kv: -kv[1]))
-          + f"  idle {2 * window - sum(cpu.values()):.2f}")
+    print(
+        f"flower cpu over the measured rounds ({window:.2f} s wall, {2 * window:.2f} core-s): "
+        + "  ".join(f"{role} {sec:.2f}" for role, sec in sorted(cpu.items(), key=lambda kv: -kv[1]))
+        + f"  idle {2 * window - sum(cpu.values()):.2f}"
+    )
     print(f"ratio={rounds / bare:.3f} parallel_ratio={rounds / parallel:.3f}")
-    record("round_overhead", {"ratio": round(rounds / bare, 3), "parallel_ratio": round(rounds / parallel, 3),
-                              "flower_seconds": round(rounds, 2), "bare_seconds": round(bare, 2),
-                              "bare_parallel_seconds": round(parallel, 2)})
+    record(
+        "round_overhead",
+        {
+            "ratio": round(rounds / bare, 3),
+            "parallel_ratio": round(rounds / parallel, 3),
+            "flower_seconds": round(rounds, 2),
+            "bare_seconds": round(bare, 2),
+            "bare_parallel_seconds": round(parallel, 2),
+        },
+    )
 
 
 if __name__ == "__main__":

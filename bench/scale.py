@@ -58,8 +58,15 @@ ROUNDS = 4
 def experiment_config(strategy: str, num_clients: int, rounds: int = ROUNDS) -> dict:
     """The run: ``strategy`` over ``num_clients`` clients, ``min(num_clients, COHORT)`` of them per round."""
     labelled = num_clients * PER_CLIENT
-    data = {"source": "synthetic", "synthetic_shape": [1, 28, 28], "synthetic_classes": 10, "partition": "iid",
-            "num_clients": num_clients, "min_samples": 10, "synthetic_samples": labelled}
+    data = {
+        "source": "synthetic",
+        "synthetic_shape": [1, 28, 28],
+        "synthetic_classes": 10,
+        "partition": "iid",
+        "num_clients": num_clients,
+        "min_samples": 10,
+        "synthetic_samples": labelled,
+    }
     params: dict = {}
     if strategy == "cosmos":  # U carved from the pool first: size it so every client still gets PER_CLIENT
         data["synthetic_samples"] = labelled + PUBLIC
@@ -68,9 +75,10 @@ def experiment_config(strategy: str, num_clients: int, rounds: int = ROUNDS) -> 
         # 20 clients on one core: it measures the server model, not the scale)
         params = {"cosmos": {"server_model": "cnn", "pretrain_epochs": 1, "server_epochs": 1, "distill_epochs": 1}}
     return {
-        "run_name": f"scale-{strategy}-{num_clients}", "seed": 0, "rounds": rounds,
-        "strategy": {"name": strategy, "fraction": min(1.0, COHORT / num_clients), "min_clients": 1,
-                     "params": params},
+        "run_name": f"scale-{strategy}-{num_clients}",
+        "seed": 0,
+        "rounds": rounds,
+        "strategy": {"name": strategy, "fraction": min(1.0, COHORT / num_clients), "min_clients": 1, "params": params},
         "data": data,
         "model": {"name": "cnn"},
         "client": {"epochs": 1, "batch_size": 10, "lr": 0.05, "optimizer": "sgd", "device": "cpu"},
@@ -143,8 +151,9 @@ def measured_rounds(walls: list[float]) -> list[float]:
     return walls[1:-1] if len(walls) >= 3 else walls[1:]
 
 
-def run_one(strategy: str, num_clients: int, workdir: Path, rounds: int, sweep: str = "one-pass",
-            overrides: list[str] = ()) -> ScaleRow:
+def run_one(
+    strategy: str, num_clients: int, workdir: Path, rounds: int, sweep: str = "one-pass", overrides: list[str] = ()
+) -> ScaleRow:
     cfg = experiment_config(strategy, num_clients, rounds)
     for item in overrides:
         apply_override(cfg, item)
@@ -154,9 +163,24 @@ def run_one(strategy: str, num_clients: int, workdir: Path, rounds: int, sweep: 
     log = workdir / f"{cfg['run_name']}-{sweep}.log"
     t0 = time.perf_counter()
     with log.open("w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "fedapps_tools.cli", "run", str(path), "--output-dir",
-                                 str(workdir / "res"), "--cpus-per-client", "1", "--quiet"], cwd=ROOT, env=env,
-                                stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fedapps_tools.cli",
+                "run",
+                str(path),
+                "--output-dir",
+                str(workdir / "res"),
+                "--cpus-per-client",
+                "1",
+                "--quiet",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
         with PeakMemory(proc.pid) as mem:
             rc = proc.wait()
     total = time.perf_counter() - t0
@@ -171,11 +195,23 @@ def run_one(strategy: str, num_clients: int, workdir: Path, rounds: int, sweep: 
     if summary.get("simulation_message_sweep") != sweep:
         raise SystemExit(f"asked for the {sweep} message sweep, the run used {summary.get('simulation_message_sweep')}")
     mb = 1 / 2**20
-    return ScaleRow(strategy, num_clients, int(rows[0]["clients"]), statistics.median(measured_rounds(walls)),
-                    walls[0], walls[-1], round(total, 2), mem.peaks["server"] * mb, mem.peaks["worker"] * mb,
-                    mem.peaks["cli"] * mb, float(summary["bytes_up_per_client_round"]),
-                    float(summary["bytes_down_per_client_round"]), int(summary["final_round_measured_clients"]),
-                    float(summary["accuracy_mean"]), sweep)
+    return ScaleRow(
+        strategy,
+        num_clients,
+        int(rows[0]["clients"]),
+        statistics.median(measured_rounds(walls)),
+        walls[0],
+        walls[-1],
+        round(total, 2),
+        mem.peaks["server"] * mb,
+        mem.peaks["worker"] * mb,
+        mem.peaks["cli"] * mb,
+        float(summary["bytes_up_per_client_round"]),
+        float(summary["bytes_down_per_client_round"]),
+        int(summary["final_round_measured_clients"]),
+        float(summary["accuracy_mean"]),
+        sweep,
+    )
 
 
 def main() -> None:
@@ -184,24 +220,37 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES))
     ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--csv", type=Path, default=None, help="also write the rows here")
-    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                    help="config overrides for every run, e.g. strategy.params.cwfedavg.mix=round")
-    ap.add_argument("--sweep", nargs="+", default=["one-pass"], choices=["one-pass", "flower"],
-                    help="the simulation's message sweep (fedapps/flower/message_sweep.py); 'flower' is Flower's own, one "
-                         "pass per node: give both to measure the difference in the same session")
+    ap.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides for every run, e.g. strategy.params.cwfedavg.mix=round",
+    )
+    ap.add_argument(
+        "--sweep",
+        nargs="+",
+        default=["one-pass"],
+        choices=["one-pass", "flower"],
+        help="the simulation's message sweep (fedapps/flower/message_sweep.py); 'flower' is Flower's own, one "
+        "pass per node: give both to measure the difference in the same session",
+    )
     args = ap.parse_args()
     rows: list[ScaleRow] = []
     with tempfile.TemporaryDirectory(prefix="fedapps-scale-") as tmp:
         for strategy, n, sweep in [(s, n, w) for s in args.strategies for n in args.sizes for w in args.sweep]:
-                row = run_one(strategy, n, Path(tmp), args.rounds, sweep, args.set)
-                rows.append(row)
-                print(f"{strategy:9s} {n:5d} clients {sweep:8s} sweep ({row.sampled:3d} per round): "
-                      f"{row.seconds_per_round:6.2f} s/round "
-                      f"(first {row.first_round_seconds:.1f} s, last with final evaluation {row.last_round_seconds:.1f} s; "
-                      f"run {row.run_seconds:.0f} s)  peak MB server {row.server_peak_mb:.0f} worker "
-                      f"{row.worker_peak_mb:.0f} cli {row.cli_peak_mb:.0f}  MB/client/round up "
-                      f"{row.up_bytes_per_client_round / 1e6:.3f} down {row.down_bytes_per_client_round / 1e6:.3f}  "
-                      f"final clients {row.final_clients} acc {row.accuracy_mean:.3f}", flush=True)
+            row = run_one(strategy, n, Path(tmp), args.rounds, sweep, args.set)
+            rows.append(row)
+            print(
+                f"{strategy:9s} {n:5d} clients {sweep:8s} sweep ({row.sampled:3d} per round): "
+                f"{row.seconds_per_round:6.2f} s/round "
+                f"(first {row.first_round_seconds:.1f} s, last with final evaluation {row.last_round_seconds:.1f} s; "
+                f"run {row.run_seconds:.0f} s)  peak MB server {row.server_peak_mb:.0f} worker "
+                f"{row.worker_peak_mb:.0f} cli {row.cli_peak_mb:.0f}  MB/client/round up "
+                f"{row.up_bytes_per_client_round / 1e6:.3f} down {row.down_bytes_per_client_round / 1e6:.3f}  "
+                f"final clients {row.final_clients} acc {row.accuracy_mean:.3f}",
+                flush=True,
+            )
     if args.csv:
         with args.csv.open("w", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=list(asdict(rows[0])))

@@ -47,7 +47,9 @@ PARTS = ("superlink", "submit", "serverapp", "data", "round", "results", "shutdo
 
 def experiment_config() -> dict:
     return {
-        "run_name": RUN_NAME, "seed": 0, "rounds": 1,
+        "run_name": RUN_NAME,
+        "seed": 0,
+        "rounds": 1,
         "strategy": {"name": "fedavg"},
         "data": {"source": "mnist5k", "partition": "iid", "num_clients": 20},
         "model": {"name": "cnn"},
@@ -63,9 +65,24 @@ def one_run(workdir: Path, quiet: bool) -> dict[str, float]:
     shutil.rmtree(out, ignore_errors=True)
     marks: dict[str, float] = {}
     t0 = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg_path), "--output-dir", str(out),
-                             "--cpus-per-client", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fedapps_tools.cli",
+            "run",
+            str(cfg_path),
+            "--output-dir",
+            str(out),
+            "--cpus-per-client",
+            "1",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     sampler = CpuSampler(proc.pid)
 
     def pump() -> None:
@@ -88,10 +105,20 @@ def one_run(workdir: Path, quiet: bool) -> dict[str, float]:
     if rc != 0:
         raise SystemExit(f"`fedapps run` exited {rc}")
     run_dir = out / RUN_NAME
-    written = {name: (run_dir / name).stat().st_mtime for name in ("config.yaml", "partition.csv", "rounds.csv",
-                                                                   "summary.json")}
-    points = [t0, marks["superlink"], marks["submitted"], written["config.yaml"], written["partition.csv"],
-              written["rounds.csv"], written["summary.json"], end]
+    written = {
+        name: (run_dir / name).stat().st_mtime
+        for name in ("config.yaml", "partition.csv", "rounds.csv", "summary.json")
+    }
+    points = [
+        t0,
+        marks["superlink"],
+        marks["submitted"],
+        written["config.yaml"],
+        written["partition.csv"],
+        written["rounds.csv"],
+        written["summary.json"],
+        end,
+    ]
     parts = {name: b - a for name, a, b in zip(PARTS, points, points[1:])}
     return {"wall": end - t0, "cpu": cpu, **parts}
 
@@ -106,14 +133,24 @@ def main() -> None:
         for i in range(args.repeat):
             run = one_run(Path(tmp), args.quiet)
             runs.append(run)
-            print(f"run {i + 1}: " + "  ".join(f"{k} {run[k]:.2f}" for k in ("wall", *PARTS))
-                  + f"  cpu_seconds {run['cpu']:.1f}", flush=True)
+            print(
+                f"run {i + 1}: "
+                + "  ".join(f"{k} {run[k]:.2f}" for k in ("wall", *PARTS))
+                + f"  cpu_seconds {run['cpu']:.1f}",
+                flush=True,
+            )
     median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     print("start-up parts (s, median): " + "  ".join(f"{k} {median[k]:.2f}" for k in PARTS))
     print(f"cpu_seconds={median['cpu']:.1f} (every process of the run, sampled; median)")
     print(f"startup_seconds={median['wall']:.2f}")
-    record("startup", {"startup_seconds": round(median["wall"], 2), "cpu_seconds": round(median["cpu"], 1),
-                       **{f"{part}_seconds": round(median[part], 2) for part in PARTS}})
+    record(
+        "startup",
+        {
+            "startup_seconds": round(median["wall"], 2),
+            "cpu_seconds": round(median["cpu"], 1),
+            **{f"{part}_seconds": round(median[part], 2) for part in PARTS},
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 ``<run>/checkpoint.pt`` (rewritten atomically after every round) holds: the format version, the last finished
 round, the resolved config as YAML, the strategy's name and state
 (:meth:`fedapps.server.driver.RoundDriver.checkpoint_state`: its algorithm attributes, the sampling RNG, node -> client
-map, last extras), the rows of rounds.csv so far, and the run's token. ``<run>/client-state/<client-id>.pt`` holds a client's private model (written by the client
+map, last extras), the rows of rounds.csv so far, and the run's token. ``<run>/client-state/<client-id>.pt`` holds a
+client's private model (written by the client
 itself after each message, see :mod:`fedapps.client.worker`); the token tells a resumed run's files from a stale run's.
 ``<run>/server-state/`` holds the strategy's per-client state that is too large to rewrite every round (cwFedAvg's
 stack), one file per client, written only when it changed (:class:`RowFiles`); checkpoint.pt names the files.
@@ -94,8 +95,10 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
     """Read ``<run_dir>/checkpoint.pt``; ConfigError when there is none or it is of another format."""
     path = Path(run_dir).expanduser() / CHECKPOINT
     if not path.is_file():
-        raise ConfigError(f"cannot resume: no {CHECKPOINT} in '{run_dir}' (pass the run's results folder, "
-                          "<output-dir>/<run-name>, of a run that finished at least one round)")
+        raise ConfigError(
+            f"cannot resume: no {CHECKPOINT} in '{run_dir}' (pass the run's results folder, "
+            "<output-dir>/<run-name>, of a run that finished at least one round)"
+        )
     data = load(path)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ConfigError(f"cannot resume: {path} is not a checkpoint of format {FORMAT}")
@@ -143,9 +146,11 @@ class RowFiles:
                     path.unlink()
         missing = [name for name in named if not (self.directory / name).is_file()]
         if missing:
-            raise ConfigError(f"cannot resume: {len(missing)} server-state file(s) named by the checkpoint are "
-                              f"missing from '{self.directory}' (e.g. {sorted(missing)[0]}); the run folder is "
-                              "incomplete — restore it whole or start the run again")
+            raise ConfigError(
+                f"cannot resume: {len(missing)} server-state file(s) named by the checkpoint are "
+                f"missing from '{self.directory}' (e.g. {sorted(missing)[0]}); the run folder is "
+                "incomplete — restore it whole or start the run again"
+            )
         return {key: load(self.directory / name) for key, name in self.names.items()}
 
 
@@ -172,8 +177,11 @@ def check_same_config(saved_yaml: str, given_yaml: str, run_dir: str | Path) -> 
     """ConfigError naming every differing key when the given config is not the checkpointed run's."""
     diffs = config_differences(saved_yaml, given_yaml)
     if diffs:
-        raise ConfigError(f"cannot resume '{run_dir}': the config differs from the checkpointed run's ("
-                          + "; ".join(diffs) + "); resume with the run's own config (its config.yaml)")
+        raise ConfigError(
+            f"cannot resume '{run_dir}': the config differs from the checkpointed run's ("
+            + "; ".join(diffs)
+            + "); resume with the run's own config (its config.yaml)"
+        )
 
 
 def client_state_path(state_dir: str | Path, client_id: int) -> Path:
@@ -189,17 +197,21 @@ def check_fresh(run_dir: str | Path) -> None:
     if not path.exists():
         return
     if not path.is_dir():
-        raise ConfigError(f"results folder '{path}' is a file; remove it, or give this run another folder "
-                          "(--set run_name=NAME, or --output-dir DIR)")
+        raise ConfigError(
+            f"results folder '{path}' is a file; remove it, or give this run another folder "
+            "(--set run_name=NAME, or --output-dir DIR)"
+        )
     entries = sorted(p.name for p in path.iterdir())
     if not entries:
         return
     shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
     resumable = (path / CHECKPOINT).is_file() and not (path / "summary.json").is_file()
-    how = (f"continue that run (same config) with --resume {path}, or " if resumable else "")
-    raise ConfigError(f"results folder '{path}' already holds a run ({shown}); a new run never writes into a used "
-                      f"folder. To go on: {how}move the old folder aside (mv '{path}' '{path}.old') or delete it, or "
-                      "give this run another folder (--set run_name=NAME, or --output-dir DIR)")
+    how = f"continue that run (same config) with --resume {path}, or " if resumable else ""
+    raise ConfigError(
+        f"results folder '{path}' already holds a run ({shown}); a new run never writes into a used "
+        f"folder. To go on: {how}move the old folder aside (mv '{path}' '{path}.old') or delete it, or "
+        "give this run another folder (--set run_name=NAME, or --output-dir DIR)"
+    )
 
 
 def remove_resume_state(run_dir: str | Path) -> int:

@@ -65,79 +65,130 @@ def setting(default: Any, help: str, choices: tuple[str, ...] | str | None = Non
 class StrategyConfig:
     """Which strategy runs, how clients are sampled, and the strategy's own parameters."""
 
-    name: str = setting("fedavg", "the strategy that runs: one module of strategies/ each (docs/algorithms/index.md)",
-                        "strategies.STRATEGIES")
+    name: str = setting(
+        "fedavg",
+        "the strategy that runs: one module of strategies/ each (docs/algorithms/index.md)",
+        "strategies.STRATEGIES",
+    )
     fraction: float = setting(1.0, "fraction of the connected clients sampled each round, in (0, 1]")
-    min_clients: int = setting(1, "never sample fewer clients than this (when that many are connected); at most "
-                                  "data.num_clients")
-    timeout: float = setting(600.0, "seconds to wait for one round's replies; late or failed clients are logged and "
-                                    "skipped")
-    expected_clients: int = setting(0, "before round 1 the server waits until this many client nodes are connected "
-                                       "(0: data.num_clients, the whole federation): a deployment started before all "
-                                       "its SuperNodes waits instead of starting with whoever is there")
-    connect_timeout: float = setting(300.0, "seconds to wait for them; then the run fails, saying how many came and "
-                                            "what to do")
-    aggregation: str = setting("mean", "how parameter-averaging strategies combine client arrays (fedapps/server/robust.py); "
-                                       "the other strategies accept only mean", AGGREGATION_RULES)
-    trim_fraction: float = setting(0.1, "trimmed-mean: share of the lowest and of the highest values dropped per "
-                                        "coordinate, in [0, 0.5)")
-    max_weight_share: float = setting(1.0, "mean: cap on any client's normalised weight, in (0, 1]; 1 = no cap (with "
-                                           "data.source nodes and no data.node_registry at most min(0.5, 2/cohort): "
-                                           "the nodes' sizes are their own claims)")
-    clip_update_norm: float = setting(0.0, "clip each client's update (its arrays minus the model the round sent it) "
-                                           "to this L2 norm before they are combined, >= 0; 0 = no clipping "
-                                           "(parameter-averaging strategies, fedapps/server/robust.py)")
-    transport: str = setting("float32", "how model arrays travel between server and clients, both ways "
-                                        "(fedapps/wire/protocol.py): float32 as the models hold them, or float16 (floating "
-                                        "arrays halved; parameter-sharing strategies only)", TRANSPORTS)
-    params: dict[str, Any] = setting({}, "each strategy's own parameters, one section per strategy: "
-                                         "strategy.params.<strategy>.<key>; the chosen strategy reads its section "
-                                         "(missing keys: their defaults), the other sections are checked and ignored")
+    min_clients: int = setting(
+        1, "never sample fewer clients than this (when that many are connected); at most data.num_clients"
+    )
+    timeout: float = setting(
+        600.0, "seconds to wait for one round's replies; late or failed clients are logged and skipped"
+    )
+    expected_clients: int = setting(
+        0,
+        "before round 1 the server waits until this many client nodes are connected "
+        "(0: data.num_clients, the whole federation): a deployment started before all "
+        "its SuperNodes waits instead of starting with whoever is there",
+    )
+    connect_timeout: float = setting(
+        300.0, "seconds to wait for them; then the run fails, saying how many came and what to do"
+    )
+    aggregation: str = setting(
+        "mean",
+        "how parameter-averaging strategies combine client arrays (fedapps/server/robust.py); "
+        "the other strategies accept only mean",
+        AGGREGATION_RULES,
+    )
+    trim_fraction: float = setting(
+        0.1, "trimmed-mean: share of the lowest and of the highest values dropped per coordinate, in [0, 0.5)"
+    )
+    max_weight_share: float = setting(
+        1.0,
+        "mean: cap on any client's normalised weight, in (0, 1]; 1 = no cap (with "
+        "data.source nodes and no data.node_registry at most min(0.5, 2/cohort): "
+        "the nodes' sizes are their own claims)",
+    )
+    clip_update_norm: float = setting(
+        0.0,
+        "clip each client's update (its arrays minus the model the round sent it) "
+        "to this L2 norm before they are combined, >= 0; 0 = no clipping "
+        "(parameter-averaging strategies, fedapps/server/robust.py)",
+    )
+    transport: str = setting(
+        "float32",
+        "how model arrays travel between server and clients, both ways "
+        "(fedapps/wire/protocol.py): float32 as the models hold them, or float16 (floating "
+        "arrays halved; parameter-sharing strategies only)",
+        TRANSPORTS,
+    )
+    params: dict[str, Any] = setting(
+        {},
+        "each strategy's own parameters, one section per strategy: "
+        "strategy.params.<strategy>.<key>; the chosen strategy reads its section "
+        "(missing keys: their defaults), the other sections are checked and ignored",
+    )
 
 
 @dataclass
 class DataConfig:
     """The data source and how it is split among clients (sent verbatim to every client)."""
 
-    source: str = setting("mnist5k", "the data set: a built-in source, nodes (each node brings its own data: "
-                                     "docs/data.md), or hf:<Hub id or folder> (Flower Datasets, optional extra hf)",
-                          "fedapps.data.sources.SOURCES")
-    root: str = setting("~/.cache/fedapps/data", "where torchvision sources live or download to, and where "
-                                                 "tiny-imagenet-200/ is; a leading ~ is expanded on each machine")
+    source: str = setting(
+        "mnist5k",
+        "the data set: a built-in source, nodes (each node brings its own data: "
+        "docs/data.md), or hf:<Hub id or folder> (Flower Datasets, optional extra hf)",
+        "fedapps.data.sources.SOURCES",
+    )
+    root: str = setting(
+        "~/.cache/fedapps/data",
+        "where torchvision sources live or download to, and where "
+        "tiny-imagenet-200/ is; a leading ~ is expanded on each machine",
+    )
     download: bool = setting(False, "let torchvision download missing files (needs internet)")
-    partition: str = setting("iid", "how the data is split among the clients (docs/data.md)",
-                             "fedapps.data.partition.PARTITIONS")
+    partition: str = setting(
+        "iid", "how the data is split among the clients (docs/data.md)", "fedapps.data.partition.PARTITIONS"
+    )
     num_clients: int = setting(20, "number of clients (one simulated SuperNode each)")
     classes_per_client: int = setting(2, "pathological: classes per client")
     alpha: float = setting(0.1, "dirichlet, cosmos-groups: Dirichlet concentration")
     min_samples: int = setting(40, "dirichlet: redraw until every client has at least this many samples")
-    groups: int = setting(5, "cosmos-groups: number of class groups; rotated, label-swap: number of client groups "
-                             "(rotated: 1, 2 or 4, group g turned by g·360/groups degrees)")
+    groups: int = setting(
+        5,
+        "cosmos-groups: number of class groups; rotated, label-swap: number of client groups "
+        "(rotated: 1, 2 or 4, group g turned by g·360/groups degrees)",
+    )
     redistribute_fraction: float = setting(0.1, "cosmos-groups: share of each client's samples pooled and dealt to all")
     test_fraction: float = setting(0.25, "share of each client's data kept as its local test split")
-    public_fraction: float = setting(0.0, "share of the data set held out as the unlabelled public set U "
-                                          "(pseudo-label strategies)")
+    public_fraction: float = setting(
+        0.0, "share of the data set held out as the unlabelled public set U (pseudo-label strategies)"
+    )
     seed: int = setting(1, "partition seed (fixed across experiment seeds: every run sees the same partition)")
     synthetic_classes: int = setting(10, "synthetic: number of classes")
     synthetic_shape: list[int] = setting([3, 32, 32], "synthetic: image shape [C, H, W]")
     synthetic_samples: int = setting(2000, "synthetic: number of samples")
-    validation_fraction: float = setting(0.15, "share of each client's train split held out as its validation split "
-                                               "when evaluate_on is validation (stratified, seeded), in [0, 1)")
-    evaluate_on: str = setting("test", "test: train on the whole train split, score on the test split (final runs); "
-                                       "validation: train on the rest of the train split, score on the validation "
-                                       "share, the test split never built (tuning: docs/evaluation.md)",
-                               "fedapps.data.federation.EVALUATION_SPLITS")
+    validation_fraction: float = setting(
+        0.15,
+        "share of each client's train split held out as its validation split "
+        "when evaluate_on is validation (stratified, seeded), in [0, 1)",
+    )
+    evaluate_on: str = setting(
+        "test",
+        "test: train on the whole train split, score on the test split (final runs); "
+        "validation: train on the rest of the train split, score on the validation "
+        "share, the test split never built (tuning: docs/evaluation.md)",
+        "fedapps.data.federation.EVALUATION_SPLITS",
+    )
     swap_pairs: int = setting(1, "label-swap: disjoint label pairs swapped (seeded) in every group but group 0")
-    num_classes: int = setting(0, "data.source nodes only: number of classes (0: learnt from the nodes before round 1, "
-                                  "then recorded in the run's config.yaml)")
-    input_shape: list[int] = setting([], "data.source nodes only: input shape [C, H, W] ([]: learnt from the nodes "
-                                         "before round 1, then recorded)")
+    num_classes: int = setting(
+        0,
+        "data.source nodes only: number of classes (0: learnt from the nodes before round 1, "
+        "then recorded in the run's config.yaml)",
+    )
+    input_shape: list[int] = setting(
+        [], "data.source nodes only: input shape [C, H, W] ([]: learnt from the nodes before round 1, then recorded)"
+    )
     public_path: str = setting("", "data.source nodes only: the server's copy of the public set U ('': none)")
-    node_registry: str = setting("", "data.source nodes only: the operator's registry of the nodes' data, a CSV "
-                                     "client_id,max_num_examples (fedapps deploy node-key writes it next to the node "
-                                     "keys): a reply claiming more examples than its client's cap is rejected "
-                                     "(docs/deployment.md); '': none, and the weight cap of strategy.max_weight_share "
-                                     "defaults to min(0.5, 2/cohort)")
+    node_registry: str = setting(
+        "",
+        "data.source nodes only: the operator's registry of the nodes' data, a CSV "
+        "client_id,max_num_examples (fedapps deploy node-key writes it next to the node "
+        "keys): a reply claiming more examples than its client's cap is rejected "
+        "(docs/deployment.md); '': none, and the weight cap of strategy.max_weight_share "
+        "defaults to min(0.5, 2/cohort)",
+    )
 
 
 @dataclass
@@ -145,8 +196,11 @@ class ModelConfig:
     """The client model architecture (one for all, or a per-client list for model-agnostic strategies)."""
 
     name: str = setting("cnn", "the client model: cnn is the papers' 4-layer CNN", "fedapps.models.MODEL_NAMES")
-    per_client: list[str] = setting([], "model-agnostic strategies only: architectures cycled by client id, e.g. "
-                                        "[cnn, mlp]", "fedapps.models.MODEL_NAMES")
+    per_client: list[str] = setting(
+        [],
+        "model-agnostic strategies only: architectures cycled by client id, e.g. [cnn, mlp]",
+        "fedapps.models.MODEL_NAMES",
+    )
 
 
 @dataclass
@@ -176,18 +230,30 @@ class ClientConfig(OptimSettings):
 class PrivacyConfig:
     """Differential privacy of the clients' data (docs/privacy.md): sent to every client while a mode is on."""
 
-    mode: str = setting("off", "off, or sample: DP-SGD on every client's local training (per-sample clipping, "
-                               "Gaussian noise, Opacus's RDP accountant over all of the client's steps of the run); "
-                               "optional extra privacy", PRIVACY_MODES)
+    mode: str = setting(
+        "off",
+        "off, or sample: DP-SGD on every client's local training (per-sample clipping, "
+        "Gaussian noise, Opacus's RDP accountant over all of the client's steps of the run); "
+        "optional extra privacy",
+        PRIVACY_MODES,
+    )
     noise_multiplier: float = setting(1.0, "σ: the noise's standard deviation in units of privacy.max_grad_norm, > 0")
     max_grad_norm: float = setting(1.0, "C: each sample's gradient is clipped to this L2 norm, > 0")
-    delta: float = setting(1e-5, "δ of the (ε, δ) each client reports, in (0, 1); below 1 / (a client's training "
-                                 "samples) to mean something")
-    epsilon_budget: float = setting(0.0, "a client refuses to train when its ε would pass this (its reply says so, "
-                                         "the server leaves it out and records it); 0 = no budget")
-    reproducible_noise: bool = setting(False, "draw the noise and the Poisson batches from the run's seed (a repeatable "
-                                              "experiment; NO protection against whoever knows the seed, e.g. the "
-                                              "server); false: from the operating system's entropy")
+    delta: float = setting(
+        1e-5,
+        "δ of the (ε, δ) each client reports, in (0, 1); below 1 / (a client's training samples) to mean something",
+    )
+    epsilon_budget: float = setting(
+        0.0,
+        "a client refuses to train when its ε would pass this (its reply says so, "
+        "the server leaves it out and records it); 0 = no budget",
+    )
+    reproducible_noise: bool = setting(
+        False,
+        "draw the noise and the Poisson batches from the run's seed (a repeatable "
+        "experiment; NO protection against whoever knows the seed, e.g. the "
+        "server); false: from the operating system's entropy",
+    )
 
 
 @dataclass
@@ -198,13 +264,20 @@ class ExperimentConfig:
     seed: int = setting(0, "seed of model initialisation, client sampling and local shuffling")
     rounds: int = setting(20, "federated rounds")
     output_dir: str = setting("results", "results root (relative paths resolve against the working directory)")
-    min_measured_share: float = setting(0.5, "the run succeeds (exit 0, summary.json 'problems' empty) only if its "
-                                             "headline was measured on at least this share of data.num_clients, in "
-                                             "[0, 1] (0: on at least one client)")
-    tracking: list[str] = setting([], "experiment trackers the run also writes to (optional extra tracking: "
-                                      "pip install -e \".[tracking]\")", tuple(TRACKERS))
-    tracking_dir: str = setting("", "where the trackers write: '' inside the run folder, else one root for many runs "
-                                    "(relative: to output_dir)")
+    min_measured_share: float = setting(
+        0.5,
+        "the run succeeds (exit 0, summary.json 'problems' empty) only if its "
+        "headline was measured on at least this share of data.num_clients, in "
+        "[0, 1] (0: on at least one client)",
+    )
+    tracking: list[str] = setting(
+        [],
+        'experiment trackers the run also writes to (optional extra tracking: pip install -e ".[tracking]")',
+        tuple(TRACKERS),
+    )
+    tracking_dir: str = setting(
+        "", "where the trackers write: '' inside the run folder, else one root for many runs (relative: to output_dir)"
+    )
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -223,8 +296,6 @@ class ExperimentConfig:
         return dataclasses.asdict(self)
 
 
-
-
 def source_slug(source: str) -> str:
     """``data.source`` as a piece of a folder name: every character outside letters, digits, '.', '_' and '-' becomes
     '-' (``hf:ylecun/mnist`` -> ``hf-ylecun-mnist``); the built-in names are unchanged."""
@@ -233,15 +304,20 @@ def source_slug(source: str) -> str:
 
 def check_hf_source(source: str) -> None:
     """``data.source: hf:<name>``: a non-empty name without spaces, and the optional extra "hf" installed."""
-    name = source[len(HF_SOURCE_PREFIX):]
-    _check(bool(name.strip()) and name == name.strip() and not any(ch.isspace() for ch in name),
-           f"'data.source' is {source!r}: after 'hf:' give a Hugging Face dataset id or a local folder without "
-           "spaces, e.g. hf:ylecun/mnist or hf:/data/my-dataset")
+    name = source[len(HF_SOURCE_PREFIX) :]
+    _check(
+        bool(name.strip()) and name == name.strip() and not any(ch.isspace() for ch in name),
+        f"'data.source' is {source!r}: after 'hf:' give a Hugging Face dataset id or a local folder without "
+        "spaces, e.g. hf:ylecun/mnist or hf:/data/my-dataset",
+    )
     missing = [m for m in HF_MODULES if importlib.util.find_spec(m) is None]
-    _check(not missing, f"'data.source' is {source!r}, which is read through flwr-datasets, but "
-                        f"{', '.join(repr(m) for m in missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
-                        "install the optional extra with  pip install -e \".[hf]\"  (in the app folder), or use a "
-                        "built-in source (docs/data.md)")
+    _check(
+        not missing,
+        f"'data.source' is {source!r}, which is read through flwr-datasets, but "
+        f"{', '.join(repr(m) for m in missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
+        'install the optional extra with  pip install -e ".[hf]"  (in the app folder), or use a '
+        "built-in source (docs/data.md)",
+    )
 
 
 # --------------------------------------------------------------------------- loading
@@ -262,8 +338,11 @@ class UniqueKeyLoader(yaml.SafeLoader):
             line = key_node.start_mark.line + 1
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key '{key}' (line {line}; first at line {seen[key]}): "
-                    "remove one of them", key_node.start_mark)
+                    None,
+                    None,
+                    f"duplicate key '{key}' (line {line}; first at line {seen[key]}): remove one of them",
+                    key_node.start_mark,
+                )
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
 
@@ -278,14 +357,20 @@ def read_config_text(p: Path) -> str:
     try:
         data = p.read_bytes()
     except OSError as exc:
-        raise ConfigError(f"config file {p}: cannot be read ({exc.strerror or exc}); pass a readable YAML file") from exc
+        raise ConfigError(
+            f"config file {p}: cannot be read ({exc.strerror or exc}); pass a readable YAML file"
+        ) from exc
     if b"\x00" in data:
-        raise ConfigError(f"config file {p}: is a binary file, not YAML text; pass a YAML config (e.g. configs/default.yaml)")
+        raise ConfigError(
+            f"config file {p}: is a binary file, not YAML text; pass a YAML config (e.g. configs/default.yaml)"
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {p}: is not UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r}); "
-                          "save it as UTF-8") from exc
+        raise ConfigError(
+            f"config file {p}: is not UTF-8 text (byte {exc.start}: {data[exc.start : exc.start + 1]!r}); "
+            "save it as UTF-8"
+        ) from exc
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | str | None = None) -> ExperimentConfig:
@@ -375,8 +460,10 @@ def _params_sections(key: str, value: Any) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise ConfigError(f"'{key}' must be a mapping of strategy name -> parameters "
-                          f"(e.g. {key}.cwfedavg.wdr_lambda=10), got {value!r}")
+        raise ConfigError(
+            f"'{key}' must be a mapping of strategy name -> parameters "
+            f"(e.g. {key}.cwfedavg.wdr_lambda=10), got {value!r}"
+        )
     out: dict[str, Any] = {}
     for name, section in value.items():
         if isinstance(section, Mapping):
@@ -393,9 +480,7 @@ def _build_dataclass(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
     for key, value in raw.items():
         name = str(key).replace("-", "_")
         if name not in known:
-            raise ConfigError(
-                f"unknown key '{prefix}{key}'; allowed keys here: {', '.join(sorted(known))}"
-            )
+            raise ConfigError(f"unknown key '{prefix}{key}'; allowed keys here: {', '.join(sorted(known))}")
         f = known[name]
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(default):
@@ -469,17 +554,26 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(0.0 < s.fraction <= 1.0, f"'strategy.fraction' must be in (0, 1], got {s.fraction}")
     _check(s.min_clients >= 1, f"'strategy.min_clients' must be >= 1, got {s.min_clients}")
     _check(s.timeout > 0, f"'strategy.timeout' must be > 0 seconds, got {s.timeout}")
-    _check(s.expected_clients >= 0, f"'strategy.expected_clients' must be >= 0 (0: data.num_clients), got {s.expected_clients}")
+    _check(
+        s.expected_clients >= 0,
+        f"'strategy.expected_clients' must be >= 0 (0: data.num_clients), got {s.expected_clients}",
+    )
     _check(s.connect_timeout > 0, f"'strategy.connect_timeout' must be > 0 seconds, got {s.connect_timeout}")
     _one_of("strategy.aggregation", s.aggregation, AGGREGATION_RULES)
     _check(0.0 <= s.trim_fraction < 0.5, f"'strategy.trim_fraction' must be in [0, 0.5), got {s.trim_fraction}")
-    _check(0.0 < s.max_weight_share <= 1.0,
-           f"'strategy.max_weight_share' must be in (0, 1] (1 = no cap), got {s.max_weight_share}")
-    _check(s.clip_update_norm >= 0,
-           f"'strategy.clip_update_norm' must be >= 0 (an L2 norm; 0 = no clipping), got {s.clip_update_norm}")
-    _check(0.0 <= cfg.min_measured_share <= 1.0,
-           f"'min_measured_share' must be in [0, 1] (the share of data.num_clients the headline must be measured "
-           f"on; 0: at least one client), got {cfg.min_measured_share}")
+    _check(
+        0.0 < s.max_weight_share <= 1.0,
+        f"'strategy.max_weight_share' must be in (0, 1] (1 = no cap), got {s.max_weight_share}",
+    )
+    _check(
+        s.clip_update_norm >= 0,
+        f"'strategy.clip_update_norm' must be >= 0 (an L2 norm; 0 = no clipping), got {s.clip_update_norm}",
+    )
+    _check(
+        0.0 <= cfg.min_measured_share <= 1.0,
+        f"'min_measured_share' must be in [0, 1] (the share of data.num_clients the headline must be measured "
+        f"on; 0: at least one client), got {cfg.min_measured_share}",
+    )
     _one_of("strategy.transport", s.transport, TRANSPORTS)
 
     d = cfg.data  # the data section itself is checked once, by fedapps.data.check_spec (see strategies.resolve)
@@ -487,8 +581,10 @@ def validate(cfg: ExperimentConfig) -> None:
         check_hf_source(d.source)
     _check(d.num_clients > 0, f"'data.num_clients' must be a positive integer, got {d.num_clients}")
     _check(s.min_clients <= d.num_clients, exceeds_clients("strategy.min_clients", s.min_clients, d.num_clients))
-    _check(s.expected_clients <= d.num_clients,
-           exceeds_clients("strategy.expected_clients", s.expected_clients, d.num_clients))
+    _check(
+        s.expected_clients <= d.num_clients,
+        exceeds_clients("strategy.expected_clients", s.expected_clients, d.num_clients),
+    )
     check_trim(s, d.num_clients)
 
     c = cfg.client
@@ -500,9 +596,11 @@ def validate(cfg: ExperimentConfig) -> None:
     _check(c.weight_decay >= 0, f"'client.weight_decay' must be >= 0, got {c.weight_decay}")
     _check(c.clip_norm >= 0, f"'client.clip_norm' must be >= 0 (0 = no clipping), got {c.clip_norm}")
     _one_of("client.device", c.device, DEVICES)
-    _check(not (c.mixed_precision and c.device == "cpu"),
-           "'client.mixed_precision: true' applies to CUDA devices only, but 'client.device' is 'cpu'; "
-           "set client.device to 'auto' or 'cuda', or remove client.mixed_precision")
+    _check(
+        not (c.mixed_precision and c.device == "cpu"),
+        "'client.mixed_precision: true' applies to CUDA devices only, but 'client.device' is 'cpu'; "
+        "set client.device to 'auto' or 'cuda', or remove client.mixed_precision",
+    )
     check_privacy(cfg.privacy, c)
 
 
@@ -510,18 +608,26 @@ def check_privacy(p: PrivacyConfig, client: ClientConfig) -> None:
     """The ``privacy`` section: a known mode, σ and C positive, δ in (0, 1), a budget >= 0; with a mode on, its
     optional extra installed and no bf16 autocast (the per-sample gradients are computed in float32)."""
     _one_of("privacy.mode", p.mode, PRIVACY_MODES)
-    _check(p.noise_multiplier > 0, f"'privacy.noise_multiplier' must be > 0 (σ, in units of privacy.max_grad_norm), "
-                                   f"got {p.noise_multiplier}")
+    _check(
+        p.noise_multiplier > 0,
+        f"'privacy.noise_multiplier' must be > 0 (σ, in units of privacy.max_grad_norm), got {p.noise_multiplier}",
+    )
     _check(p.max_grad_norm > 0, f"'privacy.max_grad_norm' must be > 0 (C, an L2 norm), got {p.max_grad_norm}")
     _check(0.0 < p.delta < 1.0, f"'privacy.delta' must be in (0, 1), got {p.delta}")
     _check(p.epsilon_budget >= 0, f"'privacy.epsilon_budget' must be >= 0 (0 = no budget), got {p.epsilon_budget}")
     if p.mode == "off":
         return
     missing = [m for m in PRIVACY_MODULES if importlib.util.find_spec(m) is None]
-    _check(not missing, f"'privacy.mode' is '{p.mode}', which needs {', '.join(repr(m) for m in missing)}: install "
-                        "the optional extra with  pip install -e \".[privacy]\"  (in the app folder)")
-    _check(not client.mixed_precision, f"'privacy.mode: {p.mode}' computes per-sample gradients in float32; remove "
-                                       "client.mixed_precision (bf16 autocast)")
+    _check(
+        not missing,
+        f"'privacy.mode' is '{p.mode}', which needs {', '.join(repr(m) for m in missing)}: install "
+        'the optional extra with  pip install -e ".[privacy]"  (in the app folder)',
+    )
+    _check(
+        not client.mixed_precision,
+        f"'privacy.mode: {p.mode}' computes per-sample gradients in float32; remove "
+        "client.mixed_precision (bf16 autocast)",
+    )
 
 
 def cohort_size(connected: int, fraction: float, min_clients: int) -> int:
@@ -554,20 +660,27 @@ def check_trim(s: StrategyConfig, num_clients: int) -> None:
     cohort = f"the cohort of {k} clients per round (data.num_clients={num_clients}, strategy.fraction={s.fraction:g})"
     smallest = smallest_trim(k)
     if smallest >= 0.5:
-        raise ConfigError(f"'strategy.aggregation: trimmed-mean' cannot trim any client from {cohort}: trimming one "
-                          "at each end needs at least 3 clients per round; use strategy.aggregation=median, or sample "
-                          "more clients per round")
-    raise ConfigError(f"'strategy.trim_fraction: {s.trim_fraction:g}' trims no client from {cohort} "
-                      f"(floor({s.trim_fraction:g}·{k}) = 0: the plain unweighted mean); set strategy.trim_fraction to "
-                      f"at least {smallest:g} (trims {trimmed_per_side(smallest, k)} at each end), or use "
-                      "strategy.aggregation=median")
+        raise ConfigError(
+            f"'strategy.aggregation: trimmed-mean' cannot trim any client from {cohort}: trimming one "
+            "at each end needs at least 3 clients per round; use strategy.aggregation=median, or sample "
+            "more clients per round"
+        )
+    raise ConfigError(
+        f"'strategy.trim_fraction: {s.trim_fraction:g}' trims no client from {cohort} "
+        f"(floor({s.trim_fraction:g}·{k}) = 0: the plain unweighted mean); set strategy.trim_fraction to "
+        f"at least {smallest:g} (trims {trimmed_per_side(smallest, k)} at each end), or use "
+        "strategy.aggregation=median"
+    )
 
 
-def exceeds_clients(key: str, value: int, num_clients: int,
-                    why: str = "a run cannot wait for more clients than the federation has") -> str:
+def exceeds_clients(
+    key: str, value: int, num_clients: int, why: str = "a run cannot wait for more clients than the federation has"
+) -> str:
     """The error of a count ``key`` above ``data.num_clients``, naming both ways out as overrides."""
-    return (f"'{key}' ({value}) exceeds 'data.num_clients' ({num_clients}): {why}; lower it "
-            f"(--set {key}={num_clients}) or raise the clients (--set data.num_clients={value})")
+    return (
+        f"'{key}' ({value}) exceeds 'data.num_clients' ({num_clients}): {why}; lower it "
+        f"(--set {key}={num_clients}) or raise the clients (--set data.num_clients={value})"
+    )
 
 
 def unused_settings(cfg: ExperimentConfig, named: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, str]]:
@@ -582,11 +695,19 @@ def unused_settings(cfg: ExperimentConfig, named: set[str] | frozenset[str] = fr
     out: list[tuple[str, str]] = []
     s, ds = cfg.strategy, defaults.strategy
     if is_set("strategy.trim_fraction", s.trim_fraction, ds.trim_fraction) and s.aggregation != "trimmed-mean":
-        out.append(("strategy.trim_fraction", (f"only strategy.aggregation 'trimmed-mean' trims; this run aggregates "
-                                               f"by '{s.aggregation}'")))
+        out.append(
+            (
+                "strategy.trim_fraction",
+                (f"only strategy.aggregation 'trimmed-mean' trims; this run aggregates by '{s.aggregation}'"),
+            )
+        )
     if is_set("strategy.max_weight_share", s.max_weight_share, ds.max_weight_share) and s.aggregation != "mean":
-        out.append(("strategy.max_weight_share", (f"the cap applies to strategy.aggregation 'mean'; '{s.aggregation}' "
-                                                  "weighs every client equally")))
+        out.append(
+            (
+                "strategy.max_weight_share",
+                (f"the cap applies to strategy.aggregation 'mean'; '{s.aggregation}' weighs every client equally"),
+            )
+        )
     if is_set("tracking_dir", cfg.tracking_dir, defaults.tracking_dir) and not cfg.tracking:
         out.append(("tracking_dir", "no tracker is on ('tracking' is empty)"))
     if cfg.privacy.mode == "off":
@@ -603,16 +724,21 @@ def unused_settings(cfg: ExperimentConfig, named: set[str] | frozenset[str] = fr
 def check_tracking(names: list[Any]) -> None:
     """``tracking``: known tracker names, each once, whose packages are installed (they are an optional extra)."""
     for name in names:
-        _check(isinstance(name, str), f"'tracking' must be a list of tracker names ({', '.join(TRACKERS)}), "
-                                      f"got the item {name!r}")
+        _check(
+            isinstance(name, str),
+            f"'tracking' must be a list of tracker names ({', '.join(TRACKERS)}), got the item {name!r}",
+        )
         _one_of("tracking", name, tuple(TRACKERS))
     _check(len(set(names)) == len(names), f"'tracking' lists a tracker twice ({names}); name each once")
     missing = [name for name in names if importlib.util.find_spec(TRACKERS[name]) is None]
     modules = ", ".join(repr(TRACKERS[name]) for name in missing)
     whose = "its package is" if len(missing) == 1 else "their packages are"
-    _check(not missing, f"'tracking' lists {', '.join(missing)}, but {whose} not installed (no module {modules}): "
-                        "install the optional extra with  pip install -e \".[tracking]\"  (in the app folder), "
-                        "or remove it from 'tracking'")
+    _check(
+        not missing,
+        f"'tracking' lists {', '.join(missing)}, but {whose} not installed (no module {modules}): "
+        'install the optional extra with  pip install -e ".[tracking]"  (in the app folder), '
+        "or remove it from 'tracking'",
+    )
 
 
 def check_run_name(name: str) -> None:
@@ -625,7 +751,9 @@ def check_run_name(name: str) -> None:
     if name != name.strip():
         raise ConfigError(f"'run_name' {name!r} starts or ends with spaces; {fix}")
     if any(sep in name for sep in ("/", "\\", os.sep)) or os.path.isabs(name) or (os.altsep and os.altsep in name):
-        raise ConfigError(f"'run_name' {name!r} contains a path separator; it must stay inside the output folder: {fix}")
+        raise ConfigError(
+            f"'run_name' {name!r} contains a path separator; it must stay inside the output folder: {fix}"
+        )
     if name in (".", "..") or set(name) == {"."}:
         raise ConfigError(f"'run_name' {name!r} would leave the run folder inside the output folder; {fix}")
     if "\x00" in name or any(ord(ch) < 32 for ch in name):
@@ -636,10 +764,16 @@ def check_run_name(name: str) -> None:
 HASH_EXCLUDED = ("run_name", "output_dir", "tracking", "tracking_dir", "min_measured_share")
 # keys added after results were recorded: left out of the hash (and of a resumed run's comparison) while at these
 # defaults, so that a config that does not use them keeps the hash it had before they existed
-LATER_KEYS: dict[tuple[str, str], Any] = {("data", "num_classes"): 0, ("data", "input_shape"): [],
-                                          ("data", "public_path"): "", ("strategy", "expected_clients"): 0,
-                                          ("strategy", "connect_timeout"): 300.0, ("strategy", "transport"): "float32",
-                                          ("strategy", "clip_update_norm"): 0.0, ("data", "node_registry"): ""}
+LATER_KEYS: dict[tuple[str, str], Any] = {
+    ("data", "num_classes"): 0,
+    ("data", "input_shape"): [],
+    ("data", "public_path"): "",
+    ("strategy", "expected_clients"): 0,
+    ("strategy", "connect_timeout"): 300.0,
+    ("strategy", "transport"): "float32",
+    ("strategy", "clip_update_norm"): 0.0,
+    ("data", "node_registry"): "",
+}
 
 
 # whole sections added after results were recorded: left out, like LATER_KEYS, while every key holds its default

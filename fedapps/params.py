@@ -44,8 +44,8 @@ class Constraint:
 
     def range_text(self) -> str:
         """'> 0', '>= 1', 'in [0, 1]', 'in (0, 1)' ... ('' when unbounded)."""
-        low = (f"[{_num(self.ge)}" if self.ge is not None else f"({_num(self.gt)}" if self.gt is not None else None)
-        high = (f"{_num(self.le)}]" if self.le is not None else f"{_num(self.lt)})" if self.lt is not None else None)
+        low = f"[{_num(self.ge)}" if self.ge is not None else f"({_num(self.gt)}" if self.gt is not None else None
+        high = f"{_num(self.le)}]" if self.le is not None else f"{_num(self.lt)})" if self.lt is not None else None
         if low and high:
             return f"in {low}, {high}"
         if low:
@@ -55,17 +55,29 @@ class Constraint:
         return ""
 
     def in_range(self, value: Any) -> bool:
-        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+            and (self.lt is None or value < self.lt)
+        )
 
 
 def _num(x: float) -> str:
     return f"{x:g}" if isinstance(x, float) else str(x)
 
 
-def param(default: Any, *, choices: tuple[Any, ...] | Callable[[], Any] | None = None, ge: float | None = None,
-          gt: float | None = None, le: float | None = None, lt: float | None = None,
-          normalise: Callable[[Any], Any] | None = None, help: str = "") -> Any:  # noqa: A002 - the natural name
+def param(
+    default: Any,
+    *,
+    choices: tuple[Any, ...] | Callable[[], Any] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    normalise: Callable[[Any], Any] | None = None,
+    help: str = "",  # noqa: A002 - the natural name
+) -> Any:
     """A dataclass field with a default and declared constraints (checked by :func:`parse_params`)."""
     meta = {META_KEY: Constraint(choices, ge, gt, le, lt, normalise, help)}
     if isinstance(default, (list, dict, set)):

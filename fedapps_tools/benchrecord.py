@@ -32,10 +32,20 @@ def results_dir() -> Path:
 def git_commit(root: Path = ROOT) -> str:
     """The checkout's commit (short), with ``+dirty`` when tracked files differ from it; 'unknown' without git."""
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=10", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=10", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return f"{head}+dirty" if dirty else head
@@ -68,8 +78,13 @@ def _gpus() -> list[str]:
         return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     if shutil.which("nvidia-smi"):
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                                 text=True, timeout=20, check=True).stdout
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=True,
+            ).stdout
             return [line.strip() for line in out.splitlines() if line.strip()]
         except (OSError, subprocess.SubprocessError):
             pass
@@ -118,8 +133,13 @@ def read_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
         return list(reader.fieldnames or []), list(reader)
 
 
-def append_row(bench: str, figures: Mapping[str, object], argv: Sequence[str] | None = None,
-               folder: Path | None = None, when: dt.datetime | None = None) -> Path:
+def append_row(
+    bench: str,
+    figures: Mapping[str, object],
+    argv: Sequence[str] | None = None,
+    folder: Path | None = None,
+    when: dt.datetime | None = None,
+) -> Path:
     """Append one row (date, commit, command, machine, ``figures``) to ``<folder>/<bench>.csv`` and return its path.
 
     A figure the file has no column for yet widens the header (earlier rows get an empty cell); figures named like
@@ -132,8 +152,13 @@ def append_row(bench: str, figures: Mapping[str, object], argv: Sequence[str] | 
     path = (folder or results_dir()) / f"{bench}.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
     when = when or dt.datetime.now(dt.UTC)
-    row = {"date_utc": when.strftime("%Y-%m-%d %H:%M"), "commit": git_commit(), "command": command_line(argv),
-           "machine": machine(), **{k: figure_text(v) for k, v in figures.items()}}
+    row = {
+        "date_utc": when.strftime("%Y-%m-%d %H:%M"),
+        "commit": git_commit(),
+        "command": command_line(argv),
+        "machine": machine(),
+        **{k: figure_text(v) for k, v in figures.items()},
+    }
     header, rows = read_rows(path)
     if header and set(row) <= set(header):
         with path.open("a", newline="") as fh:

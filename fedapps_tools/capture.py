@@ -27,8 +27,8 @@ import torch
 from fedapps.config import load_config
 from fedapps.flower import faults
 from fedapps.flower.inprocess import InProcessGrid
-from fedapps.wire import protocol
 from fedapps.server.driver import RoundDriver
+from fedapps.wire import protocol
 from strategies import RunContext, resolve
 
 log = logging.getLogger("fedapps")
@@ -42,16 +42,37 @@ REFERENCE = "reference"  # the arm with the attacker dropped
 REFERENCE_ROBUST = "reference-robust"  # ... and the robust option on: what the option costs without an attack
 ARMS = ("default", "robust", REFERENCE, REFERENCE_ROBUST)
 ROBUST_ARMS = ("robust", REFERENCE_ROBUST)
-BOUND = 0.10  # the robust option bounds the damage when the victim's and the mean accuracy are within this of the reference
-DIAGNOSTICS = ("diag_consensus_acc_on_U", "diag_target_acc_on_U", "diag_vote_acc_on_U")  # server-side extras a table shows where present
+BOUND = (
+    0.10  # the robust option bounds the damage when the victim's and the mean accuracy are within this of the reference
+)
+DIAGNOSTICS = (
+    "diag_consensus_acc_on_U",
+    "diag_target_acc_on_U",
+    "diag_vote_acc_on_U",
+)  # server-side extras a table shows where present
 
-BASE = ["data.source=digits", "model.name=mlp", f"data.num_clients={CLIENTS}",
-        "data.partition=pathological", f"data.classes_per_client={CLASSES_PER_CLIENT}", "data.public_fraction=0.2",
-        "client.epochs=1", "client.batch_size=16", "client.lr=0.05", "run_name=capture"]
+BASE = [
+    "data.source=digits",
+    "model.name=mlp",
+    f"data.num_clients={CLIENTS}",
+    "data.partition=pathological",
+    f"data.classes_per_client={CLASSES_PER_CLIENT}",
+    "data.public_fraction=0.2",
+    "client.epochs=1",
+    "client.batch_size=16",
+    "client.lr=0.05",
+    "run_name=capture",
+]
 # each strategy's own settings, smaller than the defaults where those make a round expensive
 SHRINK = {
-    "cosmos": ["server_model=mlp", "pretrain_epochs=2", "server_epochs=5", "distill_epochs=1", "server_lr=0.001",
-               "distill_lr=0.001"],
+    "cosmos": [
+        "server_model=mlp",
+        "pretrain_epochs=2",
+        "server_epochs=5",
+        "distill_epochs=1",
+        "server_lr=0.001",
+        "distill_lr=0.001",
+    ],
     "fedmd": ["pretrain_epochs=2", "distill_epochs=1", "distill_lr=0.001"],
     "fedct": ["pretrain_epochs=2", "distill_epochs=1", "distill_lr=0.001"],
     "comet": ["pretrain_epochs=2", "distill_epochs=1", "distill_lr=0.001", "clusters=2"],
@@ -85,35 +106,83 @@ class Case:
 
 
 CASES: tuple[Case, ...] = (
-    Case("cwfedavg", "one-hot-rows", "one-hot-rows=0@{A}", ("median_clip=2",),
-         what="classifier rows that make the attacker's class estimate p̂ one-hot on class 0, row 0 scaled ×100"),
+    Case(
+        "cwfedavg",
+        "one-hot-rows",
+        "one-hot-rows=0@{A}",
+        ("median_clip=2",),
+        what="classifier rows that make the attacker's class estimate p̂ one-hot on class 0, row 0 scaled ×100",
+    ),
     Case("cwfedavg", "scale", "scale=100@{A}", ("median_clip=2",), what="the whole model scaled ×100"),
-    Case("cosmos", "copy-then-vote", "leak@{V}/1;pred-copy={V}@{A}/1;pred-const=9@{A}/{LATER}",
-         ("member_clip=0.5",), targeted=True,
-         what="round 1: the victim's predictions copied (joins its cluster); then one-hot votes for class 9 on every "
-              "row: a pull in one direction, round after round"),
-    Case("cosmos", "copy-then-flip", "leak@{V}/1;pred-copy={V}@{A}/1;pred-flip@{A}/{LATER}",
-         ("member_clip=0.5",), targeted=True,
-         what="round 1: the victim's predictions copied (joins its cluster); then one-hot labels one class off the "
-              "cluster's own"),
+    Case(
+        "cosmos",
+        "copy-then-vote",
+        "leak@{V}/1;pred-copy={V}@{A}/1;pred-const=9@{A}/{LATER}",
+        ("member_clip=0.5",),
+        targeted=True,
+        what="round 1: the victim's predictions copied (joins its cluster); then one-hot votes for class 9 on every "
+        "row: a pull in one direction, round after round",
+    ),
+    Case(
+        "cosmos",
+        "copy-then-flip",
+        "leak@{V}/1;pred-copy={V}@{A}/1;pred-flip@{A}/{LATER}",
+        ("member_clip=0.5",),
+        targeted=True,
+        what="round 1: the victim's predictions copied (joins its cluster); then one-hot labels one class off the "
+        "cluster's own",
+    ),
     Case("ifca", "scale", "scale=100@{A}", ("median_clip=2",), what="the whole model scaled ×100"),
     Case("pfedhn", "scale", "scale=100@{A}", ("median_clip=0.5",), what="the whole model scaled ×100"),
-    Case("pfedhn", "scale", "scale=100@{A}", ("median_clip=1",), variant="c1",
-         what="the whole model scaled ×100; the robust option at the median itself",
-         limits="clipped to the median, the attacker's pull still points the same way every round (\"scale the "
-                "model up\") and SGD's momentum adds it up, on some seeds past the bound; at half the median (the "
-                "row above) it stays within it"),
-    Case("fedavg", "scale", "scale=100@{A}", ("strategy.aggregation=median",),
-         what="the whole model scaled ×100 (FedAvg's one global model: the robust averaging of strategy.aggregation)"),
-    Case("fedct", "votes-for-0", "pred-const=0@{A}", ("qualified_threshold=0.4",),
-         what="the hard label 0 on every row of U (a tied vote goes to the lowest class id)"),
-    Case("fedmd", "logits-1e4", "pred-const=0@{A}", ("consensus=probs",),
-         what="logits +1e4 on class 0 and -1e4 elsewhere on every row of U (inside the validator's bound)"),
-    Case("comet", "outlier", "pred-const=0@{A}", ("outlier_factor=3",), setting=("clusters=3",),
-         what="a one-hot vote for class 0 on every row of U: far from every honest client (K = 3)"),
-    Case("comet", "copy-then-flip", "leak@{V}/1;pred-copy={V}@{A}/1;pred-flip@{A}/{LATER}", ("outlier_factor=3",),
-         targeted=True, what="round 1: the victim's predictions copied (joins its cluster); then one-hot labels one "
-                             "class off the cluster's own"),
+    Case(
+        "pfedhn",
+        "scale",
+        "scale=100@{A}",
+        ("median_clip=1",),
+        variant="c1",
+        what="the whole model scaled ×100; the robust option at the median itself",
+        limits="clipped to the median, the attacker's pull still points the same way every round (\"scale the "
+        "model up\") and SGD's momentum adds it up, on some seeds past the bound; at half the median (the "
+        "row above) it stays within it",
+    ),
+    Case(
+        "fedavg",
+        "scale",
+        "scale=100@{A}",
+        ("strategy.aggregation=median",),
+        what="the whole model scaled ×100 (FedAvg's one global model: the robust averaging of strategy.aggregation)",
+    ),
+    Case(
+        "fedct",
+        "votes-for-0",
+        "pred-const=0@{A}",
+        ("qualified_threshold=0.4",),
+        what="the hard label 0 on every row of U (a tied vote goes to the lowest class id)",
+    ),
+    Case(
+        "fedmd",
+        "logits-1e4",
+        "pred-const=0@{A}",
+        ("consensus=probs",),
+        what="logits +1e4 on class 0 and -1e4 elsewhere on every row of U (inside the validator's bound)",
+    ),
+    Case(
+        "comet",
+        "outlier",
+        "pred-const=0@{A}",
+        ("outlier_factor=3",),
+        setting=("clusters=3",),
+        what="a one-hot vote for class 0 on every row of U: far from every honest client (K = 3)",
+    ),
+    Case(
+        "comet",
+        "copy-then-flip",
+        "leak@{V}/1;pred-copy={V}@{A}/1;pred-flip@{A}/{LATER}",
+        ("outlier_factor=3",),
+        targeted=True,
+        what="round 1: the victim's predictions copied (joins its cluster); then one-hot labels one "
+        "class off the cluster's own",
+    ),
 )
 
 
@@ -128,8 +197,13 @@ def case(name: str) -> Case:
 def overrides(c: Case, arm: str, seed: int = 0) -> list[str]:
     """The config overrides of one arm of a case (the robust arm adds the robust params)."""
     params = [*SHRINK.get(c.strategy, []), *c.setting, *(c.robust if arm in ROBUST_ARMS else ())]
-    return [f"strategy.name={c.strategy}", f"rounds={c.rounds}", f"seed={seed}", *BASE,
-            *(kv if kv.startswith("strategy.") else f"strategy.params.{c.strategy}.{kv}" for kv in params)]
+    return [
+        f"strategy.name={c.strategy}",
+        f"rounds={c.rounds}",
+        f"seed={seed}",
+        *BASE,
+        *(kv if kv.startswith("strategy.") else f"strategy.params.{c.strategy}.{kv}" for kv in params),
+    ]
 
 
 def node_spec(c: Case, arm: str) -> str:
@@ -185,15 +259,25 @@ def run_arm(c: Case, arm: str, seed: int = 0) -> Outcome:
     torch.manual_seed(seed)  # r_B's input noise draws from torch's global RNG
     strategy = resolved.build(cfg, RunContext(on_round=logs.append))
     spec = node_spec(c, arm)
-    grid = InProcessGrid(CLIENTS, node_configs={i: {faults.NODE_KEY: spec} for i in range(CLIENTS)},
-                         mods=[faults.faults_mod])
+    grid = InProcessGrid(
+        CLIENTS, node_configs={i: {faults.NODE_KEY: spec} for i in range(CLIENTS)}, mods=[faults.faults_mod]
+    )
     RoundDriver(strategy).start(grid, num_rounds=cfg.rounds, timeout=cfg.strategy.timeout)
     final = [m for entry in logs for m in entry.measurements if m.final]
     acc_key = protocol.metric_name(protocol.DEPLOYED_TAG, "acc")
     accuracy = {r.client_id: float(r.metrics[acc_key]) for m in final for r in m.replies if acc_key in r.metrics}
-    return Outcome(c, arm, seed, accuracy, time.perf_counter() - t0, time.process_time() - c0,
-                   sum(e.replies_rejected for e in logs), strategy.final_summary(),
-                   dict(logs[-1].extra) if logs else {}, strategy)
+    return Outcome(
+        c,
+        arm,
+        seed,
+        accuracy,
+        time.perf_counter() - t0,
+        time.process_time() - c0,
+        sum(e.replies_rejected for e in logs),
+        strategy.final_summary(),
+        dict(logs[-1].extra) if logs else {},
+        strategy,
+    )
 
 
 def honest_ids() -> list[int]:
@@ -213,10 +297,17 @@ def victim_of(c: Case, got: Outcome, reference: Outcome) -> int:
 def summarise(got: Outcome, reference: Outcome, victim: int) -> dict[str, Any]:
     """A run's figures against its reference: the victim's accuracy (0 where it was not measured: its replies were
     rejected), the mean honest accuracy (over the honest clients measured) and how many were measured."""
-    return {"victim": victim, "victim_acc": got.accuracy.get(victim, 0.0),
-            "victim_ref": reference.accuracy.get(victim, float("nan")), "mean_acc": got.mean,
-            "mean_ref": reference.mean, "measured": len(got.honest), "rejected": got.rejected,
-            "diagnostic": got.diagnostic, "diagnostic_ref": reference.diagnostic}
+    return {
+        "victim": victim,
+        "victim_acc": got.accuracy.get(victim, 0.0),
+        "victim_ref": reference.accuracy.get(victim, float("nan")),
+        "mean_acc": got.mean,
+        "mean_ref": reference.mean,
+        "measured": len(got.honest),
+        "rejected": got.rejected,
+        "diagnostic": got.diagnostic,
+        "diagnostic_ref": reference.diagnostic,
+    }
 
 
 def bounded(rows: list[dict[str, Any]], bound: float = BOUND) -> bool:
@@ -227,5 +318,3 @@ def bounded(rows: list[dict[str, Any]], bound: float = BOUND) -> bool:
     victim_drop = float(np.mean([r["victim_ref"] - r["victim_acc"] for r in rows]))
     mean_drop = float(np.mean([r["mean_ref"] - r["mean_acc"] for r in rows]))
     return victim_drop <= bound and mean_drop <= bound
-
-

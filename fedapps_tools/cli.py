@@ -48,8 +48,11 @@ from fedapps_tools.logfilter import LogFilter, command_logging
 from fedapps_tools.options import add_seeds_option, output_dir_help, package_version, resolve_root
 from fedapps_tools.summary import print_summary
 
-EXIT_HELP = "exit status:\n" + "".join(f"  {code:<5}{what}\n" for code, what in EXIT_STATUSES.items()) + (
-    "summary.json's 'problems' says why a run did not exit 0; its 'exit_status' is the status.")
+EXIT_HELP = (
+    "exit status:\n"
+    + "".join(f"  {code:<5}{what}\n" for code, what in EXIT_STATUSES.items())
+    + ("summary.json's 'problems' says why a run did not exit 0; its 'exit_status' is the status.")
+)
 
 
 def free_port() -> int:
@@ -88,13 +91,31 @@ class OwnSuperLink:
     def launch(self) -> None:
         """Start the process on a free port and return at once (:meth:`start` waits until it answers)."""
         self.port = free_port()
-        cmd = ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
-               "--host", "127.0.0.1", "--port", str(self.port),
-               "--database", str(self.home / "state.db"), "--log-file", str(self.log_file),
-               "--disable-runtime-dependency-installation"]
+        cmd = [
+            "flower-superlink",
+            "--insecure",
+            "--simulation",
+            "--isolation",
+            "subprocess",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--database",
+            str(self.home / "state.db"),
+            "--log-file",
+            str(self.log_file),
+            "--disable-runtime-dependency-installation",
+        ]
         with (self.home / "superlink.out").open("ab") as out:
-            self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def start(self, timeout: float = 60.0, attempts: int = 3) -> str:
         """Start it (unless :meth:`launch` already did) and wait until its HTTP API answers; a port taken in between
@@ -160,7 +181,8 @@ def write_connection(home: Path, address: str) -> None:
     home.mkdir(parents=True, exist_ok=True)
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = {toml_str(address)}\n'
-        "insecure = true\n")
+        "insecure = true\n"
+    )
 
 
 @contextlib.contextmanager
@@ -184,24 +206,35 @@ def federation_config(cfg: ExperimentConfig, args: argparse.Namespace) -> str:
     """--federation-config: one SuperNode per client, CPUs/GPUs per client."""
     if args.federation_config:
         return args.federation_config
+
     def number(v: float) -> str:  # flwr wants "1", not "1.0", for whole numbers
         return str(int(v)) if float(v).is_integer() else str(v)
 
-    return (f"num-supernodes={args.supernodes or cfg.data.num_clients} "
-            f"client-resources-num-cpus={number(args.cpus_per_client)} "
-            f"client-resources-num-gpus={number(args.gpus_per_client)}")
+    return (
+        f"num-supernodes={args.supernodes or cfg.data.num_clients} "
+        f"client-resources-num-cpus={number(args.cpus_per_client)} "
+        f"client-resources-num-gpus={number(args.gpus_per_client)}"
+    )
 
 
-def start_run(cfg: ExperimentConfig, config_path: Path, overrides: list[str], output_dir: Path,
-              args: argparse.Namespace, env: dict[str, str]) -> str:
+def start_run(
+    cfg: ExperimentConfig,
+    config_path: Path,
+    overrides: list[str],
+    output_dir: Path,
+    args: argparse.Namespace,
+    env: dict[str, str],
+) -> str:
     """`flwr run APP fedapps --format json ...`: submit the run, return its id (from Flower's JSON)."""
-    run_config = " ".join([
-        f"config={toml_str(str(config_path))}",
-        f"overrides={toml_str(' '.join(overrides))}",
-        f"output-dir={toml_str(str(output_dir))}",
-        f"resume-dir={toml_str(str(getattr(args, 'resume', None) or ''))}",
-        f"keep-state={'true' if getattr(args, 'keep_state', False) else 'false'}",
-    ])
+    run_config = " ".join(
+        [
+            f"config={toml_str(str(config_path))}",
+            f"overrides={toml_str(' '.join(overrides))}",
+            f"output-dir={toml_str(str(output_dir))}",
+            f"resume-dir={toml_str(str(getattr(args, 'resume', None) or ''))}",
+            f"keep-state={'true' if getattr(args, 'keep_state', False) else 'false'}",
+        ]
+    )
     return submit_run(CONNECTION, run_config, env, ["--federation-config", federation_config(cfg, args)])
 
 
@@ -212,9 +245,15 @@ def new_superlink(ray_address: str | None) -> OwnSuperLink:
     return OwnSuperLink(home, raycluster.cluster_env(flower_env(), ray_address))
 
 
-def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[str], output_dir: Path,
-                    args: argparse.Namespace, ray_address: str | None = None,
-                    link: OwnSuperLink | None = None) -> Path:
+def run_with_flower(
+    cfg: ExperimentConfig,
+    config_path: Path,
+    overrides: list[str],
+    output_dir: Path,
+    args: argparse.Namespace,
+    ray_address: str | None = None,
+    link: OwnSuperLink | None = None,
+) -> Path:
     """`flwr run` the app on a SuperLink this run starts (or ``--superlink ADDRESS``); raise RunFailed unless the
     run completed. Only the processes this run started are stopped, also on Ctrl-C/SIGTERM or an error.
     ``ray_address``: the Ray cluster the simulation runs on (in the new SuperLink's environment); None: a Ray
@@ -252,13 +291,16 @@ def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[st
         interrupted = True
         if run_id and (link is None or args.keep_superlink):  # a SuperLink this command does not stop
             stopped = stop_run(run_id, env)
-            print(f"run {run_id} {'stopped' if stopped else 'could not be stopped: flwr stop ' + run_id}",
-                  file=sys.stderr)
+            print(
+                f"run {run_id} {'stopped' if stopped else 'could not be stopped: flwr stop ' + run_id}", file=sys.stderr
+            )
         raise
     finally:
         if link is not None:
             if args.keep_superlink and link.proc is not None:  # None: it never started
-                print(f"SuperLink left running: {link.address}, pid {link.proc.pid} (stop it with kill {link.proc.pid})")
+                print(
+                    f"SuperLink left running: {link.address}, pid {link.proc.pid} (stop it with kill {link.proc.pid})"
+                )
             else:
                 link.stop(grace=INTERRUPT_GRACE if interrupted else 10.0)
         if ok and not args.keep_superlink:
@@ -270,8 +312,14 @@ def run_with_flower(cfg: ExperimentConfig, config_path: Path, overrides: list[st
     return result_dir
 
 
-def run_in_process(cfg: ExperimentConfig, config_path: Path, overrides: list[str], output_dir: Path,
-                   resume: str | None = None, keep_state: bool = False) -> Path:
+def run_in_process(
+    cfg: ExperimentConfig,
+    config_path: Path,
+    overrides: list[str],
+    output_dir: Path,
+    resume: str | None = None,
+    keep_state: bool = False,
+) -> Path:
     """The same strategy and client code without Ray: clients served in this process, several at a time on threads
     (FEDAPPS_INPROCESS_WORKERS, default the usable CPUs), each with FEDAPPS_CLIENT_THREADS torch threads (default 1)."""
     import torch
@@ -280,8 +328,14 @@ def run_in_process(cfg: ExperimentConfig, config_path: Path, overrides: list[str
     from fedapps.flower.inprocess import InProcessGrid
 
     torch.set_num_threads(int(os.environ.get("FEDAPPS_CLIENT_THREADS", "1")))
-    server_app.run_experiment(InProcessGrid(cfg.data.num_clients), str(config_path), " ".join(overrides), str(output_dir),
-                              resume_dir=resume or "", keep_state=keep_state)
+    server_app.run_experiment(
+        InProcessGrid(cfg.data.num_clients),
+        str(config_path),
+        " ".join(overrides),
+        str(output_dir),
+        resume_dir=resume or "",
+        keep_state=keep_state,
+    )
     return Path(resume) if resume else output_dir / cfg.resolved_run_name()
 
 
@@ -292,8 +346,10 @@ def check_output_dir(out: Path) -> None:
         with tempfile.NamedTemporaryFile(dir=out, prefix=".fedapps-write-test-"):
             pass
     except OSError as exc:
-        raise ConfigError(f"output directory '{out}' is not writable ({exc.strerror or exc}); "
-                          "pass --output-dir DIR (or set output_dir) to a folder you can write") from exc
+        raise ConfigError(
+            f"output directory '{out}' is not writable ({exc.strerror or exc}); "
+            "pass --output-dir DIR (or set output_dir) to a folder you can write"
+        ) from exc
 
 
 def preflight(cfg: ExperimentConfig, overrides: Sequence[str] = ()) -> None:
@@ -317,12 +373,14 @@ def ray_cluster_request(args: argparse.Namespace) -> tuple[str | None, str]:
     if option and option.strip() == raycluster.LOCAL:
         option = raycluster.LOCAL
     elif option and getattr(args, "engine", "flower") != "flower":
-        raise raycluster.RayClusterError("--ray-address needs --engine flower (the in-process engine runs no Ray); "
-                                         "drop one of the two")
+        raise raycluster.RayClusterError(
+            "--ray-address needs --engine flower (the in-process engine runs no Ray); drop one of the two"
+        )
     if option and option != raycluster.LOCAL and getattr(args, "superlink", ""):
         raise raycluster.RayClusterError(
             "--ray-address cannot be combined with --superlink: a running SuperLink simulates on the Ray cluster of "
-            "its own environment (start it with RAY_ADDRESS=HOST:PORT); drop one of the two")
+            "its own environment (start it with RAY_ADDRESS=HOST:PORT); drop one of the two"
+        )
     if getattr(args, "engine", "flower") != "flower" or getattr(args, "superlink", ""):
         return None, ""
     address, source = raycluster.requested_address(option, os.environ)
@@ -331,15 +389,19 @@ def ray_cluster_request(args: argparse.Namespace) -> tuple[str | None, str]:
         raise raycluster.RayClusterError(
             f"--federation-config sets init-args-num-cpus/gpus, which Ray refuses when joining the cluster of "
             f"{source}={address} (a cluster's resources are those of its nodes: `ray start --num-cpus/--num-gpus`); "
-            "remove them")
+            "remove them"
+        )
     return address, source
 
 
 def check_ray_cluster(args: argparse.Namespace, address: str, source: str) -> None:
     """The cluster answers as a Ray head and some node can host a client of the requested size (RayClusterError
     otherwise); prints what the run will use."""
-    cpus, gpus = raycluster.client_resources(getattr(args, "federation_config", "") or "",
-                                             getattr(args, "cpus_per_client", 1), getattr(args, "gpus_per_client", 0))
+    cpus, gpus = raycluster.client_resources(
+        getattr(args, "federation_config", "") or "",
+        getattr(args, "cpus_per_client", 1),
+        getattr(args, "gpus_per_client", 0),
+    )
     doc = raycluster.check_cluster(address, source, flower_env(), cpus, gpus)
     print(raycluster.summary_line(address, source, doc, cpus, gpus), flush=True)
 
@@ -353,8 +415,10 @@ def check_gpu_request(args: argparse.Namespace) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise ConfigError(f"--gpus-per-client {gpus:g} asks Ray for a share of a GPU, but no CUDA GPU is visible on "
-                          "this machine; drop the option (or pass --gpus-per-client 0) to run the clients on the CPU")
+        raise ConfigError(
+            f"--gpus-per-client {gpus:g} asks Ray for a share of a GPU, but no CUDA GPU is visible on "
+            "this machine; drop the option (or pass --gpus-per-client 0) to run the clients on the CPU"
+        )
 
 
 def resolved_config(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -405,36 +469,76 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
             raise
         if args.engine != "inprocess":  # still under the SIGTERM handler: the launched SuperLink is never left behind
             return run_with_flower(cfg, config_path, overrides, out, args, ray_address=ray_address, link=link)
-    return run_in_process(cfg, config_path, overrides, out, getattr(args, "resume", None),
-                          getattr(args, "keep_state", False))
+    return run_in_process(
+        cfg, config_path, overrides, out, getattr(args, "resume", None), getattr(args, "keep_state", False)
+    )
 
 
 def add_run_options(p: argparse.ArgumentParser, writes: str) -> None:
     """Options shared by run, compare and tune; ``writes``: what the sub-command writes under --output-dir."""
-    p.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                   help="dotted overrides of the config's keys, e.g. --set rounds=5 client.lr=0.01")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted overrides of the config's keys, e.g. --set rounds=5 client.lr=0.01",
+    )
     p.add_argument("--output-dir", default=None, metavar="DIR", help=output_dir_help(writes))
-    p.add_argument("--engine", choices=("flower", "inprocess"), default="flower",
-                   help="flower: `flwr run` on the Ray simulation engine (default); inprocess: same code, no Ray")
-    p.add_argument("--supernodes", type=int, default=0, metavar="N",
-                   help="simulated SuperNodes (default: data.num_clients)")
-    p.add_argument("--cpus-per-client", type=float, default=1, metavar="CPUS",
-                   help="CPUs Ray reserves per client, Flower's client-resources-num-cpus (default 1)")
-    p.add_argument("--gpus-per-client", type=float, default=0, metavar="GPUS",
-                   help="GPUs (or a share of one, e.g. 0.25) Ray reserves per client, Flower's "
-                        "client-resources-num-gpus (default 0)")
-    p.add_argument("--federation-config", default="", metavar="TEXT",
-                   help="the raw --federation-config of flwr run (replaces the three options above)")
-    p.add_argument("--superlink", default="", metavar="ADDRESS",
-                   help="join this running SuperLink (host:port, insecure) instead of starting one; nothing is stopped")
-    p.add_argument("--ray-address", default=None, metavar="HOST:PORT",
-                   help="run the simulation on this running Ray cluster (the head's GCS address; default: an exported "
-                        "RAY_ADDRESS, else a Ray instance of the run's own; 'local' ignores RAY_ADDRESS). Run it on a "
-                        "node of the cluster; --cpus/--gpus-per-client are per client actor on any node")
-    p.add_argument("--keep-superlink", action="store_true", help="leave the SuperLink this run started running afterwards")
-    p.add_argument("--keep-state", action="store_true",
-                   help="keep a finished run's resume state (checkpoint.pt, client-state/, server-state/); by default "
-                        "a run that ends successfully removes it (an interrupted or failed run keeps it for --resume)")
+    p.add_argument(
+        "--engine",
+        choices=("flower", "inprocess"),
+        default="flower",
+        help="flower: `flwr run` on the Ray simulation engine (default); inprocess: same code, no Ray",
+    )
+    p.add_argument(
+        "--supernodes", type=int, default=0, metavar="N", help="simulated SuperNodes (default: data.num_clients)"
+    )
+    p.add_argument(
+        "--cpus-per-client",
+        type=float,
+        default=1,
+        metavar="CPUS",
+        help="CPUs Ray reserves per client, Flower's client-resources-num-cpus (default 1)",
+    )
+    p.add_argument(
+        "--gpus-per-client",
+        type=float,
+        default=0,
+        metavar="GPUS",
+        help="GPUs (or a share of one, e.g. 0.25) Ray reserves per client, Flower's "
+        "client-resources-num-gpus (default 0)",
+    )
+    p.add_argument(
+        "--federation-config",
+        default="",
+        metavar="TEXT",
+        help="the raw --federation-config of flwr run (replaces the three options above)",
+    )
+    p.add_argument(
+        "--superlink",
+        default="",
+        metavar="ADDRESS",
+        help="join this running SuperLink (host:port, insecure) instead of starting one; nothing is stopped",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="run the simulation on this running Ray cluster (the head's GCS address; default: an exported "
+        "RAY_ADDRESS, else a Ray instance of the run's own; 'local' ignores RAY_ADDRESS). Run it on a "
+        "node of the cluster; --cpus/--gpus-per-client are per client actor on any node",
+    )
+    p.add_argument(
+        "--keep-superlink", action="store_true", help="leave the SuperLink this run started running afterwards"
+    )
+    p.add_argument(
+        "--keep-state",
+        action="store_true",
+        help="keep a finished run's resume state (checkpoint.pt, client-state/, server-state/); by default "
+        "a run that ends successfully removes it (an interrupted or failed run keeps it for --resume)",
+    )
     p.add_argument("--quiet", action="store_true", help="do not stream the run's log")
 
 
@@ -442,63 +546,123 @@ def build_parser() -> argparse.ArgumentParser:
     """The `fedapps` command line (run, compare, tune, report; tables and deploy parse their own options). Builds
     the parsers only: nothing is read or started (the CLI reference is generated from it)."""
     parser = argparse.ArgumentParser(
-        prog="fedapps", description=__doc__.split("\n\n")[0].replace("\n", " "),
-        epilog="`fedapps COMMAND --help` lists a command's options.")
+        prog="fedapps",
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        epilog="`fedapps COMMAND --help` lists a command's options.",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    run = sub.add_parser("run", help="run one config through `flwr run` and print its summary",
-                         description="Run one config through `flwr run` (or in this process with --engine inprocess) "
-                                     "and print its summary.",
-                         epilog=EXIT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.add_argument("config", metavar="CONFIG",
-                     help="the experiment's YAML file, e.g. configs/default.yaml (every key is checked before "
-                          "anything starts)")
-    run.add_argument("--resume", default=None, metavar="RUN_DIR",
-                     help="continue the run in RUN_DIR (<output-dir>/<run-name>) after its last checkpointed round")
-    add_seeds_option(run, None, "the run's seed, the same as --set seed=N; a run has one: for several use "
-                                "`fedapps compare CONFIG --seeds 0,1,2`", default_text="the config's seed")
+    run = sub.add_parser(
+        "run",
+        help="run one config through `flwr run` and print its summary",
+        description="Run one config through `flwr run` (or in this process with --engine inprocess) "
+        "and print its summary.",
+        epilog=EXIT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument(
+        "config",
+        metavar="CONFIG",
+        help="the experiment's YAML file, e.g. configs/default.yaml (every key is checked before anything starts)",
+    )
+    run.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR (<output-dir>/<run-name>) after its last checkpointed round",
+    )
+    add_seeds_option(
+        run,
+        None,
+        "the run's seed, the same as --set seed=N; a run has one: for several use "
+        "`fedapps compare CONFIG --seeds 0,1,2`",
+        default_text="the config's seed",
+    )
     add_run_options(run, "the run folder DIR/<run name>/")
-    cmp_ = sub.add_parser("compare", help="run configs × seeds, then tabulate mean ± SEM",
-                          description="Run every config at every seed (runs already complete with the same config are "
-                                      "skipped), then write comparison.csv, comparison.md and comparison.png.")
-    cmp_.add_argument("configs", nargs="+", metavar="CONFIG",
-                      help="YAML files, one row of the table each (e.g. configs/fedavg.yaml configs/local.yaml)")
+    cmp_ = sub.add_parser(
+        "compare",
+        help="run configs × seeds, then tabulate mean ± SEM",
+        description="Run every config at every seed (runs already complete with the same config are "
+        "skipped), then write comparison.csv, comparison.md and comparison.png.",
+    )
+    cmp_.add_argument(
+        "configs",
+        nargs="+",
+        metavar="CONFIG",
+        help="YAML files, one row of the table each (e.g. configs/fedavg.yaml configs/local.yaml)",
+    )
     add_seeds_option(cmp_, [0, 1, 2], "the seeds every config runs at")
-    cmp_.add_argument("--name", default="comparison",
-                      help="the comparison's folder under --output-dir (default: comparison)")
+    cmp_.add_argument(
+        "--name", default="comparison", help="the comparison's folder under --output-dir (default: comparison)"
+    )
     add_run_options(cmp_, "DIR/<name>/: the table, the plot and the runs (runs/)")
-    tun = sub.add_parser("tune", help="run a grid on the validation split and choose by validation accuracy",
-                         description="Run every point of a grid on the validation split, choose the point with the "
-                                     "best validation accuracy and write it as chosen.yaml (for the final runs).")
-    tun.add_argument("config", metavar="CONFIG",
-                     help="the YAML file whose keys the grid varies, e.g. configs/fedavg.yaml")
-    tun.add_argument("--grid", nargs="+", action="extend", default=[], required=True, metavar="KEY=V1,V2,...",
-                     help="a key and its values (YAML scalars, comma-separated); repeat for more keys: the cartesian "
-                          "grid runs, e.g. --grid client.lr=0.01,0.05 --grid client.epochs=1,2")
-    add_seeds_option(tun, [0], "the seeds every grid point runs at (one seed is the tuning rule of the published "
-                               "tables)")
-    tun.add_argument("--max-points", type=int, default=4, metavar="N",
-                     help="refuse a grid with more points (default 4: every method gets the same budget of grid "
-                          "points in a comparison)")
-    tun.add_argument("--name", default=None,
-                     help="the tuning's folder under --output-dir (default: tune-<config file name>)")
-    tun.add_argument("--out", default=None, metavar="DIR",
-                     help="the tuning's folder itself, instead of --output-dir and --name")
+    tun = sub.add_parser(
+        "tune",
+        help="run a grid on the validation split and choose by validation accuracy",
+        description="Run every point of a grid on the validation split, choose the point with the "
+        "best validation accuracy and write it as chosen.yaml (for the final runs).",
+    )
+    tun.add_argument(
+        "config", metavar="CONFIG", help="the YAML file whose keys the grid varies, e.g. configs/fedavg.yaml"
+    )
+    tun.add_argument(
+        "--grid",
+        nargs="+",
+        action="extend",
+        default=[],
+        required=True,
+        metavar="KEY=V1,V2,...",
+        help="a key and its values (YAML scalars, comma-separated); repeat for more keys: the cartesian "
+        "grid runs, e.g. --grid client.lr=0.01,0.05 --grid client.epochs=1,2",
+    )
+    add_seeds_option(
+        tun, [0], "the seeds every grid point runs at (one seed is the tuning rule of the published tables)"
+    )
+    tun.add_argument(
+        "--max-points",
+        type=int,
+        default=4,
+        metavar="N",
+        help="refuse a grid with more points (default 4: every method gets the same budget of grid "
+        "points in a comparison)",
+    )
+    tun.add_argument(
+        "--name", default=None, help="the tuning's folder under --output-dir (default: tune-<config file name>)"
+    )
+    tun.add_argument(
+        "--out", default=None, metavar="DIR", help="the tuning's folder itself, instead of --output-dir and --name"
+    )
     add_run_options(tun, "DIR/<name>/: tuning.csv, tuning.md, chosen.yaml and the runs (runs/)")
-    rep = sub.add_parser("report", help="print the summary of a run folder (a comparison folder: its table), or "
-                         "with --html write one self-contained HTML report of it")
-    rep.add_argument("result_dir", metavar="RESULT_DIR",
-                     help="a run folder (<output-dir>/<run-name>) or a `fedapps compare` folder")
-    rep.add_argument("--html", action="store_true",
-                     help="write a static HTML page (table, curves, per-client spread, strategy figures; no network "
-                          "needed to view it) and print its path")
-    rep.add_argument("--out", default=None, metavar="FILE",
-                     help="where --html writes (default: RESULT_DIR/report.html)")
-    sub.add_parser("tables", add_help=False, help="regenerate the published comparison tables from a spec "
-                   "(experiments/*.yaml): tune every method on validation, run the seeds, write the report; "
-                   "`fedapps tables --help` for its options")
-    sub.add_parser("deploy", add_help=False, help="across machines: certificates, node keys, SuperLink/SuperNodes with "
-                   "TLS and authentication, runs on a named SuperLink, stop; `fedapps deploy --help` for its steps")
+    rep = sub.add_parser(
+        "report",
+        help="print the summary of a run folder (a comparison folder: its table), or "
+        "with --html write one self-contained HTML report of it",
+    )
+    rep.add_argument(
+        "result_dir", metavar="RESULT_DIR", help="a run folder (<output-dir>/<run-name>) or a `fedapps compare` folder"
+    )
+    rep.add_argument(
+        "--html",
+        action="store_true",
+        help="write a static HTML page (table, curves, per-client spread, strategy figures; no network "
+        "needed to view it) and print its path",
+    )
+    rep.add_argument(
+        "--out", default=None, metavar="FILE", help="where --html writes (default: RESULT_DIR/report.html)"
+    )
+    sub.add_parser(
+        "tables",
+        add_help=False,
+        help="regenerate the published comparison tables from a spec "
+        "(experiments/*.yaml): tune every method on validation, run the seeds, write the report; "
+        "`fedapps tables --help` for its options",
+    )
+    sub.add_parser(
+        "deploy",
+        add_help=False,
+        help="across machines: certificates, node keys, SuperLink/SuperNodes with "
+        "TLS and authentication, runs on a named SuperLink, stop; `fedapps deploy --help` for its steps",
+    )
     return parser
 
 
@@ -508,9 +672,11 @@ def run_overrides(args: argparse.Namespace) -> list[str]:
     if not seeds:
         return list(args.overrides)
     if len(seeds) > 1:
-        raise ConfigError(f"fedapps run makes one run, but --seeds names {len(seeds)} seeds "
-                          f"({','.join(map(str, seeds))}); pass one (--seeds {seeds[0]}), or run them all with "
-                          f"`fedapps compare {args.config} --seeds {','.join(map(str, seeds))}`")
+        raise ConfigError(
+            f"fedapps run makes one run, but --seeds names {len(seeds)} seeds "
+            f"({','.join(map(str, seeds))}); pass one (--seeds {seeds[0]}), or run them all with "
+            f"`fedapps compare {args.config} --seeds {','.join(map(str, seeds))}`"
+        )
     return list(args.overrides) + [f"seed={seeds[0]}"]
 
 
@@ -531,8 +697,10 @@ def report(args: argparse.Namespace) -> int:
         elif (folder / "comparison.md").is_file():
             print((folder / "comparison.md").read_text(), end="")
         else:
-            raise ReportError(f"'{folder}' is neither a run folder (summary.json) nor a `fedapps compare` folder "
-                              "(comparison.md); pass one of those")
+            raise ReportError(
+                f"'{folder}' is neither a run folder (summary.json) nor a `fedapps compare` folder "
+                "(comparison.md); pass one of those"
+            )
     except ReportError as exc:
         print(f"report: {exc}", file=sys.stderr)
         return 2

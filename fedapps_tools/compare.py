@@ -47,9 +47,13 @@ def setting_label(cfg: ExperimentConfig) -> str:
     """The data setting of a config in a few words (source, partition and its parameter, clients), e.g.
     ``mnist5k dirichlet α=0.1, 20 clients``: what a plot adds to a method's name when it mixes settings."""
     d = cfg.data
-    detail = {"pathological": f" {d.classes_per_client} classes/client", "dirichlet": f" α={d.alpha:g}",
-              "cosmos-groups": f" {d.groups} groups α={d.alpha:g}", "rotated": f" {d.groups} groups",
-              "label-swap": f" {d.groups} groups"}.get(d.partition, "")
+    detail = {
+        "pathological": f" {d.classes_per_client} classes/client",
+        "dirichlet": f" α={d.alpha:g}",
+        "cosmos-groups": f" {d.groups} groups α={d.alpha:g}",
+        "rotated": f" {d.groups} groups",
+        "label-swap": f" {d.groups} groups",
+    }.get(d.partition, "")
     return f"{d.source} {d.partition}{detail}, {d.num_clients} clients"
 
 
@@ -92,7 +96,10 @@ def resume_decision(result_dir: Path, rounds: int, expected_hash: str) -> tuple[
     if stored is None:
         return False, "rerunning (the earlier run stored no config hash)"
     if stored != expected_hash:
-        return False, f"rerunning (the config changed since the earlier run: hash {stored[:12]} -> {expected_hash[:12]})"
+        return (
+            False,
+            f"rerunning (the config changed since the earlier run: hash {stored[:12]} -> {expected_hash[:12]})",
+        )
     if summary.get("problems"):
         return False, "rerunning (the earlier run failed: " + "; ".join(map(str, summary["problems"]))[:200] + ")"
     try:
@@ -119,9 +126,18 @@ def is_complete(result_dir: Path, rounds: int, expected_hash: str) -> bool:
 
 
 # summary.json entries averaged over seeds into comparison.csv (each with its ``_sem``), in column order
-SUMMARISED = ("accuracy_mean", "accuracy_weighted", "accuracy_worst10", "accuracy_std", "accuracy_after_training_mean",
-              "accuracy_after_training_worst10", "accuracy_after_training_std", "bytes_up_per_client_round",
-              "bytes_down_per_client_round", "wall_seconds")
+SUMMARISED = (
+    "accuracy_mean",
+    "accuracy_weighted",
+    "accuracy_worst10",
+    "accuracy_std",
+    "accuracy_after_training_mean",
+    "accuracy_after_training_worst10",
+    "accuracy_after_training_std",
+    "bytes_up_per_client_round",
+    "bytes_down_per_client_round",
+    "wall_seconds",
+)
 
 
 def summarise_runs(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -134,7 +150,10 @@ def summarise_runs(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any
         m, e = mean_sem(vals)
         row[key] = m
         row[key + "_sem"] = e
-    extra_keys = sorted({k for s in summaries for k in s if k.startswith("final_") and k.endswith("_acc_mean")} | ({"clusters"} & {k for s in summaries for k in s}))
+    extra_keys = sorted(
+        {k for s in summaries for k in s if k.startswith("final_") and k.endswith("_acc_mean")}
+        | ({"clusters"} & {k for s in summaries for k in s})
+    )
     for key in extra_keys:
         vals = [s[key] for s in summaries if isinstance(s.get(key), (int, float))]
         if vals:
@@ -146,13 +165,20 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     """comparison.md: accuracy ± SEM (the deployed models after the last round: mean over clients,
     sample-weighted, worst 10 % of clients, std over clients; the models right after local training beside it),
     bytes per client per round (MiB), wall time."""
-    lines = [("Protocol: deployed model after the last round (docs/evaluation.md), on each client's own evaluation "
-              "split; mean ± SEM over seeds. Worst 10 %: the mean accuracy of the worst ceil(10 % of n) of the n "
-              "clients; std: the population standard deviation over clients."), "",
-             ("| config | strategy | seeds | accuracy (mean over clients) | accuracy (sample-weighted) | "
-              "worst 10 % of clients | std over clients | "
-              "after local training (mean) | up MiB/client/round | down MiB/client/round | wall s |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "Protocol: deployed model after the last round (docs/evaluation.md), on each client's own evaluation "
+            "split; mean ± SEM over seeds. Worst 10 %: the mean accuracy of the worst ceil(10 % of n) of the n "
+            "clients; std: the population standard deviation over clients."
+        ),
+        "",
+        (
+            "| config | strategy | seeds | accuracy (mean over clients) | accuracy (sample-weighted) | "
+            "worst 10 % of clients | std over clients | "
+            "after local training (mean) | up MiB/client/round | down MiB/client/round | wall s |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     mib = 1024 * 1024
     for r in rows:
         lines.append(
@@ -162,7 +188,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             f"{_pm(r, 'accuracy_worst10')} | {_pm(r, 'accuracy_std')} | "
             f"{_pm(r, 'accuracy_after_training_mean')} | "
             f"{r['bytes_up_per_client_round'] / mib:.3f} | {r['bytes_down_per_client_round'] / mib:.3f} | "
-            f"{r['wall_seconds']:.0f} |")
+            f"{r['wall_seconds']:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -193,8 +220,9 @@ def per_round_mean_sem(runs: list[list[dict[str, Any]]], key: str) -> tuple[list
     rounds = sorted({int(r["round"]) for run in runs for r in run if _measured(r, key) is not None})
     means, sems = [], []
     for rnd in rounds:
-        m, e = mean_sem([v for run in runs for r in run if int(r["round"]) == rnd
-                         for v in [_measured(r, key)] if v is not None])
+        m, e = mean_sem(
+            [v for run in runs for r in run if int(r["round"]) == rnd for v in [_measured(r, key)] if v is not None]
+        )
         means.append(m)
         sems.append(e)
     return rounds, means, sems
@@ -228,14 +256,18 @@ def comparison_root(output_dir: str | None, configs: Sequence[ExperimentConfig],
         return resolve_root(output_dir, "")
     roots = sorted({resolve_root(None, c.output_dir) for c in configs})
     if len(roots) > 1:
-        raise ConfigError(f"compare: the configs name different output_dir ({', '.join(map(str, roots))}); pass "
-                          "--output-dir DIR for the comparison's results root")
+        raise ConfigError(
+            f"compare: the configs name different output_dir ({', '.join(map(str, roots))}); pass "
+            "--output-dir DIR for the comparison's results root"
+        )
     root = roots[0]
     former = resolve_root(FORMER_DEFAULT_ROOT, "") / name
     if root != former.parent and ((former / "comparison.csv").is_file() or (former / "runs").is_dir()):
-        raise ConfigError(f"compare writes under the configs' output_dir, here {root / name} (as run and tune do), "
-                          f"but an earlier comparison '{name}' is in {former} (the former default, ./results); "
-                          f"to continue that one pass --output-dir {former.parent}, or --name another name")
+        raise ConfigError(
+            f"compare writes under the configs' output_dir, here {root / name} (as run and tune do), "
+            f"but an earlier comparison '{name}' is in {former} (the former default, ./results); "
+            f"to continue that one pass --output-dir {former.parent}, or --name another name"
+        )
     return root
 
 
@@ -274,7 +306,9 @@ def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
             summaries.append(json.loads((result_dir / "summary.json").read_text()))
             label_curves.append(read_csv(result_dir / "rounds.csv"))
         rows.append(summarise_runs(label, summaries))
-        lines.append(Line(str(summaries[0].get("strategy", cfg.strategy.name)), setting_label(cfg), label, label_curves))
+        lines.append(
+            Line(str(summaries[0].get("strategy", cfg.strategy.name)), setting_label(cfg), label, label_curves)
+        )
     progress.close()
     folder.mkdir(parents=True, exist_ok=True)
     write_csv(folder / "comparison.csv", rows)  # header: the union of the rows' keys, first-seen order

@@ -38,8 +38,9 @@ def smoothed(values: list[float], window: int) -> np.ndarray:
     return out
 
 
-def flattening_index(values: list[float], window: int = WINDOW, tolerance: float = TOLERANCE,
-                     after: int = AFTER) -> int | None:
+def flattening_index(
+    values: list[float], window: int = WINDOW, tolerance: float = TOLERANCE, after: int = AFTER
+) -> int | None:
     """The first index i with max(smoothed[i:]) − smoothed[i] <= tolerance and at least ``after`` values past it;
     None when no such index exists (the curve still rises, or the run is too short to tell)."""
     s = smoothed(values, window)
@@ -73,12 +74,19 @@ def describe(run_dir: Path, window: int, tolerance: float, after: int) -> dict[s
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
     i = flattening_index(acc, window, tolerance, after)
     s = smoothed(acc, window)
-    return {"run": run_dir.name, "strategy": strategy_of(run_dir), "partition": summary.get("partition", ""),
-            "evaluated_on": summary.get("evaluated_on", ""), "rounds_observed": rounds[-1] if rounds else 0,
-            "flattening_round": rounds[i] if i is not None else "",
-            "smoothed_acc_at_flattening": round(float(s[i]), 4) if i is not None else "",
-            "smoothed_acc_final": round(float(s[-1]), 4) if len(s) else "",
-            "window": window, "tolerance": tolerance, "after": after}
+    return {
+        "run": run_dir.name,
+        "strategy": strategy_of(run_dir),
+        "partition": summary.get("partition", ""),
+        "evaluated_on": summary.get("evaluated_on", ""),
+        "rounds_observed": rounds[-1] if rounds else 0,
+        "flattening_round": rounds[i] if i is not None else "",
+        "smoothed_acc_at_flattening": round(float(s[i]), 4) if i is not None else "",
+        "smoothed_acc_final": round(float(s[-1]), 4) if len(s) else "",
+        "window": window,
+        "tolerance": tolerance,
+        "after": after,
+    }
 
 
 def plot_curves(runs: list[Path], path: Path, window: int, tolerance: float, after: int) -> None:
@@ -120,9 +128,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         rows.append(describe(d, args.window, args.tolerance, args.after))
         r = rows[-1]
-        print(f"{r['run']}: {r['rounds_observed']} rounds observed, flat from round "
-              f"{r['flattening_round'] or '— (still rising, or too few rounds after)'} "
-              f"(smoothed acc there {r['smoothed_acc_at_flattening'] or '—'}, final {r['smoothed_acc_final']})")
+        print(
+            f"{r['run']}: {r['rounds_observed']} rounds observed, flat from round "
+            f"{r['flattening_round'] or '— (still rising, or too few rounds after)'} "
+            f"(smoothed acc there {r['smoothed_acc_at_flattening'] or '—'}, final {r['smoothed_acc_final']})"
+        )
     if args.figure:
         plot_curves([Path(r) for r in args.runs], Path(args.figure), args.window, args.tolerance, args.after)
     if args.csv:
@@ -135,8 +145,14 @@ def main(argv: list[str] | None = None) -> int:
             if new:
                 w.writeheader()
             for r in rows:
-                w.writerow({**r, "commit": made["commit"], "date": time.strftime("%Y-%m-%d", time.gmtime()),
-                            "command": command})
+                w.writerow(
+                    {
+                        **r,
+                        "commit": made["commit"],
+                        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+                        "command": command,
+                    }
+                )
     return 0
 
 

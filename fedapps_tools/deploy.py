@@ -99,15 +99,65 @@ def make_certs(out: Path, hosts: list[str], days: int = 365) -> dict[str, Path]:
         raise DeployError("give the SuperLink's host names / IPs with --host (the address the SuperNodes dial)")
     out.mkdir(parents=True, exist_ok=True)
     if not (out / CA_CERT).is_file():
-        _openssl(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", CA_KEY, "-out", CA_CERT,
-                  "-subj", "/CN=fedapps deployment CA", "-days", str(days), "-sha256"], out)
+        _openssl(
+            [
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                CA_KEY,
+                "-out",
+                CA_CERT,
+                "-subj",
+                "/CN=fedapps deployment CA",
+                "-days",
+                str(days),
+                "-sha256",
+            ],
+            out,
+        )
     (out / "server.ext").write_text(
         "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
-        f"subjectAltName={','.join(san_entries(hosts))}\n")
-    _openssl(["req", "-newkey", "rsa:2048", "-nodes", "-keyout", SERVER_KEY, "-out", "server.csr",
-              "-subj", f"/CN={hosts[0]}"], out)
-    _openssl(["x509", "-req", "-in", "server.csr", "-CA", CA_CERT, "-CAkey", CA_KEY, "-CAcreateserial",
-              "-out", SERVER_CERT, "-days", str(days), "-sha256", "-extfile", "server.ext"], out)
+        f"subjectAltName={','.join(san_entries(hosts))}\n"
+    )
+    _openssl(
+        [
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            SERVER_KEY,
+            "-out",
+            "server.csr",
+            "-subj",
+            f"/CN={hosts[0]}",
+        ],
+        out,
+    )
+    _openssl(
+        [
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            CA_CERT,
+            "-CAkey",
+            CA_KEY,
+            "-CAcreateserial",
+            "-out",
+            SERVER_CERT,
+            "-days",
+            str(days),
+            "-sha256",
+            "-extfile",
+            "server.ext",
+        ],
+        out,
+    )
     for key in (CA_KEY, SERVER_KEY):
         os.chmod(out / key, 0o600)
     return {"ca": out / CA_CERT, "cert": out / SERVER_CERT, "key": out / SERVER_KEY}
@@ -116,13 +166,18 @@ def make_certs(out: Path, hosts: list[str], days: int = 365) -> dict[str, Path]:
 def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
     """A SuperNode's key pair in the format Flower 1.42 wants (OpenSSH ECDSA P-384, no passphrase)."""
     if shutil.which("ssh-keygen") is None:
-        raise DeployError("ssh-keygen is not installed: install OpenSSH's client tools (e.g. apt install openssh-client)")
+        raise DeployError(
+            "ssh-keygen is not installed: install OpenSSH's client tools (e.g. apt install openssh-client)"
+        )
     out.mkdir(parents=True, exist_ok=True)
     private = out / name
     if private.exists():
         raise DeployError(f"{private} exists: a node key is never overwritten; choose another name or delete it")
-    proc = subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-C", f"fedapps-{name}",
-                           "-f", str(private)], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-C", f"fedapps-{name}", "-f", str(private)],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise DeployError(f"ssh-keygen failed: {proc.stderr.strip()}")
     return private, out / f"{name}.pub"
@@ -138,17 +193,27 @@ def pid_file(state: Path, name: str) -> Path:
 def start_background(cmd: list[str], state: Path, name: str, env: dict[str, str]) -> subprocess.Popen:
     """Start ``cmd`` in its own session, cwd ``state``, output to ``<state>/logs/<name>.log``, recorded for stop."""
     if pid_file(state, name).is_file() and _recorded_alive(pid_file(state, name)):
-        raise DeployError(f"'{name}' is already running from {state} (see {pid_file(state, name)}); "
-                          f"stop it first: fedapps deploy stop --state {state} --only {name}")
+        raise DeployError(
+            f"'{name}' is already running from {state} (see {pid_file(state, name)}); "
+            f"stop it first: fedapps deploy stop --state {state} --only {name}"
+        )
     (state / "logs").mkdir(parents=True, exist_ok=True)
     (state / "pids").mkdir(parents=True, exist_ok=True)
     log_path = state / "logs" / f"{name}.log"
     with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(cmd, cwd=state, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=state,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     st = _proc_stat(proc.pid)
-    pid_file(state, name).write_text(json.dumps({"pid": proc.pid, "start": st[1] if st else None, "cmd": cmd,
-                                                 "log": str(log_path)}))
+    pid_file(state, name).write_text(
+        json.dumps({"pid": proc.pid, "start": st[1] if st else None, "cmd": cmd, "log": str(log_path)})
+    )
     return proc
 
 
@@ -180,8 +245,9 @@ def wait_for_port(host: str, port: int, proc: subprocess.Popen, log_path: Path, 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise DeployError(f"the process exited with status {proc.returncode}; its log {log_path}:\n"
-                              f"{_tail(log_path)}")
+            raise DeployError(
+                f"the process exited with status {proc.returncode}; its log {log_path}:\n{_tail(log_path)}"
+            )
         try:
             with socket.create_connection((host.strip("[]"), port), timeout=1):
                 return
@@ -210,12 +276,22 @@ def superlink_command(host: str, port: int, certs: Path | None, auth: bool, inse
     """The ``flower-superlink`` command line: TLS from ``certs`` (ca.crt, server.pem, server.key), or plain text
     on a loopback host only; ``auth`` turns on SuperNode authentication (needs TLS)."""
     bindir = Path(sys.executable).parent
-    cmd = [str(bindir / "flower-superlink"), "--host", host, "--port", str(port),
-           "--database", "state.db", "--disable-runtime-dependency-installation"]
+    cmd = [
+        str(bindir / "flower-superlink"),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--database",
+        "state.db",
+        "--disable-runtime-dependency-installation",
+    ]
     if insecure:
         if not is_loopback(host):
-            raise DeployError(f"plain text (--insecure) is allowed on a loopback address only, not on '{host}': "
-                              "make certificates with `fedapps deploy certs` and pass --certs DIR")
+            raise DeployError(
+                f"plain text (--insecure) is allowed on a loopback address only, not on '{host}': "
+                "make certificates with `fedapps deploy certs` and pass --certs DIR"
+            )
         if auth:
             raise DeployError("SuperNode authentication (--auth) needs TLS: pass --certs DIR instead of --insecure")
         return [*cmd, "--insecure"]
@@ -224,13 +300,20 @@ def superlink_command(host: str, port: int, certs: Path | None, auth: bool, inse
     for f in (CA_CERT, SERVER_CERT, SERVER_KEY):
         if not (certs / f).is_file():
             raise DeployError(f"{certs / f} is missing: make it with `fedapps deploy certs {certs} --host {host}`")
-    cmd += ["--ssl-ca-certfile", str(certs / CA_CERT), "--ssl-certfile", str(certs / SERVER_CERT),
-            "--ssl-keyfile", str(certs / SERVER_KEY)]
+    cmd += [
+        "--ssl-ca-certfile",
+        str(certs / CA_CERT),
+        "--ssl-certfile",
+        str(certs / SERVER_CERT),
+        "--ssl-keyfile",
+        str(certs / SERVER_KEY),
+    ]
     return [*cmd, "--enable-supernode-auth"] if auth else cmd
 
 
-def supernode_command(superlink: str, node_config: str, port: int, ca: Path | None, key: Path | None,
-                      insecure: bool) -> list[str]:
+def supernode_command(
+    superlink: str, node_config: str, port: int, ca: Path | None, key: Path | None, insecure: bool
+) -> list[str]:
     """The ``flower-supernode`` command line (its own Runtime API port on 127.0.0.1)."""
     bindir = Path(sys.executable).parent
     cmd = [str(bindir / "flower-supernode"), "--superlink", superlink, "--port", str(port)]
@@ -238,8 +321,10 @@ def supernode_command(superlink: str, node_config: str, port: int, ca: Path | No
         cmd += ["--node-config", node_config]
     if insecure:
         if not is_loopback(superlink.rsplit(":", 1)[0]):
-            raise DeployError(f"plain text (--insecure) is allowed to a loopback SuperLink only, not '{superlink}': "
-                              "pass --ca ca.crt (from `fedapps deploy certs`)")
+            raise DeployError(
+                f"plain text (--insecure) is allowed to a loopback SuperLink only, not '{superlink}': "
+                "pass --ca ca.crt (from `fedapps deploy certs`)"
+            )
         return [*cmd, "--insecure"]
     if ca is None or not ca.is_file():
         raise DeployError(f"pass --ca with the deployment's CA certificate (ca.crt); got {ca}")
@@ -260,9 +345,13 @@ def check_node_started(proc: subprocess.Popen, log_path: Path, seconds: float, o
         if proc.poll() is not None:
             tail = _tail(log_path)
             hint = ""
-            if any(sign in tail for sign in ("Failed to activate SuperNode", "412", "not registered", "UNAUTHENTICATED")):
-                hint = ("\nthe SuperLink refused this node's key: register its public key first "
-                        "(`fedapps deploy register LINK KEY.pub` from the CLI machine), then start the node again")
+            if any(
+                sign in tail for sign in ("Failed to activate SuperNode", "412", "not registered", "UNAUTHENTICATED")
+            ):
+                hint = (
+                    "\nthe SuperLink refused this node's key: register its public key first "
+                    "(`fedapps deploy register LINK KEY.pub` from the CLI machine), then start the node again"
+                )
             raise DeployError(f"the SuperNode exited with status {proc.returncode} (log {log_path}):\n{tail}{hint}")
         if "SuperNode ID:" in _since(log_path, offset):
             return True
@@ -313,8 +402,10 @@ def app_relative_config(config: str) -> str:
     try:
         return path.relative_to(APP_DIR).as_posix()
     except ValueError:
-        raise ConfigError(f"config '{path}' is outside the app folder {APP_DIR}: only the app's files travel to the "
-                          "SuperLink (the bundle); copy it under configs/ and pass that path") from None
+        raise ConfigError(
+            f"config '{path}' is outside the app folder {APP_DIR}: only the app's files travel to the "
+            "SuperLink (the bundle); copy it under configs/ and pass that path"
+        ) from None
 
 
 def results_dir(lines: list[str]) -> str | None:
@@ -334,8 +425,10 @@ def fetch_results(remote: str, dest: Path, fetch_from: str | None) -> Path:
         shutil.copytree(remote, target, dirs_exist_ok=True)
         return target
     if not fetch_from:
-        raise DeployError(f"the results are in {remote} on the SuperLink's machine; copy them with "
-                          f"`scp -r LINKHOST:{remote} {dest}/` or rerun with --fetch-from USER@LINKHOST")
+        raise DeployError(
+            f"the results are in {remote} on the SuperLink's machine; copy them with "
+            f"`scp -r LINKHOST:{remote} {dest}/` or rerun with --fetch-from USER@LINKHOST"
+        )
     dest.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(["scp", "-r", "-q", f"{fetch_from}:{remote}", str(dest)], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -343,8 +436,9 @@ def fetch_results(remote: str, dest: Path, fetch_from: str | None) -> Path:
     return target
 
 
-def run_on_link(config: str, link: str, overrides: list[str], output_dir: str, fetch_to: Path,
-                fetch_from: str | None, quiet: bool) -> tuple[str, Path | None]:
+def run_on_link(
+    config: str, link: str, overrides: list[str], output_dir: str, fetch_to: Path, fetch_from: str | None, quiet: bool
+) -> tuple[str, Path | None]:
     """Submit a config to the connection ``link``, follow it, require ``finished:completed`` (``flwr run
     --stream`` exits 0 on a failed run), then fetch the results folder. Returns (run id, local results)."""
     rel = app_relative_config(config)
@@ -353,8 +447,14 @@ def run_on_link(config: str, link: str, overrides: list[str], output_dir: str, f
 
     resolve(cfg)  # strategy and params checked here; the data is the nodes' (not loaded on this machine)
     env = flower_env()
-    run_config = " ".join([f"config={toml_str(rel)}", f"overrides={toml_str(' '.join(overrides))}",
-                           f"output-dir={toml_str(output_dir)}", "resume-dir=\"\""])
+    run_config = " ".join(
+        [
+            f"config={toml_str(rel)}",
+            f"overrides={toml_str(' '.join(overrides))}",
+            f"output-dir={toml_str(output_dir)}",
+            'resume-dir=""',
+        ]
+    )
     run_id = submit_run(link, run_config, env)
     print(f"run {run_id} started on '{link}'", flush=True)
     status, lines = follow_run(run_id, env, quiet, None, connection=link)
@@ -373,12 +473,21 @@ def run_on_link(config: str, link: str, overrides: list[str], output_dir: str, f
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedapps deploy", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
+    p = argparse.ArgumentParser(
+        prog="fedapps deploy",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n", 2)[2],
+    )
     sub = p.add_subparsers(dest="step", required=True)
     c = sub.add_parser("certs", help="a CA and a SuperLink certificate for the given host names / IPs")
-    c.add_argument("dir", type=Path, metavar="DIR", help="the folder the CA and the SuperLink's certificate and key "
-                                                          "are written to (ca.crt, server.pem, server.key)")
+    c.add_argument(
+        "dir",
+        type=Path,
+        metavar="DIR",
+        help="the folder the CA and the SuperLink's certificate and key "
+        "are written to (ca.crt, server.pem, server.key)",
+    )
     c.add_argument("--host", action="append", default=[], required=True, help="an address SuperNodes and the CLI dial")
     c.add_argument("--days", type=int, default=365, help="how long the certificates are valid (default 365)")
     k = sub.add_parser("node-key", help="a SuperNode key pair (OpenSSH ECDSA P-384)")
@@ -400,13 +509,19 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--state", type=Path, required=True)
     n.add_argument("--name", required=True, help="a name for its log and pid file, e.g. node-3")
     n.add_argument("--superlink", required=True, metavar="HOST:PORT")
-    n.add_argument("--node-config", default="", help="e.g. \"client-id=3 data-path='/data/site3.npz' state-dir='/var/fedapps'\"")
+    n.add_argument(
+        "--node-config", default="", help="e.g. \"client-id=3 data-path='/data/site3.npz' state-dir='/var/fedapps'\""
+    )
     n.add_argument("--port", type=int, default=9094, help="its local Runtime API port (one per node on a machine)")
     n.add_argument("--ca", type=Path, default=None)
     n.add_argument("--key", type=Path, default=None, help="its private key (KEY.pub beside it) when --auth is on")
     n.add_argument("--insecure", action="store_true", help="plain text; a loopback SuperLink only")
-    n.add_argument("--check-seconds", type=float, default=20.0,
-                   help="watch it until the SuperLink accepts it, at most this long (a refusal exits with status 2)")
+    n.add_argument(
+        "--check-seconds",
+        type=float,
+        default=20.0,
+        help="watch it until the SuperLink accepts it, at most this long (a refusal exits with status 2)",
+    )
     cn = sub.add_parser("connect", help="write the CLI's connection NAME into $FLWR_HOME/config.toml")
     cn.add_argument("name", metavar="NAME", help="the connection's name, used later as `run --link NAME`")
     cn.add_argument("--address", required=True, metavar="HOST:PORT")
@@ -419,8 +534,11 @@ def build_parser() -> argparse.ArgumentParser:
     ru.add_argument("config", help="a YAML file inside the app folder (e.g. configs/cwfedavg.yaml)")
     ru.add_argument("--link", required=True, help="connection name (see `connect`)")
     ru.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
-    ru.add_argument("--remote-output-dir", default="results",
-                    help="results root on the SuperLink's machine (relative: to the SuperLink's --state folder)")
+    ru.add_argument(
+        "--remote-output-dir",
+        default="results",
+        help="results root on the SuperLink's machine (relative: to the SuperLink's --state folder)",
+    )
     ru.add_argument("--fetch-to", type=Path, default=Path("results"), help="local folder the results are copied to")
     ru.add_argument("--fetch-from", default=None, metavar="USER@LINKHOST", help="scp the results from this host")
     ru.add_argument("--quiet", action="store_true")
@@ -432,11 +550,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_cap_arguments(parser: argparse.ArgumentParser, required: bool) -> None:
     """--client-id and --max-num-examples: a client's row of the node registry (docs/deployment.md)."""
-    parser.add_argument("--client-id", type=int, default=None, required=required,
-                        help="the client id the node serves (its node config client-id)")
-    parser.add_argument("--max-num-examples", type=int, default=None, required=required,
-                        help=f"the most training examples that client may claim; recorded in DIR/{REGISTRY_FILE}, "
-                             "which the server's data.node_registry names (replies above it are rejected)")
+    parser.add_argument(
+        "--client-id",
+        type=int,
+        default=None,
+        required=required,
+        help="the client id the node serves (its node config client-id)",
+    )
+    parser.add_argument(
+        "--max-num-examples",
+        type=int,
+        default=None,
+        required=required,
+        help=f"the most training examples that client may claim; recorded in DIR/{REGISTRY_FILE}, "
+        "which the server's data.node_registry names (replies above it are rejected)",
+    )
 
 
 def record_cap(directory: Path, client_id: int | None, max_num_examples: int | None, node: str) -> Path | None:
@@ -446,7 +574,9 @@ def record_cap(directory: Path, client_id: int | None, max_num_examples: int | N
     if client_id is None or max_num_examples is None:
         raise DeployError("give both --client-id and --max-num-examples (a registry row needs the two)")
     if client_id < 0 or max_num_examples <= 0:
-        raise DeployError(f"--client-id must be >= 0 and --max-num-examples > 0, got {client_id} and {max_num_examples}")
+        raise DeployError(
+            f"--client-id must be >= 0 and --max-num-examples > 0, got {client_id} and {max_num_examples}"
+        )
     path = directory / REGISTRY_FILE
     record_node(path, client_id, max_num_examples, node)
     return path
@@ -468,8 +598,10 @@ def dispatch(args: argparse.Namespace) -> int:
     env = flower_env()
     if args.step == "certs":
         made = make_certs(args.dir, args.host, args.days)
-        print(f"CA {made['ca']} (give it to every SuperNode and CLI machine); SuperLink certificate {made['cert']}, "
-              f"key {made['key']} (SuperLink machine only) for {', '.join(san_entries(args.host))}")
+        print(
+            f"CA {made['ca']} (give it to every SuperNode and CLI machine); SuperLink certificate {made['cert']}, "
+            f"key {made['key']} (SuperLink machine only) for {', '.join(san_entries(args.host))}"
+        )
     elif args.step == "node-key":
         if (args.client_id is None) != (args.max_num_examples is None):
             raise DeployError("give both --client-id and --max-num-examples (a registry row needs the two), or neither")
@@ -477,23 +609,36 @@ def dispatch(args: argparse.Namespace) -> int:
         print(f"private key {private} (stays on the node); public key {public} (register it on the SuperLink)")
         registry = record_cap(args.dir, args.client_id, args.max_num_examples, args.name)
         if registry is not None:
-            print(f"client {args.client_id} may claim at most {args.max_num_examples} examples: {registry} (name it in "
-                  "the server's config: data.node_registry)")
+            print(
+                f"client {args.client_id} may claim at most {args.max_num_examples} examples: {registry} (name it in "
+                "the server's config: data.node_registry)"
+            )
     elif args.step == "node-cap":
         registry = record_cap(args.dir, args.client_id, args.max_num_examples, args.node)
         print(f"client {args.client_id} may claim at most {args.max_num_examples} examples: {registry}")
     elif args.step == "superlink":
         state = args.state.resolve()
-        cmd = superlink_command(args.host, args.port, args.certs.resolve() if args.certs else None, args.auth,
-                                args.insecure)
+        cmd = superlink_command(
+            args.host, args.port, args.certs.resolve() if args.certs else None, args.auth, args.insecure
+        )
         proc = start_background(cmd, state, "superlink", env)
         wait_for_port(args.host, args.port, proc, state / "logs" / "superlink.log")
-        mode = "PLAIN TEXT (loopback only)" if args.insecure else "TLS" + (" + SuperNode authentication" if args.auth else "")
+        mode = (
+            "PLAIN TEXT (loopback only)"
+            if args.insecure
+            else "TLS" + (" + SuperNode authentication" if args.auth else "")
+        )
         print(f"SuperLink {args.host}:{args.port} [{mode}] pid {proc.pid}; state {state}")
     elif args.step == "supernode":
         state = args.state.resolve()
-        cmd = supernode_command(args.superlink, args.node_config, args.port, args.ca.resolve() if args.ca else None,
-                                args.key.resolve() if args.key else None, args.insecure)
+        cmd = supernode_command(
+            args.superlink,
+            args.node_config,
+            args.port,
+            args.ca.resolve() if args.ca else None,
+            args.key.resolve() if args.key else None,
+            args.insecure,
+        )
         log_path = state / "logs" / f"{args.name}.log"
         offset = log_path.stat().st_size if log_path.is_file() else 0
         proc = start_background(cmd, state, args.name, env)
@@ -505,20 +650,35 @@ def dispatch(args: argparse.Namespace) -> int:
         status = "connected" if accepted else f"still connecting after {args.check_seconds:g} s"
         print(f"SuperNode '{args.name}' -> {args.superlink} pid {proc.pid} ({status}); log {log_path}")
     elif args.step == "connect":
-        path = write_connection(flwr_home(), args.name, connection_block(args.name, args.address, args.ca, args.insecure))
+        path = write_connection(
+            flwr_home(), args.name, connection_block(args.name, args.address, args.ca, args.insecure)
+        )
         print(f"connection '{args.name}' -> {args.address} written to {path}")
     elif args.step == "register":
         if not args.public_key.is_file():
             raise DeployError(f"public key {args.public_key} not found")
-        done = subprocess.run(["flwr", "supernode", "register", str(args.public_key.resolve()), args.link],
-                              env=env, capture_output=True, text=True, cwd=APP_DIR, stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            ["flwr", "supernode", "register", str(args.public_key.resolve()), args.link],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=APP_DIR,
+            stdin=subprocess.DEVNULL,
+        )
         out = (done.stdout + done.stderr).strip()
         if done.returncode != 0 or "❌" in out:
             raise DeployError(f"registering {args.public_key} with '{args.link}' failed: {out[-1500:]}")
         print(out.splitlines()[-1] if out else f"registered {args.public_key}")
     elif args.step == "run":
-        run_on_link(args.config, args.link, args.overrides, args.remote_output_dir, args.fetch_to.resolve(),
-                    args.fetch_from, args.quiet)
+        run_on_link(
+            args.config,
+            args.link,
+            args.overrides,
+            args.remote_output_dir,
+            args.fetch_to.resolve(),
+            args.fetch_from,
+            args.quiet,
+        )
     elif args.step == "stop":
         stopped = stop_recorded(args.state.resolve(), args.only)
         print(f"stopped: {', '.join(stopped) or 'nothing was running'}")

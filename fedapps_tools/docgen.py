@@ -106,14 +106,17 @@ def config_rows(cls: type, prefix: str) -> list[list[str]]:
             continue
         help_text = f.metadata.get(config_module.HELP)
         if not help_text:
-            raise ValueError(f"config key '{prefix}{f.name}' ({cls.__name__} in fedapps/config.py) has no help: "
-                             f"declare it with setting(default, help)")
+            raise ValueError(
+                f"config key '{prefix}{f.name}' ({cls.__name__} in fedapps/config.py) has no help: "
+                f"declare it with setting(default, help)"
+            )
         allowed = registry_values(f.metadata.get(config_module.CHOICES))
         allowed_text = ", ".join(code(v) for v in allowed) if allowed else ""
         if allowed_text and type_name(f).startswith("list"):
             allowed_text = "each one of " + allowed_text
-        rows.append([code(prefix + f.name), cell(type_name(f)), code(yaml_value(default)), allowed_text,
-                     cell(help_text)])
+        rows.append(
+            [code(prefix + f.name), cell(type_name(f)), code(yaml_value(default)), allowed_text, cell(help_text)]
+        )
     return rows
 
 
@@ -132,24 +135,29 @@ def configuration_page(strategies: dict[str, type[PersonalisedStrategy]]) -> str
     parts = [
         "# Configuration reference\n",
         NOTE.format(source="the dataclasses of fedapps/config.py and each strategy's Params") + "\n",
-        ("Every key an experiment config knows. The **default** is what a key takes when the YAML file leaves it "
-         "out (configs/default.yaml, what `make run` runs, sets some of them differently). Ranges and the rules "
-         "between keys are checked when the config is loaded: a bad value stops the run with a message naming the "
-         "key. How configs, `--set` overrides and errors work: [Configuration](../configuration.md).\n"),
+        (
+            "Every key an experiment config knows. The **default** is what a key takes when the YAML file leaves it "
+            "out (configs/default.yaml, what `make run` runs, sets some of them differently). Ranges and the rules "
+            "between keys are checked when the config is loaded: a bad value stops the run with a message naming the "
+            "key. How configs, `--set` overrides and errors work: [Configuration](../configuration.md).\n"
+        ),
     ]
     for prefix, cls in config_sections():
         title = f"`{prefix.rstrip('.')}`" if prefix else "Top level"
         doc = " ".join((cls.__doc__ or "").split("\n\n")[0].split())
         parts.append(f"## {title}\n\n{cell(doc)}\n\n" + table(header, config_rows(cls, prefix)))
-    parts.append("## Strategy parameters\n\n`strategy.params.<strategy>.<key>`: each strategy's own parameters, "
-                 "one section per strategy (on the command line, e.g. "
-                 "`--set strategy.params.cwfedavg.wdr_lambda=10`). Every section is checked against its strategy's "
-                 "declared parameters; only the chosen strategy's is used. Each algorithm's page explains them.\n")
+    parts.append(
+        "## Strategy parameters\n\n`strategy.params.<strategy>.<key>`: each strategy's own parameters, "
+        "one section per strategy (on the command line, e.g. "
+        "`--set strategy.params.cwfedavg.wdr_lambda=10`). Every section is checked against its strategy's "
+        "declared parameters; only the chosen strategy's is used. Each algorithm's page explains them.\n"
+    )
     for name, cls in sorted(strategies.items()):
         page = f"../algorithms/{name}.md"
         summary = cell((cls.__doc__ or "").strip().split("\n\n")[0])
-        parts.append(f"### `strategy.params.{name}`\n\n{summary} [The algorithm's page]({page}).\n\n"
-                     + params_table(name, cls))
+        parts.append(
+            f"### `strategy.params.{name}`\n\n{summary} [The algorithm's page]({page}).\n\n" + params_table(name, cls)
+        )
     return "\n".join(parts)
 
 
@@ -167,8 +175,15 @@ def params_rows(name: str, params_cls: type) -> list[list[str]]:
                 allowed.append(", ".join(code(yaml_value(v)) for v in choices))
             if c.range_text():
                 allowed.append(cell(c.range_text()))
-        rows.append([code(f.name), cell(type_name(f)), code(yaml_value(field_default(f))), "; ".join(allowed),
-                     cell(c.help if c is not None else "")])
+        rows.append(
+            [
+                code(f.name),
+                cell(type_name(f)),
+                code(yaml_value(field_default(f))),
+                "; ".join(allowed),
+                cell(c.help if c is not None else ""),
+            ]
+        )
     return rows
 
 
@@ -188,8 +203,12 @@ def params_page(name: str, cls: type[PersonalisedStrategy]) -> str:
 
 def undocumented_params(strategies: dict[str, type[PersonalisedStrategy]]) -> list[str]:
     """``strategy.params.<name>.<key>`` of every declared parameter without help text."""
-    return [f"strategy.params.{name}.{f.name}" for name, cls in sorted(strategies.items())
-            for f in dataclasses.fields(cls.Params) if not getattr(constraint(f), "help", "")]
+    return [
+        f"strategy.params.{name}.{f.name}"
+        for name, cls in sorted(strategies.items())
+        for f in dataclasses.fields(cls.Params)
+        if not getattr(constraint(f), "help", "")
+    ]
 
 
 # --------------------------------------------------------------------------- command line
@@ -253,8 +272,11 @@ def argument_rows(parser: argparse.ArgumentParser) -> list[list[str]]:
             continue
         if action.help == argparse.SUPPRESS:
             continue
-        names = ", ".join(code(s) for s in action.option_strings) if action.option_strings else code(
-            action.metavar or action.dest)
+        names = (
+            ", ".join(code(s) for s in action.option_strings)
+            if action.option_strings
+            else code(action.metavar or action.dest)
+        )
         if action.nargs == 0:
             value = ""
         elif action.choices is not None:
@@ -268,8 +290,11 @@ def argument_rows(parser: argparse.ArgumentParser) -> list[list[str]]:
                 value = code(metavar)
         default = action.default
         unset = default is None or default is False or default == argparse.SUPPRESS or default in ("", [])
-        shown = "" if unset or action.nargs == 0 else code(
-            " ".join(map(str, default)) if isinstance(default, list) else default)
+        shown = (
+            ""
+            if unset or action.nargs == 0
+            else code(" ".join(map(str, default)) if isinstance(default, list) else default)
+        )
         required = "yes" if action.required else ""
         help_text = formatter._expand_help(action) if action.help else ""  # noqa: SLF001
         rows.append([names, value, shown, required, cell(help_text)])
@@ -314,12 +339,16 @@ def cli_page() -> str:
         parts = [
             "# Command-line reference\n",
             NOTE.format(source="the argparse parsers of fedapps_tools/") + "\n",
-            ("Every command and argument of `fedapps` (`.venv/bin/fedapps` after `make run` or `make test` has "
-             "installed it), as `fedapps COMMAND --help` prints it.\n"),
+            (
+                "Every command and argument of `fedapps` (`.venv/bin/fedapps` after `make run` or `make test` has "
+                "installed it), as `fedapps COMMAND --help` prints it.\n"
+            ),
             "```text\n" + top.format_usage().strip() + "\n```\n",
             cell(top.description or "") + "\n",
-            table(["Command", "What it does"], [[f"[`{top.prog} {n}`](#{slug(f'{top.prog} {n}')})", cell(h)]
-                                                for n, h, _ in subcommands(top)]),
+            table(
+                ["Command", "What it does"],
+                [[f"[`{top.prog} {n}`](#{slug(f'{top.prog} {n}')})", cell(h)] for n, h, _ in subcommands(top)],
+            ),
         ]
         top_rows = argument_rows(top)
         if top_rows:
@@ -357,12 +386,22 @@ def benchmark_page(bench: str, csv_path: Path) -> str:
     note = NOTE.format(source=str(shown)) + "\n\n"
     header, rows = benchrecord.read_rows(csv_path)
     if not rows:
-        return note + (f"No figures recorded yet: `python bench/{bench}.py` appends its figures to `{shown}`, and "
-                       f"`make docs-reference` tabulates them here.\n")
+        return note + (
+            f"No figures recorded yet: `python bench/{bench}.py` appends its figures to `{shown}`, and "
+            f"`make docs-reference` tabulates them here.\n"
+        )
     rows = latest_rows(rows)
     figures = [k for k in header if k not in benchrecord.FIXED_COLUMNS and any(r.get(k) for r in rows)]
-    body = [[cell(r.get("date_utc", "")), code(r.get("commit", "")), cell(r.get("machine", "")),
-             code(r.get("command", "")), *[cell(r.get(k, "")) for k in figures]] for r in rows]
+    body = [
+        [
+            cell(r.get("date_utc", "")),
+            code(r.get("commit", "")),
+            cell(r.get("machine", "")),
+            code(r.get("command", "")),
+            *[cell(r.get(k, "")) for k in figures],
+        ]
+        for r in rows
+    ]
     return note + table(["Date (UTC)", "Commit", "Machine", "Command", *[code(k) for k in figures]], body)
 
 
@@ -391,8 +430,11 @@ def stale(root: Path = ROOT) -> list[str]:
     expected = pages(root)
     out = [str(p) for p, text in expected.items() if not (root / p).is_file() or (root / p).read_text() != text]
     for folder in GENERATED_DIRS:
-        out += [str(p.relative_to(root)) for p in sorted((root / folder).glob("*.md"))
-                if p.relative_to(root) not in expected]
+        out += [
+            str(p.relative_to(root))
+            for p in sorted((root / folder).glob("*.md"))
+            if p.relative_to(root) not in expected
+        ]
     return out
 
 
@@ -426,8 +468,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"regenerate with: {REGENERATE}  (or make docs-reference)", file=sys.stderr)
         return 1 if old else 0
     changed = write()
-    print(f"{len(changed)} page(s) written" + "".join(f"\n  {p}" for p in changed) if changed else
-          "the reference pages are up to date")
+    print(
+        f"{len(changed)} page(s) written" + "".join(f"\n  {p}" for p in changed)
+        if changed
+        else "the reference pages are up to date"
+    )
     return 0
 
 

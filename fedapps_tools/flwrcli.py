@@ -65,7 +65,7 @@ def _proc_stat(pid: int) -> tuple[int, int] | None:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "
+    fields = raw[raw.rindex(")") + 2 :].split()  # after "pid (comm) "
     if fields[0] == "Z":  # a zombie is gone for our purposes
         return None
     return int(fields[1]), int(fields[19])
@@ -119,8 +119,11 @@ def app_files(app_dir: Path) -> dict[str, Path]:
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         rel_dir = Path(dirpath).relative_to(root)
         if ignored is not None:  # a directory ignored as a whole: it and anything under it
-            dirnames[:] = [d for d in dirnames if not (ignored((rel_dir / d).as_posix() + "/")
-                                                      and ignored((rel_dir / d / "x" / "x.py").as_posix()))]
+            dirnames[:] = [
+                d
+                for d in dirnames
+                if not (ignored((rel_dir / d).as_posix() + "/") and ignored((rel_dir / d / "x" / "x.py").as_posix()))
+            ]
         for name in filenames:
             path = Path(dirpath) / name
             if not path.is_symlink() and path.resolve().is_relative_to(root):  # as Flower: no symlinks, nothing outside
@@ -164,11 +167,12 @@ def submit_run(connection: str, run_config: str, env: dict[str, str], extra: Seq
 
 def flwr_json(cmd: list[str], env: dict[str, str], timeout: float = 120) -> dict[str, Any]:
     """Run a `flwr ... --format json` command and return its JSON document (RunFailed when there is none)."""
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=APP_DIR, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, cwd=APP_DIR, timeout=timeout, stdin=subprocess.DEVNULL
+    )
     text = proc.stdout.strip()
     try:
-        doc = json.loads(text[text.index("{"):]) if "{" in text else None
+        doc = json.loads(text[text.index("{") :]) if "{" in text else None
     except ValueError:
         doc = None
     if not isinstance(doc, dict):
@@ -205,8 +209,15 @@ class LogStream:
     ends: the SuperLink ends it once the run has finished (or the connection broke). ``log_filter``: which lines are
     shown (:class:`fedapps_tools.logfilter.LogFilter`; None: all); ``lines`` keeps every line."""
 
-    def __init__(self, run_id: str, env: dict[str, str], connection: str, quiet: bool, address: str | None = None,
-                 log_filter: LogFilter | None = None):
+    def __init__(
+        self,
+        run_id: str,
+        env: dict[str, str],
+        connection: str,
+        quiet: bool,
+        address: str | None = None,
+        log_filter: LogFilter | None = None,
+    ):
         self.lines: list[str] = []
         self.ended = threading.Event()
         self._quiet = quiet
@@ -214,9 +225,15 @@ class LogStream:
         self._client = control_client(address) if address is not None else None
         self._proc: subprocess.Popen | None = None
         if self._client is None:
-            self._proc = subprocess.Popen(["flwr", "log", run_id, connection, "--stream"], env=env, cwd=APP_DIR,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                          stdin=subprocess.DEVNULL)
+            self._proc = subprocess.Popen(
+                ["flwr", "log", run_id, connection, "--stream"],
+                env=env,
+                cwd=APP_DIR,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                stdin=subprocess.DEVNULL,
+            )
         self._thread = threading.Thread(target=self._pump, args=(run_id,), daemon=True)
         self._thread.start()
 
@@ -263,9 +280,16 @@ class LogStream:
 STATUS_BACKSTOP = 30.0  # seconds between status checks while the log stream is still open (see follow_run)
 
 
-def follow_run(run_id: str, env: dict[str, str], quiet: bool, link: Any | None,
-               poll: float = 2.0, connection: str = CONNECTION,
-               backstop: float = STATUS_BACKSTOP, log_filter: LogFilter | None = None) -> tuple[str, list[str]]:
+def follow_run(
+    run_id: str,
+    env: dict[str, str],
+    quiet: bool,
+    link: Any | None,
+    poll: float = 2.0,
+    connection: str = CONNECTION,
+    backstop: float = STATUS_BACKSTOP,
+    log_filter: LogFilter | None = None,
+) -> tuple[str, list[str]]:
     """Stream the run's log until the run finishes; return (final status, log). ``link``: a SuperLink process this
     run owns (its children are noted, its exit ends the wait; its log and status are read in this process, see
     :func:`control_client`), or None (`flwr log` / `flwr ls` on the connection). ``log_filter``: which streamed
@@ -291,8 +315,9 @@ def follow_run(run_id: str, env: dict[str, str], quiet: bool, link: Any | None,
             if stream_open and stream.ended.is_set():
                 stream_open, next_check = False, time.monotonic()  # the run has (most likely) finished: ask now
             if time.monotonic() >= next_check:
-                status = ((local_run_status(run_id, link.address) if link is not None else None)
-                          or run_status(run_id, env, connection))
+                status = (local_run_status(run_id, link.address) if link is not None else None) or run_status(
+                    run_id, env, connection
+                )
                 if status.startswith("finished"):
                     break
                 next_check = time.monotonic() + (backstop if stream_open else poll)
@@ -359,6 +384,7 @@ def stop_processes(owned: dict[int, int | None], group: subprocess.Popen | None 
     """Stop what a tool started: SIGTERM to ``group``'s process group (a child started in a session of its own)
     and to every process in ``owned`` (pid -> start time: a recycled pid is never signalled), SIGKILL to whatever
     is left after ``grace`` seconds, then wait (up to 5 s) until they are gone."""
+
     def left() -> bool:
         return (group is not None and group.poll() is None) or any(_alive(p, s) for p, s in owned.items())
 

@@ -37,20 +37,25 @@ RUN_FIGURE = "accuracy.png"
 # what a strategy's figure shows (by file name); a figure not listed is captioned by its file name
 FIGURE_CAPTIONS = {
     "weight_norms.png": "clients × classes: the true class distribution p (where the simulation knows it) and the "
-                        "normalised classifier row norms p̃ the server estimates it from, first and last round",
+    "normalised classifier row norms p̃ the server estimates it from, first and last round",
     "clusters.png": "left: each client's cluster as found (filled) against its true group (ring); right: the "
-                    "distance matrix between clients' predictions on the public set, ordered by true group",
+    "distance matrix between clients' predictions on the public set, ordered by true group",
 }
 # comparison.csv columns that are text; every other column is a number
 TEXT_COLUMNS = ("config", "strategy")
 # the results table: (header, summary key or None) — accuracy columns as mean ± SEM over seeds
-ACCURACY_COLUMNS = (("accuracy (mean over clients)", "accuracy_mean"),
-                    ("accuracy (sample-weighted)", "accuracy_weighted"),
-                    ("worst 10 % of clients", "accuracy_worst10"),
-                    ("std over clients", "accuracy_std"),
-                    ("after local training (mean)", "accuracy_after_training_mean"))
-RESULTS_HEADER = (["config", "strategy", "seeds"] + [h for h, _ in ACCURACY_COLUMNS]
-                  + ["up, MiB per client per round", "down, MiB per client per round", "wall s", "protocol"])
+ACCURACY_COLUMNS = (
+    ("accuracy (mean over clients)", "accuracy_mean"),
+    ("accuracy (sample-weighted)", "accuracy_weighted"),
+    ("worst 10 % of clients", "accuracy_worst10"),
+    ("std over clients", "accuracy_std"),
+    ("after local training (mean)", "accuracy_after_training_mean"),
+)
+RESULTS_HEADER = (
+    ["config", "strategy", "seeds"]
+    + [h for h, _ in ACCURACY_COLUMNS]
+    + ["up, MiB per client per round", "down, MiB per client per round", "wall s", "protocol"]
+)
 
 
 class ReportError(ValueError):
@@ -152,9 +157,11 @@ def load_groups(folder: Path) -> tuple[str, list[Group]]:
             if not runs:
                 notes.append(f"no finished run folder runs/{label}-s<seed>/ found: no figures for this config")
             elif len(runs) != row["seeds"]:
-                notes.append(f"runs/ holds {len(runs)} finished runs of {label} (seeds "
-                             f"{', '.join(str(r.seed) for r in runs)}) while comparison.csv averaged {row['seeds']}; "
-                             "the figures use all of them")
+                notes.append(
+                    f"runs/ holds {len(runs)} finished runs of {label} (seeds "
+                    f"{', '.join(str(r.seed) for r in runs)}) while comparison.csv averaged {row['seeds']}; "
+                    "the figures use all of them"
+                )
             setting = run_setting(runs[0]) if runs else ""
             groups.append(Group(label, str(row.get("strategy", "")), setting, row, runs, notes))
         if not groups:
@@ -165,8 +172,10 @@ def load_groups(folder: Path) -> tuple[str, list[Group]]:
         label = str(run.summary.get("run_name") or folder.name)
         row = summarise_runs(label, [run.summary])
         return "run", [Group(label, str(run.summary.get("strategy", "")), run_setting(run), row, [run])]
-    raise ReportError(f"'{folder}' is neither a run folder (summary.json) nor a `fedapps compare` folder "
-                      "(comparison.csv); pass one of those (e.g. results/comparison or results/<run-name>)")
+    raise ReportError(
+        f"'{folder}' is neither a run folder (summary.json) nor a `fedapps compare` folder "
+        "(comparison.csv); pass one of those (e.g. results/comparison or results/<run-name>)"
+    )
 
 
 # --------------------------------------------------------------------------- what the figures show
@@ -181,8 +190,11 @@ def final_client_accuracies(run: Run) -> list[float]:
     row = next((r for r in run.rows if r.get("round") == final), None) if final is not None else None
     if row is None:
         row = measured[-1] if measured else {}
-    clients = sorted((int(k[len("acc_client_"):]), float(v)) for k, v in row.items()
-                     if k.startswith("acc_client_") and isinstance(v, (int, float)) and not isinstance(v, bool))
+    clients = sorted(
+        (int(k[len("acc_client_") :]), float(v))
+        for k, v in row.items()
+        if k.startswith("acc_client_") and isinstance(v, (int, float)) and not isinstance(v, bool)
+    )
     return [v for _, v in clients]
 
 
@@ -221,35 +233,70 @@ def results_cells(group: Group, single_run: bool) -> list[str]:
     as mean ± SEM over seeds (a single run's without ±), MiB per client per round, wall seconds."""
     r = group.row
     acc = [(_plain(r.get(key)) if single_run else _pm(r, key)) for _, key in ACCURACY_COLUMNS]
-    protocols = sorted({f"{s.get('protocol', '?')} ({s.get('evaluated_on', 'test')} split)"
-                        for s in (run.summary for run in group.runs)})
-    return ([group.label, group.method, str(r.get("seeds", len(group.runs)))] + acc
-            + [_plain(_number(r.get("bytes_up_per_client_round")) / MIB, ".3f"),
-               _plain(_number(r.get("bytes_down_per_client_round")) / MIB, ".3f"),
-               _plain(r.get("wall_seconds"), ".0f"), ", ".join(protocols) or "-"])
+    protocols = sorted(
+        {
+            f"{s.get('protocol', '?')} ({s.get('evaluated_on', 'test')} split)"
+            for s in (run.summary for run in group.runs)
+        }
+    )
+    return (
+        [group.label, group.method, str(r.get("seeds", len(group.runs)))]
+        + acc
+        + [
+            _plain(_number(r.get("bytes_up_per_client_round")) / MIB, ".3f"),
+            _plain(_number(r.get("bytes_down_per_client_round")) / MIB, ".3f"),
+            _plain(r.get("wall_seconds"), ".0f"),
+            ", ".join(protocols) or "-",
+        ]
+    )
 
 
 def html_table(table_id: str, header: Sequence[str], rows: Sequence[Sequence[str]], numeric: range) -> str:
     """A table (scrolling sideways where the page is narrower); cells of the ``numeric`` columns are right-aligned
     numbers."""
     head = "".join(f"<th>{_esc(h)}</th>" for h in header)
-    body = "\n".join("<tr>" + "".join(f'<td class="{"num" if i in numeric else "txt"}">{_esc(c)}</td>'
-                                      for i, c in enumerate(row)) + "</tr>" for row in rows)
-    return (f'<div class="wide"><table id="{table_id}">\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}\n</tbody>\n'
-            "</table></div>")
+    body = "\n".join(
+        "<tr>"
+        + "".join(f'<td class="{"num" if i in numeric else "txt"}">{_esc(c)}</td>' for i, c in enumerate(row))
+        + "</tr>"
+        for row in rows
+    )
+    return (
+        f'<div class="wide"><table id="{table_id}">\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}\n</tbody>\n'
+        "</table></div>"
+    )
 
 
 def run_cells(group: Group, run: Run) -> list[str]:
     s = run.summary
-    return [group.label, str(run.seed), group.method, _plain(s.get("accuracy_mean")), _plain(s.get("accuracy_worst10")),
-            _plain(s.get("accuracy_std")), _plain(s.get("final_round"), ".0f"),
-            _plain(s.get("final_round_measured_clients"), ".0f"),
-            _plain((_number(s.get("bytes_up")) + _number(s.get("bytes_down"))) / MB, ".3f"),
-            _plain(s.get("wall_seconds"), ".1f"), run.path.name]
+    return [
+        group.label,
+        str(run.seed),
+        group.method,
+        _plain(s.get("accuracy_mean")),
+        _plain(s.get("accuracy_worst10")),
+        _plain(s.get("accuracy_std")),
+        _plain(s.get("final_round"), ".0f"),
+        _plain(s.get("final_round_measured_clients"), ".0f"),
+        _plain((_number(s.get("bytes_up")) + _number(s.get("bytes_down"))) / MB, ".3f"),
+        _plain(s.get("wall_seconds"), ".1f"),
+        run.path.name,
+    ]
 
 
-RUNS_HEADER = ["config", "seed", "strategy", "accuracy (mean over clients)", "worst 10 % of clients",
-               "std over clients", "final round", "clients measured", "traffic MB (up + down)", "wall s", "folder"]
+RUNS_HEADER = [
+    "config",
+    "seed",
+    "strategy",
+    "accuracy (mean over clients)",
+    "worst 10 % of clients",
+    "std over clients",
+    "final round",
+    "clients measured",
+    "traffic MB (up + down)",
+    "wall s",
+    "folder",
+]
 
 
 def img(png: bytes, alt: str) -> str:
@@ -279,9 +326,11 @@ tbody tr:nth-child(even){background:#fafafa}.wide{overflow-x:auto}figure{margin:
 img{max-width:100%;height:auto}pre{background:#f6f6f6;padding:8px;font-size:.8em;overflow:auto}
 """
 
-PROTOCOL_TEXT = ("Protocol: the deployed models after the last round (docs/evaluation.md), each measured on its "
-                 "client's own evaluation split. Worst 10 %: the mean accuracy of the worst ⌈10 % of n⌉ of the n "
-                 "clients; std: the population standard deviation of the clients' accuracies.")
+PROTOCOL_TEXT = (
+    "Protocol: the deployed models after the last round (docs/evaluation.md), each measured on its "
+    "client's own evaluation split. Worst 10 %: the mean accuracy of the worst ⌈10 % of n⌉ of the n "
+    "clients; std: the population standard deviation of the clients' accuracies."
+)
 
 
 def heading(folder: Path, groups: list[Group], single: bool) -> list[str]:
@@ -290,23 +339,30 @@ def heading(folder: Path, groups: list[Group], single: bool) -> list[str]:
     if single:
         g = groups[0]
         s = g.runs[0].summary
-        out.append(f'<p class="meta">Run folder {_esc(folder)}: {_esc(g.method)} on {_esc(g.setting)}, '
-                   f"{_esc(s.get('rounds', '?'))} rounds, seed {_esc(s.get('seed', '?'))}.</p>")
+        out.append(
+            f'<p class="meta">Run folder {_esc(folder)}: {_esc(g.method)} on {_esc(g.setting)}, '
+            f"{_esc(s.get('rounds', '?'))} rounds, seed {_esc(s.get('seed', '?'))}.</p>"
+        )
     else:
         seeds = ", ".join(map(str, sorted({run.seed for g in groups for run in g.runs}))) or "-"
         settings = "; ".join(sorted({g.setting for g in groups if g.setting})) or "-"
-        out.append(f'<p class="meta">Comparison folder {_esc(folder)} (<code>fedapps compare</code>): '
-                   f"{len(groups)} configs, seeds {_esc(seeds)}; settings: {_esc(settings)}.</p>")
+        out.append(
+            f'<p class="meta">Comparison folder {_esc(folder)} (<code>fedapps compare</code>): '
+            f"{len(groups)} configs, seeds {_esc(seeds)}; settings: {_esc(settings)}.</p>"
+        )
     return out
 
 
 def results_section(groups: list[Group], single: bool) -> list[str]:
     """The results table, its protocol, and what did not add up (run folders missing)."""
     spread = "One run: no spread over seeds." if single else "± is the SEM over seeds."
-    return (["<h2>Results</h2>", f'<p class="meta">{_esc(PROTOCOL_TEXT)} {spread}</p>',
-             html_table("results", RESULTS_HEADER, [results_cells(g, single) for g in groups],
-                        range(2, len(RESULTS_HEADER) - 1))]
-            + [f'<p class="note">{_esc(g.label)}: {_esc(n)}</p>' for g in groups for n in g.notes])
+    return [
+        "<h2>Results</h2>",
+        f'<p class="meta">{_esc(PROTOCOL_TEXT)} {spread}</p>',
+        html_table(
+            "results", RESULTS_HEADER, [results_cells(g, single) for g in groups], range(2, len(RESULTS_HEADER) - 1)
+        ),
+    ] + [f'<p class="note">{_esc(g.label)}: {_esc(n)}</p>' for g in groups for n in g.notes]
 
 
 def curves_section(groups: list[Group], single: bool) -> list[str]:
@@ -316,26 +372,46 @@ def curves_section(groups: list[Group], single: bool) -> list[str]:
     out = ["<h2>Accuracy against rounds</h2>"]
     if single:
         g = groups[0]
-        out.append(figure(lambda: plots.accuracy_figure(g.runs[0].rows, title=g.label, method=g.method),
-                          "accuracy against rounds", "The deployed models (mean over clients, sample-weighted, "
-                          "worst 10 % of clients) and the models right after local training, after each round."))
+        out.append(
+            figure(
+                lambda: plots.accuracy_figure(g.runs[0].rows, title=g.label, method=g.method),
+                "accuracy against rounds",
+                "The deployed models (mean over clients, sample-weighted, "
+                "worst 10 % of clients) and the models right after local training, after each round.",
+            )
+        )
     else:
-        out.append(figure(lambda: plots.comparison_figure(curves), "accuracy against rounds",
-                          "The deployed models' accuracy after each round, mean over clients (left) and over the "
-                          "worst 10 % of clients (right); line: mean over seeds, band: ± SEM."))
+        out.append(
+            figure(
+                lambda: plots.comparison_figure(curves),
+                "accuracy against rounds",
+                "The deployed models' accuracy after each round, mean over clients (left) and over the "
+                "worst 10 % of clients (right); line: mean over seeds, band: ± SEM.",
+            )
+        )
     megabytes = [traffic_at(g.runs, c.rounds) for g, c in zip(drawn, curves)]
-    out += ["<h2>Accuracy against traffic</h2>",
-            figure(lambda: plots.traffic_figure(curves, megabytes, over_seeds=not single), "accuracy against traffic",
-                   "The same accuracy (mean over clients) against the training traffic of the whole federation so "
-                   "far (bytes up + down of every round up to that one" + ("" if single else ", mean over seeds")
-                   + ").")]
-    spread = [(c.label, g.method, [a for run in g.runs for a in final_client_accuracies(run)])
-              for g, c in zip(drawn, curves)]
-    out += ["<h2>Accuracy per client</h2>",
-            figure(lambda: plots.client_accuracy_figure(spread), "accuracy per client",
-                   "Each client's deployed-model accuracy after the last measured round"
-                   + ("" if single else ", every seed's clients pooled (one dot per client and seed)")
-                   + "; box: quartiles and median, whiskers: the furthest values within 1.5 IQR.")]
+    out += [
+        "<h2>Accuracy against traffic</h2>",
+        figure(
+            lambda: plots.traffic_figure(curves, megabytes, over_seeds=not single),
+            "accuracy against traffic",
+            "The same accuracy (mean over clients) against the training traffic of the whole federation so "
+            "far (bytes up + down of every round up to that one" + ("" if single else ", mean over seeds") + ").",
+        ),
+    ]
+    spread = [
+        (c.label, g.method, [a for run in g.runs for a in final_client_accuracies(run)]) for g, c in zip(drawn, curves)
+    ]
+    out += [
+        "<h2>Accuracy per client</h2>",
+        figure(
+            lambda: plots.client_accuracy_figure(spread),
+            "accuracy per client",
+            "Each client's deployed-model accuracy after the last measured round"
+            + ("" if single else ", every seed's clients pooled (one dot per client and seed)")
+            + "; box: quartiles and median, whiskers: the furthest values within 1.5 IQR.",
+        ),
+    ]
     return out
 
 
@@ -357,8 +433,10 @@ def strategy_section(groups: list[Group], single: bool) -> list[str]:
             out.append(f'<p class="meta">{_esc(g.method)} writes no figure of its own.</p>')
         config = run.path / "config.yaml"
         if config.is_file():
-            out.append(f"<details><summary>resolved config ({_esc(run.path.name)}/config.yaml)</summary>"
-                       f"<pre>{_esc(config.read_text())}</pre></details>")
+            out.append(
+                f"<details><summary>resolved config ({_esc(run.path.name)}/config.yaml)</summary>"
+                f"<pre>{_esc(config.read_text())}</pre></details>"
+            )
     return out
 
 
@@ -367,15 +445,28 @@ def render(folder: Path) -> str:
     folder = Path(folder)
     kind, groups = load_groups(folder)
     single = kind == "run"
-    parts = (heading(folder, groups, single) + results_section(groups, single) + curves_section(groups, single)
-             + strategy_section(groups, single)
-             + ["<h2>Runs</h2>", html_table("runs", RUNS_HEADER, [run_cells(g, run) for g in groups for run in g.runs],
-                                            range(1, len(RUNS_HEADER) - 1))])
+    parts = (
+        heading(folder, groups, single)
+        + results_section(groups, single)
+        + curves_section(groups, single)
+        + strategy_section(groups, single)
+        + [
+            "<h2>Runs</h2>",
+            html_table(
+                "runs",
+                RUNS_HEADER,
+                [run_cells(g, run) for g in groups for run in g.runs],
+                range(1, len(RUNS_HEADER) - 1),
+            ),
+        ]
+    )
     body = "\n".join(parts)
-    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-            f"<title>fedapps report: {_esc(folder.name)}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n{body}\n"
-            "</body>\n</html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f"<title>fedapps report: {_esc(folder.name)}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n{body}\n"
+        "</body>\n</html>\n"
+    )
 
 
 def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
@@ -389,6 +480,7 @@ def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(page, encoding="utf-8")
     except OSError as exc:
-        raise ReportError(f"cannot write the report to '{path}' ({exc.strerror or exc}); pass --out FILE "
-                          "in a folder you can write") from exc
+        raise ReportError(
+            f"cannot write the report to '{path}' ({exc.strerror or exc}); pass --out FILE in a folder you can write"
+        ) from exc
     return path

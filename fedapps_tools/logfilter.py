@@ -39,7 +39,7 @@ def parse_line(line: str) -> tuple[str, str]:
     """``(level, message)`` of one log line, without colour codes, a Ray process prefix or the level prefix
     (level '' for a line that has none)."""
     text = ANSI.sub("", line).rstrip("\r\n")
-    text = text[m.end():] if (m := PROCESS_PREFIX.match(text)) else text
+    text = text[m.end() :] if (m := PROCESS_PREFIX.match(text)) else text
     for pattern in (FEDAPPS_LINE, FLOWER_LINE):
         if m := pattern.fullmatch(text):
             return m.group(1), m.group(2).strip()
@@ -88,8 +88,11 @@ class CommandLogHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            if (record.levelno == logging.WARNING and record.name.startswith(ONCE_LOGGERS)
-                    and not self.log_filter.first_time(record.getMessage())):
+            if (
+                record.levelno == logging.WARNING
+                and record.name.startswith(ONCE_LOGGERS)
+                and not self.log_filter.first_time(record.getMessage())
+            ):
                 return
             sys.stderr.write(self.format(record) + "\n")
             sys.stderr.flush()

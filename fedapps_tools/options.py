@@ -28,10 +28,10 @@ def parse_seeds(items: Sequence[Any]) -> list[int]:
             try:
                 seed = int(part)
             except ValueError:
-                hint = (" (a config file? write the configs before --seeds)"
-                        if part.endswith((".yaml", ".yml")) else "")
-                raise ConfigError(f"--seeds: {part!r} is not an integer{hint}; pass e.g. --seeds 0,1,2 or "
-                                  "--seeds 0 1 2") from None
+                hint = " (a config file? write the configs before --seeds)" if part.endswith((".yaml", ".yml")) else ""
+                raise ConfigError(
+                    f"--seeds: {part!r} is not an integer{hint}; pass e.g. --seeds 0,1,2 or --seeds 0 1 2"
+                ) from None
             if seed < 0:
                 raise ConfigError(f"--seeds: {seed} is negative; seeds are integers >= 0")
             if seed in seeds:
@@ -46,28 +46,45 @@ class SeedsAction(argparse.Action):
     """``--seeds`` read by :func:`parse_seeds` while parsing: the namespace holds a list of ints, and a bad item
     is argparse's usage error (exit 2) naming it."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         try:
             setattr(namespace, self.dest, parse_seeds(values if isinstance(values, list) else [values]))
         except ConfigError as exc:
             raise argparse.ArgumentError(self, str(exc).removeprefix("--seeds: ")) from None
 
 
-def add_seeds_option(parser: argparse.ArgumentParser, default: list[int] | None, help: str,  # noqa: A002
-                     default_text: str = "") -> None:
+def add_seeds_option(
+    parser: argparse.ArgumentParser,
+    default: list[int] | None,
+    help: str,  # noqa: A002
+    default_text: str = "",
+) -> None:
     """``--seeds SEED[,SEED...] [SEED ...]``: the one seed-list option every sub-command uses (the namespace gets a
     list of ints). ``default`` None: the option is unset unless given, ``default_text`` says what applies then."""
     shown = default_text or " ".join(map(str, default or []))
-    parser.add_argument("--seeds", nargs="+", action=SeedsAction, default=None if default is None else list(default),
-                        metavar="SEED", help=f"{help}; write them as 0,1,2 or as 0 1 2 (default: {shown})")
+    parser.add_argument(
+        "--seeds",
+        nargs="+",
+        action=SeedsAction,
+        default=None if default is None else list(default),
+        metavar="SEED",
+        help=f"{help}; write them as 0,1,2 or as 0 1 2 (default: {shown})",
+    )
 
 
 def output_dir_help(what: str) -> str:
     """The help of ``--output-dir`` in run, compare and tune: the same results root everywhere, and what the
     sub-command writes under it."""
-    return (f"the results root, as the config's output_dir and the same in run, compare and tune (default: the "
-            f"config's output_dir); this command writes {what}")
+    return (
+        f"the results root, as the config's output_dir and the same in run, compare and tune (default: the "
+        f"config's output_dir); this command writes {what}"
+    )
 
 
 def resolve_root(output_dir: str | None, config_output_dir: str) -> Path:

@@ -22,8 +22,13 @@ class RunProgress:
         if self.stream.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, file=self.stream, unit="run", dynamic_ncols=True,
-                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} runs [{postfix}]")
+            self.bar = tqdm(
+                total=total,
+                file=self.stream,
+                unit="run",
+                dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} runs [{postfix}]",
+            )
 
     def start(self, what: str) -> str:
         """Announce the next run; returns the line written."""

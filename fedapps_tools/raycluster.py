@@ -63,14 +63,20 @@ def requested_address(option: str | None, environ: Mapping[str, str]) -> tuple[s
 
 def parse_address(address: str, source: str = OPTION) -> tuple[str, int]:
     """``HOST:PORT`` of a Ray head (its GCS, ``ray start --head --port PORT``, default 6379) -> (host, port)."""
-    fix = (f"give the head node's GCS address HOST:PORT (`ray start --head --port 6379` prints it), e.g. "
-           f"{OPTION} 10.0.0.1:6379, or {OPTION} {LOCAL} for a Ray instance of this run only")
+    fix = (
+        f"give the head node's GCS address HOST:PORT (`ray start --head --port 6379` prints it), e.g. "
+        f"{OPTION} 10.0.0.1:6379, or {OPTION} {LOCAL} for a Ray instance of this run only"
+    )
     if address == "auto":
-        raise RayClusterError(f"{source}='auto' is not supported: it joins whichever cluster `ray start` last "
-                              f"started on this machine; {fix}")
+        raise RayClusterError(
+            f"{source}='auto' is not supported: it joins whichever cluster `ray start` last "
+            f"started on this machine; {fix}"
+        )
     if "://" in address:
-        raise RayClusterError(f"{source}='{address}': Ray Client addresses (ray://) and URLs are not supported "
-                              f"(Flower runs its Ray driver on a node of the cluster); {fix}")
+        raise RayClusterError(
+            f"{source}='{address}': Ray Client addresses (ray://) and URLs are not supported "
+            f"(Flower runs its Ray driver on a node of the cluster); {fix}"
+        )
     host, sep, port = address.rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -99,11 +105,11 @@ def client_resources(federation_config: str, cpus: float, gpus: float) -> tuple[
         return float(cpus), float(gpus)
     pairs = dict(item.split("=", 1) for item in shlex.split(federation_config) if "=" in item)
     try:
-        return (float(pairs.get("client-resources-num-cpus", 2)),
-                float(pairs.get("client-resources-num-gpus", 0)))
+        return (float(pairs.get("client-resources-num-cpus", 2)), float(pairs.get("client-resources-num-gpus", 0)))
     except ValueError as exc:
-        raise RayClusterError(f"--federation-config '{federation_config}': client-resources-num-cpus/gpus must be "
-                              f"numbers ({exc})") from exc
+        raise RayClusterError(
+            f"--federation-config '{federation_config}': client-resources-num-cpus/gpus must be numbers ({exc})"
+        ) from exc
 
 
 def actors_per_node(nodes: list[dict[str, Any]], cpus: float, gpus: float) -> dict[str, int]:
@@ -129,9 +135,11 @@ def check_reachable(address: str, source: str, timeout: float = 5.0) -> None:
     minutes)."""
     host, port = parse_address(address, source)
     where = f"{source}={address}"
-    fix = ("start the cluster first (`ray start --head --port PORT` on the head node, then `ray start --address "
-           f"HEAD:PORT` on every worker node), fix the address, or pass {OPTION} {LOCAL} to run on a Ray instance of "
-           "this run only")
+    fix = (
+        "start the cluster first (`ray start --head --port PORT` on the head node, then `ray start --address "
+        f"HEAD:PORT` on every worker node), fix the address, or pass {OPTION} {LOCAL} to run on a Ray instance of "
+        "this run only"
+    )
     try:
         with socket.create_connection((host, port), timeout=timeout):
             pass
@@ -146,27 +154,38 @@ def check_reachable(address: str, source: str, timeout: float = 5.0) -> None:
         gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(request, timeout=timeout)
     except grpc.RpcError as exc:
         code = exc.code() if hasattr(exc, "code") else None
-        what = ("a gRPC service that is not a Ray head answers there (a Flower SuperLink? `fedapps run --superlink` "
-                "takes that)" if code == grpc.StatusCode.UNIMPLEMENTED else
-                f"something listens there but does not answer as a Ray head within {timeout:g} s ({code})")
+        what = (
+            "a gRPC service that is not a Ray head answers there (a Flower SuperLink? `fedapps run --superlink` "
+            "takes that)"
+            if code == grpc.StatusCode.UNIMPLEMENTED
+            else f"something listens there but does not answer as a Ray head within {timeout:g} s ({code})"
+        )
         raise RayClusterError(f"{where}: {what}; {fix}") from exc
     finally:
         channel.close()
 
 
-def probe(address: str, env: Mapping[str, str], timeout: float = PROBE_TIMEOUT, runs: bool = False,
-          source: str = OPTION) -> dict[str, Any]:
+def probe(
+    address: str, env: Mapping[str, str], timeout: float = PROBE_TIMEOUT, runs: bool = False, source: str = OPTION
+) -> dict[str, Any]:
     """Join the cluster with a Ray driver in a subprocess (killed after ``timeout`` s) and return what
     :func:`describe` found there."""
     cmd = [sys.executable, "-m", "fedapps_tools.raycluster", address, "--json"] + (["--runs"] if runs else [])
     try:
-        proc = subprocess.run(cmd, env=cluster_env(env, address), capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            cmd,
+            env=cluster_env(env, address),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired as exc:
         raise RayClusterError(
             f"{source}={address}: a Ray driver could not join the cluster within {timeout:g} s. Is this machine a "
             "node of that cluster (run `fedapps run` on the head node, or on a machine that joined it with `ray "
-            "start --address`), and is it the same Ray and Python version everywhere?") from exc
+            "start --address`), and is it the same Ray and Python version everywhere?"
+        ) from exc
     text = proc.stdout.strip()
     try:
         doc = json.loads(text.splitlines()[-1]) if text else None
@@ -174,13 +193,15 @@ def probe(address: str, env: Mapping[str, str], timeout: float = PROBE_TIMEOUT, 
         doc = None
     if proc.returncode != 0 or not isinstance(doc, dict):
         tail = "\n".join((proc.stderr + proc.stdout).strip().splitlines()[-15:])
-        raise RayClusterError(f"{source}={address}: a Ray driver could not join the cluster (exit {proc.returncode}):"
-                              f"\n{tail}")
+        raise RayClusterError(
+            f"{source}={address}: a Ray driver could not join the cluster (exit {proc.returncode}):\n{tail}"
+        )
     return doc
 
 
-def check_cluster(address: str, source: str, env: Mapping[str, str], cpus: float, gpus: float,
-                  timeout: float = PROBE_TIMEOUT) -> dict[str, Any]:
+def check_cluster(
+    address: str, source: str, env: Mapping[str, str], cpus: float, gpus: float, timeout: float = PROBE_TIMEOUT
+) -> dict[str, Any]:
     """Refuse (RayClusterError) a Ray cluster that cannot take this run's clients; return its description."""
     check_reachable(address, source)
     doc = probe(address, env, timeout=timeout, source=source)
@@ -191,7 +212,8 @@ def check_cluster(address: str, source: str, env: Mapping[str, str], cpus: float
         raise RayClusterError(
             f"{source}={address}: no node of the Ray cluster can host a client with {cpus:g} CPUs and {gpus:g} GPUs "
             f"(nodes: {have}); lower --cpus-per-client / --gpus-per-client (or client-resources-num-cpus/gpus in "
-            "--federation-config), or add nodes with `ray start --address HEAD:PORT --num-cpus N [--num-gpus G]`")
+            "--federation-config), or add nodes with `ray start --address HEAD:PORT --num-cpus N [--num-gpus G]`"
+        )
     doc["actors_per_node"] = fit
     return doc
 
@@ -201,20 +223,27 @@ def summary_line(address: str, source: str, doc: dict[str, Any], cpus: float, gp
     alive = [n for n in doc["nodes"] if n.get("alive")]
     fit = doc["actors_per_node"]
     per_node = ", ".join(f"{nid[:8]} {k}" for nid, k in fit.items())
-    return (f"Ray cluster {address} (from {source}, Ray {doc['ray_version']}): {len(alive)} nodes alive, "
-            f"{sum(n['cpus'] for n in alive):g} CPUs, {sum(n['gpus'] for n in alive):g} GPUs; {cpus:g} CPUs + "
-            f"{gpus:g} GPUs per client -> {sum(fit.values())} clients at once ({per_node})")
+    return (
+        f"Ray cluster {address} (from {source}, Ray {doc['ray_version']}): {len(alive)} nodes alive, "
+        f"{sum(n['cpus'] for n in alive):g} CPUs, {sum(n['gpus'] for n in alive):g} GPUs; {cpus:g} CPUs + "
+        f"{gpus:g} GPUs per client -> {sum(fit.values())} clients at once ({per_node})"
+    )
 
 
 # --------------------------------------------------------------------------- the probe driver (a subprocess)
 
 
-def runs_per_node(actors: Mapping[str, Mapping[str, Any]], timeline: list[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+def runs_per_node(
+    actors: Mapping[str, Mapping[str, Any]], timeline: list[Mapping[str, Any]]
+) -> dict[str, dict[str, int]]:
     """{job id: {node id: ClientApp messages run there}} from Ray's actor table and task timeline.
 
     An actor task's id ends with its actor's id; the actor table says on which node each actor lived."""
-    where = {aid: (str(a.get("JobID", "")), str((a.get("Address") or {}).get("NodeID", "")))
-             for aid, a in actors.items() if a.get("ActorClassName") == ACTOR_CLASS}
+    where = {
+        aid: (str(a.get("JobID", "")), str((a.get("Address") or {}).get("NodeID", "")))
+        for aid, a in actors.items()
+        if a.get("ActorClassName") == ACTOR_CLASS
+    }
     out: dict[str, dict[str, int]] = {}
     for event in timeline:
         if event.get("cat") != RUN_TASK:
@@ -235,15 +264,18 @@ def describe(address: str, runs: bool) -> dict[str, Any]:
 
     ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
     try:
-        nodes = [{
-            "node_id": n["NodeID"],
-            "alive": bool(n.get("Alive")),
-            "ip": n.get("NodeManagerAddress", ""),
-            "head": "node:__internal_head__" in (n.get("Resources") or {}),
-            "cpus": float((n.get("Resources") or {}).get("CPU", 0)),
-            "gpus": float((n.get("Resources") or {}).get("GPU", 0)),
-            "raylet_socket": n.get("RayletSocketName", ""),
-        } for n in ray.nodes()]
+        nodes = [
+            {
+                "node_id": n["NodeID"],
+                "alive": bool(n.get("Alive")),
+                "ip": n.get("NodeManagerAddress", ""),
+                "head": "node:__internal_head__" in (n.get("Resources") or {}),
+                "cpus": float((n.get("Resources") or {}).get("CPU", 0)),
+                "gpus": float((n.get("Resources") or {}).get("GPU", 0)),
+                "raylet_socket": n.get("RayletSocketName", ""),
+            }
+            for n in ray.nodes()
+        ]
         doc: dict[str, Any] = {"ray_version": ray.__version__, "nodes": nodes}
         if runs:
             from ray._private import state  # the GCS actor table (ray.util.state needs the dashboard)
@@ -255,8 +287,10 @@ def describe(address: str, runs: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fedapps_tools.raycluster",
-                                description="List a Ray cluster's nodes and the ClientApp messages each ran.")
+    p = argparse.ArgumentParser(
+        prog="python -m fedapps_tools.raycluster",
+        description="List a Ray cluster's nodes and the ClientApp messages each ran.",
+    )
     p.add_argument("address", help="the head's HOST:PORT")
     p.add_argument("--json", action="store_true", help="one JSON document (what `fedapps run` reads)")
     p.add_argument("--runs", action="store_true", help="also count ClientApp messages per job and node")
@@ -273,8 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"Ray {doc['ray_version']} at {args.address}")
     for n in doc["nodes"]:
-        print(f"  node {n['node_id']}  {n['ip']:<15} {'head' if n['head'] else 'worker'}  "
-              f"{'alive' if n['alive'] else 'dead '}  {n['cpus']:g} CPUs  {n['gpus']:g} GPUs")
+        print(
+            f"  node {n['node_id']}  {n['ip']:<15} {'head' if n['head'] else 'worker'}  "
+            f"{'alive' if n['alive'] else 'dead '}  {n['cpus']:g} CPUs  {n['gpus']:g} GPUs"
+        )
     for job, per_node in sorted(doc["runs"].items()):
         counts = ", ".join(f"{nid[:8]}: {k}" for nid, k in sorted(per_node.items()))
         print(f"  job {job}: ClientApp messages per node: {counts}")

@@ -56,30 +56,50 @@ def summary_lines(s: dict[str, Any], result_dir: Path) -> list[str]:
     rounds = s.get("rounds")
     split = s.get("evaluated_on", "test")
     final = s.get("final_round")
-    lines = [RULE,
-             (f"{s.get('strategy')} on {s.get('dataset')} / {s.get('partition')}, model {s.get('model')}, "
-              f"{s.get('num_clients')} clients, {rounds} round{'s' if rounds != 1 else ''}, seed {s.get('seed', '?')}")]
+    lines = [
+        RULE,
+        (
+            f"{s.get('strategy')} on {s.get('dataset')} / {s.get('partition')}, model {s.get('model')}, "
+            f"{s.get('num_clients')} clients, {rounds} round{'s' if rounds != 1 else ''}, seed {s.get('seed', '?')}"
+        ),
+    ]
     if s.get("deployed_model"):
         lines.append(f"deployed model: {s['deployed_model']}")
     measured = s.get("final_round_measured_clients")
     of = f", {measured} of {s.get('num_clients')} clients measured" if measured is not None else ""
-    lines += ["",
-              f"{MARK} HEADLINE: {split} accuracy of the deployed models after round {final}{of}",
-              f"{MARK}   {_acc(s.get('accuracy_mean'))}  mean over clients   (accuracy_mean)",
-              f"{MARK}   {_acc(s.get('accuracy_weighted'))}  sample-weighted     (accuracy_weighted)"]
+    lines += [
+        "",
+        f"{MARK} HEADLINE: {split} accuracy of the deployed models after round {final}{of}",
+        f"{MARK}   {_acc(s.get('accuracy_mean'))}  mean over clients   (accuracy_mean)",
+        f"{MARK}   {_acc(s.get('accuracy_weighted'))}  sample-weighted     (accuracy_weighted)",
+    ]
     if split == "validation":
         lines.append(f"{MARK}   (a tuning run: validation-split numbers, not test results)")
     lines.append("")
     rows: list[tuple[str, str]] = [
-        ("fairness", (f"worst 10 % of clients {_acc(s.get('accuracy_worst10'))} (accuracy_worst10), "
-                      f"std over clients {_acc(s.get('accuracy_std'))} (accuracy_std)")),
-        ("not deployed", (f"right after local training {_acc(s.get('accuracy_after_training_mean'))} "
-                          "(accuracy_after_training_mean)")),
+        (
+            "fairness",
+            (
+                f"worst 10 % of clients {_acc(s.get('accuracy_worst10'))} (accuracy_worst10), "
+                f"std over clients {_acc(s.get('accuracy_std'))} (accuracy_std)"
+            ),
+        ),
+        (
+            "not deployed",
+            (
+                f"right after local training {_acc(s.get('accuracy_after_training_mean'))} "
+                "(accuracy_after_training_mean)"
+            ),
+        ),
     ]
     extra = strategy_numbers(s)
     if extra:
-        rows.append((str(s.get("strategy")), ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                                                        for k, v in extra)))
+        rows.append(
+            (
+                str(s.get("strategy")),
+                ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in extra),
+            )
+        )
     if isinstance(s.get("privacy"), dict):
         rows.append(("privacy", privacy_line(s["privacy"])))
     up, down = s.get("bytes_up_per_client_round"), s.get("bytes_down_per_client_round")
@@ -99,8 +119,10 @@ def privacy_line(p: dict[str, Any]) -> str:
     eps = p.get("epsilon_max")
     worst = f"ε ≤ {eps:.3g}" if isinstance(eps, (int, float)) else "no client reported ε"
     budget = f", budget ε {p['epsilon_budget']:g}" if p.get("epsilon_budget") else ""
-    return (f"{p.get('mode')}-level DP, {worst} at δ = {p.get('delta'):g} (the largest over clients; σ "
-            f"{p.get('noise_multiplier'):g}, C {p.get('max_grad_norm'):g}{budget})")
+    return (
+        f"{p.get('mode')}-level DP, {worst} at δ = {p.get('delta'):g} (the largest over clients; σ "
+        f"{p.get('noise_multiplier'):g}, C {p.get('max_grad_norm'):g}{budget})"
+    )
 
 
 def attention(s: dict[str, Any]) -> list[str]:
@@ -110,8 +132,10 @@ def attention(s: dict[str, Any]) -> list[str]:
         out.append(f"rounds {s['skipped_rounds']} were skipped (fewer usable replies than strategy.min_clients)")
     refused = (s.get("privacy") or {}).get("refused") if isinstance(s.get("privacy"), dict) else None
     if refused:
-        out.append(f"{refused} training replies were refused past privacy.epsilon_budget (rejections.csv): those "
-                   "clients stopped training")
+        out.append(
+            f"{refused} training replies were refused past privacy.epsilon_budget (rejections.csv): those "
+            "clients stopped training"
+        )
     if s.get("final_round_had_no_replies"):
         out.append(f"the last round got no usable reply: the headline is from round {s.get('final_round')}")
     return out
@@ -142,8 +166,9 @@ def fedavg_overrides(cfg: ExperimentConfig) -> list[str]:
 
 def fedavg_twin_name(cfg: ExperimentConfig) -> str:
     """The run name of FedAvg on ``cfg``'s setting (the name derived from strategy, data and seed)."""
-    return dataclasses.replace(cfg, run_name="", strategy=dataclasses.replace(cfg.strategy, name="fedavg")) \
-        .resolved_run_name()
+    return dataclasses.replace(
+        cfg, run_name="", strategy=dataclasses.replace(cfg.strategy, name="fedavg")
+    ).resolved_run_name()
 
 
 def fedavg_config(config_path: Path, overrides: list[str]) -> ExperimentConfig:
@@ -179,10 +204,17 @@ def fedavg_reference(result_dir: Path, summary: dict[str, Any]) -> str:
             other = None
         if other is not None and same_setting(other, target):
             ref = json.loads((twin / "summary.json").read_text())
-            return (f"FedAvg on the same setting ({twin.name}): accuracy_mean {_acc(ref.get('accuracy_mean'))} "
-                    f"vs {summary.get('strategy')} {_acc(summary.get('accuracy_mean'))}")
+            return (
+                f"FedAvg on the same setting ({twin.name}): accuracy_mean {_acc(ref.get('accuracy_mean'))} "
+                f"vs {summary.get('strategy')} {_acc(summary.get('accuracy_mean'))}"
+            )
     args = " ".join(shlex.quote(item) for item in hint)
-    why = f" (FedAvg averages one model: every client then runs model.name '{cfg.model.name}')" \
-        if cfg.model.per_client else ""
-    return (f"FedAvg's number on the same setting: add  --set {args}  to the command{why} "
-            f"(make run: ARGS=\"--set {' '.join(hint)}\"); it is then shown here.")
+    why = (
+        f" (FedAvg averages one model: every client then runs model.name '{cfg.model.name}')"
+        if cfg.model.per_client
+        else ""
+    )
+    return (
+        f"FedAvg's number on the same setting: add  --set {args}  to the command{why} "
+        f'(make run: ARGS="--set {" ".join(hint)}"); it is then shown here.'
+    )

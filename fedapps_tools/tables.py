@@ -110,23 +110,38 @@ def load_spec(path: str | os.PathLike) -> Spec:
         body = body or {}
         bad = sorted(set(body) - set(allowed))
         if bad:
-            raise ConfigError(f"tables spec '{path}': methods.{name} has unknown key(s) {bad}; allowed: "
-                              + ", ".join(allowed))
+            raise ConfigError(
+                f"tables spec '{path}': methods.{name} has unknown key(s) {bad}; allowed: " + ", ".join(allowed)
+            )
         grid = {str(k): list(v) if isinstance(v, list) else [v] for k, v in (body.get("grid") or {}).items()}
         if grid_points(grid) > MAX_GRID_POINTS:
-            raise ConfigError(f"tables spec '{path}': methods.{name}.grid has {grid_points(grid)} points; the equal "
-                              f"budget is at most {MAX_GRID_POINTS} (docs/evaluation.md): drop values")
+            raise ConfigError(
+                f"tables spec '{path}': methods.{name}.grid has {grid_points(grid)} points; the equal "
+                f"budget is at most {MAX_GRID_POINTS} (docs/evaluation.md): drop values"
+            )
         only = [str(s) for s in body.get("settings") or []]
         if any(s not in settings for s in only):
-            raise ConfigError(f"tables spec '{path}': methods.{name}.settings {only} names a setting the spec does "
-                              f"not have ({', '.join(settings)})")
+            raise ConfigError(
+                f"tables spec '{path}': methods.{name}.settings {only} names a setting the spec does "
+                f"not have ({', '.join(settings)})"
+            )
         metric = str(body.get("paper_metric") or "")
         if metric and metric not in PAPER_COLUMNS:
-            raise ConfigError(f"tables spec '{path}': methods.{name}.paper_metric '{metric}' is not one of "
-                              f"{', '.join(PAPER_COLUMNS)}")
-        methods.append(Method(name, [str(o) for o in body.get("set") or []], grid, str(body.get("label") or name),
-                              only, metric, str(body.get("paper_note") or ""),
-                              " ".join(str(body.get("withdrawn_rows") or "").split())))
+            raise ConfigError(
+                f"tables spec '{path}': methods.{name}.paper_metric '{metric}' is not one of {', '.join(PAPER_COLUMNS)}"
+            )
+        methods.append(
+            Method(
+                name,
+                [str(o) for o in body.get("set") or []],
+                grid,
+                str(body.get("label") or name),
+                only,
+                metric,
+                str(body.get("paper_note") or ""),
+                " ".join(str(body.get("withdrawn_rows") or "").split()),
+            )
+        )
     base = p.parent
     for setting, cfg in settings.items():
         if not (base / cfg).is_file() and not Path(cfg).is_file():
@@ -135,9 +150,18 @@ def load_spec(path: str | os.PathLike) -> Spec:
     for s, t in tune_on.items():
         if s not in settings or t not in settings or t in tune_on:
             raise ConfigError(f"tables spec '{path}': tune_on.{s}: {t} must map a setting to another, tuned, setting")
-    return Spec(str(raw["name"]), str(raw.get("title") or raw["name"]), settings, methods,
-                [int(s) for s in raw.get("seeds") or [0, 1, 2]], [int(s) for s in raw.get("tune_seeds") or [0]],
-                tune_on, str(raw.get("notes") or ""), p, [str(o) for o in raw.get("set") or []])
+    return Spec(
+        str(raw["name"]),
+        str(raw.get("title") or raw["name"]),
+        settings,
+        methods,
+        [int(s) for s in raw.get("seeds") or [0, 1, 2]],
+        [int(s) for s in raw.get("tune_seeds") or [0]],
+        tune_on,
+        str(raw.get("notes") or ""),
+        p,
+        [str(o) for o in raw.get("set") or []],
+    )
 
 
 def config_path(spec: Spec, setting: str) -> Path:
@@ -184,8 +208,9 @@ def fedapps(args: list[str], log: Path, jobs: int = 1) -> None:
     with open(log, "a") as out:
         out.write(f"\n$ fedapps {' '.join(args)}\n")
         out.flush()
-        rc = subprocess.run([sys.executable, "-m", "fedapps_tools.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                            env=env).returncode
+        rc = subprocess.run(
+            [sys.executable, "-m", "fedapps_tools.cli", *args], stdout=out, stderr=subprocess.STDOUT, env=env
+        ).returncode
     if rc != 0:
         tail = log.read_text()[-2000:]
         raise RuntimeError(f"`fedapps {' '.join(args[:3])} ...` exited {rc}; log {log}:\n{tail}")
@@ -198,6 +223,7 @@ REPO = Path(__file__).resolve().parent.parent  # the checkout: its commit, and w
 def provenance() -> dict[str, str]:
     """The code (git commit of this checkout, ``+dirty`` with uncommitted changes to tracked files) and the machine
     (cores, GPU) a comparison runs with: the report prints them beside its rows."""
+
     def git(*args: str) -> str:
         try:
             return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=20).stdout.strip()
@@ -215,8 +241,11 @@ def provenance() -> dict[str, str]:
             gpu = torch.cuda.get_device_name(0)
     except ImportError:
         pass
-    return {"commit": commit, "machine": f"{os.cpu_count()} CPU cores, {gpu}",
-            "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    return {
+        "commit": commit,
+        "machine": f"{os.cpu_count()} CPU cores, {gpu}",
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
 
 
 def grid_text(m: Method) -> str:
@@ -253,8 +282,9 @@ def published_choice(row: Mapping[str, Any], keys: Iterable[str]) -> dict[str, s
 
 
 class Tables:
-    def __init__(self, spec: Spec, work: Path, engine: str, jobs: int, out: Path | None = None,
-                 rerun_published: bool = False) -> None:
+    def __init__(
+        self, spec: Spec, work: Path, engine: str, jobs: int, out: Path | None = None, rerun_published: bool = False
+    ) -> None:
         """``out``: where the published report lives; its records stand in for tunings whose work folder is gone.
         ``rerun_published``: run the seeds of rows the published CSV already holds (to reproduce them, or to draw
         their curves); their published tuning choices still stand."""
@@ -263,8 +293,9 @@ class Tables:
         self.record_rows, self.record_scores = published(out, spec) if out is not None else ({}, {})
 
     def method_config(self, setting: str, m: Method) -> Path:
-        raw = with_overrides(config_path(self.spec, setting), [f"strategy.name={m.name}", *self.spec.common,
-                                                                *m.overrides])
+        raw = with_overrides(
+            config_path(self.spec, setting), [f"strategy.name={m.name}", *self.spec.common, *m.overrides]
+        )
         return write_yaml(self.work / setting / "methods" / f"{m.name}.yaml", raw)
 
     def tune_dir(self, setting: str, m: Method) -> Path:
@@ -284,11 +315,22 @@ class Tables:
         if not m.grid:
             return
         if not any(self.tune_dir(setting, m).glob("chosen*.yaml")) and self.recorded_choice(setting, m) is not None:
-            print(f"{m.name} on {setting}: the published choice is reused (tuned over the same grid; no work folder "
-                  f"here)", flush=True)
+            print(
+                f"{m.name} on {setting}: the published choice is reused (tuned over the same grid; no work folder "
+                f"here)",
+                flush=True,
+            )
             return
-        args = ["tune", str(self.method_config(setting, m)), "--out", str(self.tune_dir(setting, m)),
-                "--seeds", ",".join(map(str, self.spec.tune_seeds)), "--engine", self.engine]
+        args = [
+            "tune",
+            str(self.method_config(setting, m)),
+            "--out",
+            str(self.tune_dir(setting, m)),
+            "--seeds",
+            ",".join(map(str, self.spec.tune_seeds)),
+            "--engine",
+            self.engine,
+        ]
         for key, values in m.grid.items():
             args += ["--grid", f"{key}=" + ",".join(yaml_scalar(v) for v in values)]
         started = time.monotonic()
@@ -328,20 +370,37 @@ class Tables:
         ``--jobs`` at a time). A published row of the same final config (same hash) stands when its work folder
         is gone: the record of a run made on another machine or in an earlier clone (unless ``rerun_published``)."""
         row = self.record_rows.get((setting, m.name))
-        if (not self.rerun_published and not (self.compare_dir(setting, m) / "comparison.csv").is_file()
-                and row is not None
-                and row.get("config_hash") == self.final_hash(setting, m)):
-            print(f"{m.name} on {setting}: the published row of the same config stands (no work folder here)", flush=True)
+        if (
+            not self.rerun_published
+            and not (self.compare_dir(setting, m) / "comparison.csv").is_file()
+            and row is not None
+            and row.get("config_hash") == self.final_hash(setting, m)
+        ):
+            print(
+                f"{m.name} on {setting}: the published row of the same config stands (no work folder here)", flush=True
+            )
             return
-        args = ["compare", str(self.final_config(setting, m)), "--seeds", *map(str, self.spec.seeds),
-                "--name", self.compare_dir(setting, m).name, "--output-dir", str(self.work / "compare"),
-                "--engine", self.engine, "--quiet"]
+        args = [
+            "compare",
+            str(self.final_config(setting, m)),
+            "--seeds",
+            *map(str, self.spec.seeds),
+            "--name",
+            self.compare_dir(setting, m).name,
+            "--output-dir",
+            str(self.work / "compare"),
+            "--engine",
+            self.engine,
+            "--quiet",
+        ]
         started = time.monotonic()
         before = provenance()
         fedapps(args, self.work / "logs" / f"compare-{setting}-{m.name}.log", self.jobs)
         if self.compare_dir(setting, m).is_dir():  # the comparison's own folder (absent only when mocked in tests)
             (self.compare_dir(setting, m) / PROVENANCE).write_text(json.dumps(before, indent=1))
-        print(f"ran {m.name} on {setting} over seeds {self.spec.seeds} ({time.monotonic() - started:.0f} s)", flush=True)
+        print(
+            f"ran {m.name} on {setting} over seeds {self.spec.seeds} ({time.monotonic() - started:.0f} s)", flush=True
+        )
 
     def run(self, settings: list[str], methods: list[Method], stages: set[str]) -> None:
         """One task per (setting, method): its tuning (on the setting it is tuned on, see ``tune_on``), then its
@@ -389,8 +448,9 @@ def pm(row: Mapping[str, Any], key: str) -> str:
     return f"{number(row[key])} ± {number(row.get(key + '_sem'))}" if finite(row.get(key)) else "—"
 
 
-def published(out: Path, spec: Spec) -> tuple[dict[tuple[str, str], dict[str, str]],
-                                              dict[tuple[str, str], list[dict[str, str]]]]:
+def published(
+    out: Path, spec: Spec
+) -> tuple[dict[tuple[str, str], dict[str, str]], dict[tuple[str, str], list[dict[str, str]]]]:
     """The rows of an earlier report in ``out`` (``<name>.csv``, ``<name>-tuning.csv``), keyed by (setting, method).
 
     The published CSVs are the durable record of a table: a setting whose work folder is gone (another machine, a
@@ -417,8 +477,9 @@ def line_commits(path: Path) -> dict[int, str]:
     """Line number -> the (short) commit that last wrote that line of a committed file (git blame); {} outside git
     or for uncommitted lines. The provenance of published rows measured before rows recorded their own commit."""
     try:
-        out = subprocess.run(["git", "blame", "--porcelain", path.name], cwd=path.parent, capture_output=True,
-                             text=True, timeout=60).stdout
+        out = subprocess.run(
+            ["git", "blame", "--porcelain", path.name], cwd=path.parent, capture_output=True, text=True, timeout=60
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
     lines = {}
@@ -434,17 +495,26 @@ def report_header(spec: Spec, out: Path) -> list[str]:
     """The report's opening: how to regenerate it, and the protocol (linked to docs/evaluation.md)."""
     protocol = Path(os.path.relpath(REPO / "docs" / "evaluation.md", out.resolve()))
     spec_path = os.path.relpath(spec.path.resolve(), REPO) if spec.path.resolve().is_relative_to(REPO) else spec.path
-    return [f"# {spec.title}", "",
-            (f"Generated by `fedapps tables {spec_path} --out {os.path.relpath(out.resolve(), REPO)}` "
-             "(fedapps_tools/tables.py); do not edit by hand. Each table ends with the commit and machine its rows "
-             "were measured with."), "",
-            (f"**Protocol** ([evaluation protocol]({protocol.as_posix()})): accuracy of each client's *deployed model* "
-             "after the LAST round on its own test split, mean over clients (± SEM over "
-             f"{len(spec.seeds)} seeds: {', '.join(map(str, spec.seeds))}; the partition is fixed). \"After local "
-             "training\": the client's model right after its local update, where the method has one. Every method was "
-             f"tuned with at most {MAX_GRID_POINTS} grid points at seed(s) {', '.join(map(str, spec.tune_seeds))} on a "
-             "validation split carved from the clients' training data (deployed model, final round); the test split "
-             "was not read while choosing."), ""]
+    return [
+        f"# {spec.title}",
+        "",
+        (
+            f"Generated by `fedapps tables {spec_path} --out {os.path.relpath(out.resolve(), REPO)}` "
+            "(fedapps_tools/tables.py); do not edit by hand. Each table ends with the commit and machine its rows "
+            "were measured with."
+        ),
+        "",
+        (
+            f"**Protocol** ([evaluation protocol]({protocol.as_posix()})): accuracy of each client's *deployed model* "
+            "after the LAST round on its own test split, mean over clients (± SEM over "
+            f'{len(spec.seeds)} seeds: {", ".join(map(str, spec.seeds))}; the partition is fixed). "After local '
+            "training\": the client's model right after its local update, where the method has one. Every method was "
+            f"tuned with at most {MAX_GRID_POINTS} grid points at seed(s) {', '.join(map(str, spec.tune_seeds))} on a "
+            "validation split carved from the clients' training data (deployed model, final round); the test split "
+            "was not read while choosing."
+        ),
+        "",
+    ]
 
 
 def paper_metric_lines(methods: list[Method]) -> list[str]:
@@ -452,9 +522,15 @@ def paper_metric_lines(methods: list[Method]) -> list[str]:
     named = [m for m in methods if m.paper_metric]
     if not named:
         return []
-    return ["", "**Which column matches what each method's paper reports:** " + "; ".join(
-        f"{m.label}: *{PAPER_COLUMNS[m.paper_metric]}*" + (f" ({m.paper_note.strip()})" if m.paper_note else "")
-        for m in named) + "."]
+    return [
+        "",
+        "**Which column matches what each method's paper reports:** "
+        + "; ".join(
+            f"{m.label}: *{PAPER_COLUMNS[m.paper_metric]}*" + (f" ({m.paper_note.strip()})" if m.paper_note else "")
+            for m in named
+        )
+        + ".",
+    ]
 
 
 def provenance_lines(rows: dict[str, dict[str, Any]], labels: dict[str, str]) -> list[str]:
@@ -462,8 +538,9 @@ def provenance_lines(rows: dict[str, dict[str, Any]], labels: dict[str, str]) ->
     groups: dict[str, list[str]] = defaultdict(list)
     for name, r in rows.items():
         if r.get("commit"):
-            key = (f"commit `{r['commit']}` on {r.get('machine') or 'an unrecorded machine'}"
-                   + (f", {r['date']}" if r.get("date") else ""))
+            key = f"commit `{r['commit']}` on {r.get('machine') or 'an unrecorded machine'}" + (
+                f", {r['date']}" if r.get("date") else ""
+            )
         elif r.get("published_in"):
             key = f"runs published in commit `{r['published_in']}` (their own commit was not recorded)"
         else:
@@ -479,8 +556,12 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
     old_rows = tables.record_rows
     lines = report_header(spec, out)
     if spec.tune_on:
-        lines += ["**CPU cut:** " + "; ".join(f"`{s}` reuses the values tuned on `{t}`" for s, t in spec.tune_on.items())
-                  + " (no tuning of its own).", ""]
+        lines += [
+            "**CPU cut:** "
+            + "; ".join(f"`{s}` reuses the values tuned on `{t}`" for s, t in spec.tune_on.items())
+            + " (no tuning of its own).",
+            "",
+        ]
     if spec.common:
         lines += ["**Every setting and method here with:** " + ", ".join(f"`{o}`" for o in spec.common) + ".", ""]
     if spec.notes:
@@ -515,23 +596,37 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
                 if config_changed(tables, setting, m, r):
                     changed.append(m.label)
         if carried_here:
-            carried.append(f"{setting} (" + ("all methods" if len(carried_here) == len(methods)
-                                             else ", ".join(carried_here)) + ")")
+            carried.append(
+                f"{setting} (" + ("all methods" if len(carried_here) == len(methods) else ", ".join(carried_here)) + ")"
+            )
         if not rows:
-            lines += [f"## {setting}", "", "not run yet", ""] + [
-                f"- {m.label}: the published row was withdrawn ({withdrawn[m.name]})." for m in methods
-                if m.name in withdrawn] + ([""] if withdrawn else [])
+            lines += (
+                [f"## {setting}", "", "not run yet", ""]
+                + [
+                    f"- {m.label}: the published row was withdrawn ({withdrawn[m.name]})."
+                    for m in methods
+                    if m.name in withdrawn
+                ]
+                + ([""] if withdrawn else [])
+            )
             continue
         with_global = any(finite(r.get("final_generic_acc_mean")) for r, _ in rows.values())
-        lines += [f"## {setting} (`{spec.settings[setting]}`)", "",
-                  "| method | accuracy, deployed model | sample-weighted | worst 10 % of clients | std over clients | "
-                  "after local training | " + ("global model | " if with_global else "")
-                  + "up MiB/client/round | down MiB/client/round | wall s | chosen (validation) |",
-                  "|---|---|---|---|---|---|" + ("---|" if with_global else "") + "---|---|---|---|"]
+        lines += [
+            f"## {setting} (`{spec.settings[setting]}`)",
+            "",
+            "| method | accuracy, deployed model | sample-weighted | worst 10 % of clients | std over clients | "
+            "after local training | "
+            + ("global model | " if with_global else "")
+            + "up MiB/client/round | down MiB/client/round | wall s | chosen (validation) |",
+            "|---|---|---|---|---|---|" + ("---|" if with_global else "") + "---|---|---|---|",
+        ]
         for m in methods:
             if m.name not in rows:
-                note = f"not run yet; the published row was withdrawn ({withdrawn[m.name]})" if m.name in withdrawn \
+                note = (
+                    f"not run yet; the published row was withdrawn ({withdrawn[m.name]})"
+                    if m.name in withdrawn
                     else "not run yet"
+                )
                 lines.append(f"| {m.label} | {note} |" + " |" * (8 + with_global))
                 continue
             r, chosen = rows[m.name]
@@ -545,29 +640,51 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
                 + (f"{pm(r, 'final_generic_acc_mean')} | " if with_global else "")
                 + f"{float(r['bytes_up_per_client_round']) / mib:.3f} | "
                 f"{float(r['bytes_down_per_client_round']) / mib:.3f} | "
-                f"{number(r['wall_seconds'], 0)} | {', '.join(f'{k}={v}' for k, v in chosen.items()) or '(no grid)'} |")
+                f"{number(r['wall_seconds'], 0)} | {', '.join(f'{k}={v}' for k, v in chosen.items()) or '(no grid)'} |"
+            )
             measured = {k: v for k, v in r.items() if k not in ("setting", "method") and not k.startswith("chosen:")}
-            csv_rows.append({"setting": setting, "method": m.name, **measured,
-                             **({"lost_replies": "; ".join(lost)} if lost else {}),
-                             **{f"chosen:{k}": v for k, v in chosen.items()}})
+            csv_rows.append(
+                {
+                    "setting": setting,
+                    "method": m.name,
+                    **measured,
+                    **({"lost_replies": "; ".join(lost)} if lost else {}),
+                    **{f"chosen:{k}": v for k, v in chosen.items()},
+                }
+            )
         if short:
-            lines += ["", "⚠ **Runs that lost replies** (less training than the protocol's budget, e.g. a round that "
-                      "timed out; rerun them before citing the row): "
-                      + "; ".join(f"{label}: {', '.join(runs)}" for label, runs in short.items()) + "."]
+            lines += [
+                "",
+                "⚠ **Runs that lost replies** (less training than the protocol's budget, e.g. a round that "
+                "timed out; rerun them before citing the row): "
+                + "; ".join(f"{label}: {', '.join(runs)}" for label, runs in short.items())
+                + ".",
+            ]
         if changed:
-            lines += ["", "† **Carried over with a changed configuration**: measured with a config whose hash differs "
-                      "from the one the spec makes today (a parameter added or a default changed since; the algorithm "
-                      "pages say where that changed a method's runs); `--rerun-published` refreshes them: "
-                      + ", ".join(changed) + "."]
+            lines += [
+                "",
+                "† **Carried over with a changed configuration**: measured with a config whose hash differs "
+                "from the one the spec makes today (a parameter added or a default changed since; the algorithm "
+                "pages say where that changed a method's runs); `--rerun-published` refreshes them: "
+                + ", ".join(changed)
+                + ".",
+            ]
         lines += paper_metric_lines([m for m in methods if m.name in rows])
         lines += provenance_lines({n: r for n, (r, _) in rows.items()}, {m.name: m.label for m in methods})
         lines += figure_lines(tables, setting, out, [m.label for m in methods if m.name in carried_here])
         lines.append("")
     if carried:
-        lines += [f"**Carried over** from the published `{spec.name}.csv` (their work folder was not present when this "
-                  "report was written; same spec and protocol): " + "; ".join(carried) + ".", ""]
-    lines += ["## Tuning grids and validation scores", "",
-              "| method | tuned on | grid | validation accuracy per point (mean over tune seeds) |", "|---|---|---|---|"]
+        lines += [
+            f"**Carried over** from the published `{spec.name}.csv` (their work folder was not present when this "
+            "report was written; same spec and protocol): " + "; ".join(carried) + ".",
+            "",
+        ]
+    lines += [
+        "## Tuning grids and validation scores",
+        "",
+        "| method | tuned on | grid | validation accuracy per point (mean over tune seeds) |",
+        "|---|---|---|---|",
+    ]
     score_rows = []
     for m in spec.methods:
         for setting in spec.settings:
@@ -575,7 +692,9 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
                 continue
             grid = grid_text(m)
             scores = tuning_scores(tables.tune_dir(setting, m)) or next(
-                (r["validation_scores"] for r in tables.record_scores.get((setting, m.name), []) if r["grid"] == grid), "")
+                (r["validation_scores"] for r in tables.record_scores.get((setting, m.name), []) if r["grid"] == grid),
+                "",
+            )
             lines.append(f"| {m.label} | {setting} | {grid} | {scores or 'not run'} |")
             if scores:
                 score_rows.append({"setting": setting, "method": m.name, "grid": grid, "validation_scores": scores})
@@ -624,8 +743,12 @@ def setting_lines(tables: Tables, setting: str) -> list[Any]:
 def run_folders(tables: Tables, setting: str, m: Method) -> list[Path]:
     """The finished run folders of (setting, method) at the spec's seeds, in the work folder."""
     runs_dir = tables.compare_dir(setting, m) / "runs"
-    return [d for seed in tables.spec.seeds for d in sorted(runs_dir.glob(f"*-s{seed}"))
-            if (d / "rounds.csv").is_file() and (d / "summary.json").is_file()]
+    return [
+        d
+        for seed in tables.spec.seeds
+        for d in sorted(runs_dir.glob(f"*-s{seed}"))
+        if (d / "rounds.csv").is_file() and (d / "summary.json").is_file()
+    ]
 
 
 def delivery_shortfalls(folders: list[Path]) -> list[str]:
@@ -725,8 +848,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stages", default="tune,final,report", help="any of tune, final, report")
     ap.add_argument("--engine", default="inprocess", choices=("inprocess", "flower"))
     ap.add_argument("--jobs", type=int, default=1, help="fedapps sub-processes at a time (one thread each)")
-    ap.add_argument("--rerun-published", action="store_true",
-                    help="run the seeds of rows the published CSV already holds (reproduce them; draw their curves)")
+    ap.add_argument(
+        "--rerun-published",
+        action="store_true",
+        help="run the seeds of rows the published CSV already holds (reproduce them; draw their curves)",
+    )
     return ap
 
 

@@ -121,7 +121,8 @@ def check_budget(grid: Sequence[tuple[str, list[Any]]], max_points: int) -> int:
             f"the grid has {n} points ({shape}), more than --max-points {max_points}. The equal-budget rule "
             f"of a comparison (docs/evaluation.md) gives every method the same number of grid points, at most "
             f"{DEFAULT_MAX_POINTS}: drop values or keys (raise --max-points only for a study that is not a "
-            "comparison)")
+            "comparison)"
+        )
     return n
 
 
@@ -159,27 +160,35 @@ def validation_numbers(result_dir: Path) -> dict[str, Any]:
     summary = json.loads((result_dir / "summary.json").read_text())
     split = summary.get("evaluated_on")
     if split != "validation":
-        raise ConfigError(f"{result_dir}/summary.json says evaluated_on={split!r}: tune reads validation runs only "
-                          "(delete the folder so that it is rerun)")
+        raise ConfigError(
+            f"{result_dir}/summary.json says evaluated_on={split!r}: tune reads validation runs only "
+            "(delete the folder so that it is rerun)"
+        )
 
     def num(key: str) -> float:
         v = summary.get(key)
         return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
 
-    return {"val_accuracy_mean": num("accuracy_mean"), "val_accuracy_weighted": num("accuracy_weighted"),
-            "wall_seconds": num("wall_seconds")}
+    return {
+        "val_accuracy_mean": num("accuracy_mean"),
+        "val_accuracy_weighted": num("accuracy_weighted"),
+        "wall_seconds": num("wall_seconds"),
+    }
 
 
 def _check_set(overrides: Sequence[str]) -> None:
     for item in overrides:
         key = normalise_key(item.partition("=")[0])
         if key in NOT_SETTABLE:
-            raise ConfigError(f"--set {item}: tune sets '{key}' for every run itself "
-                              f"({NOT_TUNABLE.get(key, 'the seeds come from --seeds')}); remove it")
+            raise ConfigError(
+                f"--set {item}: tune sets '{key}' for every run itself "
+                f"({NOT_TUNABLE.get(key, 'the seeds come from --seeds')}); remove it"
+            )
 
 
-def _check_points(config_path: Path, base: list[str], grid: list[tuple[str, list[Any]]],
-                  points: list[dict[str, Any]]) -> None:
+def _check_points(
+    config_path: Path, base: list[str], grid: list[tuple[str, list[Any]]], points: list[dict[str, Any]]
+) -> None:
     """Every point loads, resolves and builds its data before anything runs; points that compute the same thing
     (a repeated value, a key the strategy ignores) are an error."""
     from fedapps.data import get_federation
@@ -189,8 +198,10 @@ def _check_points(config_path: Path, base: list[str], grid: list[tuple[str, list
     for key, _ in grid:
         parts = key.split(".")
         if parts[:2] == ["strategy", "params"] and len(parts) >= 4 and parts[2] != first.strategy.name:
-            raise ConfigError(f"--grid {key}: strategy '{first.strategy.name}' ignores the section "
-                              f"strategy.params.{parts[2]}; tune strategy.params.{first.strategy.name}.* instead")
+            raise ConfigError(
+                f"--grid {key}: strategy '{first.strategy.name}' ignores the section "
+                f"strategy.params.{parts[2]}; tune strategy.params.{first.strategy.name}.* instead"
+            )
     seen: dict[str, int] = {}
     for n, point in enumerate(points, 1):
         try:
@@ -201,8 +212,10 @@ def _check_points(config_path: Path, base: list[str], grid: list[tuple[str, list
             raise ConfigError(f"--grid point {n} ({point_label(point)}): {exc}") from exc
         h = config_hash(cfg)
         if h in seen:
-            raise ConfigError(f"--grid points {seen[h]} and {n} ({point_label(point)}) resolve to the same config; "
-                              "a value is repeated, or the key has no effect on this strategy")
+            raise ConfigError(
+                f"--grid points {seen[h]} and {n} ({point_label(point)}) resolve to the same config; "
+                "a value is repeated, or the key has no effect on this strategy"
+            )
         seen[h] = n
 
 
@@ -216,33 +229,51 @@ def chosen_config_text(config_path: Path, base: list[str], point: dict[str, Any]
     return comment + yaml.safe_dump(raw, sort_keys=False)
 
 
-def markdown(config_path: Path, grid: list[tuple[str, list[Any]]], points: list[dict[str, Any]],
-             per_point: list[dict[str, Any]], chosen: int, seeds: list[int], validation_fraction: float,
-             max_points: int) -> str:
+def markdown(
+    config_path: Path,
+    grid: list[tuple[str, list[Any]]],
+    points: list[dict[str, Any]],
+    per_point: list[dict[str, Any]],
+    chosen: int,
+    seeds: list[int],
+    validation_fraction: float,
+    max_points: int,
+) -> str:
     """tuning.md: the table, the chosen values, the grid and the protocol sentence."""
     keys = [k for k, _ in grid]
-    lines = [f"# Tuning of `{config_path.name}`", "",
-             "| point | " + " | ".join(f"`{k}`" for k in keys)
-             + " | seeds | validation accuracy, mean over clients (± SEM over seeds) | sample-weighted | wall s | |",
-             "|---|" + "---|" * len(keys) + "---|---|---|---|---|"]
+    lines = [
+        f"# Tuning of `{config_path.name}`",
+        "",
+        "| point | "
+        + " | ".join(f"`{k}`" for k in keys)
+        + " | seeds | validation accuracy, mean over clients (± SEM over seeds) | sample-weighted | wall s | |",
+        "|---|" + "---|" * len(keys) + "---|---|---|---|---|",
+    ]
     for n, (point, agg) in enumerate(zip(points, per_point), 1):
-        lines.append(f"| {n} | " + " | ".join(_yaml_text(point[k]) for k in keys)
-                     + f" | {agg['seeds']} | {agg['mean']:.4f} ± {agg['sem']:.4f} | {agg['weighted']:.4f} | "
-                     f"{agg['wall']:.0f} | {'**chosen**' if n - 1 == chosen else ''} |")
+        lines.append(
+            f"| {n} | "
+            + " | ".join(_yaml_text(point[k]) for k in keys)
+            + f" | {agg['seeds']} | {agg['mean']:.4f} ± {agg['sem']:.4f} | {agg['weighted']:.4f} | "
+            f"{agg['wall']:.0f} | {'**chosen**' if n - 1 == chosen else ''} |"
+        )
     grid_text = "; ".join(f"`{k}` ∈ {{{', '.join(_yaml_text(v) for v in values)}}}" for k, values in grid)
     lines += [
         "",
-        (f"**Chosen** (point {chosen + 1}): `{point_label(points[chosen])}` — written to `chosen.yaml` "
-         "(with `data.evaluate_on: test`, for the final runs)."),
+        (
+            f"**Chosen** (point {chosen + 1}): `{point_label(points[chosen])}` — written to `chosen.yaml` "
+            "(with `data.evaluate_on: test`, for the final runs)."
+        ),
         "",
         f"**Grid**: {grid_text} — {len(points)} point(s) (budget {max_points}), seeds {', '.join(map(str, seeds))}.",
         "",
-        ("**Protocol**: every point was trained on the fit share of each client's train split and scored on the "
-         f"validation share (`data.validation_fraction` = {validation_fraction}, stratified, seeded from "
-         "`data.seed`); "
-         "the point with the highest final-round validation accuracy of the deployed model (mean over clients, "
-         "averaged over the seeds) was chosen, a tie going to the first point in grid order. The test split was "
-         "never built while choosing (docs/evaluation.md)."),
+        (
+            "**Protocol**: every point was trained on the fit share of each client's train split and scored on the "
+            f"validation share (`data.validation_fraction` = {validation_fraction}, stratified, seeded from "
+            "`data.seed`); "
+            "the point with the highest final-round validation accuracy of the deployed model (mean over clients, "
+            "averaged over the seeds) was chosen, a tie going to the first point in grid order. The test split was "
+            "never built while choosing (docs/evaluation.md)."
+        ),
         "",
     ]
     return "\n".join(lines)
@@ -250,8 +281,9 @@ def markdown(config_path: Path, grid: list[tuple[str, list[Any]]], points: list[
 
 def looks_like_tuning(folder: Path) -> bool:
     """A folder an earlier `fedapps tune` wrote into (its table, its choice, or its runs p<point>-s<seed>)."""
-    return ((folder / "tuning.csv").is_file() or (folder / "chosen.yaml").is_file()
-            or any((folder / "runs").glob("p*-s*")))
+    return (
+        (folder / "tuning.csv").is_file() or (folder / "chosen.yaml").is_file() or any((folder / "runs").glob("p*-s*"))
+    )
 
 
 def tuning_folder(args: argparse.Namespace, config_output_dir: str, config_path: Path) -> Path:
@@ -266,9 +298,11 @@ def tuning_folder(args: argparse.Namespace, config_output_dir: str, config_path:
         return Path(out).expanduser().resolve()
     base = resolve_root(root, config_output_dir)
     if root and looks_like_tuning(base):
-        raise ConfigError(f"tune: --output-dir is the results root (as in run and compare), so this tuning would go "
-                          f"to {base / (name or f'tune-{config_path.stem}')}; but {base} holds an earlier tuning "
-                          f"(tuning.csv / chosen.yaml / runs): to continue that one pass --out {base}")
+        raise ConfigError(
+            f"tune: --output-dir is the results root (as in run and compare), so this tuning would go "
+            f"to {base / (name or f'tune-{config_path.stem}')}; but {base} holds an earlier tuning "
+            f"(tuning.csv / chosen.yaml / runs): to continue that one pass --out {base}"
+        )
     return base / (name or f"tune-{config_path.stem}")
 
 
@@ -301,8 +335,11 @@ def tune(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
     for n, point in enumerate(points, 1):
         numbers = []
         for seed in seeds:
-            overrides = base + point_overrides(point) + ["data.evaluate_on=validation", f"seed={seed}",
-                                                          f"run_name=p{n}-s{seed}"]
+            overrides = (
+                base
+                + point_overrides(point)
+                + ["data.evaluate_on=validation", f"seed={seed}", f"run_name=p{n}-s{seed}"]
+            )
             cfg = load_config(config_path, overrides)
             result_dir = runs_dir / cfg.resolved_run_name()
             skip, why = resume_decision(result_dir, cfg.rounds, config_hash(resolve(cfg).config(cfg)))
@@ -313,13 +350,22 @@ def tune(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
             progress.finish(worked=not skip)
             got = validation_numbers(result_dir)
             numbers.append(got)
-            rows.append({"point": n, "seed": seed, **{k: point[k] for k in keys}, **got,
-                         "reused": skip, "run_dir": str(result_dir)})
+            rows.append(
+                {
+                    "point": n,
+                    "seed": seed,
+                    **{k: point[k] for k in keys},
+                    **got,
+                    "reused": skip,
+                    "run_dir": str(result_dir),
+                }
+            )
         means = [g["val_accuracy_mean"] for g in numbers]
         m, e = mean_sem(means) if all(math.isfinite(v) for v in means) else (math.nan, math.nan)
         w = mean_sem([g["val_accuracy_weighted"] for g in numbers])[0]
-        per_point.append({"seeds": len(numbers), "mean": m, "sem": e, "weighted": w,
-                          "wall": sum(g["wall_seconds"] for g in numbers)})
+        per_point.append(
+            {"seeds": len(numbers), "mean": m, "sem": e, "weighted": w, "wall": sum(g["wall_seconds"] for g in numbers)}
+        )
     progress.close()
     try:
         chosen = choose_point([p["mean"] for p in per_point])
@@ -330,8 +376,10 @@ def tune(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
     write_csv(folder / "tuning.csv", rows)
     table = markdown(config_path, grid, points, per_point, chosen, seeds, first.data.validation_fraction, max_points)
     (folder / "tuning.md").write_text(table)
-    header = (f"chosen by `fedapps tune {config_path.name}` on the validation split: {point_label(points[chosen])}\n"
-              f"(see {folder / 'tuning.md'}); data.evaluate_on: test for the final runs")
+    header = (
+        f"chosen by `fedapps tune {config_path.name}` on the validation split: {point_label(points[chosen])}\n"
+        f"(see {folder / 'tuning.md'}); data.evaluate_on: test for the final runs"
+    )
     (folder / "chosen.yaml").write_text(chosen_config_text(config_path, base, points[chosen], header))
     print("\n" + table + f"\nwritten: {folder}/tuning.csv, tuning.md, chosen.yaml")
     return folder

@@ -27,8 +27,12 @@ from fedapps.reporting.results import write_csv  # noqa: E402
 from fedapps_tools import capture  # noqa: E402
 from fedapps_tools.tables import provenance  # noqa: E402
 
-ARM_LABEL = {"default": "default", "robust": "robust", capture.REFERENCE: "attacker dropped",
-             capture.REFERENCE_ROBUST: "attacker dropped, robust"}
+ARM_LABEL = {
+    "default": "default",
+    "robust": "robust",
+    capture.REFERENCE: "attacker dropped",
+    capture.REFERENCE_ROBUST: "attacker dropped, robust",
+}
 
 
 def measure(cases: list[capture.Case], seeds: list[int]) -> list[dict[str, Any]]:
@@ -41,12 +45,33 @@ def measure(cases: list[capture.Case], seeds: list[int]) -> list[dict[str, Any]]
             victim = capture.victim_of(c, runs["default"], ref)
             for arm, got in runs.items():
                 figures = capture.summarise(got, ref, victim)
-                rows.append({"case": c.name, "strategy": c.strategy, "attack": c.attack, "arm": arm, "seed": seed,
-                             "robust_option": " ".join(c.robust), "fault_spec": c.fault_spec(), "rounds": c.rounds,
-                             **figures, "seconds": round(got.seconds, 2), "cpu_seconds": round(got.cpu_seconds, 2)})
-                logging.info("%s %s seed %d: victim %d %.3f (ref %.3f), mean %.3f (ref %.3f), %.1f s", c.name, arm, seed,
-                             figures["victim"], figures["victim_acc"], figures["victim_ref"], figures["mean_acc"],
-                             figures["mean_ref"], got.seconds)
+                rows.append(
+                    {
+                        "case": c.name,
+                        "strategy": c.strategy,
+                        "attack": c.attack,
+                        "arm": arm,
+                        "seed": seed,
+                        "robust_option": " ".join(c.robust),
+                        "fault_spec": c.fault_spec(),
+                        "rounds": c.rounds,
+                        **figures,
+                        "seconds": round(got.seconds, 2),
+                        "cpu_seconds": round(got.cpu_seconds, 2),
+                    }
+                )
+                logging.info(
+                    "%s %s seed %d: victim %d %.3f (ref %.3f), mean %.3f (ref %.3f), %.1f s",
+                    c.name,
+                    arm,
+                    seed,
+                    figures["victim"],
+                    figures["victim_acc"],
+                    figures["victim_ref"],
+                    figures["mean_acc"],
+                    figures["mean_ref"],
+                    got.seconds,
+                )
     return rows
 
 
@@ -67,27 +92,42 @@ def verdict(c: capture.Case, robust: list[dict[str, Any]]) -> str:
     return "**no**" + (f": {c.limits}" if c.limits else "")
 
 
-def table(rows: list[dict[str, Any]], cases: list[capture.Case], seeds: list[int], command: str,
-          prov: dict[str, str], cpu: float) -> str:
+def table(
+    rows: list[dict[str, Any]],
+    cases: list[capture.Case],
+    seeds: list[int],
+    command: str,
+    prov: dict[str, str],
+    cpu: float,
+) -> str:
     """capture.md: one row per case, figures averaged over the seeds."""
-    lines = ["# Capture table: one hostile client against the personalising strategies", "",
-             f"<!-- written by `{command}`: do not edit by hand -->", "",
-             (f"In-process, digits, MLP, {capture.CLIENTS} clients (pathological partition, "
-              f"{capture.CLASSES_PER_CLIENT} classes each: every class held by two clients), every client every round, "
-              f"{', '.join(sorted({str(c.rounds) for c in cases}))} rounds, seeds {', '.join(map(str, seeds))}. Client "
-              f"{capture.ATTACKER} is hostile (its replies pass every check of the reply validation); the **victim** "
-              f"is client {capture.VICTIM} for a targeted attack, else the honest client whose accuracy falls furthest "
-              "below its own accuracy in the run without the attacker when the option is off (per seed; the robust "
-              "run of that seed is judged on the same client). Accuracy: the deployed models "
-              "after the last round (mean over seeds); an honest client whose replies were all rejected counts 0 for "
-              "the victim column and is left out of the mean (`measured`). **Robust** turns on the option named in the "
-              "row, which is off by default; **dropped**: the attacker's every reply lost (the reference); "
-              "**dropped + robust**: the reference with the option on (its cost without an attack). **Bounded**: "
-              "with the option on, the victim's and the mean accuracy, averaged over the seeds, within "
-              f"{capture.BOUND:g} of the reference's, every honest client measured."), "",
-             ("| strategy | attack | robust option | victim default (ref) | victim robust (ref) | mean default | "
-              "mean robust | mean dropped | mean dropped + robust | bounded |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Capture table: one hostile client against the personalising strategies",
+        "",
+        f"<!-- written by `{command}`: do not edit by hand -->",
+        "",
+        (
+            f"In-process, digits, MLP, {capture.CLIENTS} clients (pathological partition, "
+            f"{capture.CLASSES_PER_CLIENT} classes each: every class held by two clients), every client every round, "
+            f"{', '.join(sorted({str(c.rounds) for c in cases}))} rounds, seeds {', '.join(map(str, seeds))}. Client "
+            f"{capture.ATTACKER} is hostile (its replies pass every check of the reply validation); the **victim** "
+            f"is client {capture.VICTIM} for a targeted attack, else the honest client whose accuracy falls furthest "
+            "below its own accuracy in the run without the attacker when the option is off (per seed; the robust "
+            "run of that seed is judged on the same client). Accuracy: the deployed models "
+            "after the last round (mean over seeds); an honest client whose replies were all rejected counts 0 for "
+            "the victim column and is left out of the mean (`measured`). **Robust** turns on the option named in the "
+            "row, which is off by default; **dropped**: the attacker's every reply lost (the reference); "
+            "**dropped + robust**: the reference with the option on (its cost without an attack). **Bounded**: "
+            "with the option on, the victim's and the mean accuracy, averaged over the seeds, within "
+            f"{capture.BOUND:g} of the reference's, every honest client measured."
+        ),
+        "",
+        (
+            "| strategy | attack | robust option | victim default (ref) | victim robust (ref) | mean default | "
+            "mean robust | mean dropped | mean dropped + robust | bounded |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in cases:
         mine = [r for r in rows if r["case"] == c.name]
         arm = {a: [r for r in mine if r["arm"] == a] for a in capture.ARMS}
@@ -99,30 +139,50 @@ def table(rows: list[dict[str, Any]], cases: list[capture.Case], seeds: list[int
             f"{fmt(mean_of(arm['robust'], 'victim_acc'))} ({fmt(mean_of(arm['robust'], 'victim_ref'))}) | "
             f"{fmt(mean_of(arm['default'], 'mean_acc'))}{note} | {fmt(mean_of(arm['robust'], 'mean_acc'))} | "
             f"{fmt(mean_of(arm[capture.REFERENCE], 'mean_acc'))} | "
-            f"{fmt(mean_of(arm[capture.REFERENCE_ROBUST], 'mean_acc'))} | {verdict(c, arm['robust'])} |")
+            f"{fmt(mean_of(arm[capture.REFERENCE_ROBUST], 'mean_acc'))} | {verdict(c, arm['robust'])} |"
+        )
     lines += ["", "The attacks (fault kinds of `fedapps/flower/faults.py`):", ""]
-    lines += [f"- **{c.name}** (`{c.fault_spec()}`{', ' + ' '.join(c.setting) if c.setting else ''}): {c.what}."
-              for c in cases]
+    lines += [
+        f"- **{c.name}** (`{c.fault_spec()}`{', ' + ' '.join(c.setting) if c.setting else ''}): {c.what}."
+        for c in cases
+    ]
     diag = [c for c in cases if any(r["diagnostic"] is not None for r in rows if r["case"] == c.name)]
     if diag:
-        lines += ["", ("Server side, where the deployed models hardly move (the clients train on their own data after "
-                       "the digest): accuracy of the consensus (FedMD) or of the clients' targets (COMET) on U's true "
-                       "labels after the last round, a diagnostic the method never sees."), "",
-                  "| strategy | attack | default | robust | dropped | dropped + robust |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            (
+                "Server side, where the deployed models hardly move (the clients train on their own data after "
+                "the digest): accuracy of the consensus (FedMD) or of the clients' targets (COMET) on U's true "
+                "labels after the last round, a diagnostic the method never sees."
+            ),
+            "",
+            "| strategy | attack | default | robust | dropped | dropped + robust |",
+            "|---|---|---|---|---|---|",
+        ]
         for c in diag:
             mine = [r for r in rows if r["case"] == c.name]
             cells = [fmt(mean_of([r for r in mine if r["arm"] == a], "diagnostic")) for a in capture.ARMS]
             lines.append(f"| {c.strategy} | {c.attack} | " + " | ".join(cells) + " |")
-    lines += ["", (f"Measured with commit `{prov['commit']}` on {prov['machine']}, {prov['date']}: "
-                   f"{len(rows)} runs, {cpu / 60:.1f} CPU minutes. Per run and seed: `capture.csv`."), ""]
+    lines += [
+        "",
+        (
+            f"Measured with commit `{prov['commit']}` on {prov['machine']}, {prov['date']}: "
+            f"{len(rows)} runs, {cpu / 60:.1f} CPU minutes. Per run and seed: `capture.csv`."
+        ),
+        "",
+    ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--cases", nargs="+", default=[c.name for c in capture.CASES],
-                        help="strategy/attack names (default: every case)")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=[c.name for c in capture.CASES],
+        help="strategy/attack names (default: every case)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -139,8 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "capture.csv", rows)
     (args.out / "capture.md").write_text(table(rows, cases, args.seeds, command.strip(), prov, cpu))
-    logging.info("wrote %s and %s: %d runs, %.1f CPU minutes, %.1f minutes wall", args.out / "capture.csv",
-                 args.out / "capture.md", len(rows), cpu / 60, (time.perf_counter() - t0) / 60)
+    logging.info(
+        "wrote %s and %s: %d runs, %.1f CPU minutes, %.1f minutes wall",
+        args.out / "capture.csv",
+        args.out / "capture.md",
+        len(rows),
+        cpu / 60,
+        (time.perf_counter() - t0) / 60,
+    )
     return 0
 
 

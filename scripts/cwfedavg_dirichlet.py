@@ -40,14 +40,28 @@ from fedapps_tools.tables import PROVENANCE, provenance  # noqa: E402
 SETTING = ROOT / "configs" / "settings" / "param-dirichlet.yaml"
 METHODS = {  # name -> (label, overrides): the table's validation choices for the dirichlet setting
     "fedavg": ("FedAvg (lr 0.1)", ["strategy.name=fedavg", "client.lr=0.1"]),
-    "cwfedavg": ("cwFedAvg, WDR λ = 100, row-norm estimate (lr 0.05)",
-                 ["strategy.name=cwfedavg", "client.lr=0.05", "strategy.params.cwfedavg.wdr_lambda=100"]),
-    "cwfedavg-true": ("cwFedAvg, same training, true class distributions",
-                      ["strategy.name=cwfedavg", "client.lr=0.05", "strategy.params.cwfedavg.wdr_lambda=100",
-                       "strategy.params.cwfedavg.estimator=true"]),
-    "cwfedavg-true-nowdr": ("cwFedAvg, true class distributions, no WDR (λ = 0)",
-                            ["strategy.name=cwfedavg", "client.lr=0.05", "strategy.params.cwfedavg.wdr_lambda=0",
-                             "strategy.params.cwfedavg.estimator=true"]),
+    "cwfedavg": (
+        "cwFedAvg, WDR λ = 100, row-norm estimate (lr 0.05)",
+        ["strategy.name=cwfedavg", "client.lr=0.05", "strategy.params.cwfedavg.wdr_lambda=100"],
+    ),
+    "cwfedavg-true": (
+        "cwFedAvg, same training, true class distributions",
+        [
+            "strategy.name=cwfedavg",
+            "client.lr=0.05",
+            "strategy.params.cwfedavg.wdr_lambda=100",
+            "strategy.params.cwfedavg.estimator=true",
+        ],
+    ),
+    "cwfedavg-true-nowdr": (
+        "cwFedAvg, true class distributions, no WDR (λ = 0)",
+        [
+            "strategy.name=cwfedavg",
+            "client.lr=0.05",
+            "strategy.params.cwfedavg.wdr_lambda=0",
+            "strategy.params.cwfedavg.estimator=true",
+        ],
+    ),
 }
 SEEDS = (0, 1, 2)
 SIZE_BINS = ((0, 100, "< 100"), (100, 250, "100–249"), (250, 10**9, "≥ 250"))  # training samples per client
@@ -59,14 +73,29 @@ def run_one(work: Path, method: str, seed: int, rounds: int) -> Path:
     folder = work / name
     if (folder / "summary.json").is_file():
         return folder
-    cmd = [sys.executable, "-m", "fedapps_tools.cli", "run", str(SETTING), "--engine", "inprocess", "--output-dir",
-           str(work), "--set", *METHODS[method][1], f"rounds={rounds}", f"seed={seed}", f"run_name={name}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fedapps_tools.cli",
+        "run",
+        str(SETTING),
+        "--engine",
+        "inprocess",
+        "--output-dir",
+        str(work),
+        "--set",
+        *METHODS[method][1],
+        f"rounds={rounds}",
+        f"seed={seed}",
+        f"run_name={name}",
+    ]
     if (folder / "checkpoint.pt").is_file():  # an interrupted run continues after its last checkpointed round
         cmd += ["--resume", str(folder)]
     made = provenance()
     with open(work / f"{name}.log", "a") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+        rc = subprocess.run(
+            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        ).returncode
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {rc}; see {work / (name + '.log')}")
     (folder / PROVENANCE).write_text(json.dumps(made))
@@ -96,15 +125,20 @@ def train_sizes(folder: Path) -> dict[int, int]:
 
 
 def round_row(folder: Path, rnd: int) -> dict:
-    rows = [r for r in read_csv(folder / "rounds.csv") if r.get("round") == rnd and isinstance(r.get("acc_mean"), float)]
+    rows = [
+        r for r in read_csv(folder / "rounds.csv") if r.get("round") == rnd and isinstance(r.get("acc_mean"), float)
+    ]
     if not rows:
         raise RuntimeError(f"{folder}/rounds.csv has no measured round {rnd}")
     return rows[0]
 
 
 def client_accuracies(row: dict) -> dict[int, float]:
-    return {int(k.rpartition("_")[2]): float(v) for k, v in row.items()
-            if k.startswith("acc_client_") and isinstance(v, float)}
+    return {
+        int(k.rpartition("_")[2]): float(v)
+        for k, v in row.items()
+        if k.startswith("acc_client_") and isinstance(v, float)
+    }
 
 
 def estimator_l2(folder: Path) -> float | None:
@@ -117,7 +151,8 @@ def estimator_l2(folder: Path) -> float | None:
     with open(f) as fh:
         for r in csv.DictReader(fh):
             by.setdefault(int(r["client"]), {})[r["kind"]] = np.array(
-                [float(v) for k, v in r.items() if k.startswith("class_")])
+                [float(v) for k, v in r.items() if k.startswith("class_")]
+            )
     errors = [np.linalg.norm(v["norm"] - v["true"]) for v in by.values() if "norm" in v and "true" in v]
     return float(np.mean(errors)) if errors else None
 
@@ -136,29 +171,43 @@ def analyse(work: Path, rounds: int) -> list[dict]:
         sizes = train_sizes(folders[0])
         for rnd in reads:
             rows = [round_row(f, rnd) for f in folders]
-            metrics: dict[str, list[float]] = {"mean over clients": [r["acc_mean"] for r in rows],
-                                               "sample-weighted": [r["acc_weighted"] for r in rows]}
+            metrics: dict[str, list[float]] = {
+                "mean over clients": [r["acc_mean"] for r in rows],
+                "sample-weighted": [r["acc_weighted"] for r in rows],
+            }
             for lo, hi, label in SIZE_BINS:
                 members = [c for c, n in sizes.items() if lo <= n < hi]
                 metrics[f"mean over clients with {label} training samples ({len(members)})"] = [
-                    float(np.mean([client_accuracies(r)[c] for c in members])) for r in rows]
+                    float(np.mean([client_accuracies(r)[c] for c in members])) for r in rows
+                ]
             for metric, values in metrics.items():
                 m, sem = mean_sem(values)
-                out.append({"method": method, "round": rnd, "metric": metric, "mean": round(m, 4),
-                            "sem": round(sem, 4)})
+                out.append(
+                    {"method": method, "round": rnd, "metric": metric, "mean": round(m, 4), "sem": round(sem, 4)}
+                )
         errs = [e for e in (estimator_l2(f) for f in folders) if e is not None]
         if errs and method == "cwfedavg":
             m, sem = mean_sem(errs)
-            out.append({"method": method, "round": rounds, "metric": "estimator error, mean ‖p̂ − p‖₂",
-                        "mean": round(m, 4), "sem": round(sem, 4)})
+            out.append(
+                {
+                    "method": method,
+                    "round": rounds,
+                    "metric": "estimator error, mean ‖p̂ − p‖₂",
+                    "mean": round(m, 4),
+                    "sem": round(sem, 4),
+                }
+            )
     return out
 
 
 def curves_figure(work: Path, path: Path) -> None:
     from fedapps_tools.compare import Line, plot_curves
 
-    lines = [Line(method, "", label, [read_csv(work / f"{method}-s{s}" / "rounds.csv") for s in SEEDS])
-             for method, (label, _) in METHODS.items() if method in finished(work)]
+    lines = [
+        Line(method, "", label, [read_csv(work / f"{method}-s{s}" / "rounds.csv") for s in SEEDS])
+        for method, (label, _) in METHODS.items()
+        if method in finished(work)
+    ]
     plot_curves(lines, path)
 
 
@@ -173,14 +222,21 @@ def write_report(rows: list[dict], work: Path, out: Path, rounds: int, command: 
     reads = sorted({r["round"] for r in rows if r["metric"] == "mean over clients"})
     metrics = list(dict.fromkeys(r["metric"] for r in rows if not r["metric"].startswith("estimator")))
     cell = {(r["method"], r["round"], r["metric"]): f"{r['mean']:.3f} ± {r['sem']:.3f}" for r in rows}
-    lines = ["# cwFedAvg and FedAvg on the Dirichlet split", "",
-             f"<!-- generated by `{command}`; do not edit -->", "",
-             ("The parameter-sharing table's `dirichlet` setting (mnist5k, Dirichlet α = 0.1, 20 clients, the CNN, "
-              "batch 10, 1 epoch), each configuration at the learning rate and λ its table row chose on validation, "
-              f"run for {rounds} rounds; round 20 is the table's budget. Discussed on the [cwFedAvg page]"
-              "(../algorithms/cwfedavg.md#on-the-dirichlet-split)."), "",
-             "| metric | round | " + " | ".join(METHODS[m][0] for m in METHODS) + " |",
-             "|---|---|" + "---|" * len(METHODS)]
+    lines = [
+        "# cwFedAvg and FedAvg on the Dirichlet split",
+        "",
+        f"<!-- generated by `{command}`; do not edit -->",
+        "",
+        (
+            "The parameter-sharing table's `dirichlet` setting (mnist5k, Dirichlet α = 0.1, 20 clients, the CNN, "
+            "batch 10, 1 epoch), each configuration at the learning rate and λ its table row chose on validation, "
+            f"run for {rounds} rounds; round 20 is the table's budget. Discussed on the [cwFedAvg page]"
+            "(../algorithms/cwfedavg.md#on-the-dirichlet-split)."
+        ),
+        "",
+        "| metric | round | " + " | ".join(METHODS[m][0] for m in METHODS) + " |",
+        "|---|---|" + "---|" * len(METHODS),
+    ]
     for metric in metrics:
         for rnd in reads:
             lines.append(f"| {metric} | {rnd} | " + " | ".join(cell.get((m, rnd, metric), "—") for m in METHODS) + " |")
@@ -189,12 +245,23 @@ def write_report(rows: list[dict], work: Path, out: Path, rounds: int, command: 
         lines += ["", "Not run yet (a — above): " + "; ".join(METHODS[m][0] for m in missing) + "."]
     est = [r for r in rows if r["metric"].startswith("estimator")]
     if est:
-        lines += ["", (f"Estimator error after round {rounds} (cwFedAvg, λ = 100): mean over clients of ‖p̂ − p‖₂ = "
-                   f"{est[0]['mean']:.3f} ± {est[0]['sem']:.3f} (over seeds).")]
-    lines += ["", (f"Mean ± SEM over seeds {', '.join(map(str, SEEDS))}; deployed models on each client's test split; "
-               f"produced by `{command}` on {made['machine']}; the runs were made at commit {run_commits(work)}, the "
-               f"report at `{made['commit']}`."), "",
-              "![deployed-model accuracy per round, mean ± SEM over seeds](../results/cwfedavg-dirichlet.png)"]
+        lines += [
+            "",
+            (
+                f"Estimator error after round {rounds} (cwFedAvg, λ = 100): mean over clients of ‖p̂ − p‖₂ = "
+                f"{est[0]['mean']:.3f} ± {est[0]['sem']:.3f} (over seeds)."
+            ),
+        ]
+    lines += [
+        "",
+        (
+            f"Mean ± SEM over seeds {', '.join(map(str, SEEDS))}; deployed models on each client's test split; "
+            f"produced by `{command}` on {made['machine']}; the runs were made at commit {run_commits(work)}, the "
+            f"report at `{made['commit']}`."
+        ),
+        "",
+        "![deployed-model accuracy per round, mean ± SEM over seeds](../results/cwfedavg-dirichlet.png)",
+    ]
     (out / "cwfedavg-dirichlet.md").write_text("\n".join(lines) + "\n")
 
 

@@ -15,19 +15,26 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fedapps.config import load_config  # noqa: E402
-from fedapps.flower.inprocess import InProcessGrid  # noqa: E402
-from fedapps.server.driver import RoundDriver  # noqa: E402
-from strategies import resolve  # noqa: E402
-from strategies.cwfedavg import fedavg_weights, l1_error, mixing_matrix  # noqa: E402
+from fedapps.config import load_config
+from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.driver import RoundDriver
+from strategies import resolve
+from strategies.cwfedavg import fedavg_weights, l1_error, mixing_matrix
 
 CLIENTS = 10
 
 
 def measure(estimator: str, lam: float, rounds: int) -> str:
-    cfg = load_config(str(Path(__file__).resolve().parent.parent / "configs" / "cwfedavg.yaml"),
-                      [f"rounds={rounds}", "data.partition=iid", f"data.num_clients={CLIENTS}",
-                       f"strategy.params.cwfedavg.estimator={estimator}", f"strategy.params.cwfedavg.wdr_lambda={lam}"])
+    cfg = load_config(
+        str(Path(__file__).resolve().parent.parent / "configs" / "cwfedavg.yaml"),
+        [
+            f"rounds={rounds}",
+            "data.partition=iid",
+            f"data.num_clients={CLIENTS}",
+            f"strategy.params.cwfedavg.estimator={estimator}",
+            f"strategy.params.cwfedavg.wdr_lambda={lam}",
+        ],
+    )
     resolved = resolve(cfg)
     strategy = resolved.build(resolved.config(cfg))
     RoundDriver(strategy).start(InProcessGrid(CLIENTS))
@@ -35,10 +42,12 @@ def measure(estimator: str, lam: float, rounds: int) -> str:
     a = mixing_matrix(strategy.p_hat[rows], strategy.q[rows])
     fedavg = fedavg_weights(strategy.n[rows])
     l1 = l1_error(strategy.p_hat[rows], strategy.true_p[:CLIENTS])
-    return (f"{estimator:5s} λ={lam:g} rounds={rounds}: L1(p̂, p) {l1:.3f}  "
-            f"self-weights A_ii {np.diag(a).min():.3f}–{np.diag(a).max():.3f} "
-            f"(FedAvg {fedavg.min():.3f}–{fedavg.max():.3f})  "
-            f"max |A − FedAvg| {np.abs(a - fedavg[None]).max():.3f}")
+    return (
+        f"{estimator:5s} λ={lam:g} rounds={rounds}: L1(p̂, p) {l1:.3f}  "
+        f"self-weights A_ii {np.diag(a).min():.3f}–{np.diag(a).max():.3f} "
+        f"(FedAvg {fedavg.min():.3f}–{fedavg.max():.3f})  "
+        f"max |A − FedAvg| {np.abs(a - fedavg[None]).max():.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -38,24 +38,67 @@ EQUIVALENT = ROOT / "docs" / "mutation.md"
 SCOPE: dict[str, list[str]] = {
     "fedapps.server.robust": ["cap_weights", "coordinate_median", "trimmed_mean", "combine"],
     "fedapps.server.pairwise_l1": ["l1_distance_matrix"],
-    "fedapps.server.clustering": ["l2_distance_matrix", "distance_to_centres", "greedy_threshold_clustering", "assignment",
-                           "auto_threshold"],
+    "fedapps.server.clustering": [
+        "l2_distance_matrix",
+        "distance_to_centres",
+        "greedy_threshold_clustering",
+        "assignment",
+        "auto_threshold",
+    ],
     "fedapps.wire.pseudolabels": ["label_dtype", "encode", "decode", "one_hot", "apply_temperature", "aggregate"],
     "fedapps.client.ops": ["kl_to_targets", "weighted_mean"],
     "strategies.cosmos": ["robustness_penalty"],
     "strategies.fedprox": ["proximal_penalty"],
-    "strategies.fedamp": ["squared_distances", "attention_weights", "median_nonzero", "relative_attention_weights",
-                          "proximal_mu", "flatten", "unflatten"],
-    "strategies.cwfedavg": ["class_distribution_from_rows", "wdr_penalty", "normalise_rows", "row_norm_distribution",
-                            "bias_evidence", "fedavg_weights", "class_weights", "mixing_matrix", "mix", "class_models",
-                            "l1_error"],
-    "strategies.feduv": ["iid_threshold", "variance_hinge", "pair_sq_distances", "median_rbf_uniformity",
-                         "log_gaussian_uniformity", "uniformity", "feduv_loss"],
-    "strategies.fednh": ["normalise_rows", "min_pairwise_angle", "uniform_prototypes", "orthogonal_prototypes",
-                         "class_prototypes", "update_prototypes"],
-    "strategies.pfedhn": ["embedding_size", "target_shapes", "hypernetwork_size", "HyperNetwork.embedding",
-                          "HyperNetwork.generate", "HyperNetwork.generate_batch", "accumulate_delta_gradient",
-                          "hypernetwork_step", "make_optimizer"],
+    "strategies.fedamp": [
+        "squared_distances",
+        "attention_weights",
+        "median_nonzero",
+        "relative_attention_weights",
+        "proximal_mu",
+        "flatten",
+        "unflatten",
+    ],
+    "strategies.cwfedavg": [
+        "class_distribution_from_rows",
+        "wdr_penalty",
+        "normalise_rows",
+        "row_norm_distribution",
+        "bias_evidence",
+        "fedavg_weights",
+        "class_weights",
+        "mixing_matrix",
+        "mix",
+        "class_models",
+        "l1_error",
+    ],
+    "strategies.feduv": [
+        "iid_threshold",
+        "variance_hinge",
+        "pair_sq_distances",
+        "median_rbf_uniformity",
+        "log_gaussian_uniformity",
+        "uniformity",
+        "feduv_loss",
+    ],
+    "strategies.fednh": [
+        "normalise_rows",
+        "min_pairwise_angle",
+        "uniform_prototypes",
+        "orthogonal_prototypes",
+        "class_prototypes",
+        "update_prototypes",
+    ],
+    "strategies.pfedhn": [
+        "embedding_size",
+        "target_shapes",
+        "hypernetwork_size",
+        "HyperNetwork.embedding",
+        "HyperNetwork.generate",
+        "HyperNetwork.generate_batch",
+        "accumulate_delta_gradient",
+        "hypernetwork_step",
+        "make_optimizer",
+    ],
     "fedapps.models.heads": ["CosineClassifier.forward"],
 }
 
@@ -72,8 +115,14 @@ def patterns(modules: list[str]) -> list[str]:
 
 def mutmut(*args: str, log=None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=ROOT, env=env, text=True,
-                          stdout=log if log is not None else subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.run(
+        [sys.executable, "-m", "mutmut", *args],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=log if log is not None else subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def results(chosen: list[str]) -> dict[str, str]:
@@ -112,20 +161,30 @@ def main(argv: list[str]) -> int:
     survivors = sorted(n for n, s in status.items() if s == "survived")
     argued = set(re.findall(r"`([\w.ǁ]+__mutmut_\d+)`", EQUIVALENT.read_text())) if EQUIVALENT.exists() else set()
     unexplained = [n for n in survivors if n not in argued]
-    lines = [f"# Mutation report ({date.today().isoformat()}, {minutes:.1f} min)", "",
-             f"Command: `python scripts/mutate.py {' '.join(argv)}`".rstrip() + "; modules: " + ", ".join(modules), "",
-             (f"mutants {len(status)}, killed {counts['killed']}, survived {counts['survived']}, "
-              f"other {len(status) - counts['killed'] - counts['survived']} ({dict(counts)}); timed out at first "
-              f"{len(first_timeouts)}, re-run alone"), "",
-             f"## Survivors ({len(survivors)}; {len(unexplained)} not argued equivalent in docs/mutation.md)", ""]
+    lines = [
+        f"# Mutation report ({date.today().isoformat()}, {minutes:.1f} min)",
+        "",
+        f"Command: `python scripts/mutate.py {' '.join(argv)}`".rstrip() + "; modules: " + ", ".join(modules),
+        "",
+        (
+            f"mutants {len(status)}, killed {counts['killed']}, survived {counts['survived']}, "
+            f"other {len(status) - counts['killed'] - counts['survived']} ({dict(counts)}); timed out at first "
+            f"{len(first_timeouts)}, re-run alone"
+        ),
+        "",
+        f"## Survivors ({len(survivors)}; {len(unexplained)} not argued equivalent in docs/mutation.md)",
+        "",
+    ]
     for name in survivors:
         diff = mutmut("show", name).stdout
         body = [line for line in diff.splitlines() if line[:1] in "+-" and not line.startswith(("+++", "---"))]
         lines += [f"### `{name}`{'' if name in argued else '  (not argued)'}", "", "```diff", *body, "```", ""]
     REPORT.write_text("\n".join(lines) + "\n")
-    print(f"mutants {len(status)}  killed {counts['killed']}  survived {counts['survived']}  "
-          f"other {len(status) - counts['killed'] - counts['survived']} {dict(counts)}  ({minutes:.1f} min; "
-          f"{len(first_timeouts)} timed out at first, re-run alone)")
+    print(
+        f"mutants {len(status)}  killed {counts['killed']}  survived {counts['survived']}  "
+        f"other {len(status) - counts['killed'] - counts['survived']} {dict(counts)}  ({minutes:.1f} min; "
+        f"{len(first_timeouts)} timed out at first, re-run alone)"
+    )
     print(f"survivors not argued equivalent in docs/mutation.md: {len(unexplained)}")
     for name in unexplained:
         print("   ", name)

@@ -32,38 +32,57 @@ class Mutation:
 
 
 MUTATIONS = [
-    Mutation("wdr-squared", "strategies/cwfedavg.py",
-             "return 0.5 * lam * torch.linalg.vector_norm(target_distribution - class_distribution_from_rows(weight))",
-             "return 0.5 * lam * torch.linalg.vector_norm(target_distribution - class_distribution_from_rows(weight)) ** 2",
-             (FORMULAS,)),
-    Mutation("wdr-uniform-target", "strategies/cwfedavg.py",
-             "target = counts / counts.sum()",
-             "target = torch.full_like(counts, 1.0 / len(counts))",
-             (FORMULAS,)),
-    Mutation("kl-reversed", "fedapps/client/ops.py",
-             "per_sample = (target_probs * (torch.log(target_probs.clamp_min(1e-12)) - log_q)).sum(dim=-1)",
-             "per_sample = (log_q.exp() * (log_q - torch.log(target_probs.clamp_min(1e-12)))).sum(dim=-1)",
-             (FORMULAS,)),
-    Mutation("kl-sum-reduction", "fedapps/client/ops.py",
-             "    return weighted_mean(per_sample, sample_weights)\n\n\ndef weighted_mean",
-             "    return per_sample.sum() if sample_weights is None else weighted_mean(per_sample, sample_weights)\n\n\n"
-             "def weighted_mean",
-             (FORMULAS,)),
-    Mutation("fedamp-lambda-over-2", "strategies/fedamp.py",
-             "    return lam / alpha_k\n",
-             "    return lam\n",
-             (FORMULAS,)),
-    Mutation("fedamp-detached", "strategies/fedprox.py",
-             "terms = [((p - anchor[n]) ** 2).sum() for n, p in model.named_parameters() if n in anchor]",
-             "terms = [((p.detach() - anchor[n]) ** 2).sum() for n, p in model.named_parameters() if n in anchor]",
-             (FORMULAS,)),
+    Mutation(
+        "wdr-squared",
+        "strategies/cwfedavg.py",
+        "return 0.5 * lam * torch.linalg.vector_norm(target_distribution - class_distribution_from_rows(weight))",
+        "return 0.5 * lam * torch.linalg.vector_norm(target_distribution - class_distribution_from_rows(weight)) ** 2",
+        (FORMULAS,),
+    ),
+    Mutation(
+        "wdr-uniform-target",
+        "strategies/cwfedavg.py",
+        "target = counts / counts.sum()",
+        "target = torch.full_like(counts, 1.0 / len(counts))",
+        (FORMULAS,),
+    ),
+    Mutation(
+        "kl-reversed",
+        "fedapps/client/ops.py",
+        "per_sample = (target_probs * (torch.log(target_probs.clamp_min(1e-12)) - log_q)).sum(dim=-1)",
+        "per_sample = (log_q.exp() * (log_q - torch.log(target_probs.clamp_min(1e-12)))).sum(dim=-1)",
+        (FORMULAS,),
+    ),
+    Mutation(
+        "kl-sum-reduction",
+        "fedapps/client/ops.py",
+        "    return weighted_mean(per_sample, sample_weights)\n\n\ndef weighted_mean",
+        "    return per_sample.sum() if sample_weights is None else weighted_mean(per_sample, sample_weights)\n\n\n"
+        "def weighted_mean",
+        (FORMULAS,),
+    ),
+    Mutation(
+        "fedamp-lambda-over-2", "strategies/fedamp.py", "    return lam / alpha_k\n", "    return lam\n", (FORMULAS,)
+    ),
+    Mutation(
+        "fedamp-detached",
+        "strategies/fedprox.py",
+        "terms = [((p - anchor[n]) ** 2).sum() for n, p in model.named_parameters() if n in anchor]",
+        "terms = [((p.detach() - anchor[n]) ** 2).sum() for n, p in model.named_parameters() if n in anchor]",
+        (FORMULAS,),
+    ),
 ]
 
 
 def pytest(tests: tuple[str, ...], python: str) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([python, "-m", "pytest", "-q", "-x", *tests], cwd=ROOT, env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+    return subprocess.run(
+        [python, "-m", "pytest", "-q", "-x", *tests],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    ).returncode
 
 
 def run(m: Mutation, python: str) -> tuple[bool, float]:
@@ -71,8 +90,10 @@ def run(m: Mutation, python: str) -> tuple[bool, float]:
     path = ROOT / m.path
     source = path.read_text()
     if source.count(m.original) != 1:
-        raise SystemExit(f"{m.name}: the original text occurs {source.count(m.original)} times in {m.path} "
-                         "(expected once); update scripts/named_mutations.py")
+        raise SystemExit(
+            f"{m.name}: the original text occurs {source.count(m.original)} times in {m.path} "
+            "(expected once); update scripts/named_mutations.py"
+        )
     start = time.perf_counter()
     try:
         path.write_text(source.replace(m.original, m.mutated))
@@ -93,7 +114,9 @@ def main(argv: list[str]) -> int:
     survived = []
     for m in chosen:
         killed, seconds = run(m, sys.executable)
-        print(f"{'killed  ' if killed else 'SURVIVED'} {m.name:22s} {m.path:24s} {seconds:5.1f} s  ({' '.join(m.tests)})")
+        print(
+            f"{'killed  ' if killed else 'SURVIVED'} {m.name:22s} {m.path:24s} {seconds:5.1f} s  ({' '.join(m.tests)})"
+        )
         if not killed:
             survived.append(m.name)
     print(f"named mutations: {len(chosen)}, killed {len(chosen) - len(survived)}, survived {len(survived)}")

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import pkgutil
-from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
-
 import logging
+import pkgutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from fedapps.config import ConfigError, ExperimentConfig, split_overrides, unused_settings, with_strategy_params
 from fedapps.data import check_spec, unused_data_keys
@@ -31,7 +31,12 @@ def _discover() -> dict[str, type[PersonalisedStrategy]]:
             continue
         module = importlib.import_module(f"{__name__}.{info.name}")
         for obj in vars(module).values():
-            if isinstance(obj, type) and issubclass(obj, PersonalisedStrategy) and obj.name and obj.__module__ == module.__name__:
+            if (
+                isinstance(obj, type)
+                and issubclass(obj, PersonalisedStrategy)
+                and obj.name
+                and obj.__module__ == module.__name__
+            ):
                 if obj.name in found:
                     raise RuntimeError(f"two strategies are named '{obj.name}'")
                 found[obj.name] = obj
@@ -83,13 +88,18 @@ def resolve(cfg: ExperimentConfig) -> ResolvedStrategy:
         owners = [s for s, c in sorted(STRATEGIES.items()) if key in {f.name for f in dataclasses.fields(c.Params)}]
         if owners or not isinstance(section, Mapping):
             owner = name if name in owners or not owners else owners[0]
-            users = f" ({', '.join(owners)} {'has' if len(owners) == 1 else 'have'} a parameter '{key}')" if owners else ""
+            users = (
+                f" ({', '.join(owners)} {'has' if len(owners) == 1 else 'have'} a parameter '{key}')" if owners else ""
+            )
             raise ConfigError(
                 f"'strategy.params.{key}': strategy params are namespaced by strategy, write "
                 f"'strategy.params.<strategy>.{key}', e.g. 'strategy.params.{owner}.{key}'{users}; in YAML: "
-                f"params: {{{owner}: {{{key}: ...}}}}")
-        raise ConfigError(f"'strategy.params.{key}' names no known strategy; its sections are named after "
-                          f"strategies: {', '.join(sorted(STRATEGIES))}")
+                f"params: {{{owner}: {{{key}: ...}}}}"
+            )
+        raise ConfigError(
+            f"'strategy.params.{key}' names no known strategy; its sections are named after "
+            f"strategies: {', '.join(sorted(STRATEGIES))}"
+        )
     cls = STRATEGIES[name]
     return ResolvedStrategy(cls, cls.params_from(cfg))
 
@@ -106,12 +116,23 @@ def ignored_settings(cfg: ExperimentConfig, overrides: Sequence[str] = ()) -> li
     m = cfg.model
     if m.per_client and ("model.name" in named or m.name not in m.per_client):
         owner = f"strategy '{cfg.strategy.name}' lets clients run different models"
-        out.append(("model.name", f"model.per_client {list(m.per_client)} gives every client its architecture "
-                                  f"({owner}); to run one architecture everywhere, list only it "
-                                  f"(--set model.per_client={m.name})"))
+        out.append(
+            (
+                "model.name",
+                (
+                    f"model.per_client {list(m.per_client)} gives every client its architecture "
+                    f"({owner}); to run one architecture everywhere, list only it "
+                    f"(--set model.per_client={m.name})"
+                ),
+            )
+        )
     data = dataclasses.asdict(cfg.data)
-    out += [(f"data.{key}", why) for key, why in unused_data_keys(
-        data, dataclasses.asdict(defaults.data), {k.removeprefix("data.") for k in named if k.startswith("data.")})]
+    out += [
+        (f"data.{key}", why)
+        for key, why in unused_data_keys(
+            data, dataclasses.asdict(defaults.data), {k.removeprefix("data.") for k in named if k.startswith("data.")}
+        )
+    ]
     return out
 
 
@@ -134,4 +155,12 @@ def _value(cfg: ExperimentConfig, dotted: str) -> object:
     return node
 
 
-__all__ = ["STRATEGIES", "PersonalisedStrategy", "ResolvedStrategy", "RunContext", "ignored_settings", "report_ignored", "resolve"]
+__all__ = [
+    "STRATEGIES",
+    "PersonalisedStrategy",
+    "ResolvedStrategy",
+    "RunContext",
+    "ignored_settings",
+    "report_ignored",
+    "resolve",
+]

@@ -38,8 +38,9 @@ def weighted_average(arrays: Sequence[Mapping[str, np.ndarray]], weights: Sequen
     return out
 
 
-def clip_replies_to_median(replies: list[ClientReply], sent: list[Mapping[str, np.ndarray]], factor: float,
-                           who: str) -> tuple[list[ClientReply], dict[str, Any]]:
+def clip_replies_to_median(
+    replies: list[ClientReply], sent: list[Mapping[str, np.ndarray]], factor: float, who: str
+) -> tuple[list[ClientReply], dict[str, Any]]:
     """A personalising strategy's ``median_clip``: each reply's update (its arrays minus ``sent[i]``, the model its
     message carried) clipped to ``factor`` × the median update norm of all of them (:func:`fedapps.server.robust.
     clip_to_median`); the replies with the clipped arrays and the round's extras (the bound, how many were clipped),
@@ -47,21 +48,37 @@ def clip_replies_to_median(replies: list[ClientReply], sent: list[Mapping[str, n
     clipped, bound, norms = clip_to_median([r.required_arrays for r in replies], sent, factor)
     over = [n for n in norms if n > bound]
     if over:
-        log.info("%s median_clip %g: %d of %d updates clipped to %.3g (largest %.3g)", who, factor, len(over),
-                 len(norms), bound, max(over))
-    return [dataclasses.replace(r, arrays=a) for r, a in zip(replies, clipped)], {"clip_bound": bound,
-                                                                                  "clipped": len(over)}
+        log.info(
+            "%s median_clip %g: %d of %d updates clipped to %.3g (largest %.3g)",
+            who,
+            factor,
+            len(over),
+            len(norms),
+            bound,
+            max(over),
+        )
+    return [dataclasses.replace(r, arrays=a) for r, a in zip(replies, clipped)], {
+        "clip_bound": bound,
+        "clipped": len(over),
+    }
 
 
-def average_matching(replies: list[ClientReply], current: Mapping[str, np.ndarray],
-                     rule: AggregationRule | None = None) -> dict[str, np.ndarray]:
+def average_matching(
+    replies: list[ClientReply], current: Mapping[str, np.ndarray], rule: AggregationRule | None = None
+) -> dict[str, np.ndarray]:
     """Sample-weighted mean (or ``rule``'s robust combination, :mod:`fedapps.server.robust`) of the replies whose arrays
     have exactly ``current``'s keys and shapes (others are ignored); ``current`` itself when none has. With
     ``rule.clip_update_norm`` > 0 each reply's update (its arrays minus ``current``, the model the round sent) is
-    first clipped to that L2 norm (:func:`fedapps.server.robust.clip_update`). Integer arrays (e.g. BN counters) take the
+    first clipped to that L2 norm (:func:`fedapps.server.robust.clip_update`). Integer arrays (e.g. BN counters) take
+    the
     first client's, as in :func:`weighted_average`. The result has ``current``'s dtypes, whatever a reply's."""
-    usable = [r for r in replies if r.arrays is not None and set(r.arrays) == set(current)
-              and all(np.shape(r.arrays[k]) == np.shape(v) for k, v in current.items())]
+    usable = [
+        r
+        for r in replies
+        if r.arrays is not None
+        and set(r.arrays) == set(current)
+        and all(np.shape(r.arrays[k]) == np.shape(v) for k, v in current.items())
+    ]
     if not usable:
         return dict(current)
     arrays = [r.required_arrays for r in usable]
@@ -70,12 +87,22 @@ def average_matching(replies: list[ClientReply], current: Mapping[str, np.ndarra
         arrays = [a for a, _ in clipped]
         over = [norm for _, norm in clipped if norm > rule.clip_update_norm]
         if over:
-            log.info("clip_update_norm %g: %d of %d updates clipped (largest norm %.3g)", rule.clip_update_norm,
-                     len(over), len(arrays), max(over))
+            log.info(
+                "clip_update_norm %g: %d of %d updates clipped (largest norm %.3g)",
+                rule.clip_update_norm,
+                len(over),
+                len(arrays),
+                max(over),
+            )
     weights = [r.num_examples for r in usable]
     if rule is not None and rule.method == "trimmed-mean" and int(rule.trim_fraction * len(arrays)) == 0:
-        log.warning("trimmed-mean: %d replies and strategy.trim_fraction %g trim no client this time (the config's "
-                    "cohort would); the unweighted mean of the %d is used", len(arrays), rule.trim_fraction, len(arrays))
+        log.warning(
+            "trimmed-mean: %d replies and strategy.trim_fraction %g trim no client this time (the config's "
+            "cohort would); the unweighted mean of the %d is used",
+            len(arrays),
+            rule.trim_fraction,
+            len(arrays),
+        )
     if rule is None or rule.plain:
         out = weighted_average(arrays, weights)
     else:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -99,7 +100,8 @@ class RunContext:
     # where the strategy may keep per-client state too large to rewrite in checkpoint.pt every round (see
     # fedapps.checkpoint.RowFiles; cwFedAvg's stack); None: everything goes in checkpoint.pt
     server_state_dir: str | None = None
-    # nodes refused before round 1 (data.source 'nodes': their data do not fit, see fedapps.flower.describe): never sampled
+    # nodes refused before round 1 (data.source 'nodes': their data do not fit, see fedapps.flower.describe): never
+    # sampled
     excluded_nodes: frozenset[int] = frozenset()
 
 
@@ -128,7 +130,8 @@ class PersonalisedStrategy:
     # own non-state attributes (data, devices, caches rebuilt from the config) in its ``checkpoint_exclude``; the sets
     # of every class in the MRO count.
     checkpoint_exclude: ClassVar[frozenset[str]] = frozenset(
-        {"cfg", "params", "context", "rng", "rule", "replies", "nodes", "history"})
+        {"cfg", "params", "context", "rng", "rule", "replies", "nodes", "history"}
+    )
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -137,8 +140,10 @@ class PersonalisedStrategy:
         key = f"strategy.params.{cls.name}"
         section = cfg.strategy.params.get(cls.name)
         if section and not dataclasses.fields(cls.Params):
-            raise ConfigError(f"strategy '{cls.name}' has no parameters; remove '{key}' "
-                              f"(it sets {', '.join(map(str, section)) if isinstance(section, Mapping) else section!r})")
+            raise ConfigError(
+                f"strategy '{cls.name}' has no parameters; remove '{key}' "
+                f"(it sets {', '.join(map(str, section)) if isinstance(section, Mapping) else section!r})"
+            )
         return parse_params(cls.Params, section, key)
 
     @classmethod
@@ -153,37 +158,55 @@ class PersonalisedStrategy:
         """What no single parameter's declaration can say: checks against the rest of the config (or between
         parameters). Subclasses extend it and call ``super().check(cfg, params)`` first."""
         if cfg.model.per_client and not cls.model_agnostic:
-            raise ConfigError(f"'model.per_client' is set but strategy '{cls.name}' exchanges model parameters, "
-                              "so every client must run the same 'model.name'; remove model.per_client")
+            raise ConfigError(
+                f"'model.per_client' is set but strategy '{cls.name}' exchanges model parameters, "
+                "so every client must run the same 'model.name'; remove model.per_client"
+            )
         if cls.needs_public_set and cfg.data.source == NODES and not cfg.data.public_path:
-            raise ConfigError(f"strategy '{cls.name}' needs a public set U, and with data.source 'nodes' U is a file: set "
-                              "'data.public_path' to the server's copy of U (an .npz with 'x'); every node names its "
-                              "own copy in node config public-path")
+            raise ConfigError(
+                f"strategy '{cls.name}' needs a public set U, and with data.source 'nodes' U is a file: set "
+                "'data.public_path' to the server's copy of U (an .npz with 'x'); every node names its "
+                "own copy in node config public-path"
+            )
         if cls.needs_public_set and cfg.data.source != NODES and cfg.data.public_fraction <= 0:
-            raise ConfigError(f"strategy '{cls.name}' needs a public set U: set 'data.public_fraction' in (0, 1), e.g. 0.2")
+            raise ConfigError(
+                f"strategy '{cls.name}' needs a public set U: set 'data.public_fraction' in (0, 1), e.g. 0.2"
+            )
         if cfg.privacy.mode == "sample" and cls.sample_privacy_refused:
-            raise ConfigError(f"'privacy.mode: sample' cannot cover strategy '{cls.name}': "
-                              f"{cls.sample_privacy_refused}, so ε would not bound what its clients send "
-                              "(docs/privacy.md); run it with privacy.mode off, or choose another strategy")
+            raise ConfigError(
+                f"'privacy.mode: sample' cannot cover strategy '{cls.name}': "
+                f"{cls.sample_privacy_refused}, so ε would not bound what its clients send "
+                "(docs/privacy.md); run it with privacy.mode off, or choose another strategy"
+            )
         s = cfg.strategy
         robust = s.aggregation != "mean" or s.max_weight_share < 1.0 or s.clip_update_norm > 0
         if not cls.robust_aggregation and robust:
-            raise ConfigError(f"'strategy.aggregation: {s.aggregation}' / 'strategy.max_weight_share: {s.max_weight_share}' "
-                              f"/ 'strategy.clip_update_norm: {s.clip_update_norm}' apply to the parameter-averaging "
-                              f"strategies only (fedavg, fedprox, ditto, fedper, fedrep, fedbabu, ifca, cfl), not to "
-                              f"'{cls.name}'; remove them (defaults: mean, 1.0, 0)")
+            raise ConfigError(
+                f"'strategy.aggregation: {s.aggregation}' / 'strategy.max_weight_share: {s.max_weight_share}' "
+                f"/ 'strategy.clip_update_norm: {s.clip_update_norm}' apply to the parameter-averaging "
+                f"strategies only (fedavg, fedprox, ditto, fedper, fedrep, fedbabu, ifca, cfl), not to "
+                f"'{cls.name}'; remove them (defaults: mean, 1.0, 0)"
+            )
         if s.transport != "float32" and cls.model_agnostic:
-            raise ConfigError(f"'strategy.transport: {s.transport}' applies to the strategies that exchange model "
-                              f"parameters; '{cls.name}' sends none (its clients may run different architectures). "
-                              "Remove it (default float32); the pseudo-label strategies set their own wire encoding "
-                              "in strategy.params.<name> (e.g. encoding, uplink_encoding)")
+            raise ConfigError(
+                f"'strategy.transport: {s.transport}' applies to the strategies that exchange model "
+                f"parameters; '{cls.name}' sends none (its clients may run different architectures). "
+                "Remove it (default float32); the pseudo-label strategies set their own wire encoding "
+                "in strategy.params.<name> (e.g. encoding, uplink_encoding)"
+            )
 
     @classmethod
     def require_at_most_clients(cls, cfg: ExperimentConfig, key: str, value: int) -> None:
         """A count parameter (e.g. K cluster models) must not exceed ``data.num_clients``."""
         if value > cfg.data.num_clients:
-            raise ConfigError(exceeds_clients(f"strategy.params.{cls.name}.{key}", value, cfg.data.num_clients,
-                                              "there are not that many clients to share out"))
+            raise ConfigError(
+                exceeds_clients(
+                    f"strategy.params.{cls.name}.{key}",
+                    value,
+                    cfg.data.num_clients,
+                    "there are not that many clients to share out",
+                )
+            )
 
     # ------------------------------------------------------------------ construction
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
@@ -207,9 +230,11 @@ class PersonalisedStrategy:
     def setup(self) -> protocol.Setup:
         """What every message carries: the data spec, the model spec and the client's training settings."""
         c = self.cfg
-        return protocol.Setup(data=protocol.data_spec_for_clients(dataclasses.asdict(c.data)),
-                              model=protocol.ModelSpec(c.model.name, c.seed, tuple(c.model.per_client)),
-                              client=dataclasses.asdict(c.client))
+        return protocol.Setup(
+            data=protocol.data_spec_for_clients(dataclasses.asdict(c.data)),
+            model=protocol.ModelSpec(c.model.name, c.seed, tuple(c.model.per_client)),
+            client=dataclasses.asdict(c.client),
+        )
 
     def request(self, server_round: int, ops: Iterable[str], **parts: Any) -> protocol.Request:
         """A request of this run: the operations, :meth:`setup`, the run's bookkeeping (where clients keep their
@@ -218,8 +243,14 @@ class PersonalisedStrategy:
         ...)."""
         p = self.cfg.privacy
         private = protocol.Privacy(**dataclasses.asdict(p)) if p.mode != "off" else None
-        return protocol.Request(ops=tuple(ops), round=server_round, setup=self.setup(),
-                                bookkeeping=self.context.client_state, privacy=private, **parts)
+        return protocol.Request(
+            ops=tuple(ops),
+            round=server_round,
+            setup=self.setup(),
+            bookkeeping=self.context.client_state,
+            privacy=private,
+            **parts,
+        )
 
     # ------------------------------------------------------------------ to implement
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
@@ -234,8 +265,9 @@ class PersonalisedStrategy:
     def evaluation_models(self, client_ids: list[int | None]) -> list[tuple[str, ArrayRecord] | None]:
         """``deployed.source == 'server'``: per client (None: not heard from yet) the architecture and arrays of
         its deployed model, or None where it has none yet (then it is not measured)."""
-        raise NotImplementedError(f"strategy '{self.name}' declares a server-side deployed model: implement "
-                                  "evaluation_models")
+        raise NotImplementedError(
+            f"strategy '{self.name}' declares a server-side deployed model: implement evaluation_models"
+        )
 
     def measures_round(self, server_round: int) -> bool:
         """Whether round ``server_round``'s deployed models are measured (default: every round; the last round
@@ -248,9 +280,11 @@ class PersonalisedStrategy:
 
     def protocol_summary(self) -> dict[str, Any]:
         """summary.json's description of what the headline measures (written for every strategy)."""
-        return {"deployed_model": self.deployed.what,
-                "deployed_measured": "round r: on round r+1's message before any training; the last round: an "
-                                     "evaluation-only message to every connected client"}
+        return {
+            "deployed_model": self.deployed.what,
+            "deployed_measured": "round r: on round r+1's message before any training; the last round: an "
+            "evaluation-only message to every connected client",
+        }
 
     def artifacts(self) -> list[Artifact]:
         """What the strategy measured beyond the per-round record, as data (tables, documents, figure data)."""

@@ -61,7 +61,9 @@ def bipartition(similarity: np.ndarray) -> tuple[list[int], list[int]]:
     holding row 0 comes first."""
     from sklearn.cluster import AgglomerativeClustering  # server side only: kept out of the ClientApp's imports
 
-    labels = AgglomerativeClustering(n_clusters=2, metric="precomputed", linkage="complete").fit(1.0 - similarity).labels_
+    labels = (
+        AgglomerativeClustering(n_clusters=2, metric="precomputed", linkage="complete").fit(1.0 - similarity).labels_
+    )
     first = [i for i in range(len(labels)) if labels[i] == labels[0]]
     return first, [i for i in range(len(labels)) if labels[i] != labels[0]]
 
@@ -74,12 +76,13 @@ class CFLParams:
     """CFL's parameters (the norms depend on the model and the learning rate: read them in rounds.csv)."""
 
     # read off rounds.csv on configs/cfl.yaml's setting (CNN, SGD lr 0.005): mean 0.08, max 0.38 in round 5
-    eps1: float = param(0.09, gt=0, help="split a cluster only when its mean update norm is below this (it has "
-                                         "converged as a whole)")
-    eps2: float = param(0.2, gt=0, help="... and some client's update norm is above this (that client still "
-                                        "disagrees)")
-    min_split_size: int = param(2, ge=2, help="split only clusters with more replying members than this (at least "
-                                              "two halves)")
+    eps1: float = param(
+        0.09, gt=0, help="split a cluster only when its mean update norm is below this (it has converged as a whole)"
+    )
+    eps2: float = param(0.2, gt=0, help="... and some client's update norm is above this (that client still disagrees)")
+    min_split_size: int = param(
+        2, ge=2, help="split only clusters with more replying members than this (at least two halves)"
+    )
     warmup_rounds: int = param(5, ge=0, help="no split before this round")
 
 
@@ -89,8 +92,9 @@ class CFL(PersonalisedStrategy):
     name = "cfl"
     robust_aggregation = True
     Params = CFLParams
-    deployed = DeployedModel("the model of client i's cluster aggregated in round r (after round r's splits)",
-                             source="message")
+    deployed = DeployedModel(
+        "the model of client i's cluster aggregated in round r (after round r's splits)", source="message"
+    )
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
         super().__init__(cfg, params, context)
@@ -100,8 +104,13 @@ class CFL(PersonalisedStrategy):
         self.splits: list[tuple[int, int, int]] = []  # (round, parent cluster, new cluster)
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        request = self.request(server_round, ["train"], load=protocol.Load(into_model=True),
-                               returns=protocol.Return(arrays=True, part="state"), keep=protocol.Keep(persist=False))
+        request = self.request(
+            server_round,
+            ["train"],
+            load=protocol.Load(into_model=True),
+            returns=protocol.Return(arrays=True, part="state"),
+            keep=protocol.Keep(persist=False),
+        )
         records = {}
         messages = []
         for n in node_ids:
@@ -130,9 +139,12 @@ class CFL(PersonalisedStrategy):
         for r in replies:
             self.cluster_of.setdefault(r.client_id, 0)
         sizes = np.bincount(list(self.cluster_of.values()), minlength=len(self.models))
-        return {"clusters": len(self.models), "cluster_sizes": " ".join(str(int(s)) for s in sizes),
-                "update_norm_mean_max": max(mean_norms) if mean_norms else None,
-                "update_norm_max_max": max(max_norms) if max_norms else None}
+        return {
+            "clusters": len(self.models),
+            "cluster_sizes": " ".join(str(int(s)) for s in sizes),
+            "update_norm_mean_max": max(mean_norms) if mean_norms else None,
+            "update_norm_max_max": max(max_norms) if max_norms else None,
+        }
 
     def _split(self, server_round: int, k: int, group: list[ClientReply], similarity: np.ndarray) -> None:
         """Move the second half of the bipartition into a new cluster that starts from cluster k's model."""
@@ -145,9 +157,18 @@ class CFL(PersonalisedStrategy):
             self.cluster_of[group[i].client_id] = k
         self.splits.append((server_round, k, new))
         cross = float(similarity[np.ix_(first, second)].max())
-        log.info("round %d: CFL split cluster %d into %d + %d clients (new cluster %d); max cross-similarity %.3f",
-                 server_round, k, len(first), len(second), new, cross)
+        log.info(
+            "round %d: CFL split cluster %d into %d + %d clients (new cluster %d); max cross-similarity %.3f",
+            server_round,
+            k,
+            len(first),
+            len(second),
+            new,
+            cross,
+        )
 
     def final_summary(self) -> dict[str, Any]:
-        return {"cluster_assignment": {str(c): k for c, k in sorted(self.cluster_of.items())},
-                "splits": [list(s) for s in self.splits]}
+        return {
+            "cluster_assignment": {str(c): k for c, k in sorted(self.cluster_of.items())},
+            "splits": [list(s) for s in self.splits],
+        }

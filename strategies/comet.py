@@ -75,8 +75,15 @@ def kmeans(x: np.ndarray, init: np.ndarray, max_iter: int = 100) -> tuple[np.nda
     from sklearn.cluster import KMeans
     from sklearn.exceptions import ConvergenceWarning
 
-    km = KMeans(n_clusters=len(init), init=init, n_init=1, max_iter=max(1, int(max_iter)), tol=0.0,
-                algorithm="lloyd", random_state=0)
+    km = KMeans(
+        n_clusters=len(init),
+        init=init,
+        n_init=1,
+        max_iter=max(1, int(max_iter)),
+        tol=0.0,
+        algorithm="lloyd",
+        random_state=0,
+    )
     with warnings.catch_warnings(), threadpool_limits(limits=1, user_api="openmp"):
         warnings.simplefilter("ignore", ConvergenceWarning)  # fewer distinct points than K: reported by the caller
         km.fit(x)
@@ -102,9 +109,13 @@ class COMETParams(DistillParams):
 
     clusters: int = param(5, ge=1, help="K, fixed in advance (capped at the number of replying clients)")
     kmeans_iters: int = param(100, ge=1, help="at most this many Lloyd iterations per round")
-    outlier_factor: float = param(0.0, ge=0, help="robust option, 0 = off: a client whose nearest other client is "
-                                                  "more than this × the median nearest-neighbour distance away takes "
-                                                  "no part in the round's clustering and gets no targets (e.g. 3)")
+    outlier_factor: float = param(
+        0.0,
+        ge=0,
+        help="robust option, 0 = off: a client whose nearest other client is "
+        "more than this × the median nearest-neighbour distance away takes "
+        "no part in the round's clustering and gets no targets (e.g. 3)",
+    )
 
 
 class COMET(PseudoLabelStrategy):
@@ -126,8 +137,12 @@ class COMET(PseudoLabelStrategy):
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         records = {k: protocol.Targets(t).encode() for k, t in self.cluster_targets.items()}
-        requests = {with_targets: self.round_request(server_round, self.round_ops(with_targets), "kl", "probs",
-                                                     self.params.encoding) for with_targets in (False, True)}
+        requests = {
+            with_targets: self.round_request(
+                server_round, self.round_ops(with_targets), "kl", "probs", self.params.encoding
+            )
+            for with_targets in (False, True)
+        }
         messages = []
         for n in node_ids:
             cluster = self.assignment.get(self.nodes.node_to_client.get(n, -1))
@@ -152,28 +167,39 @@ class COMET(PseudoLabelStrategy):
         labels, self.centroids = kmeans(x, init, self.params.kmeans_iters)
         means = cluster_means(stack, labels, k)
         self.assignment = {r.client_id: int(c) for r, c in zip(used, labels)}
-        self.cluster_targets = {j: pseudolabels.encode(means[j], self.params.encoding, self.num_classes)
-                                for j in range(k) if np.any(labels == j)}
+        self.cluster_targets = {
+            j: pseudolabels.encode(means[j], self.params.encoding, self.num_classes)
+            for j in range(k)
+            if np.any(labels == j)
+        }
         sizes = np.bincount(labels, minlength=k)
         log.info("round %d: COMET K=%d, cluster sizes %s", server_round, k, sizes.tolist())
         member_targets = means[labels].argmax(axis=-1)  # each client's target labels (clients×n)
         diag = [self.oracle_accuracy(t) for t in member_targets]
         known = [d for d in diag if d is not None]
-        out = {"clusters": int((sizes > 0).sum()), "cluster_sizes": " ".join(str(int(s)) for s in sizes),
-               "diag_target_acc_on_U": float(np.mean(known)) if len(known) == len(diag) else None}
+        out = {
+            "clusters": int((sizes > 0).sum()),
+            "cluster_sizes": " ".join(str(int(s)) for s in sizes),
+            "diag_target_acc_on_U": float(np.mean(known)) if len(known) == len(diag) else None,
+        }
         return {**out, "set_aside": set_aside} if self.params.outlier_factor > 0 else out
 
-    def without_outliers(self, server_round: int, used: list[ClientReply],
-                         stack: np.ndarray) -> tuple[list[ClientReply], np.ndarray, int]:
+    def without_outliers(
+        self, server_round: int, used: list[ClientReply], stack: np.ndarray
+    ) -> tuple[list[ClientReply], np.ndarray, int]:
         """``outlier_factor``: the replies (and their predictions) without the clients :func:`fedapps.server.clustering.
         isolated` finds, each recorded as left out; everybody when that would leave nobody."""
         far = clustering.isolated(clustering.pairwise_distances(stack, "l1"), float(self.params.outlier_factor))
         if far.all() or not far.any():
             return used, stack, 0
         for r in (r for r, f in zip(used, far) if f):
-            self.replies.skip_reply(server_round, r, f"outlier_factor {self.params.outlier_factor:g}: its predictions are far "
-                                             "from every other client's; set aside this round (no centroid, no "
-                                             "targets)")
+            self.replies.skip_reply(
+                server_round,
+                r,
+                f"outlier_factor {self.params.outlier_factor:g}: its predictions are far "
+                "from every other client's; set aside this round (no centroid, no "
+                "targets)",
+            )
         keep = ~far
         return [r for r, k in zip(used, keep) if k], stack[keep], int(far.sum())
 

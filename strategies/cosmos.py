@@ -87,8 +87,16 @@ def oracle_weights(w, targets: np.ndarray, rows) -> torch.Tensor:
 # --------------------------------------------------------------------------- r_B, client and server
 
 
-def robustness_penalty(model: nn.Module, x: Tensor, logits: Tensor, sigma: float, lo: float = -1.0, hi: float = 1.0,
-                       sample_weights: Tensor | None = None, generator: torch.Generator | None = None) -> Tensor:
+def robustness_penalty(
+    model: nn.Module,
+    x: Tensor,
+    logits: Tensor,
+    sigma: float,
+    lo: float = -1.0,
+    hi: float = 1.0,
+    sample_weights: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
     """r_B: MSE between softmax on clean and noisy inputs, gradient through the clean branch.
 
     Per sample the MSE over classes; averaged over the batch, weighted by w(x) when weights are given
@@ -97,8 +105,9 @@ def robustness_penalty(model: nn.Module, x: Tensor, logits: Tensor, sigma: float
     caller gets the same noise on every run and engine; without one, from torch's global RNG.
     """
     with torch.no_grad():
-        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype,
-                            device=generator.device if generator is not None else x.device)
+        noise = torch.randn(
+            x.shape, generator=generator, dtype=x.dtype, device=generator.device if generator is not None else x.device
+        )
         noisy = (x + sigma * noise.to(x.device)).clamp(lo, hi)
         p_noisy = F.softmax(model(noisy), dim=-1)
     per_sample = ((F.softmax(logits, dim=-1) - p_noisy) ** 2).mean(dim=-1)
@@ -106,11 +115,13 @@ def robustness_penalty(model: nn.Module, x: Tensor, logits: Tensor, sigma: float
 
 
 def rb_term(lam: float, sigma: float, generator: torch.Generator | None = None) -> ops.DistillTerm | None:
-    """λ·r_B as a distillation term of :func:`fedapps.client.ops.distill` (noise from ``generator``); None when λ = 0."""
+    """λ·r_B as a distillation term of :func:`fedapps.client.ops.distill` (noise from ``generator``); None when λ =
+    0."""
     if lam <= 0:
         return None
-    return lambda model, x, logits, weights: lam * robustness_penalty(model, x, logits, sigma, sample_weights=weights,
-                                                                      generator=generator)
+    return lambda model, x, logits, weights: (
+        lam * robustness_penalty(model, x, logits, sigma, sample_weights=weights, generator=generator)
+    )
 
 
 @distill_term("rb")
@@ -127,25 +138,38 @@ class CosmosParams:
     """COSMOS hyper-parameters (defaults: the paper's, with the spec's label-free w_i(x) and r_B with gradient)."""
 
     server_model: str = param("vgg16", choices=MODEL_NAMES, help="architecture of every cluster model h_k")
-    pretrain_epochs: int = param(5, ge=0, help="E0: local cross-entropy epochs in round 1 (later rounds use "
-                                               "client.epochs)")
+    pretrain_epochs: int = param(
+        5, ge=0, help="E0: local cross-entropy epochs in round 1 (later rounds use client.epochs)"
+    )
     # clustering (round 1 only; clusters stay fixed)
-    distance: str = param("l1", choices=clustering.DISTANCES,
-                          help="l1 (paper) or l2 (reference code's Frobenius norm); both per public sample")
-    b0_mode: str = param("auto", choices=clustering.B0_MODES,
-                         help="auto: raise B0 until at most max_clusters clusters (reference rule); fixed: use b0")
+    distance: str = param(
+        "l1",
+        choices=clustering.DISTANCES,
+        help="l1 (paper) or l2 (reference code's Frobenius norm); both per public sample",
+    )
+    b0_mode: str = param(
+        "auto",
+        choices=clustering.B0_MODES,
+        help="auto: raise B0 until at most max_clusters clusters (reference rule); fixed: use b0",
+    )
     b0: float = param(0.5, ge=0, help="explicit threshold on the per-sample distance (b0_mode fixed)")
     max_clusters: int = param(5, gt=0, help="b0_mode auto: target upper bound on K")
     b0_start: float = param(0.05, ge=0, help="b0_mode auto: first B0 tried")
     b0_step: float = param(0.05, gt=0, help="b0_mode auto: B0 increment")
     # server distillation (objective 1)
-    aggregation: str = param("mean", choices=pseudolabels.AGGREGATIONS,
-                             help="how a cluster's members' predictions make its target")
+    aggregation: str = param(
+        "mean", choices=pseudolabels.AGGREGATIONS, help="how a cluster's members' predictions make its target"
+    )
     temperature: float = param(1.0, ge=0, help="targets p^(1/T) renormalised; 0 = hard (one-hot) labels")
-    member_clip: float = param(0.0, ge=0, le=2, help="robust option, 0 = off: each member's predictions moved towards "
-                                                     "the cluster's last targets h_k(U) (round 1: the members' median) "
-                                                     "until no row is further than this in L1, before they are "
-                                                     "aggregated (e.g. 0.5; rows differ by at most 2)")
+    member_clip: float = param(
+        0.0,
+        ge=0,
+        le=2,
+        help="robust option, 0 = off: each member's predictions moved towards "
+        "the cluster's last targets h_k(U) (round 1: the members' median) "
+        "until no row is further than this in L1, before they are "
+        "aggregated (e.g. 0.5; rows differ by at most 2)",
+    )
     rb_lambda: float = param(5.0, ge=0, help="λ of r_B, server and client")
     rb_sigma: float = param(0.05, ge=0, help="std of r_B's input noise")
     server_epochs: int = param(5, ge=0, help="epochs of each cluster model's distillation on U per round")
@@ -153,21 +177,26 @@ class CosmosParams:
     server_lr: float = param(1e-4, gt=0, help="learning rate of the server distillation")
     server_optimizer: str = param("adam", choices=OPTIMIZERS, help="optimiser of the server distillation")
     server_clip_norm: float = param(1.0, ge=0, help="gradient-norm clipping of the server distillation; 0 = off")
-    server_device: str = param("auto", choices=DEVICES, help="where the cluster models train: auto (CUDA when "
-                                                             "present), cpu or cuda")
+    server_device: str = param(
+        "auto", choices=DEVICES, help="where the cluster models train: auto (CUDA when present), cpu or cuda"
+    )
     # client distillation (objective 2)
     distill_epochs: int = param(5, ge=0, help="epochs of each client's distillation on U per round")
     distill_batch_size: int = param(32, gt=0, help="minibatch size of the client distillation")
     distill_lr: float = param(1e-4, gt=0, help="learning rate of the client distillation")
     distill_optimizer: str = param("adam", choices=OPTIMIZERS, help="optimiser of the client distillation")
     distill_clip_norm: float = param(1.0, ge=0, help="gradient-norm clipping of the client distillation; 0 = off")
-    weighting: str = param("label-free", choices=WEIGHTINGS,
-                           help="w_i(x): label-free | none | oracle (true labels of U: reproduction only)")
+    weighting: str = param(
+        "label-free",
+        choices=WEIGHTINGS,
+        help="w_i(x): label-free | none | oracle (true labels of U: reproduction only)",
+    )
     # wire
     uplink_encoding: str = param("float32", choices=pseudolabels.ENCODINGS, help="client → server predictions")
     downlink_encoding: str = param("float32", choices=pseudolabels.ENCODINGS, help="server → client pseudo-labels")
-    eval_every: int = param(1, gt=0, help="send the cluster models for evaluation every this many rounds (and in the "
-                                          "last round)")
+    eval_every: int = param(
+        1, gt=0, help="send the cluster models for evaluation every this many rounds (and in the last round)"
+    )
 
 
 def soft_predictions(pred: np.ndarray, num_classes: int) -> np.ndarray:
@@ -186,8 +215,9 @@ class Cosmos(PersonalisedStrategy):
     Params = CosmosParams
     needs_public_set = True
     model_agnostic = True
-    deployed = DeployedModel("the cluster model h_π(i) after round r's server training", source="server",
-                             evaluate="evaluate-received")
+    deployed = DeployedModel(
+        "the cluster model h_π(i) after round r's server training", source="server", evaluate="evaluate-received"
+    )
     checkpoint_exclude = frozenset({"fed", "device", "num_classes", "n_public"})  # rebuilt from the config
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
@@ -214,9 +244,11 @@ class Cosmos(PersonalisedStrategy):
         """Under sample-level privacy, the clients' distillation weights must not read their class frequencies."""
         super().check(cfg, params)
         if cfg.privacy.mode == "sample" and params.weighting == "label-free":
-            raise ConfigError("'privacy.mode: sample' cannot cover cosmos with weighting 'label-free': w_i(x) reads "
-                              "the client's class frequencies without noise and shapes the model it then trains; set "
-                              "strategy.params.cosmos.weighting=none (docs/privacy.md)")
+            raise ConfigError(
+                "'privacy.mode: sample' cannot cover cosmos with weighting 'label-free': w_i(x) reads "
+                "the client's class frequencies without noise and shapes the model it then trains; set "
+                "strategy.params.cosmos.weighting=none (docs/privacy.md)"
+            )
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -226,7 +258,9 @@ class Cosmos(PersonalisedStrategy):
             state = super().state_dict()
         finally:
             self.models = models
-        state["models"] = {k: {n: t.detach().cpu().clone() for n, t in m.state_dict().items()} for k, m in models.items()}
+        state["models"] = {
+            k: {n: t.detach().cpu().clone() for n, t in m.state_dict().items()} for k, m in models.items()
+        }
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -241,14 +275,26 @@ class Cosmos(PersonalisedStrategy):
     def round_request(self, server_round: int) -> protocol.Request:
         """The round message's request: data/model/client spec, U's fingerprint, distil/train/predict settings."""
         p: CosmosParams = self.params
-        sections = {protocol.DISTILL: protocol.Section(
-            epochs=p.distill_epochs, batch_size=p.distill_batch_size, lr=p.distill_lr, optimizer=p.distill_optimizer,
-            clip_norm=p.distill_clip_norm, loss="kl", weighting=p.weighting,
-            extra={RB_LAMBDA: p.rb_lambda, RB_SIGMA: p.rb_sigma})}
+        sections = {
+            protocol.DISTILL: protocol.Section(
+                epochs=p.distill_epochs,
+                batch_size=p.distill_batch_size,
+                lr=p.distill_lr,
+                optimizer=p.distill_optimizer,
+                clip_norm=p.distill_clip_norm,
+                loss="kl",
+                weighting=p.weighting,
+                extra={RB_LAMBDA: p.rb_lambda, RB_SIGMA: p.rb_sigma},
+            )
+        }
         if server_round == 1:
             sections[protocol.TRAIN] = protocol.Section(epochs=p.pretrain_epochs)  # E0 pre-training
-        return self.request(server_round, ROUND_OPS, training=protocol.Training(sections=sections),
-                            public=protocol.PublicSet(self.fed.fingerprint, "probs", p.uplink_encoding))
+        return self.request(
+            server_round,
+            ROUND_OPS,
+            training=protocol.Training(sections=sections),
+            public=protocol.PublicSet(self.fed.fingerprint, "probs", p.uplink_encoding),
+        )
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         request = self.round_request(server_round)
@@ -258,9 +304,14 @@ class Cosmos(PersonalisedStrategy):
             targets = self.wire_targets.get(cluster) if cluster is not None else None
             messages.append(protocol.build_message(node, request, targets=targets))
         with_targets = sum(1 for m in messages if protocol.TARGETS in m.content)
-        self.pseudo_bytes_down = sum(m.content.array_records[protocol.TARGETS][protocol.TARGET_ARRAY].numpy().nbytes
-                                     for m in messages if protocol.TARGETS in m.content)
-        log.info("cosmos round %d: %d messages (%d with cluster pseudo-labels)", server_round, len(messages), with_targets)
+        self.pseudo_bytes_down = sum(
+            m.content.array_records[protocol.TARGETS][protocol.TARGET_ARRAY].numpy().nbytes
+            for m in messages
+            if protocol.TARGETS in m.content
+        )
+        log.info(
+            "cosmos round %d: %d messages (%d with cluster pseudo-labels)", server_round, len(messages), with_targets
+        )
         return messages
 
     def measures_round(self, server_round: int) -> bool:
@@ -277,8 +328,9 @@ class Cosmos(PersonalisedStrategy):
                 out.append(None)
                 continue
             if k not in records:
-                records[k] = protocol.arrays_record({n: t.detach().cpu().numpy()
-                                                     for n, t in self.models[k].state_dict().items()})
+                records[k] = protocol.arrays_record(
+                    {n: t.detach().cpu().numpy() for n, t in self.models[k].state_dict().items()}
+                )
             out.append((self.params.server_model, records[k]))
         return out
 
@@ -286,8 +338,10 @@ class Cosmos(PersonalisedStrategy):
     def accept(self, replies: list[ClientReply]) -> dict[int, np.ndarray]:
         """Client id -> soft predictions. The reply validator has checked each reply once (U's fingerprint, the
         predictions' wire type, shape and values: :func:`fedapps.wire.validation.prediction_problem`)."""
-        return {r.client_id: soft_predictions(r.required_predictions[protocol.PREDICTION_ARRAY], self.num_classes)
-                for r in replies}
+        return {
+            r.client_id: soft_predictions(r.required_predictions[protocol.PREDICTION_ARRAY], self.num_classes)
+            for r in replies
+        }
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -320,15 +374,20 @@ class Cosmos(PersonalisedStrategy):
         t0 = time.perf_counter()
         self.distances = clustering.pairwise_distances(np.stack([preds[c] for c in ids]), p.distance)
         self.distance_clients = ids
-        result = clustering.cluster_clients(self.distances, p.b0_mode, p.b0, p.max_clusters, p.b0_start, p.b0_step,
-                                            p.distance)
+        result = clustering.cluster_clients(
+            self.distances, p.b0_mode, p.b0, p.max_clusters, p.b0_start, p.b0_step, p.distance
+        )
         result.clusters = [[ids[i] for i in members] for members in result.clusters]
         self.clustering = result
         for k, members in enumerate(result.clusters):
             for cid in members:
                 self.cluster_of[cid] = k
-        log.info("cosmos: distances and clustering of %d clients in %.3f s; clusters %s", len(ids),
-                 time.perf_counter() - t0, result.clusters)
+        log.info(
+            "cosmos: distances and clustering of %d clients in %.3f s; clusters %s",
+            len(ids),
+            time.perf_counter() - t0,
+            result.clusters,
+        )
 
     def assign_newcomer(self, cid: int, pred: np.ndarray) -> None:
         """A client first seen after round 1 joins the cluster whose current target is nearest to its predictions."""
@@ -345,15 +404,25 @@ class Cosmos(PersonalisedStrategy):
     def server_model(self, k: int) -> torch.nn.Module:
         """h_k, built on first use (seeded by the experiment seed and k), then kept and fine-tuned forever."""
         if k not in self.models:
-            self.models[k] = build_model(self.params.server_model, self.num_classes, self.fed.input_shape,
-                                         seed=derive_seed(self.cfg.seed, "cosmos-server-init", k)).to(self.device)
+            self.models[k] = build_model(
+                self.params.server_model,
+                self.num_classes,
+                self.fed.input_shape,
+                seed=derive_seed(self.cfg.seed, "cosmos-server-init", k),
+            ).to(self.device)
         return self.models[k]
 
     def train_cluster_models(self, server_round: int, preds: dict[int, np.ndarray]) -> dict[int, float]:
         """Objective (1) per cluster on this round's members' predictions; refresh h_k(U) for the next round."""
         p: CosmosParams = self.params
-        optim = ops.OptimSettings(epochs=p.server_epochs, batch_size=p.server_batch_size, lr=p.server_lr,
-                                  optimizer=p.server_optimizer, clip_norm=p.server_clip_norm, drop_last=False)
+        optim = ops.OptimSettings(
+            epochs=p.server_epochs,
+            batch_size=p.server_batch_size,
+            lr=p.server_lr,
+            optimizer=p.server_optimizer,
+            clip_norm=p.server_clip_norm,
+            drop_last=False,
+        )
         dist = ops.DistillSettings(loss="kl")
         losses: dict[int, float] = {}
         public_x = self.fed.public_x
@@ -374,17 +443,34 @@ class Cosmos(PersonalisedStrategy):
             gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "cosmos-server-distill", server_round, k))
             with torch.random.fork_rng(devices=[]):  # dropout in h_k draws from a seeded global stream, restored after
                 torch.manual_seed(derive_seed(self.cfg.seed, "cosmos-server-global", server_round, k))
-                result = ops.distill(model, public_x, torch.as_tensor(target), optim, dist, generator=gen,
-                                     term=rb_term(p.rb_lambda, p.rb_sigma, gen))
+                result = ops.distill(
+                    model,
+                    public_x,
+                    torch.as_tensor(target),
+                    optim,
+                    dist,
+                    generator=gen,
+                    term=rb_term(p.rb_lambda, p.rb_sigma, gen),
+                )
             probs = ops.predict(model, public_x).numpy()
             self.server_targets[k] = probs
             wire = pseudolabels.encode(probs, p.downlink_encoding, self.num_classes)
             self.wire_targets[k] = protocol.Targets(wire).encode()
             agree = float((probs.argmax(1) == target.argmax(1)).mean())
             losses[k] = result["loss"]
-            log.info("cosmos round %d: server model %d (%s) distilled on %d members' %s targets, %d epochs: loss %.4f, "
-                     "agreement with targets %.3f, %.1f s", server_round, k, p.server_model, len(present),
-                     p.aggregation, p.server_epochs, result["loss"], agree, time.perf_counter() - t0)
+            log.info(
+                "cosmos round %d: server model %d (%s) distilled on %d members' %s targets, %d epochs: loss %.4f, "
+                "agreement with targets %.3f, %.1f s",
+                server_round,
+                k,
+                p.server_model,
+                len(present),
+                p.aggregation,
+                p.server_epochs,
+                result["loss"],
+                agree,
+                time.perf_counter() - t0,
+            )
         return losses
 
     # ------------------------------------------------------------------ results
@@ -411,16 +497,26 @@ class Cosmos(PersonalisedStrategy):
             return []
         groups = None if self.fed.groups is None else [int(g) for g in self.fed.groups]
         doc = {
-            "b0": c.b0, "b0_mode": c.mode, "distance": c.metric, "b0_tried": c.tried, "clusters": c.clusters,
+            "b0": c.b0,
+            "b0_mode": c.mode,
+            "distance": c.metric,
+            "b0_tried": c.tried,
+            "clusters": c.clusters,
             "cluster_of_client": {str(k): v for k, v in sorted(self.cluster_of.items())},
             "true_group_of_client": groups,
             "distance_clients": self.distance_clients,
             "distances_per_sample": None if self.distances is None else np.round(self.distances, 5).tolist(),
-            "cluster_group_ari": adjusted_rand(self.fed.groups, self.cluster_of) if self.fed.groups is not None else None,
+            "cluster_group_ari": adjusted_rand(self.fed.groups, self.cluster_of)
+            if self.fed.groups is not None
+            else None,
         }
-        figure = {"cluster_of": dict(self.cluster_of), "groups": groups, "distances": self.distances,
-                  "distance_clients": self.distance_clients,
-                  "title": f"{self.cfg.resolved_run_name()}: K = {c.k}, B0 = {c.b0:.3f} ({c.mode}, {c.metric})"}
+        figure = {
+            "cluster_of": dict(self.cluster_of),
+            "groups": groups,
+            "distances": self.distances,
+            "distance_clients": self.distance_clients,
+            "title": f"{self.cfg.resolved_run_name()}: K = {c.k}, B0 = {c.b0:.3f} ({c.mode}, {c.metric})",
+        }
         return [Artifact("clusters", "json", doc), Artifact("clusters", "clusters", figure)]
 
 

@@ -107,7 +107,6 @@ def wdr_penalty(weight: Tensor, target_distribution: Tensor, lam: float) -> Tens
     return 0.5 * lam * torch.linalg.vector_norm(target_distribution - class_distribution_from_rows(weight))
 
 
-
 @training_term("wdr")
 def wdr_term(w, section: protocol.Section):
     """WDR on the client's classifier rows towards its training class distribution; None when λ = 0."""
@@ -133,26 +132,47 @@ def report_class_counts(w, tag: str) -> None:
 class CwFedAvgParams:
     """cwFedAvg's parameters (``strategy.params.cwfedavg``); strings are read lower-case (YAML's bare `true`)."""
 
-    layers: str = param("output", normalise=lower, help="which layers are aggregated class-wise: output | last-N "
-                                                         "(e.g. last-2) | all (parsed by parse_layers in check)")
-    estimator: str = param("norm", choices=ESTIMATORS, normalise=lower,
-                           help="norm (the paper's: classifier row norms; needs WDR) | true (clients report class "
-                                "counts) | bias (ours: support from classifier-bias updates; not FedAvg on IID data, "
-                                "drops held classes the model over-predicts)")
+    layers: str = param(
+        "output",
+        normalise=lower,
+        help="which layers are aggregated class-wise: output | last-N "
+        "(e.g. last-2) | all (parsed by parse_layers in check)",
+    )
+    estimator: str = param(
+        "norm",
+        choices=ESTIMATORS,
+        normalise=lower,
+        help="norm (the paper's: classifier row norms; needs WDR) | true (clients report class "
+        "counts) | bias (ours: support from classifier-bias updates; not FedAvg on IID data, "
+        "drops held classes the model over-predicts)",
+    )
     # λ = 10 is the paper's value for MNIST/CIFAR-10 (CIFAR-100 1000, Tiny ImageNet 2000); to be re-chosen on a
     # validation split, never on test accuracy
-    wdr_lambda: float = param(10.0, ge=0, help="WDR strength λ on the clients; 0 turns WDR off (`bias` and `true` do "
-                                               "not need it)")
-    mix: str = param("latest", choices=MIX_SETS, normalise=lower,
-                     help="latest: mix every client's latest model | round: only this round's repliers")
-    buffers: str = param("local", choices=BUFFER_MODES, normalise=lower,
-                         help="local: buffers (BN statistics) never leave the clients | fedavg: averaged")
+    wdr_lambda: float = param(
+        10.0, ge=0, help="WDR strength λ on the clients; 0 turns WDR off (`bias` and `true` do not need it)"
+    )
+    mix: str = param(
+        "latest",
+        choices=MIX_SETS,
+        normalise=lower,
+        help="latest: mix every client's latest model | round: only this round's repliers",
+    )
+    buffers: str = param(
+        "local",
+        choices=BUFFER_MODES,
+        normalise=lower,
+        help="local: buffers (BN statistics) never leave the clients | fedavg: averaged",
+    )
     track_estimation_error: bool = param(True, help="log mean L1(p̂, p) per estimator (simulation: the server knows p)")
     # robust option (docs/reliability.md, threat model): off by default, so published results are the paper's method
-    median_clip: float = param(0.0, ge=0, help="robust option, 0 = off: each upload's update (the upload minus the "
-                                               "personalised model the client was sent) is clipped to this multiple "
-                                               "of the round's median update norm before it enters any mixing, its "
-                                               "class estimate included (e.g. 2)")
+    median_clip: float = param(
+        0.0,
+        ge=0,
+        help="robust option, 0 = off: each upload's update (the upload minus the "
+        "personalised model the client was sent) is clipped to this multiple "
+        "of the round's median update norm before it enters any mixing, its "
+        "class estimate included (e.g. 2)",
+    )
 
 
 # --------------------------------------------------------------------------- pure maths
@@ -217,8 +237,10 @@ def parse_layers(layers: str) -> tuple[str, int]:
         return layers, 0
     m = _LAST_N.match(str(layers))
     if not m or int(m.group(1)) < 1:
-        raise ConfigError(f"'strategy.params.cwfedavg.layers' is '{layers}'; allowed: output, all, or last-N with N >= 1 "
-                          "(e.g. last-2)")
+        raise ConfigError(
+            f"'strategy.params.cwfedavg.layers' is '{layers}'; allowed: output, all, or last-N with N >= 1 "
+            "(e.g. last-2)"
+        )
     return "last", int(m.group(1))
 
 
@@ -238,8 +260,10 @@ def classwise_keys(model: nn.Module, layers: str) -> list[str]:
         return [k for k in names if k.rsplit(".", 1)[0] == head]
     children = parameterised_children(model)
     if n > len(children):
-        raise ConfigError(f"'strategy.params.cwfedavg.layers' is 'last-{n}' but the model has only {len(children)} "
-                          f"top-level children with parameters ({', '.join(children)})")
+        raise ConfigError(
+            f"'strategy.params.cwfedavg.layers' is 'last-{n}' but the model has only {len(children)} "
+            f"top-level children with parameters ({', '.join(children)})"
+        )
     chosen = set(children[-n:])
     return [k for k in names if k.split(".", 1)[0] in chosen]
 
@@ -274,8 +298,10 @@ class ModelStack:
     def __init__(self, template: Mapping[str, np.ndarray], capacity: int, stacked: list[str] | None = None) -> None:
         self.template = {k: np.asarray(v) for k, v in template.items()}
         self.capacity = max(1, capacity)
-        self.arrays = {k: np.zeros((self.capacity,) + self.template[k].shape, self.template[k].dtype)
-                       for k in (self.template if stacked is None else stacked)}
+        self.arrays = {
+            k: np.zeros((self.capacity,) + self.template[k].shape, self.template[k].dtype)
+            for k in (self.template if stacked is None else stacked)
+        }
         self.loose: dict[int, dict[str, np.ndarray]] = {}  # client id -> its arrays of the keys not stacked
         self.row_of: dict[int, int] = {}
         self.changed: set[int] = set()  # clients whose arrays were put since the last save_rows
@@ -298,8 +324,9 @@ class ModelStack:
         for k, a in self.arrays.items():
             a[r] = arrays[k]
         if len(self.arrays) < len(self.template):
-            self.loose[client_id] = {k: np.array(arrays[k], dtype=v.dtype) for k, v in self.template.items()
-                                     if k not in self.arrays}
+            self.loose[client_id] = {
+                k: np.array(arrays[k], dtype=v.dtype) for k, v in self.template.items() if k not in self.arrays
+            }
         self.changed.add(client_id)
         return r
 
@@ -311,19 +338,27 @@ class ModelStack:
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values()) + sum(
-            a.nbytes for arrays in self.loose.values() for a in arrays.values())
+            a.nbytes for arrays in self.loose.values() for a in arrays.values()
+        )
 
     def save_rows(self, files: checkpoint.RowFiles) -> SavedStack:
         """The clients put since the last save written to ``files`` (one file per client); the stack's layout
         and the files' map for the checkpoint (restored by :meth:`from_saved`)."""
         names = files.save({c: {k: np.array(self.get(c, k)) for k in self.template} for c in sorted(self.changed)})
         self.changed.clear()
-        return SavedStack(dict(self.template), list(self.arrays), self.capacity, dict(self.row_of), names,
-                          files.version)
+        return SavedStack(
+            dict(self.template), list(self.arrays), self.capacity, dict(self.row_of), names, files.version
+        )
 
     @classmethod
-    def filled(cls, template: Mapping[str, np.ndarray], capacity: int, stacked: list[str],
-               row_of: Mapping[int, int], arrays_of: Any) -> ModelStack:
+    def filled(
+        cls,
+        template: Mapping[str, np.ndarray],
+        capacity: int,
+        stacked: list[str],
+        row_of: Mapping[int, int],
+        arrays_of: Any,
+    ) -> ModelStack:
         """A stack holding every client of ``row_of`` in the same row, its arrays from ``arrays_of(client)``; every
         client counts as changed (the next save writes it)."""
         stack = cls(template, capacity, stacked)
@@ -360,8 +395,9 @@ class CwFedAvg(PersonalisedStrategy):
     # the stack's files: state_dict writes them, the map is state; the models the round's messages carried (for
     # median_clip): rebuilt with every round's messages
     checkpoint_exclude = frozenset({"stack_files", "sent_models"})
-    deployed = DeployedModel("client i's personalised model formed from round r's uploads (what it receives in "
-                             "round r+1)", source="message")
+    deployed = DeployedModel(
+        "client i's personalised model formed from round r's uploads (what it receives in round r+1)", source="message"
+    )
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -370,22 +406,30 @@ class CwFedAvg(PersonalisedStrategy):
         super().check(cfg, params)
         parse_layers(params.layers)
         if cfg.privacy.mode == "sample" and (params.estimator == "true" or params.wdr_lambda > 0):
-            raise ConfigError("'privacy.mode: sample' cannot cover cwfedavg with "
-                              + ("estimator 'true': its clients report their class counts"
-                                 if params.estimator == "true" else
-                                 f"WDR (wdr_lambda {params.wdr_lambda:g}): its term pulls the classifier towards the "
-                                 "client's class distribution, read from its data without noise")
-                              + "; set strategy.params.cwfedavg.wdr_lambda=0 and estimator 'norm' or 'bias' "
-                                "(docs/privacy.md)")
+            raise ConfigError(
+                "'privacy.mode: sample' cannot cover cwfedavg with "
+                + (
+                    "estimator 'true': its clients report their class counts"
+                    if params.estimator == "true"
+                    else f"WDR (wdr_lambda {params.wdr_lambda:g}): its term pulls the classifier towards the "
+                    "client's class distribution, read from its data without noise"
+                )
+                + "; set strategy.params.cwfedavg.wdr_lambda=0 and estimator 'norm' or 'bias' "
+                "(docs/privacy.md)"
+            )
         if params.estimator == "norm" and params.wdr_lambda == 0:
-            log.warning("cwfedavg: estimator 'norm' without WDR (wdr_lambda=0): the row norms carry little class "
-                        "information; the paper uses λ=10 (MNIST/CIFAR-10) to 2000 (Tiny ImageNet)")
+            log.warning(
+                "cwfedavg: estimator 'norm' without WDR (wdr_lambda=0): the row norms carry little class "
+                "information; the paper uses λ=10 (MNIST/CIFAR-10) to 2000 (Tiny ImageNet)"
+            )
         model = _build(cfg, stand_in=True)  # the structure only: under data.source 'nodes' the shape is not known yet
         classwise_keys(model, params.layers)
         head = classifier_name(model)
         if params.estimator == "bias" and getattr(model.get_submodule(head), "bias", None) is None:
-            raise ConfigError(f"'strategy.params.cwfedavg.estimator' is 'bias', which needs a bias in the classifier "
-                              f"'{head}' of model '{cfg.model.name}'; use estimator 'norm' or 'true'")
+            raise ConfigError(
+                f"'strategy.params.cwfedavg.estimator' is 'bias', which needs a bias in the classifier "
+                f"'{head}' of model '{cfg.model.name}'; use estimator 'norm' or 'true'"
+            )
 
     # ------------------------------------------------------------------ construction
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
@@ -426,9 +470,19 @@ class CwFedAvg(PersonalisedStrategy):
         self.true_p = _true_distributions(cfg) if p.track_estimation_error else None
         self.snapshots: dict[str, tuple[int, np.ndarray, np.ndarray]] = {}  # 'first'/'last' -> (round, ids, p̃)
         self.stack_files: checkpoint.RowFiles | None = None  # where state_dict writes the stack's rows
-        self.sent_models: dict[int, dict[str, np.ndarray]] = {}  # node id -> the model its message carried (median_clip)
-        log.info("cwfedavg: %d of %d parameter tensors class-wise (%s), estimator %s, WDR λ=%g, mix %s, buffers %s",
-                 len(self.classwise), len(params), p.layers, p.estimator, p.wdr_lambda, p.mix, p.buffers)
+        self.sent_models: dict[
+            int, dict[str, np.ndarray]
+        ] = {}  # node id -> the model its message carried (median_clip)
+        log.info(
+            "cwfedavg: %d of %d parameter tensors class-wise (%s), estimator %s, WDR λ=%g, mix %s, buffers %s",
+            len(self.classwise),
+            len(params),
+            p.layers,
+            p.estimator,
+            p.wdr_lambda,
+            p.mix,
+            p.buffers,
+        )
 
     # ------------------------------------------------------------------ personalised models
     def personalised(self, client_id: int | None) -> dict[str, np.ndarray]:
@@ -451,10 +505,15 @@ class CwFedAvg(PersonalisedStrategy):
         p: CwFedAvgParams = self.params
         client_ops = ["train"] + (["report-class-counts"] if p.estimator == "true" else [])
         part = "state" if p.buffers == "fedavg" else "params"
-        request = self.request(server_round, client_ops, load=protocol.Load(into_model=True),
-                               returns=protocol.Return(arrays=True, part=part),
-                               training=protocol.Training(sections={
-                                   protocol.TRAIN: protocol.Section(extra={WDR_LAMBDA: float(p.wdr_lambda)})}))
+        request = self.request(
+            server_round,
+            client_ops,
+            load=protocol.Load(into_model=True),
+            returns=protocol.Return(arrays=True, part=part),
+            training=protocol.Training(
+                sections={protocol.TRAIN: protocol.Section(extra={WDR_LAMBDA: float(p.wdr_lambda)})}
+            ),
+        )
         messages = []
         self.sent_models = {}
         for node in node_ids:
@@ -507,7 +566,8 @@ class CwFedAvg(PersonalisedStrategy):
 
     def _clipped(self, server_round: int, replies: list[ClientReply]) -> tuple[list[ClientReply], dict[str, Any]]:
         """``median_clip``: each reply's update against the model its message carried, clipped to median_clip × the
-        round's median update norm (:func:`fedapps.server.robust.clip_to_median`); the replies with the clipped arrays and
+        round's median update norm (:func:`fedapps.server.robust.clip_to_median`); the replies with the clipped arrays
+        and
         the round's extras (the bound, how many were clipped)."""
         known = []
         for r in replies:  # every training message's model is recorded: a reply without one answers none
@@ -517,13 +577,20 @@ class CwFedAvg(PersonalisedStrategy):
                 self.replies.skip_reply(server_round, r, "median_clip: no model was sent to this node this round")
         if not known:
             return [], {}
-        return clip_replies_to_median(known, [self.sent_models[r.node_id] for r in known],
-                                      float(self.params.median_clip), f"cwfedavg round {server_round}:")
+        return clip_replies_to_median(
+            known,
+            [self.sent_models[r.node_id] for r in known],
+            float(self.params.median_clip),
+            f"cwfedavg round {server_round}:",
+        )
 
     def _usable(self, server_round: int, r: ClientReply, taken: set[int]) -> bool:
         """Whether a reply can be aggregated: the model's keys and shapes, examples > 0, once per client."""
-        if r.arrays is None or set(r.arrays) != set(self.keys) or any(
-                r.arrays[k].shape != self.initial[k].shape for k in self.keys):
+        if (
+            r.arrays is None
+            or set(r.arrays) != set(self.keys)
+            or any(r.arrays[k].shape != self.initial[k].shape for k in self.keys)
+        ):
             self.replies.skip_reply(server_round, r, "arrays that do not match the model")
             return False
         if r.num_examples <= 0:  # the reply validator refuses these already
@@ -543,8 +610,11 @@ class CwFedAvg(PersonalisedStrategy):
         if p.mix == "latest" and self.estimated[row]:  # its previous upload leaves the sum
             add_weighted(self.sums, {k: self.stack.get(r.client_id, k) for k in self.sums}, -float(self.n[row]))
         # shared arrays in the template dtypes, so what enters the sum is what the stack keeps (and later removes)
-        add_weighted(self.sums, {k: np.asarray(r.required_arrays[k], self.initial[k].dtype) for k in self.sums},
-                     float(r.num_examples))
+        add_weighted(
+            self.sums,
+            {k: np.asarray(r.required_arrays[k], self.initial[k].dtype) for k in self.sums},
+            float(r.num_examples),
+        )
         self.stack.put(r.client_id, r.required_arrays)
         self.n[row] = r.num_examples
         self.fresh[row] = True
@@ -578,16 +648,23 @@ class CwFedAvg(PersonalisedStrategy):
         saved = state.get("stack")
         if isinstance(saved, SavedStack):
             if self.context.server_state_dir is None:
-                raise ValueError("cwfedavg: this checkpoint keeps the stack in server-state files; build the strategy "
-                                 "with RunContext(server_state_dir=<run folder>/server-state) to load it")
+                raise ValueError(
+                    "cwfedavg: this checkpoint keeps the stack in server-state files; build the strategy "
+                    "with RunContext(server_state_dir=<run folder>/server-state) to load it"
+                )
             state = {**state, "stack": ModelStack.from_saved(saved, self._stack_files())}
         super().load_state_dict(state)
         if hasattr(self.stack, "loose"):
             return
         old = self.stack
         keep = self.classwise + (self.shared_float if self.params.mix == "latest" else [])
-        self.stack = ModelStack.filled({k: old.template[k] for k in keep}, old.capacity, self.classwise, old.row_of,
-                                       lambda c: {k: old.arrays[k][old.row_of[c]] for k in keep})
+        self.stack = ModelStack.filled(
+            {k: old.template[k] for k in keep},
+            old.capacity,
+            self.classwise,
+            old.row_of,
+            lambda c: {k: old.arrays[k][old.row_of[c]] for k in keep},
+        )
         if "sums" not in state and self.params.mix == "latest" and self.estimated.any():
             self.sums = {k: np.zeros(self.initial[k].shape, np.float64) for k in self.shared_float}
             for client, row in self.stack.row_of.items():
@@ -665,7 +742,9 @@ class CwFedAvg(PersonalisedStrategy):
         if self.true_p is not None and len(ids) and ids.min() >= 0 and ids.max() < len(self.true_p):
             panels.append(("true class distribution p (train split)", list(ids), self.true_p[ids]))
         for key in ("first", "last"):
-            if key in self.snapshots and not (key == "last" and self.snapshots["last"][0] == self.snapshots["first"][0]):
+            if key in self.snapshots and not (
+                key == "last" and self.snapshots["last"][0] == self.snapshots["first"][0]
+            ):
                 rnd, ids_k, mat = self.snapshots[key]
                 panels.append((f"row norms p̃, round {rnd}", list(ids_k), mat))
         return panels

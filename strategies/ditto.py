@@ -15,11 +15,10 @@ from typing import Any
 from flwr.app import Message
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol
 from fedapps.client.clientops import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
+from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies.aggregation import average_matching
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
@@ -62,10 +61,15 @@ class Ditto(PersonalisedStrategy):
         return self.global_arrays
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        request = self.request(server_round, ["train-received", "train"], load=protocol.Load(into_model=False),
-                               training=protocol.Training(sections={
-                                   protocol.TRAIN: protocol.Section(extra={PROX_MU: float(self.params.lam)})}),
-                               returns=protocol.Return(arrays=True, part="state"))
+        request = self.request(
+            server_round,
+            ["train-received", "train"],
+            load=protocol.Load(into_model=False),
+            training=protocol.Training(
+                sections={protocol.TRAIN: protocol.Section(extra={PROX_MU: float(self.params.lam)})}
+            ),
+            returns=protocol.Return(arrays=True, part="state"),
+        )
         arrays = protocol.arrays_record(self.global_arrays)
         return [protocol.build_message(n, request, arrays=arrays) for n in node_ids]
 

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from flwr.app import Message
 
-from fedapps.wire import protocol
-from fedapps.server.clustering import l2_distance_matrix
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
+from fedapps.server.clustering import l2_distance_matrix
+from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
@@ -86,7 +86,7 @@ def unflatten(vector: np.ndarray, like: dict[str, np.ndarray], keys: list[str]) 
     out, start = {}, 0
     for k in keys:
         size = like[k].size
-        out[k] = vector[start:start + size].reshape(like[k].shape).astype(like[k].dtype)
+        out[k] = vector[start : start + size].reshape(like[k].shape).astype(like[k].dtype)
         start += size
     return out
 
@@ -98,13 +98,22 @@ def unflatten(vector: np.ndarray, like: dict[str, np.ndarray], keys: list[str]) 
 class FedAMPParams:
     """FedAMP's parameters."""
 
-    alpha_k: float = param(0.01, gt=0, help="α_K, the attention step; with a fixed σ, (num_clients − 1)·α_K/σ must "
-                                            "stay <= 1 so that every self-weight ξ_ii >= 0")
-    sigma: float = param(0.2, gt=0, help="σ, the scale of the squared model distance in the attention kernel "
-                                         "(used when kappa = 0)")
+    alpha_k: float = param(
+        0.01,
+        gt=0,
+        help="α_K, the attention step; with a fixed σ, (num_clients − 1)·α_K/σ must "
+        "stay <= 1 so that every self-weight ξ_ii >= 0",
+    )
+    sigma: float = param(
+        0.2, gt=0, help="σ, the scale of the squared model distance in the attention kernel (used when kappa = 0)"
+    )
     lam: float = param(1.0, ge=0, help="λ: the client's proximal term is (λ/(2α_K))‖w − u_i‖² (μ = λ/α_K on the wire)")
-    kappa: float = param(0.0, ge=0, help="0: σ fixed at sigma; > 0: σ = kappa × the round's median non-zero squared "
-                                         "distance between client models, and the attention step relative (share)")
+    kappa: float = param(
+        0.0,
+        ge=0,
+        help="0: σ fixed at sigma; > 0: σ = kappa × the round's median non-zero squared "
+        "distance between client models, and the attention step relative (share)",
+    )
     share: float = param(0.5, gt=0, le=1, help="kappa > 0: the most weight all other clients together get")
 
 
@@ -122,16 +131,19 @@ class FedAMP(PersonalisedStrategy):
         worst = (cfg.data.num_clients - 1) * p.alpha_k / p.sigma
         if p.kappa == 0 and worst > 1:
             raise ConfigError(
-                f"FedAMP's self-weight ξ_ii = 1 − Σ ξ_ij can turn negative: (num_clients − 1)·alpha_k/sigma = {worst:.3g} > 1. "
+                f"FedAMP's self-weight ξ_ii = 1 − Σ ξ_ij can turn negative: "
+                f"(num_clients − 1)·alpha_k/sigma = {worst:.3g} > 1. "
                 f"Lower 'strategy.params.fedamp.alpha_k' to at most {p.sigma / max(cfg.data.num_clients - 1, 1):.3g} "
-                "or raise 'strategy.params.fedamp.sigma'")
+                "or raise 'strategy.params.fedamp.sigma'"
+            )
         mu = proximal_mu(p.lam, p.alpha_k)
         limit = 2.0 * (1.0 + cfg.client.momentum)  # SGD on (μ/2)‖w − u‖² diverges once lr·μ exceeds it
         if cfg.client.optimizer == "sgd" and cfg.client.lr * mu >= limit:
             raise ConfigError(
                 f"FedAMP's proximal weight λ/α_K = {mu:.3g} with client.lr = {cfg.client.lr:g} gives lr·λ/α_K = "
                 f"{cfg.client.lr * mu:.3g} >= {limit:.3g}: plain SGD on the proximal term diverges. Lower "
-                "'strategy.params.fedamp.lam' or 'client.lr', or raise 'strategy.params.fedamp.alpha_k'")
+                "'strategy.params.fedamp.lam' or 'client.lr', or raise 'strategy.params.fedamp.alpha_k'"
+            )
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
         super().__init__(cfg, params, context)
@@ -161,16 +173,22 @@ class FedAMP(PersonalisedStrategy):
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         mu = proximal_mu(self.params.lam, self.params.alpha_k)
-        request = self.request(server_round, ["train"], load=protocol.Load(into_model=False),
-                               training=protocol.Training(
-                                   sections={protocol.TRAIN: protocol.Section(extra={PROX_MU: mu})}),
-                               returns=protocol.Return(arrays=True, part="params"))
+        request = self.request(
+            server_round,
+            ["train"],
+            load=protocol.Load(into_model=False),
+            training=protocol.Training(sections={protocol.TRAIN: protocol.Section(extra={PROX_MU: mu})}),
+            returns=protocol.Return(arrays=True, part="params"),
+        )
         # a node not heard from yet is a client whose model is still the initial one: any id outside the pool does
         clients = [self.nodes.node_to_client.get(n, -1 - i) for i, n in enumerate(node_ids)]
         anchors = self.anchors(clients)
-        return [protocol.build_message(n, request,
-                                       arrays=protocol.arrays_record(unflatten(anchors[c], self.like, self.keys)))
-                for n, c in zip(node_ids, clients)]
+        return [
+            protocol.build_message(
+                n, request, arrays=protocol.arrays_record(unflatten(anchors[c], self.like, self.keys))
+            )
+            for n, c in zip(node_ids, clients)
+        ]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         for r in replies:
@@ -178,5 +196,8 @@ class FedAMP(PersonalisedStrategy):
                 self.models[r.client_id] = flatten(r.arrays, self.keys)
             else:
                 self.replies.skip_reply(server_round, r, "arrays that do not match the model; its previous model kept")
-        return {"attention_self_mean": self._last_self_weight, "model_distance_sq_median": self._last_median_d2,
-                "attention_sigma": self._last_sigma}
+        return {
+            "attention_self_mean": self._last_self_weight,
+            "model_distance_sq_median": self._last_median_d2,
+            "attention_sigma": self._last_sigma,
+        }

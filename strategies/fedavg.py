@@ -13,10 +13,10 @@ from typing import Any, ClassVar
 import numpy as np
 from flwr.app import Message
 
-from fedapps.wire import protocol
 from fedapps.config import ExperimentConfig
 from fedapps.data import spec_info
 from fedapps.models import build_model, state_part
+from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies.aggregation import average_matching
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
@@ -50,10 +50,14 @@ class FedAvg(PersonalisedStrategy):
         return {}
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        request = self.request(server_round, [self.train_op], load=protocol.Load(into_model=True),
-                               returns=protocol.Return(arrays=True, part="state"),
-                               keep=protocol.Keep(persist=False),  # the whole model arrives every round: none kept
-                               training=protocol.Training(sections=self.client_settings()))
+        request = self.request(
+            server_round,
+            [self.train_op],
+            load=protocol.Load(into_model=True),
+            returns=protocol.Return(arrays=True, part="state"),
+            keep=protocol.Keep(persist=False),  # the whole model arrives every round: none kept
+            training=protocol.Training(sections=self.client_settings()),
+        )
         arrays = protocol.arrays_record(self.global_arrays)
         return [protocol.build_message(n, request, arrays=arrays) for n in node_ids]
 

@@ -10,14 +10,14 @@ is the model as trained, with its frozen initial head (the paper's accuracy befo
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from fedapps.client import ops
 from fedapps.client.clientops import client_op
-from fedapps.params import param
 from fedapps.client.worker import part_names
+from fedapps.params import param
 from fedapps.wire import protocol
 from strategies.base import DeployedModel
 from strategies.fedper import FedPer
-
 
 EVALUATE_FINETUNED = "evaluate-finetuned"  # the operation below (FedNH's deployed model uses it too)
 FINETUNE = "finetune"  # its settings section (finetune.*)
@@ -37,8 +37,9 @@ def evaluate_finetuned(w, tag: str) -> None:
 class FedBABUParams:
     """FedBABU's parameters."""
 
-    finetune_epochs: int = param(5, ge=1, help="head fine-tuning epochs before each evaluation (on a copy of the "
-                                               "model)")
+    finetune_epochs: int = param(
+        5, ge=1, help="head fine-tuning epochs before each evaluation (on a copy of the model)"
+    )
 
 
 class FedBABU(FedPer):
@@ -46,12 +47,18 @@ class FedBABU(FedPer):
 
     name = "fedbabu"
     Params = FedBABUParams
-    deployed = DeployedModel("round r's aggregated body with the head fine-tuned on client i's training split "
-                             "(finetune_epochs, body frozen)", source="message", evaluate=EVALUATE_FINETUNED)
+    deployed = DeployedModel(
+        "round r's aggregated body with the head fine-tuned on client i's training split "
+        "(finetune_epochs, body frozen)",
+        source="message",
+        evaluate=EVALUATE_FINETUNED,
+    )
 
     def client_ops(self) -> list[str]:
         return ["train"]
 
     def client_settings(self) -> dict[str, protocol.Section]:
-        return {protocol.TRAIN: protocol.Section(freeze="head"),
-                FINETUNE: protocol.Section(epochs=int(self.params.finetune_epochs))}
+        return {
+            protocol.TRAIN: protocol.Section(freeze="head"),
+            FINETUNE: protocol.Section(epochs=int(self.params.finetune_epochs)),
+        }

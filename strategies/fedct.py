@@ -69,8 +69,9 @@ def qualified_vote(votes: np.ndarray, num_classes: int, threshold: float) -> np.
 class FedCTParams(DistillParams):
     """FedCT's parameters (beside the shared distillation settings; 'encoding' is always hard here)."""
 
-    qualified_threshold: float = param(0.0, ge=0, le=1, help="0 = plain majority; in (0, 1]: label only samples "
-                                                             "with this vote share")
+    qualified_threshold: float = param(
+        0.0, ge=0, le=1, help="0 = plain majority; in (0, 1]: label only samples with this vote share"
+    )
     encoding: str = param("hard", choices=("hard",), help="labels on the wire, both directions (fixed: hard)")
 
 
@@ -102,8 +103,17 @@ class FedCT(PseudoLabelStrategy):
             labels = np.where(agreement >= self.params.qualified_threshold, labels, self.num_classes)
         self.consensus = labels
         abstain = float(np.mean(labels == self.num_classes))
-        log.info("round %d: FedCT vote of %d clients, mean agreement %.3f, abstain %.1f%%",
-                 server_round, len(used), float(agreement.mean()), 100 * abstain)
+        log.info(
+            "round %d: FedCT vote of %d clients, mean agreement %.3f, abstain %.1f%%",
+            server_round,
+            len(used),
+            float(agreement.mean()),
+            100 * abstain,
+        )
         voted = labels < self.num_classes
-        return {"vote_clients": len(used), "vote_agreement": float(agreement.mean()), "vote_abstain": abstain,
-                "diag_vote_acc_on_U": self.oracle_accuracy(labels[voted], np.flatnonzero(voted))}
+        return {
+            "vote_clients": len(used),
+            "vote_agreement": float(agreement.mean()),
+            "vote_abstain": abstain,
+            "diag_vote_acc_on_U": self.oracle_accuracy(labels[voted], np.flatnonzero(voted)),
+        }

@@ -85,8 +85,9 @@ def fomo_mix(w, tag: str) -> None:
 # --------------------------------------------------------------------------- server side
 
 
-def choose_candidates(affinity: dict[int, float], others: list[int], m: int, epsilon: float,
-                      rng: np.random.Generator) -> list[int]:
+def choose_candidates(
+    affinity: dict[int, float], others: list[int], m: int, epsilon: float, rng: np.random.Generator
+) -> list[int]:
     """Up to m distinct clients of ``others``: highest affinity first (ties: lower id), each slot replaced with
     probability ε by a random client not chosen yet."""
     ranked = sorted(others, key=lambda j: (-affinity.get(j, 0.0), j))
@@ -100,7 +101,7 @@ def choose_candidates(affinity: dict[int, float], others: list[int], m: int, eps
             j = int(rng.choice([o for o in others if o not in chosen]))
         chosen.append(j)
     # an exploring slot may have taken a ranked client that the loop then skipped: fill up in rank order
-    chosen += [j for j in ranked if j not in chosen][:min(m, len(others)) - len(chosen)]
+    chosen += [j for j in ranked if j not in chosen][: min(m, len(others)) - len(chosen)]
     return chosen
 
 
@@ -111,16 +112,19 @@ class FedFomoParams:
     candidates: int = param(5, ge=1, help="M: other clients' models each client downloads per round")
     epsilon: float = param(0.3, ge=0, le=1, help="ε-greedy exploration probability in round 1")
     epsilon_decay: float = param(0.95, gt=0, le=1, help="ε is multiplied by this every round")
-    holdout_fraction: float = param(0.2, gt=0, lt=1, help="share of each client's training split held out to score "
-                                                          "the candidates")
+    holdout_fraction: float = param(
+        0.2, gt=0, lt=1, help="share of each client's training split held out to score the candidates"
+    )
 
 
 class FedFomo(PersonalisedStrategy):
     """First-order model optimisation: personalised mixing of other clients' models, weighted on held-out data."""
 
     name = "fedfomo"
-    sample_privacy_refused = ("each client weighs the received models by their loss on a held-out share of its "
-                              "training data, without noise, and reports the weights")
+    sample_privacy_refused = (
+        "each client weighs the received models by their loss on a held-out share of its "
+        "training data, without noise, and reports the weights"
+    )
     Params = FedFomoParams
     deployed = DeployedModel("client i's own model after its mixing and local training in round r")
 
@@ -131,9 +135,13 @@ class FedFomo(PersonalisedStrategy):
         self.sent_candidates: dict[int, list[int]] = {}  # node -> candidate client ids of this round
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        request = self.request(server_round, ["fomo-mix", "train"],
-                               training=protocol.Training(holdout_fraction=float(self.params.holdout_fraction)),
-                               load=protocol.Load(multi=True), returns=protocol.Return(arrays=True, part="state"))
+        request = self.request(
+            server_round,
+            ["fomo-mix", "train"],
+            training=protocol.Training(holdout_fraction=float(self.params.holdout_fraction)),
+            load=protocol.Load(multi=True),
+            returns=protocol.Return(arrays=True, part="state"),
+        )
         epsilon = self.params.epsilon * self.params.epsilon_decay ** (server_round - 1)
         self.sent_candidates = {}
         messages = []
@@ -158,7 +166,9 @@ class FedFomo(PersonalisedStrategy):
             weights = r.metrics.get(WEIGHTS)
             if chosen and (not isinstance(weights, list) or len(weights) != len(chosen)):
                 got = f"{len(weights)} weights" if isinstance(weights, list) else f"weights {weights!r}"
-                self.replies.skip_reply(server_round, r, f"{got} for {len(chosen)} candidates; its affinities unchanged")
+                self.replies.skip_reply(
+                    server_round, r, f"{got} for {len(chosen)} candidates; its affinities unchanged"
+                )
                 continue
             for j, w in zip(chosen, weights or []):
                 self.affinity[r.client_id][j] = self.affinity[r.client_id].get(j, 0.0) + float(w)

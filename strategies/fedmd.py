@@ -32,16 +32,14 @@ import numpy as np
 from flwr.app import Message
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol, pseudolabels
 from fedapps.client.clientops import ProtocolError, client_op
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
-from fedapps.wire.protocol import ClientReply
 from fedapps.seeds import derive_rng
+from fedapps.wire import protocol, pseudolabels
+from fedapps.wire.protocol import ClientReply
 from strategies.base import RunContext
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, index_array
-
 
 # --------------------------------------------------------------------------- FedMD maths
 
@@ -98,8 +96,9 @@ def train_public(w, tag: str) -> None:
     """CE on U with its TRUE labels (the original's labelled-public pre-training; settings ``train-public.*``)."""
     if w.fed.public_x is None or w.fed.public_y is None:
         raise ProtocolError("train-public needs a labelled public set U (data.public_fraction > 0)")
-    result = ops.train(w.model, w.fed.public_x, w.fed.public_y, w.settings(TRAIN_PUBLIC), None, w.generator,
-                       public=True)
+    result = ops.train(
+        w.model, w.fed.public_x, w.fed.public_y, w.settings(TRAIN_PUBLIC), None, w.generator, public=True
+    )
     w.metrics[protocol.metric_name(tag, "loss")] = result["loss"]
 
 
@@ -110,18 +109,28 @@ def train_public(w, tag: str) -> None:
 class FedMDParams(DistillParams):
     """FedMD's parameters (beside the shared distillation settings)."""
 
-    scores: str = param("logits", choices=("logits", "probs"),
-                        help="what clients send and the server averages: logits (original) | probs")
-    digest_loss: str = param("mae", choices=("mae", "kl"),
-                             help="mae: L1 on logits (original; needs scores=logits) | kl: KL on softmax targets")
+    scores: str = param(
+        "logits",
+        choices=("logits", "probs"),
+        help="what clients send and the server averages: logits (original) | probs",
+    )
+    digest_loss: str = param(
+        "mae",
+        choices=("mae", "kl"),
+        help="mae: L1 on logits (original; needs scores=logits) | kl: KL on softmax targets",
+    )
     alignment_size: int = param(0, ge=0, help="rows of U per round (original: 5,000); 0 = all of U")
-    pretrain_public_epochs: int = param(0, ge=0, help="> 0: round 1 first trains on U WITH its true labels "
-                                                      "(original; off by default)")
+    pretrain_public_epochs: int = param(
+        0, ge=0, help="> 0: round 1 first trains on U WITH its true labels (original; off by default)"
+    )
     pretrain_lr: float = param(1e-3, gt=0, help="learning rate of that labelled pre-training")
-    consensus: str = param("mean", choices=CONSENSUS_RULES,
-                           help="mean: the plain mean of the scores as sent (original) | robust options on "
-                                "probabilities (each client's softmax): probs, their mean | median, their "
-                                "coordinate-wise median")
+    consensus: str = param(
+        "mean",
+        choices=CONSENSUS_RULES,
+        help="mean: the plain mean of the scores as sent (original) | robust options on "
+        "probabilities (each client's softmax): probs, their mean | median, their "
+        "coordinate-wise median",
+    )
 
 
 class FedMD(PseudoLabelStrategy):
@@ -134,17 +143,23 @@ class FedMD(PseudoLabelStrategy):
     def check(cls, cfg: ExperimentConfig, params: FedMDParams) -> None:
         super().check(cfg, params)
         if params.digest_loss == "mae" and params.scores != "logits":
-            raise ConfigError("'strategy.params.fedmd.digest_loss: mae' regresses logits onto logits; "
-                              "set 'scores: logits', or use 'digest_loss: kl' with 'scores: probs'")
+            raise ConfigError(
+                "'strategy.params.fedmd.digest_loss: mae' regresses logits onto logits; "
+                "set 'scores: logits', or use 'digest_loss: kl' with 'scores: probs'"
+            )
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
         super().__init__(cfg, params, context)
         p: FedMDParams = self.params
         if p.pretrain_public_epochs > 0 and not self.public_has_labels:
-            raise ConfigError("'strategy.params.fedmd.pretrain_public_epochs' > 0 needs a LABELLED public set, "
-                              "but this data source's U has no labels; set it to 0")
+            raise ConfigError(
+                "'strategy.params.fedmd.pretrain_public_epochs' > 0 needs a LABELLED public set, "
+                "but this data source's U has no labels; set it to 0"
+            )
         self.subset_rng = derive_rng(cfg.seed, "fedmd-alignment-subset")
-        self.consensus: np.ndarray | None = None  # n_sub×M, on self.consensus_rows (probabilities unless consensus mean)
+        self.consensus: np.ndarray | None = (
+            None  # n_sub×M, on self.consensus_rows (probabilities unless consensus mean)
+        )
         self.consensus_rows: np.ndarray | None = None  # None = all of U
         self.pending_rows: np.ndarray | None = None  # the subset clients predict on this round
 
@@ -168,8 +183,14 @@ class FedMD(PseudoLabelStrategy):
             None if self.consensus_rows is None else index_array(self.consensus_rows, self.public_size),
             None if self.pending_rows is None else index_array(self.pending_rows, self.public_size),
         ).encode()
-        request = self.round_request(server_round, self.round_ops(wire is not None, first), p.digest_loss, p.scores,
-                                     p.encoding, sections=sections)
+        request = self.round_request(
+            server_round,
+            self.round_ops(wire is not None, first),
+            p.digest_loss,
+            p.scores,
+            p.encoding,
+            sections=sections,
+        )
         return [protocol.build_message(n, request, targets=targets) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
@@ -179,8 +200,12 @@ class FedMD(PseudoLabelStrategy):
             self.replies.skip_round(server_round, "no usable scores; the consensus stays as it was")
             return {"consensus_clients": 0}
         p: FedMDParams = self.params
-        self.consensus = fedmd_consensus(scores) if p.consensus == "mean" else robust_consensus(scores, p.scores,
-                                                                                              p.consensus)
+        self.consensus = (
+            fedmd_consensus(scores) if p.consensus == "mean" else robust_consensus(scores, p.scores, p.consensus)
+        )
         self.consensus_rows = self.pending_rows
-        return {"consensus_clients": len(used), "alignment_rows": rows,
-                "diag_consensus_acc_on_U": self.oracle_accuracy(self.consensus.argmax(axis=1), self.consensus_rows)}
+        return {
+            "consensus_clients": len(used),
+            "alignment_rows": rows,
+            "diag_consensus_acc_on_U": self.oracle_accuracy(self.consensus.argmax(axis=1), self.consensus_rows),
+        }

@@ -47,7 +47,6 @@ from strategies.aggregation import weighted_average
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedbabu import EVALUATE_FINETUNED, FINETUNE
 
-
 HEAD = "cosine"  # the classifier head of FedNH's model (fedapps.models.heads)
 COUNTS = "fednh-counts"  # reply metric: the client's training samples per class (K numbers)
 TRAIN_OP = "fednh-train"
@@ -72,7 +71,9 @@ def min_pairwise_angle(prototypes: np.ndarray) -> float:
     return math.degrees(math.acos(float(np.clip(cos.max(), -1.0, 1.0))))
 
 
-def uniform_prototypes(k: int, d: int, seed: int, steps: int = INIT_STEPS, sharpness: float = INIT_SHARPNESS) -> np.ndarray:
+def uniform_prototypes(
+    k: int, d: int, seed: int, steps: int = INIT_STEPS, sharpness: float = INIT_SHARPNESS
+) -> np.ndarray:
     """K unit vectors in R^d spread over the hypersphere: from a seeded Gaussian draw, gradient descent on the
     mean over classes of a soft maximum of each prototype's cosine to the others (the Tammes problem: maximise
     the smallest pairwise angle), renormalised after every step. For K ≤ d + 1 the optimum is the regular
@@ -160,7 +161,7 @@ def penultimate_features(model: nn.Module, x: Tensor, batch_size: int = 256) -> 
     model.eval()
     try:
         for start in range(0, len(x), batch_size):
-            model(x[start:start + batch_size].to(device))
+            model(x[start : start + batch_size].to(device))
     finally:
         handle.remove()
         model.train(was_training)
@@ -197,8 +198,9 @@ class FedNHParams:
     rho: float = param(0.9, ge=0, le=1, help="ρ: smoothing of the prototype update; 1 = prototypes never move")
     scale: float = param(10.0, gt=0, help="initial s of the cosine logits (learnable, averaged like the body)")
     init: str = param("uniform", choices=("uniform", "orthogonal"), help="the prototypes' initial spread")
-    finetune_epochs: int = param(5, ge=1, help="epochs the prototypes and s are fine-tuned (body frozen) for the "
-                                               "deployed model")
+    finetune_epochs: int = param(
+        5, ge=1, help="epochs the prototypes and s are fine-tuned (body frozen) for the deployed model"
+    )
 
 
 def cosine_arch(cfg: ExperimentConfig) -> str:
@@ -217,12 +219,18 @@ class FedNH(PersonalisedStrategy):
     """FedAvg body, prototypes updated by the server from the clients' class means, personalised by fine-tuning."""
 
     name = "fednh"
-    sample_privacy_refused = ("each client sends class prototypes (the mean features of its training samples per "
-                              "class) and its class counts, computed without noise")
+    sample_privacy_refused = (
+        "each client sends class prototypes (the mean features of its training samples per "
+        "class) and its class counts, computed without noise"
+    )
     Params = FedNHParams
-    deployed = DeployedModel("round r's global body with the global prototypes and scale fine-tuned on client i's "
-                             "training split (finetune_epochs, body frozen)", source="message",
-                             evaluate=EVALUATE_FINETUNED, companions=(("generic", "evaluate"),))
+    deployed = DeployedModel(
+        "round r's global body with the global prototypes and scale fine-tuned on client i's "
+        "training split (finetune_epochs, body frozen)",
+        source="message",
+        evaluate=EVALUATE_FINETUNED,
+        companions=(("generic", "evaluate"),),
+    )
 
     @classmethod
     def check(cls, cfg: ExperimentConfig, params: Any) -> None:
@@ -230,8 +238,10 @@ class FedNH(PersonalisedStrategy):
         if params.init == "orthogonal":
             k, d = feature_dim(cfg)
             if k > d:
-                raise ConfigError(f"'strategy.params.fednh.init: orthogonal' needs no more classes than feature "
-                                  f"dimensions ({k} classes, '{cfg.model.name}' has {d}); use init: uniform")
+                raise ConfigError(
+                    f"'strategy.params.fednh.init: orthogonal' needs no more classes than feature "
+                    f"dimensions ({k} classes, '{cfg.model.name}' has {d}); use init: uniform"
+                )
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
         super().__init__(cfg, params, context)
@@ -250,8 +260,9 @@ class FedNH(PersonalisedStrategy):
     def reply_validator(self) -> ReplyValidator:
         """Replies carry the cosine model's arrays: they are checked against it, not against model.name's."""
         cfg = self.cfg
-        return ReplyValidator.from_config(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
-                                                                                             name=cosine_arch(cfg))))
+        return ReplyValidator.from_config(
+            dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=cosine_arch(cfg)))
+        )
 
     def final_arrays(self) -> dict[str, np.ndarray]:
         return self.global_arrays
@@ -261,11 +272,14 @@ class FedNH(PersonalisedStrategy):
         return dataclasses.replace(setup, model=dataclasses.replace(setup.model, name=self.arch))
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        request = self.request(server_round, [TRAIN_OP], load=protocol.Load(into_model=True),
-                               returns=protocol.Return(arrays=True, part="state"),
-                               keep=protocol.Keep(persist=False),  # the whole model arrives every round: none kept
-                               training=protocol.Training(sections={
-                                   FINETUNE: protocol.Section(epochs=int(self.params.finetune_epochs))}))
+        request = self.request(
+            server_round,
+            [TRAIN_OP],
+            load=protocol.Load(into_model=True),
+            returns=protocol.Return(arrays=True, part="state"),
+            keep=protocol.Keep(persist=False),  # the whole model arrives every round: none kept
+            training=protocol.Training(sections={FINETUNE: protocol.Section(epochs=int(self.params.finetune_epochs))}),
+        )
         arrays = protocol.arrays_record(self.global_arrays)
         return [protocol.build_message(n, request, arrays=arrays) for n in node_ids]
 
@@ -275,10 +289,15 @@ class FedNH(PersonalisedStrategy):
         k = self.global_arrays[self.prototype_key].shape[0]
         raw = reply.metrics.get(COUNTS)
         counts = np.asarray(raw if isinstance(raw, list) else [], dtype=np.float64)
-        if counts.shape != (k,) or np.any(counts < 0) or np.any(counts != np.round(counts)) \
-                or counts.sum() > reply.num_examples:
-            self.replies.skip_reply(server_round, reply, f"'{COUNTS}' is not {k} class counts within its "
-                                                 f"{reply.num_examples} samples")
+        if (
+            counts.shape != (k,)
+            or np.any(counts < 0)
+            or np.any(counts != np.round(counts))
+            or counts.sum() > reply.num_examples
+        ):
+            self.replies.skip_reply(
+                server_round, reply, f"'{COUNTS}' is not {k} class counts within its {reply.num_examples} samples"
+            )
             return None
         return counts
 
@@ -291,13 +310,20 @@ class FedNH(PersonalisedStrategy):
         if not usable:
             return {}
         shared = [k for k in self.global_arrays if k != self.prototype_key]
-        averaged = weighted_average([{k: r.required_arrays[k] for k in shared} for r, _ in usable],
-                                    [r.num_examples for r, _ in usable])
+        averaged = weighted_average(
+            [{k: r.required_arrays[k] for k in shared} for r, _ in usable], [r.num_examples for r, _ in usable]
+        )
         old = self.global_arrays[self.prototype_key]
-        new = update_prototypes(old, np.stack([r.required_arrays[self.prototype_key] for r, _ in usable]),
-                                np.stack([c for _, c in usable]), float(self.params.rho))
+        new = update_prototypes(
+            old,
+            np.stack([r.required_arrays[self.prototype_key] for r, _ in usable]),
+            np.stack([c for _, c in usable]),
+            float(self.params.rho),
+        )
         self.global_arrays = {**self.global_arrays, **averaged, self.prototype_key: new}
         shift = np.degrees(np.arccos(np.clip((normalise_rows(old.astype(np.float64)) * new).sum(axis=1), -1, 1)))
-        return {"fednh_scale": float(np.mean(averaged[self.scale_key])),
-                "prototype_shift_deg": float(shift.mean()),  # mean angle the prototypes moved this round
-                "prototype_min_angle_deg": min_pairwise_angle(new)}  # their spread (a collapse shows here)
+        return {
+            "fednh_scale": float(np.mean(averaged[self.scale_key])),
+            "prototype_shift_deg": float(shift.mean()),  # mean angle the prototypes moved this round
+            "prototype_min_angle_deg": min_pairwise_angle(new),
+        }  # their spread (a collapse shows here)

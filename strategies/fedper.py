@@ -13,8 +13,8 @@ from typing import Any
 
 from flwr.app import Message
 
-from fedapps.wire import protocol
 from fedapps.config import ExperimentConfig
+from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies.aggregation import average_matching
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
@@ -41,9 +41,13 @@ class FedPer(PersonalisedStrategy):
         return {}
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        request = self.request(server_round, self.client_ops(), load=protocol.Load(into_model=True),
-                               returns=protocol.Return(arrays=True, part="body"),
-                               training=protocol.Training(sections=self.client_settings()))
+        request = self.request(
+            server_round,
+            self.client_ops(),
+            load=protocol.Load(into_model=True),
+            returns=protocol.Return(arrays=True, part="body"),
+            training=protocol.Training(sections=self.client_settings()),
+        )
         arrays = protocol.arrays_record(self.body)
         return [protocol.build_message(n, request, arrays=arrays) for n in node_ids]
 

@@ -32,6 +32,7 @@ def proximal_penalty(model: nn.Module, anchor: dict[str, Tensor], mu: float) -> 
     terms = [((p - anchor[n]) ** 2).sum() for n, p in model.named_parameters() if n in anchor]
     return 0.5 * mu * torch.stack(terms).sum() if terms else torch.zeros(())
 
+
 # --------------------------------------------------------------------------- client side
 
 

@@ -9,6 +9,7 @@ client's own head (as FedPer's).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from fedapps.params import param
 from fedapps.wire import protocol
 from strategies.fedper import FedPer
@@ -18,8 +19,9 @@ from strategies.fedper import FedPer
 class FedRepParams:
     """FedRep's parameters."""
 
-    head_epochs: int = param(5, ge=1, help="epochs on the head (body frozen) before the body's client.epochs (head "
-                                           "frozen)")
+    head_epochs: int = param(
+        5, ge=1, help="epochs on the head (body frozen) before the body's client.epochs (head frozen)"
+    )
 
 
 class FedRep(FedPer):
@@ -32,5 +34,7 @@ class FedRep(FedPer):
         return ["train:head", "train:body"]
 
     def client_settings(self) -> dict[str, protocol.Section]:
-        return {protocol.train_section("head"): protocol.Section(freeze="body", epochs=int(self.params.head_epochs)),
-                protocol.train_section("body"): protocol.Section(freeze="head")}
+        return {
+            protocol.train_section("head"): protocol.Section(freeze="body", epochs=int(self.params.head_epochs)),
+            protocol.train_section("body"): protocol.Section(freeze="head"),
+        }

@@ -24,9 +24,10 @@ import dataclasses
 import logging
 import math
 import threading
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,11 +36,10 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol
 from fedapps.client.clientops import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
+from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from fedapps.wire.validation import ArraySpec, ReplyValidator
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
@@ -77,9 +77,10 @@ def grow_mask(personal: np.ndarray, moved: np.ndarray, rate: float, limit: float
     return out.reshape(personal.shape)
 
 
-def masked_average(current: Mapping[str, np.ndarray],
-                   contributions: list[tuple[Mapping[str, np.ndarray], Mapping[str, np.ndarray], float]]
-                   ) -> dict[str, np.ndarray]:
+def masked_average(
+    current: Mapping[str, np.ndarray],
+    contributions: list[tuple[Mapping[str, np.ndarray], Mapping[str, np.ndarray], float]],
+) -> dict[str, np.ndarray]:
     """Per entry, Σ_i w_i·v_i / Σ_i w_i over the contributions (values v_i, personal masks m_i, weight w_i) that
     SHARE the entry (m_i = 0; a tensor absent from m_i is all shared); an entry shared by none keeps ``current``.
     A client's personal entries contribute nothing, whatever their values."""
@@ -179,8 +180,14 @@ def _entries_frozen(model: nn.Module, frozen: Mapping[str, Tensor]) -> Iterator[
             p.requires_grad_(True)
 
 
-def local_alt(model: nn.Module, x: Tensor, y: Tensor, personal: Mapping[str, Tensor], settings: ops.OptimSettings,
-              generator: torch.Generator | None = None) -> dict[str, float]:
+def local_alt(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    personal: Mapping[str, Tensor],
+    settings: ops.OptimSettings,
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
     """LocalAlt: ``settings.epochs`` times one epoch on the personal entries (the shared ones frozen; skipped
     while nothing is personal), then one epoch on the shared ones (the personal ones frozen); plain
     cross-entropy. Returns the mean loss over all steps."""
@@ -188,8 +195,9 @@ def local_alt(model: nn.Module, x: Tensor, y: Tensor, personal: Mapping[str, Ten
     personal = {n: m.to(params[n].device) for n, m in personal.items() if bool(m.any())}
     # frozen in the personal epoch: every shared entry (whole tensors without personal entries); in the shared
     # epoch: every personal entry
-    shared_entries = {n: ~personal[n] if n in personal else torch.ones_like(p, dtype=torch.bool)
-                      for n, p in params.items()}
+    shared_entries = {
+        n: ~personal[n] if n in personal else torch.ones_like(p, dtype=torch.bool) for n, p in params.items()
+    }
     phases = [shared_entries, personal] if personal else [personal]
     one = dataclasses.replace(settings, epochs=1)
     total, steps = 0.0, 0.0
@@ -212,7 +220,7 @@ def message_masks(w) -> dict[str, Tensor]:
     for key, bits in received.items():
         if not key.startswith(MASK_PREFIX):
             continue
-        name = key[len(MASK_PREFIX):]
+        name = key[len(MASK_PREFIX) :]
         if name not in params:
             raise ProtocolError(f"the message has a mask for '{name}', which this model has no parameter of")
         try:
@@ -238,8 +246,9 @@ def fedselect_load(w, tag: str) -> None:
             if name not in received:
                 raise ProtocolError(f"the message lacks the shared values of '{name}'")
             values = received[name].to(p.device, p.dtype).reshape(-1)
-            shared = ~masks[name].reshape(-1) if name in masks else torch.ones(p.numel(), dtype=torch.bool,
-                                                                                 device=p.device)
+            shared = (
+                ~masks[name].reshape(-1) if name in masks else torch.ones(p.numel(), dtype=torch.bool, device=p.device)
+            )
             if values.numel() != int(shared.sum()):
                 raise ProtocolError(f"'{name}': {values.numel()} shared values for {int(shared.sum())} shared entries")
             p.view(-1)[shared] = values
@@ -253,8 +262,10 @@ def fedselect_train(w, tag: str) -> None:
     masks = message_masks(w)
     result = local_alt(w.model, w.train_x, w.train_y, masks, w.settings("train"), w.generator)
     w.metrics[protocol.metric_name(tag, "loss")] = result["loss"]
-    values = {name: shared_values(p.detach().cpu().numpy(), masks[name].cpu().numpy() if name in masks else None)
-              for name, p in w.model.named_parameters()}
+    values = {
+        name: shared_values(p.detach().cpu().numpy(), masks[name].cpu().numpy() if name in masks else None)
+        for name, p in w.model.named_parameters()
+    }
     w.reply.arrays = protocol.arrays_record(values, w.request.array_transport)
 
 
@@ -272,16 +283,24 @@ class SharedEntriesValidator(ReplyValidator):
             if TRAIN_OP not in [str(op).partition(":")[0] for op in protocol.request_of(msg).ops]:
                 continue
             exp = self.expected[str(msg.metadata.message_type)][int(msg.metadata.dst_node_id)]
-            exp.arrays = {k: ArraySpec(tuple(a.shape), np.dtype(np.float32))
-                          for k, a in msg.content[protocol.ARRAYS].items() if not k.startswith(MASK_PREFIX)}
+            exp.arrays = {
+                k: ArraySpec(tuple(a.shape), np.dtype(np.float32))
+                for k, a in msg.content[protocol.ARRAYS].items()
+                if not k.startswith(MASK_PREFIX)
+            }
 
 
 @dataclass
 class FedSelectParams:
     """FedSelect's parameters (defaults: the authors' code, its ``--invert`` path, which grows the personal set)."""
 
-    rate: float = param(0.25, gt=0, le=1, help="p: at each growth step this fraction of a tensor's still-shared "
-                                               "entries (those that moved most) becomes personal")
+    rate: float = param(
+        0.25,
+        gt=0,
+        le=1,
+        help="p: at each growth step this fraction of a tensor's still-shared "
+        "entries (those that moved most) becomes personal",
+    )
     limit: float = param(0.8, ge=0, le=1, help="α: at most this fraction of each weight tensor becomes personal")
     grow_every: int = param(3, ge=1, help="a client's mask grows after every this-many of its local trainings")
 
@@ -291,8 +310,12 @@ class FedSelect(PersonalisedStrategy):
 
     name = "fedselect"
     Params = FedSelectParams
-    deployed = DeployedModel("round r's shared values (each entry averaged over the clients sharing it) under "
-                             "client i's personal entries and buffers", source="message", prepare=(LOAD_OP,))
+    deployed = DeployedModel(
+        "round r's shared values (each entry averaged over the clients sharing it) under "
+        "client i's personal entries and buffers",
+        source="message",
+        prepare=(LOAD_OP,),
+    )
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
         super().__init__(cfg, params, context)
@@ -316,8 +339,12 @@ class FedSelect(PersonalisedStrategy):
         return out
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        request = self.request(server_round, [LOAD_OP, TRAIN_OP], load=protocol.Load(into_model=False),
-                               returns=protocol.Return(arrays=False))
+        request = self.request(
+            server_round,
+            [LOAD_OP, TRAIN_OP],
+            load=protocol.Load(into_model=False),
+            returns=protocol.Return(arrays=False),
+        )
         everything_shared = None
         messages = []
         for n in node_ids:
@@ -338,8 +365,9 @@ class FedSelect(PersonalisedStrategy):
             masks = self.client_masks(r.client_id)
             expected = {name: shared_values(v, masks.get(name)).shape for name, v in sent.items()}
             if r.arrays is None or set(r.arrays) != set(sent) or any(r.arrays[k].shape != expected[k] for k in sent):
-                log.warning("round %d: client %d's reply does not hold its shared entries; left out", server_round,
-                            r.client_id)
+                log.warning(
+                    "round %d: client %d's reply does not hold its shared entries; left out", server_round, r.client_id
+                )
                 continue
             values = {name: scatter_shared(r.arrays[name], masks.get(name), v.shape) for name, v in sent.items()}
             usable.append((r, masks, values))

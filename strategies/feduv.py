@@ -154,8 +154,14 @@ class FeatureTap:
         self.features = None
 
 
-def feduv_loss(tap: FeatureTap | None, mu_v: float, mu_u: float, form: str = MEDIAN_RBF, t: float = DEFAULT_T,
-               regulariser: ops.Regulariser | None = None) -> tuple[ops.BatchLoss, dict[str, Tensor]]:
+def feduv_loss(
+    tap: FeatureTap | None,
+    mu_v: float,
+    mu_u: float,
+    form: str = MEDIAN_RBF,
+    t: float = DEFAULT_T,
+    regulariser: ops.Regulariser | None = None,
+) -> tuple[ops.BatchLoss, dict[str, Tensor]]:
     """The batch loss CE + μ_v·V + μ_u·U (+ any other registered training term) and running sums of V and U.
 
     A term whose coefficient is 0 is not computed at all, so μ_v = μ_u = 0 is FedAvg's loss to the bit. The
@@ -218,8 +224,9 @@ class FedUVParams:
 
     mu_v: float = param(2.5, ge=0, help="weight of the classifier-variance hinge; 0 = off")
     mu_u: float = param(0.5, ge=0, help="weight of the uniformity term; 0 = off")
-    uniformity: str = param(MEDIAN_RBF, choices=FORMS,
-                            help="median-rbf (the authors' code) | log-gaussian (our earlier spec's variant)")
+    uniformity: str = param(
+        MEDIAN_RBF, choices=FORMS, help="median-rbf (the authors' code) | log-gaussian (our earlier spec's variant)"
+    )
     t: float = param(DEFAULT_T, gt=0, help="log-gaussian only: the kernel's exp(-t·squared distance)")
 
 
@@ -227,15 +234,24 @@ class FedUV(FedAvg):
     """FedAvg aggregation; clients train with FedUV's variance and uniformity terms."""
 
     name = "feduv"
-    sample_privacy_refused = ("its variance and uniformity terms are computed over a whole minibatch, so that no "
-                              "sample has a gradient of its own to clip")
+    sample_privacy_refused = (
+        "its variance and uniformity terms are computed over a whole minibatch, so that no "
+        "sample has a gradient of its own to clip"
+    )
     Params = FedUVParams
     train_op = TRAIN_OP
 
     def client_settings(self) -> dict[str, protocol.Section]:
-        return {protocol.TRAIN: protocol.Section(extra={MU_V: float(self.params.mu_v), MU_U: float(self.params.mu_u),
-                                                        FORM: str(self.params.uniformity),
-                                                        TEMPERATURE: float(self.params.t)})}
+        return {
+            protocol.TRAIN: protocol.Section(
+                extra={
+                    MU_V: float(self.params.mu_v),
+                    MU_U: float(self.params.mu_u),
+                    FORM: str(self.params.uniformity),
+                    TEMPERATURE: float(self.params.t),
+                }
+            )
+        }
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         """FedAvg's step; rounds.csv gets the clients' mean of each term (unweighted, where reported)."""

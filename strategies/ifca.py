@@ -2,7 +2,8 @@
 
 Each round every sampled client receives all K cluster models, computes each one's loss on its TRAINING data,
 takes the lowest (ties: the lower index), trains it and sends it back with its choice. The chosen model (before
-training) is the client's deployed model: after round r, the model of lowest training loss among round r's K. The server averages, per
+training) is the client's deployed model: after round r, the model of lowest training loss among round r's K. The
+server averages, per
 cluster, the models of the clients that chose it (by sample count); a cluster nobody chose keeps its model.
 The K models start from different seeds (the experiment seed + k) so that they can separate. No model stays
 on the client. Download cost: K models per client per round.
@@ -24,13 +25,12 @@ import numpy as np
 from flwr.app import Message
 
 from fedapps.client import ops
-
-from fedapps.wire import protocol
 from fedapps.client.clientops import client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
-from fedapps.wire.protocol import ClientReply
 from fedapps.server.robust import AggregationRule
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
 from strategies.aggregation import average_matching, clip_replies_to_median
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
@@ -57,8 +57,9 @@ def select_model(w, tag: str) -> None:
 # --------------------------------------------------------------------------- server side
 
 
-def average_per_cluster(models: list[dict[str, np.ndarray]], replies: list[ClientReply],
-                        rule: AggregationRule | None = None) -> tuple[list[dict[str, np.ndarray]], list[int]]:
+def average_per_cluster(
+    models: list[dict[str, np.ndarray]], replies: list[ClientReply], rule: AggregationRule | None = None
+) -> tuple[list[dict[str, np.ndarray]], list[int]]:
     """New cluster models (each the sample-weighted mean of its choosers' models, or unchanged) and sizes."""
     out, sizes = [], []
     for k, current in enumerate(models):
@@ -68,8 +69,9 @@ def average_per_cluster(models: list[dict[str, np.ndarray]], replies: list[Clien
     return out, sizes
 
 
-def clip_choosers(models: list[dict[str, np.ndarray]], replies: list[ClientReply],
-                  factor: float) -> tuple[list[ClientReply], dict[str, Any]]:
+def clip_choosers(
+    models: list[dict[str, np.ndarray]], replies: list[ClientReply], factor: float
+) -> tuple[list[ClientReply], dict[str, Any]]:
     """The replies with each update (arrays minus the cluster model it chose) clipped to ``factor`` × the median
     update norm of all of them (:func:`fedapps.server.robust.clip_to_median`); the bound and the count clipped."""
     return clip_replies_to_median(replies, [models[int(r.metrics[CHOICE])] for r in replies], factor, "IFCA")
@@ -80,21 +82,31 @@ class IFCAParams:
     """IFCA's parameters."""
 
     clusters: int = param(2, ge=1, help="K: the number of cluster models")
-    median_clip: float = param(0.0, ge=0, help="robust option, 0 = off: each update (the returned model minus the "
-                                               "cluster model it chose) is clipped to this multiple of the round's "
-                                               "median update norm before the clusters are averaged (e.g. 2)")
+    median_clip: float = param(
+        0.0,
+        ge=0,
+        help="robust option, 0 = off: each update (the returned model minus the "
+        "cluster model it chose) is clipped to this multiple of the round's "
+        "median update norm before the clusters are averaged (e.g. 2)",
+    )
 
 
 class IFCA(PersonalisedStrategy):
     """Iterative federated clustering by lowest training loss."""
 
     name = "ifca"
-    sample_privacy_refused = ("each client picks its cluster's model by every model's loss on its training data, "
-                              "without noise, and the choice shows in what it returns")
+    sample_privacy_refused = (
+        "each client picks its cluster's model by every model's loss on its training data, "
+        "without noise, and the choice shows in what it returns"
+    )
     robust_aggregation = True
     Params = IFCAParams
-    deployed = DeployedModel("the model of client i's cluster after round r: of round r's K cluster models, the one "
-                             "of lowest loss on its training split", source="message", prepare=("select-model",))
+    deployed = DeployedModel(
+        "the model of client i's cluster after round r: of round r's K cluster models, the one "
+        "of lowest loss on its training split",
+        source="message",
+        prepare=("select-model",),
+    )
 
     @classmethod
     def check(cls, cfg: ExperimentConfig, params: IFCAParams) -> None:
@@ -107,9 +119,13 @@ class IFCA(PersonalisedStrategy):
         self.assignment: dict[int, int] = {}  # client id -> cluster chosen last
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        request = self.request(server_round, ["select-model", "train"],
-                               load=protocol.Load(into_model=False, multi=True),
-                               keep=protocol.Keep(persist=False), returns=protocol.Return(arrays=True, part="state"))
+        request = self.request(
+            server_round,
+            ["select-model", "train"],
+            load=protocol.Load(into_model=False, multi=True),
+            keep=protocol.Keep(persist=False),
+            returns=protocol.Return(arrays=True, part="state"),
+        )
         arrays = protocol.arrays_record(protocol.pack_models(self.models))
         return [protocol.build_message(n, request, arrays=arrays) for n in node_ids]
 
@@ -118,8 +134,14 @@ class IFCA(PersonalisedStrategy):
         usable = []
         for r in replies:
             choice = r.metrics.get(CHOICE)
-            if (r.arrays is None or set(r.arrays) != keys or isinstance(choice, (bool, list)) or choice is None
-                    or float(choice) != int(choice) or not 0 <= int(choice) < len(self.models)):
+            if (
+                r.arrays is None
+                or set(r.arrays) != keys
+                or isinstance(choice, (bool, list))
+                or choice is None
+                or float(choice) != int(choice)
+                or not 0 <= int(choice) < len(self.models)
+            ):
                 self.replies.skip_reply(server_round, r, "no valid model or cluster choice")
                 continue
             usable.append(r)

@@ -13,16 +13,15 @@ from typing import Any
 
 from flwr.app import Message
 
-from fedapps.wire import protocol
 from fedapps.params import param
+from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy
 
 
 @dataclass
 class LocalParams:
-    pretrain_epochs: int = param(0, ge=0, help="local epochs of round 1 (the others: client.epochs); 0 = "
-                                               "client.epochs")
+    pretrain_epochs: int = param(0, ge=0, help="local epochs of round 1 (the others: client.epochs); 0 = client.epochs")
 
 
 class Local(PersonalisedStrategy):

@@ -56,8 +56,9 @@ KL_INTERACTIVE = "pfedck-kl-interactive"
 # --------------------------------------------------------------------------- the maths (pure functions)
 
 
-def mutual_losses(z_personal: Tensor, z_interactive: Tensor, y: Tensor, alpha: float, beta: float,
-                  temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+def mutual_losses(
+    z_personal: Tensor, z_interactive: Tensor, y: Tensor, alpha: float, beta: float, temperature: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """(total, KL of the personal model, KL of the interactive model). Each KL is KL(other ‖ own) on softmax(z/T),
     summed over classes and averaged over the batch, times T², with the other model's logits detached: the personal
     model's term trains only the personal model, and the other way round. total = CE_p + α·KL_p + CE_i + β·KL_i."""
@@ -75,8 +76,9 @@ def unit_rows(x: np.ndarray) -> np.ndarray:
     return np.divide(x, norms, out=np.zeros_like(x), where=norms > 0)
 
 
-def cluster_updates(updates: np.ndarray, k: int, previous: np.ndarray | None, rng: np.random.Generator,
-                    max_iter: int = 100) -> tuple[np.ndarray, np.ndarray]:
+def cluster_updates(
+    updates: np.ndarray, k: int, previous: np.ndarray | None, rng: np.random.Generator, max_iter: int = 100
+) -> tuple[np.ndarray, np.ndarray]:
     """K-means on the unit-length update rows: (labels, centroids). Warm-started from ``previous`` when it has k
     rows, else k-means++ seeding from ``rng``; k is capped at the number of rows."""
     x = unit_rows(updates)
@@ -134,10 +136,12 @@ class PFedCKParams:
     """pFedCK's parameters (the paper's values could not be read: see docs/algorithms/pfedck.md)."""
 
     clusters: int = param(2, ge=1, help="K: clusters of interactive models (capped at the number of replies)")
-    alpha: float = param(1.0, ge=0, help="α: weight of the KL term that distils the interactive model into the "
-                                         "personalised one")
-    beta: float = param(1.0, ge=0, help="β: weight of the KL term that distils the personalised model into the "
-                                        "interactive one")
+    alpha: float = param(
+        1.0, ge=0, help="α: weight of the KL term that distils the interactive model into the personalised one"
+    )
+    beta: float = param(
+        1.0, ge=0, help="β: weight of the KL term that distils the personalised model into the interactive one"
+    )
     temperature: float = param(1.0, gt=0, help="T: softmax temperature of both KL terms (each scaled by T²)")
     kmeans_iters: int = param(100, ge=1, help="at most this many Lloyd iterations per round")
 
@@ -148,8 +152,10 @@ class PFedCK(PersonalisedStrategy):
     name = "pfedck"
     Params = PFedCKParams
     robust_aggregation = True
-    deployed = DeployedModel("client i's personalised model after its local training in round r (mutual "
-                             "distillation with its cluster's interactive model)")
+    deployed = DeployedModel(
+        "client i's personalised model after its local training in round r (mutual "
+        "distillation with its cluster's interactive model)"
+    )
 
     @classmethod
     def check(cls, cfg: ExperimentConfig, params: PFedCKParams) -> None:
@@ -172,11 +178,20 @@ class PFedCK(PersonalisedStrategy):
         return self.initial if mid is None else self.models[mid]
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        own = protocol.Section(extra={ALPHA: float(self.params.alpha), BETA: float(self.params.beta),
-                                      TEMPERATURE: float(self.params.temperature)})
-        request = self.request(server_round, [TRAIN_OP], load=protocol.Load(into_model=False),
-                               returns=protocol.Return(arrays=True, part="state"),
-                               training=protocol.Training(sections={SECTION: own}))
+        own = protocol.Section(
+            extra={
+                ALPHA: float(self.params.alpha),
+                BETA: float(self.params.beta),
+                TEMPERATURE: float(self.params.temperature),
+            }
+        )
+        request = self.request(
+            server_round,
+            [TRAIN_OP],
+            load=protocol.Load(into_model=False),
+            returns=protocol.Return(arrays=True, part="state"),
+            training=protocol.Training(sections={SECTION: own}),
+        )
         records: dict[int, Any] = {}
         messages = []
         for n in node_ids:
@@ -190,13 +205,18 @@ class PFedCK(PersonalisedStrategy):
         usable = [r for r in replies if r.arrays is not None and set(r.arrays) == set(self.initial)]
         if not usable:
             return {"clusters": len(set(self.assignment.values()))}
-        updates = np.stack([update_vector(r.required_arrays, self.interactive_of(r.client_id), self.parameter_keys)
-                            for r in usable])
+        updates = np.stack(
+            [update_vector(r.required_arrays, self.interactive_of(r.client_id), self.parameter_keys) for r in usable]
+        )
         k = min(self.params.clusters, len(usable))
         previous = self.centroids if self.centroids is not None and len(self.centroids) == k else None
-        labels, self.centroids = cluster_updates(updates, k, previous,
-                                                 derive_rng(self.cfg.seed, "pfedck-kmeans-init", server_round),
-                                                 self.params.kmeans_iters)
+        labels, self.centroids = cluster_updates(
+            updates,
+            k,
+            previous,
+            derive_rng(self.cfg.seed, "pfedck-kmeans-init", server_round),
+            self.params.kmeans_iters,
+        )
         sizes = np.bincount(labels, minlength=k)
         for j in range(k):
             members = [r for r, label in zip(usable, labels) if label == j]
@@ -210,8 +230,10 @@ class PFedCK(PersonalisedStrategy):
         held = set(self.model_of.values())
         self.models = {mid: m for mid, m in self.models.items() if mid in held}
         log.info("round %d: pFedCK K=%d, cluster sizes %s", server_round, k, sizes.tolist())
-        out: dict[str, Any] = {"clusters": int((sizes > 0).sum()),
-                               "cluster_sizes": " ".join(str(int(s)) for s in sizes)}
+        out: dict[str, Any] = {
+            "clusters": int((sizes > 0).sum()),
+            "cluster_sizes": " ".join(str(int(s)) for s in sizes),
+        }
         for key, metric in (("pfedck_kl_personal", KL_PERSONAL), ("pfedck_kl_interactive", KL_INTERACTIVE)):
             values = [float(r.metrics[metric]) for r in usable if metric in r.metrics]
             if values:

@@ -78,7 +78,9 @@ from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, _st
 
 BYTES_PER_PARAMETER = 4  # float32
 REPLY_CHUNK = 16  # replies back-propagated together (memory: a few × REPLY_CHUNK × the target model)
-PEAK_COPIES = 4  # h's parameters and momentum; while a round is aggregated also its gradient and SGD's weight-decay copy
+PEAK_COPIES = (
+    4  # h's parameters and momentum; while a round is aggregated also its gradient and SGD's weight-decay copy
+)
 
 
 # --------------------------------------------------------------------------- the hypernetwork
@@ -94,8 +96,9 @@ def target_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
-def hypernetwork_size(num_clients: int, shapes: Mapping[str, tuple[int, ...]], embed_dim: int, hidden_dim: int,
-                      hidden_layers: int) -> int:
+def hypernetwork_size(
+    num_clients: int, shapes: Mapping[str, tuple[int, ...]], embed_dim: int, hidden_dim: int, hidden_layers: int
+) -> int:
     """Number of parameters of h: the embedding table, the trunk and one linear head per target tensor."""
     trunk = (embed_dim + 1) * hidden_dim + hidden_layers * (hidden_dim + 1) * hidden_dim
     heads = sum((hidden_dim + 1) * math.prod(shape) for shape in shapes.values())
@@ -106,8 +109,14 @@ class HyperNetwork(nn.Module):
     """Client embedding → MLP trunk → one linear head per target parameter tensor (PyTorch's default init;
     embeddings N(0, 1), as ``nn.Embedding`` draws them)."""
 
-    def __init__(self, num_clients: int, shapes: Mapping[str, tuple[int, ...]], embed_dim: int, hidden_dim: int,
-                 hidden_layers: int) -> None:
+    def __init__(
+        self,
+        num_clients: int,
+        shapes: Mapping[str, tuple[int, ...]],
+        embed_dim: int,
+        hidden_dim: int,
+        hidden_layers: int,
+    ) -> None:
         super().__init__()
         self.names = list(shapes)
         self.shapes = {k: tuple(int(s) for s in v) for k, v in shapes.items()}
@@ -139,9 +148,12 @@ class HyperNetwork(nn.Module):
         return self.generate(client)
 
 
-def accumulate_delta_gradient(hn: HyperNetwork, clients: Sequence[int | None],
-                              trained: Sequence[Mapping[str, Tensor]],
-                              scales: Sequence[float] | None = None) -> list[float]:
+def accumulate_delta_gradient(
+    hn: HyperNetwork,
+    clients: Sequence[int | None],
+    trained: Sequence[Mapping[str, Tensor]],
+    scales: Sequence[float] | None = None,
+) -> list[float]:
     """Add Σ_i s_i·(∂θ_i/∂φ)ᵀ Δθ_i to the ``.grad`` of h's parameters, θ_i = h(v_i; φ) at the current φ and
     Δθ_i = θ_i − θ̃_i (generated minus ``trained[i]``), s_i = ``scales[i]`` (default 1): the gradient of
     Σ_i ½·s_i·‖h(v_i; φ) − θ̃_i‖². One batched forward and one backward of h for all of them. Returns ‖Δθ_i‖ per
@@ -157,8 +169,9 @@ def accumulate_delta_gradient(hn: HyperNetwork, clients: Sequence[int | None],
     return [float(v) for v in squares.sqrt()]
 
 
-def client_gradient_norms(hn: HyperNetwork, clients: Sequence[int | None],
-                          trained: Sequence[Mapping[str, Tensor]]) -> list[float]:
+def client_gradient_norms(
+    hn: HyperNetwork, clients: Sequence[int | None], trained: Sequence[Mapping[str, Tensor]]
+) -> list[float]:
     """‖(∂θ_i/∂φ)ᵀ Δθ_i‖ of each client alone (one backward each; h's ``.grad`` is left empty): how far its reply
     alone would pull h."""
     norms = []
@@ -172,7 +185,8 @@ def client_gradient_norms(hn: HyperNetwork, clients: Sequence[int | None],
 
 
 def median_clip_scales(norms: Sequence[float], factor: float) -> list[float]:
-    """s_i = min(1, bound / norm_i) with bound = ``factor`` × the median norm (:func:`fedapps.server.robust.median_bound`):
+    """s_i = min(1, bound / norm_i) with bound = ``factor`` × the median norm
+    (:func:`fedapps.server.robust.median_bound`):
     what each client's contribution is multiplied by so that none is longer than the bound."""
     bound = median_bound(norms, factor)
     return [1.0 if n <= bound else bound / n for n in norms]
@@ -182,8 +196,11 @@ def hypernetwork_step(hn: HyperNetwork, optimizer: torch.optim.Optimizer, clip_n
     """One optimiser step on the accumulated gradient, clipped to ``clip_norm`` (0: not clipped) as
     ``torch.nn.utils.clip_grad_norm_`` does; the gradient is freed after. Returns its norm before clipping."""
     params = [p for p in hn.parameters() if p.grad is not None]
-    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))) \
-        if params else 0.0
+    norm = (
+        float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
+        if params
+        else 0.0
+    )
     if clip_norm > 0:
         nn.utils.clip_grad_norm_(params, clip_norm)
     optimizer.step()
@@ -191,8 +208,9 @@ def hypernetwork_step(hn: HyperNetwork, optimizer: torch.optim.Optimizer, clip_n
     return norm
 
 
-def make_optimizer(hn: HyperNetwork, lr: float, embed_lr: float, momentum: float,
-                   weight_decay: float) -> torch.optim.SGD:
+def make_optimizer(
+    hn: HyperNetwork, lr: float, embed_lr: float, momentum: float, weight_decay: float
+) -> torch.optim.SGD:
     """SGD with momentum and weight decay over h; the embedding table in its own group (``embed_lr``, 0 = lr)."""
     embeddings = [hn.embeddings.weight]
     rest = [p for n, p in hn.named_parameters() if not n.startswith("embeddings.")]
@@ -216,16 +234,22 @@ class PFedHNParams:
     weight_decay: float = param(1e-3, ge=0, help="SGD weight decay of the hypernetwork")
     clip_norm: float = param(50.0, ge=0, help="the round's gradient norm is clipped to this; 0 = off")
     max_hn_params: int = param(100_000_000, gt=0, help="refuse a model whose hypernetwork would be larger")
-    median_clip: float = param(0.0, ge=0, help="robust option, 0 = off: each client's gradient into the hypernetwork "
-                                               "(its Δθ back-propagated) is scaled down to at most this multiple of "
-                                               "the round's median client gradient norm (e.g. 0.5; measured: 1 is not "
-                                               "always enough, docs/results/capture.md)")
-    server_device: str = param("auto", choices=DEVICES, help="where the hypernetwork lives and steps: auto (CUDA "
-                                                             "when present), cpu or cuda")
+    median_clip: float = param(
+        0.0,
+        ge=0,
+        help="robust option, 0 = off: each client's gradient into the hypernetwork "
+        "(its Δθ back-propagated) is scaled down to at most this multiple of "
+        "the round's median client gradient norm (e.g. 0.5; measured: 1 is not "
+        "always enough, docs/results/capture.md)",
+    )
+    server_device: str = param(
+        "auto", choices=DEVICES, help="where the hypernetwork lives and steps: auto (CUDA when present), cpu or cuda"
+    )
 
 
-def check_size(cfg: ExperimentConfig, params: PFedHNParams, num_classes: int,
-               input_shape: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
+def check_size(
+    cfg: ExperimentConfig, params: PFedHNParams, num_classes: int, input_shape: tuple[int, int, int]
+) -> dict[str, tuple[int, ...]]:
     """The target model's parameter shapes; ConfigError (naming the keys to change) where h would have more than
     ``max_hn_params`` parameters."""
     with torch.device("meta"):  # shapes only: nothing is allocated
@@ -234,13 +258,14 @@ def check_size(cfg: ExperimentConfig, params: PFedHNParams, num_classes: int,
     size = hypernetwork_size(m, shapes, d, params.hidden_dim, params.hidden_layers)
     if size > params.max_hn_params:
         target = sum(math.prod(s) for s in shapes.values())
-        gib = size * BYTES_PER_PARAMETER * PEAK_COPIES / 2 ** 30
+        gib = size * BYTES_PER_PARAMETER * PEAK_COPIES / 2**30
         raise ConfigError(
             f"strategy 'pfedhn': the hypernetwork for model.name '{cfg.model.name}' ({target:,} parameters in "
             f"{len(shapes)} tensors) would hold {size:,} parameters (up to {gib:.1f} GiB on the server with their "
             f"momentum and gradient), above 'strategy.params.pfedhn.max_hn_params' ({params.max_hn_params:,}); lower "
             f"'strategy.params.pfedhn.hidden_dim' ({params.hidden_dim}), choose a smaller 'model.name' (cnn, mlp), "
-            "or raise max_hn_params where the server has the memory")
+            "or raise max_hn_params where the server has the memory"
+        )
     return shapes
 
 
@@ -250,8 +275,11 @@ class PFedHN(PersonalisedStrategy):
 
     name = "pfedhn"
     Params = PFedHNParams
-    deployed = DeployedModel("the model the hypernetwork generates from client i's embedding after round r's "
-                             "update (what i receives in round r+1)", source="message")
+    deployed = DeployedModel(
+        "the model the hypernetwork generates from client i's embedding after round r's "
+        "update (what i receives in round r+1)",
+        source="message",
+    )
     checkpoint_exclude = frozenset({"hn", "optimizer", "device", "sent_from"})  # hn and optimizer: state_dict below
 
     @classmethod
@@ -275,7 +303,9 @@ class PFedHN(PersonalisedStrategy):
             self.hn = HyperNetwork(cfg.data.num_clients, shapes, self.embed_dim, p.hidden_dim, p.hidden_layers)
         self.hn.to(self.device)
         self.optimizer = make_optimizer(self.hn, p.lr, p.embed_lr, p.momentum, p.weight_decay)
-        self.sent_from: dict[int, int | None] = {}  # node -> the client whose embedding generated its model (None: mean)
+        self.sent_from: dict[
+            int, int | None
+        ] = {}  # node -> the client whose embedding generated its model (None: mean)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -307,8 +337,12 @@ class PFedHN(PersonalisedStrategy):
 
     # ------------------------------------------------------------------ the round
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        request = self.request(server_round, ["train"], load=protocol.Load(into_model=True),
-                               returns=protocol.Return(arrays=True, part="params"))
+        request = self.request(
+            server_round,
+            ["train"],
+            load=protocol.Load(into_model=True),
+            returns=protocol.Return(arrays=True, part="params"),
+        )
         self.sent_from = {}
         messages = []
         for n in node_ids:
@@ -336,23 +370,39 @@ class PFedHN(PersonalisedStrategy):
         if self.params.median_clip > 0:
             norms = client_gradient_norms(self.hn, sources, [self.trained(r) for r in usable])
             scales = median_clip_scales(norms, float(self.params.median_clip))
-            extra = {"clip_bound": median_bound(norms, float(self.params.median_clip)),
-                     "clipped": sum(1 for v in scales if v < 1.0)}
+            extra = {
+                "clip_bound": median_bound(norms, float(self.params.median_clip)),
+                "clipped": sum(1 for v in scales if v < 1.0),
+            }
         # θ_i is generated again at the same φ (in a batch: equal to what was sent up to float rounding)
         for start in range(0, len(usable), REPLY_CHUNK):
-            chunk = usable[start:start + REPLY_CHUNK]
-            deltas += accumulate_delta_gradient(self.hn, sources[start:start + REPLY_CHUNK],
-                                                [self.trained(r) for r in chunk], scales[start:start + REPLY_CHUNK])
+            chunk = usable[start : start + REPLY_CHUNK]
+            deltas += accumulate_delta_gradient(
+                self.hn,
+                sources[start : start + REPLY_CHUNK],
+                [self.trained(r) for r in chunk],
+                scales[start : start + REPLY_CHUNK],
+            )
         from_mean = sum(1 for s in sources if s is None)
         grad_norm = hypernetwork_step(self.hn, self.optimizer, float(self.params.clip_norm))
-        return {"hn_delta_norm_mean": float(np.mean(deltas)), "hn_grad_norm": grad_norm,
-                "hn_from_mean_embedding": from_mean, **extra}
+        return {
+            "hn_delta_norm_mean": float(np.mean(deltas)),
+            "hn_grad_norm": grad_norm,
+            "hn_from_mean_embedding": from_mean,
+            **extra,
+        }
 
     def trained(self, r: ClientReply) -> dict[str, Tensor]:
         """θ̃_i of a reply as float32 tensors on the server's device."""
-        return {k: torch.as_tensor(np.asarray(r.required_arrays[k], dtype=np.float32), device=self.device) for k in self.hn.names}
+        return {
+            k: torch.as_tensor(np.asarray(r.required_arrays[k], dtype=np.float32), device=self.device)
+            for k in self.hn.names
+        }
 
     def final_summary(self) -> dict[str, Any]:
         n = self.hypernetwork_parameters()
-        return {"hypernetwork_parameters": n, "hypernetwork_embed_dim": self.embed_dim,
-                "hypernetwork_peak_bytes": n * BYTES_PER_PARAMETER * PEAK_COPIES}
+        return {
+            "hypernetwork_parameters": n,
+            "hypernetwork_embed_dim": self.embed_dim,
+            "hypernetwork_peak_bytes": n * BYTES_PER_PARAMETER * PEAK_COPIES,
+        }

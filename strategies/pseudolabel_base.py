@@ -5,15 +5,16 @@ targets on U, train and predict on U in one message per round; the own model aft
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
-from fedapps.wire import protocol, pseudolabels
 from fedapps.config import OPTIMIZERS, ConfigError, ExperimentConfig
 from fedapps.data import get_federation
 from fedapps.params import param
+from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 
@@ -28,12 +29,14 @@ class DistillParams:
     distill_optimizer: str = param("adam", choices=OPTIMIZERS, help="a new optimiser every round")
     distill_clip_norm: float = param(1.0, ge=0, help="gradient-norm clipping during distillation; 0 = off")
     encoding: str = param("float32", choices=("float32", "float16"), help="soft labels on the wire, both directions")
-    pretrain_epochs: int = param(0, ge=0, help="local cross-entropy epochs in round 1 (before the first predictions); "
-                                               "0 = client.epochs")
+    pretrain_epochs: int = param(
+        0, ge=0, help="local cross-entropy epochs in round 1 (before the first predictions); 0 = client.epochs"
+    )
 
 
-def collect_predictions(replies: list[ClientReply], rows: int, num_classes: int,
-                        kind: str) -> tuple[list[ClientReply], np.ndarray]:
+def collect_predictions(
+    replies: list[ClientReply], rows: int, num_classes: int, kind: str
+) -> tuple[list[ClientReply], np.ndarray]:
     """The replies in client-id order and their decoded predictions stacked clients×rows(×M). Each reply was
     checked once, by the reply validator (:func:`fedapps.wire.validation.prediction_problem`), against what its message
     asked for; a reply without predictions here is a caller's error (it bypassed the validator)."""
@@ -42,8 +45,10 @@ def collect_predictions(replies: list[ClientReply], rows: int, num_classes: int,
     for r in used:
         wire = (r.predictions or {}).get(protocol.PREDICTION_ARRAY)
         if wire is None:
-            raise ValueError(f"client {r.client_id}'s reply carries no predictions; pass replies through "
-                             "fedapps.wire.validation.ReplyValidator (the strategy's validate) first")
+            raise ValueError(
+                f"client {r.client_id}'s reply carries no predictions; pass replies through "
+                "fedapps.wire.validation.ReplyValidator (the strategy's validate) first"
+            )
         arrays.append(pseudolabels.decode(wire, num_classes))
     if not arrays:
         return used, np.zeros((0, rows) if kind == "hard" else (0, rows, num_classes))
@@ -80,26 +85,43 @@ class PseudoLabelStrategy(PersonalisedStrategy):
         truth = self._public_y if rows is None else self._public_y[rows]
         return float(np.mean(np.asarray(labels) == truth))
 
-    def round_request(self, server_round: int, ops: list[str], distill_loss: str, predict_output: str,
-                      predict_encoding: str, weighting: str = "none",
-                      sections: Mapping[str, protocol.Section] | None = None) -> protocol.Request:
+    def round_request(
+        self,
+        server_round: int,
+        ops: list[str],
+        distill_loss: str,
+        predict_output: str,
+        predict_encoding: str,
+        weighting: str = "none",
+        sections: Mapping[str, protocol.Section] | None = None,
+    ) -> protocol.Request:
         """The round's request: the base settings plus the public set (fingerprint, predict settings), the distill
         section, round 1's training epochs and the strategy's own ``sections``."""
         p = self.params
-        first = {protocol.TRAIN: protocol.Section(epochs=int(p.pretrain_epochs))} \
-            if server_round == 1 and p.pretrain_epochs > 0 else {}
-        distill = protocol.Section(epochs=int(p.distill_epochs), lr=float(p.distill_lr),
-                                   batch_size=int(p.distill_batch_size), optimizer=str(p.distill_optimizer),
-                                   clip_norm=float(p.distill_clip_norm), drop_last=False, loss=distill_loss,
-                                   weighting=weighting)
+        first = (
+            {protocol.TRAIN: protocol.Section(epochs=int(p.pretrain_epochs))}
+            if server_round == 1 and p.pretrain_epochs > 0
+            else {}
+        )
+        distill = protocol.Section(
+            epochs=int(p.distill_epochs),
+            lr=float(p.distill_lr),
+            batch_size=int(p.distill_batch_size),
+            optimizer=str(p.distill_optimizer),
+            clip_norm=float(p.distill_clip_norm),
+            drop_last=False,
+            loss=distill_loss,
+            weighting=weighting,
+        )
         sections = {**first, protocol.DISTILL: distill, **(sections or {})}
-        return self.request(server_round, ops,
-                            public=protocol.PublicSet(self.public_fingerprint, predict_output, predict_encoding),
-                            training=protocol.Training(sections=sections))
+        return self.request(
+            server_round,
+            ops,
+            public=protocol.PublicSet(self.public_fingerprint, predict_output, predict_encoding),
+            training=protocol.Training(sections=sections),
+        )
 
     @staticmethod
     def round_ops(with_distill: bool, first: tuple[str, ...] = ()) -> list[str]:
         """distill → train → predict (the base class adds the evaluations of the deployed, i.e. own, model)."""
         return [*first, *(["distill"] if with_distill else []), "train", "predict"]
-
-

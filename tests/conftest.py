@@ -54,9 +54,14 @@ def flwr_run(folder: Path, **sections) -> Path:
 
     cfg = write_config(folder / "cfg.yaml", **sections)
     out = folder / "out"
-    proc = subprocess.run([sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--output-dir", str(out),
-                           "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=400,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--output-dir", str(out), "--quiet"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run,) = [d for d in out.iterdir() if (d / "summary.json").is_file()]
     return run
@@ -85,9 +90,14 @@ def _tiny_flower_run(folder: Path):
 
     cfg = write_config(folder / "cfg.yaml", data={"source": "digits", "partition": "iid", "num_clients": 3})
     # the results root "fl" has the same path length as the in-process twin's "ip" (bytes_down counts the state-dir)
-    proc = subprocess.run([sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--output-dir",
-                           str(folder / "fl"), "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=400,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--output-dir", str(folder / "fl"), "--quiet"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     return cfg, proc, folder / "fl" / "fedavg-digits-iid-s0"
 
 
@@ -113,8 +123,11 @@ def flower_run_of_tiny_config(tmp_path_factory):
         if not record.is_file():
             folder.mkdir()
             cfg, proc, out = _tiny_flower_run(folder)
-            record.write_text(json.dumps({"args": proc.args, "returncode": proc.returncode,
-                                          "stdout": proc.stdout, "stderr": proc.stderr}))
+            record.write_text(
+                json.dumps(
+                    {"args": proc.args, "returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+                )
+            )
             return cfg, proc, out
     done = json.loads(record.read_text())
     proc = subprocess.CompletedProcess(done["args"], done["returncode"], done["stdout"], done["stderr"])

@@ -33,8 +33,9 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     cfg = load_config(config)
-    server_app.run_experiment(InProcessGrid(cfg.data.num_clients), config, "", output_dir, resume_dir=resume,
-                              after_round=after_round)
+    server_app.run_experiment(
+        InProcessGrid(cfg.data.num_clients), config, "", output_dir, resume_dir=resume, after_round=after_round
+    )
 
 
 if __name__ == "__main__":

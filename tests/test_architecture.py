@@ -53,8 +53,8 @@ import ast
 import re
 import sys
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import pytest
 
@@ -65,14 +65,34 @@ ENTRY_POINTS = ("fedapps_tools",)  # the layer above the apps
 APPS = ("server_app", "client_app")
 CONFIG = "fedapps.config"
 CONFIG_MAY_IMPORT = ("fedapps.params",)  # beside error modules
-DISPLAY_NAMES = ("FedAvg", "cwFedAvg", "COSMOS", "FedMD", "FedCT", "COMET", "FedAMP", "FedFomo", "CFL", "IFCA",
-                 "Ditto", "FedBABU", "FedPer", "FedRep", "FedProx", "WDR")
+DISPLAY_NAMES = (
+    "FedAvg",
+    "cwFedAvg",
+    "COSMOS",
+    "FedMD",
+    "FedCT",
+    "COMET",
+    "FedAMP",
+    "FedFomo",
+    "CFL",
+    "IFCA",
+    "Ditto",
+    "FedBABU",
+    "FedPer",
+    "FedRep",
+    "FedProx",
+    "WDR",
+)
 # A registered name that is an ordinary word ('local' training/epochs/data) says nothing about an algorithm.
 ORDINARY_WORDS = frozenset({"local"})
 WORKER = ROOT / "fedapps" / "client" / "worker.py"
 # names that left the core for their algorithm's module (rule d): name -> the module that defines or reads it
-MOVED_OUT_OF_CORE = {"robustness_penalty": "strategies/cosmos.py", "rb_term": "strategies/cosmos.py",
-                     "rb_lambda": "strategies/cosmos.py", "rb_sigma": "strategies/cosmos.py"}
+MOVED_OUT_OF_CORE = {
+    "robustness_penalty": "strategies/cosmos.py",
+    "rb_term": "strategies/cosmos.py",
+    "rb_lambda": "strategies/cosmos.py",
+    "rb_sigma": "strategies/cosmos.py",
+}
 PREDICTION_CHECK = ("prediction_problem", "fedapps/wire/validation.py")  # rule (e): the one prediction check, where
 PROTOCOL = "fedapps/wire/protocol.py"  # rule (f): the schema module, where every wire key is spelled
 RULES = "tests/test_architecture.py"  # this module (it names the keys it checks)
@@ -80,23 +100,33 @@ RULES = "tests/test_architecture.py"  # this module (it names the keys it checks
 WIRE_FORGING_TESTS = {
     "tests/test_validation.py": "forges requests and (hostile) replies, record by record, for the reply validator",
     "tests/test_schema.py": "pins the wire format's literal keys (a changed constant would break deployment across "
-                            "versions)",
+    "versions)",
 }
 # Keys that are also ordinary names elsewhere -> the places (a file, or a folder ending in '/') where they mean that:
 ALSO_A_NAME = {
-    "round": {"fedapps/reporting/": "the column of rounds.csv and rejections.csv",
-              "fedapps_tools/": "the column of rounds.csv", "server_app.py": "the checkpoint's field",
-              "fedapps/server/driver.py": "the field of the latest measurement (summary.json)",
-              "strategies/cwfedavg.py": "a value of its parameter mix",
-              "tests/": "the columns of rounds.csv and rejections.csv the tests read"},
-    "config": {"fedapps/config.py": "the config itself", "fedapps_tools/": "the run's config (config.yaml, specs)",
-               "server_app.py": "the checkpoint's field, config.yaml",
-               "tests/": "the run's config (checkpoints, specs)"},
+    "round": {
+        "fedapps/reporting/": "the column of rounds.csv and rejections.csv",
+        "fedapps_tools/": "the column of rounds.csv",
+        "server_app.py": "the checkpoint's field",
+        "fedapps/server/driver.py": "the field of the latest measurement (summary.json)",
+        "strategies/cwfedavg.py": "a value of its parameter mix",
+        "tests/": "the columns of rounds.csv and rejections.csv the tests read",
+    },
+    "config": {
+        "fedapps/config.py": "the config itself",
+        "fedapps_tools/": "the run's config (config.yaml, specs)",
+        "server_app.py": "the checkpoint's field, config.yaml",
+        "tests/": "the run's config (checkpoints, specs)",
+    },
     "fingerprint": {"fedapps/flower/faults.py": "the name of a fault", "tests/test_faults.py": "the name of a fault"},
-    "model.name": {"strategies/__init__.py": "the config key the wire key is named after",
-                   "fedapps/models/zoo.py": "the config key", "tests/test_cli_usability.py": "the config key",
-                   "tests/test_config.py": "the config key", "tests/test_shipped_configs.py": "the config key",
-                   "tests/test_pfedhn.py": "the config key"},
+    "model.name": {
+        "strategies/__init__.py": "the config key the wire key is named after",
+        "fedapps/models/zoo.py": "the config key",
+        "tests/test_cli_usability.py": "the config key",
+        "tests/test_config.py": "the config key",
+        "tests/test_shipped_configs.py": "the config key",
+        "tests/test_pfedhn.py": "the config key",
+    },
     "model.per_client": {"tests/test_cli_usability.py": "the config key"},
     "privacy.mode": {"fedapps/config.py": "the config key the wire key is named after"},
     "privacy.noise_multiplier": {"tests/test_privacy.py": "the config key"},
@@ -106,9 +136,20 @@ ALSO_A_NAME = {
 RUN_CONTEXT = ("strategies/base.py", "RunContext")  # rule (g): the class whose fields are construction inputs
 CALLED_BY_TORCH = frozenset({"forward"})  # rule (h): methods torch calls for us (nn.Module.__call__)
 # rule (i): the core's layers, bottom (0) to top; a module is placed by its longest listed prefix
-CORE_LEVELS = {"fedapps": 0, "fedapps.config": 0, "fedapps.params": 0, "fedapps.seeds": 0, "fedapps.checkpoint": 0,
-               "fedapps.data": 0, "fedapps.models": 0, "fedapps.wire": 1, "fedapps.client": 2, "fedapps.reporting": 2,
-               "fedapps.flower": 3, "fedapps.server": 4}
+CORE_LEVELS = {
+    "fedapps": 0,
+    "fedapps.config": 0,
+    "fedapps.params": 0,
+    "fedapps.seeds": 0,
+    "fedapps.checkpoint": 0,
+    "fedapps.data": 0,
+    "fedapps.models": 0,
+    "fedapps.wire": 1,
+    "fedapps.client": 2,
+    "fedapps.reporting": 2,
+    "fedapps.flower": 3,
+    "fedapps.server": 4,
+}
 PUBLIC_FLWR = ("flwr.app", "flwr.serverapp", "flwr.clientapp", "flwr.simulation")  # rule (j); and ``flwr`` itself
 FLOWER_GLUE = "fedapps.flower"  # rule (j): the one place for Flower's private modules
 
@@ -255,8 +296,11 @@ def layer_violations(graph: dict[str, dict[str, int]], files: dict[str, Path] | 
         for dst in sorted(graph[src]):
             if _in(src, ("fedapps",)) and _in(dst, ("strategies",) + APPS + ENTRY_POINTS):
                 report(src, dst, "fedapps below the strategies, apps and tools")
-            if src == CONFIG and _in(dst, PACKAGES + TOP_MODULES) and not (
-                    _in(dst, CONFIG_MAY_IMPORT) or _is_error_module(dst)):
+            if (
+                src == CONFIG
+                and _in(dst, PACKAGES + TOP_MODULES)
+                and not (_in(dst, CONFIG_MAY_IMPORT) or _is_error_module(dst))
+            ):
                 report(src, dst, f"{CONFIG} imports only {', '.join(CONFIG_MAY_IMPORT)} and error modules")
             if _in(src, ("strategies",)) and _in(dst, APPS + ENTRY_POINTS):
                 report(src, dst, "strategies below the apps and entry points")
@@ -265,8 +309,12 @@ def layer_violations(graph: dict[str, dict[str, int]], files: dict[str, Path] | 
                 if src_level is None or dst_level is None:
                     report(src, dst, "a core module with no layer in CORE_LEVELS: give it one")
                 elif dst_level >= src_level and src_level > 0:
-                    report(src, dst, f"core layers: {core_part(src)} (level {src_level}) imports only lower levels, "
-                                     f"not {core_part(dst)} (level {dst_level})")
+                    report(
+                        src,
+                        dst,
+                        f"core layers: {core_part(src)} (level {src_level}) imports only lower levels, "
+                        f"not {core_part(dst)} (level {dst_level})",
+                    )
     return out
 
 
@@ -284,8 +332,13 @@ def flwr_imports(path: Path) -> dict[str, int]:
     """Every ``flwr`` module one file imports (anywhere in it) -> line of the first such import."""
     found: dict[str, int] = {}
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                 [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else [])
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module]
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module
+            else []
+        )
         for name in names:
             if name == "flwr" or name.startswith("flwr."):
                 found.setdefault(name, node.lineno)
@@ -301,8 +354,9 @@ def private_flower_imports(files: dict[str, Path] | None = None) -> list[str]:
             continue
         for name, line in sorted(flwr_imports(path).items()):
             if is_private_flwr(name):
-                out.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{line}: "
-                           f"{module} imports {name}")
+                out.append(
+                    f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{line}: {module} imports {name}"
+                )
     return out
 
 
@@ -321,11 +375,18 @@ def registered_strategy_names(root: Path = ROOT) -> set[str]:
         for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ClassDef):
                 for stmt in node.body:
-                    target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else (
-                        stmt.target if isinstance(stmt, ast.AnnAssign) else None)
+                    target = (
+                        stmt.targets[0]
+                        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                        else (stmt.target if isinstance(stmt, ast.AnnAssign) else None)
+                    )
                     value = getattr(stmt, "value", None)
-                    if (isinstance(target, ast.Name) and target.id == "name" and isinstance(value, ast.Constant)
-                            and isinstance(value.value, str)):
+                    if (
+                        isinstance(target, ast.Name)
+                        and target.id == "name"
+                        and isinstance(value, ast.Constant)
+                        and isinstance(value.value, str)
+                    ):
                         names.add(value.value)
     return names
 
@@ -338,8 +399,9 @@ def algorithm_names(root: Path = ROOT) -> list[str]:
 
 def algorithm_mentions(path: Path = WORKER, root: Path = ROOT) -> list[str]:
     """'file:line: name: the line' for every whole-word, case-insensitive mention of an algorithm name."""
-    pattern = re.compile(r"(?<![a-z0-9])(" + "|".join(map(re.escape, algorithm_names(root))) + r")(?![a-z0-9])",
-                         re.IGNORECASE)
+    pattern = re.compile(
+        r"(?<![a-z0-9])(" + "|".join(map(re.escape, algorithm_names(root))) + r")(?![a-z0-9])", re.IGNORECASE
+    )
     out = []
     for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         hits = sorted({m.group(1) for m in pattern.finditer(line)})
@@ -353,8 +415,11 @@ def algorithm_mentions(path: Path = WORKER, root: Path = ROOT) -> list[str]:
 
 def defined_functions(path: Path) -> set[str]:
     """Names of the functions (at any depth) a file defines."""
-    return {n.name for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return {
+        n.name
+        for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
 
 
 def core_mentions(names: list[str], root: Path = ROOT) -> list[str]:
@@ -370,8 +435,12 @@ def core_mentions(names: list[str], root: Path = ROOT) -> list[str]:
 
 def definers(function: str, root: Path = ROOT) -> list[str]:
     """The modules of fedapps/ and strategies/ that define ``function``."""
-    return sorted(str(f.relative_to(root)) for d in ("fedapps", "strategies") for f in sorted((root / d).rglob("*.py"))
-                  if function in defined_functions(f))
+    return sorted(
+        str(f.relative_to(root))
+        for d in ("fedapps", "strategies")
+        for f in sorted((root / d).rglob("*.py"))
+        if function in defined_functions(f)
+    )
 
 
 def schema_keys(root: Path = ROOT) -> dict[str, str]:
@@ -418,22 +487,39 @@ def wire_literal_sites(keys: Iterable[str], root: Path = ROOT) -> list[tuple[str
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"))
         skip = docstrings(tree)
-        out += [(rel, node.lineno, node.value) for node in ast.walk(tree) if isinstance(node, ast.Constant)
-                and isinstance(node.value, str) and node.value in keys and id(node) not in skip]
+        out += [
+            (rel, node.lineno, node.value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value in keys
+            and id(node) not in skip
+        ]
     return sorted(out)
 
 
-def key_literals(keys: Iterable[str], root: Path = ROOT, forging: dict[str, str] | None = None,
-                 also: dict[str, dict[str, str]] | None = None) -> list[str]:
+def key_literals(
+    keys: Iterable[str],
+    root: Path = ROOT,
+    forging: dict[str, str] | None = None,
+    also: dict[str, dict[str, str]] | None = None,
+) -> list[str]:
     """'file:line: key' for every wire-key literal (:func:`wire_literal_sites`) that no exemption allows."""
     forging = WIRE_FORGING_TESTS if forging is None else forging
     also = ALSO_A_NAME if also is None else also
-    return [f"{rel}:{line}: {key!r}" for rel, line, key in wire_literal_sites(keys, root)
-            if not exempt(rel, key, forging, also)]
+    return [
+        f"{rel}:{line}: {key!r}"
+        for rel, line, key in wire_literal_sites(keys, root)
+        if not exempt(rel, key, forging, also)
+    ]
 
 
-def stale_exemptions(keys: Iterable[str], root: Path = ROOT, forging: dict[str, str] | None = None,
-                     also: dict[str, dict[str, str]] | None = None) -> list[str]:
+def stale_exemptions(
+    keys: Iterable[str],
+    root: Path = ROOT,
+    forging: dict[str, str] | None = None,
+    also: dict[str, dict[str, str]] | None = None,
+) -> list[str]:
     """The exemptions of rule (f) that no literal needs any more (so that the list stays as narrow as the code)."""
     forging = WIRE_FORGING_TESTS if forging is None else forging
     also = ALSO_A_NAME if also is None else also
@@ -479,8 +565,11 @@ def attribute_writes(names: list[str], root: Path = ROOT) -> list[str]:
     out = []
     for path in sorted(set(paths)):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            out += [f"{path.relative_to(root)}:{node.lineno}: .{t.attr}" for t in _assigned(node)
-                    if isinstance(t, ast.Attribute) and t.attr in names]
+            out += [
+                f"{path.relative_to(root)}:{node.lineno}: .{t.attr}"
+                for t in _assigned(node)
+                if isinstance(t, ast.Attribute) and t.attr in names
+            ]
     return out
 
 
@@ -499,10 +588,16 @@ def unreferenced_methods(root: Path = ROOT) -> list[str]:
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
                 named.add(node.value)
             elif isinstance(node, ast.ClassDef) and path.relative_to(root).parts[0] == "strategies":
-                defined += [(str(path.relative_to(root)), f.lineno, node.name, f.name) for f in node.body
-                            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and not f.name.startswith("__")]
-    return [f"{file}:{line}: {cls}.{name}" for file, line, cls, name in sorted(defined)
-            if name not in named and name not in CALLED_BY_TORCH]
+                defined += [
+                    (str(path.relative_to(root)), f.lineno, node.name, f.name)
+                    for f in node.body
+                    if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and not f.name.startswith("__")
+                ]
+    return [
+        f"{file}:{line}: {cls}.{name}"
+        for file, line, cls, name in sorted(defined)
+        if name not in named and name not in CALLED_BY_TORCH
+    ]
 
 
 # --------------------------------------------------------------------------- tests
@@ -510,7 +605,14 @@ def unreferenced_methods(root: Path = ROOT) -> list[str]:
 
 def test_the_graph_sees_the_project():
     graph = import_graph()
-    assert {"fedapps.config", "fedapps.client.worker", "strategies", "strategies.base", "server_app", "client_app"} <= set(graph)
+    assert {
+        "fedapps.config",
+        "fedapps.client.worker",
+        "strategies",
+        "strategies.base",
+        "server_app",
+        "client_app",
+    } <= set(graph)
     assert "fedapps.client.worker" in graph["client_app"]  # an import inside a function (the first message's)
     assert "fedapps.config" in graph["server_app"]  # a top-level import
     assert "fedapps.data.errors" in graph["fedapps.data.federation"]  # a relative import
@@ -536,19 +638,29 @@ def test_layers_point_down_only():
 
 
 def test_core_layers_on_a_made_up_graph():
-    graph = {"fedapps.wire.protocol": {"fedapps.client.worker": 3, "fedapps.config": 4},
-             "fedapps.client.worker": {"fedapps.reporting.plots": 5, "fedapps.wire.protocol": 6, "fedapps.client.ops": 7},
-             "fedapps.flower.inprocess": {"fedapps.client.worker": 8}, "fedapps.client.ops": {},
-             "fedapps.reporting.plots": {}, "fedapps.config": {}, "fedapps.newthing": {"fedapps.config": 9},
-             "fedapps.server.driver": {"fedapps.flower.connect": 10, "fedapps.reporting.results": 11}}
+    graph = {
+        "fedapps.wire.protocol": {"fedapps.client.worker": 3, "fedapps.config": 4},
+        "fedapps.client.worker": {"fedapps.reporting.plots": 5, "fedapps.wire.protocol": 6, "fedapps.client.ops": 7},
+        "fedapps.flower.inprocess": {"fedapps.client.worker": 8},
+        "fedapps.client.ops": {},
+        "fedapps.reporting.plots": {},
+        "fedapps.config": {},
+        "fedapps.newthing": {"fedapps.config": 9},
+        "fedapps.server.driver": {"fedapps.flower.connect": 10, "fedapps.reporting.results": 11},
+    }
     files = {m: ROOT / (m.replace(".", "/") + ".py") for m in graph}
     found = [v.split(": ", 1)[1] for v in layer_violations(graph, files)]
     assert found == [
-        "fedapps.client.worker imports fedapps.reporting.plots (core layers: fedapps.client (level 2) imports only "
-        "lower levels, not fedapps.reporting (level 2))",
+        (
+            "fedapps.client.worker imports fedapps.reporting.plots (core layers: fedapps.client (level 2) imports only "
+            "lower levels, not fedapps.reporting (level 2))"
+        ),
         "fedapps.newthing imports fedapps.config (a core module with no layer in CORE_LEVELS: give it one)",
-        "fedapps.wire.protocol imports fedapps.client.worker (core layers: fedapps.wire (level 1) imports only lower "
-        "levels, not fedapps.client (level 2))"]
+        (
+            "fedapps.wire.protocol imports fedapps.client.worker (core layers: fedapps.wire (level 1) imports only "
+            "lower levels, not fedapps.client (level 2))"
+        ),
+    ]
 
 
 def test_every_core_module_has_a_layer():
@@ -559,18 +671,28 @@ def test_every_core_module_has_a_layer():
 def test_only_the_flower_glue_imports_flowers_private_modules():
     found = private_flower_imports()
     assert not found, "private Flower modules imported outside fedapps/flower/:\n" + "\n".join(found)
-    glue = [m for m, f in module_files().items() if _in(m, (FLOWER_GLUE,)) and any(map(is_private_flwr, flwr_imports(f)))]
+    glue = [
+        m for m, f in module_files().items() if _in(m, (FLOWER_GLUE,)) and any(map(is_private_flwr, flwr_imports(f)))
+    ]
     assert glue, "the check has teeth: the glue does import private modules"
 
 
 def test_the_private_flower_check_sees_a_violation(tmp_path):
-    (tmp_path / "a.py").write_text("import flwr\nfrom flwr.app import Message\n\ndef f():\n"
-                                   "    from flwr.supercore.control import X\n    import flwr.proto.x_pb2\n")
-    assert flwr_imports(tmp_path / "a.py") == {"flwr": 1, "flwr.app": 2, "flwr.supercore.control": 5,
-                                              "flwr.proto.x_pb2": 6}
+    (tmp_path / "a.py").write_text(
+        "import flwr\nfrom flwr.app import Message\n\ndef f():\n"
+        "    from flwr.supercore.control import X\n    import flwr.proto.x_pb2\n"
+    )
+    assert flwr_imports(tmp_path / "a.py") == {
+        "flwr": 1,
+        "flwr.app": 2,
+        "flwr.supercore.control": 5,
+        "flwr.proto.x_pb2": 6,
+    }
     found = private_flower_imports({"fedapps_tools.a": tmp_path / "a.py"})
-    assert [f.split(": ", 1)[1] for f in found] == ["fedapps_tools.a imports flwr.proto.x_pb2",
-                                                    "fedapps_tools.a imports flwr.supercore.control"]
+    assert [f.split(": ", 1)[1] for f in found] == [
+        "fedapps_tools.a imports flwr.proto.x_pb2",
+        "fedapps_tools.a imports flwr.supercore.control",
+    ]
     assert private_flower_imports({"fedapps.flower.a": tmp_path / "a.py"}) == []
 
 
@@ -595,12 +717,26 @@ def test_one_prediction_check():
 def test_wire_keys_are_spelled_in_the_schema_module_only():
     keys = schema_keys()
     # the check has teeth: the schema lists the keys of every part of a message and a reply
-    assert {"RETURN_ARRAYS", "ARRAYS_KEYS", "LOAD_ARRAYS", "PUBLIC_FINGERPRINT", "PREDICT_OUTPUT", "TARGET_ARRAY",
-            "STATE_DIR", "OPS", "ROUND", "CLIENT_ID", "INFO_FINGERPRINT", "CONFIG"} <= set(keys)
+    assert {
+        "RETURN_ARRAYS",
+        "ARRAYS_KEYS",
+        "LOAD_ARRAYS",
+        "PUBLIC_FINGERPRINT",
+        "PREDICT_OUTPUT",
+        "TARGET_ARRAY",
+        "STATE_DIR",
+        "OPS",
+        "ROUND",
+        "CLIENT_ID",
+        "INFO_FINGERPRINT",
+        "CONFIG",
+    } <= set(keys)
     assert {"return-arrays", "arrays.keys", "state-dir", "predictions", "client-id"} <= set(keys.values())
     found = key_literals(keys.values())
-    assert not found, ("wire keys spelled outside fedapps/wire/protocol.py (use its constants, or its dataclasses):\n"
-                       + "\n".join(found))
+    assert not found, (
+        "wire keys spelled outside fedapps/wire/protocol.py (use its constants, or its dataclasses):\n"
+        + "\n".join(found)
+    )
 
 
 def test_every_exemption_of_the_wire_key_rule_is_still_needed():
@@ -614,13 +750,14 @@ def test_the_maths_checks_see_a_violation(tmp_path):
         (tmp_path / "fedapps" / sub).mkdir(parents=True)
     (tmp_path / "strategies").mkdir()
     (tmp_path / "fedapps" / "client" / "ops.py").write_text(
-        "def robustness_penalty(x):\n    return x  # rb_lambdas is another word\n")
+        "def robustness_penalty(x):\n    return x  # rb_lambdas is another word\n"
+    )
     (tmp_path / "fedapps" / "wire" / "validation.py").write_text("def prediction_problem(w):\n    pass\n")
     (tmp_path / "strategies" / "pl.py").write_text("class A:\n    def prediction_problem(self):\n        pass\n")
     assert core_mentions(["robustness_penalty", "rb_lambda"], tmp_path) == [
-        "fedapps/client/ops.py:1: def robustness_penalty(x):"]
+        "fedapps/client/ops.py:1: def robustness_penalty(x):"
+    ]
     assert definers("prediction_problem", tmp_path) == ["fedapps/wire/validation.py", "strategies/pl.py"]
-
 
 
 def test_the_wire_key_check_sees_a_violation(tmp_path):
@@ -630,17 +767,22 @@ def test_the_wire_key_check_sees_a_violation(tmp_path):
     for sub in ("fedapps/wire", "strategies", "tests", "fedapps_tools"):
         (tmp_path / sub).mkdir(parents=True)
     (tmp_path / "fedapps" / "wire" / "protocol.py").write_text(
-        'OUTPUT = "predict.output"\nROUND = "round"\nOTHER = "not-listed"\nKEYS = (OUTPUT, ROUND)\n')
+        'OUTPUT = "predict.output"\nROUND = "round"\nOTHER = "not-listed"\nKEYS = (OUTPUT, ROUND)\n'
+    )
     assert schema_keys(tmp_path) == {"OUTPUT": "predict.output", "ROUND": "round"}
     (tmp_path / "strategies" / "pl.py").write_text(
         '"""Reads predict.output."""\nconfig = {"predict.output": 1, "x": "not-listed"}\n\n\n'
-        'def f():\n    """predict.output"""\n    return "predict.output is a key"\n')
+        'def f():\n    """predict.output"""\n    return "predict.output is a key"\n'
+    )
     (tmp_path / "tests" / "test_x.py").write_text('def test():\n    assert {"predict.output": 1}["round"]\n')
     (tmp_path / "fedapps_tools" / "table.py").write_text('COLUMN = "round"\n')
     keys = ("predict.output", "round")
-    assert key_literals(keys, tmp_path, {}, {}) == ["fedapps_tools/table.py:1: 'round'", "strategies/pl.py:2: "
-                                                    "'predict.output'", "tests/test_x.py:2: 'predict.output'",
-                                                    "tests/test_x.py:2: 'round'"]
+    assert key_literals(keys, tmp_path, {}, {}) == [
+        "fedapps_tools/table.py:1: 'round'",
+        "strategies/pl.py:2: 'predict.output'",
+        "tests/test_x.py:2: 'predict.output'",
+        "tests/test_x.py:2: 'round'",
+    ]
     forging, also = {"tests/test_x.py": "forges"}, {"round": {"fedapps_tools/": "a column", "server_app.py": "a field"}}
     assert key_literals(keys, tmp_path, forging, also) == ["strategies/pl.py:2: 'predict.output'"]
     assert stale_exemptions(keys, tmp_path, forging, also) == ["'round' in server_app.py: not spelled there"]
@@ -651,14 +793,16 @@ def test_strategies_are_not_wired_after_construction():
     fields = class_fields(ROOT / RUN_CONTEXT[0], RUN_CONTEXT[1])
     assert {"on_round", "client_state", "server_state_dir", "excluded_nodes"} <= set(fields)  # the check has teeth
     found = attribute_writes(fields)
-    assert not found, ("run context set on an object after its construction (pass it in RunContext instead):\n"
-                       + "\n".join(found))
+    assert not found, (
+        "run context set on an object after its construction (pass it in RunContext instead):\n" + "\n".join(found)
+    )
 
 
 def test_no_strategy_method_is_left_uncalled():
     found = unreferenced_methods()
-    assert not found, "methods of strategies/ that nothing in the project names (dead hooks or adapters):\n" + \
-        "\n".join(found)
+    assert not found, (
+        "methods of strategies/ that nothing in the project names (dead hooks or adapters):\n" + "\n".join(found)
+    )
 
 
 def test_the_construction_checks_see_a_violation(tmp_path):
@@ -668,10 +812,12 @@ def test_the_construction_checks_see_a_violation(tmp_path):
     (tmp_path / "strategies" / "base.py").write_text(
         "class RunContext:\n    on_round: object = None\n    excluded_nodes: frozenset = frozenset()\n\n"
         "class Base:\n    def start(self):\n        self.round()\n\n    def round(self):\n        pass\n\n"
-        "    def configure_train(self):\n        pass\n")
+        "    def configure_train(self):\n        pass\n"
+    )
     (tmp_path / "server_app.py").write_text("def run(s):\n    s.start()\n    s.context = 1\n")
-    (tmp_path / "tests" / "test_x.py").write_text("def test(s):\n    s.x, s.excluded_nodes = 1, {2}\n"
-                                                  "    s.configure_train()\n")
+    (tmp_path / "tests" / "test_x.py").write_text(
+        "def test(s):\n    s.x, s.excluded_nodes = 1, {2}\n    s.configure_train()\n"
+    )
     fields = class_fields(tmp_path / "strategies" / "base.py", "RunContext")
     assert fields == ["on_round", "excluded_nodes"]
     assert attribute_writes(fields, tmp_path) == ["tests/test_x.py:2: .excluded_nodes"]
@@ -682,17 +828,20 @@ def main() -> int:
     """Print the layer violations, cycles and algorithm names in the worker; 1 if there are any."""
     graph = import_graph()
     problems = 0
-    for title, lines in (("layer violations", layer_violations(graph)),
-                         ("import cycles", [" -> ".join(c) for c in find_cycles(graph)]),
-                         ("private Flower imports outside fedapps/flower/", private_flower_imports()),
-                         ("algorithm names in fedapps/client/worker.py", algorithm_mentions()),
-                         ("names of COSMOS's r_B in fedapps/", core_mentions(sorted(MOVED_OUT_OF_CORE))),
-                         ("other definitions of the prediction check",
-                          [d for d in definers(PREDICTION_CHECK[0]) if d != PREDICTION_CHECK[1]]),
-                         ("wire keys outside fedapps/wire/protocol.py", key_literals(schema_keys().values())),
-                         ("run context set after construction",
-                          attribute_writes(class_fields(ROOT / RUN_CONTEXT[0], RUN_CONTEXT[1]))),
-                         ("methods of strategies/ nothing names", unreferenced_methods())):
+    for title, lines in (
+        ("layer violations", layer_violations(graph)),
+        ("import cycles", [" -> ".join(c) for c in find_cycles(graph)]),
+        ("private Flower imports outside fedapps/flower/", private_flower_imports()),
+        ("algorithm names in fedapps/client/worker.py", algorithm_mentions()),
+        ("names of COSMOS's r_B in fedapps/", core_mentions(sorted(MOVED_OUT_OF_CORE))),
+        (
+            "other definitions of the prediction check",
+            [d for d in definers(PREDICTION_CHECK[0]) if d != PREDICTION_CHECK[1]],
+        ),
+        ("wire keys outside fedapps/wire/protocol.py", key_literals(schema_keys().values())),
+        ("run context set after construction", attribute_writes(class_fields(ROOT / RUN_CONTEXT[0], RUN_CONTEXT[1]))),
+        ("methods of strategies/ nothing names", unreferenced_methods()),
+    ):
         print(f"{title}: {len(lines) or 'none'}")
         for line in lines:
             print("  " + line)
@@ -712,7 +861,9 @@ def test_the_clientapp_does_not_import_what_only_the_server_or_some_models_need(
     import subprocess
 
     # what the ClientApp imports for its first message, then the heavy modules it must not have imported
-    code = ("import sys, client_app, strategies, fedapps.client.worker; "
-            "heavy = [m for m in ('torchvision', 'sklearn.cluster', 'numba') if m in sys.modules]; "
-            "assert not heavy, heavy")
+    code = (
+        "import sys, client_app, strategies, fedapps.client.worker; "
+        "heavy = [m for m in ('torchvision', 'sklearn.cluster', 'numba') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).parents[1]))

@@ -13,8 +13,8 @@ from flwr.app import RecordDict
 import server_app
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
-from fedapps.wire import protocol, pseudolabels
 from fedapps.server.evaluation import EvaluationProtocol
+from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
 from strategies import resolve
 from strategies.comet import COMET, cluster_means, kmeans, kmeans_plus_plus
@@ -24,20 +24,20 @@ from strategies.pseudolabel_base import collect_predictions
 
 torch.set_num_threads(1)
 
-SMALL = ("data.source=digits data.partition=cosmos-groups data.alpha=5 data.groups=2 data.num_clients=4 "
-         "data.public_fraction=0.2 rounds=2 model.per_client=[cnn,mlp] client.optimizer=adam client.lr=0.001 "
-         "client.batch_size=32 client.epochs=1 "
-         "strategy.params.fedmd.distill_epochs=1 strategy.params.fedct.distill_epochs=1 "
-         "strategy.params.comet.distill_epochs=1")
+SMALL = (
+    "data.source=digits data.partition=cosmos-groups data.alpha=5 data.groups=2 data.num_clients=4 "
+    "data.public_fraction=0.2 rounds=2 model.per_client=[cnn,mlp] client.optimizer=adam client.lr=0.001 "
+    "client.batch_size=32 client.epochs=1 "
+    "strategy.params.fedmd.distill_epochs=1 strategy.params.fedct.distill_epochs=1 "
+    "strategy.params.comet.distill_epochs=1"
+)
 
 
 # --------------------------------------------------------------------------- FedCT votes
 
 
 def test_majority_vote_counts_and_ties_go_to_lowest_class():
-    votes = np.array([[0, 2, 1, 3],
-                      [0, 1, 2, 3],
-                      [1, 1, 0, 2]])
+    votes = np.array([[0, 2, 1, 3], [0, 1, 2, 3], [1, 1, 0, 2]])
     labels, agreement = majority_vote(votes, 4)
     # sample 2 is a three-way tie (1, 2, 0): the lowest class id, 0, wins
     assert labels.tolist() == [0, 1, 0, 3]
@@ -47,19 +47,14 @@ def test_majority_vote_counts_and_ties_go_to_lowest_class():
 
 def test_majority_vote_ignores_abstentions_and_all_abstain_abstains():
     m = 3
-    votes = np.array([[2, m, m],
-                      [1, m, 0],
-                      [1, m, m]])
+    votes = np.array([[2, m, m], [1, m, 0], [1, m, m]])
     labels, agreement = majority_vote(votes, m)
     assert labels.tolist() == [1, m, 0]
     np.testing.assert_allclose(agreement, [2 / 3, 0.0, 1.0])
 
 
 def test_qualified_vote_abstains_below_threshold():
-    votes = np.array([[0, 1, 2, 2],
-                      [0, 1, 0, 2],
-                      [0, 2, 1, 2],
-                      [1, 2, 1, 2]])
+    votes = np.array([[0, 1, 2, 2], [0, 1, 0, 2], [0, 2, 1, 2], [1, 2, 1, 2]])
     # agreements: 3/4, 2/4 (tie 1 vs 2 -> 1), 2/4 (1 wins over 0, 2), 4/4
     assert qualified_vote(votes, 3, 0.0).tolist() == [0, 1, 1, 2]
     assert qualified_vote(votes, 3, 0.75).tolist() == [0, 3, 3, 2]
@@ -95,14 +90,18 @@ def _flower_identity() -> None:
 
 
 def _reply(cid: int, preds: np.ndarray) -> ClientReply:
-    return ClientReply(node_id=100 + cid, client_id=cid, num_examples=10, metrics={},
-                       predictions={protocol.PREDICTION_ARRAY: preds})
+    return ClientReply(
+        node_id=100 + cid, client_id=cid, num_examples=10, metrics={}, predictions={protocol.PREDICTION_ARRAY: preds}
+    )
 
 
 def targets_of(msg) -> protocol.Targets:
     """The targets record of a message, decoded (empty without one)."""
-    return protocol.Targets.decode(msg.content[protocol.TARGETS]) if protocol.TARGETS in msg.content else \
-        protocol.Targets()
+    return (
+        protocol.Targets.decode(msg.content[protocol.TARGETS])
+        if protocol.TARGETS in msg.content
+        else protocol.Targets()
+    )
 
 
 def test_collect_predictions_stacks_validated_replies_in_client_order():
@@ -112,8 +111,9 @@ def test_collect_predictions_stacks_validated_replies_in_client_order():
     used, stack = collect_predictions([_reply(2, p[2]), _reply(0, p[0]), _reply(1, p[1])], 3, 2, "probs")
     assert [r.client_id for r in used] == [0, 1, 2]
     assert stack.shape == (3, 3, 2) and np.array_equal(stack, np.stack(p))
-    used, votes = collect_predictions([_reply(1, np.array([2, 0], np.uint8)), _reply(0, np.array([1, 1], np.uint8))],
-                                      2, 3, "hard")
+    used, votes = collect_predictions(
+        [_reply(1, np.array([2, 0], np.uint8)), _reply(0, np.array([1, 1], np.uint8))], 2, 3, "hard"
+    )
     assert votes.dtype == np.int64 and votes.tolist() == [[1, 1], [2, 0]]
     assert collect_predictions([], 3, 2, "probs")[1].shape == (0, 3, 2)
     with pytest.raises(ValueError, match="client 4's reply carries no predictions"):
@@ -145,9 +145,9 @@ def test_fedct_broadcasts_one_uint8_vote_and_skips_u_when_all_abstain():
 
 
 def test_fedmd_consensus_is_mean_of_logits():
-    scores = np.array([[[1.0, -1.0], [0.0, 2.0]],
-                       [[3.0, 1.0], [2.0, 0.0]],
-                       [[-1.0, 3.0], [1.0, 1.0]]], dtype=np.float32)
+    scores = np.array(
+        [[[1.0, -1.0], [0.0, 2.0]], [[3.0, 1.0], [2.0, 0.0]], [[-1.0, 3.0], [1.0, 1.0]]], dtype=np.float32
+    )
     np.testing.assert_allclose(fedmd_consensus(scores), [[1.0, 1.0], [1.0, 1.0]])
     with pytest.raises(ValueError):
         fedmd_consensus(np.zeros((0, 2, 2)))
@@ -178,7 +178,12 @@ def test_fedmd_messages_carry_the_same_consensus_and_the_subset_indices():
     assert protocol.request_of(msgs[0]).ops == ("distill", "train", "predict")
     # the base class adds the protocol's evaluations: the own (deployed) model before the digest, after training
     assert protocol.request_of(EvaluationProtocol(s).messages_for_round(2, nodes)[0]).ops == (
-        "evaluate:deployed", "distill", "train", "predict", "evaluate:after")
+        "evaluate:deployed",
+        "distill",
+        "train",
+        "predict",
+        "evaluate:after",
+    )
     expected = np.mean(logits, axis=0)
     for msg in msgs:  # the same consensus for everyone, on the previous round's subset
         rec = targets_of(msg)
@@ -190,7 +195,9 @@ def test_fedmd_messages_carry_the_same_consensus_and_the_subset_indices():
 
 
 def test_fedmd_kl_option_sends_float16_softmax_of_the_mean_logits():
-    cfg = load_config(None, f"strategy.name=fedmd strategy.params.fedmd.digest_loss=kl strategy.params.fedmd.encoding=float16 {SMALL}")
+    cfg = load_config(
+        None, f"strategy.name=fedmd strategy.params.fedmd.digest_loss=kl strategy.params.fedmd.encoding=float16 {SMALL}"
+    )
     s = FedMD(cfg)
     n, m = s.public_size, s.num_classes
     logits = np.random.default_rng(1).normal(size=(2, n, m)).astype(np.float32)
@@ -314,11 +321,14 @@ def test_comet_sends_each_client_its_cluster_mean():
 # --------------------------------------------------------------------------- end to end
 
 
-@pytest.mark.parametrize("name, extra", [
-    ("fedmd", "strategy.params.fedmd.alignment_size=100"),
-    ("fedct", "strategy.params.fedct.qualified_threshold=0.5"),
-    ("comet", "strategy.params.comet.clusters=2"),
-])
+@pytest.mark.parametrize(
+    "name, extra",
+    [
+        ("fedmd", "strategy.params.fedmd.alignment_size=100"),
+        ("fedct", "strategy.params.fedct.qualified_threshold=0.5"),
+        ("comet", "strategy.params.comet.clusters=2"),
+    ],
+)
 @pytest.mark.heavy
 def test_end_to_end_in_process(tmp_path, name, extra):
     overrides = f"strategy.name={name} {SMALL} {extra}"
@@ -351,8 +361,11 @@ def test_fedmd_labelled_pretraining_runs_train_public_in_round_one(tmp_path):
     server_app.run_experiment(grid, None, overrides, str(tmp_path))
     first = next(m for m in grid.sent if m.metadata.message_type == protocol.MESSAGE_TYPE)  # after the identify ones
     assert protocol.request_of(first).ops[0] == TRAIN_PUBLIC
-    assert all("train-public-loss" in protocol.parse_reply(r).metrics for r in grid.replies
-               if r.metadata.message_type == protocol.MESSAGE_TYPE)
+    assert all(
+        "train-public-loss" in protocol.parse_reply(r).metrics
+        for r in grid.replies
+        if r.metadata.message_type == protocol.MESSAGE_TYPE
+    )
 
 
 @pytest.mark.parametrize("path", ["configs/{}.yaml", "configs/paper/{}-cifar10.yaml"])

@@ -62,9 +62,13 @@ def test_roles_of_a_runs_processes():
 
 def test_cpu_between_takes_the_window_between_markers():
     proctree = load_proctree()
-    timeline = [(10.0, 0, {"worker": 1.0}), (11.0, 1, {"worker": 2.0, "server": 0.5}),
-                (12.0, 1, {"worker": 3.5, "server": 0.7}), (13.5, 3, {"worker": 5.0, "server": 1.0, "ray": 0.2}),
-                (14.0, 3, {"worker": 9.0, "server": 9.0, "ray": 9.0})]
+    timeline = [
+        (10.0, 0, {"worker": 1.0}),
+        (11.0, 1, {"worker": 2.0, "server": 0.5}),
+        (12.0, 1, {"worker": 3.5, "server": 0.7}),
+        (13.5, 3, {"worker": 5.0, "server": 1.0, "ray": 0.2}),
+        (14.0, 3, {"worker": 9.0, "server": 9.0, "ray": 9.0}),
+    ]
     wall, cpu = proctree.cpu_between(timeline, 1, 2)  # marker 2 never seen: the first sample past it (3) closes
     assert wall == 2.5
     assert cpu == {"ray": 0.2, "server": 0.5, "worker": 3.0}
@@ -76,8 +80,10 @@ def test_cpu_sampler_counts_a_child_that_burns_cpu_and_exits(tmp_path):
     import subprocess
 
     proctree = load_proctree()
-    code = ("import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time\\nt=time.process_time()\\n"
-            "while time.process_time() - t < 0.6: pass'])")
+    code = (
+        "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time\\nt=time.process_time()\\n"
+        "while time.process_time() - t < 0.6: pass'])"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code])
     sampler = proctree.CpuSampler(proc.pid, interval=0.05)
     proc.wait()

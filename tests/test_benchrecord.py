@@ -29,8 +29,9 @@ def rows_of(path: Path) -> tuple[list[str], list[dict[str, str]]]:
 
 def test_a_row_holds_date_commit_command_machine_and_the_figures(tmp_path):
     argv = [str(ROOT / "bench" / "startup.py"), "--repeat", "3"]
-    path = benchrecord.append_row("startup", {"startup_seconds": 12.3456789, "ok": True}, argv=argv,
-                                  folder=tmp_path, when=when(4))
+    path = benchrecord.append_row(
+        "startup", {"startup_seconds": 12.3456789, "ok": True}, argv=argv, folder=tmp_path, when=when(4)
+    )
     assert path == tmp_path / "startup.csv"
     header, rows = rows_of(path)
     assert header == ["date_utc", "commit", "command", "machine", "startup_seconds", "ok"]
@@ -38,8 +39,9 @@ def test_a_row_holds_date_commit_command_machine_and_the_figures(tmp_path):
     assert row["date_utc"] == "2026-01-02 03:04"
     assert row["command"] == "python bench/startup.py --repeat 3"
     assert row["startup_seconds"] == "12.3457" and row["ok"] == "true"
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=10", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     assert row["commit"].removesuffix("+dirty") == head
     assert re.match(r"\d+ cores", row["machine"]) and ("GPU" in row["machine"])
 
@@ -75,15 +77,24 @@ def test_commit_outside_a_checkout_is_unknown(tmp_path):
 
 
 def test_the_page_shows_the_latest_row_of_each_command_newest_first(tmp_path):
-    for minute, argv, value in ((1, ["bench/b.py"], 1.0), (2, ["bench/b.py", "--fast"], 2.0),
-                                (3, ["bench/b.py"], 3.0), (4, ["bench/b.py", "--x"], 4.0)):
+    for minute, argv, value in (
+        (1, ["bench/b.py"], 1.0),
+        (2, ["bench/b.py", "--fast"], 2.0),
+        (3, ["bench/b.py"], 3.0),
+        (4, ["bench/b.py", "--x"], 4.0),
+    ):
         benchrecord.append_row("b", {"seconds": value}, argv=argv, folder=tmp_path, when=when(minute))
-    benchrecord.append_row("b", {"seconds": 5.0, "extra": "|<x>"}, argv=["bench/b.py", "--y"], folder=tmp_path,
-                           when=when(5))
+    benchrecord.append_row(
+        "b", {"seconds": 5.0, "extra": "|<x>"}, argv=["bench/b.py", "--y"], folder=tmp_path, when=when(5)
+    )
     page = docgen.benchmark_page("b", tmp_path / "b.csv")
     lines = [line for line in page.splitlines() if line.startswith("| 2026")]
-    assert [line.split(" | ")[0] for line in lines] == ["| 2026-01-02 03:05", "| 2026-01-02 03:04",
-                                                      "| 2026-01-02 03:03", "| 2026-01-02 03:02"]
+    assert [line.split(" | ")[0] for line in lines] == [
+        "| 2026-01-02 03:05",
+        "| 2026-01-02 03:04",
+        "| 2026-01-02 03:03",
+        "| 2026-01-02 03:02",
+    ]
     assert "`python bench/b.py`" in lines[2] and "| 3 |" in lines[2]  # the first command's latest row, not 1.0
     assert "| 1 |" not in page
     assert page.splitlines()[2].startswith("| Date (UTC) | Commit | Machine | Command | `seconds` | `extra` |")
@@ -103,4 +114,4 @@ def test_every_benchmark_records_under_its_own_name():
     assert "startup" in names and "proctree" not in names
     for name in names:
         text = (ROOT / "bench" / f"{name}.py").read_text()
-        assert f'record("{name}",' in text, f"bench/{name}.py does not call record(\"{name}\", ...)"
+        assert f'record("{name}",' in text, f'bench/{name}.py does not call record("{name}", ...)'

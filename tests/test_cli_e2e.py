@@ -71,7 +71,7 @@ def test_mean_sem():
     from fedapps_tools.compare import mean_sem
 
     m, e = mean_sem([1.0, 2.0, 3.0])
-    assert m == pytest.approx(2.0) and e == pytest.approx(1.0 / 3 ** 0.5)
+    assert m == pytest.approx(2.0) and e == pytest.approx(1.0 / 3**0.5)
     assert mean_sem([0.5]) == (0.5, 0.0)
 
 
@@ -81,8 +81,22 @@ def test_summary_shows_fedavg_beside_personalised_run(tiny_config, tmp_path, cap
     out = str(tmp_path / "res")
     assert cli.main(["run", str(cfg), "--engine", "inprocess", "--output-dir", out]) == 0
     assert "strategy.name=fedavg" in capsys.readouterr().out  # says how to get FedAvg's number
-    assert cli.main(["run", str(cfg), "--engine", "inprocess", "--output-dir", out,
-                     "--set", "strategy.name=fedavg", "strategy.params={}"]) == 0
+    assert (
+        cli.main(
+            [
+                "run",
+                str(cfg),
+                "--engine",
+                "inprocess",
+                "--output-dir",
+                out,
+                "--set",
+                "strategy.name=fedavg",
+                "strategy.params={}",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert cli.main(["report", f"{out}/cwfedavg-digits-pathological-s0"]) == 0
     assert "FedAvg on the same setting (fedavg-digits-pathological-s0)" in capsys.readouterr().out

@@ -34,8 +34,14 @@ def require_flower() -> None:
 
 def fedapps_run(cfg: Path, out: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--output-dir", str(out), "--quiet",
-                             *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--output-dir", str(out), "--quiet", *extra],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def superlink_of(output: str) -> tuple[str, int]:
@@ -75,8 +81,13 @@ def test_two_concurrent_runs_each_own_their_superlink(tiny_config, tmp_path):
 def test_partial_participation_40_clients_through_flwr_run(tiny_config, tmp_path):
     """40 SuperNodes (node ids are uint64, many >= 2**63), fraction 0.25: every sampled client replies."""
     require_flower()
-    cfg = tiny_config(rounds=2, run_name="pp40", strategy={"name": "fedavg", "fraction": 0.25},
-                      data={"num_clients": 40}, client={"epochs": 1, "batch_size": 32, "lr": 0.05})
+    cfg = tiny_config(
+        rounds=2,
+        run_name="pp40",
+        strategy={"name": "fedavg", "fraction": 0.25},
+        data={"num_clients": 40},
+        client={"epochs": 1, "batch_size": 32, "lr": 0.05},
+    )
     proc = fedapps_run(cfg, tmp_path / "res")
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out[-4000:]

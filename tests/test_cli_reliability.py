@@ -56,10 +56,13 @@ def test_duplicate_key_at_top_level_and_in_override():
     assert parse_yaml("a: 1\nb: {c: 2}\n") == {"a": 1, "b": {"c": 2}}  # ordinary YAML still loads
 
 
-@pytest.mark.parametrize("content, words", [
-    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "binary"),
-    ("seed: 0\nrun_name: caf\xe9\n".encode("latin-1"), "not UTF-8"),
-])
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "binary"),
+        ("seed: 0\nrun_name: caf\xe9\n".encode("latin-1"), "not UTF-8"),
+    ],
+)
 def test_binary_or_non_utf8_config_exits_2(tmp_path, capsys, content, words):
     path = tmp_path / "bad.yaml"
     path.write_bytes(content)
@@ -76,7 +79,9 @@ def test_run_name_cannot_leave_the_output_folder(name, tiny_config, tmp_path, ca
     assert run_cli("run", str(tiny_config(run_name=name)), "--engine", "inprocess", "--output-dir", str(out)) == 2
     assert "run_name" in capsys.readouterr().err
     assert not out.exists() or not any(out.iterdir())
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".yaml" or p == out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        p.name for p in tmp_path.iterdir() if p.suffix == ".yaml" or p == out
+    )
 
 
 def test_plain_run_names_are_fine():
@@ -110,14 +115,24 @@ def test_the_command_exits_with_mains_code_and_its_output_flushed(tmp_path):
     import sys
 
     missing = tmp_path / "nothing-here.yaml"
-    proc = subprocess.run([sys.executable, "-m", "fedapps_tools.cli", "run", str(missing)], capture_output=True,
-                          text=True, cwd=Path(cli.__file__).resolve().parent.parent, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedapps_tools.cli", "run", str(missing)],
+        capture_output=True,
+        text=True,
+        cwd=Path(cli.__file__).resolve().parent.parent,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert f"config file '{missing}' not found" in proc.stderr
     table = "| method | accuracy |\n|---|---|\n" + "".join(f"| m{i} | 0.{i:03d} |\n" for i in range(2000))
     (tmp_path / "comparison.md").write_text(table)  # more than a pipe's buffer: printed, then os._exit
-    proc = subprocess.run([sys.executable, "-m", "fedapps_tools.cli", "report", str(tmp_path)], capture_output=True,
-                          text=True, cwd=Path(cli.__file__).resolve().parent.parent, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedapps_tools.cli", "report", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=Path(cli.__file__).resolve().parent.parent,
+        timeout=120,
+    )
     assert proc.returncode == 0 and proc.stdout == table
 
 
@@ -136,7 +151,9 @@ def test_compare_duplicate_labels_exit_2(tiny_config, tmp_path, capsys):
     other.mkdir()
     b = other / a.name
     b.write_text(a.read_text())
-    assert run_cli("compare", str(a), str(b), "--seeds", "0", "--engine", "inprocess", "--output-dir", str(tmp_path)) == 2
+    assert (
+        run_cli("compare", str(a), str(b), "--seeds", "0", "--engine", "inprocess", "--output-dir", str(tmp_path)) == 2
+    )
     assert "share a file name" in capsys.readouterr().err
 
 
@@ -416,13 +433,19 @@ def test_a_headline_measured_on_too_few_clients_exits_3(tiny_config, tmp_path, c
     # the evaluation-only message after the last round (group 3) reaches client 0 only: 1 of 4 clients measured
     grid_with(monkeypatch, drop=lambda rnd, pid: rnd == 3 and pid != 0)
     out = tmp_path / "res"
-    assert run_cli("run", str(tiny_config(min_measured_share=share)), "--engine", "inprocess",
-                   "--output-dir", str(out)) == code
+    assert (
+        run_cli("run", str(tiny_config(min_measured_share=share)), "--engine", "inprocess", "--output-dir", str(out))
+        == code
+    )
     summary = json.loads((out / "fedavg-digits-iid-s0" / "summary.json").read_text())
     assert summary["final_round_measured_clients"] == 1 and summary["exit_status"] == code
     if code:
-        assert summary["problems"] == [("the headline was measured on 1 of 4 clients (after round 2), fewer than "
-                                        "min_measured_share=0.5 of them (2)")]
+        assert summary["problems"] == [
+            (
+                "the headline was measured on 1 of 4 clients (after round 2), fewer than "
+                "min_measured_share=0.5 of them (2)"
+            )
+        ]
         assert "measured on 1 of 4 clients" in capsys.readouterr().err
     else:
         assert summary["problems"] == []
@@ -434,13 +457,16 @@ def test_a_run_whose_headline_was_never_measured_exits_3(tiny_config, tmp_path, 
     assert run_cli("run", str(tiny_config(rounds=1)), "--engine", "inprocess", "--output-dir", str(out)) == 3
     summary = json.loads((out / "fedavg-digits-iid-s0" / "summary.json").read_text())
     assert summary["accuracy_mean"] is None and summary["exit_status"] == 3
-    assert summary["problems"] == [("the headline (deployed-model accuracy) was never measured: no client answered "
-                                    "an evaluation of its deployed model")]
+    assert summary["problems"] == [
+        (
+            "the headline (deployed-model accuracy) was never measured: no client answered "
+            "an evaluation of its deployed model"
+        )
+    ]
 
 
 def test_a_round_that_lost_most_replies_to_rejection_exits_4(tiny_config, tmp_path, capsys, monkeypatch):
-    grid_with(monkeypatch, node_configs={i: {"faults": "f64-huge@1,2,3/1"} for i in range(4)},
-              mods=[faults.faults_mod])
+    grid_with(monkeypatch, node_configs={i: {"faults": "f64-huge@1,2,3/1"} for i in range(4)}, mods=[faults.faults_mod])
     out = tmp_path / "res"
     assert run_cli("run", str(tiny_config()), "--engine", "inprocess", "--output-dir", str(out)) == EXIT_REJECTED
     run_dir = out / "fedavg-digits-iid-s0"
@@ -460,8 +486,14 @@ def test_the_exit_statuses_are_in_the_help(capsys):
     with pytest.raises(SystemExit):
         run_cli("run", "--help")
     text = " ".join(capsys.readouterr().out.split())
-    for code in ("0 the run finished", "1 the run failed", "2 refused", "3 finished, but the headline",
-                 "4 finished, but some round lost a majority", "130 interrupted"):
+    for code in (
+        "0 the run finished",
+        "1 the run failed",
+        "2 refused",
+        "3 finished, but the headline",
+        "4 finished, but some round lost a majority",
+        "130 interrupted",
+    ):
         assert code in text, code
 
 
@@ -484,8 +516,15 @@ def test_a_partition_leaving_clients_without_a_test_split_is_refused(tiny_config
 def test_a_validation_split_left_empty_is_refused(tiny_config):
     from fedapps.data import get_federation
 
-    data = {**load_config(tiny_config()).to_dict()["data"], "num_clients": 300, "evaluate_on": "validation",
-            "validation_fraction": 0.05}
-    with pytest.raises(ConfigError, match=r"data\.validation_fraction=0\.05\) leaves 300 of the 300 clients without a "
-                                          r"validation split .* at most data\.num_clients=119 "):
+    data = {
+        **load_config(tiny_config()).to_dict()["data"],
+        "num_clients": 300,
+        "evaluate_on": "validation",
+        "validation_fraction": 0.05,
+    }
+    with pytest.raises(
+        ConfigError,
+        match=r"data\.validation_fraction=0\.05\) leaves 300 of the 300 clients without a "
+        r"validation split .* at most data\.num_clients=119 ",
+    ):
         get_federation(data)

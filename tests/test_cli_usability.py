@@ -117,8 +117,11 @@ def test_every_positional_and_seeds_option_has_help():
 
 
 def test_help_is_plain_text():
-    texts = [(where, text) for _, root in [("", cli.build_parser()), ("", deploy.build_parser())]
-             for where, text in help_texts(root)]
+    texts = [
+        (where, text)
+        for _, root in [("", cli.build_parser()), ("", deploy.build_parser())]
+        for where, text in help_texts(root)
+    ]
     assert len(texts) > 60  # every parser's texts were reached
     for where, text in texts:
         assert not RST_MARKUP.search(text), f"{where}: reStructuredText markup in help: {text!r}"
@@ -142,9 +145,16 @@ def test_seed_lists_read_alike(items):
     assert parse_seeds(items) == [0, 1, 2]
 
 
-@pytest.mark.parametrize("items, words", [(["0,x"], "'x' is not an integer"), (["-1"], "negative"),
-                                          (["0,0"], "0 is repeated"), ([","], "at least one seed"),
-                                          (["cfg.yaml"], "write the configs before --seeds")])
+@pytest.mark.parametrize(
+    "items, words",
+    [
+        (["0,x"], "'x' is not an integer"),
+        (["-1"], "negative"),
+        (["0,0"], "0 is repeated"),
+        ([","], "at least one seed"),
+        (["cfg.yaml"], "write the configs before --seeds"),
+    ],
+)
 def test_bad_seed_lists_name_the_item(items, words):
     with pytest.raises(ConfigError, match=re.escape(words)):
         parse_seeds(items)
@@ -183,8 +193,12 @@ def test_bad_seeds_exit_2_before_anything_runs(capsys):
 
 def test_compare_runs_every_seed_of_a_comma_list(tiny_config, tmp_path):
     cfg = tiny_config(rounds=1)
-    assert cli.main(["compare", str(cfg), "--seeds", "0,1", "--engine", "inprocess", "--output-dir",
-                     str(tmp_path), "--quiet"]) == 0
+    assert (
+        cli.main(
+            ["compare", str(cfg), "--seeds", "0,1", "--engine", "inprocess", "--output-dir", str(tmp_path), "--quiet"]
+        )
+        == 0
+    )
     assert sorted(p.name for p in (tmp_path / "comparison" / "runs").iterdir()) == [f"{cfg.stem}-s0", f"{cfg.stem}-s1"]
 
 
@@ -214,8 +228,9 @@ def test_output_dir_defaults_to_the_configs_output_dir_in_every_command(tiny_con
     from fedapps_tools.tune import tuning_folder
 
     assert tuning_folder(args, str(root), cfg) == root / f"tune-{cfg.stem}"
-    args = cli.build_parser().parse_args(["tune", str(cfg), "--grid", "client.lr=0.1", "--output-dir", "o",
-                                          "--name", "t"])
+    args = cli.build_parser().parse_args(
+        ["tune", str(cfg), "--grid", "client.lr=0.1", "--output-dir", "o", "--name", "t"]
+    )
     assert tuning_folder(args, str(root), cfg) == tmp_path / "o" / "t"
     assert not (tmp_path / "results").exists()
 
@@ -228,11 +243,13 @@ def test_tune_refuses_an_output_dir_that_holds_an_earlier_tuning(tmp_path):
     parse = cli.build_parser().parse_args
     with pytest.raises(ConfigError, match=rf"--out {re.escape(str(old))}"):
         tuning_folder(parse(["tune", "c.yaml", "--grid", "a=1", "--output-dir", str(old)]), "results", Path("c.yaml"))
-    assert tuning_folder(parse(["tune", "c.yaml", "--grid", "a=1", "--out", str(old)]), "results", Path("c.yaml")) \
-        == old
+    assert (
+        tuning_folder(parse(["tune", "c.yaml", "--grid", "a=1", "--out", str(old)]), "results", Path("c.yaml")) == old
+    )
     with pytest.raises(ConfigError, match="drop --output-dir"):
-        tuning_folder(parse(["tune", "c.yaml", "--grid", "a=1", "--out", "x", "--name", "y"]), "results",
-                      Path("c.yaml"))
+        tuning_folder(
+            parse(["tune", "c.yaml", "--grid", "a=1", "--out", "x", "--name", "y"]), "results", Path("c.yaml")
+        )
 
 
 def test_compare_refuses_to_leave_an_earlier_comparison_behind(tiny_config, tmp_path, monkeypatch, capsys):
@@ -253,10 +270,10 @@ def test_compare_refuses_to_leave_an_earlier_comparison_behind(tiny_config, tmp_
 
 def test_human_units():
     assert human_bytes(950) == "950 B"
-    assert human_bytes(2.2 * 1024 ** 2) == "2.2 MiB"
+    assert human_bytes(2.2 * 1024**2) == "2.2 MiB"
     assert human_bytes(221691) == "216 KiB"
     assert human_bytes(1536) == "1.5 KiB"
-    assert human_bytes(3 * 1024 ** 3) == "3.0 GiB"
+    assert human_bytes(3 * 1024**3) == "3.0 GiB"
     assert human_duration(2.52) == "2.5 s"
     assert human_duration(29.4) == "29 s"
     assert human_duration(89) == "1 min 29 s"
@@ -264,12 +281,30 @@ def test_human_units():
 
 
 def test_summary_marks_the_headline_and_prints_human_units(tmp_path):
-    s = {"strategy": "cwfedavg", "dataset": "digits", "partition": "iid", "model": "mlp", "num_clients": 4,
-         "rounds": 3, "seed": 0, "final_round": 3, "final_round_measured_clients": 4, "evaluated_on": "test",
-         "accuracy_mean": 0.81234, "accuracy_weighted": 0.79876, "accuracy_worst10": 0.5, "accuracy_std": 0.1,
-         "accuracy_after_training_mean": 0.9, "bytes_up_per_client_round": 2.2 * 1024 ** 2,
-         "bytes_down_per_client_round": 1024, "wall_seconds": 89.0, "final_est_l1": 0.25,
-         "final_round_had_no_replies": False, "deployed_model": "client i's own model", "problems": []}
+    s = {
+        "strategy": "cwfedavg",
+        "dataset": "digits",
+        "partition": "iid",
+        "model": "mlp",
+        "num_clients": 4,
+        "rounds": 3,
+        "seed": 0,
+        "final_round": 3,
+        "final_round_measured_clients": 4,
+        "evaluated_on": "test",
+        "accuracy_mean": 0.81234,
+        "accuracy_weighted": 0.79876,
+        "accuracy_worst10": 0.5,
+        "accuracy_std": 0.1,
+        "accuracy_after_training_mean": 0.9,
+        "bytes_up_per_client_round": 2.2 * 1024**2,
+        "bytes_down_per_client_round": 1024,
+        "wall_seconds": 89.0,
+        "final_est_l1": 0.25,
+        "final_round_had_no_replies": False,
+        "deployed_model": "client i's own model",
+        "problems": [],
+    }
     lines = summary_lines(s, tmp_path)
     headline = [ln for ln in lines if ln.startswith(MARK)]
     assert "HEADLINE" in headline[0] and "deployed models after round 3" in headline[0]
@@ -299,8 +334,11 @@ def test_run_prints_the_headline_and_leaves_summary_json_alone(tiny_config, tmp_
 # --------------------------------------------------------------------------- hints that work when followed
 
 
-@pytest.mark.parametrize("config", [c for c in CONFIGS if load_config(c).strategy.name != "fedavg"],
-                         ids=lambda p: p.relative_to(ROOT / "configs").as_posix())
+@pytest.mark.parametrize(
+    "config",
+    [c for c in CONFIGS if load_config(c).strategy.name != "fedavg"],
+    ids=lambda p: p.relative_to(ROOT / "configs").as_posix(),
+)
 def test_the_fedavg_hint_of_every_shipped_config_validates(config):
     from fedapps_tools.summary import fedavg_config, fedavg_overrides
 
@@ -313,8 +351,9 @@ def test_the_fedavg_hint_of_every_shipped_config_validates(config):
 def test_the_end_of_run_hint_works_when_followed(tiny_config, tmp_path, capsys):
     """A model-agnostic run's hint (FedAvg on per-client models needs model.per_client cleared): followed as printed,
     the FedAvg run lands where the summary looks and its number is shown beside the run's."""
-    cfg = tiny_config(rounds=1, strategy={"name": "local"}, model={"name": "mlp", "per_client": ["mlp", "mlp"]},
-                      run_name="mine")
+    cfg = tiny_config(
+        rounds=1, strategy={"name": "local"}, model={"name": "mlp", "per_client": ["mlp", "mlp"]}, run_name="mine"
+    )
     base = ["run", str(cfg), "--engine", "inprocess", "--output-dir", str(tmp_path)]
     assert cli.main(base) == 0
     out = capsys.readouterr().out
@@ -327,11 +366,14 @@ def test_the_end_of_run_hint_works_when_followed(tiny_config, tmp_path, capsys):
     assert "FedAvg on the same setting (fedavg-digits-iid-s0): accuracy_mean" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("config, overrides, key", [
-    ("configs/cosmos.yaml", ["data.num_clients=6"], "strategy.min_clients"),
-    ("configs/fedavg.yaml", ["strategy.expected_clients=30"], "strategy.expected_clients"),
-    ("configs/ifca.yaml", ["strategy.params.ifca.clusters=99"], "strategy.params.ifca.clusters"),
-])
+@pytest.mark.parametrize(
+    "config, overrides, key",
+    [
+        ("configs/cosmos.yaml", ["data.num_clients=6"], "strategy.min_clients"),
+        ("configs/fedavg.yaml", ["strategy.expected_clients=30"], "strategy.expected_clients"),
+        ("configs/ifca.yaml", ["strategy.params.ifca.clusters=99"], "strategy.params.ifca.clusters"),
+    ],
+)
 def test_too_many_clients_suggests_fixes_that_validate(config, overrides, key):
     with pytest.raises(ConfigError) as refused:
         resolve(load_config(ROOT / config, overrides))
@@ -356,17 +398,38 @@ def test_keys_a_run_ignores_are_named_with_why():
     resolve(fixed)
     assert fixed.model.per_client == ["mlp"] and ignored_settings(fixed) == []
     assert "model.name" in dict(ignored_settings(load_config(cosmos, ["model.name=resnet18"])))  # not in the list
-    overrides = ["data.alpha=0.5", "data.validation_fraction=0.3", "strategy.trim_fraction=0.2",
-                 "strategy.aggregation=median", "strategy.max_weight_share=0.5", "client.optimizer=adam",
-                 "client.momentum=0.9", "tracking_dir=x", "data.synthetic_samples=100"]
+    overrides = [
+        "data.alpha=0.5",
+        "data.validation_fraction=0.3",
+        "strategy.trim_fraction=0.2",
+        "strategy.aggregation=median",
+        "strategy.max_weight_share=0.5",
+        "client.optimizer=adam",
+        "client.momentum=0.9",
+        "tracking_dir=x",
+        "data.synthetic_samples=100",
+    ]
     ignored = dict(ignored_settings(load_config(ROOT / "configs" / "fedavg.yaml", overrides), overrides))
-    assert set(ignored) == {"data.alpha", "data.validation_fraction", "strategy.trim_fraction",
-                            "strategy.max_weight_share", "client.momentum", "tracking_dir", "data.synthetic_samples"}
+    assert set(ignored) == {
+        "data.alpha",
+        "data.validation_fraction",
+        "strategy.trim_fraction",
+        "strategy.max_weight_share",
+        "client.momentum",
+        "tracking_dir",
+        "data.synthetic_samples",
+    }
     assert "median" in ignored["strategy.max_weight_share"] and "adam" in ignored["client.momentum"]
     # used, so not reported: alpha under dirichlet, trim_fraction under trimmed-mean, momentum with sgd
-    used = ["data.partition=dirichlet", "data.alpha=0.5", "strategy.aggregation=trimmed-mean",
-            "strategy.trim_fraction=0.2", "client.momentum=0.9", "data.evaluate_on=validation",
-            "data.validation_fraction=0.3"]
+    used = [
+        "data.partition=dirichlet",
+        "data.alpha=0.5",
+        "strategy.aggregation=trimmed-mean",
+        "strategy.trim_fraction=0.2",
+        "client.momentum=0.9",
+        "data.evaluate_on=validation",
+        "data.validation_fraction=0.3",
+    ]
     assert ignored_settings(load_config(ROOT / "configs" / "fedavg.yaml", used), used) == []
 
 
@@ -380,10 +443,16 @@ def test_an_ignored_key_and_a_data_warning_are_printed_once(tiny_config, tmp_pat
     from fedapps.data import clear_federation_cache
 
     clear_federation_cache()  # the partition is built (and its warning logged) in this test
-    cfg = tiny_config(rounds=1, strategy={"name": "local"}, model={"name": "mlp", "per_client": ["mlp", "mlp"]},
-                      data={"partition": "pathological", "num_clients": 3, "classes_per_client": 2})
-    assert cli.main(["run", str(cfg), "--engine", "inprocess", "--output-dir", str(tmp_path),
-                     "--set", "model.name=cnn"]) == 0
+    cfg = tiny_config(
+        rounds=1,
+        strategy={"name": "local"},
+        model={"name": "mlp", "per_client": ["mlp", "mlp"]},
+        data={"partition": "pathological", "num_clients": 3, "classes_per_client": 2},
+    )
+    assert (
+        cli.main(["run", str(cfg), "--engine", "inprocess", "--output-dir", str(tmp_path), "--set", "model.name=cnn"])
+        == 0
+    )
     err = capsys.readouterr().err
     assert err.count("'model.name' = 'cnn' is ignored") == 1, err
     assert err.count("pathological partition: no free client slots") == 1, err
@@ -401,8 +470,9 @@ def test_a_client_does_not_repeat_the_datas_warnings():
     handler.emit = records.append
     data_log = logging.getLogger("fedapps.data")
     data_log.addHandler(handler)
-    spec = load_config(None, ["data.source=digits", "data.partition=pathological",
-                              "data.num_clients=3"]).to_dict()["data"]
+    spec = load_config(None, ["data.source=digits", "data.partition=pathological", "data.num_clients=3"]).to_dict()[
+        "data"
+    ]
     try:
         clear_federation_cache()
         client_federation(SimpleNamespace(node_config={}), spec, 0, public=False)
@@ -450,12 +520,19 @@ def test_the_noise_list_matches_the_installed_flower():
     """Flower's source still logs these exact messages (a Flower upgrade that rewords one fails here)."""
     import flwr
 
-    source = "".join(p.read_text() for p in Path(flwr.__file__).parent.rglob("*.py")
-                     if p.name in ("app.py", "ray_actor.py", "install.py"))
-    for text in ("Since flwr 1.32, default simulated SuperNodes changed from 10 to 2.",
-                 "To change federation size, use the following command:",
-                 "flwr federation simulation-config ", "<superlink> --num-supernodes <N>",
-                 '"Manually terminating %s"', "Successfully installed {project_name} to {install_path}."):
+    source = "".join(
+        p.read_text()
+        for p in Path(flwr.__file__).parent.rglob("*.py")
+        if p.name in ("app.py", "ray_actor.py", "install.py")
+    )
+    for text in (
+        "Since flwr 1.32, default simulated SuperNodes changed from 10 to 2.",
+        "To change federation size, use the following command:",
+        "flwr federation simulation-config ",
+        "<superlink> --num-supernodes <N>",
+        '"Manually terminating %s"',
+        "Successfully installed {project_name} to {install_path}.",
+    ):
         assert text in source, text
     assert is_flower_noise(*parse_line(FLOWER_NOTES[0])) and parse_line(FLOWER_NOTES[0])[0] == "WARNING"
 

@@ -37,9 +37,12 @@ def test_an_adversarial_client_moves_the_clipped_sum_by_at_most_c(adversary):
     clients = honest_clients()
     n, k = clients[0].shape
     rng = np.random.default_rng(1)
-    evil = {"huge": np.full((n, k), 1e6), "negative": -50 * rng.random((n, k)),
-            "one-hot-flip": np.eye(k)[rng.integers(0, k, n)] * 1e3,
-            "nan-free-spike": np.pad(np.array([[1e9]]), ((0, n - 1), (0, k - 1)))}[adversary]
+    evil = {
+        "huge": np.full((n, k), 1e6),
+        "negative": -50 * rng.random((n, k)),
+        "one-hot-flip": np.eye(k)[rng.integers(0, k, n)] * 1e3,
+        "nan-free-spike": np.pad(np.array([[1e9]]), ((0, n - 1), (0, k - 1))),
+    }[adversary]
     base = cp.clipped_sum(clients, bound)
     added = cp.clipped_sum([*clients, evil], bound)
     assert np.linalg.norm(added - base) <= bound * (1 + 1e-12)
@@ -76,8 +79,10 @@ def test_gnmax_counts_votes_and_releases_the_noisy_argmax():
         cp.vote_counts(np.array([[0, 3]]), 3)
 
 
-@pytest.mark.parametrize("sigma, rounds, delta, rate", [(1.0, 1, 1e-5, 1.0), (2.0, 50, 1e-5, 1.0),
-                                                        (1.2, 100, 1e-6, 0.1), (5.0, 20, 1e-5, 1.0)])
+@pytest.mark.parametrize(
+    "sigma, rounds, delta, rate",
+    [(1.0, 1, 1e-5, 1.0), (2.0, 50, 1e-5, 1.0), (1.2, 100, 1e-6, 0.1), (5.0, 20, 1e-5, 1.0)],
+)
 def test_the_accountant_matches_opacus(sigma, rounds, delta, rate):
     """dp-accounting's ε of the Gaussian mechanism over rounds against Opacus's RDP accountant (another
     implementation), on the same RDP orders."""
@@ -90,12 +95,16 @@ def test_the_accountant_matches_opacus(sigma, rounds, delta, rate):
     reference, _ = get_privacy_spent(orders=DEFAULT_RDP_ORDERS, rdp=rdp, delta=delta)
     # the Gaussian alone: the same closed form in both; subsampled, their fractional-order series differ by ~1e-4
     assert got == pytest.approx(reference, rel=1e-9 if rate == 1.0 else 1e-3)
-    assert cp.gaussian_epsilon(sigma, rounds + 1, delta, rate) > got > cp.gaussian_epsilon(sigma * 1.05, rounds, delta,
-                                                                                         rate)
+    assert (
+        cp.gaussian_epsilon(sigma, rounds + 1, delta, rate)
+        > got
+        > cp.gaussian_epsilon(sigma * 1.05, rounds, delta, rate)
+    )
 
 
 def test_one_gaussian_release_is_close_to_the_classical_bound():
-    """One release with σ = sqrt(2 ln(1.25/δ))/ε is (ε, δ)-DP (Dwork & Roth, Thm A.1, ε < 1); RDP's ε is at most that."""
+    """One release with σ = sqrt(2 ln(1.25/δ))/ε is (ε, δ)-DP (Dwork & Roth, Thm A.1, ε < 1); RDP's ε is at most
+    that."""
     eps, delta = 0.5, 1e-5
     sigma = math.sqrt(2 * math.log(1.25 / delta)) / eps
     assert cp.gaussian_epsilon(sigma, 1, delta) <= eps

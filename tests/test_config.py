@@ -11,7 +11,9 @@ from fedapps.config import ConfigError, ExperimentConfig, config_from_dict, load
 
 
 def test_defaults_and_overrides(tiny_config):
-    cfg = load_config(tiny_config(), ["client.lr=0.01", "rounds=7", "model.per_client=[cnn,mlp]", "strategy.name=local"])
+    cfg = load_config(
+        tiny_config(), ["client.lr=0.01", "rounds=7", "model.per_client=[cnn,mlp]", "strategy.name=local"]
+    )
     assert cfg.client.lr == 0.01 and cfg.rounds == 7
     assert cfg.model.per_client == ["cnn", "mlp"]
     assert cfg.resolved_run_name() == "local-digits-iid-s0"
@@ -77,9 +79,11 @@ def test_misspelt_strategy_lists_allowed():
 
 
 def test_config_module_imports_no_strategy():
-    code = ("import fedapps.config, sys; "
-            "assert not any(m == 'strategies' or m.startswith('strategies.') for m in sys.modules), "
-            "sorted(m for m in sys.modules if m.startswith('strategies'))")
+    code = (
+        "import fedapps.config, sys; "
+        "assert not any(m == 'strategies' or m.startswith('strategies.') for m in sys.modules), "
+        "sorted(m for m in sys.modules if m.startswith('strategies'))"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).parents[1]))
 
 
@@ -125,8 +129,10 @@ def test_default_yaml_is_the_tables_validation_choice_for_cwfedavg_on_its_partit
         row = next(r for r in csv.DictReader(f) if (r["setting"], r["method"]) == ("pathological", "cwfedavg"))
     chosen = {k.removeprefix("chosen:"): v for k, v in row.items() if k.startswith("chosen:") and v}
     default = load_config(root / "configs" / "default.yaml")
-    setting = load_config(root / "configs" / "settings" / "param-pathological.yaml",
-                          ["strategy.name=cwfedavg", *(f"{k}={v}" for k, v in chosen.items())])
+    setting = load_config(
+        root / "configs" / "settings" / "param-pathological.yaml",
+        ["strategy.name=cwfedavg", *(f"{k}={v}" for k, v in chosen.items())],
+    )
     assert chosen.keys() == {"client.lr", "strategy.params.cwfedavg.wdr_lambda"}
     assert default.client.lr == float(chosen["client.lr"])
     assert resolve(default).params.wdr_lambda == float(chosen["strategy.params.cwfedavg.wdr_lambda"])

@@ -41,10 +41,12 @@ def test_the_command_reads_run_folders_and_appends_its_rows_with_the_commit(tmp_
     run = tmp_path / "cwfedavg-x-s0"
     run.mkdir()
     acc = list(np.linspace(0.2, 0.8, 50)) + [0.8] * 60
-    tables.write_csv(run / "rounds.csv", ["round", "acc_mean"], [{"round": r + 1, "acc_mean": a} for r, a in
-                                                                 enumerate(acc)])
-    (run / "summary.json").write_text('{"strategy": "cwfedavg", "partition": "pathological", '
-                                      '"evaluated_on": "validation"}')
+    tables.write_csv(
+        run / "rounds.csv", ["round", "acc_mean"], [{"round": r + 1, "acc_mean": a} for r, a in enumerate(acc)]
+    )
+    (run / "summary.json").write_text(
+        '{"strategy": "cwfedavg", "partition": "pathological", "evaluated_on": "validation"}'
+    )
     out = tmp_path / "flat.csv"
     assert convergence.main([str(run), "--window", "1", "--after", "50", "--csv", str(out)]) == 0
     assert "flat from round 50" in capsys.readouterr().out
@@ -60,8 +62,11 @@ def test_the_figure_is_drawn_for_finished_and_running_runs(tmp_path):
     for name, strategy, finished in (("a", "fedavg", True), ("b", "cwfedavg", False)):
         run = tmp_path / name
         run.mkdir()
-        tables.write_csv(run / "rounds.csv", ["round", "acc_mean"], [{"round": r + 1, "acc_mean": min(0.9, 0.1 * r)}
-                                                                     for r in range(40)])
+        tables.write_csv(
+            run / "rounds.csv",
+            ["round", "acc_mean"],
+            [{"round": r + 1, "acc_mean": min(0.9, 0.1 * r)} for r in range(40)],
+        )
         if finished:
             (run / "summary.json").write_text(f'{{"strategy": "{strategy}"}}')
         else:  # still running: no summary yet, its resolved config names the strategy

@@ -25,8 +25,16 @@ from fedapps.flower.inprocess import InProcessGrid
 from fedapps.server import clustering
 from fedapps.wire import protocol, pseudolabels
 from strategies import resolve
-from strategies.cosmos import (RB_LAMBDA, RB_SIGMA, Cosmos, frequency_weights, rb_term, robustness_penalty,
-                               server_target, soft_predictions)
+from strategies.cosmos import (
+    RB_LAMBDA,
+    RB_SIGMA,
+    Cosmos,
+    frequency_weights,
+    rb_term,
+    robustness_penalty,
+    server_target,
+    soft_predictions,
+)
 
 torch.set_num_threads(1)
 
@@ -181,7 +189,7 @@ def test_aggregation_and_temperature() -> None:
 def test_temperature_row_by_row() -> None:
     p = np.array([[0.2, 0.3, 0.5], [0.6, 0.3, 0.1]])
     sharp = pseudolabels.apply_temperature(p, 0.5)  # p² renormalised, per row
-    np.testing.assert_allclose(sharp, (p ** 2) / (p ** 2).sum(axis=1, keepdims=True), rtol=1e-6)
+    np.testing.assert_allclose(sharp, (p**2) / (p**2).sum(axis=1, keepdims=True), rtol=1e-6)
     assert sharp.dtype == np.float32
     np.testing.assert_array_equal(pseudolabels.apply_temperature(p, 0), [[0, 0, 1], [1, 0, 0]])
     assert pseudolabels.apply_temperature(p, 1) is p  # T = 1 leaves p as it is
@@ -195,15 +203,18 @@ def test_temperature_row_by_row() -> None:
 
 # found by `make mutate`
 def test_aggregations_per_sample() -> None:
-    stack = np.array([  # 3 members × 3 samples × 3 classes
-        [[1.0, 0.0, 0.0], [0.6, 0.4, 0.0], [0.2, 0.8, 0.0]],
-        [[0.0, 1.0, 0.0], [0.1, 0.1, 0.8], [0.3, 0.7, 0.0]],
-        [[0.0, 0.0, 1.0], [0.5, 0.5, 0.0], [0.4, 0.6, 0.0]],
-    ])
+    stack = np.array(
+        [  # 3 members × 3 samples × 3 classes
+            [[1.0, 0.0, 0.0], [0.6, 0.4, 0.0], [0.2, 0.8, 0.0]],
+            [[0.0, 1.0, 0.0], [0.1, 0.1, 0.8], [0.3, 0.7, 0.0]],
+            [[0.0, 0.0, 1.0], [0.5, 0.5, 0.0], [0.4, 0.6, 0.0]],
+        ]
+    )
     np.testing.assert_allclose(pseudolabels.aggregate(stack), stack.mean(axis=0))  # the default is the mean
     # median per class, renormalised per sample; sample 0: every median is 0 (no division by zero)
-    np.testing.assert_allclose(pseudolabels.aggregate(stack, "median"), [[0, 0, 0], [5 / 9, 4 / 9, 0], [0.3, 0.7, 0]],
-                               atol=1e-12)
+    np.testing.assert_allclose(
+        pseudolabels.aggregate(stack, "median"), [[0, 0, 0], [5 / 9, 4 / 9, 0], [0.3, 0.7, 0]], atol=1e-12
+    )
     # max: sample 0 — all members equally confident, the first wins; sample 1 — member 1 (0.8); 2 — member 0
     np.testing.assert_allclose(pseudolabels.aggregate(stack, "max"), [[1, 0, 0], [0.1, 0.1, 0.8], [0.2, 0.8, 0]])
 
@@ -261,14 +272,23 @@ def test_rb_has_a_gradient_through_the_clean_branch_and_is_weighted() -> None:
     assert a.item() == pytest.approx(ref.item(), rel=1e-5)
     zero = robustness_penalty(model, x, model(x), 0.5, sample_weights=torch.zeros(8))
     assert zero.item() == 0.0
+
     # λ·r_B moves the parameters beyond what KL alone does (same seed, same data)
     def fit(lam: float) -> torch.Tensor:
         torch.manual_seed(2)
         m = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 5))
         gen = torch.Generator().manual_seed(0)
-        ops.distill(m, x, torch.softmax(torch.randn(8, 5), 1), ops.OptimSettings(epochs=2, batch_size=4, lr=0.1),
-                    ops.DistillSettings(), generator=gen, term=rb_term(lam, 0.3, gen))
+        ops.distill(
+            m,
+            x,
+            torch.softmax(torch.randn(8, 5), 1),
+            ops.OptimSettings(epochs=2, batch_size=4, lr=0.1),
+            ops.DistillSettings(),
+            generator=gen,
+            term=rb_term(lam, 0.3, gen),
+        )
         return m[1].weight.detach().clone()
+
     assert rb_term(0.0, 0.3) is None  # λ = 0: no term at all
     assert not torch.allclose(fit(0.0), fit(50.0))
 
@@ -288,17 +308,30 @@ def test_rb_term_is_lambda_times_the_penalty_and_added_to_the_distillation_loss(
     ref.load_state_dict(model.state_dict())
     logits = ref(x[perm])
     loss = ops.kl_to_targets(logits, targets[perm]) + 2.5 * robustness_penalty(
-        ref, x[perm], logits, 0.4, generator=torch.Generator().manual_seed(9))
+        ref, x[perm], logits, 0.4, generator=torch.Generator().manual_seed(9)
+    )
     loss.backward()
     want = ref.weight.detach() - 0.1 * ref.weight.grad
-    ops.distill(model, x, targets, ops.OptimSettings(epochs=1, batch_size=6, lr=0.1, optimizer="sgd"),
-                ops.DistillSettings(), generator=torch.Generator().manual_seed(1),
-                term=rb_term(2.5, 0.4, torch.Generator().manual_seed(9)))
+    ops.distill(
+        model,
+        x,
+        targets,
+        ops.OptimSettings(epochs=1, batch_size=6, lr=0.1, optimizer="sgd"),
+        ops.DistillSettings(),
+        generator=torch.Generator().manual_seed(1),
+        term=rb_term(2.5, 0.4, torch.Generator().manual_seed(9)),
+    )
     assert torch.allclose(model.weight.detach(), want, atol=1e-6)
     kl_only = torch.nn.Linear(4, 3)
     kl_only.load_state_dict(ref.state_dict())
-    ops.distill(kl_only, x, targets, ops.OptimSettings(epochs=1, batch_size=6, lr=0.1, optimizer="sgd"),
-                ops.DistillSettings(), generator=torch.Generator().manual_seed(1))
+    ops.distill(
+        kl_only,
+        x,
+        targets,
+        ops.OptimSettings(epochs=1, batch_size=6, lr=0.1, optimizer="sgd"),
+        ops.DistillSettings(),
+        generator=torch.Generator().manual_seed(1),
+    )
     assert not torch.allclose(kl_only.weight.detach(), want, atol=1e-4)  # without the term: another step
 
 
@@ -336,11 +369,16 @@ def test_the_client_distils_with_r_b_when_the_message_asks(tmp_path: Path) -> No
     distill = base.training.section(protocol.DISTILL)
     losses = []
     for lam in (0.0, 5.0, 0.0):
-        sections = {**base.training.sections,
-                    protocol.DISTILL: dataclasses.replace(distill, extra={**distill.extra, RB_LAMBDA: lam})}
-        request = dataclasses.replace(base, ops=("distill",), training=protocol.Training(sections=sections),
-                                      setup=dataclasses.replace(base.setup,
-                                                                model=dataclasses.replace(base.setup.model, seed=0)))
+        sections = {
+            **base.training.sections,
+            protocol.DISTILL: dataclasses.replace(distill, extra={**distill.extra, RB_LAMBDA: lam}),
+        }
+        request = dataclasses.replace(
+            base,
+            ops=("distill",),
+            training=protocol.Training(sections=sections),
+            setup=dataclasses.replace(base.setup, model=dataclasses.replace(base.setup.model, seed=0)),
+        )
         msg = protocol.build_message(100, request, targets=targets)
         ctx = Context(run_id=1, node_id=100, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
         reply = Worker(msg, ctx).run()
@@ -410,7 +448,7 @@ def test_bad_params_are_config_errors(tmp_path: Path) -> None:
 
 # found by `make mutate`
 def test_pseudo_label_encodings_edges() -> None:
-    assert pseudolabels.label_dtype(2 ** 32) == np.uint64  # beyond uint32 (the marker M itself must fit)
+    assert pseudolabels.label_dtype(2**32) == np.uint64  # beyond uint32 (the marker M itself must fit)
     # hard labels as they are; 3 = abstain
     np.testing.assert_array_equal(pseudolabels.encode(np.array([2, 0, 3]), "hard", 3), [2, 0, 3])
     for bad in (np.array([-1, 0]), np.array([4, 0])):
@@ -431,12 +469,34 @@ def test_pseudo_label_encodings_edges() -> None:
 def write_config(tmp_path: Path, rounds: int = 2, **params) -> str:
     """A tiny COSMOS run: scikit-learn digits, 4 clients in 2 groups, mlp/cnn clients, mlp server."""
     cfg = {
-        "seed": 0, "rounds": rounds, "output_dir": str(tmp_path / "results"),
-        "strategy": {"name": "cosmos", "min_clients": N_CLIENTS, "params": {"cosmos": {
-            "server_model": "mlp", "pretrain_epochs": 2, "server_epochs": 1, "distill_epochs": 1,
-            "server_lr": 1e-3, "distill_lr": 1e-3, "max_clusters": 2, **params}}},
-        "data": {"source": "digits", "partition": "cosmos-groups", "num_clients": N_CLIENTS, "groups": 2,
-                 "alpha": 5.0, "public_fraction": 0.2, "seed": 1},
+        "seed": 0,
+        "rounds": rounds,
+        "output_dir": str(tmp_path / "results"),
+        "strategy": {
+            "name": "cosmos",
+            "min_clients": N_CLIENTS,
+            "params": {
+                "cosmos": {
+                    "server_model": "mlp",
+                    "pretrain_epochs": 2,
+                    "server_epochs": 1,
+                    "distill_epochs": 1,
+                    "server_lr": 1e-3,
+                    "distill_lr": 1e-3,
+                    "max_clusters": 2,
+                    **params,
+                }
+            },
+        },
+        "data": {
+            "source": "digits",
+            "partition": "cosmos-groups",
+            "num_clients": N_CLIENTS,
+            "groups": 2,
+            "alpha": 5.0,
+            "public_fraction": 0.2,
+            "seed": 1,
+        },
         "model": {"name": "mlp", "per_client": ["mlp", "cnn"]},
         "client": {"epochs": 1, "batch_size": 32, "lr": 1e-3, "optimizer": "adam", "drop_last": False, "device": "cpu"},
     }
@@ -489,12 +549,16 @@ def test_end_to_end_in_process_sends_pseudo_labels_only(tmp_path: Path, up: str,
     assert all(protocol.EVAL_ARRAYS in s.content and protocol.TARGETS not in s.content for s in eval_msgs)
     assert all(protocol.request_of(s).ops == ("evaluate-received:deployed",) for s in eval_msgs)
     assert sum(protocol.TARGETS in s.content for s in train_msgs) == N_CLIENTS  # round 2 only
-    wire_down = [protocol.Targets.decode(s.content[protocol.TARGETS]).values for s in train_msgs
-                 if protocol.TARGETS in s.content]
+    wire_down = [
+        protocol.Targets.decode(s.content[protocol.TARGETS]).values for s in train_msgs if protocol.TARGETS in s.content
+    ]
     assert all(w.dtype == np.dtype(down) and w.shape == (n, m) for w in wire_down)
     assert assert_pseudo_labels_and_metrics_only(grid.replies, n, m) == 2 * N_CLIENTS
-    ups = [r.content[protocol.PREDICTIONS][protocol.PREDICTION_ARRAY].numpy() for r in grid.replies
-           if protocol.PREDICTIONS in r.content]
+    ups = [
+        r.content[protocol.PREDICTIONS][protocol.PREDICTION_ARRAY].numpy()
+        for r in grid.replies
+        if protocol.PREDICTIONS in r.content
+    ]
     assert all(u.dtype == (np.uint8 if up == "hard" else np.float32) for u in ups)
     # summary and per-round bytes
     assert summary["clusters"] >= 1 and sum(summary["cluster_sizes"]) == N_CLIENTS
@@ -504,7 +568,7 @@ def test_end_to_end_in_process_sends_pseudo_labels_only(tmp_path: Path, up: str,
     round_replies = [r for r in grid.replies if protocol.PREDICTIONS in r.content]
     for rnd, row in enumerate(rows, start=1):
         sent = [s for s in train_msgs if s.metadata.group_id == str(rnd)]
-        got = round_replies[(rnd - 1) * N_CLIENTS: rnd * N_CLIENTS]
+        got = round_replies[(rnd - 1) * N_CLIENTS : rnd * N_CLIENTS]
         evaluation = sum(protocol.eval_nbytes(s.content) for s in sent)  # h_π(i) riding along, counted apart
         assert int(row["bytes_down"]) == sum(protocol.record_nbytes(s.content) for s in sent) - evaluation
         assert int(row["bytes_up"]) == sum(protocol.record_nbytes(r.content) for r in got)
@@ -522,8 +586,9 @@ def test_public_set_mismatch_is_refused_on_both_ends(tmp_path: Path) -> None:
     # client end: a message naming another U is answered with an error that says so
     grid = InProcessGrid(1)
     base = strategy.round_request(1)
-    request = dataclasses.replace(base, ops=("train", "predict"),
-                                  public=dataclasses.replace(base.public, fingerprint="0123456789abcdef"))
+    request = dataclasses.replace(
+        base, ops=("train", "predict"), public=dataclasses.replace(base.public, fingerprint="0123456789abcdef")
+    )
     [reply] = grid.send_and_receive([protocol.build_message(100, request)])
     assert reply.has_error() and "public set mismatch" in reply.error.reason
     assert protocol.parse_replies([reply], 1, expect_predictions=True) == []
@@ -536,8 +601,9 @@ def test_public_set_mismatch_is_refused_on_both_ends(tmp_path: Path) -> None:
     metrics = {f"{t}-{f}": v for t in tags for f, v in (("acc", 0.5), ("loss", 1.0), ("n", 2), ("correct", 1))}
 
     def reply(to: Message, cid: int, fingerprint: str) -> Message:
-        content = protocol.Reply(cid, 10, dict(metrics), predictions=preds,
-                                 info=protocol.ReplyInfo(fingerprint=fingerprint)).encode()
+        content = protocol.Reply(
+            cid, 10, dict(metrics), predictions=preds, info=protocol.ReplyInfo(fingerprint=fingerprint)
+        ).encode()
         return Message(content, reply_to=to)
 
     out = strategy.replies.validator.check(1, [reply(a, 0, strategy.fed.fingerprint), reply(b, 1, "ffffffffffffffff")])
@@ -550,11 +616,23 @@ def test_public_set_mismatch_is_refused_on_both_ends(tmp_path: Path) -> None:
 @pytest.mark.heavy
 def test_cosmos_vgg16_cluster_model_is_evaluated(tiny_config, tmp_path):
     """The paper's VGG16 (BatchNorm) server model travels to the clients for evaluation: its accuracy is a number."""
-    data = {"source": "synthetic", "partition": "iid", "num_clients": 2, "synthetic_samples": 100,
-            "synthetic_classes": 4, "synthetic_shape": [3, 8, 8], "public_fraction": 0.2}  # 8×8: see test_transport.py
+    data = {
+        "source": "synthetic",
+        "partition": "iid",
+        "num_clients": 2,
+        "synthetic_samples": 100,
+        "synthetic_classes": 4,
+        "synthetic_shape": [3, 8, 8],
+        "public_fraction": 0.2,
+    }  # 8×8: see test_transport.py
     params = {"server_model": "vgg16", "pretrain_epochs": 1, "server_epochs": 1, "distill_epochs": 1}
-    cfg = tiny_config(rounds=1, strategy={"name": "cosmos", "params": {"cosmos": params}}, data=data, model={"name": "cnn"},
-                      client={"epochs": 1, "batch_size": 16, "lr": 0.001, "optimizer": "adam"})
+    cfg = tiny_config(
+        rounds=1,
+        strategy={"name": "cosmos", "params": {"cosmos": params}},
+        data=data,
+        model={"name": "cnn"},
+        client={"epochs": 1, "batch_size": 16, "lr": 0.001, "optimizer": "adam"},
+    )
     grid = InProcessGrid(2, record=True)
     summary, _ = run_in_process(cfg, tmp_path / "out", grid)
     assert all(not m.has_error() for m in grid.replies)
@@ -600,8 +678,12 @@ def test_privacy_through_flower_simulation(tmp_path: Path) -> None:
     def main(grid, context) -> None:
         summaries.append(server_app.run_experiment(RecordingGrid(grid), path, "", str(tmp_path / "results")))
 
-    run_simulation(server_app=app, client_app=client_app.app, num_supernodes=N_CLIENTS,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 2}})
+    run_simulation(
+        server_app=app,
+        client_app=client_app.app,
+        num_supernodes=N_CLIENTS,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 2}},
+    )
     assert summaries, "the ServerApp did not finish"
     fed = Cosmos(load_config(path)).fed
     assert assert_pseudo_labels_and_metrics_only(recorded, int(fed.public_x.shape[0]), fed.num_classes) == 2 * N_CLIENTS

@@ -45,7 +45,9 @@ BASE = "strategy.name=cwfedavg data.source=digits model.name=cnn client.lr=0.05"
 
 
 def make_strategy(overrides: str = "", clients: int = 6, context: RunContext | None = None) -> CwFedAvg:
-    cfg = load_config(None, f"{BASE} data.num_clients={clients} strategy.params.cwfedavg.track_estimation_error=false {overrides}")
+    cfg = load_config(
+        None, f"{BASE} data.num_clients={clients} strategy.params.cwfedavg.track_estimation_error=false {overrides}"
+    )
     return CwFedAvg(cfg, context=context)
 
 
@@ -59,8 +61,9 @@ def reply(cid: int, arrays: dict[str, np.ndarray], counts: np.ndarray) -> Client
     return ClientReply(node_id=100 + cid, client_id=cid, num_examples=int(counts.sum()), metrics=metrics, arrays=arrays)
 
 
-def explicit_personalised(models: list[dict[str, np.ndarray]], n: np.ndarray, p: np.ndarray, i: int,
-                          classwise: list[str]) -> dict[str, np.ndarray]:
+def explicit_personalised(
+    models: list[dict[str, np.ndarray]], n: np.ndarray, p: np.ndarray, i: int, classwise: list[str]
+) -> dict[str, np.ndarray]:
     """The K-model computation: class models w_j = Σ_l q_lj w_l, then w_i = Σ_j p_ij w_j; FedAvg elsewhere."""
     k = p.shape[1]
     out = weighted_average(models, list(n))
@@ -161,9 +164,18 @@ def test_layers_are_matched_by_exact_name():
         classwise_keys(net, "last-3")
 
 
-@pytest.mark.parametrize("bad, match", [("layers=last-0", "last-N"), ("layers=head", "allowed"),
-                                        ("estimator=oracle", "estimator"), ("wdr_lambda=-1", "wdr_lambda"),
-                                        ("mix=all", "mix"), ("buffers=shared", "buffers"), ("lamda=3", "unknown key")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("layers=last-0", "last-N"),
+        ("layers=head", "allowed"),
+        ("estimator=oracle", "estimator"),
+        ("wdr_lambda=-1", "wdr_lambda"),
+        ("mix=all", "mix"),
+        ("buffers=shared", "buffers"),
+        ("lamda=3", "unknown key"),
+    ],
+)
 def test_params_are_validated(bad, match):
     with pytest.raises(ConfigError, match=match):
         resolve(load_config(None, f"{BASE} strategy.params.cwfedavg.{bad}"))
@@ -218,8 +230,9 @@ def test_mixing_keeps_the_models_dtype_and_mixes_integer_arrays_in_float() -> No
 
 
 def test_row_norm_distribution_of_small_rows() -> None:
-    np.testing.assert_allclose(class_distribution_from_rows(torch.tensor([[0.1, 0.0], [0.0, 0.3]])).numpy(), [0.25, 0.75],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        class_distribution_from_rows(torch.tensor([[0.1, 0.0], [0.0, 0.3]])).numpy(), [0.25, 0.75], rtol=1e-6
+    )
 
 
 # --------------------------------------------------------------------------- the strategy's aggregation
@@ -262,13 +275,18 @@ def test_strategy_iid_limit_is_fedavg():
 def test_buffers_stay_local_by_default():
     s = make_strategy("model.name=resnet18 data.source=synthetic data.synthetic_shape=[3,8,8]", clients=2)
     assert all("running_" not in k and "num_batches" not in k for k in s.keys)
-    s2 = make_strategy("model.name=resnet18 data.source=synthetic data.synthetic_shape=[3,8,8] "
-                       "strategy.params.cwfedavg.buffers=fedavg", clients=2)
+    s2 = make_strategy(
+        "model.name=resnet18 data.source=synthetic data.synthetic_shape=[3,8,8] "
+        "strategy.params.cwfedavg.buffers=fedavg",
+        clients=2,
+    )
     assert any("running_mean" in k for k in s2.keys)
 
 
 def test_partial_mix_round_uses_only_repliers():
-    s = make_strategy("strategy.params.cwfedavg.estimator=true strategy.params.cwfedavg.mix=round strategy.params.cwfedavg.layers=all")
+    s = make_strategy(
+        "strategy.params.cwfedavg.estimator=true strategy.params.cwfedavg.mix=round strategy.params.cwfedavg.layers=all"
+    )
     counts = np.eye(10, dtype=int)[[0, 1, 0, 1, 2, 2]] * 10
     models = [perturbed(s.initial, seed=20 + i) for i in range(6)]
     s.aggregate(1, [reply(i, models[i], counts[i]) for i in range(6)])
@@ -318,7 +336,12 @@ def test_true_estimator_is_exact(tmp_path):
 @pytest.mark.heavy
 def test_partial_participation_and_a_dropped_client(tmp_path):
     dropped = lambda rnd, pid: rnd == 2 and pid == 3  # noqa: E731
-    summary, rows = run(tmp_path, "rounds=2 strategy.fraction=0.5 strategy.params.cwfedavg.estimator=norm strategy.params.cwfedavg.wdr_lambda=10", clients=6, drop=dropped)
+    summary, rows = run(
+        tmp_path,
+        "rounds=2 strategy.fraction=0.5 strategy.params.cwfedavg.estimator=norm strategy.params.cwfedavg.wdr_lambda=10",
+        clients=6,
+        drop=dropped,
+    )
     assert summary["rounds"] == 2
     assert all(int(r["clients"]) <= 3 for r in rows)
     _, rows = run(tmp_path, "rounds=2 run_name=drop strategy.params.cwfedavg.mix=round", clients=6, drop=dropped)
@@ -344,8 +367,9 @@ class TinyBN(nn.Module):
 
     def __init__(self, num_classes: int) -> None:
         super().__init__()
-        self.conv = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                                  nn.Flatten())
+        self.conv = nn.Sequential(
+            nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()
+        )
         self.fc1 = nn.Linear(4, 6)
         self.fc = nn.Linear(6, num_classes)
         self._fedapps_classifier = "fc"
@@ -358,8 +382,13 @@ def tiny_strategy(monkeypatch, overrides: str, clients: int, context: RunContext
     return make_strategy(f"strategy.params.cwfedavg.estimator=true {overrides}", clients=clients, context=context)
 
 
-def reference_personalised(latest: dict[int, tuple[dict[str, np.ndarray], np.ndarray]], mixed: list[int],
-                           last: int, cid: int, classwise: list[str]) -> dict[str, np.ndarray]:
+def reference_personalised(
+    latest: dict[int, tuple[dict[str, np.ndarray], np.ndarray]],
+    mixed: list[int],
+    last: int,
+    cid: int,
+    classwise: list[str],
+) -> dict[str, np.ndarray]:
     """Whole models kept, in float64: FedAvg of the shared float keys over the clients ``mixed``, integer keys
     from the last replier ``last``, and for the class-wise keys client ``cid``'s row of A = P Qᵀ
     (q_lj = n_l p_lj / Σ_m n_m p_mj over ``mixed``; FedAvg weights for a class nobody in it holds; a client
@@ -386,8 +415,12 @@ def test_rounds_with_partial_participation_equal_whole_model_reference(monkeypat
     """Five rounds, clients joining late, re-uploading with other models AND other counts, replies out of order
     (one round as a generator): every client's personalised model (never-seen ones too) equals the reference
     computed from every client's whole latest model. Capacity 4 for 7 clients: the stack grows twice."""
-    s = tiny_strategy(monkeypatch, f"strategy.params.cwfedavg.mix={mix_set} strategy.params.cwfedavg.layers={layers} "
-                                   "strategy.params.cwfedavg.buffers=fedavg", clients=4)
+    s = tiny_strategy(
+        monkeypatch,
+        f"strategy.params.cwfedavg.mix={mix_set} strategy.params.cwfedavg.layers={layers} "
+        "strategy.params.cwfedavg.buffers=fedavg",
+        clients=4,
+    )
     assert any(not np.issubdtype(v.dtype, np.floating) for v in s.initial.values())  # num_batches_tracked
     rng = np.random.default_rng(7)
     schedule = [[0, 1, 2, 3], [3, 1, 4], [0, 5], [5, 2, 3, 4, 1], [6, 0]]
@@ -411,8 +444,9 @@ def test_rounds_with_partial_participation_equal_whole_model_reference(monkeypat
             assert list(ours) == s.keys
             for key in s.keys:
                 assert ours[key].dtype == s.initial[key].dtype
-                np.testing.assert_allclose(ours[key], ref[key], rtol=1e-5, atol=1e-5,
-                                           err_msg=f"round {rnd} client {cid} {key}")
+                np.testing.assert_allclose(
+                    ours[key], ref[key], rtol=1e-5, atol=1e-5, err_msg=f"round {rnd} client {cid} {key}"
+                )
 
 
 @pytest.mark.parametrize("mix_set", ["latest", "round"])
@@ -421,7 +455,9 @@ def test_server_keeps_only_classwise_arrays_per_client(mix_set):
     float arrays, which an exact FedAvg over every client's latest model needs); under `round` everything the
     server keeps is O(model) + M × (classifier + a few K-vectors)."""
     clients = 40
-    s = make_strategy(f"strategy.params.cwfedavg.estimator=true strategy.params.cwfedavg.mix={mix_set}", clients=clients)
+    s = make_strategy(
+        f"strategy.params.cwfedavg.estimator=true strategy.params.cwfedavg.mix={mix_set}", clients=clients
+    )
     counts = np.eye(10, dtype=int)[np.arange(clients) % 10] * 5 + 1
     for rnd in (1, 2):
         s.aggregate(rnd, [reply(i, perturbed(s.initial, seed=i + rnd), counts[i]) for i in range(clients)])
@@ -433,7 +469,8 @@ def test_server_keeps_only_classwise_arrays_per_client(mix_set):
         assert s.stack.arrays[k].shape == (s.stack.capacity,) + s.initial[k].shape
     # the shared arrays per client, apart (growing the stack copies no whole model)
     assert {c: sorted(v) for c, v in s.stack.loose.items()} == (
-        {c: sorted(s.shared_float) for c in range(clients)} if mix_set == "latest" else {})
+        {c: sorted(s.shared_float) for c in range(clients)} if mix_set == "latest" else {}
+    )
     for c in range(clients):
         for k in per_client:
             np.testing.assert_array_equal(s.stack.get(c, k), perturbed(s.initial, seed=c + 2)[k])

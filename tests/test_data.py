@@ -60,8 +60,17 @@ def assert_disjoint_cover(parts: list[np.ndarray], n: int) -> None:
 
 # ------------------------------------------------------------------------------------------ sources
 def test_source_info_without_loading():
-    assert SOURCES == ("mnist5k", "digits", "synthetic", "mnist", "fmnist", "emnist-balanced", "cifar10",
-                       "cifar100", "tinyimagenet")
+    assert SOURCES == (
+        "mnist5k",
+        "digits",
+        "synthetic",
+        "mnist",
+        "fmnist",
+        "emnist-balanced",
+        "cifar10",
+        "cifar100",
+        "tinyimagenet",
+    )
     assert PARTITIONS == ("iid", "pathological", "dirichlet", "cosmos-groups", "rotated", "label-swap")
     assert source_info("mnist5k") == (10, (1, 28, 28))
     assert source_info("digits") == (10, (1, 8, 8))
@@ -126,12 +135,15 @@ def test_parsed_csv_is_kept_once_and_read_back_exactly(tmp_path, monkeypatch):
 
 
 def test_synthetic_is_deterministic_and_learnable():
-    a = load_source("synthetic", "unused", synthetic_classes=5, synthetic_shape=(2, 6, 6), synthetic_samples=500,
-                    seed=3)
-    b = load_source("synthetic", "unused", synthetic_classes=5, synthetic_shape=(2, 6, 6), synthetic_samples=500,
-                    seed=3)
-    c = load_source("synthetic", "unused", synthetic_classes=5, synthetic_shape=(2, 6, 6), synthetic_samples=500,
-                    seed=4)
+    a = load_source(
+        "synthetic", "unused", synthetic_classes=5, synthetic_shape=(2, 6, 6), synthetic_samples=500, seed=3
+    )
+    b = load_source(
+        "synthetic", "unused", synthetic_classes=5, synthetic_shape=(2, 6, 6), synthetic_samples=500, seed=3
+    )
+    c = load_source(
+        "synthetic", "unused", synthetic_classes=5, synthetic_shape=(2, 6, 6), synthetic_samples=500, seed=4
+    )
     assert a.x.shape == (500, 2, 6, 6) and a.num_classes == 5
     assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
     assert not torch.equal(a.x, c.x)
@@ -382,13 +394,22 @@ def test_federation_public_set_and_fingerprint():
 
 
 def test_federation_digits_and_synthetic():
-    fed = build_federation(spec(source="digits", partition="dirichlet", num_clients=10, alpha=0.5,
-                                min_samples=20, public_fraction=0.1))
+    fed = build_federation(
+        spec(source="digits", partition="dirichlet", num_clients=10, alpha=0.5, min_samples=20, public_fraction=0.1)
+    )
     _check_federation(fed, 1797)
     assert fed.input_shape == (1, 8, 8) and fed.public_x.shape[0] == round(0.1 * 1797)
     assert fed.train_counts.sum() + fed.test_counts.sum() + fed.public_x.shape[0] == 1797
-    syn = build_federation(spec(source="synthetic", partition="iid", num_clients=4, synthetic_classes=3,
-                                synthetic_shape=[3, 16, 16], synthetic_samples=300))
+    syn = build_federation(
+        spec(
+            source="synthetic",
+            partition="iid",
+            num_clients=4,
+            synthetic_classes=3,
+            synthetic_shape=[3, 16, 16],
+            synthetic_samples=300,
+        )
+    )
     _check_federation(syn, 300)
     assert syn.input_shape == (3, 16, 16) and syn.num_classes == 3
     assert syn.client(0).train_x.shape[1:] == (3, 16, 16)

@@ -21,11 +21,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_certificate_covers_every_host_and_verifies_against_the_ca(tmp_path):
     made = deploy.make_certs(tmp_path, ["10.1.2.3", "link.example.org"])
-    san = subprocess.run(["openssl", "x509", "-in", str(made["cert"]), "-noout", "-ext", "subjectAltName"],
-                         capture_output=True, text=True, check=True).stdout
+    san = subprocess.run(
+        ["openssl", "x509", "-in", str(made["cert"]), "-noout", "-ext", "subjectAltName"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     for entry in ("IP Address:10.1.2.3", "DNS:link.example.org", "IP Address:127.0.0.1", "DNS:localhost"):
         assert entry in san
-    ok = subprocess.run(["openssl", "verify", "-CAfile", str(made["ca"]), str(made["cert"])], capture_output=True, text=True)
+    ok = subprocess.run(
+        ["openssl", "verify", "-CAfile", str(made["ca"]), str(made["cert"])], capture_output=True, text=True
+    )
     assert ok.returncode == 0, ok.stderr
     assert (made["key"].stat().st_mode & 0o777) == 0o600 and ((tmp_path / "ca.key").stat().st_mode & 0o777) == 0o600
     # a second call for another host reuses the CA: the first certificate's CA still verifies the new one
@@ -45,9 +51,19 @@ def test_node_key_is_openssh_ecdsa_p384_and_never_overwritten(tmp_path):
         deploy.make_node_key(tmp_path, "site1")
 
 
-@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.3.4.5", True), ("::1", True), ("[::1]", True),
-                                            ("localhost", True), ("10.0.0.1", False), ("0.0.0.0", False),
-                                            ("link.example.org", False)])
+@pytest.mark.parametrize(
+    "host, loopback",
+    [
+        ("127.0.0.1", True),
+        ("127.3.4.5", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("10.0.0.1", False),
+        ("0.0.0.0", False),
+        ("link.example.org", False),
+    ],
+)
 def test_plain_text_only_on_loopback(host, loopback):
     assert deploy.is_loopback(host) is loopback
     if loopback:
@@ -99,18 +115,28 @@ def test_results_folder_and_failure_reason_read_off_the_log():
     lines = ["INFO fedapps: round 2 ...\n", "INFO fedapps: RESULTS /srv/link/results/run-a\n", "more\n"]
     assert deploy.results_dir(lines) == "/srv/link/results/run-a"
     assert deploy.results_dir(["nothing\n"]) is None
-    log = ["ERROR : ServerApp raised an exception\n", "Traceback (most recent call last):\n",
-           '  File "x.py", line 1, in f\n', "    raise FederationIncomplete(\n",
-           "strategies.base.FederationIncomplete: only 1 of the 2 expected client nodes connected\n",
-           "ERROR : Exit Code: 201\n"]
-    assert exception_lines(log) == ["strategies.base.FederationIncomplete: only 1 of the 2 expected client nodes connected"]
+    log = [
+        "ERROR : ServerApp raised an exception\n",
+        "Traceback (most recent call last):\n",
+        '  File "x.py", line 1, in f\n',
+        "    raise FederationIncomplete(\n",
+        "strategies.base.FederationIncomplete: only 1 of the 2 expected client nodes connected\n",
+        "ERROR : Exit Code: 201\n",
+    ]
+    assert exception_lines(log) == [
+        "strategies.base.FederationIncomplete: only 1 of the 2 expected client nodes connected"
+    ]
 
 
 def test_stop_signals_exactly_the_recorded_processes_and_their_children(tmp_path):
     env = {"PATH": "/usr/bin:/bin"}
     # a recorded process with a child of its own, and an unrecorded bystander
-    parent = deploy.start_background([sys.executable, "-c", ("import subprocess, time; "
-                                       "subprocess.Popen(['sleep', '300']); time.sleep(300)")], tmp_path, "link", env)
+    parent = deploy.start_background(
+        [sys.executable, "-c", ("import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)")],
+        tmp_path,
+        "link",
+        env,
+    )
     bystander = subprocess.Popen(["sleep", "300"])
     try:
         deadline = time.monotonic() + 20

@@ -24,7 +24,10 @@ def test_real_superlink_and_supernodes(tiny_config, tmp_path):
     env_home.mkdir()
     proc = subprocess.run(
         ["bash", str(ROOT / "deploy" / "local_deployment.sh"), str(cfg), "2", str(tmp_path / "out")],
-        cwd=ROOT, capture_output=True, text=True, timeout=500,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=500,
         env={**__import__("os").environ, "FLWR_HOME": str(env_home), "FEDAPPS_SUPERLINK_PORT": "39491"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -20,8 +20,10 @@ TIMING = ("wall_seconds", "server_seconds", "client_seconds")
 
 COSMOS = {
     "rounds": 2,
-    "strategy": {"name": "cosmos", "params": {"cosmos": {
-        "server_model": "cnn", "pretrain_epochs": 1, "server_epochs": 1, "distill_epochs": 1}}},
+    "strategy": {
+        "name": "cosmos",
+        "params": {"cosmos": {"server_model": "cnn", "pretrain_epochs": 1, "server_epochs": 1, "distill_epochs": 1}},
+    },
     "data": {"public_fraction": 0.2},
     "model": {"name": "mlp", "per_client": ["mlp", "cnn"]},
 }
@@ -36,8 +38,17 @@ def rounds(run_dir: Path) -> list[dict[str, str]]:
 def test_same_config_and_seed_give_identical_rounds_in_two_processes(tmp_path):
     config = write_config(tmp_path / "cfg.yaml", **COSMOS)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDAPPS_TEST_KILL_AFTER_ROUND": "0"}
-    procs = [subprocess.Popen([sys.executable, str(DRIVER), str(config), str(tmp_path / name)], cwd=ROOT, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for name in ("a", "b")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(DRIVER), str(config), str(tmp_path / name)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("a", "b")
+    ]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
@@ -60,16 +71,19 @@ def test_dropout_is_seeded_per_message(tiny_config):
     from strategies.base import PersonalisedStrategy, RunContext
 
     InProcessGrid(1)  # sets a task identity so that Message() works outside Flower
-    cfg_path = tiny_config(model={"name": "alexnet"}, data={"source": "synthetic", "synthetic_shape": [3, 32, 32],
-                                                            "synthetic_samples": 80, "num_clients": 2})
+    cfg_path = tiny_config(
+        model={"name": "alexnet"},
+        data={"source": "synthetic", "synthetic_shape": [3, 32, 32], "synthetic_samples": 80, "num_clients": 2},
+    )
     from fedapps.config import load_config
 
     cfg = load_config(cfg_path)
     base = PersonalisedStrategy.__new__(PersonalisedStrategy)
     base.cfg, base.context = cfg, RunContext()
     setup = PersonalisedStrategy.setup(base)
-    request = protocol.Request(ops=("train",), round=1,
-                               setup=dataclasses.replace(setup, client={**setup.client, "epochs": 1}))
+    request = protocol.Request(
+        ops=("train",), round=1, setup=dataclasses.replace(setup, client={**setup.client, "epochs": 1})
+    )
     states = []
     for junk in (1, 2):
         torch.manual_seed(junk)
@@ -96,8 +110,9 @@ def test_every_strategy_state_round_trips(tiny_config):
         if cls.needs_public_set:
             sections["data"]["public_fraction"] = 0.2
         if name == "cosmos":
-            sections["strategy"]["params"] = {"cosmos": {"server_model": "mlp", "pretrain_epochs": 1,
-                                                         "server_epochs": 1, "distill_epochs": 1}}
+            sections["strategy"]["params"] = {
+                "cosmos": {"server_model": "mlp", "pretrain_epochs": 1, "server_epochs": 1, "distill_epochs": 1}
+            }
         if name == "fedamp":  # λ/α_K = 1: lr·λ/α_K must stay below 2 at the tiny config's lr 0.05 (FedAMP.check)
             sections["strategy"]["params"] = {"fedamp": {"lam": 0.01}}
         cfg = load_config(tiny_config(**sections))

@@ -29,8 +29,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_MKDOCS = importlib.util.find_spec("mkdocs") is not None and importlib.util.find_spec("material") is not None
-needs_mkdocs = pytest.mark.skipif(not HAS_MKDOCS, reason="mkdocs / mkdocs-material not installed: they come with "
-                                                         "pip install -e \".[test]\"")
+needs_mkdocs = pytest.mark.skipif(
+    not HAS_MKDOCS, reason='mkdocs / mkdocs-material not installed: they come with pip install -e ".[test]"'
+)
 QUIET_ENV = {"NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about MkDocs 2.0, printed on every build
 
 # The code whose comments, docstrings and messages are checked by (c) and (d).
@@ -44,8 +45,13 @@ FRONT_PAGE = "READ" + "ME"  # spelt in two halves so that this file does not cit
 FORBIDDEN = (
     (re.compile(rf"\b{FRONT_PAGE}\b(?!\.md)"), f"cites the {FRONT_PAGE} (its headings move; cite a docs/ page)"),
     (re.compile(r"(?<![\w.])\.\./shared\b|/work/share[d]\b"), "cites a path outside the repository"),
-    (re.compile(r"(?<![\w/])specs/[\w.-]+"), ("cites the team's spec notes, which are not in the repository "
-                                               "(docs/evaluation.md says the evaluation protocol)")),
+    (
+        re.compile(r"(?<![\w/])specs/[\w.-]+"),
+        (
+            "cites the team's spec notes, which are not in the repository "
+            "(docs/evaluation.md says the evaluation protocol)"
+        ),
+    ),
     (re.compile(r"\b(?:DESIGN|FLOWER)\.md\b"), "cites the team's design notes, which are not in the repository"),
 )
 DOC_CITATION = re.compile(r"(?<![\w/.-])docs/((?:[\w-]+/)*[\w.-]+\.md)(?:#([\w-]+))?")
@@ -54,8 +60,11 @@ DOC_CITATION = re.compile(r"(?<![\w/.-])docs/((?:[\w-]+/)*[\w.-]+\.md)(?:#([\w-]
 def code_files() -> list[Path]:
     out = [ROOT / f for f in CODE_FILES if (ROOT / f).is_file()]
     for d in CODE_DIRS:
-        out += sorted(p for p in (ROOT / d).rglob("*") if p.is_file() and p.suffix in CODE_SUFFIXES
-                      and "__pycache__" not in p.parts)
+        out += sorted(
+            p
+            for p in (ROOT / d).rglob("*")
+            if p.is_file() and p.suffix in CODE_SUFFIXES and "__pycache__" not in p.parts
+        )
     return out
 
 
@@ -69,9 +78,24 @@ def rel(path: Path) -> str:
 @needs_mkdocs
 @pytest.mark.heavy
 def test_site_builds_strict(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
-                           str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **QUIET_ENV})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(tmp_path / "site"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **QUIET_ENV},
+    )
     assert proc.returncode == 0, f"mkdocs build --strict failed (make docs shows the same):\n{proc.stderr[-6000:]}"
 
 
@@ -79,8 +103,10 @@ def test_generated_reference_pages_are_current():
     from fedapps_tools import docgen
 
     stale = docgen.stale()
-    assert not stale, (f"generated docs pages differ from the code: {', '.join(stale)}; regenerate them with "
-                       f"`{docgen.REGENERATE}` (or `make docs-reference`) and commit the result")
+    assert not stale, (
+        f"generated docs pages differ from the code: {', '.join(stale)}; regenerate them with "
+        f"`{docgen.REGENERATE}` (or `make docs-reference`) and commit the result"
+    )
 
 
 def test_a_changed_default_makes_its_page_stale(tmp_path, monkeypatch):
@@ -171,10 +197,21 @@ def all_blocks() -> list[Block]:
 
 FEDAPPS = ("fedapps", ".venv/bin/fedapps")
 TINY_COMMANDS = ("run", "compare", "tune")
-TINY = ["rounds=1", "data.source=digits", "data.num_clients=3", "data.min_samples=2", "client.epochs=1",
-        "strategy.min_clients=1", "strategy.expected_clients=0"]
-NOT_RUNNABLE = {"make": "a make target runs full experiments or the suite", "pip": "it changes the environment",
-                "pytest": "the suite would run itself", "git": "it changes the checkout"}
+TINY = [
+    "rounds=1",
+    "data.source=digits",
+    "data.num_clients=3",
+    "data.min_samples=2",
+    "client.epochs=1",
+    "strategy.min_clients=1",
+    "strategy.expected_clients=0",
+]
+NOT_RUNNABLE = {
+    "make": "a make target runs full experiments or the suite",
+    "pip": "it changes the environment",
+    "pytest": "the suite would run itself",
+    "git": "it changes the checkout",
+}
 SHELL_SYNTAX = re.compile(r"[|;&<>`]|\$\(")
 
 
@@ -226,8 +263,10 @@ def prepared(command: str, folder: Path) -> str:
         return command
     argv = shlex.split(command)
     if argv and argv[0] in NOT_RUNNABLE:
-        raise AssertionError(f"'{command}' cannot be run by a test ({NOT_RUNNABLE[argv[0]]}): remove its "
-                             "'<!-- runnable -->' mark or move it to a block of its own")
+        raise AssertionError(
+            f"'{command}' cannot be run by a test ({NOT_RUNNABLE[argv[0]]}): remove its "
+            "'<!-- runnable -->' mark or move it to a block of its own"
+        )
     if len(argv) > 1 and argv[0] in FEDAPPS and argv[1] in TINY_COMMANDS:
         return shlex.join(argv + tiny_settings(argv, folder))
     return command
@@ -240,18 +279,28 @@ def workspace(folder: Path) -> dict[str, str]:
             shutil.copytree(ROOT / name, folder / name, ignore=shutil.ignore_patterns("__pycache__", "results"))
     shims = folder / ".venv" / "bin"
     shims.mkdir(parents=True)
-    for name, target in (("fedapps", f"{shlex.quote(sys.executable)} -m fedapps_tools.cli"),
-                         ("python", shlex.quote(sys.executable)), ("python3", shlex.quote(sys.executable))):
-        (shims / name).write_text(f"#!/bin/sh\nexec {target} \"$@\"\n")
+    for name, target in (
+        ("fedapps", f"{shlex.quote(sys.executable)} -m fedapps_tools.cli"),
+        ("python", shlex.quote(sys.executable)),
+        ("python3", shlex.quote(sys.executable)),
+    ):
+        (shims / name).write_text(f'#!/bin/sh\nexec {target} "$@"\n')
         (shims / name).chmod(0o755)
-    return {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(ROOT),
-            "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg", "FEDAPPS_BENCH_RESULTS": str(folder / "bench-results")}
+    return {
+        **os.environ,
+        "PATH": f"{shims}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "MPLBACKEND": "Agg",
+        "FEDAPPS_BENCH_RESULTS": str(folder / "bench-results"),
+    }
 
 
 def run_block(block: Block, folder: Path) -> subprocess.CompletedProcess:
     env = workspace(folder)
-    script = "set -euo pipefail\n" + "".join(f"echo '$ '{shlex.quote(c)}\n{c}\n" for c in
-                                              (prepared(c, folder) for c in block.commands))
+    script = "set -euo pipefail\n" + "".join(
+        f"echo '$ '{shlex.quote(c)}\n{c}\n" for c in (prepared(c, folder) for c in block.commands)
+    )
     return subprocess.run(["bash", "-c", script], cwd=folder, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -262,8 +311,10 @@ BLOCKS = all_blocks()
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"{b.path}:{b.line}" for b in BLOCKS])
 def test_runnable_snippet(block, tmp_path):
     proc = run_block(block, tmp_path)
-    assert proc.returncode == 0, (f"{block.path}:{block.line}: a runnable command failed (exit {proc.returncode}):\n"
-                                  f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    assert proc.returncode == 0, (
+        f"{block.path}:{block.line}: a runnable command failed (exit {proc.returncode}):\n"
+        f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
 
 
 def test_runnable_blocks_are_found_and_commands_joined():
@@ -295,8 +346,14 @@ def test_tiny_settings_are_appended_to_runs_only(tmp_path):
     assert run[:5] == ["fedapps", "run", "configs/cosmos.yaml", "--set", "client.lr=0.01"]
     tail = run[5:]
     assert tail[:3] == ["--engine", "inprocess", "--set"]
-    for setting in ("rounds=1", "data.source=digits", "data.num_clients=3", "model.per_client=[mlp]",
-                    "strategy.params.cosmos.server_model=mlp", "strategy.params.cosmos.server_epochs=1"):
+    for setting in (
+        "rounds=1",
+        "data.source=digits",
+        "data.num_clients=3",
+        "model.per_client=[mlp]",
+        "strategy.params.cosmos.server_model=mlp",
+        "strategy.params.cosmos.server_epochs=1",
+    ):
         assert setting in tail
     assert "run_name=cosmos-mnist5k-cosmos-groups-s0" in tail
     assert "model.name=mlp" not in tail  # COSMOS's clients take model.per_client
@@ -312,8 +369,15 @@ def test_tiny_settings_are_appended_to_runs_only(tmp_path):
 def test_a_runnable_block_runs_in_its_own_folder_with_tiny_settings(tmp_path):
     """The machinery end to end on a block of its own: a run at tiny settings, then a command as written that
     reads the run's folder; a failing command fails the block."""
-    block = Block("page.md", 1, ("fedapps run configs/fedavg.yaml --set run_name=tiny",
-                                 "test -f results/tiny/summary.json", "fedapps report results/tiny"))
+    block = Block(
+        "page.md",
+        1,
+        (
+            "fedapps run configs/fedavg.yaml --set run_name=tiny",
+            "test -f results/tiny/summary.json",
+            "fedapps report results/tiny",
+        ),
+    )
     proc = run_block(block, tmp_path / "ok")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rounds" in proc.stdout and (tmp_path / "ok" / "results" / "tiny" / "summary.json").is_file()
@@ -367,26 +431,39 @@ def test_cited_docs_pages_and_anchors_exist():
             if page not in anchors:
                 anchors[page] = page_anchors(path)
             if anchor not in anchors[page]:
-                problems.append(f"{where}:{line}: docs/{page} has no heading with the anchor #{anchor} "
-                                f"(it has: {', '.join(sorted(anchors[page])) or 'none'})")
+                problems.append(
+                    f"{where}:{line}: docs/{page} has no heading with the anchor #{anchor} "
+                    f"(it has: {', '.join(sorted(anchors[page])) or 'none'})"
+                )
     assert not problems, "\n".join(problems)
 
 
 def test_citation_pattern():
     d = "docs" + "/"  # not a citation of this file's own
-    found = [(m.group(1), m.group(2)) for m in DOC_CITATION.finditer(
-        f"see {d}evaluation.md#equal-budget, {d}algorithms/cosmos.md. and {d}reference/params/<name>.md "
-        f"or my{d}x.md, ../{d}y.md")]
+    found = [
+        (m.group(1), m.group(2))
+        for m in DOC_CITATION.finditer(
+            f"see {d}evaluation.md#equal-budget, {d}algorithms/cosmos.md. and {d}reference/params/<name>.md "
+            f"or my{d}x.md, ../{d}y.md"
+        )
+    ]
     assert found == [("evaluation.md", "equal-budget"), ("algorithms/cosmos.md", None)]
 
 
 @needs_mkdocs
 def test_anchors_are_computed_as_the_site_computes_them(tmp_path):
     page = tmp_path / "p.md"
-    page.write_text("# Title\n\n## Equal tuning budget\n\n## Splits: train / validation\n\n## Named {#own-id}\n\n"
-                    "## Equal tuning budget\n")
-    assert {"title", "equal-tuning-budget", "splits-train-validation", "own-id",
-            "equal-tuning-budget_1"} <= page_anchors(page)
+    page.write_text(
+        "# Title\n\n## Equal tuning budget\n\n## Splits: train / validation\n\n## Named {#own-id}\n\n"
+        "## Equal tuning budget\n"
+    )
+    assert {
+        "title",
+        "equal-tuning-budget",
+        "splits-train-validation",
+        "own-id",
+        "equal-tuning-budget_1",
+    } <= page_anchors(page)
 
 
 # --------------------------------------------------------------------------- (d) no citation that cannot be checked
@@ -408,8 +485,13 @@ def test_code_cites_no_front_page_heading_and_no_file_outside_the_repository():
 
 def test_forbidden_patterns():
     front, shared, specs = FRONT_PAGE, "shared" + "/", "specs" + "/"  # in pieces: this file cites none of them
-    bad = [f'(see {front} "Data sources")', f"{front}'s table", f"../{shared}{specs}evaluation.md",
-           f"the spec ({specs}evaluation.md)", f"/work/{shared}" + "DESI" + "GN.md"]
+    bad = [
+        f'(see {front} "Data sources")',
+        f"{front}'s table",
+        f"../{shared}{specs}evaluation.md",
+        f"the spec ({specs}evaluation.md)",
+        f"/work/{shared}" + "DESI" + "GN.md",
+    ]
     good = [f"{front}.md", "docs/evaluation.md", "the data spec's fractions", "tests/specs_test.py"]
     assert all(forbidden_citations(t) for t in bad)
     assert not any(forbidden_citations(t) for t in good)

@@ -39,8 +39,9 @@ def run(grid: InProcessGrid, config: Path, out: Path, overrides: str = "", **kwa
 
 
 def faulty(n: int, spec: str, workers: int = 2) -> InProcessGrid:
-    return InProcessGrid(n, node_configs={i: {"faults": spec} for i in range(n)}, mods=[faults.faults_mod],
-                         workers=workers)
+    return InProcessGrid(
+        n, node_configs={i: {"faults": spec} for i in range(n)}, mods=[faults.faults_mod], workers=workers
+    )
 
 
 # --------------------------------------------------------------------------- slow and hung clients
@@ -110,10 +111,14 @@ def test_rounds_are_the_same_whatever_the_number_of_workers_with_dropout(tiny_co
     assert one == four and all(r["acc_mean"] != "" for r in one[1:])
 
 
-SHRINK = {"cosmos": ["server_model=mlp", "pretrain_epochs=1", "server_epochs=1", "distill_epochs=1"],
-          "fedmd": ["pretrain_epochs=1", "distill_epochs=1"], "fedct": ["pretrain_epochs=1", "distill_epochs=1"],
-          "comet": ["pretrain_epochs=1", "distill_epochs=1", "clusters=2"], "fedamp": ["lam=0.01"],
-          "ifca": ["clusters=2"]}
+SHRINK = {
+    "cosmos": ["server_model=mlp", "pretrain_epochs=1", "server_epochs=1", "distill_epochs=1"],
+    "fedmd": ["pretrain_epochs=1", "distill_epochs=1"],
+    "fedct": ["pretrain_epochs=1", "distill_epochs=1"],
+    "comet": ["pretrain_epochs=1", "distill_epochs=1", "clusters=2"],
+    "fedamp": ["lam=0.01"],
+    "ifca": ["clusters=2"],
+}
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
@@ -122,10 +127,21 @@ def test_every_strategy_gives_the_same_rounds_whatever_the_number_of_workers(str
     or errors, when clients are served at once; 1 and 4 workers must agree exactly."""
     cfg = tmp_path / "empty.yaml"
     cfg.write_text("{}")
-    overrides = " ".join([f"strategy.name={strategy}", "rounds=2", "data.source=digits", "data.partition=pathological",
-                          "data.num_clients=4", "client.epochs=1", "client.batch_size=16", "model.name=mlp",
-                          "data.public_fraction=0.2", "run_name=w",
-                          *(f"strategy.params.{strategy}.{kv}" for kv in SHRINK.get(strategy, []))])
+    overrides = " ".join(
+        [
+            f"strategy.name={strategy}",
+            "rounds=2",
+            "data.source=digits",
+            "data.partition=pathological",
+            "data.num_clients=4",
+            "client.epochs=1",
+            "client.batch_size=16",
+            "model.name=mlp",
+            "data.public_fraction=0.2",
+            "run_name=w",
+            *(f"strategy.params.{strategy}.{kv}" for kv in SHRINK.get(strategy, [])),
+        ]
+    )
     one = rows(run(InProcessGrid(4, workers=1), cfg, tmp_path / "w1", overrides))
     four = rows(run(InProcessGrid(4, workers=4), cfg, tmp_path / "w4", overrides))
     assert one == four and [r["replies_rejected"] for r in one] == ["0", "0"]
@@ -167,9 +183,25 @@ def test_ctrl_c_stops_an_in_process_run_within_seconds(tmp_path):
     seconds, no round written after the signal, the checkpoint kept for --resume."""
     cfg = write_config(tmp_path / "cfg.yaml", rounds=200, run_name="intr")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDAPPS_FAULTS": "late=300@0/2"}
-    proc = subprocess.Popen([sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--engine", "inprocess",
-                             "--output-dir", str(tmp_path / "out"), "--quiet"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fedapps_tools.cli",
+            "run",
+            str(cfg),
+            "--engine",
+            "inprocess",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--quiet",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     run_dir = tmp_path / "out" / "intr"
     deadline = time.monotonic() + 120
     while not ((run_dir / "rounds.csv").is_file() and len(rows(run_dir)) >= 1) and time.monotonic() < deadline:
@@ -227,8 +259,9 @@ def test_a_finished_run_removes_its_resume_state_unless_kept(tiny_config, tmp_pa
     kept = []
 
     def after_round(k):
-        kept.append(sorted(p.name for p in folder.iterdir() if p.name in ("checkpoint.pt", "client-state",
-                                                                           "server-state")))
+        kept.append(
+            sorted(p.name for p in folder.iterdir() if p.name in ("checkpoint.pt", "client-state", "server-state"))
+        )
 
     folder = tmp_path / "a" / "cwfedavg-digits-pathological-s0"
     run(InProcessGrid(4), cfg, tmp_path / "a", after_round=after_round)

@@ -35,8 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # --------------------------------------------------------------------------- the two statistics, by hand
 
 
-@pytest.mark.parametrize("n, k", [(1, 1), (3, 1), (9, 1), (10, 1), (11, 2), (20, 2), (21, 3), (30, 3), (100, 10),
-                                  (101, 11)])
+@pytest.mark.parametrize(
+    "n, k", [(1, 1), (3, 1), (9, 1), (10, 1), (11, 2), (20, 2), (21, 3), (30, 3), (100, 10), (101, 11)]
+)
 def test_worst_share_count_is_ceil_of_ten_percent(n, k):
     # 30 clients: 3 (math.ceil(30 * 0.1) is 4: floating point); 11 clients: 2 (not 11 // 10 = 1)
     assert worst_share_count(n) == k
@@ -69,8 +70,14 @@ def test_client_std_is_the_population_standard_deviation():
 
 
 def _metrics(cid, tag, correct, n, loss=1.0):
-    return {protocol.CLIENT_ID: cid, protocol.NUM_EXAMPLES: n, f"{tag}-acc": correct / n, f"{tag}-loss": loss,
-            f"{tag}-n": n, f"{tag}-correct": correct}
+    return {
+        protocol.CLIENT_ID: cid,
+        protocol.NUM_EXAMPLES: n,
+        f"{tag}-acc": correct / n,
+        f"{tag}-loss": loss,
+        f"{tag}-n": n,
+        f"{tag}-correct": correct,
+    }
 
 
 def test_accuracy_stats_report_worst_and_std_of_the_per_client_accuracies():
@@ -93,15 +100,38 @@ def test_round_row_places_the_fairness_columns_next_to_the_mean():
     reply = SimpleNamespace(metrics=_metrics(0, "after", 1, 2))
     row = round_row(RoundLog(1, [reply], 0, 0), 1)
     keys = list(row)
-    assert keys[keys.index("acc_mean"):keys.index("acc_mean") + 4] == ["acc_mean", "acc_weighted", "acc_worst10", "acc_std"]
+    assert keys[keys.index("acc_mean") : keys.index("acc_mean") + 4] == [
+        "acc_mean",
+        "acc_weighted",
+        "acc_worst10",
+        "acc_std",
+    ]
     assert row["acc_worst10"] == "" and row["acc_after_training_worst10"] == pytest.approx(0.5)
 
 
 def test_comparison_table_averages_the_fairness_columns_over_seeds():
-    runs = [{"strategy": "fedavg", "accuracy_mean": 0.8, "accuracy_weighted": 0.8, "accuracy_worst10": 0.4,
-             "accuracy_std": 0.1, "bytes_up_per_client_round": 1, "bytes_down_per_client_round": 1, "wall_seconds": 1},
-            {"strategy": "fedavg", "accuracy_mean": 0.9, "accuracy_weighted": 0.9, "accuracy_worst10": 0.6,
-             "accuracy_std": 0.3, "bytes_up_per_client_round": 1, "bytes_down_per_client_round": 1, "wall_seconds": 1}]
+    runs = [
+        {
+            "strategy": "fedavg",
+            "accuracy_mean": 0.8,
+            "accuracy_weighted": 0.8,
+            "accuracy_worst10": 0.4,
+            "accuracy_std": 0.1,
+            "bytes_up_per_client_round": 1,
+            "bytes_down_per_client_round": 1,
+            "wall_seconds": 1,
+        },
+        {
+            "strategy": "fedavg",
+            "accuracy_mean": 0.9,
+            "accuracy_weighted": 0.9,
+            "accuracy_worst10": 0.6,
+            "accuracy_std": 0.3,
+            "bytes_up_per_client_round": 1,
+            "bytes_down_per_client_round": 1,
+            "wall_seconds": 1,
+        },
+    ]
     row = summarise_runs("fedavg-x", runs)
     assert row["accuracy_worst10"] == pytest.approx(0.5) and row["accuracy_worst10_sem"] == pytest.approx(0.1)
     assert row["accuracy_std"] == pytest.approx(0.2)
@@ -184,8 +214,10 @@ def _rows(accs, worst=None):
 
 
 def test_comparison_figure_integer_rounds_strategy_labels_and_sem_bands():
-    lines = [Line("fedavg", "digits iid, 3 clients", "cfg0", [_rows([0.2, 0.4], [0.1, 0.2]), _rows([0.4, 0.6], [0.3, 0.2])]),
-             Line("local", "digits iid, 3 clients", "cfg1", [_rows([0.5, 0.5], [0.5, 0.4]), _rows([0.7, 0.9], [0.5, 0.6])])]
+    lines = [
+        Line("fedavg", "digits iid, 3 clients", "cfg0", [_rows([0.2, 0.4], [0.1, 0.2]), _rows([0.4, 0.6], [0.3, 0.2])]),
+        Line("local", "digits iid, 3 clients", "cfg1", [_rows([0.5, 0.5], [0.5, 0.4]), _rows([0.7, 0.9], [0.5, 0.6])]),
+    ]
     curves = comparison_curves(lines)
     assert curves[0].mean == pytest.approx([0.3, 0.5]) and curves[0].sem == pytest.approx([0.1, 0.1])
     assert curves[1].worst == pytest.approx([0.5, 0.5]) and curves[1].worst_sem == pytest.approx([0.0, 0.1])
@@ -195,7 +227,9 @@ def test_comparison_figure_integer_rounds_strategy_labels_and_sem_bands():
         for ax in fig.axes:
             ticks = _visible_ticks(ax)
             assert ticks and all(float(t).is_integer() for t in ticks), ticks
-            assert [ln.get_color() for ln in ax.get_lines()] == [plots.method_style(m)["color"] for m in ("fedavg", "local")]
+            assert [ln.get_color() for ln in ax.get_lines()] == [
+                plots.method_style(m)["color"] for m in ("fedavg", "local")
+            ]
             assert [ln.get_linestyle() for ln in ax.get_lines()] == ["-", "-"]
         legend = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
         assert legend == ["fedavg", "local"]
@@ -206,8 +240,10 @@ def test_comparison_figure_integer_rounds_strategy_labels_and_sem_bands():
 
 
 def test_run_accuracy_figure_integer_rounds_and_the_methods_colour(tmp_path):
-    rows = [{"round": 1, "acc_mean": 0.5, "acc_weighted": 0.6, "acc_worst10": 0.2, "acc_after_training_mean": 0.7},
-            {"round": 2, "acc_mean": 0.6, "acc_weighted": 0.7, "acc_worst10": 0.3, "acc_after_training_mean": 0.8}]
+    rows = [
+        {"round": 1, "acc_mean": 0.5, "acc_weighted": 0.6, "acc_worst10": 0.2, "acc_after_training_mean": 0.7},
+        {"round": 2, "acc_mean": 0.6, "acc_weighted": 0.7, "acc_worst10": 0.3, "acc_after_training_mean": 0.8},
+    ]
     fig = plots.accuracy_figure(rows, "run-s0", "local")
     try:
         ax = fig.axes[0]
@@ -236,7 +272,9 @@ def test_short_run_writes_fairness_into_summary_and_rounds(tiny_config, tmp_path
     summary = json.loads((run / "summary.json").read_text())
     with (run / "rounds.csv").open() as fh:
         rows = list(csv.DictReader(fh))
-    assert len(rows) == 2 and {"acc_worst10", "acc_std", "acc_after_training_worst10", "acc_after_training_std"} <= set(rows[0])
+    assert len(rows) == 2 and {"acc_worst10", "acc_std", "acc_after_training_worst10", "acc_after_training_std"} <= set(
+        rows[0]
+    )
     last = rows[-1]
     accs = [float(last[f"acc_client_{i}"]) for i in range(3)]
     assert float(last["acc_worst10"]) == pytest.approx(min(accs))  # 3 clients: the worst one

@@ -44,19 +44,47 @@ SHRINK = {
     "fedamp": ["lam=0.01"],  # λ/α_K = 1: lr·λ/α_K must stay below 2 at this file's lr 0.05 (FedAMP.check)
 }
 # which reply kind each strategy's round messages ask for (a new strategy must be added here)
-ARRAYS = ("fedavg", "fedprox", "feduv", "ditto", "fedper", "fedrep", "fedbabu", "ifca", "cfl", "fedamp", "fedfomo",
-          "cwfedavg", "fednh", "pfedhn", "fedselect", "pfedck")
+ARRAYS = (
+    "fedavg",
+    "fedprox",
+    "feduv",
+    "ditto",
+    "fedper",
+    "fedrep",
+    "fedbabu",
+    "ifca",
+    "cfl",
+    "fedamp",
+    "fedfomo",
+    "cwfedavg",
+    "fednh",
+    "pfedhn",
+    "fedselect",
+    "pfedck",
+)
 PREDICTIONS = ("fedmd", "fedct", "comet", "cosmos")
 METRICS_ONLY = ("local",)
 
 REASON = {
-    "shape": "has shape", "transpose": "has shape", "undecodable": "cannot be decoded",
-    "int-arrays": "has dtype int64", "nan-arrays": "non-finite",
-    "huge-n": "exceeds client", "zero-n": "not a positive integer", "list-n": "'num-examples' must be an integer",
-    "list-id": "'client-id' must be an integer", "no-eval-n": "lacks", "acc-50": "not an accuracy",
-    "n-1e9": "test-set size", "bad-id": "outside the federation", "spoof": "bound to",
-    "duplicate": "duplicate reply", "raise": "client error",
-    "pred-shape": "has shape", "pred-huge": "predictions unusable", "pred-undecodable": "cannot be decoded",
+    "shape": "has shape",
+    "transpose": "has shape",
+    "undecodable": "cannot be decoded",
+    "int-arrays": "has dtype int64",
+    "nan-arrays": "non-finite",
+    "huge-n": "exceeds client",
+    "zero-n": "not a positive integer",
+    "list-n": "'num-examples' must be an integer",
+    "list-id": "'client-id' must be an integer",
+    "no-eval-n": "lacks",
+    "acc-50": "not an accuracy",
+    "n-1e9": "test-set size",
+    "bad-id": "outside the federation",
+    "spoof": "bound to",
+    "duplicate": "duplicate reply",
+    "raise": "client error",
+    "pred-shape": "has shape",
+    "pred-huge": "predictions unusable",
+    "pred-undecodable": "cannot be decoded",
     "pred-dtype": "has dtype",
     "fingerprint": "public set mismatch",
 }
@@ -64,10 +92,20 @@ METRIC_KINDS = ("huge-n", "zero-n", "list-n", "list-id", "no-eval-n", "acc-50", 
 
 
 def overrides(strategy: str, clients: int = CLIENTS, extra: tuple[str, ...] = ()) -> list[str]:
-    return [f"strategy.name={strategy}", f"rounds={ROUNDS}", "data.source=digits", f"data.num_clients={clients}",
-            f"strategy.min_clients={clients}", "client.epochs=1", "client.batch_size=16", "model.name=mlp",
-            "data.public_fraction=0.2", "run_name=faults",
-            *(f"strategy.params.{strategy}.{kv}" for kv in SHRINK.get(strategy, [])), *extra]
+    return [
+        f"strategy.name={strategy}",
+        f"rounds={ROUNDS}",
+        "data.source=digits",
+        f"data.num_clients={clients}",
+        f"strategy.min_clients={clients}",
+        "client.epochs=1",
+        "client.batch_size=16",
+        "model.name=mlp",
+        "data.public_fraction=0.2",
+        "run_name=faults",
+        *(f"strategy.params.{strategy}.{kv}" for kv in SHRINK.get(strategy, [])),
+        *extra,
+    ]
 
 
 @dataclass
@@ -79,8 +117,14 @@ class Run:
         return [r for log in self.logs if log.round == rnd for r in log.rejections]
 
 
-def run(strategy: str, spec: str = "", clients: int = CLIENTS, extra: tuple[str, ...] = (),
-        faulty: int = FAULTY, mods: tuple = ()) -> Run:
+def run(
+    strategy: str,
+    spec: str = "",
+    clients: int = CLIENTS,
+    extra: tuple[str, ...] = (),
+    faulty: int = FAULTY,
+    mods: tuple = (),
+) -> Run:
     """One in-process run; ``spec``: the fault spec of client ``faulty``; ``mods``: client mods after the faults'."""
     cfg = load_config(None, overrides(strategy, clients, extra))
     resolved = resolve(cfg)
@@ -88,8 +132,9 @@ def run(strategy: str, spec: str = "", clients: int = CLIENTS, extra: tuple[str,
     logs: list = []
     torch.manual_seed(0)  # r_B's input noise (strategies.cosmos.robustness_penalty) draws from torch's global RNG
     s = resolved.build(cfg, RunContext(on_round=logs.append))
-    grid = InProcessGrid(clients, node_configs={faulty: {"faults": spec}} if spec else None,
-                         mods=[faults.faults_mod, *mods])
+    grid = InProcessGrid(
+        clients, node_configs={faulty: {"faults": spec}} if spec else None, mods=[faults.faults_mod, *mods]
+    )
     RoundDriver(s).start(grid, num_rounds=ROUNDS, timeout=cfg.strategy.timeout)
     return Run(s, logs)
 
@@ -117,8 +162,11 @@ def snapshot(value: Any, depth: int = 0) -> Any:
     if isinstance(value, np.random.Generator):
         return ("rng", repr(value.bit_generator.state))
     if isinstance(value, dict):
-        return {str(k): snapshot(v, depth + 1) for k, v in value.items()
-                if not ("seconds" in str(k) or str(k).startswith("t-") or str(k) in SKIP)}
+        return {
+            str(k): snapshot(v, depth + 1)
+            for k, v in value.items()
+            if not ("seconds" in str(k) or str(k).startswith("t-") or str(k) in SKIP)
+        }
     if isinstance(value, (list, tuple)):
         return [snapshot(v, depth + 1) for v in value]
     if isinstance(value, (set, frozenset)):
@@ -141,9 +189,13 @@ def server_state(r: Run, skip_round_of_fault: int | None = None) -> dict:
     s = r.strategy
     # the algorithm's attributes and the round loop's state (node_to_client is compared below: bound in another round
     # when the reply was dropped)
-    state = snapshot({**{k: v for k, v in vars(s).items() if k not in SERVICES}, "identify_asked": s.nodes.identify_asked})
-    per_round = [(log.round, sorted((x.client_id, snapshot(x.metrics)) for x in log.replies), snapshot(log.extra))
-                 for log in r.logs]
+    state = snapshot(
+        {**{k: v for k, v in vars(s).items() if k not in SERVICES}, "identify_asked": s.nodes.identify_asked}
+    )
+    per_round = [
+        (log.round, sorted((x.client_id, snapshot(x.metrics)) for x in log.replies), snapshot(log.extra))
+        for log in r.logs
+    ]
     return {"strategy": state, "rounds": per_round, "final": snapshot(r.strategy.final_arrays())}
 
 
@@ -157,6 +209,7 @@ def assert_same_state(got: Run, want: Run) -> None:
 
 
 # --------------------------------------------------------------------------- the cases
+
 
 def cases() -> list[tuple[str, str, int]]:
     """(strategy, fault kind, round): EVERY strategy × every fault kind that applies to what it asks for — the
@@ -208,7 +261,13 @@ def test_raise_is_an_error_reply_counted_as_rejected():
 
 def test_fault_specs_are_parsed_and_checked():
     [f] = faults.parse_faults("late=2.5@1,3/2/evaluate")
-    assert (f.kind, f.arg, f.clients, f.rounds, f.phase) == ("late", "2.5", frozenset({1, 3}), frozenset({2}), "evaluate")
+    assert (f.kind, f.arg, f.clients, f.rounds, f.phase) == (
+        "late",
+        "2.5",
+        frozenset({1, 3}),
+        frozenset({2}),
+        "evaluate",
+    )
     assert f.applies(3, 2, "evaluate") and not f.applies(3, 2, "train") and not f.applies(2, 2, "evaluate")
     assert faults.parse_faults("raise@*")[0].applies(7, 99, "train")
     with pytest.raises(ValueError, match="unknown kind 'explode'"):
@@ -227,8 +286,9 @@ def test_thirty_percent_failing_every_round(strategy, tmp_path):
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text("{}")
     failing = "0,4,7"
-    grid = InProcessGrid(10, node_configs={i: {"faults": f"raise@{failing}/*"} for i in range(10)},
-                         mods=[faults.faults_mod])
+    grid = InProcessGrid(
+        10, node_configs={i: {"faults": f"raise@{failing}/*"} for i in range(10)}, mods=[faults.faults_mod]
+    )
     # min_clients 5: the 7 healthy replies are enough to aggregate (a round below min_clients is skipped)
     args = overrides(strategy, 10, extra=("strategy.min_clients=5",))
     summary = server_app.run_experiment(grid, str(cfg_path), " ".join(args), str(tmp_path / "out"))

@@ -8,8 +8,8 @@ import pytest
 
 import server_app
 from fedapps.flower.inprocess import InProcessGrid
-from fedapps.wire import protocol
 from fedapps.server.driver import RoundDriver
+from fedapps.wire import protocol
 from fedapps.wire.protocol import ARRAYS
 from strategies.aggregation import weighted_average
 
@@ -134,8 +134,11 @@ def test_strategies_write_no_files():
     root = Path(__file__).resolve().parent.parent / "strategies"
     banned = {"write_text", "write_bytes", "savefig", "open", "write_csv", "mkdir"}
     for path in root.glob("*.py"):
-        calls = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
-                 for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)}
+        calls = {
+            n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+            for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Call)
+        }
         assert not calls & banned, f"{path.name} calls {sorted(calls & banned)}"
 
 
@@ -143,6 +146,9 @@ def test_local_pretrain_epochs_lengthen_round_one_only(tiny_config, tmp_path):
     """Local's round 1 trains pretrain_epochs epochs (equal work with the pseudo-label methods' pre-training)."""
     cfg = tiny_config(rounds=2, strategy={"name": "local", "params": {"local": {"pretrain_epochs": 3}}})
     _, grid, _ = run(cfg, tmp_path)
-    epochs = {m.metadata.group_id: protocol.request_of(m).training.section(protocol.TRAIN).epochs
-              for m in grid.sent if m.metadata.message_type == protocol.MESSAGE_TYPE}
+    epochs = {
+        m.metadata.group_id: protocol.request_of(m).training.section(protocol.TRAIN).epochs
+        for m in grid.sent
+        if m.metadata.message_type == protocol.MESSAGE_TYPE
+    }
     assert epochs == {"1": 3, "2": None}  # the worker's train op reads train.* over client.* (test_ops_worker)

@@ -16,12 +16,12 @@ import server_app
 from fedapps.client.worker import Worker
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
-from fedapps.server.driver import RoundDriver
-from fedapps.server.evaluation import with_evaluations
-from fedapps.server.rounds import RoundLog
 from fedapps.models import ModelError, build_model
 from fedapps.models.heads import CosineClassifier
 from fedapps.reporting.results import measured_columns, read_csv, round_row
+from fedapps.server.driver import RoundDriver
+from fedapps.server.evaluation import with_evaluations
+from fedapps.server.rounds import RoundLog
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ARRAYS, ClientReply
 from strategies import RunContext, resolve
@@ -91,10 +91,18 @@ def test_cosine_head_normalises_each_feature_vector_also_with_extra_leading_dime
 
 def test_prototype_update_by_hand() -> None:
     p = np.array([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]])
-    local = np.array([[[0.0, 1.0], [0.0, 0.0], [0.0, -2.0], [5.0, 5.0]],   # client A: class 2's row not unit
-                      [[1.0, 0.0], [3.0, 4.0], [0.0, 0.0], [1.0, 0.0]]])   # client B
-    counts = np.array([[3, 0, 1, 0],  # A has no class-1 or class-3 samples: its rows there are ignored
-                       [1, 2, 0, 0]])  # nobody has class 3
+    local = np.array(
+        [
+            [[0.0, 1.0], [0.0, 0.0], [0.0, -2.0], [5.0, 5.0]],  # client A: class 2's row not unit
+            [[1.0, 0.0], [3.0, 4.0], [0.0, 0.0], [1.0, 0.0]],
+        ]
+    )  # client B
+    counts = np.array(
+        [
+            [3, 0, 1, 0],  # A has no class-1 or class-3 samples: its rows there are ignored
+            [1, 2, 0, 0],
+        ]
+    )  # nobody has class 3
     rho = 0.25
     new = update_prototypes(p, local, counts, rho)
     # class 0: (3·(0,1) + 1·(1,0)) / 4 = (1/4, 3/4), normalised (1,3)/√10, then 0.25·(1,0) + 0.75·that
@@ -156,12 +164,24 @@ def test_orthogonal_initialisation() -> None:
 
 
 def test_orthogonal_init_with_too_few_dimensions_is_refused(tiny_config) -> None:
-    cfg = load_config(tiny_config(strategy={"name": "fednh", "params": {"fednh": {"init": "orthogonal"}}},
-                                  model={"name": "mlp"}), "")
+    cfg = load_config(
+        tiny_config(strategy={"name": "fednh", "params": {"fednh": {"init": "orthogonal"}}}, model={"name": "mlp"}), ""
+    )
     resolve(cfg)  # 10 classes, 200 features: fine
-    small = load_config(tiny_config(strategy={"name": "fednh", "params": {"fednh": {"init": "orthogonal"}}},
-                                    data={"source": "synthetic", "synthetic_classes": 300, "synthetic_samples": 600,
-                                          "synthetic_shape": [1, 8, 8], "partition": "iid", "num_clients": 2}), "")
+    small = load_config(
+        tiny_config(
+            strategy={"name": "fednh", "params": {"fednh": {"init": "orthogonal"}}},
+            data={
+                "source": "synthetic",
+                "synthetic_classes": 300,
+                "synthetic_samples": 600,
+                "synthetic_shape": [1, 8, 8],
+                "partition": "iid",
+                "num_clients": 2,
+            },
+        ),
+        "",
+    )
     with pytest.raises(ConfigError, match=r"strategy\.params\.fednh\.init.*300 classes.*200"):
         resolve(small)
 
@@ -196,10 +216,15 @@ def test_fednh_orthogonal_prototypes_square_seeded_float32() -> None:
 
 
 def fednh_message(strategy: FedNH, ops: list[str]):
-    grid, msg = worker_message(ops, model=strategy.arch, load=protocol.Load(into_model=True),
-                               returns=protocol.Return(arrays=True), keep=protocol.Keep(persist=False),
-                               client={"momentum": 0.9, "weight_decay": 0.01},
-                               arrays=protocol.arrays_record(strategy.global_arrays))
+    grid, msg = worker_message(
+        ops,
+        model=strategy.arch,
+        load=protocol.Load(into_model=True),
+        returns=protocol.Return(arrays=True),
+        keep=protocol.Keep(persist=False),
+        client={"momentum": 0.9, "weight_decay": 0.01},
+        arrays=protocol.arrays_record(strategy.global_arrays),
+    )
     return grid, msg
 
 
@@ -240,8 +265,12 @@ def test_server_leaves_out_replies_with_bad_counts(tiny_config) -> None:
 
 def test_companions_ride_with_the_deployed_evaluation() -> None:
     d = DeployedModel("x", source="message", evaluate="evaluate-finetuned", companions=(("generic", "evaluate"),))
-    assert with_evaluations([TRAIN_OP], d, True) == ["evaluate-finetuned:deployed", "evaluate:deployed.generic",
-                                                     TRAIN_OP, "evaluate:after"]
+    assert with_evaluations([TRAIN_OP], d, True) == [
+        "evaluate-finetuned:deployed",
+        "evaluate:deployed.generic",
+        TRAIN_OP,
+        "evaluate:after",
+    ]
     assert with_evaluations([TRAIN_OP], d, False) == [TRAIN_OP, "evaluate:after"]
     assert protocol.companion_name("deployed.generic") == "generic"
     assert protocol.companion_name("deployed") is None and protocol.companion_name("after") is None
@@ -253,6 +282,7 @@ def test_companion_is_filed_under_the_round_it_measures() -> None:
         for tag, (correct, n) in (("deployed", dep), ("deployed.generic", gen), ("after", after)):
             out.update({f"{tag}-acc": correct / n, f"{tag}-n": n, f"{tag}-correct": correct, f"{tag}-loss": 1.0})
         return out
+
     ms = [metrics(0, (8, 10), (5, 10), (9, 10)), metrics(1, (3, 5), (1, 5), (4, 5))]
     cols = measured_columns(ms, 2)
     assert cols["generic_acc_mean"] == pytest.approx((0.5 + 0.2) / 2)
@@ -270,9 +300,12 @@ def test_generic_column_is_the_global_model_of_the_round_it_is_filed_under() -> 
     from fedapps.client import ops
     from fedapps.data import get_federation
 
-    cfg = load_config(None, "strategy.name=fednh rounds=2 data.source=digits data.partition=pathological "
-                            "data.num_clients=2 model.name=mlp client.epochs=1 client.batch_size=32 client.lr=0.05 "
-                            "strategy.params.fednh.finetune_epochs=1")
+    cfg = load_config(
+        None,
+        "strategy.name=fednh rounds=2 data.source=digits data.partition=pathological "
+        "data.num_clients=2 model.name=mlp client.epochs=1 client.batch_size=32 client.lr=0.05 "
+        "strategy.params.fednh.finetune_epochs=1",
+    )
     resolved = resolve(cfg)
     cfg = resolved.config(cfg)
     fed = get_federation(dataclasses.asdict(cfg.data))
@@ -301,8 +334,9 @@ def test_generic_column_is_the_global_model_of_the_round_it_is_filed_under() -> 
 
 
 def test_short_run_in_process(tiny_config, tmp_path) -> None:
-    cfg_path = tiny_config(rounds=3, strategy={"name": "fednh", "params": {"fednh": {"finetune_epochs": 2}}},
-                           data=PATHOLOGICAL)
+    cfg_path = tiny_config(
+        rounds=3, strategy={"name": "fednh", "params": {"fednh": {"finetune_epochs": 2}}}, data=PATHOLOGICAL
+    )
     grid = InProcessGrid(4, record=True)
     summary = server_app.run_experiment(grid, str(cfg_path), "", str(tmp_path / "out"))
     assert not [m.error.reason for m in grid.replies if m.has_error()]
@@ -323,8 +357,11 @@ def test_flwr_run_end_to_end(tmp_path) -> None:
     """`fedapps run` -> `flwr run` (own SuperLink, Ray simulation, 3 SuperNodes, 2 rounds of FedNH on digits)."""
     from conftest import flwr_run
 
-    out = flwr_run(tmp_path, strategy={"name": "fednh", "params": {"fednh": {"finetune_epochs": 1}}},
-                   data={"source": "digits", "partition": "iid", "num_clients": 3})
+    out = flwr_run(
+        tmp_path,
+        strategy={"name": "fednh", "params": {"fednh": {"finetune_epochs": 1}}},
+        data={"source": "digits", "partition": "iid", "num_clients": 3},
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["strategy"] == "fednh" and summary["rounds"] == 2 and 0.0 < summary["accuracy_mean"] <= 1.0
     rows = read_csv(out / "rounds.csv")

@@ -9,8 +9,8 @@ from torch import nn
 from fedapps.client.clientops import TRAINING_TERMS
 from fedapps.config import load_config
 from fedapps.flower.inprocess import InProcessGrid
-from fedapps.wire import protocol
 from fedapps.server.driver import RoundDriver
+from fedapps.wire import protocol
 from strategies import resolve
 from strategies.fedprox import PROX_MU, proximal_penalty
 
@@ -54,8 +54,10 @@ def test_fedprox_at_zero_is_fedavg(tiny_config):
     _, _, avg = run(tiny_config, 0.0, strategy="fedavg")
     for rnd in (1, 2):
         assert prox.evaluate_metrics_clientapp[rnd]["acc_mean"] == avg.evaluate_metrics_clientapp[rnd]["acc_mean"]
-        assert (prox.train_metrics_clientapp[rnd]["acc_after_training_mean"]
-                == avg.train_metrics_clientapp[rnd]["acc_after_training_mean"])
+        assert (
+            prox.train_metrics_clientapp[rnd]["acc_after_training_mean"]
+            == avg.train_metrics_clientapp[rnd]["acc_after_training_mean"]
+        )
     for k in avg.arrays:
         np.testing.assert_array_equal(prox.arrays[k].numpy(), avg.arrays[k].numpy())
 
@@ -63,8 +65,11 @@ def test_fedprox_at_zero_is_fedavg(tiny_config):
 def test_fedprox_sends_mu_and_a_large_mu_keeps_clients_near_the_global_model(tiny_config):
     free, grid, _ = run(tiny_config, 0.0, rounds=1)
     tied, grid_tied, _ = run(tiny_config, 5.0, rounds=1)  # lr·μ = 0.25: stable
-    assert all(protocol.request_of(m).training.section(protocol.TRAIN).extra[PROX_MU] == 5.0
-               for m in grid_tied.sent if m.metadata.message_type == protocol.MESSAGE_TYPE)
+    assert all(
+        protocol.request_of(m).training.section(protocol.TRAIN).extra[PROX_MU] == 5.0
+        for m in grid_tied.sent
+        if m.metadata.message_type == protocol.MESSAGE_TYPE
+    )
     from strategies.fedavg import initial_model_arrays
 
     start = initial_model_arrays(free.cfg)

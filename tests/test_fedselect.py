@@ -16,10 +16,10 @@ from fedapps.client.clientops import ProtocolError
 from fedapps.client.worker import STATE_MODEL, Worker
 from fedapps.config import ConfigError, OptimSettings, load_config
 from fedapps.flower.inprocess import InProcessGrid
-from fedapps.server.driver import RoundDriver
-from fedapps.wire.protocol import ClientReply
 from fedapps.reporting.results import read_csv
+from fedapps.server.driver import RoundDriver
 from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
 from strategies import RunContext, resolve
 from strategies.fedselect import (
     LOAD_OP,
@@ -116,8 +116,9 @@ def test_masked_average_by_hand_a_personal_entry_gets_nothing_from_its_owner():
 
 
 def test_server_averages_over_sharers_and_grows_masks_from_what_it_sent_and_got(tiny_config):
-    cfg = load_config(tiny_config(strategy={"name": "fedselect", "params": {"fedselect": {"grow_every": 1,
-                                                                                          "rate": 0.5}}}))
+    cfg = load_config(
+        tiny_config(strategy={"name": "fedselect", "params": {"fedselect": {"grow_every": 1, "rate": 0.5}}})
+    )
     s = resolve(cfg).build(cfg)
     sent = {k: v.copy() for k, v in s.global_params.items()}
     w = "fc.weight"
@@ -324,14 +325,19 @@ def test_with_nothing_personal_it_is_fedavg(tiny_config):
 def test_same_seed_same_rounds_csv(tiny_config, tmp_path):
     import server_app
 
-    cfg = tiny_config(rounds=3, data=PATHOLOGICAL, strategy={"name": "fedselect",
-                                                             "params": {"fedselect": {"grow_every": 1}}})
+    cfg = tiny_config(
+        rounds=3, data=PATHOLOGICAL, strategy={"name": "fedselect", "params": {"fedselect": {"grow_every": 1}}}
+    )
     rows = []
     for i in (0, 1):
         server_app.run_experiment(InProcessGrid(4), str(cfg), "", str(tmp_path / str(i)))
         (run,) = [d for d in (tmp_path / str(i)).iterdir() if d.is_dir()]
-        rows.append([{k: v for k, v in r.items() if "seconds" not in k and not k.startswith("t_")}
-                     for r in read_csv(run / "rounds.csv")])
+        rows.append(
+            [
+                {k: v for k, v in r.items() if "seconds" not in k and not k.startswith("t_")}
+                for r in read_csv(run / "rounds.csv")
+            ]
+        )
     assert rows[0] == rows[1]
 
 
@@ -340,8 +346,11 @@ def test_flwr_run_end_to_end(tmp_path):
     """`fedapps run` -> `flwr run` (own SuperLink, Ray simulation, 3 SuperNodes, 2 rounds of FedSelect on digits)."""
     from conftest import flwr_run
 
-    out = flwr_run(tmp_path, strategy={"name": "fedselect", "params": {"fedselect": {"grow_every": 1}}},
-                   data={"source": "digits", "partition": "pathological", "num_clients": 3, "classes_per_client": 4})
+    out = flwr_run(
+        tmp_path,
+        strategy={"name": "fedselect", "params": {"fedselect": {"grow_every": 1}}},
+        data={"source": "digits", "partition": "pathological", "num_clients": 3, "classes_per_client": 4},
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["strategy"] == "fedselect" and summary["rounds"] == 2 and summary["num_clients"] == 3
     assert 0.0 < summary["accuracy_mean"] <= 1.0

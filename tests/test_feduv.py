@@ -15,15 +15,30 @@ import torch.nn.functional as F
 from fedapps.client.worker import Worker
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
-from fedapps.server.driver import RoundDriver
 from fedapps.models import build_model
 from fedapps.reporting.results import read_csv
+from fedapps.server.driver import RoundDriver
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ARRAYS
 from strategies import resolve
-from strategies.feduv import (FORM, LOG_GAUSSIAN, MEDIAN_RBF, MU_U, MU_V, TEMPERATURE, TRAIN_OP, UNIFORMITY, VARIANCE, FeatureTap,
-                              feduv_loss, iid_threshold, log_gaussian_uniformity, median_rbf_uniformity, uniformity,
-                              variance_hinge)
+from strategies.feduv import (
+    FORM,
+    LOG_GAUSSIAN,
+    MEDIAN_RBF,
+    MU_U,
+    MU_V,
+    TEMPERATURE,
+    TRAIN_OP,
+    UNIFORMITY,
+    VARIANCE,
+    FeatureTap,
+    feduv_loss,
+    iid_threshold,
+    log_gaussian_uniformity,
+    median_rbf_uniformity,
+    uniformity,
+    variance_hinge,
+)
 from test_ops_worker import train_settings, worker_message
 
 LN3 = math.log(3.0)
@@ -80,7 +95,7 @@ def numpy_variance_hinge_grad(logits: np.ndarray, gamma: float, eps: float) -> t
     p = e / e.sum(1, keepdims=True)
     b, c = p.shape
     dev = p - p.mean(0)
-    s = np.sqrt((dev ** 2).sum(0) / (b - 1) + eps)
+    s = np.sqrt((dev**2).sum(0) / (b - 1) + eps)
     active = (gamma - s) > 0
     value = float(np.where(active, gamma - s, 0.0).mean())
     dp = np.where(active, -dev / ((b - 1) * s) / c, 0.0)
@@ -129,9 +144,12 @@ def test_median_rbf_uniformity_value_and_gradient_by_hand():
     np.testing.assert_allclose(z.grad.numpy().ravel(), by_hand, rtol=1e-12)
     # with m detached the middle sample's gradient would be (1/3)(−0.5·e1) instead: the median is NOT detached
     assert abs(by_hand[1] - (-0.5 * e1 / 3)) > 0.1
-    wrong = {"log of the mean": math.log((e1 + e2 + e3) / 3), "sum over pairs": e1 + e2 + e3,
-             "m the mean distance": (math.exp(-3 / 14) + math.exp(-27 / 14) + math.exp(-12 / 14)) / 3,
-             "distances not squared (m = 2)": (math.exp(-1 / 2) + math.exp(-3 / 2) + math.exp(-1.0)) / 3}
+    wrong = {
+        "log of the mean": math.log((e1 + e2 + e3) / 3),
+        "sum over pairs": e1 + e2 + e3,
+        "m the mean distance": (math.exp(-3 / 14) + math.exp(-27 / 14) + math.exp(-12 / 14)) / 3,
+        "distances not squared (m = 2)": (math.exp(-1 / 2) + math.exp(-3 / 2) + math.exp(-1.0)) / 3,
+    }
     assert all(abs(v - value.item()) > 1e-3 for v in wrong.values())
 
 
@@ -153,7 +171,7 @@ def numpy_median_rbf(z: np.ndarray) -> tuple[float, np.ndarray]:
         dd = np.zeros_like(z)
         dd[a[p]] += 2 * (z[a[p]] - z[b[p]])
         dd[b[p]] -= 2 * (z[a[p]] - z[b[p]])
-        grad += k[p] * (-dd / m + d[p] * dm / m ** 2)
+        grad += k[p] * (-dd / m + d[p] * dm / m**2)
     return float(k.mean()), grad / len(d)
 
 
@@ -203,13 +221,17 @@ def test_log_gaussian_uniformity_value_by_hand():
     expected = math.log((math.exp(-2 * 0.4) + math.exp(-2 * 3.2) + math.exp(-2 * 2.0)) / 3)
     assert log_gaussian_uniformity(z, 2.0).item() == pytest.approx(expected, abs=1e-12)
     assert log_gaussian_uniformity(z, 0.5).item() == pytest.approx(
-        math.log((math.exp(-0.2) + math.exp(-1.6) + math.exp(-1.0)) / 3), abs=1e-12)
+        math.log((math.exp(-0.2) + math.exp(-1.6) + math.exp(-1.0)) / 3), abs=1e-12
+    )
     # what a wrong formula would give instead (each differs from the value above)
-    wrong = {"distance not squared": math.log((math.exp(-2 * 0.4 ** 0.5) + math.exp(-2 * 3.2 ** 0.5)
-                                               + math.exp(-2 * 2 ** 0.5)) / 3),
-             "sum over pairs": math.log(math.exp(-0.8) + math.exp(-6.4) + math.exp(-4.0)),
-             "no log": (math.exp(-0.8) + math.exp(-6.4) + math.exp(-4.0)) / 3,
-             "sign of the exponent": math.log((math.exp(0.8) + math.exp(6.4) + math.exp(4.0)) / 3)}
+    wrong = {
+        "distance not squared": math.log(
+            (math.exp(-2 * 0.4**0.5) + math.exp(-2 * 3.2**0.5) + math.exp(-2 * 2**0.5)) / 3
+        ),
+        "sum over pairs": math.log(math.exp(-0.8) + math.exp(-6.4) + math.exp(-4.0)),
+        "no log": (math.exp(-0.8) + math.exp(-6.4) + math.exp(-4.0)) / 3,
+        "sign of the exponent": math.log((math.exp(0.8) + math.exp(6.4) + math.exp(4.0)) / 3),
+    }
     assert all(abs(v - expected) > 1e-3 for v in wrong.values())
     # on the sphere: scaling a sample's features changes nothing
     scaled = three_by_two_features().detach() * torch.tensor([[10.0], [0.1], [3.0]], dtype=torch.float64)
@@ -266,8 +288,11 @@ def test_loss_is_ce_plus_the_weighted_terms_on_the_classifiers_input():
     with torch.no_grad():
         feats = model.fc2(model.fc1(torch.flatten(x, 1)))  # the MLP's penultimate activations
         logits = model.fc(feats)
-        want = (F.cross_entropy(logits, y) + 2.5 * variance_hinge(logits, iid_threshold(10))
-                + 0.5 * median_rbf_uniformity(feats))
+        want = (
+            F.cross_entropy(logits, y)
+            + 2.5 * variance_hinge(logits, iid_threshold(10))
+            + 0.5 * median_rbf_uniformity(feats)
+        )
         tap = FeatureTap(model)
         loss_fn, sums = feduv_loss(tap, 2.5, 0.5)
         with tap:
@@ -280,8 +305,11 @@ def test_loss_is_ce_plus_the_weighted_terms_on_the_classifiers_input():
     with torch.no_grad(), tap:  # the earlier spec's form, by name
         loss_fn, sums = feduv_loss(tap, 2.5, 0.5, LOG_GAUSSIAN, 3.0)
         got = loss_fn(model, x, y, None)
-    want = (F.cross_entropy(logits, y) + 2.5 * variance_hinge(logits, iid_threshold(10))
-            + 0.5 * log_gaussian_uniformity(feats, 3.0))
+    want = (
+        F.cross_entropy(logits, y)
+        + 2.5 * variance_hinge(logits, iid_threshold(10))
+        + 0.5 * log_gaussian_uniformity(feats, 3.0)
+    )
     assert got.item() == pytest.approx(want.item(), rel=1e-6)
     with pytest.raises(ValueError, match="FeatureTap"):
         feduv_loss(None, 0.0, 0.5)
@@ -291,9 +319,15 @@ def feduv_message(mu_v: float, mu_u: float, ops_list=(TRAIN_OP,), form: str | No
     """A message of ``ops_list`` with FedUV's settings (no FORM unless ``form``: the default) and ``client`` over the
     client settings."""
     own = {MU_V: mu_v, MU_U: mu_u, TEMPERATURE: 2.0, **({FORM: form} if form else {})}
-    return worker_message(list(ops_list), returns=protocol.Return(arrays=True), client=client,
-                          training=train_settings(extra=own), arrays=protocol.arrays_record(
-        {k: v.numpy() for k, v in build_model("mlp", 10, (1, 8, 8), seed=0).state_dict().items()}))
+    return worker_message(
+        list(ops_list),
+        returns=protocol.Return(arrays=True),
+        client=client,
+        training=train_settings(extra=own),
+        arrays=protocol.arrays_record(
+            {k: v.numpy() for k, v in build_model("mlp", 10, (1, 8, 8), seed=0).state_dict().items()}
+        ),
+    )
 
 
 def reply_arrays(mu_v: float, mu_u: float, ops_list=(TRAIN_OP,)):
@@ -326,7 +360,7 @@ def terms_after_training(mu_v: float, mu_u: float, form: str | None = None) -> t
         v = variance_hinge(model(w.train_x), iid_threshold(10)).item()
         u = []
         for start in range(0, len(w.train_x) - batch + 1, batch):
-            model(w.train_x[start:start + batch])
+            model(w.train_x[start : start + batch])
             u.append(uniformity(tap.features, form or MEDIAN_RBF).item())
     return v, float(np.mean(u))
 
@@ -392,7 +426,7 @@ def test_feduv_loss_computes_only_the_terms_that_are_on_and_sums_them_over_batch
 # found by `make mutate`
 def test_feduv_loss_adds_the_other_training_terms_evaluated_on_the_model() -> None:
     model, x, y = feduv_batch()
-    regulariser = lambda m: (m.fc.weight ** 2).sum()  # noqa: E731
+    regulariser = lambda m: (m.fc.weight**2).sum()  # noqa: E731
     with torch.no_grad():
         ce = F.cross_entropy(model(x), y)
         loss_fn, _ = feduv_loss(None, 0.0, 0.0, regulariser=regulariser)
@@ -431,11 +465,15 @@ def test_feduv_at_zero_is_fedavg_and_otherwise_sends_its_settings(tiny_config):
     assert all(TRAIN_OP in r.ops for r in sent)
     assert all(e[MU_V] == 1.0 and e[MU_U] == 0.25 and e[FORM] == MEDIAN_RBF for e in own)
     extras = result.train_metrics_clientapp[2]
-    assert 0.0 <= extras["feduv_variance"] <= iid_threshold(10) and math.exp(-1) / 2 <= extras["feduv_uniformity"] <= 1.0
+    assert (
+        0.0 <= extras["feduv_variance"] <= iid_threshold(10) and math.exp(-1) / 2 <= extras["feduv_uniformity"] <= 1.0
+    )
     s, grid, result = run_inprocess(tiny_config, "feduv", {"uniformity": LOG_GAUSSIAN, "t": 3.0})
-    assert all(r.training.section(protocol.TRAIN).extra[FORM] == LOG_GAUSSIAN
-               and r.training.section(protocol.TRAIN).extra[TEMPERATURE] == 3.0
-               for r in (protocol.request_of(m) for m in grid.sent if m.metadata.message_type == protocol.MESSAGE_TYPE))
+    assert all(
+        r.training.section(protocol.TRAIN).extra[FORM] == LOG_GAUSSIAN
+        and r.training.section(protocol.TRAIN).extra[TEMPERATURE] == 3.0
+        for r in (protocol.request_of(m) for m in grid.sent if m.metadata.message_type == protocol.MESSAGE_TYPE)
+    )
     assert result.train_metrics_clientapp[2]["feduv_uniformity"] <= 0.0  # a log of a mean of values <= 1
     assert not all(np.array_equal(result.arrays[k].numpy(), avg.arrays[k].numpy()) for k in avg.arrays)
 
@@ -445,8 +483,11 @@ def test_flwr_run_end_to_end(tmp_path):
     """`fedapps run` -> `flwr run` (own SuperLink, Ray simulation, 3 SuperNodes, 2 rounds of FedUV on digits)."""
     from conftest import flwr_run
 
-    out = flwr_run(tmp_path, strategy={"name": "feduv"},
-                   data={"source": "digits", "partition": "pathological", "num_clients": 3, "classes_per_client": 4})
+    out = flwr_run(
+        tmp_path,
+        strategy={"name": "feduv"},
+        data={"source": "digits", "partition": "pathological", "num_clients": 3, "classes_per_client": 4},
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["strategy"] == "feduv" and summary["rounds"] == 2 and summary["num_clients"] == 3
     assert 0.0 < summary["accuracy_mean"] <= 1.0

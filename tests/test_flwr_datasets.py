@@ -34,8 +34,9 @@ from fedapps.data.federation import check_spec
 pytestmark = pytest.mark.filterwarnings("ignore:The specified min_partition_size:UserWarning")
 
 HAVE_HF = all(importlib.util.find_spec(m) is not None for m in ("flwr_datasets", "datasets"))
-needs_hf = pytest.mark.skipif(not HAVE_HF, reason="flwr-datasets is not installed (optional extra 'hf'): "
-                                                  "pip install -e \".[hf]\"")
+needs_hf = pytest.mark.skipif(
+    not HAVE_HF, reason="flwr-datasets is not installed (optional extra 'hf'): pip install -e \".[hf]\""
+)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -51,7 +52,9 @@ def image_dataset(images: list[np.ndarray], columns: dict[str, tuple[list, objec
     from PIL import Image as PILImage
 
     image_col = columns.pop("__image__", ("image", None))[0]
-    features = Features({image_col: Image(), **{k: Value("int64") if f is None else f for k, (_, f) in columns.items()}})
+    features = Features(
+        {image_col: Image(), **{k: Value("int64") if f is None else f for k, (_, f) in columns.items()}}
+    )
     data = {image_col: [PILImage.fromarray(a) for a in images], **{k: v for k, (v, _) in columns.items()}}
     return Dataset.from_dict(data, features=features)
 
@@ -78,9 +81,13 @@ def mnist_like(tmp_path):
     train_x, test_x = grey(r, 20), grey(r, 10)
     train_y, test_y = (np.arange(20) % 9).tolist(), (np.arange(10) % 9)[::-1].tolist()
     feature = ClassLabel(names=[str(k) for k in range(10)])
-    folder = write_hub_folder(tmp_path / "mnist-like", {
-        "train": image_dataset(train_x, {"label": (train_y, feature)}),
-        "test": image_dataset(test_x, {"label": (test_y, feature)})})
+    folder = write_hub_folder(
+        tmp_path / "mnist-like",
+        {
+            "train": image_dataset(train_x, {"label": (train_y, feature)}),
+            "test": image_dataset(test_x, {"label": (test_y, feature)}),
+        },
+    )
     return folder, np.stack(train_x + test_x), np.array(train_y + test_y)
 
 
@@ -106,8 +113,11 @@ def test_rgb_images_and_cifar100_style_label_columns(tmp_path):
     r = np.random.default_rng(1)
     imgs = [r.integers(0, 256, (32, 32, 3), dtype=np.uint8) for _ in range(12)]
     fine, coarse = r.integers(0, 100, 12).tolist(), r.integers(0, 20, 12).tolist()
-    cols = {"__image__": ("img", None), "fine_label": (fine, ClassLabel(num_classes=100)),
-            "coarse_label": (coarse, ClassLabel(num_classes=20))}
+    cols = {
+        "__image__": ("img", None),
+        "fine_label": (fine, ClassLabel(num_classes=100)),
+        "coarse_label": (coarse, ClassLabel(num_classes=20)),
+    }
     folder = write_hub_folder(tmp_path / "c100", {"train": image_dataset(imgs, cols)})
     ds = load_source(f"hf:{folder}", tmp_path / "root")
     assert (ds.num_classes, ds.input_shape) == (100, (3, 32, 32))
@@ -125,9 +135,13 @@ def test_unlabelled_rows_are_left_out_and_integer_labels_count_classes(tmp_path)
     r = np.random.default_rng(2)
     imgs = [r.integers(0, 256, (8, 8, 3), dtype=np.uint8) for _ in range(9)]
     labels = [0, 4, 2, -1, 1, 4, 3, 0, 2]
-    folder = write_hub_folder(tmp_path / "ints", {
-        "train": image_dataset(imgs, {"label": (labels, Value("int64"))}),
-        "test": image_dataset(imgs[:3], {"label": ([-1, -1, -1], Value("int64"))})})
+    folder = write_hub_folder(
+        tmp_path / "ints",
+        {
+            "train": image_dataset(imgs, {"label": (labels, Value("int64"))}),
+            "test": image_dataset(imgs[:3], {"label": ([-1, -1, -1], Value("int64"))}),
+        },
+    )
     ds = load_source(f"hf:{folder}", tmp_path / "root")
     keep = [i for i, v in enumerate(labels) if v >= 0]
     assert ds.y.tolist() == [labels[i] for i in keep] and ds.num_classes == 5
@@ -140,12 +154,29 @@ def test_unclear_columns_and_mixed_sizes_are_data_errors(tmp_path):
     from datasets import ClassLabel
 
     r = np.random.default_rng(3)
-    two = write_hub_folder(tmp_path / "two", {"train": image_dataset(grey(r, 4), {
-        "digit": ([0, 1, 2, 3], ClassLabel(num_classes=10)), "parity": ([0, 1, 0, 1], ClassLabel(num_classes=2))})})
+    two = write_hub_folder(
+        tmp_path / "two",
+        {
+            "train": image_dataset(
+                grey(r, 4),
+                {
+                    "digit": ([0, 1, 2, 3], ClassLabel(num_classes=10)),
+                    "parity": ([0, 1, 0, 1], ClassLabel(num_classes=2)),
+                },
+            )
+        },
+    )
     with pytest.raises(DataError, match=r"which column holds the class label.*digit \(ClassLabel\).*parity"):
         load_source(f"hf:{two}", tmp_path / "root")
-    sizes = write_hub_folder(tmp_path / "sizes", {"train": image_dataset(
-        [np.zeros((28, 28), np.uint8), np.zeros((20, 28), np.uint8)], {"label": ([0, 1], ClassLabel(num_classes=2))})})
+    sizes = write_hub_folder(
+        tmp_path / "sizes",
+        {
+            "train": image_dataset(
+                [np.zeros((28, 28), np.uint8), np.zeros((20, 28), np.uint8)],
+                {"label": ([0, 1], ClassLabel(num_classes=2))},
+            )
+        },
+    )
     with pytest.raises(DataError, match="image 1 is 28×20, the first is 28×28"):
         load_source(f"hf:{sizes}", tmp_path / "root")
     with pytest.raises(DataError, match="is not a folder"):
@@ -156,13 +187,16 @@ def test_unclear_columns_and_mixed_sizes_are_data_errors(tmp_path):
 def test_config_federation_and_run_name(mnist_like, tmp_path):
     folder, _, labels = mnist_like
     source = f"hf:{folder}"
-    cfg = load_config(None, [f"data.source={source}", f"data.root={tmp_path / 'root'}", "data.num_clients=3",
-                             "data.partition=iid"])
+    cfg = load_config(
+        None, [f"data.source={source}", f"data.root={tmp_path / 'root'}", "data.num_clients=3", "data.partition=iid"]
+    )
     name = cfg.resolved_run_name()
     assert "/" not in name and ":" not in name and name.startswith("fedavg-hf-") and name.endswith("-iid-s0")
     fed = build_federation(dataclasses.asdict(cfg.data))
     assert fed.num_clients == 3 and fed.num_classes == 10 and fed.input_shape == (1, 28, 28)
-    assert (fed.train_counts.sum(axis=0) + fed.test_counts.sum(axis=0)).tolist() == np.bincount(labels, minlength=10).tolist()
+    assert (fed.train_counts.sum(axis=0) + fed.test_counts.sum(axis=0)).tolist() == np.bincount(
+        labels, minlength=10
+    ).tolist()
     spec = {**dataclasses.asdict(cfg.data), "partition": "pathological", "classes_per_client": 11}
     with pytest.raises(DataError, match=r"classes_per_client=11 exceeds the 10 classes"):  # the dataset's count
         check_spec(spec)
@@ -202,8 +236,9 @@ def test_download_without_network_says_it_needs_network(tmp_path, monkeypatch):
 def test_hf_source_without_the_extra_is_a_config_error(monkeypatch):
     """Checked when the config is loaded, before any data: the message names data.source and the install command."""
     real = importlib.util.find_spec
-    monkeypatch.setattr(config_module.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "flwr_datasets" else real(name, *a))
+    monkeypatch.setattr(
+        config_module.importlib.util, "find_spec", lambda name, *a: None if name == "flwr_datasets" else real(name, *a)
+    )
     with pytest.raises(ConfigError) as err:
         load_config(None, ["data.source=hf:ylecun/mnist"])
     msg = str(err.value)
@@ -229,8 +264,10 @@ def flwr_parts(partitioner, labels: np.ndarray) -> list[np.ndarray]:
     from datasets import Dataset
 
     partitioner.dataset = Dataset.from_dict({"label": labels, "row": np.arange(labels.size)})
-    return [np.sort(np.asarray(partitioner.load_partition(i)["row"], dtype=np.int64))
-            for i in range(partitioner.num_partitions)]
+    return [
+        np.sort(np.asarray(partitioner.load_partition(i)["row"], dtype=np.int64))
+        for i in range(partitioner.num_partitions)
+    ]
 
 
 def balanced(num_classes: int, per_class: int, seed: int = 0) -> np.ndarray:
@@ -247,12 +284,23 @@ def test_iid_is_the_same_split_for_the_same_seed(tmp_path):
 
     n, m = 103, 7  # 103 = 7·14 + 5: the first five clients get one more
     labels = balanced(10, 11)[:n]
-    folder = write_hub_folder(tmp_path / "iid", {"train": image_dataset(
-        [np.full((4, 4), i % 256, np.uint8) for i in range(n)],
-        {"label": (labels.tolist(), ClassLabel(num_classes=10)), "row": (list(range(n)), None)})})
+    folder = write_hub_folder(
+        tmp_path / "iid",
+        {
+            "train": image_dataset(
+                [np.full((4, 4), i % 256, np.uint8) for i in range(n)],
+                {"label": (labels.tolist(), ClassLabel(num_classes=10)), "row": (list(range(n)), None)},
+            )
+        },
+    )
     for seed in (0, 42):
-        fds = FederatedDataset(dataset=str(folder), partitioners={"train": IidPartitioner(m)}, shuffle=True,
-                               seed=seed, cache_dir=str(tmp_path / "cache"))
+        fds = FederatedDataset(
+            dataset=str(folder),
+            partitioners={"train": IidPartitioner(m)},
+            shuffle=True,
+            seed=seed,
+            cache_dir=str(tmp_path / "cache"),
+        )
         theirs = [np.sort(np.asarray(fds.load_partition(i)["row"])) for i in range(m)]
         ours = partition_iid(labels, m, np.random.default_rng(seed))
         assert [p.size for p in ours] == [15] * 5 + [14] * 2
@@ -292,8 +340,14 @@ def flwr_dirichlet(m: int, alpha: float, min_samples: int, draws: SameDraws):
     is a private attribute, ``_rng``: if flwr-datasets renames it, the comparisons below fail rather than pass)."""
     from flwr_datasets.partitioner import DirichletPartitioner
 
-    partitioner = DirichletPartitioner(num_partitions=m, partition_by="label", alpha=alpha,
-                                       min_partition_size=min_samples, self_balancing=True, shuffle=False)
+    partitioner = DirichletPartitioner(
+        num_partitions=m,
+        partition_by="label",
+        alpha=alpha,
+        min_partition_size=min_samples,
+        self_balancing=True,
+        shuffle=False,
+    )
     partitioner._rng = draws
     return partitioner
 
@@ -330,8 +384,15 @@ def test_dirichlet_gives_up_after_11_draws_in_flwr_datasets_after_1000_in_ours()
     labels = balanced(10, 100)[:997]
     failed = []
     for seed in range(5):
-        partitioner = DirichletPartitioner(num_partitions=20, partition_by="label", alpha=0.1, min_partition_size=10,
-                                           self_balancing=True, shuffle=False, seed=seed)
+        partitioner = DirichletPartitioner(
+            num_partitions=20,
+            partition_by="label",
+            alpha=0.1,
+            min_partition_size=10,
+            self_balancing=True,
+            shuffle=False,
+            seed=seed,
+        )
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # one warning per failed round
@@ -372,8 +433,16 @@ def test_pathological_same_class_counts_different_assignment_and_sizes():
     labels = balanced(10, 60)
     m, k, cpc = 20, 10, 2
     ours = partition_pathological(labels, m, k, cpc, np.random.default_rng(1))
-    theirs = flwr_parts(PathologicalPartitioner(num_partitions=m, partition_by="label", num_classes_per_partition=cpc,
-                                                class_assignment_mode="deterministic", shuffle=False), labels)
+    theirs = flwr_parts(
+        PathologicalPartitioner(
+            num_partitions=m,
+            partition_by="label",
+            num_classes_per_partition=cpc,
+            class_assignment_mode="deterministic",
+            shuffle=False,
+        ),
+        labels,
+    )
     for parts in (ours, theirs):
         counts = np.stack([np.bincount(labels[p], minlength=k) for p in parts])
         assert (np.count_nonzero(counts, axis=1) == cpc).all()  # exactly cpc classes each

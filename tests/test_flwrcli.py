@@ -36,8 +36,16 @@ PYPROJECT = (APP_DIR / "pyproject.toml").read_text()
 
 
 def test_pruning_follows_the_gitignore_and_a_negation_turns_it_off(tmp_path):
-    files = {"pyproject.toml": PYPROJECT, "a.py": "x = 1\n", "pkg/b.py": "y = 2\n", "big/lib/c.py": "z\n",
-             "out/r.yaml": "k: 1\n", "keep/out.py": "w\n", "pkg/c.pyc": "", "x/ignored.json": "{}"}
+    files = {
+        "pyproject.toml": PYPROJECT,
+        "a.py": "x = 1\n",
+        "pkg/b.py": "y = 2\n",
+        "big/lib/c.py": "z\n",
+        "out/r.yaml": "k: 1\n",
+        "keep/out.py": "w\n",
+        "pkg/c.pyc": "",
+        "x/ignored.json": "{}",
+    }
     root = tree(tmp_path / "app", {**files, ".gitignore": "big/\nout/\n*.pyc\nx/ignored.json\n"})
     ours = app_files(root)
     assert not any(k.startswith(("big/", "out/")) for k in ours)  # ignored folders not entered

@@ -116,7 +116,9 @@ def test_kl_to_targets_is_torch_kl_div_batchmean() -> None:
     # per-sample weights: Σ w_i KL_i / Σ w_i (COSMOS's weighted objective); a zero weight drops the sample
     w = torch.tensor([1.0, 0.0, 2.0, 0.5, 0.0, 3.0])
     per_sample = F.kl_div(F.log_softmax(logits, -1), targets, reduction="none").sum(-1)
-    assert ops.kl_to_targets(logits, targets, w).item() == pytest.approx(((w * per_sample).sum() / w.sum()).item(), rel=1e-5)
+    assert ops.kl_to_targets(logits, targets, w).item() == pytest.approx(
+        ((w * per_sample).sum() / w.sum()).item(), rel=1e-5
+    )
 
 
 def test_distill_takes_the_sgd_step_of_torch_kl_div() -> None:
@@ -132,12 +134,14 @@ def test_distill_takes_the_sgd_step_of_torch_kl_div() -> None:
     lr = 0.1
     loss = kl_reference(reference(x), targets)
     loss.backward()
-    result = ops.distill(model, x, targets, OptimSettings(epochs=1, batch_size=8, lr=lr, drop_last=False),
-                         ops.DistillSettings(loss="kl"))
+    result = ops.distill(
+        model, x, targets, OptimSettings(epochs=1, batch_size=8, lr=lr, drop_last=False), ops.DistillSettings(loss="kl")
+    )
     assert result["loss"] == pytest.approx(loss.item(), rel=1e-5)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        np.testing.assert_allclose(p.detach().numpy(), (q - lr * q.grad).detach().numpy(), rtol=1e-5, atol=1e-6,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            p.detach().numpy(), (q - lr * q.grad).detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=name
+        )
 
 
 # --------------------------------------------------------------------------- FedAMP's coefficient
@@ -150,8 +154,10 @@ def test_fedamp_client_term_is_lambda_over_two_alpha_k_with_gradient(tiny_config
     from strategies.fedamp import FedAMP
 
     lam, alpha_k = 0.3, 0.05
-    cfg = load_config(tiny_config(strategy={"name": "fedamp", "params": {"fedamp": {
-        "alpha_k": alpha_k, "sigma": 1.0, "lam": lam}}}), "")
+    cfg = load_config(
+        tiny_config(strategy={"name": "fedamp", "params": {"fedamp": {"alpha_k": alpha_k, "sigma": 1.0, "lam": lam}}}),
+        "",
+    )
     InProcessGrid(cfg.data.num_clients)  # gives Message() the run identity it needs outside Flower's runtime
     message = FedAMP(cfg).round_messages(1, [11])[0]
     anchor = message.content[protocol.ARRAYS].to_torch_state_dict()  # u_i (here the initial model)
@@ -161,7 +167,7 @@ def test_fedamp_client_term_is_lambda_over_two_alpha_k_with_gradient(tiny_config
     value = term(model)
     value.backward()
     diff = {n: (p.detach() - anchor[n]).double() for n, p in model.named_parameters()}
-    squared = sum(float((d ** 2).sum()) for d in diff.values())
+    squared = sum(float((d**2).sum()) for d in diff.values())
     assert squared > 1.0
     assert value.item() == pytest.approx(lam / (2 * alpha_k) * squared, rel=1e-5)
     for n, p in model.named_parameters():

@@ -54,10 +54,21 @@ def test_mixed_precision_runs_forward_in_bf16_on_cuda():
 def test_client_trains_on_cuda_in_process(tmp_path):
     from fedapps.flower.inprocess import InProcessGrid
     from server_app import run_experiment
+
     grid = InProcessGrid(3)
-    out = run_experiment(grid, "configs/fedavg.yaml", ["data.source=digits", "data.num_clients=3", "rounds=1",
-                                                        "strategy.min_clients=3", "client.device=cuda",
-                                                        "client.mixed_precision=true"], str(tmp_path))
+    out = run_experiment(
+        grid,
+        "configs/fedavg.yaml",
+        [
+            "data.source=digits",
+            "data.num_clients=3",
+            "rounds=1",
+            "strategy.min_clients=3",
+            "client.device=cuda",
+            "client.mixed_precision=true",
+        ],
+        str(tmp_path),
+    )
     assert torch.cuda.max_memory_allocated() > 0
     assert out is not None
 

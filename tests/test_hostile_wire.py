@@ -92,12 +92,17 @@ def beyond_the_bound(wire: np.ndarray, output: str) -> np.ndarray:
 def predictions_beyond_the_bound(msg, context, call_next):
     """Client mod: the hostile client's round-1 predictions moved just outside the bound (beyond_the_bound)."""
     reply = call_next(msg, context)
-    if int(context.node_config["partition-id"]) == HOSTILE and protocol.request_of(msg).round == 1 \
-            and not reply.has_error() and protocol.PREDICTIONS in reply.content:
+    if (
+        int(context.node_config["partition-id"]) == HOSTILE
+        and protocol.request_of(msg).round == 1
+        and not reply.has_error()
+        and protocol.PREDICTIONS in reply.content
+    ):
         wire = reply.content[protocol.PREDICTIONS][protocol.PREDICTION_ARRAY].numpy()
         output = protocol.request_of(msg).public.predict_output
         reply.content[protocol.PREDICTIONS] = protocol.arrays_record(
-            {protocol.PREDICTION_ARRAY: beyond_the_bound(wire, output)})
+            {protocol.PREDICTION_ARRAY: beyond_the_bound(wire, output)}
+        )
     return reply
 
 
@@ -130,13 +135,24 @@ def test_a_hard_label_equal_to_the_classes_is_a_row_of_rejections_csv(tmp_path):
     import server_app
     from fedapps.flower.inprocess import InProcessGrid
 
-    args = ["strategy.name=fedct", "rounds=1", "data.source=digits", "data.num_clients=3", "strategy.min_clients=2",
-            "model.name=mlp", "client.epochs=1", "data.public_fraction=0.2", "strategy.params.fedct.pretrain_epochs=1",
-            "strategy.params.fedct.distill_epochs=1", "run_name=bound"]
+    args = [
+        "strategy.name=fedct",
+        "rounds=1",
+        "data.source=digits",
+        "data.num_clients=3",
+        "strategy.min_clients=2",
+        "model.name=mlp",
+        "client.epochs=1",
+        "data.public_fraction=0.2",
+        "strategy.params.fedct.pretrain_epochs=1",
+        "strategy.params.fedct.distill_epochs=1",
+        "run_name=bound",
+    ]
     cfg = tmp_path / "c.yaml"
     cfg.write_text("{}")
-    server_app.run_experiment(InProcessGrid(3, mods=[predictions_beyond_the_bound]), str(cfg), " ".join(args),
-                              str(tmp_path / "out"))
+    server_app.run_experiment(
+        InProcessGrid(3, mods=[predictions_beyond_the_bound]), str(cfg), " ".join(args), str(tmp_path / "out")
+    )
     with (tmp_path / "out" / "bound" / "rejections.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     assert [(r["round"], r["phase"], r["node_id"], r["client_id"]) for r in rows] == [("1", "train", "100", "0")]
@@ -155,17 +171,30 @@ def test_a_reply_a_strategy_cannot_use_is_recorded_in_rejections_csv(tmp_path):
 
     def bad_choice(msg, context, call_next):
         reply = call_next(msg, context)
-        if context.node_config["partition-id"] == 0 and protocol.request_of(msg).round == 1 \
-                and not reply.has_error() and CHOICE in reply.content[protocol.METRICS]:
+        if (
+            context.node_config["partition-id"] == 0
+            and protocol.request_of(msg).round == 1
+            and not reply.has_error()
+            and CHOICE in reply.content[protocol.METRICS]
+        ):
             reply.content[protocol.METRICS] = MetricRecord({**dict(reply.content[protocol.METRICS]), CHOICE: 99})
         return reply
 
-    args = ["strategy.name=ifca", "rounds=2", "data.source=digits", "data.num_clients=3", "model.name=mlp",
-            "client.epochs=1", "strategy.params.ifca.clusters=2", "run_name=skip"]
+    args = [
+        "strategy.name=ifca",
+        "rounds=2",
+        "data.source=digits",
+        "data.num_clients=3",
+        "model.name=mlp",
+        "client.epochs=1",
+        "strategy.params.ifca.clusters=2",
+        "run_name=skip",
+    ]
     cfg = tmp_path / "c.yaml"
     cfg.write_text("{}")
-    summary = server_app.run_experiment(InProcessGrid(3, mods=[bad_choice]), str(cfg), " ".join(args),
-                                        str(tmp_path / "out"))
+    summary = server_app.run_experiment(
+        InProcessGrid(3, mods=[bad_choice]), str(cfg), " ".join(args), str(tmp_path / "out")
+    )
     with (tmp_path / "out" / "skip" / "rejections.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     assert [(r["round"], r["phase"], r["node_id"], r["client_id"]) for r in rows] == [("1", "aggregate", "100", "0")]

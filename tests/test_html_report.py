@@ -41,8 +41,24 @@ def comparison(tmp_path_factory) -> Path:
     setting = {"data": {"source": "digits", "partition": "pathological", "num_clients": 3}}
     a = write_config(root / "cw.yaml", strategy={"name": "cwfedavg"}, **setting)
     b = write_config(root / "loc.yaml", strategy={"name": "local"}, **setting)
-    assert cli.main(["compare", str(a), str(b), "--seeds", "0", "1", "--engine", "inprocess",
-                     "--output-dir", str(root / "out"), "--quiet"]) == 0
+    assert (
+        cli.main(
+            [
+                "compare",
+                str(a),
+                str(b),
+                "--seeds",
+                "0",
+                "1",
+                "--engine",
+                "inprocess",
+                "--output-dir",
+                str(root / "out"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     return root / "out" / "comparison"
 
 
@@ -89,10 +105,18 @@ def expected_results_rows(folder: Path) -> list[list[str]]:
     out = []
     for r in rows:
         pm = [f"{float(r[k]):.4f} ± {float(r[k + '_sem']):.4f}" for k in keys]
-        out.append([r["config"], r["strategy"], r["seeds"], *pm,
-                    f"{float(r['bytes_up_per_client_round']) / 2 ** 20:.3f}",
-                    f"{float(r['bytes_down_per_client_round']) / 2 ** 20:.3f}",
-                    f"{float(r['wall_seconds']):.0f}", "deployed-model (test split)"])
+        out.append(
+            [
+                r["config"],
+                r["strategy"],
+                r["seeds"],
+                *pm,
+                f"{float(r['bytes_up_per_client_round']) / 2**20:.3f}",
+                f"{float(r['bytes_down_per_client_round']) / 2**20:.3f}",
+                f"{float(r['wall_seconds']):.0f}",
+                "deployed-model (test split)",
+            ]
+        )
     return out
 
 
@@ -101,15 +125,27 @@ def browser() -> str:
         path = shutil.which(name)
         if path:
             return path
-    pytest.skip("no headless browser on PATH (chromium, chromium-browser, google-chrome): install one with "
-                "`apt-get install chromium` (Debian) to run the HTML report's browser test")
+    pytest.skip(
+        "no headless browser on PATH (chromium, chromium-browser, google-chrome): install one with "
+        "`apt-get install chromium` (Debian) to run the HTML report's browser test"
+    )
 
 
 def run_browser(exe: str, tmp_path: Path, *args: str, timeout: float = 90) -> str:
     """Run headless Chromium with a throw-away profile; its stdout. Only the process group it started is killed,
     and only when it overruns."""
-    cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
-           "--no-first-run", "--disable-extensions", f"--user-data-dir={tmp_path / 'chromium-profile'}", *args]
+    cmd = [
+        exe,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--hide-scrollbars",
+        "--no-first-run",
+        "--disable-extensions",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+        *args,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -123,7 +159,7 @@ def run_browser(exe: str, tmp_path: Path, *args: str, timeout: float = 90) -> st
 
 def colour_pixels(image: np.ndarray, hex_colour: str, tol: float = 0.08) -> int:
     """How many pixels of an RGB(A) float image are within ``tol`` of ``hex_colour`` in every channel."""
-    rgb = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    rgb = np.array([int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5)])
     return int((np.abs(image[..., :3] - rgb) <= tol).all(axis=-1).sum())
 
 
@@ -152,8 +188,12 @@ def test_comparison_report_renders_in_a_browser(comparison, tmp_path, capsys):
     assert body == expected_results_rows(comparison)
     assert [row[:3] for row in body] == [["cw", "cwfedavg", "2"], ["loc", "local", "2"]]
     runs = dom.tables["runs"][1:]
-    assert [(r[0], r[1], r[-1]) for r in runs] == [("cw", "0", "cw-s0"), ("cw", "1", "cw-s1"),
-                                                  ("loc", "0", "loc-s0"), ("loc", "1", "loc-s1")]
+    assert [(r[0], r[1], r[-1]) for r in runs] == [
+        ("cw", "0", "cw-s0"),
+        ("cw", "1", "cw-s1"),
+        ("loc", "0", "loc-s0"),
+        ("loc", "1", "loc-s1"),
+    ]
 
     shot = tmp_path / "page.png"
     run_browser(exe, tmp_path, f"--screenshot={shot}", "--window-size=1280,2200", page.as_uri())
@@ -178,8 +218,9 @@ def test_run_folder_report_has_its_numbers_and_the_strategys_figure(comparison, 
     (row,) = page.tables["results"][1:]
     assert row[:3] == ["cw-s0", "cwfedavg", "1"]
     # one run: its summary's numbers, no ± (there is no spread over seeds to show)
-    assert row[3:7] == [f"{s[k]:.4f}" for k in ("accuracy_mean", "accuracy_weighted", "accuracy_worst10",
-                                                 "accuracy_std")]
+    assert row[3:7] == [
+        f"{s[k]:.4f}" for k in ("accuracy_mean", "accuracy_weighted", "accuracy_worst10", "accuracy_std")
+    ]
     heatmap = [im for im in page.images if im["alt"] == "weight_norms.png"]
     assert len(heatmap) == 1
     png = (run / "weight_norms.png").read_bytes()
@@ -207,9 +248,11 @@ def _run(rows, final_round=None, seed=0):
 
 
 def test_cumulative_megabytes_sums_up_and_down_over_the_rounds_so_far():
-    rows = [{"round": 2, "bytes_up": 1_000_000, "bytes_down": 3_000_000},
-            {"round": 1, "bytes_up": 500_000, "bytes_down": 1_500_000},
-            {"round": 3, "bytes_up": None, "bytes_down": 2_000_000}]
+    rows = [
+        {"round": 2, "bytes_up": 1_000_000, "bytes_down": 3_000_000},
+        {"round": 1, "bytes_up": 500_000, "bytes_down": 1_500_000},
+        {"round": 3, "bytes_up": None, "bytes_down": 2_000_000},
+    ]
     assert cumulative_megabytes(rows) == {1: pytest.approx(2.0), 2: pytest.approx(6.0), 3: pytest.approx(8.0)}
 
 
@@ -220,9 +263,11 @@ def test_traffic_at_is_the_mean_over_seeds():
 
 
 def test_final_client_accuracies_are_the_final_rounds_in_client_order():
-    rows = [{"round": 1, "acc_mean": 0.5, "acc_client_0": 0.1, "acc_client_2": 0.2, "acc_client_10": 0.3},
-            {"round": 2, "acc_mean": 0.6, "acc_client_0": 0.7, "acc_client_2": None, "acc_client_10": 0.9},
-            {"round": 3, "acc_mean": None, "acc_client_0": None, "acc_client_2": None, "acc_client_10": None}]
+    rows = [
+        {"round": 1, "acc_mean": 0.5, "acc_client_0": 0.1, "acc_client_2": 0.2, "acc_client_10": 0.3},
+        {"round": 2, "acc_mean": 0.6, "acc_client_0": 0.7, "acc_client_2": None, "acc_client_10": 0.9},
+        {"round": 3, "acc_mean": None, "acc_client_0": None, "acc_client_2": None, "acc_client_10": None},
+    ]
     # client 2 was not measured in round 2; client 10 after client 2 (numeric order, not "10" < "2")
     assert final_client_accuracies(_run(rows, final_round=2)) == [0.7, 0.9]
     assert final_client_accuracies(_run(rows, final_round=1)) == [0.1, 0.2, 0.3]
@@ -281,8 +326,10 @@ def test_client_accuracy_figure_shows_every_client_in_its_methods_colour():
     dots = ax.collections  # one scatter per method
     assert [sorted(c.get_offsets()[:, 1].tolist()) for c in dots] == [[0.2, 0.8, 0.9], [0.5, 0.6]]
     for c, method, x in zip(dots, ("fedavg", "local"), (0, 1)):
-        assert np.allclose(c.get_facecolor()[0][:3], np.array(
-            [int(plots.method_style(method)["color"][i:i + 2], 16) / 255 for i in (1, 3, 5)]))
+        assert np.allclose(
+            c.get_facecolor()[0][:3],
+            np.array([int(plots.method_style(method)["color"][i : i + 2], 16) / 255 for i in (1, 3, 5)]),
+        )
         assert all(abs(v - x - 0.32) <= 0.06 for v in c.get_offsets()[:, 0])  # beside its own box
     assert [t.get_text() for t in ax.get_xticklabels()] == ["fedavg", "local"]
     medians = [ln for ln in ax.get_lines() if ln.get_linewidth() == 2]

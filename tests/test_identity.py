@@ -19,9 +19,19 @@ ATTACKER, VICTIM = 1, 2
 
 
 def overrides(strategy: str) -> str:
-    return " ".join([f"strategy.name={strategy}", f"rounds={ROUNDS}", "data.source=digits", "data.partition=iid",
-                     f"data.num_clients={CLIENTS}", "client.epochs=1", "client.batch_size=16", "model.name=mlp",
-                     "run_name=identity"])
+    return " ".join(
+        [
+            f"strategy.name={strategy}",
+            f"rounds={ROUNDS}",
+            "data.source=digits",
+            "data.partition=iid",
+            f"data.num_clients={CLIENTS}",
+            "client.epochs=1",
+            "client.batch_size=16",
+            "model.name=mlp",
+            "run_name=identity",
+        ]
+    )
 
 
 def run(tmp: Path, strategy: str, grid: InProcessGrid) -> tuple[list[dict], list[dict]]:
@@ -42,8 +52,9 @@ def client_columns(rows: list[dict], client: int) -> list[str]:
 @pytest.mark.parametrize("strategy", ["fedavg", "cwfedavg"])
 @pytest.mark.heavy
 def test_a_client_claiming_another_id_every_round_is_rejected_alone(strategy, tmp_path):
-    spoofing = InProcessGrid(CLIENTS, node_configs={ATTACKER: {"faults": f"spoof={VICTIM}@{ATTACKER}"}},
-                             mods=[faults.faults_mod])
+    spoofing = InProcessGrid(
+        CLIENTS, node_configs={ATTACKER: {"faults": f"spoof={VICTIM}@{ATTACKER}"}}, mods=[faults.faults_mod]
+    )
     rows, rejections = run(tmp_path / "spoof", strategy, spoofing)
     # the reference: the attacker's node never answers anything (the run without the attacker)
     absent = InProcessGrid(CLIENTS, drop=lambda rnd, partition: partition == ATTACKER, mods=[faults.faults_mod])
@@ -75,8 +86,9 @@ def test_a_contest_at_first_contact_binds_nobody(tmp_path):
     """The limit: a node that claims a victim's id from its very first message (the identify message too) leaves
     the server no way to tell the two apart (it has no other source of identity): both claims are rejected every
     time, the victim included, each with its reason in rejections.csv; the other clients are unaffected."""
-    contest = InProcessGrid(CLIENTS, node_configs={ATTACKER: {"faults": f"spoof={VICTIM}@{ATTACKER}/*/*"}},
-                            mods=[faults.faults_mod])
+    contest = InProcessGrid(
+        CLIENTS, node_configs={ATTACKER: {"faults": f"spoof={VICTIM}@{ATTACKER}/*/*"}}, mods=[faults.faults_mod]
+    )
     rows, rejections = run(tmp_path, "fedavg", contest)
     identify = [r for r in rejections if r["phase"] == "identify"]
     assert len(identify) == 2 and all("claimed by several nodes" in r["reason"] for r in identify)

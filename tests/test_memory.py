@@ -17,8 +17,9 @@ from fedapps.flower.inprocess import InProcessGrid
 torch.set_num_threads(1)
 
 
-BASE_SPEC = dict(source="digits", root="/nonexistent-data-root", partition="iid", num_clients=5, alpha=0.5,
-            min_samples=5, groups=2)
+BASE_SPEC = dict(
+    source="digits", root="/nonexistent-data-root", partition="iid", num_clients=5, alpha=0.5, min_samples=5, groups=2
+)
 
 
 def spec(**over) -> dict:
@@ -32,8 +33,14 @@ SPECS = [
     spec(partition="pathological", public_fraction=0.2),
     spec(partition="dirichlet", num_clients=8, alpha=0.3, public_fraction=0.1, seed=3),
     spec(partition="cosmos-groups", num_clients=6, alpha=5.0, public_fraction=0.15),
-    spec(source="synthetic", num_clients=3, synthetic_classes=3, synthetic_shape=[2, 4, 4], synthetic_samples=90,
-         test_fraction=0.5),
+    spec(
+        source="synthetic",
+        num_clients=3,
+        synthetic_classes=3,
+        synthetic_shape=[2, 4, 4],
+        synthetic_samples=90,
+        test_fraction=0.5,
+    ),
 ]
 
 
@@ -62,8 +69,15 @@ def test_client_splits_and_public_set_are_views_of_one_tensor(s):
 def test_views_equal_the_fancy_indexed_copies_sample_for_sample(s):
     """Same values in the same order as source.x[indices] (what the clients held before): identical runs."""
     fed = build_federation(s)
-    ds = load_source(s["source"], s["root"], download=s["download"], synthetic_classes=s["synthetic_classes"],
-                     synthetic_shape=s["synthetic_shape"], synthetic_samples=s["synthetic_samples"], seed=s["seed"])
+    ds = load_source(
+        s["source"],
+        s["root"],
+        download=s["download"],
+        synthetic_classes=s["synthetic_classes"],
+        synthetic_shape=s["synthetic_shape"],
+        synthetic_samples=s["synthetic_samples"],
+        seed=s["seed"],
+    )
     for i in range(fed.num_clients):
         cd = fed.client(i)
         tr, te = torch.from_numpy(fed.train_indices[i]), torch.from_numpy(fed.test_indices[i])
@@ -79,8 +93,11 @@ def test_views_equal_the_fancy_indexed_copies_sample_for_sample(s):
 
 def test_a_split_that_holds_out_no_test_samples_is_refused_naming_the_fraction():
     """No test split means no headline: refused before any view is built, with the fix (not a client count)."""
-    with pytest.raises(DataError, match=r"data.test_fraction=0.0 holds out nothing to measure on; raise "
-                                        r"data.test_fraction") as err:
+    with pytest.raises(
+        DataError,
+        match=r"data.test_fraction=0.0 holds out nothing to measure on; raise "
+        r"data.test_fraction",
+    ) as err:
         build_federation(spec(num_clients=4, test_fraction=0.0))
     assert "num_clients=" not in str(err.value).split(":", 1)[1]
 
@@ -92,13 +109,16 @@ def test_an_in_process_run_builds_its_data_once(tiny_config, tmp_path, monkeypat
     monkeypatch.setattr(federation, "build_federation", lambda s: calls.append(s) or real(s))
     clear_federation_cache()
     try:
-        for name, data in (("fedavg", {}), ("comet", {"partition": "cosmos-groups", "alpha": 5.0, "groups": 2,
-                                                      "public_fraction": 0.2})):
+        for name, data in (
+            ("fedavg", {}),
+            ("comet", {"partition": "cosmos-groups", "alpha": 5.0, "groups": 2, "public_fraction": 0.2}),
+        ):
             calls.clear()
             params = {"comet": {"clusters": 2}} if name == "comet" else {}
             cfg = tiny_config(rounds=2, strategy={"name": name, "params": params}, data=data)
-            server_app.run_experiment(InProcessGrid(load_config(cfg).data.num_clients), str(cfg), "",
-                                      str(tmp_path / name))
+            server_app.run_experiment(
+                InProcessGrid(load_config(cfg).data.num_clients), str(cfg), "", str(tmp_path / name)
+            )
             assert len(calls) == 1, f"{name}: data built {len(calls)} times in one process"
     finally:
         clear_federation_cache()

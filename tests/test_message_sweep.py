@@ -174,7 +174,8 @@ def test_the_grid_poll_adapts_its_interval_to_its_own_cost(monkeypatch):
 
 def test_private_touches_are_gated_on_the_checked_flower_release(monkeypatch):
     """Another Flower release than the one the glue was checked against: a clear error naming the installed version,
-    the pinned range and the workaround; the Control API shortcut (public fallback: the flwr commands) is unavailable."""
+    the pinned range and the workaround; the Control API shortcut (public fallback: the flwr commands) is
+    unavailable."""
     import fedapps.flower as glue
     from fedapps.flower import control, message_sweep
 
@@ -183,8 +184,10 @@ def test_private_touches_are_gated_on_the_checked_flower_release(monkeypatch):
     glue.require_checked_flower("anything")  # the installed release passes
     with pytest.raises(glue.UnsupportedFlowerVersion) as err:
         glue.require_checked_flower("The sweep", workaround="set X=flower", flwr_version="1.43.0")
-    assert str(err.value) == ("The sweep uses Flower 1.42's private internals, but flwr 1.43.0 is installed: install the "
-                              "release this project pins (pip install 'flwr[simulation]>=1.42,<1.43'); or set X=flower")
+    assert str(err.value) == (
+        "The sweep uses Flower 1.42's private internals, but flwr 1.43.0 is installed: install the "
+        "release this project pins (pip install 'flwr[simulation]>=1.42,<1.43'); or set X=flower"
+    )
     monkeypatch.setattr(glue, "installed_flwr", lambda: "1.43.0")
     monkeypatch.setattr(control, "installed_flwr", lambda: "1.43.0")
     monkeypatch.setitem(sys.modules, message_sweep.VCE_MODULE, vce_api)

@@ -70,12 +70,24 @@ class Namespaces:
         self.created.append(ns)
 
     def run(self, name: str, *cmd: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(["ip", "netns", "exec", self.ns(name), *cmd], capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT, env=env)
+        return subprocess.run(
+            ["ip", "netns", "exec", self.ns(name), *cmd],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            env=env,
+        )
 
     def popen(self, name: str, *cmd: str, env: dict | None = None) -> subprocess.Popen:
-        return subprocess.Popen(["ip", "netns", "exec", self.ns(name), *cmd], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        return subprocess.Popen(
+            ["ip", "netns", "exec", self.ns(name), *cmd],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
 
     def remove(self) -> list[str]:
         """Kill every process left in our namespaces, delete them; return the namespaces still present."""
@@ -141,8 +153,7 @@ def test_tls_authenticated_deployment_across_namespaces(netns, tmp_path):
     halves = np.array_split(rest, 2)
     files = [write_node_data(tmp_path / f"site{i}.npz", x[rows], y[rows]) for i, rows in enumerate(halves, start=1)]
 
-    env = {**os.environ, "FLWR_HOME": str(tmp_path / "cli-home"), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "FLWR_HOME": str(tmp_path / "cli-home"), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     link_ip = netns.address["link"]
     certs, keys = tmp_path / "certs", tmp_path / "keys"
     link_state, node_state = tmp_path / "link", tmp_path / "nodes"
@@ -152,8 +163,19 @@ def test_tls_authenticated_deployment_across_namespaces(netns, tmp_path):
         assert step("cli", "certs", str(certs), "--host", link_ip).returncode == 0
         for name in ("node1", "node2", "broken", "rogue"):
             assert step("cli", "node-key", str(keys), name).returncode == 0
-        r = step("link", "superlink", "--state", str(link_state), "--host", link_ip, "--port", "9092",
-                 "--certs", str(certs), "--auth")
+        r = step(
+            "link",
+            "superlink",
+            "--state",
+            str(link_state),
+            "--host",
+            link_ip,
+            "--port",
+            "9092",
+            "--certs",
+            str(certs),
+            "--auth",
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         r = step("cli", "connect", "far", "--address", f"{link_ip}:9092", "--ca", str(certs / "ca.crt"))
         assert r.returncode == 0, r.stderr
@@ -163,29 +185,86 @@ def test_tls_authenticated_deployment_across_namespaces(netns, tmp_path):
         broken_path = tmp_path / "no-such-site.npz"  # a node whose data-path is wrong: refused, the others go on
         for i, name in enumerate(("node1", "node2", "broken"), start=1):
             data_path = files[i - 1] if name != "broken" else broken_path
-            node_config = (f"client-id={i - 1} data-path='{data_path}' public-path='{public}' threads=1 "
-                           f"state-dir='{tmp_path / ('state-' + name)}'")
-            r = step(name, "supernode", "--state", str(node_state), "--name", name, "--superlink", f"{link_ip}:9092",
-                     "--ca", str(certs / "ca.crt"), "--key", str(keys / name), "--node-config", node_config)
+            node_config = (
+                f"client-id={i - 1} data-path='{data_path}' public-path='{public}' threads=1 "
+                f"state-dir='{tmp_path / ('state-' + name)}'"
+            )
+            r = step(
+                name,
+                "supernode",
+                "--state",
+                str(node_state),
+                "--name",
+                name,
+                "--superlink",
+                f"{link_ip}:9092",
+                "--ca",
+                str(certs / "ca.crt"),
+                "--key",
+                str(keys / name),
+                "--node-config",
+                node_config,
+            )
             assert r.returncode == 0, r.stdout + r.stderr
         # an unregistered node is refused, and says what to do
-        r = step("rogue", "supernode", "--state", str(node_state), "--name", "rogue", "--superlink",
-                 f"{link_ip}:9092", "--ca", str(certs / "ca.crt"), "--key", str(keys / "rogue"),
-                 "--node-config", f"client-id=0 data-path='{files[0]}'")
+        r = step(
+            "rogue",
+            "supernode",
+            "--state",
+            str(node_state),
+            "--name",
+            "rogue",
+            "--superlink",
+            f"{link_ip}:9092",
+            "--ca",
+            str(certs / "ca.crt"),
+            "--key",
+            str(keys / "rogue"),
+            "--node-config",
+            f"client-id=0 data-path='{files[0]}'",
+        )
         assert r.returncode == 2 and "register its public key" in r.stderr, r.stdout + r.stderr
 
-        nodes_data = ["data.source=nodes", "data.num_clients=3", "rounds=2", "model.name=mlp", "client.epochs=1",
-                      "client.batch_size=32", "strategy.min_clients=2", "strategy.connect_timeout=60"]
-        cosmos = [f"data.public_path={public}", "strategy.params.cosmos.pretrain_epochs=2",
-                  "strategy.params.cosmos.server_epochs=1"]  # clients: MLP and CNN (the config's per_client)
+        nodes_data = [
+            "data.source=nodes",
+            "data.num_clients=3",
+            "rounds=2",
+            "model.name=mlp",
+            "client.epochs=1",
+            "client.batch_size=32",
+            "strategy.min_clients=2",
+            "strategy.connect_timeout=60",
+        ]
+        cosmos = [
+            f"data.public_path={public}",
+            "strategy.params.cosmos.pretrain_epochs=2",
+            "strategy.params.cosmos.server_epochs=1",
+        ]  # clients: MLP and CNN (the config's per_client)
         # both runs at once on the same SuperLink and SuperNodes (a node serves several runs; their state-dir
         # files go to one folder per run), which also halves the test's wall time
         runs = {"cwfedavg": ["client.lr=0.1"], "cosmos": cosmos}
         t0 = time.monotonic()
-        started = {name: netns.popen("cli", PY, "-m", "fedapps_tools.cli", "deploy", "run", f"configs/{name}.yaml",
-                                     "--link", "far", "--set", *nodes_data, *extra, "--fetch-to",
-                                     str(tmp_path / "fetched" / name), "--quiet", env=env)
-                   for name, extra in runs.items()}
+        started = {
+            name: netns.popen(
+                "cli",
+                PY,
+                "-m",
+                "fedapps_tools.cli",
+                "deploy",
+                "run",
+                f"configs/{name}.yaml",
+                "--link",
+                "far",
+                "--set",
+                *nodes_data,
+                *extra,
+                "--fetch-to",
+                str(tmp_path / "fetched" / name),
+                "--quiet",
+                env=env,
+            )
+            for name, extra in runs.items()
+        }
         for name, proc in started.items():
             out, err = proc.communicate(timeout=400)
             assert proc.returncode == 0, f"{name}: " + out[-3000:] + err[-3000:]

@@ -18,14 +18,14 @@ import torch
 from flwr.app import Context, RecordDict
 
 import server_app
+from fedapps.client.worker import NODE_CLIENT_ID, STATE_DIR_KEY, STATE_MODEL, handle, lost_on_restart
 from fedapps.config import load_config
 from fedapps.data import DataError, load_source, node_path, read_labelled
 from fedapps.flower.describe import NodeReport, agree
 from fedapps.flower.inprocess import InProcessGrid
-from fedapps.server.evaluation import EvaluationProtocol
 from fedapps.reporting.results import UnusableRun
+from fedapps.server.evaluation import EvaluationProtocol
 from fedapps.wire import protocol
-from fedapps.client.worker import NODE_CLIENT_ID, STATE_DIR_KEY, STATE_MODEL, handle, lost_on_restart
 from strategies import STRATEGIES, RunContext, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,8 +60,10 @@ def write_public(tmp: Path, digits, name: str = "U.npz", rows: slice = slice(0, 
 def run(tmp: Path, node_configs: dict, strategy: str = "fedavg", extra: str = "", rounds: int = 1) -> Path:
     """One run over len(node_configs) nodes, data.source nodes; returns the run folder."""
     n = len(node_configs)
-    overrides = (f"strategy.name={strategy} rounds={rounds} data.source=nodes data.num_clients={n} model.name=mlp "
-                 f"client.batch_size=32 client.epochs=1 run_name=nodes {extra}")
+    overrides = (
+        f"strategy.name={strategy} rounds={rounds} data.source=nodes data.num_clients={n} model.name=mlp "
+        f"client.batch_size=32 client.epochs=1 run_name=nodes {extra}"
+    )
     grid = InProcessGrid(n, node_configs=node_configs)
     server_app.run_experiment(grid, None, overrides, str(tmp / "out"))
     return tmp / "out" / "nodes"
@@ -80,9 +82,11 @@ def test_three_nodes_read_their_own_files_and_the_server_learns_counts_from_them
     folder = tmp_path / "site1-images"  # node 1 brings a folder of class sub-folders of PNG images instead
     x, y = np.load(sites[1])["x"], np.load(sites[1])["y"]
     write_image_folder(folder, x, y)
-    configs = {0: {"data-path": str(sites[0]), NODE_CLIENT_ID: 0},
-               1: {"data-path": str(folder), NODE_CLIENT_ID: 1},
-               2: {"data-path": str(sites[2]), NODE_CLIENT_ID: 2}}
+    configs = {
+        0: {"data-path": str(sites[0]), NODE_CLIENT_ID: 0},
+        1: {"data-path": str(folder), NODE_CLIENT_ID: 1},
+        2: {"data-path": str(sites[2]), NODE_CLIENT_ID: 2},
+    }
     out = run(tmp_path, configs)
     cfg = load_config(out / "config.yaml")
     assert (cfg.data.num_classes, cfg.data.input_shape) == (10, [1, 8, 8])  # learnt from the nodes
@@ -157,7 +161,8 @@ def test_a_nodes_split_is_seeded_by_its_client_id_and_its_counts_are_its_own(tmp
     validating = node_federation({**spec, "evaluate_on": "validation"}, 2, data, None).client(2)
     fit_and_val = np.concatenate([validating.train_x.numpy(), validating.test_x.numpy()])
     assert sorted(map(bytes, fit_and_val.reshape(len(fit_and_val), -1))) == sorted(
-        map(bytes, c.train_x.numpy().reshape(len(c.train_x), -1)))  # validation is carved out of train; no test sample
+        map(bytes, c.train_x.numpy().reshape(len(c.train_x), -1))
+    )  # validation is carved out of train; no test sample
     with pytest.raises(DataError, match="outside the federation"):
         node_federation(spec, 4, data, None)
 
@@ -194,9 +199,14 @@ def test_broken_nodes_are_refused_with_their_reason_and_the_run_completes(tmp_pa
     wide = tmp_path / "wide.npz"  # 1×8×9 images
     np.savez(wide, x=np.zeros((50, 1, 8, 9), np.float32), y=np.arange(50) % 10)
     missing = tmp_path / "nowhere" / "site.npz"
-    configs = {0: {"data-path": str(sites[0]), NODE_CLIENT_ID: 0}, 1: {"data-path": str(sites[1]), NODE_CLIENT_ID: 1},
-               2: {"data-path": str(missing), NODE_CLIENT_ID: 2}, 3: {"data-path": str(garbage), NODE_CLIENT_ID: 3},
-               4: {"data-path": str(five), NODE_CLIENT_ID: 4}, 5: {"data-path": str(wide), NODE_CLIENT_ID: 5}}
+    configs = {
+        0: {"data-path": str(sites[0]), NODE_CLIENT_ID: 0},
+        1: {"data-path": str(sites[1]), NODE_CLIENT_ID: 1},
+        2: {"data-path": str(missing), NODE_CLIENT_ID: 2},
+        3: {"data-path": str(garbage), NODE_CLIENT_ID: 3},
+        4: {"data-path": str(five), NODE_CLIENT_ID: 4},
+        5: {"data-path": str(wide), NODE_CLIENT_ID: 5},
+    }
     # 2 of the 6 clients take part: below the default min_measured_share 0.5 the run would exit 3 (its headline
     # covers a third of the federation); this test is about the refusals, so it accepts a third
     with pytest.raises(UnusableRun, match="measured on 2 of 6 clients") as failed:
@@ -227,11 +237,25 @@ def test_a_node_whose_data_do_not_fit_refuses_a_later_message(tmp_path, digits):
     x, y = digits
     wrong = tmp_path / "twelve.npz"
     np.savez(wrong, x=x[:60], y=y[:60], num_classes=np.int64(12))
-    cfg = load_config(None, ["strategy.name=local", "data.source=nodes", "data.num_clients=2", "model.name=mlp",
-                             "data.num_classes=10", "data.input_shape=[1,8,8]"])
+    cfg = load_config(
+        None,
+        [
+            "strategy.name=local",
+            "data.source=nodes",
+            "data.num_clients=2",
+            "model.name=mlp",
+            "data.num_classes=10",
+            "data.input_shape=[1,8,8]",
+        ],
+    )
     s = resolve(cfg).build(cfg)
-    grid = InProcessGrid(2, node_configs={0: {"data-path": str(sites[0]), NODE_CLIENT_ID: 0},
-                                          1: {"data-path": str(wrong), NODE_CLIENT_ID: 1}})
+    grid = InProcessGrid(
+        2,
+        node_configs={
+            0: {"data-path": str(sites[0]), NODE_CLIENT_ID: 0},
+            1: {"data-path": str(wrong), NODE_CLIENT_ID: 1},
+        },
+    )
     (msg,) = EvaluationProtocol(s).messages_for_round(1, [101])
     reply = grid.send_and_receive([msg])[0]
     assert reply.has_error()
@@ -251,9 +275,12 @@ def test_a_wrong_public_set_is_refused_before_round_one(tmp_path, digits):
     other_u = write_public(tmp_path, digits, "otherU.npz", slice(200, 320))
     configs = {i: {"data-path": str(sites[i]), NODE_CLIENT_ID: i, "public-path": str(u)} for i in range(3)}
     configs[2]["public-path"] = str(other_u)
-    out = run(tmp_path, configs, strategy="fedmd",
-              extra=f"data.public_path={u} strategy.params.fedmd.pretrain_epochs=1 "
-                    "strategy.params.fedmd.distill_epochs=1")
+    out = run(
+        tmp_path,
+        configs,
+        strategy="fedmd",
+        extra=f"data.public_path={u} strategy.params.fedmd.pretrain_epochs=1 strategy.params.fedmd.distill_epochs=1",
+    )
     (row,) = [r for r in read_csv(out / "rejections.csv") if r["phase"] == "describe"]
     assert row["node_id"] == "102"
     assert "public set mismatch" in row["reason"] and "node config 'public-path'" in row["reason"]
@@ -266,8 +293,11 @@ def test_nodes_config_errors_name_the_key(tmp_path):
 
     with pytest.raises(ConfigError, match="data.public_path"):  # a U strategy on nodes needs the server's U file
         resolve(load_config(None, ["strategy.name=fedmd", "data.source=nodes"]))
-    resolve(load_config(None, ["strategy.name=fedmd", "data.source=nodes", "data.public_fraction=0.2",
-                               "data.public_path=U.npz"]))  # public_fraction does not apply to nodes: ignored
+    resolve(
+        load_config(
+            None, ["strategy.name=fedmd", "data.source=nodes", "data.public_fraction=0.2", "data.public_path=U.npz"]
+        )
+    )  # public_fraction does not apply to nodes: ignored
     with pytest.raises(ConfigError, match="data.num_classes.*'nodes' only"):
         resolve(load_config(None, ["data.source=digits", "data.num_classes=10"]))
 
@@ -302,8 +332,17 @@ def test_state_dir_survives_a_supernode_restart(tmp_path, monkeypatch, digits):
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
-    cfg = load_config(None, ["strategy.name=local", "data.source=nodes", "data.num_clients=2", "model.name=mlp",
-                             "data.num_classes=10", "data.input_shape=[1,8,8]"])
+    cfg = load_config(
+        None,
+        [
+            "strategy.name=local",
+            "data.source=nodes",
+            "data.num_clients=2",
+            "model.name=mlp",
+            "data.num_classes=10",
+            "data.input_shape=[1,8,8]",
+        ],
+    )
     node = {"data-path": str(sites[0]), NODE_CLIENT_ID: 0, STATE_DIR_KEY: "~/state", "threads": 1}
 
     def fresh() -> Context:  # what a restarted SuperNode has: a new Context with the same node config
@@ -319,7 +358,8 @@ def test_state_dir_survives_a_supernode_restart(tmp_path, monkeypatch, digits):
     handle(message(cfg, "local", 2, ["evaluate"], "run-a"), restarted)
     restored = restarted.state[STATE_MODEL].to_torch_state_dict()
     assert all(torch.equal(trained[k], restored[k]) for k in trained)
-    # without the node's state-dir the restarted node starts from the initial model (what docs/deployment.md's table says)
+    # without the node's state-dir the restarted node starts from the initial model (what docs/deployment.md's table
+    # says)
     node.pop(STATE_DIR_KEY)
     bare = fresh()
     handle(message(cfg, "local", 2, ["evaluate"], "run-a"), bare)
@@ -369,8 +409,17 @@ def test_readme_restart_table_matches_what_each_strategy_sends(tmp_path):
     table = readme_restart_table()
     derived = {}
     for name in sorted(STRATEGIES):
-        cfg = load_config(None, ["data.source=digits", "data.num_clients=10", "model.name=mlp",
-                                 "data.public_fraction=0.2", "client.lr=0.005", f"strategy.name={name}"])
+        cfg = load_config(
+            None,
+            [
+                "data.source=digits",
+                "data.num_clients=10",
+                "model.name=mlp",
+                "data.public_fraction=0.2",
+                "client.lr=0.005",
+                f"strategy.name={name}",
+            ],
+        )
         s = resolve(cfg).build(cfg)
         kinds = set()
         for rnd in (1, 2):
@@ -401,12 +450,14 @@ def test_error_replies_read_as_the_clients_own_exception():
 
     msg = "node config 'data-path'='/x/site.npz': /x/site.npz does not exist on this node; fix the path"
     supernode = f"<class 'fedapps.client.clientops.ProtocolError'>:<'{msg}'>"
-    ray = ("<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()\x1b[39m "
-           "(pid=1, ip=127.0.0.1)\n  File \"/w/fedapps/client/worker.py\", line 110, in client_federation\n"
-           f"    raise ProtocolError(...)\nfedapps.clientops.ProtocolError: {msg}\n\nThe above exception was the "
-           "direct cause of the following exception:\n\n  File \"/f/ray_actor.py\", line 65, in run\n    raise "
-           "ClientAppException(str(ex)) from ex\nflwr.clientapp.client_app.ClientAppException: \nException "
-           f"ClientAppException occurred. Message: {msg}'>")
+    ray = (
+        "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()\x1b[39m "
+        '(pid=1, ip=127.0.0.1)\n  File "/w/fedapps/client/worker.py", line 110, in client_federation\n'
+        f"    raise ProtocolError(...)\nfedapps.clientops.ProtocolError: {msg}\n\nThe above exception was the "
+        'direct cause of the following exception:\n\n  File "/f/ray_actor.py", line 65, in run\n    raise '
+        "ClientAppException(str(ex)) from ex\nflwr.clientapp.client_app.ClientAppException: \nException "
+        f"ClientAppException occurred. Message: {msg}'>"
+    )
     assert error_reason(supernode) == f"ProtocolError: {msg}"
     assert error_reason(ray) == f"ProtocolError: {msg}"
     assert error_reason("InjectedFault: injected failure") == "InjectedFault: injected failure"

@@ -62,8 +62,14 @@ def test_distill_weights_zero_means_ignored():
     model = TinyNet()
     ref = {k: v.clone() for k, v in model.state_dict().items()}
     targets = torch.full((64, 3), 1 / 3)
-    ops.distill(model, x, targets, ops.OptimSettings(epochs=1, batch_size=8, lr=0.1), ops.DistillSettings(),
-                sample_weights=torch.zeros(64))
+    ops.distill(
+        model,
+        x,
+        targets,
+        ops.OptimSettings(epochs=1, batch_size=8, lr=0.1),
+        ops.DistillSettings(),
+        sample_weights=torch.zeros(64),
+    )
     for k, v in model.state_dict().items():
         assert torch.equal(v, ref[k])
 
@@ -94,7 +100,7 @@ def test_wdr_gradient_only_reaches_classifier_weight():
 def test_proximal_penalty_value():
     model = TinyNet()
     anchor = {k: torch.zeros_like(v) for k, v in model.named_parameters()}
-    expected = 0.5 * 2.0 * sum((p ** 2).sum() for p in model.parameters())
+    expected = 0.5 * 2.0 * sum((p**2).sum() for p in model.parameters())
     assert torch.allclose(proximal_penalty(model, anchor, 2.0), expected)
 
 
@@ -105,12 +111,28 @@ def test_weighted_mean_with_weights_below_one() -> None:
 
 # what the worker tests' messages carry: digits over two clients with a public set, the small MLP, SGD on the CPU
 SETUP = protocol.Setup(
-    data={"source": "digits", "root": "/tmp", "download": False, "partition": "iid", "num_clients": 2,
-          "classes_per_client": 2, "alpha": 0.1, "min_samples": 40, "groups": 5, "redistribute_fraction": 0.1,
-          "test_fraction": 0.25, "public_fraction": 0.2, "seed": 1, "synthetic_classes": 10,
-          "synthetic_shape": [3, 32, 32], "synthetic_samples": 100, "swap_pairs": 1},
+    data={
+        "source": "digits",
+        "root": "/tmp",
+        "download": False,
+        "partition": "iid",
+        "num_clients": 2,
+        "classes_per_client": 2,
+        "alpha": 0.1,
+        "min_samples": 40,
+        "groups": 5,
+        "redistribute_fraction": 0.1,
+        "test_fraction": 0.25,
+        "public_fraction": 0.2,
+        "seed": 1,
+        "synthetic_classes": 10,
+        "synthetic_shape": [3, 32, 32],
+        "synthetic_samples": 100,
+        "swap_pairs": 1,
+    },
     model=protocol.ModelSpec("mlp", 0),
-    client={"epochs": 1, "batch_size": 16, "lr": 0.05, "optimizer": "sgd", "device": "cpu"})
+    client={"epochs": 1, "batch_size": 16, "lr": 0.05, "optimizer": "sgd", "device": "cpu"},
+)
 
 
 def train_settings(**settings):
@@ -124,15 +146,19 @@ def worker_message(ops_list, arrays=None, client=None, model=None, **parts):
     ``client`` over its client settings and ``model`` for its architecture, ``parts`` the other fields of the
     request (load, returns, training, public ...), ``arrays`` its arrays record."""
     grid = InProcessGrid(2)  # sets Flower's task identity so messages can be built
-    setup = dataclasses.replace(SETUP, client={**SETUP.client, **(client or {})},
-                                model=protocol.ModelSpec(model, 0) if model else SETUP.model)
+    setup = dataclasses.replace(
+        SETUP, client={**SETUP.client, **(client or {})}, model=protocol.ModelSpec(model, 0) if model else SETUP.model
+    )
     request = protocol.Request(ops=tuple(ops_list), round=1, setup=setup, **parts)
     return grid, protocol.build_message(100, request, arrays=arrays)
 
 
 def test_worker_runs_ops_in_order_and_persists_model():
-    grid, msg = worker_message(["evaluate", "train", "evaluate:after", "predict"],
-                               public=protocol.PublicSet(encoding="float16"), returns=protocol.Return(arrays=True))
+    grid, msg = worker_message(
+        ["evaluate", "train", "evaluate:after", "predict"],
+        public=protocol.PublicSet(encoding="float16"),
+        returns=protocol.Return(arrays=True),
+    )
     ctx = grid.contexts[100]
     reply = protocol.parse_reply(Worker(msg, ctx).run())
     m = reply.metrics
@@ -152,8 +178,9 @@ def test_arrays_for_part_of_the_state_leave_the_rest_as_the_client_starts_it():
     initial = build_model("mlp", 10, (1, 8, 8), seed=0).state_dict()
     head = classifier_name(build_model("mlp", 10, (1, 8, 8), seed=0)) + "."
     rng = np.random.default_rng(3)
-    settings = dict(load=protocol.Load(into_model=True), keep=protocol.Keep(persist=False),
-                    returns=protocol.Return(arrays=True))
+    settings = dict(
+        load=protocol.Load(into_model=True), keep=protocol.Keep(persist=False), returns=protocol.Return(arrays=True)
+    )
 
     def returned(arrays):
         grid, msg = worker_message(["evaluate"], arrays=protocol.arrays_record(arrays), **settings)
@@ -177,8 +204,9 @@ def test_worker_hard_labels_smallest_type_and_distill():
     labels = reply.predictions[protocol.PREDICTION_ARRAY]
     assert labels.dtype == np.uint8
     targets = protocol.Targets(pseudolabels.encode(labels.astype(np.int64), "hard", 10)).encode()
-    grid2, msg2 = worker_message(["distill"], training=protocol.Training(
-        sections={protocol.DISTILL: protocol.Section(loss="ce")}))
+    grid2, msg2 = worker_message(
+        ["distill"], training=protocol.Training(sections={protocol.DISTILL: protocol.Section(loss="ce")})
+    )
     msg2.content[protocol.TARGETS] = targets
     reply2 = protocol.parse_reply(Worker(msg2, grid2.contexts[100]).run())
     assert "distill-loss" in reply2.metrics

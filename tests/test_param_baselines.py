@@ -11,12 +11,17 @@ from fedapps.client.worker import STATE_MODEL, ProtocolError, Worker, model_arra
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
-from fedapps.wire.protocol import ARRAYS, METRICS, ClientReply
 from fedapps.wire import protocol
-from fedapps.wire.protocol import pack_models
+from fedapps.wire.protocol import ARRAYS, METRICS, ClientReply, pack_models
 from strategies import resolve
-from strategies.fedamp import (attention_weights, flatten, median_nonzero, relative_attention_weights, squared_distances,
-                               unflatten)
+from strategies.fedamp import (
+    attention_weights,
+    flatten,
+    median_nonzero,
+    relative_attention_weights,
+    squared_distances,
+    unflatten,
+)
 from strategies.fedbabu import FINETUNE
 from strategies.fedfomo import WEIGHTS
 from strategies.fedprox import PROX_MU
@@ -80,8 +85,15 @@ def test_relative_attention_weights_by_hand() -> None:
 def test_fedamp_relative_sigma_logs_what_it_used(tiny_config) -> None:
     from strategies.fedamp import FedAMP
 
-    cfg = load_config(tiny_config(strategy={"name": "fedamp", "params": {"fedamp": {
-        "alpha_k": 1.0, "sigma": 1.0, "lam": 0.01, "kappa": 2.0, "share": 0.8}}}), "")
+    cfg = load_config(
+        tiny_config(
+            strategy={
+                "name": "fedamp",
+                "params": {"fedamp": {"alpha_k": 1.0, "sigma": 1.0, "lam": 0.01, "kappa": 2.0, "share": 0.8}},
+            }
+        ),
+        "",
+    )
     resolve(cfg)  # (n − 1)·α_K/σ > 1 is refused only for a fixed σ
     strategy = FedAMP(cfg)
     n = len(strategy.initial)
@@ -92,7 +104,9 @@ def test_fedamp_relative_sigma_logs_what_it_used(tiny_config) -> None:
     xi, sigma = relative_attention_weights(d2, 2.0, 0.8)
     np.testing.assert_allclose(u[1], xi[1] @ pool, atol=1e-7)
     out = strategy.aggregate(1, [])
-    assert out["attention_sigma"] == pytest.approx(sigma) and sigma == pytest.approx(2 * np.median(d2[np.triu_indices(3, 1)]))
+    assert out["attention_sigma"] == pytest.approx(sigma) and sigma == pytest.approx(
+        2 * np.median(d2[np.triu_indices(3, 1)])
+    )
     assert out["model_distance_sq_median"] == pytest.approx(median_nonzero(d2))
     assert out["attention_self_mean"] == pytest.approx(np.diagonal(xi).mean())
 
@@ -110,7 +124,9 @@ def test_squared_distances_and_flattening() -> None:
 def test_fedamp_anchor_is_the_attention_mix_of_known_models(tiny_config) -> None:
     from strategies.fedamp import FedAMP
 
-    cfg = load_config(tiny_config(strategy={"name": "fedamp", "params": {"fedamp": {"alpha_k": 0.1, "sigma": 1.0}}}), "")
+    cfg = load_config(
+        tiny_config(strategy={"name": "fedamp", "params": {"fedamp": {"alpha_k": 0.1, "sigma": 1.0}}}), ""
+    )
     strategy = FedAMP(cfg)
     n = len(strategy.initial)
     strategy.models = {0: np.zeros(n, np.float32), 1: np.full(n, 1e-3, np.float32)}
@@ -123,7 +139,11 @@ def test_fedamp_anchor_is_the_attention_mix_of_known_models(tiny_config) -> None
 
 def test_fedamp_refuses_a_config_with_possibly_negative_self_weight(tiny_config) -> None:
     with pytest.raises(ConfigError, match=r"alpha_k.*at most 0\.333"):
-        resolve(load_config(tiny_config(strategy={"name": "fedamp", "params": {"fedamp": {"alpha_k": 1.0, "sigma": 1.0}}}), ""))
+        resolve(
+            load_config(
+                tiny_config(strategy={"name": "fedamp", "params": {"fedamp": {"alpha_k": 1.0, "sigma": 1.0}}}), ""
+            )
+        )
 
 
 def test_anchor_arrays_are_not_loaded_and_pull_the_model(tmp_path) -> None:
@@ -131,15 +151,18 @@ def test_anchor_arrays_are_not_loaded_and_pull_the_model(tmp_path) -> None:
     anchor = {k: np.zeros_like(v) for k, v in mlp_state(0).items()}
     distances = {}
     for mu in (0.0, 10.0):
-        grid, msg = worker_message(["train"], load=protocol.Load(into_model=False),
-                                   training=train_settings(extra={PROX_MU: mu}),
-                                   returns=protocol.Return(arrays=True, part="params"),
-                                   arrays=protocol.arrays_record(anchor))
+        grid, msg = worker_message(
+            ["train"],
+            load=protocol.Load(into_model=False),
+            training=train_settings(extra={PROX_MU: mu}),
+            returns=protocol.Return(arrays=True, part="params"),
+            arrays=protocol.arrays_record(anchor),
+        )
         reply = Worker(msg, grid.contexts[100]).run()
         sent = {k: v.numpy() for k, v in reply.content[ARRAYS].items()}
         assert set(sent) == {n for n, _ in build_model("mlp", 10, (1, 8, 8)).named_parameters()}
-        distances[mu] = sum(float((v ** 2).sum()) for v in sent.values())  # ‖w − 0‖²
-    initial = sum(float((v ** 2).sum()) for k, v in mlp_state(0).items())
+        distances[mu] = sum(float((v**2).sum()) for v in sent.values())  # ‖w − 0‖²
+    initial = sum(float((v**2).sum()) for k, v in mlp_state(0).items())
     assert distances[0.0] > 0.5 * initial  # not loaded: training started from the client's own model
     assert distances[10.0] < 0.5 * distances[0.0]  # the proximal term carries gradient towards the anchor
 
@@ -156,9 +179,13 @@ def test_attention_weights_are_float64_and_their_rows_sum_to_one() -> None:
 
 def test_train_received_sends_back_the_trained_copy_and_keeps_the_personal_model() -> None:
     global_state = mlp_state(3)
-    grid, msg = worker_message(["train-received", "train"], load=protocol.Load(into_model=False),
-                               training=train_settings(extra={PROX_MU: 0.1}), returns=RETURN,
-                               arrays=protocol.arrays_record(global_state))
+    grid, msg = worker_message(
+        ["train-received", "train"],
+        load=protocol.Load(into_model=False),
+        training=train_settings(extra={PROX_MU: 0.1}),
+        returns=RETURN,
+        arrays=protocol.arrays_record(global_state),
+    )
     ctx = grid.contexts[100]
     reply = Worker(msg, ctx).run()
     sent = {k: v.numpy() for k, v in reply.content[ARRAYS].items()}
@@ -194,8 +221,11 @@ def test_select_model_picks_the_lowest_training_loss() -> None:
     grid, msg = worker_message(["train"], client={"epochs": 5}, returns=RETURN)
     trained = {k: v.numpy() for k, v in Worker(msg, grid.contexts[100]).run().content[ARRAYS].items()}
     for order, expected in (([mlp_state(5), trained], 1), ([trained, mlp_state(5)], 0)):
-        grid, msg = worker_message(["select-model"], load=protocol.Load(into_model=False, multi=True),
-                                   arrays=protocol.arrays_record(pack_models(order)))
+        grid, msg = worker_message(
+            ["select-model"],
+            load=protocol.Load(into_model=False, multi=True),
+            arrays=protocol.arrays_record(pack_models(order)),
+        )
         metrics = Worker(msg, grid.contexts[100]).run().content[METRICS]
         assert metrics[CHOICE] == expected
         losses = metrics[LOSSES]
@@ -204,9 +234,11 @@ def test_select_model_picks_the_lowest_training_loss() -> None:
 
 def test_average_per_cluster_by_hand() -> None:
     models = [{"w": np.zeros(2, np.float32)}, {"w": np.ones(2, np.float32)}, {"w": np.full(2, 7, np.float32)}]
-    replies = [ClientReply(0, 0, 10, {CHOICE: 0}, {"w": np.array([1.0, 2.0], np.float32)}),
-               ClientReply(1, 1, 30, {CHOICE: 0}, {"w": np.array([5.0, 6.0], np.float32)}),
-               ClientReply(2, 2, 5, {CHOICE: 1}, {"w": np.array([9.0, 9.0], np.float32)})]
+    replies = [
+        ClientReply(0, 0, 10, {CHOICE: 0}, {"w": np.array([1.0, 2.0], np.float32)}),
+        ClientReply(1, 1, 30, {CHOICE: 0}, {"w": np.array([5.0, 6.0], np.float32)}),
+        ClientReply(2, 2, 5, {CHOICE: 1}, {"w": np.array([9.0, 9.0], np.float32)}),
+    ]
     new, sizes = average_per_cluster(models, replies)
     np.testing.assert_allclose(new[0]["w"], [4.0, 5.0])  # (10·1 + 30·5)/40, (10·2 + 30·6)/40
     np.testing.assert_allclose(new[1]["w"], [9.0, 9.0])
@@ -247,7 +279,9 @@ def test_bipartition_separates_opposite_updates() -> None:
 
     rng = np.random.default_rng(0)
     v = rng.normal(size=50)
-    updates = np.stack([v + 0.1 * rng.normal(size=50) for _ in range(3)] + [-v + 0.1 * rng.normal(size=50) for _ in range(3)])
+    updates = np.stack(
+        [v + 0.1 * rng.normal(size=50) for _ in range(3)] + [-v + 0.1 * rng.normal(size=50) for _ in range(3)]
+    )
     order = [3, 0, 4, 1, 5, 2]  # interleaved: rows 1, 3, 5 go with -v
     first, second = bipartition(cosine_similarities(updates[order]))
     assert first == [0, 2, 4] and second == [1, 3, 5]  # the group holding row 0 comes first
@@ -256,7 +290,9 @@ def test_bipartition_separates_opposite_updates() -> None:
 def test_cfl_splits_a_converged_cluster_with_disagreeing_clients(tiny_config) -> None:
     from strategies.cfl import CFL
 
-    cfg = load_config(tiny_config(strategy={"name": "cfl", "params": {"cfl": {"eps1": 0.5, "eps2": 1.0, "warmup_rounds": 0}}}), "")
+    cfg = load_config(
+        tiny_config(strategy={"name": "cfl", "params": {"cfl": {"eps1": 0.5, "eps2": 1.0, "warmup_rounds": 0}}}), ""
+    )
     strategy = CFL(cfg)
     sent = strategy.models[0]
     key = strategy.parameter_keys[0]
@@ -286,7 +322,10 @@ def test_fomo_weights_and_mixing_by_hand() -> None:
     assert w == pytest.approx([r / sum(raw) for r in raw])
     assert fomo_weights(1.0, [1.2, 1.0], [1.0, 1.0]) == [0.0, 0.0]  # nobody helps: keep the own model
     own = {"w": torch.tensor([0.0, 0.0]), "n": torch.tensor(3)}
-    cands = [{"w": torch.tensor([4.0, 0.0]), "n": torch.tensor(9)}, {"w": torch.tensor([0.0, 8.0]), "n": torch.tensor(9)}]
+    cands = [
+        {"w": torch.tensor([4.0, 0.0]), "n": torch.tensor(9)},
+        {"w": torch.tensor([0.0, 8.0]), "n": torch.tensor(9)},
+    ]
     mixed = mix_towards(own, cands, [0.25, 0.75])
     assert torch.allclose(mixed["w"], torch.tensor([1.0, 6.0])) and int(mixed["n"]) == 3  # integer buffer kept
     assert state_distance(own, cands[0]) == pytest.approx(4.0)
@@ -319,9 +358,12 @@ def test_holdout_split_is_fixed_and_disjoint() -> None:
 def test_fomo_mix_moves_towards_a_better_model_and_reports_weights() -> None:
     grid, msg = worker_message(["train"], client={"epochs": 5}, returns=RETURN)
     trained = {k: v.numpy() for k, v in Worker(msg, grid.contexts[100]).run().content[ARRAYS].items()}
-    grid, msg = worker_message(["fomo-mix", "evaluate"], load=protocol.Load(multi=True),
-                               training=protocol.Training(holdout_fraction=0.2),
-                               arrays=protocol.arrays_record(pack_models([mlp_state(7), trained])))
+    grid, msg = worker_message(
+        ["fomo-mix", "evaluate"],
+        load=protocol.Load(multi=True),
+        training=protocol.Training(holdout_fraction=0.2),
+        arrays=protocol.arrays_record(pack_models([mlp_state(7), trained])),
+    )
     metrics = Worker(msg, grid.contexts[100]).run().content[METRICS]
     weights = metrics[WEIGHTS]
     # the trained model takes (nearly) all the weight; another untrained one can at best be marginally better
@@ -338,13 +380,22 @@ def changed_parts(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -
     return {"head" if k.startswith("fc.") else "body" for k in moved}
 
 
-@pytest.mark.parametrize("ops_list,sections,expected", [
-    (["train"], {protocol.TRAIN: protocol.Section(freeze="head")}, {"body"}),
-    (["train"], {protocol.TRAIN: protocol.Section(freeze="body")}, {"head"}),
-    (["train"], {}, {"head", "body"}),
-    (["train:head"], {protocol.train_section("head"): protocol.Section(freeze="body"),
-                      protocol.TRAIN: protocol.Section(freeze="head")}, {"head"}),  # the tagged section wins
-])
+@pytest.mark.parametrize(
+    "ops_list,sections,expected",
+    [
+        (["train"], {protocol.TRAIN: protocol.Section(freeze="head")}, {"body"}),
+        (["train"], {protocol.TRAIN: protocol.Section(freeze="body")}, {"head"}),
+        (["train"], {}, {"head", "body"}),
+        (
+            ["train:head"],
+            {
+                protocol.train_section("head"): protocol.Section(freeze="body"),
+                protocol.TRAIN: protocol.Section(freeze="head"),
+            },
+            {"head"},
+        ),  # the tagged section wins
+    ],
+)
 def test_freeze_keeps_a_part_fixed(ops_list, sections, expected) -> None:
     grid, msg = worker_message(ops_list, returns=RETURN, training=protocol.Training(sections=sections))
     after = {k: v.numpy() for k, v in Worker(msg, grid.contexts[100]).run().content[ARRAYS].items()}
@@ -358,8 +409,10 @@ def test_unknown_part_to_freeze_is_an_error() -> None:
 
 
 def test_evaluate_finetuned_trains_a_copy_of_the_head_only() -> None:
-    grid, msg = worker_message(["evaluate:plain", "evaluate-finetuned"],
-                               training=protocol.Training(sections={FINETUNE: protocol.Section(epochs=5)}))
+    grid, msg = worker_message(
+        ["evaluate:plain", "evaluate-finetuned"],
+        training=protocol.Training(sections={FINETUNE: protocol.Section(epochs=5)}),
+    )
     ctx = grid.contexts[100]
     metrics = Worker(msg, ctx).run().content[METRICS]
     kept = {k: v.numpy() for k, v in ctx.state[STATE_MODEL].items()}
@@ -371,10 +424,19 @@ def test_evaluate_finetuned_trains_a_copy_of_the_head_only() -> None:
 
 
 # FedAMP with λ/α_K = 1: the coupling this test had before the coefficient became λ/(2α_K)
-@pytest.mark.parametrize("name,params", [("fedamp", {"alpha_k": 0.05, "lam": 0.05}), ("ditto", {"lam": 0.1}),
-                                         ("ifca", {"clusters": 2}), ("fedper", None), ("fedrep", {"head_epochs": 2}),
-                                         ("fedbabu", {"finetune_epochs": 2}), ("cfl", {"warmup_rounds": 1}),
-                                         ("fedfomo", {"candidates": 2})])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("fedamp", {"alpha_k": 0.05, "lam": 0.05}),
+        ("ditto", {"lam": 0.1}),
+        ("ifca", {"clusters": 2}),
+        ("fedper", None),
+        ("fedrep", {"head_epochs": 2}),
+        ("fedbabu", {"finetune_epochs": 2}),
+        ("cfl", {"warmup_rounds": 1}),
+        ("fedfomo", {"candidates": 2}),
+    ],
+)
 def test_short_runs_learn_and_send_what_they_should(tiny_config, tmp_path, name, params) -> None:
     strategy = {"name": name} if params is None else {"name": name, "params": {name: params}}
     summary, grid = run(tiny_config(rounds=3, strategy=strategy, data=PATHOLOGICAL), tmp_path)

@@ -29,18 +29,21 @@ class Demo:
     flag: bool = True
 
 
-@pytest.mark.parametrize("key, bad, boundary, needle", [
-    ("lr", 0, 1e-9, "must be > 0"),
-    ("epochs", -1, 0, "must be >= 0"),
-    ("share", 1, 0.999, "must be in (0, 1)"),
-    ("share", 0, 0.001, "must be in (0, 1)"),
-    ("cap", 2.5, 2, "must be <= 2"),
-    ("below", 3, 2.99, "must be < 3"),
-    ("prob", 1.01, 1, "must be in [0, 1]"),
-    ("prob", -0.01, 0, "must be in [0, 1]"),
-    ("mode", "vote", "median", "allowed: mean, median"),
-    ("model", "resnet99", "mlp", "allowed: cnn, mlp"),
-])
+@pytest.mark.parametrize(
+    "key, bad, boundary, needle",
+    [
+        ("lr", 0, 1e-9, "must be > 0"),
+        ("epochs", -1, 0, "must be >= 0"),
+        ("share", 1, 0.999, "must be in (0, 1)"),
+        ("share", 0, 0.001, "must be in (0, 1)"),
+        ("cap", 2.5, 2, "must be <= 2"),
+        ("below", 3, 2.99, "must be < 3"),
+        ("prob", 1.01, 1, "must be in [0, 1]"),
+        ("prob", -0.01, 0, "must be in [0, 1]"),
+        ("mode", "vote", "median", "allowed: mean, median"),
+        ("model", "resnet99", "mlp", "allowed: cnn, mlp"),
+    ],
+)
 def test_each_constraint_rejects_with_the_full_key_and_accepts_the_boundary(key, bad, boundary, needle):
     with pytest.raises(ConfigError) as exc:
         parse_params(Demo, {key: bad}, PREFIX)
@@ -68,10 +71,14 @@ def test_unknown_key_in_a_section_names_it_and_the_allowed_keys():
 
 
 def test_real_params_name_the_full_key():
-    cfg = config_from_dict({"strategy": {"name": "cosmos", "params": {"cosmos": {"distill_lr": 0}}},
-                            "data": {"public_fraction": 0.2}})
-    with pytest.raises(ConfigError, match=r"'strategy\.params\.cosmos\.distill_lr' must be > 0 "
-                                             r"\(learning rate of the client distillation\), got 0"):
+    cfg = config_from_dict(
+        {"strategy": {"name": "cosmos", "params": {"cosmos": {"distill_lr": 0}}}, "data": {"public_fraction": 0.2}}
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"'strategy\.params\.cosmos\.distill_lr' must be > 0 "
+        r"\(learning rate of the client distillation\), got 0",
+    ):
         resolve(cfg)
 
 
@@ -86,7 +93,9 @@ def test_flat_old_style_key_says_params_are_namespaced_and_shows_the_fix():
     with pytest.raises(ConfigError) as exc:
         resolve(load_config("configs/cwfedavg.yaml", ["strategy.name=fedavg", "strategy.params.layers=output"]))
     msg = str(exc.value)
-    assert "namespaced" in msg and "strategy.params.<strategy>.layers" in msg and "strategy.params.cwfedavg.layers" in msg
+    assert (
+        "namespaced" in msg and "strategy.params.<strategy>.layers" in msg and "strategy.params.cwfedavg.layers" in msg
+    )
     # a flat key no strategy knows, with a scalar value, gets the same hint
     with pytest.raises(ConfigError, match="namespaced"):
         resolve(config_from_dict({"strategy": {"name": "fedavg", "params": {"nonsense": 1}}}))
@@ -102,11 +111,15 @@ def test_other_sections_are_checked_but_ignored():
     resolved = resolve(load_config("configs/cwfedavg.yaml", ["strategy.name=fedavg"]))  # the cwfedavg section stays
     assert resolved.name == "fedavg"
     with pytest.raises(ConfigError, match=r"strategy\.params\.cwfedavg\.wdr_lambda"):
-        resolve(load_config("configs/cwfedavg.yaml", ["strategy.name=fedavg", "strategy.params.cwfedavg.wdr_lambda=-1"]))
+        resolve(
+            load_config("configs/cwfedavg.yaml", ["strategy.name=fedavg", "strategy.params.cwfedavg.wdr_lambda=-1"])
+        )
 
 
 def test_override_sets_one_strategys_value():
-    cfg = load_config("configs/cwfedavg.yaml", ["strategy.params.cwfedavg.wdr_lambda=10", "strategy.params.cosmos.b0=0.3"])
+    cfg = load_config(
+        "configs/cwfedavg.yaml", ["strategy.params.cwfedavg.wdr_lambda=10", "strategy.params.cosmos.b0=0.3"]
+    )
     assert resolve(cfg).params.wdr_lambda == 10.0
     assert cfg.strategy.params["cosmos"] == {"b0": 0.3}
 
@@ -134,16 +147,20 @@ def test_resolve_does_not_change_the_config_and_the_dump_fills_defaults():
     assert cfg == before and cfg.strategy.params == {"ifca": {"clusters": 2}}
     dumped = yaml.safe_load(dump_yaml(resolved.config(cfg)))
     assert dumped["strategy"]["params"]["ifca"] == dataclasses.asdict(resolved.params)
-    cosmos = resolve(load_config("configs/cwfedavg.yaml", ["strategy.name=cosmos", "data.public_fraction=0.2",
-                                                         "model.name=cnn"]))
+    cosmos = resolve(
+        load_config("configs/cwfedavg.yaml", ["strategy.name=cosmos", "data.public_fraction=0.2", "model.name=cnn"])
+    )
     full = yaml.safe_load(dump_yaml(cosmos.config(load_config("configs/cwfedavg.yaml"))))["strategy"]["params"]
     assert full["cosmos"]["server_model"] == "vgg16" and full["cwfedavg"]["layers"] == "output"
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["strategy.params.ifca.clusters=99"], "data.num_clients"),
-    (["strategy.params.ifca.clusters=0"], "'strategy.params.ifca.clusters' must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["strategy.params.ifca.clusters=99"], "data.num_clients"),
+        (["strategy.params.ifca.clusters=0"], "'strategy.params.ifca.clusters' must be >= 1"),
+    ],
+)
 def test_cross_config_checks_run_in_the_hook(overrides, needle):
     with pytest.raises(ConfigError) as exc:
         resolve(load_config("configs/ifca.yaml", overrides))

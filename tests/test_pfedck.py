@@ -22,8 +22,18 @@ from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies import resolve
 from strategies.comet import kmeans, kmeans_plus_plus
-from strategies.pfedck import (ALPHA, BETA, KL_INTERACTIVE, KL_PERSONAL, SECTION, TEMPERATURE, TRAIN_OP,
-                               cluster_updates, mutual_losses, unit_rows)
+from strategies.pfedck import (
+    ALPHA,
+    BETA,
+    KL_INTERACTIVE,
+    KL_PERSONAL,
+    SECTION,
+    TEMPERATURE,
+    TRAIN_OP,
+    cluster_updates,
+    mutual_losses,
+    unit_rows,
+)
 from test_ops_worker import worker_message
 
 PATHOLOGICAL = {"source": "digits", "partition": "pathological", "num_clients": 4, "classes_per_client": 4}
@@ -154,10 +164,13 @@ def test_client_trains_both_models_and_sends_the_interactive_one():
     start = {k: v.clone() for k, v in ctx.state[STATE_MODEL].to_torch_state_dict().items()}
     rng = np.random.default_rng(1)
     interactive = {k: (v.numpy() + 0.05 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in start.items()}
+
     def settings(**own):
         own = {ALPHA: 0.0, BETA: 0.0, TEMPERATURE: 1.0, **own}
-        return dict(returns=protocol.Return(arrays=True),
-                    training=protocol.Training(sections={SECTION: protocol.Section(extra=own)}))
+        return dict(
+            returns=protocol.Return(arrays=True),
+            training=protocol.Training(sections={SECTION: protocol.Section(extra=own)}),
+        )
 
     _, msg = worker_message([TRAIN_OP], arrays=protocol.arrays_record(interactive), **settings())
     reply = Worker(msg, ctx).run()
@@ -206,8 +219,12 @@ def test_short_run_sends_one_model_each_way_and_personalises(tiny_config, tmp_pa
     for i in (0, 1):
         summaries.append(server_app.run_experiment(InProcessGrid(4), str(cfg), "", str(tmp_path / str(i))))
         (run,) = [d for d in (tmp_path / str(i)).iterdir() if d.is_dir()]
-        rows.append([{k: v for k, v in r.items() if "seconds" not in k and not k.startswith("t_")}
-                     for r in read_csv(run / "rounds.csv")])
+        rows.append(
+            [
+                {k: v for k, v in r.items() if "seconds" not in k and not k.startswith("t_")}
+                for r in read_csv(run / "rounds.csv")
+            ]
+        )
     assert rows[0] == rows[1]  # same seed, same rounds.csv
     initial = resolve(load_config(cfg)).build(load_config(cfg)).initial
     model_bytes = sum(len(a.data) for a in protocol.arrays_record(initial).values())  # one model as it travels
@@ -223,8 +240,11 @@ def test_flwr_run_end_to_end(tmp_path):
     """`fedapps run` -> `flwr run` (own SuperLink, Ray simulation, 3 SuperNodes, 2 rounds of pFedCK on digits)."""
     from conftest import flwr_run
 
-    out = flwr_run(tmp_path, strategy={"name": "pfedck"},
-                   data={"source": "digits", "partition": "pathological", "num_clients": 3, "classes_per_client": 4})
+    out = flwr_run(
+        tmp_path,
+        strategy={"name": "pfedck"},
+        data={"source": "digits", "partition": "pathological", "num_clients": 3, "classes_per_client": 4},
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["strategy"] == "pfedck" and summary["rounds"] == 2 and summary["num_clients"] == 3
     assert 0.0 < summary["accuracy_mean"] <= 1.0

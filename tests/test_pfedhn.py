@@ -17,9 +17,9 @@ import torch
 from fedapps.client.worker import STATE_MODEL
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
-from fedapps.server.driver import RoundDriver
 from fedapps.models import build_model
 from fedapps.reporting.results import read_csv
+from fedapps.server.driver import RoundDriver
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies import RunContext, resolve
@@ -82,7 +82,9 @@ def test_generated_shapes_are_the_target_models_parameters_and_the_size_formula_
         for k, v in generated.items():
             assert batch[k].shape == (3, *v.shape)
             torch.testing.assert_close(batch[k][0], v, rtol=1e-5, atol=1e-6)
-        assert {k: tuple(v.shape) for k, v in generated.items()} == {k: tuple(p.shape) for k, p in model.named_parameters()}
+        assert {k: tuple(v.shape) for k, v in generated.items()} == {
+            k: tuple(p.shape) for k, p in model.named_parameters()
+        }
         model.load_state_dict(generated, strict=True)  # these models have no buffers: the whole state
         assert hypernetwork_size(5, shapes, 2, 3, 2) == sum(p.numel() for p in hn.parameters())
     # by hand for the toy: embeddings 3·2, trunk (2·3 + 3) + 1·(3·3 + 3), heads (3·6 + 6) + (3·2 + 2)
@@ -169,8 +171,18 @@ def test_pfedhn_step_without_a_gradient_reports_zero_and_moves_nothing() -> None
 
 
 def hand_config(tiny_config, **params):
-    pfedhn = {"embed_dim": 2, "hidden_dim": 4, "hidden_layers": 0, "lr": 0.1, "embed_lr": 0.3, "momentum": 0.0,
-              "weight_decay": 0.0, "clip_norm": 0.0, "server_device": "cpu", **params}
+    pfedhn = {
+        "embed_dim": 2,
+        "hidden_dim": 4,
+        "hidden_layers": 0,
+        "lr": 0.1,
+        "embed_lr": 0.3,
+        "momentum": 0.0,
+        "weight_decay": 0.0,
+        "clip_norm": 0.0,
+        "server_device": "cpu",
+        **params,
+    }
     return load_config(tiny_config(data={"num_clients": 3}, strategy={"name": "pfedhn", "params": {"pfedhn": pfedhn}}))
 
 
@@ -195,7 +207,9 @@ def test_messages_carry_each_clients_generated_parameters_and_the_update_is_the_
 
     s.nodes.node_to_client = {100: 0, 101: 1}  # node 102 has not replied yet
     messages = s.round_messages(1, [100, 101, 102])
-    sent = {int(m.metadata.dst_node_id): {k: v.numpy() for k, v in m.content[protocol.ARRAYS].items()} for m in messages}
+    sent = {
+        int(m.metadata.dst_node_id): {k: v.numpy() for k, v in m.content[protocol.ARRAYS].items()} for m in messages
+    }
     assert all(protocol.request_of(m).returns.part == "params" for m in messages)
     shapes = {k: p.shape for k, p in build_model("mlp", 10, (1, 8, 8)).named_parameters()}
     for node, v in ((100, V[0]), (101, V[1]), (102, V.mean(0))):  # the unknown node: the mean embedding
@@ -206,15 +220,23 @@ def test_messages_carry_each_clients_generated_parameters_and_the_update_is_the_
     assert not np.allclose(sent[100]["fc.weight"], sent[101]["fc.weight"])  # personalised
 
     rng = np.random.default_rng(0)
-    deltas = {n: {k: (0.01 * rng.standard_normal(sent[n][k].shape)).astype(np.float32) for k in names} for n in (100, 102)}
-    replies = [ClientReply(node_id=n, client_id=c, num_examples=10, metrics={},
-                           arrays={k: sent[n][k] - deltas[n][k] for k in names}) for n, c in ((100, 0), (102, 2))]
+    deltas = {
+        n: {k: (0.01 * rng.standard_normal(sent[n][k].shape)).astype(np.float32) for k in names} for n in (100, 102)
+    }
+    replies = [
+        ClientReply(
+            node_id=n, client_id=c, num_examples=10, metrics={}, arrays={k: sent[n][k] - deltas[n][k] for k in names}
+        )
+        for n, c in ((100, 0), (102, 2))
+    ]
     extra = s.aggregate(1, replies)
 
     grads = {k: torch.zeros_like(v) for k, v in old.items()}
     for n, v, own in ((100, V[0], 0), (102, V.mean(0), None)):
         f, gen = theta(v)
-        d = {k: torch.as_tensor(sent[n][k].reshape(-1) - (sent[n][k] - deltas[n][k]).reshape(-1)).double() for k in names}
+        d = {
+            k: torch.as_tensor(sent[n][k].reshape(-1) - (sent[n][k] - deltas[n][k]).reshape(-1)).double() for k in names
+        }
         g = sum(W[k].T @ d[k] for k in names)
         for j, k in enumerate(names):
             grads[f"heads.{j}.weight"] += torch.outer(d[k], f)
@@ -229,7 +251,9 @@ def test_messages_carry_each_clients_generated_parameters_and_the_update_is_the_
         torch.testing.assert_close(new[k], old[k] - lr * grads[k], rtol=1e-4, atol=1e-6, msg=k)
     assert torch.equal(new["embeddings.weight"][1:], old["embeddings.weight"][1:])  # no reply, or the mean's model
     assert not torch.equal(new["embeddings.weight"][0], old["embeddings.weight"][0])
-    want_norms = [math.sqrt(sum(float((deltas[n][k].astype(np.float64) ** 2).sum()) for k in names)) for n in (100, 102)]
+    want_norms = [
+        math.sqrt(sum(float((deltas[n][k].astype(np.float64) ** 2).sum()) for k in names)) for n in (100, 102)
+    ]
     assert extra["hn_delta_norm_mean"] == pytest.approx(np.mean(want_norms), rel=1e-4)
     assert extra["hn_from_mean_embedding"] == 1
     # the next message to client 0 is generated from its updated embedding (its deployed model)
@@ -239,8 +263,16 @@ def test_messages_carry_each_clients_generated_parameters_and_the_update_is_the_
 
 def test_params_are_declared_and_a_model_too_large_for_the_server_is_refused(tiny_config):
     p = resolve(load_config(tiny_config(strategy={"name": "pfedhn"}))).params
-    assert (p.embed_dim, p.hidden_dim, p.hidden_layers, p.lr, p.embed_lr, p.momentum, p.weight_decay, p.clip_norm) == \
-        (0, 100, 3, 1e-2, 0.0, 0.9, 1e-3, 50.0)
+    assert (p.embed_dim, p.hidden_dim, p.hidden_layers, p.lr, p.embed_lr, p.momentum, p.weight_decay, p.clip_norm) == (
+        0,
+        100,
+        3,
+        1e-2,
+        0.0,
+        0.9,
+        1e-3,
+        50.0,
+    )
     for bad in ({"hidden_dim": 0}, {"momentum": 1.0}, {"lr": 0.0}, {"server_device": "tpu"}):
         with pytest.raises(ConfigError, match=f"strategy.params.pfedhn.{next(iter(bad))}"):
             resolve(load_config(tiny_config(strategy={"name": "pfedhn", "params": {"pfedhn": bad}})))
@@ -249,26 +281,44 @@ def test_params_are_declared_and_a_model_too_large_for_the_server_is_refused(tin
         resolve(load_config(tiny_config(strategy={"name": "pfedhn"}, model={"name": "resnet18"})))
     assert "model.name" in str(exc.value) and "strategy.params.pfedhn.hidden_dim" in str(exc.value)
     small = {"hidden_dim": 2, "hidden_layers": 0}
-    resolve(load_config(tiny_config(strategy={"name": "pfedhn", "params": {"pfedhn": small}}, model={"name": "resnet18"})))
+    resolve(
+        load_config(tiny_config(strategy={"name": "pfedhn", "params": {"pfedhn": small}}, model={"name": "resnet18"}))
+    )
 
 
 @pytest.mark.heavy
 def test_batchnorm_buffers_stay_on_the_clients(tiny_config):
     """MobileNetV2 (BatchNorm): the messages carry parameters only; each client keeps its own running statistics,
     trained on its data, in its private model between rounds."""
-    data = {"source": "synthetic", "num_clients": 2, "synthetic_classes": 4, "synthetic_shape": [1, 8, 8],
-            "synthetic_samples": 40}
-    cfg = load_config(tiny_config(rounds=2, data=data, model={"name": "mobilenetv2"},
-                                  strategy={"name": "pfedhn", "params": {"pfedhn": {"hidden_dim": 2, "hidden_layers": 0}}}))
+    data = {
+        "source": "synthetic",
+        "num_clients": 2,
+        "synthetic_classes": 4,
+        "synthetic_shape": [1, 8, 8],
+        "synthetic_samples": 40,
+    }
+    cfg = load_config(
+        tiny_config(
+            rounds=2,
+            data=data,
+            model={"name": "mobilenetv2"},
+            strategy={"name": "pfedhn", "params": {"pfedhn": {"hidden_dim": 2, "hidden_layers": 0}}},
+        )
+    )
     s = resolve(cfg).build(cfg)
     grid = InProcessGrid(2, record=True)
     RoundDriver(s).start(grid)
     assert not [m.error.reason for m in grid.replies if m.has_error()]
     model = build_model("mobilenetv2", 4, (1, 8, 8))
     params = {n for n, _ in model.named_parameters()}
-    assert all(set(m.content[protocol.ARRAYS].keys()) == params for m in grid.sent
-               if m.metadata.message_type != protocol.QUERY_MESSAGE_TYPE)  # the identify messages carry no model
-    means = [grid.contexts[100 + c].state[STATE_MODEL].to_torch_state_dict()["features.0.1.running_mean"] for c in (0, 1)]
+    assert all(
+        set(m.content[protocol.ARRAYS].keys()) == params
+        for m in grid.sent
+        if m.metadata.message_type != protocol.QUERY_MESSAGE_TYPE
+    )  # the identify messages carry no model
+    means = [
+        grid.contexts[100 + c].state[STATE_MODEL].to_torch_state_dict()["features.0.1.running_mean"] for c in (0, 1)
+    ]
     assert all(m.abs().sum() > 0 for m in means) and not torch.equal(means[0], means[1])  # each client's own
 
 
@@ -276,8 +326,9 @@ def test_batchnorm_buffers_stay_on_the_clients(tiny_config):
 
 
 def run_inprocess(tiny_config, rounds: int, grid: InProcessGrid | None = None):
-    cfg = load_config(tiny_config(rounds=rounds, data={"partition": "pathological", "num_clients": 4},
-                                  strategy={"name": "pfedhn"}))
+    cfg = load_config(
+        tiny_config(rounds=rounds, data={"partition": "pathological", "num_clients": 4}, strategy={"name": "pfedhn"})
+    )
     resolved = resolve(cfg)
     cfg = resolved.config(cfg)
     logs: list = []
@@ -291,8 +342,14 @@ def test_short_run_personalises_and_learns(tiny_config):
     grid = InProcessGrid(4, record=True, drop=lambda rnd, partition: rnd == 0 and partition == 1)
     s, grid, result, logs, resolved, cfg = run_inprocess(tiny_config, 3, grid)
     train = [m for m in grid.sent if m.metadata.message_type == "train"]
-    by_round = {r: {int(m.metadata.dst_node_id) - 100: m.content[protocol.ARRAYS]["fc.weight"].numpy()
-                    for m in train if protocol.request_of(m).round == r} for r in (1, 2)}
+    by_round = {
+        r: {
+            int(m.metadata.dst_node_id) - 100: m.content[protocol.ARRAYS]["fc.weight"].numpy()
+            for m in train
+            if protocol.request_of(m).round == r
+        }
+        for r in (1, 2)
+    }
     initial = resolved.build(cfg)  # φ as it was in round 1
     for c in (0, 2, 3):  # identified before round 1: each its own h(v_i)
         np.testing.assert_array_equal(by_round[1][c], initial.generated(c)["fc.weight"])
@@ -328,8 +385,11 @@ def test_flwr_run_end_to_end(tmp_path):
     The SuperNodes are identified before round 1, so no client is sent the mean embedding's model in any round."""
     from conftest import flwr_run
 
-    out = flwr_run(tmp_path, strategy={"name": "pfedhn"},
-                   data={"source": "digits", "partition": "pathological", "num_clients": 3, "classes_per_client": 4})
+    out = flwr_run(
+        tmp_path,
+        strategy={"name": "pfedhn"},
+        data={"source": "digits", "partition": "pathological", "num_clients": 3, "classes_per_client": 4},
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["strategy"] == "pfedhn" and summary["rounds"] == 2 and summary["num_clients"] == 3
     assert 0.0 < summary["accuracy_mean"] <= 1.0 and summary["hypernetwork_parameters"] > 0

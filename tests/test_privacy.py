@@ -13,10 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("opacus", reason="privacy.mode sample needs the optional extra privacy (pip install -e '.[privacy]')")
+pytest.importorskip(
+    "opacus", reason="privacy.mode sample needs the optional extra privacy (pip install -e '.[privacy]')"
+)
 dp_accounting = pytest.importorskip("dp_accounting", reason="the reference accountant comes with the extra privacy")
-
-from test_ops_worker import worker_message
+# the project imports below come after the skips on purpose: without the extra this module is skipped, not broken
+# ruff: noqa: E402
 
 from fedapps.client import ops, privacy
 from fedapps.client.worker import Worker
@@ -33,13 +35,20 @@ from fedapps.wire import protocol
 from fedapps.wire.validation import Rejection
 from strategies.cwfedavg import WDR_LAMBDA
 from strategies.fedprox import PROX_MU
+from test_ops_worker import worker_message
 
 SIGMA, CLIP, DELTA = 1.1, 1.0, 1e-5
 
 
 def settings(**kw) -> protocol.Privacy:
-    values = {"mode": "sample", "noise_multiplier": SIGMA, "max_grad_norm": CLIP, "delta": DELTA,
-              "reproducible_noise": True, **kw}
+    values = {
+        "mode": "sample",
+        "noise_multiplier": SIGMA,
+        "max_grad_norm": CLIP,
+        "delta": DELTA,
+        "reproducible_noise": True,
+        **kw,
+    }
     return protocol.Privacy(**values)
 
 
@@ -60,11 +69,14 @@ def reference_epsilon(history, delta, orders) -> float:
 # --------------------------------------------------------------------------- the accountant
 
 
-@pytest.mark.parametrize("history, delta", [
-    ([(1.1, 256 / 60000, 60 * 234)], 1e-5),  # DP-SGD's MNIST setting (Abadi et al. 2016)
-    ([(1.0, 16 / 337, 21)], 1e-5),  # one local epoch of a digits client
-    ([(0.8, 0.05, 100), (2.0, 0.2, 30)], 1e-6),  # two loops with other settings compose
-])
+@pytest.mark.parametrize(
+    "history, delta",
+    [
+        ([(1.1, 256 / 60000, 60 * 234)], 1e-5),  # DP-SGD's MNIST setting (Abadi et al. 2016)
+        ([(1.0, 16 / 337, 21)], 1e-5),  # one local epoch of a digits client
+        ([(0.8, 0.05, 100), (2.0, 0.2, 30)], 1e-6),  # two loops with other settings compose
+    ],
+)
 def test_the_accountant_matches_dp_accounting(history, delta):
     from opacus.accountants.rdp import RDPAccountant
 
@@ -82,7 +94,8 @@ def test_the_accountant_grows_with_steps_and_shrinks_with_noise():
     one = privacy.epsilon([(1.0, 0.05, 100)], 1e-5)
     assert privacy.epsilon([(1.0, 0.05, 200)], 1e-5) > one > privacy.epsilon([(2.0, 0.05, 100)], 1e-5)
     assert privacy.epsilon([(1.0, 0.05, 100), (1.0, 0.05, 100)], 1e-5) == pytest.approx(
-        privacy.epsilon([(1.0, 0.05, 200)], 1e-5))
+        privacy.epsilon([(1.0, 0.05, 200)], 1e-5)
+    )
 
 
 def test_planned_steps_are_the_plain_loops():
@@ -96,16 +109,16 @@ def test_planned_steps_are_the_plain_loops():
 # --------------------------------------------------------------------------- the mechanism
 
 
-def one_private_step(model: nn.Module, x, y, loss_fn, s: protocol.Privacy, lr: float, batch_size: int,
-                     regulariser=None) -> dict[str, torch.Tensor]:
+def one_private_step(
+    model: nn.Module, x, y, loss_fn, s: protocol.Privacy, lr: float, batch_size: int, regulariser=None
+) -> dict[str, torch.Tensor]:
     """The parameters' change by one DP-SGD step through ``run_epochs`` (batch_size >= n: q = 1, so that every
     sample is in the one minibatch)."""
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     training = privacy.PrivateTraining(s, [], client_id=0, arch="tiny")
     optim = ops.OptimSettings(epochs=1, batch_size=batch_size, lr=lr, drop_last=False)
     with ops.privately(training):
-        ops.run_epochs(model, x, y, loss_fn, optim, generator=torch.Generator().manual_seed(0),
-                       regulariser=regulariser)
+        ops.run_epochs(model, x, y, loss_fn, optim, generator=torch.Generator().manual_seed(0), regulariser=regulariser)
     assert training.history == [(s.noise_multiplier, 1.0, 1)]
     return {k: v.detach() - before[k] for k, v in model.named_parameters()}
 
@@ -129,8 +142,9 @@ def test_per_sample_clipping_bounds_one_samples_influence():
     outlier_x = torch.full((1, 4), 1e4)
     outlier_y = start(outlier_x).argmin(dim=1).detach()  # confidently wrong: a gradient of norm ~1e4
     without = one_private_step(_copy(start), x, y, cross_entropy, s, lr, b)
-    with_outlier = one_private_step(_copy(start), torch.cat([x, outlier_x]), torch.cat([y, outlier_y]),
-                                    cross_entropy, s, lr, b)
+    with_outlier = one_private_step(
+        _copy(start), torch.cat([x, outlier_x]), torch.cat([y, outlier_y]), cross_entropy, s, lr, b
+    )
     moved = float((flat(with_outlier) - flat(without)).norm())
     assert moved == pytest.approx(lr * s.max_grad_norm / b, rel=1e-3)
 
@@ -147,8 +161,15 @@ def test_the_noise_has_standard_deviation_sigma_times_c():
     torch.manual_seed(0)
     s = settings(noise_multiplier=1.5, max_grad_norm=2.0)
     b = 20
-    step = one_private_step(nn.Linear(100, 100), torch.randn(8, 100), torch.zeros(8, dtype=torch.long),
-                            lambda m, xb, yb, w: 0.0 * m(xb).sum(), s, lr=1.0, batch_size=b)
+    step = one_private_step(
+        nn.Linear(100, 100),
+        torch.randn(8, 100),
+        torch.zeros(8, dtype=torch.long),
+        lambda m, xb, yb, w: 0.0 * m(xb).sum(),
+        s,
+        lr=1.0,
+        batch_size=b,
+    )
     noise = -b * flat(step)
     assert abs(float(noise.mean())) < 0.1
     assert float(noise.std()) == pytest.approx(s.noise_multiplier * s.max_grad_norm, rel=0.03)
@@ -166,9 +187,16 @@ def test_a_term_on_the_model_alone_is_added_after_the_noise():
         return 0.5 * mu * sum(((p - anchor[k]) ** 2).sum() for k, p in m.named_parameters())
 
     before = flat({k: v.detach().clone() for k, v in model.named_parameters()})
-    step = one_private_step(model, torch.randn(6, 5), torch.zeros(6, dtype=torch.long),
-                            lambda m, xb, yb, w: 0.0 * m(xb).sum(), settings(noise_multiplier=0.0), lr, 8,
-                            regulariser=proximal)
+    step = one_private_step(
+        model,
+        torch.randn(6, 5),
+        torch.zeros(6, dtype=torch.long),
+        lambda m, xb, yb, w: 0.0 * m(xb).sum(),
+        settings(noise_multiplier=0.0),
+        lr,
+        8,
+        regulariser=proximal,
+    )
     torch.testing.assert_close(flat(step), -lr * mu * before)
 
 
@@ -176,8 +204,9 @@ def test_a_model_with_batchnorm_is_refused_naming_it():
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
     training = privacy.PrivateTraining(settings(), [], client_id=0, arch="bn-net")
     with ops.privately(training), pytest.raises(privacy.PrivacyError, match="model 'bn-net'.*BatchNorm.*model.name"):
-        ops.run_epochs(model, torch.randn(32, 4), torch.zeros(32, dtype=torch.long), cross_entropy,
-                       ops.OptimSettings(batch_size=8))
+        ops.run_epochs(
+            model, torch.randn(32, 4), torch.zeros(32, dtype=torch.long), cross_entropy, ops.OptimSettings(batch_size=8)
+        )
     assert training.history == []
 
 
@@ -219,16 +248,18 @@ def private_message(bookkeeping=protocol.Bookkeeping(), train=None, **privacy_kw
     """A message to train and evaluate with privacy on: ``bookkeeping`` where the client keeps its state, ``train``
     the ``train`` section's algorithm settings, ``privacy_kw`` over the default privacy settings."""
     training = protocol.Training(sections={protocol.TRAIN: protocol.Section(extra=train)} if train else {})
-    return worker_message(["train", "evaluate:after"], privacy=message_settings(**privacy_kw),
-                          bookkeeping=bookkeeping, training=training)
+    return worker_message(
+        ["train", "evaluate:after"], privacy=message_settings(**privacy_kw), bookkeeping=bookkeeping, training=training
+    )
 
 
 def client_rate_and_steps(batch_size=16, epochs=1) -> tuple[float, int]:
     """q and steps of client 0 of :func:`worker_message`'s federation."""
     grid, msg = worker_message([])
     n = len(Worker(msg, grid.contexts[100]).train_y)
-    return privacy.sample_rate(n, batch_size), privacy.planned_steps(n, ops.OptimSettings(epochs=epochs,
-                                                                                         batch_size=batch_size))
+    return privacy.sample_rate(n, batch_size), privacy.planned_steps(
+        n, ops.OptimSettings(epochs=epochs, batch_size=batch_size)
+    )
 
 
 def test_each_reply_reports_the_epsilon_of_all_the_clients_steps_so_far(tmp_path):
@@ -246,11 +277,15 @@ def test_each_reply_reports_the_epsilon_of_all_the_clients_steps_so_far(tmp_path
     fresh_grid, fresh_msg = private_message(state)  # another process: a new Context
     reply = Worker(fresh_msg, fresh_grid.contexts[100]).run()
     assert reply.content[protocol.METRICS][protocol.PRIVACY_EPSILON] == pytest.approx(
-        privacy.epsilon([(1.0, q, steps)] * 3, 1e-5), rel=1e-9)
-    other_grid, other_msg = private_message(dataclasses.replace(state, state_run="run2"))  # another run's ledger is not this one's
+        privacy.epsilon([(1.0, q, steps)] * 3, 1e-5), rel=1e-9
+    )
+    other_grid, other_msg = private_message(
+        dataclasses.replace(state, state_run="run2")
+    )  # another run's ledger is not this one's
     reply = Worker(other_msg, other_grid.contexts[100]).run()
     assert reply.content[protocol.METRICS][protocol.PRIVACY_EPSILON] == pytest.approx(
-        privacy.epsilon([(1.0, q, steps)], 1e-5), rel=1e-9)
+        privacy.epsilon([(1.0, q, steps)], 1e-5), rel=1e-9
+    )
 
 
 def test_a_client_stops_at_its_budget():
@@ -285,11 +320,16 @@ def test_a_training_term_that_reads_the_data_is_refused_and_a_proximal_one_is_no
     assert reply.has_error() and "['wdr']" in reply.error.reason and "read the client's data" in reply.error.reason
     from fedapps.models import build_model
 
-    arrays = protocol.arrays_record({k: v.numpy() for k, v in build_model("mlp", 10, (1, 8, 8), seed=0)
-                                    .state_dict().items()})
-    grid, msg = worker_message(["train"], arrays, privacy=message_settings(), load=protocol.Load(into_model=True),
-                               training=protocol.Training(sections={protocol.TRAIN: protocol.Section(
-                                   extra={PROX_MU: 0.1})}))
+    arrays = protocol.arrays_record(
+        {k: v.numpy() for k, v in build_model("mlp", 10, (1, 8, 8), seed=0).state_dict().items()}
+    )
+    grid, msg = worker_message(
+        ["train"],
+        arrays,
+        privacy=message_settings(),
+        load=protocol.Load(into_model=True),
+        training=protocol.Training(sections={protocol.TRAIN: protocol.Section(extra={PROX_MU: 0.1})}),
+    )
     reply = _serve(msg, grid.contexts[100])
     assert not reply.has_error() and reply.content[protocol.METRICS][protocol.PRIVACY_EPSILON] > 0
 
@@ -309,12 +349,14 @@ def test_a_message_without_privacy_settings_trains_as_before():
 
 def test_the_config_checks_the_privacy_section():
     assert load_config(None, "privacy.mode=sample").privacy.mode == "sample"
-    for bad, words in (("privacy.mode=client", "'privacy.mode' is 'client'"),
-                       ("privacy.mode=sample privacy.noise_multiplier=0", "noise_multiplier' must be > 0"),
-                       ("privacy.max_grad_norm=-1", "max_grad_norm' must be > 0"),
-                       ("privacy.delta=1", "delta' must be in (0, 1)"),
-                       ("privacy.epsilon_budget=-2", "epsilon_budget' must be >= 0"),
-                       ("privacy.mode=sample client.mixed_precision=true client.device=cuda", "mixed_precision")):
+    for bad, words in (
+        ("privacy.mode=client", "'privacy.mode' is 'client'"),
+        ("privacy.mode=sample privacy.noise_multiplier=0", "noise_multiplier' must be > 0"),
+        ("privacy.max_grad_norm=-1", "max_grad_norm' must be > 0"),
+        ("privacy.delta=1", "delta' must be in (0, 1)"),
+        ("privacy.epsilon_budget=-2", "epsilon_budget' must be >= 0"),
+        ("privacy.mode=sample client.mixed_precision=true client.device=cuda", "mixed_precision"),
+    ):
         with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
             load_config(None, bad)
 
@@ -324,8 +366,11 @@ def test_privacy_settings_while_off_are_reported_as_ignored():
 
     found = dict(ignored_settings(load_config(None, "privacy.noise_multiplier=2.0"), ["privacy.delta=0.001"]))
     assert found["privacy.noise_multiplier"] == found["privacy.delta"] == "privacy.mode is 'off'"
-    assert not [k for k, _ in ignored_settings(load_config(None, "privacy.mode=sample privacy.noise_multiplier=2.0"))
-                if k.startswith("privacy.")]
+    assert not [
+        k
+        for k, _ in ignored_settings(load_config(None, "privacy.mode=sample privacy.noise_multiplier=2.0"))
+        if k.startswith("privacy.")
+    ]
 
 
 def test_privacy_off_keeps_the_config_hash_and_the_messages():
@@ -342,16 +387,21 @@ def test_privacy_off_keeps_the_config_hash_and_the_messages():
     assert dict(dataclasses.replace(sent_on, privacy=None).encode()) == dict(sent_off.encode())  # nothing else differs
 
 
-@pytest.mark.parametrize("overrides, words", [
-    ("strategy.name=ifca", "cannot cover strategy 'ifca'"),
-    ("strategy.name=fedfomo", "cannot cover strategy 'fedfomo'"),
-    ("strategy.name=fednh", "cannot cover strategy 'fednh'"),
-    ("strategy.name=feduv", "cannot cover strategy 'feduv'"),
-    ("strategy.name=cwfedavg", "cwfedavg with WDR"),
-    ("strategy.name=cwfedavg strategy.params.cwfedavg.wdr_lambda=0 strategy.params.cwfedavg.estimator=true",
-     "estimator 'true'"),
-    ("strategy.name=cosmos data.public_fraction=0.2", "weighting 'label-free'"),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ("strategy.name=ifca", "cannot cover strategy 'ifca'"),
+        ("strategy.name=fedfomo", "cannot cover strategy 'fedfomo'"),
+        ("strategy.name=fednh", "cannot cover strategy 'fednh'"),
+        ("strategy.name=feduv", "cannot cover strategy 'feduv'"),
+        ("strategy.name=cwfedavg", "cwfedavg with WDR"),
+        (
+            "strategy.name=cwfedavg strategy.params.cwfedavg.wdr_lambda=0 strategy.params.cwfedavg.estimator=true",
+            "estimator 'true'",
+        ),
+        ("strategy.name=cosmos data.public_fraction=0.2", "weighting 'label-free'"),
+    ],
+)
 def test_strategies_that_release_data_outside_dp_sgd_refuse_it(overrides, words):
     from strategies import resolve
 
@@ -360,11 +410,16 @@ def test_strategies_that_release_data_outside_dp_sgd_refuse_it(overrides, words)
     resolve(load_config(None, f"data.source=digits {overrides}"))  # without privacy they run
 
 
-@pytest.mark.parametrize("overrides", [
-    "strategy.name=fedavg", "strategy.name=fedprox", "strategy.name=ditto",
-    "strategy.name=cwfedavg strategy.params.cwfedavg.wdr_lambda=0",
-    "strategy.name=cosmos data.public_fraction=0.2 strategy.params.cosmos.weighting=none",
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        "strategy.name=fedavg",
+        "strategy.name=fedprox",
+        "strategy.name=ditto",
+        "strategy.name=cwfedavg strategy.params.cwfedavg.wdr_lambda=0",
+        "strategy.name=cosmos data.public_fraction=0.2 strategy.params.cosmos.weighting=none",
+    ],
+)
 def test_the_other_strategies_accept_it(overrides):
     from strategies import resolve
 
@@ -375,11 +430,18 @@ def test_the_other_strategies_accept_it(overrides):
 
 
 def test_the_round_row_records_epsilon_per_client_and_refusals():
-    metrics = [{protocol.CLIENT_ID: 2, protocol.PRIVACY_EPSILON: 1.5}, {protocol.CLIENT_ID: 0, protocol.PRIVACY_EPSILON: 0.5}]
+    metrics = [
+        {protocol.CLIENT_ID: 2, protocol.PRIVACY_EPSILON: 1.5},
+        {protocol.CLIENT_ID: 0, protocol.PRIVACY_EPSILON: 0.5},
+    ]
     refused = Rejection(3, "train", 7, 1, f"client error 0: PrivacyBudgetExhausted: {protocol.PRIVACY_REFUSED}: ...")
     other = Rejection(3, "train", 8, 3, "client error 0: RuntimeError: boom")
-    assert privacy_columns(metrics, [refused, other]) == {"epsilon_max": 1.5, "privacy_refused": 1,
-                                                         "epsilon_client_0": 0.5, "epsilon_client_2": 1.5}
+    assert privacy_columns(metrics, [refused, other]) == {
+        "epsilon_max": 1.5,
+        "privacy_refused": 1,
+        "epsilon_client_0": 0.5,
+        "epsilon_client_2": 1.5,
+    }
     assert privacy_columns([{protocol.CLIENT_ID: 0}], [other]) == {}
     assert rejection_problems([{"round": 3, "replies_ok": 1, "replies_rejected": 3, "privacy_refused": 3}]) == []
     assert rejection_problems([{"round": 3, "replies_ok": 1, "replies_rejected": 3, "privacy_refused": 1}])
@@ -388,9 +450,19 @@ def test_the_round_row_records_epsilon_per_client_and_refusals():
 def test_the_printed_summary_shows_the_largest_epsilon_and_the_refusals(tmp_path):
     from fedapps_tools.summary import summary_lines
 
-    s = {"strategy": "fedavg", "rounds": 3, "privacy": {"mode": "sample", "delta": 1e-5, "noise_multiplier": 1.1,
-                                                        "max_grad_norm": 1.0, "epsilon_budget": 8.0,
-                                                        "epsilon_max": 2.345678, "refused": 4}}
+    s = {
+        "strategy": "fedavg",
+        "rounds": 3,
+        "privacy": {
+            "mode": "sample",
+            "delta": 1e-5,
+            "noise_multiplier": 1.1,
+            "max_grad_norm": 1.0,
+            "epsilon_budget": 8.0,
+            "epsilon_max": 2.345678,
+            "refused": 4,
+        },
+    }
     text = "\n".join(summary_lines(s, tmp_path))
     assert "sample-level DP, ε ≤ 2.35 at δ = 1e-05 (the largest over clients; σ 1.1, C 1, budget ε 8)" in text
     assert "4 training replies were refused past privacy.epsilon_budget" in text
@@ -415,8 +487,7 @@ def test_a_run_records_the_accountants_epsilon_per_client_and_round_and_stops_at
     three = min(privacy.epsilon([history[c]] * 3, 1e-5) for c in history)
     assert two < three
     budget = (two + three) / 2
-    summary = server_app.run_experiment(InProcessGrid(4), str(path), f"privacy.epsilon_budget={budget}",
-                                        str(tmp_path))
+    summary = server_app.run_experiment(InProcessGrid(4), str(path), f"privacy.epsilon_budget={budget}", str(tmp_path))
     with open(tmp_path / cfg.resolved_run_name() / "rounds.csv") as fh:
         rows = list(csv.DictReader(fh))
     for r in (1, 2):
@@ -442,7 +513,9 @@ def test_every_strategy_runs_under_it_or_refuses_it_with_its_reason():
 
     refused = []
     for name in STRATEGIES:
-        cfg = load_config(APP_DIR / "configs" / f"{name}.yaml", "model.name=mlp model.per_client=[] privacy.mode=sample")
+        cfg = load_config(
+            APP_DIR / "configs" / f"{name}.yaml", "model.name=mlp model.per_client=[] privacy.mode=sample"
+        )
         try:
             resolve(cfg)
         except ConfigError as exc:
@@ -465,14 +538,19 @@ def last_epsilon(run_dir) -> dict[int, list[float]]:
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("overrides", [
-    "strategy.name=ditto",  # two private loops per message, the proximal term after the noise
-    "strategy.name=fedbabu",  # a frozen head, and fine-tuning before each evaluation
-    "strategy.name=pfedck",  # a pair of models in one loop
-    "strategy.name=fedmd data.public_fraction=0.2",  # public pre-training on U, not counted
-    ("strategy.name=cosmos data.public_fraction=0.2 strategy.params.cosmos.weighting=none "
-     "strategy.params.cosmos.server_model=mlp strategy.params.cosmos.server_epochs=1"),
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        "strategy.name=ditto",  # two private loops per message, the proximal term after the noise
+        "strategy.name=fedbabu",  # a frozen head, and fine-tuning before each evaluation
+        "strategy.name=pfedck",  # a pair of models in one loop
+        "strategy.name=fedmd data.public_fraction=0.2",  # public pre-training on U, not counted
+        (
+            "strategy.name=cosmos data.public_fraction=0.2 strategy.params.cosmos.weighting=none "
+            "strategy.params.cosmos.server_model=mlp strategy.params.cosmos.server_epochs=1"
+        ),
+    ],
+)
 def test_strategies_run_in_process_with_a_growing_epsilon(tmp_path, overrides):
     import server_app
     from fedapps.flower.inprocess import InProcessGrid

@@ -29,7 +29,9 @@ def test_lines_without_a_terminal_carry_done_total_and_the_eta_of_the_runs_that_
     p.close()
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("[1/3] a seed 0: already complete (elapsed 0s, ETA ?")
-    assert line == lines[2] and line.startswith("[3/3] a seed 2: running (elapsed 10s, ETA 10s)")  # one run left at 10 s
+    assert line == lines[2] and line.startswith(
+        "[3/3] a seed 2: running (elapsed 10s, ETA 10s)"
+    )  # one run left at 10 s
     assert "\r" not in out.getvalue() and "runs" not in out.getvalue()  # no bar in a log or a pipe
 
 

@@ -1,4 +1,5 @@
-"""The deployed-model evaluation protocol (docs/evaluation.md), owned by fedapps/server/evaluation.py for every strategy.
+"""The deployed-model evaluation protocol (docs/evaluation.md), owned by fedapps/server/evaluation.py for every
+strategy.
 
 - every strategy's deployed model, checked on a 2-client toy against a hand computation from the server's and
   the clients' state right after the round it belongs to (the number must be that model on the client's test
@@ -27,9 +28,6 @@ from fedapps.client.worker import STATE_MODEL, Worker, optim_settings, part_name
 from fedapps.config import load_config
 from fedapps.data import get_federation
 from fedapps.flower.inprocess import InProcessGrid
-from fedapps.server.driver import RoundDriver
-from fedapps.server.evaluation import EvaluationProtocol, with_evaluations
-from fedapps.server.rounds import Measurement, RoundLog
 from fedapps.models import build_model
 from fedapps.reporting.results import (
     FileSink,
@@ -41,26 +39,56 @@ from fedapps.reporting.results import (
     summarise,
 )
 from fedapps.seeds import derive_seed
+from fedapps.server.driver import RoundDriver
+from fedapps.server.evaluation import EvaluationProtocol, with_evaluations
+from fedapps.server.rounds import Measurement, RoundLog
+from fedapps.server.sampling import sample_ids
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies import STRATEGIES, RunContext, resolve
-from fedapps.server.sampling import sample_ids
 from strategies.base import DeployedModel
 from strategies.fedbabu import FINETUNE
 
 CLIENTS = 2
 SHAPE, CLASSES = (1, 8, 8), 10
 # the table of docs/evaluation.md, by where the deployed model lives
-SOURCES = {"fedavg": "message", "fedprox": "message", "feduv": "message", "ifca": "message", "cfl": "message", "cwfedavg": "message",
-           "fedper": "message", "fedrep": "message", "fedbabu": "message", "local": "client", "fedamp": "client",
-           "ditto": "client", "fedfomo": "client", "fedmd": "client", "fedct": "client", "comet": "client",
-           "cosmos": "server", "fednh": "message", "pfedhn": "message", "fedselect": "message", "pfedck": "client"}
-SMALL = {"cosmos": ["server_model=mlp", "pretrain_epochs=1", "server_epochs=1", "distill_epochs=1"],
-         "fedmd": ["pretrain_epochs=1", "distill_epochs=1"], "fedct": ["pretrain_epochs=1", "distill_epochs=1"],
-         "comet": ["pretrain_epochs=1", "distill_epochs=1", "clusters=2"], "fedrep": ["head_epochs=1"],
-         "fedbabu": ["finetune_epochs=2"], "ifca": ["clusters=2"], "cfl": ["warmup_rounds=1"],
-         "fedfomo": ["candidates=1"], "fedamp": ["lam=0.01"],  # fedamp: λ/α_K = 1 (lr·λ/α_K < 2)
-         "fednh": ["finetune_epochs=2"], "fedselect": ["grow_every=1"]}
+SOURCES = {
+    "fedavg": "message",
+    "fedprox": "message",
+    "feduv": "message",
+    "ifca": "message",
+    "cfl": "message",
+    "cwfedavg": "message",
+    "fedper": "message",
+    "fedrep": "message",
+    "fedbabu": "message",
+    "local": "client",
+    "fedamp": "client",
+    "ditto": "client",
+    "fedfomo": "client",
+    "fedmd": "client",
+    "fedct": "client",
+    "comet": "client",
+    "cosmos": "server",
+    "fednh": "message",
+    "pfedhn": "message",
+    "fedselect": "message",
+    "pfedck": "client",
+}
+SMALL = {
+    "cosmos": ["server_model=mlp", "pretrain_epochs=1", "server_epochs=1", "distill_epochs=1"],
+    "fedmd": ["pretrain_epochs=1", "distill_epochs=1"],
+    "fedct": ["pretrain_epochs=1", "distill_epochs=1"],
+    "comet": ["pretrain_epochs=1", "distill_epochs=1", "clusters=2"],
+    "fedrep": ["head_epochs=1"],
+    "fedbabu": ["finetune_epochs=2"],
+    "ifca": ["clusters=2"],
+    "cfl": ["warmup_rounds=1"],
+    "fedfomo": ["candidates=1"],
+    "fedamp": ["lam=0.01"],  # fedamp: λ/α_K = 1 (lr·λ/α_K < 2)
+    "fednh": ["finetune_epochs=2"],
+    "fedselect": ["grow_every=1"],
+}
 
 
 def test_every_strategy_declares_its_deployed_model():
@@ -102,7 +130,9 @@ def _fedbabu(s, grid, cid, data, rnd, arch="mlp", state=None):
 
 def _ifca(s, grid, cid, data, rnd):
     """Of the K cluster models, the one of lowest loss on the client's training split (ties: lower k)."""
-    losses = [_evaluate(_tensors(m), SimpleNamespace(test_x=data.train_x, test_y=data.train_y))["loss"] for m in s.models]
+    losses = [
+        _evaluate(_tensors(m), SimpleNamespace(test_x=data.train_x, test_y=data.train_y))["loss"] for m in s.models
+    ]
     return _evaluate(_tensors(s.models[int(np.argmin(losses))]), data)
 
 
@@ -130,8 +160,10 @@ HAND = {  # strategy -> (strategy, grid, client id, its data, round) -> its depl
     "cosmos": lambda s, g, c, d, r: _evaluate(s.models[s.cluster_of[c]].state_dict(), d),
     "pfedhn": lambda s, g, c, d, r: _evaluate(_tensors(s.generated(c)), d),  # the MLP has no buffers
     "fedselect": _fedselect,
-    **{name: (lambda s, g, c, d, r: _evaluate(_private(g, c), d))
-       for name in ("local", "fedamp", "ditto", "fedfomo", "fedmd", "fedct", "comet", "pfedck")},
+    **{
+        name: (lambda s, g, c, d, r: _evaluate(_private(g, c), d))
+        for name in ("local", "fedamp", "ditto", "fedfomo", "fedmd", "fedct", "comet", "pfedck")
+    },
 }
 
 
@@ -141,10 +173,24 @@ def test_deployed_model_of_every_strategy_on_a_two_client_toy(name):
     message) is the evaluation of the model the table defines, computed by hand from the state right after round
     r; a number taken at another point (after training, before the server step, after the next digest) differs."""
     assert sorted(HAND) == sorted(STRATEGIES)
-    cfg = load_config(None, " ".join([
-        f"strategy.name={name}", "rounds=2", "data.source=digits", "data.partition=pathological",
-        f"data.num_clients={CLIENTS}", "data.public_fraction=0.2", "model.name=mlp", "client.epochs=1",
-        "client.batch_size=32", "client.lr=0.05", *(f"strategy.params.{name}.{kv}" for kv in SMALL.get(name, []))]))
+    cfg = load_config(
+        None,
+        " ".join(
+            [
+                f"strategy.name={name}",
+                "rounds=2",
+                "data.source=digits",
+                "data.partition=pathological",
+                f"data.num_clients={CLIENTS}",
+                "data.public_fraction=0.2",
+                "model.name=mlp",
+                "client.epochs=1",
+                "client.batch_size=32",
+                "client.lr=0.05",
+                *(f"strategy.params.{name}.{kv}" for kv in SMALL.get(name, [])),
+            ]
+        ),
+    )
     resolved = resolve(cfg)
     cfg = resolved.config(cfg)
     fed = get_federation(dataclasses.asdict(cfg.data))
@@ -178,7 +224,11 @@ def test_deployed_model_of_every_strategy_on_a_two_client_toy(name):
 def test_evaluations_are_placed_before_training_and_after_it():
     ifca = STRATEGIES["ifca"].deployed
     assert with_evaluations(["select-model", "train"], ifca, True) == [
-        "select-model", "evaluate:deployed", "train", "evaluate:after"]
+        "select-model",
+        "evaluate:deployed",
+        "train",
+        "evaluate:after",
+    ]
     assert with_evaluations(["select-model", "train"], ifca, False) == ["select-model", "train", "evaluate:after"]
     babu = STRATEGIES["fedbabu"].deployed
     assert with_evaluations(["train"], babu, True) == ["evaluate-finetuned:deployed", "train", "evaluate:after"]
@@ -190,8 +240,14 @@ def test_evaluations_are_placed_before_training_and_after_it():
 
 
 def _metrics(cid, tag, correct, n, loss=1.0):
-    return {protocol.CLIENT_ID: cid, protocol.NUM_EXAMPLES: 50, f"{tag}-acc": correct / n, f"{tag}-loss": loss,
-            f"{tag}-n": n, f"{tag}-correct": correct}
+    return {
+        protocol.CLIENT_ID: cid,
+        protocol.NUM_EXAMPLES: 50,
+        f"{tag}-acc": correct / n,
+        f"{tag}-loss": loss,
+        f"{tag}-n": n,
+        f"{tag}-correct": correct,
+    }
 
 
 def test_acc_mean_and_acc_weighted_against_hand_built_replies():
@@ -235,7 +291,9 @@ def test_headline_is_the_deployed_models_after_the_last_round_not_the_best(tmp_p
     sink.on_round(RoundLog(1, list(after), 10, 10))
     best = [_reply(0, _metrics(0, "deployed", 10, 10)), _reply(1, _metrics(1, "deployed", 30, 30))]
     last = [_reply(0, _metrics(0, "deployed", 4, 10)), _reply(1, _metrics(1, "deployed", 3, 30))]
-    sink.on_round(RoundLog(2, list(after), 10, 10, measurements=[Measurement(1, best), Measurement(2, last, final=True)]))
+    sink.on_round(
+        RoundLog(2, list(after), 10, 10, measurements=[Measurement(1, best), Measurement(2, last, final=True)])
+    )
     summary = sink.summary(1.0)
     assert summary["protocol"] == "deployed-model" and summary["final_round"] == 2
     assert summary["accuracy_mean"] == pytest.approx((0.4 + 0.1) / 2)
@@ -251,8 +309,11 @@ def test_headline_is_the_deployed_models_after_the_last_round_not_the_best(tmp_p
 def test_cosmos_headline_is_its_cluster_models_on_hand_built_replies(tmp_path):
     """The evaluation-only message after the last round carries h_π(i) to every clustered client (none to a client
     in no cluster); the headline is the mean / weighted accuracy of those replies, never the own models'."""
-    cfg = load_config(None, "strategy.name=cosmos rounds=1 data.source=digits data.num_clients=4 "
-                            "data.public_fraction=0.2 model.name=mlp run_name=t strategy.params.cosmos.server_model=mlp")
+    cfg = load_config(
+        None,
+        "strategy.name=cosmos rounds=1 data.source=digits data.num_clients=4 "
+        "data.public_fraction=0.2 model.name=mlp run_name=t strategy.params.cosmos.server_model=mlp",
+    )
     resolved = resolve(cfg)
     cfg = resolved.config(cfg)
     s = resolved.build(cfg)
@@ -274,10 +335,18 @@ def test_cosmos_headline_is_its_cluster_models_on_hand_built_replies(tmp_path):
                 own = s.models[s.cluster_of[cid]].state_dict()
                 assert all(torch.equal(sent[k], own[k]) for k in own)  # h_π(i), and only for evaluation
                 n = int(fed.test_counts[cid].sum())
-                metrics = {"deployed-acc": correct[cid] / n, "deployed-loss": 1.0, "deployed-n": n,
-                           "deployed-correct": correct[cid]}
-                content = protocol.Reply(cid, int(fed.train_counts[cid].sum()), metrics,
-                                         info=protocol.ReplyInfo(arch="mlp", fingerprint=fed.fingerprint)).encode()
+                metrics = {
+                    "deployed-acc": correct[cid] / n,
+                    "deployed-loss": 1.0,
+                    "deployed-n": n,
+                    "deployed-correct": correct[cid],
+                }
+                content = protocol.Reply(
+                    cid,
+                    int(fed.train_counts[cid].sum()),
+                    metrics,
+                    info=protocol.ReplyInfo(arch="mlp", fingerprint=fed.fingerprint),
+                ).encode()
                 out.append(Message(content=content, reply_to=msg))
             return out
 
@@ -302,8 +371,11 @@ def test_cosmos_headline_is_its_cluster_models_on_hand_built_replies(tmp_path):
 def sampled_clients(seed: int, node_ids: list[int], rounds: int = 4) -> tuple[list[list[int]], InProcessGrid]:
     """The CLIENT ids a fedavg strategy samples in ``rounds`` draws (5 of 20) on an in-process grid whose node
     ``node_ids[i]`` serves client i."""
-    cfg = load_config(None, f"seed={seed} data.source=digits data.num_clients=20 model.name=mlp client.device=cpu "
-                            "strategy.fraction=0.25 strategy.min_clients=2")
+    cfg = load_config(
+        None,
+        f"seed={seed} data.source=digits data.num_clients=20 model.name=mlp client.device=cpu "
+        "strategy.fraction=0.25 strategy.min_clients=2",
+    )
     s = STRATEGIES["fedavg"](cfg)
     grid = InProcessGrid(20, node_ids=node_ids, record=True)
     client_of = {n: int(c.node_config["partition-id"]) for n, c in grid.contexts.items()}
@@ -360,8 +432,11 @@ def test_sample_ids_is_seeded():
 
 # regression: exit 0 with wrong or empty results
 def test_partial_participation_reaches_every_sampled_node_with_large_ids(tiny_config, tmp_path):
-    cfg = tiny_config(rounds=2, strategy={"name": "fedavg", "fraction": 0.25, "min_clients": 1},
-                      data={"source": "digits", "partition": "iid", "num_clients": 12})
+    cfg = tiny_config(
+        rounds=2,
+        strategy={"name": "fedavg", "fraction": 0.25, "min_clients": 1},
+        data={"source": "digits", "partition": "iid", "num_clients": 12},
+    )
     grid = InProcessGrid(12, first_node_id=2**63 - 6, record=True)  # ids on both sides of 2**63
     _, out = run_in_process(cfg, tmp_path / "out", grid)
     k = math.ceil(0.25 * 12)
@@ -379,10 +454,14 @@ def worker_message(ops_list, training, client=None):
     settings and ``client`` over the config's client settings."""
     grid = InProcessGrid(2)
     cfg = load_config(None, "data.source=digits data.num_clients=2 model.name=mlp client.device=cpu")
-    setup = protocol.Setup(data=dataclasses.asdict(cfg.data), model=protocol.ModelSpec("mlp", 0),
-                           client={**dataclasses.asdict(cfg.client), **(client or {})})
-    return grid, protocol.build_message(100, protocol.Request(ops=tuple(ops_list), round=1, setup=setup,
-                                                              training=training))
+    setup = protocol.Setup(
+        data=dataclasses.asdict(cfg.data),
+        model=protocol.ModelSpec("mlp", 0),
+        client={**dataclasses.asdict(cfg.client), **(client or {})},
+    )
+    return grid, protocol.build_message(
+        100, protocol.Request(ops=tuple(ops_list), round=1, setup=setup, training=training)
+    )
 
 
 @pytest.mark.parametrize("op", ["evaluate", "evaluate-finetuned", "evaluate-received"])
@@ -391,8 +470,11 @@ def test_every_evaluation_reads_the_workers_evaluation_split(op, monkeypatch):
     evaluation operation measures: none reads the test split by another way."""
     model = build_model("mlp", CLASSES, SHAPE, seed=0)
     eval_arrays = protocol.arrays_record({k: v.numpy() for k, v in model.state_dict().items()})
-    grid, msg = worker_message([f"{op}:deployed"], protocol.Training(sections={FINETUNE: protocol.Section(epochs=1)}),
-                               client={"batch_size": 16})
+    grid, msg = worker_message(
+        [f"{op}:deployed"],
+        protocol.Training(sections={FINETUNE: protocol.Section(epochs=1)}),
+        client={"batch_size": 16},
+    )
     if op == "evaluate-received":
         msg.content[protocol.EVAL_ARRAYS] = eval_arrays
     probe = Worker(msg, grid.contexts[100])
@@ -408,11 +490,19 @@ def test_no_module_reads_the_test_split_but_the_worker_accessor():
 
     root = Path(__file__).resolve().parent.parent
     readers = []
-    for path in [*root.glob("strategies/*.py"), *root.glob("fedapps/*.py"), *root.glob("fedapps/*/*.py"), root / "client_app.py", root / "server_app.py"]:
+    for path in [
+        *root.glob("strategies/*.py"),
+        *root.glob("fedapps/*.py"),
+        *root.glob("fedapps/*/*.py"),
+        root / "client_app.py",
+        root / "server_app.py",
+    ]:
         text = path.read_text()
         if "test_x" in text or "test_y" in text:
             readers.append(path.relative_to(root).as_posix())
-    assert [r for r in readers if not r.startswith("fedapps/data/")] == ["fedapps/client/worker.py"], readers  # fedapps/data builds the split; the worker's eval_x reads it
+    assert [r for r in readers if not r.startswith("fedapps/data/")] == ["fedapps/client/worker.py"], (
+        readers
+    )  # fedapps/data builds the split; the worker's eval_x reads it
     worker = (root / "fedapps" / "client" / "worker.py").read_text()
     assert worker.count("self.data.test_x") == 1 and worker.count("self.data.test_y") == 1
 
@@ -420,21 +510,24 @@ def test_no_module_reads_the_test_split_but_the_worker_accessor():
 def test_final_evaluation_reaches_every_client_in_batches_of_a_cohort():
     """fraction 0.25 of 8 clients: the evaluation-only phase asks all 8, two at a time (the server never holds more
     messages than a training round's), and files one measurement of all 8."""
-    cfg = load_config(None, "data.source=digits data.num_clients=8 model.name=mlp client.device=cpu "
-                            "strategy.fraction=0.25 strategy.min_clients=1")
+    cfg = load_config(
+        None,
+        "data.source=digits data.num_clients=8 model.name=mlp client.device=cpu "
+        "strategy.fraction=0.25 strategy.min_clients=1",
+    )
     s = STRATEGIES["fedavg"](cfg)
     grid = InProcessGrid(8, record=True)
     batches = []
     send = grid.send_and_receive
-    grid.send_and_receive = lambda messages, timeout=None: (batches.append(len(list(messages))) or
-                                                             send(messages, timeout=timeout))
+    grid.send_and_receive = lambda messages, timeout=None: (
+        batches.append(len(list(messages))) or send(messages, timeout=timeout)
+    )
     entry = RoundLog(1, [], 0, 0)
     EvaluationProtocol(s).final_evaluation(grid, 1, 60.0, entry)
     assert batches == [2, 2, 2, 2]
     (m,) = entry.measurements
     assert m.final and sorted(r.client_id for r in m.replies) == list(range(8))
     assert entry.eval_bytes_down > 0 and entry.eval_bytes_up > 0
-
 
 
 def test_evaluation_ops_file_their_tags_where_the_validator_reads_them():
@@ -444,16 +537,23 @@ def test_evaluation_ops_file_their_tags_where_the_validator_reads_them():
     from fedapps.wire import protocol
     from fedapps.wire.validation import eval_tags_of
 
-    assert protocol.EVALUATION_TAGS["evaluate"] == "eval" and protocol.EVALUATION_TAGS["evaluate-received"] == "received"
+    assert (
+        protocol.EVALUATION_TAGS["evaluate"] == "eval" and protocol.EVALUATION_TAGS["evaluate-received"] == "received"
+    )
     client_op("evaluate-made-up-here", default_tag="madeup")(lambda w, tag: None)
     try:
         assert eval_tags_of(["train", "evaluate", "evaluate-made-up-here", "evaluate:deployed", "evaluate"]) == (
-            "eval", "madeup", "deployed")
+            "eval",
+            "madeup",
+            "deployed",
+        )
     finally:
         from fedapps.client.clientops import OPERATIONS
 
         OPERATIONS.pop("evaluate-made-up-here")
         protocol.EVALUATION_TAGS.pop("evaluate-made-up-here")
+
+
 def test_a_strategy_is_freed_when_dropped_after_its_run():
     """The services a strategy holds (nodes, replies, history) hold nothing of it, and the round driver and the
     evaluation protocol hold the strategy, not the reverse: without a reference cycle a dropped strategy (and its

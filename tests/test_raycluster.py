@@ -61,9 +61,11 @@ def test_cluster_env_sets_or_removes_ray_address():
 
 
 def test_actors_per_node_counts_each_node_by_its_own_resources():
-    nodes = [{"node_id": "a", "alive": True, "cpus": 4, "gpus": 1},
-             {"node_id": "b", "alive": True, "cpus": 3, "gpus": 0},
-             {"node_id": "c", "alive": False, "cpus": 64, "gpus": 8}]
+    nodes = [
+        {"node_id": "a", "alive": True, "cpus": 4, "gpus": 1},
+        {"node_id": "b", "alive": True, "cpus": 3, "gpus": 0},
+        {"node_id": "c", "alive": False, "cpus": 64, "gpus": 8},
+    ]
     assert raycluster.actors_per_node(nodes, 1, 0) == {"a": 4, "b": 3}
     assert raycluster.actors_per_node(nodes, 2, 0) == {"a": 2, "b": 1}  # ⌊3/2⌋ on b, not ⌊7/2⌋ pooled
     assert raycluster.actors_per_node(nodes, 1.5, 0) == {"a": 2, "b": 2}
@@ -76,8 +78,9 @@ def test_actors_per_node_counts_each_node_by_its_own_resources():
 
 def test_client_resources_from_options_or_raw_federation_config():
     assert raycluster.client_resources("", 1, 0.25) == (1.0, 0.25)
-    assert raycluster.client_resources("num-supernodes=4 client-resources-num-cpus=3 client-resources-num-gpus=0.5",
-                                       1, 0) == (3.0, 0.5)
+    assert raycluster.client_resources(
+        "num-supernodes=4 client-resources-num-cpus=3 client-resources-num-gpus=0.5", 1, 0
+    ) == (3.0, 0.5)
     assert raycluster.client_resources("num-supernodes=4", 1, 0) == (2.0, 0.0)  # Flower's own defaults
     with pytest.raises(RayClusterError, match="client-resources-num-cpus"):
         raycluster.client_resources("client-resources-num-cpus=two", 1, 0)
@@ -85,15 +88,24 @@ def test_client_resources_from_options_or_raw_federation_config():
 
 def test_runs_per_node_from_actor_table_and_timeline():
     a1, a2, other = "11" * 16, "22" * 16, "33" * 16
-    actors = {a1: {"ActorClassName": "ClientAppActor", "JobID": "01000000", "Address": {"NodeID": "head"}},
-              a2: {"ActorClassName": "ClientAppActor", "JobID": "01000000", "Address": {"NodeID": "worker"}},
-              other: {"ActorClassName": "SomethingElse", "JobID": "01000000", "Address": {"NodeID": "worker"}}}
+    actors = {
+        a1: {"ActorClassName": "ClientAppActor", "JobID": "01000000", "Address": {"NodeID": "head"}},
+        a2: {"ActorClassName": "ClientAppActor", "JobID": "01000000", "Address": {"NodeID": "worker"}},
+        other: {"ActorClassName": "SomethingElse", "JobID": "01000000", "Address": {"NodeID": "worker"}},
+    }
 
     def ev(actor, cat="task::ClientAppActor.run"):
         return {"cat": cat, "name": "run", "args": {"task_id": "ab" * 8 + actor}}
 
-    timeline = [ev(a1), ev(a1), ev(a2), ev(a1, "task:execute"), ev(other, "task::SomethingElse.run"), ev(other),
-                {"cat": "task::ClientAppActor.run", "args": {}}]
+    timeline = [
+        ev(a1),
+        ev(a1),
+        ev(a2),
+        ev(a1, "task:execute"),
+        ev(other, "task::SomethingElse.run"),
+        ev(other),
+        {"cat": "task::ClientAppActor.run", "args": {}},
+    ]
     assert raycluster.runs_per_node(actors, timeline) == {"01000000": {"head": 2, "worker": 1}}
 
 
@@ -146,8 +158,15 @@ def test_option_combinations_that_cannot_work(tiny_config, capsys, no_flower):
     assert rc == 2 and "--superlink" in err, err
     rc, err, _ = _cli(capsys, "run", cfg, "--ray-address", "127.0.0.1:6379", "--engine", "inprocess")
     assert rc == 2 and "--engine flower" in err, err
-    rc, err, _ = _cli(capsys, "run", cfg, "--ray-address", "127.0.0.1:6379",
-                      "--federation-config", "num-supernodes=4 init-args-num-cpus=2")
+    rc, err, _ = _cli(
+        capsys,
+        "run",
+        cfg,
+        "--ray-address",
+        "127.0.0.1:6379",
+        "--federation-config",
+        "num-supernodes=4 init-args-num-cpus=2",
+    )
     assert rc == 2 and "init-args-num-cpus" in err, err
 
 
@@ -186,8 +205,9 @@ class RayNode:
         self.log = self.temp.parent / f"{self.temp.name}.log"  # beside the temp dir: Ray owns the folder
         cmd = [str(BIN / "ray"), "start", "--block", "--temp-dir", str(self.temp), *args]
         with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         self.owned: dict[int, int] = {}
 
     def wait_ready(self, timeout: float) -> bool:
@@ -235,21 +255,49 @@ def two_node_cluster():
     if not (BIN / "ray").exists() or not (BIN / "flower-superlink").exists():
         pytest.skip(f"ray / flower-superlink are not installed next to {sys.executable}")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1",  # 0 (the offline default) forbids a second node
-               RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1")
+    env.update(
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1",  # 0 (the offline default) forbids a second node
+        RAY_USAGE_STATS_ENABLED="0",
+        OMP_NUM_THREADS="1",
+    )
 
     def common_args() -> list[str]:  # each node its own ports (two raylets share one machine)
-        return ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--num-gpus", "0", "--disable-usage-stats",
-                *_ports("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
-                        "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")]
+        return [
+            "--node-ip-address",
+            "127.0.0.1",
+            "--num-cpus",
+            "1",
+            "--num-gpus",
+            "0",
+            "--disable-usage-stats",
+            *_ports(
+                "node-manager-port",
+                "object-manager-port",
+                "dashboard-agent-listen-port",
+                "dashboard-agent-grpc-port",
+                "runtime-env-agent-port",
+                "metrics-export-port",
+            ),
+        ]
 
     port = cli.free_port()
     address = f"127.0.0.1:{port}"
     nodes: list[RayNode] = []
     started = False  # False: a node failed to come up (its temp dir and log are kept for a look)
     try:
-        head = RayNode("rayhead", ["--head", "--port", str(port), "--include-dashboard", "false",
-                                   *_ports("ray-client-server-port", "dashboard-port"), *common_args()], env)
+        head = RayNode(
+            "rayhead",
+            [
+                "--head",
+                "--port",
+                str(port),
+                "--include-dashboard",
+                "false",
+                *_ports("ray-client-server-port", "dashboard-port"),
+                *common_args(),
+            ],
+            env,
+        )
         nodes.append(head)
         if not head.wait_ready(90):
             pytest.skip(f"Ray cannot start a head node here:\n{head.log_tail()}")
@@ -276,16 +324,35 @@ def test_simulation_runs_on_both_nodes_of_a_two_node_ray_cluster(two_node_cluste
     cfg = tiny_config(rounds=2, run_name="raycluster", data={"num_clients": 4})
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # only the option names the cluster
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--ray-address", address,
-                           "--cpus-per-client", "1", "--output-dir", str(tmp_path / "res"), "--quiet"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedapps_tools.cli",
+            "run",
+            str(cfg),
+            "--ray-address",
+            address,
+            "--cpus-per-client",
+            "1",
+            "--output-dir",
+            str(tmp_path / "res"),
+            "--quiet",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     head.note()
     worker.note()
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     # the CLI saw both nodes and sized the pool per node: 1 CPU per client on two 1-CPU nodes
-    assert re.search(r"Ray cluster 127\.0\.0\.1:\d+ \(from --ray-address.*2 nodes alive, 2 CPUs.*-> 2 clients at once",
-                     out), out[-3000:]
+    assert re.search(
+        r"Ray cluster 127\.0\.0\.1:\d+ \(from --ray-address.*2 nodes alive, 2 CPUs.*-> 2 clients at once", out
+    ), out[-3000:]
     rows = read_csv(tmp_path / "res" / "raycluster" / "rounds.csv")
     assert [r["clients"] for r in rows] == [4, 4]
     pid = int(re.search(r"^SuperLink 127\.0\.0\.1:\d+ \(pid (\d+)", proc.stdout, re.M).group(1))
@@ -302,6 +369,7 @@ def test_simulation_runs_on_both_nodes_of_a_two_node_ray_cluster(two_node_cluste
     assert len(doc["runs"]) == 1, doc["runs"]  # one simulation (one Ray job) ran ClientApps on this cluster
     per_node = next(iter(doc["runs"].values()))
     assert set(per_node) <= {head_id, worker_id}, per_node
-    assert per_node.get(head_id, 0) >= 1 and per_node.get(worker_id, 0) >= 1, \
+    assert per_node.get(head_id, 0) >= 1 and per_node.get(worker_id, 0) >= 1, (
         f"ClientApp messages per node: {json.dumps(per_node)} (head {head_id[:8]}, worker {worker_id[:8]})"
+    )
     assert sum(per_node.values()) >= 2 * 4, per_node  # every client trained in each of the 2 rounds

@@ -22,11 +22,25 @@ TIMING = ("wall_seconds", "server_seconds", "client_seconds")  # measured durati
 
 CONFIGS = {
     "fedavg": {"rounds": 4, "strategy": {"name": "fedavg", "fraction": 0.5}},  # sampling: the RNG is restored
-    "cwfedavg": {"rounds": 4, "strategy": {"name": "cwfedavg", "fraction": 0.75}, "data": {"partition": "pathological", "classes_per_client": 3}},
+    "cwfedavg": {
+        "rounds": 4,
+        "strategy": {"name": "cwfedavg", "fraction": 0.75},
+        "data": {"partition": "pathological", "classes_per_client": 3},
+    },
     "cosmos": {
         "rounds": 4,
-        "strategy": {"name": "cosmos", "params": {"cosmos": {
-            "server_model": "cnn", "pretrain_epochs": 1, "server_epochs": 1, "distill_epochs": 1, "eval_every": 1}}},
+        "strategy": {
+            "name": "cosmos",
+            "params": {
+                "cosmos": {
+                    "server_model": "cnn",
+                    "pretrain_epochs": 1,
+                    "server_epochs": 1,
+                    "distill_epochs": 1,
+                    "eval_every": 1,
+                }
+            },
+        },
         "data": {"public_fraction": 0.2},
         "model": {"name": "mlp", "per_client": ["mlp", "cnn"]},
     },
@@ -100,8 +114,17 @@ def test_sigkill_after_round_two_then_resume_equals_uninterrupted(strategy, tmp_
     assert all(r["acc_mean"] != "" for r in got)
     a = json.loads((full_dir / "summary.json").read_text())
     b = json.loads((run_dir / "summary.json").read_text())
-    for key in ("accuracy_mean", "accuracy_weighted", "accuracy_mean_last5", "rounds", "bytes_up", "bytes_down",
-                "messages_sent", "messages_answered", "usable_replies"):
+    for key in (
+        "accuracy_mean",
+        "accuracy_weighted",
+        "accuracy_mean_last5",
+        "rounds",
+        "bytes_up",
+        "bytes_down",
+        "messages_sent",
+        "messages_answered",
+        "usable_replies",
+    ):
         assert b[key] == a[key], key
     assert {k: v for k, v in b.items() if "accuracy" in k} == {k: v for k, v in a.items() if "accuracy" in k}
     if strategy == "cosmos":
@@ -160,10 +183,21 @@ def test_checkpoint_arrays_round_trip_as_numpy_and_are_written_as_tensors(tmp_pa
 
     from fedapps import checkpoint
 
-    holder = ArrayHolder({"w": np.arange(12, dtype=np.float32).reshape(3, 4), "t": np.arange(6).reshape(2, 3).T,
-                          "h": np.ones(3, np.float16), "b": np.array([True, False]), "s": np.array(["x", "yz"]),
-                          "u": np.array([2**63 + 5], np.uint64)})
-    state = {"holder": holder, "rows": [np.zeros((2, 2), np.float64)], "rng": np.random.default_rng(3).bit_generator.state}
+    holder = ArrayHolder(
+        {
+            "w": np.arange(12, dtype=np.float32).reshape(3, 4),
+            "t": np.arange(6).reshape(2, 3).T,
+            "h": np.ones(3, np.float16),
+            "b": np.array([True, False]),
+            "s": np.array(["x", "yz"]),
+            "u": np.array([2**63 + 5], np.uint64),
+        }
+    )
+    state = {
+        "holder": holder,
+        "rows": [np.zeros((2, 2), np.float64)],
+        "rng": np.random.default_rng(3).bit_generator.state,
+    }
     path = tmp_path / "c.pt"
     checkpoint.atomic_save(state, path)
     back = checkpoint.load(path)
@@ -209,8 +243,11 @@ def test_row_files_write_changed_rows_only_and_keep_the_committed_version(tmp_pa
 
 # --------------------------------------------------------------------------- through `flwr run`
 
-FLOWER = {"rounds": 6, "strategy": {"name": "cwfedavg", "fraction": 0.75},
-          "data": {"partition": "pathological", "classes_per_client": 3}}
+FLOWER = {
+    "rounds": 6,
+    "strategy": {"name": "cwfedavg", "fraction": 0.75},
+    "data": {"partition": "pathological", "classes_per_client": 3},
+}
 
 
 class FlowerRun:
@@ -221,8 +258,14 @@ class FlowerRun:
         import threading
 
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "fedapps_tools.cli", "run", str(config), "--quiet", *args],
-                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fedapps_tools.cli", "run", str(config), "--quiet", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self.reader.start()
@@ -293,6 +336,7 @@ def test_an_interrupted_flwr_run_resumes_to_the_uninterrupted_rounds(how, flower
             if st is not None and (ticks is None or st[1] == ticks):
                 os.kill(pid, signal.SIGKILL)
         run.wait(60)
+
     def alive() -> list[int]:
         return [pid for pid, ticks in started.items() if (_proc_stat(pid) or (0, -1))[1] == ticks]
 

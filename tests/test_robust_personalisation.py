@@ -30,22 +30,35 @@ from strategies.pfedhn import HyperNetwork, accumulate_delta_gradient, client_gr
 
 InProcessGrid(1)  # sets Flower's task identity, which Message() needs outside Flower's runtime
 
-TINY = ["data.source=digits", "model.name=mlp", "data.num_clients=3", "data.public_fraction=0.2", "rounds=1",
-        "client.epochs=1"]
+TINY = [
+    "data.source=digits",
+    "model.name=mlp",
+    "data.num_clients=3",
+    "data.public_fraction=0.2",
+    "rounds=1",
+    "client.epochs=1",
+]
 
 
 def build(strategy: str, *params: str, extra: tuple[str, ...] = ()):
-    cfg = load_config(None, [f"strategy.name={strategy}", *TINY, *extra,
-                             *(f"strategy.params.{strategy}.{p}" for p in params)])
+    cfg = load_config(
+        None, [f"strategy.name={strategy}", *TINY, *extra, *(f"strategy.params.{strategy}.{p}" for p in params)]
+    )
     resolved = resolve(cfg)
     cfg = resolved.config(cfg)
     return resolved.build(cfg)
 
 
 def reply(node: int, client: int, arrays=None, predictions=None, metrics=None, n: int = 10) -> ClientReply:
-    return ClientReply(node_id=node, client_id=client, num_examples=n, metrics=dict(metrics or {}), arrays=arrays,
-                       predictions=None if predictions is None else {protocol.PREDICTION_ARRAY: predictions},
-                       info={})
+    return ClientReply(
+        node_id=node,
+        client_id=client,
+        num_examples=n,
+        metrics=dict(metrics or {}),
+        arrays=arrays,
+        predictions=None if predictions is None else {protocol.PREDICTION_ARRAY: predictions},
+        info={},
+    )
 
 
 # ----------------------------------------------------------------------- fedapps.server.robust: clipping to the median
@@ -63,9 +76,11 @@ def test_median_bound_is_factor_times_the_median():
 
 def test_clip_to_median_by_hand():
     ref = [{"w": np.array([1.0, 1.0], np.float32), "n": np.array(7)} for _ in range(3)]
-    ups = [{"w": np.array([4.0, 5.0], np.float32), "n": np.array(9)},  # update (3, 4): norm 5
-           {"w": np.array([1.0, 2.0], np.float32), "n": np.array(9)},  # (0, 1): norm 1
-           {"w": np.array([1.0, 3.0], np.float32), "n": np.array(9)}]  # (0, 2): norm 2
+    ups = [
+        {"w": np.array([4.0, 5.0], np.float32), "n": np.array(9)},  # update (3, 4): norm 5
+        {"w": np.array([1.0, 2.0], np.float32), "n": np.array(9)},  # (0, 1): norm 1
+        {"w": np.array([1.0, 3.0], np.float32), "n": np.array(9)},
+    ]  # (0, 2): norm 2
     out, bound, norms = clip_to_median(ups, ref, 1.0)
     assert norms == [5.0, 1.0, 2.0] and bound == 2.0
     # reference + (bound / norm)·update: (1, 1) + 0.4·(3, 4); a sign error (reference − ...) would give (-0.2, -0.6)
@@ -97,6 +112,7 @@ def test_cwfedavg_median_clip_clips_against_the_model_each_client_was_sent_befor
     np.testing.assert_allclose(stored[1:], sent[2][key][1:], rtol=1e-6)  # the rest is what it was sent
     assert s.stack.get(0, key)[0, 0] == pytest.approx(sent[0][key][0, 0] + 1.0, rel=1e-5)
     from strategies.cwfedavg import row_norm_distribution
+
     # the class estimate is read off the clipped upload, not the one sent
     np.testing.assert_allclose(s.p_hat[s.stack.row_of[2]], row_norm_distribution(stored))
 
@@ -115,9 +131,11 @@ def test_cwfedavg_median_clip_off_keeps_the_upload():
 
 def test_ifca_clips_each_update_against_the_cluster_model_it_chose():
     models = [{"w": np.zeros(2, np.float32)}, {"w": np.full(2, 10.0, np.float32)}]
-    replies = [reply(100, 0, {"w": np.array([1.0, 0.0], np.float32)}, metrics={CHOICE: 0}),  # norm 1 against model 0
-               reply(101, 1, {"w": np.array([12.0, 10.0], np.float32)}, metrics={CHOICE: 1}),  # norm 2 against model 1
-               reply(102, 2, {"w": np.array([0.0, 20.0], np.float32)}, metrics={CHOICE: 0})]  # norm 20 against model 0
+    replies = [
+        reply(100, 0, {"w": np.array([1.0, 0.0], np.float32)}, metrics={CHOICE: 0}),  # norm 1 against model 0
+        reply(101, 1, {"w": np.array([12.0, 10.0], np.float32)}, metrics={CHOICE: 1}),  # norm 2 against model 1
+        reply(102, 2, {"w": np.array([0.0, 20.0], np.float32)}, metrics={CHOICE: 0}),
+    ]  # norm 20 against model 0
     out, extra = clip_choosers(models, replies, 2.0)
     assert extra == {"clip_bound": 4.0, "clipped": 1}
     np.testing.assert_allclose(out[2].arrays["w"], [0.0, 4.0])  # 0 + (4/20)·(0, 20); against model 1 it would differ
@@ -195,8 +213,12 @@ def test_pfedhn_median_clip_steps_as_if_the_long_update_had_been_scaled_by_hand(
 
 def test_clip_to_centre_by_hand():
     centre = np.array([[0.5, 0.5], [0.9, 0.1]])
-    stack = np.array([[[1.0, 0.0], [0.9, 0.1]],      # row 0: L1 1.0 from the centre -> 0.5 of the way
-                      [[0.6, 0.4], [0.0, 1.0]]])     # row 1: L1 1.8 -> scaled by 0.5/1.8
+    stack = np.array(
+        [
+            [[1.0, 0.0], [0.9, 0.1]],  # row 0: L1 1.0 from the centre -> 0.5 of the way
+            [[0.6, 0.4], [0.0, 1.0]],
+        ]
+    )  # row 1: L1 1.8 -> scaled by 0.5/1.8
     out = pseudolabels.clip_to_centre(stack, centre, 0.5)
     np.testing.assert_allclose(out[0, 0], [0.75, 0.25])
     np.testing.assert_allclose(out[0, 1], [0.9, 0.1])  # on the centre: unchanged
@@ -256,14 +278,21 @@ def test_fedmd_robust_consensus_is_what_the_next_messages_carry():
     logits = [rng.normal(size=(n, m)).astype(np.float32) for _ in range(2)]
     hostile = np.full((n, m), -1e4, np.float32)
     hostile[:, 0] = 1e4
-    s.aggregate(1, [reply(100, 0, predictions=logits[0]), reply(101, 1, predictions=logits[1]),
-                    reply(102, 2, predictions=hostile)])
+    s.aggregate(
+        1,
+        [
+            reply(100, 0, predictions=logits[0]),
+            reply(101, 1, predictions=logits[1]),
+            reply(102, 2, predictions=hostile),
+        ],
+    )
     want = (softmax(logits[0]) + softmax(logits[1]) + softmax(hostile)) / 3
     np.testing.assert_allclose(s.consensus, want, rtol=1e-5)
     assert (s.consensus.argmax(1) != 0).any()
     msg = s.round_messages(2, [100])[0]  # digest mae (the default): the log of the consensus
-    np.testing.assert_allclose(protocol.Targets.decode(msg.content[protocol.TARGETS]).values, consensus_logits(want),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        protocol.Targets.decode(msg.content[protocol.TARGETS]).values, consensus_logits(want), rtol=1e-5
+    )
 
 
 # --------------------------------------------------------------------------- COMET's outlier guard
@@ -285,8 +314,9 @@ def test_comet_sets_an_outlier_aside_and_records_it():
     honest = [((base + 0.05 * rng.dirichlet(np.ones(m), size=n)) / 1.05).astype(np.float32) for _ in range(3)]
     hostile = np.zeros((n, m), np.float32)
     hostile[:, 0] = 1.0
-    extra = s.aggregate(1, [reply(100 + i, i, predictions=p) for i, p in enumerate(honest)]
-                        + [reply(103, 3, predictions=hostile)])
+    extra = s.aggregate(
+        1, [reply(100 + i, i, predictions=p) for i, p in enumerate(honest)] + [reply(103, 3, predictions=hostile)]
+    )
     assert extra["set_aside"] == 1 and sorted(s.assignment) == [0, 1, 2]
     assert [x.client_id for x in s.replies.tally.skips] == [3] and "outlier_factor" in s.replies.tally.skips[0].reason
     assert s.round_messages(2, [103])[0].content.get(protocol.TARGETS) is None  # no targets for it next round
@@ -296,8 +326,12 @@ def test_comet_sets_an_outlier_aside_and_records_it():
 
 
 def test_scaled_and_one_hot_rows_by_hand():
-    arrays = {"a.weight": np.ones((2, 3), np.float32), "a.bias": np.ones(2, np.float32),
-              "out.weight": np.arange(6, dtype=np.float32).reshape(3, 2), "steps": np.array(4)}
+    arrays = {
+        "a.weight": np.ones((2, 3), np.float32),
+        "a.bias": np.ones(2, np.float32),
+        "out.weight": np.arange(6, dtype=np.float32).reshape(3, 2),
+        "steps": np.array(4),
+    }
     scaled = faults.scaled(arrays, 10.0)
     assert scaled["a.weight"].dtype == np.float32 and scaled["a.weight"].max() == 10.0 and int(scaled["steps"]) == 4
     rows = faults.one_hot_rows(arrays, 1)
@@ -365,10 +399,13 @@ def test_registry_parses_caps_and_names_the_line_of_a_bad_row():
     assert reg.problem(1, 7) is None and reg.problem(1, 8)  # the '*' row
     strict = parse_registry("client_id,max_num_examples\n0,100\n", "nodes.csv", 3)
     assert "not in the node registry" in strict.problem(1, 1)
-    for text, fragment in [("client,max\n0,1\n", "header must name"), ("client_id,max_num_examples\n0,0\n", "line 2"),
-                           ("client_id,max_num_examples\n3,10\n", "[0, 3)"),
-                           ("client_id,max_num_examples\n1,10\n1,20\n", "listed twice"),
-                           ("client_id,max_num_examples\n1,ten\n", "positive integer")]:
+    for text, fragment in [
+        ("client,max\n0,1\n", "header must name"),
+        ("client_id,max_num_examples\n0,0\n", "line 2"),
+        ("client_id,max_num_examples\n3,10\n", "[0, 3)"),
+        ("client_id,max_num_examples\n1,10\n1,20\n", "listed twice"),
+        ("client_id,max_num_examples\n1,ten\n", "positive integer"),
+    ]:
         with pytest.raises(DataError, match=re.escape(fragment)):
             parse_registry(text, "nodes.csv", 3)
 
@@ -428,34 +465,48 @@ def test_nodes_weight_cap_by_hand():
     assert [nodes_weight_cap(k) for k in (1, 2, 4, 5, 20)] == [0.5, 0.5, 0.5, 0.4, 0.1]
 
 
-@pytest.mark.parametrize("overrides,cap", [
-    (["data.source=nodes", "data.num_clients=5"], 0.4),  # default on under nodes: min(0.5, 2/5)
-    (["data.source=nodes", "data.num_clients=5", "strategy.max_weight_share=0.3"], 0.3),  # a lower one wins
-    (["data.source=nodes", "data.num_clients=20", "strategy.fraction=0.5"], 0.2),  # cohort of 10: 2/10
-    (["data.source=digits", "data.num_clients=5"], 1.0),  # simulation: unchanged
-    (["data.source=nodes", "data.num_clients=5", "data.node_registry=x.csv"], 1.0),  # the registry vouches
-])
+@pytest.mark.parametrize(
+    "overrides,cap",
+    [
+        (["data.source=nodes", "data.num_clients=5"], 0.4),  # default on under nodes: min(0.5, 2/5)
+        (["data.source=nodes", "data.num_clients=5", "strategy.max_weight_share=0.3"], 0.3),  # a lower one wins
+        (["data.source=nodes", "data.num_clients=20", "strategy.fraction=0.5"], 0.2),  # cohort of 10: 2/10
+        (["data.source=digits", "data.num_clients=5"], 1.0),  # simulation: unchanged
+        (["data.source=nodes", "data.num_clients=5", "data.node_registry=x.csv"], 1.0),  # the registry vouches
+    ],
+)
 def test_nodes_weight_cap_is_the_default_where_sizes_are_claims(overrides, cap):
     rule = AggregationRule.for_run(load_config(None, ["strategy.name=fedavg", *overrides]))
     assert rule.max_weight_share == pytest.approx(cap)
 
 
 def test_nodes_weight_cap_leaves_median_alone():
-    cfg = load_config(None, ["strategy.name=fedavg", "data.source=nodes", "data.num_clients=5",
-                             "strategy.aggregation=median"])
+    cfg = load_config(
+        None, ["strategy.name=fedavg", "data.source=nodes", "data.num_clients=5", "strategy.aggregation=median"]
+    )
     assert AggregationRule.for_run(cfg) == AggregationRule.from_config(cfg.strategy)
 
 
 def test_robust_options_are_off_by_default_and_checked():
-    for name, key, off in [("cwfedavg", "median_clip", 0.0), ("ifca", "median_clip", 0.0),
-                           ("pfedhn", "median_clip", 0.0), ("cosmos", "member_clip", 0.0),
-                           ("fedmd", "consensus", "mean"), ("comet", "outlier_factor", 0.0)]:
+    for name, key, off in [
+        ("cwfedavg", "median_clip", 0.0),
+        ("ifca", "median_clip", 0.0),
+        ("pfedhn", "median_clip", 0.0),
+        ("cosmos", "member_clip", 0.0),
+        ("fedmd", "consensus", "mean"),
+        ("comet", "outlier_factor", 0.0),
+    ]:
         params = resolve(load_config(None, [f"strategy.name={name}", "data.public_fraction=0.2"])).params
         assert getattr(params, key) == off, name
     with pytest.raises(ConfigError):
-        resolve(load_config(None, ["strategy.name=cosmos", "data.public_fraction=0.2",
-                                   "strategy.params.cosmos.member_clip=3"]))
+        resolve(
+            load_config(
+                None, ["strategy.name=cosmos", "data.public_fraction=0.2", "strategy.params.cosmos.member_clip=3"]
+            )
+        )
     with pytest.raises(ConfigError):
-        resolve(load_config(None, ["strategy.name=fedmd", "data.public_fraction=0.2",
-                                   "strategy.params.fedmd.consensus=max"]))
-
+        resolve(
+            load_config(
+                None, ["strategy.name=fedmd", "data.public_fraction=0.2", "strategy.params.fedmd.consensus=max"]
+            )
+        )

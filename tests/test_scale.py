@@ -17,11 +17,20 @@ CLIENTS, SAMPLED = 200, 10
 
 @pytest.mark.heavy
 def test_200_clients_two_rounds_sampled_cohort(tmp_path):
-    out = flwr_run(tmp_path, strategy={"name": "cwfedavg", "fraction": SAMPLED / CLIENTS},
-                   data={"source": "synthetic", "synthetic_shape": [1, 8, 8], "synthetic_classes": 10,
-                         "synthetic_samples": CLIENTS * 30, "partition": "iid", "num_clients": CLIENTS,
-                         "min_samples": 10},
-                   model={"name": "mlp"})
+    out = flwr_run(
+        tmp_path,
+        strategy={"name": "cwfedavg", "fraction": SAMPLED / CLIENTS},
+        data={
+            "source": "synthetic",
+            "synthetic_shape": [1, 8, 8],
+            "synthetic_classes": 10,
+            "synthetic_samples": CLIENTS * 30,
+            "partition": "iid",
+            "num_clients": CLIENTS,
+            "min_samples": 10,
+        },
+        model={"name": "mlp"},
+    )
     rows = read_csv(out / "rounds.csv")
     summary = json.loads((out / "summary.json").read_text())
     assert [r["clients"] for r in rows] == [SAMPLED, SAMPLED]  # the cohort, not the federation

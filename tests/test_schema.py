@@ -16,38 +16,103 @@ from flwr.app import ArrayRecord, ConfigRecord
 from fedapps.config import OptimSettings, PrivacyConfig
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.wire import protocol
-from fedapps.wire.protocol import (Bookkeeping, Evaluation, Keep, Load, MessageError, ModelSpec, Privacy, PublicSet,
-                                   Reply, ReplyInfo, Request, Return, Section, Setup, Targets, Training)
+from fedapps.wire.protocol import (
+    Bookkeeping,
+    Evaluation,
+    Keep,
+    Load,
+    MessageError,
+    ModelSpec,
+    Privacy,
+    PublicSet,
+    Reply,
+    ReplyInfo,
+    Request,
+    Return,
+    Section,
+    Setup,
+    Targets,
+    Training,
+)
 
 # a request with every part set (and an algorithm's own section), and the config record it must be on the wire
 FULL = Request(
-    ops=("select-model", "evaluate:deployed", "train", "predict", "evaluate:after"), round=3,
-    setup=Setup(data={"source": "digits", "num_clients": 4, "synthetic_shape": [3, 32, 32]},
-                model=ModelSpec("mlp", 7, ("mlp", "cnn")), client={"epochs": 2, "lr": 0.05, "device": "cpu"}),
-    load=Load(into_model=False, multi=True), keep=Keep(persist=False, save=False),
-    returns=Return(arrays=True, part="params"), transport="float16", evaluation=Evaluation("cnn"),
-    training=Training(0.2, {"train": Section(epochs=5, freeze="head", extra={"prox_mu": 0.1}),
-                            "train:head": Section(lr=0.5, drop_last=False),
-                            "distill": Section(batch_size=32, optimizer="adam", loss="kl", weighting="label-free",
-                                               clip_norm=1.0, extra={"rb_lambda": 0.5}),
-                            "pfedck": Section(extra={"alpha": 1.0})}),
-    public=PublicSet("0123abcd", "logits", "hard"), bookkeeping=Bookkeeping("/runs/x/client-state", "tok"),
-    privacy=Privacy("sample", 1.1, 1.0, 1e-5, 8.0, True))
+    ops=("select-model", "evaluate:deployed", "train", "predict", "evaluate:after"),
+    round=3,
+    setup=Setup(
+        data={"source": "digits", "num_clients": 4, "synthetic_shape": [3, 32, 32]},
+        model=ModelSpec("mlp", 7, ("mlp", "cnn")),
+        client={"epochs": 2, "lr": 0.05, "device": "cpu"},
+    ),
+    load=Load(into_model=False, multi=True),
+    keep=Keep(persist=False, save=False),
+    returns=Return(arrays=True, part="params"),
+    transport="float16",
+    evaluation=Evaluation("cnn"),
+    training=Training(
+        0.2,
+        {
+            "train": Section(epochs=5, freeze="head", extra={"prox_mu": 0.1}),
+            "train:head": Section(lr=0.5, drop_last=False),
+            "distill": Section(
+                batch_size=32,
+                optimizer="adam",
+                loss="kl",
+                weighting="label-free",
+                clip_norm=1.0,
+                extra={"rb_lambda": 0.5},
+            ),
+            "pfedck": Section(extra={"alpha": 1.0}),
+        },
+    ),
+    public=PublicSet("0123abcd", "logits", "hard"),
+    bookkeeping=Bookkeeping("/runs/x/client-state", "tok"),
+    privacy=Privacy("sample", 1.1, 1.0, 1e-5, 8.0, True),
+)
 FULL_WIRE = {
-    "ops": ["select-model", "evaluate:deployed", "train", "predict", "evaluate:after"], "round": 3,
-    "data.source": "digits", "data.num_clients": 4, "data.synthetic_shape": [3, 32, 32],
-    "model.name": "mlp", "model.seed": 7, "model.per_client": ["mlp", "cnn"],
-    "client.epochs": 2, "client.lr": 0.05, "client.device": "cpu",
-    "state-dir": "/runs/x/client-state", "state-run": "tok",
-    "load-arrays": False, "arrays.multi": True, "return-arrays": True, "arrays.keys": "params",
-    "persist-model": False, "save-model": False, "arrays.transport": "float16", "holdout-fraction": 0.2,
-    "received.model": "cnn", "public.fingerprint": "0123abcd", "predict.output": "logits", "predict.encoding": "hard",
-    "train.epochs": 5, "train.freeze": "head", "train.prox_mu": 0.1,
-    "train:head.lr": 0.5, "train:head.drop_last": False,
-    "distill.batch_size": 32, "distill.optimizer": "adam", "distill.clip_norm": 1.0, "distill.loss": "kl",
-    "distill.weighting": "label-free", "distill.rb_lambda": 0.5, "pfedck.alpha": 1.0,
-    "privacy.mode": "sample", "privacy.noise_multiplier": 1.1, "privacy.max_grad_norm": 1.0, "privacy.delta": 1e-5,
-    "privacy.epsilon_budget": 8.0, "privacy.reproducible_noise": True,
+    "ops": ["select-model", "evaluate:deployed", "train", "predict", "evaluate:after"],
+    "round": 3,
+    "data.source": "digits",
+    "data.num_clients": 4,
+    "data.synthetic_shape": [3, 32, 32],
+    "model.name": "mlp",
+    "model.seed": 7,
+    "model.per_client": ["mlp", "cnn"],
+    "client.epochs": 2,
+    "client.lr": 0.05,
+    "client.device": "cpu",
+    "state-dir": "/runs/x/client-state",
+    "state-run": "tok",
+    "load-arrays": False,
+    "arrays.multi": True,
+    "return-arrays": True,
+    "arrays.keys": "params",
+    "persist-model": False,
+    "save-model": False,
+    "arrays.transport": "float16",
+    "holdout-fraction": 0.2,
+    "received.model": "cnn",
+    "public.fingerprint": "0123abcd",
+    "predict.output": "logits",
+    "predict.encoding": "hard",
+    "train.epochs": 5,
+    "train.freeze": "head",
+    "train.prox_mu": 0.1,
+    "train:head.lr": 0.5,
+    "train:head.drop_last": False,
+    "distill.batch_size": 32,
+    "distill.optimizer": "adam",
+    "distill.clip_norm": 1.0,
+    "distill.loss": "kl",
+    "distill.weighting": "label-free",
+    "distill.rb_lambda": 0.5,
+    "pfedck.alpha": 1.0,
+    "privacy.mode": "sample",
+    "privacy.noise_multiplier": 1.1,
+    "privacy.max_grad_norm": 1.0,
+    "privacy.delta": 1e-5,
+    "privacy.epsilon_budget": 8.0,
+    "privacy.reproducible_noise": True,
 }
 
 
@@ -67,10 +132,16 @@ def test_a_full_request_is_on_the_wire_key_by_key():
 
 def test_unset_fields_are_not_sent_and_explicit_ones_are():
     assert dict(Request(ops=(), round=1).encode()) == {"ops": [], "round": 1}
-    said = Request(ops=("train",), round=2, load=Load(into_model=False), returns=Return(arrays=False),
-                   keep=Keep(persist=True))
-    assert dict(said.encode()) == {"ops": ["train"], "round": 2, "load-arrays": False, "return-arrays": False,
-                                   "persist-model": True}
+    said = Request(
+        ops=("train",), round=2, load=Load(into_model=False), returns=Return(arrays=False), keep=Keep(persist=True)
+    )
+    assert dict(said.encode()) == {
+        "ops": ["train"],
+        "round": 2,
+        "load-arrays": False,
+        "return-arrays": False,
+        "persist-model": True,
+    }
 
 
 def test_the_targets_record_and_a_reply_are_on_the_wire_name_by_name():
@@ -78,8 +149,14 @@ def test_the_targets_record_and_a_reply_are_on_the_wire_name_by_name():
     assert list(Targets(values, rows, rows).encode().keys()) == ["targets", "distill-indices", "predict-indices"]
     assert list(Targets(None, rows, rows).encode().keys()) == ["predict-indices"]  # no targets: no distill rows
     assert Targets().encode() is None
-    content = Reply(3, 40, {"eval-acc": 0.5}, arrays=ArrayRecord(), predictions=np.zeros(2, np.uint8),
-                    info=ReplyInfo("mlp", "0123abcd")).encode()
+    content = Reply(
+        3,
+        40,
+        {"eval-acc": 0.5},
+        arrays=ArrayRecord(),
+        predictions=np.zeros(2, np.uint8),
+        info=ReplyInfo("mlp", "0123abcd"),
+    ).encode()
     assert list(content.keys()) == ["predictions", "arrays", "metrics", "info"]
     assert list(content["predictions"].keys()) == ["predictions"]
     assert dict(content["metrics"]) == {"client-id": 3, "num-examples": 40, "eval-acc": 0.5}
@@ -92,26 +169,49 @@ def test_privacy_settings_are_the_configs_and_sent_only_while_on():
     off = dict(dataclasses.replace(FULL, privacy=None).encode())
     assert off == {k: v for k, v in FULL_WIRE.items() if not k.startswith("privacy.")}
     assert Request.decode(ConfigRecord(off)).privacy is None
-    minimal = {"ops": [], "round": 1, "privacy.mode": "sample", "privacy.noise_multiplier": 2.0,
-               "privacy.max_grad_norm": 0.5, "privacy.delta": 1e-6}
+    minimal = {
+        "ops": [],
+        "round": 1,
+        "privacy.mode": "sample",
+        "privacy.noise_multiplier": 2.0,
+        "privacy.max_grad_norm": 0.5,
+        "privacy.delta": 1e-6,
+    }
     assert Request.decode(ConfigRecord(minimal)).privacy == Privacy("sample", 2.0, 0.5, 1e-6, 0.0, False)
 
 
 # --------------------------------------------------------------------------- round trips
 
 
-@pytest.mark.parametrize("request_", [
-    Request(ops=(), round=0),
-    Request(ops=("describe",), round=0, setup=Setup(data={"source": "nodes"}, model=ModelSpec("cnn", 0)),
-            keep=Keep(persist=False, save=False), public=PublicSet(fingerprint="ab")),
-    Request(ops=("train",), round=1, load=Load(into_model=True), returns=Return(arrays=True, part="state")),
-    Request(ops=("evaluate-received:deployed",), round=2, evaluation=Evaluation("vgg16"), keep=Keep(save=False)),
-    Request(ops=("fomo-mix", "train"), round=4, training=Training(holdout_fraction=0.25), load=Load(multi=True)),
-    Request(ops=("train",), round=5, transport="float32", bookkeeping=Bookkeeping(state_run="r1")),
-    Request(ops=("train",), round=6, privacy=Privacy("sample", 0.8, 2.0, 1e-6)),
-    FULL,
-], ids=["bare", "describe", "load-return", "evaluate-received", "holdout-multi", "transport-bookkeeping", "privacy",
-        "full"])
+@pytest.mark.parametrize(
+    "request_",
+    [
+        Request(ops=(), round=0),
+        Request(
+            ops=("describe",),
+            round=0,
+            setup=Setup(data={"source": "nodes"}, model=ModelSpec("cnn", 0)),
+            keep=Keep(persist=False, save=False),
+            public=PublicSet(fingerprint="ab"),
+        ),
+        Request(ops=("train",), round=1, load=Load(into_model=True), returns=Return(arrays=True, part="state")),
+        Request(ops=("evaluate-received:deployed",), round=2, evaluation=Evaluation("vgg16"), keep=Keep(save=False)),
+        Request(ops=("fomo-mix", "train"), round=4, training=Training(holdout_fraction=0.25), load=Load(multi=True)),
+        Request(ops=("train",), round=5, transport="float32", bookkeeping=Bookkeeping(state_run="r1")),
+        Request(ops=("train",), round=6, privacy=Privacy("sample", 0.8, 2.0, 1e-6)),
+        FULL,
+    ],
+    ids=[
+        "bare",
+        "describe",
+        "load-return",
+        "evaluate-received",
+        "holdout-multi",
+        "transport-bookkeeping",
+        "privacy",
+        "full",
+    ],
+)
 def test_every_request_survives_encode_and_decode(request_):
     assert Request.decode(request_.encode()) == request_
 
@@ -138,8 +238,9 @@ def test_defaults_of_what_is_not_sent():
 def test_the_message_carries_the_request_and_its_records():
     arrays = protocol.arrays_record({"w": np.ones(2, np.float32)})
     targets = Targets(np.zeros((2, 3), np.float32)).encode()
-    msg = protocol.build_message(42, FULL, message_type=protocol.EVAL_MESSAGE_TYPE, arrays=arrays, targets=targets,
-                                 eval_arrays=arrays)
+    msg = protocol.build_message(
+        42, FULL, message_type=protocol.EVAL_MESSAGE_TYPE, arrays=arrays, targets=targets, eval_arrays=arrays
+    )
     assert protocol.request_of(msg) == FULL and msg.metadata.group_id == "3" and msg.metadata.dst_node_id == 42
     assert msg.metadata.message_type == protocol.EVAL_MESSAGE_TYPE
     assert {protocol.ARRAYS, protocol.TARGETS, protocol.EVAL_ARRAYS} <= set(msg.content.keys())
@@ -160,8 +261,9 @@ def test_targets_survive_encode_and_decode():
 def test_a_reply_is_parsed_back_into_what_the_client_sent():
     arrays = protocol.arrays_record({"w": np.full((2, 2), 0.5, np.float32)})
     wire = np.array([[0.25, 0.75]], np.float32)
-    sent = Reply(7, 30, {"train-loss": 1.5, "t-train": 0.1}, arrays=arrays, predictions=wire,
-                 info=ReplyInfo("cnn", "ffee"))
+    sent = Reply(
+        7, 30, {"train-loss": 1.5, "t-train": 0.1}, arrays=arrays, predictions=wire, info=ReplyInfo("cnn", "ffee")
+    )
     msg = protocol.build_message(100, Request(ops=("train",), round=1))
     from flwr.app import Message
 
@@ -201,39 +303,51 @@ def test_a_section_may_not_take_a_reserved_or_dotted_name(name):
 PRIVATE = {k: v for k, v in FULL_WIRE.items() if k.startswith("privacy.")}  # valid privacy settings
 
 
-@pytest.mark.parametrize("config,named", [
-    ({"round": 1}, "lack 'ops'"),
-    ({"ops": ["train"]}, "lack 'round'"),
-    ({"ops": "train", "round": 1}, "'ops' must be a list of operation names"),
-    ({"ops": [1], "round": 1}, "'ops' must be a list of operation names"),
-    ({"ops": [], "round": True}, "'round' must be an integer"),
-    ({"ops": [], "round": 1.0}, "'round' must be an integer"),
-    ({"ops": [], "round": 1, "load-arrays": 1}, "'load-arrays' must be true or false"),
-    ({"ops": [], "round": 1, "return-arrays": "yes"}, "'return-arrays' must be true or false"),
-    ({"ops": [], "round": 1, "arrays.keys": 3}, "'arrays.keys' must be a string"),
-    ({"ops": [], "round": 1, "holdout-fraction": "0.2"}, "'holdout-fraction' must be a number"),
-    ({"ops": [], "round": 1, "holdout-fraction": True}, "'holdout-fraction' must be a number"),
-    ({"ops": [], "round": 1, "model.seed": 1.5}, "'model.seed' must be an integer"),
-    ({"ops": [], "round": 1, "model.per_client": "mlp"}, "'model.per_client' must be a list of architecture names"),
-    ({"ops": [], "round": 1, "arrays.transport": "bfloat16"}, "unknown arrays.transport 'bfloat16'"),
-    ({"ops": [], "round": 1, "train.epochs": 1.5}, "'train.epochs' must be an integer"),
-    ({"ops": [], "round": 1, "distill.lr": "fast"}, "'distill.lr' must be a number"),
-    ({"ops": [], "round": 1, "train:head.drop_last": 0}, "'train:head.drop_last' must be true or false"),
-    ({"ops": [], "round": 1, "fold-arrays": True}, "unknown message setting 'fold-arrays'"),
-    ({"ops": [], "round": 1, "model.width": 3}, "unknown message setting 'model.width'"),
-    ({"ops": [], "round": 1, "predict.temperature": 2.0}, "unknown message setting 'predict.temperature'"),
-    ({"ops": [], "round": 1, ".epochs": 2}, "unknown message setting '.epochs'"),
-    ({"ops": [], "round": 1, "privacy.sigma": 2.0}, "unknown message setting 'privacy.sigma'"),
-    ({"ops": [], "round": 1, "privacy.delta": 1e-5}, "has 'privacy.delta' but no 'privacy.mode'"),
-    ({"ops": [], "round": 1, **PRIVATE, "privacy.mode": "off"}, "'privacy.mode' must be one of sample"),
-    ({"ops": [], "round": 1, **PRIVATE, "privacy.mode": "client"}, "'privacy.mode' must be one of sample"),
-    ({"ops": [], "round": 1, "privacy.mode": "sample", "privacy.delta": 1e-5}, "without 'privacy.noise_multiplier'"),
-    ({"ops": [], "round": 1, **PRIVATE, "privacy.delta": 1.0}, "privacy settings are out of range"),
-    ({"ops": [], "round": 1, **PRIVATE, "privacy.noise_multiplier": 0.0}, "privacy settings are out of range"),
-    ({"ops": [], "round": 1, **PRIVATE, "privacy.epsilon_budget": -1.0}, "privacy settings are out of range"),
-    ({"ops": [], "round": 1, **PRIVATE, "privacy.noise_multiplier": "1"}, "'privacy.noise_multiplier' must be a number"),
-    ({"ops": [], "round": 1, **PRIVATE, "privacy.reproducible_noise": 1}, "'privacy.reproducible_noise' must be true"),
-])
+@pytest.mark.parametrize(
+    "config,named",
+    [
+        ({"round": 1}, "lack 'ops'"),
+        ({"ops": ["train"]}, "lack 'round'"),
+        ({"ops": "train", "round": 1}, "'ops' must be a list of operation names"),
+        ({"ops": [1], "round": 1}, "'ops' must be a list of operation names"),
+        ({"ops": [], "round": True}, "'round' must be an integer"),
+        ({"ops": [], "round": 1.0}, "'round' must be an integer"),
+        ({"ops": [], "round": 1, "load-arrays": 1}, "'load-arrays' must be true or false"),
+        ({"ops": [], "round": 1, "return-arrays": "yes"}, "'return-arrays' must be true or false"),
+        ({"ops": [], "round": 1, "arrays.keys": 3}, "'arrays.keys' must be a string"),
+        ({"ops": [], "round": 1, "holdout-fraction": "0.2"}, "'holdout-fraction' must be a number"),
+        ({"ops": [], "round": 1, "holdout-fraction": True}, "'holdout-fraction' must be a number"),
+        ({"ops": [], "round": 1, "model.seed": 1.5}, "'model.seed' must be an integer"),
+        ({"ops": [], "round": 1, "model.per_client": "mlp"}, "'model.per_client' must be a list of architecture names"),
+        ({"ops": [], "round": 1, "arrays.transport": "bfloat16"}, "unknown arrays.transport 'bfloat16'"),
+        ({"ops": [], "round": 1, "train.epochs": 1.5}, "'train.epochs' must be an integer"),
+        ({"ops": [], "round": 1, "distill.lr": "fast"}, "'distill.lr' must be a number"),
+        ({"ops": [], "round": 1, "train:head.drop_last": 0}, "'train:head.drop_last' must be true or false"),
+        ({"ops": [], "round": 1, "fold-arrays": True}, "unknown message setting 'fold-arrays'"),
+        ({"ops": [], "round": 1, "model.width": 3}, "unknown message setting 'model.width'"),
+        ({"ops": [], "round": 1, "predict.temperature": 2.0}, "unknown message setting 'predict.temperature'"),
+        ({"ops": [], "round": 1, ".epochs": 2}, "unknown message setting '.epochs'"),
+        ({"ops": [], "round": 1, "privacy.sigma": 2.0}, "unknown message setting 'privacy.sigma'"),
+        ({"ops": [], "round": 1, "privacy.delta": 1e-5}, "has 'privacy.delta' but no 'privacy.mode'"),
+        ({"ops": [], "round": 1, **PRIVATE, "privacy.mode": "off"}, "'privacy.mode' must be one of sample"),
+        ({"ops": [], "round": 1, **PRIVATE, "privacy.mode": "client"}, "'privacy.mode' must be one of sample"),
+        (
+            {"ops": [], "round": 1, "privacy.mode": "sample", "privacy.delta": 1e-5},
+            "without 'privacy.noise_multiplier'",
+        ),
+        ({"ops": [], "round": 1, **PRIVATE, "privacy.delta": 1.0}, "privacy settings are out of range"),
+        ({"ops": [], "round": 1, **PRIVATE, "privacy.noise_multiplier": 0.0}, "privacy settings are out of range"),
+        ({"ops": [], "round": 1, **PRIVATE, "privacy.epsilon_budget": -1.0}, "privacy settings are out of range"),
+        (
+            {"ops": [], "round": 1, **PRIVATE, "privacy.noise_multiplier": "1"},
+            "'privacy.noise_multiplier' must be a number",
+        ),
+        (
+            {"ops": [], "round": 1, **PRIVATE, "privacy.reproducible_noise": 1},
+            "'privacy.reproducible_noise' must be true",
+        ),
+    ],
+)
 def test_decode_refuses_a_malformed_request_naming_the_key(config, named):
     with pytest.raises(MessageError, match=named.replace("(", r"\(")):
         Request.decode(ConfigRecord(config))
@@ -265,9 +379,10 @@ def test_a_reply_without_what_it_was_asked_for_cannot_be_aggregated():
     ReplyError naming the client, never None silently."""
     reply = protocol.ClientReply(node_id=7, client_id=3, num_examples=10, metrics={})
     with pytest.raises(protocol.ReplyError, match="client 3's reply carries no model arrays"):
-        reply.required_arrays
+        _ = reply.required_arrays
     with pytest.raises(protocol.ReplyError, match="client 3's reply carries no predictions"):
-        reply.required_predictions
-    full = protocol.ClientReply(node_id=7, client_id=3, num_examples=10, metrics={},
-                                arrays={"w": np.ones(2)}, predictions={"p": np.zeros(3)})
+        _ = reply.required_predictions
+    full = protocol.ClientReply(
+        node_id=7, client_id=3, num_examples=10, metrics={}, arrays={"w": np.ones(2)}, predictions={"p": np.zeros(3)}
+    )
     assert full.required_arrays is full.arrays and full.required_predictions is full.predictions

@@ -38,10 +38,18 @@ def test_range_fits_torch_and_numpy_and_is_deterministic():
 
 def test_same_value_in_another_process():
     expected = [derive_seed(3, "client-batches", 7, 2), derive_seed(0, "cosmos-server-distill", 1, 0)]
-    code = ("from fedapps.seeds import derive_seed; "
-            "print(derive_seed(3, 'client-batches', 7, 2), derive_seed(0, 'cosmos-server-distill', 1, 0))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin"})
+    code = (
+        "from fedapps.seeds import derive_seed; "
+        "print(derive_seed(3, 'client-batches', 7, 2), derive_seed(0, 'cosmos-server-distill', 1, 0))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin"},
+    )
     assert [int(v) for v in out.stdout.split()] == expected
 
 

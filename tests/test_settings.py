@@ -31,8 +31,15 @@ ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs" / "settings").glob("*.yaml"))
 
 
-BASE_SPEC = dict(source="digits", root="/nonexistent-data-root", partition="rotated", num_clients=10, min_samples=5,
-            groups=4, public_fraction=0.2)
+BASE_SPEC = dict(
+    source="digits",
+    root="/nonexistent-data-root",
+    partition="rotated",
+    num_clients=10,
+    min_samples=5,
+    groups=4,
+    public_fraction=0.2,
+)
 
 
 def spec(**over) -> dict:
@@ -175,8 +182,10 @@ def test_deterministic_from_data_seed(rotated, swapped):
     a = label_swap_permutations(10, 4, 1, np.random.default_rng(5))
     b = label_swap_permutations(10, 4, 1, np.random.default_rng(6))
     assert np.array_equal(a, label_swap_permutations(10, 4, 1, np.random.default_rng(5))) and not np.array_equal(a, b)
-    assert not np.array_equal(build_federation(spec(partition="label-swap", seed=2)).label_perms,
-                              build_federation(spec(partition="label-swap", seed=1)).label_perms)
+    assert not np.array_equal(
+        build_federation(spec(partition="label-swap", seed=2)).label_perms,
+        build_federation(spec(partition="label-swap", seed=1)).label_perms,
+    )
 
 
 def test_earlier_partitions_are_unchanged_by_the_new_transform_stream():
@@ -188,15 +197,21 @@ def test_earlier_partitions_are_unchanged_by_the_new_transform_stream():
 
 
 # --------------------------------------------------------------------------------------------- errors
-@pytest.mark.parametrize("over, key", [
-    (dict(groups=11), "data.groups"),  # more groups than clients
-    (dict(partition="label-swap", groups=11), "data.groups"),
-    (dict(groups=3), "data.groups"),  # 120° is not a quarter turn
-    (dict(source="synthetic", synthetic_shape=[1, 8, 6], synthetic_samples=60), "synthetic_shape"),
-    (dict(partition="label-swap", swap_pairs=6), "data.swap_pairs"),  # only 5 disjoint pairs among 10
-    (dict(partition="label-swap", swap_pairs=0), "data.swap_pairs"),
-    (dict(partition="label-swap", source="synthetic", synthetic_classes=2, synthetic_samples=60, groups=3), "data.groups"),
-])
+@pytest.mark.parametrize(
+    "over, key",
+    [
+        (dict(groups=11), "data.groups"),  # more groups than clients
+        (dict(partition="label-swap", groups=11), "data.groups"),
+        (dict(groups=3), "data.groups"),  # 120° is not a quarter turn
+        (dict(source="synthetic", synthetic_shape=[1, 8, 6], synthetic_samples=60), "synthetic_shape"),
+        (dict(partition="label-swap", swap_pairs=6), "data.swap_pairs"),  # only 5 disjoint pairs among 10
+        (dict(partition="label-swap", swap_pairs=0), "data.swap_pairs"),
+        (
+            dict(partition="label-swap", source="synthetic", synthetic_classes=2, synthetic_samples=60, groups=3),
+            "data.groups",
+        ),
+    ],
+)
 def test_bad_settings_are_config_errors_naming_the_key(over, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as info:
         check_spec(spec(**over))
@@ -223,8 +238,7 @@ def test_a_spec_without_swap_pairs_gets_the_default():
 # ------------------------------------------------------------------------------------------ end to end
 @pytest.mark.parametrize("partition", ["rotated", "label-swap"])
 def test_one_round_of_fedavg_on_digits(partition, tiny_config, tmp_path):
-    cfg = tiny_config(rounds=1, data={"partition": partition, "groups": 2, "num_clients": 4},
-                      model={"name": "cnn"})
+    cfg = tiny_config(rounds=1, data={"partition": partition, "groups": 2, "num_clients": 4}, model={"name": "cnn"})
     summary = server_app.run_experiment(InProcessGrid(4), str(cfg), "", str(tmp_path))
     assert summary["rounds"] == 1 and 0.0 <= summary["accuracy_mean"] <= 1.0
     run = load_config(cfg).resolved_run_name()
@@ -244,9 +258,29 @@ def test_settings_configs_resolve_under_every_strategy_or_refuse_naming_a_key(co
             accepted.append(name)
         except ConfigError as exc:
             assert "data." in str(exc) or "model." in str(exc), f"{config} + {name}: {exc}"
-    family = {"cosmos", "fedmd", "fedct", "comet", "local"} if "agnostic" in config else \
-        {"fedavg", "local", "cwfedavg", "fedprox", "feduv", "fedamp", "ditto", "ifca", "cfl", "fedfomo", "fedper", "fedrep",
-         "fedbabu", "pfedhn", "fednh", "fedselect", "pfedck"}
+    family = (
+        {"cosmos", "fedmd", "fedct", "comet", "local"}
+        if "agnostic" in config
+        else {
+            "fedavg",
+            "local",
+            "cwfedavg",
+            "fedprox",
+            "feduv",
+            "fedamp",
+            "ditto",
+            "ifca",
+            "cfl",
+            "fedfomo",
+            "fedper",
+            "fedrep",
+            "fedbabu",
+            "pfedhn",
+            "fednh",
+            "fedselect",
+            "pfedck",
+        }
+    )
     assert family <= set(accepted), f"{config}: refused {sorted(family - set(accepted))}"
 
 

@@ -19,9 +19,9 @@ import server_app
 from fedapps.config import ConfigError, load_config
 from fedapps.data import source_info
 from fedapps.flower.inprocess import InProcessGrid
-from fedapps.server.driver import RoundDriver
 from fedapps.models import MODEL_NAMES
 from fedapps.reporting.results import read_csv
+from fedapps.server.driver import RoundDriver
 from strategies import STRATEGIES, RunContext, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,11 +35,19 @@ def shrink(path: Path) -> list[str]:
     cfg = load_config(path)
     d = cfg.data
     classes, shape = source_info(d.source, d.synthetic_classes, tuple(d.synthetic_shape))
-    out = ["rounds=2", "data.source=synthetic", f"data.synthetic_classes={classes}",
-           f"data.synthetic_shape=[{','.join(str(v) for v in shape)}]",
-           f"data.synthetic_samples={max(classes, 60)}", f"data.num_clients={CLIENTS}",
-           f"data.groups={min(d.groups, CLIENTS)}", "data.min_samples=2", "client.epochs=1",
-           f"strategy.min_clients={CLIENTS}", "strategy.fraction=1.0"]
+    out = [
+        "rounds=2",
+        "data.source=synthetic",
+        f"data.synthetic_classes={classes}",
+        f"data.synthetic_shape=[{','.join(str(v) for v in shape)}]",
+        f"data.synthetic_samples={max(classes, 60)}",
+        f"data.num_clients={CLIENTS}",
+        f"data.groups={min(d.groups, CLIENTS)}",
+        "data.min_samples=2",
+        "client.epochs=1",
+        f"strategy.min_clients={CLIENTS}",
+        "strategy.fraction=1.0",
+    ]
     name = cfg.strategy.name
     fields = {f.name for f in dataclasses.fields(STRATEGIES[name].Params)}
     section = ((raw.get("strategy") or {}).get("params") or {}).get(name) or {}
@@ -78,16 +86,23 @@ def test_every_zoo_model_under_every_parameter_sharing_strategy(model, name, tin
     tested is the exchange of each model's full state (BatchNorm buffers included), which does not depend on the
     input size (every model at the datasets' shapes: test_models.py, and the shipped configs above). One test per
     (model, strategy) pair, so that pytest-xdist's workers share the large models (AlexNet: 30 M parameters)."""
-    data = {"source": "synthetic", "partition": "iid", "num_clients": CLIENTS, "synthetic_classes": 4,
-            "synthetic_shape": [1, 8, 8], "synthetic_samples": 40}
+    data = {
+        "source": "synthetic",
+        "partition": "iid",
+        "num_clients": CLIENTS,
+        "synthetic_classes": 4,
+        "synthetic_shape": [1, 8, 8],
+        "synthetic_samples": 40,
+    }
     path = tiny_config(rounds=2, data=data, model={"name": model}, client={"epochs": 1, "batch_size": 16, "lr": 0.01})
     cfg = load_config(path, f"strategy.name={name}")
     try:
         resolved = resolve(cfg)
     except ConfigError as exc:  # a strategy whose server cannot hold what this model needs says so, naming
         # the keys (pFedHN's hypernetwork: about 101 × the model's parameters); the papers' CNN and MLP it runs
-        assert model not in ("cnn", "mlp") and "model.name" in str(exc) and f"strategy.params.{name}." in str(exc), \
+        assert model not in ("cnn", "mlp") and "model.name" in str(exc) and f"strategy.params.{name}." in str(exc), (
             f"{model} under {name}: {exc}"
+        )
         return
     logs: list = []
     grid = InProcessGrid(CLIENTS, record=True)

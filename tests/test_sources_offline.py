@@ -62,16 +62,21 @@ class Split:
 
 
 def mnist_like(r: np.random.Generator, classes: int) -> tuple[Split, Split]:
-    return (Split(grey_images(r, N_TRAIN), r.integers(0, classes, N_TRAIN)),
-            Split(grey_images(r, N_TEST), r.integers(0, classes, N_TEST)))
+    return (
+        Split(grey_images(r, N_TRAIN), r.integers(0, classes, N_TRAIN)),
+        Split(grey_images(r, N_TEST), r.integers(0, classes, N_TEST)),
+    )
 
 
-MNIST_NAMES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-               "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+MNIST_NAMES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
 
 
-def write_mnist(raw: Path, train: Split, test: Split, names: dict[str, tuple[str, str]] = MNIST_NAMES,
-                gz: bool = False) -> None:
+def write_mnist(
+    raw: Path, train: Split, test: Split, names: dict[str, tuple[str, str]] = MNIST_NAMES, gz: bool = False
+) -> None:
     raw.mkdir(parents=True, exist_ok=True)
     for split, data in (("train", train), ("test", test)):
         for name, array in zip(names[split], (data.images, data.labels)):
@@ -82,8 +87,9 @@ def write_mnist(raw: Path, train: Split, test: Split, names: dict[str, tuple[str
                 (raw / name).write_bytes(payload)
 
 
-EMNIST_NAMES = {s: (f"emnist-balanced-{s}-images-idx3-ubyte", f"emnist-balanced-{s}-labels-idx1-ubyte")
-                for s in ("train", "test")}
+EMNIST_NAMES = {
+    s: (f"emnist-balanced-{s}-images-idx3-ubyte", f"emnist-balanced-{s}-labels-idx1-ubyte") for s in ("train", "test")
+}
 
 
 def cifar_split(r: np.random.Generator, n: int, classes: int) -> Split:
@@ -99,11 +105,16 @@ def cifar10_files(train: Split, test: Split) -> dict[str, bytes]:
     """cifar-10-batches-py/: data_batch_1..5 (the train images in five equal batches), test_batch, batches.meta."""
     files = {}
     for b, rows in enumerate(np.array_split(np.arange(N_TRAIN), 5), start=1):
-        files[f"data_batch_{b}"] = pickled({"batch_label": f"training batch {b} of 5",
-                                            "data": train.images[rows].reshape(len(rows), -1),
-                                            "labels": train.labels[rows].tolist()})
-    files["test_batch"] = pickled({"batch_label": "testing batch 1 of 1", "data": test.images.reshape(N_TEST, -1),
-                                   "labels": test.labels.tolist()})
+        files[f"data_batch_{b}"] = pickled(
+            {
+                "batch_label": f"training batch {b} of 5",
+                "data": train.images[rows].reshape(len(rows), -1),
+                "labels": train.labels[rows].tolist(),
+            }
+        )
+    files["test_batch"] = pickled(
+        {"batch_label": "testing batch 1 of 1", "data": test.images.reshape(N_TEST, -1), "labels": test.labels.tolist()}
+    )
     files["batches.meta"] = pickled({"label_names": [f"class{k}" for k in range(10)], "num_vis": 3072})
     return files
 
@@ -112,10 +123,16 @@ def cifar100_files(train: Split, test: Split, coarse: tuple[np.ndarray, np.ndarr
     """cifar-100-python/: train, test (fine_labels and coarse_labels), meta."""
     out = {}
     for name, data, c in (("train", train, coarse[0]), ("test", test, coarse[1])):
-        out[name] = pickled({"data": data.images.reshape(len(data.labels), -1), "fine_labels": data.labels.tolist(),
-                             "coarse_labels": c.tolist()})
-    out["meta"] = pickled({"fine_label_names": [f"f{k}" for k in range(100)],
-                           "coarse_label_names": [f"c{k}" for k in range(20)]})
+        out[name] = pickled(
+            {
+                "data": data.images.reshape(len(data.labels), -1),
+                "fine_labels": data.labels.tolist(),
+                "coarse_labels": c.tolist(),
+            }
+        )
+    out["meta"] = pickled(
+        {"fine_label_names": [f"f{k}" for k in range(100)], "coarse_label_names": [f"c{k}" for k in range(20)]}
+    )
     return out
 
 
@@ -217,7 +234,9 @@ def test_cifar10_pickled_batches(tmp_path, accept_any_md5):
 def test_cifar10_batches_need_their_checksums(tmp_path):
     """Without the md5 relaxation the tiny batches are refused, with the message naming the folder and files."""
     r = np.random.default_rng(5)
-    write_files(tmp_path / "cifar-10-batches-py", cifar10_files(cifar_split(r, N_TRAIN, 10), cifar_split(r, N_TEST, 10)))
+    write_files(
+        tmp_path / "cifar-10-batches-py", cifar10_files(cifar_split(r, N_TRAIN, 10), cifar_split(r, N_TEST, 10))
+    )
     with pytest.raises(DataError, match="cifar-10-batches-py.*data_batch_1..data_batch_5, test_batch, batches.meta"):
         load_source("cifar10", tmp_path, download=False)
 
@@ -319,8 +338,7 @@ def tiny_tree(tmp_path_factory) -> Path:
 
 
 FILE_SOURCES = ("mnist", "fmnist", "emnist-balanced", "cifar10", "cifar100", "tinyimagenet")
-PAPER_CONFIGS = sorted(p.name for p in PAPER.glob("*.yaml")
-                       if load_config(p).data.source in FILE_SOURCES)
+PAPER_CONFIGS = sorted(p.name for p in PAPER.glob("*.yaml") if load_config(p).data.source in FILE_SOURCES)
 
 
 def test_every_file_source_has_a_paper_config():

@@ -44,14 +44,26 @@ SHRINK = {
 
 def overrides_for(config: str, strategy: str) -> list[str]:
     raw = load_config(config)  # the config as shipped: which partition it uses
-    out = [f"strategy.name={strategy}", "rounds=1", "data.source=digits", f"data.num_clients={CLIENTS}",
-           f"strategy.min_clients={CLIENTS}", "client.epochs=1", "model.name=cnn", "run_name=swap"]
+    out = [
+        f"strategy.name={strategy}",
+        "rounds=1",
+        "data.source=digits",
+        f"data.num_clients={CLIENTS}",
+        f"strategy.min_clients={CLIENTS}",
+        "client.epochs=1",
+        "model.name=cnn",
+        "run_name=swap",
+    ]
     if raw.data.partition == "pathological":  # digits has 10 classes (e.g. Tiny ImageNet's setting: 20 per client)
         out.append(f"data.classes_per_client={min(raw.data.classes_per_client, 10)}")
     if raw.data.partition == "cosmos-groups":
         out.append(f"data.groups={min(raw.data.groups, CLIENTS)}")
     if raw.model.per_client:  # keep the mix of architectures, but only small ones
-        out.append("model.per_client=[" + ",".join("mlp" if i % 2 == 0 else "cnn" for i in range(len(raw.model.per_client))) + "]")
+        out.append(
+            "model.per_client=["
+            + ",".join("mlp" if i % 2 == 0 else "cnn" for i in range(len(raw.model.per_client)))
+            + "]"
+        )
     out += [f"strategy.params.{strategy}.{kv}" for kv in SHRINK.get(strategy, [])]
     return out
 

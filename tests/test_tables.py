@@ -18,19 +18,35 @@ BASE = Path(__file__).resolve().parent.parent / "configs" / "fedavg.yaml"
 
 
 def write_spec(tmp_path: Path, **extra) -> Path:
-    spec = {"name": "demo", "settings": {"a": str(BASE), "b": str(BASE)}, "seeds": [0, 1], "tune_seeds": [0],
-            "methods": {"fedavg": {"grid": {"client.lr": [0.01, 0.1]}},
-                        "fedprox": {"set": ["strategy.params.fedprox.mu=0.5"], "grid": {"client.lr": [0.02, 0.2]}},
-                        "local": {}}}
+    spec = {
+        "name": "demo",
+        "settings": {"a": str(BASE), "b": str(BASE)},
+        "seeds": [0, 1],
+        "tune_seeds": [0],
+        "methods": {
+            "fedavg": {"grid": {"client.lr": [0.01, 0.1]}},
+            "fedprox": {"set": ["strategy.params.fedprox.mu=0.5"], "grid": {"client.lr": [0.02, 0.2]}},
+            "local": {},
+        },
+    }
     spec.update(extra)
     p = tmp_path / "spec.yaml"
     p.write_text(yaml.safe_dump(spec))
     return p
 
 
-COMPARISON_COLUMNS = ["config", "strategy", "seeds", "accuracy_mean", "accuracy_mean_sem", "accuracy_weighted",
-                      "accuracy_weighted_sem", "bytes_up_per_client_round", "bytes_down_per_client_round",
-                      "wall_seconds"]
+COMPARISON_COLUMNS = [
+    "config",
+    "strategy",
+    "seeds",
+    "accuracy_mean",
+    "accuracy_mean_sem",
+    "accuracy_weighted",
+    "accuracy_weighted_sem",
+    "bytes_up_per_client_round",
+    "bytes_down_per_client_round",
+    "wall_seconds",
+]
 
 
 def write_comparison(folder: Path, values: list) -> None:
@@ -50,12 +66,22 @@ def test_grid_over_the_equal_budget_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="at most 4"):
         tables.load_spec(p)
     assert tables.grid_points({"a": [1, 2], "b": [1, 2]}) == 4
-    assert all(yaml.safe_load(tables.yaml_scalar(v)) == v for v in (1e-9, 0.1, 5, True, "norm"))  # exactly the budget is allowed
+    assert all(
+        yaml.safe_load(tables.yaml_scalar(v)) == v for v in (1e-9, 0.1, 5, True, "norm")
+    )  # exactly the budget is allowed
     tables.load_spec(write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [1, 2], "client.epochs": [1, 2]}}}))
 
 
-@pytest.mark.parametrize("bad", [{"tune_on": {"b": "zz"}}, {"tune_on": {"b": "a", "a": "b"}}, {"colour": 1},
-                                 {"methods": {"fedavg": {"grids": {}}}}, {"settings": {"a": "no-such.yaml"}}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"tune_on": {"b": "zz"}},
+        {"tune_on": {"b": "a", "a": "b"}},
+        {"colour": 1},
+        {"methods": {"fedavg": {"grids": {}}}},
+        {"settings": {"a": "no-such.yaml"}},
+    ],
+)
 def test_bad_specs_name_the_key(tmp_path, bad):
     with pytest.raises(ConfigError, match="tables spec"):
         tables.load_spec(write_spec(tmp_path, **bad))
@@ -83,8 +109,14 @@ def test_the_specs_common_overrides_reach_every_method_before_its_own(tmp_path):
     fedavg, fedprox = (load_config(t.method_config("a", m)) for m in spec.methods[:2])
     assert fedavg.client.epochs == 3 and fedprox.client.epochs == 3
     assert fedprox.strategy.params["fedprox"]["mu"] == 0.5  # the method's own set wins over the spec's
-    assert load_config(tables.Tables(tables.load_spec(write_spec(tmp_path)), tmp_path / "w2", "inprocess", 1)
-                       .method_config("a", spec.methods[0])).client.epochs != 3
+    assert (
+        load_config(
+            tables.Tables(tables.load_spec(write_spec(tmp_path)), tmp_path / "w2", "inprocess", 1).method_config(
+                "a", spec.methods[0]
+            )
+        ).client.epochs
+        != 3
+    )
 
 
 def test_each_method_is_tuned_then_run_before_the_next_and_a_shared_tuning_runs_once(tmp_path, monkeypatch):
@@ -103,14 +135,21 @@ def test_each_method_is_tuned_then_run_before_the_next_and_a_shared_tuning_runs_
             time.sleep(delay)
             with lock:
                 calls.append((kind, setting, m.name))
+
         return step
 
     monkeypatch.setattr(tables.Tables, "tune", record("tune", 0.0))
     monkeypatch.setattr(tables.Tables, "compare", record("compare", 0.0))
     t = tables.Tables(spec, tmp_path / "work", "inprocess", 1)
     t.run(["a", "b"], spec.methods[:2], {"tune", "final"})
-    assert calls == [("tune", "a", "fedavg"), ("compare", "a", "fedavg"), ("tune", "a", "fedprox"),
-                     ("compare", "a", "fedprox"), ("compare", "b", "fedavg"), ("compare", "b", "fedprox")]
+    assert calls == [
+        ("tune", "a", "fedavg"),
+        ("compare", "a", "fedavg"),
+        ("tune", "a", "fedprox"),
+        ("compare", "a", "fedprox"),
+        ("compare", "b", "fedavg"),
+        ("compare", "b", "fedprox"),
+    ]
     calls.clear()
     monkeypatch.setattr(tables.Tables, "tune", record("tune", 0.3))
     tables.Tables(spec, tmp_path / "work", "inprocess", 2).run(["b", "a"], spec.methods[:1], {"tune", "final"})
@@ -122,8 +161,9 @@ def test_each_method_is_tuned_then_run_before_the_next_and_a_shared_tuning_runs_
 
 
 def test_report_lists_each_setting_the_chosen_values_and_the_validation_scores(tmp_path):
-    spec = tables.load_spec(write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1]}}},
-                                       settings={"a": str(BASE)}))
+    spec = tables.load_spec(
+        write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1]}}}, settings={"a": str(BASE)})
+    )
     work = tmp_path / "work"
     t = tables.Tables(spec, work, "inprocess", 1)
     m = spec.methods[0]
@@ -133,23 +173,70 @@ def test_report_lists_each_setting_the_chosen_values_and_the_validation_scores(t
     raw["client"]["lr"] = 0.1
     (tune / "chosen.yaml").write_text(yaml.safe_dump(raw))
     with open(tune / "tuning.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["point", "seed", "client.lr", "val_accuracy_mean", "val_accuracy_weighted",
-                                           "wall_seconds", "reused", "run_dir"])
+        w = csv.DictWriter(
+            f,
+            fieldnames=[
+                "point",
+                "seed",
+                "client.lr",
+                "val_accuracy_mean",
+                "val_accuracy_weighted",
+                "wall_seconds",
+                "reused",
+                "run_dir",
+            ],
+        )
         w.writeheader()
-        w.writerows([{"point": 1, "seed": 0, "client.lr": 0.01, "val_accuracy_mean": 0.5, "val_accuracy_weighted": 0.4,
-                      "wall_seconds": 3, "reused": False, "run_dir": "x"},
-                     {"point": 2, "seed": 0, "client.lr": 0.1, "val_accuracy_mean": 0.9, "val_accuracy_weighted": 0.8,
-                      "wall_seconds": 3, "reused": False, "run_dir": "y"}])
+        w.writerows(
+            [
+                {
+                    "point": 1,
+                    "seed": 0,
+                    "client.lr": 0.01,
+                    "val_accuracy_mean": 0.5,
+                    "val_accuracy_weighted": 0.4,
+                    "wall_seconds": 3,
+                    "reused": False,
+                    "run_dir": "x",
+                },
+                {
+                    "point": 2,
+                    "seed": 0,
+                    "client.lr": 0.1,
+                    "val_accuracy_mean": 0.9,
+                    "val_accuracy_weighted": 0.8,
+                    "wall_seconds": 3,
+                    "reused": False,
+                    "run_dir": "y",
+                },
+            ]
+        )
     cmp_dir = t.compare_dir("a", m)
     cmp_dir.mkdir(parents=True)
     with open(cmp_dir / "comparison.csv", "w", newline="") as f:
-        keys = ["config", "strategy", "seeds", "accuracy_mean", "accuracy_mean_sem", "accuracy_weighted",
-                "accuracy_weighted_sem", "accuracy_after_training_mean", "accuracy_after_training_mean_sem", "bytes_up_per_client_round", "bytes_down_per_client_round", "wall_seconds"]
+        keys = [
+            "config",
+            "strategy",
+            "seeds",
+            "accuracy_mean",
+            "accuracy_mean_sem",
+            "accuracy_weighted",
+            "accuracy_weighted_sem",
+            "accuracy_after_training_mean",
+            "accuracy_after_training_mean_sem",
+            "bytes_up_per_client_round",
+            "bytes_down_per_client_round",
+            "wall_seconds",
+        ]
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
-        w.writerow(dict(zip(keys, ["fedavg", "fedavg", 2, 0.8766, 0.0123, 0.87, 0.01, 0.5, 0.25, 1048576, 2097152, 42])))
+        w.writerow(
+            dict(zip(keys, ["fedavg", "fedavg", 2, 0.8766, 0.0123, 0.87, 0.01, 0.5, 0.25, 1048576, 2097152, 42]))
+        )
     md = tables.report(spec, work, tmp_path / "docs").read_text()
-    assert "| fedavg | 0.877 ± 0.012 | 0.870 ± 0.010 | — | — | 0.500 ± 0.250 | 1.000 | 2.000 | 42 | client.lr=0.1 |" in md
+    assert (
+        "| fedavg | 0.877 ± 0.012 | 0.870 ± 0.010 | — | — | 0.500 ± 0.250 | 1.000 | 2.000 | 42 | client.lr=0.1 |" in md
+    )
     assert "client.lr=0.01: 0.500; client.lr=0.1: 0.900" in md
     assert "deployed model" in md and "test split was not read" in md
 
@@ -162,8 +249,13 @@ def test_tables_end_to_end_tunes_runs_and_reports(tmp_path):
     base["data"].update(source="digits", num_clients=3, partition="iid")
     base["strategy"]["min_clients"] = 3
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
-    spec = {"name": "tiny", "settings": {"iid": "base.yaml"}, "seeds": [0], "tune_seeds": [0],
-            "methods": {"fedavg": {"grid": {"client.lr": [1e-9, 0.1]}}, "local": {}}}
+    spec = {
+        "name": "tiny",
+        "settings": {"iid": "base.yaml"},
+        "seeds": [0],
+        "tune_seeds": [0],
+        "methods": {"fedavg": {"grid": {"client.lr": [1e-9, 0.1]}}, "local": {}},
+    }
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
     argv = [str(tmp_path / "spec.yaml"), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "docs")]
     assert tables.main(argv) == 0
@@ -172,7 +264,9 @@ def test_tables_end_to_end_tunes_runs_and_reports(tmp_path):
     tuned = tmp_path / "work" / "tiny" / "iid" / "tune" / "fedavg" / "runs"
     summaries = [json.loads(p.read_text()) for p in tuned.glob("*/summary.json")]
     assert len(summaries) == 2 and {s["evaluated_on"] for s in summaries} == {"validation"}
-    finals = [json.loads(p.read_text()) for p in (tmp_path / "work" / "tiny" / "compare").glob("iid--*/runs/*/summary.json")]
+    finals = [
+        json.loads(p.read_text()) for p in (tmp_path / "work" / "tiny" / "compare").glob("iid--*/runs/*/summary.json")
+    ]
     assert sorted(s["strategy"] for s in finals) == ["fedavg", "local"]
     assert {s["evaluated_on"] for s in finals} == {"test"}
     logs = sorted((tmp_path / "work" / "tiny" / "logs").glob("*.log"))
@@ -197,15 +291,41 @@ def test_report_keeps_published_rows_of_settings_whose_work_folder_is_gone(tmp_p
     spec = tables.load_spec(write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1]}}, "local": {}}))
     docs = tmp_path / "docs"
     docs.mkdir()
-    keys = ["setting", "method", "config", "strategy", "seeds", "accuracy_mean", "accuracy_mean_sem",
-            "accuracy_weighted", "accuracy_weighted_sem", "bytes_up_per_client_round", "bytes_down_per_client_round",
-            "wall_seconds", "chosen:client.lr"]
-    tables.write_csv(docs / "demo.csv", keys, [
-        dict(zip(keys, ["b", "fedavg", "fedavg", "fedavg", 3, 0.61, 0.02, 0.6, 0.01, 1048576, 1048576, 9, 0.1])),
-        dict(zip(keys, ["b", "local", "local", "local", 3, 0.55, 0.03, 0.5, 0.01, 0, 0, 4, ""]))])
-    tables.write_csv(docs / "demo-tuning.csv", ["setting", "method", "grid", "validation_scores"],
-                     [{"setting": "b", "method": "fedavg", "grid": tables.grid_text(spec.methods[0]),
-                       "validation_scores": "client.lr=0.01: 0.3"}])
+    keys = [
+        "setting",
+        "method",
+        "config",
+        "strategy",
+        "seeds",
+        "accuracy_mean",
+        "accuracy_mean_sem",
+        "accuracy_weighted",
+        "accuracy_weighted_sem",
+        "bytes_up_per_client_round",
+        "bytes_down_per_client_round",
+        "wall_seconds",
+        "chosen:client.lr",
+    ]
+    tables.write_csv(
+        docs / "demo.csv",
+        keys,
+        [
+            dict(zip(keys, ["b", "fedavg", "fedavg", "fedavg", 3, 0.61, 0.02, 0.6, 0.01, 1048576, 1048576, 9, 0.1])),
+            dict(zip(keys, ["b", "local", "local", "local", 3, 0.55, 0.03, 0.5, 0.01, 0, 0, 4, ""])),
+        ],
+    )
+    tables.write_csv(
+        docs / "demo-tuning.csv",
+        ["setting", "method", "grid", "validation_scores"],
+        [
+            {
+                "setting": "b",
+                "method": "fedavg",
+                "grid": tables.grid_text(spec.methods[0]),
+                "validation_scores": "client.lr=0.01: 0.3",
+            }
+        ],
+    )
     md = tables.report(spec, tmp_path / "empty-work", docs).read_text()
     assert "| fedavg | 0.610 ± 0.020 | 0.600 ± 0.010 | — | — | — | 1.000 | 1.000 | 9 | client.lr=0.1 |" in md
     assert "| local | 0.550 ± 0.030 |" in md and "(no grid) |" in md
@@ -214,7 +334,9 @@ def test_report_keeps_published_rows_of_settings_whose_work_folder_is_gone(tmp_p
     assert "| fedavg | b | client.lr ∈ {0.01, 0.1} | client.lr=0.01: 0.3 |" in md
     again = tables.read_rows(docs / "demo.csv")  # the record survives its own regeneration unchanged
     assert [(r["setting"], r["method"], r["accuracy_mean"], r["chosen:client.lr"]) for r in again] == [
-        ("b", "fedavg", "0.61", "0.1"), ("b", "local", "0.55", "")]
+        ("b", "fedavg", "0.61", "0.1"),
+        ("b", "local", "0.55", ""),
+    ]
     assert tables.read_rows(docs / "demo-tuning.csv")[0]["validation_scores"] == "client.lr=0.01: 0.3"
 
 
@@ -222,27 +344,59 @@ def test_published_rows_that_no_longer_match_the_spec_are_withdrawn_not_carried(
     """A carried row stands only for the method the spec defines now: a row tuned over another grid and a hash-less
     row of a method whose spec withdraws such rows are each replaced by 'not run yet' with the reason, and dropped
     from the CSV; a row of the same config hash is carried as it is, one of another hash carried with a mark."""
-    methods = {"fedavg": {"grid": {"client.lr": [0.01, 0.1]}}, "local": {},
-               "fedprox": {"set": ["strategy.params.fedprox.mu=0.5"]},
-               "cw": {"set": ["strategy.name=fedavg", "rounds=7"], "withdrawn_rows": "it ran 2 rounds\n before"}}
+    methods = {
+        "fedavg": {"grid": {"client.lr": [0.01, 0.1]}},
+        "local": {},
+        "fedprox": {"set": ["strategy.params.fedprox.mu=0.5"]},
+        "cw": {"set": ["strategy.name=fedavg", "rounds=7"], "withdrawn_rows": "it ran 2 rounds\n before"},
+    }
     spec = tables.load_spec(write_spec(tmp_path, methods=methods, settings={"a": str(BASE)}))
     by_name = {m.name: m for m in spec.methods}
     docs = tmp_path / "docs"
     docs.mkdir()
     probe = tables.Tables(spec, tmp_path / "probe", "inprocess", 1)
     local_hash = probe.final_hash("a", by_name["local"])
-    keys = ["setting", "method", "config", "strategy", "seeds", "accuracy_mean", "accuracy_mean_sem",
-            "accuracy_weighted", "accuracy_weighted_sem", "bytes_up_per_client_round", "bytes_down_per_client_round",
-            "wall_seconds", "config_hash", "chosen:client.lr", "chosen:client.epochs"]
+    keys = [
+        "setting",
+        "method",
+        "config",
+        "strategy",
+        "seeds",
+        "accuracy_mean",
+        "accuracy_mean_sem",
+        "accuracy_weighted",
+        "accuracy_weighted_sem",
+        "bytes_up_per_client_round",
+        "bytes_down_per_client_round",
+        "wall_seconds",
+        "config_hash",
+        "chosen:client.lr",
+        "chosen:client.epochs",
+    ]
     rows = [["fedavg", "0.1", "2"], ["local", "", ""], ["fedprox", "", ""], ["cw", "", ""]]
     hashes = {"fedavg": "", "local": local_hash, "fedprox": "0" * 64, "cw": ""}
-    tables.write_csv(docs / "demo.csv", keys, [dict(zip(keys, ["a", n, n, n, 3, 0.6, 0.01, 0.6, 0.01, 0, 0, 1,
-                                                                  hashes[n], lr, ep])) for n, lr, ep in rows])
-    tables.write_csv(docs / "demo-tuning.csv", ["setting", "method", "grid", "validation_scores"],
-                     [{"setting": "a", "method": "fedavg", "grid": "client.lr ∈ {0.01, 0.1} × client.epochs ∈ {1, 2}",
-                       "validation_scores": "x"}])
+    tables.write_csv(
+        docs / "demo.csv",
+        keys,
+        [dict(zip(keys, ["a", n, n, n, 3, 0.6, 0.01, 0.6, 0.01, 0, 0, 1, hashes[n], lr, ep])) for n, lr, ep in rows],
+    )
+    tables.write_csv(
+        docs / "demo-tuning.csv",
+        ["setting", "method", "grid", "validation_scores"],
+        [
+            {
+                "setting": "a",
+                "method": "fedavg",
+                "grid": "client.lr ∈ {0.01, 0.1} × client.epochs ∈ {1, 2}",
+                "validation_scores": "x",
+            }
+        ],
+    )
     md = tables.report(spec, tmp_path / "work", docs).read_text()
-    assert "| fedavg | not run yet; the published row was withdrawn (fedavg is now tuned over client.lr ∈ {0.01, 0.1})" in md
+    assert (
+        "| fedavg | not run yet; the published row was withdrawn (fedavg is now tuned over client.lr ∈ {0.01, 0.1})"
+        in md
+    )
     assert "| local | 0.600 ± 0.010 |" in md  # same hash: carried
     assert "| fedprox † | 0.600 ± 0.010 |" in md and "refreshes them: fedprox." in md
     assert "| cw | not run yet; the published row was withdrawn (it ran 2 rounds before) |" in md
@@ -253,16 +407,20 @@ def test_published_rows_that_no_longer_match_the_spec_are_withdrawn_not_carried(
 def test_a_published_choice_stands_in_for_a_lost_tuning_only_over_the_same_grid(tmp_path, monkeypatch):
     """`tune_on: {b: a}` with a's tuning known only from the published record: b's final config takes a's
     published values (typed, not strings) and a is not tuned again; a record tuned over another grid is not used."""
-    spec = tables.load_spec(write_spec(tmp_path, tune_on={"b": "a"},
-                                       methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1]}}}))
+    spec = tables.load_spec(
+        write_spec(tmp_path, tune_on={"b": "a"}, methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1]}}})
+    )
     m = spec.methods[0]
     docs = tmp_path / "docs"
     docs.mkdir()
     keys = ["setting", "method", "config", "accuracy_mean", "chosen:client.lr"]
     tables.write_csv(docs / "demo.csv", keys, [dict(zip(keys, ["a", "fedavg", "fedavg", 0.7, "0.1"]))])
     tuning = docs / "demo-tuning.csv"
-    tables.write_csv(tuning, ["setting", "method", "grid", "validation_scores"],
-                     [{"setting": "a", "method": "fedavg", "grid": tables.grid_text(m), "validation_scores": "x"}])
+    tables.write_csv(
+        tuning,
+        ["setting", "method", "grid", "validation_scores"],
+        [{"setting": "a", "method": "fedavg", "grid": tables.grid_text(m), "validation_scores": "x"}],
+    )
     calls = []
     monkeypatch.setattr(tables, "fedapps", lambda args, log, jobs=1: calls.append(args))
     t = tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs)
@@ -270,8 +428,11 @@ def test_a_published_choice_stands_in_for_a_lost_tuning_only_over_the_same_grid(
     assert calls == []  # a's published choice stands; nothing is tuned
     assert load_config(t.final_config("b", m)).client.lr == 0.1
     assert tables.Tables(spec, tmp_path / "work", "inprocess", 1).recorded_choice("a", m) is None  # no --out: no record
-    tables.write_csv(tuning, ["setting", "method", "grid", "validation_scores"],
-                     [{"setting": "a", "method": "fedavg", "grid": "client.lr ∈ {0.5}", "validation_scores": "x"}])
+    tables.write_csv(
+        tuning,
+        ["setting", "method", "grid", "validation_scores"],
+        [{"setting": "a", "method": "fedavg", "grid": "client.lr ∈ {0.5}", "validation_scores": "x"}],
+    )
     t = tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs)
     with pytest.raises(RuntimeError, match="run the tuning stage first"):
         t.final_config("b", m)
@@ -309,9 +470,11 @@ def test_fairness_columns_are_recomputed_from_the_runs_per_client_accuracies(tmp
         d = tmp_path / f"m-s{seed}"
         d.mkdir()
         keys = ["round", "acc_mean"] + [f"acc_client_{i}" for i in range(4)]
-        tables.write_csv(d / "rounds.csv", keys, [dict(zip(keys, [1, 0.1, 0.0, 0.0, 0.0, 0.0])),
-                                                   dict(zip(keys, [2, sum(last) / 4, *last])),
-                                                   {"round": 3}])  # a row with no measurement comes last
+        tables.write_csv(
+            d / "rounds.csv",
+            keys,
+            [dict(zip(keys, [1, 0.1, 0.0, 0.0, 0.0, 0.0])), dict(zip(keys, [2, sum(last) / 4, *last])), {"round": 3}],
+        )  # a row with no measurement comes last
         (d / "summary.json").write_text("{}")
         folders.append(d)
     got = tables.fairness_from_runs(folders)
@@ -328,12 +491,17 @@ def test_runs_that_lost_replies_are_flagged_in_the_report(tmp_path):
     m = spec.methods[0]
     runs = t.compare_dir("a", m) / "runs"
     keys = ["round", "acc_mean", "replies_missing", "skipped"]
-    lost = {0: [(1, 0.5, 0, 0), (2, 0.6, 0, 0)], 1: [(1, 0.5, 3, 0), (2, 0.6, 0, 0)],
-            2: [(1, 0.5, 0, 0), (2, "", 4, 1)]}
+    lost = {
+        0: [(1, 0.5, 0, 0), (2, 0.6, 0, 0)],
+        1: [(1, 0.5, 3, 0), (2, 0.6, 0, 0)],
+        2: [(1, 0.5, 0, 0), (2, "", 4, 1)],
+    }
     for seed, rows in lost.items():
         write_run(runs / f"fedavg-s{seed}", keys, rows)
     assert tables.delivery_shortfalls(sorted(runs.iterdir())) == [
-        "seed 1: 3 replies missing", "seed 2: 4 replies missing, rounds skipped [2]"]
+        "seed 1: 3 replies missing",
+        "seed 2: 4 replies missing, rounds skipped [2]",
+    ]
     write_comparison(t.compare_dir("a", m), ["fedavg", "fedavg", 3, 0.6, 0.01, 0.6, 0.01, 1048576, 1048576, 9])
     md = tables.report(spec, tmp_path / "work", tmp_path / "docs").read_text()
     assert "| fedavg ⚠ | 0.600 ± 0.010 |" in md
@@ -351,18 +519,29 @@ def test_figures_keep_the_published_one_for_carried_settings_and_name_the_curves
     t = tables.Tables(spec, tmp_path / "work", "inprocess", 1)
     fedavg = spec.methods[0]
     for seed in (0, 1):
-        write_run(t.compare_dir("a", fedavg) / "runs" / f"fedavg-s{seed}", ["round", "acc_mean"],
-                  [(1, 0.5), (2, 0.6)], summary='{"strategy": "fedavg"}')
+        write_run(
+            t.compare_dir("a", fedavg) / "runs" / f"fedavg-s{seed}",
+            ["round", "acc_mean"],
+            [(1, 0.5), (2, 0.6)],
+            summary='{"strategy": "fedavg"}',
+        )
     write_comparison(t.compare_dir("a", fedavg), ["fedavg", "fedavg", 2, 0.6, 0.01, 0.6, 0.01, 1048576, 1048576, 9])
     docs = tmp_path / "docs"
     docs.mkdir()
     rec = ["setting", "method", "config", *COMPARISON_COLUMNS[3:]]
-    tables.write_csv(docs / "demo.csv", rec, [dict(zip(rec, [s, m, m, 0.5, 0.01, 0.5, 0.01, 0, 0, 3]))
-                                              for s, m in (("a", "local"), ("b", "fedavg"), ("b", "local"))])
+    tables.write_csv(
+        docs / "demo.csv",
+        rec,
+        [
+            dict(zip(rec, [s, m, m, 0.5, 0.01, 0.5, 0.01, 0, 0, 3]))
+            for s, m in (("a", "local"), ("b", "fedavg"), ("b", "local"))
+        ],
+    )
     (docs / "demo-b.png").write_bytes(b"published figure")
     md = tables.report(spec, tmp_path / "work", docs).read_text()
-    assert ("(not drawn: local, carried over without their runs)](demo-a.png)" in md
-            and (docs / "demo-a.png").read_bytes().startswith(b"\x89PNG"))
+    assert "(not drawn: local, carried over without their runs)](demo-a.png)" in md and (
+        docs / "demo-a.png"
+    ).read_bytes().startswith(b"\x89PNG")
     assert "(published with the carried-over rows)](demo-b.png)" in md
     assert (docs / "demo-b.png").read_bytes() == b"published figure"
     (docs / "demo-b.png").unlink()  # no published figure: no link to a file that is not there
@@ -373,9 +552,14 @@ def test_a_method_runs_only_in_its_settings_and_the_report_says_which_column_its
     """``settings:`` restricts a method (no task, no row elsewhere); ``paper_metric``/``paper_note`` become the
     table's footnote; a comparison's provenance (commit, machine) is printed under its table and kept in the CSV;
     a global-model column appears only where a row has one."""
-    p = write_spec(tmp_path, settings={"a": str(BASE), "b": str(BASE)}, methods={
-        "fedavg": {"paper_metric": "deployed"},
-        "fednh": {"settings": ["a"], "paper_metric": "after-training", "paper_note": "the released code's metric"}})
+    p = write_spec(
+        tmp_path,
+        settings={"a": str(BASE), "b": str(BASE)},
+        methods={
+            "fedavg": {"paper_metric": "deployed"},
+            "fednh": {"settings": ["a"], "paper_metric": "after-training", "paper_note": "the released code's metric"},
+        },
+    )
     spec = tables.load_spec(p)
     work = tmp_path / "work"
     t = tables.Tables(spec, work, "inprocess", 1)
@@ -388,8 +572,18 @@ def test_a_method_runs_only_in_its_settings_and_the_report_says_which_column_its
         folder = t.compare_dir(setting, m)
         folder.mkdir(parents=True)
         keys = COMPARISON_COLUMNS + ["final_generic_acc_mean", "final_generic_acc_mean_sem"]
-        tables.write_csv(folder / "comparison.csv", keys, [dict(zip(keys, [
-            name, name, 3, 0.8, 0.01, 0.8, 0.01, 1048576, 1048576, 9, generic, 0.02 if generic else ""]))])
+        tables.write_csv(
+            folder / "comparison.csv",
+            keys,
+            [
+                dict(
+                    zip(
+                        keys,
+                        [name, name, 3, 0.8, 0.01, 0.8, 0.01, 1048576, 1048576, 9, generic, 0.02 if generic else ""],
+                    )
+                )
+            ],
+        )
         if setting == "a":
             (folder / tables.PROVENANCE).write_text(json.dumps({"commit": "abc123", "machine": "2 CPU cores, no GPU"}))
     md = tables.report(spec, work, tmp_path / "docs" / "results").read_text()
@@ -397,15 +591,20 @@ def test_a_method_runs_only_in_its_settings_and_the_report_says_which_column_its
     assert "global model |" in section_a and "global model |" not in section_b  # only where a row has it
     assert "| fednh | 0.800 ± 0.010 |" in section_a and "0.910 ± 0.020 |" in section_a
     assert "fednh" not in section_b.split("## Tuning")[0]  # restricted to setting a: no row, not "not run yet"
-    assert ("**Which column matches what each method's paper reports:** fedavg: *accuracy, deployed model*; fednh: "
-            "*after local training* (the released code's metric).") in section_a
+    assert (
+        "**Which column matches what each method's paper reports:** fedavg: *accuracy, deployed model*; fednh: "
+        "*after local training* (the released code's metric)."
+    ) in section_a
     assert "Measured with commit `abc123` on 2 CPU cores, no GPU (fedavg, fednh)." in section_a
     assert "Measured with a commit not recorded (fedavg)." in section_b
     link = md.split("[evaluation protocol](")[1].split(")")[0]  # relative to the page: it resolves wherever it is
     assert (tmp_path / "docs" / "results" / link).resolve() == tables.REPO / "docs" / "evaluation.md"
     rows = tables.read_rows(tmp_path / "docs" / "results" / "demo.csv")
     assert [(r["setting"], r["method"], r["commit"]) for r in rows] == [
-        ("a", "fedavg", "abc123"), ("a", "fednh", "abc123"), ("b", "fedavg", "")]
+        ("a", "fedavg", "abc123"),
+        ("a", "fednh", "abc123"),
+        ("b", "fedavg", ""),
+    ]
     with pytest.raises(ConfigError, match="methods.fednh.settings"):
         tables.load_spec(write_spec(tmp_path, methods={"fednh": {"settings": ["zz"]}}))
     with pytest.raises(ConfigError, match="paper_metric 'best'"):
@@ -414,8 +613,9 @@ def test_a_method_runs_only_in_its_settings_and_the_report_says_which_column_its
 
 def test_provenance_names_the_checkout_commit_and_the_machine():
     got = tables.provenance()
-    head = tables.subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=tables.REPO, capture_output=True,
-                                 text=True).stdout.strip()
+    head = tables.subprocess.run(
+        ["git", "rev-parse", "--short=10", "HEAD"], cwd=tables.REPO, capture_output=True, text=True
+    ).stdout.strip()
     assert got["commit"].split("+")[0] == (head or "unknown")
     assert got["machine"].startswith(f"{tables.os.cpu_count()} CPU cores")
 
@@ -428,22 +628,41 @@ def test_published_rows_without_a_commit_name_the_commit_that_published_them(tmp
     spec = tables.load_spec(write_spec(tmp_path, methods={"fedavg": {}, "local": {}}, settings={"a": str(BASE)}))
     docs = tmp_path / "docs"
     docs.mkdir()
-    keys = ["setting", "method", "config", "strategy", "seeds", "accuracy_mean", "accuracy_mean_sem",
-            "accuracy_weighted", "accuracy_weighted_sem", "bytes_up_per_client_round", "bytes_down_per_client_round",
-            "wall_seconds"]
+    keys = [
+        "setting",
+        "method",
+        "config",
+        "strategy",
+        "seeds",
+        "accuracy_mean",
+        "accuracy_mean_sem",
+        "accuracy_weighted",
+        "accuracy_weighted_sem",
+        "bytes_up_per_client_round",
+        "bytes_down_per_client_round",
+        "wall_seconds",
+    ]
     row = ["a", "fedavg", "fedavg", "fedavg", 3, 0.61, 0.02, 0.6, 0.01, 1, 1, 9]
     tables.write_csv(docs / "demo.csv", keys, [dict(zip(keys, row))])
 
     def git(*args):
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=docs, check=True,
-                              capture_output=True, text=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=docs,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
 
     git("init", "-q")
     git("add", "demo.csv")
     git("commit", "-qm", "first row")
     first = git("rev-parse", "--short=10", "HEAD")
-    tables.write_csv(docs / "demo.csv", keys, [dict(zip(keys, row)), dict(zip(keys, ["a", "local", "local", "local",
-                                                                                     3, 0.5, 0.1, 0.5, 0.1, 0, 0, 4]))])
+    tables.write_csv(
+        docs / "demo.csv",
+        keys,
+        [dict(zip(keys, row)), dict(zip(keys, ["a", "local", "local", "local", 3, 0.5, 0.1, 0.5, 0.1, 0, 0, 4]))],
+    )
     git("commit", "-qam", "second row")
     second = git("rev-parse", "--short=10", "HEAD")
     assert first != second

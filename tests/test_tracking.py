@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedapps.config import TRACKERS, ConfigError, config_from_dict, config_hash, dump_yaml, load_config
 from fedapps.checkpoint import config_differences
+from fedapps.config import TRACKERS, ConfigError, config_from_dict, config_hash, dump_yaml, load_config
 from fedapps.reporting import tracking
 
-NEEDS = "pip install -e \".[tracking]\" (the test extra includes it)"
+NEEDS = 'pip install -e ".[tracking]" (the test extra includes it)'
 
 
 def needs(module: str):
@@ -27,8 +27,9 @@ def run(config: Path, out: Path, after_round=None, resume_dir: str = "") -> Path
     import server_app
     from fedapps.flower.inprocess import InProcessGrid
 
-    server_app.run_experiment(InProcessGrid(3), str(config), "", str(out), resume_dir=resume_dir,
-                              after_round=after_round)
+    server_app.run_experiment(
+        InProcessGrid(3), str(config), "", str(out), resume_dir=resume_dir, after_round=after_round
+    )
     return next(p for p in out.iterdir() if p.is_dir() and (p / "config.yaml").is_file())
 
 
@@ -60,8 +61,9 @@ def numeric_columns(rows: list[dict[str, str]]) -> list[str]:
 
 def same_series(logged: list[tuple[int, float]], expected: list[tuple[int, float]], rel: float) -> bool:
     """Same rounds, values equal within ``rel`` (TensorBoard stores float32)."""
-    return ([s for s, _ in logged] == [s for s, _ in expected]
-            and [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=rel))
+    return [s for s, _ in logged] == [s for s, _ in expected] and [v for _, v in logged] == pytest.approx(
+        [v for _, v in expected], rel=rel
+    )
 
 
 def tb_events(log_dir: Path):
@@ -91,14 +93,26 @@ def test_tensorboard_and_mlflow_hold_what_rounds_csv_holds(tiny_config, tmp_path
     needs("tensorboard")
     needs("mlflow")
     # CFL: a strategy with a numeric extra ('clusters') and a text one ('cluster_sizes') in rounds.csv
-    config = tiny_config(tracking=["tensorboard", "mlflow"], strategy={"name": "cfl"},
-                         data={"source": "digits", "partition": "iid", "num_clients": 3})
+    config = tiny_config(
+        tracking=["tensorboard", "mlflow"],
+        strategy={"name": "cfl"},
+        data={"source": "digits", "partition": "iid", "num_clients": 3},
+    )
     run_dir = run(config, tmp_path / "out")
     rows = csv_rows(run_dir)
     columns = numeric_columns(rows)
     assert [r["round"] for r in rows] == ["1", "2"]
-    for wanted in ("acc_mean", "acc_weighted", "loss", "acc_after_training_mean", "bytes_up", "bytes_down",
-                   "clusters", "acc_client_0", "acc_client_2"):
+    for wanted in (
+        "acc_mean",
+        "acc_weighted",
+        "loss",
+        "acc_after_training_mean",
+        "bytes_up",
+        "bytes_down",
+        "clusters",
+        "acc_client_0",
+        "acc_client_2",
+    ):
         assert wanted in columns
 
     # TensorBoard: every numeric column a scalar of the same name (per-client accuracies as a histogram instead)
@@ -142,8 +156,11 @@ def test_interrupted_run_is_failed_and_its_resumption_continues_the_mlflow_run(t
     is FAILED in MLflow; resumed, the same MLflow run ends FINISHED holding both rounds, TensorBoard too."""
     needs("tensorboard")
     needs("mlflow")
-    config = tiny_config(tracking=["tensorboard", "mlflow"], tracking_dir="tracking",
-                         data={"source": "digits", "partition": "iid", "num_clients": 3})
+    config = tiny_config(
+        tracking=["tensorboard", "mlflow"],
+        tracking_dir="tracking",
+        data={"source": "digits", "partition": "iid", "num_clients": 3},
+    )
     out = tmp_path / "out"
 
     class Stopped(RuntimeError):
@@ -225,15 +242,33 @@ def test_default_config_tracks_nothing():
 
 
 def test_flatten_config():
-    flat = tracking.flatten_config({"a": 1, "b": {"c": 0.5, "d": {"e": "x"}, "f": {}}, "g": [3, 32], "h": True,
-                                    "i": None, "j": ""})
-    assert flat == {"a": "1", "b.c": "0.5", "b.d.e": "x", "b.f": "{}", "g": "[3, 32]", "h": "true", "i": "null",
-                    "j": ""}
+    flat = tracking.flatten_config(
+        {"a": 1, "b": {"c": 0.5, "d": {"e": "x"}, "f": {}}, "g": [3, 32], "h": True, "i": None, "j": ""}
+    )
+    assert flat == {
+        "a": "1",
+        "b.c": "0.5",
+        "b.d.e": "x",
+        "b.f": "{}",
+        "g": "[3, 32]",
+        "h": "true",
+        "i": "null",
+        "j": "",
+    }
 
 
 def test_numeric_columns_and_client_accuracies():
-    row = {"round": 3, "acc_mean": 0.5, "loss": "", "skipped": 0, "cluster_sizes": "2 1", "flag": True,
-           "acc_client_10": 0.1, "acc_client_2": 0.2, "acc_client_x": 0.3}
+    row = {
+        "round": 3,
+        "acc_mean": 0.5,
+        "loss": "",
+        "skipped": 0,
+        "cluster_sizes": "2 1",
+        "flag": True,
+        "acc_client_10": 0.1,
+        "acc_client_2": 0.2,
+        "acc_client_x": 0.3,
+    }
     values = tracking.numeric_columns(row)
     assert values == {"acc_mean": 0.5, "skipped": 0.0, "acc_client_10": 0.1, "acc_client_2": 0.2, "acc_client_x": 0.3}
     assert tracking.client_accuracies(values) == [0.2, 0.1]  # client order, not text order
@@ -243,4 +278,6 @@ def test_tracking_root(tmp_path):
     run_dir = tmp_path / "results" / "r1"
     assert tracking.tracking_root(config_from_dict({}), run_dir) == run_dir
     assert tracking.tracking_root(config_from_dict({"tracking_dir": "tb"}), run_dir) == tmp_path / "results" / "tb"
-    assert tracking.tracking_root(config_from_dict({"tracking_dir": str(tmp_path / "abs")}), run_dir) == tmp_path / "abs"
+    assert (
+        tracking.tracking_root(config_from_dict({"tracking_dir": str(tmp_path / "abs")}), run_dir) == tmp_path / "abs"
+    )

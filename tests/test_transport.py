@@ -15,16 +15,16 @@ from flwr.app import RecordDict
 
 import server_app
 from conftest import run_in_process
+from fedapps.client.worker import model_arrays, received_state
 from fedapps.config import ConfigError, config_hash, load_config, without_later_defaults
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.models import build_model
+from fedapps.reporting.results import read_csv
 from fedapps.server.driver import RoundDriver
 from fedapps.server.evaluation import EvaluationProtocol
 from fedapps.server.transport import with_transport
-from fedapps.models import build_model
-from fedapps.reporting.results import read_csv
 from fedapps.wire import protocol
 from fedapps.wire.validation import ReplyValidator
-from fedapps.client.worker import model_arrays, received_state
 from strategies import STRATEGIES, resolve
 
 InProcessGrid(1)  # Message() needs a task identity outside Flower's runtime
@@ -32,11 +32,13 @@ InProcessGrid(1)  # Message() needs a task identity outside Flower's runtime
 
 def sample_arrays() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
-    return {"w": rng.normal(0.0, 3.0, (40, 30)).astype(np.float32),
-            "b": np.array([1e-3, -7.25, 300.1, 65504.0], np.float32),
-            "d": rng.normal(size=(5,)),  # float64 (a server-side state may be)
-            "n": np.array(17, np.int64),  # a 0-d BatchNorm counter
-            "h": np.array([0.5, 2.0], np.float16)}
+    return {
+        "w": rng.normal(0.0, 3.0, (40, 30)).astype(np.float32),
+        "b": np.array([1e-3, -7.25, 300.1, 65504.0], np.float32),
+        "d": rng.normal(size=(5,)),  # float64 (a server-side state may be)
+        "n": np.array(17, np.int64),  # a 0-d BatchNorm counter
+        "h": np.array([0.5, 2.0], np.float16),
+    }
 
 
 def wire_of(record) -> dict[str, np.ndarray]:
@@ -53,8 +55,13 @@ def nbytes(record) -> int:
 def test_float16_round_trip_is_float16_rounding_and_integers_are_exact():
     arrays = sample_arrays()
     wire = wire_of(protocol.arrays_record(arrays, "float16"))
-    assert {k: str(v.dtype) for k, v in wire.items()} == {"w": "float16", "b": "float16", "d": "float16",
-                                                          "n": "int64", "h": "float16"}
+    assert {k: str(v.dtype) for k, v in wire.items()} == {
+        "w": "float16",
+        "b": "float16",
+        "d": "float16",
+        "n": "int64",
+        "h": "float16",
+    }
     assert wire["n"].shape == () and int(wire["n"]) == 17
     back = {k: protocol.from_wire(wire[k], arrays[k].dtype) for k in arrays}  # the server's decoding
     for k, a in arrays.items():
@@ -65,7 +72,7 @@ def test_float16_round_trip_is_float16_rounding_and_integers_are_exact():
     w, bw = arrays["w"].astype(np.float64), back["w"].astype(np.float64)
     assert not np.array_equal(bw, w)
     normal = np.abs(w) > 1e-4
-    assert (np.abs(bw - w)[normal] / np.abs(w)[normal]).max() <= 2.0 ** -11
+    assert (np.abs(bw - w)[normal] / np.abs(w)[normal]).max() <= 2.0**-11
     assert float(back["b"][3]) == 65504.0  # float16's largest value travels as it is
 
     # the client's decoding: float32 tensors (the zoo's dtype), integer buffers as they came
@@ -81,13 +88,18 @@ def test_float32_transport_is_the_arrays_as_they_are():
     assert {k: v.dtype for k, v in wire_of(f32).items()} == {k: v.dtype for k, v in arrays.items()}
     assert protocol.transport_record(plain, "float32") is plain
     model = build_model("mlp", 10, (1, 8, 8), seed=0)
-    assert ([v.data for v in model_arrays(model, "state").values()]
-            == [v.data for v in model_arrays(model, "state", "float32").values()])
+    assert [v.data for v in model_arrays(model, "state").values()] == [
+        v.data for v in model_arrays(model, "state", "float32").values()
+    ]
 
 
 def test_out_of_range_or_non_finite_arrays_travel_in_their_own_dtype_with_a_warning(caplog):
-    arrays = {"ok": np.array([1.0, -65504.0], np.float32), "big": np.array([65520.0, 1.0], np.float32),
-              "nan": np.array([np.nan], np.float32), "huge": np.array([1e6], np.float64)}
+    arrays = {
+        "ok": np.array([1.0, -65504.0], np.float32),
+        "big": np.array([65520.0, 1.0], np.float32),
+        "nan": np.array([np.nan], np.float32),
+        "huge": np.array([1e6], np.float64),
+    }
     with caplog.at_level(logging.WARNING, logger="fedapps"):
         wire = wire_of(protocol.arrays_record(arrays, "float16"))
     assert wire["ok"].dtype == np.float16
@@ -123,8 +135,9 @@ def test_the_bytes_of_a_model_halve():
 
 # regression: exit 0 with wrong or empty results
 def test_zero_dim_arrays_keep_their_shape():
-    rec = protocol.arrays_record({"num_batches_tracked": np.array(5, dtype=np.int64),
-                                  "w": np.arange(6, dtype=np.float32).reshape(2, 3).T})
+    rec = protocol.arrays_record(
+        {"num_batches_tracked": np.array(5, dtype=np.int64), "w": np.arange(6, dtype=np.float32).reshape(2, 3).T}
+    )
     assert rec["num_batches_tracked"].numpy().shape == ()
     assert int(rec["num_batches_tracked"].numpy()) == 5
     np.testing.assert_array_equal(rec["w"].numpy(), np.arange(6, dtype=np.float32).reshape(2, 3).T)
@@ -143,8 +156,9 @@ def test_validator_casts_a_float16_reply_back_to_the_models_dtype():
     msg = protocol.build_message(100, F16_TRAIN)
     v.expect([msg])
     w = np.array([[0.1, 0.2], [1 / 3, -2.5], [1000.7, 1e-3]], np.float32)
-    content = protocol.Reply(0, 50, arrays=protocol.arrays_record({"w": w, "count": np.array(3, np.int64)},
-                                                                 "float16")).encode()
+    content = protocol.Reply(
+        0, 50, arrays=protocol.arrays_record({"w": w, "count": np.array(3, np.int64)}, "float16")
+    ).encode()
     from flwr.app import Message
 
     out = v.check(1, [Message(content, reply_to=msg)])
@@ -156,8 +170,9 @@ def test_validator_casts_a_float16_reply_back_to_the_models_dtype():
 
 def bn_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
-                                torch.nn.Linear(4 * 6 * 6, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 10)
+    )
     model(torch.randn(5, 1, 8, 8))  # training mode: running statistics and the counter move off their defaults
     return model
 
@@ -189,8 +204,17 @@ def test_a_batchnorm_model_round_trips_through_client_and_validator():
 
 
 def fedavg(transport: str, **extra):
-    cfg = load_config(None, ["data.source=digits", "data.num_clients=3", "model.name=mlp", "rounds=1",
-                             f"strategy.transport={transport}", *[f"{k}={v}" for k, v in extra.items()]])
+    cfg = load_config(
+        None,
+        [
+            "data.source=digits",
+            "data.num_clients=3",
+            "model.name=mlp",
+            "rounds=1",
+            f"strategy.transport={transport}",
+            *[f"{k}={v}" for k, v in extra.items()],
+        ],
+    )
     resolved = resolve(cfg)
     return resolved.cls(cfg, resolved.params)
 
@@ -205,8 +229,9 @@ def test_messages_carry_float16_arrays_encoded_once_and_ask_for_float16_back():
         assert {str(a.dtype) for a in wire_of(m.content[protocol.ARRAYS]).values()} == {"float16"}
     assert all(a.dtype == np.float32 for a in s.global_arrays.values())  # the server's state is untouched
     # a model sent for evaluation only travels the same way; a message without arrays gets no key
-    eval_msg = protocol.build_message(100, protocol.Request(ops=("evaluate-received",), round=2),
-                                      eval_arrays=protocol.arrays_record(s.global_arrays))
+    eval_msg = protocol.build_message(
+        100, protocol.Request(ops=("evaluate-received",), round=2), eval_arrays=protocol.arrays_record(s.global_arrays)
+    )
     bare = protocol.build_message(101, protocol.Request(ops=("evaluate",), round=2))
     with_transport([eval_msg, bare], s.cfg.strategy.transport)
     assert {str(a.dtype) for a in wire_of(eval_msg.content[protocol.EVAL_ARRAYS]).values()} == {"float16"}
@@ -235,20 +260,50 @@ def test_float32_keeps_the_config_hash_it_had_before_the_key_existed():
 
 
 PARAMETER_SHARING = sorted(n for n, c in STRATEGIES.items() if not c.model_agnostic)
-EXTRA = {"fedamp": ["client.lr=0.01"], "fedrep": ["strategy.params.fedrep.head_epochs=1"], "fedbabu": ["strategy.params.fedbabu.finetune_epochs=1"]}
+EXTRA = {
+    "fedamp": ["client.lr=0.01"],
+    "fedrep": ["strategy.params.fedrep.head_epochs=1"],
+    "fedbabu": ["strategy.params.fedbabu.finetune_epochs=1"],
+}
 
 
 def test_the_parameter_sharing_strategies_are_the_expected_ones():
-    assert set(PARAMETER_SHARING) >= {"fedavg", "fedprox", "cwfedavg", "ditto", "fedamp", "fedfomo", "ifca", "cfl",
-                                      "fedper", "fedrep", "fedbabu", "feduv", "fednh", "pfedhn", "fedselect", "pfedck"}
+    assert set(PARAMETER_SHARING) >= {
+        "fedavg",
+        "fedprox",
+        "cwfedavg",
+        "ditto",
+        "fedamp",
+        "fedfomo",
+        "ifca",
+        "cfl",
+        "fedper",
+        "fedrep",
+        "fedbabu",
+        "feduv",
+        "fednh",
+        "pfedhn",
+        "fedselect",
+        "pfedck",
+    }
     assert not {"local", "cosmos", "fedmd", "fedct", "comet"} & set(PARAMETER_SHARING)
 
 
 @pytest.mark.parametrize("name", PARAMETER_SHARING)
 def test_every_parameter_sharing_strategy_sends_and_receives_float16(name):
-    cfg = load_config(None, [f"strategy.name={name}", "strategy.transport=float16", "data.source=digits",
-                             "data.num_clients=3", "model.name=mlp", "rounds=1", "client.epochs=1",
-                             *EXTRA.get(name, [])])
+    cfg = load_config(
+        None,
+        [
+            f"strategy.name={name}",
+            "strategy.transport=float16",
+            "data.source=digits",
+            "data.num_clients=3",
+            "model.name=mlp",
+            "rounds=1",
+            "client.epochs=1",
+            *EXTRA.get(name, []),
+        ],
+    )
     resolved = resolve(cfg)
     s = resolved.cls(cfg, resolved.params)
     grid = InProcessGrid(3, record=True)
@@ -288,16 +343,27 @@ def test_fedavg_run_float16_halves_the_bytes_and_keeps_the_accuracy(tiny_config,
 
 # 8×8 images: what these regressions are about (BatchNorm buffers in the exchange, the server model's evaluation)
 # does not depend on the input size, and 32×32 costs ~5× the time
-SYNTH = {"source": "synthetic", "partition": "iid", "num_clients": 2, "synthetic_samples": 120,
-         "synthetic_classes": 4, "synthetic_shape": [3, 8, 8]}
+SYNTH = {
+    "source": "synthetic",
+    "partition": "iid",
+    "num_clients": 2,
+    "synthetic_samples": 120,
+    "synthetic_classes": 4,
+    "synthetic_shape": [3, 8, 8],
+}
 
 
 # regression: exit 0 with wrong or empty results
 @pytest.mark.parametrize("strategy", ["fedavg", "fedper"])
 @pytest.mark.heavy
 def test_batchnorm_model_exchanges_parameters(strategy, tiny_config, tmp_path):
-    cfg = tiny_config(rounds=2, strategy={"name": strategy}, data=SYNTH, model={"name": "resnet18"},
-                      client={"epochs": 1, "batch_size": 16, "lr": 0.01})
+    cfg = tiny_config(
+        rounds=2,
+        strategy={"name": strategy},
+        data=SYNTH,
+        model={"name": "resnet18"},
+        client={"epochs": 1, "batch_size": 16, "lr": 0.01},
+    )
     grid = InProcessGrid(2, record=True)
     summary, out = run_in_process(cfg, tmp_path / "out", grid)
     logged = read_csv(out / "rounds.csv")

@@ -27,8 +27,16 @@ torch.set_num_threads(1)
 
 
 def spec(**over) -> dict:
-    base = dataclasses.asdict(DataConfig(source="digits", partition="dirichlet", num_clients=3, alpha=0.5,
-                                         min_samples=20, root="/nonexistent-data-root"))
+    base = dataclasses.asdict(
+        DataConfig(
+            source="digits",
+            partition="dirichlet",
+            num_clients=3,
+            alpha=0.5,
+            min_samples=20,
+            root="/nonexistent-data-root",
+        )
+    )
     base.update(over)
     return base
 
@@ -63,8 +71,10 @@ def test_validation_split_is_carved_from_train_stratified_and_deterministic():
         expected = validation_split(train, labels, 0.15, derive_rng(1, "validation-split", i))
         assert np.array_equal(fit, expected[0]) and np.array_equal(val, expected[1])
     # a larger fraction holds out more; with evaluate_on=test the fraction has no effect
-    assert build_federation(spec(evaluate_on="validation", validation_fraction=0.3)).test_counts.sum() > \
-        val_mode.test_counts.sum()
+    assert (
+        build_federation(spec(evaluate_on="validation", validation_fraction=0.3)).test_counts.sum()
+        > val_mode.test_counts.sum()
+    )
     unaffected = build_federation(spec(validation_fraction=0.3))
     assert all(np.array_equal(a, b) for a, b in zip(unaffected.test_indices, test_mode.test_indices))
     assert all(np.array_equal(a, b) for a, b in zip(unaffected.train_indices, test_mode.train_indices))
@@ -83,17 +93,24 @@ def test_validation_keys_are_checked_and_hashed():
     assert check_spec(old)["evaluate_on"] == "test" and check_spec(old)["validation_fraction"] == 0.15
     with pytest.raises(ConfigError, match="evaluate_on"):
         load_config(None, ["data.evaluate_on=[1]"])
-    hashes = {config_hash(load_config(None, o)) for o in
-              ([], ["data.evaluate_on=validation"], ["data.validation_fraction=0.2"])}
+    hashes = {
+        config_hash(load_config(None, o))
+        for o in ([], ["data.evaluate_on=validation"], ["data.validation_fraction=0.2"])
+    }
     assert len(hashes) == 3
 
 
 # ------------------------------------------------------------------------------------------ tune end to end
 def tune_config(tmp_path: Path) -> Path:
     """FedAvg on digits, 2 clients, 2 rounds, a tiny MLP (round 2's accuracy is after round 1's training)."""
-    cfg = {"seed": 0, "rounds": 2, "strategy": {"name": "fedavg"},
-           "data": {"source": "digits", "partition": "iid", "num_clients": 2},
-           "model": {"name": "mlp"}, "client": {"epochs": 1, "batch_size": 16, "lr": 0.05}}
+    cfg = {
+        "seed": 0,
+        "rounds": 2,
+        "strategy": {"name": "fedavg"},
+        "data": {"source": "digits", "partition": "iid", "num_clients": 2},
+        "model": {"name": "mlp"},
+        "client": {"epochs": 1, "batch_size": 16, "lr": 0.05},
+    }
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -140,11 +157,23 @@ def tuned(tmp_path_factory):
         with pytest.raises(AssertionError, match="test-split samples were read"):
             build_federation(data)
         out = tmp / "out"
-        argv = ["tune", str(config), "--grid", "client.lr=1e-9,0.1", "--seeds", "0", "--engine", "inprocess",
-                "--out", str(out)]
+        argv = [
+            "tune",
+            str(config),
+            "--grid",
+            "client.lr=1e-9,0.1",
+            "--seeds",
+            "0",
+            "--engine",
+            "inprocess",
+            "--out",
+            str(out),
+        ]
         rc = cli.main(argv)
         clear_federation_cache()
-        files = {name: (out / name).read_text() for name in ("tuning.csv", "tuning.md", "chosen.yaml")} if rc == 0 else {}
+        files = (
+            {name: (out / name).read_text() for name in ("tuning.csv", "tuning.md", "chosen.yaml")} if rc == 0 else {}
+        )
         yield {"rc": rc, "out": out, "argv": argv, "calls": calls, "files": files}
     clear_federation_cache()
 
@@ -196,26 +225,36 @@ def test_choice_rule():
 
 def test_grid_values_and_order():
     grid = parse_grid(["client.lr=0.01,1e-3", "strategy.params.cwfedavg.estimator=norm,bias", "client.drop-last=true"])
-    assert grid == [("client.lr", [0.01, 0.001]), ("strategy.params.cwfedavg.estimator", ["norm", "bias"]),
-                    ("client.drop_last", [True])]
+    assert grid == [
+        ("client.lr", [0.01, 0.001]),
+        ("strategy.params.cwfedavg.estimator", ["norm", "bias"]),
+        ("client.drop_last", [True]),
+    ]
     points = grid_points(grid)
-    assert [(p["client.lr"], p["strategy.params.cwfedavg.estimator"]) for p in points] == \
-        [(0.01, "norm"), (0.01, "bias"), (0.001, "norm"), (0.001, "bias")]
+    assert [(p["client.lr"], p["strategy.params.cwfedavg.estimator"]) for p in points] == [
+        (0.01, "norm"),
+        (0.01, "bias"),
+        (0.001, "norm"),
+        (0.001, "bias"),
+    ]
     assert parse_value("5", "k") == 5 and parse_value("-2.5E+2", "k") == -250.0
 
 
-@pytest.mark.parametrize("grid, message", [
-    (["client.lrr=0.1,0.2"], r"client\.lrr"),
-    (["client.lr=0.1,0.2,0.3", "client.epochs=1,2"], r"6 points.*--max-points 4.*equal-budget"),
-    (["seed=0,1"], r"--grid seed: cannot be tuned.*--seeds"),
-    (["data.evaluate_on=test,validation"], r"data\.evaluate_on: cannot be tuned"),
-    (["client.lr=0.1", "client.lr=0.2"], r"client\.lr is given twice"),
-    (["client.lr=0.1,0.10"], r"client\.lr: a value is repeated"),
-    (["client.lr"], r"KEY=V1,V2"),
-    (["client.lr=0.1,"], r"empty value"),
-    (["client.lr=0.1,-1"], r"point 2 \(client\.lr=-1\).*client\.lr"),
-    (["strategy.params.ditto.lam=0.1,1"], r"strategy 'fedavg' ignores the section strategy\.params\.ditto"),
-])
+@pytest.mark.parametrize(
+    "grid, message",
+    [
+        (["client.lrr=0.1,0.2"], r"client\.lrr"),
+        (["client.lr=0.1,0.2,0.3", "client.epochs=1,2"], r"6 points.*--max-points 4.*equal-budget"),
+        (["seed=0,1"], r"--grid seed: cannot be tuned.*--seeds"),
+        (["data.evaluate_on=test,validation"], r"data\.evaluate_on: cannot be tuned"),
+        (["client.lr=0.1", "client.lr=0.2"], r"client\.lr is given twice"),
+        (["client.lr=0.1,0.10"], r"client\.lr: a value is repeated"),
+        (["client.lr"], r"KEY=V1,V2"),
+        (["client.lr=0.1,"], r"empty value"),
+        (["client.lr=0.1,-1"], r"point 2 \(client\.lr=-1\).*client\.lr"),
+        (["strategy.params.ditto.lam=0.1,1"], r"strategy 'fedavg' ignores the section strategy\.params\.ditto"),
+    ],
+)
 def test_bad_grids_exit_2_naming_the_key(tmp_path, capsys, grid, message):
     argv = ["tune", str(tune_config(tmp_path)), "--engine", "inprocess", "--out", str(tmp_path / "o"), "--grid", *grid]
     assert cli.main(argv) == 2

@@ -71,11 +71,15 @@ def _reply_message(node: int, arrays: dict[str, np.ndarray], n: int) -> Message:
     return Message(content, reply_to=msg)
 
 
-@pytest.mark.parametrize("method,flower", [("median", lambda: FedMedian()), ("trimmed-mean", lambda: FedTrimmedAvg(beta=0.2))])
+@pytest.mark.parametrize(
+    "method,flower", [("median", lambda: FedMedian()), ("trimmed-mean", lambda: FedTrimmedAvg(beta=0.2))]
+)
 def test_robust_rules_agree_with_flowers_strategies(method, flower):
     rng = np.random.default_rng(3)
-    clients = [{"w": rng.normal(size=(3, 4)).astype(np.float32), "b": rng.normal(size=(4,)).astype(np.float32)}
-               for _ in range(5)]
+    clients = [
+        {"w": rng.normal(size=(3, 4)).astype(np.float32), "b": rng.normal(size=(4,)).astype(np.float32)}
+        for _ in range(5)
+    ]
     clients[2]["w"][0, 0] = 1e6  # an outlier
     replies = [ClientReply(100 + i, i, 10 * (i + 1), {}, arrays=a) for i, a in enumerate(clients)]
     ours = average_matching(replies, clients[0], AggregationRule(method, trim_fraction=0.2))
@@ -102,8 +106,17 @@ def test_fedavg_with_median_shrugs_off_a_plausible_but_huge_update(tmp_path):
     """A client sending finite, well-shaped but enormous weights passes validation; the median keeps it out."""
     from strategies.fedavg import FedAvg
 
-    cfg = load_config(None, ["data.source=digits", "data.num_clients=3", "model.name=mlp", "rounds=1",
-                             "strategy.aggregation=median", "client.epochs=1"])
+    cfg = load_config(
+        None,
+        [
+            "data.source=digits",
+            "data.num_clients=3",
+            "model.name=mlp",
+            "rounds=1",
+            "strategy.aggregation=median",
+            "client.epochs=1",
+        ],
+    )
     s = FedAvg(cfg)
     good = [{k: v + 0.01 * i for k, v in s.global_arrays.items()} for i in range(2)]
     bad = {k: v + 1e6 for k, v in s.global_arrays.items()}
@@ -201,8 +214,11 @@ def test_num_examples_is_bound_on_first_report_when_sizes_are_unknown():
 
 def test_arrays_and_predictions_are_checked_against_the_request():
     v = validator()
-    a = request(100, ("train", "evaluate", "predict"), **{"return-arrays": True, "arrays.keys": "state",
-                                                          "predict.output": "logits", "public.fingerprint": "abc"})
+    a = request(
+        100,
+        ("train", "evaluate", "predict"),
+        **{"return-arrays": True, "arrays.keys": "state", "predict.output": "logits", "public.fingerprint": "abc"},
+    )
     exp = v.expect([a]) or v.expected["train"][100]
     assert exp.arrays == {"w": ArraySpec((3, 2), np.dtype(np.float32)), "count": ArraySpec((), np.dtype(np.int64))}
     assert exp.predictions == PredictionSpec(4, 3, "logits", "float32") and exp.fingerprint == "abc"
@@ -211,12 +227,30 @@ def test_arrays_and_predictions_are_checked_against_the_request():
     info = ConfigRecord({"fingerprint": "abc"})
     assert v.check(1, [answer(a, 0, arrays=arrays, predictions=preds, info=info)]).accepted
     bad = [
-        (dict(arrays=protocol.arrays_record({"w": np.zeros((2, 3), np.float32), "count": MODEL["count"]}),
-              predictions=preds, info=info), "has shape"),
-        (dict(arrays=protocol.arrays_record({"w": MODEL["w"], "count": np.zeros((), np.float32)}),
-              predictions=preds, info=info), "expected int64"),
-        (dict(arrays=arrays, predictions=protocol.arrays_record({"predictions": np.full((4, 3), 2e4, np.float32)}),
-              info=info), "logits beyond"),
+        (
+            dict(
+                arrays=protocol.arrays_record({"w": np.zeros((2, 3), np.float32), "count": MODEL["count"]}),
+                predictions=preds,
+                info=info,
+            ),
+            "has shape",
+        ),
+        (
+            dict(
+                arrays=protocol.arrays_record({"w": MODEL["w"], "count": np.zeros((), np.float32)}),
+                predictions=preds,
+                info=info,
+            ),
+            "expected int64",
+        ),
+        (
+            dict(
+                arrays=arrays,
+                predictions=protocol.arrays_record({"predictions": np.full((4, 3), 2e4, np.float32)}),
+                info=info,
+            ),
+            "logits beyond",
+        ),
         (dict(arrays=arrays, predictions=preds, info=ConfigRecord({"fingerprint": "abd"})), "public set mismatch"),
         (dict(arrays=arrays, predictions=preds), "public set mismatch"),
         (dict(predictions=preds, info=info), "lacks the model arrays"),
@@ -231,18 +265,31 @@ def test_undecodable_array_is_a_rejection_not_a_crash():
     v = validator()
     a = request(100, ("train", "evaluate"), **{"return-arrays": True})
     v.expect([a])
-    garbage = ArrayRecord({"w": Array(dtype="float32", shape=(3, 2), stype="numpy.ndarray", data=b"xx"),
-                           "count": Array(MODEL["count"])})
+    garbage = ArrayRecord(
+        {"w": Array(dtype="float32", shape=(3, 2), stype="numpy.ndarray", data=b"xx"), "count": Array(MODEL["count"])}
+    )
     out = v.check(1, [answer(a, 0, arrays=garbage)])
     assert not out.accepted and "cannot be decoded" in out.rejections[0].reason
 
 
 # --------------------------------------------------------------------------- property: never raises; bounds hold
 
-numbers = st.one_of(st.integers(-10**13, 10**13), st.floats(allow_nan=True, allow_infinity=True, width=64))
+numbers = st.one_of(st.integers(-(10**13), 10**13), st.floats(allow_nan=True, allow_infinity=True, width=64))
 metric_values = st.one_of(numbers, st.lists(numbers, max_size=3))
-metric_keys = st.sampled_from(["client-id", "num-examples", "eval-acc", "eval-loss", "eval-n", "eval-correct",
-                               "after-acc", "x-acc", "train-loss", "junk"])
+metric_keys = st.sampled_from(
+    [
+        "client-id",
+        "num-examples",
+        "eval-acc",
+        "eval-loss",
+        "eval-n",
+        "eval-correct",
+        "after-acc",
+        "x-acc",
+        "train-loss",
+        "junk",
+    ]
+)
 dtypes = st.sampled_from([np.float32, np.float64, np.float16, np.int64, np.uint8, np.int32])
 shapes = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
 
@@ -260,25 +307,42 @@ def arrays_st(draw, names):
 
 def valid_reply(cid: int, output: str, want_arrays: bool) -> tuple[dict, dict]:
     """A reply that answers the request of :func:`property_request` (the starting point of the mutations)."""
-    metrics = {"client-id": cid, "num-examples": 40, "eval-acc": 0.5, "eval-loss": 1.0, "eval-n": 10, "eval-correct": 5,
-               "train-loss": 0.3, "t-train": 0.01}
+    metrics = {
+        "client-id": cid,
+        "num-examples": 40,
+        "eval-acc": 0.5,
+        "eval-loss": 1.0,
+        "eval-n": 10,
+        "eval-correct": 5,
+        "train-loss": 0.3,
+        "t-train": 0.01,
+    }
     if output == "hard":
         preds = np.array([0, 2, 1, 1], np.uint8)
     elif output == "logits":
         preds = np.linspace(-3, 3, 12, dtype=np.float32).reshape(4, 3)
     else:
         preds = np.full((4, 3), 1 / 3, np.float32)
-    records = {"predictions": protocol.arrays_record({"predictions": preds}), "info": ConfigRecord({"fingerprint": "abc"})}
+    records = {
+        "predictions": protocol.arrays_record({"predictions": preds}),
+        "info": ConfigRecord({"fingerprint": "abc"}),
+    }
     if want_arrays:
         records["arrays"] = protocol.arrays_record({"w": np.ones((3, 2), np.float32), "count": np.array(3, np.int64)})
     return metrics, records
 
 
 def property_request(output: str, want_arrays: bool) -> Message:
-    return request(100, ("train", "evaluate", "predict"), **{
-        "predict.output": "probs" if output == "hard" else output,
-        "predict.encoding": "hard" if output == "hard" else "float32",
-        "public.fingerprint": "abc", "return-arrays": want_arrays})
+    return request(
+        100,
+        ("train", "evaluate", "predict"),
+        **{
+            "predict.output": "probs" if output == "hard" else output,
+            "predict.encoding": "hard" if output == "hard" else "float32",
+            "public.fingerprint": "abc",
+            "return-arrays": want_arrays,
+        },
+    )
 
 
 @st.composite
@@ -396,14 +460,17 @@ def arrays_reply(records: dict, transport: str | None = None) -> tuple[ReplyVali
 W = np.arange(6, dtype=np.float32).reshape(3, 2)
 
 
-@pytest.mark.parametrize("w, reason", [
-    (W.astype(np.float64), "array 'w' has dtype float64, expected float32"),
-    (W.astype(np.longdouble), f"array 'w' has dtype {np.dtype(np.longdouble)}, expected float32"),
-    (W.astype(np.dtype(np.float32).newbyteorder(">")), "array 'w' has dtype >f4, expected float32"),
-    (W.astype(np.float16), "array 'w' has dtype float16, expected float32"),  # no float16 transport asked for
-    (np.full((3, 2), 1e300), "has dtype float64"),  # finite in float64, inf in float32: never decoded
-    (W.astype(np.int32), "has dtype int32, expected float32"),
-])
+@pytest.mark.parametrize(
+    "w, reason",
+    [
+        (W.astype(np.float64), "array 'w' has dtype float64, expected float32"),
+        (W.astype(np.longdouble), f"array 'w' has dtype {np.dtype(np.longdouble)}, expected float32"),
+        (W.astype(np.dtype(np.float32).newbyteorder(">")), "array 'w' has dtype >f4, expected float32"),
+        (W.astype(np.float16), "array 'w' has dtype float16, expected float32"),  # no float16 transport asked for
+        (np.full((3, 2), 1e300), "has dtype float64"),  # finite in float64, inf in float32: never decoded
+        (W.astype(np.int32), "has dtype int32, expected float32"),
+    ],
+)
 def test_an_array_of_another_dtype_is_rejected_before_decoding(w, reason):
     v, reply = arrays_reply({"w": _wire(w), "count": _wire(MODEL["count"])})
     out = v.check(1, [reply])
@@ -452,8 +519,10 @@ def test_integer_buffers_and_predictions_must_have_their_exact_type():
     v, reply = arrays_reply({"w": _wire(W), "count": _wire(np.array(3, np.int32))})
     assert "array 'count' has dtype int32, expected int64" in v.check(1, [reply]).rejections[0].reason
     msg = property_request("hard", False)
-    for preds, reason in [(np.array([0, 2, 1, 1], np.uint16), "has dtype uint16, expected uint8"),
-                          (np.full((4, 3), 1 / 3), "has dtype float64, expected float32")]:
+    for preds, reason in [
+        (np.array([0, 2, 1, 1], np.uint16), "has dtype uint16, expected uint8"),
+        (np.full((4, 3), 1 / 3), "has dtype float64, expected float32"),
+    ]:
         if preds.dtype.kind == "f":
             msg = property_request("probs", False)
         v = validator()
@@ -474,14 +543,17 @@ def test_accepted_arrays_are_writable_copies_in_the_models_dtype():
 # --------------------------------------------------------------------------- metric ranges
 
 
-@pytest.mark.parametrize("key, value, reason", [
-    ("train-loss", -2e299, "'train-loss' = -2e+299 is outside [-1e+09, 1e+09]"),
-    ("train-loss", 2e9, "is outside"),
-    ("t-total", -1.0, "'t-total' = -1.0 is outside [0, 604800]"),
-    ("t-train", 1e12, "'t-train' = 1000000000000.0 is outside"),
-    ("junk", 1e16, "'junk' = 1e+16 is outside"),
-    ("junk", [0.5] * 5000, "'junk' is a list of 5000 values; at most 4096"),
-])
+@pytest.mark.parametrize(
+    "key, value, reason",
+    [
+        ("train-loss", -2e299, "'train-loss' = -2e+299 is outside [-1e+09, 1e+09]"),
+        ("train-loss", 2e9, "is outside"),
+        ("t-total", -1.0, "'t-total' = -1.0 is outside [0, 604800]"),
+        ("t-train", 1e12, "'t-train' = 1000000000000.0 is outside"),
+        ("junk", 1e16, "'junk' = 1e+16 is outside"),
+        ("junk", [0.5] * 5000, "'junk' is a list of 5000 values; at most 4096"),
+    ],
+)
 def test_losses_timings_and_lists_are_range_checked(key, value, reason):
     v = validator()
     a = request(100)
@@ -535,16 +607,19 @@ def test_update_norm_and_clip_by_hand():
 
 def test_clipped_mean_bounds_one_huge_update_by_hand():
     current = {"w": np.zeros(2, np.float32)}
-    replies = [ClientReply(100, 0, 10, {}, arrays={"w": np.array([1.0, 0.0], np.float32)}),
-               ClientReply(101, 1, 10, {}, arrays={"w": np.array([0.0, 1e6], np.float32)})]
+    replies = [
+        ClientReply(100, 0, 10, {}, arrays={"w": np.array([1.0, 0.0], np.float32)}),
+        ClientReply(101, 1, 10, {}, arrays={"w": np.array([0.0, 1e6], np.float32)}),
+    ]
     plain = average_matching(replies, current)
     assert plain["w"][1] == pytest.approx(5e5)
     # clip 2: the first update (norm 1) stays, the second becomes (0, 2): mean (0.5, 1)
     clipped = average_matching(replies, current, AggregationRule("mean", clip_update_norm=2.0))
     np.testing.assert_allclose(clipped["w"], [0.5, 1.0], rtol=1e-6)
     # with the median (2 clients: the mean of the two) the clipped updates are combined the same way
-    np.testing.assert_allclose(average_matching(replies, current, AggregationRule("median", clip_update_norm=2.0))["w"],
-                               [0.5, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(
+        average_matching(replies, current, AggregationRule("median", clip_update_norm=2.0))["w"], [0.5, 1.0], rtol=1e-6
+    )
 
 
 def test_the_average_keeps_the_models_dtypes():
@@ -565,14 +640,21 @@ def test_clip_update_norm_is_validated_and_refused_where_it_does_not_apply():
         resolve(load_config(None, [*base, "strategy.name=cwfedavg"]))
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["data.num_clients=5", "strategy.trim_fraction=0.1"],
-     ("'strategy.trim_fraction: 0.1' trims no client from the cohort of 5 clients per round "
-      "(data.num_clients=5, strategy.fraction=1) (floor(0.1·5) = 0: the plain unweighted mean); "
-      "set strategy.trim_fraction to at least 0.2")),
-    (["data.num_clients=20", "strategy.fraction=0.3", "strategy.trim_fraction=0.1"], "at least 0.167"),
-    (["data.num_clients=2", "strategy.trim_fraction=0.4"], "trimming one at each end needs at least 3 clients"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["data.num_clients=5", "strategy.trim_fraction=0.1"],
+            (
+                "'strategy.trim_fraction: 0.1' trims no client from the cohort of 5 clients per round "
+                "(data.num_clients=5, strategy.fraction=1) (floor(0.1·5) = 0: the plain unweighted mean); "
+                "set strategy.trim_fraction to at least 0.2"
+            ),
+        ),
+        (["data.num_clients=20", "strategy.fraction=0.3", "strategy.trim_fraction=0.1"], "at least 0.167"),
+        (["data.num_clients=2", "strategy.trim_fraction=0.4"], "trimming one at each end needs at least 3 clients"),
+    ],
+)
 def test_a_trimmed_mean_that_trims_nobody_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, ["strategy.aggregation=trimmed-mean", *overrides])

@@ -19,8 +19,9 @@ Each name may be registered once; the client resolves names when a message arriv
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fedapps.wire import protocol
 
@@ -60,37 +61,45 @@ def client_op(name: str, default_tag: str | None = None) -> Callable[[OpFn], OpF
 
     An evaluation operation (a name starting ``evaluate``) also files its tag in the wire's
     :data:`~fedapps.wire.protocol.EVALUATION_TAGS`, where the server's reply validator reads it."""
+
     def register(fn: OpFn) -> OpFn:
         _register(OPERATIONS, name, ClientOp(name, fn, default_tag or name), "client operation")
         if name.startswith("evaluate"):
             _register(protocol.EVALUATION_TAGS, name, default_tag or name, "evaluation tag")
         return fn
+
     return register
 
 
 def training_term(name: str, data_free: bool = False) -> Callable[[TermFn], TermFn]:
     """Register a builder of an extra training-loss term (see the module docstring)."""
+
     def register(fn: TermFn) -> TermFn:
         _register(TRAINING_TERMS, name, fn, "training term")
         if data_free:
             DATA_FREE_TERMS.add(name)
         return fn
+
     return register
 
 
 def distill_term(name: str) -> Callable[[TermFn], TermFn]:
     """Register a builder of an extra distillation-loss term (see the module docstring)."""
+
     def register(fn: TermFn) -> TermFn:
         _register(DISTILL_TERMS, name, fn, "distillation term")
         return fn
+
     return register
 
 
 def distill_weighting(name: str) -> Callable[[WeightingFn], WeightingFn]:
     """Register a per-sample weighting of U for ``distill`` (the message selects it by ``distill.weighting``)."""
+
     def register(fn: WeightingFn) -> WeightingFn:
         _register(DISTILL_WEIGHTINGS, name, fn, "distillation weighting")
         return fn
+
     return register
 
 

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedapps.config import OptimSettings
-
 
 Regulariser = Callable[[nn.Module], Tensor]
 DistillTerm = Callable[[nn.Module, Tensor, Tensor, Tensor | None], Tensor]  # (model, x, logits, weights) -> loss
@@ -57,9 +57,17 @@ class PrivateLoop(Protocol):
     """What runs the training loops on the client's private data while differential privacy is on
     (:class:`fedapps.client.privacy.PrivateTraining`)."""
 
-    def run(self, model: nn.Module, x: Tensor, y: Tensor, loss_fn: BatchLoss, settings: OptimSettings,
-            weights: Tensor | None, regulariser: Regulariser | None,
-            generator: torch.Generator | None) -> dict[str, float]: ...
+    def run(
+        self,
+        model: nn.Module,
+        x: Tensor,
+        y: Tensor,
+        loss_fn: BatchLoss,
+        settings: OptimSettings,
+        weights: Tensor | None,
+        regulariser: Regulariser | None,
+        generator: torch.Generator | None,
+    ) -> dict[str, float]: ...
 
 
 _PRIVATE = threading.local()  # the private loop of the message served on this thread (see privately)
@@ -100,12 +108,14 @@ def make_optimizer(params, s: OptimSettings) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer '{s.optimizer}'; allowed: sgd, adam")
 
 
-def batches(n: int, batch_size: int, shuffle: bool, drop_last: bool, generator: torch.Generator | None) -> Iterator[Tensor]:
+def batches(
+    n: int, batch_size: int, shuffle: bool, drop_last: bool, generator: torch.Generator | None
+) -> Iterator[Tensor]:
     """Index batches over n samples (a DataLoader without the process overhead)."""
     order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
     stop = n - (n % batch_size) if drop_last and n >= batch_size else n
     for start in range(0, stop, batch_size):
-        yield order[start:start + batch_size]
+        yield order[start : start + batch_size]
 
 
 def run_epochs(
@@ -128,7 +138,7 @@ def run_epochs(
     device = next(model.parameters()).device
     model.train()
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad], settings)  # frozen parts stay as they are
-    has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())  # noqa: SLF001 - no public base class
     total, steps = torch.zeros((), device=device), 0  # summed on the device: no host sync per step
     use_bf16 = settings.mixed_precision and device.type == "cuda"
     for _ in range(settings.epochs):
@@ -246,7 +256,7 @@ def predict(model: nn.Module, x: Tensor, batch_size: int = 256, output: str = "p
     """Model outputs on x: 'probs' (softmax), 'logits' or 'labels' (argmax); returned on the CPU."""
     device = next(model.parameters()).device
     model.eval()
-    outs = [model(x[i:i + batch_size].to(device)).float().cpu() for i in range(0, len(x), batch_size)]
+    outs = [model(x[i : i + batch_size].to(device)).float().cpu() for i in range(0, len(x), batch_size)]
     logits = torch.cat(outs) if outs else torch.zeros((0, 0))
     if output == "logits":
         return logits
@@ -274,4 +284,9 @@ def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 256) -> d
     logits = predict(model, x, batch_size, output="logits")
     loss = F.cross_entropy(logits, y.cpu()).item()
     correct = (logits.argmax(dim=-1) == y.cpu()).sum().item()
-    return {"acc": correct / len(x), "loss": loss if math.isfinite(loss) else 1e9, "n": float(len(x)), "correct": float(correct)}
+    return {
+        "acc": correct / len(x),
+        "loss": loss if math.isfinite(loss) else 1e9,
+        "n": float(len(x)),
+        "correct": float(correct),
+    }

@@ -2,7 +2,8 @@
 
 While a message carries privacy settings (:class:`fedapps.wire.protocol.Privacy`, ``mode: sample``, docs/privacy.md),
 every training loop the message runs on the client's private data (:func:`fedapps.client.ops.run_epochs`; loops on the
-public set U are marked public) is DP-SGD: Poisson-sampled minibatches (each training sample in with probability q = batch_size / n), each sample's
+public set U are marked public) is DP-SGD: Poisson-sampled minibatches (each training sample in with probability q =
+batch_size / n), each sample's
 gradient clipped to L2 norm C (``privacy.max_grad_norm``), Gaussian noise N(0, σ²C²) added to their sum
 (σ = ``privacy.noise_multiplier``), the result divided by the expected batch size. Opacus computes the per-sample
 gradients (:class:`opacus.grad_sample.GradSampleHooks`) and clips and noises them
@@ -24,10 +25,11 @@ import math
 import os
 import secrets
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from flwr.app import ConfigRecord, Context
@@ -40,8 +42,11 @@ from fedapps.wire import protocol
 
 log = logging.getLogger("fedapps")
 # Opacus's backward hooks on the first layer fire with respect to its output (the inputs need no gradient): as meant
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to "
-                                          "module outputs", category=UserWarning)
+warnings.filterwarnings(
+    "ignore",
+    message="Full backward hook is firing when gradients are computed with respect to module outputs",
+    category=UserWarning,
+)
 
 STATE_LEDGER = "privacy-ledger"  # the Context.state entry holding the ledger (JSON text)
 LEDGER_SUFFIX = ".privacy.json"  # <state-dir>/<client-id>.privacy.json
@@ -150,11 +155,15 @@ class PrivateTraining:
         after = epsilon([*self.history, (s.noise_multiplier, q, steps)], s.delta)
         if after > budget:
             raise PrivacyBudgetExhausted(
-                f"{protocol.PRIVACY_REFUSED}: client {self.client_id} is at ε = {self.epsilon():.4g} (δ = {s.delta:g}); "
-                f"this message's training ({steps} DP-SGD steps at q = {q:.4g}, σ = {s.noise_multiplier:g}) would take "
-                f"it to ε = {after:.4g}, past privacy.epsilon_budget = {budget:g}, so it does not train")
+                f"{protocol.PRIVACY_REFUSED}: client {self.client_id} is at ε = {self.epsilon():.4g} "
+                f"(δ = {s.delta:g}); this message's training ({steps} DP-SGD steps at q = {q:.4g}, "
+                f"σ = {s.noise_multiplier:g}) would take it to ε = {after:.4g}, "
+                f"past privacy.epsilon_budget = {budget:g}, so it does not train"
+            )
 
-    def generators(self, generator: torch.Generator | None, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
+    def generators(
+        self, generator: torch.Generator | None, device: torch.device
+    ) -> tuple[torch.Generator, torch.Generator]:
         """(minibatch sampling, noise) generators: from the operating system's entropy, or, with
         ``reproducible_noise``, drawn from the message's seeded ``generator`` (torch's global one when None)."""
         noise = torch.Generator(device=device)
@@ -163,9 +172,17 @@ class PrivateTraining:
             return torch.Generator().manual_seed(int(seeds[0])), noise.manual_seed(int(seeds[1]))
         return torch.Generator().manual_seed(secrets.randbits(62)), noise.manual_seed(secrets.randbits(62))
 
-    def run(self, model: nn.Module, x: Tensor, y: Tensor, loss_fn: ops.BatchLoss, settings: OptimSettings,
-            weights: Tensor | None, regulariser: ops.Regulariser | None,
-            generator: torch.Generator | None) -> dict[str, float]:
+    def run(
+        self,
+        model: nn.Module,
+        x: Tensor,
+        y: Tensor,
+        loss_fn: ops.BatchLoss,
+        settings: OptimSettings,
+        weights: Tensor | None,
+        regulariser: ops.Regulariser | None,
+        generator: torch.Generator | None,
+    ) -> dict[str, float]:
         """DP-SGD over (x, y) (see the module docstring); returns the mean loss of the minibatches and the steps,
         and enters them in the ledger."""
         from opacus.grad_sample import GradSampleHooks
@@ -173,14 +190,21 @@ class PrivateTraining:
 
         problems = model_problems(model)
         if problems:
-            batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-            why = (" BatchNorm mixes the samples of a minibatch, so that no sample has a gradient of its own;"
-                   if batchnorm else "")
-            raise PrivacyError(f"model '{self.arch}' cannot be trained with DP-SGD (privacy.mode: sample):{why} "
-                               f"choose a model.name without BatchNorm (e.g. cnn, mlp). Opacus: {' '.join(problems)}")
+            batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())  # noqa: SLF001 - no public base
+            why = (
+                " BatchNorm mixes the samples of a minibatch, so that no sample has a gradient of its own;"
+                if batchnorm
+                else ""
+            )
+            raise PrivacyError(
+                f"model '{self.arch}' cannot be trained with DP-SGD (privacy.mode: sample):{why} "
+                f"choose a model.name without BatchNorm (e.g. cnn, mlp). Opacus: {' '.join(problems)}"
+            )
         if weights is not None:
-            raise PrivacyError("per-sample weights normalised over a minibatch couple its samples: DP-SGD cannot "
-                               "train on the client's data with them")
+            raise PrivacyError(
+                "per-sample weights normalised over a minibatch couple its samples: DP-SGD cannot "
+                "train on the client's data with them"
+            )
         n, s = len(x), self.settings
         if n == 0 or settings.epochs == 0:
             return {"loss": 0.0, "steps": 0.0}
@@ -188,14 +212,27 @@ class PrivateTraining:
         self.require_budget(q, steps)
         batch_gen, noise_gen = self.generators(generator, next(model.parameters()).device)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = DPOptimizer(ops.make_optimizer(params, settings), noise_multiplier=s.noise_multiplier,
-                                max_grad_norm=s.max_grad_norm, expected_batch_size=settings.batch_size,
-                                generator=noise_gen)
+        optimizer = DPOptimizer(
+            ops.make_optimizer(params, settings),
+            noise_multiplier=s.noise_multiplier,
+            max_grad_norm=s.max_grad_norm,
+            expected_batch_size=settings.batch_size,
+            generator=noise_gen,
+        )
         hooks = GradSampleHooks(model, batch_first=True, loss_reduction="mean", strict=True)
         try:
             with out_of_place(model):
-                loss = dp_sgd(model, x, y, loss_fn, optimizer, steps, lambda: poisson_batch(n, q, batch_gen),
-                              regulariser, settings.clip_norm)
+                loss = dp_sgd(
+                    model,
+                    x,
+                    y,
+                    loss_fn,
+                    optimizer,
+                    steps,
+                    lambda: poisson_batch(n, q, batch_gen),
+                    regulariser,
+                    settings.clip_norm,
+                )
         finally:
             hooks.cleanup()
             for p in params:
@@ -206,8 +243,17 @@ class PrivateTraining:
         return {"loss": loss, "steps": float(steps)}
 
 
-def dp_sgd(model: nn.Module, x: Tensor, y: Tensor, loss_fn: ops.BatchLoss, optimizer: Any, steps: int,
-           draw: Callable[[], Tensor], regulariser: ops.Regulariser | None = None, clip_norm: float = 0.0) -> float:
+def dp_sgd(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    loss_fn: ops.BatchLoss,
+    optimizer: Any,
+    steps: int,
+    draw: Callable[[], Tensor],
+    regulariser: ops.Regulariser | None = None,
+    clip_norm: float = 0.0,
+) -> float:
     """``steps`` DP-SGD steps on a model whose per-sample gradients Opacus captures (``GradSampleHooks``) with its
     ``DPOptimizer``: the minibatch ``draw()`` returns through ``loss_fn``, each sample's gradient clipped, summed,
     noised and scaled by the optimizer, then the gradient of ``regulariser`` (on the model alone) added and the
@@ -243,8 +289,10 @@ def refuse_data_terms(names: Iterable[str]) -> None:
         return
     reading = sorted(set(names) - DATA_FREE_TERMS)
     if reading:
-        raise PrivacyError(f"the training term(s) {reading} read the client's data outside the per-sample gradients, "
-                           "which DP-SGD (privacy.mode: sample) cannot cover; switch them off for a private run")
+        raise PrivacyError(
+            f"the training term(s) {reading} read the client's data outside the per-sample gradients, "
+            "which DP-SGD (privacy.mode: sample) cannot cover; switch them off for a private run"
+        )
 
 
 # --------------------------------------------------------------------------- the ledger across messages
@@ -266,15 +314,18 @@ def load_ledger(context: Context, directory: Path | None, client_id: int, run: s
         except FileNotFoundError:
             doc = None
         except (OSError, ValueError) as exc:
-            raise ProtocolError(f"client {client_id}: the privacy ledger {ledger_path(directory, client_id)} cannot be "
-                                f"read ({exc}); without it the client's ε is unknown, so it does not train") from exc
+            raise ProtocolError(
+                f"client {client_id}: the privacy ledger {ledger_path(directory, client_id)} cannot be "
+                f"read ({exc}); without it the client's ε is unknown, so it does not train"
+            ) from exc
     if not isinstance(doc, dict) or doc.get("run") != run:
         return []
     return [(float(s), float(q), int(k)) for s, q, k in doc["history"]]
 
 
-def save_ledger(context: Context, directory: Path | None, client_id: int, run: str, history: list[Step],
-                node_dir: bool) -> None:
+def save_ledger(
+    context: Context, directory: Path | None, client_id: int, run: str, history: list[Step], node_dir: bool
+) -> None:
     """Keep the ledger in ``Context.state`` and, where there is a state directory, in its file (written atomically).
     A node's own directory that cannot be written is an error (its ε would be forgotten on a restart); the run
     folder of the server's machine may not exist on this node (a warning, as for the private model)."""
@@ -290,10 +341,16 @@ def save_ledger(context: Context, directory: Path | None, client_id: int, run: s
         os.replace(tmp, path)
     except OSError as exc:
         if node_dir:
-            raise ProtocolError(f"client {client_id}: cannot write the privacy ledger to {path} "
-                                f"({exc.strerror or exc}); give the node a writable state-dir") from exc
-        log.warning("client %d: the privacy ledger cannot be written to %s (%s); it stays in memory only",
-                    client_id, path, exc.strerror or exc)
+            raise ProtocolError(
+                f"client {client_id}: cannot write the privacy ledger to {path} "
+                f"({exc.strerror or exc}); give the node a writable state-dir"
+            ) from exc
+        log.warning(
+            "client %d: the privacy ledger cannot be written to %s (%s); it stays in memory only",
+            client_id,
+            path,
+            exc.strerror or exc,
+        )
 
 
 @dataclass
@@ -313,8 +370,9 @@ class PrivateSession:
         return t.epsilon()
 
 
-def start(request: protocol.Request, context: Context, client_id: int, arch: str, directory: Path | None,
-          node_dir: bool) -> PrivateSession | None:
+def start(
+    request: protocol.Request, context: Context, client_id: int, arch: str, directory: Path | None, node_dir: bool
+) -> PrivateSession | None:
     """The message's privacy session (None when it carries no privacy settings: off), its ledger loaded (the ledger
     of the run named by the message's ``state-run`` token)."""
     settings = request.privacy

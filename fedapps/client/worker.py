@@ -96,8 +96,10 @@ def node_threads(context: Context) -> int:
     except ValueError:
         n = 0
     if n < 1:
-        raise ProtocolError(f"node config '{THREADS_KEY}'={value!r} must be a positive integer (torch threads of "
-                            f"this node's ClientApp), e.g. --node-config \"{THREADS_KEY}=2\"")
+        raise ProtocolError(
+            f"node config '{THREADS_KEY}'={value!r} must be a positive integer (torch threads of "
+            f'this node\'s ClientApp), e.g. --node-config "{THREADS_KEY}=2"'
+        )
     return n
 
 
@@ -107,8 +109,10 @@ def client_id_of(context: Context) -> int:
     for key in (NODE_CLIENT_ID, "partition-id"):
         if key in nc:
             return int(nc[key])
-    raise ProtocolError("node_config has neither 'partition-id' nor 'client-id'; start the SuperNode with "
-                        "--node-config \"partition-id=<i> num-partitions=<n>\"")
+    raise ProtocolError(
+        "node_config has neither 'partition-id' nor 'client-id'; start the SuperNode with "
+        '--node-config "partition-id=<i> num-partitions=<n>"'
+    )
 
 
 def data_spec(request: protocol.Request) -> dict[str, Any]:
@@ -121,7 +125,8 @@ def data_spec(request: protocol.Request) -> dict[str, Any]:
 def needs_public(request: protocol.Request) -> bool:
     """Whether a message needs the public set U on the client: it names U's fingerprint or predicts/distils on U."""
     return request.public.fingerprint is not None or any(
-        str(op).partition(":")[0] in ("predict", "distill") for op in request.ops)
+        str(op).partition(":")[0] in ("predict", "distill") for op in request.ops
+    )
 
 
 _NODE_FEDERATIONS: dict[tuple, Federation] = {}  # one per spec, client and files (per process)
@@ -137,31 +142,43 @@ def client_federation(context: Context, spec: dict[str, Any], client_id: int, pu
     if source != NODES:
         for key in (DATA_PATH, PUBLIC_PATH):
             if str(node_config.get(key, "")).strip():
-                raise ProtocolError(f"node config '{key}' is set, but the server's data.source is '{source}' (it builds "
-                                    f"every client's data from that source); run with data.source: nodes, or start this "
-                                    f"SuperNode without '{key}'")
+                raise ProtocolError(
+                    f"node config '{key}' is set, but the server's data.source is '{source}' (it builds "
+                    f"every client's data from that source); run with data.source: nodes, or start this "
+                    f"SuperNode without '{key}'"
+                )
         try:
             with data_warnings_silenced():  # the server built the same federation from this spec and reported it
                 return get_federation(spec)
         except DataError as exc:
             raise ProtocolError(f"client {client_id}: the data spec cannot be served here: {exc}") from exc
     if not own:
-        raise ProtocolError(f"data.source is 'nodes' but this node has no node config '{DATA_PATH}'; start the SuperNode "
-                            f"with --node-config \"{DATA_PATH}='/path/to/own.npz' client-id=<i>\" (an .npz with x, y or "
-                            "a folder of class sub-folders)")
+        raise ProtocolError(
+            f"data.source is 'nodes' but this node has no node config '{DATA_PATH}'; start the SuperNode "
+            f"with --node-config \"{DATA_PATH}='/path/to/own.npz' client-id=<i>\" (an .npz with x, y or "
+            "a folder of class sub-folders)"
+        )
     try:
         labelled = read_labelled(own, DATA_PATH, node_config.get(NUM_CLASSES))
         u = None
         if public:
             if not str(node_config.get(PUBLIC_PATH, "")).strip():
-                raise DataError(f"this run needs the public set U, but the node has no node config '{PUBLIC_PATH}'; "
-                                f"add --node-config \"{PUBLIC_PATH}='/path/to/U.npz'\" (a copy of the server's "
-                                "data.public_path)")
+                raise DataError(
+                    f"this run needs the public set U, but the node has no node config '{PUBLIC_PATH}'; "
+                    f"add --node-config \"{PUBLIC_PATH}='/path/to/U.npz'\" (a copy of the server's "
+                    "data.public_path)"
+                )
             u_path = node_path(node_config[PUBLIC_PATH], PUBLIC_PATH)
             u = read_public(u_path, f"node config '{PUBLIC_PATH}'={str(u_path)!r}")
         check_fits(spec, labelled, u)
-        fed_key = (spec_key(spec), client_id, labelled.path, id(labelled.x), labelled.declared_classes,
-                   None if u is None else id(u[0]))
+        fed_key = (
+            spec_key(spec),
+            client_id,
+            labelled.path,
+            id(labelled.x),
+            labelled.declared_classes,
+            None if u is None else id(u[0]),
+        )
         if fed_key not in _NODE_FEDERATIONS:
             if len(_NODE_FEDERATIONS) > 4:
                 _NODE_FEDERATIONS.clear()
@@ -178,20 +195,28 @@ def check_fits(spec: Mapping[str, Any], labelled: Any, public: tuple[torch.Tenso
     shape = tuple(int(d) for d in spec.get("input_shape", []) or [])
     where = f"node config '{DATA_PATH}'={labelled.path!r}"
     if shape and labelled.input_shape != shape:
-        raise DataError(f"{where}: images of shape {labelled.input_shape} (C, H, W), but the federation's are {shape}; "
-                        "give this node data of the federation's input shape")
+        raise DataError(
+            f"{where}: images of shape {labelled.input_shape} (C, H, W), but the federation's are {shape}; "
+            "give this node data of the federation's input shape"
+        )
     if k:
         if labelled.declared_classes is not None and labelled.declared_classes != k:
-            raise DataError(f"{where}: this node declares {labelled.declared_classes} classes, the federation has {k}; "
-                            f"fix the class sub-folders / 'num_classes' of the file, or node config '{NUM_CLASSES}'")
+            raise DataError(
+                f"{where}: this node declares {labelled.declared_classes} classes, the federation has {k}; "
+                f"fix the class sub-folders / 'num_classes' of the file, or node config '{NUM_CLASSES}'"
+            )
         if int(labelled.y.max()) >= k:
-            raise DataError(f"{where}: label {int(labelled.y.max())} is outside the federation's {k} classes "
-                            f"(0..{k - 1}); fix the labels")
+            raise DataError(
+                f"{where}: label {int(labelled.y.max())} is outside the federation's {k} classes "
+                f"(0..{k - 1}); fix the labels"
+            )
     if public is not None:
         u_shape = tuple(int(d) for d in public[0].shape[1:])
         if u_shape != labelled.input_shape:
-            raise DataError(f"node config '{PUBLIC_PATH}': U's images are {u_shape}, this node's data {labelled.input_shape}; "
-                            "U must have the clients' input shape")
+            raise DataError(
+                f"node config '{PUBLIC_PATH}': U's images are {u_shape}, this node's data {labelled.input_shape}; "
+                "U must have the clients' input shape"
+            )
 
 
 def model_arch(request: protocol.Request, context: Context, client_id: int) -> str:
@@ -219,9 +244,15 @@ def skeleton_key(arch: str, fed: Federation, request: protocol.Request) -> Skele
     return arch, int(fed.num_classes), (int(c), int(h), int(w)), int(request.setup.model.seed or 0)
 
 
-def private_model(context: Context, request: protocol.Request, fed: Federation, client_id: int, device: torch.device,
-                  incoming: Mapping[str, torch.Tensor] | None = None,
-                  taken: list[tuple[SkeletonKey, tuple[nn.Module, dict]]] | None = None) -> tuple[nn.Module, str]:
+def private_model(
+    context: Context,
+    request: protocol.Request,
+    fed: Federation,
+    client_id: int,
+    device: torch.device,
+    incoming: Mapping[str, torch.Tensor] | None = None,
+    taken: list[tuple[SkeletonKey, tuple[nn.Module, dict]]] | None = None,
+) -> tuple[nn.Module, str]:
     """The client's model: restored from Context.state, or built fresh on first contact. ``incoming``: the arrays
     the message loads into it next (``load-arrays``); when they cover its whole state (e.g. a global model sent whole)
     nothing is loaded first, since every value would be overwritten (one state copy less per message). The module
@@ -291,8 +322,10 @@ class SkeletonPool:
             known = self._draws.get(key)
         if known is None:
             item = self.take(key)
-            known = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0  # noqa: SLF001 - torch's dropout layers share no public base
-                        for m in item[0].modules())
+            known = any(
+                isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0  # noqa: SLF001 - torch's dropout layers share no public base
+                for m in item[0].modules()
+            )
             self.give(key, item)
             with self._lock:
                 self._draws[key] = known
@@ -309,8 +342,10 @@ def load_arrays(model: nn.Module, received: Mapping[str, torch.Tensor], strict: 
     mismatched = [k for k in received if k in own and tuple(received[k].shape) != tuple(own[k].shape)]
     missing = [k for k in own if k not in received]
     if unknown or mismatched or (strict and missing):
-        raise ProtocolError(f"received arrays do not fit the model: unknown={unknown[:3]} "
-                            f"shape-mismatch={mismatched[:3]} missing={missing[:3] if strict else []}")
+        raise ProtocolError(
+            f"received arrays do not fit the model: unknown={unknown[:3]} "
+            f"shape-mismatch={mismatched[:3]} missing={missing[:3] if strict else []}"
+        )
     model.load_state_dict(received, strict=False)
 
 
@@ -338,7 +373,7 @@ def state_files(directory: Path, client_id: int) -> dict[int, Path]:
     """Round -> file of this client's saved private models."""
     out: dict[int, Path] = {}
     for path in directory.glob(f"{int(client_id)}.r*.pt"):
-        tail = path.name[len(f"{int(client_id)}.r"):-len(".pt")]
+        tail = path.name[len(f"{int(client_id)}.r") : -len(".pt")]
         if tail.isdigit():
             out[int(tail)] = path
     return out
@@ -379,8 +414,9 @@ def restore_private_state(context: Context, request: protocol.Request, client_id
         return
 
 
-def save_private_state(context: Context, request: protocol.Request, client_id: int, model: nn.Module,
-                       arch: str) -> None:
+def save_private_state(
+    context: Context, request: protocol.Request, client_id: int, model: nn.Module, arch: str
+) -> None:
     """Write the private model to the state directory (atomically) for this round; keep the newest earlier
     round's file too (the one a resumption from the last checkpoint needs), remove older ones."""
     directory = state_dir(request, context)
@@ -389,19 +425,28 @@ def save_private_state(context: Context, request: protocol.Request, client_id: i
     rnd = request.round
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     try:
-        checkpoint.atomic_save(vars(SavedModel(str(request.bookkeeping.state_run or ""), rnd, arch, state)),
-                               directory / f"{int(client_id)}.r{rnd}.pt")
+        checkpoint.atomic_save(
+            vars(SavedModel(str(request.bookkeeping.state_run or ""), rnd, arch, state)),
+            directory / f"{int(client_id)}.r{rnd}.pt",
+        )
         earlier = sorted(r for r in state_files(directory, client_id) if r < rnd)
         for r in earlier[:-1]:
             state_files(directory, client_id)[r].unlink(missing_ok=True)
     except OSError as exc:
         if state_dir_is_nodes(context):
-            raise ProtocolError(f"node config '{STATE_DIR_KEY}'={str(directory)!r}: cannot write the private model there "
-                                f"({exc.strerror or exc}); give a folder this node can write") from exc
+            raise ProtocolError(
+                f"node config '{STATE_DIR_KEY}'={str(directory)!r}: cannot write the private model there "
+                f"({exc.strerror or exc}); give a folder this node can write"
+            ) from exc
         # the message's state-dir is the server's run folder: on another machine it may not be writable
-        log.warning("client %d: the run's state-dir %s is not writable on this node (%s); the private model stays in "
-                    "memory only: set node config '%s' to keep it across restarts", client_id, directory,
-                    exc.strerror or exc, STATE_DIR_KEY)
+        log.warning(
+            "client %d: the run's state-dir %s is not writable on this node (%s); the private model stays in "
+            "memory only: set node config '%s' to keep it across restarts",
+            client_id,
+            directory,
+            exc.strerror or exc,
+            STATE_DIR_KEY,
+        )
 
 
 RESTART_LOSSES = ("nothing", "buffers", "head", "model")
@@ -427,8 +472,7 @@ def model_arrays(model: nn.Module, which: str, transport: str = "float32") -> Ar
         raise ProtocolError(f"unknown arrays.keys '{which}'; allowed: {', '.join(STATE_PARTS)}")
     if transport == "float32":
         return ArrayRecord({k: v.detach().cpu() for k, v in state_part(model, which).items()})
-    return protocol.arrays_record({k: v.detach().cpu().numpy() for k, v in state_part(model, which).items()},
-                                  transport)
+    return protocol.arrays_record({k: v.detach().cpu().numpy() for k, v in state_part(model, which).items()}, transport)
 
 
 def received_state(record: ArrayRecord) -> dict[str, torch.Tensor]:
@@ -509,9 +553,11 @@ class Worker:
         self.val_x, self.val_y = self.data.train_x[:0], self.data.train_y[:0]
         holdout = float(self.request.training.holdout_fraction or 0.0)
         if holdout:
-            fit, held_out = holdout_split(len(self.data.train_y), holdout,
-                                           derive_seed(int(self.request.setup.data.get("seed", 0)), "holdout",
-                                                       self.client_id))
+            fit, held_out = holdout_split(
+                len(self.data.train_y),
+                holdout,
+                derive_seed(int(self.request.setup.data.get("seed", 0)), "holdout", self.client_id),
+            )
             self.train_x, self.train_y = self.data.train_x[fit], self.data.train_y[fit]
             self.val_x, self.val_y = self.data.train_x[held_out], self.data.train_y[held_out]
         self.device = ops.resolve_device(str(self.request.setup.client.get("device", "auto")))
@@ -562,8 +608,9 @@ class Worker:
         req = self.request
         if self.received is not None and req.load.into_model:
             load_arrays(self.model, self.received, strict=False)
-        private = privacy.start(req, self.context, self.client_id, self.arch, state_dir(req, self.context),
-                                state_dir_is_nodes(self.context))
+        private = privacy.start(
+            req, self.context, self.client_id, self.arch, state_dir(req, self.context), state_dir_is_nodes(self.context)
+        )
         with ops.privately(private.training if private is not None else None):
             for op, tag in steps:
                 start = time.perf_counter()
@@ -670,7 +717,8 @@ class Worker:
                 raise ProtocolError(
                     f"public set mismatch: node config '{PUBLIC_PATH}'={str(self.context.node_config[PUBLIC_PATH])!r} "
                     f"holds a U with fingerprint '{self.fed.fingerprint}', the server's U has '{expected}'; give this "
-                    f"node a copy of the server's U file (data.public_path) as '{PUBLIC_PATH}'")
+                    f"node a copy of the server's U file (data.public_path) as '{PUBLIC_PATH}'"
+                )
             raise ProtocolError(
                 f"public set mismatch: the server's U has fingerprint '{expected}', this client's has "
                 f"'{self.fed.fingerprint}'. Both sides must build U from the same data spec (data.* keys)."
@@ -761,8 +809,16 @@ def distill(w: Worker, tag: str) -> None:
             keep = torch.as_tensor(~abstain)
             weights = keep.float() if weights is None else weights * keep.float()
             targets = np.where(abstain, 0, targets)
-    result = ops.distill(w.model, x, torch.as_tensor(targets), settings, ops.DistillSettings(loss=loss),
-                         sample_weights=weights, generator=w.generator, term=w.distill_terms(section))
+    result = ops.distill(
+        w.model,
+        x,
+        torch.as_tensor(targets),
+        settings,
+        ops.DistillSettings(loss=loss),
+        sample_weights=weights,
+        generator=w.generator,
+        term=w.distill_terms(section),
+    )
     w.metrics[protocol.metric_name(tag, "loss")] = result["loss"]
 
 
@@ -776,7 +832,9 @@ def distill_weights(w: Worker, weighting: str, targets: np.ndarray, rows: torch.
     if weighting == "none":
         return None
     if weighting not in DISTILL_WEIGHTINGS:
-        raise ProtocolError(f"unknown distill.weighting '{weighting}'; allowed: none, {', '.join(sorted(DISTILL_WEIGHTINGS))}")
+        raise ProtocolError(
+            f"unknown distill.weighting '{weighting}'; allowed: none, {', '.join(sorted(DISTILL_WEIGHTINGS))}"
+        )
     return DISTILL_WEIGHTINGS[weighting](w, targets, rows)
 
 

@@ -70,16 +70,42 @@ from .transforms import label_swap_permutations, public_group_shares, rotate_ima
 log = logging.getLogger("fedapps.data")
 
 SPEC_KEYS: tuple[str, ...] = (
-    "source", "root", "download", "partition", "num_clients", "classes_per_client", "alpha",
-    "min_samples", "groups", "redistribute_fraction", "test_fraction", "public_fraction", "seed",
-    "synthetic_classes", "synthetic_shape", "synthetic_samples", "validation_fraction", "evaluate_on", "swap_pairs",
-    "num_classes", "input_shape", "public_path", "node_registry",
+    "source",
+    "root",
+    "download",
+    "partition",
+    "num_clients",
+    "classes_per_client",
+    "alpha",
+    "min_samples",
+    "groups",
+    "redistribute_fraction",
+    "test_fraction",
+    "public_fraction",
+    "seed",
+    "synthetic_classes",
+    "synthetic_shape",
+    "synthetic_samples",
+    "validation_fraction",
+    "evaluate_on",
+    "swap_pairs",
+    "num_classes",
+    "input_shape",
+    "public_path",
+    "node_registry",
 )
 # keys a spec may leave out (older servers, hand-built specs, messages that omit keys at their default): check_spec
 # fills in these defaults. num_classes / input_shape / public_path / node_registry belong to data.source 'nodes'
 # (fedapps.data.nodes)
-SPEC_DEFAULTS: dict[str, Any] = {"validation_fraction": 0.15, "evaluate_on": "test", "swap_pairs": 1,
-                                 "num_classes": 0, "input_shape": [], "public_path": "", "node_registry": ""}
+SPEC_DEFAULTS: dict[str, Any] = {
+    "validation_fraction": 0.15,
+    "evaluate_on": "test",
+    "swap_pairs": 1,
+    "num_classes": 0,
+    "input_shape": [],
+    "public_path": "",
+    "node_registry": "",
+}
 EVALUATION_SPLITS: tuple[str, ...] = ("test", "validation")
 VALIDATION_SEED_PURPOSE = "validation-split"  # derive_seed(data.seed, this, client id): the validation split
 
@@ -113,7 +139,9 @@ class Federation:
     num_clients: int
     public_x: torch.Tensor | None
     public_y: torch.Tensor | None  # true labels of U: for an explicitly named oracle option only
-    train_counts: np.ndarray  # num_clients × num_classes, int64: what clients train on (the fit share in validation mode)
+    train_counts: (
+        np.ndarray
+    )  # num_clients × num_classes, int64: what clients train on (the fit share in validation mode)
     test_counts: np.ndarray  # num_clients × num_classes, int64: the evaluation split (test, or validation)
     groups: np.ndarray | None  # group of each client (cosmos-groups, rotated, label-swap), else None
     fingerprint: str  # short sha256 of U (shape + bytes), "" without U
@@ -139,12 +167,16 @@ class Federation:
     def client(self, i: int) -> ClientData:
         """The data of client `i` (0 ≤ i < num_clients)."""
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.num_clients:
-            raise DataError(f"client id {i!r} is out of range: expected an integer in 0..{self.num_clients - 1} "
-                            f"(data.num_clients={self.num_clients})")
+            raise DataError(
+                f"client id {i!r} is out of range: expected an integer in 0..{self.num_clients - 1} "
+                f"(data.num_clients={self.num_clients})"
+            )
         data = self._clients[int(i)]
         if data is None:  # data.source 'nodes': each node holds its own data, the server none
-            raise DataError(f"client {i}'s data is not in this process: under data.source 'nodes' each node holds "
-                            "its own (node config data-path)")
+            raise DataError(
+                f"client {i}'s data is not in this process: under data.source 'nodes' each node holds "
+                "its own (node config data-path)"
+            )
         return data
 
     def group_transform(self, group: int) -> str:
@@ -191,8 +223,10 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
         raise DataError(f"data spec has unknown keys: {', '.join(unknown)} (allowed: {', '.join(SPEC_KEYS)})")
     s = dict(spec)
     if s["source"] not in (*SOURCES, NODES) and not is_hf_source(s["source"]):
-        raise DataError(f"data.source={s['source']!r} is unknown; allowed: {', '.join((*SOURCES, NODES))}, or "
-                        "hf:<name> (a Hugging Face dataset, optional extra 'hf')")
+        raise DataError(
+            f"data.source={s['source']!r} is unknown; allowed: {', '.join((*SOURCES, NODES))}, or "
+            "hf:<name> (a Hugging Face dataset, optional extra 'hf')"
+        )
     if s["partition"] not in PARTITIONS:
         raise DataError(f"data.partition={s['partition']!r} is unknown; allowed: {', '.join(PARTITIONS)}")
     if not isinstance(s["root"], (str, os.PathLike)) or not str(s["root"]):
@@ -213,8 +247,11 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
     s["seed"] = int(s["seed"])
     s["synthetic_classes"] = _check_int("synthetic_classes", s["synthetic_classes"], 2)
     shape = s["synthetic_shape"]
-    if (not isinstance(shape, (list, tuple)) or len(shape) != 3
-            or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in shape)):
+    if (
+        not isinstance(shape, (list, tuple))
+        or len(shape) != 3
+        or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in shape)
+    ):
         raise DataError(f"data.synthetic_shape={shape!r} must be a list of 3 positive integers [C, H, W]")
     s["synthetic_shape"] = [int(d) for d in shape]
     s["synthetic_samples"] = _check_int("synthetic_samples", s["synthetic_samples"], s["synthetic_classes"])
@@ -222,33 +259,46 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
 
     s["validation_fraction"] = _check_fraction("validation_fraction", s["validation_fraction"], allow_one=False)
     if s["evaluate_on"] not in EVALUATION_SPLITS:
-        raise DataError(f"data.evaluate_on={s['evaluate_on']!r} is unknown; allowed: {', '.join(EVALUATION_SPLITS)} "
-                        "(test for final runs; validation while tuning hyper-parameters, e.g. with `fedapps tune`)")
+        raise DataError(
+            f"data.evaluate_on={s['evaluate_on']!r} is unknown; allowed: {', '.join(EVALUATION_SPLITS)} "
+            "(test for final runs; validation while tuning hyper-parameters, e.g. with `fedapps tune`)"
+        )
     if s["evaluate_on"] == "validation" and s["validation_fraction"] <= 0:
-        raise DataError(f"data.validation_fraction={s['validation_fraction']!r} leaves no validation split, but "
-                        "data.evaluate_on is 'validation'; set data.validation_fraction in (0, 1), e.g. 0.15")
+        raise DataError(
+            f"data.validation_fraction={s['validation_fraction']!r} leaves no validation split, but "
+            "data.evaluate_on is 'validation'; set data.validation_fraction in (0, 1), e.g. 0.15"
+        )
 
     _check_nodes_keys(s)
     if s["source"] == NODES:
         return s  # no source to partition: the nodes bring their data (the keys above still apply to their splits)
-    num_classes, shape = source_info(s["source"], s["synthetic_classes"], s["synthetic_shape"], root=s["root"],
-                                     download=s["download"])
+    num_classes, shape = source_info(
+        s["source"], s["synthetic_classes"], s["synthetic_shape"], root=s["root"], download=s["download"]
+    )
     if s["partition"] == "pathological" and s["classes_per_client"] > num_classes:
-        raise DataError(f"data.classes_per_client={s['classes_per_client']} exceeds the {num_classes} classes "
-                        f"of data.source={s['source']!r}; allowed: 1..{num_classes}")
+        raise DataError(
+            f"data.classes_per_client={s['classes_per_client']} exceeds the {num_classes} classes "
+            f"of data.source={s['source']!r}; allowed: 1..{num_classes}"
+        )
     if s["partition"] == "cosmos-groups" and s["groups"] > min(num_classes, s["num_clients"]):
-        raise DataError(f"data.groups={s['groups']} must be at most min(num_classes={num_classes}, "
-                        f"num_clients={s['num_clients']}) for partition 'cosmos-groups'")
+        raise DataError(
+            f"data.groups={s['groups']} must be at most min(num_classes={num_classes}, "
+            f"num_clients={s['num_clients']}) for partition 'cosmos-groups'"
+        )
     if s["partition"] in ("rotated", "label-swap") and s["groups"] > s["num_clients"]:
-        raise DataError(f"data.groups={s['groups']} exceeds data.num_clients={s['num_clients']}: partition "
-                        f"{s['partition']!r} needs at least one client per group; lower data.groups or raise "
-                        f"data.num_clients")
+        raise DataError(
+            f"data.groups={s['groups']} exceeds data.num_clients={s['num_clients']}: partition "
+            f"{s['partition']!r} needs at least one client per group; lower data.groups or raise "
+            f"data.num_clients"
+        )
     if s["partition"] == "rotated":
         quarters = rotation_quarter_turns(s["groups"])
         if np.any(quarters % 2 == 1) and shape[1] != shape[2]:
-            raise DataError(f"partition 'rotated' with data.groups={s['groups']} turns images by 90°, which needs "
-                            f"square images; data.source={s['source']!r} has H×W = {shape[1]}×{shape[2]}. Use "
-                            f"data.groups=2 (0/180°) or a square data.synthetic_shape")
+            raise DataError(
+                f"partition 'rotated' with data.groups={s['groups']} turns images by 90°, which needs "
+                f"square images; data.source={s['source']!r} has H×W = {shape[1]}×{shape[2]}. Use "
+                f"data.groups=2 (0/180°) or a square data.synthetic_shape"
+            )
     if s["partition"] == "label-swap":
         label_swap_permutations(num_classes, s["groups"], s["swap_pairs"], np.random.default_rng(0))  # feasibility
     return s
@@ -262,9 +312,14 @@ def _check_nodes_keys(s: dict[str, Any]) -> None:
         raise DataError(f"data.num_classes={k!r} must be a non-negative integer (0: learnt from the nodes)")
     s["num_classes"] = int(k)
     shape = s["input_shape"]
-    if (not isinstance(shape, (list, tuple)) or len(shape) not in (0, 3)
-            or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in shape)):
-        raise DataError(f"data.input_shape={shape!r} must be [] (learnt from the nodes) or 3 positive integers [C, H, W]")
+    if (
+        not isinstance(shape, (list, tuple))
+        or len(shape) not in (0, 3)
+        or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in shape)
+    ):
+        raise DataError(
+            f"data.input_shape={shape!r} must be [] (learnt from the nodes) or 3 positive integers [C, H, W]"
+        )
     s["input_shape"] = [int(d) for d in shape]
     for key in ("public_path", "node_registry"):
         if not isinstance(s[key], (str, os.PathLike)):
@@ -274,8 +329,9 @@ def _check_nodes_keys(s: dict[str, Any]) -> None:
         return
     for key, default in (("num_classes", 0), ("input_shape", []), ("public_path", ""), ("node_registry", "")):
         if s[key] != default:
-            raise DataError(f"data.{key}={s[key]!r} applies to data.source 'nodes' only (data.source is "
-                            f"{s['source']!r}); remove it")
+            raise DataError(
+                f"data.{key}={s[key]!r} applies to data.source 'nodes' only (data.source is {s['source']!r}); remove it"
+            )
 
 
 def _fingerprint(x: torch.Tensor) -> str:
@@ -286,8 +342,9 @@ def _fingerprint(x: torch.Tensor) -> str:
     return h.hexdigest()[:16]
 
 
-def client_split(idx: np.ndarray, labels: np.ndarray, test_fraction: float,
-                 rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def client_split(
+    idx: np.ndarray, labels: np.ndarray, test_fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """A client's source indices ``idx`` -> (train, test), stratified by label; train keeps at least one sample."""
     test_loc, train_loc = stratified_split(labels[idx], test_fraction, rng)
     if train_loc.size == 0:  # tiny client: keep one sample for training
@@ -295,8 +352,9 @@ def client_split(idx: np.ndarray, labels: np.ndarray, test_fraction: float,
     return idx[train_loc], idx[test_loc]
 
 
-def validation_split(train: np.ndarray, labels: np.ndarray, fraction: float,
-                     rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def validation_split(
+    train: np.ndarray, labels: np.ndarray, fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """A client's train indices -> (fit, validation): ``fraction`` of each class held out (largest remainder,
     so stratified where the counts allow); fit keeps at least one sample. Both keep train's order."""
     val_loc, fit_loc = stratified_split(labels[train], fraction, rng)
@@ -305,8 +363,9 @@ def validation_split(train: np.ndarray, labels: np.ndarray, fraction: float,
     return train[fit_loc], train[val_loc]
 
 
-def split_clients(s: dict[str, Any], labels: np.ndarray, k: int, pool: np.ndarray,
-                  m: int) -> tuple[np.ndarray | None, list[np.ndarray], list[np.ndarray]]:
+def split_clients(
+    s: dict[str, Any], labels: np.ndarray, k: int, pool: np.ndarray, m: int
+) -> tuple[np.ndarray | None, list[np.ndarray], list[np.ndarray]]:
     """The pool (source indices left after U) partitioned among ``m`` clients as spec ``s`` says, each client's part
     split into train and evaluation indices (test, or the validation share of train): (groups, train, eval).
     Deterministic for the spec's seed (the partition and split streams of :func:`build_federation`)."""
@@ -315,8 +374,10 @@ def split_clients(s: dict[str, Any], labels: np.ndarray, k: int, pool: np.ndarra
     part = s["partition"]
     groups: np.ndarray | None = None
     if m > pool.size:
-        raise DataError(f"data.num_clients={m} exceeds the {pool.size} samples left for clients "
-                        f"(source {s['source']!r}, public_fraction={s['public_fraction']})")
+        raise DataError(
+            f"data.num_clients={m} exceeds the {pool.size} samples left for clients "
+            f"(source {s['source']!r}, public_fraction={s['public_fraction']})"
+        )
     if part == "iid":
         local = partition_iid(pool_labels, m, rng_partition)
     elif part == "pathological":
@@ -324,19 +385,24 @@ def split_clients(s: dict[str, Any], labels: np.ndarray, k: int, pool: np.ndarra
     elif part == "dirichlet":
         local = partition_dirichlet(pool_labels, m, k, s["alpha"], s["min_samples"], rng_partition)
     elif part == "cosmos-groups":
-        local, groups = partition_cosmos_groups(pool_labels, m, k, s["alpha"], s["groups"],
-                                                s["redistribute_fraction"], rng_partition)
+        local, groups = partition_cosmos_groups(
+            pool_labels, m, k, s["alpha"], s["groups"], s["redistribute_fraction"], rng_partition
+        )
     else:  # rotated / label-swap
         local, groups = partition_groups_iid(pool_labels, m, s["groups"], rng_partition)
     validating = s["evaluate_on"] == "validation"
     train_indices, eval_indices = [], []
     for i, loc in enumerate(local):
         if loc.size == 0:
-            raise DataError(f"client {i} received no samples with partition {part!r} "
-                            f"(num_clients={m}, alpha={s['alpha']}); use fewer clients or another partition")
+            raise DataError(
+                f"client {i} received no samples with partition {part!r} "
+                f"(num_clients={m}, alpha={s['alpha']}); use fewer clients or another partition"
+            )
         tr, te = client_split(pool[loc], labels, s["test_fraction"], rng_split)
         if validating:  # the test indices `te` are dropped here: only train's split into fit / validation stays
-            tr, te = validation_split(tr, labels, s["validation_fraction"], derive_rng(s["seed"], VALIDATION_SEED_PURPOSE, i))
+            tr, te = validation_split(
+                tr, labels, s["validation_fraction"], derive_rng(s["seed"], VALIDATION_SEED_PURPOSE, i)
+            )
         train_indices.append(tr)
         eval_indices.append(te)
     return groups, train_indices, eval_indices
@@ -364,8 +430,9 @@ def largest_working(m: int, works: Callable[[int], bool]) -> int:
     return lo
 
 
-def check_every_client_has_data(s: dict[str, Any], train_sizes: np.ndarray, eval_sizes: np.ndarray,
-                                works: Callable[[int], bool]) -> None:
+def check_every_client_has_data(
+    s: dict[str, Any], train_sizes: np.ndarray, eval_sizes: np.ndarray, works: Callable[[int], bool]
+) -> None:
     """DataError (exit 2 before any run starts) when a client has no training data or an empty evaluation split: a
     headline averaged over clients measured on nothing means nothing. Names the largest ``data.num_clients`` that
     gives every client both (``works(m)``: whether m clients do)."""
@@ -386,11 +453,15 @@ def check_every_client_has_data(s: dict[str, Any], train_sizes: np.ndarray, eval
         fix = f"{fraction}={share} holds out nothing to measure on; raise {fraction} (e.g. 0.25)"
     else:
         best = largest_working(m, works)
-        fix = ((f"at most data.num_clients={best} gives every client training data and a {split} split here"
-                if best else f"no client count gives every client training data and a {split} split here")
-               + f"; use fewer clients, raise {fraction}, or a larger source")
-    raise DataError(f"data.source={s['source']} data.num_clients={m} (partition {s['partition']}, "
-                    f"{fraction}={share}) leaves {' and '.join(parts)}: {fix}")
+        fix = (
+            f"at most data.num_clients={best} gives every client training data and a {split} split here"
+            if best
+            else f"no client count gives every client training data and a {split} split here"
+        ) + f"; use fewer clients, raise {fraction}, or a larger source"
+    raise DataError(
+        f"data.source={s['source']} data.num_clients={m} (partition {s['partition']}, "
+        f"{fraction}={share}) leaves {' and '.join(parts)}: {fix}"
+    )
 
 
 def build_federation(spec: dict[str, Any]) -> Federation:
@@ -400,9 +471,15 @@ def build_federation(spec: dict[str, Any]) -> Federation:
     if s["source"] == NODES:
         return nodes_server_federation(s)
     t0 = time.perf_counter()
-    ds = load_source(s["source"], s["root"], download=s["download"], synthetic_classes=s["synthetic_classes"],
-                     synthetic_shape=s["synthetic_shape"], synthetic_samples=s["synthetic_samples"],
-                     seed=s["seed"])
+    ds = load_source(
+        s["source"],
+        s["root"],
+        download=s["download"],
+        synthetic_classes=s["synthetic_classes"],
+        synthetic_shape=s["synthetic_shape"],
+        synthetic_samples=s["synthetic_samples"],
+        seed=s["seed"],
+    )
     labels = ds.y.numpy()
     k = ds.num_classes
     rng_public = np.random.default_rng(np.random.SeedSequence(s["seed"]).spawn(3)[0])
@@ -420,12 +497,14 @@ def build_federation(spec: dict[str, Any]) -> Federation:
         best = largest_working(m, lambda n: _clients_have_data(s, labels, k, pool, n))
         if not best:
             raise
-        raise DataError(f"{exc} (at most data.num_clients={best} gives every client training data and an "
-                        f"evaluation split here)") from exc
+        raise DataError(
+            f"{exc} (at most data.num_clients={best} gives every client training data and an evaluation split here)"
+        ) from exc
     # the transforms draw from their own stream: the partitions above stay those of earlier versions
     rng_transform = np.random.default_rng(np.random.SeedSequence([s["seed"], 0x7261]))
-    label_perms = (label_swap_permutations(k, s["groups"], s["swap_pairs"], rng_transform)
-                   if part == "label-swap" else None)
+    label_perms = (
+        label_swap_permutations(k, s["groups"], s["swap_pairs"], rng_transform) if part == "label-swap" else None
+    )
 
     train_counts = np.zeros((m, k), dtype=np.int64)
     eval_counts = np.zeros((m, k), dtype=np.int64)
@@ -436,8 +515,9 @@ def build_federation(spec: dict[str, Any]) -> Federation:
             relabel = label_perms[groups[i]]
         train_counts[i] = np.bincount(relabel[labels[tr]], minlength=k)
         eval_counts[i] = np.bincount(relabel[labels[te]], minlength=k)
-    check_every_client_has_data(s, train_counts.sum(axis=1), eval_counts.sum(axis=1),
-                                lambda n: _clients_have_data(s, labels, k, pool, n))
+    check_every_client_has_data(
+        s, train_counts.sum(axis=1), eval_counts.sum(axis=1), lambda n: _clients_have_data(s, labels, k, pool, n)
+    )
 
     # One gather from the source into the stored order; every split below is a slice (a view) of it.
     blocks = [b for tr, te in zip(train_indices, eval_indices) for b in (tr, te)]
@@ -479,16 +559,40 @@ def build_federation(spec: dict[str, Any]) -> Federation:
     public_x = public_y = None
     fingerprint = ""
     if public_idx is not None:
-        public_x, public_y = x[ends[-2]:], y[ends[-2]:]
+        public_x, public_y = x[ends[-2] :], y[ends[-2] :]
         fingerprint = _fingerprint(public_x)
-    log.info("data: %s / %s, %d clients, train %d, %s %d, public %d (%.2fs)", s["source"], part, m,
-             int(train_counts.sum()), s["evaluate_on"], int(eval_counts.sum()),
-             0 if public_idx is None else public_idx.size, time.perf_counter() - t0)
+    log.info(
+        "data: %s / %s, %d clients, train %d, %s %d, public %d (%.2fs)",
+        s["source"],
+        part,
+        m,
+        int(train_counts.sum()),
+        s["evaluate_on"],
+        int(eval_counts.sum()),
+        0 if public_idx is None else public_idx.size,
+        time.perf_counter() - t0,
+    )
     return Federation(
-        num_classes=k, input_shape=input_shape, num_clients=m, public_x=public_x, public_y=public_y,
-        train_counts=train_counts, test_counts=eval_counts, groups=groups, fingerprint=fingerprint, spec=s,
-        train_indices=train_indices, test_indices=eval_indices, public_indices=public_idx, x=x, y=y, _clients=clients,
-        eval_split=s["evaluate_on"], group_rotation=group_rotation, label_perms=label_perms, public_groups=public_groups,
+        num_classes=k,
+        input_shape=input_shape,
+        num_clients=m,
+        public_x=public_x,
+        public_y=public_y,
+        train_counts=train_counts,
+        test_counts=eval_counts,
+        groups=groups,
+        fingerprint=fingerprint,
+        spec=s,
+        train_indices=train_indices,
+        test_indices=eval_indices,
+        public_indices=public_idx,
+        x=x,
+        y=y,
+        _clients=clients,
+        eval_split=s["evaluate_on"],
+        group_rotation=group_rotation,
+        label_perms=label_perms,
+        public_groups=public_groups,
     )
 
 
@@ -504,8 +608,9 @@ def spec_key(spec: dict[str, Any]) -> str:
 SYNTHETIC_KEYS: tuple[str, ...] = ("synthetic_classes", "synthetic_shape", "synthetic_samples")  # source synthetic
 
 
-def unused_data_keys(spec: dict[str, Any], defaults: dict[str, Any],
-                     named: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+def unused_data_keys(
+    spec: dict[str, Any], defaults: dict[str, Any], named: set[str] | frozenset[str] = frozenset()
+) -> list[tuple[str, str]]:
     """``(key, why)`` for each data key that is set (a value other than its default in ``defaults``, or a key in
     ``named``: the overrides) but that the spec's source and partition do not read (e.g. ``alpha`` under a
     pathological partition). Pure; the caller reports them."""
@@ -521,15 +626,29 @@ def unused_data_keys(spec: dict[str, Any], defaults: dict[str, Any],
         if source == NODES:
             out.append((key, "data.source is 'nodes': every node brings its own data, nothing is partitioned"))
         elif partition not in partitions:
-            out.append((key, (f"only the {' / '.join(partitions)} partition{'s' if len(partitions) > 1 else ''} "
-                              f"read{'' if len(partitions) > 1 else 's'} it; data.partition is '{partition}'")))
+            out.append(
+                (
+                    key,
+                    (
+                        f"only the {' / '.join(partitions)} partition{'s' if len(partitions) > 1 else ''} "
+                        f"read{'' if len(partitions) > 1 else 's'} it; data.partition is '{partition}'"
+                    ),
+                )
+            )
     for key in SYNTHETIC_KEYS:
         if changed(key) and source != "synthetic":
             out.append((key, f"only data.source 'synthetic' reads it; data.source is '{source}'"))
     if changed("validation_fraction") and spec.get("evaluate_on") != "validation":
-        out.append(("validation_fraction", ("the validation split is carved only when data.evaluate_on is "
-                                            "'validation' (tuning, e.g. fedapps tune); data.evaluate_on is "
-                                            f"'{spec.get('evaluate_on')}'")))
+        out.append(
+            (
+                "validation_fraction",
+                (
+                    "the validation split is carved only when data.evaluate_on is "
+                    "'validation' (tuning, e.g. fedapps tune); data.evaluate_on is "
+                    f"'{spec.get('evaluate_on')}'"
+                ),
+            )
+        )
     return out
 
 
@@ -587,26 +706,44 @@ def nodes_server_federation(s: dict[str, Any]) -> Federation:
         path = server_public_path(s["public_path"])
         public_x, public_y = read_public(path, f"data.public_path={s['public_path']!r}")
         if k and tuple(public_x.shape[1:]) != shape:
-            raise DataError(f"data.public_path={s['public_path']!r}: U's images are {tuple(public_x.shape[1:])}, the "
-                            f"nodes' are {shape}; U must have the clients' input shape")
+            raise DataError(
+                f"data.public_path={s['public_path']!r}: U's images are {tuple(public_x.shape[1:])}, the "
+                f"nodes' are {shape}; U must have the clients' input shape"
+            )
         if k and public_y is not None and public_y.numel() and int(public_y.max()) >= k:
-            raise DataError(f"data.public_path={s['public_path']!r}: U's label {int(public_y.max())} does not fit the "
-                            f"nodes' {k} classes")
+            raise DataError(
+                f"data.public_path={s['public_path']!r}: U's label {int(public_y.max())} does not fit the "
+                f"nodes' {k} classes"
+            )
         fingerprint = _fingerprint(public_x)
     counts = described_counts(spec_key(s)) if k else None
     train_counts = np.zeros((m, k), dtype=np.int64) if counts is None else counts[0]
     eval_counts = np.zeros((m, k), dtype=np.int64) if counts is None else counts[1]
     empty = torch.zeros((0, *shape))
     return Federation(
-        num_classes=k, input_shape=shape, num_clients=m, public_x=public_x, public_y=public_y,
-        train_counts=train_counts, test_counts=eval_counts, groups=None, fingerprint=fingerprint, spec=s,
-        train_indices=[], test_indices=[], public_indices=None,
-        x=public_x if public_x is not None else empty, y=public_y if public_y is not None else torch.zeros(0, dtype=torch.int64),
-        _clients=[None] * m, eval_split=s["evaluate_on"])
+        num_classes=k,
+        input_shape=shape,
+        num_clients=m,
+        public_x=public_x,
+        public_y=public_y,
+        train_counts=train_counts,
+        test_counts=eval_counts,
+        groups=None,
+        fingerprint=fingerprint,
+        spec=s,
+        train_indices=[],
+        test_indices=[],
+        public_indices=None,
+        x=public_x if public_x is not None else empty,
+        y=public_y if public_y is not None else torch.zeros(0, dtype=torch.int64),
+        _clients=[None] * m,
+        eval_split=s["evaluate_on"],
+    )
 
 
-def split_node(y: np.ndarray, test_fraction: float, validation_fraction: float, evaluate_on: str, seed: int,
-               client_id: int) -> tuple[np.ndarray, np.ndarray]:
+def split_node(
+    y: np.ndarray, test_fraction: float, validation_fraction: float, evaluate_on: str, seed: int, client_id: int
+) -> tuple[np.ndarray, np.ndarray]:
     """A node's sample indices -> (train, evaluation split): stratified test split with ``test_fraction``; under
     ``evaluate_on: validation`` the evaluation split is the validation share of train and train the rest (the
     test indices are dropped). Deterministic in (seed, client id); the same rules as a source's clients."""
@@ -617,19 +754,24 @@ def split_node(y: np.ndarray, test_fraction: float, validation_fraction: float, 
     return train, test
 
 
-def node_federation(spec: dict[str, Any], client_id: int, data: Labelled,
-                    public: tuple[torch.Tensor, torch.Tensor | None] | None) -> Federation:
+def node_federation(
+    spec: dict[str, Any], client_id: int, data: Labelled, public: tuple[torch.Tensor, torch.Tensor | None] | None
+) -> Federation:
     """A node's federation: its own labelled ``data`` split into train / evaluation (``nodes.split_node``) as client
     ``client_id``'s, the other clients' entries empty; U from the node's own copy (``public``). Classes and shape:
     the spec's (what the server expects; 0 / [] in the describe message: then the node's own)."""
     s = check_spec(spec)
     m = int(s["num_clients"])
     if not 0 <= client_id < m:
-        raise DataError(f"client id {client_id} is outside the federation 0..{m - 1} (data.num_clients={m}); give "
-                        "this node a client-id in that range")
+        raise DataError(
+            f"client id {client_id} is outside the federation 0..{m - 1} (data.num_clients={m}); give "
+            "this node a client-id in that range"
+        )
     k = int(s["num_classes"]) or data.num_classes
     labels = data.y.numpy()
-    train, held = split_node(labels, s["test_fraction"], s["validation_fraction"], s["evaluate_on"], s["seed"], client_id)
+    train, held = split_node(
+        labels, s["test_fraction"], s["validation_fraction"], s["evaluate_on"], s["seed"], client_id
+    )
     train_counts = np.zeros((m, k), dtype=np.int64)
     eval_counts = np.zeros((m, k), dtype=np.int64)
     train_counts[client_id] = np.bincount(labels[train], minlength=k)[:k]
@@ -637,12 +779,24 @@ def node_federation(spec: dict[str, Any], client_id: int, data: Labelled,
     order = torch.from_numpy(np.concatenate([train, held]))
     x, y = data.x[order], data.y[order]
     clients: list[ClientData | None] = [None] * m
-    clients[client_id] = ClientData(x[:train.size], y[:train.size], x[train.size:], y[train.size:])
+    clients[client_id] = ClientData(x[: train.size], y[: train.size], x[train.size :], y[train.size :])
     public_x, public_y = public if public is not None else (None, None)
     return Federation(
-        num_classes=k, input_shape=data.input_shape, num_clients=m, public_x=public_x, public_y=public_y,
-        train_counts=train_counts, test_counts=eval_counts, groups=None,
-        fingerprint=_fingerprint(public_x) if public_x is not None else "", spec=s,
+        num_classes=k,
+        input_shape=data.input_shape,
+        num_clients=m,
+        public_x=public_x,
+        public_y=public_y,
+        train_counts=train_counts,
+        test_counts=eval_counts,
+        groups=None,
+        fingerprint=_fingerprint(public_x) if public_x is not None else "",
+        spec=s,
         train_indices=[train if i == client_id else np.zeros(0, np.int64) for i in range(m)],
         test_indices=[held if i == client_id else np.zeros(0, np.int64) for i in range(m)],
-        public_indices=None, x=x, y=y, _clients=clients, eval_split=s["evaluate_on"])
+        public_indices=None,
+        x=x,
+        y=y,
+        _clients=clients,
+        eval_split=s["evaluate_on"],
+    )

@@ -56,7 +56,7 @@ def hf_name(source: str) -> str:
         check_hf_source(source)
     except ConfigError as exc:
         raise DataError(str(exc)) from exc
-    return source[len(HF_SOURCE_PREFIX):]
+    return source[len(HF_SOURCE_PREFIX) :]
 
 
 def cache_dir(root: str | Path) -> Path:
@@ -92,8 +92,10 @@ def pick_columns(features: Any, source: str) -> tuple[str, str]:
     listing = ", ".join(f"{k} ({type(v).__name__})" for k, v in features.items())
     images = [k for k, v in features.items() if isinstance(v, Image)]
     if len(images) != 1:
-        raise DataError(f"data.source={source!r}: expected exactly one image column (an Image feature), found "
-                        f"{len(images)}; its columns: {listing}. Only image-classification datasets are supported")
+        raise DataError(
+            f"data.source={source!r}: expected exactly one image column (an Image feature), found "
+            f"{len(images)}; its columns: {listing}. Only image-classification datasets are supported"
+        )
     classes = [k for k, v in features.items() if isinstance(v, ClassLabel)]
     if len(classes) == 1:
         return images[0], classes[0]
@@ -101,13 +103,18 @@ def pick_columns(features: Any, source: str) -> tuple[str, str]:
         if name in classes:
             return images[0], name
     if not classes:
-        ints = [k for k in INT_LABEL_NAMES if isinstance(features.get(k), Value)
-                and str(features[k].dtype).startswith(("int", "uint"))]
+        ints = [
+            k
+            for k in INT_LABEL_NAMES
+            if isinstance(features.get(k), Value) and str(features[k].dtype).startswith(("int", "uint"))
+        ]
         if ints:
             return images[0], ints[0]
-    raise DataError(f"data.source={source!r}: cannot tell which column holds the class label (one ClassLabel "
-                    f"column, or one named {' / '.join(LABEL_NAMES)}, or an integer column named "
-                    f"{' / '.join(INT_LABEL_NAMES)}); its columns: {listing}")
+    raise DataError(
+        f"data.source={source!r}: cannot tell which column holds the class label (one ClassLabel "
+        f"column, or one named {' / '.join(LABEL_NAMES)}, or an integer column named "
+        f"{' / '.join(INT_LABEL_NAMES)}); its columns: {listing}"
+    )
 
 
 def _merge_splits(source: str):  # returns flwr-datasets' preprocessor (a callable)
@@ -122,8 +129,9 @@ def _merge_splits(source: str):  # returns flwr-datasets' preprocessor (a callab
         parts = []
         for split, ds in dd.items():
             if label_col not in ds.column_names or image_col not in ds.column_names:
-                log.warning("data.source=%r: split %r has no %r / %r column; left out", source, split, image_col,
-                            label_col)
+                log.warning(
+                    "data.source=%r: split %r has no %r / %r column; left out", source, split, image_col, label_col
+                )
                 continue
             parts.append(ds.select_columns([image_col, label_col]))
         try:
@@ -140,13 +148,20 @@ def _open(source: str, root: str | Path, download: bool) -> tuple[Any, str, str]
     """The whole dataset, all splits merged, through flwr-datasets: (Dataset, image column, label column)."""
     name = hf_name(source)
     if name.startswith(("/", "~", ".")) and not Path(name).expanduser().is_dir():
-        raise DataError(f"data.source={source!r}: {name} is not a folder (a local dataset is a folder in the Hub's "
-                        "layout, e.g. data/train-00000-of-00001.parquet); give an existing folder or a Hub id")
+        raise DataError(
+            f"data.source={source!r}: {name} is not a folder (a local dataset is a folder in the Hub's "
+            "layout, e.g. data/train-00000-of-00001.parquet); give an existing folder or a Hub id"
+        )
     from flwr_datasets import FederatedDataset
 
     cache = cache_dir(root)
-    fds = FederatedDataset(dataset=_dataset_path(name), partitioners={}, shuffle=False,
-                           preprocessor=_merge_splits(source), cache_dir=str(cache))
+    fds = FederatedDataset(
+        dataset=_dataset_path(name),
+        partitioners={},
+        shuffle=False,
+        preprocessor=_merge_splits(source),
+        cache_dir=str(cache),
+    )
     try:
         with _hub_offline(not download):
             ds = fds.load_split(ALL_SPLITS)
@@ -158,15 +173,18 @@ def _open(source: str, root: str | Path, download: bool) -> tuple[Any, str, str]
             raise DataError(
                 f"data.source={source!r}: could not be fetched from the Hugging Face Hub ({reason}). Downloading "
                 f"needs network access; offline, use a copy in the cache {cache} (from an earlier download with "
-                f"data.download: true) or a local folder (data.source: hf:/path/to/folder)") from exc
+                f"data.download: true) or a local folder (data.source: hf:/path/to/folder)"
+            ) from exc
         raise DataError(
             f"data.source={source!r}: not found in the local cache {cache} nor as a local folder, and "
             f"data.download is false, so the Hub was not contacted ({reason}). Set data.download: true to fetch "
             f"it (needs network access), or give a local folder in the Hub's layout "
-            f"(data.source: hf:/path/to/folder)") from exc
+            f"(data.source: hf:/path/to/folder)"
+        ) from exc
     except Exception as exc:  # datasets' own errors (bad config name, corrupt files, ...)
-        raise DataError(f"data.source={source!r}: could not be loaded ({type(exc).__name__}: "
-                        f"{str(exc).strip()})") from exc
+        raise DataError(
+            f"data.source={source!r}: could not be loaded ({type(exc).__name__}: {str(exc).strip()})"
+        ) from exc
     image_col, label_col = pick_columns(ds.features, source)  # the merged split holds just these two
     return ds, image_col, label_col
 
@@ -232,8 +250,10 @@ def load_hf(source: str, root: str | Path, download: bool) -> tuple[np.ndarray, 
                 position += 1
                 continue
             if img.size != (w, h):
-                raise DataError(f"data.source={source!r}: image {position} is {img.size[0]}×{img.size[1]}, the first "
-                                f"is {w}×{h}; this source needs images of one size")
+                raise DataError(
+                    f"data.source={source!r}: image {position} is {img.size[0]}×{img.size[1]}, the first "
+                    f"is {w}×{h}; this source needs images of one size"
+                )
             images[row] = np.asarray(img if img.mode == mode else img.convert(mode))
             row += 1
             position += 1

@@ -79,12 +79,16 @@ def node_path(value: Any, key: str) -> Path:
     """A path from the node config: ``~`` expanded HERE (on the node), made absolute; it must exist."""
     text = str(value).strip()
     if not text:
-        raise DataError(f"node config '{key}' is empty; give the path of this node's file or folder, e.g. "
-                        f"--node-config \"{key}='/data/site1.npz'\"")
+        raise DataError(
+            f"node config '{key}' is empty; give the path of this node's file or folder, e.g. "
+            f"--node-config \"{key}='/data/site1.npz'\""
+        )
     path = Path(os.path.expanduser(text)).resolve()
     if not path.exists():
-        raise DataError(f"node config '{key}'='{text}': {path} does not exist on this node; fix the path in the "
-                        f"SuperNode's --node-config (paths are this node's own; '~' is this node's home)")
+        raise DataError(
+            f"node config '{key}'='{text}': {path} does not exist on this node; fix the path in the "
+            f"SuperNode's --node-config (paths are this node's own; '~' is this node's home)"
+        )
     return path
 
 
@@ -126,8 +130,10 @@ def _open_npz(path: Path, where: str) -> Mapping[str, np.ndarray]:
         with np.load(path, allow_pickle=False) as f:
             return {k: f[k] for k in f.files}
     except Exception as exc:  # unreadable, truncated, not an npz, pickled objects
-        raise DataError(f"{where}: cannot be read as an .npz file ({type(exc).__name__}: {exc}); give an .npz "
-                        "written with numpy.savez (arrays 'x' and 'y') or a folder of class sub-folders") from exc
+        raise DataError(
+            f"{where}: cannot be read as an .npz file ({type(exc).__name__}: {exc}); give an .npz "
+            "written with numpy.savez (arrays 'x' and 'y') or a folder of class sub-folders"
+        ) from exc
 
 
 def read_npz_labelled(path: Path, key: str) -> Labelled:
@@ -135,8 +141,10 @@ def read_npz_labelled(path: Path, key: str) -> Labelled:
     data = _open_npz(path, where)
     missing = [k for k in ("x", "y") if k not in data]
     if missing:
-        raise DataError(f"{where}: the .npz lacks {missing} (it holds {sorted(data)}); save it with "
-                        "numpy.savez(path, x=images, y=labels)")
+        raise DataError(
+            f"{where}: the .npz lacks {missing} (it holds {sorted(data)}); save it with "
+            "numpy.savez(path, x=images, y=labels)"
+        )
     x = as_images(data["x"], where)
     y = as_labels(data["y"], int(x.shape[0]), where)
     declared = None
@@ -155,10 +163,16 @@ def read_image_folder(path: Path, key: str) -> Labelled:
 
     classes = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
-        raise DataError(f"{where}: the folder has no class sub-folders; put the images of class k in the k-th "
-                        "sub-folder (sorted by name), or give an .npz file")
-    files = [(f, c) for c, d in enumerate(classes) for f in sorted(d.iterdir())
-             if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES]
+        raise DataError(
+            f"{where}: the folder has no class sub-folders; put the images of class k in the k-th "
+            "sub-folder (sorted by name), or give an .npz file"
+        )
+    files = [
+        (f, c)
+        for c, d in enumerate(classes)
+        for f in sorted(d.iterdir())
+        if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES
+    ]
     if not files:
         raise DataError(f"{where}: no image files ({', '.join(IMAGE_SUFFIXES)}) in its class sub-folders")
     images: list[np.ndarray] = []
@@ -170,14 +184,17 @@ def read_image_folder(path: Path, key: str) -> Labelled:
                 array = np.asarray(img.convert(mode))
                 size = img.size
         except (UnidentifiedImageError, OSError) as exc:
-            raise DataError(f"{where}: image {f} cannot be read ({type(exc).__name__}: {exc}); remove or replace "
-                            "it") from exc
+            raise DataError(
+                f"{where}: image {f} cannot be read ({type(exc).__name__}: {exc}); remove or replace it"
+            ) from exc
         if first_size is None:
             first_size, first_mode = size, mode
         if size != first_size or mode != first_mode:
-            raise DataError(f"{where}: image {f} is {size[0]}×{size[1]} {mode}, the first one was "
-                            f"{first_size[0]}×{first_size[1]} {first_mode}; every image must have the same size "
-                            "and colour mode (resize / convert them first)")
+            raise DataError(
+                f"{where}: image {f} is {size[0]}×{size[1]} {mode}, the first one was "
+                f"{first_size[0]}×{first_size[1]} {first_mode}; every image must have the same size "
+                "and colour mode (resize / convert them first)"
+            )
         images.append(array if array.ndim == 3 else array[..., None])
     stacked = np.stack(images).transpose(0, 3, 1, 2)  # N×C×H×W, uint8
     labels = np.array([c for _, c in files], dtype=np.int64)
@@ -191,8 +208,13 @@ _LOCK = threading.Lock()
 def _read_labelled_cached(path: str, size: int, mtime_ns: int, key: str) -> Labelled:
     p = Path(path)
     out = read_image_folder(p, key) if p.is_dir() else read_npz_labelled(p, key)
-    log.info("node data: %d samples %s from %s (%s classes)", len(out.y), tuple(out.x.shape[1:]), path,
-             out.declared_classes if out.declared_classes is not None else f"inferred {out.num_classes}")
+    log.info(
+        "node data: %d samples %s from %s (%s classes)",
+        len(out.y),
+        tuple(out.x.shape[1:]),
+        path,
+        out.declared_classes if out.declared_classes is not None else f"inferred {out.num_classes}",
+    )
     return out
 
 
@@ -221,8 +243,10 @@ def read_labelled(value: Any, key: str = DATA_PATH, declared_classes: Any = None
     if data.y.numel() == 0:
         raise DataError(f"node config '{key}'={str(path)!r}: holds no samples")
     if int(data.y.max()) >= data.num_classes:
-        raise DataError(f"node config '{key}'={str(path)!r}: label {int(data.y.max())} does not fit the "
-                        f"{data.num_classes} classes this node declares; fix the labels or '{NUM_CLASSES}'")
+        raise DataError(
+            f"node config '{key}'={str(path)!r}: label {int(data.y.max())} does not fit the "
+            f"{data.num_classes} classes this node declares; fix the labels or '{NUM_CLASSES}'"
+        )
     return data
 
 
@@ -230,8 +254,10 @@ def read_labelled(value: Any, key: str = DATA_PATH, declared_classes: Any = None
 def _read_public_cached(path: str, size: int, mtime_ns: int, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     data = _open_npz(Path(path), where)
     if "x" not in data:
-        raise DataError(f"{where}: the .npz lacks 'x' (it holds {sorted(data)}); save U with numpy.savez(path, x=images"
-                        "[, y=labels])")
+        raise DataError(
+            f"{where}: the .npz lacks 'x' (it holds {sorted(data)}); save U with numpy.savez(path, x=images"
+            "[, y=labels])"
+        )
     x = as_images(data["x"], where)
     y = as_labels(data["y"], int(x.shape[0]), where) if "y" in data else None
     return x, y
@@ -268,11 +294,15 @@ class NodeRegistry:
         """Why a reply claiming ``num_examples`` for ``client_id`` breaks the registry (None: within its cap)."""
         cap = self.caps.get(client_id, self.default)
         if cap is None:
-            return (f"client-id {client_id} is not in the node registry {self.path} (data.node_registry); add its row: "
-                    f"fedapps deploy node-key DIR NAME --client-id {client_id} --max-num-examples N")
+            return (
+                f"client-id {client_id} is not in the node registry {self.path} (data.node_registry); add its row: "
+                f"fedapps deploy node-key DIR NAME --client-id {client_id} --max-num-examples N"
+            )
         if num_examples > cap:
-            return (f"num-examples {num_examples} exceeds the {cap} the node registry {self.path} "
-                    f"(data.node_registry) allows client {client_id}")
+            return (
+                f"num-examples {num_examples} exceeds the {cap} the node registry {self.path} "
+                f"(data.node_registry) allows client {client_id}"
+            )
         return None
 
 
@@ -286,8 +316,10 @@ def parse_registry(text: str, where: str, num_clients: int) -> NodeRegistry:
     reader = csv.DictReader(io.StringIO(text))
     missing = [c for c in REGISTRY_COLUMNS[:2] if c not in (reader.fieldnames or [])]
     if missing:
-        raise DataError(f"{where}: the header must name {', '.join(REGISTRY_COLUMNS[:2])} (missing: {', '.join(missing)}); "
-                        f"e.g. 'client_id,max_num_examples,node' then rows '3,5000,site3'")
+        raise DataError(
+            f"{where}: the header must name {', '.join(REGISTRY_COLUMNS[:2])} (missing: {', '.join(missing)}); "
+            f"e.g. 'client_id,max_num_examples,node' then rows '3,5000,site3'"
+        )
     caps: dict[int, int] = {}
     default: int | None = None
     for row in reader:
@@ -305,8 +337,10 @@ def parse_registry(text: str, where: str, num_clients: int) -> NodeRegistry:
             default = cap
             continue
         if not raw_id.isdigit() or int(raw_id) >= num_clients:
-            raise DataError(f"{where}, line {line}: client_id {raw_id!r} must be an id in [0, {num_clients}) "
-                            f"(data.num_clients) or '{ANY_CLIENT}'")
+            raise DataError(
+                f"{where}, line {line}: client_id {raw_id!r} must be an id in [0, {num_clients}) "
+                f"(data.num_clients) or '{ANY_CLIENT}'"
+            )
         if int(raw_id) in caps:
             raise DataError(f"{where}, line {line}: client_id {raw_id} is listed twice")
         caps[int(raw_id)] = cap
@@ -316,7 +350,9 @@ def parse_registry(text: str, where: str, num_clients: int) -> NodeRegistry:
 def read_registry(value: str, num_clients: int) -> NodeRegistry:
     """``data.node_registry`` on the server (``~``: the server's home; relative: the working directory, then the
     app folder)."""
-    path = _server_file(value, "data.node_registry", f"the operator's node registry, a CSV {','.join(REGISTRY_COLUMNS)}")
+    path = _server_file(
+        value, "data.node_registry", f"the operator's node registry, a CSV {','.join(REGISTRY_COLUMNS)}"
+    )
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -355,8 +391,9 @@ def _server_file(value: str, key: str, what: str) -> Path:
     for c in candidates:
         if c.is_file():
             return c.resolve()
-    raise DataError(f"{key}={value!r}: no such file on the server (looked at: "
-                    f"{', '.join(str(c) for c in candidates)}); give {what}")
+    raise DataError(
+        f"{key}={value!r}: no such file on the server (looked at: {', '.join(str(c) for c in candidates)}); give {what}"
+    )
 
 
 STAND_IN_INFO = (10, (3, 32, 32))  # classes and shape of a model built only to check its structure (see spec_info)
@@ -369,15 +406,21 @@ def spec_info(spec: Mapping[str, Any], stand_in: bool = False) -> tuple[int, tup
     from .sources import source_info
 
     if spec.get("source") != NODES:
-        return source_info(str(spec["source"]), int(spec.get("synthetic_classes", 10)),
-                           tuple(spec.get("synthetic_shape", (3, 32, 32))), root=spec.get("root"),
-                           download=bool(spec.get("download", False)))
+        return source_info(
+            str(spec["source"]),
+            int(spec.get("synthetic_classes", 10)),
+            tuple(spec.get("synthetic_shape", (3, 32, 32))),
+            root=spec.get("root"),
+            download=bool(spec.get("download", False)),
+        )
     k, shape = int(spec.get("num_classes", 0) or 0), list(spec.get("input_shape", []) or [])
     if (k < 1 or len(shape) != 3) and stand_in:
         return STAND_IN_INFO
     if k < 1 or len(shape) != 3:
-        raise DataError("data.source='nodes': the class count and input shape are not known yet; the server learns "
-                        "them from the nodes before round 1 (or set data.num_classes and data.input_shape)")
+        raise DataError(
+            "data.source='nodes': the class count and input shape are not known yet; the server learns "
+            "them from the nodes before round 1 (or set data.num_classes and data.input_shape)"
+        )
     return k, (int(shape[0]), int(shape[1]), int(shape[2]))
 
 

@@ -95,8 +95,7 @@ def _apportion(quotas: np.ndarray, total: int, rng: np.random.Generator) -> np.n
     return floors
 
 
-def stratified_split(labels: np.ndarray, fraction: float,
-                     rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def stratified_split(labels: np.ndarray, fraction: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Take `fraction` of each class (total = round(fraction·N), per class by largest remainder): (taken, rest)."""
     y = _as_labels(labels)
     f = _check_fraction("fraction", fraction)
@@ -107,7 +106,7 @@ def stratified_split(labels: np.ndarray, fraction: float,
     for k in range(len(classes)):
         idx = rng.permutation(np.flatnonzero(inverse == k))
         taken.append(idx[: take[k]])
-        rest.append(idx[take[k]:])
+        rest.append(idx[take[k] :])
     t = np.sort(np.concatenate(taken)).astype(np.int64) if taken else np.zeros(0, np.int64)
     r = np.sort(np.concatenate(rest)).astype(np.int64) if rest else np.zeros(0, np.int64)
     return t, r
@@ -127,8 +126,9 @@ def partition_iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator
     return _finish(list(np.array_split(rng.permutation(y.size), m)))
 
 
-def partition_pathological(labels: np.ndarray, num_clients: int, num_classes: int,
-                           classes_per_client: int, rng: np.random.Generator) -> list[np.ndarray]:
+def partition_pathological(
+    labels: np.ndarray, num_clients: int, num_classes: int, classes_per_client: int, rng: np.random.Generator
+) -> list[np.ndarray]:
     """PFLlib "pat": classes in order, each to the next ceil(M/K·cpc) clients with free slots, skewed counts.
 
     With M·cpc divisible by K every client gets exactly `classes_per_client` classes. Otherwise the
@@ -155,8 +155,10 @@ def partition_pathological(labels: np.ndarray, num_clients: int, num_classes: in
         idx = rng.permutation(np.flatnonzero(y == c))
         n, k = idx.size, selected.size
         if n < k:
-            raise DataError(f"pathological partition: class {c} has {n} samples, fewer than the {k} clients "
-                            f"it is split over; lower num_clients or raise classes_per_client")
+            raise DataError(
+                f"pathological partition: class {c} has {n} samples, fewer than the {k} clients "
+                f"it is split over; lower num_clients or raise classes_per_client"
+            )
         num_per = n / k
         low = max(int(num_per / 10), 1)
         high = max(int(num_per), low + 1)
@@ -166,19 +168,33 @@ def partition_pathological(labels: np.ndarray, num_clients: int, num_classes: in
             parts[client].append(piece)
         slots[selected] -= 1
     if dropped:
-        log.warning("pathological partition: no free client slots left for classes %s "
-                    "(num_clients=%d, classes_per_client=%d, num_classes=%d); their samples are unused",
-                    dropped, m, cpc, k_classes)
+        log.warning(
+            "pathological partition: no free client slots left for classes %s "
+            "(num_clients=%d, classes_per_client=%d, num_classes=%d); their samples are unused",
+            dropped,
+            m,
+            cpc,
+            k_classes,
+        )
     empty = [i for i, p in enumerate(parts) if not p]
     if empty:
-        raise DataError(f"pathological partition: clients {empty} received no class "
-                        f"(num_clients={m}, num_classes={k_classes}, classes_per_client={cpc}); "
-                        f"choose num_clients·classes_per_client divisible by num_classes")
+        raise DataError(
+            f"pathological partition: clients {empty} received no class "
+            f"(num_clients={m}, num_classes={k_classes}, classes_per_client={cpc}); "
+            f"choose num_clients·classes_per_client divisible by num_classes"
+        )
     return _finish(parts)
 
 
-def partition_dirichlet(labels: np.ndarray, num_clients: int, num_classes: int, alpha: float,
-                        min_samples: int, rng: np.random.Generator, max_tries: int = 1000) -> list[np.ndarray]:
+def partition_dirichlet(
+    labels: np.ndarray,
+    num_clients: int,
+    num_classes: int,
+    alpha: float,
+    min_samples: int,
+    rng: np.random.Generator,
+    max_tries: int = 1000,
+) -> list[np.ndarray]:
     """PFLlib "dir": per class Dir(α·1_M) shares, zeroed for clients holding ≥ N/M, redrawn until all ≥ min_samples."""
     y = _as_labels(labels)
     m = _check_int("num_clients", num_clients, 1)
@@ -188,8 +204,10 @@ def partition_dirichlet(labels: np.ndarray, num_clients: int, num_classes: int, 
     _check_classes(y, k_classes)
     n_total = y.size
     if least * m > n_total:
-        raise DataError(f"dirichlet partition: min_samples={least} × num_clients={m} exceeds the {n_total} "
-                        f"samples available; lower data.min_samples or data.num_clients")
+        raise DataError(
+            f"dirichlet partition: min_samples={least} × num_clients={m} exceeds the {n_total} "
+            f"samples available; lower data.min_samples or data.num_clients"
+        )
     by_class = [np.flatnonzero(y == c) for c in range(k_classes)]
     cap = n_total / m
     for attempt in range(1, max_tries + 1):
@@ -209,13 +227,16 @@ def partition_dirichlet(labels: np.ndarray, num_clients: int, num_classes: int, 
             if attempt > 1:
                 log.info("dirichlet partition: every client has >= %d samples after %d draws", least, attempt)
             return _finish(batches)
-    raise DataError(f"dirichlet partition: after {max_tries} draws some client still had fewer than "
-                    f"min_samples={least} samples (alpha={a}, num_clients={m}, {n_total} samples); "
-                    f"raise data.alpha or lower data.min_samples / data.num_clients")
+    raise DataError(
+        f"dirichlet partition: after {max_tries} draws some client still had fewer than "
+        f"min_samples={least} samples (alpha={a}, num_clients={m}, {n_total} samples); "
+        f"raise data.alpha or lower data.min_samples / data.num_clients"
+    )
 
 
-def _cosmos_group_split(y: np.ndarray, num_clients: int, num_classes: int, alpha: float, groups: int,
-                        rng: np.random.Generator) -> tuple[list[np.ndarray], np.ndarray]:
+def _cosmos_group_split(
+    y: np.ndarray, num_clients: int, num_classes: int, alpha: float, groups: int, rng: np.random.Generator
+) -> tuple[list[np.ndarray], np.ndarray]:
     """COSMOS step 1: class groups ↔ client groups; each class spread over its group's clients by Dir(α)."""
     class_groups = group_classes(num_classes, groups)
     client_groups = np.array_split(np.arange(num_clients), groups)
@@ -247,9 +268,15 @@ def _redistribute(parts: list[np.ndarray], fraction: float, rng: np.random.Gener
     return _finish([np.concatenate([k, d]) for k, d in zip(kept, dealt)])
 
 
-def partition_cosmos_groups(labels: np.ndarray, num_clients: int, num_classes: int, alpha: float, groups: int,
-                            redistribute_fraction: float,
-                            rng: np.random.Generator) -> tuple[list[np.ndarray], np.ndarray]:
+def partition_cosmos_groups(
+    labels: np.ndarray,
+    num_clients: int,
+    num_classes: int,
+    alpha: float,
+    groups: int,
+    redistribute_fraction: float,
+    rng: np.random.Generator,
+) -> tuple[list[np.ndarray], np.ndarray]:
     """COSMOS partition: grouped classes/clients with Dir(α) inside a group, then a shared pool dealt to all.
 
     Returns (indices per client, group index of each client). Clients are split over groups as evenly as
@@ -276,8 +303,9 @@ def client_groups(num_clients: int, groups: int) -> np.ndarray:
     return out
 
 
-def partition_groups_iid(labels: np.ndarray, num_clients: int, groups: int,
-                         rng: np.random.Generator) -> tuple[list[np.ndarray], np.ndarray]:
+def partition_groups_iid(
+    labels: np.ndarray, num_clients: int, groups: int, rng: np.random.Generator
+) -> tuple[list[np.ndarray], np.ndarray]:
     """`rotated` / `label-swap`: samples dealt IID (as the IFCA and CFL papers do), clients split into groups.
 
     Returns (indices per client, group index of each client). The groups differ only by the transform the

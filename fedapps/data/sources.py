@@ -51,11 +51,19 @@ _MNIST_FILES = "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-id
 _EXPECTED_FILES: dict[str, tuple[str, str, str]] = {
     "mnist": ("MNIST/raw", _MNIST_FILES, "the same four files with .gz in MNIST/raw"),
     "fmnist": ("FashionMNIST/raw", _MNIST_FILES, "the same four files with .gz in FashionMNIST/raw"),
-    "emnist-balanced": ("EMNIST/raw", ("emnist-balanced-train-images-idx3-ubyte, emnist-balanced-train-labels-"
-                         "idx1-ubyte, emnist-balanced-test-images-idx3-ubyte, emnist-balanced-test-labels-idx1-ubyte"),
-                        "EMNIST/raw/gzip.zip"),
-    "cifar10": ("cifar-10-batches-py", "data_batch_1..data_batch_5, test_batch, batches.meta",
-                "cifar-10-python.tar.gz in the root"),
+    "emnist-balanced": (
+        "EMNIST/raw",
+        (
+            "emnist-balanced-train-images-idx3-ubyte, emnist-balanced-train-labels-"
+            "idx1-ubyte, emnist-balanced-test-images-idx3-ubyte, emnist-balanced-test-labels-idx1-ubyte"
+        ),
+        "EMNIST/raw/gzip.zip",
+    ),
+    "cifar10": (
+        "cifar-10-batches-py",
+        "data_batch_1..data_batch_5, test_batch, batches.meta",
+        "cifar-10-python.tar.gz in the root",
+    ),
     "cifar100": ("cifar-100-python", "train, test, meta", "cifar-100-python.tar.gz in the root"),
 }
 
@@ -76,8 +84,10 @@ class Dataset:
 
 def _check_source(source: str) -> None:
     if source not in SOURCES and not is_hf_source(source):
-        raise DataError(f"data.source={source!r} is unknown; allowed: {', '.join(SOURCES)}, or hf:<name> (a Hugging "
-                        "Face dataset, optional extra 'hf')")
+        raise DataError(
+            f"data.source={source!r} is unknown; allowed: {', '.join(SOURCES)}, or hf:<name> (a Hugging "
+            "Face dataset, optional extra 'hf')"
+        )
 
 
 def _check_synthetic(classes: int, shape: Sequence[int], samples: int | None = None) -> tuple[int, int, int]:
@@ -89,21 +99,30 @@ def _check_synthetic(classes: int, shape: Sequence[int], samples: int | None = N
         raise DataError(f"data.synthetic_shape={shape!r} must be a list of 3 positive integers [C, H, W]") from None
     if len(dims) != 3 or any(d < 1 for d in dims) or any(isinstance(d, bool) for d in shape):
         raise DataError(f"data.synthetic_shape={shape!r} must be a list of 3 positive integers [C, H, W]")
-    if samples is not None and (isinstance(samples, bool) or not isinstance(samples, (int, np.integer))
-                                or samples < classes):
+    if samples is not None and (
+        isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or samples < classes
+    ):
         raise DataError(f"data.synthetic_samples={samples!r} must be an integer >= synthetic_classes ({classes})")
     return dims
 
 
-def source_info(source: str, synthetic_classes: int = 10, synthetic_shape: Sequence[int] = (3, 32, 32), *,
-                root: str | os.PathLike[str] | None = None, download: bool = False) -> tuple[int, tuple[int, int, int]]:
+def source_info(
+    source: str,
+    synthetic_classes: int = 10,
+    synthetic_shape: Sequence[int] = (3, 32, 32),
+    *,
+    root: str | os.PathLike[str] | None = None,
+    download: bool = False,
+) -> tuple[int, tuple[int, int, int]]:
     """(num_classes, input shape C×H×W) of a source, without loading any data; an ``hf:`` source is opened (its
     label feature and first image are read; cached per process), which needs its ``root``."""
     _check_source(source)
     if is_hf_source(source):
         if root is None:
-            raise DataError(f"data.source={source!r}: its class count and image shape are read from the dataset, "
-                            "which needs data.root")
+            raise DataError(
+                f"data.source={source!r}: its class count and image shape are read from the dataset, "
+                "which needs data.root"
+            )
         return hf_info(source, Path(root).expanduser(), bool(download))
     if source == "synthetic":
         return int(synthetic_classes), _check_synthetic(synthetic_classes, synthetic_shape)
@@ -200,8 +219,9 @@ def _load_digits() -> tuple[torch.Tensor, torch.Tensor]:
     return x / 8.0 - 1.0, _labels(bunch.target)
 
 
-def _load_synthetic(classes: int, shape: tuple[int, int, int], samples: int,
-                    seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _load_synthetic(
+    classes: int, shape: tuple[int, int, int], samples: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Learnable Gaussian blobs in image shape: a random mean pattern per class plus noise, in [-1, 1]."""
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0x5EED]))
     means = rng.uniform(-0.6, 0.6, size=(classes, *shape)).astype(np.float32)
@@ -290,9 +310,16 @@ def _load_tinyimagenet(root: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return _images_to_tensor(images, channels_last=True), _labels(labels)
 
 
-def load_source(source: str, root: str | os.PathLike[str] = "data", *, download: bool = False,
-                synthetic_classes: int = 10, synthetic_shape: Sequence[int] = (3, 32, 32),
-                synthetic_samples: int = 2000, seed: int = 0) -> Dataset:
+def load_source(
+    source: str,
+    root: str | os.PathLike[str] = "data",
+    *,
+    download: bool = False,
+    synthetic_classes: int = 10,
+    synthetic_shape: Sequence[int] = (3, 32, 32),
+    synthetic_samples: int = 2000,
+    seed: int = 0,
+) -> Dataset:
     """Load a whole source (train and test merged, as PFLlib does) as normalised in-memory tensors."""
     _check_source(source)
     root_path = Path(root).expanduser()
@@ -316,12 +343,13 @@ def load_source(source: str, root: str | os.PathLike[str] = "data", *, download:
     return _checked(source, x, y, num_classes, shape)
 
 
-def _checked(source: str, x: torch.Tensor, y: torch.Tensor, num_classes: int,
-             shape: tuple[int, int, int]) -> Dataset:
+def _checked(source: str, x: torch.Tensor, y: torch.Tensor, num_classes: int, shape: tuple[int, int, int]) -> Dataset:
     """The loaded tensors as a Dataset, once their shape and labels are what the source declares."""
     if tuple(x.shape[1:]) != shape or x.shape[0] != y.shape[0]:
-        raise DataError(f"data.source={source!r}: loaded shape {tuple(x.shape)} / {tuple(y.shape)} "
-                        f"does not match the expected N×{shape}")
+        raise DataError(
+            f"data.source={source!r}: loaded shape {tuple(x.shape)} / {tuple(y.shape)} "
+            f"does not match the expected N×{shape}"
+        )
     if y.numel() and (int(y.min()) < 0 or int(y.max()) >= num_classes):
         raise DataError(f"data.source={source!r}: labels outside 0..{num_classes - 1}")
     log.debug("loaded %s: %d samples, shape %s, %d classes", source, len(y), shape, num_classes)

@@ -23,9 +23,11 @@ def rotation_quarter_turns(groups: int) -> np.ndarray:
     Only G ∈ {1, 2, 4} keeps every angle a multiple of 90°, so images are rotated exactly (``torch.rot90``,
     no interpolation): G = 4 → 0/90/180/270° (the IFCA paper's MNIST setting), G = 2 → 0/180°."""
     if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or int(groups) not in ROTATION_GROUPS:
-        raise DataError(f"data.groups={groups!r} is not allowed with partition 'rotated': group g is rotated by "
-                        f"g·360/groups degrees, exact only for multiples of 90°; use data.groups=4 "
-                        f"(0/90/180/270°, the IFCA setting), 2 (0/180°) or 1")
+        raise DataError(
+            f"data.groups={groups!r} is not allowed with partition 'rotated': group g is rotated by "
+            f"g·360/groups degrees, exact only for multiples of 90°; use data.groups=4 "
+            f"(0/90/180/270°, the IFCA setting), 2 (0/180°) or 1"
+        )
     g = int(groups)
     return (np.arange(g, dtype=np.int64) * 4) // g
 
@@ -39,7 +41,7 @@ def swap_choices(num_classes: int, pairs: int) -> int:
     """Number of distinct ways to choose `pairs` disjoint label pairs among `num_classes` classes."""
     if 2 * pairs > num_classes:
         return 0
-    return math.factorial(num_classes) // (math.factorial(num_classes - 2 * pairs) * math.factorial(pairs) * 2 ** pairs)
+    return math.factorial(num_classes) // (math.factorial(num_classes - 2 * pairs) * math.factorial(pairs) * 2**pairs)
 
 
 def label_swap_permutations(num_classes: int, groups: int, pairs: int, rng: np.random.Generator) -> np.ndarray:
@@ -49,15 +51,20 @@ def label_swap_permutations(num_classes: int, groups: int, pairs: int, rng: np.r
     paper's label swapping), redrawn until it differs from every earlier group's map. Each map is its own
     inverse (a product of disjoint swaps)."""
     if num_classes < 2:
-        raise DataError(f"partition 'label-swap' needs at least 2 classes, the source has {num_classes}; "
-                        f"use another data.source (or data.synthetic_classes >= 2)")
+        raise DataError(
+            f"partition 'label-swap' needs at least 2 classes, the source has {num_classes}; "
+            f"use another data.source (or data.synthetic_classes >= 2)"
+        )
     if pairs < 1 or 2 * pairs > num_classes:
-        raise DataError(f"data.swap_pairs={pairs} must be in 1..{num_classes // 2} (disjoint pairs among "
-                        f"{num_classes} classes)")
+        raise DataError(
+            f"data.swap_pairs={pairs} must be in 1..{num_classes // 2} (disjoint pairs among {num_classes} classes)"
+        )
     if groups - 1 > swap_choices(num_classes, pairs):
-        raise DataError(f"data.groups={groups} needs {groups - 1} different label swaps, but only "
-                        f"{swap_choices(num_classes, pairs)} exist with data.swap_pairs={pairs} and {num_classes} "
-                        f"classes; lower data.groups or change data.swap_pairs")
+        raise DataError(
+            f"data.groups={groups} needs {groups - 1} different label swaps, but only "
+            f"{swap_choices(num_classes, pairs)} exist with data.swap_pairs={pairs} and {num_classes} "
+            f"classes; lower data.groups or change data.swap_pairs"
+        )
     perms = np.tile(np.arange(num_classes, dtype=np.int64), (groups, 1))
     seen = {tuple(perms[0])}
     for g in range(1, groups):

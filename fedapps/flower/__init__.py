@@ -61,4 +61,5 @@ def require_checked_flower(what: str, workaround: str = "", flwr_version: str | 
     raise UnsupportedFlowerVersion(
         f"{what} uses Flower {checked}'s private internals, but flwr {found or '(not installed)'} is installed: "
         f"install the release this project pins (pip install 'flwr[simulation]>={checked},<1.{CHECKED_FLWR[1] + 1}')"
-        f"{hint}")
+        f"{hint}"
+    )

@@ -12,10 +12,11 @@ shortcut is an optimisation with a public fallback (the `flwr` commands), so the
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
-from fedapps.flower import is_checked_release, installed_flwr, require_checked_flower
+from fedapps.flower import installed_flwr, is_checked_release, require_checked_flower
 
 
 def gitignore_matcher(root: Path) -> Callable[[str], bool] | None:
@@ -41,8 +42,11 @@ def control_client(address: str) -> Any | None:
     except ImportError:
         return None
     return ControlHttpClient.from_server_address(
-        server_address=address, insecure=True, root_certificates=None,
-        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")])
+        server_address=address,
+        insecure=True,
+        root_certificates=None,
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")],
+    )
 
 
 def run_status(client: Any, run_id: str) -> str:

@@ -78,15 +78,26 @@ class Description:
         for r in sorted(self.reports, key=lambda r: r.client_id):
             for split, counts in (("train", r.train), (eval_split, r.eval)):
                 c = fit_counts(counts, self.num_classes)
-                rows.append({"client": r.client_id, "split": split, "node_id": r.node_id, "total": int(c.sum()),
-                             **{f"class_{k}": int(v) for k, v in enumerate(c)}})
+                rows.append(
+                    {
+                        "client": r.client_id,
+                        "split": split,
+                        "node_id": r.node_id,
+                        "total": int(c.sum()),
+                        **{f"class_{k}": int(v) for k, v in enumerate(c)},
+                    }
+                )
         return rows
 
     def summary(self) -> dict[str, Any]:
         """summary.json's account of the describe phase."""
-        return {"nodes_described": len(self.reports), "nodes_asked": self.asked,
-                "nodes_refused": [r.row() for r in self.rejections],
-                "num_classes": self.num_classes, "input_shape": list(self.input_shape)}
+        return {
+            "nodes_described": len(self.reports),
+            "nodes_asked": self.asked,
+            "nodes_refused": [r.row() for r in self.rejections],
+            "num_classes": self.num_classes,
+            "input_shape": list(self.input_shape),
+        }
 
 
 def fit_counts(counts: Iterable[int], k: int) -> np.ndarray:
@@ -114,12 +125,14 @@ def report_of(r: ClientReply) -> NodeReport:
         raise ValueError("describe reply: negative class counts")
     if sum(train) != r.num_examples:
         raise ValueError(f"describe reply: the training counts sum to {sum(train)}, num-examples is {r.num_examples}")
-    return NodeReport(r.node_id, r.client_id, shape, ints(DESCRIBE_CLASSES)[0], ints(DESCRIBE_MAX_LABEL)[0],
-                      train, evaluation)
+    return NodeReport(
+        r.node_id, r.client_id, shape, ints(DESCRIBE_CLASSES)[0], ints(DESCRIBE_MAX_LABEL)[0], train, evaluation
+    )
 
 
-def agree(reports: list[NodeReport], pinned_classes: int = 0,
-          pinned_shape: tuple[int, ...] = ()) -> tuple[int, tuple[int, int, int], dict[int, str]]:
+def agree(
+    reports: list[NodeReport], pinned_classes: int = 0, pinned_shape: tuple[int, ...] = ()
+) -> tuple[int, tuple[int, int, int], dict[int, str]]:
     """The federation's class count and input shape, and node id -> reason for every node that does not fit.
 
     Shape: ``pinned_shape`` if given, else the most common one (ties: the smallest). Classes: ``pinned_classes`` if
@@ -137,8 +150,10 @@ def agree(reports: list[NodeReport], pinned_classes: int = 0,
         why_shape = f"{tally[shape]} of {len(reports)} nodes"
     for r in reports:
         if r.shape != shape:
-            refused[r.node_id] = (f"input shape {list(r.shape)} (C, H, W) differs from the federation's {list(shape)} "
-                                  f"({why_shape}); give this node data of that shape")
+            refused[r.node_id] = (
+                f"input shape {list(r.shape)} (C, H, W) differs from the federation's {list(shape)} "
+                f"({why_shape}); give this node data of that shape"
+            )
     fitting = [r for r in reports if r.node_id not in refused]
     if pinned_classes:
         k, why_k = int(pinned_classes), "data.num_classes"
@@ -150,11 +165,14 @@ def agree(reports: list[NodeReport], pinned_classes: int = 0,
         why_k = f"the count {support[k]} of {len(fitting)} nodes fit"
     for r in fitting:
         if r.declared and r.declared != k:
-            refused[r.node_id] = (f"declares {r.declared} classes, the federation has {k} ({why_k}); fix the node's "
-                                  "class sub-folders / the .npz's num_classes, or node config num-classes")
+            refused[r.node_id] = (
+                f"declares {r.declared} classes, the federation has {k} ({why_k}); fix the node's "
+                "class sub-folders / the .npz's num_classes, or node config num-classes"
+            )
         elif r.max_label >= k:
-            refused[r.node_id] = (f"label {r.max_label} is outside the federation's {k} classes ({why_k}); fix the "
-                                  "node's labels")
+            refused[r.node_id] = (
+                f"label {r.max_label} is outside the federation's {k} classes ({why_k}); fix the node's labels"
+            )
     return k, shape, refused  # type: ignore[return-value]
 
 
@@ -163,19 +181,29 @@ def fits(r: NodeReport, k: int) -> bool:
     return r.declared == k if r.declared else r.max_label < k
 
 
-def describe_messages(node_ids: Iterable[int], setup: protocol.Setup,
-                      public: protocol.PublicSet = protocol.PublicSet()) -> list:
+def describe_messages(
+    node_ids: Iterable[int], setup: protocol.Setup, public: protocol.PublicSet = protocol.PublicSet()
+) -> list:
     """One describe message per node: the data spec and model (and U's fingerprint, when the run has U), nothing to
     keep."""
-    request = protocol.Request(ops=(DESCRIBE_OP,), round=0, setup=setup, public=public,
-                               keep=protocol.Keep(persist=False, save=False))
+    request = protocol.Request(
+        ops=(DESCRIBE_OP,), round=0, setup=setup, public=public, keep=protocol.Keep(persist=False, save=False)
+    )
     return [protocol.build_message(int(n), request, message_type=protocol.QUERY_MESSAGE_TYPE) for n in node_ids]
 
 
-def describe_nodes(grid: Any, setup: protocol.Setup, num_clients: int, timeout: float,
-                   validator: ReplyValidator, pinned_classes: int = 0, pinned_shape: tuple[int, ...] = (),
-                   wanted: int = 1, wait_seconds: float = 120.0,
-                   public: protocol.PublicSet = protocol.PublicSet()) -> Description:
+def describe_nodes(
+    grid: Any,
+    setup: protocol.Setup,
+    num_clients: int,
+    timeout: float,
+    validator: ReplyValidator,
+    pinned_classes: int = 0,
+    pinned_shape: tuple[int, ...] = (),
+    wanted: int = 1,
+    wait_seconds: float = 120.0,
+    public: protocol.PublicSet = protocol.PublicSet(),
+) -> Description:
     """Ask every connected node (after waiting for ``wanted``) to describe its data; settle classes and shape
     (:func:`agree`); refuse what does not fit. ``setup``: the data spec and model the messages carry; ``public``: U's
     fingerprint, when the run has U. ``validator`` checks the replies and binds node <-> client (the caller hands
@@ -205,8 +233,14 @@ def describe_nodes(grid: Any, setup: protocol.Setup, num_clients: int, timeout: 
     if not accepted:
         reasons = "; ".join(f"node {r.node_id}: {r.reason}" for r in rejections) or "no node replied"
         raise RuntimeError(f"data.source 'nodes': no node described data the run can use ({reasons})")
-    log.info("describe: %d of %d nodes agree on %d classes, input shape %s (%d refused)", len(accepted), len(nodes),
-             k, list(shape), len(excluded))
+    log.info(
+        "describe: %d of %d nodes agree on %d classes, input shape %s (%d refused)",
+        len(accepted),
+        len(nodes),
+        k,
+        list(shape),
+        len(excluded),
+    )
     return Description(k, shape, accepted, rejections, excluded, asked=len(nodes))
 
 

@@ -78,7 +78,9 @@ CAPTURE_ARRAY_FAULTS = ("scale", "one-hot-rows")
 CAPTURE_PREDICTION_FAULTS = ("pred-const", "pred-flip", "pred-copy", "leak")
 CAPTURE_FAULTS = CAPTURE_ARRAY_FAULTS + CAPTURE_PREDICTION_FAULTS
 KINDS = CONTROL + IDENTITY + METRIC_FAULTS + ARRAY_FAULTS + WIRE_FAULTS + PREDICTION_FAULTS + CAPTURE_FAULTS
-CONFIDENT_LOGIT = 1e4  # pred-const / pred-flip logits: +this on the chosen class, -this elsewhere (the validator's bound)
+CONFIDENT_LOGIT = (
+    1e4  # pred-const / pred-flip logits: +this on the chosen class, -this elsewhere (the validator's bound)
+)
 ROW_SCALE = 100.0  # one-hot-rows: the kept classifier row is multiplied by this
 COPY_WAIT = 60.0  # seconds pred-copy waits for the victim's leaked predictions
 
@@ -100,8 +102,11 @@ class Fault:
     phase: str = protocol.MESSAGE_TYPE  # or "evaluate", or "*"
 
     def applies(self, client_id: int, server_round: int, phase: str) -> bool:
-        return ((self.clients is None or client_id in self.clients) and (self.rounds is None or server_round in self.rounds)
-                and self.phase in ("*", phase))
+        return (
+            (self.clients is None or client_id in self.clients)
+            and (self.rounds is None or server_round in self.rounds)
+            and self.phase in ("*", phase)
+        )
 
 
 def _ints(text: str, what: str, spec: str) -> frozenset[int] | None:
@@ -129,8 +134,15 @@ def parse_faults(spec: str) -> list[Fault]:
         phase = parts[2].strip() if len(parts) > 2 else protocol.MESSAGE_TYPE
         if phase not in ("*", protocol.MESSAGE_TYPE, protocol.EVAL_MESSAGE_TYPE):
             raise ValueError(f"fault spec '{entry}': phase must be train, evaluate or *, got '{phase}'")
-        out.append(Fault(kind, arg or None, _ints(parts[0], "CLIENTS", entry),
-                         _ints(parts[1], "ROUNDS", entry) if len(parts) > 1 else None, phase))
+        out.append(
+            Fault(
+                kind,
+                arg or None,
+                _ints(parts[0], "CLIENTS", entry),
+                _ints(parts[1], "ROUNDS", entry) if len(parts) > 1 else None,
+                phase,
+            )
+        )
     return out
 
 
@@ -201,14 +213,19 @@ def _part(reply: Message, kind: str, record: str) -> dict[str, np.ndarray] | Non
 
 
 def _put(reply: Message, record: str, arrays: dict) -> None:
-    reply.content[record] = ArrayRecord({k: v if isinstance(v, Array) else Array(np.ascontiguousarray(v))
-                                         for k, v in arrays.items()})
+    reply.content[record] = ArrayRecord(
+        {k: v if isinstance(v, Array) else Array(np.ascontiguousarray(v)) for k, v in arrays.items()}
+    )
 
 
 def _garbage(like: np.ndarray) -> Array:
     """Bytes that are no .npy file under the label (dtype, shape) of the array they replace."""
-    return Array(dtype=str(like.dtype), shape=tuple(int(d) for d in like.shape), stype="numpy.ndarray",
-                 data=b"\x00garbage, not an .npy file")
+    return Array(
+        dtype=str(like.dtype),
+        shape=tuple(int(d) for d in like.shape),
+        stype="numpy.ndarray",
+        data=b"\x00garbage, not an .npy file",
+    )
 
 
 def corrupt(reply: Message, fault: Fault, cid: int, context: Context, msg: Message | None = None) -> None:
@@ -244,8 +261,9 @@ def corrupt(reply: Message, fault: Fault, cid: int, context: Context, msg: Messa
             metrics.update({k: 1e9 for k in metrics if k.endswith("-n")})
         elif kind == "loss-huge":
             evaluations = {k.rsplit("-", 1)[0] for k in metrics if k.endswith("-acc")}
-            metrics.update({k: -2e299 for k in metrics
-                            if k.endswith("-loss") and k.rsplit("-", 1)[0] not in evaluations})
+            metrics.update(
+                {k: -2e299 for k in metrics if k.endswith("-loss") and k.rsplit("-", 1)[0] not in evaluations}
+            )
         elif kind == "time-huge":
             metrics.update({k: 1e12 for k in metrics if k.startswith("t-")})
         elif kind == "list-huge":
@@ -295,8 +313,9 @@ def corrupt(reply: Message, fault: Fault, cid: int, context: Context, msg: Messa
     elif kind == "pred-undecodable":
         sent_preds[protocol.PREDICTION_ARRAY] = _garbage(p)
     elif kind == "pred-dtype":
-        sent_preds[protocol.PREDICTION_ARRAY] = p.astype(np.float64 if np.issubdtype(p.dtype, np.floating)
-                                                         else np.uint64)
+        sent_preds[protocol.PREDICTION_ARRAY] = p.astype(
+            np.float64 if np.issubdtype(p.dtype, np.floating) else np.uint64
+        )
     _put(reply, protocol.PREDICTIONS, sent_preds)
 
 
@@ -321,8 +340,9 @@ def wire_fault(kind: str, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray
         out[floating[0]] = Array(dtype="float32", shape=tuple(a.shape), stype="numpy.ndarray", data=Array(a).data)
     elif kind == "trailing-bytes":
         wire = Array(np.ascontiguousarray(arrays[floating[0]]))
-        out[floating[0]] = Array(dtype=wire.dtype, shape=tuple(wire.shape), stype=wire.stype,
-                                 data=wire.data + b"\0" * 2**20)
+        out[floating[0]] = Array(
+            dtype=wire.dtype, shape=tuple(wire.shape), stype=wire.stype, data=wire.data + b"\0" * 2**20
+        )
     return out
 
 
@@ -383,8 +403,9 @@ def capture(reply: Message, fault: Fault, cid: int, msg: Message | None) -> None
             found = _BOARD_LOCK.wait_for(lambda: (rnd, victim) in _BOARD, timeout=COPY_WAIT)
             copied = _BOARD.pop((rnd, victim), None) if found else None
         if copied is None or copied.shape != p.shape or copied.dtype != p.dtype:
-            log.warning("fault 'pred-copy': no leaked predictions of client %d in round %d that fit; left as it is",
-                        victim, rnd)
+            log.warning(
+                "fault 'pred-copy': no leaked predictions of client %d in round %d that fit; left as it is", victim, rnd
+            )
             return
         preds[protocol.PREDICTION_ARRAY] = copied
     else:
@@ -400,8 +421,10 @@ def capture(reply: Message, fault: Fault, cid: int, msg: Message | None) -> None
 
 def scaled(arrays: dict[str, np.ndarray], factor: float) -> dict[str, np.ndarray]:
     """Every floating array multiplied by ``factor`` (in its own dtype); integer arrays as they are."""
-    return {k: (v * v.dtype.type(factor)).astype(v.dtype) if np.issubdtype(v.dtype, np.floating) else v
-            for k, v in arrays.items()}
+    return {
+        k: (v * v.dtype.type(factor)).astype(v.dtype) if np.issubdtype(v.dtype, np.floating) else v
+        for k, v in arrays.items()
+    }
 
 
 def one_hot_rows(arrays: dict[str, np.ndarray], row: int) -> dict[str, np.ndarray]:

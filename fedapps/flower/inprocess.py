@@ -32,8 +32,10 @@ def default_workers() -> int:
     value = os.environ.get(WORKERS_ENV, "").strip()
     if value:
         if not value.isdigit() or int(value) < 1:
-            raise ValueError(f"{WORKERS_ENV}={value!r} must be a positive integer (clients the in-process engine "
-                             "serves at once), e.g. 1")
+            raise ValueError(
+                f"{WORKERS_ENV}={value!r} must be a positive integer (clients the in-process engine "
+                "serves at once), e.g. 1"
+            )
         return int(value)
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -82,24 +84,37 @@ class InProcessGrid:
     the messages are served stops at once; the clients still training stop at their next minibatch.
     """
 
-    def __init__(self, num_nodes: int, drop: Callable[[int, int], bool] | None = None,
-                 node_configs: dict[int, dict] | None = None, first_node_id: int = 100, record: bool = False,
-                 mods: list[Callable] | None = None, node_ids: list[int] | None = None,
-                 workers: int | None = None) -> None:
+    def __init__(
+        self,
+        num_nodes: int,
+        drop: Callable[[int, int], bool] | None = None,
+        node_configs: dict[int, dict] | None = None,
+        first_node_id: int = 100,
+        record: bool = False,
+        mods: list[Callable] | None = None,
+        node_ids: list[int] | None = None,
+        workers: int | None = None,
+    ) -> None:
         # Flower's node ids are unsigned 64-bit and usually large: tests pass first_node_id >= 2**63 to mimic them;
         # ``node_ids[i]`` (instead of first_node_id + i) serves partition i, in any order, as Flower's random ids do
         ids = list(node_ids) if node_ids is not None else [first_node_id + i for i in range(num_nodes)]
         if len(ids) != num_nodes or len(set(ids)) != num_nodes:
             raise ValueError(f"node_ids must be {num_nodes} distinct ids, got {ids}")
         self.contexts = {
-            node: Context(run_id=1, node_id=node,
-                          node_config={"partition-id": i, "num-partitions": num_nodes, **(node_configs or {}).get(i, {})},
-                          state=RecordDict(), run_config={})
+            node: Context(
+                run_id=1,
+                node_id=node,
+                node_config={"partition-id": i, "num-partitions": num_nodes, **(node_configs or {}).get(i, {})},
+                state=RecordDict(),
+                run_config={},
+            )
             for i, node in enumerate(ids)
         }
         self.node_locks = {node: threading.Lock() for node in ids}  # a node serves one message at a time
-        require_checked_flower("The in-process engine (Message() outside Flower's runtime: flwr.supercore)",
-                               workaround="run through `flwr run` (--engine flower)")
+        require_checked_flower(
+            "The in-process engine (Message() outside Flower's runtime: flwr.supercore)",
+            workaround="run through `flwr run` (--engine flower)",
+        )
         from flwr.supercore.task_identity import TaskIdentity
 
         for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
@@ -137,8 +152,9 @@ class InProcessGrid:
         for job in jobs:
             if job.abandoned or job.busy:
                 what = "was still serving an earlier message" if job.busy else "did not reply"
-                log.warning("node %s %s within its %.1f s deadline: abandoned, counted missing", job.node, what,
-                            timeout)
+                log.warning(
+                    "node %s %s within its %.1f s deadline: abandoned, counted missing", job.node, what, timeout
+                )
                 continue
             if job.dropped:
                 log.warning("node %s: %s", job.node, job.dropped)
@@ -160,8 +176,9 @@ class InProcessGrid:
                 while pending and len(running) < self.workers:
                     job = pending.popleft()
                     job.deadline = None if timeout is None else time.monotonic() + timeout
-                    threading.Thread(target=self._work, args=(job, finished), daemon=True,
-                                     name=f"fedapps-node-{job.node}").start()
+                    threading.Thread(
+                        target=self._work, args=(job, finished), daemon=True, name=f"fedapps-node-{job.node}"
+                    ).start()
                     running.append(job)
                 with finished:
                     if not any(job.done for job in running):

@@ -64,8 +64,12 @@ def vgg(num_classes: int, input_shape: Shape, cfg_name: str) -> nn.Module:
 def alexnet(num_classes: int, input_shape: Shape) -> nn.Module:
     """COSMOS's CIFAR AlexNet (no BN); adaptive pool to 2×2 so 28 and 64 px also give 2048 features."""
     head = nn.Sequential(
-        nn.Dropout(0.5), nn.Linear(512 * 2 * 2, 4096), nn.ReLU(inplace=True),
-        nn.Dropout(0.5), nn.Linear(4096, 4096), nn.ReLU(inplace=True),
+        nn.Dropout(0.5),
+        nn.Linear(512 * 2 * 2, 4096),
+        nn.ReLU(inplace=True),
+        nn.Dropout(0.5),
+        nn.Linear(4096, 4096),
+        nn.ReLU(inplace=True),
         nn.Linear(4096, num_classes),
     )
     return _ConvNet(make_layers(ALEXNET_CFG, input_shape[0], batch_norm=False), 2, head)
@@ -84,7 +88,13 @@ def resnet18(num_classes: int, input_shape: Shape) -> nn.Module:
 # torchvision's MobileNetV2 setting (t, c, n, s) with the 24-channel stage at stride 1 instead of 2:
 # with the stride-1 stem the total down-sampling is 8 (32 → 4, 28 → 4, 64 → 8) instead of 32.
 MOBILENETV2_SETTING = [
-    [1, 16, 1, 1], [6, 24, 2, 1], [6, 32, 3, 2], [6, 64, 4, 2], [6, 96, 3, 1], [6, 160, 3, 2], [6, 320, 1, 1],
+    [1, 16, 1, 1],
+    [6, 24, 2, 1],
+    [6, 32, 3, 2],
+    [6, 64, 4, 2],
+    [6, 96, 3, 1],
+    [6, 160, 3, 2],
+    [6, 320, 1, 1],
 ]
 
 
@@ -92,8 +102,7 @@ def mobilenetv2(num_classes: int, input_shape: Shape) -> nn.Module:
     """torchvision MobileNetV2 with a stride-1 first conv and a stride-1 second stage (as CIFAR ports do)."""
     import torchvision.models as tvm  # here, not at import: torchvision costs ~1.3 s per ClientApp process
 
-    model = tvm.mobilenet_v2(weights=None, num_classes=num_classes,
-                             inverted_residual_setting=MOBILENETV2_SETTING)
+    model = tvm.mobilenet_v2(weights=None, num_classes=num_classes, inverted_residual_setting=MOBILENETV2_SETTING)
     model.features[0][0] = stem_conv(input_shape[0], 32)
     return model
 

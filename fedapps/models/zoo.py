@@ -27,9 +27,9 @@ class ModelError(ConfigError):
 @dataclass(frozen=True)
 class _Spec:
     builder: Callable[[int, Shape], nn.Module]
-    classifier: str      # dotted name of the final nn.Linear
-    kaiming: bool        # COSMOS init (True) or PyTorch default init (False, as the papers' CNN code)
-    min_size: int        # smallest height/width the model accepts
+    classifier: str  # dotted name of the final nn.Linear
+    kaiming: bool  # COSMOS init (True) or PyTorch default init (False, as the papers' CNN code)
+    min_size: int  # smallest height/width the model accepts
 
 
 _REGISTRY: dict[str, _Spec] = {
@@ -79,8 +79,7 @@ def split_head(name: str) -> tuple[str, str]:
     return base, head
 
 
-def build_model(name: str, num_classes: int, input_shape: tuple[int, int, int],
-                seed: int | None = None) -> nn.Module:
+def build_model(name: str, num_classes: int, input_shape: tuple[int, int, int], seed: int | None = None) -> nn.Module:
     """Build zoo model `name` for `num_classes` classes and (C, H, W) inputs.
 
     ``<model>+<head>`` (e.g. ``cnn+cosine``) builds the zoo model with its classifier replaced by the head of
@@ -92,8 +91,9 @@ def build_model(name: str, num_classes: int, input_shape: tuple[int, int, int],
     if spec is None:
         raise ModelError(f"unknown model {name!r}; allowed: {', '.join(MODEL_NAMES)}")
     if head_kind and head_kind not in HEADS:
-        raise ModelError(f"unknown classifier head {head_kind!r} in model '{name}+{head_kind}'; "
-                         f"allowed: {', '.join(HEADS)}")
+        raise ModelError(
+            f"unknown classifier head {head_kind!r} in model '{name}+{head_kind}'; allowed: {', '.join(HEADS)}"
+        )
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise ModelError(f"num_classes must be a positive int, got {num_classes!r}")
     shape = _check_shape(name, input_shape, spec.min_size)

@@ -22,15 +22,45 @@ from typing import Any
 import numpy as np
 
 # matplotlib's "tab10" palette (colour-blind-friendlier than the old default), as hex so no import is needed here
-COLOURS: tuple[str, ...] = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
-                            "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+COLOURS: tuple[str, ...] = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
 LINESTYLES: tuple[str, ...] = ("-", "--", ":", "-.")
 STYLE_SLOTS = len(COLOURS) * len(LINESTYLES)  # 40 distinct (colour, line style) pairs
 # The fixed style of each of the project's methods: its position here is its slot; slot i is colour i mod 10 and
 # line style i div 10, so the first ten differ by colour alone. Append a new strategy at the end (a test asks).
-METHOD_ORDER: tuple[str, ...] = ("fedavg", "local", "cwfedavg", "cosmos", "fedprox", "ditto", "fedamp", "ifca",
-                                 "cfl", "fedfomo", "fedper", "fedrep", "fedbabu", "fedmd", "fedct", "comet",
-                                 "feduv", "fednh", "pfedhn", "fedselect", "pfedck")
+METHOD_ORDER: tuple[str, ...] = (
+    "fedavg",
+    "local",
+    "cwfedavg",
+    "cosmos",
+    "fedprox",
+    "ditto",
+    "fedamp",
+    "ifca",
+    "cfl",
+    "fedfomo",
+    "fedper",
+    "fedrep",
+    "fedbabu",
+    "fedmd",
+    "fedct",
+    "comet",
+    "feduv",
+    "fednh",
+    "pfedhn",
+    "fedselect",
+    "pfedck",
+)
 DPI = 110
 
 
@@ -75,8 +105,10 @@ def line_styles(methods: Sequence[str]) -> list[dict[str, str]]:
         same_colour = [own % len(COLOURS) + len(COLOURS) * k for k in range(len(LINESTYLES))]
         candidates = same_colour + [(own + k) % STYLE_SLOTS for k in range(STYLE_SLOTS)]
         listed = range(len(METHOD_ORDER))  # another listed method's own pair: borrowed only when nothing else is free
-        slot = next((c for c in candidates if c not in taken and c not in listed),
-                    next((c for c in candidates if c not in taken), own))
+        slot = next(
+            (c for c in candidates if c not in taken and c not in listed),
+            next((c for c in candidates if c not in taken), own),
+        )
         taken.add(slot)
         slots[i] = slot
     filled = [s for s in slots if s is not None]
@@ -149,8 +181,11 @@ def _legend(ax: Any, entries: int) -> None:
 
 
 def _points(rows: Sequence[Mapping[str, Any]], key: str) -> list[tuple[Any, float]]:
-    return [(r["round"], float(r[key])) for r in rows
-            if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and not math.isnan(float(r[key]))]
+    return [
+        (r["round"], float(r[key]))
+        for r in rows
+        if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and not math.isnan(float(r[key]))
+    ]
 
 
 # one run's curves: (rounds.csv column, legend label, line style); all in the run's method colour but the
@@ -173,8 +208,14 @@ def accuracy_figure(rows: Sequence[Mapping[str, Any]], title: str = "", method: 
     others = sorted({k for r in rows for k in r if k.endswith("_acc_mean") and k != "acc_mean"})
     spare = [c for c in COLOURS if c != colour]
     series = [(key, label, {"color": colour, "linestyle": ls}) for key, label, ls in RUN_SERIES]
-    series += [(key, f"{key[:-len('_acc_mean')]} evaluation (mean over clients)",
-                {"color": spare[i % len(spare)], "linestyle": "-"}) for i, key in enumerate(others)]
+    series += [
+        (
+            key,
+            f"{key[: -len('_acc_mean')]} evaluation (mean over clients)",
+            {"color": spare[i % len(spare)], "linestyle": "-"},
+        )
+        for i, key in enumerate(others)
+    ]
     drawn = 0
     for key, label, style in series:
         pts = _points(rows, key)
@@ -241,8 +282,14 @@ def comparison_figure(curves: Sequence[Curve]) -> Any:
             if not rounds:
                 continue
             ax.plot(rounds, mean, label=c.label, **style)
-            ax.fill_between(rounds, [m - e for m, e in zip(mean, sem)], [m + e for m, e in zip(mean, sem)],
-                            color=style["color"], alpha=0.15, linewidth=0)
+            ax.fill_between(
+                rounds,
+                [m - e for m, e in zip(mean, sem)],
+                [m + e for m, e in zip(mean, sem)],
+                color=style["color"],
+                alpha=0.15,
+                linewidth=0,
+            )
         round_axis(ax)
         ax.set_ylabel(f"deployed-model accuracy, {what}\n(mean ± SEM over seeds)")
         ax.set_ylim(*accuracy_limits([m - e for c in curves for m, e in zip(pick(c)[1], pick(c)[2])]))
@@ -273,8 +320,14 @@ def traffic_figure(curves: Sequence[Curve], megabytes: Sequence[Sequence[float]]
     styles = line_styles([c.method for c, _ in pairs])
     for (c, mb), style in zip(pairs, styles):
         ax.plot(mb, c.mean, marker="o", markersize=3, label=c.label, **style)
-        ax.fill_between(mb, [m - e for m, e in zip(c.mean, c.sem)], [m + e for m, e in zip(c.mean, c.sem)],
-                        color=style["color"], alpha=0.15, linewidth=0)
+        ax.fill_between(
+            mb,
+            [m - e for m, e in zip(c.mean, c.sem)],
+            [m + e for m, e in zip(c.mean, c.sem)],
+            color=style["color"],
+            alpha=0.15,
+            linewidth=0,
+        )
     positive = [x for _, mb in pairs for x in mb if x > 0]
     if positive and max(positive) > 100 * min(positive):
         if len(positive) < sum(len(mb) for _, mb in pairs):
@@ -303,13 +356,32 @@ def client_accuracy_figure(groups: Sequence[tuple[str, str, Sequence[float]]]) -
     for i, ((_, _, values), style) in enumerate(zip(groups, styles)):
         if not values:
             continue
-        ax.boxplot([values], positions=[i], widths=0.45, showfliers=False,
-                   medianprops={"color": style["color"], "linewidth": 2}, boxprops={"color": "0.35"},
-                   whiskerprops={"color": "0.35"}, capprops={"color": "0.35"})
-        ax.scatter(i + 0.32 + rng.uniform(-0.06, 0.06, len(values)), values, s=14, color=style["color"],
-                   alpha=0.75, linewidths=0, zorder=3)
-    ax.set_xticks(range(len(groups)), [label for label, _, _ in groups], rotation=20 if len(groups) > 4 else 0,
-                  ha="right" if len(groups) > 4 else "center", fontsize=8)
+        ax.boxplot(
+            [values],
+            positions=[i],
+            widths=0.45,
+            showfliers=False,
+            medianprops={"color": style["color"], "linewidth": 2},
+            boxprops={"color": "0.35"},
+            whiskerprops={"color": "0.35"},
+            capprops={"color": "0.35"},
+        )
+        ax.scatter(
+            i + 0.32 + rng.uniform(-0.06, 0.06, len(values)),
+            values,
+            s=14,
+            color=style["color"],
+            alpha=0.75,
+            linewidths=0,
+            zorder=3,
+        )
+    ax.set_xticks(
+        range(len(groups)),
+        [label for label, _, _ in groups],
+        rotation=20 if len(groups) > 4 else 0,
+        ha="right" if len(groups) > 4 else "center",
+        fontsize=8,
+    )
     ax.set_xlim(-0.6, len(groups) - 0.2)
     ax.set_ylabel("deployed-model accuracy of each client\n(after the last round)")
     ax.set_ylim(0, 1.02)
@@ -338,8 +410,14 @@ def plot_heatmaps(panels: list[tuple[str, list[int], np.ndarray]], path: Path) -
     save(fig, path)
 
 
-def plot_clusters(cluster_of: Mapping[int, int], groups: Sequence[int] | None, distances: np.ndarray | None,
-                  distance_clients: list[int], path: Path, title: str) -> None:
+def plot_clusters(
+    cluster_of: Mapping[int, int],
+    groups: Sequence[int] | None,
+    distances: np.ndarray | None,
+    distance_clients: list[int],
+    path: Path,
+    title: str,
+) -> None:
     """Left: clients × (true group, found cluster); right: the per-sample distance matrix ordered by group."""
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator

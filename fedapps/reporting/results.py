@@ -72,14 +72,14 @@ EXIT_CONFIG = 2  # refused before it started (config, data, options)
 EXIT_UNMEASURED = 3  # finished, but the headline was not measured, or on fewer than min_measured_share of the clients
 EXIT_REJECTED = 4  # finished, but some round lost a majority of its replies to rejection (rejections.csv)
 EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM
-EXIT_STATUSES = {EXIT_OK: "the run finished and its headline is meaningful",
-                 EXIT_FAILED: "the run failed (crashed, no usable reply at all, or most messages never reached a "
-                              "client)",
-                 EXIT_CONFIG: "refused before it started: a config, data or option error",
-                 EXIT_UNMEASURED: "finished, but the headline was not measured, or on fewer than min_measured_share of "
-                                  "the clients",
-                 EXIT_REJECTED: "finished, but some round lost a majority of its replies to rejection",
-                 EXIT_INTERRUPTED: "interrupted (Ctrl-C or SIGTERM)"}
+EXIT_STATUSES = {
+    EXIT_OK: "the run finished and its headline is meaningful",
+    EXIT_FAILED: "the run failed (crashed, no usable reply at all, or most messages never reached a client)",
+    EXIT_CONFIG: "refused before it started: a config, data or option error",
+    EXIT_UNMEASURED: "finished, but the headline was not measured, or on fewer than min_measured_share of the clients",
+    EXIT_REJECTED: "finished, but some round lost a majority of its replies to rejection",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C or SIGTERM)",
+}
 
 
 class UnusableRun(RuntimeError):
@@ -112,9 +112,14 @@ def rejection_problems(rows: Sequence[Mapping[str, Any]]) -> list[Problem]:
             lost.append(f"round {r.get('round')}: {rejected} of {ok + rejected}")
     if not lost:
         return []
-    return [Problem(EXIT_REJECTED, f"{len(lost)} round(s) lost a majority of their replies to rejection ("
-                                   f"{'; '.join(lost[:5])}{' ...' if len(lost) > 5 else ''}): the model is built on a "
-                                   "minority of the replies; see rejections.csv for the reasons")]
+    return [
+        Problem(
+            EXIT_REJECTED,
+            f"{len(lost)} round(s) lost a majority of their replies to rejection ("
+            f"{'; '.join(lost[:5])}{' ...' if len(lost) > 5 else ''}): the model is built on a "
+            "minority of the replies; see rejections.csv for the reasons",
+        )
+    ]
 
 
 def measured_problems(summary: Mapping[str, Any], min_share: float) -> list[Problem]:
@@ -124,17 +129,31 @@ def measured_problems(summary: Mapping[str, Any], min_share: float) -> list[Prob
     measured = int(summary.get("final_round_measured_clients") or 0)
     need = max(1, math.ceil(min_share * clients - 1e-9))
     if summary.get("accuracy_mean") is None or measured == 0:
-        return [Problem(EXIT_UNMEASURED, "the headline (deployed-model accuracy) was never measured: no client "
-                                         "answered an evaluation of its deployed model")]
+        return [
+            Problem(
+                EXIT_UNMEASURED,
+                "the headline (deployed-model accuracy) was never measured: no client "
+                "answered an evaluation of its deployed model",
+            )
+        ]
     if measured < need:
-        return [Problem(EXIT_UNMEASURED, f"the headline was measured on {measured} of {clients} clients (after round "
-                                         f"{summary.get('final_round')}), fewer than min_measured_share="
-                                         f"{min_share:g} of them ({need})")]
+        return [
+            Problem(
+                EXIT_UNMEASURED,
+                f"the headline was measured on {measured} of {clients} clients (after round "
+                f"{summary.get('final_round')}), fewer than min_measured_share="
+                f"{min_share:g} of them ({need})",
+            )
+        ]
     return []
 
 
-def run_problems(summary: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], min_share: float,
-                 delivery: DeliveryCheck | None = None) -> list[Problem]:
+def run_problems(
+    summary: Mapping[str, Any],
+    rows: Sequence[Mapping[str, Any]],
+    min_share: float,
+    delivery: DeliveryCheck | None = None,
+) -> list[Problem]:
     """Everything that makes a finished run's result not meaningful, most basic first: nothing delivered or usable
     (:class:`DeliveryCheck`), rounds lost to rejection, a headline measured on too few clients."""
     out = [Problem(EXIT_FAILED, text) for text in (delivery.problems() if delivery is not None else [])]
@@ -187,11 +206,15 @@ class DeliveryCheck:
         out = []
         errors = f"; client errors: {' | '.join(self.errors)}" if self.errors else ""
         if self.usable == 0:
-            out.append(f"no usable client reply in the whole run ({self.sent} messages sent, {self.answered} answered)"
-                       f": nothing was trained{errors}")
+            out.append(
+                f"no usable client reply in the whole run ({self.sent} messages sent, {self.answered} answered)"
+                f": nothing was trained{errors}"
+            )
         if self.sent and 2 * self.answered < self.sent:
-            out.append(f"only {self.answered} of {self.sent} sampled messages reached a client (got any reply): "
-                       "check that the SuperNodes are up, the node ids, and strategy.timeout")
+            out.append(
+                f"only {self.answered} of {self.sent} sampled messages reached a client (got any reply): "
+                "check that the SuperNodes are up, the node ids, and strategy.timeout"
+            )
         return out
 
 
@@ -266,9 +289,13 @@ def after_training_stats(metrics: Iterable[Mapping[str, Any]]) -> dict[str, floa
     """The clients' models right after their local update: ``acc_after_training_mean`` / ``_weighted`` /
     ``_worst10`` / ``_std`` and ``loss_after_training`` (the second column of the protocol)."""
     stats = accuracy_stats(metrics, protocol.AFTER_TAG)
-    names = {"acc_mean": "acc_after_training_mean", "acc_weighted": "acc_after_training_weighted",
-             "acc_worst10": "acc_after_training_worst10", "acc_std": "acc_after_training_std",
-             "loss": "loss_after_training"}
+    names = {
+        "acc_mean": "acc_after_training_mean",
+        "acc_weighted": "acc_after_training_weighted",
+        "acc_worst10": "acc_after_training_worst10",
+        "acc_std": "acc_after_training_std",
+        "loss": "loss_after_training",
+    }
     return {names[k]: v for k, v in stats.items()}
 
 
@@ -309,7 +336,12 @@ def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
         "clients": len(entry.replies),
         "skipped": int(bool(getattr(entry, "skipped", False))),  # too few usable replies: not aggregated
         # the deployed models after this round (measured one message later)
-        "acc_mean": "", "acc_weighted": "", "acc_worst10": "", "acc_std": "", "loss": "", "measured_clients": "",
+        "acc_mean": "",
+        "acc_weighted": "",
+        "acc_worst10": "",
+        "acc_std": "",
+        "loss": "",
+        "measured_clients": "",
         "bytes_up": entry.bytes_up,
         # bytes of the replies the validator rejected (both phases): not algorithm traffic, counted apart
         "bytes_up_rejected": getattr(entry, "bytes_up_rejected", 0),
@@ -320,7 +352,8 @@ def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
         # seconds the clients spent serving the round's training messages (sum of their t-total): the rest of
         # workers x wall_seconds is transport, the server step and waiting (bench/round_overhead.py)
         "client_seconds": round(sum(float(m.get(protocol.TOTAL_TIME, 0.0)) for m in metrics), 3),
-        # reply validation (fedapps.wire.validation): accepted, rejected (see rejections.csv), asked for but not received
+        # reply validation (fedapps.wire.validation): accepted, rejected (see rejections.csv), asked for but not
+        # received
         "replies_ok": getattr(entry, "replies_ok", len(entry.replies)),
         "replies_rejected": getattr(entry, "replies_rejected", 0),
         "replies_missing": getattr(entry, "replies_missing", 0),
@@ -346,8 +379,9 @@ def privacy_columns(metrics: Iterable[Mapping[str, Any]], rejections: Iterable[A
     """Differential privacy in a round's row (docs/privacy.md): the ε each replying client reported
     (``epsilon_client_<i>``: of all its training so far), their maximum (``epsilon_max``) and the replies refused
     past ``privacy.epsilon_budget`` (``privacy_refused``); nothing when the round has neither (privacy off)."""
-    eps = {int(m[protocol.CLIENT_ID]): float(m[protocol.PRIVACY_EPSILON]) for m in metrics
-           if protocol.PRIVACY_EPSILON in m}
+    eps = {
+        int(m[protocol.CLIENT_ID]): float(m[protocol.PRIVACY_EPSILON]) for m in metrics if protocol.PRIVACY_EPSILON in m
+    }
     refused = sum(1 for r in rejections if protocol.PRIVACY_REFUSED in str(getattr(r, "reason", "")))
     if not eps and not refused:
         return {}
@@ -366,14 +400,20 @@ def privacy_summary(cfg: ExperimentConfig, rows: Sequence[Mapping[str, Any]]) ->
     for r in rows:
         for key, value in r.items():
             if key.startswith(EPSILON_COLUMN) and _number(value) is not None:
-                latest[int(key[len(EPSILON_COLUMN):])] = float(value)
+                latest[int(key[len(EPSILON_COLUMN) :])] = float(value)
     p = cfg.privacy
-    return {"mode": p.mode, "unit": "one training sample of a client (sample-level DP-SGD on its local training)",
-            "delta": p.delta, "noise_multiplier": p.noise_multiplier, "max_grad_norm": p.max_grad_norm,
-            "epsilon_budget": p.epsilon_budget or None, "reproducible_noise": p.reproducible_noise,
-            "epsilon_max": max(latest.values()) if latest else None,
-            "epsilon_per_client": {str(c): e for c, e in sorted(latest.items())},
-            "refused": sum(int(r.get("privacy_refused") or 0) for r in rows)}
+    return {
+        "mode": p.mode,
+        "unit": "one training sample of a client (sample-level DP-SGD on its local training)",
+        "delta": p.delta,
+        "noise_multiplier": p.noise_multiplier,
+        "max_grad_norm": p.max_grad_norm,
+        "epsilon_budget": p.epsilon_budget or None,
+        "reproducible_noise": p.reproducible_noise,
+        "epsilon_max": max(latest.values()) if latest else None,
+        "epsilon_per_client": {str(c): e for c, e in sorted(latest.items())},
+        "refused": sum(int(r.get("privacy_refused") or 0) for r in rows),
+    }
 
 
 def eta_seconds(spent: float, steps_timed: int, steps_left: int) -> float | None:
@@ -422,8 +462,10 @@ class Progress:
 
     def line(self) -> str:
         elapsed = self.clock() - self.started
-        return (f"elapsed {format_duration(elapsed)}, "
-                f"ETA {format_duration(eta_seconds(self.spent, self.timed, self.total - self.done))}")
+        return (
+            f"elapsed {format_duration(elapsed)}, "
+            f"ETA {format_duration(eta_seconds(self.spent, self.timed, self.total - self.done))}"
+        )
 
 
 class FileSink:
@@ -432,7 +474,9 @@ class FileSink:
     def __init__(self, cfg: ExperimentConfig, output_dir: str | Path, run_dir: str | Path | None = None) -> None:
         self.cfg = cfg
         # run_dir: an existing run folder to write into (a resumed run), whatever the config's run name
-        self.dir = Path(run_dir) if run_dir is not None else Path(output_dir).expanduser().resolve() / cfg.resolved_run_name()
+        self.dir = (
+            Path(run_dir) if run_dir is not None else Path(output_dir).expanduser().resolve() / cfg.resolved_run_name()
+        )
         self.dir.mkdir(parents=True, exist_ok=True)
         for stale in ("summary.json", "rounds.csv") + (() if run_dir is not None else (REJECTIONS,)):
             (self.dir / stale).unlink(missing_ok=True)  # a resumed run keeps rejections.csv (see restore_rows)
@@ -463,18 +507,28 @@ class FileSink:
         for m in getattr(entry, "measurements", []):
             columns = measured_columns([r.metrics for r in m.replies], self.cfg.data.num_clients)
             if merge_measurement(self.rows, m.round, columns):
-                measured.append(f"deployed after round {m.round}: acc_mean {_fmt(columns.get('acc_mean'))}  "
-                                f"acc_weighted {_fmt(columns.get('acc_weighted'))}  "
-                                f"acc_worst10 {_fmt(columns.get('acc_worst10'))} ({columns['measured_clients']} clients)")
+                measured.append(
+                    f"deployed after round {m.round}: acc_mean {_fmt(columns.get('acc_mean'))}  "
+                    f"acc_weighted {_fmt(columns.get('acc_weighted'))}  "
+                    f"acc_worst10 {_fmt(columns.get('acc_worst10'))} ({columns['measured_clients']} clients)"
+                )
             else:
                 log.warning("no row of round %d for its deployed-model measurement", m.round)
         write_csv(self.dir / "rounds.csv", self.rows)
         append_rejections(self.dir / REJECTIONS, [*getattr(entry, "rejections", []), *getattr(entry, "skips", [])])
         self.progress.step()
-        log.info("round %d/%d  clients %d  after training: acc_mean %s  up %.2f MB  down %.2f MB  %.1f s  (%s)%s",
-                 entry.round, self.cfg.rounds, row["clients"], _fmt(row.get("acc_after_training_mean")),
-                 entry.bytes_up / 1e6, entry.bytes_down / 1e6, entry.wall_seconds, self.progress.line(),
-                 "".join(f"  |  {text}" for text in measured))
+        log.info(
+            "round %d/%d  clients %d  after training: acc_mean %s  up %.2f MB  down %.2f MB  %.1f s  (%s)%s",
+            entry.round,
+            self.cfg.rounds,
+            row["clients"],
+            _fmt(row.get("acc_after_training_mean")),
+            entry.bytes_up / 1e6,
+            entry.bytes_down / 1e6,
+            entry.wall_seconds,
+            self.progress.line(),
+            "".join(f"  |  {text}" for text in measured),
+        )
 
     def summary(self, wall_seconds: float, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """summary.json's content: the rounds so far summarised, plus the strategy's own entries."""
@@ -487,8 +541,10 @@ class FileSink:
         """Write summary.json, accuracy.png and every artefact (a failing figure never loses the results)."""
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         title = self.cfg.resolved_run_name()
-        self._draw("accuracy.png", lambda path: plots.plot_accuracy(self.rows, path, title=title,
-                                                                    method=self.cfg.strategy.name))
+        self._draw(
+            "accuracy.png",
+            lambda path: plots.plot_accuracy(self.rows, path, title=title, method=self.cfg.strategy.name),
+        )
         for a in artifacts:
             if a.kind == "table":
                 write_csv(self.dir / f"{a.name}.csv", a.data)
@@ -576,8 +632,10 @@ def summarise(cfg: ExperimentConfig, rows: Sequence[Mapping[str, Any]], wall_sec
         summary["privacy"] = privacy_summary(cfg, rows)
     if scored:
         best = max(scored, key=lambda r: r["acc_mean"])
-        summary[f"best_round_on_{cfg.data.evaluate_on}_set_NOT_the_result"] = {"round": best["round"],
-                                                                                "accuracy_mean": best["acc_mean"]}
+        summary[f"best_round_on_{cfg.data.evaluate_on}_set_NOT_the_result"] = {
+            "round": best["round"],
+            "accuracy_mean": best["acc_mean"],
+        }
     return summary
 
 
@@ -626,6 +684,7 @@ def write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
 
 def read_csv(path: Path) -> list[dict[str, Any]]:
     """rounds.csv back as dicts with numbers parsed."""
+
     def parse(v: str) -> Any:
         if v == "":
             return None
@@ -634,5 +693,6 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
             return int(f) if f.is_integer() and "." not in v and "e" not in v.lower() else f
         except ValueError:
             return v
+
     with Path(path).open() as fh:
         return [{k: parse(v) for k, v in row.items()} for row in csv.DictReader(fh)]

@@ -51,8 +51,9 @@ def tracking_root(cfg: ExperimentConfig, run_dir: Path) -> Path:
 
 def numeric_columns(row: Mapping[str, Any]) -> dict[str, float]:
     """The numeric cells of a rounds.csv row (empty cells, strings and ``round`` left out)."""
-    return {k: float(v) for k, v in row.items()
-            if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        k: float(v) for k, v in row.items() if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 def round_values(entry: Any, num_clients: int) -> list[tuple[int, dict[str, float]]]:
@@ -66,8 +67,8 @@ def round_values(entry: Any, num_clients: int) -> list[tuple[int, dict[str, floa
 
 def client_accuracies(values: Mapping[str, float]) -> list[float]:
     """The ``acc_client_<i>`` values of a row, in client order."""
-    keys = [k for k in values if k.startswith(CLIENT_PREFIX) and k[len(CLIENT_PREFIX):].isdigit()]
-    return [values[k] for k in sorted(keys, key=lambda k: int(k[len(CLIENT_PREFIX):]))]
+    keys = [k for k in values if k.startswith(CLIENT_PREFIX) and k[len(CLIENT_PREFIX) :].isdigit()]
+    return [values[k] for k in sorted(keys, key=lambda k: int(k[len(CLIENT_PREFIX) :]))]
 
 
 def flatten_config(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -156,13 +157,19 @@ class MLflowSink:
             self.run_id = earlier
             self.client.update_run(self.run_id, status="RUNNING")
         else:
-            run = self.client.create_run(experiment_id, run_name=run_dir.name,
-                                         tags={RUN_DIR_TAG: str(run_dir), "fedapps.config_hash": config_hash(cfg),
-                                               "fedapps.strategy": cfg.strategy.name})
+            run = self.client.create_run(
+                experiment_id,
+                run_name=run_dir.name,
+                tags={
+                    RUN_DIR_TAG: str(run_dir),
+                    "fedapps.config_hash": config_hash(cfg),
+                    "fedapps.strategy": cfg.strategy.name,
+                },
+            )
             self.run_id = run.info.run_id
             params = [Param(k, v) for k, v in flatten_config(cfg.to_dict()).items()]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
-                self.client.log_batch(self.run_id, params=params[i:i + 100])
+                self.client.log_batch(self.run_id, params=params[i : i + 100])
         self.client.log_batch(self.run_id, tags=[RunTag("fedapps.resumed", str(bool(resumed)).lower())])
         log.info("tracking: MLflow run %s in %s", self.run_id, self.uri)
 
@@ -171,8 +178,12 @@ class MLflowSink:
         if "'" in str(self.run_dir):  # not expressible in MLflow's filter syntax
             log.warning("tracking: the run folder's name has a quote; the resumed run gets a new MLflow run")
             return None
-        runs = self.client.search_runs([experiment_id], filter_string=f"tags.`{RUN_DIR_TAG}` = '{self.run_dir}'",
-                                       order_by=["attributes.start_time DESC"], max_results=1)
+        runs = self.client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.`{RUN_DIR_TAG}` = '{self.run_dir}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
         return runs[0].info.run_id if runs else None
 
     def _log(self, values: Iterable[tuple[int, Mapping[str, float]]]) -> None:
@@ -181,7 +192,7 @@ class MLflowSink:
         now = int(time.time() * 1000)
         metrics = [self._Metric(k, v, now, step) for step, row in values for k, v in row.items()]
         for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def on_round(self, entry: Any) -> None:
         self._log(round_values(entry, self.num_clients))

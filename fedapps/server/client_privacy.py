@@ -22,7 +22,7 @@ These are pure functions, not yet wired into a strategy (docs/privacy.md says wh
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -50,16 +50,22 @@ def gaussian_noise(shape: tuple[int, ...], std: float, rng: np.random.Generator)
     return rng.normal(0.0, std, size=shape)
 
 
-def noisy_sum(contributions: Sequence[np.ndarray], bound: float, noise_multiplier: float,
-              rng: np.random.Generator) -> np.ndarray:
+def noisy_sum(
+    contributions: Sequence[np.ndarray], bound: float, noise_multiplier: float, rng: np.random.Generator
+) -> np.ndarray:
     """The clipped sum (:func:`clipped_sum`) plus N(0, σ²C²) on every entry: the Gaussian mechanism with sensitivity
     C = ``bound`` (one client added or removed) and noise multiplier σ."""
     total = clipped_sum(contributions, bound)
     return total + gaussian_noise(total.shape, noise_multiplier * bound, rng)
 
 
-def noisy_mean(contributions: Sequence[np.ndarray], bound: float, noise_multiplier: float, rng: np.random.Generator,
-               denominator: int) -> np.ndarray:
+def noisy_mean(
+    contributions: Sequence[np.ndarray],
+    bound: float,
+    noise_multiplier: float,
+    rng: np.random.Generator,
+    denominator: int,
+) -> np.ndarray:
     """:func:`noisy_sum` divided by a PUBLIC count ``denominator`` (e.g. the clients the server sampled this round):
     post-processing, so it costs no privacy; dividing by the number that answered would leak it."""
     if denominator <= 0:

@@ -47,7 +47,9 @@ def l2_distance_matrix(x: np.ndarray) -> np.ndarray:
     return np.maximum(dist, dist.T)  # exactly symmetric
 
 
-def pairwise_distances(predictions: np.ndarray | torch.Tensor, metric: str = "l1", threads: int | None = None) -> np.ndarray:
+def pairwise_distances(
+    predictions: np.ndarray | torch.Tensor, metric: str = "l1", threads: int | None = None
+) -> np.ndarray:
     """N×N distances between clients' predictions on U, per public sample (see the module docstring).
 
     ℓ1 runs on ``threads`` threads (default: torch's intra-op thread count), ℓ2 on torch's matrix product.
@@ -141,7 +143,9 @@ class ClusteringResult:
         return [len(c) for c in self.clusters]
 
 
-def auto_threshold(dist: np.ndarray, max_clusters: int, start: float = 0.05, step: float = 0.05) -> tuple[float, list[list[int]], list[tuple[float, int]]]:
+def auto_threshold(
+    dist: np.ndarray, max_clusters: int, start: float = 0.05, step: float = 0.05
+) -> tuple[float, list[list[int]], list[tuple[float, int]]]:
     """Reference rule: raise B0 from ``start`` in steps of ``step`` until at most ``max_clusters`` clusters remain."""
     if max_clusters < 1 or step <= 0 or start < 0:
         raise ValueError(f"need max_clusters >= 1, step > 0, start >= 0; got {max_clusters}, {step}, {start}")
@@ -157,8 +161,15 @@ def auto_threshold(dist: np.ndarray, max_clusters: int, start: float = 0.05, ste
         i += 1
 
 
-def cluster_clients(dist: np.ndarray, mode: str = "auto", b0: float = 0.5, max_clusters: int = 5,
-                    start: float = 0.05, step: float = 0.05, metric: str = "l1") -> ClusteringResult:
+def cluster_clients(
+    dist: np.ndarray,
+    mode: str = "auto",
+    b0: float = 0.5,
+    max_clusters: int = 5,
+    start: float = 0.05,
+    step: float = 0.05,
+    metric: str = "l1",
+) -> ClusteringResult:
     """Cluster with an explicit B0 (mode 'fixed') or the automatic rule (mode 'auto'); logs K and sizes."""
     if mode == "fixed":
         result = ClusteringResult(greedy_threshold_clustering(dist, b0), float(b0), mode, metric)
@@ -167,6 +178,13 @@ def cluster_clients(dist: np.ndarray, mode: str = "auto", b0: float = 0.5, max_c
         result = ClusteringResult(clusters, chosen, mode, metric, tried)
     else:
         raise ValueError(f"unknown B0 mode '{mode}'; allowed: {', '.join(B0_MODES)}")
-    log.info("clustering: %s distance, B0 = %.3f (%s%s) -> K = %d clusters, sizes %s", metric, result.b0, mode,
-             f", at most {max_clusters} clusters" if mode == "auto" else "", result.k, result.sizes)
+    log.info(
+        "clustering: %s distance, B0 = %.3f (%s%s) -> K = %d clusters, sizes %s",
+        metric,
+        result.b0,
+        mode,
+        f", at most {max_clusters} clusters" if mode == "auto" else "",
+        result.k,
+        result.sizes,
+    )
     return result

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Mapping, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 from flwr.serverapp.strategy import Result
 
+from fedapps.flower import MessageGrid
 from fedapps.flower.connect import wait_for_clients
 from fedapps.reporting.results import accuracy_stats
 from fedapps.server.evaluation import EvaluatedStrategy, EvaluationProtocol
 from fedapps.server.rounds import Measurement, RoundHistory, RoundLog, measurement_metrics, round_metrics
-from fedapps.flower import MessageGrid
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 
@@ -65,8 +66,9 @@ class RoundDriver:
         self.history = strategy.history
         self.evaluation = EvaluationProtocol(strategy)
 
-    def start(self, grid: MessageGrid, num_rounds: int | None = None, timeout: float | None = None,
-              first_round: int = 1) -> Result:
+    def start(
+        self, grid: MessageGrid, num_rounds: int | None = None, timeout: float | None = None, first_round: int = 1
+    ) -> Result:
         """The round loop: messages out, replies in, aggregate, optional evaluation phase, record.
         ``first_round`` > 1 continues a run restored with :meth:`load_checkpoint_state`.
 
@@ -77,8 +79,9 @@ class RoundDriver:
         num_rounds = num_rounds or cfg.rounds
         timeout = timeout or cfg.strategy.timeout
         log.info("strategy %s, params: %s", self.strategy.name, self.strategy.params)
-        connected = wait_for_clients(grid, cfg.strategy.expected_clients or cfg.data.num_clients,
-                                     cfg.strategy.connect_timeout)
+        connected = wait_for_clients(
+            grid, cfg.strategy.expected_clients or cfg.data.num_clients, cfg.strategy.connect_timeout
+        )
         if first_round > 1:
             self.nodes.rebind_after_resume(connected)
         result = Result()
@@ -107,18 +110,32 @@ class RoundDriver:
         parsed = self.replies.validate(rnd, replies)
         self.nodes.bind(parsed)
         up = sum(r.nbytes for r in parsed)  # the accepted replies' bytes (the rejected ones: bytes_up_rejected)
-        parsed.sort(key=lambda r: r.client_id)  # replies arrive in any order (Ray): sums over clients must not depend on it
+        parsed.sort(
+            key=lambda r: r.client_id
+        )  # replies arrive in any order (Ray): sums over clients must not depend on it
         min_clients = self.strategy.cfg.strategy.min_clients
         skipped = len(parsed) < min_clients
         if skipped:
-            self.replies.skip_round(rnd, f"round skipped: {len(parsed)} usable replies, fewer than "
-                                         f"strategy.min_clients={min_clients} (no aggregation)")
+            self.replies.skip_round(
+                rnd,
+                f"round skipped: {len(parsed)} usable replies, fewer than "
+                f"strategy.min_clients={min_clients} (no aggregation)",
+            )
         extra = {} if skipped else self.strategy.aggregate(rnd, parsed)
         if not skipped:
             self.history.last_extra = dict(extra)
-        entry = RoundLog(rnd, parsed, down, up, eval_bytes_down=eval_down, extra=dict(extra), sent=len(messages),
-                         received=len(replies), skipped=skipped,
-                         errors=[str(m.error.reason) for m in replies if m.has_error()])
+        entry = RoundLog(
+            rnd,
+            parsed,
+            down,
+            up,
+            eval_bytes_down=eval_down,
+            extra=dict(extra),
+            sent=len(messages),
+            received=len(replies),
+            skipped=skipped,
+            errors=[str(m.error.reason) for m in replies if m.has_error()],
+        )
         deployed = protocol.metric_name(protocol.DEPLOYED_TAG, "acc")
         if rnd > 1 and self.strategy.measures_round(rnd - 1):
             entry.measurements.append(Measurement(rnd - 1, [r for r in parsed if deployed in r.metrics]))
@@ -130,8 +147,12 @@ class RoundDriver:
                 self.history.last_measured = {"round": m.round, "clients": len(m.replies), **stats}
         self.replies.fill(entry)
         if entry.replies_missing:
-            log.warning("round %d: %d of the replies asked for did not arrive within %.0f s", rnd, entry.replies_missing,
-                        timeout)
+            log.warning(
+                "round %d: %d of the replies asked for did not arrive within %.0f s",
+                rnd,
+                entry.replies_missing,
+                timeout,
+            )
         entry.wall_seconds = time.time() - t0
         return entry
 
@@ -140,11 +161,18 @@ class RoundDriver:
         """Everything the round loop needs to continue after a round: the algorithm's state, the sampling RNG,
         which node is which client, the last extras."""
         v = self.replies.validator
-        return {"strategy": self.strategy.state_dict(), "rng": self.nodes.rng.bit_generator.state,
-                "node_to_client": dict(self.nodes.node_to_client), "last_extra": dict(self.history.last_extra),
-                "last_measured": dict(self.history.last_measured),
-                "identity": {"node_client": dict(v.node_client), "client_node": dict(v.client_node),
-                             "bound_examples": dict(v.bound_examples)}}
+        return {
+            "strategy": self.strategy.state_dict(),
+            "rng": self.nodes.rng.bit_generator.state,
+            "node_to_client": dict(self.nodes.node_to_client),
+            "last_extra": dict(self.history.last_extra),
+            "last_measured": dict(self.history.last_measured),
+            "identity": {
+                "node_client": dict(v.node_client),
+                "client_node": dict(v.client_node),
+                "bound_examples": dict(v.bound_examples),
+            },
+        }
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`checkpoint_state` returned (onto a strategy built from the same config)."""

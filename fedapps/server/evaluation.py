@@ -9,17 +9,17 @@ column). Neither the strategies nor the clients choose when; a strategy only say
 from __future__ import annotations
 
 import dataclasses
-
-from typing import Any, Iterable, Protocol
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 from flwr.app import ArrayRecord, Message
 
 from fedapps.config import ExperimentConfig
+from fedapps.flower import MessageGrid
 from fedapps.server.replies import ReplyChecks
 from fedapps.server.rounds import Measurement, RoundLog
 from fedapps.server.sampling import NodeSampler
 from fedapps.server.transport import with_transport
-from fedapps.flower import MessageGrid
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 
@@ -87,12 +87,12 @@ class EvaluationProtocol:
         measure = server_round > 1 and s.measures_round(server_round - 1)
         models: list[tuple[str, ArrayRecord] | None] = [None] * len(messages)
         if measure and d.source == "server":
-            models = s.evaluation_models([self.nodes.node_to_client.get(int(m.metadata.dst_node_id))
-                                          for m in messages])
+            models = s.evaluation_models([self.nodes.node_to_client.get(int(m.metadata.dst_node_id)) for m in messages])
         for msg, model in zip(messages, models):
             request = protocol.request_of(msg)
-            ops = with_evaluations(list(request.ops), d, measure and (d.source != "server" or model is not None),
-                                   s.name)
+            ops = with_evaluations(
+                list(request.ops), d, measure and (d.source != "server" or model is not None), s.name
+            )
             evaluation = protocol.Evaluation(model[0]) if model is not None else request.evaluation
             protocol.with_request(msg, dataclasses.replace(request, ops=tuple(ops), evaluation=evaluation))
             if model is not None:
@@ -114,20 +114,34 @@ class EvaluationProtocol:
         if d.source == "message":  # the round message, nothing sent back, the client's model read but not written
             for msg in s.round_messages(server_round, node_ids):
                 r = protocol.request_of(msg)
-                request = dataclasses.replace(r, ops=ops, round=server_round,
-                                              returns=dataclasses.replace(r.returns, arrays=False),
-                                              keep=dataclasses.replace(r.keep, save=False))
+                request = dataclasses.replace(
+                    r,
+                    ops=ops,
+                    round=server_round,
+                    returns=dataclasses.replace(r.returns, arrays=False),
+                    keep=dataclasses.replace(r.keep, save=False),
+                )
                 arrays = msg.content.array_records[protocol.ARRAYS] if protocol.ARRAYS in msg.content else None
-                out.append(protocol.build_message(int(msg.metadata.dst_node_id), request, arrays=arrays,
-                                                  message_type=protocol.EVAL_MESSAGE_TYPE))
+                out.append(
+                    protocol.build_message(
+                        int(msg.metadata.dst_node_id), request, arrays=arrays, message_type=protocol.EVAL_MESSAGE_TYPE
+                    )
+                )
             return out
         request = s.request(server_round, ops, returns=protocol.Return(arrays=False), keep=protocol.Keep(save=False))
         if d.source == "client":
             return [protocol.build_message(n, request, message_type=protocol.EVAL_MESSAGE_TYPE) for n in node_ids]
         models = s.evaluation_models([self.nodes.node_to_client.get(n) for n in node_ids])
-        return [protocol.build_message(n, dataclasses.replace(request, evaluation=protocol.Evaluation(model[0])),
-                                       eval_arrays=model[1], message_type=protocol.EVAL_MESSAGE_TYPE)
-                for n, model in zip(node_ids, models) if model is not None]
+        return [
+            protocol.build_message(
+                n,
+                dataclasses.replace(request, evaluation=protocol.Evaluation(model[0])),
+                eval_arrays=model[1],
+                message_type=protocol.EVAL_MESSAGE_TYPE,
+            )
+            for n, model in zip(node_ids, models)
+            if model is not None
+        ]
 
     def final_evaluation(self, grid: MessageGrid, rnd: int, timeout: float, entry: RoundLog) -> None:
         """The deployed models after the last round ``rnd``: one evaluation-only message to EVERY connected
@@ -140,7 +154,7 @@ class EvaluationProtocol:
         parsed: list[ClientReply] = []
         sent = 0
         for start in range(0, len(nodes), batch):
-            messages = self.deployed_messages(rnd + 1, nodes[start:start + batch])
+            messages = self.deployed_messages(rnd + 1, nodes[start : start + batch])
             if not messages:
                 continue
             sent += len(messages)
@@ -165,6 +179,8 @@ def with_evaluations(ops: list[str], deployed: DeployedSpec, measure: bool, stra
     after-training evaluation."""
     k = len(deployed.prepare)
     if tuple(ops[:k]) != deployed.prepare:
-        raise RuntimeError(f"strategy '{strategy}': round operations {ops} must start with its deployed model's "
-                           f"preparation {list(deployed.prepare)}")
+        raise RuntimeError(
+            f"strategy '{strategy}': round operations {ops} must start with its deployed model's "
+            f"preparation {list(deployed.prepare)}"
+        )
     return [*ops[:k], *(deployed.ops if measure else []), *ops[k:], f"evaluate:{protocol.AFTER_TAG}"]

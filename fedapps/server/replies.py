@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 from flwr.app import Message
 
@@ -42,8 +42,9 @@ class ReplyChecks:
         entry.replies_missing, entry.rejections = t.replies_missing, list(t.rejections)
         entry.bytes_up_rejected, entry.skips = t.bytes_up_rejected, list(t.skips)
 
-    def validate(self, server_round: int, replies: Iterable[Message],
-                 phase: str = protocol.MESSAGE_TYPE) -> list[ClientReply]:
+    def validate(
+        self, server_round: int, replies: Iterable[Message], phase: str = protocol.MESSAGE_TYPE
+    ) -> list[ClientReply]:
         """Check replies against what their messages asked (:mod:`fedapps.wire.validation`; recorded by
         ``validator.expect`` when the messages were built: what each reply must carry is read off its message);
         never raises. The accepted replies are returned; the counts and rejections go into the round's tally."""
@@ -66,8 +67,9 @@ class ReplyChecks:
         """A validated reply the algorithm cannot use (e.g. arrays that answer no model of this round): logged and
         recorded (rejections.csv, phase ``aggregate``), never silently dropped."""
         log.warning("round %d: %s left out client %d's reply: %s", server_round, self.strategy, reply.client_id, reason)
-        self.tally.skips.append(Rejection(server_round, SKIP_PHASE, reply.node_id, reply.client_id,
-                                          f"{self.strategy}: {reason}"))
+        self.tally.skips.append(
+            Rejection(server_round, SKIP_PHASE, reply.node_id, reply.client_id, f"{self.strategy}: {reason}")
+        )
 
     def skip_round(self, server_round: int, reason: str) -> None:
         """A step of the round the algorithm did not take (no usable reply for it; too few replies): logged and

@@ -38,8 +38,20 @@ from fedapps.config import AGGREGATION_RULES, cohort_size
 
 log = logging.getLogger("fedapps")
 
-__all__ = ["AGGREGATION_RULES", "AggregationRule", "nodes_weight_cap", "cap_weights", "coordinate_median", "trimmed_mean",
-           "combine", "update_norm", "clip_update", "scale_update", "median_bound", "clip_to_median"]
+__all__ = [
+    "AGGREGATION_RULES",
+    "AggregationRule",
+    "nodes_weight_cap",
+    "cap_weights",
+    "coordinate_median",
+    "trimmed_mean",
+    "combine",
+    "update_norm",
+    "clip_update",
+    "scale_update",
+    "median_bound",
+    "clip_to_median",
+]
 
 
 @dataclass(frozen=True)
@@ -53,8 +65,12 @@ class AggregationRule:
 
     @classmethod
     def from_config(cls, strategy_cfg) -> AggregationRule:
-        return cls(strategy_cfg.aggregation, float(strategy_cfg.trim_fraction), float(strategy_cfg.max_weight_share),
-                   float(strategy_cfg.clip_update_norm))
+        return cls(
+            strategy_cfg.aggregation,
+            float(strategy_cfg.trim_fraction),
+            float(strategy_cfg.max_weight_share),
+            float(strategy_cfg.clip_update_norm),
+        )
 
     @classmethod
     def for_run(cls, cfg) -> AggregationRule:
@@ -69,8 +85,12 @@ class AggregationRule:
         cap = nodes_weight_cap(cohort_size(d.num_clients, s.fraction, s.min_clients))
         if cap >= rule.max_weight_share:
             return rule
-        log.info("data.source nodes without data.node_registry: each client's weight capped at %g (min(0.5, 2/cohort); "
-                 "strategy.max_weight_share is %g)", cap, rule.max_weight_share)
+        log.info(
+            "data.source nodes without data.node_registry: each client's weight capped at %g (min(0.5, 2/cohort); "
+            "strategy.max_weight_share is %g)",
+            cap,
+            rule.max_weight_share,
+        )
         return dataclasses.replace(rule, max_weight_share=cap)
 
     @property
@@ -134,7 +154,7 @@ def trimmed_mean(stack: np.ndarray, trim_fraction: float) -> np.ndarray:
     x = np.sort(np.asarray(stack, dtype=np.float64), axis=0)
     k = x.shape[0]
     cut = int(trim_fraction * k)
-    return x[cut:k - cut].mean(axis=0)
+    return x[cut : k - cut].mean(axis=0)
 
 
 def combine(stack: np.ndarray, weights, rule: AggregationRule) -> np.ndarray:
@@ -161,8 +181,9 @@ def update_norm(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.nda
     return float(np.sqrt(total))
 
 
-def clip_update(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],
-                max_norm: float) -> tuple[dict[str, np.ndarray], float]:
+def clip_update(
+    arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], max_norm: float
+) -> tuple[dict[str, np.ndarray], float]:
     """``reference + s·(arrays − reference)`` with s = min(1, max_norm / ‖arrays − reference‖) on the floating
     arrays (integer arrays as they are), and the update's norm before clipping. An update within the norm comes
     back unchanged; ``max_norm`` <= 0: no clipping."""
@@ -172,8 +193,9 @@ def clip_update(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.nda
     return scale_update(arrays, reference, max_norm / norm), norm
 
 
-def scale_update(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],
-                 scale: float) -> dict[str, np.ndarray]:
+def scale_update(
+    arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], scale: float
+) -> dict[str, np.ndarray]:
     """``reference + scale·(arrays − reference)`` on the floating arrays (computed in float64, returned in each
     array's own dtype); integer arrays as they are."""
     out: dict[str, np.ndarray] = {}
@@ -198,8 +220,9 @@ def median_bound(norms, factor: float) -> float:
     return float(factor * np.median(norms))
 
 
-def clip_to_median(arrays: list[Mapping[str, np.ndarray]], references: list[Mapping[str, np.ndarray]],
-                   factor: float) -> tuple[list[dict[str, np.ndarray]], float, list[float]]:
+def clip_to_median(
+    arrays: list[Mapping[str, np.ndarray]], references: list[Mapping[str, np.ndarray]], factor: float
+) -> tuple[list[dict[str, np.ndarray]], float, list[float]]:
     """Each client's update (``arrays[i] − references[i]``, over the reference's keys: what the client was sent)
     scaled down to at most :func:`median_bound` of the cohort's update norms; returns the clipped arrays, the
     bound and the norms before clipping. An update within the bound comes back unchanged (the same values)."""
@@ -209,6 +232,5 @@ def clip_to_median(arrays: list[Mapping[str, np.ndarray]], references: list[Mapp
         return [], 0.0, []
     norms = [update_norm(a, ref) for a, ref in zip(arrays, references)]
     bound = median_bound(norms, factor)
-    out = [dict(a) if n <= bound else scale_update(a, ref, bound / n)
-           for a, ref, n in zip(arrays, references, norms)]
+    out = [dict(a) if n <= bound else scale_update(a, ref, bound / n) for a, ref, n in zip(arrays, references, norms)]
     return out, bound, norms

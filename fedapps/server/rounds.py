@@ -74,13 +74,19 @@ def round_metrics(entry: RoundLog) -> MetricRecord:
     strategy extras (the deployed models' accuracy is :func:`measurement_metrics`, filed under its round)."""
     out: dict[str, Any] = {"clients": len(entry.replies)}
     out.update(after_training_stats([r.metrics for r in entry.replies]))
-    out.update({k: float(v) for k, v in entry.extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-                and math.isfinite(float(v))})
+    out.update(
+        {
+            k: float(v)
+            for k, v in entry.extra.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+        }
+    )
     return MetricRecord(out)
 
 
 def measurement_metrics(m: Measurement) -> MetricRecord:
     """A deployed-model measurement as Flower metrics: clients measured, accuracy (mean over clients and
     sample-weighted) and weighted loss."""
-    return MetricRecord({"clients": len(m.replies),
-                         **accuracy_stats([r.metrics for r in m.replies], protocol.DEPLOYED_TAG)})
+    return MetricRecord(
+        {"clients": len(m.replies), **accuracy_stats([r.metrics for r in m.replies], protocol.DEPLOYED_TAG)}
+    )

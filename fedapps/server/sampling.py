@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
 from fedapps.config import StrategyConfig, cohort_size
-from fedapps.server.replies import ReplyChecks
 from fedapps.flower import MessageGrid
+from fedapps.server.replies import ReplyChecks
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 
@@ -30,8 +30,9 @@ class NodeSampler:
     generator (the strategy draws from the same one); ``replies``: the validator that binds identities and the
     round's tally the identify rejections go to; ``excluded``: nodes refused before round 1, never sampled."""
 
-    def __init__(self, config: StrategyConfig, rng: np.random.Generator, replies: ReplyChecks,
-                 excluded: frozenset[int]) -> None:
+    def __init__(
+        self, config: StrategyConfig, rng: np.random.Generator, replies: ReplyChecks, excluded: frozenset[int]
+    ) -> None:
         self.config = config
         self.rng = rng
         self.replies = replies
@@ -59,7 +60,8 @@ class NodeSampler:
 
     def sample_nodes(self, grid: MessageGrid, request: RequestBuilder) -> list[int]:
         """ceil(fraction·N) nodes, at least min_clients (when that many are connected), seeded. Every node is
-        identified before it is first sampled (:meth:`identify`; ``request``: the strategy's request builder). The draw is over the nodes ordered by CLIENT id:
+        identified before it is first sampled (:meth:`identify`; ``request``: the strategy's request builder). The draw
+        is over the nodes ordered by CLIENT id:
         node ids are random per run (Flower's simulation draws them afresh), so a draw over them would give the
         same seed another cohort in every run."""
         nodes = [n for n in self.available_nodes(grid) if n not in self.excluded]
@@ -75,7 +77,8 @@ class NodeSampler:
         """Settle which client each node is, once, before its first round message: the nodes of ``node_ids`` whose
         identity is not bound yet (by the describe phase, or an earlier identify) and that were not asked before get
         a message with no operation and the settings every message carries (``request(0, [])``; the client loads its
-        data split, trains and stores nothing, and replies with its identity). The validator binds node <-> client id on the accepted replies; from then on a reply is
+        data split, trains and stores nothing, and replies with its identity). The validator binds node <-> client id
+        on the accepted replies; from then on a reply is
         attributed by its node, and one claiming another client's id is rejected alone (the owner's reply stands).
         A node that does not answer, or is rejected (e.g. two nodes claiming one id: neither gets it), stays
         unbound, is drawn after the known ones, by node id, and is bound by its first accepted round reply.
@@ -95,8 +98,13 @@ class NodeSampler:
         outcome = validator.check(0, replies, protocol.QUERY_MESSAGE_TYPE)
         self.bind(outcome.accepted)
         self.replies.record_rejections(outcome.rejections, IDENTIFY_PHASE)
-        log.info("identified %d of %d nodes (%.1f s)%s", len(outcome.accepted), len(ask), time.time() - t0,
-                 f"; {len(outcome.rejections)} rejected (rejections.csv)" if outcome.rejections else "")
+        log.info(
+            "identified %d of %d nodes (%.1f s)%s",
+            len(outcome.accepted),
+            len(ask),
+            time.time() - t0,
+            f"; {len(outcome.rejections)} rejected (rejections.csv)" if outcome.rejections else "",
+        )
 
     def rebind_after_resume(self, connected: Iterable[int]) -> None:
         """A resumed run: the checkpoint's node <-> client bindings of nodes that are not connected now are
@@ -107,8 +115,11 @@ class NodeSampler:
         self.replies.validator.forget_nodes(gone)
         self.node_to_client = {n: c for n, c in self.node_to_client.items() if n in now}
         if gone:
-            log.info("resumed: %d node(s) of the checkpointed run are gone (new node ids); their clients are "
-                     "identified again", len(gone))
+            log.info(
+                "resumed: %d node(s) of the checkpointed run are gone (new node ids); their clients are "
+                "identified again",
+                len(gone),
+            )
 
 
 def by_client_id(node_ids: list[int], node_to_client: Mapping[int, int]) -> list[int]:

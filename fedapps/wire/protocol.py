@@ -134,12 +134,50 @@ EVALUATION_TAGS: dict[str, str] = {}
 
 # every key of the wire (record, setting, array, metric and info names): tests/test_architecture.py checks that no
 # other module spells one
-KEYS = (CONFIG, ARRAYS, TARGETS, METRICS, PREDICTIONS, INFO, EVAL_ARRAYS, OPS, ROUND, LOAD_ARRAYS, ARRAYS_MULTI,
-        PERSIST_MODEL, SAVE_MODEL, RETURN_ARRAYS, ARRAYS_KEYS, TRANSPORT_KEY, HOLDOUT_FRACTION, RECEIVED_MODEL,
-        STATE_DIR, STATE_RUN, MODEL_NAME, MODEL_SEED, MODEL_PER_CLIENT, PUBLIC_FINGERPRINT, PREDICT_OUTPUT,
-        PREDICT_ENCODING, PREDICTION_ARRAY, TARGET_ARRAY, DISTILL_INDICES, PREDICT_INDICES, INFO_FINGERPRINT,
-        INFO_ARCH, CLIENT_ID, NUM_EXAMPLES, TOTAL_TIME, PRIVACY_MODE, PRIVACY_NOISE_MULTIPLIER, PRIVACY_MAX_GRAD_NORM,
-        PRIVACY_DELTA, PRIVACY_EPSILON_BUDGET, PRIVACY_REPRODUCIBLE_NOISE, PRIVACY_EPSILON)
+KEYS = (
+    CONFIG,
+    ARRAYS,
+    TARGETS,
+    METRICS,
+    PREDICTIONS,
+    INFO,
+    EVAL_ARRAYS,
+    OPS,
+    ROUND,
+    LOAD_ARRAYS,
+    ARRAYS_MULTI,
+    PERSIST_MODEL,
+    SAVE_MODEL,
+    RETURN_ARRAYS,
+    ARRAYS_KEYS,
+    TRANSPORT_KEY,
+    HOLDOUT_FRACTION,
+    RECEIVED_MODEL,
+    STATE_DIR,
+    STATE_RUN,
+    MODEL_NAME,
+    MODEL_SEED,
+    MODEL_PER_CLIENT,
+    PUBLIC_FINGERPRINT,
+    PREDICT_OUTPUT,
+    PREDICT_ENCODING,
+    PREDICTION_ARRAY,
+    TARGET_ARRAY,
+    DISTILL_INDICES,
+    PREDICT_INDICES,
+    INFO_FINGERPRINT,
+    INFO_ARCH,
+    CLIENT_ID,
+    NUM_EXAMPLES,
+    TOTAL_TIME,
+    PRIVACY_MODE,
+    PRIVACY_NOISE_MULTIPLIER,
+    PRIVACY_MAX_GRAD_NORM,
+    PRIVACY_DELTA,
+    PRIVACY_EPSILON_BUDGET,
+    PRIVACY_REPRODUCIBLE_NOISE,
+    PRIVACY_EPSILON,
+)
 
 
 def metric_name(tag: str, field: str) -> str:
@@ -163,7 +201,7 @@ def companion_name(tag: str) -> str | None:
     prefix = DEPLOYED_TAG + "."
     if not tag.startswith(prefix) or tag == prefix:
         return None
-    return tag[len(prefix):]
+    return tag[len(prefix) :]
 
 
 def train_section(tag: str) -> str:
@@ -190,8 +228,11 @@ SERVER_ONLY_SPEC_KEYS = ("public_path", "node_registry")
 def data_spec_for_clients(spec: Mapping[str, Any]) -> dict[str, Any]:
     """The data spec as messages carry it: without the server's own paths, and without the keys of data.source
     'nodes' while unset (so that messages of every other source stay as they were)."""
-    return {k: v for k, v in spec.items()
-            if k not in SERVER_ONLY_SPEC_KEYS and not (k in CLIENT_SPEC_OPTIONAL and v == CLIENT_SPEC_OPTIONAL[k])}
+    return {
+        k: v
+        for k, v in spec.items()
+        if k not in SERVER_ONLY_SPEC_KEYS and not (k in CLIENT_SPEC_OPTIONAL and v == CLIENT_SPEC_OPTIONAL[k])
+    }
 
 
 # ====================================================================== the message: one dataclass per part
@@ -270,8 +311,17 @@ class Evaluation:
 
 
 # Section's optimiser fields: fedapps.config.OptimSettings's (tests check that the two agree)
-OPTIMISER_FIELDS = ("epochs", "batch_size", "lr", "optimizer", "momentum", "weight_decay", "drop_last", "clip_norm",
-                    "mixed_precision")
+OPTIMISER_FIELDS = (
+    "epochs",
+    "batch_size",
+    "lr",
+    "optimizer",
+    "momentum",
+    "weight_decay",
+    "drop_last",
+    "clip_norm",
+    "mixed_precision",
+)
 
 
 @dataclass(frozen=True)
@@ -301,8 +351,11 @@ class Section:
 
     def over(self, base: Section) -> Section:
         """This section's settings over ``base``'s (a tagged ``train:<tag>`` section over ``train``)."""
-        changes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                   if f.name != "extra" and getattr(self, f.name) is not None}
+        changes = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "extra" and getattr(self, f.name) is not None
+        }
         return dataclasses.replace(base, **changes, extra={**base.extra, **self.extra})
 
 
@@ -362,12 +415,17 @@ class Privacy:
 
     def encode(self) -> dict[str, Any]:
         """The ``privacy.*`` settings."""
-        return {PRIVACY_MODE: self.mode, PRIVACY_NOISE_MULTIPLIER: self.noise_multiplier,
-                PRIVACY_MAX_GRAD_NORM: self.max_grad_norm, PRIVACY_DELTA: self.delta,
-                PRIVACY_EPSILON_BUDGET: self.epsilon_budget, PRIVACY_REPRODUCIBLE_NOISE: self.reproducible_noise}
+        return {
+            PRIVACY_MODE: self.mode,
+            PRIVACY_NOISE_MULTIPLIER: self.noise_multiplier,
+            PRIVACY_MAX_GRAD_NORM: self.max_grad_norm,
+            PRIVACY_DELTA: self.delta,
+            PRIVACY_EPSILON_BUDGET: self.epsilon_budget,
+            PRIVACY_REPRODUCIBLE_NOISE: self.reproducible_noise,
+        }
 
     @classmethod
-    def decode(cls, fixed: Mapping[str, Any]) -> "Privacy | None":
+    def decode(cls, fixed: Mapping[str, Any]) -> Privacy | None:
         """The privacy settings among a message's typed fixed settings (None: the message has none); MessageError for
         settings without ``privacy.mode`` or a required value, a mode that is off or unknown, values out of range."""
         present = [k for k in _PRIVACY_TYPES if k in fixed]
@@ -377,14 +435,21 @@ class Privacy:
         if mode is None:
             raise MessageError(f"the message has '{present[0]}' but no '{PRIVACY_MODE}'")
         if mode not in PRIVACY_MODES or mode == PRIVACY_MODES[0]:
-            raise MessageError(f"'{PRIVACY_MODE}' must be one of {', '.join(PRIVACY_MODES[1:])} (a message carries "
-                               f"privacy settings only while a mode is on), got {_short(mode)}")
+            raise MessageError(
+                f"'{PRIVACY_MODE}' must be one of {', '.join(PRIVACY_MODES[1:])} (a message carries "
+                f"privacy settings only while a mode is on), got {_short(mode)}"
+            )
         lacking = [k for k in (PRIVACY_NOISE_MULTIPLIER, PRIVACY_MAX_GRAD_NORM, PRIVACY_DELTA) if k not in fixed]
         if lacking:
             raise MessageError(f"'{PRIVACY_MODE}' {mode!r} without '{lacking[0]}' in the message")
-        out = cls(mode, float(fixed[PRIVACY_NOISE_MULTIPLIER]), float(fixed[PRIVACY_MAX_GRAD_NORM]),
-                  float(fixed[PRIVACY_DELTA]), float(fixed.get(PRIVACY_EPSILON_BUDGET, 0.0)),
-                  bool(fixed.get(PRIVACY_REPRODUCIBLE_NOISE, False)))
+        out = cls(
+            mode,
+            float(fixed[PRIVACY_NOISE_MULTIPLIER]),
+            float(fixed[PRIVACY_MAX_GRAD_NORM]),
+            float(fixed[PRIVACY_DELTA]),
+            float(fixed.get(PRIVACY_EPSILON_BUDGET, 0.0)),
+            bool(fixed.get(PRIVACY_REPRODUCIBLE_NOISE, False)),
+        )
         if not (out.noise_multiplier > 0 and out.max_grad_norm > 0 and 0 < out.delta < 1 and out.epsilon_budget >= 0):
             raise MessageError(f"the message's privacy settings are out of range: {out}")
         return out
@@ -424,19 +489,34 @@ class Request:
         out.update(flatten(CLIENT_SECTION, s.client))
         if self.privacy is not None:
             out.update(self.privacy.encode())
-        out.update(_present({
-            STATE_DIR: self.bookkeeping.state_dir, STATE_RUN: self.bookkeeping.state_run,
-            LOAD_ARRAYS: self.load.into_model, ARRAYS_MULTI: self.load.multi,
-            RETURN_ARRAYS: self.returns.arrays, ARRAYS_KEYS: self.returns.part,
-            PERSIST_MODEL: self.keep.persist, SAVE_MODEL: self.keep.save, TRANSPORT_KEY: self.transport,
-            HOLDOUT_FRACTION: self.training.holdout_fraction, RECEIVED_MODEL: self.evaluation.received_model,
-            PUBLIC_FINGERPRINT: self.public.fingerprint, PREDICT_OUTPUT: self.public.output,
-            PREDICT_ENCODING: self.public.encoding}))
+        out.update(
+            _present(
+                {
+                    STATE_DIR: self.bookkeeping.state_dir,
+                    STATE_RUN: self.bookkeeping.state_run,
+                    LOAD_ARRAYS: self.load.into_model,
+                    ARRAYS_MULTI: self.load.multi,
+                    RETURN_ARRAYS: self.returns.arrays,
+                    ARRAYS_KEYS: self.returns.part,
+                    PERSIST_MODEL: self.keep.persist,
+                    SAVE_MODEL: self.keep.save,
+                    TRANSPORT_KEY: self.transport,
+                    HOLDOUT_FRACTION: self.training.holdout_fraction,
+                    RECEIVED_MODEL: self.evaluation.received_model,
+                    PUBLIC_FINGERPRINT: self.public.fingerprint,
+                    PREDICT_OUTPUT: self.public.output,
+                    PREDICT_ENCODING: self.public.encoding,
+                }
+            )
+        )
         for name, settings in self.training.sections.items():
             if not name or "." in name or name in _RESERVED_PREFIXES:
                 raise ValueError(f"'{name}' cannot name a settings section (reserved or not a plain name)")
-            out.update(flatten(name, {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)
-                                      if f.name != "extra"}))
+            out.update(
+                flatten(
+                    name, {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.name != "extra"}
+                )
+            )
             out.update(flatten(name, settings.extra))
         return ConfigRecord(out)
 
@@ -457,8 +537,10 @@ class Request:
         fixed = {key: _typed(values, key, kind) for key, kind in _FIXED.items() if key in values}
         transport = fixed.get(TRANSPORT_KEY)
         if transport is not None and transport not in TRANSPORTS:
-            raise MessageError(f"unknown {TRANSPORT_KEY} '{transport}'; allowed: {', '.join(TRANSPORTS)} (server and "
-                               "client versions differ?)")
+            raise MessageError(
+                f"unknown {TRANSPORT_KEY} '{transport}'; allowed: {', '.join(TRANSPORTS)} (server and "
+                "client versions differ?)"
+            )
         per_client = values.pop(MODEL_PER_CLIENT, [])
         if not isinstance(per_client, list) or not all(isinstance(a, str) for a in per_client):
             raise MessageError(f"'{MODEL_PER_CLIENT}' must be a list of architecture names, got {_short(per_client)}")
@@ -476,16 +558,21 @@ class Request:
             else:
                 sections.setdefault(prefix, {})[name] = value
         return cls(
-            ops=tuple(ops), round=rnd,
-            setup=Setup(data=data, model=ModelSpec(fixed.get(MODEL_NAME), fixed.get(MODEL_SEED), tuple(per_client)),
-                        client=client),
+            ops=tuple(ops),
+            round=rnd,
+            setup=Setup(
+                data=data,
+                model=ModelSpec(fixed.get(MODEL_NAME), fixed.get(MODEL_SEED), tuple(per_client)),
+                client=client,
+            ),
             load=Load(fixed.get(LOAD_ARRAYS), fixed.get(ARRAYS_MULTI)),
             keep=Keep(fixed.get(PERSIST_MODEL), fixed.get(SAVE_MODEL)),
             returns=Return(fixed.get(RETURN_ARRAYS), fixed.get(ARRAYS_KEYS)),
             transport=transport,
             evaluation=Evaluation(fixed.get(RECEIVED_MODEL)),
-            training=Training(fixed.get(HOLDOUT_FRACTION),
-                              {name: _section(name, entries) for name, entries in sections.items()}),
+            training=Training(
+                fixed.get(HOLDOUT_FRACTION), {name: _section(name, entries) for name, entries in sections.items()}
+            ),
             public=PublicSet(fixed.get(PUBLIC_FINGERPRINT), fixed.get(PREDICT_OUTPUT), fixed.get(PREDICT_ENCODING)),
             bookkeeping=Bookkeeping(fixed.get(STATE_DIR), fixed.get(STATE_RUN)),
             privacy=Privacy.decode(fixed),
@@ -495,21 +582,49 @@ class Request:
 _NUMBER = (int, float)
 # the type of every fixed setting but ops and model.per_client (decoded apart); each is popped when decoded
 _FIXED: dict[str, Any] = {
-    MODEL_NAME: str, MODEL_SEED: int, STATE_DIR: str, STATE_RUN: str, LOAD_ARRAYS: bool, ARRAYS_MULTI: bool,
-    RETURN_ARRAYS: bool, ARRAYS_KEYS: str, PERSIST_MODEL: bool, SAVE_MODEL: bool, TRANSPORT_KEY: str,
-    HOLDOUT_FRACTION: _NUMBER, RECEIVED_MODEL: str, PUBLIC_FINGERPRINT: str, PREDICT_OUTPUT: str,
-    PREDICT_ENCODING: str}
+    MODEL_NAME: str,
+    MODEL_SEED: int,
+    STATE_DIR: str,
+    STATE_RUN: str,
+    LOAD_ARRAYS: bool,
+    ARRAYS_MULTI: bool,
+    RETURN_ARRAYS: bool,
+    ARRAYS_KEYS: str,
+    PERSIST_MODEL: bool,
+    SAVE_MODEL: bool,
+    TRANSPORT_KEY: str,
+    HOLDOUT_FRACTION: _NUMBER,
+    RECEIVED_MODEL: str,
+    PUBLIC_FINGERPRINT: str,
+    PREDICT_OUTPUT: str,
+    PREDICT_ENCODING: str,
+}
 _PRIVACY_TYPES: dict[str, Any] = {
-    PRIVACY_MODE: str, PRIVACY_NOISE_MULTIPLIER: _NUMBER, PRIVACY_MAX_GRAD_NORM: _NUMBER, PRIVACY_DELTA: _NUMBER,
-    PRIVACY_EPSILON_BUDGET: _NUMBER, PRIVACY_REPRODUCIBLE_NOISE: bool}
+    PRIVACY_MODE: str,
+    PRIVACY_NOISE_MULTIPLIER: _NUMBER,
+    PRIVACY_MAX_GRAD_NORM: _NUMBER,
+    PRIVACY_DELTA: _NUMBER,
+    PRIVACY_EPSILON_BUDGET: _NUMBER,
+    PRIVACY_REPRODUCIBLE_NOISE: bool,
+}
 _FIXED.update(_PRIVACY_TYPES)
 # the prefixes of fixed dotted settings: no section may take their name (model.*, arrays.*, public.*, received.*,
 # predict.*), so that an unknown key under one of them is refused rather than read as a section's
 _RESERVED_PREFIXES = frozenset(k.partition(".")[0] for k in (*_FIXED, MODEL_PER_CLIENT) if "." in k)
-_SECTION_TYPES: dict[str, Any] = {"epochs": int, "batch_size": int, "lr": _NUMBER, "optimizer": str,
-                                  "momentum": _NUMBER, "weight_decay": _NUMBER, "drop_last": bool,
-                                  "clip_norm": _NUMBER, "mixed_precision": bool, "freeze": str, "loss": str,
-                                  "weighting": str}
+_SECTION_TYPES: dict[str, Any] = {
+    "epochs": int,
+    "batch_size": int,
+    "lr": _NUMBER,
+    "optimizer": str,
+    "momentum": _NUMBER,
+    "weight_decay": _NUMBER,
+    "drop_last": bool,
+    "clip_norm": _NUMBER,
+    "mixed_precision": bool,
+    "freeze": str,
+    "loss": str,
+    "weighting": str,
+}
 
 
 def _present(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -543,8 +658,14 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def build_message(node_id: int, request: Request, message_type: str = MESSAGE_TYPE, arrays: ArrayRecord | None = None,
-                  targets: ArrayRecord | None = None, eval_arrays: ArrayRecord | None = None) -> Message:
+def build_message(
+    node_id: int,
+    request: Request,
+    message_type: str = MESSAGE_TYPE,
+    arrays: ArrayRecord | None = None,
+    targets: ArrayRecord | None = None,
+    eval_arrays: ArrayRecord | None = None,
+) -> Message:
     """One message for one node: the request's settings (:meth:`Request.encode`), and the optional model arrays,
     targets record (:meth:`Targets.encode`) and model sent for evaluation only."""
     content = RecordDict({CONFIG: request.encode()})
@@ -801,8 +922,9 @@ FLOAT16_MAX = float(np.finfo(np.float16).max)  # 65504: beyond it a float16 cast
 def check_transport(transport: str) -> None:
     """Refuse an unknown transport (a message from another version, or a typo in a direct call)."""
     if transport not in TRANSPORTS:
-        raise ValueError(f"unknown array transport '{transport}'; allowed: {', '.join(TRANSPORTS)} "
-                         "(config key strategy.transport)")
+        raise ValueError(
+            f"unknown array transport '{transport}'; allowed: {', '.join(TRANSPORTS)} (config key strategy.transport)"
+        )
 
 
 def encode_arrays(arrays: Mapping[str, np.ndarray], transport: str) -> dict[str, np.ndarray]:
@@ -824,8 +946,13 @@ def encode_arrays(arrays: Mapping[str, np.ndarray], transport: str) -> dict[str,
                 kept.append(k)
         out[k] = a
     if kept:
-        log.warning("transport float16: %d array(s) exceed float16's range (|x| > %g) or are not finite; sent in "
-                    "their own dtype: %s", len(kept), FLOAT16_MAX, ", ".join(kept[:5]) + (" ..." if len(kept) > 5 else ""))
+        log.warning(
+            "transport float16: %d array(s) exceed float16's range (|x| > %g) or are not finite; sent in "
+            "their own dtype: %s",
+            len(kept),
+            FLOAT16_MAX,
+            ", ".join(kept[:5]) + (" ..." if len(kept) > 5 else ""),
+        )
     return out
 
 

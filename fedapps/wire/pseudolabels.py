@@ -96,4 +96,3 @@ def clip_to_centre(stack: np.ndarray, centre: np.ndarray, max_l1: float) -> np.n
     l1 = np.abs(deviation).sum(axis=-1, keepdims=True)
     scale = np.where(l1 > max_l1, max_l1 / np.where(l1 > 0, l1, 1.0), 1.0)
     return (centre[None] + scale * deviation).astype(np.float32)
-

@@ -160,8 +160,11 @@ def error_reason(reason: str) -> str:
         message = text.rsplit(_RAY_MESSAGE, 1)[1]
         message = message[:-2] if message.endswith("'>") else message
         first = message.splitlines()[0] if message else ""
-        names = [m.group(1) for m in _EXCEPTION_LINE.finditer(text) if first and m.group(2).startswith(first)
-                 and not m.group(1).endswith("ClientAppException")]
+        names = [
+            m.group(1)
+            for m in _EXCEPTION_LINE.finditer(text)
+            if first and m.group(2).startswith(first) and not m.group(1).endswith("ClientAppException")
+        ]
         return f"{names[0].rsplit('.', 1)[-1]}: {message}" if names else message
     match = _CLASS_FORMAT.match(text)
     if match:
@@ -185,26 +188,39 @@ def eval_tags_of(ops: Iterable[str]) -> tuple[str, ...]:
     return tuple(tags)
 
 
-def expectation_for(msg: Message, model_part: Callable[[str], Mapping[str, np.ndarray]] | None,
-                    public_size: int | None, num_classes: int | None) -> Expectation:
+def expectation_for(
+    msg: Message,
+    model_part: Callable[[str], Mapping[str, np.ndarray]] | None,
+    public_size: int | None,
+    num_classes: int | None,
+) -> Expectation:
     """What ``msg`` asks its node for (see the module docstring)."""
     request = protocol.request_of(msg)
     ops = list(request.ops)
-    exp = Expectation(node_id=int(msg.metadata.dst_node_id), phase=str(msg.metadata.message_type),
-                      fingerprint=request.public.fingerprint, eval_tags=eval_tags_of(ops),
-                      transport=request.array_transport)
+    exp = Expectation(
+        node_id=int(msg.metadata.dst_node_id),
+        phase=str(msg.metadata.message_type),
+        fingerprint=request.public.fingerprint,
+        eval_tags=eval_tags_of(ops),
+        transport=request.array_transport,
+    )
     if request.returns.arrays:
         if model_part is not None:
-            exp.arrays = {k: ArraySpec(tuple(np.shape(v)), np.asarray(v).dtype)
-                          for k, v in model_part(request.returns.which).items()}
+            exp.arrays = {
+                k: ArraySpec(tuple(np.shape(v)), np.asarray(v).dtype)
+                for k, v in model_part(request.returns.which).items()
+            }
     if any(o.partition(":")[0] == "predict" for o in ops):
         rows = public_size
         targets = msg.content.array_records.get(protocol.TARGETS)
         if targets is not None and protocol.PREDICT_INDICES in targets:
             rows = int(targets[protocol.PREDICT_INDICES].numpy().shape[0])
-        exp.predictions = PredictionSpec(rows=rows, classes=int(num_classes or 0),
-                                         output=request.public.predict_output,
-                                         encoding=request.public.predict_encoding)
+        exp.predictions = PredictionSpec(
+            rows=rows,
+            classes=int(num_classes or 0),
+            output=request.public.predict_output,
+            encoding=request.public.predict_encoding,
+        )
     return exp
 
 
@@ -313,8 +329,9 @@ def _shape_text(expected: tuple[int | None, ...]) -> str:
     return "(" + ", ".join("any" if e is None else str(e) for e in expected) + ("," if len(expected) == 1 else "") + ")"
 
 
-def wire_array(value: Any, name: str, what: str, shape: tuple[int | None, ...],
-               dtypes: Iterable[np.dtype]) -> np.ndarray:
+def wire_array(
+    value: Any, name: str, what: str, shape: tuple[int | None, ...], dtypes: Iterable[np.dtype]
+) -> np.ndarray:
     """One received array, checked as it travels and only then decoded: a Flower ``Array`` of stype
     ``numpy.ndarray`` labelled with one of ``dtypes`` (exactly: width and byte order) and ``shape`` (None: any
     length on that axis), whose byte length is that of such an array plus an .npy header; then the header
@@ -328,8 +345,9 @@ def wire_array(value: Any, name: str, what: str, shape: tuple[int | None, ...],
     label = str(value.dtype)
     dtype = next((d for d in allowed if str(d) == label), None)
     if dtype is None:
-        raise ReplyError(f"{what} '{name}' has dtype {_short(label, 40)}, expected "
-                         f"{' or '.join(str(d) for d in allowed)}")
+        raise ReplyError(
+            f"{what} '{name}' has dtype {_short(label, 40)}, expected {' or '.join(str(d) for d in allowed)}"
+        )
     labelled = _label_shape(value.shape)
     if labelled is None or not _shape_fits(labelled, shape):
         raise ReplyError(f"{what} '{name}' has shape {_short(value.shape, 60)}, expected {_shape_text(shape)}")
@@ -337,8 +355,10 @@ def wire_array(value: Any, name: str, what: str, shape: tuple[int | None, ...],
     body = math.prod(labelled) * dtype.itemsize
     if not isinstance(data, (bytes, bytearray)) or not body < len(data) <= body + NPY_MAX_HEADER:
         size = len(data) if isinstance(data, (bytes, bytearray)) else type(data).__name__
-        raise ReplyError(f"{what} '{name}' cannot be decoded: {size} bytes for a {dtype} array of shape "
-                         f"{labelled} ({body} bytes and an .npy header)")
+        raise ReplyError(
+            f"{what} '{name}' cannot be decoded: {size} bytes for a {dtype} array of shape "
+            f"{labelled} ({body} bytes and an .npy header)"
+        )
     try:
         fh = io.BytesIO(data)
         version = np.lib.format.read_magic(fh)
@@ -348,9 +368,11 @@ def wire_array(value: Any, name: str, what: str, shape: tuple[int | None, ...],
     except Exception as exc:
         raise ReplyError(f"{what} '{name}' cannot be decoded: {type(exc).__name__}: {_short(str(exc))}") from exc
     if head_dtype != dtype or tuple(head_shape) != labelled or fortran or offset + body != len(data):
-        raise ReplyError(f"{what} '{name}' cannot be decoded: its bytes hold a {_short(str(head_dtype), 40)} array of "
-                         f"shape {_short(head_shape, 60)}{' (Fortran order)' if fortran else ''} in {len(data)} bytes, "
-                         f"labelled {dtype} {labelled}")
+        raise ReplyError(
+            f"{what} '{name}' cannot be decoded: its bytes hold a {_short(str(head_dtype), 40)} array of "
+            f"shape {_short(head_shape, 60)}{' (Fortran order)' if fortran else ''} in {len(data)} bytes, "
+            f"labelled {dtype} {labelled}"
+        )
     count = math.prod(labelled)
     flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset) if count else np.empty(0, dtype)
     return flat.reshape(labelled).copy()
@@ -380,8 +402,10 @@ def _record_names(record: Any, what: str, expected: Iterable[str]) -> list[str]:
     names = list(record.keys())
     if set(names) != set(expected) or len(names) != len(expected):
         missing, unknown = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
-        raise ReplyError(f"{what} do not match the request ({len(names)} given, {len(expected)} expected): missing "
-                         f"{missing[:3]}, unknown {[_short(u, 40) for u in unknown[:3]]}")
+        raise ReplyError(
+            f"{what} do not match the request ({len(names)} given, {len(expected)} expected): missing "
+            f"{missing[:3]}, unknown {[_short(u, 40) for u in unknown[:3]]}"
+        )
     return expected
 
 
@@ -419,8 +443,10 @@ def check_info(info: Mapping[str, Any]) -> None:
         raise ReplyError(f"'info' carries {len(info)} entries; at most {INFO_MAX_KEYS} are expected")
     for k, v in info.items():
         if isinstance(v, (str, bytes, list)) and len(v) > INFO_MAX_SIZE:
-            raise ReplyError(f"'info' entry '{_short(k, 40)}' holds {len(v)} characters or items; at most "
-                             f"{INFO_MAX_SIZE} are expected")
+            raise ReplyError(
+                f"'info' entry '{_short(k, 40)}' holds {len(v)} characters or items; at most "
+                f"{INFO_MAX_SIZE} are expected"
+            )
 
 
 def prediction_problem(wire: np.ndarray, spec: PredictionSpec) -> str | None:
@@ -466,7 +492,6 @@ def registry_of(data_cfg: Any) -> Any:
     return read_registry(data_cfg.node_registry, data_cfg.num_clients)
 
 
-
 class ReplyValidator:
     """Checks each reply against the expectation recorded when its message was built; binds identities.
 
@@ -476,11 +501,16 @@ class ReplyValidator:
     operator's cap on each client's ``num-examples`` (deployment with a node registry).
     """
 
-    def __init__(self, num_clients: int, train_sizes: Iterable[int] | None = None,
-                 test_sizes: Iterable[int] | None = None,
-                 model_part: Callable[[str], Mapping[str, np.ndarray]] | None = None,
-                 public_size: int | None = None, num_classes: int | None = None,
-                 registry: Any = None) -> None:
+    def __init__(
+        self,
+        num_clients: int,
+        train_sizes: Iterable[int] | None = None,
+        test_sizes: Iterable[int] | None = None,
+        model_part: Callable[[str], Mapping[str, np.ndarray]] | None = None,
+        public_size: int | None = None,
+        num_classes: int | None = None,
+        registry: Any = None,
+    ) -> None:
         self.num_clients = int(num_clients)
         self.registry = registry  # a fedapps.data.nodes.NodeRegistry, or None
         self.train_sizes = None if train_sizes is None else [int(v) for v in train_sizes]
@@ -490,8 +520,11 @@ class ReplyValidator:
         self.public_size = public_size
         self.num_classes = num_classes
         # the longest list metric a reply may carry (per-class and per-client lists are the longest clients send)
-        self.max_list = max(LIST_FLOOR, self.num_clients, int(num_classes) + 1) if num_classes else max(
-            LIST_UNKNOWN, self.num_clients)
+        self.max_list = (
+            max(LIST_FLOOR, self.num_clients, int(num_classes) + 1)
+            if num_classes
+            else max(LIST_UNKNOWN, self.num_clients)
+        )
         self.expected: dict[str, dict[int, Expectation]] = {}  # phase -> node -> expectation
         self.node_client: dict[int, int] = {}  # bound on first accepted reply
         self.client_node: dict[int, int] = {}
@@ -514,8 +547,10 @@ class ReplyValidator:
                 train, test = fed.train_counts.sum(axis=1), fed.test_counts.sum(axis=1)
             public_size = None if fed.public_x is None else int(fed.public_x.shape[0])
         except Exception as exc:  # noqa: BLE001 - deployment: the data lives on the clients only
-            log.info("reply validation: client data sizes unknown to the server (%s); num-examples is bound on "
-                     "first report", exc)
+            log.info(
+                "reply validation: client data sizes unknown to the server (%s); num-examples is bound on first report",
+                exc,
+            )
 
         def model_part(part: str) -> dict[str, np.ndarray]:
             model = build_model(cfg.model.name, num_classes, shape, seed=cfg.seed)
@@ -544,8 +579,9 @@ class ReplyValidator:
         """Record what each message asks its node for (replaces the previous expectations of that phase)."""
         by_phase: dict[str, dict[int, Expectation]] = {}
         for msg in messages:
-            exp = expectation_for(msg, self.model_part if self._model_part is not None else None,
-                                  self.public_size, self.num_classes)
+            exp = expectation_for(
+                msg, self.model_part if self._model_part is not None else None, self.public_size, self.num_classes
+            )
             by_phase.setdefault(exp.phase, {})[exp.node_id] = exp
         for phase, table in by_phase.items():
             self.expected[phase] = table
@@ -576,7 +612,9 @@ class ReplyValidator:
         if self.train_sizes is not None and n > self.train_sizes[cid]:
             raise ReplyError(f"num-examples {n} exceeds client {cid}'s training-set size {self.train_sizes[cid]}")
         if self.train_sizes is None and cid in self.bound_examples and n != self.bound_examples[cid]:
-            raise ReplyError(f"num-examples {n} differs from the {self.bound_examples[cid]} client {cid} first reported")
+            raise ReplyError(
+                f"num-examples {n} differs from the {self.bound_examples[cid]} client {cid} first reported"
+            )
         if self.registry is not None:
             problem = self.registry.problem(cid, n)
             if problem:
@@ -590,8 +628,9 @@ class ReplyValidator:
             check_info(info)
         fingerprint = info.get(protocol.INFO_FINGERPRINT)
         if exp.fingerprint is not None and fingerprint != exp.fingerprint:
-            raise ReplyError(f"public set mismatch: the reply's U has fingerprint {fingerprint!r}, "
-                             f"the server's {exp.fingerprint!r}")
+            raise ReplyError(
+                f"public set mismatch: the reply's U has fingerprint {fingerprint!r}, the server's {exp.fingerprint!r}"
+            )
         arrays = None
         if protocol.ARRAYS in content:
             if exp.arrays is None:
@@ -606,8 +645,16 @@ class ReplyValidator:
             predictions = {protocol.PREDICTION_ARRAY: read_predictions(content[protocol.PREDICTIONS], exp.predictions)}
         elif exp.predictions is not None:
             raise ReplyError("reply lacks the predictions it was asked for")
-        return ClientReply(node_id=int(msg.metadata.src_node_id), client_id=cid, num_examples=n, metrics=metrics,
-                           arrays=arrays, predictions=predictions, info=info, nbytes=protocol.record_nbytes(content))
+        return ClientReply(
+            node_id=int(msg.metadata.src_node_id),
+            client_id=cid,
+            num_examples=n,
+            metrics=metrics,
+            arrays=arrays,
+            predictions=predictions,
+            info=info,
+            nbytes=protocol.record_nbytes(content),
+        )
 
     # ------------------------------------------------------------------ a batch
     def check(self, server_round: int, replies: Iterable[Message], phase: str | None = None) -> Outcome:
@@ -655,7 +702,9 @@ class ReplyValidator:
             bound = self.node_client.get(r.node_id)
             owner = self.client_node.get(r.client_id)
             if bound is not None and bound != r.client_id:
-                reject(r.node_id, r.client_id, ph, f"node is bound to client {bound} but claims client-id {r.client_id}")
+                reject(
+                    r.node_id, r.client_id, ph, f"node is bound to client {bound} but claims client-id {r.client_id}"
+                )
             elif owner is not None and owner != r.node_id:
                 reject(r.node_id, r.client_id, ph, f"client-id {r.client_id} is bound to node {owner}")
             elif owner is None and len(claims[r.client_id]) > 1:
