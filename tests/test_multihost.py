@@ -140,6 +140,22 @@ def deploy(spaces: Namespaces, where: str, *args: str, env: dict, timeout: float
     return spaces.run(where, PY, "-m", "fedapps_tools.cli", "deploy", *args, env=env, timeout=timeout)
 
 
+def wait_for_installed_app(apps: Path, timeout: float = 180.0) -> None:
+    """Until the first run's ServerApp has installed the app (its files there and no longer changing). Flower 1.42's
+    ``install_from_fab`` returns an existing install folder at once, so a second run of the same FAB that starts
+    while the first is still copying finds no pyproject.toml there ("Cannot find pyproject.toml") and fails;
+    docs/deployment.md says so for users."""
+    deadline = time.monotonic() + timeout
+    last = -1
+    while time.monotonic() < deadline:
+        files = sum(1 for _ in apps.rglob("*")) if apps.is_dir() else 0
+        if files and files == last and any(apps.glob("*/pyproject.toml")):
+            return
+        last = files
+        time.sleep(1.0)
+    raise AssertionError(f"the first run's app was not installed under {apps} within {timeout:.0f} s")
+
+
 @pytest.mark.heavy
 def test_tls_authenticated_deployment_across_namespaces(netns, tmp_path):
     from sklearn.datasets import load_digits
@@ -244,8 +260,9 @@ def test_tls_authenticated_deployment_across_namespaces(netns, tmp_path):
         # files go to one folder per run), which also halves the test's wall time
         runs = {"cwfedavg": ["client.lr=0.1"], "cosmos": cosmos}
         t0 = time.monotonic()
-        started = {
-            name: netns.popen(
+        started = {}
+        for name, extra in runs.items():
+            started[name] = netns.popen(
                 "cli",
                 PY,
                 "-m",
@@ -263,8 +280,8 @@ def test_tls_authenticated_deployment_across_namespaces(netns, tmp_path):
                 "--quiet",
                 env=env,
             )
-            for name, extra in runs.items()
-        }
+            if len(started) < len(runs):
+                wait_for_installed_app(tmp_path / "cli-home" / "apps")
         for name, proc in started.items():
             out, err = proc.communicate(timeout=400)
             assert proc.returncode == 0, f"{name}: " + out[-3000:] + err[-3000:]
