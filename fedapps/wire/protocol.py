@@ -122,7 +122,7 @@ PRIVACY_EPSILON = "privacy-epsilon"  # while privacy is on: the client's ε so f
 # server's records count the refusals by them
 PRIVACY_REFUSED = "privacy budget exhausted"
 EVAL_FIELDS = ("acc", "loss", "n", "correct")
-# the two evaluations of the deployed-model protocol (docs/evaluation.md, strategies.base): the model client i
+# the two evaluations of the deployed-model protocol (docs/evaluation.md, fedapps.server.evaluation): the model client i
 # would deploy after a round (``deployed-acc`` ...), and its model right after local training (``after-acc`` ...)
 DEPLOYED_TAG = "deployed"
 AFTER_TAG = "after"
