@@ -658,6 +658,12 @@ def build_parser() -> argparse.ArgumentParser:
         "`fedapps tables --help` for its options",
     )
     sub.add_parser(
+        "privacy-curves",
+        add_help=False,
+        help="accuracy against ε from a spec (experiments/privacy-*.yaml): every method without privacy and at "
+        "each noise multiplier, over the seeds; `fedapps privacy-curves --help` for its options",
+    )
+    sub.add_parser(
         "deploy",
         add_help=False,
         help="across machines: certificates, node keys, SuperLink/SuperNodes with "
@@ -713,6 +719,10 @@ def main(argv: list[str] | None = None) -> int:
         from fedapps_tools.tables import main as tables_main
 
         return tables_main(argv[1:])
+    if argv[:1] == ["privacy-curves"]:  # its own options (fedapps_tools/privacy_curves.py)
+        from fedapps_tools.privacy_curves import main as curves_main
+
+        return curves_main(argv[1:])
     if argv[:1] == ["deploy"]:  # its own sub-commands (fedapps_tools/deploy.py)
         from fedapps_tools.deploy import main as deploy_main
 

@@ -305,6 +305,45 @@ def plot_comparison(curves: Sequence[Curve], path: Path) -> None:
     save(comparison_figure(curves), path)
 
 
+def privacy_curves_figure(rows: Sequence[Mapping[str, Any]], title: str = "") -> Any:
+    """Accuracy against ε (``fedapps privacy-curves``): per method (``rows``' ``method``/``label``), its private
+    points (finite ``epsilon_mean``, with ``accuracy_mean`` ± ``accuracy_mean_sem`` over seeds) joined in order of ε
+    on a log axis, and its non-private accuracy (ε = ∞) as a dashed horizontal line in the same colour."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    methods = list(dict.fromkeys(str(r["method"]) for r in rows))
+    for name, style in zip(methods, line_styles(methods)):
+        mine = [r for r in rows if r["method"] == name]
+        label = str(mine[0].get("label") or name)
+        private = sorted((r for r in mine if math.isfinite(float(r["epsilon_mean"]))), key=lambda r: r["epsilon_mean"])
+        if private:
+            ax.errorbar(
+                [float(r["epsilon_mean"]) for r in private],
+                [float(r["accuracy_mean"]) for r in private],
+                yerr=[float(r["accuracy_mean_sem"]) for r in private],
+                marker="o",
+                capsize=3,
+                label=label,
+                **style,
+            )
+        for r in mine:
+            if not math.isfinite(float(r["epsilon_mean"])):
+                ax.axhline(float(r["accuracy_mean"]), color=style["color"], linestyle="--", linewidth=1, alpha=0.7)
+    ax.set_xscale("log")
+    ax.set_xlabel("ε (largest over clients; δ as in the spec)")
+    ax.set_ylabel("deployed-model accuracy, mean over clients\n(mean ± SEM over seeds)")
+    ax.set_title(title + ("\n" if title else "") + "dashed: the same method without privacy", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    _legend(ax, len(methods))
+    fig.tight_layout()
+    return fig
+
+
+def plot_privacy_curves(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> None:
+    """:func:`privacy_curves_figure` into ``path``."""
+    save(privacy_curves_figure(rows, title), path)
+
+
 def traffic_figure(curves: Sequence[Curve], megabytes: Sequence[Sequence[float]], over_seeds: bool = True) -> Any:
     """The deployed models' accuracy (mean over clients; mean ± SEM band over seeds) against the traffic spent:
     curve i's point j sits at ``megabytes[i][j]``, the cumulative traffic up to and including round
