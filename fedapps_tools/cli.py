@@ -1,5 +1,5 @@
 """The `fedapps` command: run one config, compare configs over seeds, tune on the validation split, report a run,
-regenerate the published tables, deploy across machines (each sub-command's --help says how).
+regenerate the published tables, draw accuracy against ε, deploy across machines (each sub-command's --help says how).
 
 `fedapps run CONFIG` validates the config and the data here (a bad key fails at once, naming it: exit 2),
 starts its own SuperLink (simulation mode, free port, own FLWR_HOME) or joins --superlink ADDRESS; with
