@@ -1,5 +1,6 @@
 """`fedapps compare`: every config × seed through `flwr run` (skipping runs already complete WITH THE SAME
-resolved config, so an interrupted comparison resumes and a changed one reruns), then comparison.csv,
+resolved config; an interrupted run of the same config continues after its last checkpointed round, a changed one
+reruns), then comparison.csv,
 comparison.md (mean ± SEM over seeds, fairness across clients beside the mean) and one plot (comparison.png:
 one line per config, labelled by its strategy — and its setting where the configs' settings differ).
 """
@@ -109,6 +110,56 @@ def resume_decision(result_dir: Path, rounds: int, expected_hash: str) -> tuple[
     if done < rounds:
         return False, f"rerunning (the earlier run stopped after {done} of {rounds} rounds)"
     return True, "already complete with the same config, skipped"
+
+
+def checkpointed_round(result_dir: Path, resolved: ExperimentConfig) -> int | None:
+    """The last round an unfinished run of this same config checkpointed (the comparison resumes it there rather
+    than train those rounds again); None without a readable checkpoint, for another config's, or when the
+    checkpoint already covers every round (that run failed at its end: it runs again from the start)."""
+    from fedapps import checkpoint
+    from fedapps.config import dump_yaml
+
+    if not (result_dir / checkpoint.CHECKPOINT).is_file():
+        return None
+    try:
+        saved = checkpoint.load_checkpoint(result_dir)
+        checkpoint.check_same_config(str(saved["config"]), dump_yaml(resolved), result_dir)
+        done = int(saved["round"])
+    except Exception:  # noqa: BLE001 - unreadable, truncated or foreign: the run starts over, as it did before
+        return None
+    return done if done < resolved.rounds else None
+
+
+def plan_run(result_dir: Path, cfg: ExperimentConfig) -> tuple[bool, int | None, str]:
+    """(skip?, resume after round, why) for the run of ``cfg`` in ``result_dir``: skipped when complete with the same
+    config (:func:`resume_decision`), else resumed after its checkpointed round (:func:`checkpointed_round`), else
+    (None) run from the start."""
+    from strategies import resolve  # local: tools sit above the strategies; this module stays light
+
+    resolved = resolve(cfg).config(cfg)
+    skip, why = resume_decision(result_dir, cfg.rounds, config_hash(resolved))
+    after = None if skip else checkpointed_round(result_dir, resolved)
+    if after is not None:
+        why = f"resuming after round {after} (its checkpoint; delete {result_dir} to start over)"
+    return skip, after, why
+
+
+def make_run(
+    execute: Callable[..., Path],
+    config: str,
+    overrides: list[str],
+    result_dir: Path,
+    after: int | None,
+    args: argparse.Namespace,
+) -> None:
+    """The run :func:`plan_run` decided on: resumed from its checkpoint, or from the start in an emptied folder."""
+    if after is not None:
+        execute(
+            config, overrides, str(result_dir.parent), argparse.Namespace(**{**vars(args), "resume": str(result_dir)})
+        )
+    else:
+        clear_for_rerun(result_dir)
+        execute(config, overrides, str(result_dir.parent), args)
 
 
 def clear_for_rerun(result_dir: Path) -> None:
@@ -297,11 +348,10 @@ def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
             overrides = list(args.overrides) + [f"seed={seed}", f"run_name={label}-s{seed}"]
             cfg = load_config(Path(config).expanduser().resolve(), overrides)
             result_dir = runs_dir / cfg.resolved_run_name()
-            skip, why = resume_decision(result_dir, cfg.rounds, config_hash(resolve(cfg).config(cfg)))
+            skip, after, why = plan_run(result_dir, cfg)
             progress.start(f"{label} seed {seed}: {why}")
             if not skip:
-                clear_for_rerun(result_dir)
-                execute(config, overrides, str(runs_dir), args)
+                make_run(execute, config, overrides, result_dir, after, args)
             progress.finish(worked=not skip)
             summaries.append(json.loads((result_dir / "summary.json").read_text()))
             label_curves.append(read_csv(result_dir / "rounds.csv"))

@@ -39,7 +39,7 @@ from fedapps.config import (
     split_overrides,
 )
 from fedapps.reporting.results import write_csv
-from fedapps_tools.compare import clear_for_rerun, mean_sem, resume_decision
+from fedapps_tools.compare import make_run, mean_sem, plan_run
 from fedapps_tools.options import parse_seeds, resolve_root
 from fedapps_tools.progressbar import RunProgress
 
@@ -308,7 +308,6 @@ def tuning_folder(args: argparse.Namespace, config_output_dir: str, config_path:
 
 def tune(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
     """Run the grid (resuming), choose, write tuning.csv / tuning.md / chosen.yaml; return the folder."""
-    from strategies import resolve
 
     config_path = Path(args.config).expanduser().resolve()
     if not config_path.is_file():
@@ -342,11 +341,10 @@ def tune(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
             )
             cfg = load_config(config_path, overrides)
             result_dir = runs_dir / cfg.resolved_run_name()
-            skip, why = resume_decision(result_dir, cfg.rounds, config_hash(resolve(cfg).config(cfg)))
+            skip, after, why = plan_run(result_dir, cfg)
             progress.start(f"point {n} ({point_label(point)}) seed {seed}: {why}")
             if not skip:
-                clear_for_rerun(result_dir)
-                execute(str(config_path), overrides, str(runs_dir), args)
+                make_run(execute, str(config_path), overrides, result_dir, after, args)
             progress.finish(worked=not skip)
             got = validation_numbers(result_dir)
             numbers.append(got)

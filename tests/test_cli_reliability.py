@@ -331,6 +331,66 @@ def test_compare_reruns_when_the_config_changed(tiny_config, tmp_path, capsys):
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["client"]["lr"] == 0.01
 
 
+def test_compare_continues_an_interrupted_run_from_its_checkpoint_to_the_uninterrupted_result(
+    tiny_config, tmp_path, capsys
+):
+    """A run of the comparison SIGKILLed right after round 2 is resumed there (not trained again from round 1) and
+    ends with exactly the rounds.csv of the same comparison made without the interruption."""
+    import sys
+
+    cfg = tiny_config(rounds=4)
+    runs = {}
+    for twin in ("ab", "cd"):  # results roots of equal path length: the state-dir path counts in bytes_down
+        runs[twin] = tmp_path / twin / "comparison" / "runs"
+    config = load_config(cfg, ["seed=0", f"run_name={cfg.stem}-s0"])
+    killed = tmp_path / "killed.yaml"
+    killed.write_text(yaml.safe_dump({**yaml.safe_load(cfg.read_text()), "seed": 0, "run_name": f"{cfg.stem}-s0"}))
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "run_driver.py"), str(killed), str(runs["ab"])],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "FEDAPPS_TEST_KILL_AFTER_ROUND": "2"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    run_dir = runs["ab"] / config.resolved_run_name()
+    assert (run_dir / "checkpoint.pt").is_file() and not (run_dir / "summary.json").exists()
+    common = ["--seeds", "0", "--engine", "inprocess", "--quiet"]
+    capsys.readouterr()
+    assert run_cli("compare", str(cfg), *common, "--output-dir", str(tmp_path / "ab")) == 0
+    assert "seed 0: resuming after round 2 (its checkpoint" in capsys.readouterr().out
+    assert run_cli("compare", str(cfg), *common, "--output-dir", str(tmp_path / "cd")) == 0
+
+    def rows(folder: Path) -> list[dict[str, str]]:
+        with open(folder / "rounds.csv") as f:
+            return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in csv.DictReader(f)]
+
+    assert [r["round"] for r in rows(run_dir)] == ["1", "2", "3", "4"]
+    assert rows(run_dir) == rows(runs["cd"] / config.resolved_run_name())
+
+
+def test_compare_starts_over_when_the_checkpoint_is_of_another_config(tiny_config, tmp_path, capsys):
+    """A checkpoint whose config differs (or that cannot be read) is not resumed: the folder is cleared first."""
+    from fedapps import checkpoint
+    from fedapps.config import dump_yaml
+    from fedapps_tools.compare import checkpointed_round
+    from strategies import resolve
+
+    cfg = load_config(tiny_config(rounds=4))
+    resolved = resolve(cfg).config(cfg)
+    d = tmp_path / "run"
+    d.mkdir()
+    assert checkpointed_round(d, resolved) is None  # no checkpoint
+    checkpoint.save_checkpoint(d, {"round": 2, "config": dump_yaml(resolved)})
+    assert checkpointed_round(d, resolved) == 2
+    other = load_config(tiny_config(rounds=4, client={"lr": 0.5}))
+    assert checkpointed_round(d, resolve(other).config(other)) is None  # another config
+    checkpoint.save_checkpoint(d, {"round": 4, "config": dump_yaml(resolved)})
+    assert checkpointed_round(d, resolved) is None  # it covers every round: that run failed at its end
+    (d / checkpoint.CHECKPOINT).write_bytes(b"not a checkpoint")
+    assert checkpointed_round(d, resolved) is None
+
+
 # --------------------------------------------------------------------------- owned processes
 
 
