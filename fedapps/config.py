@@ -232,7 +232,8 @@ class ClientConfig(OptimSettings):
 
 @dataclass
 class PrivacyConfig:
-    """Differential privacy of the clients' data (docs/privacy.md): sent to every client while a mode is on."""
+    """Differential privacy of the clients' data (docs/privacy.md): under mode sample sent to every client (each adds
+    its own noise); under mode client applied by the server to what it aggregates."""
 
     mode: str = setting(
         "off",
@@ -268,9 +269,10 @@ class PrivacyConfig:
     )
     reproducible_noise: bool = setting(
         False,
-        "draw the noise and the Poisson batches from the run's seed (a repeatable "
-        "experiment; NO protection against whoever knows the seed, e.g. the "
-        "server); false: from the operating system's entropy",
+        "draw the noise (and sample's Poisson batches) from the run's seed (a repeatable "
+        "experiment; NO protection against whoever knows the seed: the server under "
+        "sample, whoever reads the config under client); false: from the operating "
+        "system's entropy",
     )
 
 

@@ -316,7 +316,7 @@ def test_a_run_records_the_accountants_epsilon_and_ends_cleanly_at_the_budget(tm
             assert float(row[f"epsilon_client_{cid}"]) == pytest.approx(reference_epsilon(sigma, r, DELTA), rel=1e-9)
         assert float(row["epsilon_max"]) == pytest.approx(cp.gaussian_epsilon(sigma, r, DELTA), rel=1e-12)
     assert summary["stopped_early"]["round"] == 2 and summary["stopped_early"]["of"] == 4
-    assert "privacy.epsilon_budget" in summary["stopped_early"]["reason"]
+    assert protocol.PRIVACY_EPSILON_BUDGET in summary["stopped_early"]["reason"]
     p = summary["privacy"]
     assert p["mode"] == "client" and p["epsilon_max"] == pytest.approx(two) and two <= budget
     assert set(p["epsilon_per_client"]) == {"0", "1", "2", "3"} and p["sampling_amplification"] is False
@@ -392,7 +392,7 @@ def test_messages_carry_no_privacy_settings_and_a_client_refuses_the_server_mode
 
 def test_each_modes_own_c_is_reported_as_ignored_under_the_other():
     client = dict(ignored_settings(load_config(None, "privacy.mode=client privacy.max_grad_norm=2")))
-    assert client["privacy.max_grad_norm"] == "privacy.mode 'client' does not use it"
+    assert client[protocol.PRIVACY_MAX_GRAD_NORM] == "privacy.mode 'client' does not use it"
     sample = dict(ignored_settings(load_config(None, "privacy.mode=sample privacy.clip_norm=2")))
     assert sample["privacy.clip_norm"] == "privacy.mode 'sample' does not use it"
     assert "privacy.clip_norm" not in dict(
