@@ -237,6 +237,10 @@ def test_fedcts_vote_noise_has_standard_deviation_sigma_times_sqrt_rows():
     assert noise.std() == pytest.approx(0.7 * math.sqrt(n), rel=0.05)
     exact = build("strategy.name=fedct", sigma=0.0)
     np.testing.assert_array_equal(exact.noisy_counts(1, votes), vote_counts(votes, m))
+    # one client more, whatever it votes, moves the counts by sqrt(|U|) in L2: the sensitivity the noise is scaled to
+    adversary = np.vstack([votes, np.zeros((1, n), dtype=votes.dtype)])
+    moved = exact.noisy_counts(1, adversary) - exact.noisy_counts(1, votes)
+    assert np.linalg.norm(moved) == pytest.approx(math.sqrt(n))
 
 
 def test_fedcts_vote_follows_a_clear_majority_under_small_noise_and_records_the_release():
@@ -323,6 +327,31 @@ def test_a_run_records_the_accountants_epsilon_and_ends_cleanly_at_the_budget(tm
     assert summary["final_round"] == 2 and math.isfinite(summary["accuracy_mean"])
     assert summary["problems"] == []
     assert json.loads((run / "summary.json").read_text())["stopped_early"]["round"] == 2
+
+
+def test_with_partial_cohorts_each_client_pays_for_the_rounds_it_took_part_in(tmp_path, tiny_config):
+    """strategy.fraction 0.5 (fixed-size cohorts drawn without replacement: no amplification): each client's ε in
+    rounds.csv is that of the releases its own predictions entered so far, and a client left out of a round has no
+    column that round; the summary's ε per client is its latest."""
+    sigma = 2.0
+    path = tiny_config(
+        rounds=4,
+        strategy={"name": "fedct", "fraction": 0.5, "min_clients": 2, "params": {"fedct": {"distill_epochs": 1}}},
+        data={"source": "digits", "partition": "iid", "num_clients": 4, "public_fraction": 0.2},
+        privacy={"mode": "client", "noise_multiplier": sigma},
+    )
+    summary, run = run_in_process(path, tmp_path / "out", InProcessGrid(4))
+    taken: dict[int, int] = {}
+    for row in rounds_csv(run):
+        present = [c for c in range(4) if row.get(f"epsilon_client_{c}")]
+        assert len(present) == int(row["clients"]) == 2
+        for c in present:
+            taken[c] = taken.get(c, 0) + 1
+            assert float(row[f"epsilon_client_{c}"]) == pytest.approx(reference_epsilon(sigma, taken[c], DELTA))
+        assert float(row["epsilon_max"]) == pytest.approx(cp.gaussian_epsilon(sigma, max(taken.values()), DELTA))
+    assert min(taken.values()) < 4  # someone was left out of a round: the test compares counts, not rounds
+    for c, n in taken.items():
+        assert summary["privacy"]["epsilon_per_client"][str(c)] == pytest.approx(cp.gaussian_epsilon(sigma, n, DELTA))
 
 
 def test_a_budget_below_one_release_is_refused():
