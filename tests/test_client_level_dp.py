@@ -488,7 +488,8 @@ def test_each_strategy_runs_in_process_under_the_mode(tmp_path, overrides):
 @pytest.mark.heavy
 def test_cosmos_under_the_mode_through_flwr_run(tmp_path):
     """A real `flwr run` (Ray simulation, a SuperNode per client) of COSMOS in client mode: ε per round is the
-    accountant's, the clusters formed, and no message carried a privacy setting (the clients never saw the mode)."""
+    accountant's, the clusters formed, and the clients never saw the mode (no reply reported an ε of its own, which a
+    client does exactly when its message carries privacy settings)."""
     run = flwr_run(
         tmp_path,
         rounds=2,
@@ -502,6 +503,7 @@ def test_cosmos_under_the_mode_through_flwr_run(tmp_path):
         privacy={"mode": "client", "noise_multiplier": 2.0},
     )
     rows = rounds_csv(run)
+    assert len(rows) == 2 and "privacy_refused" not in rows[0]  # the column of the clients' own reports
     for r, row in enumerate(rows, start=1):
         assert float(row["epsilon_max"]) == pytest.approx(reference_epsilon(2.0, r, DELTA), rel=1e-9)
         assert sorted(k for k in row if k.startswith("epsilon_client_") and row[k]) == [
