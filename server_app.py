@@ -196,6 +196,8 @@ def run_experiment(
         {
             **strategy.protocol_summary(),
             **strategy.final_summary(),
+            # the run ended before cfg.rounds (a privacy budget): after which round, and why
+            **({"stopped_early": dict(strategy.history.stopped)} if strategy.history.stopped else {}),
             **delivery.totals(),
             **described,
             "simulation_message_sweep": message_sweep.in_use(),

@@ -41,10 +41,14 @@ TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
 # modules it needs come with the optional extra "hf"
 HF_SOURCE_PREFIX = "hf:"
 HF_MODULES = ("flwr_datasets", "datasets")
-# privacy.mode (docs/privacy.md): off, or DP-SGD on every client's local training (sample); the mechanism's modules come
-# with the optional extra "privacy" (pip install -e ".[privacy]")
-PRIVACY_MODES = ("off", "sample")
-PRIVACY_MODULES = ("opacus",)
+# privacy.mode (docs/privacy.md): off, DP-SGD on every client's local training (sample), or the server's client-level DP
+# of the pseudo-label exchange (client); each mode's modules come with the optional extra "privacy"
+# (pip install -e ".[privacy]")
+PRIVACY_MODES = ("off", "sample", "client")
+PRIVACY_MODULES = {"sample": ("opacus",), "client": ("dp_accounting",)}
+# the modes whose settings travel to the clients in every message (they add the noise); under "client" the server
+# adds it and the messages carry no privacy settings
+CLIENT_SIDE_PRIVACY_MODES = ("sample",)
 
 
 HELP = "fedapps.help"  # field metadata: the key's help (docs/reference/configuration.md is generated from it)
@@ -228,31 +232,47 @@ class ClientConfig(OptimSettings):
 
 @dataclass
 class PrivacyConfig:
-    """Differential privacy of the clients' data (docs/privacy.md): sent to every client while a mode is on."""
+    """Differential privacy of the clients' data (docs/privacy.md): under mode sample sent to every client (each adds
+    its own noise); under mode client applied by the server to what it aggregates."""
 
     mode: str = setting(
         "off",
-        "off, or sample: DP-SGD on every client's local training (per-sample clipping, "
+        "off; sample: DP-SGD on every client's local training (per-sample clipping, "
         "Gaussian noise, Opacus's RDP accountant over all of the client's steps of the run); "
-        "optional extra privacy",
+        "client: the server's client-level DP of the pseudo-label exchange (cosmos, fedmd, "
+        "fedct, comet: each client's predictions on U clipped, Gaussian noise on their "
+        "sums or vote counts, an RDP accountant over the rounds); optional extra privacy",
         PRIVACY_MODES,
     )
-    noise_multiplier: float = setting(1.0, "σ: the noise's standard deviation in units of privacy.max_grad_norm, > 0")
-    max_grad_norm: float = setting(1.0, "C: each sample's gradient is clipped to this L2 norm, > 0")
+    noise_multiplier: float = setting(
+        1.0,
+        "σ: the noise's standard deviation in units of the sensitivity (sample: "
+        "privacy.max_grad_norm; client: privacy.clip_norm, or sqrt(rows of U) for votes), > 0",
+    )
+    max_grad_norm: float = setting(1.0, "C of mode sample: each sample's gradient is clipped to this L2 norm, > 0")
+    clip_norm: float = setting(
+        0.0,
+        "C of mode client: each client's prediction matrix on U (rows × classes) is scaled "
+        "down to this Frobenius norm before the server sums it; 0 = sqrt(rows), the largest "
+        "norm of probabilities or one-hot labels (FedMD with scores=logits needs a value)",
+    )
     delta: float = setting(
         1e-5,
-        "δ of the (ε, δ) each client reports, in (0, 1); below 1 / (a client's training samples) to mean something",
+        "δ of the (ε, δ) of each client, in (0, 1); below 1 / (a client's training samples), "
+        "or 1 / (number of clients) in mode client, to mean something",
     )
     epsilon_budget: float = setting(
         0.0,
-        "a client refuses to train when its ε would pass this (its reply says so, "
-        "the server leaves it out and records it); 0 = no budget",
+        "sample: a client refuses to train when its ε would pass this (its reply says so, "
+        "the server leaves it out and records it); client: the run ends after the last round "
+        "whose release keeps every client's ε within it; 0 = no budget",
     )
     reproducible_noise: bool = setting(
         False,
-        "draw the noise and the Poisson batches from the run's seed (a repeatable "
-        "experiment; NO protection against whoever knows the seed, e.g. the "
-        "server); false: from the operating system's entropy",
+        "draw the noise (and sample's Poisson batches) from the run's seed (a repeatable "
+        "experiment; NO protection against whoever knows the seed: the server under "
+        "sample, whoever reads the config under client); false: from the operating "
+        "system's entropy",
     )
 
 
@@ -607,26 +627,30 @@ def validate(cfg: ExperimentConfig) -> None:
 
 
 def check_privacy(p: PrivacyConfig, client: ClientConfig) -> None:
-    """The ``privacy`` section: a known mode, σ and C positive, δ in (0, 1), a budget >= 0; with a mode on, its
-    optional extra installed and no bf16 autocast (the per-sample gradients are computed in float32)."""
+    """The ``privacy`` section: a known mode, σ and the C's in range, δ in (0, 1), a budget >= 0; with a mode on, its
+    optional extra installed, and under ``sample`` no bf16 autocast (the per-sample gradients are computed in
+    float32)."""
     _one_of("privacy.mode", p.mode, PRIVACY_MODES)
     _check(
         p.noise_multiplier > 0,
         f"'privacy.noise_multiplier' must be > 0 (σ, in units of privacy.max_grad_norm), got {p.noise_multiplier}",
     )
     _check(p.max_grad_norm > 0, f"'privacy.max_grad_norm' must be > 0 (C, an L2 norm), got {p.max_grad_norm}")
+    _check(
+        p.clip_norm >= 0, f"'privacy.clip_norm' must be >= 0 (C, a Frobenius norm; 0 = sqrt(rows)), got {p.clip_norm}"
+    )
     _check(0.0 < p.delta < 1.0, f"'privacy.delta' must be in (0, 1), got {p.delta}")
     _check(p.epsilon_budget >= 0, f"'privacy.epsilon_budget' must be >= 0 (0 = no budget), got {p.epsilon_budget}")
     if p.mode == "off":
         return
-    missing = [m for m in PRIVACY_MODULES if importlib.util.find_spec(m) is None]
+    missing = [m for m in PRIVACY_MODULES[p.mode] if importlib.util.find_spec(m) is None]
     _check(
         not missing,
         f"'privacy.mode' is '{p.mode}', which needs {', '.join(repr(m) for m in missing)}: install "
         'the optional extra with  pip install -e ".[privacy]"  (in the app folder)',
     )
     _check(
-        not client.mixed_precision,
+        not (client.mixed_precision and p.mode == "sample"),
         f"'privacy.mode: {p.mode}' computes per-sample gradients in float32; remove "
         "client.mixed_precision (bf16 autocast)",
     )
@@ -712,11 +736,15 @@ def unused_settings(cfg: ExperimentConfig, named: set[str] | frozenset[str] = fr
         )
     if is_set("tracking_dir", cfg.tracking_dir, defaults.tracking_dir) and not cfg.tracking:
         out.append(("tracking_dir", "no tracker is on ('tracking' is empty)"))
-    if cfg.privacy.mode == "off":
-        for f in fields(PrivacyConfig):
-            key = f"privacy.{f.name}"
-            if f.name != "mode" and is_set(key, getattr(cfg.privacy, f.name), getattr(defaults.privacy, f.name)):
-                out.append((key, "privacy.mode is 'off'"))
+    other_mode = {"max_grad_norm": "client", "clip_norm": "sample"}  # each mode's own C
+    for f in fields(PrivacyConfig):
+        key = f"privacy.{f.name}"
+        if f.name == "mode" or not is_set(key, getattr(cfg.privacy, f.name), getattr(defaults.privacy, f.name)):
+            continue
+        if cfg.privacy.mode == "off":
+            out.append((key, "privacy.mode is 'off'"))
+        elif other_mode.get(f.name) == cfg.privacy.mode:
+            out.append((key, f"privacy.mode '{cfg.privacy.mode}' does not use it"))
     c = cfg.client
     if is_set("client.momentum", c.momentum, defaults.client.momentum) and c.optimizer != "sgd":
         out.append(("client.momentum", f"only client.optimizer 'sgd' uses it; the optimizer is '{c.optimizer}'"))
@@ -775,6 +803,7 @@ LATER_KEYS: dict[tuple[str, str], Any] = {
     ("strategy", "transport"): "float32",
     ("strategy", "clip_update_norm"): 0.0,
     ("data", "node_registry"): "",
+    ("privacy", "clip_norm"): 0.0,
 }
 
 
@@ -786,12 +815,12 @@ def without_later_defaults(data: dict[str, Any]) -> dict[str, Any]:
     """A dumped config (nested dict) without the :data:`LATER_KEYS` that hold their default and the
     :data:`LATER_SECTIONS` that hold theirs (a copy)."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for section, default in LATER_SECTIONS.items():  # first: a later key of such a section is in its default
+        if out.get(section) == default:
+            del out[section]
     for (section, key), default in LATER_KEYS.items():
         if isinstance(out.get(section), dict) and key in out[section] and out[section][key] == default:
             del out[section][key]
-    for section, default in LATER_SECTIONS.items():
-        if out.get(section) == default:
-            del out[section]
     return out
 
 

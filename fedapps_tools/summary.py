@@ -119,6 +119,12 @@ def privacy_line(p: dict[str, Any]) -> str:
     eps = p.get("epsilon_max")
     worst = f"ε ≤ {eps:.3g}" if isinstance(eps, (int, float)) else "no client reported ε"
     budget = f", budget ε {p['epsilon_budget']:g}" if p.get("epsilon_budget") else ""
+    if p.get("mode") == "client":
+        c = f"{p['clip_norm']:g}" if p.get("clip_norm") else "sqrt(rows)"
+        return (
+            f"client-level DP (the server's noise on the pseudo-label aggregates), {worst} at δ = "
+            f"{p.get('delta'):g} (the largest over clients; σ {p.get('noise_multiplier'):g}, C {c}{budget})"
+        )
     return (
         f"{p.get('mode')}-level DP, {worst} at δ = {p.get('delta'):g} (the largest over clients; σ "
         f"{p.get('noise_multiplier'):g}, C {p.get('max_grad_norm'):g}{budget})"
@@ -136,6 +142,9 @@ def attention(s: dict[str, Any]) -> list[str]:
             f"{refused} training replies were refused past privacy.epsilon_budget (rejections.csv): those "
             "clients stopped training"
         )
+    stopped = s.get("stopped_early")
+    if isinstance(stopped, dict):
+        out.append(f"the run ended after round {stopped.get('round')} of {stopped.get('of')}: {stopped.get('reason')}")
     if s.get("final_round_had_no_replies"):
         out.append(f"the last round got no usable reply: the headline is from round {s.get('final_round')}")
     return out

@@ -26,10 +26,11 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message
 
-from fedapps.config import ConfigError, ExperimentConfig, exceeds_clients
+from fedapps.config import CLIENT_SIDE_PRIVACY_MODES, ConfigError, ExperimentConfig, PrivacyConfig, exceeds_clients
 from fedapps.data import NODES
 from fedapps.params import parse_params
 from fedapps.reporting.results import Artifact
+from fedapps.server.client_privacy import CLIENT_MODE, ClientLevelDP, gaussian_epsilon
 from fedapps.server.replies import ReplyChecks
 from fedapps.server.robust import AggregationRule
 from fedapps.server.rounds import RoundHistory, RoundLog
@@ -125,6 +126,12 @@ class PersonalisedStrategy:
     # why DP-SGD on the clients' training (privacy.mode: sample) cannot bound what this algorithm's clients send:
     # something they compute from their data outside the noisy steps; '' when it can (docs/privacy.md)
     sample_privacy_refused: ClassVar[str] = ""
+    # why the server's client-level DP of the pseudo-label exchange (privacy.mode: client) cannot cover this algorithm;
+    # '' for the strategies that release through fedapps.server.client_privacy.ClientLevelDP (docs/privacy.md)
+    client_privacy_refused: ClassVar[str] = (
+        "its clients send the server model parameters (or statistics of their data), not predictions on U; "
+        "client-level DP is implemented for the pseudo-label exchange (cosmos, fedmd, fedct, comet) only"
+    )
     # Instance attributes that are NOT algorithm state (see :meth:`state_dict`): the config, the run context, the
     # services (their state is the round loop's, saved apart by RoundDriver.checkpoint_state). A subclass names its
     # own non-state attributes (data, devices, caches rebuilt from the config) in its ``checkpoint_exclude``; the sets
@@ -178,6 +185,8 @@ class PersonalisedStrategy:
                 f"{cls.sample_privacy_refused}, so ε would not bound what its clients send "
                 "(docs/privacy.md); run it with privacy.mode off, or choose another strategy"
             )
+        if cfg.privacy.mode == CLIENT_MODE:
+            cls.check_client_privacy(cfg)
         s = cfg.strategy
         robust = s.aggregation != "mean" or s.max_weight_share < 1.0 or s.clip_update_norm > 0
         if not cls.robust_aggregation and robust:
@@ -193,6 +202,23 @@ class PersonalisedStrategy:
                 f"parameters; '{cls.name}' sends none (its clients may run different architectures). "
                 "Remove it (default float32); the pseudo-label strategies set their own wire encoding "
                 "in strategy.params.<name> (e.g. encoding, uplink_encoding)"
+            )
+
+    @classmethod
+    def check_client_privacy(cls, cfg: ExperimentConfig) -> None:
+        """``privacy.mode: client``: this strategy supports it, and a budget allows at least one round's release."""
+        if cls.client_privacy_refused:
+            raise ConfigError(
+                f"'privacy.mode: client' cannot cover strategy '{cls.name}': {cls.client_privacy_refused} "
+                "(docs/privacy.md); run it with privacy.mode off or sample, or choose one of those strategies"
+            )
+        p = cfg.privacy
+        first = gaussian_epsilon(p.noise_multiplier, 1, p.delta)
+        if p.epsilon_budget > 0 and first > p.epsilon_budget:
+            raise ConfigError(
+                f"'privacy.epsilon_budget: {p.epsilon_budget:g}' does not allow a single round: one release with "
+                f"privacy.noise_multiplier {p.noise_multiplier:g} costs ε = {first:.4g} at δ = {p.delta:g}; raise "
+                "the budget or the noise multiplier"
             )
 
     @classmethod
@@ -221,6 +247,9 @@ class PersonalisedStrategy:
         self.replies = ReplyChecks(self.reply_validator(), self.name)  # every reply checked against its message
         self.nodes = NodeSampler(cfg.strategy, self.rng, self.replies, self.context.excluded_nodes)
         self.history = RoundHistory()  # kept by the round driver
+        # privacy.mode client: the server's mechanism and its ledger (None otherwise); a strategy that supports the
+        # mode releases its aggregates through it
+        self.client_dp = ClientLevelDP.for_run(cfg.privacy, cfg.seed)
 
     def reply_validator(self) -> ReplyValidator:
         """The validator of this strategy's replies, built from ``self.cfg`` alone (it is built before a subclass's
@@ -238,17 +267,15 @@ class PersonalisedStrategy:
 
     def request(self, server_round: int, ops: Iterable[str], **parts: Any) -> protocol.Request:
         """A request of this run: the operations, :meth:`setup`, the run's bookkeeping (where clients keep their
-        state), its privacy settings (sent only while privacy.mode is on: a message without them trains as it always
-        did) and ``parts``, the other fields of :class:`fedapps.wire.protocol.Request` (load, returns, training,
-        ...)."""
-        p = self.cfg.privacy
-        private = protocol.Privacy(**dataclasses.asdict(p)) if p.mode != "off" else None
+        state), its privacy settings (sent only while a mode the clients apply is on, :func:`message_privacy`: a
+        message without them trains as it always did) and ``parts``, the other fields of
+        :class:`fedapps.wire.protocol.Request` (load, returns, training, ...)."""
         return protocol.Request(
             ops=tuple(ops),
             round=server_round,
             setup=self.setup(),
             bookkeeping=self.context.client_state,
-            privacy=private,
+            privacy=message_privacy(self.cfg.privacy),
             **parts,
         )
 
@@ -273,6 +300,17 @@ class PersonalisedStrategy:
         """Whether round ``server_round``'s deployed models are measured (default: every round; the last round
         always is)."""
         return True
+
+    def note_cohort(self, node_ids: list[int]) -> None:
+        """privacy.mode client: the round's cohort as client ids (-1: a node not identified yet), the public count a
+        noisy mean divides by; a strategy whose release is a mean calls it from ``round_messages``."""
+        if self.client_dp is not None:
+            self.client_dp.cohort = [self.nodes.node_to_client.get(n, -1) for n in node_ids]
+
+    def stop_reason(self, server_round: int) -> str:
+        """Why the run must end after round ``server_round`` (privacy.mode client: another release could take a
+        client past ``privacy.epsilon_budget``); '' when the next round may run."""
+        return self.client_dp.stop_reason(server_round) if self.client_dp is not None else ""
 
     def final_summary(self) -> dict[str, Any]:
         """Extra keys for summary.json."""
@@ -315,6 +353,14 @@ class PersonalisedStrategy:
         for klass in cls.__mro__:
             out |= set(vars(klass).get("checkpoint_exclude", ()))
         return frozenset(out)
+
+
+def message_privacy(p: PrivacyConfig) -> protocol.Privacy | None:
+    """The privacy settings every message carries: under a mode the clients apply (sample: DP-SGD), the fields of
+    :class:`fedapps.wire.protocol.Privacy`; None otherwise (off, or client: the server adds the noise)."""
+    if p.mode not in CLIENT_SIDE_PRIVACY_MODES:
+        return None
+    return protocol.Privacy(**{f.name: getattr(p, f.name) for f in dataclasses.fields(protocol.Privacy)})
 
 
 def _state_value(value: Any, where: str) -> Any:

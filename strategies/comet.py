@@ -18,6 +18,9 @@ is more than f × the median nearest-neighbour distance away (per public sample,
 isolated`) is set aside for the round: it takes no centroid, counts in no cluster's mean, and gets no targets next
 round (it trains on its own data only); each such reply is recorded (rejections.csv, phase aggregate). A client
 that stays near the others to escape the guard can only send predictions close to theirs.
+
+Under ``privacy.mode: client`` every cluster's mean is released with client-level DP (:meth:`COMET.private_means`,
+docs/privacy.md); the K-means itself reads the raw predictions, and the guarantee does not cover the assignment.
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ import numpy as np
 from flwr.app import Message
 from threadpoolctl import threadpool_limits
 
-from fedapps.config import ExperimentConfig
+from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
 from fedapps.seeds import derive_rng
-from fedapps.server import clustering
+from fedapps.server import client_privacy, clustering
 from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
 from strategies.base import RunContext
@@ -128,6 +131,12 @@ class COMET(PseudoLabelStrategy):
     def check(cls, cfg: ExperimentConfig, params: COMETParams) -> None:
         super().check(cfg, params)
         cls.require_at_most_clients(cfg, "clusters", params.clusters)
+        if cfg.privacy.mode == client_privacy.CLIENT_MODE and params.outlier_factor > 0:
+            raise ConfigError(
+                "'strategy.params.comet.outlier_factor' under privacy.mode client: the clip already bounds how far "
+                "one client moves its cluster's target, and setting a client aside by its distance to the others "
+                "is one more data-dependent choice outside the guarantee; set outlier_factor to 0"
+            )
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
         super().__init__(cfg, params, context)
@@ -165,7 +174,11 @@ class COMET(PseudoLabelStrategy):
         else:
             init = self.centroids
         labels, self.centroids = kmeans(x, init, self.params.kmeans_iters)
-        means = cluster_means(stack, labels, k)
+        means = (
+            cluster_means(stack, labels, k)
+            if self.client_dp is None
+            else self.private_means(server_round, stack, labels, k)
+        )
         self.assignment = {r.client_id: int(c) for r, c in zip(used, labels)}
         self.cluster_targets = {
             j: pseudolabels.encode(means[j], self.params.encoding, self.num_classes)
@@ -182,7 +195,24 @@ class COMET(PseudoLabelStrategy):
             "cluster_sizes": " ".join(str(int(s)) for s in sizes),
             "diag_target_acc_on_U": float(np.mean(known)) if len(known) == len(diag) else None,
         }
+        if self.client_dp is not None:
+            out.update(self.client_dp.record(r.client_id for r in used))
         return {**out, "set_aside": set_aside} if self.params.outlier_factor > 0 else out
+
+    def private_means(self, server_round: int, stack: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
+        """privacy.mode client: :func:`cluster_means` as one release of :class:`fedapps.server.client_privacy.
+        ClientLevelDP`: per cluster its members' predictions clipped, summed, noised, divided by its size and made
+        probability rows again. The clusters are disjoint, so one client enters one sum: the round's sensitivity is
+        C. The sizes come from the K-means on the raw predictions, which the guarantee does not cover."""
+        dp = self.client_dp
+        assert dp is not None
+        out = np.zeros((k, *stack.shape[1:]), dtype=np.float32)
+        for j in range(k):
+            members = stack[labels == j]
+            if len(members):
+                mean = dp.noisy_mean(list(members), len(members), dp.noise_rng(server_round, j))
+                out[j] = client_privacy.as_probabilities(mean)
+        return out
 
     def without_outliers(
         self, server_round: int, used: list[ClientReply], stack: np.ndarray

@@ -20,6 +20,11 @@ than τ away in L1 (:func:`fedapps.wire.pseudolabels.clip_to_centre`); the centr
 h_k(U) sent last round (round 1, before any: the members' coordinate-wise median). A member then moves its cluster's
 target by at most τ/|members| per row and round (mean aggregation) and the members' pulls balance: an honest member
 whose data disagree with a drifting h_k pulls back as hard as the liar pushes.
+
+Under ``privacy.mode: client`` each cluster's target is released with client-level DP (:meth:`Cosmos.private_target`,
+docs/privacy.md): the members' predictions clipped, Gaussian noise on their sum, the mean over the members sampled;
+h_k and everything it sends are post-processing of it. The round-1 clustering (and a newcomer's cluster) is computed
+from the raw predictions: the guarantee holds for the targets GIVEN the assignment, and does not cover the assignment.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from fedapps.models import MODEL_NAMES, build_model
 from fedapps.params import param
 from fedapps.reporting.results import Artifact
 from fedapps.seeds import derive_seed
-from fedapps.server import clustering
+from fedapps.server import client_privacy, clustering
 from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
@@ -219,6 +224,7 @@ class Cosmos(PersonalisedStrategy):
         "the cluster model h_π(i) after round r's server training", source="server", evaluate="evaluate-received"
     )
     checkpoint_exclude = frozenset({"fed", "device", "num_classes", "n_public"})  # rebuilt from the config
+    client_privacy_refused = ""  # the cluster targets are released through ClientLevelDP under privacy.mode client
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
         super().__init__(cfg, params, context)
@@ -241,13 +247,26 @@ class Cosmos(PersonalisedStrategy):
 
     @classmethod
     def check(cls, cfg: ExperimentConfig, params: CosmosParams) -> None:
-        """Under sample-level privacy, the clients' distillation weights must not read their class frequencies."""
+        """Under sample-level privacy, the clients' distillation weights must not read their class frequencies; under
+        client-level privacy, a cluster's target is its members' mean, each member clipped to privacy.clip_norm."""
         super().check(cfg, params)
         if cfg.privacy.mode == "sample" and params.weighting == "label-free":
             raise ConfigError(
                 "'privacy.mode: sample' cannot cover cosmos with weighting 'label-free': w_i(x) reads "
                 "the client's class frequencies without noise and shapes the model it then trains; set "
                 "strategy.params.cosmos.weighting=none (docs/privacy.md)"
+            )
+        if cfg.privacy.mode == client_privacy.CLIENT_MODE and params.aggregation != "mean":
+            raise ConfigError(
+                f"'strategy.params.cosmos.aggregation: {params.aggregation}' under privacy.mode client: the noise is "
+                "calibrated to a sum, in which one member moves the result by at most privacy.clip_norm; set "
+                "aggregation to mean"
+            )
+        if cfg.privacy.mode == client_privacy.CLIENT_MODE and params.member_clip > 0:
+            raise ConfigError(
+                "'strategy.params.cosmos.member_clip' under privacy.mode client: round 1 moves each member towards "
+                "the members' median, so one client changes the others' contributions; privacy.clip_norm bounds "
+                "each member's pull instead: set member_clip to 0"
             )
 
     # ------------------------------------------------------------------ checkpoints
@@ -297,6 +316,7 @@ class Cosmos(PersonalisedStrategy):
         )
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+        self.note_cohort(node_ids)
         request = self.round_request(server_round)
         messages = []
         for node in node_ids:
@@ -365,6 +385,8 @@ class Cosmos(PersonalisedStrategy):
             "pseudo_bytes_up": int(sum(r.required_predictions[protocol.PREDICTION_ARRAY].nbytes for r in replies)),
             "pseudo_bytes_down": int(self.pseudo_bytes_down),
         }
+        if self.client_dp is not None:  # every present client's predictions entered one cluster's release
+            extra.update(self.client_dp.record(c for c in preds if c in self.cluster_of))
         return extra
 
     def cluster_round_one(self, preds: dict[int, np.ndarray]) -> None:
@@ -429,16 +451,20 @@ class Cosmos(PersonalisedStrategy):
         assert self.clustering is not None and public_x is not None  # aggregate clusters first; __init__ checks U
         for k, members in enumerate(self.clustering.clusters):
             present = [c for c in members if c in preds]
-            if not present:
+            sampled = self.sampled_members(members, present)
+            if not present and not sampled:
                 continue
             t0 = time.perf_counter()
-            member_preds = np.stack([preds[c] for c in present])
-            if p.member_clip > 0:
-                centre = self.server_targets.get(k)
-                if centre is None:
-                    centre = pseudolabels.aggregate(member_preds, "median")
-                member_preds = pseudolabels.clip_to_centre(member_preds, centre, p.member_clip)
-            target = server_target(member_preds, p.aggregation, p.temperature)
+            if self.client_dp is not None:
+                target = self.private_target(server_round, k, [preds[c] for c in present], sampled)
+            else:
+                member_preds = np.stack([preds[c] for c in present])
+                if p.member_clip > 0:
+                    centre = self.server_targets.get(k)
+                    if centre is None:
+                        centre = pseudolabels.aggregate(member_preds, "median")
+                    member_preds = pseudolabels.clip_to_centre(member_preds, centre, p.member_clip)
+                target = server_target(member_preds, p.aggregation, p.temperature)
             model = self.server_model(k)
             gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "cosmos-server-distill", server_round, k))
             with torch.random.fork_rng(devices=[]):  # dropout in h_k draws from a seeded global stream, restored after
@@ -472,6 +498,25 @@ class Cosmos(PersonalisedStrategy):
                 time.perf_counter() - t0,
             )
         return losses
+
+    def sampled_members(self, members: list[int], present: list[int]) -> int:
+        """privacy.mode client: how many of a cluster's members the round's messages went to (the public count its
+        noisy mean divides by: those who answered and the rest of the cohort in it); 0 without the mode."""
+        if self.client_dp is None:
+            return 0
+        return len(set(members) & (set(self.client_dp.cohort) | set(present)))
+
+    def private_target(self, server_round: int, k: int, member_preds: list[np.ndarray], sampled: int) -> np.ndarray:
+        """privacy.mode client: cluster k's target as a release of :class:`fedapps.server.client_privacy.
+        ClientLevelDP`: its present members' predictions clipped to privacy.clip_norm, summed, noised, divided by the
+        members sampled (a cluster whose sampled members all failed releases the noise alone), made probability rows
+        again and tempered (post-processing). The clusters are disjoint: one client enters one release per round."""
+        dp = self.client_dp
+        assert dp is not None
+        contributions = member_preds or [np.zeros((self.n_public, self.num_classes))]
+        mean = dp.noisy_mean(contributions, sampled, dp.noise_rng(server_round, k))
+        probs = client_privacy.as_probabilities(mean).astype(np.float32)
+        return pseudolabels.apply_temperature(probs, self.params.temperature).astype(np.float32)
 
     # ------------------------------------------------------------------ results
     def final_summary(self) -> dict[str, Any]:

@@ -7,6 +7,9 @@ only samples whose winning class has at least that share of the votes get a labe
 (encoded as M) and are left out of every client's loss. Clients fit U with the consensus labels (CE),
 then their private data (CE), evaluate their own model, and send fresh labels — one message per round.
 
+Under ``privacy.mode: client`` the server releases the vote as GNMax (Papernot et al. 2018): Gaussian noise of std
+σ·sqrt(|U|) on every vote count before the arg-max (and the qualified share) is taken (docs/privacy.md).
+
 Difference from the original, on purpose: the original trains each client on the union of its private
 data and the pseudo-labelled U in one pass; here the generic client's ``distill`` (CE on U) runs before
 ``train`` (CE on private data) in the same message, which keeps the protocol shared with COSMOS and ends
@@ -22,8 +25,9 @@ from typing import Any
 import numpy as np
 from flwr.app import Message
 
-from fedapps.config import ExperimentConfig
+from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
+from fedapps.server import client_privacy
 from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
 from strategies.base import RunContext
@@ -51,10 +55,15 @@ def majority_vote(votes: np.ndarray, num_classes: int) -> tuple[np.ndarray, np.n
 
     A sample nobody voted on gets the abstain label M and agreement 0.
     """
-    counts = vote_counts(votes, num_classes)
+    return vote_of_counts(vote_counts(votes, num_classes), num_classes)
+
+
+def vote_of_counts(counts: np.ndarray, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`majority_vote` from per-sample counts (n×M; noisy ones too: a negative count counts as none)."""
+    counts = np.clip(counts, 0, None)
     labels = counts.argmax(axis=1)  # argmax returns the first maximum: the lowest class id wins ties
     cast = counts.sum(axis=1)
-    agreement = np.where(cast > 0, counts.max(axis=1) / np.maximum(cast, 1), 0.0)
+    agreement = np.where(cast > 0, counts.max(axis=1) / np.where(cast > 0, cast, 1), 0.0)
     labels = np.where(cast > 0, labels, num_classes)
     return labels.astype(np.int64), agreement
 
@@ -81,6 +90,16 @@ class FedCT(PseudoLabelStrategy):
     name = "fedct"
     Params = FedCTParams
 
+    @classmethod
+    def check(cls, cfg: ExperimentConfig, params: FedCTParams) -> None:
+        super().check(cfg, params)
+        if cfg.privacy.mode == client_privacy.CLIENT_MODE and cfg.privacy.clip_norm > 0:
+            raise ConfigError(
+                "'privacy.clip_norm' does not apply to fedct under privacy.mode client: a client casts one vote "
+                "per row of U, so its votes move the vote counts by sqrt(rows) whatever their values (GNMax's "
+                "noise is σ·sqrt(rows)); remove privacy.clip_norm"
+            )
+
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
         super().__init__(cfg, params, context)
         self.consensus: np.ndarray | None = None  # hard labels on U (M = abstain)
@@ -98,7 +117,10 @@ class FedCT(PseudoLabelStrategy):
         if not used:
             self.replies.skip_round(server_round, "no usable labels; the consensus stays as it was")
             return {"vote_clients": 0}
-        labels, agreement = majority_vote(votes, self.num_classes)
+        if self.client_dp is None:
+            labels, agreement = majority_vote(votes, self.num_classes)
+        else:  # GNMax: the vote counts released with Gaussian noise, the vote taken from them
+            labels, agreement = vote_of_counts(self.noisy_counts(server_round, votes), self.num_classes)
         if self.params.qualified_threshold > 0:
             labels = np.where(agreement >= self.params.qualified_threshold, labels, self.num_classes)
         self.consensus = labels
@@ -111,9 +133,18 @@ class FedCT(PseudoLabelStrategy):
             100 * abstain,
         )
         voted = labels < self.num_classes
-        return {
+        out = {
             "vote_clients": len(used),
             "vote_agreement": float(agreement.mean()),
             "vote_abstain": abstain,
             "diag_vote_acc_on_U": self.oracle_accuracy(labels[voted], np.flatnonzero(voted)),
         }
+        return out if self.client_dp is None else {**out, **self.client_dp.record(r.client_id for r in used)}
+
+    def noisy_counts(self, server_round: int, votes: np.ndarray) -> np.ndarray:
+        """privacy.mode client: the n×M vote counts plus N(0, σ²·n) on every count (GNMax; one client's votes move
+        them by sqrt(n) in L2, :func:`fedapps.server.client_privacy.gnmax_sensitivity`)."""
+        assert self.client_dp is not None
+        counts = vote_counts(votes, self.num_classes).astype(np.float64)
+        std = self.client_dp.vote_noise_std(counts.shape[0])
+        return counts + client_privacy.gaussian_noise(counts.shape, std, self.client_dp.noise_rng(server_round))

@@ -20,6 +20,9 @@ however large its logits; ``median`` takes their coordinate-wise median (renorma
 beyond the honest clients' range. Either way the consensus is a probability row: the KL digest receives it as it
 is, the MAE digest (logits) receives its log (:func:`consensus_logits`), logits whose softmax is the consensus.
 
+Under ``privacy.mode: client`` the consensus is released with client-level DP (:meth:`FedMD.private_consensus`,
+docs/privacy.md): each client's scores clipped, Gaussian noise on their sum, the mean over the round's cohort.
+
 The machinery FedMD, FedCT and COMET share is in :mod:`strategies.pseudolabel_base`.
 """
 
@@ -36,6 +39,7 @@ from fedapps.client.clientops import ProtocolError, client_op
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
 from fedapps.seeds import derive_rng
+from fedapps.server import client_privacy
 from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
 from strategies.base import RunContext
@@ -147,6 +151,19 @@ class FedMD(PseudoLabelStrategy):
                 "'strategy.params.fedmd.digest_loss: mae' regresses logits onto logits; "
                 "set 'scores: logits', or use 'digest_loss: kl' with 'scores: probs'"
             )
+        if cfg.privacy.mode != client_privacy.CLIENT_MODE:
+            return
+        if params.consensus == "median":
+            raise ConfigError(
+                "'strategy.params.fedmd.consensus: median' under privacy.mode client: the noise is calibrated to a "
+                "sum, in which one client moves the result by at most privacy.clip_norm; use consensus mean or probs"
+            )
+        if params.scores == "logits" and params.consensus == "mean" and cfg.privacy.clip_norm <= 0:
+            raise ConfigError(
+                "fedmd averages raw logits ('strategy.params.fedmd.scores: logits', consensus mean), which have no "
+                "natural bound: under privacy.mode client set 'privacy.clip_norm' to the Frobenius norm each "
+                "client's logits on U are clipped to (e.g. 10), or use consensus probs"
+            )
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
         super().__init__(cfg, params, context)
@@ -165,6 +182,7 @@ class FedMD(PseudoLabelStrategy):
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         p: FedMDParams = self.params
+        self.note_cohort(node_ids)
         self.pending_rows = alignment_subset(self.subset_rng, self.public_size, p.alignment_size)
         first: tuple[str, ...] = ()
         sections: dict[str, protocol.Section] = {}
@@ -200,12 +218,31 @@ class FedMD(PseudoLabelStrategy):
             self.replies.skip_round(server_round, "no usable scores; the consensus stays as it was")
             return {"consensus_clients": 0}
         p: FedMDParams = self.params
-        self.consensus = (
-            fedmd_consensus(scores) if p.consensus == "mean" else robust_consensus(scores, p.scores, p.consensus)
-        )
+        if self.client_dp is not None:
+            self.consensus = self.private_consensus(server_round, scores)
+        else:
+            self.consensus = (
+                fedmd_consensus(scores) if p.consensus == "mean" else robust_consensus(scores, p.scores, p.consensus)
+            )
         self.consensus_rows = self.pending_rows
-        return {
+        out = {
             "consensus_clients": len(used),
             "alignment_rows": rows,
             "diag_consensus_acc_on_U": self.oracle_accuracy(self.consensus.argmax(axis=1), self.consensus_rows),
         }
+        return out if self.client_dp is None else {**out, **self.client_dp.record(r.client_id for r in used)}
+
+    def private_consensus(self, server_round: int, scores: np.ndarray) -> np.ndarray:
+        """privacy.mode client: the consensus as one release of :class:`fedapps.server.client_privacy.ClientLevelDP`:
+        each client's scores (consensus probs: their softmax) clipped to privacy.clip_norm, summed, noised, divided by
+        the cohort the round's messages went to (a public count); a consensus of probabilities is made probability
+        rows again (post-processing)."""
+        p: FedMDParams = self.params
+        dp = self.client_dp
+        assert dp is not None
+        if not dp.cohort:
+            raise RuntimeError("fedmd: no cohort noted for the round (round_messages notes it)")
+        per_client = softmax(scores.astype(np.float64)) if p.consensus == "probs" and p.scores == "logits" else scores
+        mean = dp.noisy_mean(list(per_client), len(dp.cohort), dp.noise_rng(server_round))
+        probabilities = p.consensus == "probs" or p.scores == "probs"
+        return (client_privacy.as_probabilities(mean) if probabilities else mean).astype(np.float32)

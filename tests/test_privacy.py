@@ -54,8 +54,11 @@ def settings(**kw) -> protocol.Privacy:
 
 def message_settings(**kw) -> protocol.Privacy:
     """The privacy settings of a message, as the server's request() builds them from the config."""
-    cfg = dataclasses.replace(ExperimentConfig().privacy, mode="sample", **kw)
-    return protocol.Privacy(**dataclasses.asdict(cfg))
+    from strategies.base import message_privacy
+
+    settings = message_privacy(dataclasses.replace(ExperimentConfig().privacy, mode="sample", **kw))
+    assert settings is not None
+    return settings
 
 
 def reference_epsilon(history, delta, orders) -> float:
@@ -350,7 +353,7 @@ def test_a_message_without_privacy_settings_trains_as_before():
 def test_the_config_checks_the_privacy_section():
     assert load_config(None, "privacy.mode=sample").privacy.mode == "sample"
     for bad, words in (
-        ("privacy.mode=client", "'privacy.mode' is 'client'"),
+        ("privacy.mode=cohort", "'privacy.mode' is 'cohort'"),
         ("privacy.mode=sample privacy.noise_multiplier=0", "noise_multiplier' must be > 0"),
         ("privacy.max_grad_norm=-1", "max_grad_norm' must be > 0"),
         ("privacy.delta=1", "delta' must be in (0, 1)"),
@@ -382,7 +385,7 @@ def test_privacy_off_keeps_the_config_hash_and_the_messages():
     assert "privacy" in without_later_defaults(on.to_dict()) and config_hash(on) != config_hash(off)
     sent_off, sent_on = (resolve(c).build(c).request(1, ["train"]) for c in (off, on))
     assert sent_off.privacy is None and not [k for k in sent_off.encode() if k.startswith("privacy.")]
-    assert sent_on.privacy == protocol.Privacy(**dataclasses.asdict(on.privacy)) and sent_on.privacy.mode == "sample"
+    assert sent_on.privacy == message_settings() and sent_on.privacy.mode == "sample"
     assert protocol.Request.decode(sent_on.encode()).privacy == sent_on.privacy
     assert dict(dataclasses.replace(sent_on, privacy=None).encode()) == dict(sent_off.encode())  # nothing else differs
 

@@ -394,20 +394,32 @@ EPSILON_COLUMN = "epsilon_client_"
 
 
 def privacy_summary(cfg: ExperimentConfig, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """summary.json's ``privacy``: the settings, each client's latest reported ε (of all its training in the run),
-    their maximum and the replies refused past the budget."""
+    """summary.json's ``privacy``: the unit and settings of the mode, each client's latest ε (sample: reported by the
+    client, of all its training in the run; client: the server's accountant, of all the releases its predictions
+    entered), their maximum and the replies refused past the budget (sample)."""
     latest: dict[int, float] = {}
     for r in rows:
         for key, value in r.items():
             if key.startswith(EPSILON_COLUMN) and _number(value) is not None:
                 latest[int(key[len(EPSILON_COLUMN) :])] = float(value)
     p = cfg.privacy
+    if p.mode == "client":
+        unit = (
+            "one client: all its predictions on U in the run (the server clips each client's and adds Gaussian "
+            "noise to their aggregates: central DP, the server is trusted)"
+        )
+        # clip_norm None: sqrt(rows of U); fixed-size cohorts are not Poisson: no amplification, each client's
+        # own releases count
+        mechanism: dict[str, Any] = {"clip_norm": p.clip_norm or None, "sampling_amplification": False}
+    else:
+        unit = "one training sample of a client (sample-level DP-SGD on its local training)"
+        mechanism = {"max_grad_norm": p.max_grad_norm}
     return {
         "mode": p.mode,
-        "unit": "one training sample of a client (sample-level DP-SGD on its local training)",
+        "unit": unit,
         "delta": p.delta,
         "noise_multiplier": p.noise_multiplier,
-        "max_grad_norm": p.max_grad_norm,
+        **mechanism,
         "epsilon_budget": p.epsilon_budget or None,
         "reproducible_noise": p.reproducible_noise,
         "epsilon_max": max(latest.values()) if latest else None,

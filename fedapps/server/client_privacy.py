@@ -16,15 +16,30 @@ predictions and adds the noise (central DP); docs/privacy.md derives the sensiti
   composed over the rounds, optionally amplified by sampling a fraction of the clients per round, through
   dp-accounting's RDP accountant.
 
-These are pure functions, not yet wired into a strategy (docs/privacy.md says what is and is not implemented).
+- A run's mechanism (:class:`ClientLevelDP`, ``privacy.mode: client``): the settings, where the noise comes from, and
+  per client how many of the server's releases its predictions entered, from which its ε comes; a strategy that
+  supports the mode (COSMOS, FedMD, FedCT, COMET) holds one and releases through it. Each client enters at most one
+  release per round (the clusters' sums are over disjoint sets of clients), so the releases compose over rounds
+  and ``privacy.epsilon_budget`` ends the run before a release could take a client past it
+  (:meth:`ClientLevelDP.stop_reason`).
+
+docs/privacy.md says what the guarantee covers per strategy, and what it does not.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
 
 import numpy as np
+
+from fedapps.config import PrivacyConfig
+from fedapps.seeds import derive_rng
+
+CLIENT_MODE = "client"  # privacy.mode of the server's client-level DP
 
 
 def clip_contribution(values: np.ndarray, bound: float) -> np.ndarray:
@@ -73,6 +88,15 @@ def noisy_mean(
     return noisy_sum(contributions, bound, noise_multiplier, rng) / denominator
 
 
+def as_probabilities(rows: np.ndarray) -> np.ndarray:
+    """A noisy aggregate of probability rows made a probability row again (post-processing, no privacy cost): negative
+    entries set to 0, each row renormalised to sum 1; a row with nothing positive left becomes uniform."""
+    rows = np.clip(np.asarray(rows, dtype=np.float64), 0.0, None)
+    total = rows.sum(axis=-1, keepdims=True)
+    uniform = np.full_like(rows, 1.0 / rows.shape[-1])
+    return np.where(total > 0, rows / np.where(total > 0, total, 1.0), uniform)
+
+
 def vote_counts(labels: np.ndarray, num_classes: int) -> np.ndarray:
     """Clients' hard labels (clients × n, each in [0, K)) -> per row of U the votes per class (n × K)."""
     labels = np.asarray(labels)
@@ -98,6 +122,7 @@ def gnmax_sensitivity(queries: int) -> float:
     return math.sqrt(queries)
 
 
+@lru_cache(maxsize=256)
 def gaussian_epsilon(noise_multiplier: float, rounds: int, delta: float, sample_rate: float = 1.0) -> float:
     """ε at ``delta`` of the Gaussian mechanism with noise multiplier σ (noise std / L2 sensitivity) released
     ``rounds`` times, each round's participants drawn with probability ``sample_rate`` (1: every client every round,
@@ -113,3 +138,81 @@ def gaussian_epsilon(noise_multiplier: float, rounds: int, delta: float, sample_
     accountant = RdpAccountant()
     accountant.compose(event, int(rounds))
     return float(accountant.get_epsilon(delta))
+
+
+@dataclass
+class ClientLevelDP:
+    """The server's client-level DP of one run (``privacy.mode: client``): the settings, the noise's source and the
+    ledger ``releases`` (client id -> how many releases its predictions entered), from which each client's ε comes.
+
+    ``clip_norm`` C: each client's n×K contribution is clipped to Frobenius norm C (0: sqrt(n), the largest norm of
+    probability or one-hot rows, so that valid probabilities are never scaled); every release adds N(0, σ²·S²) to each
+    entry, S its sensitivity (C for sums, sqrt(n) for vote counts). ``cohort``: the client ids the round's messages
+    went to (the public count a mean divides by). The noise is drawn from the operating system's entropy, or with
+    ``reproducible_noise`` from the run's ``seed`` (repeatable; no protection against whoever knows the seed)."""
+
+    noise_multiplier: float
+    clip_norm: float
+    delta: float
+    epsilon_budget: float
+    reproducible_noise: bool
+    seed: int
+    releases: dict[int, int] = field(default_factory=dict)
+    cohort: list[int] = field(default_factory=list)
+
+    @classmethod
+    def for_run(cls, privacy: PrivacyConfig, seed: int) -> ClientLevelDP | None:
+        """The mechanism of a run whose ``privacy.mode`` is client; None for any other mode."""
+        if privacy.mode != CLIENT_MODE:
+            return None
+        p = privacy
+        return cls(p.noise_multiplier, p.clip_norm, p.delta, p.epsilon_budget, p.reproducible_noise, seed)
+
+    def bound(self, rows: int) -> float:
+        """C for an n-row contribution: ``clip_norm``, or sqrt(n) when it is 0."""
+        return self.clip_norm if self.clip_norm > 0 else math.sqrt(rows)
+
+    def noise_rng(self, server_round: int, *parts: int) -> np.random.Generator:
+        """Where a release's noise comes from (see the class docstring); ``parts`` tell a round's releases apart."""
+        if self.reproducible_noise:
+            return derive_rng(self.seed, "client-level-dp-noise", server_round, *parts)
+        return np.random.default_rng()
+
+    def noisy_mean(self, contributions: Sequence[np.ndarray], denominator: int, rng: np.random.Generator) -> np.ndarray:
+        """:func:`noisy_mean` of the contributions with this run's C (for their rows) and σ: one release."""
+        if not contributions:
+            raise ValueError("a release needs at least one contribution")
+        rows = int(np.shape(contributions[0])[0])
+        return noisy_mean(contributions, self.bound(rows), self.noise_multiplier, rng, denominator)
+
+    def vote_noise_std(self, rows: int) -> float:
+        """The std of GNMax's noise on n rows' vote counts: σ·sqrt(n) (:func:`gnmax_sensitivity`)."""
+        return self.noise_multiplier * gnmax_sensitivity(rows)
+
+    def epsilon(self, releases: int) -> float:
+        """ε at δ of a client whose predictions entered ``releases`` releases."""
+        return gaussian_epsilon(self.noise_multiplier, int(releases), self.delta)
+
+    def record(self, clients: Iterable[int]) -> dict[str, Any]:
+        """The round's release took these clients' predictions: count it; the round's rounds.csv columns, as sample
+        mode names them: ``epsilon_client_<i>`` (ε so far of each client in the release) and ``epsilon_max`` (the
+        largest ε of any client so far)."""
+        ids = sorted({int(c) for c in clients})
+        for cid in ids:
+            self.releases[cid] = self.releases.get(cid, 0) + 1
+        out: dict[str, Any] = {"epsilon_max": self.epsilon(max(self.releases.values(), default=0))}
+        out.update({f"epsilon_client_{cid}": self.epsilon(self.releases[cid]) for cid in ids})
+        return out
+
+    def stop_reason(self, server_round: int) -> str:
+        """Why no round may follow round ``server_round`` (the budget: one more release could take a client past
+        it); '' when one may."""
+        most = max(self.releases.values(), default=0)
+        if self.epsilon_budget <= 0 or self.epsilon(most + 1) <= self.epsilon_budget:
+            return ""
+        return (
+            f"privacy budget reached: after round {server_round} a client's predictions have entered {most} "
+            f"release(s), ε = {self.epsilon(most):.4g} (δ = {self.delta:g}, σ = {self.noise_multiplier:g}); "
+            f"one more would take it to ε = {self.epsilon(most + 1):.4g}, past privacy.epsilon_budget = "
+            f"{self.epsilon_budget:g}, so the run ends here"
+        )

@@ -46,6 +46,8 @@ class DrivenStrategy(EvaluatedStrategy, Protocol):
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]: ...
 
+    def stop_reason(self, server_round: int) -> str: ...
+
     def final_arrays(self) -> Mapping[str, np.ndarray] | None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -85,6 +87,11 @@ class RoundDriver:
         if first_round > 1:
             self.nodes.rebind_after_resume(connected)
         result = Result()
+        if first_round > 1 and self.history.stopped:  # a resumed run that had ended early: nothing more to run
+            log.warning(
+                "the run ended after round %s: %s", self.history.stopped["round"], self.history.stopped["reason"]
+            )
+            first_round = num_rounds + 1
         for rnd in range(first_round, num_rounds + 1):
             entry = self.run_round(grid, rnd, timeout, last=rnd == num_rounds)
             result.train_metrics_clientapp[rnd] = round_metrics(entry)
@@ -92,6 +99,8 @@ class RoundDriver:
                 result.evaluate_metrics_clientapp[m.round] = measurement_metrics(m)
             if self.strategy.context.on_round is not None:
                 self.strategy.context.on_round(entry)
+            if self.history.stopped:
+                break
         final = self.strategy.final_arrays()
         if final is not None:
             result.arrays = protocol.arrays_record(final)
@@ -99,7 +108,8 @@ class RoundDriver:
 
     def run_round(self, grid: MessageGrid, rnd: int, timeout: float, last: bool = False) -> RoundLog:
         """One round: the training phase (whose messages also measure the previous round's deployed models) and,
-        in the ``last`` round, the evaluation-only phase measuring this round's."""
+        in the ``last`` round, the evaluation-only phase measuring this round's. A round after which the strategy
+        says the run must end (``stop_reason``: a privacy budget) is the last one: the history records why."""
         t0 = time.time()
         self.replies.begin(rnd)
         messages = self.evaluation.messages_for_round(rnd, self.nodes.sample_nodes(grid, self.strategy.request))
@@ -124,6 +134,11 @@ class RoundDriver:
         extra = {} if skipped else self.strategy.aggregate(rnd, parsed)
         if not skipped:
             self.history.last_extra = dict(extra)
+        stop = "" if last else self.strategy.stop_reason(rnd)
+        if stop:
+            log.warning("round %d: %s", rnd, stop)
+            self.history.stopped = {"round": rnd, "of": self.strategy.cfg.rounds, "reason": stop}
+            last = True
         entry = RoundLog(
             rnd,
             parsed,
@@ -167,6 +182,7 @@ class RoundDriver:
             "node_to_client": dict(self.nodes.node_to_client),
             "last_extra": dict(self.history.last_extra),
             "last_measured": dict(self.history.last_measured),
+            "stopped": dict(self.history.stopped),
             "identity": {
                 "node_client": dict(v.node_client),
                 "client_node": dict(v.client_node),
@@ -181,6 +197,7 @@ class RoundDriver:
         self.nodes.node_to_client = dict(state["node_to_client"])
         self.history.last_extra = dict(state["last_extra"])
         self.history.last_measured = dict(state.get("last_measured", {}))
+        self.history.stopped = dict(state.get("stopped", {}))
         identity = state.get("identity", {})  # node <-> client bindings survive a resumption
         self.replies.validator.node_client = dict(identity.get("node_client", {}))
         self.replies.validator.client_node = dict(identity.get("client_node", {}))

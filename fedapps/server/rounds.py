@@ -67,6 +67,8 @@ class RoundHistory:
     last_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     # round, clients and accuracy of the latest deployed-model measurement
     last_measured: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # the run ended early: after which round (of how many), and why (the strategy's stop_reason); empty otherwise
+    stopped: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def round_metrics(entry: RoundLog) -> MetricRecord:

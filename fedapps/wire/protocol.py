@@ -32,7 +32,7 @@ A message to a client (:class:`Request`, its ``config`` ConfigRecord, plus recor
                             encoded pseudo-labels on U for ``distill``, optional row indices of U;
   bookkeeping               :class:`Bookkeeping`: ``state-dir`` / ``state-run``, where a client keeps its state (not
                             algorithm traffic: left out of the byte counts).
-  differential privacy      :class:`Privacy`: ``privacy.*`` (docs/privacy.md), sent only while ``privacy.mode`` is on:
+  differential privacy      :class:`Privacy`: ``privacy.*`` (docs/privacy.md), sent only under mode sample:
                             the client's training on its data runs as DP-SGD.
 A reply (:class:`Reply` on the client, :class:`ClientReply` once parsed on the server) carries ``metrics``
 (MetricRecord: ``client-id``, ``num-examples``, evaluation results, timings ``t-<tag>`` and ``t-total``, and
@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedapps.config import PRIVACY_MODES, TRANSPORTS
+from fedapps.config import CLIENT_SIDE_PRIVACY_MODES, TRANSPORTS
 
 log = logging.getLogger("fedapps")
 
@@ -402,8 +402,9 @@ class Bookkeeping:
 @dataclass(frozen=True)
 class Privacy:
     """Sample-level differential privacy of the client's training (``privacy.*``, docs/privacy.md; the fields of the
-    server's :class:`fedapps.config.PrivacyConfig`): sent, all of them, only while a mode is on, so that a message
-    without it trains as it always did. ``mode`` (not off), σ = ``noise_multiplier`` > 0, C = ``max_grad_norm`` > 0,
+    server's :class:`fedapps.config.PrivacyConfig` that DP-SGD reads): sent, all of them, only under mode ``sample``
+    (the server's client-level mode ``client`` sends none), so that a message without it trains as it always did.
+    ``mode`` (sample), σ = ``noise_multiplier`` > 0, C = ``max_grad_norm`` > 0,
     ``delta`` in (0, 1), ``epsilon_budget`` (0: none), ``reproducible_noise`` (noise drawn from the run's seed)."""
 
     mode: str
@@ -427,17 +428,17 @@ class Privacy:
     @classmethod
     def decode(cls, fixed: Mapping[str, Any]) -> Privacy | None:
         """The privacy settings among a message's typed fixed settings (None: the message has none); MessageError for
-        settings without ``privacy.mode`` or a required value, a mode that is off or unknown, values out of range."""
+        settings without ``privacy.mode`` or a required value, a mode other than sample, values out of range."""
         present = [k for k in _PRIVACY_TYPES if k in fixed]
         if not present:
             return None
         mode = fixed.get(PRIVACY_MODE)
         if mode is None:
             raise MessageError(f"the message has '{present[0]}' but no '{PRIVACY_MODE}'")
-        if mode not in PRIVACY_MODES or mode == PRIVACY_MODES[0]:
+        if mode not in CLIENT_SIDE_PRIVACY_MODES:
             raise MessageError(
-                f"'{PRIVACY_MODE}' must be one of {', '.join(PRIVACY_MODES[1:])} (a message carries "
-                f"privacy settings only while a mode is on), got {_short(mode)}"
+                f"'{PRIVACY_MODE}' must be one of {', '.join(CLIENT_SIDE_PRIVACY_MODES)} (a message carries "
+                f"privacy settings only while a mode the clients apply is on), got {_short(mode)}"
             )
         lacking = [k for k in (PRIVACY_NOISE_MULTIPLIER, PRIVACY_MAX_GRAD_NORM, PRIVACY_DELTA) if k not in fixed]
         if lacking:
