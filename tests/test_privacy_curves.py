@@ -177,3 +177,19 @@ def test_a_tiny_sweep_runs_for_real_and_epsilon_falls_as_sigma_grows(tmp_path):
     log = tmp_path / "work" / "curves" / "logs" / "fedavg--sigma2.log"
     assert pc.main(argv) == 0
     assert ": running" not in log.read_text().rsplit("$ fedapps", 1)[1]
+
+
+@pytest.mark.parametrize("spec", sorted((ROOT / "experiments").glob("privacy-*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_curves_spec_loads_and_each_of_its_points_is_a_valid_run(spec, tmp_path):
+    """A code change that makes a published spec's point invalid (a renamed key, a strategy that now refuses the
+    mode) fails here, not hours into the sweep."""
+    from strategies import resolve
+
+    loaded = pc.load_curve_spec(spec)
+    assert loaded.privacy["mode"] in ("sample", "client")
+    for m, sigma in pc.points(loaded):
+        cfg = load_config(
+            pc.write_yaml(tmp_path / "p.yaml", pc.with_overrides(loaded.setting, pc.point_overrides(loaded, m, sigma)))
+        )
+        resolve(cfg)  # the strategy's own checks, against the whole config
+        assert cfg.privacy.mode == ("off" if sigma is None else loaded.privacy["mode"])
