@@ -37,7 +37,7 @@ def write_spec(tmp_path: Path, **changes) -> Path:
 @pytest.mark.parametrize(
     ("change", "names"),
     [
-        ({"privacy": {"mode": "off"}}, "privacy.mode"),
+        ({"privacy": {"mode": "off"}}, "mode must name the private mode"),
         ({"privacy": {"mode": "sample", "noise_multiplier": 1.0}}, "noise_multipliers instead"),
         ({"noise_multipliers": [1.0, 1.0]}, "distinct"),
         ({"noise_multipliers": [0.0]}, "> 0"),
@@ -157,6 +157,7 @@ def test_the_command_line_refuses_unknown_methods_and_stages(tmp_path, capsys):
     assert pc.main([str(tmp_path / "none.yaml")]) == 2
 
 
+@pytest.mark.heavy
 def test_a_tiny_sweep_runs_for_real_and_epsilon_falls_as_sigma_grows(tmp_path):
     """Sample-level DP-SGD through `fedapps compare` (digits, 3 clients, 2 rounds): the non-private point has no
     ε, the private ones the accountant's, smaller at the larger σ; a second call trains nothing again."""
