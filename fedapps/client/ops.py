@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedapps.client.phases import timed
 from fedapps.config import OptimSettings
 
 Regulariser = Callable[[nn.Module], Tensor]
@@ -118,6 +119,7 @@ def batches(
         yield order[start : start + batch_size]
 
 
+@timed("train")
 def run_epochs(
     model: nn.Module,
     x: Tensor,
@@ -252,12 +254,19 @@ def distill(
 
 
 @torch.no_grad()
-def predict(model: nn.Module, x: Tensor, batch_size: int = 256, output: str = "probs") -> Tensor:
-    """Model outputs on x: 'probs' (softmax), 'logits' or 'labels' (argmax); returned on the CPU."""
+def logits_of(model: nn.Module, x: Tensor, batch_size: int = 256) -> Tensor:
+    """The model's logits on x in eval mode, batch by batch, on the CPU (what :func:`predict` and :func:`evaluate`
+    share)."""
     device = next(model.parameters()).device
     model.eval()
     outs = [model(x[i : i + batch_size].to(device)).float().cpu() for i in range(0, len(x), batch_size)]
-    logits = torch.cat(outs) if outs else torch.zeros((0, 0))
+    return torch.cat(outs) if outs else torch.zeros((0, 0))
+
+
+@timed("predict")
+def predict(model: nn.Module, x: Tensor, batch_size: int = 256, output: str = "probs") -> Tensor:
+    """Model outputs on x: 'probs' (softmax), 'logits' or 'labels' (argmax); returned on the CPU."""
+    logits = logits_of(model, x, batch_size)
     if output == "logits":
         return logits
     if output == "probs":
@@ -276,12 +285,13 @@ def losses_of(model: nn.Module, states: list[dict[str, Tensor]], x: Tensor, y: T
     return losses
 
 
+@timed("evaluate")
 @torch.no_grad()
 def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 256) -> dict[str, float]:
     """Accuracy, mean cross-entropy and sample count on (x, y)."""
     if len(x) == 0:
         return {"acc": 0.0, "loss": 0.0, "n": 0.0, "correct": 0.0}
-    logits = predict(model, x, batch_size, output="logits")
+    logits = logits_of(model, x, batch_size)
     loss = F.cross_entropy(logits, y.cpu()).item()
     correct = (logits.argmax(dim=-1) == y.cpu()).sum().item()
     return {

@@ -118,6 +118,19 @@ NUM_EXAMPLES = "num-examples"
 TOTAL_TIME = "t-total"  # seconds from the message's arrival to its reply
 TIMING_PREFIX = "t-"  # t-<tag>: seconds of the operation tagged <tag>
 PRIVACY_EPSILON = "privacy-epsilon"  # while privacy is on: the client's ε so far (at privacy.delta), in every reply
+# the reply's ``profile`` record (:class:`MessageProfile`): where the client's time on the message went, in seconds
+# per phase (measurement of the client's machine, not algorithm traffic: left out of the byte counts)
+PROFILE = "profile"
+PROFILE_DECODING = "decoding-seconds"  # the message's settings, arrays and targets decoded
+PROFILE_DATA = "data-seconds"  # the client's data looked up (and, once per process, loaded and partitioned)
+PROFILE_MODEL = "model-seconds"  # the private model restored (built or reused) and the received arrays loaded into it
+PROFILE_TRAIN = "train-seconds"  # the training loops (train, distill)
+PROFILE_EVALUATE = "evaluate-seconds"  # the evaluations
+PROFILE_PREDICT = "predict-seconds"  # predictions on U
+PROFILE_OTHER = "other-seconds"  # the rest of the operations' time (an algorithm's own steps between the loops)
+PROFILE_KEEP = "keep-seconds"  # the private model kept for the next round (Context.state, the state directory)
+PROFILE_ENCODING = "encoding-seconds"  # the reply's arrays and records encoded
+PROFILE_WALL = "wall-seconds"  # from the message's arrival at the worker to its reply encoded (>= the phases' sum)
 # the words that open a client's refusal to train past privacy.epsilon_budget (its error reply's reason): the
 # server's records count the refusals by them
 PRIVACY_REFUSED = "privacy budget exhausted"
@@ -177,6 +190,17 @@ KEYS = (
     PRIVACY_EPSILON_BUDGET,
     PRIVACY_REPRODUCIBLE_NOISE,
     PRIVACY_EPSILON,
+    PROFILE,
+    PROFILE_DECODING,
+    PROFILE_DATA,
+    PROFILE_MODEL,
+    PROFILE_TRAIN,
+    PROFILE_EVALUATE,
+    PROFILE_PREDICT,
+    PROFILE_OTHER,
+    PROFILE_KEEP,
+    PROFILE_ENCODING,
+    PROFILE_WALL,
 )
 
 
@@ -754,6 +778,64 @@ class ReplyInfo:
         return cls(arch, fingerprint)
 
 
+@dataclass(frozen=True)
+class MessageProfile:
+    """The reply's ``profile`` record: seconds of the client's time on one message, per phase (each phase measured
+    exclusively: a model built inside an evaluation counts as ``model``, not ``evaluate``), and ``wall``, from the
+    message's arrival at the worker to its reply encoded. The phases sum to at most ``wall``; what is left of it is
+    the worker's own glue. What the framework spends beyond ``wall`` (transport, queues, the ClientApp's start) is
+    not the client's to measure (bench/message_profile.py)."""
+
+    decoding: float = 0.0
+    data: float = 0.0
+    model: float = 0.0
+    train: float = 0.0
+    evaluate: float = 0.0
+    predict: float = 0.0
+    other: float = 0.0
+    keep: float = 0.0
+    encoding: float = 0.0
+    wall: float = 0.0
+
+    def phases(self) -> dict[str, float]:
+        """Seconds per phase (every field but ``wall``), in the order of the fields."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "wall"}
+
+    def encode(self) -> MetricRecord:
+        return MetricRecord({PROFILE_FIELDS[name]: float(getattr(self, name)) for name in PROFILE_FIELDS})
+
+    @classmethod
+    def decode(cls, record: Mapping[str, Any]) -> MessageProfile:
+        """The profile a record holds; MessageError on an entry it does not know or a value that is not a finite,
+        non-negative number."""
+        fields = {key: name for name, key in PROFILE_FIELDS.items()}
+        values: dict[str, float] = {}
+        for key, value in record.items():
+            if key not in fields:
+                raise MessageError(f"'{PROFILE}' has an unknown entry {_short(key)}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < math.inf:
+                raise MessageError(
+                    f"'{PROFILE}' entry '{key}' must be a finite number of seconds >= 0, got {_short(value)}"
+                )
+            values[fields[key]] = float(value)
+        return cls(**values)
+
+
+# MessageProfile's fields -> their entries in the profile record
+PROFILE_FIELDS = {
+    "decoding": PROFILE_DECODING,
+    "data": PROFILE_DATA,
+    "model": PROFILE_MODEL,
+    "train": PROFILE_TRAIN,
+    "evaluate": PROFILE_EVALUATE,
+    "predict": PROFILE_PREDICT,
+    "other": PROFILE_OTHER,
+    "keep": PROFILE_KEEP,
+    "encoding": PROFILE_ENCODING,
+    "wall": PROFILE_WALL,
+}
+
+
 @dataclass
 class Reply:
     """What a client sends back. The worker fills it while it serves a message (the operations add ``metrics``, and
@@ -766,10 +848,11 @@ class Reply:
     arrays: ArrayRecord | None = None  # the model asked back (Return), or an operation's own arrays
     predictions: np.ndarray | None = None  # encoded predictions on U (``predict``)
     info: ReplyInfo | None = None
+    profile: MessageProfile | None = None  # where the client's time went (the worker fills it in last)
 
     def encode(self) -> RecordDict:
         """The reply's records: ``predictions``, ``arrays``, ``metrics`` (``client-id`` and ``num-examples`` first),
-        ``info``; absent parts are left out."""
+        ``info``, ``profile``; absent parts are left out."""
         content = RecordDict()
         if self.predictions is not None:
             content[PREDICTIONS] = arrays_record({PREDICTION_ARRAY: self.predictions})
@@ -778,6 +861,8 @@ class Reply:
         content[METRICS] = metrics_record({CLIENT_ID: self.client_id, NUM_EXAMPLES: self.num_examples, **self.metrics})
         if self.info is not None:
             content[INFO] = self.info.encode()
+        if self.profile is not None:
+            content[PROFILE] = self.profile.encode()
         return content
 
 
@@ -793,9 +878,12 @@ def eval_nbytes(content: RecordDict) -> int:
 
 def record_nbytes(content: RecordDict) -> int:
     """Payload bytes of a RecordDict: array buffers plus an estimate for metrics/configs (bookkeeping keys,
-    which depend on the run folder's path, are left out so that byte counts compare across folders)."""
+    which depend on the run folder's path, are left out so that byte counts compare across folders; so is a reply's
+    ``profile``, a measurement of the client's machine, not algorithm traffic)."""
     total = 0
-    for rec in content.values():
+    for name, rec in content.items():
+        if name == PROFILE:
+            continue
         if isinstance(rec, ArrayRecord):
             total += sum(len(a.data) for a in rec.values())
         else:
@@ -823,6 +911,7 @@ class ClientReply:
     predictions: dict[str, np.ndarray] | None = None
     info: dict[str, Any] = field(default_factory=dict)
     nbytes: int = 0
+    profile: MessageProfile | None = None  # where the client's time went (None: the reply carried no profile)
 
     @property
     def required_arrays(self) -> dict[str, np.ndarray]:
@@ -884,7 +973,20 @@ def parse_reply(msg: Message, expect_arrays: bool = False, expect_predictions: b
         predictions=predictions,
         info=info,
         nbytes=record_nbytes(content),
+        profile=profile_of(content),
     )
+
+
+def profile_of(content: RecordDict) -> MessageProfile | None:
+    """A reply's profile (None without one); ReplyError when its ``profile`` record is malformed."""
+    if PROFILE not in content:
+        return None
+    if not isinstance(content[PROFILE], MetricRecord):
+        raise ReplyError(f"'{PROFILE}' must be a MetricRecord")
+    try:
+        return MessageProfile.decode(content.metric_records[PROFILE])
+    except MessageError as exc:
+        raise ReplyError(str(exc)) from exc
 
 
 def parse_replies(

@@ -9,7 +9,7 @@ op → rows, classes, ``Request.public``'s ``predict.output`` and ``predict.enco
 (``public.fingerprint``) and the evaluations the ops produce (every ``evaluate*`` op → ``<tag>-acc``,
 ``-loss``, ``-n``, ``-correct``). :meth:`ReplyValidator.check` then accepts a reply only if
 
-- it is not an error reply, carries a ``metrics`` record and no record but metrics/arrays/predictions/info;
+- it is not an error reply, carries a ``metrics`` record and no record but metrics/arrays/predictions/info/profile;
 - every metric is a finite number or a list of finite numbers, at most :data:`MAX_METRICS` of them, a list no
   longer than the validator's ``max_list`` (its length is checked before any value is read); ``client-id`` and
   ``num-examples`` are integers; timings (``t-*``) in [0, :data:`MAX_SECONDS`], losses (``*-loss``) within
@@ -33,6 +33,8 @@ op → rows, classes, ``Request.public``'s ``predict.output`` and ``predict.enco
 - predictions: the same wire checks (float32 / float16 scores as ``predict.encoding`` says, hard labels in
   :func:`fedapps.wire.pseudolabels.label_dtype`), then probabilities on the simplex (entries >= -1e-3, rows summing
   to 1 within 1e-2), logits within ``|x| <= 1e4``, hard labels in [0, classes);
+- ``profile`` (where the client's time went, :class:`fedapps.wire.protocol.MessageProfile`): known phases only, each
+  in [0, :data:`MAX_SECONDS`] seconds;
 - ``info``: at most :data:`INFO_MAX_KEYS` entries of at most :data:`INFO_MAX_SIZE` characters / items each;
 - U's fingerprint (``info["fingerprint"]``) equals the server's wherever the message named one;
 - it is the node's only reply in this round's phase, to a message the server sent it.
@@ -74,7 +76,7 @@ PROB_TOLERANCE = 1e-2  # |row sum − 1| of probability predictions (float16 on 
 PROB_NEGATIVE = 1e-3  # smallest entry allowed in a probability row: −this
 LOGIT_BOUND = 1e4  # |logit| above this is no model's output: it would take over a mean consensus
 ACC_TOLERANCE = 1e-6  # |acc − correct/n|
-RECORDS = (protocol.METRICS, protocol.ARRAYS, protocol.PREDICTIONS, protocol.INFO)
+RECORDS = (protocol.METRICS, protocol.ARRAYS, protocol.PREDICTIONS, protocol.INFO, protocol.PROFILE)
 # metric ranges: a reply outside them is rejected (rounds.csv averages train losses and sums timings)
 MAX_METRICS = 1024  # metrics in one reply (a client sends a few dozen)
 MAX_SECONDS = 7 * 24 * 3600.0  # a timing (t-<op>, t-total) in [0, one week]
@@ -449,6 +451,17 @@ def check_info(info: Mapping[str, Any]) -> None:
             )
 
 
+def read_profile(content: Any) -> protocol.MessageProfile | None:
+    """The reply's profile (None without one): only known phases, each a number of seconds in [0,
+    :data:`MAX_SECONDS`] (rounds.csv sums them)."""
+    profile = protocol.profile_of(content)
+    if profile is not None:
+        for name, seconds in dataclasses.asdict(profile).items():
+            if seconds > MAX_SECONDS:
+                raise ReplyError(f"profile phase '{name}' = {seconds:g} s is outside [0, {MAX_SECONDS:g}]")
+    return profile
+
+
 def prediction_problem(wire: np.ndarray, spec: PredictionSpec) -> str | None:
     """Why a prediction array does not answer ``spec`` (None if it does): the shape (rows × classes; rows for hard
     labels), hard labels of an unsigned type in [0, classes) (the abstain marker ``classes`` is the server's, never
@@ -654,6 +667,7 @@ class ReplyValidator:
             predictions=predictions,
             info=info,
             nbytes=protocol.record_nbytes(content),
+            profile=read_profile(content),
         )
 
     # ------------------------------------------------------------------ a batch
