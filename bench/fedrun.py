@@ -1,0 +1,121 @@
+"""What the benchmarks that run `fedapps run` share: one run of a config dict through the command (Flower's Ray
+engine, or the in-process one), its rounds.csv read back, and the clients' per-message breakdown of the measured rounds
+(the ``client_<phase>_seconds`` columns, :class:`fedapps.wire.protocol.MessageProfile`)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from fedapps.flower.inprocess import WORKERS_ENV  # noqa: E402
+from fedapps.wire.protocol import PROFILE_FIELDS  # noqa: E402
+
+PHASES = tuple(name for name in PROFILE_FIELDS if name != "wall")  # the clients' phases, in rounds.csv's order
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass
+class Run:
+    """One finished `fedapps run`: its rounds.csv rows, summary.json and the command's wall seconds."""
+
+    rows: list[dict[str, str]]
+    summary: dict
+    seconds: float
+    workers: int  # clients served at once
+
+    def measured(self) -> list[dict[str, str]]:
+        """The rounds between the first (start-up: Ray, actors, data loading) and the last (which also carries the
+        evaluation-only message to every client): what a round costs once the run is warm."""
+        return self.rows[1:-1]
+
+
+@dataclass
+class Breakdown:
+    """Per training message of the measured rounds, in milliseconds: the clients' phases, their wall on the client,
+    and the worker time the framework spent per message beyond it (``framework``: ``workers`` x round wall /
+    messages - the client's wall; transport, queues, the server's step and waiting, spread over the messages)."""
+
+    messages: int
+    phases: dict[str, float] = field(default_factory=dict)
+    client: float = 0.0  # the client's wall per message (from the message's arrival at the worker to its reply)
+    worker: float = 0.0  # workers x round wall per message
+
+    @property
+    def unattributed(self) -> float:
+        """The client's wall not in any phase: the worker's own glue."""
+        return self.client - sum(self.phases.values())
+
+    @property
+    def framework(self) -> float:
+        return self.worker - self.client
+
+
+def breakdown(rows: Sequence[Mapping[str, str]], workers: int) -> Breakdown:
+    """The per-message breakdown (ms) of some rounds.csv rows (see :class:`Breakdown`)."""
+    messages = sum(int(r["clients"]) for r in rows)
+    if not messages:
+        raise SystemExit("no training message was answered in the measured rounds: nothing to break down")
+
+    def per_message(column: str) -> float:
+        return 1000.0 * sum(float(r[column] or 0.0) for r in rows) / messages
+
+    return Breakdown(
+        messages=messages,
+        phases={name: per_message(f"client_{name}_seconds") for name in PHASES},
+        client=per_message("client_wall_seconds"),
+        worker=1000.0 * workers * sum(float(r["wall_seconds"]) for r in rows) / messages,
+    )
+
+
+def fedapps_run(
+    config: Mapping,
+    workdir: Path,
+    engine: str = "flower",
+    workers: int | None = None,
+    gpus_per_client: float = 0.0,
+    extra_args: Sequence[str] = (),
+) -> Run:
+    """Run ``config`` (a config dict, written to ``workdir``) through `fedapps run` with ``workers`` clients served
+    at once (default: one per usable core; Flower's engine: one Ray actor per worker, ``--cpus-per-client`` = cores /
+    workers; the in-process engine: FEDAPPS_INPROCESS_WORKERS); SystemExit when the command fails."""
+    cores = usable_cores()
+    workers = max(1, min(workers or cores, cores))
+    name = str(config["run_name"])
+    cfg_path = workdir / f"{name}.yaml"
+    cfg_path.write_text(yaml.safe_dump(dict(config)))
+    out = workdir / "res"
+    cmd = [sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg_path), "--output-dir", str(out), "--quiet"]
+    cmd += ["--engine", engine, *extra_args]
+    if engine == "flower":
+        cmd += ["--cpus-per-client", str(max(1, cores // workers))]
+        if gpus_per_client:
+            cmd += ["--gpus-per-client", f"{gpus_per_client:g}"]
+    env = {**os.environ, WORKERS_ENV: str(workers), "PYTHONPATH": str(ROOT)}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    run_dir = out / name
+    if proc.returncode != 0 or not (run_dir / "rounds.csv").exists():
+        raise SystemExit(f"`fedapps run` of {name} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    with (run_dir / "rounds.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    return Run(rows, json.loads((run_dir / "summary.json").read_text()), seconds, workers)

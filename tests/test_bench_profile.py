@@ -1,0 +1,62 @@
+"""The per-message benchmarks' arithmetic (bench/fedrun.py) by hand, and bench/message_profile.py end to end on a tiny
+in-process setting."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def load(name: str):
+    """A bench module, loaded as the benchmarks load each other (bench/ on sys.path)."""
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def row(clients: int, wall: float, client_wall: float, **phases: float) -> dict[str, str]:
+    out = {"clients": str(clients), "wall_seconds": str(wall), "client_wall_seconds": str(client_wall)}
+    for name in load("fedrun").PHASES:
+        out[f"client_{name}_seconds"] = str(phases.get(name, 0.0))
+    return out
+
+
+def test_the_breakdown_per_message_by_hand():
+    fedrun = load("fedrun")
+    rows = [row(4, 1.0, 1.6, train=1.2, model=0.2), row(6, 2.0, 2.4, train=2.0, encoding=0.1)]
+    b = fedrun.breakdown(rows, workers=2)
+    assert b.messages == 10
+    assert b.phases["train"] == pytest.approx(320.0)  # (1.2 + 2.0) s / 10 messages
+    assert b.phases["model"] == pytest.approx(20.0) and b.phases["encoding"] == pytest.approx(10.0)
+    assert b.client == pytest.approx(400.0)
+    assert b.unattributed == pytest.approx(400.0 - 350.0)
+    assert b.worker == pytest.approx(600.0)  # 2 workers x 3 s / 10 messages
+    assert b.framework == pytest.approx(200.0)
+
+
+def test_a_run_measures_the_rounds_between_the_first_and_the_last():
+    fedrun = load("fedrun")
+    run = fedrun.Run([{"round": str(r)} for r in range(1, 6)], {}, 1.0, 2)
+    assert [r["round"] for r in run.measured()] == ["2", "3", "4"]
+
+
+def test_message_profile_prints_the_breakdown_on_a_tiny_in_process_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FEDAPPS_BENCH_RESULTS", str(tmp_path))
+    bench = load("message_profile")
+    argv = ["--engine", "inprocess", "--strategies", "fedavg", "--clients", "2", "--rounds", "3"]
+    results = bench.main([*argv, "--source", "digits", "--model", "mlp", "--workers", "1"])
+    out = capsys.readouterr().out.splitlines()
+    b = results["fedavg"]
+    assert b.messages == 2 and all(v >= 0 for v in b.phases.values())
+    assert b.phases["train"] > 0 and sum(b.phases.values()) <= b.client
+    assert out[-1] == f"framework_ms_fedavg={round(b.framework, 2)} client_ms_fedavg={round(b.client, 2)}"
+    assert any(line.startswith("fedavg     averaging") for line in out)
+    assert (tmp_path / "message_profile.csv").exists()
