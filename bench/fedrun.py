@@ -18,9 +18,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from fedapps.client.worker import THREADS_ENV  # noqa: E402
 from fedapps.flower.inprocess import WORKERS_ENV  # noqa: E402
 from fedapps.wire.protocol import PROFILE_FIELDS  # noqa: E402
+from proctree import CpuSampler, cpu_between  # noqa: E402
 
 PHASES = tuple(name for name in PROFILE_FIELDS if name != "wall")  # the clients' phases, in rounds.csv's order
 
@@ -41,6 +44,9 @@ class Run:
     summary: dict
     seconds: float
     workers: int  # clients served at once
+    # CPU seconds by role of the run's processes over the measured rounds (bench/proctree.py), and that window's wall
+    cpu: dict[str, float] = field(default_factory=dict)
+    cpu_wall: float = 0.0
 
     def measured(self) -> list[dict[str, str]]:
         """The rounds between the first (start-up: Ray, actors, data loading) and the last (which also carries the
@@ -86,17 +92,28 @@ def breakdown(rows: Sequence[Mapping[str, str]], workers: int) -> Breakdown:
     )
 
 
+def rows_written(path: Path) -> int:
+    """Rows in rounds.csv so far (the ServerApp rewrites it after every round): the CPU sampler's progress marker."""
+    try:
+        return max(0, len(path.read_text().splitlines()) - 1)
+    except OSError:
+        return 0
+
+
 def fedapps_run(
     config: Mapping,
     workdir: Path,
     engine: str = "flower",
     workers: int | None = None,
     gpus_per_client: float = 0.0,
-    extra_args: Sequence[str] = (),
+    threads: int = 0,
+    sample_cpu: bool = False,
 ) -> Run:
     """Run ``config`` (a config dict, written to ``workdir``) through `fedapps run` with ``workers`` clients served
     at once (default: one per usable core; Flower's engine: one Ray actor per worker, ``--cpus-per-client`` = cores /
-    workers; the in-process engine: FEDAPPS_INPROCESS_WORKERS); SystemExit when the command fails."""
+    workers; the in-process engine: FEDAPPS_INPROCESS_WORKERS), each client on ``threads`` torch threads
+    (FEDAPPS_CLIENT_THREADS; 0: what the engine grants) and, with ``sample_cpu``, the CPU of the run's processes
+    sampled by role; SystemExit when the command fails."""
     cores = usable_cores()
     workers = max(1, min(workers or cores, cores))
     name = str(config["run_name"])
@@ -104,18 +121,29 @@ def fedapps_run(
     cfg_path.write_text(yaml.safe_dump(dict(config)))
     out = workdir / "res"
     cmd = [sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg_path), "--output-dir", str(out), "--quiet"]
-    cmd += ["--engine", engine, *extra_args]
+    cmd += ["--engine", engine]
     if engine == "flower":
         cmd += ["--cpus-per-client", str(max(1, cores // workers))]
         if gpus_per_client:
             cmd += ["--gpus-per-client", f"{gpus_per_client:g}"]
     env = {**os.environ, WORKERS_ENV: str(workers), "PYTHONPATH": str(ROOT)}
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
+    if threads:
+        env[THREADS_ENV] = str(threads)
     run_dir = out / name
-    if proc.returncode != 0 or not (run_dir / "rounds.csv").exists():
-        raise SystemExit(f"`fedapps run` of {name} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    log = workdir / f"{name}.log"
+    t0 = time.perf_counter()
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        sampler = CpuSampler(proc.pid, marker=lambda: rows_written(run_dir / "rounds.csv")) if sample_cpu else None
+        rc = proc.wait()
+    seconds = time.perf_counter() - t0
+    if sampler is not None:
+        sampler.stop()
+    if rc != 0 or not (run_dir / "rounds.csv").exists():
+        raise SystemExit(f"`fedapps run` of {name} exited {rc}:\n{log.read_text()[-3000:]}")
     with (run_dir / "rounds.csv").open() as fh:
         rows = list(csv.DictReader(fh))
-    return Run(rows, json.loads((run_dir / "summary.json").read_text()), seconds, workers)
+    run = Run(rows, json.loads((run_dir / "summary.json").read_text()), seconds, workers)
+    if sampler is not None and len(rows) >= 3:  # the measured rounds: from round 1's row to the last measured one
+        run.cpu_wall, run.cpu = cpu_between(sampler.timeline, 1, len(rows) - 1)
+    return run

@@ -71,6 +71,7 @@ STATE_ARCH = "private-model-arch"
 __all__ = ["ProtocolError", "Worker", "handle"]  # ProtocolError is defined in fedapps.client.clientops
 
 THREADS_KEY = "threads"  # node config: torch threads of this node's ClientApp
+THREADS_ENV = "FEDAPPS_CLIENT_THREADS"  # environment: the same, where no node config gives it
 # node config keys named as the wire names the same thing: the client's id, its architecture, its state directory
 NODE_CLIENT_ID = protocol.CLIENT_ID
 NODE_ARCH = protocol.INFO_ARCH
@@ -81,7 +82,7 @@ STATE_DIR_KEY = protocol.STATE_DIR  # node config (and message setting): where t
 def set_threads_once(requested: int = 0) -> int:
     """Give torch exactly the threads this worker was granted: node config ``threads`` (``requested``), else
     FEDAPPS_CLIENT_THREADS, else OMP_NUM_THREADS (Ray sets it per actor); none of them: torch's default."""
-    n = int(requested) or int(os.environ.get("FEDAPPS_CLIENT_THREADS", os.environ.get("OMP_NUM_THREADS", "0")) or 0)
+    n = int(requested) or int(os.environ.get(THREADS_ENV, os.environ.get("OMP_NUM_THREADS", "0")) or 0)
     if n > 0:
         torch.set_num_threads(n)
     return torch.get_num_threads()
