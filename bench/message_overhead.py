@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> float:
     compute = sum(b.phases[name] for name in COMPUTE)
     print(
         f"the overhead: on the client beyond training and evaluation {b.client - compute:.2f} ms, the client's "
-        f"training and evaluation beyond the bare loop's {compute - bare_ms:+.2f} ms, beyond the client {b.framework:.2f} ms"
+        f"training and evaluation beyond the bare loop's {compute - bare_ms:+.2f} ms, beyond the client "
+        f"{b.framework:.2f} ms"
     )
     if run.cpu:
         print(
