@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
 import pytest
 import torch
-from flwr.app import Message, MetricRecord
+from flwr.app import Array, Message, MetricRecord
 
 from fedapps.client import ops, phases
 from fedapps.client.phases import PhaseClock, measuring
@@ -151,3 +152,43 @@ def test_rounds_csv_sums_the_replies_profiles_per_phase():
     columns = [k for k in row if k.startswith("client_") and k != "client_seconds"]
     assert columns == [f"client_{f.name}_seconds" for f in dataclasses.fields(MessageProfile)]
     assert profile_columns([]) == dict.fromkeys(columns, 0.0)
+
+
+# --------------------------------------------------------------------------- the .npy codec
+
+
+ARRAYS = [
+    np.arange(12, dtype=np.float32).reshape(3, 4),
+    np.float16(1.5) * np.ones((2, 2, 1), np.float16),
+    np.array(7, np.int64),  # 0-d: BatchNorm's num_batches_tracked
+    np.zeros((0, 5), np.float32),
+    np.arange(6, dtype=">f4").reshape(2, 3),  # another byte order: its own header
+    np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3)),  # F order: sent in C order
+    np.arange(10, dtype=np.uint8)[::2],  # a strided view
+]
+
+
+@pytest.mark.parametrize("values", ARRAYS, ids=lambda a: f"{a.dtype.str}{a.shape}")
+def test_npy_arrays_are_flowers_own_bytes_and_read_back_as_flower_reads_them(values):
+    for _ in range(2):  # the first call takes the header from np.save, the second from the cache
+        ours, flowers = protocol.npy_array(values), Array(np.ascontiguousarray(values) if values.ndim else values)
+        assert (ours.dtype, ours.shape, ours.stype, ours.data) == (
+            flowers.dtype,
+            flowers.shape,
+            flowers.stype,
+            flowers.data,
+        )
+        got, expected = protocol.npy_values(ours), flowers.numpy()
+        assert got.dtype == expected.dtype and got.shape == expected.shape and got.flags.writeable
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_npy_values_leaves_what_it_does_not_read_to_flower():
+    fortran = Array(np.asfortranarray(np.arange(6.0).reshape(2, 3)))  # Flower's own F-order bytes
+    np.testing.assert_array_equal(protocol.npy_values(fortran), np.arange(6.0).reshape(2, 3))
+    truncated = protocol.npy_array(np.ones(4, np.float32)).data[:-4]
+    short = Array(dtype="float32", shape=(4,), stype=protocol.NPY_STYPE, data=truncated)
+    with pytest.raises(ValueError):  # numpy's own refusal of a truncated body
+        protocol.npy_values(short)
+    with pytest.raises(ValueError, match="do not start with an .npy header"):
+        protocol.npy_header(b"not an array at all")

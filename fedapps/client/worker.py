@@ -268,7 +268,7 @@ def private_model(
     overwritten = incoming is not None and initial.keys() <= incoming.keys()  # every value is loaded next
     if not overwritten:
         saved = STATE_MODEL in context.state
-        model.load_state_dict(context.state.array_records[STATE_MODEL].to_torch_state_dict() if saved else initial)
+        model.load_state_dict(record_tensors(context.state.array_records[STATE_MODEL]) if saved else initial)
     return on_device(model, device), arch
 
 
@@ -472,15 +472,19 @@ def model_arrays(model: nn.Module, which: str, transport: str = "float32") -> Ar
     floating arrays encoded for ``transport`` (float32: as the model holds them; see :func:`protocol.encode_arrays`)."""
     if which not in STATE_PARTS:
         raise ProtocolError(f"unknown arrays.keys '{which}'; allowed: {', '.join(STATE_PARTS)}")
-    if transport == "float32":
-        return ArrayRecord({k: v.detach().cpu() for k, v in state_part(model, which).items()})
     return protocol.arrays_record({k: v.detach().cpu().numpy() for k, v in state_part(model, which).items()}, transport)
 
 
 def received_state(record: ArrayRecord) -> dict[str, torch.Tensor]:
     """A received ArrayRecord as a state dict, float16 tensors (``arrays.transport: float16``) cast back to float32,
     the dtype of every model in the zoo; integer buffers and float32 tensors as they came."""
-    return {k: v.float() if v.dtype == torch.float16 else v for k, v in record.to_torch_state_dict().items()}
+    return {k: v.float() if v.dtype == torch.float16 else v for k, v in record_tensors(record).items()}
+
+
+def record_tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    """An ArrayRecord as tensors by name, as Flower's ``to_torch_state_dict`` gives them (writable, in the arrays' own
+    dtypes), read by :func:`fedapps.wire.protocol.record_values`."""
+    return {k: torch.from_numpy(v) for k, v in protocol.record_values(record).items()}
 
 
 def holdout_split(n: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,6 +48,7 @@ and results stay as they were whatever a default is. :meth:`Request.decode` refu
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -747,7 +748,7 @@ class Targets:
             raise MessageError(f"the '{TARGETS}' record holds unknown array(s) {[_short(k, 40) for k in unknown[:3]]}")
         if DISTILL_INDICES in record and TARGET_ARRAY not in record:
             raise MessageError(f"the '{TARGETS}' record has '{DISTILL_INDICES}' but no '{TARGET_ARRAY}'")
-        out = {k: record[k].numpy() for k in (TARGET_ARRAY, DISTILL_INDICES, PREDICT_INDICES) if k in record}
+        out = {k: npy_values(record[k]) for k in (TARGET_ARRAY, DISTILL_INDICES, PREDICT_INDICES) if k in record}
         for k in (DISTILL_INDICES, PREDICT_INDICES):
             rows = out.get(k)
             if rows is not None and (rows.ndim != 1 or not np.issubdtype(rows.dtype, np.integer)):
@@ -952,7 +953,7 @@ def parse_reply(msg: Message, expect_arrays: bool = False, expect_predictions: b
         raise ReplyError(f"negative num-examples {num_examples}")
     arrays = None
     if ARRAYS in content:
-        arrays = {k: from_wire(v.numpy(), np.float32) for k, v in content.array_records[ARRAYS].items()}
+        arrays = {k: from_wire(v, np.float32) for k, v in record_values(content.array_records[ARRAYS]).items()}
         for k, a in arrays.items():  # finite as float32, the models' dtype (1e300 is finite only in float64)
             if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a.astype(np.float32))):
                 raise ReplyError(f"array '{k}' has non-finite values (as float32)")
@@ -960,7 +961,7 @@ def parse_reply(msg: Message, expect_arrays: bool = False, expect_predictions: b
         raise ReplyError("reply lacks the model arrays it was asked for")
     predictions = None
     if PREDICTIONS in content:
-        predictions = {k: v.numpy() for k, v in content.array_records[PREDICTIONS].items()}
+        predictions = record_values(content.array_records[PREDICTIONS])
     elif expect_predictions:
         raise ReplyError("reply lacks the predictions it was asked for")
     info = dict(content[INFO]) if INFO in content else {}
@@ -1011,8 +1012,84 @@ def pack_models(models: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndar
 def arrays_record(arrays: Mapping[str, np.ndarray], transport: str = "float32") -> ArrayRecord:
     """Named numpy arrays -> ArrayRecord (order kept, shapes kept: a 0-d array such as BatchNorm's
     ``num_batches_tracked`` stays 0-d; ``np.ascontiguousarray`` would make it shape (1,)), floating arrays
-    encoded for ``transport`` (:func:`encode_arrays`; float32: as they are)."""
-    return ArrayRecord({k: Array(contiguous(v)) for k, v in encode_arrays(arrays, transport).items()})
+    encoded for ``transport`` (:func:`encode_arrays`; float32: as they are), each by :func:`npy_array`."""
+    return ArrayRecord({k: npy_array(v) for k, v in encode_arrays(arrays, transport).items()})
+
+
+# ---------------------------------------------------------------------- .npy bytes, each header made and read once
+# Flower's Array holds an array as the bytes np.save writes (an .npy header, then the values in C order). np.save and
+# np.load format and parse that header on every call (np.load through ast.literal_eval): a model's arrays carry the
+# same few headers every round, so each is made and read once here, and the values are copied in and out directly.
+NPY_STYPE = "numpy.ndarray"  # Flower's serialisation type of .npy bytes (Array.from_numpy_ndarray's)
+NPY_MAGIC = b"\x93NUMPY"
+_NPY_CACHE_SIZE = 4096  # headers kept (each tens of bytes); past it the cache starts again
+_npy_headers: dict[tuple[str, tuple[int, ...]], bytes] = {}  # (dtype.str, shape) -> the header np.save writes
+_npy_layouts: dict[bytes, tuple[tuple[int, ...], bool, np.dtype, int]] = {}  # header -> what it says, the offset
+
+
+def _remember(cache: dict, key: Any, value: Any) -> None:
+    if len(cache) >= _NPY_CACHE_SIZE:
+        cache.clear()
+    cache[key] = value
+
+
+def npy_array(values: np.ndarray) -> Array:
+    """An Array of ``values`` exactly as Flower's ``Array.from_numpy_ndarray`` makes it (the same .npy bytes, dtype,
+    shape and stype; a non-C-contiguous array is copied to C order first, 0-d arrays stay 0-d); the header of each
+    dtype and shape is taken from np.save once."""
+    a = contiguous(values)
+    key = (a.dtype.str, tuple(a.shape))
+    header = _npy_headers.get(key)
+    if header is None or a.dtype.hasobject:
+        buffer = io.BytesIO()
+        np.save(buffer, a, allow_pickle=False)
+        data = buffer.getvalue()
+        _remember(_npy_headers, key, data[: len(data) - a.nbytes])
+    else:
+        data = b"".join((header, a.data))
+    return Array(dtype=str(a.dtype), shape=tuple(a.shape), stype=NPY_STYPE, data=data)
+
+
+def npy_header(data: bytes) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """What the .npy header at the start of ``data`` says — shape, Fortran order, dtype — and where the values start,
+    as numpy's own reader parses it (headers up to its default 10,000 bytes); ValueError when it is no .npy header.
+    Each distinct header is parsed once."""
+    if len(data) < 10 or data[:6] != NPY_MAGIC:
+        raise ValueError("the bytes do not start with an .npy header")
+    start = 10 if data[6] == 1 else 12
+    offset = start + int.from_bytes(data[8:start], "little")
+    key = bytes(data[:offset])
+    layout = _npy_layouts.get(key)
+    if layout is None:
+        fh = io.BytesIO(key)
+        version = np.lib.format.read_magic(fh)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read(fh)
+        if fh.tell() != offset:
+            raise ValueError("the .npy header's length does not match its text")
+        layout = (tuple(int(d) for d in shape), bool(fortran), dtype, offset)
+        _remember(_npy_layouts, key, layout)
+    return layout
+
+
+def npy_values(array: Array) -> np.ndarray:
+    """The values of an Array as Flower's ``Array.numpy()`` reads them (a writable array of the header's dtype and
+    shape), the header parsed by :func:`npy_header`; anything but plain C-order .npy bytes of the right length is
+    left to ``Array.numpy()`` (which reads or refuses it as before)."""
+    data = array.data
+    try:
+        shape, fortran, dtype, offset = npy_header(data)
+    except ValueError:
+        return array.numpy()
+    count = math.prod(shape)
+    if array.stype != NPY_STYPE or fortran or dtype.hasobject or len(data) - offset != count * dtype.itemsize:
+        return array.numpy()
+    return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape).copy()
+
+
+def record_values(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """An ArrayRecord's arrays by name (:func:`npy_values`), in the record's order."""
+    return {k: npy_values(v) for k, v in record.items()}
 
 
 # ---------------------------------------------------------------------- compact transport (strategy.transport)
@@ -1073,7 +1150,7 @@ def transport_record(record: ArrayRecord, transport: str) -> ArrayRecord:
     check_transport(transport)
     if transport == "float32":
         return record
-    return arrays_record({k: v.numpy() for k, v in record.items()}, transport)
+    return arrays_record(record_values(record), transport)
 
 
 def contiguous(value: np.ndarray) -> np.ndarray:

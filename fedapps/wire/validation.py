@@ -56,7 +56,6 @@ predictions of every pseudo-label strategy (COSMOS, FedMD, FedCT, COMET) pass th
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import math
 import re
@@ -362,11 +361,7 @@ def wire_array(
             f"{labelled} ({body} bytes and an .npy header)"
         )
     try:
-        fh = io.BytesIO(data)
-        version = np.lib.format.read_magic(fh)
-        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        head_shape, fortran, head_dtype = read(fh, max_header_size=NPY_MAX_HEADER)
-        offset = fh.tell()
+        head_shape, fortran, head_dtype, offset = protocol.npy_header(data)
     except Exception as exc:
         raise ReplyError(f"{what} '{name}' cannot be decoded: {type(exc).__name__}: {_short(str(exc))}") from exc
     if head_dtype != dtype or tuple(head_shape) != labelled or fortran or offset + body != len(data):
