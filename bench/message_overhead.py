@@ -7,8 +7,8 @@ evaluate the trained model, send the model back; then the mean. It runs
   (a) through `fedapps run` (`flwr run` on Flower's Ray engine) with ``--workers`` client workers (default 1) of one
       torch thread each, plus a warm-up round before the measured ones (Ray start-up, actors, data) and a closing
       round after them (it also carries the evaluation-only message), neither counted, and
-  (b) as a bare PyTorch loop in this process on one thread, the same clients' same work, data and model built and
-      torch warmed up before the timer.
+  (b) as a bare PyTorch loop in this process on one thread (bench/bareloop.py), the same clients' same work, data
+      and model built and one round run before the timer.
 ``message_overhead_ms`` = (Flower's worker time per message - the bare loop's time per message), where Flower's worker
 time per message is workers x the measured rounds' wall / messages. The Flower run's own breakdown splits it: on the
 client (the phases of :class:`fedapps.wire.protocol.MessageProfile` beyond training and evaluation) and beyond the
@@ -23,25 +23,20 @@ message of each process role over the measured rounds (bench/proctree.py). Last 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bareloop import round_seconds  # noqa: E402
 from fedapps.config import config_from_dict  # noqa: E402
-from fedapps.data import get_federation  # noqa: E402
-from fedapps.models import build_model  # noqa: E402
 from fedapps_tools.benchrecord import record  # noqa: E402
 from fedrun import PHASES, breakdown, fedapps_run  # noqa: E402
-from round_overhead import BATCH, LR, average, client_update, evaluate, weighted_sum  # noqa: E402
 
 TARGET_MS = 5.0
 MODEL = "mlp"
@@ -57,29 +52,8 @@ def experiment_config(clients: int, rounds: int) -> dict:
         "strategy": {"name": "fedavg", "min_clients": 1},
         "data": {"source": "digits", "partition": "iid", "num_clients": clients},
         "model": {"name": MODEL},
-        "client": {"epochs": 1, "batch_size": BATCH, "lr": LR, "optimizer": "sgd", "device": "cpu"},
+        "client": {"epochs": 1, "batch_size": 10, "lr": 0.05, "optimizer": "sgd", "device": "cpu"},
     }
-
-
-def bare_seconds(clients: int, rounds: int) -> float:
-    """The same rounds as a plain loop on one thread: per client evaluate, train one epoch, evaluate; then the
-    sample-weighted mean. Data, model and torch's first optimizer step are set up before the timer."""
-    torch.set_num_threads(1)
-    cfg = config_from_dict(experiment_config(clients, rounds))
-    fed = get_federation(dataclasses.asdict(cfg.data))
-    model = build_model(MODEL, fed.num_classes, fed.input_shape, seed=0)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    data = [fed.client(i) for i in range(clients)]
-    torch.optim.SGD(model.parameters(), lr=LR).zero_grad()
-    F.cross_entropy(model(data[0].train_x[:BATCH]), data[0].train_y[:BATCH]).backward()
-    model.zero_grad(set_to_none=True)
-    t0 = time.perf_counter()
-    for rnd in range(rounds):
-        state = average([weighted_sum([client_update(model, state, c, i, rnd) for i, c in enumerate(data)])])
-    seconds = time.perf_counter() - t0
-    model.load_state_dict(state)
-    evaluate(model, data[0])
-    return seconds
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -99,7 +73,10 @@ def main(argv: list[str] | None = None) -> float:
             sample_cpu=args.engine == "flower",
         )
     b = breakdown(run.measured(), run.workers)
-    bare = bare_seconds(args.clients, args.rounds)
+    torch.set_num_threads(1)
+    bare = args.rounds * round_seconds(
+        config_from_dict(experiment_config(args.clients, args.rounds)), args.rounds, "cpu"
+    )
     messages = args.clients * args.rounds
     bare_ms = 1000.0 * bare / messages
     overhead = b.worker - bare_ms
