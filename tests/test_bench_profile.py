@@ -1,5 +1,5 @@
-"""The per-message benchmarks' arithmetic (bench/fedrun.py) by hand, and bench/message_profile.py end to end on a tiny
-in-process setting."""
+"""The per-message benchmarks' arithmetic (bench/fedrun.py) by hand, bench/message_profile.py end to end on a tiny
+in-process setting, bench/gpu_check.py's CPU fallback and size flags, and the bare loop it holds Flower against."""
 
 from __future__ import annotations
 
@@ -60,3 +60,43 @@ def test_message_profile_prints_the_breakdown_on_a_tiny_in_process_run(tmp_path,
     assert out[-1] == f"framework_ms_fedavg={round(b.framework, 2)} client_ms_fedavg={round(b.client, 2)}"
     assert any(line.startswith("fedavg     averaging") for line in out)
     assert (tmp_path / "message_profile.csv").exists()
+
+
+def test_gpu_check_runs_its_cases_on_the_cpu_when_asked_and_sizes_them_by_flags():
+    gpu_check = load("gpu_check")
+    on_cpu = gpu_check.case_overrides("cwfedavg-bf16", "cpu", ["rounds=2"])
+    assert (
+        "client.device=cpu" in on_cpu and not any("mixed_precision" in o for o in on_cpu) and on_cpu[-1] == "rounds=2"
+    )
+    assert "client.device=cuda" in gpu_check.case_overrides("fedavg-cnn", "cuda", [])
+    samples = ["data.synthetic_samples=64"]
+    assert gpu_check.case_overrides("fedavg-resnet18", "cpu", samples)[-1] == samples[0]
+    assert samples[0] not in gpu_check.case_overrides("fedavg-cnn", "cpu", samples)  # mnist5k: no synthetic samples
+    assert set(gpu_check.RATIO_CASES) <= set(gpu_check.CASES)
+    rows = [{"round": str(r)} for r in range(1, 5)]
+    assert gpu_check.measured_rounds(rows) == rows[1:3] and gpu_check.measured_rounds(rows[:2]) == rows[:2]
+
+
+def test_the_bare_loop_times_a_round_of_the_configs_clients():
+    from fedapps.config import config_from_dict
+
+    bareloop = load("bareloop")
+    cfg = config_from_dict(
+        {"data": {"source": "digits", "num_clients": 3}, "model": {"name": "mlp"}, "client": {"batch_size": 16}}
+    )
+    assert 0 < bareloop.round_seconds(cfg, 1, "cpu") < 30
+
+
+@pytest.mark.heavy
+def test_gpu_check_prints_gpu_ratio_end_to_end_on_the_cpu(tmp_path):
+    """bench/gpu_check.sh on the CPU, 2 clients, 3 rounds: a real `flwr run` and the bare loop, then gpu_ratio."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "FEDAPPS_BENCH_RESULTS": str(tmp_path)}
+    cmd = ["bash", "bench/gpu_check.sh", "--device", "cpu", "--cases", "fedavg-cnn", "--clients", "2", "--rounds", "3"]
+    proc = subprocess.run(cmd + ["--out", str(tmp_path)], cwd=BENCH.parent, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("gpu_ratio_fedavg-cnn=") and last.endswith("target=1.5"), proc.stdout
+    assert float(last.split()[0].split("=")[1]) > 0
