@@ -194,9 +194,11 @@ def expectation_for(
     model_part: Callable[[str], Mapping[str, np.ndarray]] | None,
     public_size: int | None,
     num_classes: int | None,
+    requests: protocol.RequestMemo | None = None,
 ) -> Expectation:
-    """What ``msg`` asks its node for (see the module docstring)."""
-    request = protocol.request_of(msg)
+    """What ``msg`` asks its node for (see the module docstring); ``requests``: where the settings of a batch of
+    messages are decoded once per distinct record."""
+    request = (requests or protocol.RequestMemo()).of(msg)
     ops = list(request.ops)
     exp = Expectation(
         node_id=int(msg.metadata.dst_node_id),
@@ -451,7 +453,8 @@ def read_profile(content: Any) -> protocol.MessageProfile | None:
     :data:`MAX_SECONDS`] (rounds.csv sums them)."""
     profile = protocol.profile_of(content)
     if profile is not None:
-        for name, seconds in dataclasses.asdict(profile).items():
+        for name in protocol.PROFILE_FIELDS:
+            seconds = getattr(profile, name)
             if seconds > MAX_SECONDS:
                 raise ReplyError(f"profile phase '{name}' = {seconds:g} s is outside [0, {MAX_SECONDS:g}]")
     return profile
@@ -586,9 +589,14 @@ class ReplyValidator:
     def expect(self, messages: Iterable[Message]) -> None:
         """Record what each message asks its node for (replaces the previous expectations of that phase)."""
         by_phase: dict[str, dict[int, Expectation]] = {}
+        requests = protocol.RequestMemo()
         for msg in messages:
             exp = expectation_for(
-                msg, self.model_part if self._model_part is not None else None, self.public_size, self.num_classes
+                msg,
+                self.model_part if self._model_part is not None else None,
+                self.public_size,
+                self.num_classes,
+                requests,
             )
             by_phase.setdefault(exp.phase, {})[exp.node_id] = exp
         for phase, table in by_phase.items():
