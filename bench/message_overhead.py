@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> float:
             threads=1,
             sample_cpu=args.engine == "flower",
         )
-    b = breakdown(run.measured(), run.workers)
+    b = breakdown(run.measured(), run.workers, run.measured_span())
     torch.set_num_threads(1)
     bare = args.rounds * round_seconds(
         config_from_dict(experiment_config(args.clients, args.rounds)), args.rounds, "cpu"
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> float:
     messages = args.clients * args.rounds
     bare_ms = 1000.0 * bare / messages
     overhead = b.worker - bare_ms
-    wall = sum(float(r["wall_seconds"]) for r in run.measured())
+    wall = run.measured_span() or sum(float(r["wall_seconds"]) for r in run.measured())
     print(
         f"flower: {wall:.2f} s for {args.rounds} rounds x {args.clients} clients ({args.engine} engine, {run.workers} "
         f"worker(s) x 1 thread): {b.worker:.2f} ms of worker time per message ({b.messages} messages answered)"
@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> float:
     print(
         f"per message on the client: {b.client:.2f} ms = "
         + " + ".join(f"{name} {b.phases[name]:.2f}" for name in PHASES if b.phases[name] >= 0.005)
-        + f" + unattributed {b.unattributed:.2f}; beyond the client: {b.framework:.2f} ms"
+        + f" + unattributed {b.unattributed:.2f}; beyond the client: {b.framework:.2f} ms = the rest of the "
+        f"exchange (Ray's and Flower's delivery of message and reply, queues, polling) {b.exchange:.2f} + the server's "
+        f"steps in the round {b.server:.2f} + between rounds {b.between:.2f}"
     )
     compute = sum(b.phases[name] for name in COMPUTE)
     print(
@@ -113,6 +115,9 @@ def main(argv: list[str] | None = None) -> float:
             "bare_ms_per_message": round(bare_ms, 2),
             "client_ms_per_message": round(b.client, 2),
             "beyond_client_ms_per_message": round(b.framework, 2),
+            "exchange_ms_per_message": round(b.exchange, 2),
+            "server_ms_per_message": round(b.server, 2),
+            "between_rounds_ms_per_message": round(b.between, 2),
         },
     )
     return overhead

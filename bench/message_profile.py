@@ -9,9 +9,13 @@ rounds (all but the first, which carries start-up, and the last, which carries t
   decoding data model train evaluate predict other keep encoding   the phases the client measured
   unattributed   the client's wall not in any phase (the worker's own glue)
   client         the client's wall: from the message's arrival at the worker to its reply encoded
-  framework      worker time per message beyond the client's wall: workers x round wall / messages - client (Ray's
-                 transport, Flower's queues and polling, the ServerApp's step between rounds, waiting at the round's
-                 barrier)
+  framework      worker time per message beyond the client's wall: workers x the measured rounds' span / messages -
+                 client, split into
+    exchange     the rest of the exchange with the clients (Ray's and Flower's delivery of message and reply, queues,
+                 polling, waiting at the round's barrier),
+    server       the server's steps in the round while the workers wait (messages built, replies checked, aggregation:
+                 COSMOS trains its cluster models here) and
+    between      the server's work between rounds (results, checkpoint)
 Last line: ``framework_ms_<strategy>=... client_ms_<strategy>=...``.
 
     python bench/message_profile.py
@@ -54,10 +58,18 @@ def strategy_config(strategy: str, args: argparse.Namespace) -> dict:
 
 def table(results: dict[str, Breakdown]) -> list[str]:
     """The breakdowns as aligned lines, one per strategy (ms per message)."""
-    columns = [*PHASES, "unattributed", "client", "framework"]
+    columns = [*PHASES, "unattributed", "client", "framework", "exchange", "server", "between"]
     lines = [f"{'strategy':10s} {'family':13s} {'msgs':>5s} " + " ".join(f"{c[:8]:>8s}" for c in columns)]
     for strategy, b in results.items():
-        values = [*(b.phases[p] for p in PHASES), b.unattributed, b.client, b.framework]
+        values = [
+            *(b.phases[p] for p in PHASES),
+            b.unattributed,
+            b.client,
+            b.framework,
+            b.exchange,
+            b.server,
+            b.between,
+        ]
         lines.append(
             f"{strategy:10s} {FAMILIES.get(strategy, ''):13s} {b.messages:5d} " + " ".join(f"{v:8.2f}" for v in values)
         )
@@ -92,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, Breakdown]:
     with tempfile.TemporaryDirectory(prefix="fedapps-message-profile-") as tmp:
         for strategy in strategies:
             run = fedapps_run(strategy_config(strategy, args), Path(tmp), args.engine, workers, gpus)
-            results[strategy] = breakdown(run.measured(), run.workers)
+            results[strategy] = breakdown(run.measured(), run.workers, run.measured_span())
     print(
         f"message_profile: {args.clients} clients, {args.rounds - 2} measured rounds, {args.engine} engine with "
         f"{workers} workers, device {args.device}; ms per training message"

@@ -22,30 +22,39 @@ def load(name: str):
     return module
 
 
-def row(clients: int, wall: float, client_wall: float, **phases: float) -> dict[str, str]:
+def row(clients: int, wall: float, exchange: float, client_wall: float, **phases: float) -> dict[str, str]:
     out = {"clients": str(clients), "wall_seconds": str(wall), "client_wall_seconds": str(client_wall)}
     for name in load("fedrun").PHASES:
         out[f"client_{name}_seconds"] = str(phases.get(name, 0.0))
+    steps = {"exchange": exchange, "messages": 0.05, "replies": 0.05, "aggregate": wall - exchange - 0.1}
+    out.update({f"round_{step}_seconds": str(seconds) for step, seconds in steps.items()})
     return out
 
 
 def test_the_breakdown_per_message_by_hand():
     fedrun = load("fedrun")
-    rows = [row(4, 1.0, 1.6, train=1.2, model=0.2), row(6, 2.0, 2.4, train=2.0, encoding=0.1)]
-    b = fedrun.breakdown(rows, workers=2)
+    rows = [row(4, 1.0, 0.9, 1.6, train=1.2, model=0.2), row(6, 2.0, 1.6, 2.4, train=2.0, encoding=0.1)]
+    b = fedrun.breakdown(rows, workers=2, span=3.5)
     assert b.messages == 10
     assert b.phases["train"] == pytest.approx(320.0)  # (1.2 + 2.0) s / 10 messages
     assert b.phases["model"] == pytest.approx(20.0) and b.phases["encoding"] == pytest.approx(10.0)
     assert b.client == pytest.approx(400.0)
     assert b.unattributed == pytest.approx(400.0 - 350.0)
-    assert b.worker == pytest.approx(600.0)  # 2 workers x 3 s / 10 messages
-    assert b.framework == pytest.approx(200.0)
+    assert b.worker == pytest.approx(700.0)  # 2 workers x 3.5 s / 10 messages
+    assert b.framework == pytest.approx(300.0)
+    assert b.exchange == pytest.approx(2 * 2.5 * 100 - 400.0)  # 2 workers x 2.5 s exchanging / 10 messages - client
+    assert b.server == pytest.approx(2 * 0.5 * 100)  # the server's steps: 0.5 s
+    assert b.between == pytest.approx(2 * 0.5 * 100)  # 3.5 s end to end, 3 s in the rounds
+    assert b.exchange + b.server + b.between == pytest.approx(b.framework)
+    assert fedrun.breakdown(rows, workers=2).between == 0.0  # no span: the rounds' walls
 
 
-def test_a_run_measures_the_rounds_between_the_first_and_the_last():
+def test_a_run_measures_its_rounds_and_their_span():
     fedrun = load("fedrun")
-    run = fedrun.Run([{"round": str(r)} for r in range(1, 6)], {}, 1.0, 2)
+    run = fedrun.Run([{"round": str(r)} for r in range(1, 6)], {}, 1.0, 2, {1: 10.0, 2: 11.0, 4: 13.5, 5: 15.0})
     assert [r["round"] for r in run.measured()] == ["2", "3", "4"]
+    assert run.measured_span() == 3.5  # from round 1's row to round 4's
+    assert fedrun.Run(run.rows, {}, 1.0, 2).measured_span() is None
 
 
 def test_message_profile_prints_the_breakdown_on_a_tiny_in_process_run(tmp_path, monkeypatch, capsys):

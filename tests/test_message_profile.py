@@ -15,7 +15,7 @@ from fedapps.client import ops, phases
 from fedapps.client.phases import PhaseClock, measuring
 from fedapps.client.worker import Worker
 from fedapps.reporting.results import profile_columns, round_row
-from fedapps.server.rounds import RoundLog
+from fedapps.server.rounds import RoundLog, StepClock
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply, MessageProfile, ReplyError
 from fedapps.wire.validation import ReplyValidator
@@ -192,3 +192,17 @@ def test_npy_values_leaves_what_it_does_not_read_to_flower():
         protocol.npy_values(short)
     with pytest.raises(ValueError, match="do not start with an .npy header"):
         protocol.npy_header(b"not an array at all")
+
+
+def test_the_servers_steps_of_a_round_are_timed_one_after_another_into_rounds_csv():
+    clock = StepClock()
+    time.sleep(0.02)
+    clock.done("messages")
+    time.sleep(0.03)
+    clock.done("exchange")
+    clock.done("replies")
+    assert list(clock.seconds) == ["messages", "exchange", "replies"]
+    assert 0.02 <= clock.seconds["messages"] < 0.03 + 0.02 and 0.03 <= clock.seconds["exchange"] < 0.05
+    assert clock.seconds["replies"] < 0.01
+    row = round_row(RoundLog(2, [], 0, 0, steps={"messages": 0.25, "exchange": 1.5}), num_clients=1)
+    assert (row["round_messages_seconds"], row["round_exchange_seconds"]) == (0.25, 1.5)

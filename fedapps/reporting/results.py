@@ -359,6 +359,10 @@ def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
         "replies_missing": getattr(entry, "replies_missing", 0),
     }
     row.update(profile_columns([r.profile for r in entry.replies]))
+    # the server's steps of the round (fedapps.server.rounds.StepClock): messages built, the exchange with the
+    # clients, the replies checked, the aggregation; the rest of wall_seconds is the final evaluation's
+    for step, seconds in getattr(entry, "steps", {}).items():
+        row[f"round_{step}_seconds"] = round(seconds, 4)
     row.update(after_training_stats(metrics))
     losses = [float(m["train-loss"]) for m in metrics if "train-loss" in m]
     row["train_loss"] = sum(losses) / len(losses) if losses else ""
