@@ -1,5 +1,6 @@
 """Where a client's time on a message goes: the phase clock, the profile every reply carries, its check by the reply
-validator, and its columns in rounds.csv."""
+validator, its columns in rounds.csv and the server's steps beside them; and what was cut from each message: the .npy
+codec (Flower's own bytes, each header made and read once) and a round's settings record shared by its messages."""
 
 from __future__ import annotations
 
@@ -206,3 +207,22 @@ def test_the_servers_steps_of_a_round_are_timed_one_after_another_into_rounds_cs
     assert clock.seconds["replies"] < 0.01
     row = round_row(RoundLog(2, [], 0, 0, steps={"messages": 0.25, "exchange": 1.5}), num_clients=1)
     assert (row["round_messages_seconds"], row["round_exchange_seconds"]) == (0.25, 1.5)
+
+
+# --------------------------------------------------------------------------- a round's shared settings
+
+
+def test_a_requests_record_is_built_once_and_a_rounds_messages_share_their_decoding():
+    request = protocol.Request(ops=("train",), round=3)
+    first, second = protocol.build_message(100, request), protocol.build_message(101, request)
+    assert first.content[protocol.CONFIG] is second.content[protocol.CONFIG]  # one record for the round's messages
+    memo = protocol.RequestMemo()
+    decoded = memo.of(first)
+    assert decoded == request and memo.of(second) is decoded  # decoded once
+    changed = memo.replaced(decoded, ops=("evaluate", "train"))
+    assert changed.ops == ("evaluate", "train") and memo.replaced(decoded, ops=("evaluate", "train")) is changed
+    assert memo.replaced(decoded, ops=("train", "evaluate")) is not changed
+    protocol.with_request(first, changed)  # one message rewritten: the other keeps its settings
+    assert protocol.request_of(first).ops == ("evaluate", "train") and protocol.request_of(second).ops == ("train",)
+    other = protocol.build_message(102, protocol.Request(ops=("train",), round=3))  # equal settings, another record
+    assert memo.of(other) is not decoded and memo.of(other) == decoded
