@@ -9,7 +9,8 @@ train, distill, predict) and every algorithm module registers its own. The priva
 ``<state-dir>/<client-id>.r<round>.pt``, the newest two rounds.
 A message with privacy settings (:class:`fedapps.wire.protocol.Privacy`) runs its operations under
 :mod:`fedapps.client.privacy` (DP-SGD on every loop on the client's data, its ledger kept beside the private model)
-and its reply reports the client's ε.
+and its reply reports the client's ε. Every reply carries where the client's time on the message went
+(:class:`fedapps.wire.protocol.MessageProfile`, measured by :mod:`fedapps.client.phases`).
 """
 
 from __future__ import annotations
