@@ -643,9 +643,10 @@ class Worker:
         if req.keep.saves:
             # the private model lives in Context.state between rounds; strategies that send the whole model
             # every round switch this off, which halves what travels with each message in simulation. An
-            # evaluation-only message reads the private model (persist-model) but never writes it (save-model false)
+            # evaluation-only message reads the private model (persist-model) but never writes it (save-model false).
+            # The arrays are copied to the host; the module stays on its device for the next message (SKELETONS)
             with self.clock.phase("keep"):
-                self.context.state[STATE_MODEL] = model_arrays(self.model.cpu(), "state")
+                self.context.state[STATE_MODEL] = model_arrays(self.model, "state")
                 self.context.state[STATE_ARCH] = ConfigRecord({NODE_ARCH: self.arch})
                 save_private_state(self.context, self.request, self.client_id, self.model, self.arch)
         self.metrics[protocol.TOTAL_TIME] = time.perf_counter() - self.t0
