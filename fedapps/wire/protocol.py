@@ -38,7 +38,8 @@ A reply (:class:`Reply` on the client, :class:`ClientReply` once parsed on the s
 (MetricRecord: ``client-id``, ``num-examples``, evaluation results, timings ``t-<tag>`` and ``t-total``, and
 while privacy is on the client's ε so far, ``privacy-epsilon``), and
 optionally ``arrays`` (the client's model) and ``predictions`` (encoded predictions on U), with ``info``
-(:class:`ReplyInfo`: the client's architecture and U's fingerprint).
+(:class:`ReplyInfo`: the client's architecture and U's fingerprint) and ``profile`` (:class:`MessageProfile`: where the
+client's time on the message went, left out of the byte counts).
 
 Unset fields (None) are not sent: a message carries exactly the keys its builder set, so that messages, byte counts
 and results stay as they were whatever a default is. :meth:`Request.decode` refuses a malformed message with a
