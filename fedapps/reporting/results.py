@@ -358,7 +358,7 @@ def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
         "replies_rejected": getattr(entry, "replies_rejected", 0),
         "replies_missing": getattr(entry, "replies_missing", 0),
     }
-    row.update(profile_columns([getattr(r, "profile", None) for r in entry.replies]))
+    row.update(profile_columns([r.profile if isinstance(r, protocol.ClientReply) else None for r in entry.replies]))
     # the server's steps of the round (fedapps.server.rounds.StepClock): messages built, the exchange with the
     # clients, the replies checked, the aggregation; the rest of wall_seconds is the final evaluation's
     for step, seconds in getattr(entry, "steps", {}).items():
