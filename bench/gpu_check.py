@@ -5,7 +5,13 @@ of the whole device and of the largest single client process (sampled with nvidi
 final accuracy. A case fails when its run fails or no client process ever held GPU memory (i.e. training
 silently ran on the CPU). Results also go to ``<out>/gpu_check.json``.
 
-    bash bench/gpu_check.sh [--out DIR] [--cases cwfedavg,cosmos,cwfedavg-bf16,fedavg-resnet18]
+The FedAvg cases (the CNN with 20 clients, ``fedavg-cnn``; ResNet-18 on 3×32×32 at batch 64, ``fedavg-resnet18``) are
+also run as a bare loop in this process on the same device (bench/bareloop.py: the same clients' work, their data on
+the device from the start, one warm-up round), and ``gpu_ratio`` = Flower's seconds per round (the rounds between the
+first and the last) / the bare loop's (target <= 1.5). The last line: ``gpu_ratio_<case>=...`` for each.
+
+    bash bench/gpu_check.sh [--out DIR] [--cases cwfedavg,cosmos,cwfedavg-bf16,fedavg-resnet18,fedavg-cnn]
+    bash bench/gpu_check.sh --device cpu --cases fedavg-cnn --clients 2 --rounds 3   # the same end to end on the CPU
 """
 
 from __future__ import annotations
@@ -23,7 +29,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bareloop import round_seconds  # noqa: E402
+from fedapps.config import load_config  # noqa: E402
 from fedapps_tools.benchrecord import record  # noqa: E402
+
+TARGET_RATIO = 1.5
 
 # name -> (config, overrides, gpus per client)
 CASES: dict[str, tuple[str, list[str], float]] = {
@@ -38,7 +49,7 @@ CASES: dict[str, tuple[str, list[str], float]] = {
     "fedavg-resnet18": (
         "configs/fedavg.yaml",
         [
-            "rounds=3",
+            "rounds=4",
             "client.device=cuda",
             "model.name=resnet18",
             "data.source=synthetic",
@@ -51,7 +62,10 @@ CASES: dict[str, tuple[str, list[str], float]] = {
         ],
         0.25,
     ),
+    # the CNN with 20 clients: a round of small models, where Flower's per-message cost shows most
+    "fedavg-cnn": ("configs/fedavg.yaml", ["rounds=5", "client.device=cuda"], 0.25),
 }
+RATIO_CASES = ("fedavg-cnn", "fedavg-resnet18")  # FedAvg: the bare loop does exactly their clients' work
 
 
 class GpuMemorySampler(threading.Thread):
@@ -92,43 +106,50 @@ class GpuMemorySampler(threading.Thread):
         self.join(timeout=15)
 
 
-def run_case(name: str, out: Path) -> dict:
-    config, overrides, gpus = CASES[name]
+def case_overrides(name: str, device: str, sizes: list[str]) -> list[str]:
+    """A case's overrides on ``device`` (on the CPU: its cuda settings as cpu, mixed precision left out), then the
+    size flags' (``sizes``; ``data.synthetic_samples`` only for the cases on synthetic data)."""
+    overrides = list(CASES[name][1])
+    if device == "cpu":
+        overrides = [o.replace("=cuda", "=cpu") for o in overrides if not o.startswith("client.mixed_precision")]
+    synthetic = "data.source=synthetic" in overrides
+    return overrides + [o for o in sizes if synthetic or not o.startswith("data.synthetic_samples=")]
+
+
+def measured_rounds(rows: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The rounds a round's cost is read from: all but the first (Ray start-up, actors, data) and the last (it also
+    carries the evaluation-only message to every client); all of them when there are fewer than three."""
+    return rows[1:-1] if len(rows) >= 3 else rows
+
+
+def run_case(name: str, out: Path, device: str = "cuda", sizes: list[str] | None = None) -> dict:
+    config, _, gpus = CASES[name]
+    overrides = case_overrides(name, device, sizes or [])
+    on_gpu = device == "cuda"
     run_name = f"gpu-check-{name}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "fedapps_tools.cli",
-        "run",
-        config,
-        "--output-dir",
-        str(out),
-        "--quiet",
-        "--gpus-per-client",
-        str(gpus),
-        "--cpus-per-client",
-        "2",
-        "--set",
-        f"run_name={run_name}",
-        *overrides,
-    ]
-    sampler = GpuMemorySampler()
-    sampler.start()
+    cmd = [sys.executable, "-m", "fedapps_tools.cli", "run", config, "--output-dir", str(out), "--quiet"]
+    cmd += ["--gpus-per-client", str(gpus), "--cpus-per-client", "2"] if on_gpu else ["--cpus-per-client", "1"]
+    cmd += ["--set", f"run_name={run_name}", *overrides]
+    sampler = GpuMemorySampler() if on_gpu else None
+    if sampler is not None:
+        sampler.start()
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - started
-    sampler.stop()
+    if sampler is not None:
+        sampler.stop()
     result = {
         "case": name,
+        "device": device,
         "config": config,
         "overrides": overrides,
-        "gpus_per_client": gpus,
+        "gpus_per_client": gpus if on_gpu else 0,
         "exit_code": proc.returncode,
         "wall_seconds_end_to_end": round(wall, 1),
-        "peak_device_mib": sampler.peak_device,
-        "device_mib_before": sampler.baseline,
-        "peak_client_process_mib": sampler.peak_process,
-        "gpu_processes_seen": len(sampler.pids),
+        "peak_device_mib": sampler.peak_device if sampler else 0,
+        "device_mib_before": sampler.baseline if sampler else 0,
+        "peak_client_process_mib": sampler.peak_process if sampler else 0,
+        "gpu_processes_seen": len(sampler.pids) if sampler else 0,
     }
     run_dir = out / run_name
     rounds_csv = run_dir / "rounds.csv"
@@ -137,25 +158,48 @@ def run_case(name: str, out: Path) -> dict:
         return result
     with open(rounds_csv) as f:
         rows = list(csv.DictReader(f))
-    round_seconds = sum(float(r["wall_seconds"]) for r in rows)
+    all_rounds = sum(float(r["wall_seconds"]) for r in rows)
+    measured = measured_rounds(rows)
+    flower_round = sum(float(r["wall_seconds"]) for r in measured) / len(measured)
     summary = json.loads((run_dir / "summary.json").read_text())
     result.update(
         rounds=len(rows),
-        rounds_per_second=round(len(rows) / round_seconds, 3) if round_seconds else None,
+        rounds_per_second=round(len(rows) / all_rounds, 3) if all_rounds else None,
         rounds_per_second_end_to_end=round(len(rows) / wall, 3),
+        round_seconds=round(flower_round, 3),
         accuracy_mean=summary.get("accuracy_mean"),
         final_train_loss=float(rows[-1]["train_loss"]) if rows[-1].get("train_loss") else None,
     )
-    if sampler.peak_process == 0:
+    if name in RATIO_CASES:
+        cfg = load_config(ROOT / config, [f"run_name={run_name}", *overrides])
+        bare = round_seconds(cfg, len(measured), device)
+        result.update(bare_round_seconds=round(bare, 4), gpu_ratio=round(flower_round / bare, 3))
+    if sampler is not None and sampler.peak_process == 0:
         result["error"] = "no client process held GPU memory: the clients did not train on CUDA"
     return result
 
 
-def main() -> int:
+def device_line(device: str) -> tuple[str, str]:
+    """(the device's name, a line describing it and the machine)."""
+    import torch
+
+    if device == "cpu":
+        return "cpu", f"gpu_check: on the CPU (no GPU asked for or none visible), torch {torch.__version__}, "
+    gpu = torch.cuda.get_device_properties(0)
+    return gpu.name, f"gpu_check: {gpu.name}, {gpu.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, "
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="", help="results folder (default: a new temporary folder)")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: cuda when visible, else the CPU"
+    )
+    ap.add_argument("--clients", type=int, default=0, help="data.num_clients of every case (default: each case's)")
+    ap.add_argument("--rounds", type=int, default=0, help="rounds of every case (default: each case's)")
+    ap.add_argument("--samples", type=int, default=0, help="data.synthetic_samples of the synthetic-data cases")
+    args = ap.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="fedapps-gpu-check-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     names = [c for c in args.cases.split(",") if c]
@@ -165,40 +209,47 @@ def main() -> int:
         return 2
     import torch
 
-    gpu = torch.cuda.get_device_properties(0)
-    print(
-        f"gpu_check: {gpu.name}, {gpu.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, "
-        f"{os.cpu_count()} CPU cores; results in {out}",
-        flush=True,
-    )
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    sizes = [f"data.num_clients={args.clients}", "strategy.min_clients=1"] if args.clients else []
+    sizes += [f"rounds={args.rounds}"] if args.rounds else []
+    sizes += [f"data.synthetic_samples={args.samples}"] if args.samples else []
+    name, line = device_line(device)
+    print(line + f"{os.cpu_count()} CPU cores; results in {out}", flush=True)
     results = []
-    for name in names:
-        r = run_case(name, out)
+    for case in names:
+        r = run_case(case, out, device, sizes)
         results.append(r)
         if "error" in r:
-            print(f"  {name:16s} FAILED (exit {r['exit_code']}): {r['error'][-1500:]}", flush=True)
-        else:
-            print(
-                f"  {name:16s} {r['rounds']} rounds  {r['rounds_per_second']:.3f} rounds/s in rounds "
-                f"({r['rounds_per_second_end_to_end']:.3f} end to end, {r['wall_seconds_end_to_end']:.0f} s)  "
-                f"peak GPU memory: device {r['peak_device_mib']} MiB (before: {r['device_mib_before']}), "
-                f"largest client process {r['peak_client_process_mib']} MiB, {r['gpu_processes_seen']} GPU processes  "
-                f"accuracy {r['accuracy_mean']:.3f}, last round's train loss {r['final_train_loss']!r}",
-                flush=True,
-            )
+            print(f"  {case:16s} FAILED (exit {r['exit_code']}): {r['error'][-1500:]}", flush=True)
+            continue
+        ratio = ""
+        if "gpu_ratio" in r:
+            ratio = f"  round {r['round_seconds']:.3f} s, bare loop {r['bare_round_seconds']:.3f} s"
+            ratio += f": gpu_ratio {r['gpu_ratio']:.2f}"
+        print(
+            f"  {case:16s} {r['rounds']} rounds  {r['rounds_per_second']:.3f} rounds/s in rounds "
+            f"({r['rounds_per_second_end_to_end']:.3f} end to end, {r['wall_seconds_end_to_end']:.0f} s)  "
+            f"peak GPU memory: device {r['peak_device_mib']} MiB (before: {r['device_mib_before']}), "
+            f"largest client process {r['peak_client_process_mib']} MiB, {r['gpu_processes_seen']} GPU processes  "
+            f"accuracy {r['accuracy_mean']:.3f}, last round's train loss {r['final_train_loss']!r}" + ratio,
+            flush=True,
+        )
     (out / "gpu_check.json").write_text(
-        json.dumps({"gpu": gpu.name, "torch": torch.__version__, "cases": results}, indent=2)
+        json.dumps({"gpu": name, "torch": torch.__version__, "cases": results}, indent=2)
     )
-    record(
-        "gpu_check",
-        {
-            f"{r['case']}_{key}": r[key]
-            for r in results
-            if "error" not in r
-            for key in ("rounds_per_second", "peak_device_mib", "accuracy_mean")
-        }
-        | {f"{r['case']}_failed": r["exit_code"] for r in results if "error" in r},
-    )
+    figures = {
+        f"{r['case']}_{key}": r[key]
+        for r in results
+        if "error" not in r
+        for key in ("rounds_per_second", "peak_device_mib", "accuracy_mean", "gpu_ratio")
+        if key in r
+    }
+    record("gpu_check", figures | {f"{r['case']}_failed": r["exit_code"] for r in results if "error" in r})
+    ratios = {r["case"]: r["gpu_ratio"] for r in results if "gpu_ratio" in r}
+    if ratios:
+        print(" ".join(f"gpu_ratio_{case}={ratio}" for case, ratio in ratios.items()) + f" target={TARGET_RATIO:g}")
     return 1 if any("error" in r for r in results) else 0
 
 

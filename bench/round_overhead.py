@@ -37,13 +37,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fedapps.config import config_from_dict  # noqa: E402
+import bareloop  # noqa: E402
+from bareloop import average, evaluate, weighted_sum  # noqa: E402
+from fedapps.config import OptimSettings, config_from_dict  # noqa: E402
 from fedapps.data import get_federation  # noqa: E402
 from fedapps.models import build_model  # noqa: E402
 from fedapps_tools.benchrecord import record  # noqa: E402
 from proctree import CpuSampler, cpu_between  # noqa: E402
 
 CLIENTS, ROUNDS, BATCH, LR = 20, 5, 10, 0.05
+SETTINGS = OptimSettings(epochs=1, batch_size=BATCH, lr=LR, optimizer="sgd")
 
 
 def experiment_config(rounds: int) -> dict:
@@ -133,41 +136,10 @@ def bare_setup(client_ids: range | list[int]) -> tuple[list, torch.nn.Module, St
     return clients, model, initial
 
 
-def evaluate(model: torch.nn.Module, c) -> None:
-    """The global model on one client's test split (the protocol's evaluations)."""
-    model.eval()
-    with torch.no_grad():
-        (model(c.test_x).argmax(1) == c.test_y).float().mean()
-    model.train()
-
-
 def client_update(model: torch.nn.Module, global_state: State, c, client_id: int, rnd: int) -> tuple[State, int]:
-    """One client's round: load the global model, evaluate it, train one epoch of batch-10 SGD (order seeded by round
-    and client), evaluate again; the trained state and the client's sample count."""
-    model.load_state_dict(global_state)
-    evaluate(model, c)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    g = torch.Generator().manual_seed(rnd * 1000 + client_id)
-    order = torch.randperm(len(c.train_x), generator=g)
-    for s in range(0, len(order) - len(order) % BATCH, BATCH):
-        idx = order[s : s + BATCH]
-        opt.zero_grad()
-        F.cross_entropy(model(c.train_x[idx]), c.train_y[idx]).backward()
-        opt.step()
-    evaluate(model, c)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, len(c.train_x)
-
-
-def weighted_sum(updates: list[tuple[State, int]]) -> tuple[State, int]:
-    """Σ n_i · state_i over some clients and Σ n_i: what a process contributes to the FedAvg mean."""
-    total = sum(n for _, n in updates)
-    return {k: sum(s[k] * float(n) for s, n in updates) for k in updates[0][0]}, total
-
-
-def average(partials: list[tuple[State, int]]) -> State:
-    """FedAvg's sample-weighted mean from the processes' partial sums: Σ_p S_p / Σ_p N_p."""
-    total = sum(n for _, n in partials)
-    return {k: sum(s[k] for s, _ in partials) / total for k in partials[0][0]}
+    """One client's round (bench/bareloop.py): load the global model, evaluate it, train one epoch of batch-10 SGD
+    (order seeded by round and client), evaluate again; the trained state and the client's sample count."""
+    return bareloop.client_update(model, global_state, c, rnd * 1000 + client_id, SETTINGS)
 
 
 def bare_seconds(threads: int = 2) -> float:

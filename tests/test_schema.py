@@ -22,6 +22,7 @@ from fedapps.wire.protocol import (
     Keep,
     Load,
     MessageError,
+    MessageProfile,
     ModelSpec,
     Privacy,
     PublicSet,
@@ -156,11 +157,24 @@ def test_the_targets_record_and_a_reply_are_on_the_wire_name_by_name():
         arrays=ArrayRecord(),
         predictions=np.zeros(2, np.uint8),
         info=ReplyInfo("mlp", "0123abcd"),
+        profile=MessageProfile(decoding=0.5, train=2.0, wall=4.0),
     ).encode()
-    assert list(content.keys()) == ["predictions", "arrays", "metrics", "info"]
+    assert list(content.keys()) == ["predictions", "arrays", "metrics", "info", "profile"]
     assert list(content["predictions"].keys()) == ["predictions"]
     assert dict(content["metrics"]) == {"client-id": 3, "num-examples": 40, "eval-acc": 0.5}
     assert dict(content["info"]) == {"arch": "mlp", "fingerprint": "0123abcd"}
+    assert dict(content["profile"]) == {  # where the client's time went, every phase in seconds
+        "decoding-seconds": 0.5,
+        "data-seconds": 0.0,
+        "model-seconds": 0.0,
+        "train-seconds": 2.0,
+        "evaluate-seconds": 0.0,
+        "predict-seconds": 0.0,
+        "other-seconds": 0.0,
+        "keep-seconds": 0.0,
+        "encoding-seconds": 0.0,
+        "wall-seconds": 4.0,
+    }
     assert protocol.PRIVACY_EPSILON == "privacy-epsilon"  # the metric of a private client's ε
 
 
@@ -266,7 +280,13 @@ def test_a_reply_is_parsed_back_into_what_the_client_sent():
     arrays = protocol.arrays_record({"w": np.full((2, 2), 0.5, np.float32)})
     wire = np.array([[0.25, 0.75]], np.float32)
     sent = Reply(
-        7, 30, {"train-loss": 1.5, "t-train": 0.1}, arrays=arrays, predictions=wire, info=ReplyInfo("cnn", "ffee")
+        7,
+        30,
+        {"train-loss": 1.5, "t-train": 0.1},
+        arrays=arrays,
+        predictions=wire,
+        info=ReplyInfo("cnn", "ffee"),
+        profile=MessageProfile(train=0.1, wall=0.2),
     )
     msg = protocol.build_message(100, Request(ops=("train",), round=1))
     from flwr.app import Message
@@ -277,6 +297,7 @@ def test_a_reply_is_parsed_back_into_what_the_client_sent():
     np.testing.assert_array_equal(got.arrays["w"], np.full((2, 2), 0.5, np.float32))
     np.testing.assert_array_equal(got.predictions[protocol.PREDICTION_ARRAY], wire)
     assert ReplyInfo.decode(got.info) == ReplyInfo("cnn", "ffee")
+    assert got.profile == MessageProfile(train=0.1, wall=0.2)
     assert ReplyInfo.decode(ReplyInfo().encode()) == ReplyInfo()
 
 

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedapps.client.phases import timed
+from fedapps.client.resident import on_device
 from fedapps.config import OptimSettings
 
 Regulariser = Callable[[nn.Module], Tensor]
@@ -118,6 +120,7 @@ def batches(
         yield order[start : start + batch_size]
 
 
+@timed("train")
 def run_epochs(
     model: nn.Module,
     x: Tensor,
@@ -131,11 +134,14 @@ def run_epochs(
 ) -> dict[str, float]:
     """The one training loop: shuffled minibatches of (x, y[, weights]) through ``loss_fn`` (+ ``regulariser``, a
     term on the model alone); returns mean loss. Under :func:`privately`, a loop on data that is not ``public`` (the
-    client's own) is the private loop's (DP-SGD)."""
+    client's own) is the private loop's (DP-SGD). The minibatches are taken from the data's copy on the model's device
+    (:mod:`fedapps.client.resident`)."""
     loop = None if public else private_loop()
     if loop is not None:
         return loop.run(model, x, y, loss_fn, settings, weights, regulariser, generator)
     device = next(model.parameters()).device
+    x, y = on_device(x, device), on_device(y, device)
+    weights = on_device(weights, device) if weights is not None else None
     model.train()
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad], settings)  # frozen parts stay as they are
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())  # noqa: SLF001 - no public base class
@@ -146,8 +152,8 @@ def run_epochs(
             check_cancelled()
             if has_batchnorm and len(idx) < 2:
                 continue  # BatchNorm cannot train on a single sample
-            xb, yb = x[idx].to(device, non_blocking=True), y[idx].to(device, non_blocking=True)
-            wb = weights[idx].to(device) if weights is not None else None
+            xb, yb = x[idx], y[idx]
+            wb = weights[idx] if weights is not None else None
             opt.zero_grad(set_to_none=True)
             with torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else nullcontext():
                 loss = loss_fn(model, xb, yb, wb)
@@ -252,12 +258,20 @@ def distill(
 
 
 @torch.no_grad()
-def predict(model: nn.Module, x: Tensor, batch_size: int = 256, output: str = "probs") -> Tensor:
-    """Model outputs on x: 'probs' (softmax), 'logits' or 'labels' (argmax); returned on the CPU."""
+def logits_of(model: nn.Module, x: Tensor, batch_size: int = 256) -> Tensor:
+    """The model's logits on x in eval mode, batch by batch (from x's copy on the model's device), on the CPU (what
+    :func:`predict` and :func:`evaluate` share)."""
     device = next(model.parameters()).device
     model.eval()
-    outs = [model(x[i : i + batch_size].to(device)).float().cpu() for i in range(0, len(x), batch_size)]
-    logits = torch.cat(outs) if outs else torch.zeros((0, 0))
+    x = on_device(x, device)
+    outs = [model(x[i : i + batch_size]).float().cpu() for i in range(0, len(x), batch_size)]
+    return torch.cat(outs) if outs else torch.zeros((0, 0))
+
+
+@timed("predict")
+def predict(model: nn.Module, x: Tensor, batch_size: int = 256, output: str = "probs") -> Tensor:
+    """Model outputs on x: 'probs' (softmax), 'logits' or 'labels' (argmax); returned on the CPU."""
+    logits = logits_of(model, x, batch_size)
     if output == "logits":
         return logits
     if output == "probs":
@@ -276,12 +290,13 @@ def losses_of(model: nn.Module, states: list[dict[str, Tensor]], x: Tensor, y: T
     return losses
 
 
+@timed("evaluate")
 @torch.no_grad()
 def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 256) -> dict[str, float]:
     """Accuracy, mean cross-entropy and sample count on (x, y)."""
     if len(x) == 0:
         return {"acc": 0.0, "loss": 0.0, "n": 0.0, "correct": 0.0}
-    logits = predict(model, x, batch_size, output="logits")
+    logits = logits_of(model, x, batch_size)
     loss = F.cross_entropy(logits, y.cpu()).item()
     correct = (logits.argmax(dim=-1) == y.cpu()).sum().item()
     return {

@@ -9,7 +9,8 @@ train, distill, predict) and every algorithm module registers its own. The priva
 ``<state-dir>/<client-id>.r<round>.pt``, the newest two rounds.
 A message with privacy settings (:class:`fedapps.wire.protocol.Privacy`) runs its operations under
 :mod:`fedapps.client.privacy` (DP-SGD on every loop on the client's data, its ledger kept beside the private model)
-and its reply reports the client's ε.
+and its reply reports the client's ε. Every reply carries where the client's time on the message went
+(:class:`fedapps.wire.protocol.MessageProfile`, measured by :mod:`fedapps.client.phases`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from fedapps.client.clientops import (
     client_op,
     parse_op,
 )
+from fedapps.client.phases import PhaseClock, measuring
 from fedapps.data import (
     DATA_PATH,
     NODES,
@@ -70,6 +72,7 @@ STATE_ARCH = "private-model-arch"
 __all__ = ["ProtocolError", "Worker", "handle"]  # ProtocolError is defined in fedapps.client.clientops
 
 THREADS_KEY = "threads"  # node config: torch threads of this node's ClientApp
+THREADS_ENV = "FEDAPPS_CLIENT_THREADS"  # environment: the same, where no node config gives it
 # node config keys named as the wire names the same thing: the client's id, its architecture, its state directory
 NODE_CLIENT_ID = protocol.CLIENT_ID
 NODE_ARCH = protocol.INFO_ARCH
@@ -80,7 +83,7 @@ STATE_DIR_KEY = protocol.STATE_DIR  # node config (and message setting): where t
 def set_threads_once(requested: int = 0) -> int:
     """Give torch exactly the threads this worker was granted: node config ``threads`` (``requested``), else
     FEDAPPS_CLIENT_THREADS, else OMP_NUM_THREADS (Ray sets it per actor); none of them: torch's default."""
-    n = int(requested) or int(os.environ.get("FEDAPPS_CLIENT_THREADS", os.environ.get("OMP_NUM_THREADS", "0")) or 0)
+    n = int(requested) or int(os.environ.get(THREADS_ENV, os.environ.get("OMP_NUM_THREADS", "0")) or 0)
     if n > 0:
         torch.set_num_threads(n)
     return torch.get_num_threads()
@@ -266,7 +269,7 @@ def private_model(
     overwritten = incoming is not None and initial.keys() <= incoming.keys()  # every value is loaded next
     if not overwritten:
         saved = STATE_MODEL in context.state
-        model.load_state_dict(context.state.array_records[STATE_MODEL].to_torch_state_dict() if saved else initial)
+        model.load_state_dict(record_tensors(context.state.array_records[STATE_MODEL]) if saved else initial)
     return on_device(model, device), arch
 
 
@@ -470,15 +473,19 @@ def model_arrays(model: nn.Module, which: str, transport: str = "float32") -> Ar
     floating arrays encoded for ``transport`` (float32: as the model holds them; see :func:`protocol.encode_arrays`)."""
     if which not in STATE_PARTS:
         raise ProtocolError(f"unknown arrays.keys '{which}'; allowed: {', '.join(STATE_PARTS)}")
-    if transport == "float32":
-        return ArrayRecord({k: v.detach().cpu() for k, v in state_part(model, which).items()})
     return protocol.arrays_record({k: v.detach().cpu().numpy() for k, v in state_part(model, which).items()}, transport)
 
 
 def received_state(record: ArrayRecord) -> dict[str, torch.Tensor]:
     """A received ArrayRecord as a state dict, float16 tensors (``arrays.transport: float16``) cast back to float32,
     the dtype of every model in the zoo; integer buffers and float32 tensors as they came."""
-    return {k: v.float() if v.dtype == torch.float16 else v for k, v in record.to_torch_state_dict().items()}
+    return {k: v.float() if v.dtype == torch.float16 else v for k, v in record_tensors(record).items()}
+
+
+def record_tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    """An ArrayRecord as tensors by name, as Flower's ``to_torch_state_dict`` gives them (writable, in the arrays' own
+    dtypes), read by :func:`fedapps.wire.protocol.record_values`."""
+    return {k: torch.from_numpy(v) for k, v in protocol.record_values(record).items()}
 
 
 def holdout_split(n: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -537,32 +544,36 @@ class Worker:
     """
 
     def __init__(self, msg: Message, context: Context) -> None:
+        self.clock = PhaseClock()  # where the time goes (the reply's profile): from here to the reply encoded
         self.t0 = time.perf_counter()  # t-total: from here (data and model lookup included) to the reply's arrays
         set_threads_once(node_threads(context))
         self.msg = msg
         self.context = context
-        try:
-            self.request = protocol.request_of(msg)
-        except protocol.MessageError as exc:
-            raise ProtocolError(f"malformed message: {exc}") from exc
+        with self.clock.phase("decoding"):
+            try:
+                self.request = protocol.request_of(msg)
+            except protocol.MessageError as exc:
+                raise ProtocolError(f"malformed message: {exc}") from exc
         self.client_id = client_id_of(context)
-        self.fed = client_federation(context, data_spec(self.request), self.client_id, needs_public(self.request))
-        self.data: ClientData = self.fed.client(self.client_id)
-        # a held-out share of the training split (scored on by operations that need one); training uses the rest
-        self.train_x, self.train_y = self.data.train_x, self.data.train_y
-        self.val_x, self.val_y = self.data.train_x[:0], self.data.train_y[:0]
-        holdout = float(self.request.training.holdout_fraction or 0.0)
-        if holdout:
-            fit, held_out = holdout_split(
-                len(self.data.train_y),
-                holdout,
-                derive_seed(int(self.request.setup.data.get("seed", 0)), "holdout", self.client_id),
-            )
-            self.train_x, self.train_y = self.data.train_x[fit], self.data.train_y[fit]
-            self.val_x, self.val_y = self.data.train_x[held_out], self.data.train_y[held_out]
+        with self.clock.phase("data"):
+            self.fed = client_federation(context, data_spec(self.request), self.client_id, needs_public(self.request))
+            self.data: ClientData = self.fed.client(self.client_id)
+            # a held-out share of the training split (scored on by operations that need one); training uses the rest
+            self.train_x, self.train_y = self.data.train_x, self.data.train_y
+            self.val_x, self.val_y = self.data.train_x[:0], self.data.train_y[:0]
+            holdout = float(self.request.training.holdout_fraction or 0.0)
+            if holdout:
+                fit, held_out = holdout_split(
+                    len(self.data.train_y),
+                    holdout,
+                    derive_seed(int(self.request.setup.data.get("seed", 0)), "holdout", self.client_id),
+                )
+                self.train_x, self.train_y = self.data.train_x[fit], self.data.train_y[fit]
+                self.val_x, self.val_y = self.data.train_x[held_out], self.data.train_y[held_out]
         self.device = ops.resolve_device(str(self.request.setup.client.get("device", "auto")))
         if self.request.keep.persists:
-            restore_private_state(context, self.request, self.client_id)
+            with self.clock.phase("model"):
+                restore_private_state(context, self.request, self.client_id)
         self.arch = private_arch(context, self.request, self.client_id)
         self.outgoing: nn.Module | None = None  # set by an operation that returns another model than the private one
         self.reply = protocol.Reply(self.client_id, len(self.data.train_y))
@@ -595,7 +606,7 @@ class Worker:
         """Run every operation in the message, save the private model, and build the reply (the model modules the
         message took from :data:`SKELETONS` are given back at the end)."""
         try:
-            with self.global_rng():
+            with self.global_rng(), measuring(self.clock):
                 return self._run()
         finally:
             for key, item in self.taken:
@@ -607,37 +618,54 @@ class Worker:
         steps = [parse_op(op) for op in self.request.ops]  # refuse an unknown operation before running any
         req = self.request
         if self.received is not None and req.load.into_model:
-            load_arrays(self.model, self.received, strict=False)
-        private = privacy.start(
-            req, self.context, self.client_id, self.arch, state_dir(req, self.context), state_dir_is_nodes(self.context)
-        )
-        with ops.privately(private.training if private is not None else None):
-            for op, tag in steps:
-                start = time.perf_counter()
-                op.run(self, tag)
-                self.metrics[protocol.timing_name(tag)] = time.perf_counter() - start
-        if private is not None:  # the ops succeeded: their steps count, whatever leaves with the reply
-            self.metrics[protocol.PRIVACY_EPSILON] = private.commit()
+            with self.clock.phase("model"):
+                load_arrays(self.model, self.received, strict=False)
+        with self.clock.phase("other"):
+            private = privacy.start(
+                req,
+                self.context,
+                self.client_id,
+                self.arch,
+                state_dir(req, self.context),
+                state_dir_is_nodes(self.context),
+            )
+            with ops.privately(private.training if private is not None else None):
+                for op, tag in steps:
+                    start = time.perf_counter()
+                    op.run(self, tag)
+                    self.metrics[protocol.timing_name(tag)] = time.perf_counter() - start
+            if private is not None:  # the ops succeeded: their steps count, whatever leaves with the reply
+                self.metrics[protocol.PRIVACY_EPSILON] = private.commit()
         if req.returns.arrays:
-            returned = self.outgoing if self.outgoing is not None else self.model
-            self.reply.arrays = model_arrays(returned, req.returns.which, req.array_transport)
+            with self.clock.phase("encoding"):
+                returned = self.outgoing if self.outgoing is not None else self.model
+                self.reply.arrays = model_arrays(returned, req.returns.which, req.array_transport)
         if req.keep.saves:
             # the private model lives in Context.state between rounds; strategies that send the whole model
             # every round switch this off, which halves what travels with each message in simulation. An
-            # evaluation-only message reads the private model (persist-model) but never writes it (save-model false)
-            self.context.state[STATE_MODEL] = model_arrays(self.model.cpu(), "state")
-            self.context.state[STATE_ARCH] = ConfigRecord({NODE_ARCH: self.arch})
-            save_private_state(self.context, self.request, self.client_id, self.model, self.arch)
+            # evaluation-only message reads the private model (persist-model) but never writes it (save-model false).
+            # The arrays are copied to the host; the module stays on its device for the next message (SKELETONS)
+            with self.clock.phase("keep"):
+                self.context.state[STATE_MODEL] = model_arrays(self.model, "state")
+                self.context.state[STATE_ARCH] = ConfigRecord({NODE_ARCH: self.arch})
+                save_private_state(self.context, self.request, self.client_id, self.model, self.arch)
         self.metrics[protocol.TOTAL_TIME] = time.perf_counter() - self.t0
-        self.reply.info = protocol.ReplyInfo(arch=self.arch, fingerprint=self.fed.fingerprint)
-        return Message(content=self.reply.encode(), reply_to=self.msg)
+        with self.clock.phase("encoding"):
+            self.reply.info = protocol.ReplyInfo(arch=self.arch, fingerprint=self.fed.fingerprint)
+            content = self.reply.encode()
+        self.reply.profile = self.clock.profile()
+        content[protocol.PROFILE] = self.reply.profile.encode()  # last: its own encoding is all it leaves out
+        return Message(content=content, reply_to=self.msg)
 
     @functools.cached_property
     def model(self) -> nn.Module:
         """The private model (restored or built on first use: a message that needs none, e.g. ``describe``,
         builds none)."""
         incoming = self.received if self.request.load.into_model else None
-        return private_model(self.context, self.request, self.fed, self.client_id, self.device, incoming, self.taken)[0]
+        with self.clock.phase("model"):
+            return private_model(
+                self.context, self.request, self.fed, self.client_id, self.device, incoming, self.taken
+            )[0]
 
     @functools.cached_property
     def received(self) -> dict[str, torch.Tensor] | None:
@@ -647,19 +675,22 @@ class Worker:
         see :meth:`candidate_models`)."""
         if protocol.ARRAYS not in self.msg.content or self.request.load.multi:
             return None
-        return received_state(self.msg.content.array_records[protocol.ARRAYS])
+        with self.clock.phase("decoding"):
+            return received_state(self.msg.content.array_records[protocol.ARRAYS])
 
     def candidate_models(self, op: str) -> list[dict[str, torch.Tensor]]:
         """The several models of an ``arrays.multi`` message, as state dicts in the order the server packed them."""
         if protocol.ARRAYS not in self.msg.content or not self.request.load.multi:
             raise ProtocolError(f"{op} needs several models in the message (arrays.multi)")
-        return split_models(self.msg.content.array_records[protocol.ARRAYS])
+        with self.clock.phase("decoding"):
+            return split_models(self.msg.content.array_records[protocol.ARRAYS])
 
     def model_from(self, state: Mapping[str, torch.Tensor]) -> nn.Module:
         """A separate model of the client's architecture holding the given (complete) state."""
-        model = build_model(self.arch, self.fed.num_classes, self.fed.input_shape).to(self.device)
-        model.load_state_dict(state, strict=True)
-        return model
+        with self.clock.phase("model"):
+            model = build_model(self.arch, self.fed.num_classes, self.fed.input_shape).to(self.device)
+            model.load_state_dict(state, strict=True)
+            return model
 
     @property
     def eval_x(self) -> torch.Tensor:
@@ -691,7 +722,8 @@ class Worker:
         if protocol.TARGETS not in self.msg.content:
             return protocol.Targets()
         try:
-            return protocol.Targets.decode(self.msg.content[protocol.TARGETS])
+            with self.clock.phase("decoding"):
+                return protocol.Targets.decode(self.msg.content[protocol.TARGETS])
         except protocol.MessageError as exc:
             raise ProtocolError(f"malformed message: {exc}") from exc
 
@@ -765,8 +797,11 @@ def evaluate_received(w: Worker, tag: str) -> None:
     if protocol.EVAL_ARRAYS not in w.msg.content:
         raise ProtocolError("evaluate-received needs a model in the message's 'eval-arrays' record")
     arch = w.request.evaluation.received_model or w.arch
-    scratch = build_model(arch, w.fed.num_classes, w.fed.input_shape).to(w.device)
-    load_arrays(scratch, received_state(w.msg.content.array_records[protocol.EVAL_ARRAYS]), strict=True)
+    with w.clock.phase("decoding"):
+        state = received_state(w.msg.content.array_records[protocol.EVAL_ARRAYS])
+    with w.clock.phase("model"):
+        scratch = build_model(arch, w.fed.num_classes, w.fed.input_shape).to(w.device)
+        load_arrays(scratch, state, strict=True)
     w.evaluate(scratch, tag)
 
 

@@ -358,6 +358,11 @@ def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
         "replies_rejected": getattr(entry, "replies_rejected", 0),
         "replies_missing": getattr(entry, "replies_missing", 0),
     }
+    row.update(profile_columns([r.profile if isinstance(r, protocol.ClientReply) else None for r in entry.replies]))
+    # the server's steps of the round (fedapps.server.rounds.StepClock): messages built, the exchange with the
+    # clients, the replies checked, the aggregation; the rest of wall_seconds is the final evaluation's
+    for step, seconds in getattr(entry, "steps", {}).items():
+        row[f"round_{step}_seconds"] = round(seconds, 4)
     row.update(after_training_stats(metrics))
     losses = [float(m["train-loss"]) for m in metrics if "train-loss" in m]
     row["train_loss"] = sum(losses) / len(losses) if losses else ""
@@ -373,6 +378,18 @@ def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
     for i in range(num_clients):
         row[f"acc_client_{i}"] = ""  # the deployed model of client i (filled in with the measurement)
     return row
+
+
+def profile_columns(profiles: Iterable[protocol.MessageProfile | None]) -> dict[str, float]:
+    """Where the clients' time on a round's training messages went (their replies' profiles,
+    :class:`fedapps.wire.protocol.MessageProfile`): per phase the seconds summed over the replies,
+    ``client_<phase>_seconds``, and ``client_wall_seconds``, the sum of the messages' walls on the clients (a reply
+    without a profile adds nothing). Divided by ``clients``: the mean per message."""
+    present = [p for p in profiles if p is not None]
+    out = {}
+    for name in protocol.PROFILE_FIELDS:
+        out[f"client_{name}_seconds"] = round(sum(getattr(p, name) for p in present), 4)
+    return out
 
 
 def privacy_columns(metrics: Iterable[Mapping[str, Any]], rejections: Iterable[Any]) -> dict[str, Any]:

@@ -17,7 +17,14 @@ from fedapps.flower import MessageGrid
 from fedapps.flower.connect import wait_for_clients
 from fedapps.reporting.results import accuracy_stats
 from fedapps.server.evaluation import EvaluatedStrategy, EvaluationProtocol
-from fedapps.server.rounds import Measurement, RoundHistory, RoundLog, measurement_metrics, round_metrics
+from fedapps.server.rounds import (
+    Measurement,
+    RoundHistory,
+    RoundLog,
+    StepClock,
+    measurement_metrics,
+    round_metrics,
+)
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 
@@ -111,14 +118,18 @@ class RoundDriver:
         in the ``last`` round, the evaluation-only phase measuring this round's. A round after which the strategy
         says the run must end (``stop_reason``: a privacy budget) is the last one: the history records why."""
         t0 = time.time()
+        clock = StepClock()
         self.replies.begin(rnd)
         messages = self.evaluation.messages_for_round(rnd, self.nodes.sample_nodes(grid, self.strategy.request))
         self.replies.validator.expect(messages)
         eval_down = sum(protocol.eval_nbytes(m.content) for m in messages)  # a model sent for evaluation only
         down = sum(protocol.record_nbytes(m.content) for m in messages) - eval_down
+        clock.done("messages")
         replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
+        clock.done("exchange")
         parsed = self.replies.validate(rnd, replies)
         self.nodes.bind(parsed)
+        clock.done("replies")
         up = sum(r.nbytes for r in parsed)  # the accepted replies' bytes (the rejected ones: bytes_up_rejected)
         parsed.sort(
             key=lambda r: r.client_id
@@ -132,6 +143,7 @@ class RoundDriver:
                 f"strategy.min_clients={min_clients} (no aggregation)",
             )
         extra = {} if skipped else self.strategy.aggregate(rnd, parsed)
+        clock.done("aggregate")
         if not skipped:
             self.history.last_extra = dict(extra)
         stop = "" if last else self.strategy.stop_reason(rnd)
@@ -150,6 +162,7 @@ class RoundDriver:
             received=len(replies),
             skipped=skipped,
             errors=[str(m.error.reason) for m in replies if m.has_error()],
+            steps=clock.seconds,
         )
         deployed = protocol.metric_name(protocol.DEPLOYED_TAG, "acc")
         if rnd > 1 and self.strategy.measures_round(rnd - 1):

@@ -88,13 +88,14 @@ class EvaluationProtocol:
         models: list[tuple[str, ArrayRecord] | None] = [None] * len(messages)
         if measure and d.source == "server":
             models = s.evaluation_models([self.nodes.node_to_client.get(int(m.metadata.dst_node_id)) for m in messages])
+        requests = protocol.RequestMemo()  # messages sharing settings share their decoded and rewritten requests
         for msg, model in zip(messages, models):
-            request = protocol.request_of(msg)
+            request = requests.of(msg)
             ops = with_evaluations(
                 list(request.ops), d, measure and (d.source != "server" or model is not None), s.name
             )
             evaluation = protocol.Evaluation(model[0]) if model is not None else request.evaluation
-            protocol.with_request(msg, dataclasses.replace(request, ops=tuple(ops), evaluation=evaluation))
+            protocol.with_request(msg, requests.replaced(request, ops=tuple(ops), evaluation=evaluation))
             if model is not None:
                 msg.content[protocol.EVAL_ARRAYS] = model[1]
         return with_transport(messages, self.transport)

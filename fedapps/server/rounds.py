@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,23 @@ class RoundLog:
     # deployed-model measurements taken during this round: of the previous round (on this round's messages) and,
     # in the last round, of this round itself (the evaluation-only message); the sinks file each under its round
     measurements: list[Measurement] = dataclasses.field(default_factory=list)
+    # seconds of the round's steps on the server (StepClock): its messages built, the exchange with the clients
+    # (Flower's and Ray's delivery, the clients' work, the replies' return), the replies checked, the aggregation
+    steps: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class StepClock:
+    """Seconds of the consecutive steps of a round on the server, each from the end of the step before."""
+
+    def __init__(self) -> None:
+        self._mark = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def done(self, step: str) -> None:
+        """The step ``step`` ends now (it began when the previous one ended)."""
+        now = time.perf_counter()
+        self.seconds[step] = self.seconds.get(step, 0.0) + now - self._mark
+        self._mark = now
 
 
 @dataclass

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from flwr.app import ArrayRecord, Message
 
 from fedapps.wire import protocol
@@ -18,8 +16,9 @@ def with_transport(messages: list[Message], transport: str) -> list[Message]:
     if transport == "float32":
         return messages
     encoded: dict[int, ArrayRecord] = {}
+    requests = protocol.RequestMemo()
     for msg in messages:
-        request = protocol.request_of(msg)
+        request = requests.of(msg)
         names = [n for n in (protocol.ARRAYS, protocol.EVAL_ARRAYS) if n in msg.content]
         for name in names:
             record = msg.content.array_records[name]
@@ -27,5 +26,5 @@ def with_transport(messages: list[Message], transport: str) -> list[Message]:
                 encoded[id(record)] = protocol.transport_record(record, transport)
             msg.content[name] = encoded[id(record)]
         if names or request.returns.arrays:
-            protocol.with_request(msg, dataclasses.replace(request, transport=transport))
+            protocol.with_request(msg, requests.replaced(request, transport=transport))
     return messages

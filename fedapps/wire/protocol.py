@@ -38,7 +38,8 @@ A reply (:class:`Reply` on the client, :class:`ClientReply` once parsed on the s
 (MetricRecord: ``client-id``, ``num-examples``, evaluation results, timings ``t-<tag>`` and ``t-total``, and
 while privacy is on the client's ε so far, ``privacy-epsilon``), and
 optionally ``arrays`` (the client's model) and ``predictions`` (encoded predictions on U), with ``info``
-(:class:`ReplyInfo`: the client's architecture and U's fingerprint).
+(:class:`ReplyInfo`: the client's architecture and U's fingerprint) and ``profile`` (:class:`MessageProfile`: where the
+client's time on the message went, left out of the byte counts).
 
 Unset fields (None) are not sent: a message carries exactly the keys its builder set, so that messages, byte counts
 and results stay as they were whatever a default is. :meth:`Request.decode` refuses a malformed message with a
@@ -48,6 +49,7 @@ and results stay as they were whatever a default is. :meth:`Request.decode` refu
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -118,6 +120,19 @@ NUM_EXAMPLES = "num-examples"
 TOTAL_TIME = "t-total"  # seconds from the message's arrival to its reply
 TIMING_PREFIX = "t-"  # t-<tag>: seconds of the operation tagged <tag>
 PRIVACY_EPSILON = "privacy-epsilon"  # while privacy is on: the client's ε so far (at privacy.delta), in every reply
+# the reply's ``profile`` record (:class:`MessageProfile`): where the client's time on the message went, in seconds
+# per phase (measurement of the client's machine, not algorithm traffic: left out of the byte counts)
+PROFILE = "profile"
+PROFILE_DECODING = "decoding-seconds"  # the message's settings, arrays and targets decoded
+PROFILE_DATA = "data-seconds"  # the client's data looked up (and, once per process, loaded and partitioned)
+PROFILE_MODEL = "model-seconds"  # the private model restored (built or reused) and the received arrays loaded into it
+PROFILE_TRAIN = "train-seconds"  # the training loops (train, distill)
+PROFILE_EVALUATE = "evaluate-seconds"  # the evaluations
+PROFILE_PREDICT = "predict-seconds"  # predictions on U
+PROFILE_OTHER = "other-seconds"  # the rest of the operations' time (an algorithm's own steps between the loops)
+PROFILE_KEEP = "keep-seconds"  # the private model kept for the next round (Context.state, the state directory)
+PROFILE_ENCODING = "encoding-seconds"  # the reply's arrays and records encoded
+PROFILE_WALL = "wall-seconds"  # from the message's arrival at the worker to its reply encoded (>= the phases' sum)
 # the words that open a client's refusal to train past privacy.epsilon_budget (its error reply's reason): the
 # server's records count the refusals by them
 PRIVACY_REFUSED = "privacy budget exhausted"
@@ -177,6 +192,17 @@ KEYS = (
     PRIVACY_EPSILON_BUDGET,
     PRIVACY_REPRODUCIBLE_NOISE,
     PRIVACY_EPSILON,
+    PROFILE,
+    PROFILE_DECODING,
+    PROFILE_DATA,
+    PROFILE_MODEL,
+    PROFILE_TRAIN,
+    PROFILE_EVALUATE,
+    PROFILE_PREDICT,
+    PROFILE_OTHER,
+    PROFILE_KEEP,
+    PROFILE_ENCODING,
+    PROFILE_WALL,
 )
 
 
@@ -480,7 +506,17 @@ class Request:
         return self.transport or "float32"
 
     def encode(self) -> ConfigRecord:
-        """The config record of this request: exactly the keys of the fields that are set."""
+        """The config record of this request: exactly the keys of the fields that are set. Made once per request and
+        shared by every message built from it (a round's messages to many nodes; Flower checks each entry of a new
+        record, ~0.3 ms a message): no code modifies a built message's record in place (:func:`with_request` puts in
+        another)."""
+        encoded = self.__dict__.get("_encoded")
+        if encoded is None:
+            encoded = self._encode()
+            object.__setattr__(self, "_encoded", encoded)  # a cache beside the frozen fields (not compared, not copied)
+        return encoded
+
+    def _encode(self) -> ConfigRecord:
         s = self.setup
         out: dict[str, Any] = {OPS: [str(op) for op in self.ops], ROUND: int(self.round)}
         out.update(flatten(DATA_SECTION, s.data))
@@ -686,6 +722,35 @@ def request_of(msg: Message) -> Request:
     return Request.decode(msg.content[CONFIG])
 
 
+class RequestMemo:
+    """The requests of a batch of messages (a round's), decoded once per distinct settings record and rewritten once
+    per distinct change: a round's messages to many nodes share one record (:meth:`Request.encode`). Keyed by the
+    records' identity, so it lives only while the batch does (one call)."""
+
+    def __init__(self) -> None:
+        self._decoded: dict[int, tuple[Any, Request]] = {}
+        self._replaced: dict[tuple[int, tuple[tuple[str, Any], ...]], tuple[Request, Request]] = {}
+
+    def of(self, msg: Message) -> Request:
+        """The message's request (:func:`request_of`)."""
+        record = msg.content[CONFIG] if CONFIG in msg.content else None
+        found = self._decoded.get(id(record))
+        if found is None or found[0] is not record:
+            found = (record, request_of(msg))
+            self._decoded[id(record)] = found
+        return found[1]
+
+    def replaced(self, request: Request, **changes: Any) -> Request:
+        """``dataclasses.replace(request, **changes)``, the same object for the same request and changes (so that the
+        messages given it share one encoded record)."""
+        key = (id(request), tuple(sorted(changes.items())))
+        found = self._replaced.get(key)
+        if found is None or found[0] is not request:
+            found = (request, dataclasses.replace(request, **changes))
+            self._replaced[key] = found
+        return found[1]
+
+
 def with_request(msg: Message, request: Request) -> Message:
     """``msg`` with its settings replaced by ``request`` (its other records and its metadata as they were)."""
     msg.content[CONFIG] = request.encode()
@@ -724,7 +789,7 @@ class Targets:
             raise MessageError(f"the '{TARGETS}' record holds unknown array(s) {[_short(k, 40) for k in unknown[:3]]}")
         if DISTILL_INDICES in record and TARGET_ARRAY not in record:
             raise MessageError(f"the '{TARGETS}' record has '{DISTILL_INDICES}' but no '{TARGET_ARRAY}'")
-        out = {k: record[k].numpy() for k in (TARGET_ARRAY, DISTILL_INDICES, PREDICT_INDICES) if k in record}
+        out = {k: npy_values(record[k]) for k in (TARGET_ARRAY, DISTILL_INDICES, PREDICT_INDICES) if k in record}
         for k in (DISTILL_INDICES, PREDICT_INDICES):
             rows = out.get(k)
             if rows is not None and (rows.ndim != 1 or not np.issubdtype(rows.dtype, np.integer)):
@@ -755,6 +820,64 @@ class ReplyInfo:
         return cls(arch, fingerprint)
 
 
+@dataclass(frozen=True)
+class MessageProfile:
+    """The reply's ``profile`` record: seconds of the client's time on one message, per phase (each phase measured
+    exclusively: a model built inside an evaluation counts as ``model``, not ``evaluate``), and ``wall``, from the
+    message's arrival at the worker to its reply encoded. The phases sum to at most ``wall``; what is left of it is
+    the worker's own glue. What the framework spends beyond ``wall`` (transport, queues, the ClientApp's start) is
+    not the client's to measure (bench/message_profile.py)."""
+
+    decoding: float = 0.0
+    data: float = 0.0
+    model: float = 0.0
+    train: float = 0.0
+    evaluate: float = 0.0
+    predict: float = 0.0
+    other: float = 0.0
+    keep: float = 0.0
+    encoding: float = 0.0
+    wall: float = 0.0
+
+    def phases(self) -> dict[str, float]:
+        """Seconds per phase (every field but ``wall``), in the order of the fields."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "wall"}
+
+    def encode(self) -> MetricRecord:
+        return MetricRecord({PROFILE_FIELDS[name]: float(getattr(self, name)) for name in PROFILE_FIELDS})
+
+    @classmethod
+    def decode(cls, record: Mapping[str, Any]) -> MessageProfile:
+        """The profile a record holds; MessageError on an entry it does not know or a value that is not a finite,
+        non-negative number."""
+        fields = {key: name for name, key in PROFILE_FIELDS.items()}
+        values: dict[str, float] = {}
+        for key, value in record.items():
+            if key not in fields:
+                raise MessageError(f"'{PROFILE}' has an unknown entry {_short(key)}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < math.inf:
+                raise MessageError(
+                    f"'{PROFILE}' entry '{key}' must be a finite number of seconds >= 0, got {_short(value)}"
+                )
+            values[fields[key]] = float(value)
+        return cls(**values)
+
+
+# MessageProfile's fields -> their entries in the profile record
+PROFILE_FIELDS = {
+    "decoding": PROFILE_DECODING,
+    "data": PROFILE_DATA,
+    "model": PROFILE_MODEL,
+    "train": PROFILE_TRAIN,
+    "evaluate": PROFILE_EVALUATE,
+    "predict": PROFILE_PREDICT,
+    "other": PROFILE_OTHER,
+    "keep": PROFILE_KEEP,
+    "encoding": PROFILE_ENCODING,
+    "wall": PROFILE_WALL,
+}
+
+
 @dataclass
 class Reply:
     """What a client sends back. The worker fills it while it serves a message (the operations add ``metrics``, and
@@ -767,10 +890,11 @@ class Reply:
     arrays: ArrayRecord | None = None  # the model asked back (Return), or an operation's own arrays
     predictions: np.ndarray | None = None  # encoded predictions on U (``predict``)
     info: ReplyInfo | None = None
+    profile: MessageProfile | None = None  # where the client's time went (the worker fills it in last)
 
     def encode(self) -> RecordDict:
         """The reply's records: ``predictions``, ``arrays``, ``metrics`` (``client-id`` and ``num-examples`` first),
-        ``info``; absent parts are left out."""
+        ``info``, ``profile``; absent parts are left out."""
         content = RecordDict()
         if self.predictions is not None:
             content[PREDICTIONS] = arrays_record({PREDICTION_ARRAY: self.predictions})
@@ -779,6 +903,8 @@ class Reply:
         content[METRICS] = metrics_record({CLIENT_ID: self.client_id, NUM_EXAMPLES: self.num_examples, **self.metrics})
         if self.info is not None:
             content[INFO] = self.info.encode()
+        if self.profile is not None:
+            content[PROFILE] = self.profile.encode()
         return content
 
 
@@ -794,9 +920,12 @@ def eval_nbytes(content: RecordDict) -> int:
 
 def record_nbytes(content: RecordDict) -> int:
     """Payload bytes of a RecordDict: array buffers plus an estimate for metrics/configs (bookkeeping keys,
-    which depend on the run folder's path, are left out so that byte counts compare across folders)."""
+    which depend on the run folder's path, are left out so that byte counts compare across folders; so is a reply's
+    ``profile``, a measurement of the client's machine, not algorithm traffic)."""
     total = 0
-    for rec in content.values():
+    for name, rec in content.items():
+        if name == PROFILE:
+            continue
         if isinstance(rec, ArrayRecord):
             total += sum(len(a.data) for a in rec.values())
         else:
@@ -824,6 +953,7 @@ class ClientReply:
     predictions: dict[str, np.ndarray] | None = None
     info: dict[str, Any] = field(default_factory=dict)
     nbytes: int = 0
+    profile: MessageProfile | None = None  # where the client's time went (None: the reply carried no profile)
 
     @property
     def required_arrays(self) -> dict[str, np.ndarray]:
@@ -864,7 +994,7 @@ def parse_reply(msg: Message, expect_arrays: bool = False, expect_predictions: b
         raise ReplyError(f"negative num-examples {num_examples}")
     arrays = None
     if ARRAYS in content:
-        arrays = {k: from_wire(v.numpy(), np.float32) for k, v in content.array_records[ARRAYS].items()}
+        arrays = {k: from_wire(v, np.float32) for k, v in record_values(content.array_records[ARRAYS]).items()}
         for k, a in arrays.items():  # finite as float32, the models' dtype (1e300 is finite only in float64)
             if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a.astype(np.float32))):
                 raise ReplyError(f"array '{k}' has non-finite values (as float32)")
@@ -872,7 +1002,7 @@ def parse_reply(msg: Message, expect_arrays: bool = False, expect_predictions: b
         raise ReplyError("reply lacks the model arrays it was asked for")
     predictions = None
     if PREDICTIONS in content:
-        predictions = {k: v.numpy() for k, v in content.array_records[PREDICTIONS].items()}
+        predictions = record_values(content.array_records[PREDICTIONS])
     elif expect_predictions:
         raise ReplyError("reply lacks the predictions it was asked for")
     info = dict(content[INFO]) if INFO in content else {}
@@ -885,7 +1015,21 @@ def parse_reply(msg: Message, expect_arrays: bool = False, expect_predictions: b
         predictions=predictions,
         info=info,
         nbytes=record_nbytes(content),
+        profile=profile_of(content),
     )
+
+
+def profile_of(content: RecordDict) -> MessageProfile | None:
+    """A reply's profile (None without one); ReplyError when its ``profile`` record is malformed."""
+    if PROFILE not in content:
+        return None
+    record = content[PROFILE]
+    if not isinstance(record, MetricRecord):
+        raise ReplyError(f"'{PROFILE}' must be a MetricRecord")
+    try:
+        return MessageProfile.decode(record)
+    except MessageError as exc:
+        raise ReplyError(str(exc)) from exc
 
 
 def parse_replies(
@@ -910,8 +1054,84 @@ def pack_models(models: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndar
 def arrays_record(arrays: Mapping[str, np.ndarray], transport: str = "float32") -> ArrayRecord:
     """Named numpy arrays -> ArrayRecord (order kept, shapes kept: a 0-d array such as BatchNorm's
     ``num_batches_tracked`` stays 0-d; ``np.ascontiguousarray`` would make it shape (1,)), floating arrays
-    encoded for ``transport`` (:func:`encode_arrays`; float32: as they are)."""
-    return ArrayRecord({k: Array(contiguous(v)) for k, v in encode_arrays(arrays, transport).items()})
+    encoded for ``transport`` (:func:`encode_arrays`; float32: as they are), each by :func:`npy_array`."""
+    return ArrayRecord({k: npy_array(v) for k, v in encode_arrays(arrays, transport).items()})
+
+
+# ---------------------------------------------------------------------- .npy bytes, each header made and read once
+# Flower's Array holds an array as the bytes np.save writes (an .npy header, then the values in C order). np.save and
+# np.load format and parse that header on every call (np.load through ast.literal_eval): a model's arrays carry the
+# same few headers every round, so each is made and read once here, and the values are copied in and out directly.
+NPY_STYPE = "numpy.ndarray"  # Flower's serialisation type of .npy bytes (Array.from_numpy_ndarray's)
+NPY_MAGIC = b"\x93NUMPY"
+_NPY_CACHE_SIZE = 4096  # headers kept (each tens of bytes); past it the cache starts again
+_npy_headers: dict[tuple[str, tuple[int, ...]], bytes] = {}  # (dtype.str, shape) -> the header np.save writes
+_npy_layouts: dict[bytes, tuple[tuple[int, ...], bool, np.dtype, int]] = {}  # header -> what it says, the offset
+
+
+def _remember(cache: dict, key: Any, value: Any) -> None:
+    if len(cache) >= _NPY_CACHE_SIZE:
+        cache.clear()
+    cache[key] = value
+
+
+def npy_array(values: np.ndarray) -> Array:
+    """An Array of ``values`` exactly as Flower's ``Array.from_numpy_ndarray`` makes it (the same .npy bytes, dtype,
+    shape and stype; a non-C-contiguous array is copied to C order first, 0-d arrays stay 0-d); the header of each
+    dtype and shape is taken from np.save once."""
+    a = contiguous(values)
+    key = (a.dtype.str, tuple(a.shape))
+    header = _npy_headers.get(key)
+    if header is None or a.dtype.hasobject:
+        buffer = io.BytesIO()
+        np.save(buffer, a, allow_pickle=False)
+        data = buffer.getvalue()
+        _remember(_npy_headers, key, data[: len(data) - a.nbytes])
+    else:
+        data = b"".join((header, a.data))
+    return Array(dtype=str(a.dtype), shape=tuple(a.shape), stype=NPY_STYPE, data=data)
+
+
+def npy_header(data: bytes) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """What the .npy header at the start of ``data`` says — shape, Fortran order, dtype — and where the values start,
+    as numpy's own reader parses it (headers up to its default 10,000 bytes); ValueError when it is no .npy header.
+    Each distinct header is parsed once."""
+    if len(data) < 10 or data[:6] != NPY_MAGIC:
+        raise ValueError("the bytes do not start with an .npy header")
+    start = 10 if data[6] == 1 else 12
+    offset = start + int.from_bytes(data[8:start], "little")
+    key = bytes(data[:offset])
+    layout = _npy_layouts.get(key)
+    if layout is None:
+        fh = io.BytesIO(key)
+        version = np.lib.format.read_magic(fh)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read(fh)
+        if fh.tell() != offset:
+            raise ValueError("the .npy header's length does not match its text")
+        layout = (tuple(int(d) for d in shape), bool(fortran), dtype, offset)
+        _remember(_npy_layouts, key, layout)
+    return layout
+
+
+def npy_values(array: Array) -> np.ndarray:
+    """The values of an Array as Flower's ``Array.numpy()`` reads them (a writable array of the header's dtype and
+    shape), the header parsed by :func:`npy_header`; anything but plain C-order .npy bytes of the right length is
+    left to ``Array.numpy()`` (which reads or refuses it as before)."""
+    data = array.data
+    try:
+        shape, fortran, dtype, offset = npy_header(data)
+    except ValueError:
+        return array.numpy()
+    count = math.prod(shape)
+    if array.stype != NPY_STYPE or fortran or dtype.hasobject or len(data) - offset != count * dtype.itemsize:
+        return array.numpy()
+    return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape).copy()
+
+
+def record_values(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """An ArrayRecord's arrays by name (:func:`npy_values`), in the record's order."""
+    return {k: npy_values(v) for k, v in record.items()}
 
 
 # ---------------------------------------------------------------------- compact transport (strategy.transport)
@@ -972,7 +1192,7 @@ def transport_record(record: ArrayRecord, transport: str) -> ArrayRecord:
     check_transport(transport)
     if transport == "float32":
         return record
-    return arrays_record({k: v.numpy() for k, v in record.items()}, transport)
+    return arrays_record(record_values(record), transport)
 
 
 def contiguous(value: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ op → rows, classes, ``Request.public``'s ``predict.output`` and ``predict.enco
 (``public.fingerprint``) and the evaluations the ops produce (every ``evaluate*`` op → ``<tag>-acc``,
 ``-loss``, ``-n``, ``-correct``). :meth:`ReplyValidator.check` then accepts a reply only if
 
-- it is not an error reply, carries a ``metrics`` record and no record but metrics/arrays/predictions/info;
+- it is not an error reply, carries a ``metrics`` record and no record but metrics/arrays/predictions/info/profile;
 - every metric is a finite number or a list of finite numbers, at most :data:`MAX_METRICS` of them, a list no
   longer than the validator's ``max_list`` (its length is checked before any value is read); ``client-id`` and
   ``num-examples`` are integers; timings (``t-*``) in [0, :data:`MAX_SECONDS`], losses (``*-loss``) within
@@ -33,6 +33,8 @@ op → rows, classes, ``Request.public``'s ``predict.output`` and ``predict.enco
 - predictions: the same wire checks (float32 / float16 scores as ``predict.encoding`` says, hard labels in
   :func:`fedapps.wire.pseudolabels.label_dtype`), then probabilities on the simplex (entries >= -1e-3, rows summing
   to 1 within 1e-2), logits within ``|x| <= 1e4``, hard labels in [0, classes);
+- ``profile`` (where the client's time went, :class:`fedapps.wire.protocol.MessageProfile`): known phases only, each
+  in [0, :data:`MAX_SECONDS`] seconds;
 - ``info``: at most :data:`INFO_MAX_KEYS` entries of at most :data:`INFO_MAX_SIZE` characters / items each;
 - U's fingerprint (``info["fingerprint"]``) equals the server's wherever the message named one;
 - it is the node's only reply in this round's phase, to a message the server sent it.
@@ -54,7 +56,6 @@ predictions of every pseudo-label strategy (COSMOS, FedMD, FedCT, COMET) pass th
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import math
 import re
@@ -74,7 +75,7 @@ PROB_TOLERANCE = 1e-2  # |row sum − 1| of probability predictions (float16 on 
 PROB_NEGATIVE = 1e-3  # smallest entry allowed in a probability row: −this
 LOGIT_BOUND = 1e4  # |logit| above this is no model's output: it would take over a mean consensus
 ACC_TOLERANCE = 1e-6  # |acc − correct/n|
-RECORDS = (protocol.METRICS, protocol.ARRAYS, protocol.PREDICTIONS, protocol.INFO)
+RECORDS = (protocol.METRICS, protocol.ARRAYS, protocol.PREDICTIONS, protocol.INFO, protocol.PROFILE)
 # metric ranges: a reply outside them is rejected (rounds.csv averages train losses and sums timings)
 MAX_METRICS = 1024  # metrics in one reply (a client sends a few dozen)
 MAX_SECONDS = 7 * 24 * 3600.0  # a timing (t-<op>, t-total) in [0, one week]
@@ -193,9 +194,11 @@ def expectation_for(
     model_part: Callable[[str], Mapping[str, np.ndarray]] | None,
     public_size: int | None,
     num_classes: int | None,
+    requests: protocol.RequestMemo | None = None,
 ) -> Expectation:
-    """What ``msg`` asks its node for (see the module docstring)."""
-    request = protocol.request_of(msg)
+    """What ``msg`` asks its node for (see the module docstring); ``requests``: where the settings of a batch of
+    messages are decoded once per distinct record."""
+    request = (requests or protocol.RequestMemo()).of(msg)
     ops = list(request.ops)
     exp = Expectation(
         node_id=int(msg.metadata.dst_node_id),
@@ -360,11 +363,7 @@ def wire_array(
             f"{labelled} ({body} bytes and an .npy header)"
         )
     try:
-        fh = io.BytesIO(data)
-        version = np.lib.format.read_magic(fh)
-        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        head_shape, fortran, head_dtype = read(fh, max_header_size=NPY_MAX_HEADER)
-        offset = fh.tell()
+        head_shape, fortran, head_dtype, offset = protocol.npy_header(data)
     except Exception as exc:
         raise ReplyError(f"{what} '{name}' cannot be decoded: {type(exc).__name__}: {_short(str(exc))}") from exc
     if head_dtype != dtype or tuple(head_shape) != labelled or fortran or offset + body != len(data):
@@ -447,6 +446,18 @@ def check_info(info: Mapping[str, Any]) -> None:
                 f"'info' entry '{_short(k, 40)}' holds {len(v)} characters or items; at most "
                 f"{INFO_MAX_SIZE} are expected"
             )
+
+
+def read_profile(content: Any) -> protocol.MessageProfile | None:
+    """The reply's profile (None without one): only known phases, each a number of seconds in [0,
+    :data:`MAX_SECONDS`] (rounds.csv sums them)."""
+    profile = protocol.profile_of(content)
+    if profile is not None:
+        for name in protocol.PROFILE_FIELDS:
+            seconds = getattr(profile, name)
+            if seconds > MAX_SECONDS:
+                raise ReplyError(f"profile phase '{name}' = {seconds:g} s is outside [0, {MAX_SECONDS:g}]")
+    return profile
 
 
 def prediction_problem(wire: np.ndarray, spec: PredictionSpec) -> str | None:
@@ -578,9 +589,14 @@ class ReplyValidator:
     def expect(self, messages: Iterable[Message]) -> None:
         """Record what each message asks its node for (replaces the previous expectations of that phase)."""
         by_phase: dict[str, dict[int, Expectation]] = {}
+        requests = protocol.RequestMemo()
         for msg in messages:
             exp = expectation_for(
-                msg, self.model_part if self._model_part is not None else None, self.public_size, self.num_classes
+                msg,
+                self.model_part if self._model_part is not None else None,
+                self.public_size,
+                self.num_classes,
+                requests,
             )
             by_phase.setdefault(exp.phase, {})[exp.node_id] = exp
         for phase, table in by_phase.items():
@@ -654,6 +670,7 @@ class ReplyValidator:
             predictions=predictions,
             info=info,
             nbytes=protocol.record_nbytes(content),
+            profile=read_profile(content),
         )
 
     # ------------------------------------------------------------------ a batch
