@@ -1,0 +1,158 @@
+"""The attacks of docs/privacy.md's "What the server can infer" (fedapps_tools/attacks.py): each estimator on inputs
+whose answer is known, and the capture grid against what the strategy itself received."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from sklearn.metrics import roc_auc_score
+from torch import nn
+
+from fedapps.config import load_config
+from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.driver import RoundDriver
+from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply
+from fedapps_tools import attacks
+from strategies import RunContext, resolve
+
+
+@pytest.fixture(autouse=True)
+def _flower_identity() -> None:
+    """Message() needs a task identity outside Flower's runtime; the in-process grid sets one."""
+    InProcessGrid(1)
+
+
+COUNTS = np.array([6, 3, 1, 0])  # a client's training labels per class: N = 10, one batch
+LR = 0.1
+
+
+def one_sgd_step(bias: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """A linear classifier with zero weights (every sample gets softmax(bias)) takes one SGD step on cross-entropy
+    over a batch with :data:`COUNTS` labels: the bias before and after."""
+    model = nn.Linear(3, len(COUNTS))
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.copy_(bias)
+    before = model.bias.detach().numpy().copy()
+    x = torch.randn(int(COUNTS.sum()), 3)
+    y = torch.as_tensor(np.repeat(np.arange(len(COUNTS)), COUNTS))
+    F.cross_entropy(model(x), y).backward()
+    with torch.no_grad():
+        model.bias -= LR * model.bias.grad
+    return before, model.bias.detach().numpy().copy()
+
+
+def hand_built_exchange(bias_before: np.ndarray, bias_after: np.ndarray, drop_last: bool = False):
+    """The message a server sent (model and training settings) and the reply it parsed (the trained model)."""
+    n = int(COUNTS.sum())
+    request = protocol.Request(
+        ops=("train",),
+        round=1,
+        setup=protocol.Setup(client={"lr": LR, "batch_size": n, "epochs": 1, "drop_last": drop_last}),
+    )
+    weight = np.zeros((len(COUNTS), 3), np.float32)
+    sent = {"fc.weight": weight, "fc.bias": bias_before.astype(np.float32)}
+    msg = protocol.build_message(7, request, arrays=protocol.arrays_record(sent))
+    returned = {"fc.weight": weight + np.float32(0.5), "fc.bias": bias_after.astype(np.float32)}
+    return msg, ClientReply(node_id=7, client_id=0, num_examples=n, metrics={}, arrays=returned)
+
+
+def test_bias_update_estimate_is_the_client_class_distribution():
+    """An uninformed model (uniform softmax): the estimate from the reply is the true distribution, L1 = 0."""
+    msg, reply = hand_built_exchange(*one_sgd_step(torch.zeros(len(COUNTS))))
+    found = attacks.label_estimates(msg, reply, "fc", len(COUNTS))
+    truth = COUNTS / COUNTS.sum()
+    np.testing.assert_allclose(found[attacks.BIAS_UPDATE], truth, atol=1e-6)
+    assert attacks.l1_error(found[attacks.BIAS_UPDATE], truth) < 1e-5
+    assert attacks.l1_error(found[attacks.BIAS_UPDATE], np.full(4, 0.25)) == pytest.approx(0.8, abs=1e-5)
+    np.testing.assert_allclose(found[attacks.ROW_NORMS], np.full(4, 0.25))  # equal rows: no class information
+    assert attacks.HISTOGRAM not in found
+
+
+def test_bias_update_estimate_uses_the_mean_softmax_it_is_given():
+    """A model that predicts softmax(b) ≠ uniform: exact with that mean softmax, off without it."""
+    bias = torch.tensor([1.0, 0.0, -1.0, 0.5])
+    before, after = one_sgd_step(bias)
+    s = torch.softmax(bias, 0).numpy()
+    n = int(COUNTS.sum())
+    exact = attacks.bias_update_distribution(before, after, LR, n, 1, n, mean_softmax=s)
+    np.testing.assert_allclose(exact, COUNTS / n, atol=1e-6)
+    assert attacks.l1_error(attacks.bias_update_distribution(before, after, LR, n, 1, n), COUNTS / n) > 0.1
+
+
+def test_samples_per_epoch_follow_drop_last():
+    msg, _ = hand_built_exchange(np.zeros(4), np.zeros(4), drop_last=True)
+    t = attacks.LocalTraining.of(msg)
+    assert (t.lr, t.batch_size, t.epochs) == (LR, 10, 1)
+    assert t.samples_per_epoch(27) == 20
+    assert attacks.LocalTraining(LR, 10, 1, False).samples_per_epoch(27) == 27
+
+
+def test_prediction_histogram_is_exact():
+    probs = np.array([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.6, 0.3, 0.1], [0.2, 0.2, 0.6]], np.float32)
+    np.testing.assert_array_equal(attacks.prediction_histogram(probs, 3), [0.5, 0.25, 0.25])
+    np.testing.assert_array_equal(attacks.prediction_histogram(np.log(probs), 3), [0.5, 0.25, 0.25])  # logits
+    hard = np.array([2, 2, 1, 3, 3, 3], np.uint8)  # 3 = abstain: no class
+    np.testing.assert_array_equal(attacks.prediction_histogram(hard, 3), [0.0, 1 / 3, 2 / 3])
+
+
+def test_loss_threshold_auc_by_hand_and_against_sklearn():
+    assert attacks.loss_threshold_auc([0.1, 0.2], [0.3, 0.15]) == pytest.approx(0.75)  # 3 of 4 pairs
+    assert attacks.loss_threshold_auc([0.3, 0.15], [0.1, 0.2]) == pytest.approx(0.25)  # swapped
+    assert attacks.loss_threshold_auc([0.1, 0.2], [0.1, 0.2]) == pytest.approx(0.5)  # ties count one half
+    rng = np.random.default_rng(0)
+    members = np.round(rng.exponential(0.5, 200), 1)  # members lower, with many ties
+    others = np.round(rng.exponential(1.0, 150), 1)
+    auc = attacks.loss_threshold_auc(members, others)
+    labels = np.r_[np.ones(len(members)), np.zeros(len(others))]
+    assert auc == pytest.approx(roc_auc_score(labels, -np.r_[members, others]), abs=1e-12)
+    assert auc > 0.5
+    assert attacks.loss_threshold_auc(others, members) == pytest.approx(1 - auc, abs=1e-12)
+
+
+def test_capture_grid_records_exactly_the_replies_the_strategy_received():
+    """A 2-round FedAvg run: per round the captured replies, parsed, are the replies the strategy aggregated (same
+    clients, counts, metrics and arrays); the identification and evaluation-only phases are kept apart."""
+    cfg = load_config(
+        None,
+        [
+            "data.source=digits",
+            "model.name=mlp",
+            "data.num_clients=3",
+            "data.partition=pathological",
+            "data.classes_per_client=4",
+            "rounds=2",
+            "client.batch_size=16",
+        ],
+    )
+    resolved = resolve(cfg)
+    cfg = resolved.config(cfg)
+    logs: list = []
+    strategy = resolved.build(cfg, RunContext(on_round=logs.append))
+    capture = attacks.CaptureGrid(InProcessGrid(3))
+    RoundDriver(strategy).start(capture, num_rounds=2)
+    kinds = [(p.round, p.message_type) for p in capture.phases if p.message_type != protocol.QUERY_MESSAGE_TYPE]
+    assert kinds[:2] == [(1, protocol.MESSAGE_TYPE), (2, protocol.MESSAGE_TYPE)]
+    assert [k for _, k in kinds[2:]] == [protocol.EVAL_MESSAGE_TYPE]
+    received = capture.received()
+    assert len(received) == sum(len(entry.replies) for entry in logs) == 6
+    for entry in logs:
+        got = sorted((r for rnd, _, r in received if rnd == entry.round), key=lambda r: r.client_id)
+        assert [r.client_id for r in got] == [r.client_id for r in entry.replies] == [0, 1, 2]
+        for mine, theirs in zip(got, entry.replies, strict=True):
+            assert (mine.node_id, mine.num_examples, mine.metrics) == (
+                theirs.node_id,
+                theirs.num_examples,
+                theirs.metrics,
+            )
+            assert mine.arrays is not None and theirs.arrays is not None
+            assert mine.arrays.keys() == theirs.arrays.keys()
+            assert all(np.array_equal(mine.arrays[k], theirs.arrays[k]) for k in mine.arrays)
+    for _, msg, reply in received:  # each reply is paired with the message its node was sent
+        assert msg.metadata.dst_node_id == reply.node_id
+    kind, models = attacks.models_of_clients(capture, cfg.model.name)
+    assert kind == "returned" and sorted(models) == [0, 1, 2]
+    assert all(np.array_equal(models[r.client_id][1][k], r.arrays[k]) for r in logs[-1].replies for k in r.arrays)
