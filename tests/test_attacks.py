@@ -83,6 +83,29 @@ def test_bias_update_estimate_uses_the_mean_softmax_it_is_given():
     assert attacks.l1_error(attacks.bias_update_distribution(before, after, LR, n, 1, n), COUNTS / n) > 0.1
 
 
+def test_the_reply_estimate_takes_its_mean_softmax_from_the_models_sent_and_returned():
+    """s̄ from dummy inputs: a classifier with zero weights predicts softmax(bias) on any input, so the mean over the
+    two models is exactly the mean of their two softmaxes; the reply's estimate passes the models to it."""
+    model = nn.Linear(3, 4)
+    b1, b2 = np.array([1.0, 0.0, -1.0, 0.5]), np.array([0.0, 2.0, 0.0, 0.0])
+    states = [{"weight": np.zeros((4, 3)), "bias": b} for b in (b1, b2)]
+    softmax = [np.exp(b) / np.exp(b).sum() for b in (b1, b2)]
+    np.testing.assert_allclose(
+        attacks.dummy_mean_softmax(model, states, (3,)), (softmax[0] + softmax[1]) / 2, atol=1e-6
+    )
+    bias = torch.tensor(b1, dtype=torch.float32)
+    msg, reply = hand_built_exchange(*one_sgd_step(bias))
+    seen = []
+
+    def mean_softmax(sent, returned):
+        seen.append((sent["fc.bias"], returned["fc.bias"]))
+        return softmax[0]
+
+    found = attacks.label_estimates(msg, reply, "fc", len(COUNTS), mean_softmax)[attacks.BIAS_UPDATE]
+    np.testing.assert_allclose(found, COUNTS / COUNTS.sum(), atol=1e-5)
+    assert np.array_equal(seen[0][0], b1.astype(np.float32)) and np.array_equal(seen[0][1], reply.arrays["fc.bias"])
+
+
 def test_samples_per_epoch_follow_drop_last():
     msg, _ = hand_built_exchange(np.zeros(4), np.zeros(4), drop_last=True)
     t = attacks.LocalTraining.of(msg)
