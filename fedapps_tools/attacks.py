@@ -131,7 +131,9 @@ def prediction_histogram(predictions: np.ndarray, num_classes: int) -> np.ndarra
     return normalise_rows(np.bincount(labels, minlength=num_classes).astype(np.float64))
 
 
-def loss_threshold_auc(member_losses: Sequence[float], nonmember_losses: Sequence[float]) -> float:
+def loss_threshold_auc(
+    member_losses: Sequence[float] | np.ndarray, nonmember_losses: Sequence[float] | np.ndarray
+) -> float:
     """AUC of the loss-threshold membership attack (Yeom et al. 2018): the probability that a member's −loss is above
     a non-member's, ties counting one half (the Mann–Whitney statistic, from average ranks). 0.5: no signal."""
     members = -np.asarray(member_losses, np.float64)
@@ -381,7 +383,7 @@ ARMS: tuple[Arm, ...] = (
     Arm("cosmos", "client"),
     Arm("fedmd", "off"),
     Arm("fedmd", "sample"),
-    Arm("fedmd", "client"),
+    Arm("fedmd", "client", ("scores=probs",), "scores probs"),  # logits have no norm bound: mode client needs a clip
     Arm("fedct", "off"),
     Arm("fedct", "sample"),
     Arm("fedct", "client"),
@@ -601,37 +603,66 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument("--work", default=None, help="where the runs' folders go (default: a temporary folder)")
     p.add_argument(
-        "--out",
+        "--out", default=None, metavar="CSV", help="write the rows here (e.g. docs/results/privacy-attacks.csv)"
+    )
+    p.add_argument(
+        "--doc",
+        default=None,
+        metavar="PAGE",
+        help=f"write the table into PAGE between the lines '{BEGIN}' and '{END}' (e.g. docs/privacy.md)",
+    )
+    p.add_argument(
+        "--from-csv",
         default=None,
         metavar="CSV",
-        help="write the rows here (e.g. docs/results/privacy-attacks.csv) and the table beside it (.md)",
+        help="run nothing: the table of the rows in CSV (a file --out wrote), printed and, with --doc, written",
     )
     return p.parse_args(list(argv))
 
 
+BEGIN, END = "<!-- begin: fedapps attacks -->", "<!-- end: fedapps attacks -->"
+
+
+def provenance_line(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Which command, commit and machine made the rows (each distinct one)."""
+    made = dict.fromkeys(f"`{r['command']}` at commit `{r['commit']}` on {r['machine']}, {r['date']}" for r in rows)
+    return "Measured by " + "; ".join(made) + "."
+
+
+def write_between_markers(page: Path, lines: Sequence[str]) -> None:
+    """Replace what stands between :data:`BEGIN` and :data:`END` in ``page`` with ``lines``."""
+    text = page.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{page} has no '{BEGIN}' ... '{END}' lines to write the table between")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    page.write_text(head + BEGIN + "\n" + "\n".join(lines) + "\n" + END + tail)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from fedapps.reporting.results import write_csv
-    from fedapps_tools.tables import provenance
+    from fedapps_tools.tables import provenance, read_rows
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    command = "fedapps attacks " + shlex.join(list(sys.argv[1:] if argv is None else argv))
-    stamp = {"command": command, **provenance()}
-    arms = [a for a in ARMS if a.strategy in args.strategies and a.mode in args.modes]
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="fedapps-attacks-") as tmp:
-        work = Path(args.work or tmp)
-        for arm in arms:
-            got = measure(arm, args.rounds, args.seed, work, args.extra)
-            log.info("attacks: %s, privacy %s: %s", arm.name, arm.mode, got.refused or f"{got.seconds:.0f} s")
-            rows.extend(rows_of(got, stamp))
-            if args.out:  # written as it goes: a long table survives an interruption
-                write_csv(Path(args.out), rows)
-    lines = table_lines(rows)
+    if args.from_csv:
+        rows = [dict(r) for r in read_rows(Path(args.from_csv))]
+    else:
+        stamp = {"command": "fedapps attacks " + shlex.join(argv), **provenance()}
+        arms = [a for a in ARMS if a.strategy in args.strategies and a.mode in args.modes]
+        with tempfile.TemporaryDirectory(prefix="fedapps-attacks-") as tmp:
+            work = Path(args.work or tmp)
+            for arm in arms:
+                got = measure(arm, args.rounds, args.seed, work, args.extra)
+                log.info("attacks: %s, privacy %s: %s", arm.name, arm.mode, got.refused or f"{got.seconds:.0f} s")
+                rows.extend(rows_of(got, stamp))
+                if args.out:  # written as it goes: a long table survives an interruption
+                    write_csv(Path(args.out), rows)
+    lines = [*table_lines(rows), "", provenance_line(rows)]
     print("\n".join(lines))
-    if args.out:
-        Path(args.out).with_suffix(".md").write_text(
-            "\n".join([f"Made by `{command}` ({stamp['commit']})", "", *lines]) + "\n"
-        )
+    if args.doc:
+        write_between_markers(Path(args.doc), lines)
     return 0
 
 

@@ -179,3 +179,38 @@ def test_capture_grid_records_exactly_the_replies_the_strategy_received():
     kind, models = attacks.models_of_clients(capture, cfg.model.name)
     assert kind == "returned" and sorted(models) == [0, 1, 2]
     assert all(np.array_equal(models[r.client_id][1][k], r.arrays[k]) for r in logs[-1].replies for k in r.arrays)
+
+
+def test_the_table_reads_round_one_and_the_last_round_and_says_why_a_cell_is_empty(tmp_path):
+    """One arm's rows, through the CSV and back: the first and last round's L1 per estimator, the uniform guess, the
+    membership AUC and the model it attacked; a refused arm and an arm without a model of a client say so."""
+    stamp = {"command": "fedapps attacks", "commit": "abc", "machine": "m", "date": "d"}
+    got = attacks.Measured(attacks.Arm("fedavg", "sample"), epsilon=2.5, delta=1e-5, accuracy=0.9)
+    got.labels = {
+        (attacks.BIAS_UPDATE, 1): {0: 0.2, 1: 0.4},
+        (attacks.BIAS_UPDATE, 2): {0: 0.5, 1: 0.5},
+        (attacks.BIAS_UPDATE, 3): {0: 0.8, 1: 0.6},
+        (attacks.UNIFORM_GUESS, 3): {0: 1.0, 1: 1.2},
+    }
+    got.membership, got.membership_model = {0: 0.6, 1: 0.7}, "returned"
+    pl = attacks.Measured(attacks.Arm("fedmd", "off"), labels={(attacks.HISTOGRAM, 1): {0: 0.3}})
+    refused = attacks.Measured(attacks.Arm("comet", "client"), refused="'privacy.mode' is 'client', which is not known")
+    rows = [r for m in (got, pl, refused) for r in attacks.rows_of(m, stamp)]
+    from fedapps.reporting.results import write_csv
+    from fedapps_tools.tables import read_rows
+
+    write_csv(tmp_path / "a.csv", rows)
+    for table in (attacks.table_lines(rows), attacks.table_lines(read_rows(tmp_path / "a.csv"))):
+        assert table[2] == (
+            "| fedavg | sample | 2.5 (1e-05) | 0.9 | bias update | 0.30 ± 0.10 | 0.70 ± 0.10 | 1.10 ± 0.10 | "
+            "0.65 ± 0.05 (returned) |"
+        )
+        assert (
+            table[3] == "| fedmd | off | ∞ |  | predicted-class histogram | 0.30 ± 0.00 | 0.30 ± 0.00 | — | "
+            "— (no model of a client) |"
+        )
+        assert table[4].startswith("| comet | client | refused: 'privacy.mode' is 'client'")
+    page = tmp_path / "page.md"
+    page.write_text(f"before\n{attacks.BEGIN}\nold table\n{attacks.END}\nafter\n")
+    attacks.write_between_markers(page, ["| new |"])
+    assert page.read_text() == f"before\n{attacks.BEGIN}\n| new |\n{attacks.END}\nafter\n"
