@@ -574,7 +574,8 @@ def table_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """`fedapps attacks`'s options (builds the parser only)."""
     p = argparse.ArgumentParser(
         prog="fedapps attacks",
         description="What the server can infer: run strategies × privacy modes in-process on mnist5k, capture what "
@@ -617,7 +618,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         metavar="CSV",
         help="run nothing: the table of the rows in CSV (a file --out wrote), printed and, with --doc, written",
     )
-    return p.parse_args(list(argv))
+    return p
 
 
 BEGIN, END = "<!-- begin: fedapps attacks -->", "<!-- end: fedapps attacks -->"
@@ -644,7 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fedapps_tools.tables import provenance, read_rows
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     rows: list[dict[str, Any]] = []
     if args.from_csv:
         rows = [dict(r) for r in read_rows(Path(args.from_csv))]
