@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -51,6 +52,7 @@ from strategies.cwfedavg import l1_error, normalise_rows, row_norm_distribution
 
 log = logging.getLogger("fedapps")
 
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: the settings' configs are read from it
 PARAM_SETTING = "configs/settings/param-dirichlet.yaml"  # parameter-sharing strategies: mnist5k, Dirichlet α = 0.1
 AGNOSTIC_SETTING = "configs/settings/agnostic-cosmos-groups.yaml"  # pseudo-label strategies: mnist5k, COSMOS's groups
 SETTING_OF = {
@@ -406,18 +408,27 @@ class Measured:
     accuracy: float | None = None
     seconds: float = 0.0
     refused: str = ""  # the config error that refused the arm (a mode the strategy does not allow)
+    problems: str = ""  # what the round loop found wrong with the run's result (it is attacked all the same)
 
 
-def run_captured(config: str, overrides: Sequence[str], out: Path, num_clients: int) -> tuple[dict, CaptureGrid]:
-    """One run through the real round loop (in-process), its traffic captured; returns its summary and the capture."""
+def run_captured(
+    config: Path, overrides: Sequence[str], out: Path, cfg: ExperimentConfig
+) -> tuple[dict[str, Any], CaptureGrid]:
+    """One run through the real round loop (in-process), its traffic captured: its summary and the capture. A run whose
+    result the loop calls unusable (its summary's ``problems``) is still attacked: the replies it got were sent."""
     import torch
 
     import server_app
     from fedapps.flower.inprocess import InProcessGrid
+    from fedapps.reporting.results import UnusableRun
 
     torch.set_num_threads(int(os.environ.get("FEDAPPS_CLIENT_THREADS", "1")))
-    capture = CaptureGrid(InProcessGrid(num_clients))
-    summary = server_app.run_experiment(capture, config, " ".join(overrides), str(out))
+    capture = CaptureGrid(InProcessGrid(cfg.data.num_clients))
+    try:
+        summary = server_app.run_experiment(capture, str(config), " ".join(overrides), str(out))
+    except UnusableRun as exc:
+        log.warning("attacks: %s", exc)
+        summary = json.loads((out / cfg.resolved_run_name() / "summary.json").read_text())
     return summary, capture
 
 
@@ -433,8 +444,9 @@ def measure(arm: Arm, rounds: int, seed: int, work: Path, extra: Sequence[str] =
     from fedapps.data import get_federation
     from fedapps.models import build_model, classifier_name
 
-    config = SETTING_OF[arm.strategy]
-    overrides = arm.overrides(rounds, seed, [*SETTING_OVERRIDES[config], *extra])
+    setting = SETTING_OF[arm.strategy]
+    config = ROOT / setting
+    overrides = arm.overrides(rounds, seed, [*SETTING_OVERRIDES[setting], *extra])
     got = Measured(arm)
     try:
         cfg: ExperimentConfig = load_config(config, overrides)
@@ -443,7 +455,7 @@ def measure(arm: Arm, rounds: int, seed: int, work: Path, extra: Sequence[str] =
         return got
     t0 = time.perf_counter()
     try:
-        summary, capture = run_captured(config, overrides, work / arm.folder, cfg.data.num_clients)
+        summary, capture = run_captured(config, overrides, work / arm.folder, cfg)
     except ConfigError as exc:  # e.g. a privacy mode the strategy refuses
         got.refused = str(exc)
         return got
@@ -460,6 +472,7 @@ def measure(arm: Arm, rounds: int, seed: int, work: Path, extra: Sequence[str] =
     got.epsilon, got.delta = run_epsilon(summary)
     acc = summary.get("accuracy_mean")
     got.accuracy = float(acc) if isinstance(acc, (int, float)) else None
+    got.problems = "; ".join(summary.get("problems") or [])
     return got
 
 
@@ -486,51 +499,28 @@ def rows_of(got: Measured, stamp: Mapping[str, Any]) -> list[dict[str, Any]]:
         "delta": got.delta if got.delta is not None else "",
         "accuracy": "" if got.accuracy is None else round(got.accuracy, 4),
         "seconds": round(got.seconds, 1),
+        "problems": got.problems,
     }
-    if got.refused:
-        return [
-            {
-                **base,
-                "attack": "refused",
-                "estimator": "",
-                "round": "",
-                "value": "",
-                "sem": "",
-                "clients": 0,
-                "note": got.refused,
-                **stamp,
-            }
-        ]
-    rows = []
-    for (estimator, rnd), per_client in sorted(got.labels.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        mean, sem, n = mean_sem(per_client.values())
-        rows.append(
-            {
-                **base,
-                "attack": "label L1",
-                "estimator": estimator,
-                "round": rnd,
-                "value": round(mean, 4),
-                "sem": round(sem, 4),
-                "clients": n,
-                "note": "",
-                **stamp,
-            }
-        )
-    mean, sem, n = mean_sem(got.membership.values())
-    rows.append(
-        {
+
+    def row(attack: str, estimator: str, rnd: Any, values: Iterable[float], note: str = "") -> dict[str, Any]:
+        mean, sem, n = mean_sem(values)
+        figures = {"value": round(mean, 4), "sem": round(sem, 4)} if n else {"value": "", "sem": ""}
+        return {
             **base,
-            "attack": MEMBERSHIP,
-            "estimator": got.membership_model,
-            "round": "last",
-            "value": "" if n == 0 else round(mean, 4),
-            "sem": "" if n == 0 else round(sem, 4),
+            "attack": attack,
+            "estimator": estimator,
+            "round": rnd,
+            **figures,
             "clients": n,
-            "note": "" if n else "no model of a client at the server",
+            "note": note,
             **stamp,
         }
-    )
+
+    if got.refused:
+        return [row("refused", "", "", (), got.refused)]
+    rows = [row("label L1", est, rnd, per_client.values()) for (est, rnd), per_client in sorted(got.labels.items())]
+    no_model = "" if got.membership else "no model of a client at the server"
+    rows.append(row(MEMBERSHIP, got.membership_model, "last", got.membership.values(), no_model))
     return rows
 
 
