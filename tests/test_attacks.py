@@ -136,49 +136,69 @@ def test_loss_threshold_auc_by_hand_and_against_sklearn():
     assert attacks.loss_threshold_auc(others, members) == pytest.approx(1 - auc, abs=1e-12)
 
 
-def test_capture_grid_records_exactly_the_replies_the_strategy_received():
-    """A 2-round FedAvg run: per round the captured replies, parsed, are the replies the strategy aggregated (same
-    clients, counts, metrics and arrays); the identification and evaluation-only phases are kept apart."""
-    cfg = load_config(
-        None,
-        [
-            "data.source=digits",
-            "model.name=mlp",
-            "data.num_clients=3",
-            "data.partition=pathological",
-            "data.classes_per_client=4",
-            "rounds=2",
-            "client.batch_size=16",
-        ],
-    )
+TINY = [
+    "data.source=digits",
+    "model.name=mlp",
+    "data.num_clients=3",
+    "data.partition=pathological",
+    "data.classes_per_client=4",
+    "data.public_fraction=0.2",
+    "rounds=2",
+    "client.batch_size=16",
+    "strategy.min_clients=1",
+]
+SHRINK = {  # COSMOS's own settings that make its server side small (as fedapps_tools/capture.py's)
+    "cosmos": ["server_model=mlp", "pretrain_epochs=1", "server_epochs=1", "distill_epochs=1"],
+}
+
+
+@pytest.mark.parametrize(("strategy_name", "model_kind"), [("fedavg", "returned"), ("cosmos", "sent for evaluation")])
+def test_capture_grid_records_exactly_the_replies_the_strategy_received(strategy_name, model_kind, monkeypatch):
+    """A 2-round run: per round the captured replies, parsed, are the replies the strategy's aggregation was given
+    (same clients, counts, metrics, arrays, predictions); the identification and evaluation-only phases are kept apart;
+    the model the server has of each client is the one returned (FedAvg) or sent for evaluation (COSMOS's cluster
+    model, as the last message carried it)."""
+    shrink = [f"strategy.params.{strategy_name}.{kv}" for kv in SHRINK.get(strategy_name, [])]
+    cfg = load_config(None, [*TINY, f"strategy.name={strategy_name}", *shrink])
     resolved = resolve(cfg)
     cfg = resolved.config(cfg)
-    logs: list = []
-    strategy = resolved.build(cfg, RunContext(on_round=logs.append))
+    strategy = resolved.build(cfg, RunContext())
+    aggregated: dict[int, list[ClientReply]] = {}
+    aggregate = strategy.aggregate
+
+    def spy(server_round, replies):
+        aggregated[server_round] = list(replies)
+        return aggregate(server_round, replies)
+
+    monkeypatch.setattr(strategy, "aggregate", spy)
     capture = attacks.CaptureGrid(InProcessGrid(3))
     RoundDriver(strategy).start(capture, num_rounds=2)
     kinds = [(p.round, p.message_type) for p in capture.phases if p.message_type != protocol.QUERY_MESSAGE_TYPE]
     assert kinds[:2] == [(1, protocol.MESSAGE_TYPE), (2, protocol.MESSAGE_TYPE)]
     assert [k for _, k in kinds[2:]] == [protocol.EVAL_MESSAGE_TYPE]
     received = capture.received()
-    assert len(received) == sum(len(entry.replies) for entry in logs) == 6
-    for entry in logs:
-        got = sorted((r for rnd, _, r in received if rnd == entry.round), key=lambda r: r.client_id)
-        assert [r.client_id for r in got] == [r.client_id for r in entry.replies] == [0, 1, 2]
-        for mine, theirs in zip(got, entry.replies, strict=True):
-            assert (mine.node_id, mine.num_examples, mine.metrics) == (
-                theirs.node_id,
-                theirs.num_examples,
-                theirs.metrics,
-            )
-            assert mine.arrays is not None and theirs.arrays is not None
-            assert mine.arrays.keys() == theirs.arrays.keys()
-            assert all(np.array_equal(mine.arrays[k], theirs.arrays[k]) for k in mine.arrays)
+    assert sorted(aggregated) == [1, 2]
+    assert len(received) == sum(len(replies) for replies in aggregated.values()) == 6
+    for rnd, theirs in aggregated.items():
+        mine = sorted((r for k, _, r in received if k == rnd), key=lambda r: r.client_id)
+        assert [r.client_id for r in mine] == [r.client_id for r in theirs] == [0, 1, 2]
+        for a, b in zip(mine, theirs, strict=True):
+            assert (a.node_id, a.num_examples, a.metrics) == (b.node_id, b.num_examples, b.metrics)
+            for part in ("arrays", "predictions"):
+                x, y = getattr(a, part) or {}, getattr(b, part) or {}
+                assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x), part
+        assert all(bool(r.arrays) == (model_kind == "returned") for r in mine)
+        assert all(bool(r.predictions) == (model_kind != "returned") for r in mine)
     for _, msg, reply in received:  # each reply is paired with the message its node was sent
         assert msg.metadata.dst_node_id == reply.node_id
     kind, models = attacks.models_of_clients(capture, cfg.model.name)
-    assert kind == "returned" and sorted(models) == [0, 1, 2]
-    assert all(np.array_equal(models[r.client_id][1][k], r.arrays[k]) for r in logs[-1].replies for k in r.arrays)
+    assert kind == model_kind and sorted(models) == [0, 1, 2]
+    if model_kind == "returned":
+        assert all(np.array_equal(models[r.client_id][1][k], r.arrays[k]) for r in aggregated[2] for k in r.arrays)
+    else:  # COSMOS: h_π(i) of the last round's training, as the server holds it
+        for client, (arch, arrays) in models.items():
+            held = strategy.models[strategy.cluster_of[client]].state_dict()
+            assert arch == "mlp" and all(np.array_equal(arrays[k], held[k].numpy()) for k in held)
 
 
 def test_the_table_reads_round_one_and_the_last_round_and_says_why_a_cell_is_empty(tmp_path):
