@@ -152,6 +152,11 @@ SHRINK = {  # COSMOS's own settings that make its server side small (as fedapps_
 }
 
 
+def same_arrays(x: dict[str, np.ndarray] | None, y: dict[str, np.ndarray] | None) -> bool:
+    x, y = x or {}, y or {}
+    return x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+
+
 @pytest.mark.parametrize(("strategy_name", "model_kind"), [("fedavg", "returned"), ("cosmos", "sent for evaluation")])
 def test_capture_grid_records_exactly_the_replies_the_strategy_received(strategy_name, model_kind, monkeypatch):
     """A 2-round run: per round the captured replies, parsed, are the replies the strategy's aggregation was given
@@ -184,9 +189,7 @@ def test_capture_grid_records_exactly_the_replies_the_strategy_received(strategy
         assert [r.client_id for r in mine] == [r.client_id for r in theirs] == [0, 1, 2]
         for a, b in zip(mine, theirs, strict=True):
             assert (a.node_id, a.num_examples, a.metrics) == (b.node_id, b.num_examples, b.metrics)
-            for part in ("arrays", "predictions"):
-                x, y = getattr(a, part) or {}, getattr(b, part) or {}
-                assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x), part
+            assert same_arrays(a.arrays, b.arrays) and same_arrays(a.predictions, b.predictions)
         assert all(bool(r.arrays) == (model_kind == "returned") for r in mine)
         assert all(bool(r.predictions) == (model_kind != "returned") for r in mine)
     for _, msg, reply in received:  # each reply is paired with the message its node was sent
