@@ -356,6 +356,11 @@ class Arm:
         return self.strategy + (f" ({self.variant})" if self.variant else "")
 
     @property
+    def key(self) -> tuple[str, str, str]:
+        """What tells arms apart in the CSV (:func:`arm_key` of its rows)."""
+        return self.strategy, self.variant, self.mode
+
+    @property
     def folder(self) -> str:
         """The arm's run folder's name: strategy, mode, variant, in letters, digits and dashes."""
         return re.sub(r"[^a-z0-9]+", "-", f"{self.strategy} {self.mode} {self.variant}".lower()).strip("-")
@@ -524,6 +529,17 @@ def rows_of(got: Measured, stamp: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def arm_key(row: Mapping[str, Any]) -> tuple[str, str, str]:
+    """The arm a CSV row belongs to (:attr:`Arm.key`)."""
+    return str(row["strategy"]), str(row["variant"]), str(row["privacy"])
+
+
+def in_arm_order(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows grouped by arm in :data:`ARMS`' order (an arm it does not list last), each arm's rows as they were."""
+    order = {a.key: i for i, a in enumerate(ARMS)}
+    return sorted(rows, key=lambda r: order.get(arm_key(r), len(order)))
+
+
 def table_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """The markdown table: one line per arm; label inference in its first and last round, membership AUC."""
 
@@ -597,6 +613,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=None, metavar="CSV", help="write the rows here (e.g. docs/results/privacy-attacks.csv)"
     )
     p.add_argument(
+        "--update",
+        action="store_true",
+        help="keep the rows --out already holds for the arms not run now (e.g. add the client-mode arms to a table)",
+    )
+    p.add_argument(
         "--doc",
         default=None,
         metavar="PAGE",
@@ -642,14 +663,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         stamp = {"command": "fedapps attacks " + shlex.join(argv), **provenance()}
         arms = [a for a in ARMS if a.strategy in args.strategies and a.mode in args.modes]
+        out = Path(args.out) if args.out else None
+        if args.update and out is not None and out.is_file():  # the rows of the arms not run now stay
+            rows = [dict(r) for r in read_rows(out) if arm_key(r) not in {a.key for a in arms}]
         with tempfile.TemporaryDirectory(prefix="fedapps-attacks-") as tmp:
             work = Path(args.work or tmp)
             for arm in arms:
                 got = measure(arm, args.rounds, args.seed, work, args.extra)
                 log.info("attacks: %s, privacy %s: %s", arm.name, arm.mode, got.refused or f"{got.seconds:.0f} s")
-                rows.extend(rows_of(got, stamp))
-                if args.out:  # written as it goes: a long table survives an interruption
-                    write_csv(Path(args.out), rows)
+                rows = in_arm_order([*rows, *rows_of(got, stamp)])
+                if out is not None:  # written as it goes: a long table survives an interruption
+                    write_csv(out, rows)
     lines = [*table_lines(rows), "", provenance_line(rows)]
     print("\n".join(lines))
     if args.doc:

@@ -237,3 +237,27 @@ def test_the_table_reads_round_one_and_the_last_round_and_says_why_a_cell_is_emp
     page.write_text(f"before\n{attacks.BEGIN}\nold table\n{attacks.END}\nafter\n")
     attacks.write_between_markers(page, ["| new |"])
     assert page.read_text() == f"before\n{attacks.BEGIN}\n| new |\n{attacks.END}\nafter\n"
+
+
+def test_update_keeps_the_rows_of_the_arms_not_run_and_orders_them_as_the_arms(tmp_path, monkeypatch):
+    """`--update`: a second call for one mode replaces that mode's rows only; the table keeps ARMS' order."""
+    runs = []
+
+    def measure(arm, rounds, seed, work, extra=()):
+        runs.append(arm.key)
+        return attacks.Measured(arm, labels={(attacks.HISTOGRAM, 1): {0: 0.1 * len(runs)}})
+
+    monkeypatch.setattr(attacks, "measure", measure)
+    out = tmp_path / "a.csv"
+    assert attacks.main(["--strategies", "fedct", "--modes", "client", "off", "--out", str(out)]) == 0
+    assert runs == [("fedct", "", "off"), ("fedct", "", "client")]
+    assert attacks.main(["--strategies", "fedct", "--modes", "client", "--out", str(out), "--update"]) == 0
+    from fedapps_tools.tables import read_rows
+
+    rows = read_rows(out)
+    assert [(attacks.arm_key(r), r["attack"], r["value"]) for r in rows] == [
+        (("fedct", "", "off"), "label L1", "0.1"),
+        (("fedct", "", "off"), attacks.MEMBERSHIP, ""),
+        (("fedct", "", "client"), "label L1", "0.3"),
+        (("fedct", "", "client"), attacks.MEMBERSHIP, ""),
+    ]
