@@ -1,5 +1,6 @@
 """The `fedapps` command: run one config, compare configs over seeds, tune on the validation split, report a run,
-regenerate the published tables, draw accuracy against ε, deploy across machines (each sub-command's --help says how).
+regenerate the published tables, draw accuracy against ε, measure what the server can infer (attacks), deploy across
+machines (each sub-command's --help says how).
 
 `fedapps run CONFIG` validates the config and the data here (a bad key fails at once, naming it: exit 2),
 starts its own SuperLink (simulation mode, free port, own FLWR_HOME) or joins --superlink ADDRESS; with
@@ -543,8 +544,8 @@ def add_run_options(p: argparse.ArgumentParser, writes: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `fedapps` command line (run, compare, tune, report; tables and deploy parse their own options). Builds
-    the parsers only: nothing is read or started (the CLI reference is generated from it)."""
+    """The `fedapps` command line (run, compare, tune, report; tables, attacks and deploy parse their own options).
+    Builds the parsers only: nothing is read or started (the CLI reference is generated from it)."""
     parser = argparse.ArgumentParser(
         prog="fedapps",
         description=__doc__.split("\n\n")[0].replace("\n", " "),
@@ -664,6 +665,12 @@ def build_parser() -> argparse.ArgumentParser:
         "each noise multiplier, over the seeds; `fedapps privacy-curves --help` for its options",
     )
     sub.add_parser(
+        "attacks",
+        add_help=False,
+        help="what the server can infer: run strategies × privacy modes in-process on mnist5k, capture what leaves "
+        "each client, measure label-distribution and membership inference; `fedapps attacks --help` for its options",
+    )
+    sub.add_parser(
         "deploy",
         add_help=False,
         help="across machines: certificates, node keys, SuperLink/SuperNodes with "
@@ -723,6 +730,10 @@ def main(argv: list[str] | None = None) -> int:
         from fedapps_tools.privacy_curves import main as curves_main
 
         return curves_main(argv[1:])
+    if argv[:1] == ["attacks"]:  # its own options (fedapps_tools/attacks.py)
+        from fedapps_tools.attacks import main as attacks_main
+
+        return attacks_main(argv[1:])
     if argv[:1] == ["deploy"]:  # its own sub-commands (fedapps_tools/deploy.py)
         from fedapps_tools.deploy import main as deploy_main
 

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from fedapps.config import ConfigError, load_config
-from fedapps_tools import cli, deploy
+from fedapps_tools import attacks, cli, deploy
 from fedapps_tools.logfilter import FLOWER_NOISE, LogFilter, is_flower_noise, parse_line
 from fedapps_tools.options import (
     RST_MARKUP,
@@ -33,15 +33,15 @@ from strategies import ignored_settings, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "configs" / "paper").glob("*.yaml"))
-SUB_COMMANDS = {"run", "compare", "tune", "report", "tables", "deploy"}
+SUB_COMMANDS = {"run", "compare", "tune", "report", "tables", "attacks", "deploy"}
 
 
 def all_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
-    """Every parser a user can reach: fedapps and its sub-commands, fedapps deploy and its steps, and fedapps
-    tables' when its module builds it in a function."""
+    """Every parser a user can reach: fedapps and its sub-commands, fedapps deploy and its steps, fedapps attacks,
+    and fedapps tables' when its module builds it in a function."""
     from fedapps_tools import tables
 
-    roots = [cli.build_parser(), deploy.build_parser()]
+    roots = [cli.build_parser(), deploy.build_parser(), attacks.build_parser()]
     if hasattr(tables, "build_parser"):
         roots.append(tables.build_parser())
     return [pair for root in roots for pair in parsers_of(root)]
@@ -71,7 +71,7 @@ def test_top_level_help_lists_every_sub_command_with_a_line(capsys):
     for name, line in listed.items():
         assert len(line) > 20, name
         assert re.search(rf"^\s+{name}\s+\S", out, re.M), f"{name} is not listed with its line in --help"
-    for name in ("tables", "deploy"):  # listed AND reachable: their own --help works
+    for name in ("tables", "attacks", "deploy"):  # listed AND reachable: their own --help works
         with pytest.raises(SystemExit) as exited:
             cli.main([name, "--help"])
         assert exited.value.code == 0 and f"fedapps {name}" in capsys.readouterr().out
@@ -119,7 +119,7 @@ def test_every_positional_and_seeds_option_has_help():
 def test_help_is_plain_text():
     texts = [
         (where, text)
-        for _, root in [("", cli.build_parser()), ("", deploy.build_parser())]
+        for _, root in [("", cli.build_parser()), ("", deploy.build_parser()), ("", attacks.build_parser())]
         for where, text in help_texts(root)
     ]
     assert len(texts) > 60  # every parser's texts were reached
