@@ -816,7 +816,8 @@ def without_later_defaults(data: dict[str, Any]) -> dict[str, Any]:
     :data:`LATER_SECTIONS` that hold theirs (a copy)."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
     for section, default in LATER_SECTIONS.items():  # first: a later key of such a section is in its default
-        if out.get(section) == default:
+        # a section dumped before one of its keys existed lacks it: a missing key held its (later) default
+        if isinstance(out.get(section), dict) and {**default, **out[section]} == default:
             del out[section]
     for (section, key), default in LATER_KEYS.items():
         if isinstance(out.get(section), dict) and key in out[section] and out[section][key] == default:

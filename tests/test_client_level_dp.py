@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import yaml
 
 dp_accounting = pytest.importorskip("dp_accounting", reason="the accountant comes with the extra privacy")
 # the project imports below come after the skip on purpose: without the extra this module is skipped, not broken
@@ -436,6 +437,20 @@ def test_the_new_key_keeps_the_hashes_of_runs_recorded_before_it():
     clipped = load_config(None, "privacy.mode=client privacy.clip_norm=3")
     assert without_later_defaults(clipped.to_dict())["privacy"]["clip_norm"] == 3
     assert config_hash(clipped) != config_hash(load_config(None, "privacy.mode=client"))
+
+
+def test_a_checkpoint_written_before_the_new_key_resumes_under_todays_config():
+    """A run checkpointed before privacy.clip_norm existed dumped a privacy section without it; today's config of the
+    same computation must compare equal to it (else `--resume` and `fedapps compare` refuse or restart the run)."""
+    from fedapps.checkpoint import config_differences
+    from fedapps.config import dump_yaml
+
+    for overrides in ("", "privacy.mode=sample"):
+        today = load_config(None, overrides).to_dict()
+        before = {**today, "privacy": {k: v for k, v in today["privacy"].items() if k != "clip_norm"}}
+        assert config_differences(yaml.safe_dump(before), dump_yaml(load_config(None, overrides))) == []
+    changed = load_config(None, "privacy.clip_norm=2").to_dict()  # a key held at another value still counts
+    assert config_differences(yaml.safe_dump(changed), dump_yaml(load_config(None, ""))) != []
 
 
 def test_the_printed_summary_shows_the_client_level_epsilon_and_the_early_end(tmp_path):
