@@ -390,7 +390,7 @@ ARMS: tuple[Arm, ...] = (
     Arm("cosmos", "client"),
     Arm("fedmd", "off"),
     Arm("fedmd", "sample"),
-    Arm("fedmd", "client", ("scores=probs",), "scores probs"),  # logits have no norm bound: mode client needs a clip
+    Arm("fedmd", "client", ("consensus=probs",), "consensus probs"),  # logits have no norm bound: average probabilities
     Arm("fedct", "off"),
     Arm("fedct", "sample"),
     Arm("fedct", "client"),
