@@ -533,8 +533,6 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
     if isinstance(default, str):
         if value is None:
             return ""
-        if isinstance(value, bool):  # YAML 1.1 reads an unquoted off/no/false as false, on/yes/true as true
-            return "on" if value else "off"
         if not isinstance(value, (str, int, float)):
             raise ConfigError(f"'{key}' must be a string, got {value!r}")
         return str(value)

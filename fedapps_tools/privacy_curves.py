@@ -131,7 +131,7 @@ def point_label(sigma: float | None) -> str:
 def point_overrides(spec: CurveSpec, m: CurveMethod, sigma: float | None) -> list[str]:
     """The dotted overrides of one point: the method's, then privacy off or the spec's privacy keys and σ."""
     if sigma is None:
-        return [*m.overrides, f"privacy.mode={OFF}"]
+        return [*m.overrides, f"privacy.mode={yaml_scalar(OFF)}"]  # quoted: YAML reads a bare off as false
     keys = {**spec.privacy, "noise_multiplier": sigma}
     return [*m.overrides, *(f"privacy.{k}={yaml_scalar(v)}" for k, v in keys.items())]
 

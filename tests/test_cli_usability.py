@@ -33,7 +33,7 @@ from strategies import ignored_settings, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "configs" / "paper").glob("*.yaml"))
-SUB_COMMANDS = {"run", "compare", "tune", "report", "tables", "attacks", "deploy"}
+SUB_COMMANDS = {"run", "compare", "tune", "report", "tables", "attacks", "privacy-curves", "deploy"}
 
 
 def all_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
@@ -71,7 +71,7 @@ def test_top_level_help_lists_every_sub_command_with_a_line(capsys):
     for name, line in listed.items():
         assert len(line) > 20, name
         assert re.search(rf"^\s+{name}\s+\S", out, re.M), f"{name} is not listed with its line in --help"
-    for name in ("tables", "attacks", "deploy"):  # listed AND reachable: their own --help works
+    for name in ("tables", "attacks", "privacy-curves", "deploy"):  # listed AND reachable: their own --help works
         with pytest.raises(SystemExit) as exited:
             cli.main([name, "--help"])
         assert exited.value.code == 0 and f"fedapps {name}" in capsys.readouterr().out

@@ -19,16 +19,6 @@ def test_defaults_and_overrides(tiny_config):
     assert cfg.resolved_run_name() == "local-digits-iid-s0"
 
 
-def test_an_unquoted_off_reads_as_the_setting_off_not_as_false(tmp_path):
-    """YAML 1.1 reads `mode: off` as the boolean false; a string setting takes it as the word the user wrote."""
-    path = tmp_path / "c.yaml"
-    path.write_text("privacy:\n  mode: off\n")
-    assert load_config(path).privacy.mode == "off"
-    assert load_config(None, ["privacy.mode=off"]).privacy.mode == "off"
-    with pytest.raises(ConfigError, match="'privacy.mode' is 'on', which is not known; allowed: off, sample"):
-        load_config(None, ["privacy.mode=yes"])
-
-
 def test_default_yaml_is_valid():
     cfg = load_config("configs/default.yaml")
     assert cfg.data.source == "mnist5k"

@@ -505,7 +505,8 @@ def write_config(tmp_path: Path, rounds: int = 2, **params) -> str:
     return str(path)
 
 
-ALLOWED_REPLY_RECORDS = {protocol.METRICS, protocol.INFO, protocol.PREDICTIONS}
+# the profile record: the reply's time per phase (timings only, no data)
+ALLOWED_REPLY_RECORDS = {protocol.METRICS, protocol.INFO, protocol.PREDICTIONS, protocol.PROFILE}
 
 
 def assert_pseudo_labels_and_metrics_only(replies: list[Message], n_public: int, num_classes: int) -> int:
@@ -522,8 +523,10 @@ def assert_pseudo_labels_and_metrics_only(replies: list[Message], n_public: int,
                 arr = record[protocol.PREDICTION_ARRAY].numpy()
                 assert arr.shape in ((n_public, num_classes), (n_public,)), arr.shape  # one row per sample of U
                 seen_predictions += 1
-            elif name == protocol.METRICS:
+            elif name in (protocol.METRICS, protocol.PROFILE):  # the profile: seconds per phase, numbers only
                 assert isinstance(record, MetricRecord)
+                if name == protocol.PROFILE:
+                    assert all(k.endswith("-seconds") for k in record.keys())
             else:
                 assert isinstance(record, ConfigRecord)
                 assert set(record.keys()) == {protocol.INFO_ARCH, protocol.INFO_FINGERPRINT}
