@@ -31,11 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from fedapps.config import ConfigError
 from fedapps_tools.compare import mean_sem
-from fedapps_tools.tables import fedapps, provenance, with_overrides, write_yaml, yaml_scalar
+from fedapps_tools.tables import fedapps, provenance, read_spec_mapping, with_overrides, write_yaml, yaml_scalar
 
 OFF = "off"  # the point label of a method's non-private run
 SUMMARY_KEYS = ("accuracy_mean", "accuracy_weighted", "accuracy_worst10")
@@ -63,19 +61,10 @@ class CurveSpec:
 def load_curve_spec(path: str | Path) -> CurveSpec:
     """Read and check a privacy-curves spec; every problem is a ConfigError naming the file and key."""
     p = Path(path)
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except OSError as exc:
-        raise ConfigError(f"privacy-curves spec '{path}' cannot be read: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"privacy-curves spec '{path}' must be a mapping (name, setting, privacy, ...)")
     known = {"name", "title", "setting", "seeds", "privacy", "noise_multipliers", "methods", "notes"}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(f"privacy-curves spec '{path}': unknown key(s) {unknown}; allowed: {sorted(known)}")
-    for key in ("name", "setting", "privacy", "noise_multipliers", "methods"):
-        if not raw.get(key):
-            raise ConfigError(f"privacy-curves spec '{path}': '{key}' is missing")
+    raw = read_spec_mapping(
+        p, "privacy-curves spec", known, ("name", "setting", "privacy", "noise_multipliers", "methods")
+    )
     setting = p.parent / str(raw["setting"])
     if not setting.is_file():
         raise ConfigError(f"privacy-curves spec '{path}': setting '{raw['setting']}' is not a file (relative to it)")

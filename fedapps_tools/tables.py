@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,22 +87,31 @@ def grid_points(grid: Mapping[str, list[Any]]) -> int:
     return n
 
 
+def read_spec_mapping(
+    path: str | os.PathLike, kind: str, known: Iterable[str], required: Sequence[str]
+) -> dict[str, Any]:
+    """A spec file's top level, checked: readable YAML, a mapping, no key outside ``known``, every ``required`` key
+    set; each problem a ConfigError naming the file (``kind``: what it is, e.g. "tables spec") and the key."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"{kind} '{path}' cannot be read: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{kind} '{path}' must be a mapping with {', '.join(required)}, ...")
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ConfigError(f"{kind} '{path}': unknown key(s) {unknown}; allowed: {sorted(known)}")
+    for key in required:
+        if not raw.get(key):
+            raise ConfigError(f"{kind} '{path}': '{key}' is missing")
+    return raw
+
+
 def load_spec(path: str | os.PathLike) -> Spec:
     """Read and check a tables spec; every problem is a ConfigError naming the key."""
     p = Path(path)
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except OSError as exc:
-        raise ConfigError(f"tables spec '{path}' cannot be read: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"tables spec '{path}' must be a mapping with name, settings, methods, seeds")
     known = {"name", "title", "settings", "methods", "seeds", "tune_seeds", "tune_on", "notes", "set"}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(f"tables spec '{path}': unknown key(s) {unknown}; allowed: {sorted(known)}")
-    for key in ("name", "settings", "methods"):
-        if not raw.get(key):
-            raise ConfigError(f"tables spec '{path}': '{key}' is missing")
+    raw = read_spec_mapping(p, "tables spec", known, ("name", "settings", "methods"))
     settings = {str(k): str(v) for k, v in raw["settings"].items()}
     methods = []
     allowed = ("set", "grid", "label", "settings", "paper_metric", "paper_note", "withdrawn_rows")
