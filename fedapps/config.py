@@ -508,8 +508,22 @@ def _build_dataclass(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
         elif name == "params" and cls is StrategyConfig:
             kwargs[name] = _params_sections(f"{prefix}params", value)
         else:
+            value = _yaml_bool_as_choice(value, f.metadata.get(CHOICES))
             kwargs[name] = _coerce(f"{prefix}{name}", value, default)
     return cls(**kwargs)
+
+
+# The words YAML 1.1 (PyYAML) reads as booleans when unquoted: `privacy: {mode: off}` arrives as False.
+YAML_BOOL_WORDS = {True: ("on", "yes", "true", "y"), False: ("off", "no", "false", "n")}
+
+
+def _yaml_bool_as_choice(value: Any, choices: Any) -> Any:
+    """A boolean where the setting's choices name exactly one of YAML's words for it: that choice (so an unquoted
+    ``off`` reads as the choice ``off``). Anything else is returned as it came, for ``_coerce`` to judge."""
+    if not isinstance(value, bool) or not isinstance(choices, tuple):
+        return value
+    words = [c for c in choices if isinstance(c, str) and c.lower() in YAML_BOOL_WORDS[value]]
+    return words[0] if len(words) == 1 else value
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:
@@ -533,6 +547,11 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
     if isinstance(default, str):
         if value is None:
             return ""
+        if isinstance(value, bool):
+            raise ConfigError(
+                f"'{key}' must be a string, got {value!r}: YAML reads an unquoted on/off/yes/no/true/false as a "
+                f"boolean; quote the value (e.g. {key}: \"{'on' if value else 'off'}\")"
+            )
         if not isinstance(value, (str, int, float)):
             raise ConfigError(f"'{key}' must be a string, got {value!r}")
         return str(value)

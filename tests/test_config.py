@@ -139,3 +139,23 @@ def test_default_yaml_is_the_tables_validation_choice_for_cwfedavg_on_its_partit
     for key in ("rounds", "data", "model"):  # the same setting: partition, clients, model, rounds
         assert getattr(default, key) == getattr(setting, key), key
     assert (default.client.batch_size, default.client.epochs) == (setting.client.batch_size, setting.client.epochs)
+
+
+def test_unquoted_yaml_boolean_words_read_as_the_choice_they_spell(tmp_path):
+    """PyYAML reads a bare `off`/`on`/`no` as a boolean: where the setting's choices hold exactly one word YAML reads as
+    that boolean, the word is meant; elsewhere a boolean in a string setting is still refused, naming the key."""
+    import yaml
+
+    raw = yaml.safe_load("privacy: {mode: off}\nclient: {device: cpu}")
+    assert raw["privacy"]["mode"] is False  # the YAML quirk this handles
+    assert config_from_dict(raw).privacy.mode == "off"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("privacy:\n  mode: off\n")
+    assert load_config(str(cfg)).privacy.mode == "off"
+    assert load_config(str(cfg), ["privacy.mode=off"]).privacy.mode == "off"
+    # `on` names no privacy mode: still an error that says which key
+    with pytest.raises(ConfigError, match="mode"):
+        config_from_dict(yaml.safe_load("privacy: {mode: on}"))
+    # a string setting whose choices hold no YAML boolean word keeps refusing a boolean
+    with pytest.raises(ConfigError, match="client.device' must be a string, got False: YAML reads an unquoted"):
+        config_from_dict(yaml.safe_load("client: {device: off}"))
