@@ -101,6 +101,19 @@ def test_the_accountant_grows_with_steps_and_shrinks_with_noise():
     )
 
 
+def test_identical_steps_are_composed_before_the_accountant_without_changing_epsilon():
+    """A client enters one (σ, q, steps) per round: the entries of one (σ, q) are added up first (the RDP series is
+    evaluated once, not once a round), and ε is the one of Opacus's accountant over the entries one by one."""
+    from opacus.accountants import RDPAccountant
+
+    rounds = [(1.0, 10 / 170, 17)] * 20
+    history = [*rounds[:5], (2.0, 10 / 170, 17), (1.0, 10 / 170, 0), *rounds[5:], (1.0, 0.1, 3)]
+    assert privacy.merged_steps(history) == [(1.0, 10 / 170, 340), (2.0, 10 / 170, 17), (1.0, 0.1, 3)]
+    one_by_one = RDPAccountant()
+    one_by_one.history = [h for h in history if h[2] > 0]
+    assert privacy.epsilon(history, 1e-5) == pytest.approx(one_by_one.get_epsilon(1e-5), rel=1e-9)
+
+
 def test_planned_steps_are_the_plain_loops():
     for n, b, drop, epochs in ((337, 16, True, 2), (337, 16, False, 1), (5, 16, True, 1), (32, 16, True, 3)):
         s = ops.OptimSettings(epochs=epochs, batch_size=b, drop_last=drop)
