@@ -547,11 +547,6 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
     if isinstance(default, str):
         if value is None:
             return ""
-        if isinstance(value, bool):
-            raise ConfigError(
-                f"'{key}' must be a string, got {value!r}: YAML reads an unquoted on/off/yes/no/true/false as a "
-                f"boolean; quote the value (e.g. {key}: \"{'on' if value else 'off'}\")"
-            )
         if not isinstance(value, (str, int, float)):
             raise ConfigError(f"'{key}' must be a string, got {value!r}")
         return str(value)
@@ -573,7 +568,12 @@ def _check(ok: bool, message: str) -> None:
 
 
 def _one_of(key: str, value: str, allowed: tuple[str, ...] | list[str]) -> None:
-    _check(value in allowed, f"'{key}' is '{value}', which is not known; allowed: {', '.join(allowed)}")
+    hint = (
+        " (YAML reads an unquoted on/off/yes/no/true/false as a boolean: quote the value)"
+        if value in ("True", "False")
+        else ""
+    )
+    _check(value in allowed, f"'{key}' is '{value}', which is not known; allowed: {', '.join(allowed)}{hint}")
 
 
 def validate(cfg: ExperimentConfig) -> None:

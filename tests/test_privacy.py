@@ -143,11 +143,18 @@ def cross_entropy(m, xb, yb, _w):
     return nn.functional.cross_entropy(m(xb), yb)
 
 
+@ops.per_sample
+def per_sample_cross_entropy(m, xb, yb, _w):
+    """The same loss, marked: DP-SGD takes its per-sample gradients with torch.func instead of Opacus's hooks."""
+    return nn.functional.cross_entropy(m(xb), yb)
+
+
 def flat(update: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([v.flatten() for v in update.values()])
 
 
-def test_per_sample_clipping_bounds_one_samples_influence():
+@pytest.mark.parametrize("cross_entropy", [cross_entropy, per_sample_cross_entropy], ids=["hooks", "torch.func"])
+def test_per_sample_clipping_bounds_one_samples_influence(cross_entropy):
     """One sample far off (a gradient ~1e4 times C) moves the noiseless step by exactly lr·C/B: its own gradient is
     clipped to C before the sum. Unclipped, or clipped as part of the batch mean, it would move it by far more."""
     torch.manual_seed(0)
@@ -596,3 +603,70 @@ def test_the_ledger_persists_between_messages_under_flwr_run(tmp_path):
         step = (1.0, privacy.sample_rate(n, 16), privacy.planned_steps(n, ops.OptimSettings(batch_size=16)))
         assert values == pytest.approx([privacy.epsilon([step] * r, 1e-5) for r in (1, 2)], rel=1e-9)
     assert json.loads((run / "summary.json").read_text())["privacy"]["epsilon_max"] > 0
+
+
+# --------------------------------------------------------------------------- the two ways to per-sample gradients
+
+
+@pytest.mark.parametrize("arch, shape", [("cnn", (1, 28, 28)), ("mlp", (1, 8, 8)), ("cnn", (3, 32, 32))])
+def test_torch_func_per_sample_gradients_are_the_hooks_ones(arch, shape):
+    """Each sample's gradient from its own loss (torch.func) equals what Opacus's hooks split out of the minibatch's
+    mean loss, for the zoo's DP-compatible models; so does the minibatch loss."""
+    from opacus.grad_sample import GradSampleHooks
+
+    from fedapps.models.zoo import build_model
+
+    torch.manual_seed(0)
+    model = build_model(arch, 10, shape, seed=0)
+    model.train()
+    x, y = torch.randn(7, *shape), torch.randint(0, 10, (7,))
+    with privacy.out_of_place(model):
+        fast = privacy.per_sample_gradients(model, per_sample_cross_entropy)(x, y)
+        by_func = {n: p.grad_sample.clone() for n, p in model.named_parameters()}
+        for p in model.parameters():
+            p.grad_sample = None
+        hooks = GradSampleHooks(model, batch_first=True, loss_reduction="mean", strict=True)
+        try:
+            slow = privacy.hooked_gradients(model, cross_entropy)(x, y)
+            by_hooks = {n: p.grad_sample.clone() for n, p in model.named_parameters()}
+        finally:
+            hooks.cleanup()
+    assert float(fast) == pytest.approx(float(slow), rel=1e-6)
+    for name, p in model.named_parameters():
+        assert by_func[name].shape == (7, *p.shape), name
+        torch.testing.assert_close(by_func[name], by_hooks[name], rtol=1e-4, atol=1e-6, msg=name)
+    # the batch's mean gradient is the mean of the per-sample ones (a wrong scale or a missing sample shows here)
+    mean = torch.autograd.grad(cross_entropy(model, x, y, None), list(model.parameters()))
+    for (name, _), g in zip(model.named_parameters(), mean, strict=True):
+        torch.testing.assert_close(by_func[name].mean(0), g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_private_loop_trains_the_same_model_on_either_path():
+    """Three epochs of DP-SGD with the same reproducible noise and minibatches: the marked loss (torch.func) and the
+    unmarked one (hooks) end at the same parameters, so the faster path changes nothing but the time."""
+    from fedapps.models.zoo import build_model
+
+    x, y = torch.randn(40, 1, 8, 8), torch.randint(0, 10, (40,))
+    ends = []
+    for loss in (cross_entropy, per_sample_cross_entropy):
+        model = build_model("mlp", 10, (1, 8, 8), seed=3)
+        training = privacy.PrivateTraining(settings(noise_multiplier=1.0, max_grad_norm=0.5), [], 0, "mlp")
+        optim = ops.OptimSettings(epochs=3, batch_size=8, lr=0.1, drop_last=False)
+        with ops.privately(training):
+            ops.run_epochs(model, x, y, loss, optim, generator=torch.Generator().manual_seed(5))
+        ends.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    start = torch.cat([p.detach().flatten() for p in build_model("mlp", 10, (1, 8, 8), seed=3).parameters()])
+    assert float((ends[0] - start).abs().max()) > 1e-3  # it trained
+    torch.testing.assert_close(ends[0], ends[1], rtol=1e-4, atol=1e-5)
+
+
+def test_supervised_training_takes_the_torch_func_path(monkeypatch):
+    """ops.train's cross-entropy is marked per-sample: under DP-SGD it goes through per_sample_gradients."""
+    calls = []
+    real = privacy.per_sample_gradients
+    monkeypatch.setattr(privacy, "per_sample_gradients", lambda m, f: calls.append(f) or real(m, f))
+    training = privacy.PrivateTraining(settings(), [], 0, "tiny")
+    with ops.privately(training):
+        ops.train(nn.Linear(4, 3), torch.randn(12, 4), torch.randint(0, 3, (12,)), ops.OptimSettings(batch_size=4))
+    assert len(calls) == 1 and ops.is_per_sample(calls[0])
+    assert training.history and training.history[0][2] > 0

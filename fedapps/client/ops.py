@@ -27,6 +27,19 @@ from fedapps.config import OptimSettings
 Regulariser = Callable[[nn.Module], Tensor]
 DistillTerm = Callable[[nn.Module, Tensor, Tensor, Tensor | None], Tensor]  # (model, x, logits, weights) -> loss
 BatchLoss = Callable[[nn.Module, Tensor, Tensor, Tensor | None], Tensor]
+PER_SAMPLE = "fedapps_per_sample"  # the attribute per_sample() sets on a BatchLoss
+
+
+def per_sample(loss_fn: BatchLoss) -> BatchLoss:
+    """Mark ``loss_fn`` as the mean over the minibatch of each sample's own loss, reading the model only by calling
+    it on the inputs: DP-SGD may then take each sample's gradient from the loss of that sample alone
+    (:func:`fedapps.client.privacy.per_sample_gradients`) instead of Opacus's hooks. An unmarked loss gets the hooks."""
+    setattr(loss_fn, PER_SAMPLE, True)
+    return loss_fn
+
+
+def is_per_sample(loss_fn: BatchLoss) -> bool:
+    return getattr(loss_fn, PER_SAMPLE, False) is True
 
 
 class Cancelled(RuntimeError):
@@ -213,6 +226,7 @@ def train(
     """Supervised training with cross-entropy (+ an optional regulariser on the model); ``public``: (x, y) is not
     the client's own data (see :func:`run_epochs`)."""
 
+    @per_sample
     def loss_fn(m: nn.Module, xb: Tensor, yb: Tensor, _w: Tensor | None) -> Tensor:
         return F.cross_entropy(m(xb), yb)
 
