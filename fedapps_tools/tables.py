@@ -730,9 +730,19 @@ def figure_lines(tables: Tables, setting: str, out: Path, carried: list[str]) ->
         published_figure = figure_path(tables.spec, setting, out)
         if not carried or not published_figure.is_file():
             return []
-        return ["", f"![{caption} (published with the carried-over rows)]({published_figure.name})"]
+        return ["", published_link(out / f"{tables.spec.name}.md", published_figure.name, caption)]
     missing = f" (not drawn: {', '.join(carried)}, carried over without their runs)" if carried else ""
     return ["", f"![{caption}{missing}]({figure.name})"]
+
+
+def published_link(md: Path, figure: str, caption: str) -> str:
+    """The link to a figure the report keeps as published: the published report's own line for it (its caption says
+    what the figure draws and lacks), else ``caption`` marked as published with the carried-over rows."""
+    if md.is_file():
+        for line in md.read_text().splitlines():
+            if line.startswith("![") and line.endswith(f"]({figure})"):
+                return line
+    return f"![{caption} (published with the carried-over rows)]({figure})"
 
 
 def setting_lines(tables: Tables, setting: str) -> list[Any]:

@@ -544,6 +544,12 @@ def test_figures_keep_the_published_one_for_carried_settings_and_name_the_curves
     ).read_bytes().startswith(b"\x89PNG")
     assert "(published with the carried-over rows)](demo-b.png)" in md
     assert (docs / "demo-b.png").read_bytes() == b"published figure"
+    # a published caption that says more (what the kept figure lacks) is kept with the figure, report after report
+    (docs / "demo.md").write_text(
+        md.replace("(published with the carried-over rows)](demo-b.png)", "(lacks x)](demo-b.png)")
+    )
+    md = tables.report(spec, tmp_path / "work", docs).read_text()
+    assert "mean ± SEM over seeds (lacks x)](demo-b.png)" in md and "published with" not in md
     (docs / "demo-b.png").unlink()  # no published figure: no link to a file that is not there
     assert "demo-b.png" not in tables.report(spec, tmp_path / "work", docs).read_text()
 
