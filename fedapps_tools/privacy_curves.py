@@ -8,7 +8,8 @@ run's ``summary.json`` (the deployed models' accuracy after the last round, docs
 ``privacy.epsilon_max``, the largest ε any client or the server's release reached) and writes
 
 - ``<out>/<name>.csv``: one row per method × σ (mean ± SEM over seeds of the accuracies, the mean and largest ε over
-  seeds), with the command, commit, machine and date that made them;
+  seeds), with the commit(s), machine and date its runs were made with (the point's provenance.json) and the
+  report's command;
 - ``<out>/<name>.png``: accuracy against ε (log scale), one line per method, its non-private accuracy dashed.
 
 Hyper-parameters are not re-tuned per σ: each method keeps the values chosen on the validation split of the
@@ -33,7 +34,16 @@ from typing import Any
 
 from fedapps.config import ConfigError
 from fedapps_tools.compare import mean_sem
-from fedapps_tools.tables import fedapps, provenance, read_spec_mapping, with_overrides, write_yaml, yaml_scalar
+from fedapps_tools.tables import (
+    fedapps,
+    provenance,
+    read_provenance,
+    read_spec_mapping,
+    record_provenance,
+    with_overrides,
+    write_yaml,
+    yaml_scalar,
+)
 
 OFF = "off"  # the point label of a method's non-private run
 SUMMARY_KEYS = ("accuracy_mean", "accuracy_weighted", "accuracy_worst10")
@@ -133,7 +143,7 @@ def run_point(spec: CurveSpec, work: Path, m: CurveMethod, sigma: float | None, 
     """One method × σ over the seeds: its config written under ``work/configs``, then ``fedapps compare``."""
     name = f"{m.name}--{point_label(sigma)}"
     cfg = write_yaml(work / "configs" / f"{name}.yaml", with_overrides(spec.setting, point_overrides(spec, m, sigma)))
-    started = time.monotonic()
+    started, since, made = time.monotonic(), time.time(), provenance()
     fedapps(
         [
             "compare",
@@ -151,12 +161,18 @@ def run_point(spec: CurveSpec, work: Path, m: CurveMethod, sigma: float | None, 
         work / "logs" / f"{name}.log",
         jobs,
     )
+    record_provenance(point_dir(work, m, sigma), made, since)
     print(f"ran {name} over seeds {spec.seeds} ({time.monotonic() - started:.0f} s)", flush=True)
+
+
+def point_dir(work: Path, m: CurveMethod, sigma: float | None) -> Path:
+    """The comparison folder of one method × σ (its runs under ``runs/``, its ``provenance.json``)."""
+    return work / "compare" / f"{m.name}--{point_label(sigma)}"
 
 
 def read_point(work: Path, m: CurveMethod, sigma: float | None, seeds: Sequence[int]) -> list[dict[str, Any]]:
     """The finished runs' summaries of one point at the spec's seeds (a missing seed is simply absent)."""
-    runs = work / "compare" / f"{m.name}--{point_label(sigma)}" / "runs"
+    runs = point_dir(work, m, sigma) / "runs"
     found = []
     for seed in seeds:
         for d in sorted(runs.glob(f"*-s{seed}")):
@@ -210,17 +226,22 @@ def curve_rows(spec: CurveSpec, work: Path) -> list[dict[str, Any]]:
     for m, sigma in points(spec):
         summaries = read_point(work, m, sigma, spec.seeds)
         if summaries:
-            rows.append(point_row(m, sigma, summaries))
+            made = read_provenance(point_dir(work, m, sigma))
+            rows.append({**point_row(m, sigma, summaries), **{k: made.get(k, "") for k in MADE}})
     return rows
 
 
-def write_curve_csv(rows: Sequence[Mapping[str, Any]], path: Path, made: Mapping[str, str], command: str) -> None:
+MADE = ("commit", "machine", "date")  # a point's provenance.json: the code and machine its runs were made with
+
+
+def write_curve_csv(rows: Sequence[Mapping[str, Any]], path: Path, command: str) -> None:
+    """The rows, each with the provenance of its runs ("" where none was recorded) and the report's command."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[*rows[0], "commit", "machine", "date", "command"])
+        w = csv.DictWriter(f, fieldnames=[*rows[0], "command"])
         w.writeheader()
         for r in rows:
-            w.writerow({**r, **made, "command": command})
+            w.writerow({**r, "command": command})
 
 
 def report(spec: CurveSpec, work: Path, out: Path, command: str) -> Path | None:
@@ -231,8 +252,7 @@ def report(spec: CurveSpec, work: Path, out: Path, command: str) -> Path | None:
     if not rows:
         print(f"{spec.name}: no finished run under {work}; run the 'run' stage first", flush=True)
         return None
-    made = provenance()
-    write_curve_csv(rows, out / f"{spec.name}.csv", made, command)
+    write_curve_csv(rows, out / f"{spec.name}.csv", command)
     plots.plot_privacy_curves(rows, out / f"{spec.name}.png", spec.title)
     incomplete = [
         f"{r['method']} {r['point']} ({r['seeds']}/{len(spec.seeds)} seeds)"

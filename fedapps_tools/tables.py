@@ -257,6 +257,30 @@ def provenance() -> dict[str, str]:
     }
 
 
+def record_provenance(folder: Path, made: Mapping[str, str], since: float) -> None:
+    """``folder/provenance.json`` = ``made`` (:func:`provenance`) once a run under ``folder/runs`` has finished since
+    ``since`` (a time.time()); an invocation that finished nothing (every run already done) leaves the record as it
+    was. Where runs finished earlier with other code stay beside the new ones (a resumed comparison), the record
+    names both commits: "old, new"."""
+    summaries = list((folder / "runs").glob("*/summary.json"))
+    fresh = [f for f in summaries if f.stat().st_mtime >= since]
+    if not fresh:
+        return
+    record = dict(made)
+    path = folder / PROVENANCE
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    if old.get("commit") and len(fresh) < len(summaries):
+        commits = [c.strip() for c in str(old["commit"]).split(",") if c.strip()]
+        record["commit"] = ", ".join([*commits, *([made["commit"]] if made["commit"] not in commits else [])])
+    path.write_text(json.dumps(record, indent=1))
+
+
+def read_provenance(folder: Path) -> dict[str, str]:
+    """What :func:`record_provenance` wrote for ``folder``; empty when nothing was recorded."""
+    path = folder / PROVENANCE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def grid_text(m: Method) -> str:
     """A method's grid as the report (and ``<name>-tuning.csv``'s ``grid`` column) writes it."""
     return "; ".join(f"{k} ∈ {{{', '.join(map(str, v))}}}" for k, v in m.grid.items())
@@ -402,11 +426,11 @@ class Tables:
             self.engine,
             "--quiet",
         ]
-        started = time.monotonic()
+        started, since = time.monotonic(), time.time()
         before = provenance()
         fedapps(args, self.work / "logs" / f"compare-{setting}-{m.name}.log", self.jobs)
         if self.compare_dir(setting, m).is_dir():  # the comparison's own folder (absent only when mocked in tests)
-            (self.compare_dir(setting, m) / PROVENANCE).write_text(json.dumps(before, indent=1))
+            record_provenance(self.compare_dir(setting, m), before, since)
         print(
             f"ran {m.name} on {setting} over seeds {self.spec.seeds} ({time.monotonic() - started:.0f} s)", flush=True
         )
@@ -591,8 +615,7 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
                 row: dict[str, Any] = {**found[m.name], "config_hash": tables.final_hash(setting, m)}
                 if not finite(row.get("accuracy_worst10")):  # runs made before summary.json recorded it
                     row.update(fairness_from_runs(run_folders(tables, setting, m)))
-                made = tables.compare_dir(setting, m) / PROVENANCE
-                row.update(json.loads(made.read_text()) if made.is_file() else {})
+                row.update(read_provenance(tables.compare_dir(setting, m)))
                 rows[m.name] = (row, tables.chosen(setting, m) if m.grid else {})
             elif (setting, m.name) in old_rows:
                 r = old_rows[(setting, m.name)]

@@ -115,6 +115,8 @@ def test_report_writes_the_rows_with_their_provenance_and_names_what_is_missing(
     write_point(work, "fedavg", "sigma0.5", 1, summary(0.88, 8.2))
     write_point(work, "fedavg", "sigma2", 0, summary(0.70, 1.1))
     write_point(work, "fedavg", "sigma2", 7, summary(0.10, 0.1))  # a seed the spec does not name: ignored
+    made = {"commit": "abc1234567", "machine": "2 CPU cores, no GPU", "date": "2026-12-02"}
+    (work / "compare" / "fedavg--sigma0.5" / "provenance.json").write_text(json.dumps(made))
     out = tmp_path / "docs"
     assert pc.report(spec, work, out, "fedapps privacy-curves spec.yaml") == out / "curves.csv"
     with open(out / "curves.csv") as f:
@@ -125,7 +127,9 @@ def test_report_writes_the_rows_with_their_provenance_and_names_what_is_missing(
         ("fedavg", "sigma2", "1"),
     ]
     assert float(rows[1]["accuracy_mean"]) == pytest.approx(0.89) and float(rows[2]["epsilon_max"]) == 1.1
-    assert all(r["commit"] and r["command"] == "fedapps privacy-curves spec.yaml" for r in rows)
+    assert all(r["command"] == "fedapps privacy-curves spec.yaml" for r in rows)
+    # each row names the code its runs were made with, not the checkout the report is written from
+    assert [r["commit"] for r in rows] == ["", "abc1234567", ""] and rows[1]["machine"] == "2 CPU cores, no GPU"
     assert (out / "curves.png").is_file()
     printed = capsys.readouterr().out
     assert "incomplete: fedavg off (1/2 seeds), fedavg sigma2 (1/2 seeds)" in printed

@@ -693,3 +693,34 @@ def test_parallel_jobs_share_the_cores_between_their_in_process_engines(tmp_path
     monkeypatch.setenv("FEDAPPS_INPROCESS_WORKERS", "3")  # the user's own choice stands
     tables.fedapps(["run"], tmp_path / "log.txt", 2)
     assert seen[-1]["FEDAPPS_INPROCESS_WORKERS"] == "3"
+
+
+def test_provenance_is_recorded_when_runs_finish_and_names_every_commit_of_a_resumed_comparison(tmp_path):
+    """Nothing finished: the record stays. All runs new: the new record. Some runs from before with other code: both
+    commits, in order, once each."""
+    import os
+    import time
+
+    folder = tmp_path / "cmp"
+    runs = [folder / "runs" / f"m-s{seed}" for seed in (0, 1)]
+    for d in runs:
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text("{}")
+    old_time = time.time() - 100
+    for d in runs:
+        os.utime(d / "summary.json", (old_time, old_time))
+    a = {"commit": "aaa", "machine": "m", "date": "d"}
+    tables.record_provenance(folder, a, since=time.time())  # nothing finished since
+    assert tables.read_provenance(folder) == {}
+    tables.record_provenance(folder, a, since=old_time - 1)  # both runs finished under a
+    assert tables.read_provenance(folder)["commit"] == "aaa"
+    since = time.time() - 1
+    (runs[1] / "summary.json").write_text("{}")  # seed 1 resumed and finished under b
+    tables.record_provenance(folder, {**a, "commit": "bbb"}, since=since)
+    assert tables.read_provenance(folder)["commit"] == "aaa, bbb"
+    tables.record_provenance(folder, {**a, "commit": "bbb"}, since=since)
+    assert tables.read_provenance(folder)["commit"] == "aaa, bbb"
+    for d in runs:  # every run made again under c: c alone
+        (d / "summary.json").write_text("{}")
+    tables.record_provenance(folder, {**a, "commit": "ccc"}, since=since)
+    assert tables.read_provenance(folder)["commit"] == "ccc"
