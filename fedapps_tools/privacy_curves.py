@@ -144,24 +144,16 @@ def run_point(spec: CurveSpec, work: Path, m: CurveMethod, sigma: float | None, 
     name = f"{m.name}--{point_label(sigma)}"
     cfg = write_yaml(work / "configs" / f"{name}.yaml", with_overrides(spec.setting, point_overrides(spec, m, sigma)))
     started, since, made = time.monotonic(), time.time(), provenance()
-    fedapps(
-        [
-            "compare",
-            str(cfg),
-            "--seeds",
-            *map(str, spec.seeds),
-            "--name",
-            name,
-            "--output-dir",
-            str(work / "compare"),
-            "--engine",
-            "inprocess",
-            "--quiet",
-        ],
-        work / "logs" / f"{name}.log",
-        jobs,
-    )
-    record_provenance(point_dir(work, m, sigma), made, since)
+    args = ["compare", str(cfg), "--seeds", *map(str, spec.seeds), "--name", name]
+    try:
+        fedapps(
+            [*args, "--output-dir", str(work / "compare"), "--engine", "inprocess", "--quiet"],
+            work / "logs" / f"{name}.log",
+            jobs,
+        )
+    finally:  # an interrupted point keeps the record of the runs it finished
+        if point_dir(work, m, sigma).is_dir():
+            record_provenance(point_dir(work, m, sigma), made, since)
     print(f"ran {name} over seeds {spec.seeds} ({time.monotonic() - started:.0f} s)", flush=True)
 
 

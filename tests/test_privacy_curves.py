@@ -161,6 +161,22 @@ def test_the_command_line_refuses_unknown_methods_and_stages(tmp_path, capsys):
     assert pc.main([str(tmp_path / "none.yaml")]) == 2
 
 
+def test_an_interrupted_point_records_the_provenance_of_the_runs_it_finished(tmp_path, monkeypatch):
+    spec = pc.load_curve_spec(write_spec(tmp_path))
+    work = tmp_path / "work"
+    m = spec.methods[0]
+
+    def finish_one_then_fail(args, log, jobs):
+        write_point(work, m.name, "off", 0, summary(0.9, None))
+        raise RuntimeError("stopped")
+
+    monkeypatch.setattr(pc, "fedapps", finish_one_then_fail)
+    monkeypatch.setattr(pc, "provenance", lambda: {"commit": "c0ffee", "machine": "m", "date": "d"})
+    with pytest.raises(RuntimeError, match="stopped"):
+        pc.run_point(spec, work, m, None, 1)
+    assert json.loads((work / "compare" / f"{m.name}--off" / "provenance.json").read_text())["commit"] == "c0ffee"
+
+
 @pytest.mark.heavy
 def test_a_tiny_sweep_runs_for_real_and_epsilon_falls_as_sigma_grows(tmp_path):
     """Sample-level DP-SGD through `fedapps compare` (digits, 3 clients, 2 rounds): the non-private point has no
@@ -177,6 +193,7 @@ def test_a_tiny_sweep_runs_for_real_and_epsilon_falls_as_sigma_grows(tmp_path):
     with open(tmp_path / "docs" / "curves.csv") as f:
         rows = {r["point"]: r for r in csv.DictReader(f)}
     assert sorted(rows) == ["off", "sigma0.5", "sigma2"]
+    assert all(r["commit"] and r["machine"] for r in rows.values())  # the runs' own provenance
     assert math.isinf(float(rows["off"]["epsilon_mean"]))
     assert 0 < float(rows["sigma2"]["epsilon_mean"]) < float(rows["sigma0.5"]["epsilon_mean"]) < math.inf
     log = tmp_path / "work" / "curves" / "logs" / "fedavg--sigma2.log"
