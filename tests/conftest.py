@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -18,6 +19,11 @@ from fedapps_tools.flwrcli import OFFLINE_ENV  # noqa: E402
 for _key, _value in OFFLINE_ENV.items():  # Ray on loopback, no telemetry, no run-time installs
     os.environ.setdefault(_key, _value)
 torch.set_num_threads(1)
+# A suite started in the background of a non-interactive shell (`make test &`) inherits SIGINT ignored, and so would
+# every process a test starts: the tests that press Ctrl-C on a run (SIGINT) need it delivered. A Python handler here
+# becomes the default action in the processes the tests exec.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
