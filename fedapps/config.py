@@ -514,7 +514,7 @@ def _build_dataclass(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
 
 
 # The words YAML 1.1 (PyYAML) reads as booleans when unquoted: `privacy: {mode: off}` arrives as False.
-YAML_BOOL_WORDS = {True: ("on", "yes", "true", "y"), False: ("off", "no", "false", "n")}
+YAML_BOOL_WORDS = {True: ("on", "yes", "true"), False: ("off", "no", "false")}
 
 
 def _yaml_bool_as_choice(value: Any, choices: Any) -> Any:

@@ -267,12 +267,11 @@ def record_provenance(folder: Path, made: Mapping[str, str], since: float) -> No
     if not fresh:
         return
     record = dict(made)
-    path = folder / PROVENANCE
-    old = json.loads(path.read_text()) if path.is_file() else {}
+    old = read_provenance(folder)
     if old.get("commit") and len(fresh) < len(summaries):
         commits = [c.strip() for c in str(old["commit"]).split(",") if c.strip()]
         record["commit"] = ", ".join([*commits, *([made["commit"]] if made["commit"] not in commits else [])])
-    path.write_text(json.dumps(record, indent=1))
+    (folder / PROVENANCE).write_text(json.dumps(record, indent=1))
 
 
 def read_provenance(folder: Path) -> dict[str, str]:

@@ -65,7 +65,7 @@ def write_rows(rows: list[dict[str, str]], path: Path) -> None:
 
 def differences(golden: list[dict[str, str]], now: list[dict[str, str]]) -> list[str]:
     """Where ``now`` departs from ``golden``: accuracies must be equal, losses within 1e-6 relative."""
-    if [list(r) for r in golden] != [list(r) for r in now] or len(golden) != len(now):
+    if [list(r) for r in golden] != [list(r) for r in now]:
         return [f"columns or rounds differ: {list(golden[0])} x {len(golden)} vs {list(now[0])} x {len(now)}"]
     found = []
     for g, n in zip(golden, now, strict=True):

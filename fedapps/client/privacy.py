@@ -70,8 +70,8 @@ class PrivacyBudgetExhausted(RuntimeError):
 def merged_steps(history: Iterable[Step]) -> list[Step]:
     """``history`` with the entries of one (σ, q) added up: RDP composes by adding, and k steps of one subsampled
     Gaussian cost k times one step's RDP, so the accountant's ε is the same while it evaluates the RDP series once per
-    distinct (σ, q) instead of once per entry (a client enters one per round: 20 rounds cost 20 evaluations, about a
-    second a message, before this). Entries without a step are dropped; first appearance keeps the order."""
+    distinct (σ, q) instead of once per entry (a client enters one per round). Entries without a step are dropped;
+    first appearance keeps the order."""
     total: dict[tuple[float, float], int] = {}
     for s, q, k in history:
         if int(k) > 0:
@@ -283,23 +283,23 @@ def per_sample_gradients(model: nn.Module, loss_fn: ops.BatchLoss) -> GradientsO
     trainable parameter; returns the minibatch's mean loss."""
     from torch.func import functional_call, grad_and_value, vmap
 
-    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    named = dict(model.named_parameters())
+    # detached views of the parameters and buffers: the optimiser's in-place steps show through them
+    trainable = {name: p.detach() for name, p in named.items() if p.requires_grad}
+    fixed = {name: p.detach() for name, p in named.items() if not p.requires_grad} | dict(model.named_buffers())
+
+    def sample_loss(values: dict[str, Tensor], x1: Tensor, y1: Tensor) -> Tensor:
+        def call(inputs: Tensor) -> Tensor:
+            return functional_call(model, (values, fixed), (inputs,))
+
+        return loss_fn(call, x1.unsqueeze(0), y1.unsqueeze(0), None)  # type: ignore[arg-type]
+
+    per_sample = vmap(grad_and_value(sample_loss), in_dims=(None, 0, 0), randomness="different")
 
     def gradients(xb: Tensor, yb: Tensor) -> Tensor:
-        params = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
-        fixed = {name: p.detach() for name, p in model.named_parameters() if not p.requires_grad}
-        fixed.update(dict(model.named_buffers()))
-
-        def sample_loss(values: dict[str, Tensor], x1: Tensor, y1: Tensor) -> Tensor:
-            def call(inputs: Tensor) -> Tensor:
-                return functional_call(model, (values, fixed), (inputs,))
-
-            return loss_fn(call, x1.unsqueeze(0), y1.unsqueeze(0), None)  # type: ignore[arg-type]
-
-        grads, losses = vmap(grad_and_value(sample_loss), in_dims=(None, 0, 0), randomness="different")(params, xb, yb)
-        named = dict(model.named_parameters())
-        for name in trainable:
-            setattr(named[name], "grad_sample", grads[name])  # noqa: B010 - Opacus reads this attribute
+        grads, losses = per_sample(trainable, xb, yb)
+        for name, g in grads.items():
+            setattr(named[name], "grad_sample", g)  # noqa: B010 - Opacus reads this attribute
         return losses.mean()
 
     return gradients
