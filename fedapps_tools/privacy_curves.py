@@ -10,7 +10,8 @@ run's ``summary.json`` (the deployed models' accuracy after the last round, docs
 - ``<out>/<name>.csv``: one row per method × σ (mean ± SEM over seeds of the accuracies, the mean and largest ε over
   seeds), with the commit(s), machine and date its runs were made with (the point's provenance.json) and the
   report's command;
-- ``<out>/<name>.png``: accuracy against ε (log scale), one line per method, its non-private accuracy dashed.
+- ``<out>/<name>.png``: accuracy against ε (log scale), one line per method, its non-private accuracy a hollow
+  marker at "no DP".
 
 Hyper-parameters are not re-tuned per σ: each method keeps the values chosen on the validation split of the
 non-private comparison (the spec says which), so a curve shows what privacy costs a method as it was tuned, and every

@@ -136,21 +136,40 @@ def test_report_writes_the_rows_with_their_provenance_and_names_what_is_missing(
     assert "not run: ditto off, ditto sigma0.5, ditto sigma2" in printed
 
 
-def test_the_figure_joins_each_methods_private_points_in_order_of_epsilon_and_dashes_its_plain_accuracy():
+def test_the_figure_joins_each_methods_private_points_in_order_of_epsilon_and_puts_its_plain_accuracy_at_no_dp():
     rows = [
         pc.point_row(pc.CurveMethod("fedavg", [], "FedAvg"), s, [summary(acc, eps)])
         for s, acc, eps in [(None, 0.95, None), (0.5, 0.9, 8.0), (2.0, 0.7, 1.0)]  # σ order: ε descending
-    ] + [pc.point_row(pc.CurveMethod("ditto", [], "Ditto"), 1.0, [summary(0.85, 3.0)])]
+    ] + [
+        pc.point_row(pc.CurveMethod("ditto", [], "Ditto"), s, [summary(acc, eps)])
+        for s, acc, eps in [(1.0, 0.85, 3.0), (None, 0.97, None)]
+    ]
     fig = plots.privacy_curves_figure(rows)
     ax = fig.axes[0]
     assert ax.get_xscale() == "log"
-    lines = {c.get_label(): c.lines[0] for c in ax.containers}  # one error-bar container per method
-    assert list(lines["FedAvg"].get_xdata()) == [1.0, 8.0] and list(lines["FedAvg"].get_ydata()) == [0.7, 0.9]
-    assert list(lines["Ditto"].get_xdata()) == [3.0]
-    dashed = [line for line in ax.get_lines() if line.get_linestyle() == "--" and line not in lines.values()]
-    assert len(dashed) == 1 and list(dashed[0].get_ydata()) == [0.95, 0.95]
-    assert dashed[0].get_color() == lines["FedAvg"].get_color()
+    curves = {c.get_label(): c.lines[0] for c in ax.containers if not c.get_label().startswith("_")}
+    assert set(curves) == {"FedAvg", "Ditto"}  # one legend entry per method, not one per reference
+    assert list(curves["FedAvg"].get_xdata()) == [1.0, 8.0] and list(curves["FedAvg"].get_ydata()) == [0.7, 0.9]
+    assert list(curves["Ditto"].get_xdata()) == [3.0]
+    references = [c.lines[0] for c in ax.containers if c.get_label().startswith("_")]
+    # each non-private accuracy: one hollow point in its method's colour and marker, right of every private ε
+    assert sorted((list(r.get_ydata()), r.get_color()) for r in references) == sorted(
+        [([0.95], curves["FedAvg"].get_color()), ([0.97], curves["Ditto"].get_color())]
+    )
+    assert all(r.get_fillstyle() == "none" and r.get_xdata()[0] > 8.0 for r in references)
+    assert {r.get_marker() for r in references} == {curves["FedAvg"].get_marker(), curves["Ditto"].get_marker()}
+    assert curves["FedAvg"].get_marker() != curves["Ditto"].get_marker()
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels == ["1", "2", "5", "no DP"] and ax.get_xticks()[-1] == references[0].get_xdata()[0]
     plots._pyplot().close(fig)
+
+
+@pytest.mark.parametrize(
+    "lo, hi, ticks",
+    [(1.0, 8.0, [1, 2, 5]), (2.3, 13.3, [5, 10]), (2.7, 26.7, [5, 10, 20]), (0.4, 0.45, [0.2]), (13.3, 13.3, [10])],
+)
+def test_epsilon_ticks_are_the_1_2_5_values_in_range(lo, hi, ticks):
+    assert plots.epsilon_ticks(lo, hi) == pytest.approx(ticks)
 
 
 def test_the_command_line_refuses_unknown_methods_and_stages(tmp_path, capsys):

@@ -305,35 +305,70 @@ def plot_comparison(curves: Sequence[Curve], path: Path) -> None:
     save(comparison_figure(curves), path)
 
 
+MARKERS: tuple[str, ...] = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h")
+
+
+def epsilon_ticks(lo: float, hi: float) -> list[float]:
+    """The 1-2-5 values (…, 1, 2, 5, 10, 20, …) between ``lo`` and ``hi`` on a log ε axis, at least ``lo`` rounded
+    down to one such value when none lies between (a single ε)."""
+    if not (0 < lo <= hi and math.isfinite(hi)):
+        raise ValueError(f"epsilon_ticks: need 0 < lo <= hi < inf, got {lo}, {hi}")
+    ticks = [m * 10.0**e for e in range(math.floor(math.log10(lo)), math.floor(math.log10(hi)) + 1) for m in (1, 2, 5)]
+    inside = [t for t in ticks if lo <= t <= hi]
+    return inside or [max(t for t in ticks if t <= lo)]
+
+
 def privacy_curves_figure(rows: Sequence[Mapping[str, Any]], title: str = "") -> Any:
     """Accuracy against ε (``fedapps privacy-curves``): per method (``rows``' ``method``/``label``), its private
     points (finite ``epsilon_mean``, with ``accuracy_mean`` ± ``accuracy_mean_sem`` over seeds) joined in order of ε
-    on a log axis, and its non-private accuracy (ε = ∞) as a dashed horizontal line in the same colour."""
+    on a log axis, in the method's own style (:func:`line_styles`) and a marker of its own; its non-private accuracy
+    (ε = ∞) is the same marker, hollow, at the "no DP" tick right of the largest ε (behind a dotted separator)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     methods = list(dict.fromkeys(str(r["method"]) for r in rows))
-    for name, style in zip(methods, line_styles(methods)):
+    finite = [float(r["epsilon_mean"]) for r in rows if math.isfinite(float(r["epsilon_mean"]))]
+    lo, hi = (min(finite), max(finite)) if finite else (1.0, 1.0)
+    no_dp = hi * 2.5  # where ε = ∞ is drawn
+    for i, (name, style) in enumerate(zip(methods, line_styles(methods))):
         mine = [r for r in rows if r["method"] == name]
         label = str(mine[0].get("label") or name)
+        marker = MARKERS[i % len(MARKERS)]
         private = sorted((r for r in mine if math.isfinite(float(r["epsilon_mean"]))), key=lambda r: r["epsilon_mean"])
         if private:
             ax.errorbar(
                 [float(r["epsilon_mean"]) for r in private],
                 [float(r["accuracy_mean"]) for r in private],
                 yerr=[float(r["accuracy_mean_sem"]) for r in private],
-                marker="o",
+                marker=marker,
                 capsize=3,
                 label=label,
                 **style,
             )
         for r in mine:
             if not math.isfinite(float(r["epsilon_mean"])):
-                ax.axhline(float(r["accuracy_mean"]), color=style["color"], linestyle="--", linewidth=1, alpha=0.7)
+                ax.errorbar(
+                    [no_dp],
+                    [float(r["accuracy_mean"])],
+                    yerr=[float(r["accuracy_mean_sem"])],
+                    marker=marker,
+                    fillstyle="none",
+                    markersize=8,
+                    linestyle="none",
+                    capsize=3,
+                    color=style["color"],
+                    label=None if private else label,
+                )
     ax.set_xscale("log")
+    ticks = [*epsilon_ticks(lo / 1.4, hi), no_dp]  # the values the visible range shows
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks[:-1]] + ["no DP"])
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
+    ax.axvline(math.sqrt(hi * no_dp), color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xlim(lo / 1.4, no_dp * 1.4)
     ax.set_xlabel("ε (largest over clients; δ as in the spec)")
     ax.set_ylabel("deployed-model accuracy, mean over clients\n(mean ± SEM over seeds)")
-    ax.set_title(title + ("\n" if title else "") + "dashed: the same method without privacy", fontsize=9)
-    ax.grid(alpha=0.3, which="both")
+    note = "hollow marker at 'no DP': the same method without privacy"
+    ax.set_title(title + ("\n" if title else "") + note, fontsize=9)
+    ax.grid(alpha=0.3, which="major")
     _legend(ax, len(methods))
     fig.tight_layout()
     return fig
