@@ -322,7 +322,7 @@ def privacy_curves_figure(rows: Sequence[Mapping[str, Any]], title: str = "") ->
     """Accuracy against ε (``fedapps privacy-curves``): per method (``rows``' ``method``/``label``), its private
     points (finite ``epsilon_mean``, with ``accuracy_mean`` ± ``accuracy_mean_sem`` over seeds) joined in order of ε
     on a log axis, in the method's own style (:func:`line_styles`) and a marker of its own; its non-private accuracy
-    (ε = ∞) is the same marker, hollow, at the "no DP" tick right of the largest ε (behind a dotted separator)."""
+    (ε = ∞) is the same marker, hollow, at the "no DP" tick right of the largest ε, past a dotted separator."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     methods = list(dict.fromkeys(str(r["method"]) for r in rows))
