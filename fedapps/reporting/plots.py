@@ -326,14 +326,18 @@ def privacy_curves_figure(rows: Sequence[Mapping[str, Any]], title: str = "") ->
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     methods = list(dict.fromkeys(str(r["method"]) for r in rows))
-    finite = [float(r["epsilon_mean"]) for r in rows if math.isfinite(float(r["epsilon_mean"]))]
+
+    def is_private(r: Mapping[str, Any]) -> bool:  # a finite ε; the non-private reference has ε = ∞
+        return math.isfinite(float(r["epsilon_mean"]))
+
+    finite = [float(r["epsilon_mean"]) for r in rows if is_private(r)]
     lo, hi = (min(finite), max(finite)) if finite else (1.0, 1.0)
     no_dp = hi * 2.5  # where ε = ∞ is drawn
     for i, (name, style) in enumerate(zip(methods, line_styles(methods))):
         mine = [r for r in rows if r["method"] == name]
         label = str(mine[0].get("label") or name)
         marker = MARKERS[i % len(MARKERS)]
-        private = sorted((r for r in mine if math.isfinite(float(r["epsilon_mean"]))), key=lambda r: r["epsilon_mean"])
+        private = sorted((r for r in mine if is_private(r)), key=lambda r: float(r["epsilon_mean"]))
         if private:
             ax.errorbar(
                 [float(r["epsilon_mean"]) for r in private],
@@ -344,20 +348,19 @@ def privacy_curves_figure(rows: Sequence[Mapping[str, Any]], title: str = "") ->
                 label=label,
                 **style,
             )
-        for r in mine:
-            if not math.isfinite(float(r["epsilon_mean"])):
-                ax.errorbar(
-                    [no_dp],
-                    [float(r["accuracy_mean"])],
-                    yerr=[float(r["accuracy_mean_sem"])],
-                    marker=marker,
-                    fillstyle="none",
-                    markersize=8,
-                    linestyle="none",
-                    capsize=3,
-                    color=style["color"],
-                    label=None if private else label,
-                )
+        for reference in [r for r in mine if not is_private(r)]:
+            ax.errorbar(
+                [no_dp],
+                [float(reference["accuracy_mean"])],
+                yerr=[float(reference["accuracy_mean_sem"])],
+                marker=marker,
+                fillstyle="none",
+                markersize=8,
+                linestyle="none",
+                capsize=3,
+                color=style["color"],
+                label=None if private else label,
+            )
     ax.set_xscale("log")
     ticks = [*epsilon_ticks(lo / 1.4, hi), no_dp]  # the values the visible range shows
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks[:-1]] + ["no DP"])
