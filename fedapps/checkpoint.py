@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
+import types
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,13 @@ SERVER_STATE = "server-state"
 FORMAT = 1
 IGNORED_KEYS = HASH_EXCLUDED  # where a run is written (and tracked) may differ between the run and its resumption
 RESUME_STATE = (CHECKPOINT, CLIENT_STATE, SERVER_STATE)  # what a resumption needs; removed at a successful end
+# in the reason of a client's refusal when its saved private model would not load: the server's delivery check reads it
+# (fedapps.reporting.results.DeliveryCheck) and the run exits 1 saying so
+PRIVATE_STATE_UNREADABLE = "saved private model unreadable"
+RESUME_FIX = (
+    "restore the run folder whole from a copy you trust, or start the run again in a new folder "
+    "(the rounds it finished are in its rounds.csv)"
+)
 
 
 def ndarray_from_tensor(tensor: torch.Tensor) -> np.ndarray:
@@ -42,18 +52,80 @@ def ndarray_from_tensor(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
+def ndarray_from_bytes(raw: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A numpy array of a dtype torch lacks (uint64, a non-native byte order, fixed-width text), saved by
+    :class:`ArrayPickler` as its raw bytes; only plain dtypes are rebuilt (never objects)."""
+    kind = np.dtype(dtype)
+    if kind.hasobject or kind.kind not in PLAIN_KINDS or kind.fields is not None:
+        raise ValueError(f"refusing to rebuild an array of dtype {dtype!r} (not a plain numeric or text dtype)")
+    return np.frombuffer(raw.numpy().tobytes(), dtype=kind).reshape(shape)
+
+
+def numpy_scalar(array: np.ndarray) -> Any:
+    """A numpy scalar saved by :class:`ArrayPickler` as a 0-d array, back as the scalar."""
+    return array[()]
+
+
+# what else a state file may hold (the builtins pickle handles itself never reach the check): torch's own values and
+# the containers torch's weights-only loader rebuilds — exact types, so a subclass (a defaultdict, a named tuple)
+# is refused when saved rather than when a resumption tries to load it
+SAVABLE_TYPES = frozenset(
+    {
+        torch.Size,
+        torch.dtype,
+        torch.device,
+        dict,
+        OrderedDict,
+        Counter,
+        list,
+        tuple,
+        set,
+        complex,
+        bytearray,
+        int,
+        float,
+        str,
+        bytes,
+        bool,
+        type(None),
+    }
+)
+PLAIN_KINDS = "biufcUS"  # numpy dtype kinds a state file may hold: numbers, booleans, fixed-width text
+# Everything a state file may rebuild besides what torch's weights-only loader allows by itself (tensors, dicts,
+# lists, tuples, sets, str, bytes, numbers, None): the three functions above, which make numpy values of plain dtypes
+# only. So loading runs no code of the file's choosing: a pickle naming any other callable is refused.
+SAFE_GLOBALS = (ndarray_from_tensor, ndarray_from_bytes, numpy_scalar)
+
+
 class ArrayPickler(pickle.Pickler):
-    """torch.save's pickler, with every numpy array (anywhere in the object) stored as a torch tensor: torch writes a
-    tensor's storage as raw bytes, numpy's own pickling copies it through Python bytes first — 4.6 s against 0.5 s
-    for 400 MB here (cwFedAvg's per-client stack is checkpointed every round). Loads back as numpy
-    (:func:`ndarray_from_tensor`); dtypes torch lacks and non-native byte orders keep numpy's pickling."""
+    """torch.save's pickler, with every numpy value (anywhere in the object) stored through torch's own types, so that
+    the file loads with ``weights_only=True`` (:func:`load`): an array as a tensor (torch writes a tensor's storage as
+    raw bytes, numpy's own pickling copies it through Python bytes first — 4.6 s against 0.5 s for 400 MB here;
+    cwFedAvg's per-client stack is checkpointed every round), a dtype torch lacks as its raw bytes, a scalar as a
+    0-d array. Object arrays are refused: nothing we write holds one."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is np.ndarray and obj.dtype.isnative and obj.dtype.kind in "biufc" and obj.dtype != np.uint64:
-            try:
-                return ndarray_from_tensor, (torch.from_numpy(np.ascontiguousarray(obj)),)
-            except (TypeError, ValueError):  # a dtype this torch does not know
-                pass
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject or obj.dtype.kind not in PLAIN_KINDS or obj.dtype.fields is not None:
+                raise TypeError(f"cannot save a numpy array of dtype {obj.dtype} in a state file")
+            dense = obj if obj.flags.c_contiguous else obj.copy(order="C")  # (np.ascontiguousarray makes 0-d 1-d)
+            if obj.dtype.isnative and obj.dtype.kind in "biufc" and obj.dtype != np.uint64:
+                try:
+                    return ndarray_from_tensor, (torch.from_numpy(dense),)
+                except (TypeError, ValueError):  # a dtype this torch does not know
+                    pass
+            raw = torch.frombuffer(bytearray(dense.tobytes()), dtype=torch.uint8)
+            return ndarray_from_bytes, (raw, obj.dtype.str, tuple(obj.shape))
+        if isinstance(obj, np.generic):
+            return numpy_scalar, (np.asarray(obj),)
+        if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)):
+            return NotImplemented  # pickled by name: the loader refuses any name outside its allow-list
+        if type(obj) not in SAVABLE_TYPES and not isinstance(obj, torch.Tensor):
+            raise TypeError(
+                f"cannot save a {type(obj).__module__}.{type(obj).__qualname__} in a state file: only tensors, numpy "
+                "arrays and scalars, dicts, lists, tuples, sets and plain values load without running code "
+                "(store its fields instead)"
+            )
         return NotImplemented
 
 
@@ -67,8 +139,8 @@ class _ArrayPickleModule:
 
 def atomic_save(obj: Any, path: str | Path) -> None:
     """torch.save to a temporary file next to ``path``, flushed to disk, then renamed over it: a reader (or a
-    resumed run after SIGKILL) sees the old file or the new one, never half of one. Numpy arrays are written as
-    tensors (:class:`ArrayPickler`) and read back as numpy."""
+    resumed run after SIGKILL) sees the old file or the new one, never half of one. Numpy values are written
+    through torch's types (:class:`ArrayPickler`) and read back as numpy."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -79,9 +151,44 @@ def atomic_save(obj: Any, path: str | Path) -> None:
     os.replace(tmp, path)
 
 
-def load(path: str | Path) -> Any:
-    """A file written by :func:`atomic_save` (our own pickles: full unpickling)."""
-    return torch.load(Path(path), map_location="cpu", weights_only=False)
+class StateFileError(ConfigError):
+    """A state file (checkpoint, server state, a client's private model) that cannot be loaded safely: damaged,
+    truncated, not ours, or a pickle asking to run code. Its message names the file and what to do."""
+
+
+def load(path: str | Path, what: str = "state file", fix: str = "restore the run folder from a copy") -> Any:
+    """A file written by :func:`atomic_save`, loaded with torch's weights-only unpickler: tensors, containers,
+    numbers, text and the numpy values of :data:`SAFE_GLOBALS` — no other class or callable is built, so a
+    tampered file runs no code. Any failure is a :class:`StateFileError` naming the file, ``what`` it is, and
+    ``fix``."""
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise StateFileError(f"{what} {path} is missing; {fix}") from None
+    except Exception as exc:  # noqa: BLE001 - truncated zip, foreign format, a pickle naming a forbidden global, ...
+        size = path.stat().st_size if path.is_file() else None
+        shape = "empty" if size == 0 else "damaged, foreign or unsafe"
+        raise StateFileError(
+            f"{what} {path} cannot be loaded ({shape}: {load_failure(exc)}); nothing in it was run. {fix}"
+        ) from None
+
+
+_FORBIDDEN_GLOBAL = re.compile(r"(?:unsupported|Unsupported) (?:GLOBAL|global:?)\s+(?:GLOBAL\s+)?([\w.]+)")
+
+
+def load_failure(exc: BaseException) -> str:
+    """Why torch could not load a state file, in a line: the callable a hostile pickle asked for, else the error's
+    first line (never torch's advice to retry with ``weights_only=False``, which would run the file's code)."""
+    text = str(exc)
+    found = _FORBIDDEN_GLOBAL.search(text)
+    if found:
+        return f"it asks to call or build {found.group(1)}, which no state file of ours holds"
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if "weights_only" in first or not first:
+        first = "not a state file written by fedapps"
+    return f"{type(exc).__name__}: {first[:200]}"
 
 
 def save_checkpoint(run_dir: str | Path, data: Mapping[str, Any]) -> Path:
@@ -99,7 +206,7 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
             f"cannot resume: no {CHECKPOINT} in '{run_dir}' (pass the run's results folder, "
             "<output-dir>/<run-name>, of a run that finished at least one round)"
         )
-    data = load(path)
+    data = load(path, "checkpoint", RESUME_FIX)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ConfigError(f"cannot resume: {path} is not a checkpoint of format {FORMAT}")
     return data
@@ -151,7 +258,7 @@ class RowFiles:
                 f"missing from '{self.directory}' (e.g. {sorted(missing)[0]}); the run folder is "
                 "incomplete — restore it whole or start the run again"
             )
-        return {key: load(self.directory / name) for key, name in self.names.items()}
+        return {key: load(self.directory / name, "server-state file", RESUME_FIX) for key, name in self.names.items()}
 
 
 def config_differences(saved_yaml: str, given_yaml: str) -> list[str]:

@@ -38,6 +38,7 @@ ATTACKER = 4  # the highest id: its reply comes last, after the victim's (what p
 VICTIM = 0
 CLASSES_PER_CLIENT = 4  # 5 clients × 4 classes = 20 slots over 10 classes: every class held by two clients
 DEFAULT_ROUNDS = 12
+EARLY_ROUNDS = (1, 2, 3)  # the first rounds, reported apart: a defence that only catches up by round 12 still lost them
 REFERENCE = "reference"  # the arm with the attacker dropped
 REFERENCE_ROBUST = "reference-robust"  # ... and the robust option on: what the option costs without an attack
 ARMS = ("default", "robust", REFERENCE, REFERENCE_ROBUST)
@@ -167,6 +168,14 @@ CASES: tuple[Case, ...] = (
         what="logits +1e4 on class 0 and -1e4 elsewhere on every row of U (inside the validator's bound)",
     ),
     Case(
+        "fedmd",
+        "logits-1e4",
+        "pred-const=0@{A}",
+        ("consensus=median",),
+        variant="median",
+        what="as above; the robust option the coordinate-wise median of the clients' probabilities",
+    ),
+    Case(
         "comet",
         "outlier",
         "pred-const=0@{A}",
@@ -226,6 +235,14 @@ class Outcome:
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)  # the strategy's final_summary()
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # the last round's extras
     strategy: Any = None  # the strategy object after the run (its server state, for the tests)
+    by_round: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)  # round -> client -> accuracy
+    extras: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # round -> that round's extras
+
+    def honest_mean_at(self, rnd: int) -> float:
+        """Mean deployed accuracy of the honest clients measured after round ``rnd`` (nan: none was, or the round was
+        not measured)."""
+        got = [a for cid, a in self.by_round.get(rnd, {}).items() if cid != ATTACKER]
+        return float(np.mean(got)) if got else float("nan")
 
     @property
     def honest(self) -> dict[int, float]:
@@ -240,10 +257,19 @@ class Outcome:
     def diagnostic(self) -> float | None:
         """The server-side measure of the last round where the strategy has one (FedMD's consensus, COMET's targets:
         their accuracy on U's true labels)."""
-        for key in DIAGNOSTICS:
-            if isinstance(self.extra.get(key), (int, float)):
-                return float(self.extra[key])
-        return None
+        return diagnostic_of(self.extra)
+
+    def diagnostic_at(self, rnd: int) -> float | None:
+        """The server-side measure of round ``rnd`` (:attr:`diagnostic`), where the strategy has one."""
+        return diagnostic_of(self.extras.get(rnd, {}))
+
+
+def diagnostic_of(extra: dict[str, Any]) -> float | None:
+    """The first of :data:`DIAGNOSTICS` a round's extras hold."""
+    for key in DIAGNOSTICS:
+        if isinstance(extra.get(key), (int, float)):
+            return float(extra[key])
+    return None
 
 
 def run_arm(c: Case, arm: str, seed: int = 0) -> Outcome:
@@ -266,6 +292,11 @@ def run_arm(c: Case, arm: str, seed: int = 0) -> Outcome:
     final = [m for entry in logs for m in entry.measurements if m.final]
     acc_key = protocol.metric_name(protocol.DEPLOYED_TAG, "acc")
     accuracy = {r.client_id: float(r.metrics[acc_key]) for m in final for r in m.replies if acc_key in r.metrics}
+    by_round = {
+        m.round: {r.client_id: float(r.metrics[acc_key]) for r in m.replies if acc_key in r.metrics}
+        for entry in logs
+        for m in entry.measurements
+    }
     return Outcome(
         c,
         arm,
@@ -277,6 +308,8 @@ def run_arm(c: Case, arm: str, seed: int = 0) -> Outcome:
         strategy.final_summary(),
         dict(logs[-1].extra) if logs else {},
         strategy,
+        by_round,
+        {entry.round: dict(entry.extra) for entry in logs},
     )
 
 
@@ -307,6 +340,9 @@ def summarise(got: Outcome, reference: Outcome, victim: int) -> dict[str, Any]:
         "rejected": got.rejected,
         "diagnostic": got.diagnostic,
         "diagnostic_ref": reference.diagnostic,
+        **{f"mean_r{k}": got.honest_mean_at(k) for k in EARLY_ROUNDS},
+        **{f"victim_r{k}": got.by_round.get(k, {}).get(victim, 0.0) for k in EARLY_ROUNDS},
+        **{f"diagnostic_r{k}": got.diagnostic_at(k) for k in EARLY_ROUNDS},
     }
 
 

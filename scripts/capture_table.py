@@ -141,6 +141,7 @@ def table(
             f"{fmt(mean_of(arm[capture.REFERENCE], 'mean_acc'))} | "
             f"{fmt(mean_of(arm[capture.REFERENCE_ROBUST], 'mean_acc'))} | {verdict(c, arm['robust'])} |"
         )
+    lines += early_rounds_table(rows, cases)
     lines += ["", "The attacks (fault kinds of `fedapps/flower/faults.py`):", ""]
     lines += [
         f"- **{c.name}** (`{c.fault_spec()}`{', ' + ' '.join(c.setting) if c.setting else ''}): {c.what}."
@@ -172,6 +173,52 @@ def table(
         "",
     ]
     return "\n".join(lines)
+
+
+def early_rounds_table(rows: list[dict[str, Any]], cases: list[capture.Case]) -> list[str]:
+    """The first rounds (:data:`fedapps_tools.capture.EARLY_ROUNDS`) beside the last: the mean honest accuracy of the
+    deployed models after each, option off, on, and with the attacker dropped — a defence that only catches up
+    late still lost the rounds before."""
+    early = capture.EARLY_ROUNDS
+    head = " / ".join(f"r{k}" for k in early) + " / last"
+    header = (
+        f"| strategy | attack | robust option | default ({head}) | robust ({head}) | dropped ({head}) | "
+        f"dropped + robust ({head}) |"
+    )
+    lines = [
+        "",
+        (
+            f"The first rounds: the mean honest accuracy after rounds {', '.join(map(str, early))} and after the last "
+            "(averaged over the seeds; an honest client whose reply was rejected is left out of that round's mean)."
+        ),
+        "",
+        header,
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        lines.append(early_row(c, [r for r in rows if r["case"] == c.name], "mean_r{}", "mean_acc"))
+    diag = [c for c in cases if any(r.get("diagnostic_r1") is not None for r in rows if r["case"] == c.name)]
+    if diag:
+        lines += [
+            "",
+            "The same rounds on the server's side (the diagnostic of the table below, per round):",
+            "",
+            header,
+            "|---|---|---|---|---|---|---|",
+        ]
+        for c in diag:
+            lines.append(early_row(c, [r for r in rows if r["case"] == c.name], "diagnostic_r{}", "diagnostic"))
+    return lines
+
+
+def early_row(c: capture.Case, mine: list[dict[str, Any]], per_round: str, last: str) -> str:
+    """One case's row of the first-rounds tables: per arm, ``per_round`` (a key with a {} for the round) at each
+    early round, then ``last``, averaged over the seeds."""
+    keys = [*(per_round.format(k) for k in capture.EARLY_ROUNDS), last]
+    cells = [
+        " / ".join(fmt(mean_of([r for r in mine if r["arm"] == arm], key)) for key in keys) for arm in capture.ARMS
+    ]
+    return f"| {c.strategy} | {c.attack} | `{' '.join(c.robust)}` | " + " | ".join(cells) + " |"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -344,7 +344,12 @@ class PersonalisedStrategy:
         """Restore what :meth:`state_dict` returned (onto a strategy built from the same config)."""
         excluded = self._checkpoint_excluded()
         for k, v in state.items():
-            if k not in excluded:
+            if k in excluded:
+                continue
+            current = getattr(self, k, None)
+            if isinstance(current, np.random.Generator) and isinstance(v, dict) and GENERATOR_STATE in v:
+                current.bit_generator.state = v[GENERATOR_STATE]  # the same kind of generator: built from the config
+            else:
                 setattr(self, k, v)
 
     @classmethod
@@ -363,12 +368,17 @@ def message_privacy(p: PrivacyConfig) -> protocol.Privacy | None:
     return protocol.Privacy(**{f.name: getattr(p, f.name) for f in dataclasses.fields(protocol.Privacy)})
 
 
+GENERATOR_STATE = "numpy-generator-state"  # a numpy Generator attribute in a checkpoint: its bit generator's state
+
+
 def _state_value(value: Any, where: str) -> Any:
     """A checkpointable copy of an attribute's value: tensors on the CPU; torch modules refused (see state_dict)."""
     if isinstance(value, torch.nn.Module):
         raise TypeError(f"{where} is a torch module: override state_dict/load_state_dict to save its state_dict")
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
+    if isinstance(value, np.random.Generator):  # its state as data (a checkpoint holds no objects: fedapps.checkpoint)
+        return {GENERATOR_STATE: value.bit_generator.state}
     if isinstance(value, dict):
         out = copy.copy(value)  # keeps the mapping's type (a defaultdict keeps its factory)
         out.clear()

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.app import ArrayRecord, Message
+from flwr.app import Array, ArrayRecord, Message
 from torch import Tensor, nn
 
 from fedapps.client import ops
@@ -280,11 +280,26 @@ class Cosmos(PersonalisedStrategy):
         state["models"] = {
             k: {n: t.detach().cpu().clone() for n, t in m.state_dict().items()} for k, m in models.items()
         }
+        # a checkpoint holds data, not objects (fedapps.checkpoint): the clustering's fields, the records' arrays
+        state["clustering"] = None if self.clustering is None else dataclasses.asdict(self.clustering)
+        state["wire_targets"] = {
+            k: None if record is None else {name: record[name].numpy() for name in record}
+            for k, record in self.wire_targets.items()
+        }
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         state = dict(state)
         saved = state.pop("models", {})
+        found = state.get("clustering")
+        if found is not None:
+            state["clustering"] = clustering.ClusteringResult(
+                **{**found, "tried": [tuple(t) for t in found.get("tried", [])]}
+            )
+        state["wire_targets"] = {
+            k: None if arrays is None else ArrayRecord({name: Array(a) for name, a in arrays.items()})
+            for k, arrays in state.get("wire_targets", {}).items()
+        }
         super().load_state_dict(state)
         self.models = {}
         for k in sorted(saved):

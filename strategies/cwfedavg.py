@@ -632,8 +632,8 @@ class CwFedAvg(PersonalisedStrategy):
         folder) rather than the whole stack into checkpoint.pt every round: under partial participation the
         stack holds every client heard from, a round changes a cohort's rows."""
         state = super().state_dict()
-        if self.context.server_state_dir is not None:
-            state["stack"] = self.stack.save_rows(self._stack_files())
+        if self.context.server_state_dir is not None:  # its fields: a checkpoint holds data, not objects
+            state["stack"] = dataclasses.asdict(self.stack.save_rows(self._stack_files()))
         return state
 
     def _stack_files(self) -> checkpoint.RowFiles:
@@ -646,13 +646,13 @@ class CwFedAvg(PersonalisedStrategy):
         stack kept its per-client keys apart (every key stacked; earlier still, whole models and no running sum)
         is converted: the keys this configuration keeps per client taken over, the sum rebuilt (`latest`)."""
         saved = state.get("stack")
-        if isinstance(saved, SavedStack):
+        if isinstance(saved, dict):  # a SavedStack's fields (state_dict)
             if self.context.server_state_dir is None:
                 raise ValueError(
                     "cwfedavg: this checkpoint keeps the stack in server-state files; build the strategy "
                     "with RunContext(server_state_dir=<run folder>/server-state) to load it"
                 )
-            state = {**state, "stack": ModelStack.from_saved(saved, self._stack_files())}
+            state = {**state, "stack": ModelStack.from_saved(SavedStack(**saved), self._stack_files())}
         super().load_state_dict(state)
         if hasattr(self.stack, "loose"):
             return

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,7 +130,7 @@ class FedFomo(PersonalisedStrategy):
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
         super().__init__(cfg, params, context)
         self.models: dict[int, dict[str, np.ndarray]] = {}  # client id -> latest model
-        self.affinity: dict[int, dict[int, float]] = defaultdict(dict)  # P_ij
+        self.affinity: dict[int, dict[int, float]] = {}  # P_ij (client -> candidate -> summed weight)
         self.sent_candidates: dict[int, list[int]] = {}  # node -> candidate client ids of this round
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
@@ -148,7 +147,7 @@ class FedFomo(PersonalisedStrategy):
         for n in node_ids:
             client = self.nodes.node_to_client.get(n, -1)
             others = sorted(c for c in self.models if c != client)
-            chosen = choose_candidates(self.affinity[client], others, self.params.candidates, epsilon, self.rng)
+            chosen = choose_candidates(self.affinity.get(client, {}), others, self.params.candidates, epsilon, self.rng)
             self.sent_candidates[n] = chosen
             if chosen:
                 arrays = protocol.arrays_record(protocol.pack_models([self.models[c] for c in chosen]))
@@ -171,7 +170,8 @@ class FedFomo(PersonalisedStrategy):
                 )
                 continue
             for j, w in zip(chosen, weights or []):
-                self.affinity[r.client_id][j] = self.affinity[r.client_id].get(j, 0.0) + float(w)
+                row = self.affinity.setdefault(r.client_id, {})
+                row[j] = row.get(j, 0.0) + float(w)
             if chosen:
                 assert isinstance(weights, list)  # a reply to candidates without a list of weights was skipped above
                 helpful.append(sum(1 for w in weights if w > 0))

@@ -87,6 +87,7 @@ CAPTURED: dict[str, Callable[[Case, Outcome, Outcome], None]] = {
     "fedavg/scale": honest_replies_rejected,
     "fedct/votes-for-0": votes_taken,
     "fedmd/logits-1e4": consensus_class_zero,
+    "fedmd/logits-1e4/median": consensus_class_zero,
     "comet/outlier": centroid_taken,
     "comet/copy-then-flip": resisted,
 }

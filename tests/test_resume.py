@@ -167,49 +167,6 @@ def test_no_checkpoint_is_a_config_error(tmp_path):
         checkpoint.load_checkpoint(tmp_path)
 
 
-class ArrayHolder:
-    """An object holding arrays (as cwFedAvg's ModelStack does), for the checkpoint test below."""
-
-    def __init__(self, arrays: dict) -> None:
-        self.arrays = arrays
-
-
-def test_checkpoint_arrays_round_trip_as_numpy_and_are_written_as_tensors(tmp_path):
-    """Numpy arrays anywhere in a checkpoint (inside objects too) come back as numpy of the same dtype, shape and
-    values; the file stores those torch knows as tensors (not numpy's pickling, which copied through bytes)."""
-    import zipfile
-
-    import numpy as np
-
-    from fedapps import checkpoint
-
-    holder = ArrayHolder(
-        {
-            "w": np.arange(12, dtype=np.float32).reshape(3, 4),
-            "t": np.arange(6).reshape(2, 3).T,
-            "h": np.ones(3, np.float16),
-            "b": np.array([True, False]),
-            "s": np.array(["x", "yz"]),
-            "u": np.array([2**63 + 5], np.uint64),
-        }
-    )
-    state = {
-        "holder": holder,
-        "rows": [np.zeros((2, 2), np.float64)],
-        "rng": np.random.default_rng(3).bit_generator.state,
-    }
-    path = tmp_path / "c.pt"
-    checkpoint.atomic_save(state, path)
-    back = checkpoint.load(path)
-    for k, v in state["holder"].arrays.items():
-        got = back["holder"].arrays[k]
-        assert type(got) is np.ndarray and got.dtype == v.dtype and got.shape == v.shape and np.array_equal(got, v), k
-    assert type(back["rows"][0]) is np.ndarray and back["rng"] == state["rng"]
-    with zipfile.ZipFile(path) as z:  # torch's format: one file per tensor storage under <name>/data/
-        storages = [n for n in z.namelist() if "/data/" in n and not n.endswith(".pkl")]
-    assert len(storages) == 5  # w, t, h, b and the row as tensors; the strings and the uint64 by numpy's pickling
-
-
 def test_row_files_write_changed_rows_only_and_keep_the_committed_version(tmp_path):
     """RowFiles: a save writes only the rows given, under a new version; the files it supersedes survive until
     the next save (a crash before the new checkpoint is written leaves the old map valid); restoring a map

@@ -393,6 +393,32 @@ class SavedModel:
     state: dict[str, torch.Tensor]
 
 
+class PrivateStateError(ProtocolError):
+    """A client's saved private model cannot be loaded safely (damaged, foreign, or a pickle asking to run code): the
+    message is refused with this reason, and the server makes the run's exit status say so
+    (:data:`fedapps.checkpoint.PRIVATE_STATE_UNREADABLE` in the reason)."""
+
+
+def read_saved_model(path: Path, client_id: int) -> SavedModel:
+    """A private model's file, loaded without running any code in it (:func:`fedapps.checkpoint.load`); a file that
+    fails to load or is not a private model is a :class:`PrivateStateError` naming it and the fix."""
+    fix = (
+        "delete that file to restart this client from the model the server sends (its private progress is lost), "
+        "or restore it from a copy you trust"
+    )
+    what = f"client {client_id}: {checkpoint.PRIVATE_STATE_UNREADABLE}:"
+    try:
+        data = checkpoint.load(path, what, fix)
+        saved = SavedModel(**data)
+        if not (isinstance(saved.state, dict) and all(isinstance(v, torch.Tensor) for v in saved.state.values())):
+            raise TypeError("its 'state' is not a dict of tensors")
+        return SavedModel(str(saved.run), int(saved.round), str(saved.arch), saved.state)
+    except checkpoint.StateFileError as exc:
+        raise PrivateStateError(str(exc)) from None
+    except (TypeError, ValueError) as exc:
+        raise PrivateStateError(f"{what} {path} is not a private model's file ({exc}); {fix}") from None
+
+
 def restore_private_state(context: Context, request: protocol.Request, client_id: int) -> None:
     """A process that has not served this client yet (a resumed run): the newest saved private model of an
     EARLIER round of the same run (state-run token) goes into Context.state. A file of the current round is
@@ -409,7 +435,7 @@ def restore_private_state(context: Context, request: protocol.Request, client_id
     for saved_round, path in sorted(state_files(directory, client_id).items(), reverse=True):
         if saved_round >= rnd:
             continue
-        saved = SavedModel(**checkpoint.load(path))
+        saved = read_saved_model(path, client_id)
         if saved.run != token:
             return  # another run's file
         context.state[STATE_MODEL] = ArrayRecord(dict(saved.state))

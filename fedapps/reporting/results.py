@@ -37,9 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from fedapps.checkpoint import PRIVATE_STATE_UNREADABLE
 from fedapps.config import ExperimentConfig, config_hash, dump_yaml
 from fedapps.reporting import plots
-from fedapps.wire import protocol
+from fedapps.wire import protocol, validation
 
 log = logging.getLogger("fedapps")
 
@@ -187,6 +188,7 @@ class DeliveryCheck:
         self.answered = 0
         self.usable = 0
         self.errors: list[str] = []  # distinct error reasons of client replies (first few)
+        self.unreadable_state: list[str] = []  # distinct reasons of clients whose saved private model would not load
 
     def on_round(self, entry: Any) -> None:
         self.sent += int(getattr(entry, "sent", 0))
@@ -195,6 +197,8 @@ class DeliveryCheck:
         for reason in getattr(entry, "errors", ()):
             if reason not in self.errors and len(self.errors) < 5:
                 self.errors.append(reason)
+            if PRIVATE_STATE_UNREADABLE in reason and reason not in self.unreadable_state:
+                self.unreadable_state.append(reason)
 
     def on_finish(self, summary: Mapping[str, Any], artifacts: list[Artifact]) -> None:
         pass
@@ -214,6 +218,13 @@ class DeliveryCheck:
             out.append(
                 f"only {self.answered} of {self.sent} sampled messages reached a client (got any reply): "
                 "check that the SuperNodes are up, the node ids, and strategy.timeout"
+            )
+        if self.unreadable_state:
+            shown = " | ".join(validation.error_reason(r) for r in self.unreadable_state[:3])
+            more = f" (and {len(self.unreadable_state) - 3} more)" if len(self.unreadable_state) > 3 else ""
+            out.append(
+                f"{len(self.unreadable_state)} client(s) refused their messages because their saved private model "
+                f"could not be loaded safely, and took no further part: {shown}{more}"
             )
         return out
 
