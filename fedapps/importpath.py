@@ -4,14 +4,21 @@ process. Those processes must therefore be able to import the module: an install
 PYTHONPATH when ``fedapps run`` / ``flwr run`` / a SuperNode starts (docs/configuration.md#your-own-model).
 
 A client imports and calls the callable its message names: in a deployment, a node runs only code installed on its
-own machine, but the server chooses which of it (docs/deployment.md).
+own machine, but the server chooses which of it (docs/configuration.md#your-own-model).
+
+Also here: the check that the project's other top-level modules (``strategies``, ``server_app``, ``client_app``,
+``fedapps_tools``) are the ones installed beside ``fedapps``, not a user's modules of the same names
+(:func:`check_own_modules`).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fedapps.config import ConfigError
@@ -71,3 +78,44 @@ def load_callable(key: str, ref: str, error: type[ConfigError] = ConfigError) ->
             f"or a class (e.g. {EXAMPLE})"
         )
     return obj
+
+
+# The project's top-level names besides ``fedapps`` (installed beside it: pyproject.toml [tool.setuptools]). A module of
+# the same name earlier on the Python path (a user's strategies.py, say) would be imported in their place.
+PROJECT_MODULES = ("strategies", "server_app", "client_app", "fedapps_tools")
+
+
+def module_root(name: str) -> Path | None:
+    """The folder on the Python path that a top-level module ``name`` is (or would be) imported from; None when it
+    is nowhere. Nothing is imported: a loaded module's file, else ``importlib.util.find_spec``."""
+    module = sys.modules.get(name)
+    spec = getattr(module, "__spec__", None) if module is not None else importlib.util.find_spec(name)
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:  # a package: the folder that holds its folder
+        return Path(list(spec.submodule_search_locations)[0]).resolve().parent
+    return Path(spec.origin).resolve().parent if spec.origin else None
+
+
+def shadowed_modules() -> list[str]:
+    """One sentence for each of :data:`PROJECT_MODULES` that would not come from where ``fedapps`` comes from (another
+    module of that name is earlier on the Python path); empty when they all do."""
+    home = Path(__file__).resolve().parent.parent  # the folder that holds fedapps/
+    out = []
+    for name in PROJECT_MODULES:
+        root = module_root(name)
+        if root is not None and root != home:
+            out.append(
+                f"the module '{name}' comes from {root}, not from fedapps' own folder {home}: another module of that "
+                "name is earlier on the Python path; rename yours, or take its folder off PYTHONPATH (and out of the "
+                "working directory of the command)"
+            )
+    return out
+
+
+def check_own_modules() -> None:
+    """ImportError naming each of the project's top-level modules that another module of the same name shadows
+    (:func:`shadowed_modules`): said before importing them, instead of a confusing error from inside them."""
+    problems = shadowed_modules()
+    if problems:
+        raise ImportError("; ".join(problems))
