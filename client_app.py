@@ -20,6 +20,9 @@ message_sweep.install()
 
 def serve(msg: Message, context: Context) -> Message:
     """Serve one message with the generic worker (the algorithms' client behaviour registered first)."""
+    from fedapps.importpath import check_own_modules
+
+    check_own_modules()  # a user's module named like ours (strategies) is said so, before it is imported instead
     import strategies  # registers the algorithms' client behaviour (fedapps.client.clientops)
     from fedapps.client.worker import handle
 

@@ -26,6 +26,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedapps.config import ExperimentConfig, dump_yaml, load_config, split_overrides
 from fedapps.flower import MessageGrid, message_sweep
+from fedapps.importpath import check_own_modules
 from fedapps.reporting.results import (
     REJECTIONS,
     DeliveryCheck,
@@ -87,6 +88,7 @@ def run_experiment(
     A run that ends successfully removes its resume state (checkpoint.pt, client-state/, server-state/) unless
     ``keep_state``.
     """
+    check_own_modules()  # a user's module named like ours (strategies) is said so, before it is imported instead
     # these import torch: when the run starts, not when Flower loads the module (the module docstring)
     from fedapps import checkpoint
     from fedapps.data import NODES, get_federation, set_described_counts, spec_key

@@ -53,13 +53,20 @@ CLIENT_SIDE_PRIVACY_MODES = ("sample",)
 
 HELP = "fedapps.help"  # field metadata: the key's help (docs/reference/configuration.md is generated from it)
 CHOICES = "fedapps.choices"  # field metadata: allowed values, a tuple or the dotted name of the registry holding them
+FORMS = "fedapps.forms"  # field metadata: the other forms a value may take besides the choices (e.g. hf:<name>)
 
 
-def setting(default: Any, help: str, choices: tuple[str, ...] | str | None = None) -> Any:  # noqa: A002
+def setting(
+    default: Any,
+    help: str,  # noqa: A002
+    choices: tuple[str, ...] | str | None = None,
+    forms: tuple[str, ...] = (),
+) -> Any:
     """A config key: its default, its help (the one source of the generated configuration reference) and, for a
     fixed set of values, what is allowed: a tuple, or the dotted name of the registry that holds them (this module
-    imports no registry; the checks themselves are in :func:`validate` and the registries)."""
-    meta = {HELP: help, CHOICES: choices}
+    imports no registry; the checks themselves are in :func:`validate` and the registries), and ``forms``, the
+    patterns a value may follow besides them (shown in the reference)."""
+    meta = {HELP: help, CHOICES: choices, FORMS: forms}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)  # a fresh copy per config
     return field(default=default, metadata=meta)
@@ -133,8 +140,10 @@ class DataConfig:
     source: str = setting(
         "mnist5k",
         "the data set: a built-in source, nodes (each node brings its own data: "
-        "docs/data.md), or hf:<Hub id or folder> (Flower Datasets, optional extra hf)",
+        "docs/data.md), hf:<Hub id or folder> (Flower Datasets, optional extra hf), or your own "
+        "loader as package.module:loader, returning (images, labels) or a torch Dataset (docs/data.md)",
         "fedapps.data.sources.SOURCES",
+        ("nodes", "hf:<name>", "package.module:loader"),
     )
     root: str = setting(
         "~/.cache/fedapps/data",
@@ -199,11 +208,20 @@ class DataConfig:
 class ModelConfig:
     """The client model architecture (one for all, or a per-client list for model-agnostic strategies)."""
 
-    name: str = setting("cnn", "the client model: cnn is the papers' 4-layer CNN", "fedapps.models.MODEL_NAMES")
+    name: str = setting(
+        "cnn",
+        "the client model: a zoo name (cnn is the papers' 4-layer CNN), or your own as "
+        "package.module:factory, called as factory(num_classes, input_shape) and returning an nn.Module "
+        "(docs/configuration.md)",
+        "fedapps.models.MODEL_NAMES",
+        ("package.module:factory",),
+    )
     per_client: list[str] = setting(
         [],
-        "model-agnostic strategies only: architectures cycled by client id, e.g. [cnn, mlp]",
+        "model-agnostic strategies only: architectures cycled by client id, e.g. [cnn, mlp] (zoo names or "
+        "package.module:factory)",
         "fedapps.models.MODEL_NAMES",
+        ("package.module:factory",),
     )
 
 

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fedapps.config import ConfigError, ExperimentConfig, load_config
+from fedapps.importpath import shadowed_modules
 from fedapps.reporting.results import EXIT_FAILED, EXIT_STATUSES, UnusableRun, summary_exit_status
 from fedapps_tools import raycluster
 from fedapps_tools.flwrcli import (
@@ -435,6 +436,9 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
     The flower engine's own SuperLink is launched once the config has parsed and boots (~2 s of one core) while
     the strategy, its parameters and the data are checked in this process (~2 s of the other: torch and the data);
     an error found meanwhile stops it again and removes its FLWR_HOME before the exit 2: no run is submitted."""
+    shadowed = shadowed_modules()  # before anything imports them: a user's strategies.py would be imported instead
+    if shadowed:
+        raise ConfigError("; ".join(shadowed))
     config_path = Path(config).expanduser().resolve()
     if not config_path.is_file():
         raise ConfigError(f"config file '{config}' not found; pass the path of a YAML file (e.g. configs/default.yaml)")

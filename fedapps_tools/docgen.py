@@ -112,6 +112,9 @@ def config_rows(cls: type, prefix: str) -> list[list[str]]:
             )
         allowed = registry_values(f.metadata.get(config_module.CHOICES))
         allowed_text = ", ".join(code(v) for v in allowed) if allowed else ""
+        forms = ", ".join(code(v) for v in f.metadata.get(config_module.FORMS, ()))
+        if forms:
+            allowed_text = f"{allowed_text}, or {forms}" if allowed_text else forms
         if allowed_text and type_name(f).startswith("list"):
             allowed_text = "each one of " + allowed_text
         rows.append(

@@ -147,19 +147,87 @@ def staged_app(app_dir: Path, into: Path) -> Path:
     return into
 
 
+# The Flower app's [tool.flwr.app] of pyproject.toml, for an installed package, whose folder (site-packages) holds no
+# pyproject.toml: installed_app writes it into a folder of its own (tests/test_wheel.py checks that both say the same).
+FLOWER_APP: dict[str, Any] = {
+    "publisher": "fedapps",
+    "components": {"serverapp": "server_app:app", "clientapp": "client_app:app"},
+    "config": {
+        "config": "configs/default.yaml",
+        "overrides": "",
+        "output-dir": "results",
+        "resume-dir": "",
+        "keep-state": False,
+    },
+}
+
+
+def source_app_dir() -> Path | None:
+    """The app's source folder (a checkout, or the checkout an editable install points at: APP_DIR with the
+    pyproject.toml that declares the Flower app); None for a package installed from a wheel, whose APP_DIR is
+    site-packages."""
+    pyproject = APP_DIR / "pyproject.toml"
+    try:
+        text = pyproject.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    return APP_DIR if "[tool.flwr.app.components]" in text else None
+
+
+def toml_value(value: Any) -> str:
+    """A TOML literal of a string, boolean or number (strings as JSON writes them: a valid TOML basic string)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value)
+
+
+def installed_app(into: Path) -> Path:
+    """A Flower app folder for the installed package: a pyproject.toml alone, whose components name the installed
+    top-level modules server_app and client_app (the app's code comes from site-packages, not from the FAB)."""
+    from fedapps_tools.options import package_version
+
+    lines = [
+        "[project]",
+        'name = "fedapps"',
+        f"version = {toml_value(package_version())}",
+        'description = "fedapps, installed: its ServerApp and ClientApp come from the installed package"',
+        'license = "Apache-2.0"',
+        "dependencies = []",
+        "",
+        "[tool.flwr.app]",
+        f"publisher = {toml_value(FLOWER_APP['publisher'])}",
+    ]
+    for table in ("components", "config"):
+        lines += ["", f"[tool.flwr.app.{table}]"]
+        lines += [f"{key} = {toml_value(value)}" for key, value in FLOWER_APP[table].items()]
+    into.mkdir(parents=True, exist_ok=True)
+    (into / "pyproject.toml").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return into
+
+
+def app_for_flwr(into: Path) -> Path:
+    """The folder to hand to `flwr run`: the checkout's app files staged under ``into`` (:func:`staged_app`), or,
+    for an installed package, :func:`installed_app` there."""
+    source = source_app_dir()
+    return staged_app(source, into / source.name) if source is not None else installed_app(into / "fedapps-app")
+
+
 def submit_run(connection: str, run_config: str, env: dict[str, str], extra: Sequence[str] = ()) -> str:
     """`flwr run APP connection --format json --run-config ... [extra]`: the run submitted, its id returned
     (RunFailed otherwise). The command shown is the one a user would type; it runs on the app's files staged in a
-    temporary folder (:func:`staged_app`), the same FAB without walking the virtual environment."""
+    temporary folder (:func:`app_for_flwr`: the same FAB without walking the virtual environment, or, for an installed
+    package, a pyproject.toml naming its installed apps)."""
     import shlex
     import tempfile
 
     def command(app: Path) -> list[str]:
         return ["flwr", "run", str(app), connection, "--format", "json", "--run-config", run_config, *extra]
 
-    print("$ " + " ".join(shlex.quote(c) for c in command(APP_DIR)), flush=True)
     with tempfile.TemporaryDirectory(prefix="fedapps-app-") as tmp:
-        doc = flwr_json(command(staged_app(APP_DIR, Path(tmp) / APP_DIR.name)), env)
+        app = app_for_flwr(Path(tmp))
+        source = source_app_dir()
+        print("$ " + " ".join(shlex.quote(c) for c in command(source if source is not None else app)), flush=True)
+        doc = flwr_json(command(app), env)
     if not doc.get("success") or not doc.get("run-id"):
         raise RunFailed(f"`flwr run` did not start the run: {json.dumps(doc)[:2000]}")
     return str(doc["run-id"])
@@ -168,7 +236,7 @@ def submit_run(connection: str, run_config: str, env: dict[str, str], extra: Seq
 def flwr_json(cmd: list[str], env: dict[str, str], timeout: float = 120) -> dict[str, Any]:
     """Run a `flwr ... --format json` command and return its JSON document (RunFailed when there is none)."""
     proc = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, cwd=APP_DIR, timeout=timeout, stdin=subprocess.DEVNULL
+        cmd, env=env, capture_output=True, text=True, cwd=source_app_dir(), timeout=timeout, stdin=subprocess.DEVNULL
     )
     text = proc.stdout.strip()
     try:
@@ -228,7 +296,7 @@ class LogStream:
             self._proc = subprocess.Popen(
                 ["flwr", "log", run_id, connection, "--stream"],
                 env=env,
-                cwd=APP_DIR,
+                cwd=source_app_dir(),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,

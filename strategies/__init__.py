@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedapps.config import ConfigError, ExperimentConfig, split_overrides, unused_settings, with_strategy_params
-from fedapps.data import check_spec, unused_data_keys
-from fedapps.models import check_model_names
+from fedapps.data import DataError, check_spec, spec_info, unused_data_keys
+from fedapps.importpath import is_import_path
+from fedapps.models import check_model_names, check_user_model
 from strategies.base import PersonalisedStrategy, RunContext
 
 
@@ -76,6 +77,7 @@ def resolve(cfg: ExperimentConfig) -> ResolvedStrategy:
     """
     check_spec(dataclasses.asdict(cfg.data))
     check_model_names(cfg.model.name, list(cfg.model.per_client))
+    check_user_models(cfg)
     name = cfg.strategy.name
     if name not in STRATEGIES:
         raise ConfigError(f"'strategy.name' is '{name}', which is not known; allowed: {', '.join(sorted(STRATEGIES))}")
@@ -102,6 +104,24 @@ def resolve(cfg: ExperimentConfig) -> ResolvedStrategy:
         )
     cls = STRATEGIES[name]
     return ResolvedStrategy(cls, cls.params_from(cfg))
+
+
+def check_user_models(cfg: ExperimentConfig) -> None:
+    """Every user's model the config names (``model.name`` / ``model.per_client`` entries ``package.module:factory``)
+    built once for the data's classes and input shape and run on a batch (ModelError naming the key otherwise). Under
+    data.source 'nodes' before the nodes have described their data, only imported (``check_model_names``)."""
+    named = [("model.name", cfg.model.name)] + [
+        (f"model.per_client[{i}]", n) for i, n in enumerate(cfg.model.per_client)
+    ]
+    users = [(key, name) for key, name in named if is_import_path(name)]
+    if not users:
+        return
+    try:
+        num_classes, shape = spec_info(dataclasses.asdict(cfg.data))
+    except DataError:
+        return
+    for key, name in users:
+        check_user_model(name, num_classes, shape, key)
 
 
 def ignored_settings(cfg: ExperimentConfig, overrides: Sequence[str] = ()) -> list[tuple[str, str]]:

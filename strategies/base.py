@@ -27,7 +27,9 @@ import torch
 from flwr.app import ArrayRecord, Message
 
 from fedapps.config import CLIENT_SIDE_PRIVACY_MODES, ConfigError, ExperimentConfig, PrivacyConfig, exceeds_clients
-from fedapps.data import NODES
+from fedapps.data import NODES, DataError, spec_info
+from fedapps.importpath import is_import_path
+from fedapps.models import ModelError, check_user_model
 from fedapps.params import parse_params
 from fedapps.reporting.results import Artifact
 from fedapps.server.client_privacy import CLIENT_MODE, ClientLevelDP, gaussian_epsilon
@@ -106,6 +108,27 @@ class RunContext:
     excluded_nodes: frozenset[int] = frozenset()
 
 
+def check_classifier(strategy: str, needs: str, cfg: ExperimentConfig) -> None:
+    """A user's model (``model.name: package.module:factory``) for a strategy that ``needs`` its classifier head:
+    refused (ModelError naming the key and the reason) when it has none. The zoo's models all have one; under
+    data.source 'nodes' the check waits for the nodes' classes and shape (the strategy's construction then refuses
+    it)."""
+    name = cfg.model.name
+    if not is_import_path(name):
+        return
+    try:
+        num_classes, shape = spec_info(dataclasses.asdict(cfg.data))
+    except DataError:
+        return
+    why = check_user_model(name, num_classes, shape)
+    if why:
+        raise ModelError(
+            f"strategy '{strategy}' {needs}, but the model of 'model.name' ({name}) {why}. Make a final "
+            "nn.Linear(features, num_classes) its last registered nn.Linear, or choose a strategy that exchanges "
+            "whole models (e.g. fedavg, fedprox, local, ditto, ifca, cfl)"
+        )
+
+
 class PersonalisedStrategy:
     """Base class of the algorithms: a subclass says what its deployed model is, builds the round's messages and
     aggregates the replies; its services (built here) and the round driver do the rest (see the module docstring).
@@ -121,6 +144,9 @@ class PersonalisedStrategy:
     Params: ClassVar[type] = NoParams  # a dataclass of fedapps.params.param fields: strategy.params.<name>.*
     needs_public_set: ClassVar[bool] = False
     model_agnostic: ClassVar[bool] = False  # may clients run different architectures?
+    # what the algorithm does with the model's classifier head (its final nn.Linear, one output per class), said
+    # when a user's own model (model.name package.module:factory) has none; '' when it needs none
+    needs_classifier: ClassVar[str] = ""
     deployed: ClassVar[DeployedModel]  # what client i's deployed model after round r is (every strategy says)
     robust_aggregation: ClassVar[bool] = False  # averages with average_matching: strategy.aggregation applies
     # why DP-SGD on the clients' training (privacy.mode: sample) cannot bound what this algorithm's clients send:
@@ -169,6 +195,8 @@ class PersonalisedStrategy:
                 f"'model.per_client' is set but strategy '{cls.name}' exchanges model parameters, "
                 "so every client must run the same 'model.name'; remove model.per_client"
             )
+        if cls.needs_classifier:
+            check_classifier(cls.name, cls.needs_classifier, cfg)
         if cls.needs_public_set and cfg.data.source == NODES and not cfg.data.public_path:
             raise ConfigError(
                 f"strategy '{cls.name}' needs a public set U, and with data.source 'nodes' U is a file: set "

@@ -391,6 +391,7 @@ class CwFedAvg(PersonalisedStrategy):
     """Class-wise federated averaging with WDR; one personalised model per client through A = P Qᵀ."""
 
     name = "cwfedavg"
+    needs_classifier = "aggregates the classifier head (its final nn.Linear, one row per class) class by class"
     Params = CwFedAvgParams
     # the stack's files: state_dict writes them, the map is state; the models the round's messages carried (for
     # median_clip): rebuilt with every round's messages

@@ -46,6 +46,7 @@ class FedBABU(FedPer):
     """Body averaged with the head frozen; evaluation after fine-tuning the head."""
 
     name = "fedbabu"
+    needs_classifier = "freezes the classifier head during federation and fine-tunes it for the deployed model"
     Params = FedBABUParams
     deployed = DeployedModel(
         "round r's aggregated body with the head fine-tuned on client i's training split "

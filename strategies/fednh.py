@@ -219,6 +219,7 @@ class FedNH(PersonalisedStrategy):
     """FedAvg body, prototypes updated by the server from the clients' class means, personalised by fine-tuning."""
 
     name = "fednh"
+    needs_classifier = "replaces the classifier head by class prototypes (a cosine head of the same size)"
     sample_privacy_refused = (
         "each client sends class prototypes (the mean features of its training samples per "
         "class) and its class counts, computed without noise"

@@ -25,6 +25,7 @@ class FedPer(PersonalisedStrategy):
     """Average the body, keep the head personal."""
 
     name = "fedper"
+    needs_classifier = "shares the body and keeps each client's classifier head on the client"
     robust_aggregation = True
     deployed = DeployedModel("round r's aggregated body with client i's own head", source="message")
 

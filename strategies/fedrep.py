@@ -28,6 +28,7 @@ class FedRep(FedPer):
     """Body averaged; head then body trained on the client each round."""
 
     name = "fedrep"
+    needs_classifier = "trains the classifier head and the body in turn, and shares the body only"
     Params = FedRepParams
 
     def client_ops(self) -> list[str]:

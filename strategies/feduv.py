@@ -234,6 +234,7 @@ class FedUV(FedAvg):
     """FedAvg aggregation; clients train with FedUV's variance and uniformity terms."""
 
     name = "feduv"
+    needs_classifier = "reads the input of the classifier head (its uniformity term)"
     sample_privacy_refused = (
         "its variance and uniformity terms are computed over a whole minibatch, so that no "
         "sample has a gradient of its own to clip"

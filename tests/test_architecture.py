@@ -144,6 +144,7 @@ CORE_LEVELS = {
     "fedapps.checkpoint": 0,
     "fedapps.data": 0,
     "fedapps.models": 0,
+    "fedapps.importpath": 0,
     "fedapps.wire": 1,
     "fedapps.client": 2,
     "fedapps.reporting": 2,

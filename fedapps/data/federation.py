@@ -64,8 +64,9 @@ from .partition import (
     partition_pathological,
     stratified_split,
 )
-from .sources import SOURCES, load_source, source_info
+from .sources import SOURCES, UNKNOWN_SOURCE_HINT, load_source, source_info
 from .transforms import label_swap_permutations, public_group_shares, rotate_images, rotation_quarter_turns
+from .user import is_user_source
 
 log = logging.getLogger("fedapps.data")
 
@@ -222,10 +223,9 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise DataError(f"data spec has unknown keys: {', '.join(unknown)} (allowed: {', '.join(SPEC_KEYS)})")
     s = dict(spec)
-    if s["source"] not in (*SOURCES, NODES) and not is_hf_source(s["source"]):
+    if s["source"] not in (*SOURCES, NODES) and not is_hf_source(s["source"]) and not is_user_source(s["source"]):
         raise DataError(
-            f"data.source={s['source']!r} is unknown; allowed: {', '.join((*SOURCES, NODES))}, or "
-            "hf:<name> (a Hugging Face dataset, optional extra 'hf')"
+            f"data.source={s['source']!r} is unknown; allowed: {', '.join((*SOURCES, NODES))}, {UNKNOWN_SOURCE_HINT}"
         )
     if s["partition"] not in PARTITIONS:
         raise DataError(f"data.partition={s['partition']!r} is unknown; allowed: {', '.join(PARTITIONS)}")

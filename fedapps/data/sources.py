@@ -1,5 +1,6 @@
-"""Data sources: embedded (mnist5k, digits, synthetic), torchvision datasets, Tiny ImageNet, and ``hf:<name>``
-(a Hugging Face dataset through flwr-datasets, optional extra "hf": see ``fedapps.data.hf``).
+"""Data sources: embedded (mnist5k, digits, synthetic), torchvision datasets, Tiny ImageNet, ``hf:<name>``
+(a Hugging Face dataset through flwr-datasets, optional extra "hf": see ``fedapps.data.hf``) and
+``package.module:loader`` (the user's own loader: see ``fedapps.data.user``).
 
 Every loader returns the original train and test sets MERGED (the PFLlib procedure; the federation
 re-splits per client) as float32 N×C×H×W tensors normalised to [-1, 1].
@@ -19,6 +20,7 @@ import torch
 
 from .errors import DataError
 from .hf import hf_info, is_hf_source, load_hf
+from .user import is_user_source, load_user, user_info
 
 log = logging.getLogger("fedapps.data")
 
@@ -82,12 +84,14 @@ class Dataset:
         return int(self.y.shape[0])
 
 
+UNKNOWN_SOURCE_HINT = (
+    "hf:<name> (a Hugging Face dataset, optional extra 'hf'), or your own loader as package.module:loader"
+)
+
+
 def _check_source(source: str) -> None:
-    if source not in SOURCES and not is_hf_source(source):
-        raise DataError(
-            f"data.source={source!r} is unknown; allowed: {', '.join(SOURCES)}, or hf:<name> (a Hugging "
-            "Face dataset, optional extra 'hf')"
-        )
+    if source not in SOURCES and not is_hf_source(source) and not is_user_source(source):
+        raise DataError(f"data.source={source!r} is unknown; allowed: {', '.join(SOURCES)}, {UNKNOWN_SOURCE_HINT}")
 
 
 def _check_synthetic(classes: int, shape: Sequence[int], samples: int | None = None) -> tuple[int, int, int]:
@@ -115,8 +119,11 @@ def source_info(
     download: bool = False,
 ) -> tuple[int, tuple[int, int, int]]:
     """(num_classes, input shape C×H×W) of a source, without loading any data; an ``hf:`` source is opened (its
-    label feature and first image are read; cached per process), which needs its ``root``."""
+    label feature and first image are read; cached per process), which needs its ``root``; a user's loader is called
+    (once per process: what it returned is kept for :func:`load_source`)."""
     _check_source(source)
+    if is_user_source(source):
+        return user_info(source, Path(root if root is not None else "data").expanduser())
     if is_hf_source(source):
         if root is None:
             raise DataError(
@@ -323,6 +330,9 @@ def load_source(
     """Load a whole source (train and test merged, as PFLlib does) as normalised in-memory tensors."""
     _check_source(source)
     root_path = Path(root).expanduser()
+    if is_user_source(source):
+        x, y, num_classes = load_user(source, root_path)
+        return _checked(source, x, y, num_classes, (int(x.shape[1]), int(x.shape[2]), int(x.shape[3])))
     if is_hf_source(source):
         images, labels, num_classes = load_hf(source, root_path, bool(download))
         x, y = _images_to_tensor(images, channels_last=images.ndim == 4), _labels(labels)

@@ -1,4 +1,5 @@
-"""Model zoo: the papers' CNN / MLP and small-image torchvision variants, behind one registry."""
+"""Model zoo: the papers' CNN / MLP and small-image torchvision variants, behind one registry; or the user's own model,
+named ``package.module:factory``."""
 
 from .zoo import (
     MODEL_NAMES,
@@ -6,6 +7,7 @@ from .zoo import (
     ModelError,
     build_model,
     check_model_names,
+    check_user_model,
     classifier_name,
     count_parameters,
     state_part,
@@ -18,6 +20,7 @@ __all__ = [
     "ModelError",
     "build_model",
     "check_model_names",
+    "check_user_model",
     "classifier_name",
     "count_parameters",
     "state_part",
