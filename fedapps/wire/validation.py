@@ -21,8 +21,12 @@ op → rows, classes, ``Request.public``'s ``predict.output`` and ``predict.enco
   :class:`fedapps.data.nodes.NodeRegistry`) a value above the client's cap, or an id the registry does not list,
   is rejected too;
 - every evaluation asked for is complete, no other is present: accuracy in [0, 1], loss finite and >= 0,
-  counts integral and >= 0, ``correct <= n``, ``n`` <= the client's test-set size where known, and the
-  accuracy equals ``correct / n``;
+  counts integral and >= 0, ``correct <= n``, ``n`` <= the client's test-set size where the server knows it
+  (simulation), and the accuracy equals ``correct / n``; where it cannot (deployment) ``n`` must EQUAL the size of
+  the evaluation split the client described before round 1 (:func:`fedapps.flower.describe.bind_accepted`) or, for a
+  client never described, the first size it reported, and must not exceed what the split rules give for its bound
+  ``num-examples`` (:func:`max_eval_count`; with a node registry, hence for the registry's cap): every evaluation
+  of a client reads the same split, so one client's weight in a sample-weighted headline is its bound share;
 - arrays (strict wire types, :func:`wire_array`): exactly the expected names; each labelled (Flower's ``Array``
   ``dtype`` / ``shape`` / ``stype``) with exactly the dtype the message asked for — the model's own, byte order
   included (float32, or the integer type of an integer buffer), or float16 where ``arrays.transport: float16``
@@ -285,8 +289,38 @@ def check_metrics(metrics: Mapping[str, Any], max_list: int = LIST_UNKNOWN) -> N
                 raise ReplyError(f"metric '{key}' = {_short(value)} is outside [{low:g}, {high:g}]")
 
 
-def check_evaluations(metrics: Mapping[str, Any], expected: Iterable[str], test_size: int | None) -> None:
-    """The evaluations asked for are complete and plausible; no other evaluation is reported."""
+def max_eval_count(train: int, share: float) -> int:
+    """The most evaluation samples a node can hold beside ``train`` training samples under the data spec's split
+    (:func:`fedapps.data.federation.split_node`): its evaluation split takes ``round(share · N)`` of its N samples
+    (``share``: data.test_fraction, or data.validation_fraction of the train split under evaluate_on: validation),
+    the training split the rest, so E = round(share · (train + E)) <= share · (train + E) + 1/2, i.e.
+    E <= (share · train + 1/2) / (1 − share). (A tiny node that keeps one training sample holds fewer.)"""
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"evaluation share {share} must be in [0, 1)")
+    return int(math.floor((share * max(0, int(train)) + 0.5) / (1.0 - share) + 1e-9))
+
+
+def evaluation_share(data_cfg: Any) -> float:
+    """The share of a node's data its evaluation split takes (:func:`max_eval_count`): ``data.test_fraction``, or
+    ``data.validation_fraction`` under ``data.evaluate_on: validation``."""
+    if getattr(data_cfg, "evaluate_on", "test") == "validation":
+        return float(data_cfg.validation_fraction)
+    return float(data_cfg.test_fraction)
+
+
+def check_evaluations(
+    metrics: Mapping[str, Any],
+    expected: Iterable[str],
+    test_size: int | None,
+    bound: int | None = None,
+    cap: int | None = None,
+    client: int | None = None,
+) -> None:
+    """The evaluations asked for are complete and plausible; no other evaluation is reported. ``test_size``: the
+    client's evaluation-split size the server knows (simulation), an upper bound of every ``<tag>-n``; ``bound``: the
+    size bound in deployment (described, or first reported), which every ``<tag>-n`` must equal; ``cap``: the most
+    the split rules allow a client not yet bound (:func:`max_eval_count`), an upper bound. ``client``: for the
+    messages."""
     expected = list(expected)
     present = {k.rsplit("-", 1)[0] for k in metrics if k.endswith(("-acc", "-n", "-correct"))}
     extra = sorted(present - set(expected))
@@ -311,6 +345,16 @@ def check_evaluations(metrics: Mapping[str, Any], expected: Iterable[str], test_
             raise ReplyError(f"counts '{names['correct']}' = {correct}, '{names['n']}' = {n}: need 0 <= correct <= n")
         if test_size is not None and n > test_size:
             raise ReplyError(f"metric '{names['n']}' = {n} exceeds the client's test-set size {test_size}")
+        if bound is not None and n != bound:
+            raise ReplyError(
+                f"metric '{names['n']}' = {n} differs from the {bound} evaluation samples client {client} is bound "
+                "to (described before round 1, or first reported): every evaluation reads the same split"
+            )
+        if cap is not None and n > cap:
+            raise ReplyError(
+                f"metric '{names['n']}' = {n} exceeds the {cap} evaluation samples the data split allows client "
+                f"{client} beside its bound num-examples"
+            )
         if n > 0 and abs(acc - correct / n) > ACC_TOLERANCE:
             raise ReplyError(f"metric '{names['acc']}' = {acc} disagrees with correct/n = {correct}/{n}")
 
@@ -507,7 +551,11 @@ class ReplyValidator:
     """Checks each reply against the expectation recorded when its message was built; binds identities.
 
     ``train_sizes`` / ``test_sizes`` (per client id) are the bounds of ``num-examples`` / ``<tag>-n`` where the
-    server knows them (simulation); None in deployment (then ``num-examples`` is bound on first report).
+    server knows them (simulation); None in deployment: then ``bound_examples`` / ``bound_tests`` hold each client's
+    ``num-examples`` and evaluation-split size as the describe phase reported them (:func:`fedapps.flower.describe.
+    bind_accepted`) or, for a client never described, as its first accepted reply did, and a later reply must
+    repeat them; ``eval_share`` (:func:`evaluation_share`) caps an evaluation size not yet bound by what the split
+    rules give for the bound ``num-examples`` (:func:`max_eval_count`).
     ``model_part(part)`` gives the server's model arrays for 'state' | 'params' | 'body'. ``registry``: the
     operator's cap on each client's ``num-examples`` (deployment with a node registry).
     """
@@ -521,8 +569,10 @@ class ReplyValidator:
         public_size: int | None = None,
         num_classes: int | None = None,
         registry: Any = None,
+        eval_share: float | None = None,
     ) -> None:
         self.num_clients = int(num_clients)
+        self.eval_share = eval_share
         self.registry = registry  # a fedapps.data.nodes.NodeRegistry, or None
         self.train_sizes = None if train_sizes is None else [int(v) for v in train_sizes]
         self.test_sizes = None if test_sizes is None else [int(v) for v in test_sizes]
@@ -540,6 +590,7 @@ class ReplyValidator:
         self.node_client: dict[int, int] = {}  # bound on first accepted reply
         self.client_node: dict[int, int] = {}
         self.bound_examples: dict[int, int] = {}  # deployment: num-examples first reported per client
+        self.bound_tests: dict[int, int] = {}  # deployment: evaluation-split size described (or first reported)
 
     @classmethod
     def from_config(cls, cfg: Any) -> ReplyValidator:
@@ -567,7 +618,9 @@ class ReplyValidator:
             model = build_model(cfg.model.name, num_classes, shape, seed=cfg.seed)
             return {k: v.detach().cpu().numpy() for k, v in state_part(model, part).items()}
 
-        return cls(d.num_clients, train, test, model_part, public_size, num_classes, registry_of(d))
+        return cls(
+            d.num_clients, train, test, model_part, public_size, num_classes, registry_of(d), evaluation_share(d)
+        )
 
     def model_part(self, part: str) -> dict[str, np.ndarray]:
         """The model's arrays of ``part``, built once (only for a validator given ``model_part``)."""
@@ -635,7 +688,10 @@ class ReplyValidator:
             problem = self.registry.problem(cid, n)
             if problem:
                 raise ReplyError(problem)
-        check_evaluations(metrics, exp.eval_tags, None if self.test_sizes is None else self.test_sizes[cid])
+        if self.test_sizes is not None:
+            check_evaluations(metrics, exp.eval_tags, self.test_sizes[cid])
+        else:
+            self.check_deployed_evaluations(metrics, exp.eval_tags, cid, n)
         info: dict[str, Any] = {}
         if protocol.INFO in content:
             if not isinstance(content[protocol.INFO], ConfigRecord):
@@ -672,6 +728,23 @@ class ReplyValidator:
             nbytes=protocol.record_nbytes(content),
             profile=read_profile(content),
         )
+
+    def check_deployed_evaluations(self, metrics: Mapping[str, Any], tags: Iterable[str], cid: int, n: int) -> None:
+        """Deployment (no test sizes known): the evaluations of ``tags`` plausible, each ``<tag>-n`` equal to client
+        ``cid``'s bound evaluation size where one is bound, else to each other and within the split rules' cap for
+        its bound (or this reply's) ``num-examples``."""
+        tags = list(tags)
+        bound = self.bound_tests.get(cid)
+        cap = None
+        if bound is None and self.eval_share is not None:
+            cap = max_eval_count(self.bound_examples.get(cid, n), self.eval_share)
+        check_evaluations(metrics, tags, None, bound=bound, cap=cap, client=cid)
+        sizes = {protocol.metric_name(t, "n"): int(float(metrics[protocol.metric_name(t, "n")])) for t in tags}
+        if len(set(sizes.values())) > 1:
+            raise ReplyError(
+                f"evaluations of one reply count different samples ({_short(sizes, 120)}): every evaluation reads "
+                "the same split"
+            )
 
     # ------------------------------------------------------------------ a batch
     def check(self, server_round: int, replies: Iterable[Message], phase: str | None = None) -> Outcome:
@@ -731,6 +804,12 @@ class ReplyValidator:
                 self.client_node[r.client_id] = r.node_id
                 if self.train_sizes is None:
                     self.bound_examples.setdefault(r.client_id, r.num_examples)
+                if self.test_sizes is None:  # a client never described: its first evaluation size binds
+                    expected = self.expected.get(ph, {}).get(r.node_id)
+                    tags = expected.eval_tags if expected is not None else ()
+                    if tags:
+                        first = protocol.metric_name(tags[0], "n")
+                        self.bound_tests.setdefault(r.client_id, int(float(r.metrics[first])))
                 out.accepted.append(r)
         for ph in phases or {phase or protocol.MESSAGE_TYPE}:
             asked = self.expected.get(ph, {})
