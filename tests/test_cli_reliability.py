@@ -700,8 +700,7 @@ def test_a_round_that_lost_most_replies_to_rejection_exits_4(tiny_config, tmp_pa
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_status"] == EXIT_REJECTED and len(summary["problems"]) == 1
     assert (
-        "1 round(s) lost a majority of their training replies to rejection (round 1: 3 of 4)"
-        in summary["problems"][0]
+        "1 round(s) lost a majority of their training replies to rejection (round 1: 3 of 4)" in summary["problems"][0]
     )
     assert summary["final_round_measured_clients"] == 4  # the headline itself was measured on every client
     rows = read_csv(run_dir / "rounds.csv")
