@@ -602,12 +602,14 @@ def test_the_label_and_the_bytes_must_agree():
 
 def test_names_and_count_are_checked_before_any_array_is_decoded(monkeypatch):
     decoded = []
-    original = validation.wire_array
-    monkeypatch.setattr(validation, "wire_array", lambda *a, **k: decoded.append(a[1]) or original(*a, **k))
+    original = validation.WireArray.decode
+    monkeypatch.setattr(validation.WireArray, "decode", lambda self: decoded.append(self.shape) or original(self))
     v, reply = arrays_reply({"w": _wire(W), "count": _wire(MODEL["count"]), "extra": _wire(W)})
     out = v.check(1, [reply])
     assert not out.accepted and "do not match the request (3 given, 2 expected)" in out.rejections[0].reason
     assert decoded == []
+    v, reply = arrays_reply({"w": _wire(W), "count": _wire(MODEL["count"])})  # the same decoding counted
+    assert v.check(1, [reply]).accepted and sorted(decoded) == [(), (3, 2)]
 
 
 def test_float16_transport_accepts_float16_and_the_models_dtype_only():
@@ -680,6 +682,59 @@ def test_a_huge_list_is_refused_by_its_length_before_its_values_are_read():
     assert validator().max_list == 4096  # 2 clients, 3 classes: the floor
     assert ReplyValidator(10000, num_classes=10).max_list == 10000  # a per-client list fits
     assert ReplyValidator(3).max_list == validation.LIST_UNKNOWN  # classes not known yet (describe phase)
+
+
+def flood(lists: int, length: int) -> dict:
+    """A reply's metrics with ``lists`` extra list metrics of ``length`` floats (answer()'s own 6 metrics beside)."""
+    return {f"flood-{i}": [0.5] * length for i in range(lists)}
+
+
+def test_a_metric_flood_is_refused_before_any_value_is_read(monkeypatch):
+    """1,018 lists of 4,096 floats (1,024 metrics with the reply's own: every count and length limit met) cost
+    seconds of per-value checks; the reply's budget (1,024 numbers and METRIC_LISTS full lists) refuses it on
+    lengths alone: the per-value check, the evaluations and any decoding never run."""
+    v = validator()
+    a = request(100, ops=("train", "evaluate"))
+    called: list[str] = []
+    for name in ("check_metrics", "check_evaluations", "check_info"):
+        monkeypatch.setattr(validation, name, lambda *args, name=name, **kw: called.append(name))
+    monkeypatch.setattr(validation.WireArray, "decode", lambda self: called.append("decode"))
+    v.expect([a])
+    out = v.check(1, [answer(a, 0, metrics=flood(1018, 4096))])
+    assert not out.accepted and called == []
+    budget = validation.MAX_METRICS + validation.METRIC_LISTS * 4096
+    assert (
+        f"reply carries 4,169,734 metric values (1024 metrics, 1018 of them lists); at most {budget:,} are expected"
+        in out.rejections[0].reason
+    )
+    v.expect([a])  # within the budget: the values are read (and, here, the stubs are called)
+    assert v.check(1, [answer(a, 0, metrics=flood(validation.METRIC_LISTS, 4096))]).accepted
+    assert called == ["check_metrics", "check_evaluations"]
+
+
+def test_the_reply_budget_is_what_the_message_asked_for():
+    """reply_budget: the arrays asked for at their widest wire dtype with an .npy header each, predictions of the
+    rows and classes asked for, metric and info budgets; check_bytes refuses a reply above it, and a reply of
+    unknown prediction rows is bounded by its values only."""
+    exp = Expectation(
+        node_id=1,
+        arrays={"w": ArraySpec((3, 2), np.dtype(np.float32)), "count": ArraySpec((), np.dtype(np.int64))},
+        predictions=PredictionSpec(rows=4, classes=3, encoding="float16"),
+        transport="float16",
+    )
+    b = validation.reply_budget(exp, max_list=100)
+    values = validation.MAX_METRICS + validation.METRIC_LISTS * 100
+    info = 8 * validation.INFO_MAX_KEYS * validation.INFO_MAX_SIZE
+    header = validation.NPY_MAX_HEADER
+    assert b.values == values
+    assert b.nbytes == 8 * values + info + (6 * 4 + header) + (1 * 8 + header) + (4 * 3 * 2 + header)
+    assert b.entries["arrays"] == 2 * 2 + validation.ARRAY_SLACK and b.entries["metrics"] == validation.MAX_METRICS
+    content = RecordDict({"metrics": MetricRecord({"client-id": 0, "junk": [0.5] * 100})})
+    validation.check_bytes(content, b)  # 808 bytes
+    with pytest.raises(protocol.ReplyError, match="reply carries 808 bytes; at most 800 are expected"):
+        validation.check_bytes(content, validation.ReplyBudget(b.values, 800, b.entries))
+    unknown_rows = validation.reply_budget(Expectation(node_id=1, predictions=PredictionSpec(None, 3)), 100)
+    assert unknown_rows.nbytes is None and unknown_rows.values == values
 
 
 def test_a_large_info_record_is_rejected():
