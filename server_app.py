@@ -38,7 +38,7 @@ from fedapps.reporting.results import (
     run_problems,
 )
 from fedapps.wire import protocol
-from fedapps.wire.validation import ReplyValidator, registry_of
+from fedapps.wire.validation import ReplyValidator, evaluation_share, registry_of
 
 if TYPE_CHECKING:  # annotations only (fedapps.flower.describe imports torch)
     from fedapps.flower.describe import Description
@@ -257,6 +257,7 @@ def describe(grid: MessageGrid, cfg: ExperimentConfig, uses_public: bool) -> tup
         wanted=wanted,
         wait_seconds=cfg.strategy.connect_timeout,
         public=public,
+        eval_share=evaluation_share(d),
     )
     return description, validator
 

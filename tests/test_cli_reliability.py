@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -18,10 +19,14 @@ import yaml
 from fedapps.config import ConfigError, check_run_name, config_hash, load_config, parse_yaml
 from fedapps.flower import faults
 from fedapps.reporting.results import (
+    EXIT_FAILED,
     EXIT_REJECTED,
+    EXIT_STATUSES,
     EXIT_UNMEASURED,
+    DeliveryCheck,
     Problem,
     exit_status,
+    last_round_problems,
     measured_problems,
     read_csv,
     rejection_problems,
@@ -480,6 +485,180 @@ def test_run_problems_by_hand():
     assert [p.code for p in found] == [EXIT_REJECTED, EXIT_UNMEASURED]  # most basic first
 
 
+def test_each_phase_is_counted_on_its_own():
+    """The last round's final-evaluation replies (accepted) no longer outweigh its training replies (rejected): five
+    rejected training replies beside five accepted evaluation replies were 5 of 10, no majority, and exited 0."""
+    last = {
+        "round": 3,
+        "replies_ok": 5,
+        "replies_rejected": 5,
+        "train_replies_ok": 0,
+        "train_replies_rejected": 5,
+        "evaluate_replies_ok": 5,
+        "evaluate_replies_rejected": 0,
+    }
+    [p] = rejection_problems([last])
+    assert p.code == EXIT_REJECTED and "(round 3: 5 of 5)" in p.text and "training replies" in p.text
+    assert rejection_problems([{**last, "train_replies_ok": 3, "train_replies_rejected": 2}]) == []  # 2 of 5: no
+    # the final evaluation is judged by what it measured (the headline's rows), not by this rule
+    assert rejection_problems([{**last, "train_replies_ok": 5, "train_replies_rejected": 0, "evaluate_replies_ok": 0,
+                                "evaluate_replies_rejected": 5}]) == []  # fmt: skip
+    # a row of a resumed run written before the per-phase columns: both phases together, as before
+    assert rejection_problems([{"round": 1, "replies_ok": 5, "replies_rejected": 5}]) == []
+    assert rejection_problems([{**last, "privacy_refused": 5}]) == []  # refusals past a privacy budget aside
+
+
+def test_last_round_measurement_by_hand():
+    """The last round's training replies measure the round before's deployed models: too few of the clients that
+    answered (min_measured_share) is a problem, whatever the final evaluation measured; missing replies are the
+    delivery check's."""
+    before = {"round": 2, "measured_clients": 2}
+    last = {"round": 3, "train_replies_ok": 2, "train_replies_rejected": 3}
+    [p] = last_round_problems([before, last], 0.5)
+    assert p.code == EXIT_UNMEASURED
+    assert p.text.startswith("the last round (round 3) measured the deployed models after round 2 on 2 of the 5 ")
+    assert "fewer than min_measured_share=0.5 of them (3)" in p.text
+    assert last_round_problems([before, last], 0.4) == []  # 2 of 5 is enough at 0.4
+    assert last_round_problems([{**before, "measured_clients": 3}, last], 0.5) == []
+    assert last_round_problems([before, {**last, "train_replies_ok": 0, "train_replies_rejected": 0}], 0.5) == []
+    assert last_round_problems([{**before, "measured_clients": None}, last], 0.5) == []  # a strategy that never does
+    assert last_round_problems([last], 0.5) == []  # one round: nothing measured on its training replies
+
+
+@pytest.mark.parametrize(
+    "strategy, spec",
+    [
+        ("cwfedavg", "scale=100@4/1,2"),  # scaled ×100 in rounds 1-2, honest in round 3
+        ("ifca", "scale=1000@4"),  # scaled ×1000 every round
+    ],
+)
+def test_a_last_round_whose_training_replies_were_rejected_exits_non_zero(tmp_path, strategy, spec):
+    """One hostile client (capture setting: digits, MLP, 5 clients) scales its model: the honest clients' next models
+    blow up and their round-3 training replies are rejected (losses beyond 1e9), while the final evaluation's replies,
+    measuring the wreck, are accepted. Counted together the last round had no majority of rejections and the run
+    exited 0 with problems []; counted per phase it exits 4, and the last round measured too few (3)."""
+    import server_app
+    from fedapps.flower.inprocess import InProcessGrid
+    from fedapps.reporting.results import UnusableRun
+    from fedapps_tools import capture
+
+    overrides = [o for o in capture.overrides(capture.case(f"{strategy}/scale"), "default") if "rounds=" not in o]
+    grid = InProcessGrid(capture.CLIENTS, node_configs={i: {faults.NODE_KEY: spec} for i in range(5)})
+    with pytest.raises(UnusableRun) as failed:
+        server_app.run_experiment(grid, None, " ".join([*overrides, "rounds=3"]), str(tmp_path))
+    assert failed.value.exit_status == EXIT_REJECTED
+    rows = read_csv(tmp_path / "capture" / "rounds.csv")
+    last = rows[-1]
+    assert last["train_replies_rejected"] > last["train_replies_ok"]  # the training phase: mostly rejected ...
+    assert last["evaluate_replies_ok"] == 5 and not last["evaluate_replies_rejected"]  # ... the evaluation: not
+    assert 2 * last["replies_rejected"] <= last["replies_ok"] + last["replies_rejected"]  # together: no majority
+    summary = json.loads((tmp_path / "capture" / "summary.json").read_text())
+    assert summary["exit_status"] == EXIT_REJECTED and summary["final_round_measured_clients"] == 5
+    assert summary["problems"][0].startswith("1 round(s) lost a majority of their training replies to rejection")
+    assert f"(round 3: {last['train_replies_rejected']} of 5)" in summary["problems"][0]
+    assert summary["problems"][1].startswith("the last round (round 3) measured the deployed models after round 2")
+
+
+def exit_table() -> list[tuple[int, str]]:
+    """docs/reliability.md's exit-code table: (code, case) per row, top to bottom."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "reliability.md").read_text()
+    section = text.split("### Exit codes", 1)[1].split("\n### ", 1)[0]
+    rows = re.findall(r"^\| (\d+) \| `([a-z-]+)` \| .+ \|$", section, flags=re.M)
+    return [(int(code), case) for code, case in rows]
+
+
+def finished_problems(rows=None, min_share=0.5, delivery=None, **summary) -> list[Problem]:
+    """The problems the ServerApp finds in a finished run (server_app: run_problems): clean unless told otherwise."""
+    base = {"num_clients": 4, "final_round": 2, "final_round_measured_clients": 4, "accuracy_mean": 0.8}
+    clean = [
+        {"round": 1, "measured_clients": 4, "train_replies_ok": 4, "train_replies_rejected": 0},
+        {"round": 2, "measured_clients": 4, "train_replies_ok": 4, "train_replies_rejected": 0,
+         "evaluate_replies_ok": 4, "evaluate_replies_rejected": 0},
+    ]  # fmt: skip
+    rows = clean if rows is None else rows
+    return run_problems({**base, **summary}, rows, min_share, delivery or delivered(8, 8, 8))
+
+
+def delivered(sent: int, answered: int, usable: int, errors: tuple[str, ...] = ()) -> DeliveryCheck:
+    """A delivery check after messages ``sent``, ``answered`` and ``usable`` replies, with these error replies."""
+    from types import SimpleNamespace
+
+    check = DeliveryCheck()
+    if errors:
+        check.on_round(SimpleNamespace(sent=0, received=0, replies=[], errors=list(errors)))
+    vars(check).update(sent=sent, answered=answered, usable=usable)
+    return check
+
+
+UNREADABLE_STATE = (
+    "<class 'fedapps.client.worker.PrivateStateError'>:<'client 3: saved private model unreadable: "
+    "/run/client-state/3.r2.pt cannot be loaded (empty: ...); nothing in it was run. delete that file ...'>"
+)
+
+
+def test_the_exit_code_table_row_by_row(tiny_config, tmp_path, monkeypatch, capsys):
+    """Every row of docs/reliability.md's exit-code table: its condition brought about (through the CLI for what the
+    CLI decides, through run_problems for what a finished run's ServerApp decides) gives the row's code; every case
+    is a row, and the conditions of a finished run are listed in the order run_problems checks them."""
+
+    def cli_run(engine: str = "inprocess", *extra: str) -> int:
+        return run_cli("run", str(tiny_config()), "--engine", engine, "--output-dir", str(tmp_path / "o"), *extra)
+
+    def crashed() -> int:  # under flwr run: a status other than completed, and no summary.json verdict
+        monkeypatch.setattr(cli, "start_run", lambda *a, **k: "7")
+        monkeypatch.setattr(cli, "follow_run", lambda *a, **k: ("finished:failed", ["ERROR: boom"]))
+        return cli_run("flower", "--superlink", "127.0.0.1:1")
+
+    def interrupted() -> int:
+        def stop(*a, **k):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(cli, "run_in_process", stop)
+        return cli_run()
+
+    last_round_few = [
+        {"round": 1, "measured_clients": 1, "train_replies_ok": 4, "train_replies_rejected": 0},
+        {"round": 2, "measured_clients": 4, "train_replies_ok": 2, "train_replies_rejected": 2},
+    ]
+    finished = {  # a finished run's conditions: the problems the ServerApp finds, its exit status the first one's
+        "no-usable-reply": dict(delivery=delivered(8, 8, 0)),
+        "undelivered": dict(delivery=delivered(8, 3, 3)),
+        "private-state-unreadable": dict(delivery=delivered(8, 8, 6, (UNREADABLE_STATE,))),
+        "training-rejected": dict(
+            rows=[{"round": 1, "measured_clients": 4, "train_replies_ok": 1, "train_replies_rejected": 3}]
+        ),
+        "never-measured": dict(accuracy_mean=None, final_round_measured_clients=None),
+        "measured-on-few": dict(final_round_measured_clients=1),
+        # 2 of 4 training replies accepted (no majority rejected), at min_measured_share 0.75: 1 measured, 3 needed
+        "last-round-measured-few": dict(rows=last_round_few, min_share=0.75),
+        "ok": {},
+    }
+    cli_cases = {
+        "config": lambda: run_cli("run", str(tmp_path / "missing.yaml"), "--engine", "inprocess"),
+        "crashed": crashed,
+        "interrupted": interrupted,
+    }
+    table = exit_table()
+    assert sorted(case for _, case in table) == sorted([*finished, *cli_cases]), table
+    for code, case in table:
+        if case in cli_cases:
+            with monkeypatch.context():
+                assert cli_cases[case]() == code, case
+        else:
+            found = finished_problems(**finished[case])
+            assert [p.case for p in found] == ([case] if code else []), (case, found)
+            assert exit_status(found) == code, case
+    # a finished run's conditions are checked in the table's order, top to bottom
+    everything = finished_problems(  # all of them but never-measured (the headline cannot be both)
+        rows=[{**last_round_few[0], "measured_clients": 0}, {**last_round_few[1], "train_replies_ok": 0}],
+        delivery=delivered(8, 3, 0, (UNREADABLE_STATE,)),
+        final_round_measured_clients=1,
+    )
+    order = [case for _, case in table if case in finished and case not in ("ok", "never-measured")]
+    assert [p.case for p in everything] == order and exit_status(everything) == EXIT_FAILED
+    assert {code for code, _ in table} == set(EXIT_STATUSES)  # `fedapps run --help` lists the same codes
+
+
 def grid_with(monkeypatch, **kwargs):
     """`fedapps run --engine inprocess` serves its clients through an InProcessGrid built with ``kwargs``."""
     from fedapps.flower.inprocess import InProcessGrid
@@ -532,14 +711,16 @@ def test_a_round_that_lost_most_replies_to_rejection_exits_4(tiny_config, tmp_pa
     run_dir = out / "fedavg-digits-iid-s0"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_status"] == EXIT_REJECTED and len(summary["problems"]) == 1
-    assert "1 round(s) lost a majority of their replies to rejection (round 1: 3 of 4)" in summary["problems"][0]
+    assert (
+        "1 round(s) lost a majority of their training replies to rejection (round 1: 3 of 4)" in summary["problems"][0]
+    )
     assert summary["final_round_measured_clients"] == 4  # the headline itself was measured on every client
     rows = read_csv(run_dir / "rounds.csv")
     assert [r["replies_rejected"] for r in rows] == [3, 0]
     assert rows[0]["bytes_up_rejected"] > 3 * 10_000 and rows[1]["bytes_up_rejected"] == 0  # 3 float64 MLPs
     assert summary["bytes_up_rejected"] == rows[0]["bytes_up_rejected"]
     assert rows[0]["bytes_up"] < rows[1]["bytes_up"]  # one accepted reply's bytes against four's
-    assert "lost a majority of their replies" in capsys.readouterr().err
+    assert "lost a majority of their training replies" in capsys.readouterr().err
 
 
 def test_the_exit_statuses_are_in_the_help(capsys):

@@ -29,6 +29,7 @@ METRIC_REASON = {
     "loss-huge": "train-loss",
     "time-huge": "t-",
     "list-huge": "'junk-list' is a list of 100000 values",
+    "metric-flood": "metric values",  # lists of 4,096 floats up to 1,024 metrics: refused on its total
 }
 
 

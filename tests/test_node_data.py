@@ -21,6 +21,7 @@ import server_app
 from fedapps.client.worker import NODE_CLIENT_ID, STATE_DIR_KEY, STATE_MODEL, handle, lost_on_restart
 from fedapps.config import load_config
 from fedapps.data import DataError, load_source, node_path, read_labelled
+from fedapps.flower import faults
 from fedapps.flower.describe import NodeReport, agree
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.reporting.results import UnusableRun
@@ -57,14 +58,17 @@ def write_public(tmp: Path, digits, name: str = "U.npz", rows: slice = slice(0, 
     return path
 
 
-def run(tmp: Path, node_configs: dict, strategy: str = "fedavg", extra: str = "", rounds: int = 1) -> Path:
-    """One run over len(node_configs) nodes, data.source nodes; returns the run folder."""
+def run(
+    tmp: Path, node_configs: dict, strategy: str = "fedavg", extra: str = "", rounds: int = 1, mods: list | None = None
+) -> Path:
+    """One run over len(node_configs) nodes, data.source nodes (``mods``: the nodes' client mods, e.g. the fault
+    injection); returns the run folder."""
     n = len(node_configs)
     overrides = (
         f"strategy.name={strategy} rounds={rounds} data.source=nodes data.num_clients={n} model.name=mlp "
         f"client.batch_size=32 client.epochs=1 run_name=nodes {extra}"
     )
-    grid = InProcessGrid(n, node_configs=node_configs)
+    grid = InProcessGrid(n, node_configs=node_configs, mods=mods)
     server_app.run_experiment(grid, None, overrides, str(tmp / "out"))
     return tmp / "out" / "nodes"
 
@@ -461,3 +465,44 @@ def test_error_replies_read_as_the_clients_own_exception():
     assert error_reason(supernode) == f"ProtocolError: {msg}"
     assert error_reason(ray) == f"ProtocolError: {msg}"
     assert error_reason("InjectedFault: injected failure") == "InjectedFault: injected failure"
+
+
+# ------------------------------------------------------------------ evaluation counts bound (deployment)
+
+
+def weighted_headline(out: Path) -> tuple[float, dict[int, int]]:
+    """summary.json's accuracy_weighted and each client's evaluation-split size as partition.csv records it."""
+    summary = json.loads((out / "summary.json").read_text())
+    sizes = {int(r["client"]): int(r["total"]) for r in read_csv(out / "partition.csv") if r["split"] == "test"}
+    return float(summary["accuracy_weighted"]), sizes
+
+
+@pytest.mark.parametrize(
+    "claim, rejected",
+    [("eval-claim=1000000000000", True), ("eval-claim", False)],  # 10^12 samples all correct; its own n, all correct
+)
+def test_one_client_moves_the_weighted_headline_by_at_most_its_described_share(tmp_path, digits, claim, rejected):
+    """data.source nodes: the server knows no test sizes, so each client's evaluation-split size is bound by the
+    describe phase. A client reporting deployed-n 10^12 with counts that agree (all correct) is rejected; one that
+    lies about its accuracy on its own bound n is accepted, and moves the sample-weighted headline by at most its
+    share. Local: the other clients' models are the same in every run, so the share is the whole difference."""
+    sites = write_sites(tmp_path, digits, 4)
+    hostile = 3
+
+    def configs(spec: str) -> dict:
+        return {i: {"data-path": str(sites[i]), NODE_CLIENT_ID: i, faults.NODE_KEY: spec} for i in range(4)}
+
+    clean, sizes = weighted_headline(run(tmp_path / "clean", configs(""), strategy="local", mods=[faults.faults_mod]))
+    share = sizes[hostile] / sum(sizes.values())
+    out = run(tmp_path / "hostile", configs(f"{claim}@{hostile}/*/*"), strategy="local", mods=[faults.faults_mod])
+    got, _ = weighted_headline(out)
+    refused = [r for r in read_csv(out / "rejections.csv") if r["phase"] != "describe"]
+    if rejected:
+        assert {(r["phase"], r["client_id"]) for r in refused} == {("train", "3"), ("evaluate", "3")}
+        assert all(
+            f"differs from the {sizes[hostile]} evaluation samples client 3 is bound to" in r["reason"] for r in refused
+        ), refused
+        assert json.loads((out / "summary.json").read_text())["final_round_measured_clients"] == 3
+    else:
+        assert refused == [] and got > clean  # accepted: it moves the headline, up (all correct) ...
+    assert abs(got - clean) <= share + 1e-12, (got, clean, share)  # ... by at most its bound share

@@ -212,6 +212,111 @@ def test_num_examples_is_bound_on_first_report_when_sizes_are_unknown():
     assert not out.accepted and "differs from the 1000000" in out.rejections[0].reason
 
 
+def eval_metrics(n: int, correct: int, tag: str = "eval") -> dict:
+    return {f"{tag}-acc": correct / n if n else 0.0, f"{tag}-loss": 1.0, f"{tag}-n": n, f"{tag}-correct": correct}
+
+
+def test_deployment_evaluation_sizes_must_equal_the_described_split():
+    """data.source nodes: the describe phase binds each client's evaluation-split size (bind_accepted); a later
+    <tag>-n that differs, in either direction, is rejected, however consistent its counts."""
+    v = ReplyValidator(2, model_part=lambda part: MODEL, public_size=4, num_classes=3, eval_share=0.25)
+    v.bound_examples.update({0: 50, 1: 60})
+    v.bound_tests.update({0: 16, 1: 20})
+    a = request(100)
+    for n, correct, ok in [(16, 8, True), (10**12, 10**12, False), (15, 15, False), (17, 9, False)]:
+        v.expect([a])
+        out = v.check(1, [answer(a, 0, metrics=eval_metrics(n, correct))])
+        assert bool(out.accepted) == ok, (n, out.rejections)
+        if not ok:
+            assert f"metric 'eval-n' = {n} differs from the 16 evaluation samples client 0 is bound to" in (
+                out.rejections[0].reason
+            )
+    both = request(101, ops=("evaluate:deployed", "train", "evaluate:after"))  # a second tag must agree too
+    v.expect([both])
+    out = v.check(1, [answer(both, 1, 60, two_evaluations(20, 21))])
+    assert not out.accepted and "'after-n' = 21 differs from the 20" in out.rejections[0].reason
+
+
+def two_evaluations(deployed: int, after: int) -> dict:
+    """Metrics of a reply with the deployed and after-training evaluations (and not answer()'s 'eval')."""
+    return {
+        **dict.fromkeys(eval_metrics(1, 0)),
+        **eval_metrics(deployed, 5, "deployed"),
+        **eval_metrics(after, 5, "after"),
+    }
+
+
+def test_an_undescribed_clients_evaluation_size_is_capped_by_the_split_then_bound():
+    """A client the describe phase never saw: its first <tag>-n may not exceed what the split gives beside its
+    num-examples (max_eval_count), then binds like num-examples."""
+    v = ReplyValidator(2, model_part=lambda part: MODEL, public_size=4, num_classes=3, eval_share=0.25)
+    a = request(100)
+    cap = validation.max_eval_count(30, 0.25)
+    assert cap == 10  # (0.25 · 30 + 0.5) / 0.75
+    v.expect([a])
+    out = v.check(1, [answer(a, 0, n=30, metrics=eval_metrics(cap + 1, 0))])
+    assert not out.accepted and "'eval-n' = 11 exceeds the 10 evaluation samples the data split allows client 0" in (
+        out.rejections[0].reason
+    )
+    v.expect([a])
+    assert v.check(1, [answer(a, 0, n=30, metrics=eval_metrics(9, 3))]).accepted
+    assert v.bound_tests == {0: 9} and v.bound_examples == {0: 30}
+    v.expect([a])
+    out = v.check(2, [answer(a, 0, n=30, metrics=eval_metrics(10, 3))])
+    assert not out.accepted and "differs from the 9 evaluation samples" in out.rejections[0].reason
+    both = request(101, ops=("evaluate:deployed", "train", "evaluate:after"))  # unbound: its evaluations must agree
+    v.expect([both])
+    out = v.check(1, [answer(both, 1, 30, two_evaluations(8, 9))])
+    assert not out.accepted and "evaluations of one reply count different samples" in out.rejections[0].reason
+    v.expect([both])
+    assert v.check(1, [answer(both, 1, 30, two_evaluations(8, 8))]).accepted and v.bound_tests[1] == 8
+
+
+@pytest.mark.parametrize("share", [0.0, 0.1, 0.25, 0.5, 0.9])
+@pytest.mark.parametrize("evaluate_on", ["test", "validation"])
+def test_max_eval_count_bounds_what_a_nodes_split_gives_and_is_reached(share, evaluate_on):
+    """The cap against the split rule itself (fedapps.data.federation.split_node), for every node size up to 200 and
+    skewed labels: never exceeded, and reached (the bound is the split's, not a looser one)."""
+    from fedapps.data.federation import split_node
+
+    test_fraction, validation_fraction = (share, 0.25) if evaluate_on == "test" else (0.25, share)
+    reached = False
+    for size in range(1, 201):
+        y = np.arange(size) % 3 * (np.arange(size) % 7 > 1)
+        train, held = split_node(y, test_fraction, validation_fraction, evaluate_on, seed=1, client_id=size)
+        cap = validation.max_eval_count(train.size, share)
+        assert held.size <= cap, (size, train.size, held.size, cap)
+        reached |= held.size == cap
+    assert reached
+
+
+def test_bind_accepted_binds_the_described_evaluation_sizes_and_refuses_a_split_that_cannot_be():
+    from fedapps.flower.describe import Description, NodeReport, bind_accepted, report_of
+
+    def describe_reply(train: list[int], evaluation: list[int]) -> ClientReply:
+        metrics = {
+            "data-shape": [1, 8, 8],
+            "data-classes": 3,
+            "data-max-label": 2,
+            "data-train-counts": train,
+            "data-eval-counts": evaluation,
+        }
+        return ClientReply(node_id=100, client_id=0, num_examples=sum(train), metrics=metrics)
+
+    report = report_of(describe_reply([10, 10, 10], [3, 3, 4]), eval_share=0.25)  # 10 of 40: the split's own
+    with pytest.raises(ValueError, match="11 evaluation samples beside 30 training samples.*gives at most 10"):
+        report_of(describe_reply([10, 10, 10], [3, 3, 5]), eval_share=0.25)
+    source = ReplyValidator(2)
+    source.bound_examples[0] = 30
+    target = ReplyValidator(2, eval_share=0.25)
+    bind_accepted(source, target, Description(3, (1, 8, 8), [report]))
+    assert (target.node_client, target.bound_examples, target.bound_tests) == ({100: 0}, {0: 30}, {0: 10})
+    simulation = ReplyValidator(2, train_sizes=[30, 30], test_sizes=[10, 10])  # the server's own sizes stay
+    bind_accepted(source, simulation, Description(3, (1, 8, 8), [report]))
+    assert simulation.bound_tests == {} and simulation.bound_examples == {}
+    assert isinstance(report, NodeReport)
+
+
 def test_arrays_and_predictions_are_checked_against_the_request():
     v = validator()
     a = request(
@@ -497,12 +602,14 @@ def test_the_label_and_the_bytes_must_agree():
 
 def test_names_and_count_are_checked_before_any_array_is_decoded(monkeypatch):
     decoded = []
-    original = validation.wire_array
-    monkeypatch.setattr(validation, "wire_array", lambda *a, **k: decoded.append(a[1]) or original(*a, **k))
+    original = validation.WireArray.decode
+    monkeypatch.setattr(validation.WireArray, "decode", lambda self: decoded.append(self.shape) or original(self))
     v, reply = arrays_reply({"w": _wire(W), "count": _wire(MODEL["count"]), "extra": _wire(W)})
     out = v.check(1, [reply])
     assert not out.accepted and "do not match the request (3 given, 2 expected)" in out.rejections[0].reason
     assert decoded == []
+    v, reply = arrays_reply({"w": _wire(W), "count": _wire(MODEL["count"])})  # the same decoding counted
+    assert v.check(1, [reply]).accepted and sorted(decoded) == [(), (3, 2)]
 
 
 def test_float16_transport_accepts_float16_and_the_models_dtype_only():
@@ -575,6 +682,59 @@ def test_a_huge_list_is_refused_by_its_length_before_its_values_are_read():
     assert validator().max_list == 4096  # 2 clients, 3 classes: the floor
     assert ReplyValidator(10000, num_classes=10).max_list == 10000  # a per-client list fits
     assert ReplyValidator(3).max_list == validation.LIST_UNKNOWN  # classes not known yet (describe phase)
+
+
+def flood(lists: int, length: int) -> dict:
+    """A reply's metrics with ``lists`` extra list metrics of ``length`` floats (answer()'s own 6 metrics beside)."""
+    return {f"flood-{i}": [0.5] * length for i in range(lists)}
+
+
+def test_a_metric_flood_is_refused_before_any_value_is_read(monkeypatch):
+    """1,018 lists of 4,096 floats (1,024 metrics with the reply's own: every count and length limit met) cost
+    seconds of per-value checks; the reply's budget (1,024 numbers and METRIC_LISTS full lists) refuses it on
+    lengths alone: the per-value check, the evaluations and any decoding never run."""
+    v = validator()
+    a = request(100, ops=("train", "evaluate"))
+    called: list[str] = []
+    for name in ("check_metrics", "check_evaluations", "check_info"):
+        monkeypatch.setattr(validation, name, lambda *args, name=name, **kw: called.append(name))
+    monkeypatch.setattr(validation.WireArray, "decode", lambda self: called.append("decode"))
+    v.expect([a])
+    out = v.check(1, [answer(a, 0, metrics=flood(1018, 4096))])
+    assert not out.accepted and called == []
+    budget = validation.MAX_METRICS + validation.METRIC_LISTS * 4096
+    assert (
+        f"reply carries 4,169,734 metric values (1024 metrics, 1018 of them lists); at most {budget:,} are expected"
+        in out.rejections[0].reason
+    )
+    v.expect([a])  # within the budget: the values are read (and, here, the stubs are called)
+    assert v.check(1, [answer(a, 0, metrics=flood(validation.METRIC_LISTS, 4096))]).accepted
+    assert called == ["check_metrics", "check_evaluations"]
+
+
+def test_the_reply_budget_is_what_the_message_asked_for():
+    """reply_budget: the arrays asked for at their widest wire dtype with an .npy header each, predictions of the
+    rows and classes asked for, metric and info budgets; check_bytes refuses a reply above it, and a reply of
+    unknown prediction rows is bounded by its values only."""
+    exp = Expectation(
+        node_id=1,
+        arrays={"w": ArraySpec((3, 2), np.dtype(np.float32)), "count": ArraySpec((), np.dtype(np.int64))},
+        predictions=PredictionSpec(rows=4, classes=3, encoding="float16"),
+        transport="float16",
+    )
+    b = validation.reply_budget(exp, max_list=100)
+    values = validation.MAX_METRICS + validation.METRIC_LISTS * 100
+    info = 8 * validation.INFO_MAX_KEYS * validation.INFO_MAX_SIZE
+    header = validation.NPY_MAX_HEADER
+    assert b.values == values
+    assert b.nbytes == 8 * values + info + (6 * 4 + header) + (1 * 8 + header) + (4 * 3 * 2 + header)
+    assert b.entries["arrays"] == 2 * 2 + validation.ARRAY_SLACK and b.entries["metrics"] == validation.MAX_METRICS
+    content = RecordDict({"metrics": MetricRecord({"client-id": 0, "junk": [0.5] * 100})})
+    validation.check_bytes(content, b)  # 808 bytes
+    with pytest.raises(protocol.ReplyError, match="reply carries 808 bytes; at most 800 are expected"):
+        validation.check_bytes(content, validation.ReplyBudget(b.values, 800, b.entries))
+    unknown_rows = validation.reply_budget(Expectation(node_id=1, predictions=PredictionSpec(None, 3)), 100)
+    assert unknown_rows.nbytes is None and unknown_rows.values == values
 
 
 def test_a_large_info_record_is_rejected():

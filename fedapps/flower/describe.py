@@ -32,7 +32,7 @@ from fedapps.client.worker import (
 from fedapps.flower.connect import wait_for_clients
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from fedapps.wire.validation import Rejection, ReplyValidator
+from fedapps.wire.validation import Rejection, ReplyValidator, max_eval_count
 
 log = logging.getLogger("fedapps")
 
@@ -106,8 +106,11 @@ def fit_counts(counts: Iterable[int], k: int) -> np.ndarray:
     return np.pad(c, (0, k - c.size))
 
 
-def report_of(r: ClientReply) -> NodeReport:
-    """The describe metrics of an accepted reply (ValueError when they are missing or malformed)."""
+def report_of(r: ClientReply, eval_share: float | None = None) -> NodeReport:
+    """The describe metrics of an accepted reply (ValueError when they are missing or malformed). ``eval_share``
+    (:func:`fedapps.wire.validation.evaluation_share`): the evaluation counts must not exceed what the data spec's
+    split gives beside the training counts (:func:`fedapps.wire.validation.max_eval_count`), whose sum is
+    ``num-examples``, itself within the node registry's cap where there is one."""
     m = r.metrics
 
     def ints(key: str) -> tuple[int, ...]:
@@ -125,6 +128,12 @@ def report_of(r: ClientReply) -> NodeReport:
         raise ValueError("describe reply: negative class counts")
     if sum(train) != r.num_examples:
         raise ValueError(f"describe reply: the training counts sum to {sum(train)}, num-examples is {r.num_examples}")
+    if eval_share is not None and sum(evaluation) > max_eval_count(sum(train), eval_share):
+        raise ValueError(
+            f"describe reply: {sum(evaluation)} evaluation samples beside {sum(train)} training samples; the data "
+            f"split (an evaluation share of {eval_share:g}: data.test_fraction, or data.validation_fraction while "
+            f"tuning) gives at most {max_eval_count(sum(train), eval_share)}"
+        )
     return NodeReport(
         r.node_id, r.client_id, shape, ints(DESCRIBE_CLASSES)[0], ints(DESCRIBE_MAX_LABEL)[0], train, evaluation
     )
@@ -203,11 +212,13 @@ def describe_nodes(
     wanted: int = 1,
     wait_seconds: float = 120.0,
     public: protocol.PublicSet = protocol.PublicSet(),
+    eval_share: float | None = None,
 ) -> Description:
     """Ask every connected node (after waiting for ``wanted``) to describe its data; settle classes and shape
     (:func:`agree`); refuse what does not fit. ``setup``: the data spec and model the messages carry; ``public``: U's
     fingerprint, when the run has U. ``validator`` checks the replies and binds node <-> client (the caller hands
-    the bindings of the accepted nodes on to the run's validator)."""
+    the bindings of the accepted nodes on to the run's validator); ``eval_share``: the data spec's evaluation share,
+    which bounds each node's evaluation counts by its training counts (:func:`report_of`)."""
     nodes = wait_for_clients(grid, wanted, wait_seconds)
     if not nodes:
         raise RuntimeError("data.source 'nodes': no node is connected to describe its data")
@@ -219,7 +230,7 @@ def describe_nodes(
     reports: list[NodeReport] = []
     for r in outcome.accepted:
         try:
-            reports.append(report_of(r))
+            reports.append(report_of(r, eval_share))
         except ValueError as exc:
             rejections.append(Rejection(0, PHASE, r.node_id, r.client_id, str(exc)))
     k, shape, refused = agree(reports, pinned_classes, pinned_shape)
@@ -245,9 +256,14 @@ def describe_nodes(
 
 
 def bind_accepted(source: ReplyValidator, target: ReplyValidator, description: Description) -> None:
-    """Hand the node <-> client bindings (and first reported num-examples) of the accepted nodes to ``target``."""
+    """Hand the node <-> client bindings, the reported ``num-examples`` and the described evaluation-split size of the
+    accepted nodes to ``target``: where it knows no sizes of its own (deployment), every later ``num-examples`` and
+    ``<tag>-n`` of that client must equal them, so the weight a client has in a sample-weighted mean is the one it
+    described (within the split rules and the node registry's cap, :func:`report_of`)."""
     for r in description.reports:
         target.node_client[r.node_id] = r.client_id
         target.client_node[r.client_id] = r.node_id
         if r.client_id in source.bound_examples and target.train_sizes is None:
             target.bound_examples[r.client_id] = source.bound_examples[r.client_id]
+        if target.test_sizes is None:
+            target.bound_tests[r.client_id] = int(sum(r.eval))

@@ -18,7 +18,10 @@ CLIENTS and ROUNDS are ``*`` or comma-separated integers (client ids; rounds fro
 - metrics: ``huge-n`` (num-examples 10**12), ``zero-n``, ``list-n``, ``no-eval-n`` (drops ``<tag>-n``),
   ``acc-50`` (every ``<tag>-acc`` = 50), ``n-1e9`` (every ``<tag>-n`` = 10**9), ``loss-huge`` (every loss other
   than an evaluation's = −2e299), ``time-huge`` (every ``t-*`` timing = 10**12 s), ``list-huge`` (an extra metric
-  holding a list of ARG floats, default 10**5);
+  holding a list of ARG floats, default 10**5), ``eval-claim[=N]`` (every evaluation claims N samples, default its
+  own n, all of them correct: acc 1, correct = n = N, counts that agree with each other), ``metric-flood[=L]`` (up
+  to 1,020 extra metrics, as many as keep the reply within the validator's 1,024, each a list of L floats, default
+  4,096: every count and length limit met, the total not);
 - arrays: ``shape`` (one array gets an extra row), ``transpose`` (a non-square matrix transposed),
   ``undecodable`` (garbage bytes), ``int-arrays`` (every array cast to int64), ``nan-arrays``; wire types:
   ``f64-huge`` (every floating array as float64, one value 1e300: finite in float64, inf in float32),
@@ -62,6 +65,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 
 from fedapps.client.worker import client_id_of
 from fedapps.wire import protocol
+from fedapps.wire.validation import MAX_METRICS
 
 log = logging.getLogger("fedapps")
 
@@ -69,7 +73,20 @@ ENV = "FEDAPPS_FAULTS"
 NODE_KEY = "faults"
 CONTROL = ("drop", "raise", "late", "duplicate")
 IDENTITY = ("spoof", "bad-id", "list-id")
-METRIC_FAULTS = ("huge-n", "zero-n", "list-n", "no-eval-n", "acc-50", "n-1e9", "loss-huge", "time-huge", "list-huge")
+METRIC_FAULTS = (
+    "huge-n",
+    "zero-n",
+    "list-n",
+    "no-eval-n",
+    "acc-50",
+    "n-1e9",
+    "loss-huge",
+    "time-huge",
+    "list-huge",
+    "eval-claim",
+    "metric-flood",
+)
+FLOOD_METRICS = 1020  # metric-flood: extra list metrics (fewer where the reply's own would pass MAX_METRICS)
 WIRE_FAULTS = ("f64-huge", "longdouble", "big-endian", "dtype-lie", "trailing-bytes")  # arrays of the wrong wire type
 ARRAY_FAULTS = ("shape", "transpose", "undecodable", "int-arrays", "nan-arrays")
 PREDICTION_FAULTS = ("pred-shape", "pred-huge", "pred-undecodable", "pred-dtype", "fingerprint")
@@ -268,6 +285,15 @@ def corrupt(reply: Message, fault: Fault, cid: int, context: Context, msg: Messa
             metrics.update({k: 1e12 for k in metrics if k.startswith("t-")})
         elif kind == "list-huge":
             metrics["junk-list"] = [0.5] * int(fault.arg or 10**5)
+        elif kind == "eval-claim":
+            for key in [k for k in metrics if k.endswith("-acc")]:
+                tag = key[: -len("-acc")]
+                claimed = float(fault.arg) if fault.arg is not None else float(metrics.get(f"{tag}-n", 0.0))
+                metrics.update({key: 1.0, f"{tag}-n": claimed, f"{tag}-correct": claimed})
+        elif kind == "metric-flood":
+            values = [0.5] * int(fault.arg or 4096)
+            count = min(FLOOD_METRICS, MAX_METRICS - len(metrics))  # within the validator's count of metrics
+            metrics.update({f"flood-{i}": list(values) for i in range(count)})
         reply.content[protocol.METRICS] = MetricRecord(metrics)
         return
     if kind in ARRAY_FAULTS or kind in WIRE_FAULTS:

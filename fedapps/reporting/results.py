@@ -18,8 +18,10 @@ ceil(10 % of n) of the n clients measured (:func:`worst_share_mean`; 3 clients: 
 population standard deviation of their accuracies (:func:`client_std`).
 
 Whether the result means something (:func:`run_problems`): summary.json's ``problems`` lists, in words, why not
-(nothing usable or delivered; a round that lost a majority of its replies to rejection; a headline measured on
-fewer than ``min_measured_share`` of the clients) and ``exit_status`` is the exit status it gives (EXIT_*).
+(nothing usable or delivered; a round that lost a majority of its training replies to rejection, counted apart
+from the final evaluation's; a headline measured on fewer than
+``min_measured_share`` of the clients; a last round whose training replies measured the deployed models on too few
+of the clients that answered) and ``exit_status`` is the exit status it gives (EXIT_*; docs/reliability.md's table).
 Bytes of rejected replies are ``bytes_up_rejected``, never part of ``bytes_up`` / ``eval_bytes_up``;
 rejections.csv lists every rejected reply (phase ``train``, ``evaluate``, ``query``, ``describe``) and every
 reply or step a strategy left out (phase ``aggregate``).
@@ -71,14 +73,17 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # the run failed: it crashed, or no reply was usable at all, or most messages never reached a client
 EXIT_CONFIG = 2  # refused before it started (config, data, options)
 EXIT_UNMEASURED = 3  # finished, but the headline was not measured, or on fewer than min_measured_share of the clients
-EXIT_REJECTED = 4  # finished, but some round lost a majority of its replies to rejection (rejections.csv)
+EXIT_REJECTED = 4  # finished, but some round lost a majority of its training replies to rejection (rejections.csv)
 EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM
 EXIT_STATUSES = {
     EXIT_OK: "the run finished and its headline is meaningful",
     EXIT_FAILED: "the run failed (crashed, no usable reply at all, or most messages never reached a client)",
     EXIT_CONFIG: "refused before it started: a config, data or option error",
-    EXIT_UNMEASURED: "finished, but the headline was not measured, or on fewer than min_measured_share of the clients",
-    EXIT_REJECTED: "finished, but some round lost a majority of its replies to rejection",
+    EXIT_UNMEASURED: (
+        "finished, but the headline was not measured, or on fewer than min_measured_share of the clients, or the "
+        "last round's training replies measured the deployed models on too few of the clients that answered"
+    ),
+    EXIT_REJECTED: "finished, but some round lost a majority of its training replies to rejection",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C or SIGTERM)",
 }
 
@@ -96,19 +101,49 @@ class UnusableRun(RuntimeError):
 
 @dataclass(frozen=True)
 class Problem:
-    """Why a run's result is not meaningful, and the exit status it gives (EXIT_*)."""
+    """Why a run's result is not meaningful, and the exit status it gives (EXIT_*); ``case``: the row of
+    docs/reliability.md's exit-code table it is (tests/test_cli_reliability.py checks the table row by row)."""
 
     code: int
     text: str
+    case: str = ""
+
+
+TRAIN_PHASE, EVAL_PHASE = protocol.MESSAGE_TYPE, protocol.EVAL_MESSAGE_TYPE
+PHASES = (TRAIN_PHASE, EVAL_PHASE)  # the phases of a round whose reply counts rounds.csv keeps apart
+
+
+def phase_columns(phase: str) -> tuple[str, str]:
+    """The rounds.csv columns of one phase's reply counts: ``<phase>_replies_ok``, ``<phase>_replies_rejected``."""
+    return f"{phase}_replies_ok", f"{phase}_replies_rejected"
+
+
+def phase_counts(row: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    """A rounds.csv row's (accepted, rejected) replies per phase; privacy-budget refusals are not counted as rejected
+    (a client that refused to train past its budget did as it was configured to). A row without per-phase columns
+    (written before they existed: a resumed run's earlier rounds) counts both phases together, as training."""
+    refused = int(row.get("privacy_refused") or 0)
+    out: dict[str, tuple[int, int]] = {}
+    for phase in PHASES:
+        ok_key, rejected_key = phase_columns(phase)
+        if row.get(ok_key) not in (None, "") or row.get(rejected_key) not in (None, ""):
+            out[phase] = (int(row.get(ok_key) or 0), int(row.get(rejected_key) or 0))
+    if not out:
+        out[TRAIN_PHASE] = (int(row.get("replies_ok") or 0), int(row.get("replies_rejected") or 0))
+    if TRAIN_PHASE in out:
+        ok, rejected = out[TRAIN_PHASE]
+        out[TRAIN_PHASE] = (ok, max(0, rejected - refused))
+    return out
 
 
 def rejection_problems(rows: Sequence[Mapping[str, Any]]) -> list[Problem]:
-    """Rounds (rounds.csv rows, both phases counted) that lost a majority of their replies to rejection: more
-    rejected than accepted. A round's missing replies are not counted (they are the delivery check's)."""
+    """Rounds (rounds.csv rows) whose TRAINING replies were mostly rejected: more rejected than accepted, counted on
+    their own, so that the final evaluation's accepted replies in the last round cannot hide a training phase whose
+    replies were not (the final evaluation is judged by what it measured: :func:`measured_problems`). A round's
+    missing replies are not counted (they are the delivery check's)."""
     lost = []
-    for r in rows:  # a client that refused to train past its privacy budget did as it was configured to
-        ok = int(r.get("replies_ok") or 0)
-        rejected = int(r.get("replies_rejected") or 0) - int(r.get("privacy_refused") or 0)
+    for r in rows:
+        ok, rejected = phase_counts(r).get(TRAIN_PHASE, (0, 0))
         if 2 * rejected > ok + rejected:
             lost.append(f"round {r.get('round')}: {rejected} of {ok + rejected}")
     if not lost:
@@ -116,9 +151,40 @@ def rejection_problems(rows: Sequence[Mapping[str, Any]]) -> list[Problem]:
     return [
         Problem(
             EXIT_REJECTED,
-            f"{len(lost)} round(s) lost a majority of their replies to rejection ("
+            case="training-rejected",
+            text=f"{len(lost)} round(s) lost a majority of their training replies to rejection ("
             f"{'; '.join(lost[:5])}{' ...' if len(lost) > 5 else ''}): the model is built on a "
             "minority of the replies; see rejections.csv for the reasons",
+        )
+    ]
+
+
+def last_round_problems(rows: Sequence[Mapping[str, Any]], min_share: float) -> list[Problem]:
+    """The last round's training replies also measure the deployed models of the round before (rounds.csv's
+    ``measured_clients`` of that row): measured on fewer than ``min_share`` of the clients whose training replies
+    arrived (accepted or rejected; missing ones are the delivery check's), the last round trained on too few
+    clients, whatever its final evaluation measured. Nothing to judge for a one-round run, a strategy that measures
+    no deployed model on its training messages, or a last round no reply reached."""
+    if len(rows) < 2:
+        return []
+    last, before = rows[-1], rows[-2]
+    measured = before.get("measured_clients")
+    counts = phase_counts(last).get(TRAIN_PHASE)
+    if measured in (None, "") or counts is None:
+        return []
+    ok, rejected = counts
+    arrived = ok + rejected
+    need = math.ceil(min_share * arrived - 1e-9)
+    if not arrived or int(measured) >= need:
+        return []
+    return [
+        Problem(
+            EXIT_UNMEASURED,
+            case="last-round-measured-few",
+            text=f"the last round (round {last.get('round')}) measured the deployed models after round "
+            f"{before.get('round')} on {int(measured)} of the {arrived} clients whose training replies arrived, "
+            f"fewer than min_measured_share={min_share:g} of them ({need}): the last round trained on too few "
+            "clients; see rejections.csv",
         )
     ]
 
@@ -133,7 +199,8 @@ def measured_problems(summary: Mapping[str, Any], min_share: float) -> list[Prob
         return [
             Problem(
                 EXIT_UNMEASURED,
-                "the headline (deployed-model accuracy) was never measured: no client "
+                case="never-measured",
+                text="the headline (deployed-model accuracy) was never measured: no client "
                 "answered an evaluation of its deployed model",
             )
         ]
@@ -141,7 +208,8 @@ def measured_problems(summary: Mapping[str, Any], min_share: float) -> list[Prob
         return [
             Problem(
                 EXIT_UNMEASURED,
-                f"the headline was measured on {measured} of {clients} clients (after round "
+                case="measured-on-few",
+                text=f"the headline was measured on {measured} of {clients} clients (after round "
                 f"{summary.get('final_round')}), fewer than min_measured_share="
                 f"{min_share:g} of them ({need})",
             )
@@ -156,9 +224,10 @@ def run_problems(
     delivery: DeliveryCheck | None = None,
 ) -> list[Problem]:
     """Everything that makes a finished run's result not meaningful, most basic first: nothing delivered or usable
-    (:class:`DeliveryCheck`), rounds lost to rejection, a headline measured on too few clients."""
-    out = [Problem(EXIT_FAILED, text) for text in (delivery.problems() if delivery is not None else [])]
-    return out + rejection_problems(rows) + measured_problems(summary, min_share)
+    (:class:`DeliveryCheck`), phases of rounds lost to rejection, a headline measured on too few clients, a last round
+    whose training replies measured too few (docs/reliability.md's exit-code table, row by row)."""
+    out = [Problem(EXIT_FAILED, text, case) for case, text in (delivery.cases() if delivery is not None else [])]
+    return out + rejection_problems(rows) + measured_problems(summary, min_share) + last_round_problems(rows, min_share)
 
 
 def exit_status(problems: Sequence[Problem]) -> int:
@@ -207,25 +276,33 @@ class DeliveryCheck:
         return {"messages_sent": self.sent, "messages_answered": self.answered, "usable_replies": self.usable}
 
     def problems(self) -> list[str]:
+        """What makes the run unusable, in words (:meth:`cases` with the exit-code table's case of each)."""
+        return [text for _, text in self.cases()]
+
+    def cases(self) -> list[tuple[str, str]]:
+        """(case of docs/reliability.md's exit-code table, text) of each thing that makes the run unusable."""
         out = []
         errors = f"; client errors: {' | '.join(self.errors)}" if self.errors else ""
         if self.usable == 0:
-            out.append(
+            text = (
                 f"no usable client reply in the whole run ({self.sent} messages sent, {self.answered} answered)"
                 f": nothing was trained{errors}"
             )
+            out.append(("no-usable-reply", text))
         if self.sent and 2 * self.answered < self.sent:
-            out.append(
+            text = (
                 f"only {self.answered} of {self.sent} sampled messages reached a client (got any reply): "
                 "check that the SuperNodes are up, the node ids, and strategy.timeout"
             )
+            out.append(("undelivered", text))
         if self.unreadable_state:
             shown = " | ".join(validation.error_reason(r) for r in self.unreadable_state[:3])
             more = f" (and {len(self.unreadable_state) - 3} more)" if len(self.unreadable_state) > 3 else ""
-            out.append(
+            text = (
                 f"{len(self.unreadable_state)} client(s) refused their messages because their saved private model "
                 f"could not be loaded safely, and took no further part: {shown}{more}"
             )
+            out.append(("private-state-unreadable", text))
         return out
 
 
@@ -369,6 +446,8 @@ def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
         "replies_rejected": getattr(entry, "replies_rejected", 0),
         "replies_missing": getattr(entry, "replies_missing", 0),
     }
+    for phase, (ok, rejected) in getattr(entry, "replies_by_phase", {}).items():  # the same counts per phase
+        row.update(dict(zip(phase_columns(phase), (ok, rejected), strict=True)))
     row.update(profile_columns([r.profile if isinstance(r, protocol.ClientReply) else None for r in entry.replies]))
     # the server's steps of the round (fedapps.server.rounds.StepClock): messages built, the exchange with the
     # clients, the replies checked, the aggregation; the rest of wall_seconds is the final evaluation's

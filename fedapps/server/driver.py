@@ -200,6 +200,7 @@ class RoundDriver:
                 "node_client": dict(v.node_client),
                 "client_node": dict(v.client_node),
                 "bound_examples": dict(v.bound_examples),
+                "bound_tests": dict(v.bound_tests),
             },
         }
 
@@ -215,3 +216,4 @@ class RoundDriver:
         self.replies.validator.node_client = dict(identity.get("node_client", {}))
         self.replies.validator.client_node = dict(identity.get("client_node", {}))
         self.replies.validator.bound_examples = dict(identity.get("bound_examples", {}))
+        self.replies.validator.bound_tests = dict(identity.get("bound_tests", {}))

@@ -41,6 +41,7 @@ class ReplyChecks:
         entry.replies_ok, entry.replies_rejected = t.replies_ok, t.replies_rejected
         entry.replies_missing, entry.rejections = t.replies_missing, list(t.rejections)
         entry.bytes_up_rejected, entry.skips = t.bytes_up_rejected, list(t.skips)
+        entry.replies_by_phase = {phase: list(counts) for phase, counts in t.replies_by_phase.items()}
 
     def validate(
         self, server_round: int, replies: Iterable[Message], phase: str = protocol.MESSAGE_TYPE
@@ -55,6 +56,9 @@ class ReplyChecks:
         self.tally.replies_ok += len(outcome.accepted)
         self.tally.replies_rejected += len(outcome.rejections)
         self.tally.replies_missing += outcome.missing
+        counts = self.tally.replies_by_phase.setdefault(phase, [0, 0])
+        counts[0] += len(outcome.accepted)
+        counts[1] += len(outcome.rejections)
         self.tally.rejections.extend(outcome.rejections)
         return outcome.accepted
 

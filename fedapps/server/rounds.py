@@ -47,6 +47,9 @@ class RoundLog:
     replies_ok: int = 0
     replies_rejected: int = 0
     replies_missing: int = 0
+    # the same counts per phase (protocol.MESSAGE_TYPE: the training messages; EVAL_MESSAGE_TYPE: the evaluation-only
+    # messages after the last round): phase -> [accepted, rejected]; the exit status judges each phase on its own
+    replies_by_phase: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     rejections: list[Rejection] = dataclasses.field(default_factory=list)  # the sinks append them to rejections.csv
     # what the algorithm left out of a validated round (a reply it could not use, or the whole round's step),
     # phase "aggregate"; also written to rejections.csv, not counted in replies_rejected

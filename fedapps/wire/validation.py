@@ -10,6 +10,12 @@ op → rows, classes, ``Request.public``'s ``predict.output`` and ``predict.enco
 ``-loss``, ``-n``, ``-correct``). :meth:`ReplyValidator.check` then accepts a reply only if
 
 - it is not an error reply, carries a ``metrics`` record and no record but metrics/arrays/predictions/info/profile;
+- its cost is within what its message asked for (:func:`reply_budget`), checked FIRST, on counts and lengths alone,
+  before any value is read: each record's entries, the metric values (a number counts one, a list its length) at
+  most :data:`MAX_METRICS` + :data:`METRIC_LISTS` full-length lists, and the reply's bytes
+  (:func:`fedapps.wire.protocol.record_nbytes`) at most those of the arrays and predictions asked for (at their
+  widest wire dtype, each with an .npy header) plus the metric and info budgets. So the worst reply that is
+  accepted costs a bounded, small validation (bench/reply_cost.py), and a larger one is refused at once;
 - every metric is a finite number or a list of finite numbers, at most :data:`MAX_METRICS` of them, a list no
   longer than the validator's ``max_list`` (its length is checked before any value is read); ``client-id`` and
   ``num-examples`` are integers; timings (``t-*``) in [0, :data:`MAX_SECONDS`], losses (``*-loss``) within
@@ -21,8 +27,12 @@ op → rows, classes, ``Request.public``'s ``predict.output`` and ``predict.enco
   :class:`fedapps.data.nodes.NodeRegistry`) a value above the client's cap, or an id the registry does not list,
   is rejected too;
 - every evaluation asked for is complete, no other is present: accuracy in [0, 1], loss finite and >= 0,
-  counts integral and >= 0, ``correct <= n``, ``n`` <= the client's test-set size where known, and the
-  accuracy equals ``correct / n``;
+  counts integral and >= 0, ``correct <= n``, ``n`` <= the client's test-set size where the server knows it
+  (simulation), and the accuracy equals ``correct / n``; where it cannot (deployment) ``n`` must EQUAL the size of
+  the evaluation split the client described before round 1 (:func:`fedapps.flower.describe.bind_accepted`) or, for a
+  client never described, the first size it reported, and must not exceed what the split rules give for its bound
+  ``num-examples`` (:func:`max_eval_count`; with a node registry, hence for the registry's cap): every evaluation
+  of a client reads the same split, so one client's weight in a sample-weighted headline is its bound share;
 - arrays (strict wire types, :func:`wire_array`): exactly the expected names; each labelled (Flower's ``Array``
   ``dtype`` / ``shape`` / ``stype``) with exactly the dtype the message asked for — the model's own, byte order
   included (float32, or the integer type of an integer buffer), or float16 where ``arrays.transport: float16``
@@ -83,6 +93,8 @@ LOSS_BOUND = 1e9  # |loss| (ops.evaluate reports a non-finite evaluation loss as
 METRIC_BOUND = 1e15  # |value| of every other metric (client-id and num-examples are checked on their own)
 LIST_FLOOR = 4096  # a list metric may hold max(this, clients, classes + 1) values (per class or per client lists)
 LIST_UNKNOWN = 65536  # ... or this many where the classes are not known yet (the describe phase)
+METRIC_LISTS = 4  # list metrics at full length in one reply (the most any operation sends: describe's 3)
+ARRAY_SLACK = 64  # arrays beyond those asked for that the cost check lets through to the exact name check's message
 INFO_MAX_KEYS = 16  # entries of a reply's info record (arch, fingerprint)
 INFO_MAX_SIZE = 1024  # characters (or items) of one info entry
 NPY_MAX_HEADER = 10000  # bytes of an .npy header (numpy's own limit when it reads one)
@@ -227,6 +239,85 @@ def expectation_for(
     return exp
 
 
+# --------------------------------------------------------------------------- the cost of one reply
+
+
+@dataclass(frozen=True)
+class ReplyBudget:
+    """The most a reply may carry for what its message asked (:func:`reply_budget`); :func:`check_cost` holds a reply
+    to it before any of its values is read."""
+
+    values: int  # metric values: a number counts one, a list its length
+    nbytes: int | None  # protocol.record_nbytes of the reply (None: not bounded, predictions of unknown rows)
+    entries: Mapping[str, int]  # record -> most entries it may hold
+
+
+def reply_budget(exp: Expectation, max_list: int) -> ReplyBudget:
+    """What answering ``exp`` may cost at most: :data:`MAX_METRICS` numbers and :data:`METRIC_LISTS` lists of
+    ``max_list`` values; the arrays and predictions asked for at their widest allowed wire dtype, each with an .npy
+    header of at most :data:`NPY_MAX_HEADER` bytes; an info record at its limits (8 bytes a list item, as
+    :func:`fedapps.wire.protocol.record_nbytes` counts)."""
+    values = MAX_METRICS + METRIC_LISTS * int(max_list)
+    nbytes: int | None = 8 * values + 8 * INFO_MAX_KEYS * INFO_MAX_SIZE
+    for spec in (exp.arrays or {}).values():
+        width = max(d.itemsize for d in array_dtypes(spec, exp.transport))
+        nbytes = (nbytes or 0) + math.prod(spec.shape) * width + NPY_MAX_HEADER
+    if exp.predictions is not None:
+        p = exp.predictions
+        if p.rows is None:
+            nbytes = None
+        elif nbytes is not None:
+            cells = p.rows * (1 if p.encoding == "hard" else p.classes)
+            nbytes += cells * prediction_dtype(p).itemsize + NPY_MAX_HEADER
+    entries = {  # arrays and predictions: generous here (what costs is bounded by nbytes), exact in _record_names
+        protocol.METRICS: MAX_METRICS,
+        protocol.ARRAYS: 2 * len(exp.arrays or {}) + ARRAY_SLACK,
+        protocol.PREDICTIONS: 1 + ARRAY_SLACK,
+        protocol.INFO: INFO_MAX_KEYS,
+        protocol.PROFILE: len(protocol.PROFILE_FIELDS),
+    }
+    return ReplyBudget(values, nbytes, entries)
+
+
+def check_cost(content: Any, budget: ReplyBudget, max_list: int = LIST_UNKNOWN) -> None:
+    """A reply within ``budget``, judged on counts and lengths alone (no value is read): each record's entries, each
+    list metric's length (``max_list``), the metric values in all. ReplyError naming what is over and by how much.
+    The first check of every reply: the expensive ones run only on what passes it (and :func:`check_bytes`)."""
+    for name in content.keys():
+        held, most = len(content[name]), budget.entries.get(name, 0)
+        if held > most:
+            raise ReplyError(f"'{name}' record holds {held} entries; at most {most} are expected for this request")
+    if protocol.METRICS not in content:
+        return
+    metrics = content[protocol.METRICS]
+    lengths = []
+    for key, value in metrics.items():
+        if isinstance(value, list) and len(value) > max_list:
+            raise ReplyError(f"metric '{key}' is a list of {len(value)} values; at most {max_list} are expected")
+        lengths.append(len(value) if isinstance(value, list) else 1)
+    if sum(lengths) > budget.values:
+        lists = sum(1 for v in metrics.values() if isinstance(v, list))
+        raise ReplyError(
+            f"reply carries {sum(lengths):,} metric values ({len(lengths)} metrics, {lists} of them lists); at most "
+            f"{budget.values:,} are expected ({MAX_METRICS} numbers and {METRIC_LISTS} lists of {max_list}): refused "
+            "before any value is read"
+        )
+
+
+def check_bytes(content: Any, budget: ReplyBudget) -> None:
+    """The reply's bytes (:func:`fedapps.wire.protocol.record_nbytes`) within ``budget``: run after the arrays'
+    labels and lengths were checked (each names its own fault) and before any value is read."""
+    if budget.nbytes is None:
+        return
+    nbytes = protocol.record_nbytes(content)
+    if nbytes > budget.nbytes:
+        raise ReplyError(
+            f"reply carries {nbytes:,} bytes; at most {budget.nbytes:,} are expected for what its message asked "
+            "(the arrays and predictions asked for, metrics and info at their limits): refused before any value is "
+            "read"
+        )
+
+
 # --------------------------------------------------------------------------- checks of one reply
 
 
@@ -285,8 +376,38 @@ def check_metrics(metrics: Mapping[str, Any], max_list: int = LIST_UNKNOWN) -> N
                 raise ReplyError(f"metric '{key}' = {_short(value)} is outside [{low:g}, {high:g}]")
 
 
-def check_evaluations(metrics: Mapping[str, Any], expected: Iterable[str], test_size: int | None) -> None:
-    """The evaluations asked for are complete and plausible; no other evaluation is reported."""
+def max_eval_count(train: int, share: float) -> int:
+    """The most evaluation samples a node can hold beside ``train`` training samples under the data spec's split
+    (:func:`fedapps.data.federation.split_node`): its evaluation split takes ``round(share · N)`` of its N samples
+    (``share``: data.test_fraction, or data.validation_fraction of the train split under evaluate_on: validation),
+    the training split the rest, so E = round(share · (train + E)) <= share · (train + E) + 1/2, i.e.
+    E <= (share · train + 1/2) / (1 − share). (A tiny node that keeps one training sample holds fewer.)"""
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"evaluation share {share} must be in [0, 1)")
+    return int(math.floor((share * max(0, int(train)) + 0.5) / (1.0 - share) + 1e-9))
+
+
+def evaluation_share(data_cfg: Any) -> float:
+    """The share of a node's data its evaluation split takes (:func:`max_eval_count`): ``data.test_fraction``, or
+    ``data.validation_fraction`` under ``data.evaluate_on: validation``."""
+    if getattr(data_cfg, "evaluate_on", "test") == "validation":
+        return float(data_cfg.validation_fraction)
+    return float(data_cfg.test_fraction)
+
+
+def check_evaluations(
+    metrics: Mapping[str, Any],
+    expected: Iterable[str],
+    test_size: int | None,
+    bound: int | None = None,
+    cap: int | None = None,
+    client: int | None = None,
+) -> None:
+    """The evaluations asked for are complete and plausible; no other evaluation is reported. ``test_size``: the
+    client's evaluation-split size the server knows (simulation), an upper bound of every ``<tag>-n``; ``bound``: the
+    size bound in deployment (described, or first reported), which every ``<tag>-n`` must equal; ``cap``: the most
+    the split rules allow a client not yet bound (:func:`max_eval_count`), an upper bound. ``client``: for the
+    messages."""
     expected = list(expected)
     present = {k.rsplit("-", 1)[0] for k in metrics if k.endswith(("-acc", "-n", "-correct"))}
     extra = sorted(present - set(expected))
@@ -311,6 +432,16 @@ def check_evaluations(metrics: Mapping[str, Any], expected: Iterable[str], test_
             raise ReplyError(f"counts '{names['correct']}' = {correct}, '{names['n']}' = {n}: need 0 <= correct <= n")
         if test_size is not None and n > test_size:
             raise ReplyError(f"metric '{names['n']}' = {n} exceeds the client's test-set size {test_size}")
+        if bound is not None and n != bound:
+            raise ReplyError(
+                f"metric '{names['n']}' = {n} differs from the {bound} evaluation samples client {client} is bound "
+                "to (described before round 1, or first reported): every evaluation reads the same split"
+            )
+        if cap is not None and n > cap:
+            raise ReplyError(
+                f"metric '{names['n']}' = {n} exceeds the {cap} evaluation samples the data split allows client "
+                f"{client} beside its bound num-examples"
+            )
         if n > 0 and abs(acc - correct / n) > ACC_TOLERANCE:
             raise ReplyError(f"metric '{names['acc']}' = {acc} disagrees with correct/n = {correct}/{n}")
 
@@ -332,14 +463,32 @@ def _shape_text(expected: tuple[int | None, ...]) -> str:
     return "(" + ", ".join("any" if e is None else str(e) for e in expected) + ("," if len(expected) == 1 else "") + ")"
 
 
-def wire_array(
+@dataclass(frozen=True)
+class WireArray:
+    """A received array whose label, byte length and .npy header were checked (:func:`wire_label`); its values are
+    read by :meth:`decode`."""
+
+    data: bytes
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    def decode(self) -> np.ndarray:
+        """The values, read with the checked dtype (no pickle, no conversion), as a writable copy."""
+        count = math.prod(self.shape)
+        flat = (
+            np.frombuffer(self.data, self.dtype, count=count, offset=self.offset) if count else np.empty(0, self.dtype)
+        )
+        return flat.reshape(self.shape).copy()
+
+
+def wire_label(
     value: Any, name: str, what: str, shape: tuple[int | None, ...], dtypes: Iterable[np.dtype]
-) -> np.ndarray:
-    """One received array, checked as it travels and only then decoded: a Flower ``Array`` of stype
-    ``numpy.ndarray`` labelled with one of ``dtypes`` (exactly: width and byte order) and ``shape`` (None: any
-    length on that axis), whose byte length is that of such an array plus an .npy header; then the header
-    itself must say the same dtype and shape (C order). The body is read with that dtype (no pickle, no
-    conversion). ReplyError, naming ``what`` and ``name``, otherwise."""
+) -> WireArray:
+    """One received array, checked as it travels, no value read: a Flower ``Array`` of stype ``numpy.ndarray``
+    labelled with one of ``dtypes`` (exactly: width and byte order) and ``shape`` (None: any length on that axis),
+    whose byte length is that of such an array plus an .npy header; then the header itself must say the same dtype
+    and shape (C order). ReplyError, naming ``what`` and ``name``, otherwise."""
     allowed = [np.dtype(d) for d in dtypes]
     if not isinstance(value, Array):
         raise ReplyError(f"{what} '{name}' is not an Array ({type(value).__name__})")
@@ -372,9 +521,14 @@ def wire_array(
             f"shape {_short(head_shape, 60)}{' (Fortran order)' if fortran else ''} in {len(data)} bytes, "
             f"labelled {dtype} {labelled}"
         )
-    count = math.prod(labelled)
-    flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset) if count else np.empty(0, dtype)
-    return flat.reshape(labelled).copy()
+    return WireArray(bytes(data), dtype, labelled, offset)
+
+
+def wire_array(
+    value: Any, name: str, what: str, shape: tuple[int | None, ...], dtypes: Iterable[np.dtype]
+) -> np.ndarray:
+    """One received array checked as it travels (:func:`wire_label`), then decoded."""
+    return wire_label(value, name, what, shape, dtypes).decode()
 
 
 def array_dtypes(spec: ArraySpec, transport: str) -> list[np.dtype]:
@@ -408,14 +562,25 @@ def _record_names(record: Any, what: str, expected: Iterable[str]) -> list[str]:
     return expected
 
 
-def read_arrays(record: Any, expected: Mapping[str, ArraySpec], transport: str = "float32") -> dict[str, np.ndarray]:
-    """The model arrays of a reply: names, then each array's wire type (:func:`wire_array`), then the values cast
-    to the model's dtype (float16 up) and checked finite in it."""
+def label_arrays(
+    record: Any, expected: Mapping[str, ArraySpec], transport: str = "float32"
+) -> dict[str, tuple[WireArray, ArraySpec]]:
+    """The model arrays of a reply checked as they travel, no value read: names, then each array's wire type
+    (:func:`wire_label`)."""
+    return {
+        k: (
+            wire_label(record[k], k, "array", tuple(expected[k].shape), array_dtypes(expected[k], transport)),
+            expected[k],
+        )
+        for k in _record_names(record, protocol.ARRAYS, expected)
+    }
+
+
+def decode_arrays(labelled: Mapping[str, tuple[WireArray, ArraySpec]]) -> dict[str, np.ndarray]:
+    """Arrays checked by :func:`label_arrays`, decoded, cast to the model's dtype (float16 up) and checked finite."""
     out: dict[str, np.ndarray] = {}
-    for k in _record_names(record, protocol.ARRAYS, expected):
-        spec = expected[k]
-        a = wire_array(record[k], k, "array", tuple(spec.shape), array_dtypes(spec, transport))
-        a = protocol.from_wire(a, spec.dtype)
+    for k, (wire, spec) in labelled.items():
+        a = protocol.from_wire(wire.decode(), spec.dtype)
         if a.dtype != spec.dtype:
             raise ReplyError(f"array '{k}' has dtype {a.dtype} after decoding, expected {spec.dtype}")
         if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
@@ -424,16 +589,33 @@ def read_arrays(record: Any, expected: Mapping[str, ArraySpec], transport: str =
     return out
 
 
-def read_predictions(record: Any, spec: PredictionSpec) -> np.ndarray:
-    """The predictions of a reply: the one array 'predictions', its wire type, then its values."""
+def read_arrays(record: Any, expected: Mapping[str, ArraySpec], transport: str = "float32") -> dict[str, np.ndarray]:
+    """The model arrays of a reply: names, then each array's wire type (:func:`wire_label`), then the values cast
+    to the model's dtype (float16 up) and checked finite in it."""
+    return decode_arrays(label_arrays(record, expected, transport))
+
+
+def label_predictions(record: Any, spec: PredictionSpec) -> WireArray:
+    """The predictions of a reply checked as they travel, no value read: the one array 'predictions', its wire
+    type."""
     _record_names(record, protocol.PREDICTIONS, [protocol.PREDICTION_ARRAY])
     shape: tuple[int | None, ...] = (spec.rows,) if spec.encoding == "hard" else (spec.rows, spec.classes)
     name = protocol.PREDICTION_ARRAY
-    wire = wire_array(record[name], name, "prediction", shape, [prediction_dtype(spec)])
-    problem = prediction_problem(wire, spec)
+    return wire_label(record[name], name, "prediction", shape, [prediction_dtype(spec)])
+
+
+def decode_predictions(wire: WireArray, spec: PredictionSpec) -> np.ndarray:
+    """Predictions checked by :func:`label_predictions`, decoded and held to :func:`prediction_problem`."""
+    values = wire.decode()
+    problem = prediction_problem(values, spec)
     if problem:
         raise ReplyError(f"predictions unusable: {problem}")
-    return wire
+    return values
+
+
+def read_predictions(record: Any, spec: PredictionSpec) -> np.ndarray:
+    """The predictions of a reply: the one array 'predictions', its wire type, then its values."""
+    return decode_predictions(label_predictions(record, spec), spec)
 
 
 def check_info(info: Mapping[str, Any]) -> None:
@@ -507,7 +689,11 @@ class ReplyValidator:
     """Checks each reply against the expectation recorded when its message was built; binds identities.
 
     ``train_sizes`` / ``test_sizes`` (per client id) are the bounds of ``num-examples`` / ``<tag>-n`` where the
-    server knows them (simulation); None in deployment (then ``num-examples`` is bound on first report).
+    server knows them (simulation); None in deployment: then ``bound_examples`` / ``bound_tests`` hold each client's
+    ``num-examples`` and evaluation-split size as the describe phase reported them (:func:`fedapps.flower.describe.
+    bind_accepted`) or, for a client never described, as its first accepted reply did, and a later reply must
+    repeat them; ``eval_share`` (:func:`evaluation_share`) caps an evaluation size not yet bound by what the split
+    rules give for the bound ``num-examples`` (:func:`max_eval_count`).
     ``model_part(part)`` gives the server's model arrays for 'state' | 'params' | 'body'. ``registry``: the
     operator's cap on each client's ``num-examples`` (deployment with a node registry).
     """
@@ -521,8 +707,10 @@ class ReplyValidator:
         public_size: int | None = None,
         num_classes: int | None = None,
         registry: Any = None,
+        eval_share: float | None = None,
     ) -> None:
         self.num_clients = int(num_clients)
+        self.eval_share = eval_share
         self.registry = registry  # a fedapps.data.nodes.NodeRegistry, or None
         self.train_sizes = None if train_sizes is None else [int(v) for v in train_sizes]
         self.test_sizes = None if test_sizes is None else [int(v) for v in test_sizes]
@@ -540,6 +728,7 @@ class ReplyValidator:
         self.node_client: dict[int, int] = {}  # bound on first accepted reply
         self.client_node: dict[int, int] = {}
         self.bound_examples: dict[int, int] = {}  # deployment: num-examples first reported per client
+        self.bound_tests: dict[int, int] = {}  # deployment: evaluation-split size described (or first reported)
 
     @classmethod
     def from_config(cls, cfg: Any) -> ReplyValidator:
@@ -567,7 +756,9 @@ class ReplyValidator:
             model = build_model(cfg.model.name, num_classes, shape, seed=cfg.seed)
             return {k: v.detach().cpu().numpy() for k, v in state_part(model, part).items()}
 
-        return cls(d.num_clients, train, test, model_part, public_size, num_classes, registry_of(d))
+        return cls(
+            d.num_clients, train, test, model_part, public_size, num_classes, registry_of(d), evaluation_share(d)
+        )
 
     def model_part(self, part: str) -> dict[str, np.ndarray]:
         """The model's arrays of ``part``, built once (only for a validator given ``model_part``)."""
@@ -613,6 +804,25 @@ class ReplyValidator:
             raise ReplyError(f"unexpected record(s) {unknown}")
         if protocol.METRICS not in content or not isinstance(content[protocol.METRICS], MetricRecord):
             raise ReplyError("reply without a 'metrics' record")
+        # the cost first, on counts, lengths and labels alone: nothing is read or decoded before it passes
+        budget = reply_budget(exp, self.max_list)
+        check_cost(content, budget, self.max_list)
+        arrays_in = None
+        if protocol.ARRAYS in content:
+            if exp.arrays is None:
+                raise ReplyError("reply carries model arrays that were not asked for")
+            arrays_in = label_arrays(content[protocol.ARRAYS], exp.arrays, exp.transport)
+        elif exp.arrays is not None:
+            raise ReplyError("reply lacks the model arrays it was asked for")
+        predictions_in = None
+        if protocol.PREDICTIONS in content:
+            if exp.predictions is None:
+                raise ReplyError("reply carries predictions that were not asked for")
+            predictions_in = label_predictions(content[protocol.PREDICTIONS], exp.predictions)
+        elif exp.predictions is not None:
+            raise ReplyError("reply lacks the predictions it was asked for")
+        check_bytes(content, budget)
+        # then the values
         metrics: dict[str, Any] = dict(content.metric_records[protocol.METRICS])
         for key in (protocol.CLIENT_ID, protocol.NUM_EXAMPLES):
             if key not in metrics:
@@ -635,7 +845,10 @@ class ReplyValidator:
             problem = self.registry.problem(cid, n)
             if problem:
                 raise ReplyError(problem)
-        check_evaluations(metrics, exp.eval_tags, None if self.test_sizes is None else self.test_sizes[cid])
+        if self.test_sizes is not None:
+            check_evaluations(metrics, exp.eval_tags, self.test_sizes[cid])
+        else:
+            self.check_deployed_evaluations(metrics, exp.eval_tags, cid, n)
         info: dict[str, Any] = {}
         if protocol.INFO in content:
             if not isinstance(content[protocol.INFO], ConfigRecord):
@@ -647,20 +860,10 @@ class ReplyValidator:
             raise ReplyError(
                 f"public set mismatch: the reply's U has fingerprint {fingerprint!r}, the server's {exp.fingerprint!r}"
             )
-        arrays = None
-        if protocol.ARRAYS in content:
-            if exp.arrays is None:
-                raise ReplyError("reply carries model arrays that were not asked for")
-            arrays = read_arrays(content[protocol.ARRAYS], exp.arrays, exp.transport)
-        elif exp.arrays is not None:
-            raise ReplyError("reply lacks the model arrays it was asked for")
+        arrays = None if arrays_in is None else decode_arrays(arrays_in)
         predictions = None
-        if protocol.PREDICTIONS in content:
-            if exp.predictions is None:
-                raise ReplyError("reply carries predictions that were not asked for")
-            predictions = {protocol.PREDICTION_ARRAY: read_predictions(content[protocol.PREDICTIONS], exp.predictions)}
-        elif exp.predictions is not None:
-            raise ReplyError("reply lacks the predictions it was asked for")
+        if predictions_in is not None and exp.predictions is not None:
+            predictions = {protocol.PREDICTION_ARRAY: decode_predictions(predictions_in, exp.predictions)}
         return ClientReply(
             node_id=int(msg.metadata.src_node_id),
             client_id=cid,
@@ -672,6 +875,23 @@ class ReplyValidator:
             nbytes=protocol.record_nbytes(content),
             profile=read_profile(content),
         )
+
+    def check_deployed_evaluations(self, metrics: Mapping[str, Any], tags: Iterable[str], cid: int, n: int) -> None:
+        """Deployment (no test sizes known): the evaluations of ``tags`` plausible, each ``<tag>-n`` equal to client
+        ``cid``'s bound evaluation size where one is bound, else to each other and within the split rules' cap for
+        its bound (or this reply's) ``num-examples``."""
+        tags = list(tags)
+        bound = self.bound_tests.get(cid)
+        cap = None
+        if bound is None and self.eval_share is not None:
+            cap = max_eval_count(self.bound_examples.get(cid, n), self.eval_share)
+        check_evaluations(metrics, tags, None, bound=bound, cap=cap, client=cid)
+        sizes = {protocol.metric_name(t, "n"): int(float(metrics[protocol.metric_name(t, "n")])) for t in tags}
+        if len(set(sizes.values())) > 1:
+            raise ReplyError(
+                f"evaluations of one reply count different samples ({_short(sizes, 120)}): every evaluation reads "
+                "the same split"
+            )
 
     # ------------------------------------------------------------------ a batch
     def check(self, server_round: int, replies: Iterable[Message], phase: str | None = None) -> Outcome:
@@ -731,6 +951,12 @@ class ReplyValidator:
                 self.client_node[r.client_id] = r.node_id
                 if self.train_sizes is None:
                     self.bound_examples.setdefault(r.client_id, r.num_examples)
+                if self.test_sizes is None:  # a client never described: its first evaluation size binds
+                    expected = self.expected.get(ph, {}).get(r.node_id)
+                    tags = expected.eval_tags if expected is not None else ()
+                    if tags:
+                        first = protocol.metric_name(tags[0], "n")
+                        self.bound_tests.setdefault(r.client_id, int(float(r.metrics[first])))
                 out.accepted.append(r)
         for ph in phases or {phase or protocol.MESSAGE_TYPE}:
             asked = self.expected.get(ph, {})
