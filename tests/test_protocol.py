@@ -85,7 +85,7 @@ SMALL = {
     "ifca": ["clusters=2"],
     "cfl": ["warmup_rounds=1"],
     "fedfomo": ["candidates=1"],
-    "fedamp": ["lam=0.01"],  # fedamp: λ/α_K = 1 (lr·λ/α_K < 2)
+    "fedamp": ["lam=0.01"],  # fedamp: λ/α_K = 1 (lr·λ/α_K < 1)
     "fednh": ["finetune_epochs=2"],
     "fedselect": ["grow_every=1"],
 }
@@ -116,14 +116,23 @@ def _evaluate(state, data, arch="mlp"):
 
 
 def _fedbabu(s, grid, cid, data, rnd, arch="mlp", state=None):
-    """Round rnd's body under the client's frozen head, the head fine-tuned on its train split as the client does in
-    round rnd+1's message (same settings, same seeded batch order), evaluated. FedNH: round rnd's global model
-    (cosine head: prototypes and scale fine-tuned)."""
+    """Round rnd's body under the client's frozen head, fine-tuned on its train split as the client does in round
+    rnd+1's message (same settings, same seeded batch order), evaluated: FedBABU's whole model (finetune_part: full,
+    its own SGD lr and momentum) or its head alone (head). FedNH: round rnd's global model (cosine head: prototypes
+    and scale fine-tuned, body frozen, the client's optimiser)."""
     model = build_model(arch, CLASSES, SHAPE)
     model.load_state_dict(state if state is not None else {**_private(grid, cid), **_tensors(s.body)})
-    settings = optim_settings(protocol.Section(epochs=s.params.finetune_epochs), dataclasses.asdict(s.cfg.client))
+    p = s.params
+    if s.name == "fedbabu":
+        section = protocol.Section(
+            epochs=p.finetune_epochs, lr=p.finetune_lr, momentum=p.finetune_momentum, optimizer="sgd"
+        )
+        keep = "none" if p.finetune_part == "full" else "body"
+    else:
+        section, keep = protocol.Section(epochs=p.finetune_epochs), "body"
+    settings = optim_settings(section, dataclasses.asdict(s.cfg.client))
     gen = torch.Generator().manual_seed(derive_seed(s.cfg.seed, "client-batches", rnd + 1, cid))
-    with ops.frozen(model, part_names(model, "body")):
+    with ops.frozen(model, part_names(model, keep)):
         ops.train(model, data.train_x, data.train_y, settings, None, gen)
     return ops.evaluate(model, data.test_x, data.test_y)
 
