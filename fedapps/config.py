@@ -9,6 +9,7 @@ the registry in ``strategies`` resolves ``strategy.name`` and checks the params 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import importlib.util
@@ -301,6 +302,11 @@ class ExperimentConfig:
     run_name: str = setting("", "results go to <output_dir>/<run_name>/; '': <strategy>-<source>-<partition>-s<seed>")
     seed: int = setting(0, "seed of model initialisation, client sampling and local shuffling")
     rounds: int = setting(20, "federated rounds")
+    evaluate_every: int = setting(
+        1,
+        "measure the deployed models and the models after local training in rounds k, 2k, ... and always after "
+        "the last round (1: every round); unmeasured rounds have empty accuracy cells",
+    )
     output_dir: str = setting("results", "results root (relative paths resolve against the working directory)")
     min_measured_share: float = setting(
         0.5,
@@ -601,6 +607,10 @@ def validate(cfg: ExperimentConfig) -> None:
     ``strategy.params`` (the strategies), the ``data`` section (``fedapps.data.check_spec``, which clients run
     too) and the model names (``fedapps.models.check_model_names``)."""
     _check(cfg.rounds > 0, f"'rounds' must be a positive integer, got {cfg.rounds}")
+    _check(
+        cfg.evaluate_every >= 1,
+        f"'evaluate_every' must be a positive integer (1: every round), got {cfg.evaluate_every}",
+    )
     _check(cfg.seed >= 0, f"'seed' must be >= 0, got {cfg.seed}")
     _check(bool(cfg.output_dir), "'output_dir' must not be empty")
     check_run_name(cfg.run_name)
@@ -842,6 +852,36 @@ LATER_KEYS: dict[tuple[str, str], Any] = {
 }
 
 
+# top-level keys added after results were recorded: left out like LATER_KEYS while at these defaults
+LATER_TOP_KEYS: dict[str, Any] = {"evaluate_every": 1}
+# keys that moved to another place after results were recorded: (old dotted path, new top-level key). A dump made
+# before the move is read as if it held the new key (resuming compares like with like); the hash writes the value
+# back at its old place wherever that section exists, so that runs recorded before the move keep their hash.
+MOVED_KEYS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("strategy", "params", "cosmos", "eval_every"), "evaluate_every"),  # COSMOS's own before it served every strategy
+)
+
+
+def _section(data: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any] | None:
+    """The nested dict at ``path`` in a dump, or None."""
+    node: Any = data
+    for key in path:
+        node = node.get(key) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else None
+
+
+def with_moved_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """A dump (nested dict) with every :data:`MOVED_KEYS` value found at its old place moved to its new key (a copy;
+    a dump that holds the new key keeps it)."""
+    out = copy.deepcopy(data)
+    for (*parent, old), new in MOVED_KEYS:
+        section = _section(out, tuple(parent))
+        if section is not None and old in section:
+            value = section.pop(old)
+            out.setdefault(new, value)
+    return out
+
+
 # whole sections added after results were recorded: left out, like LATER_KEYS, while every key holds its default
 LATER_SECTIONS: dict[str, Any] = {"privacy": dataclasses.asdict(PrivacyConfig())}
 
@@ -849,7 +889,10 @@ LATER_SECTIONS: dict[str, Any] = {"privacy": dataclasses.asdict(PrivacyConfig())
 def without_later_defaults(data: dict[str, Any]) -> dict[str, Any]:
     """A dumped config (nested dict) without the :data:`LATER_KEYS` that hold their default and the
     :data:`LATER_SECTIONS` that hold theirs (a copy)."""
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    out = with_moved_keys(data)
+    for key, default in LATER_TOP_KEYS.items():
+        if key in out and out[key] == default:
+            del out[key]
     for section, default in LATER_SECTIONS.items():  # first: a later key of such a section is in its default
         # a section dumped before one of its keys existed lacks it: a missing key held its (later) default
         if isinstance(out.get(section), dict) and {**default, **out[section]} == default:
@@ -866,6 +909,10 @@ def config_hash(cfg: ExperimentConfig) -> str:
     compute the same thing. Pass the RESOLVED config (``strategies.resolve(cfg).config(cfg)``, what config.yaml holds)
     so that filled-in defaults count."""
     data = {k: v for k, v in without_later_defaults(cfg.to_dict()).items() if k not in HASH_EXCLUDED}
+    for (*parent, old), new in MOVED_KEYS:  # written back where it was before it moved (see MOVED_KEYS)
+        section = _section(data, tuple(parent))
+        if section is not None:
+            section[old] = data.pop(new, LATER_TOP_KEYS.get(new))
     data["data"] = {k: v for k, v in data["data"].items() if k != "root"}  # where the files are, not what is computed
     text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -55,6 +55,8 @@ SCOPE: dict[str, list[str]] = {
         "median_nonzero",
         "relative_attention_weights",
         "proximal_mu",
+        "step_product",
+        "largest_passing_lam",
         "flatten",
         "unflatten",
     ],

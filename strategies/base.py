@@ -33,6 +33,7 @@ from fedapps.models import ModelError, check_user_model
 from fedapps.params import parse_params
 from fedapps.reporting.results import Artifact
 from fedapps.server.client_privacy import CLIENT_MODE, ClientLevelDP, gaussian_epsilon
+from fedapps.server.evaluation import measured_round
 from fedapps.server.replies import ReplyChecks
 from fedapps.server.robust import AggregationRule
 from fedapps.server.rounds import RoundHistory, RoundLog
@@ -147,6 +148,9 @@ class PersonalisedStrategy:
     # what the algorithm does with the model's classifier head (its final nn.Linear, one output per class), said
     # when a user's own model (model.name package.module:factory) has none; '' when it needs none
     needs_classifier: ClassVar[str] = ""
+    # parameters that became settings elsewhere: old name -> new key (``strategy.params.<name>.<old>`` is refused
+    # with a message pointing at the new key)
+    moved_params: ClassVar[dict[str, str]] = {}
     deployed: ClassVar[DeployedModel]  # what client i's deployed model after round r is (every strategy says)
     robust_aggregation: ClassVar[bool] = False  # averages with average_matching: strategy.aggregation applies
     # why DP-SGD on the clients' training (privacy.mode: sample) cannot bound what this algorithm's clients send:
@@ -172,6 +176,13 @@ class PersonalisedStrategy:
         """Typed params from ``strategy.params.<name>`` (no section: all defaults), each declared rule checked."""
         key = f"strategy.params.{cls.name}"
         section = cfg.strategy.params.get(cls.name)
+        for old, new in cls.moved_params.items():
+            if isinstance(section, Mapping) and old in section:
+                raise ConfigError(
+                    f"'{key}.{old}' is now the top-level key '{new}' (one setting for every strategy): remove "
+                    f"'{key}.{old}' and write '{new}: {section[old]}' at the top of the config "
+                    f"(or --set {new}={section[old]})"
+                )
         if section and not dataclasses.fields(cls.Params):
             raise ConfigError(
                 f"strategy '{cls.name}' has no parameters; remove '{key}' "
@@ -325,9 +336,9 @@ class PersonalisedStrategy:
         )
 
     def measures_round(self, server_round: int) -> bool:
-        """Whether round ``server_round``'s deployed models are measured (default: every round; the last round
-        always is)."""
-        return True
+        """Whether round ``server_round``'s models (deployed, and after local training) are measured: rounds k, 2k, ...
+        of the top-level ``evaluate_every`` k, and always the last round."""
+        return measured_round(server_round, self.cfg.evaluate_every, self.cfg.rounds)
 
     def note_cohort(self, node_ids: list[int]) -> None:
         """privacy.mode client: the round's cohort as client ids (-1: a node not identified yet), the public count a

@@ -7,7 +7,7 @@ Server: round 1 clusters the clients once (greedy threshold clustering on distan
 round, per cluster, aggregates members' predictions (mean / median / max, temperature T) and fine-tunes
 that cluster's model h_k on U towards them (KL + λ·r_B; never reset), then predicts h_k(U) for the next
 round. The deployed model of client i after round r is h_π(i) after round r's server training (the paper's
-protocol): every ``eval_every`` rounds (and after the last) the base class measures it on the client's split —
+protocol): every ``evaluate_every`` rounds (and after the last) the base class measures it on the client's split —
 round r+1's message carries h_π(i) in its ``eval-arrays`` record, the last round's by an evaluation-only
 message; those bytes are counted apart (eval_bytes_*). The client's own model is the second column.
 Paper: COSMOS, ECML PKDD 2026; where we follow the reference code instead, the parameter comments say so.
@@ -199,9 +199,6 @@ class CosmosParams:
     # wire
     uplink_encoding: str = param("float32", choices=pseudolabels.ENCODINGS, help="client → server predictions")
     downlink_encoding: str = param("float32", choices=pseudolabels.ENCODINGS, help="server → client pseudo-labels")
-    eval_every: int = param(
-        1, gt=0, help="send the cluster models for evaluation every this many rounds (and in the last round)"
-    )
 
 
 def soft_predictions(pred: np.ndarray, num_classes: int) -> np.ndarray:
@@ -220,6 +217,7 @@ class Cosmos(PersonalisedStrategy):
     Params = CosmosParams
     needs_public_set = True
     model_agnostic = True
+    moved_params = {"eval_every": "evaluate_every"}  # one meaning for every strategy, in one place
     deployed = DeployedModel(
         "the cluster model h_π(i) after round r's server training", source="server", evaluate="evaluate-received"
     )
@@ -348,10 +346,6 @@ class Cosmos(PersonalisedStrategy):
             "cosmos round %d: %d messages (%d with cluster pseudo-labels)", server_round, len(messages), with_targets
         )
         return messages
-
-    def measures_round(self, server_round: int) -> bool:
-        """The cluster models are sent for evaluation every ``eval_every`` rounds (the last round always)."""
-        return server_round % self.params.eval_every == 0 or server_round == self.cfg.rounds
 
     def evaluation_models(self, client_ids: list[int | None]) -> list[tuple[str, ArrayRecord] | None]:
         """h_π(i) for each client (one record per cluster, shared); None for a client in no cluster yet."""

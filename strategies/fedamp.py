@@ -15,6 +15,7 @@ with the initial model. The term is FedProx's ``proximal`` training term, (μ/2)
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,22 @@ def proximal_mu(lam: float, alpha_k: float) -> float:
     return lam / alpha_k
 
 
+def step_product(lr: float, lam: float, alpha_k: float) -> float:
+    """lr·λ/α_K: the share of the gap to the anchor one plain SGD step on (λ/(2α_K))‖w − u‖² closes. At 1 a step sets
+    w to u_i minus one CE gradient step (the client keeps nothing of its own model); above, it overshoots."""
+    return lr * proximal_mu(lam, alpha_k)
+
+
+def largest_passing_lam(lr: float, alpha_k: float) -> float:
+    """The largest λ with three significant digits that keeps lr·λ/α_K < 1 (the bound itself, α_K/lr, does not)."""
+    bound = alpha_k / lr
+    step = 10.0 ** (math.floor(math.log10(bound * (1 - 1e-12))) - 2)  # a unit of the 3rd digit of what lies below it
+    lam = float(f"{(math.ceil(round(bound / step, 6)) - 1) * step:.3g}")
+    while step_product(lr, lam, alpha_k) >= 1.0:  # float rounding at the boundary: one unit lower
+        lam = float(f"{lam - step:.3g}")
+    return lam
+
+
 def flatten(arrays: dict[str, np.ndarray], keys: list[str]) -> np.ndarray:
     """One parameter vector (float32) in a fixed key order."""
     return np.concatenate([arrays[k].reshape(-1).astype(np.float32) for k in keys])
@@ -107,7 +124,12 @@ class FedAMPParams:
     sigma: float = param(
         0.2, gt=0, help="σ, the scale of the squared model distance in the attention kernel (used when kappa = 0)"
     )
-    lam: float = param(1.0, ge=0, help="λ: the client's proximal term is (λ/(2α_K))‖w − u_i‖² (μ = λ/α_K on the wire)")
+    lam: float = param(
+        1.0,
+        ge=0,
+        help="λ: the client's proximal term is (λ/(2α_K))‖w − u_i‖² (μ = λ/α_K on the wire); with SGD "
+        "client.lr·λ/α_K must stay < 1",
+    )
     kappa: float = param(
         0.0,
         ge=0,
@@ -136,13 +158,14 @@ class FedAMP(PersonalisedStrategy):
                 f"Lower 'strategy.params.fedamp.alpha_k' to at most {p.sigma / max(cfg.data.num_clients - 1, 1):.3g} "
                 "or raise 'strategy.params.fedamp.sigma'"
             )
-        mu = proximal_mu(p.lam, p.alpha_k)
-        limit = 2.0 * (1.0 + cfg.client.momentum)  # SGD on (μ/2)‖w − u‖² diverges once lr·μ exceeds it
-        if cfg.client.optimizer == "sgd" and cfg.client.lr * mu >= limit:
+        product = step_product(cfg.client.lr, p.lam, p.alpha_k)
+        if cfg.client.optimizer == "sgd" and product >= 1.0:
             raise ConfigError(
-                f"FedAMP's proximal weight λ/α_K = {mu:.3g} with client.lr = {cfg.client.lr:g} gives lr·λ/α_K = "
-                f"{cfg.client.lr * mu:.3g} >= {limit:.3g}: plain SGD on the proximal term diverges. Lower "
-                "'strategy.params.fedamp.lam' or 'client.lr', or raise 'strategy.params.fedamp.alpha_k'"
+                f"'strategy.params.fedamp.lam' = {p.lam:g} with client.lr = {cfg.client.lr:g} and "
+                f"alpha_k = {p.alpha_k:g} gives lr·λ/α_K = {product:.3g} >= 1: each SGD step moves the client's model "
+                "all the way to its anchor u_i (or past it), so the client keeps nothing of its own. The largest λ "
+                f"that passes at this lr and α_K is {largest_passing_lam(cfg.client.lr, p.alpha_k):g} "
+                "(set 'strategy.params.fedamp.lam', or lower 'client.lr', or raise 'strategy.params.fedamp.alpha_k')"
             )
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
@@ -154,6 +177,16 @@ class FedAMP(PersonalisedStrategy):
         self._last_self_weight: float | None = None  # diagnostics of the last anchors: mean ξ_ii of the sampled
         self._last_median_d2: float | None = None  # clients, median non-zero ‖w_i − w_j‖² (what σ is compared with)
         self._last_sigma: float | None = None  # and the σ used
+        p = self.params
+        log.info(
+            "FedAMP: proximal weight λ/α_K = %g, lr·λ/α_K = %.3g per SGD step (refused at >= 1)%s",
+            proximal_mu(p.lam, p.alpha_k),
+            step_product(cfg.client.lr, p.lam, p.alpha_k),
+            "; with kappa > 0 the attention step follows σ each round, the proximal weight keeps the configured "
+            "alpha_k, so this product is every round's"
+            if p.kappa > 0
+            else "",
+        )
 
     def anchors(self, clients: list[int]) -> dict[int, np.ndarray]:
         """u_i for the given clients over every client known (and the given ones, at their current models)."""

@@ -546,3 +546,17 @@ def test_a_warning_the_command_printed_is_not_shown_again_from_the_run():
     assert f.show(f"ERROR fedapps: {message}\n")  # another level is another line
     assert f.show("WARNING fedapps: something else\n")
     assert f.repeats == 3
+
+
+def test_fedamp_step_that_erases_the_client_exits_2_naming_the_largest_lambda_that_runs(tmp_path, capsys):
+    """The issue's command: lr·λ/α_K = 0.05·0.2/0.01 = 1 exits 2 before round 1, naming the key, the product and the
+    largest λ that passes; that λ runs (one round, in process)."""
+    base = ["run", str(ROOT / "configs" / "default.yaml"), "--engine", "inprocess", "--output-dir", str(tmp_path)]
+    fedamp = ["strategy.name=fedamp", "client.lr=0.05", "strategy.params.fedamp.alpha_k=0.01", "rounds=1"]
+    assert cli.main([*base, "--set", *fedamp, "strategy.params.fedamp.lam=0.2"]) == 2
+    err = capsys.readouterr().err
+    found = re.search(r"'strategy\.params\.fedamp\.lam'.*lr·λ/α_K = 1 .*largest λ that passes[^0-9]*([0-9.]+)", err)
+    assert found, err
+    assert not list(tmp_path.iterdir())  # refused before anything ran
+    assert cli.main([*base, "--set", *fedamp, f"strategy.params.fedamp.lam={found.group(1)}"]) == 0
+    assert (tmp_path / "fedamp-mnist5k-pathological-s0" / "summary.json").is_file()

@@ -113,7 +113,7 @@ def test_every_strategy_state_round_trips(tiny_config):
             sections["strategy"]["params"] = {
                 "cosmos": {"server_model": "mlp", "pretrain_epochs": 1, "server_epochs": 1, "distill_epochs": 1}
             }
-        if name == "fedamp":  # λ/α_K = 1: lr·λ/α_K must stay below 2 at the tiny config's lr 0.05 (FedAMP.check)
+        if name == "fedamp":  # λ/α_K = 1: lr·λ/α_K = 0.05 at the tiny config's lr 0.05, below FedAMP.check's limit of 1
             sections["strategy"]["params"] = {"fedamp": {"lam": 0.01}}
         cfg = load_config(tiny_config(**sections))
         resolved = resolve(cfg)

@@ -41,7 +41,7 @@ SHRINK = {
     "fednh": ["finetune_epochs=1"],
     "ifca": ["clusters=2"],
     "cfl": ["warmup_rounds=0"],
-    "fedamp": ["lam=0.01"],  # λ/α_K = 1: lr·λ/α_K must stay below 2 at this file's lr 0.05 (FedAMP.check)
+    "fedamp": ["lam=0.01"],  # λ/α_K = 1: lr·λ/α_K = 0.05 at this file's lr 0.05 (FedAMP.check refuses >= 1)
 }
 # which reply kind each strategy's round messages ask for (a new strategy must be added here)
 ARRAYS = (

@@ -175,13 +175,29 @@ def test_fedamp_client_term_is_lambda_over_two_alpha_k_with_gradient(tiny_config
         np.testing.assert_allclose(p.grad.numpy(), (lam / alpha_k * diff[n]).numpy(), rtol=1e-4, atol=1e-6, err_msg=n)
 
 
-def test_fedamp_refuses_a_proximal_step_that_diverges(tiny_config) -> None:
-    """lr·λ/α_K >= 2 makes plain SGD on the proximal term diverge: a ConfigError names the keys."""
-    bad = tiny_config(strategy={"name": "fedamp", "params": {"fedamp": {"alpha_k": 0.01, "sigma": 1.0, "lam": 4.0}}})
-    with pytest.raises(ConfigError, match=r"strategy\.params\.fedamp\.lam.*client\.lr"):
-        resolve(load_config(bad, ""))  # lr 0.05 · 4 / 0.01 = 20
-    ok = tiny_config(strategy={"name": "fedamp", "params": {"fedamp": {"alpha_k": 0.01, "sigma": 1.0, "lam": 0.1}}})
-    resolve(load_config(ok, ""))  # 0.05 · 0.1 / 0.01 = 0.5
+def test_fedamp_refuses_a_proximal_step_that_erases_the_client(tiny_config) -> None:
+    """lr·λ/α_K >= 1: one SGD step on (λ/(2α_K))‖w − u‖² lands on u_i or past it — refused, naming the key, the product
+    and the largest λ that passes (α_K/lr = 0.2 at lr 0.05, α_K 0.01: 0.199)."""
+    fedamp = lambda lam: {"name": "fedamp", "params": {"fedamp": {"alpha_k": 0.01, "sigma": 1.0, "lam": lam}}}  # noqa: E731
+    for lam in (0.2, 4.0):  # exactly 1, and 20
+        with pytest.raises(
+            ConfigError, match=r"strategy\.params\.fedamp\.lam.*lr·λ/α_K = (1|20) .*passes.* is 0\.199 "
+        ):
+            resolve(load_config(tiny_config(strategy=fedamp(lam)), ""))
+    resolve(load_config(tiny_config(strategy=fedamp(0.199)), ""))  # 0.05 · 0.199 / 0.01 = 0.995
+
+
+@pytest.mark.parametrize(
+    "lr,alpha_k,expected", [(0.05, 0.01, 0.199), (0.01, 0.01, 0.999), (0.03, 0.01, 0.333), (0.05, 0.02, 0.399)]
+)
+def test_largest_passing_lambda(lr, alpha_k, expected) -> None:
+    from strategies.fedamp import largest_passing_lam, step_product
+
+    lam = largest_passing_lam(lr, alpha_k)
+    assert lam == pytest.approx(expected) and step_product(lr, lam, alpha_k) < 1.0
+    assert (
+        step_product(lr, lam + 0.001 * 10 ** math.floor(math.log10(lam) + 1), alpha_k) >= 1.0
+    )  # the next 3-digit λ fails
 
 
 # --------------------------------------------------------------------------- cwFedAvg's defaults

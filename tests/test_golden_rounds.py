@@ -31,9 +31,7 @@ CONFIG = {
 }
 
 # COSMOS's defaults are the paper's (a VGG-16 per cluster, 5 distillation epochs): small and short here
-STRATEGY_PARAMS = {
-    "cosmos": {"server_model": "mlp", "pretrain_epochs": 1, "server_epochs": 1, "distill_epochs": 1, "eval_every": 1}
-}
+STRATEGY_PARAMS = {"cosmos": {"server_model": "mlp", "pretrain_epochs": 1, "server_epochs": 1, "distill_epochs": 1}}
 
 
 def result_columns(header: list[str]) -> list[str]:

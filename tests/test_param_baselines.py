@@ -420,6 +420,28 @@ def test_evaluate_finetuned_trains_a_copy_of_the_head_only() -> None:
     assert metrics["eval-acc"] > metrics["plain-acc"] + 0.2  # a trained head on the random body beats none
 
 
+@pytest.mark.parametrize("part,moved", [("full", {"head", "body"}), ("head", {"head"})])
+def test_fedbabu_finetune_part_decides_what_the_evaluated_copy_changes(tiny_config, monkeypatch, part, moved) -> None:
+    """FedBABU's own finetune.* section (built by the strategy from ``finetune_part``) through the client operation:
+    the copy it evaluates moved in body and head (full) or in the head alone (head); the model itself in neither."""
+    from strategies.fedbabu import FedBABU
+
+    cfg = load_config(tiny_config(strategy={"name": "fedbabu", "params": {"fedbabu": {"finetune_part": part}}}), "")
+    finetune = FedBABU(cfg).client_settings()[FINETUNE]
+    assert (finetune.lr, finetune.momentum, finetune.epochs) == (1e-3, 0.9, 5)  # the authors' evaluation
+    evaluated: list[dict[str, np.ndarray]] = []
+
+    def keep(_self, model, _tag) -> None:
+        evaluated.append({k: v.numpy() for k, v in model.state_dict().items()})
+
+    monkeypatch.setattr(Worker, "evaluate", keep)  # the copy the operation evaluates
+    grid, msg = worker_message(["evaluate-finetuned"], training=protocol.Training(sections={FINETUNE: finetune}))
+    ctx = grid.contexts[100]
+    Worker(msg, ctx).run()
+    assert changed_parts(mlp_state(0), evaluated[0]) == moved
+    assert changed_parts(mlp_state(0), {k: v.numpy() for k, v in ctx.state[STATE_MODEL].items()}) == set()
+
+
 # --------------------------------------------------------------------------- end to end
 
 

@@ -40,7 +40,7 @@ from fedapps.reporting.results import (
 )
 from fedapps.seeds import derive_seed
 from fedapps.server.driver import RoundDriver
-from fedapps.server.evaluation import EvaluationProtocol, with_evaluations
+from fedapps.server.evaluation import EvaluationProtocol, measured_round, with_evaluations
 from fedapps.server.rounds import Measurement, RoundLog
 from fedapps.server.sampling import sample_ids
 from fedapps.wire import protocol
@@ -85,7 +85,7 @@ SMALL = {
     "ifca": ["clusters=2"],
     "cfl": ["warmup_rounds=1"],
     "fedfomo": ["candidates=1"],
-    "fedamp": ["lam=0.01"],  # fedamp: λ/α_K = 1 (lr·λ/α_K < 2)
+    "fedamp": ["lam=0.01"],  # fedamp: λ/α_K = 1 (lr·λ/α_K < 1)
     "fednh": ["finetune_epochs=2"],
     "fedselect": ["grow_every=1"],
 }
@@ -116,14 +116,23 @@ def _evaluate(state, data, arch="mlp"):
 
 
 def _fedbabu(s, grid, cid, data, rnd, arch="mlp", state=None):
-    """Round rnd's body under the client's frozen head, the head fine-tuned on its train split as the client does in
-    round rnd+1's message (same settings, same seeded batch order), evaluated. FedNH: round rnd's global model
-    (cosine head: prototypes and scale fine-tuned)."""
+    """Round rnd's body under the client's frozen head, fine-tuned on its train split as the client does in round
+    rnd+1's message (same settings, same seeded batch order), evaluated: FedBABU's whole model (finetune_part: full,
+    its own SGD lr and momentum) or its head alone (head). FedNH: round rnd's global model (cosine head: prototypes
+    and scale fine-tuned, body frozen, the client's optimiser)."""
     model = build_model(arch, CLASSES, SHAPE)
     model.load_state_dict(state if state is not None else {**_private(grid, cid), **_tensors(s.body)})
-    settings = optim_settings(protocol.Section(epochs=s.params.finetune_epochs), dataclasses.asdict(s.cfg.client))
+    p = s.params
+    if s.name == "fedbabu":
+        section = protocol.Section(
+            epochs=p.finetune_epochs, lr=p.finetune_lr, momentum=p.finetune_momentum, optimizer="sgd"
+        )
+        keep = "none" if p.finetune_part == "full" else "body"
+    else:
+        section, keep = protocol.Section(epochs=p.finetune_epochs), "body"
+    settings = optim_settings(section, dataclasses.asdict(s.cfg.client))
     gen = torch.Generator().manual_seed(derive_seed(s.cfg.seed, "client-batches", rnd + 1, cid))
-    with ops.frozen(model, part_names(model, "body")):
+    with ops.frozen(model, part_names(model, keep)):
         ops.train(model, data.train_x, data.train_y, settings, None, gen)
     return ops.evaluate(model, data.test_x, data.test_y)
 
@@ -234,6 +243,41 @@ def test_evaluations_are_placed_before_training_and_after_it():
     assert with_evaluations(["train"], babu, True) == ["evaluate-finetuned:deployed", "train", "evaluate:after"]
     with pytest.raises(RuntimeError, match="must start with"):
         with_evaluations(["train"], ifca, True)
+
+
+def test_measured_rounds_are_multiples_of_evaluate_every_and_the_last():
+    assert [r for r in range(1, 13) if measured_round(r, 5, 12)] == [5, 10, 12]
+    assert [r for r in range(1, 5) if measured_round(r, 1, 4)] == [1, 2, 3, 4]
+    assert [r for r in range(1, 4) if measured_round(r, 10, 3)] == [3]  # k past the last round: only the last
+    babu = STRATEGIES["fedbabu"].deployed
+    assert with_evaluations(["train"], babu, False, after=False) == ["train"]
+
+
+def test_evaluate_every_runs_both_evaluations_and_the_fine_tuning_only_on_measured_rounds(tiny_config, tmp_path):
+    """FedBABU with evaluate_every 5 over 12 rounds: the fine-tuned deployed model is evaluated on rounds 6 and 11's
+    messages (measuring rounds 5 and 10) and by the evaluation-only message after round 12; the model after local
+    training in rounds 5, 10 and 12 only. Rounds.csv and the summary say the same."""
+    cfg = tiny_config(
+        rounds=12, evaluate_every=5, strategy={"name": "fedbabu", "params": {"fedbabu": {"finetune_epochs": 1}}}
+    )
+    grid = InProcessGrid(4, record=True)
+    summary, run_dir = run_in_process(cfg, tmp_path / "out", grid)
+    finetuned, after = set(), set()
+    for m in grid.sent:
+        request = protocol.request_of(m)
+        if any(op.startswith("evaluate-finetuned") for op in request.ops):
+            finetuned.add((request.round, m.metadata.message_type))
+        if f"evaluate:{protocol.AFTER_TAG}" in request.ops:
+            after.add(request.round)
+    assert finetuned == {(6, "train"), (11, "train"), (13, protocol.EVAL_MESSAGE_TYPE)}
+    assert after == {5, 10, 12}
+    rows = read_csv(run_dir / "rounds.csv")
+    assert [r["round"] for r in rows if r["acc_mean"] is not None] == [5, 10, 12]  # the others empty, never 0
+    assert [r["round"] for r in rows if r["acc_after_training_mean"] is not None] == [5, 10, 12]
+    assert all(r["measured_clients"] is None for r in rows if r["round"] not in (5, 10, 12))
+    assert summary["final_round"] == 12 and summary["rounds"] == 12
+    assert summary["accuracy_mean"] == rows[-1]["acc_mean"]
+    assert summary["accuracy_mean_last5"] == pytest.approx(sum(rows[r - 1]["acc_mean"] for r in (5, 10, 12)) / 3)
 
 
 # --------------------------------------------------------------------------- the numbers, against hand-built replies

@@ -37,7 +37,6 @@ CONFIGS = {
                     "pretrain_epochs": 1,
                     "server_epochs": 1,
                     "distill_epochs": 1,
-                    "eval_every": 1,
                 }
             },
         },
@@ -131,6 +130,36 @@ def test_sigkill_after_round_two_then_resume_equals_uninterrupted(strategy, tmp_
         assert b["cluster_members"] == a["cluster_members"]
     for folder in (full_dir, run_dir):  # a run that ends successfully removes its resume state
         assert not [n for n in ("checkpoint.pt", "client-state", "server-state") if (folder / n).exists()], folder
+
+
+@pytest.mark.heavy
+def test_evaluate_every_resumed_run_measures_the_same_rounds(tmp_path):
+    """evaluate_every 5 over 12 rounds, killed after round 7 (round 5 measured, 6 and 7 not) and resumed: the same
+    rows as the uninterrupted run, the deployed and after-training columns filled in rounds 5, 10 and 12 only."""
+    config = write_config(
+        tmp_path / "cfg.yaml",
+        rounds=12,
+        evaluate_every=5,
+        strategy={"name": "fedbabu", "params": {"fedbabu": {"finetune_epochs": 1}}},
+        data={"partition": "pathological", "classes_per_client": 3},
+    )
+    killing = start(config, tmp_path / "b", kill_after=7)
+    run_here(config, tmp_path / "a")
+    full_dir = next((tmp_path / "a").iterdir())
+    killed = finish(killing)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    run_dir = next((tmp_path / "b").iterdir())
+    assert [r["round"] for r in rows(run_dir) if r["acc_mean"]] == ["5"]
+    resumed = run(config, tmp_path / "b", resume=run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, got = rows(full_dir), rows(run_dir)
+    assert got == expected
+    for column in ("acc_mean", "acc_after_training_mean", "measured_clients"):
+        assert [r["round"] for r in got if r[column]] == ["5", "10", "12"], column
+    a = json.loads((full_dir / "summary.json").read_text())
+    b = json.loads((run_dir / "summary.json").read_text())
+    assert b["final_round"] == a["final_round"] == 12
+    assert {k: v for k, v in b.items() if "accuracy" in k} == {k: v for k, v in a.items() if "accuracy" in k}
 
 
 def test_resume_with_another_config_is_refused_naming_the_key(tmp_path):

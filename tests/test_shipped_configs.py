@@ -95,7 +95,8 @@ def test_every_zoo_model_under_every_parameter_sharing_strategy(model, name, tin
         "synthetic_samples": 40,
     }
     path = tiny_config(rounds=2, data=data, model={"name": model}, client={"epochs": 1, "batch_size": 16, "lr": 0.01})
-    cfg = load_config(path, f"strategy.name={name}")
+    extra = " strategy.params.fedamp.lam=0.5" if name == "fedamp" else ""  # lr·λ/α_K = 0.5 (FedAMP.check: < 1)
+    cfg = load_config(path, f"strategy.name={name}{extra}")
     try:
         resolved = resolve(cfg)
     except ConfigError as exc:  # a strategy whose server cannot hold what this model needs says so, naming

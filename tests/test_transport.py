@@ -261,7 +261,7 @@ def test_float32_keeps_the_config_hash_it_had_before_the_key_existed():
 
 PARAMETER_SHARING = sorted(n for n, c in STRATEGIES.items() if not c.model_agnostic)
 EXTRA = {
-    "fedamp": ["client.lr=0.01"],
+    "fedamp": ["client.lr=0.01", "strategy.params.fedamp.lam=0.5"],  # lr·λ/α_K = 0.5 (< 1: FedAMP.check)
     "fedrep": ["strategy.params.fedrep.head_epochs=1"],
     "fedbabu": ["strategy.params.fedbabu.finetune_epochs=1"],
 }

@@ -11,7 +11,8 @@ clients' models right after their local update) and the DEPLOYED models after ro
 docs/evaluation.md). The deployed models
 are measured one message later (round r+1's, or the evaluation-only message after the last round), so those
 columns stay empty until then and are filled in by :func:`merge_measurement`. The headline of summary.json is
-the deployed models' accuracy after the last measured round.
+the deployed models' accuracy after the last measured round. A round that ``evaluate_every`` leaves unmeasured
+keeps both its deployed and its after-training columns empty (never 0); figures and tables skip it.
 
 Fairness across clients, beside every mean over clients: ``*_worst10`` is the mean accuracy of the worst
 ceil(10 % of n) of the n clients measured (:func:`worst_share_mean`; 3 clients: the worst one), ``*_std`` the
@@ -377,14 +378,16 @@ def after_training_stats(metrics: Iterable[Mapping[str, Any]]) -> dict[str, floa
     """The clients' models right after their local update: ``acc_after_training_mean`` / ``_weighted`` /
     ``_worst10`` / ``_std`` and ``loss_after_training`` (the second column of the protocol)."""
     stats = accuracy_stats(metrics, protocol.AFTER_TAG)
-    names = {
-        "acc_mean": "acc_after_training_mean",
-        "acc_weighted": "acc_after_training_weighted",
-        "acc_worst10": "acc_after_training_worst10",
-        "acc_std": "acc_after_training_std",
-        "loss": "loss_after_training",
-    }
-    return {names[k]: v for k, v in stats.items()}
+    return {AFTER_TRAINING_COLUMNS[k]: v for k, v in stats.items()}
+
+
+AFTER_TRAINING_COLUMNS = {  # accuracy_stats' names -> rounds.csv's after-training columns
+    "acc_mean": "acc_after_training_mean",
+    "acc_weighted": "acc_after_training_weighted",
+    "acc_worst10": "acc_after_training_worst10",
+    "acc_std": "acc_after_training_std",
+    "loss": "loss_after_training",
+}
 
 
 def measured_columns(metrics: Iterable[Mapping[str, Any]], num_clients: int) -> dict[str, Any]:
@@ -453,6 +456,7 @@ def round_row(entry: Any, num_clients: int) -> dict[str, Any]:
     # clients, the replies checked, the aggregation; the rest of wall_seconds is the final evaluation's
     for step, seconds in getattr(entry, "steps", {}).items():
         row[f"round_{step}_seconds"] = round(seconds, 4)
+    row.update(dict.fromkeys(AFTER_TRAINING_COLUMNS.values(), ""))  # empty in a round not measured (evaluate_every)
     row.update(after_training_stats(metrics))
     losses = [float(m["train-loss"]) for m in metrics if "train-loss" in m]
     row["train_loss"] = sum(losses) / len(losses) if losses else ""
@@ -734,6 +738,7 @@ def summarise(cfg: ExperimentConfig, rows: Sequence[Mapping[str, Any]], wall_sec
         "accuracy_after_training_weighted": _number(final.get("acc_after_training_weighted")),
         "accuracy_after_training_worst10": _number(final.get("acc_after_training_worst10")),
         "accuracy_after_training_std": _number(final.get("acc_after_training_std")),
+        # the last 5 MEASURED rounds (with evaluate_every k > 1 they span 5k rounds)
         "accuracy_mean_last5": sum(r["acc_mean"] for r in last) / len(last) if last else None,
         "bytes_up": up,
         "bytes_down": down,

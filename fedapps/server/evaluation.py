@@ -4,7 +4,9 @@ on its evaluation split at the start of round r+1's message, before any training
 by one evaluation-only message to every connected client; the measurement is attributed to round r. Every
 round message also evaluates the client's model right after its local training ("after training", the second
 column). Neither the strategies nor the clients choose when; a strategy only says what its deployed model is
-(``strategies.base.DeployedModel``) and, where it is measured less often, which rounds (``measures_round``)."""
+(``strategies.base.DeployedModel``). Which rounds are measured is the top-level ``evaluate_every`` k
+(:func:`measured_round`: rounds k, 2k, ... and the last); in an unmeasured round neither evaluation runs, and the
+results leave that round's accuracy cells empty."""
 
 from __future__ import annotations
 
@@ -22,6 +24,12 @@ from fedapps.server.sampling import NodeSampler
 from fedapps.server.transport import with_transport
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
+
+
+def measured_round(server_round: int, every: int, last_round: int) -> bool:
+    """Whether round ``server_round``'s models are measured under ``evaluate_every`` = ``every``: rounds every,
+    2·every, ... and always ``last_round``."""
+    return server_round % every == 0 or server_round == last_round
 
 
 class DeployedSpec(Protocol):
@@ -85,6 +93,7 @@ class EvaluationProtocol:
         messages = s.round_messages(server_round, node_ids)
         d = s.deployed
         measure = server_round > 1 and s.measures_round(server_round - 1)
+        after = s.measures_round(server_round)
         models: list[tuple[str, ArrayRecord] | None] = [None] * len(messages)
         if measure and d.source == "server":
             models = s.evaluation_models([self.nodes.node_to_client.get(int(m.metadata.dst_node_id)) for m in messages])
@@ -92,7 +101,7 @@ class EvaluationProtocol:
         for msg, model in zip(messages, models):
             request = requests.of(msg)
             ops = with_evaluations(
-                list(request.ops), d, measure and (d.source != "server" or model is not None), s.name
+                list(request.ops), d, measure and (d.source != "server" or model is not None), s.name, after
             )
             evaluation = protocol.Evaluation(model[0]) if model is not None else request.evaluation
             protocol.with_request(msg, requests.replaced(request, ops=tuple(ops), evaluation=evaluation))
@@ -174,14 +183,17 @@ class EvaluationProtocol:
         entry.measurements.append(Measurement(rnd, parsed, final=True))
 
 
-def with_evaluations(ops: list[str], deployed: DeployedSpec, measure: bool, strategy: str = "") -> list[str]:
+def with_evaluations(
+    ops: list[str], deployed: DeployedSpec, measure: bool, strategy: str = "", after: bool = True
+) -> list[str]:
     """A round message's operations with the protocol's evaluations: ``deployed.prepare``, then (``measure``)
-    the deployed model's evaluation (and its companions'), then the strategy's other operations, then the
-    after-training evaluation."""
+    the deployed model's evaluation (and its companions'), then the strategy's other operations, then (``after``:
+    the round is measured) the after-training evaluation."""
     k = len(deployed.prepare)
     if tuple(ops[:k]) != deployed.prepare:
         raise RuntimeError(
             f"strategy '{strategy}': round operations {ops} must start with its deployed model's "
             f"preparation {list(deployed.prepare)}"
         )
-    return [*ops[:k], *(deployed.ops if measure else []), *ops[k:], f"evaluate:{protocol.AFTER_TAG}"]
+    after_ops = [f"evaluate:{protocol.AFTER_TAG}"] if after else []
+    return [*ops[:k], *(deployed.ops if measure else []), *ops[k:], *after_ops]
