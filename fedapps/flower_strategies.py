@@ -8,10 +8,14 @@ The top layer of ``fedapps``, beside the tools: the one module of the package th
 from fedapps.server.dropin import PersonalisedFlowerStrategy
 from strategies.cwfedavg import CLASS_COUNTS, wdr_penalty
 from strategies.cwfedavg import FlowerCwFedAvg as CwFedAvg
+from strategies.fedper import FlowerFedPer as FedPer
+from strategies.local import FlowerLocal as Local
 
 __all__ = [
     "CLASS_COUNTS",
     "CwFedAvg",
+    "FedPer",
+    "Local",
     "PersonalisedFlowerStrategy",
     "wdr_penalty",
 ]

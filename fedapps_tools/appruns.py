@@ -1,5 +1,5 @@
 """Run any Flower app folder through `flwr run` (Ray simulation) on a SuperLink of its own, offline, to its final
-status: the drop-in strategies' examples and tests (examples/, tests/apps/) and bench/dropin_pathological.py.
+status: the drop-in strategies' examples and tests (examples/, tests/apps/) and scripts/dropin_pathological.py.
 
 The SuperLink is :class:`fedapps_tools.cli.OwnSuperLink` (free port, its own FLWR_HOME, every process it starts
 stopped with it); the environment is this process's, with the offline settings (:func:`fedapps_tools.flwrcli.
@@ -53,7 +53,7 @@ def run_app(app_dir: Path, run_config: str = "", num_supernodes: int = 2, timeou
             if time.monotonic() > deadline:
                 raise RunFailed(f"`flwr run {app_dir}` still {status} after {timeout:.0f} s")
             link.note_children()
-            time.sleep(1.0)
+            time.sleep(3.0)
             status = run_status(run_id, link.env)
         log = subprocess.run(
             ["flwr", "log", run_id, CONNECTION, "--show"],

@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Message
+from flwr.app import ArrayRecord, Message
 from torch import Tensor, nn
 
 from fedapps import checkpoint
@@ -76,7 +76,14 @@ from fedapps.data import get_federation, spec_info
 from fedapps.models import build_model, classifier_name, top_level_children
 from fedapps.params import lower, param
 from fedapps.reporting.results import Artifact
-from fedapps.server.dropin import PersonalisedFlowerStrategy, only_arrays, only_metrics
+from fedapps.server.dropin import (
+    PersonalisedFlowerStrategy,
+    array_record,
+    numpy_arrays,
+    only_arrays,
+    only_metrics,
+    output_layer,
+)
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies.aggregation import clip_replies_to_median
@@ -794,19 +801,6 @@ def _true_distributions(cfg: ExperimentConfig) -> np.ndarray | None:
 DROPIN_ESTIMATORS = ("bias", "norm")  # without class counts from a client, what p̂ is read from
 
 
-def classifier_from_arrays(arrays: Mapping[str, np.ndarray]) -> str:
-    """The output layer as the app finds it (the last ``nn.Linear`` registered: :func:`fedapps.models.classifier_name`)
-    when only the arrays are known: the module of the last 2-D ``<module>.weight`` in the arrays' order (a state dict
-    lists modules in registration order)."""
-    heads = [k.rsplit(".", 1)[0] for k, v in arrays.items() if k.endswith(".weight") and np.ndim(v) == 2]
-    if not heads:
-        raise ValueError(
-            "cwFedAvg: no 2-D '<module>.weight' array among the arrays to take as the output layer; name it with "
-            "CwFedAvg(classifier='fc') or pass the model (CwFedAvg(model=Net()))"
-        )
-    return heads[-1]
-
-
 class FlowerCwFedAvg(PersonalisedFlowerStrategy):
     """cwFedAvg as a drop-in Flower strategy (``fedapps.flower_strategies.CwFedAvg``): each node is sent its
     personalised model ``Σ_l A_il w_l`` with ``A = P Qᵀ``, formed by the functions the app's :class:`CwFedAvg` uses
@@ -839,7 +833,7 @@ class FlowerCwFedAvg(PersonalisedFlowerStrategy):
         if model is None and layers not in ("output", "all"):
             raise ValueError(f"cwFedAvg: layers {layers!r} counts the model's children; pass model=... with it")
         self.estimator, self.mix = estimator, mix
-        self.head = classifier if classifier is not None else (classifier_name(model) if model is not None else None)
+        self.classifier, self.model = classifier, model
         self.layers = layers
         self.model_classwise = classwise_keys(model, layers) if model is not None else None
         self.keys: list[str] = []  # set from the first arrays (the initial model): what every node is sent
@@ -850,17 +844,11 @@ class FlowerCwFedAvg(PersonalisedFlowerStrategy):
 
     def _setup(self, arrays: ArrayRecord) -> None:
         """The layout, from the first arrays Flower's loop passes (the initial model)."""
-        initial = {k: np.asarray(v.numpy()) for k, v in arrays.items()}
+        initial = numpy_arrays(arrays)
         self.keys = list(initial)
         self.initial = initial
-        if self.head is None:
-            self.head = classifier_from_arrays(initial)
+        self.head = output_layer(self.classifier, self.model, initial)
         self.head_w, self.head_b = f"{self.head}.weight", f"{self.head}.bias"
-        if self.head_w not in initial or np.ndim(initial[self.head_w]) != 2:
-            raise ValueError(
-                f"cwFedAvg: the output layer '{self.head}' has no 2-D '{self.head_w}' among the arrays "
-                f"({', '.join(self.keys)}); name another with classifier=..."
-            )
         if self.model_classwise is not None:
             self.classwise = [k for k in self.model_classwise if k in initial]
         elif self.layers == "all":
@@ -891,10 +879,10 @@ class FlowerCwFedAvg(PersonalisedFlowerStrategy):
         node never heard from); before any reply, the arrays Flower's loop passes (the initial model)."""
         if not self.keys:
             self._setup(arrays)
-        model = {k: v.numpy() for k, v in arrays.items()} if self.q is None else self.personalised(node_id)
+        model = numpy_arrays(arrays) if self.q is None else self.personalised(node_id)
         if for_training and self.has_bias:
             self.sent_bias[node_id] = np.array(model[self.head_b], dtype=np.float64)
-        return ArrayRecord({k: Array(np.ascontiguousarray(model[k])) for k in self.keys})
+        return array_record(model, self.keys)
 
     def personalised(self, node_id: int) -> dict[str, np.ndarray]:
         """As :meth:`CwFedAvg.personalised`, by node id."""
@@ -913,7 +901,7 @@ class FlowerCwFedAvg(PersonalisedFlowerStrategy):
         """Each matching reply into the state (as :meth:`CwFedAvg.aggregate`); the FedAvg model of the mixed set."""
         uploads = []
         for msg in replies:
-            arrays = {k: v.numpy() for k, v in only_arrays(msg).items()}
+            arrays = numpy_arrays(only_arrays(msg))
             if set(arrays) != set(self.keys) or any(arrays[k].shape != self.initial[k].shape for k in self.keys):
                 log.warning("cwFedAvg round %d: node %d sent arrays that do not match the model; left out",
                             server_round, msg.metadata.src_node_id)  # fmt: skip
@@ -938,7 +926,7 @@ class FlowerCwFedAvg(PersonalisedFlowerStrategy):
         aggregate = dict(self.shared)
         for k in self.classwise:
             aggregate[k] = mix(self.fedavg_w, self.stack.arrays[k])
-        return ArrayRecord({k: Array(np.ascontiguousarray(aggregate[k])) for k in self.keys})
+        return array_record(aggregate, self.keys)
 
     def _take(self, node: int, arrays: Mapping[str, np.ndarray], metrics: Mapping[str, Any]) -> None:
         """One upload into the running sum (its previous one out under `latest`), the stack, n and p̂."""

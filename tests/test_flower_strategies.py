@@ -7,6 +7,7 @@ own cwFedAvg."""
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import random
 import sys
@@ -15,14 +16,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
-from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, Result, Strategy
+from flwr.clientapp.mod import LocalDpMod, fixedclipping_mod
+from flwr.serverapp.strategy import (
+    DifferentialPrivacyClientSideFixedClipping,
+    DifferentialPrivacyServerSideFixedClipping,
+    Result,
+    Strategy,
+)
 
 import strategies.cwfedavg as cw
 from fedapps import flower_strategies
 from fedapps.flower.inprocess import InProcessGrid
-from fedapps.flower_strategies import CwFedAvg
+from fedapps.flower_strategies import CwFedAvg, FedPer, Local
 from fedapps.models import build_model, classifier_name
-from fedapps.server.dropin import only_arrays, only_metrics, reply_problem
+from fedapps.server.dropin import classifier_from_arrays, only_arrays, only_metrics, reply_problem
 from fedapps.wire import protocol
 
 TWIN = Path(__file__).parent / "apps" / "quickstart_twin"
@@ -30,6 +37,8 @@ if str(TWIN) not in sys.path:
     sys.path.insert(0, str(TWIN))
 from quickstart_twin.client_app import app as twin_client  # noqa: E402
 from quickstart_twin.task import load_data  # noqa: E402
+
+from conftest import run_in_process  # noqa: E402
 
 RUN_CONFIG = {  # the twin's [tool.flwr.app.config], as the tests run it in-process
     "seed": 0,
@@ -202,9 +211,9 @@ def test_a_reply_without_num_examples_is_left_out():
 def test_the_output_layer_is_found_in_the_arrays_as_the_app_finds_it(name, shape):
     model = build_model(name, 10, shape, seed=0)
     state = {k: v.numpy() for k, v in model.state_dict().items()}
-    assert cw.classifier_from_arrays(state) == classifier_name(model)
+    assert classifier_from_arrays(state) == classifier_name(model)
     with pytest.raises(ValueError, match="classifier='fc'"):
-        cw.classifier_from_arrays({"conv.weight": np.zeros((2, 1, 3, 3))})
+        classifier_from_arrays({"conv.weight": np.zeros((2, 1, 3, 3))})
 
 
 def test_a_named_classifier_and_bad_arguments():
@@ -232,17 +241,41 @@ def test_the_client_terms_are_the_apps_own():
 # --------------------------------------------------------------------------- Flower's DP wrappers and evaluate_fn
 
 
-def test_flowers_central_dp_noise_never_reaches_the_personalised_models():
-    """The wrapper adds its noise to what aggregate_train returns (Result.arrays): with noise std 250 there, the models
-    the nodes are sent next are the noise-free personalised ones."""
-    grid = twin_grid()
-    strategy = DifferentialPrivacyServerSideFixedClipping(
-        CwFedAvg(), noise_multiplier=1000.0, clipping_norm=1.0, num_sampled_clients=4
-    )
+def update_norm(sent: Message, reply: Message) -> float:
+    """The L2 norm over every array of a node's upload minus the model it was sent."""
+    before, after = values(sent.content[protocol.ARRAYS]), values(only_arrays(reply))
+    return float(np.sqrt(sum(((after[k].astype(np.float64) - before[k]) ** 2).sum() for k in before)))
+
+
+@pytest.mark.parametrize("side", ["server", "client"])
+def test_flowers_central_dp_noise_never_reaches_the_personalised_models(side):
+    """Either central-DP wrapper adds its noise to what aggregate_train returns (Result.arrays): with noise std 250
+    there, the models the nodes are sent next are the noise-free personalised ones. (Client side: Flower's
+    fixedclipping_mod clips each update against the model that node was sent.)"""
+    wrapper = {
+        "server": DifferentialPrivacyServerSideFixedClipping,
+        "client": DifferentialPrivacyClientSideFixedClipping,
+    }[side]
+    grid = twin_grid(mods=[fixedclipping_mod] if side == "client" else [])
+    strategy = wrapper(CwFedAvg(), noise_multiplier=1000.0, clipping_norm=1.0, num_sampled_clients=4)
     result = strategy.start(grid=grid, initial_arrays=initial_arrays(), num_rounds=2)
     assert max(float(np.abs(v).max()) for v in values(result.arrays).values()) > 100
     round_two = [values(m.content[protocol.ARRAYS]) for m in grid.sent[8:12]]
     assert max(float(np.abs(v).max()) for a in round_two for v in a.values()) < 5
+    if side == "client":
+        assert max(update_norm(m, r) for m, r in zip(grid.sent[8:12], grid.replies[8:12], strict=True)) <= 1.0 + 1e-5
+
+
+def test_flowers_local_dp_mod_clips_against_the_personalised_model():
+    """LocalDpMod on the client clips the update against the model that node was sent (its personalised model from
+    round 2 on) before noising it: every upload the server mixes is already private, the mixing is post-processing."""
+    local_dp = LocalDpMod(clipping_norm=0.5, sensitivity=0.5, epsilon=1e6, delta=1e-5)  # noise ~1e-6: the clip shows
+    grid = twin_grid(mods=[local_dp])
+    CwFedAvg().start(grid=grid, initial_arrays=initial_arrays(), num_rounds=2, timeout=600)
+    sent, replies = grid.sent[8:12], grid.replies[8:12]
+    assert len({values(m.content[protocol.ARRAYS])["fc.weight"].tobytes() for m in sent}) == 4  # personalised
+    norms = [update_norm(m, r) for m, r in zip(sent, replies, strict=True)]
+    assert max(norms) == pytest.approx(0.5, abs=1e-3)  # clipped (unclipped updates here are larger than 0.5)
 
 
 def test_evaluate_fn_sees_the_global_aggregate_and_may_ask_for_each_nodes_model():
@@ -265,30 +298,38 @@ def test_evaluate_fn_sees_the_global_aggregate_and_may_ask_for_each_nodes_model(
 # --------------------------------------------------------------------------- equivalence with the app, through flwr run
 
 
+APP_TWINS = {  # drop-in name -> the app's strategy section it is compared with
+    "cwfedavg": {"name": "cwfedavg", "params": {"cwfedavg": {"wdr_lambda": 0.0, "estimator": "norm"}}},
+    "fedper": {"name": "fedper"},
+    "local": {"name": "local"},
+}
+
+
 @pytest.mark.heavy
-def test_through_flwr_run_the_drop_in_sends_the_apps_personalised_models(tmp_path, tiny_config):
-    """The quickstart twin with the drop-in CwFedAvg (norm estimator) under `flwr run` (Ray simulation, 4 SuperNodes)
-    and the app's cwFedAvg (wdr_lambda 0, estimator norm) on the same partition, seed and initial model: every
-    client's personalised model of every round is the same to float tolerance (the twin's DataLoader draws the app's
-    minibatch order; what remains is float rounding: collation and the order replies arrive in), and so are its
-    accuracies."""
-    from conftest import run_in_process
+@pytest.mark.parametrize("name", sorted(APP_TWINS))
+def test_through_flwr_run_the_drop_in_gives_the_apps_personalised_models(name, tmp_path, tiny_config):
+    """The quickstart twin with the drop-in strategy under `flwr run` (Ray simulation, 4 SuperNodes) and the app's own
+    strategy (cwFedAvg: wdr_lambda 0, estimator norm) on the same partition, seed and initial model, 3 rounds. Every
+    round, each client's personalised model is the same to float tolerance where the app sends it (cwFedAvg: the whole
+    model; FedPer: the body — its head never leaves the app's client), and each client's accuracy is the same (for
+    Local, whose models never leave the app's clients, that is the comparison). The twin's DataLoader draws the app's
+    minibatch order; what remains is float rounding (collation, the order replies arrive in)."""
     from fedapps_tools.appruns import run_app
 
     rounds = 3
     dump = tmp_path / "dump"
     dump.mkdir()
-    run = run_app(TWIN, f'num-server-rounds={rounds} estimator="norm" dump-dir="{dump}"', num_supernodes=4)
+    run = run_app(TWIN, f'num-server-rounds={rounds} strategy="{name}" dump-dir="{dump}"', num_supernodes=4)
     assert run.completed, run.log[-4000:]
 
     cfg = tiny_config(
         rounds=rounds,
-        strategy={"name": "cwfedavg", "params": {"cwfedavg": {"wdr_lambda": 0.0, "estimator": "norm"}}},
+        strategy=APP_TWINS[name],
         data={"source": "digits", "partition": "pathological", "num_clients": 4, "classes_per_client": 2},
     )
     grid = InProcessGrid(4, record=True)
     _, run_dir = run_in_process(cfg, tmp_path / "app", grid)
-    # the app's personalised model after round r is what its round-(r+1) message carries (the last: an evaluation)
+    # the app's model after round r is what its round-(r+1) message carries (after the last round: an evaluation)
     app_models: dict[tuple[int, int], dict[str, np.ndarray]] = {}
     for msg in grid.sent:
         if protocol.ARRAYS in msg.content.array_records:
@@ -297,12 +338,68 @@ def test_through_flwr_run_the_drop_in_sends_the_apps_personalised_models(tmp_pat
                 msg.content[protocol.ARRAYS]
             )
     with open(run_dir / "rounds.csv") as f:
-        last_row = list(csv.DictReader(f))[-1]
+        app_rounds = list(csv.DictReader(f))
+    compared = 0
     for client in range(4):
         for rnd in range(1, rounds + 1):
             twin = np.load(dump / f"client{client}-round{rnd}.npz")
-            ours = app_models[(client, rnd)]
-            assert set(ours) == set(twin.files) - {"acc"}
-            for key, value in ours.items():
+            for key, value in app_models.get((client, rnd), {}).items():
                 np.testing.assert_allclose(twin[key], value, rtol=1e-4, atol=1e-6, err_msg=f"{client} {rnd} {key}")
-        assert float(twin["acc"]) == pytest.approx(float(last_row[f"acc_client_{client}"]), abs=1e-9)
+                compared += 1
+            app_acc = float(app_rounds[rnd - 1][f"acc_client_{client}"])  # its deployed model after round rnd
+            assert float(twin["acc"]) == pytest.approx(app_acc, abs=1e-9), (client, rnd)
+    assert compared == {"cwfedavg": 4 * 3 * 6, "fedper": 4 * 3 * 4, "local": 0}[name]
+
+
+@pytest.mark.heavy
+def test_the_cwfedavg_quickstart_example_runs_through_flwr_run(tmp_path):
+    """examples/cwfedavg-quickstart, as a user runs it (`flwr run examples/cwfedavg-quickstart`), for 2 rounds on
+    3 SuperNodes: it completes and its clients evaluate the personalised models they were sent."""
+    from fedapps_tools.appruns import run_app
+
+    results = tmp_path / "results.json"
+    example = Path(__file__).parents[1] / "examples" / "cwfedavg-quickstart"
+    run = run_app(example, f'num-server-rounds=2 results="{results}"', num_supernodes=3)
+    assert run.completed, run.log[-4000:]
+    assert "Starting FlowerCwFedAvg strategy" in run.log
+    evaluate = json.loads(results.read_text())["evaluate"]
+    assert sorted(evaluate) == ["1", "2"] and all(0.0 <= evaluate[r]["eval_acc"] <= 1.0 for r in evaluate)
+
+
+# --------------------------------------------------------------------------- FedPer and Local
+
+
+def test_fedper_sends_the_averaged_body_under_each_nodes_own_head():
+    grid = twin_grid()
+    strategy = FedPer()
+    result = strategy.start(grid=grid, initial_arrays=initial_arrays(), num_rounds=2)
+    uploads = {r.metadata.src_node_id: values(only_arrays(r)) for r in grid.replies[8:12]}
+    n = {r.metadata.src_node_id: float(only_metrics(r)[protocol.NUM_EXAMPLES]) for r in grid.replies[8:12]}
+    total = sum(n.values())
+    for msg in grid.sent[12:16]:  # round 2's evaluation: what each node would deploy
+        sent, node = values(msg.content[protocol.ARRAYS]), msg.metadata.dst_node_id
+        for key, value in sent.items():
+            if key.startswith("fc."):  # the output layer found in the arrays: the node's own head
+                np.testing.assert_array_equal(value, uploads[node][key])
+            else:
+                expected = sum(n[m] * uploads[m][key] for m in uploads) / total
+                np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6, err_msg=key)
+    heads = [values(m.content[protocol.ARRAYS])["fc.weight"] for m in grid.sent[12:16]]
+    assert not np.allclose(heads[0], heads[1])
+    np.testing.assert_allclose(  # Result.arrays: the body under the mean head
+        result.arrays["fc.weight"].numpy(), sum(n[m] * uploads[m]["fc.weight"] for m in uploads) / total, atol=1e-7
+    )
+    # a node never heard from: the body under the initial head
+    new = values(strategy.personalised_arrays(1))
+    np.testing.assert_array_equal(new["fc.weight"], initial_arrays()["fc.weight"].numpy())
+    np.testing.assert_array_equal(new["fc1.0.weight"], values(grid.sent[12].content[protocol.ARRAYS])["fc1.0.weight"])
+
+
+def test_local_sends_each_node_its_own_last_model_and_nothing_else():
+    grid = twin_grid()
+    result = Local().start(grid=grid, initial_arrays=initial_arrays(), num_rounds=2)
+    round_one = {r.metadata.src_node_id: values(only_arrays(r)) for r in grid.replies[:4]}
+    for msg in grid.sent[8:12]:  # round 2's training: each node's own round-1 upload
+        for key, value in values(msg.content[protocol.ARRAYS]).items():
+            np.testing.assert_array_equal(value, round_one[msg.metadata.dst_node_id][key])
+    assert len(result.arrays) == 0  # no global model

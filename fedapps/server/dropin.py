@@ -17,13 +17,16 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords, sample_nodes
+from torch import nn
 
+from fedapps.models import classifier_name
 from fedapps.wire.protocol import ARRAYS, CONFIG, NUM_EXAMPLES
 
 log = logging.getLogger("flwr")  # Flower's logger: the drop-in strategies log where Flower's own do
@@ -191,6 +194,43 @@ def reply_problem(msg: Message, weighted_by_key: str, training: bool) -> str:
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (math.isfinite(weight) and weight > 0):
         return f"no positive '{weighted_by_key}' in its metrics ({weight!r})"
     return ""
+
+
+def classifier_from_arrays(arrays: Mapping[str, np.ndarray]) -> str:
+    """The output layer as the app finds it (the last ``nn.Linear`` registered: :func:`fedapps.models.classifier_name`)
+    when only the arrays are known: the module of the last 2-D ``<module>.weight`` in the arrays' order (a state dict
+    lists modules in registration order)."""
+    heads = [k.rsplit(".", 1)[0] for k, v in arrays.items() if k.endswith(".weight") and np.ndim(v) == 2]
+    if not heads:
+        raise ValueError(
+            "no 2-D '<module>.weight' array among the arrays to take as the output layer; name it with "
+            "classifier='fc' or pass the model (model=Net())"
+        )
+    return heads[-1]
+
+
+def output_layer(classifier: str | None, model: nn.Module | None, arrays: Mapping[str, np.ndarray]) -> str:
+    """The output layer a drop-in strategy treats apart: ``classifier`` if named, else found in ``model`` as the app
+    finds it, else in the arrays (:func:`classifier_from_arrays`); its weight must be a 2-D array among them."""
+    head = classifier if classifier is not None else (classifier_name(model) if model is not None else None)
+    head = head if head is not None else classifier_from_arrays(arrays)
+    weight = arrays.get(f"{head}.weight")
+    if weight is None or np.ndim(weight) != 2:
+        raise ValueError(
+            f"the output layer '{head}' has no 2-D '{head}.weight' among the arrays ({', '.join(arrays)}); "
+            "name another with classifier=..."
+        )
+    return head
+
+
+def numpy_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """An ArrayRecord's arrays as numpy, in its order."""
+    return {k: v.numpy() for k, v in record.items()}
+
+
+def array_record(arrays: Mapping[str, np.ndarray], keys: Iterable[str]) -> ArrayRecord:
+    """An ArrayRecord of ``keys`` (in that order) from numpy arrays."""
+    return ArrayRecord({k: Array(np.ascontiguousarray(arrays[k])) for k in keys})
 
 
 def only_arrays(msg: Message) -> ArrayRecord:

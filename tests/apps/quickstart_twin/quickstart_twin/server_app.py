@@ -4,7 +4,7 @@ from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from fedapps.flower_strategies import CwFedAvg
+from fedapps.flower_strategies import CwFedAvg, FedPer, Local
 from fedapps.models import build_model
 
 app = ServerApp()
@@ -17,6 +17,10 @@ def main(grid: Grid, context: Context) -> None:
     arrays = ArrayRecord(model.state_dict())
     if cfg["strategy"] == "fedavg":
         strategy = FedAvg()
+    elif cfg["strategy"] == "fedper":
+        strategy = FedPer()
+    elif cfg["strategy"] == "local":
+        strategy = Local()
     else:
         strategy = CwFedAvg(estimator=cfg["estimator"], mix=cfg["mix"])
     strategy.start(grid=grid, initial_arrays=arrays, num_rounds=cfg["num-server-rounds"])
