@@ -6,12 +6,14 @@ The top layer of ``fedapps``, beside the tools: the one module of the package th
 """
 
 from fedapps.server.dropin import PersonalisedFlowerStrategy
+from strategies.cfl import FlowerCFL as CFL
 from strategies.cwfedavg import CLASS_COUNTS, wdr_penalty
 from strategies.cwfedavg import FlowerCwFedAvg as CwFedAvg
 from strategies.fedper import FlowerFedPer as FedPer
 from strategies.local import FlowerLocal as Local
 
 __all__ = [
+    "CFL",
     "CLASS_COUNTS",
     "CwFedAvg",
     "FedPer",

@@ -27,7 +27,7 @@ from flwr.serverapp.strategy import (
 import strategies.cwfedavg as cw
 from fedapps import flower_strategies
 from fedapps.flower.inprocess import InProcessGrid
-from fedapps.flower_strategies import CwFedAvg, FedPer, Local
+from fedapps.flower_strategies import CFL, CwFedAvg, FedPer, Local
 from fedapps.models import build_model, classifier_name
 from fedapps.server.dropin import classifier_from_arrays, only_arrays, only_metrics, reply_problem
 from fedapps.wire import protocol
@@ -302,7 +302,10 @@ APP_TWINS = {  # drop-in name -> the app's strategy section it is compared with
     "cwfedavg": {"name": "cwfedavg", "params": {"cwfedavg": {"wdr_lambda": 0.0, "estimator": "norm"}}},
     "fedper": {"name": "fedper"},
     "local": {"name": "local"},
+    # a split in round 1 on any update (eps1 large, eps2 tiny), of the 4 clients only: clusters of 2 split no further
+    "cfl": {"name": "cfl", "params": {"cfl": {"eps1": 100.0, "eps2": 1e-6, "warmup_rounds": 1}}},
 }
+TWIN_SETTINGS = {"cfl": "cfl-eps1=100.0 cfl-eps2=1e-6 cfl-warmup-rounds=1"}
 
 
 @pytest.mark.heavy
@@ -319,7 +322,8 @@ def test_through_flwr_run_the_drop_in_gives_the_apps_personalised_models(name, t
     rounds = 3
     dump = tmp_path / "dump"
     dump.mkdir()
-    run = run_app(TWIN, f'num-server-rounds={rounds} strategy="{name}" dump-dir="{dump}"', num_supernodes=4)
+    settings = f'num-server-rounds={rounds} strategy="{name}" dump-dir="{dump}" {TWIN_SETTINGS.get(name, "")}'
+    run = run_app(TWIN, settings, num_supernodes=4)
     assert run.completed, run.log[-4000:]
 
     cfg = tiny_config(
@@ -348,7 +352,9 @@ def test_through_flwr_run_the_drop_in_gives_the_apps_personalised_models(name, t
                 compared += 1
             app_acc = float(app_rounds[rnd - 1][f"acc_client_{client}"])  # its deployed model after round rnd
             assert float(twin["acc"]) == pytest.approx(app_acc, abs=1e-9), (client, rnd)
-    assert compared == {"cwfedavg": 4 * 3 * 6, "fedper": 4 * 3 * 4, "local": 0}[name]
+    assert compared == {"cwfedavg": 4 * 3 * 6, "fedper": 4 * 3 * 4, "local": 0, "cfl": 4 * 3 * 6}[name]
+    if name == "cfl":  # the split happened in round 1: two clusters, two models
+        assert len({np.load(dump / f"client{c}-round2.npz")["fc.weight"].tobytes() for c in range(4)}) == 2
 
 
 @pytest.mark.heavy
@@ -403,3 +409,24 @@ def test_local_sends_each_node_its_own_last_model_and_nothing_else():
         for key, value in values(msg.content[protocol.ARRAYS]).items():
             np.testing.assert_array_equal(value, round_one[msg.metadata.dst_node_id][key])
     assert len(result.arrays) == 0  # no global model
+
+
+def test_cfl_splits_a_cluster_and_each_node_gets_its_clusters_model():
+    """eps1 large, eps2 tiny: round 1 splits the one cluster by the cosine similarity of the updates; from then on each
+    node is sent its cluster's model: the sample-weighted mean of that cluster's uploads."""
+    grid = twin_grid()
+    strategy = CFL(eps1=100.0, eps2=1e-6, warmup_rounds=1)
+    result = strategy.start(grid=grid, initial_arrays=initial_arrays(), num_rounds=2)
+    assert len(strategy.models) == 2 and set(strategy.cluster_of.values()) == {0, 1}
+    uploads = {r.metadata.src_node_id: values(only_arrays(r)) for r in grid.replies[8:12]}
+    n = {r.metadata.src_node_id: float(only_metrics(r)[protocol.NUM_EXAMPLES]) for r in grid.replies[8:12]}
+    for msg in grid.sent[12:16]:
+        node = msg.metadata.dst_node_id
+        cluster = [m for m in uploads if strategy.cluster_of[m] == strategy.cluster_of[node]]
+        expected = sum(n[m] * uploads[m]["fc.weight"] for m in cluster) / sum(n[m] for m in cluster)
+        np.testing.assert_allclose(values(msg.content[protocol.ARRAYS])["fc.weight"], expected, atol=1e-7)
+    np.testing.assert_array_equal(result.arrays["fc.weight"].numpy(), strategy.models[0]["fc.weight"])
+    # the app's own criterion decides: with its defaults (warm-up 5 rounds) nothing splits in 2 rounds
+    unsplit = CFL()
+    unsplit.start(grid=twin_grid(), initial_arrays=initial_arrays(), num_rounds=2)
+    assert len(unsplit.models) == 1

@@ -4,7 +4,7 @@ from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from fedapps.flower_strategies import CwFedAvg, FedPer, Local
+from fedapps.flower_strategies import CFL, CwFedAvg, FedPer, Local
 from fedapps.models import build_model
 
 app = ServerApp()
@@ -21,6 +21,8 @@ def main(grid: Grid, context: Context) -> None:
         strategy = FedPer()
     elif cfg["strategy"] == "local":
         strategy = Local()
+    elif cfg["strategy"] == "cfl":
+        strategy = CFL(eps1=cfg["cfl-eps1"], eps2=cfg["cfl-eps2"], warmup_rounds=cfg["cfl-warmup-rounds"])
     else:
         strategy = CwFedAvg(estimator=cfg["estimator"], mix=cfg["mix"])
     strategy.start(grid=grid, initial_arrays=arrays, num_rounds=cfg["num-server-rounds"])
