@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flwr.app import Message
+from flwr.app import ArrayRecord, Message
 
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
+from fedapps.server.dropin import PersonalisedFlowerStrategy, array_record, numpy_arrays, only_arrays, only_metrics
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.aggregation import average_matching
+from strategies.aggregation import average_matching, weighted_average
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
 
@@ -172,3 +173,72 @@ class CFL(PersonalisedStrategy):
             "cluster_assignment": {str(c): k for c, k in sorted(self.cluster_of.items())},
             "splits": [list(s) for s in self.splits],
         }
+
+
+class FlowerCFL(PersonalisedFlowerStrategy):
+    """CFL as a drop-in Flower strategy (``fedapps.flower_strategies.CFL``): each node is sent its cluster's model
+    and trains it; the server averages each cluster's uploads (:func:`strategies.aggregation.weighted_average`, the
+    app's mean) and splits a cluster by the app's criterion and bipartition (:func:`should_split`,
+    :func:`cosine_similarities`, :func:`bipartition`) on the updates of its floating arrays. A node never heard from
+    is in cluster 0, whose model ``aggregate_train`` returns. ``eps1``, ``eps2``, ``min_split_size`` and
+    ``warmup_rounds`` mean what they mean in the app (defaults: the app's); every other argument is Flower's
+    FedAvg's."""
+
+    def __init__(
+        self,
+        *,
+        eps1: float = CFLParams.eps1,
+        eps2: float = CFLParams.eps2,
+        min_split_size: int = CFLParams.min_split_size,
+        warmup_rounds: int = CFLParams.warmup_rounds,
+        **flower_args: Any,
+    ) -> None:
+        super().__init__(**flower_args)
+        if eps1 <= 0 or eps2 <= 0 or min_split_size < 2 or warmup_rounds < 0:
+            raise ValueError("CFL: eps1 and eps2 must be > 0, min_split_size >= 2 and warmup_rounds >= 0")
+        self.eps1, self.eps2, self.min_split_size, self.warmup_rounds = eps1, eps2, min_split_size, warmup_rounds
+        self.models: list[dict[str, np.ndarray]] = []  # one model per cluster, set from the initial arrays
+        self.cluster_of: dict[int, int] = {}  # node id -> cluster (nodes never heard from: cluster 0)
+
+    def settings(self) -> list[tuple[str, object]]:
+        return [("eps1, eps2", (self.eps1, self.eps2)), ("min_split_size", self.min_split_size),
+                ("warmup_rounds", self.warmup_rounds)]  # fmt: skip
+
+    def node_arrays(self, node_id: int, arrays: ArrayRecord, for_training: bool) -> ArrayRecord:
+        if not self.models:
+            initial = numpy_arrays(arrays)
+            self.keys = list(initial)
+            self.float_keys = [k for k, v in initial.items() if np.issubdtype(v.dtype, np.floating)]
+            self.models = [initial]
+        return array_record(self.models[self.cluster_of.get(node_id, 0)], self.keys)
+
+    def aggregate_arrays(self, server_round: int, replies: list[Message]) -> ArrayRecord | None:
+        """Each cluster's matching uploads averaged, then split where CFL's criterion says; cluster 0's model."""
+        members: dict[int, list[tuple[int, dict[str, np.ndarray], float]]] = {}
+        for msg in replies:
+            node, arrays = msg.metadata.src_node_id, numpy_arrays(only_arrays(msg))
+            if list(arrays) != self.keys or any(arrays[k].shape != self.models[0][k].shape for k in self.keys):
+                log.warning(
+                    "CFL round %d: node %d sent arrays that do not match the model; left out", server_round, node
+                )
+                continue
+            weight = float(only_metrics(msg)[self.weighted_by_key])  # type: ignore[arg-type]  # checked: a number
+            members.setdefault(self.cluster_of.get(node, 0), []).append((node, arrays, weight))
+        if not members:
+            return None
+        for k, group in sorted(members.items()):
+            sent = self.models[k]
+            updates = np.stack([update_vector(a, sent, self.float_keys) for _, a, _ in group])
+            weights = np.array([max(w, 1.0) for _, _, w in group])
+            split, _, _ = should_split(updates, weights, self.eps1, self.eps2)
+            self.models[k] = weighted_average([a for _, a, _ in group], [w for _, _, w in group])
+            if split and server_round >= self.warmup_rounds and len(group) > self.min_split_size:
+                first, second = bipartition(cosine_similarities(updates))
+                self.models.append({name: value.copy() for name, value in self.models[k].items()})
+                self.cluster_of.update({group[i][0]: len(self.models) - 1 for i in second})
+                self.cluster_of.update({group[i][0]: k for i in first})
+                log.info("CFL round %d: cluster %d split into %d + %d nodes", server_round, k, len(first), len(second))
+        for group in members.values():
+            for node, _, _ in group:
+                self.cluster_of.setdefault(node, 0)
+        return array_record(self.models[0], self.keys)

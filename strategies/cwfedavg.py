@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Message
+from flwr.app import ArrayRecord, Message
 from torch import Tensor, nn
 
 from fedapps import checkpoint
@@ -76,6 +76,14 @@ from fedapps.data import get_federation, spec_info
 from fedapps.models import build_model, classifier_name, top_level_children
 from fedapps.params import lower, param
 from fedapps.reporting.results import Artifact
+from fedapps.server.dropin import (
+    PersonalisedFlowerStrategy,
+    array_record,
+    numpy_arrays,
+    only_arrays,
+    only_metrics,
+    output_layer,
+)
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies.aggregation import clip_replies_to_median
@@ -194,6 +202,17 @@ def row_norm_distribution(weight: np.ndarray) -> np.ndarray:
 def bias_evidence(bias_uploaded: np.ndarray, bias_sent: np.ndarray) -> np.ndarray:
     """Positive part of the classifier-bias update: zero for absent classes, ∝ class mass for present ones."""
     return np.maximum(np.asarray(bias_uploaded, np.float64) - np.asarray(bias_sent, np.float64), 0.0)
+
+
+def counts_distribution(counts: Any, num_classes: int) -> np.ndarray | None:
+    """The class distribution a client's reported ``class-counts`` give (the `true` estimator); None unless they are
+    a list of ``num_classes`` non-negative numbers with a positive sum."""
+    if not isinstance(counts, list) or len(counts) != num_classes:
+        return None
+    values = np.asarray(counts, np.float64)
+    if not np.all(np.isfinite(values)) or values.min() < 0 or values.sum() <= 0:
+        return None
+    return normalise_rows(values)
 
 
 def fedavg_weights(n: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
@@ -688,9 +707,9 @@ class CwFedAvg(PersonalisedStrategy):
             self.evidence[row] += bias_evidence(r.required_arrays[self.head_b], self.sent_bias.pop(r.node_id))
             if self.evidence[row].sum() > 0:
                 out["bias"] = normalise_rows(self.evidence[row])
-        counts = r.metrics.get(CLASS_COUNTS)
-        if isinstance(counts, list) and len(counts) == self.num_classes and sum(counts) > 0 and min(counts) >= 0:
-            out["true"] = normalise_rows(np.asarray(counts, np.float64))
+        counted = counts_distribution(r.metrics.get(CLASS_COUNTS), self.num_classes)
+        if counted is not None:
+            out["true"] = counted
         elif self.params.estimator == "true":
             log.warning("client %d sent no usable 'class-counts'; using the norm estimate for it", r.client_id)
         return out
@@ -776,3 +795,164 @@ def _true_distributions(cfg: ExperimentConfig) -> np.ndarray | None:
     except Exception as exc:  # noqa: BLE001 - deployment: the data lives on the clients only
         log.info("cwfedavg: true class distributions unavailable (%s); estimation error not tracked", exc)
         return None
+
+
+# --------------------------------------------------------------------------- drop-in form (any Flower ClientApp)
+
+DROPIN_ESTIMATORS = ("bias", "norm")  # without class counts from a client, what p̂ is read from
+
+
+class FlowerCwFedAvg(PersonalisedFlowerStrategy):
+    """cwFedAvg as a drop-in Flower strategy (``fedapps.flower_strategies.CwFedAvg``): each node is sent its
+    personalised model ``Σ_l A_il w_l`` with ``A = P Qᵀ``, formed by the functions the app's :class:`CwFedAvg` uses
+    (:func:`class_weights`, :func:`fedavg_weights`, :func:`mixing_matrix`, :func:`mix`, :class:`ModelStack`).
+
+    p̂ of a node: its ``class-counts`` metric when its reply carries one (the app's `true`), else ``estimator``:
+    ``bias`` (the positive part of the classifier-bias updates, accumulated) or ``norm`` (the classifier row norms,
+    which need WDR in the client's loss: :func:`wdr_penalty`); ``bias`` falls back to ``norm`` until a node's bias
+    evidence is positive (and for a classifier without bias). The class-wise layers: the output layer (``classifier``,
+    or found in ``model``, or in the arrays as the app finds it) or, with ``model``, ``layers`` as in the app
+    (``output`` | ``last-N`` | ``all``). ``mix``: ``latest`` mixes the latest upload of every node seen, ``round`` only
+    this round's. Every other argument is Flower's FedAvg's. State is per node id (see
+    :mod:`fedapps.server.dropin`)."""
+
+    def __init__(
+        self,
+        *,
+        estimator: str = "bias",
+        classifier: str | None = None,
+        model: nn.Module | None = None,
+        layers: str = "output",
+        mix: str = "latest",
+        **flower_args: Any,
+    ) -> None:
+        super().__init__(**flower_args)
+        if estimator not in DROPIN_ESTIMATORS:
+            raise ValueError(f"cwFedAvg: estimator is {estimator!r}; allowed: {', '.join(DROPIN_ESTIMATORS)}")
+        if mix not in MIX_SETS:
+            raise ValueError(f"cwFedAvg: mix is {mix!r}; allowed: {', '.join(MIX_SETS)}")
+        if model is None and layers not in ("output", "all"):
+            raise ValueError(f"cwFedAvg: layers {layers!r} counts the model's children; pass model=... with it")
+        self.estimator, self.mix = estimator, mix
+        self.classifier, self.model = classifier, model
+        self.layers = layers
+        self.model_classwise = classwise_keys(model, layers) if model is not None else None
+        self.keys: list[str] = []  # set from the first arrays (the initial model): what every node is sent
+
+    def settings(self) -> list[tuple[str, object]]:
+        return [("Estimator (without class-counts)", self.estimator), ("Class-wise layers", self.layers),
+                ("Mix", self.mix)]  # fmt: skip
+
+    def _setup(self, arrays: ArrayRecord) -> None:
+        """The layout, from the first arrays Flower's loop passes (the initial model)."""
+        initial = numpy_arrays(arrays)
+        self.keys = list(initial)
+        self.initial = initial
+        self.head = output_layer(self.classifier, self.model, initial)
+        self.head_w, self.head_b = f"{self.head}.weight", f"{self.head}.bias"
+        if self.model_classwise is not None:
+            self.classwise = [k for k in self.model_classwise if k in initial]
+        elif self.layers == "all":
+            self.classwise = list(self.keys)
+        else:
+            self.classwise = [k for k in (self.head_w, self.head_b) if k in initial]
+        self.has_bias = self.head_b in initial
+        self.num_classes = int(initial[self.head_w].shape[0])
+        shared = [k for k in self.keys if k not in self.classwise]
+        self.shared_float = [k for k in shared if np.issubdtype(initial[k].dtype, np.floating)]
+        self.shared_other = [k for k in shared if k not in self.shared_float]
+        per_node = self.classwise + (self.shared_float if self.mix == "latest" else [])
+        self.stack = ModelStack({k: initial[k] for k in per_node}, 8, self.classwise)
+        self.sums: dict[str, np.ndarray] = {}
+        self.n = np.zeros(self.stack.capacity)
+        self.p_hat = np.full((self.stack.capacity, self.num_classes), 1.0 / self.num_classes)
+        self.evidence = np.zeros((self.stack.capacity, self.num_classes))
+        self.estimated = np.zeros(self.stack.capacity, bool)
+        self.fresh = np.zeros(self.stack.capacity, bool)
+        self.q: np.ndarray | None = None
+        self.fedavg_w: np.ndarray | None = None
+        self.shared: dict[str, np.ndarray] = {}
+        self.sent_bias: dict[int, np.ndarray] = {}
+
+    # ------------------------------------------------------------------ personalised models
+    def node_arrays(self, node_id: int, arrays: ArrayRecord, for_training: bool) -> ArrayRecord:
+        """The node's row of A on the stacked class-wise arrays and the shared FedAvg arrays (FedAvg weights for a
+        node never heard from); before any reply, the arrays Flower's loop passes (the initial model)."""
+        if not self.keys:
+            self._setup(arrays)
+        model = numpy_arrays(arrays) if self.q is None else self.personalised(node_id)
+        if for_training and self.has_bias:
+            self.sent_bias[node_id] = np.array(model[self.head_b], dtype=np.float64)
+        return array_record(model, self.keys)
+
+    def personalised(self, node_id: int) -> dict[str, np.ndarray]:
+        """As :meth:`CwFedAvg.personalised`, by node id."""
+        assert self.q is not None and self.fedavg_w is not None  # set by the first aggregation
+        row = self.stack.row_of.get(node_id)
+        weights = (
+            self.fedavg_w if row is None or not self.estimated[row] else mixing_matrix(self.p_hat[row][None], self.q)[0]
+        )
+        out = dict(self.shared)
+        for k in self.classwise:
+            out[k] = mix(weights, self.stack.arrays[k])
+        return out
+
+    # ------------------------------------------------------------------ aggregation
+    def aggregate_arrays(self, server_round: int, replies: list[Message]) -> ArrayRecord | None:
+        """Each matching reply into the state (as :meth:`CwFedAvg.aggregate`); the FedAvg model of the mixed set."""
+        uploads = []
+        for msg in replies:
+            arrays = numpy_arrays(only_arrays(msg))
+            if set(arrays) != set(self.keys) or any(arrays[k].shape != self.initial[k].shape for k in self.keys):
+                log.warning("cwFedAvg round %d: node %d sent arrays that do not match the model; left out",
+                            server_round, msg.metadata.src_node_id)  # fmt: skip
+                continue
+            uploads.append((msg.metadata.src_node_id, arrays, only_metrics(msg)))
+        if not uploads:
+            return None
+        self.fresh[:] = False
+        if self.mix == "round" or not self.sums:
+            self.sums = {k: np.zeros(self.initial[k].shape, np.float64) for k in self.shared_float}
+        for node, arrays, metrics in uploads:
+            self._take(node, arrays, metrics)
+        mask = self.estimated & (self.fresh if self.mix == "round" else True)
+        self.q = class_weights(self.n, self.p_hat, mask)
+        self.fedavg_w = fedavg_weights(self.n, mask)
+        total = float(self.n[mask].sum())
+        self.shared = {k: (self.sums[k] / total).astype(self.initial[k].dtype) for k in self.shared_float}
+        for k in self.shared_other:  # integer buffers: the last replier's, as the app does
+            self.shared[k] = np.array(uploads[-1][1][k], dtype=self.initial[k].dtype)
+        if self.mix == "round":
+            self.sums = {}
+        aggregate = dict(self.shared)
+        for k in self.classwise:
+            aggregate[k] = mix(self.fedavg_w, self.stack.arrays[k])
+        return array_record(aggregate, self.keys)
+
+    def _take(self, node: int, arrays: Mapping[str, np.ndarray], metrics: Mapping[str, Any]) -> None:
+        """One upload into the running sum (its previous one out under `latest`), the stack, n and p̂."""
+        num_examples = float(metrics[self.weighted_by_key])
+        row = self.stack.row(node)
+        self._grow(self.stack.capacity)
+        if self.mix == "latest" and self.estimated[row]:
+            add_weighted(self.sums, {k: self.stack.get(node, k) for k in self.sums}, -float(self.n[row]))
+        add_weighted(self.sums, {k: np.asarray(arrays[k], self.initial[k].dtype) for k in self.sums}, num_examples)
+        self.stack.put(node, arrays)
+        self.n[row] = num_examples
+        self.fresh[row] = True
+        if self.has_bias and node in self.sent_bias:
+            self.evidence[row] += bias_evidence(arrays[self.head_b], self.sent_bias.pop(node))
+        estimate = counts_distribution(metrics.get(CLASS_COUNTS), self.num_classes)
+        if estimate is None and self.estimator == "bias" and self.evidence[row].sum() > 0:
+            estimate = normalise_rows(self.evidence[row])
+        if estimate is None:
+            estimate = row_norm_distribution(arrays[self.head_w])
+        self.p_hat[row] = estimate
+        self.estimated[row] = True
+
+    def _grow(self, rows: int) -> None:
+        self.n = _grow(self.n, rows)
+        self.p_hat = _grow(self.p_hat, rows, 1.0 / self.num_classes)
+        self.evidence = _grow(self.evidence, rows)
+        self.estimated = _grow(self.estimated, rows, False)
+        self.fresh = _grow(self.fresh, rows, False)

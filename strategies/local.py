@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import Message
+from flwr.app import ArrayRecord, Message
 
 from fedapps.params import param
+from fedapps.server.dropin import PersonalisedFlowerStrategy, only_arrays
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy
@@ -41,3 +42,22 @@ class Local(PersonalisedStrategy):
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         return {}
+
+
+class FlowerLocal(PersonalisedFlowerStrategy):
+    """Local as a drop-in Flower strategy (``fedapps.flower_strategies.Local``): no federation. The server keeps each
+    node's latest upload and sends it back to that node alone (the initial arrays before its first), so a plain Flower
+    client that trains what it receives trains its own model on its own data only. There is no global model:
+    ``aggregate_train`` returns none, so ``Result.arrays`` stays empty and ``evaluate_fn`` sees the initial arrays."""
+
+    def __init__(self, **flower_args: Any) -> None:
+        super().__init__(**flower_args)
+        self.models: dict[int, ArrayRecord] = {}  # node id -> its latest upload
+
+    def node_arrays(self, node_id: int, arrays: ArrayRecord, for_training: bool) -> ArrayRecord:
+        return self.models.get(node_id, arrays)
+
+    def aggregate_arrays(self, server_round: int, replies: list[Message]) -> ArrayRecord | None:
+        for msg in replies:
+            self.models[msg.metadata.src_node_id] = only_arrays(msg)
+        return None

@@ -11,6 +11,8 @@ inside functions. Rules:
     - ``fedapps.config`` knows no strategy and nothing above it: of the project's modules it imports at most
       ``fedapps.params`` and error modules (a module whose last name ends in ``errors``/``exceptions``);
     - ``strategies/*`` import neither ``server_app``, ``client_app`` nor the tools;
+    - ``fedapps.flower_strategies`` (:data:`FACADE`), the public module of the drop-in strategies, is a top layer like
+      the tools: the one module of ``fedapps/`` that may import ``strategies``, and no other core module imports it;
 (c) ``fedapps/client/worker.py`` (the generic client) names no algorithm: no registered strategy name (the
     ``name = "..."`` class attributes in ``strategies/*.py``) and no algorithm display name appears in it,
     case-insensitively, as a whole word (letters and digits only form words: ``ditto_lam`` and ``FedAvg's``
@@ -153,6 +155,7 @@ CORE_LEVELS = {
 }
 PUBLIC_FLWR = ("flwr.app", "flwr.serverapp", "flwr.clientapp", "flwr.simulation")  # rule (j); and ``flwr`` itself
 FLOWER_GLUE = "fedapps.flower"  # rule (j): the one place for Flower's private modules
+FACADE = "fedapps.flower_strategies"  # rule (b): the drop-in strategies' public module, a top layer
 
 
 # --------------------------------------------------------------------------- the graph
@@ -295,6 +298,13 @@ def layer_violations(graph: dict[str, dict[str, int]], files: dict[str, Path] | 
 
     for src in sorted(graph):
         for dst in sorted(graph[src]):
+            if src == FACADE:
+                if _in(dst, APPS + ENTRY_POINTS):
+                    report(src, dst, f"{FACADE} below the apps and tools")
+                continue  # a top layer: it imports the strategies and the core
+            if _in(dst, (FACADE,)):
+                report(src, dst, f"{FACADE} is a top layer: nothing in the project imports it")
+                continue
             if _in(src, ("fedapps",)) and _in(dst, ("strategies",) + APPS + ENTRY_POINTS):
                 report(src, dst, "fedapps below the strategies, apps and tools")
             if (
@@ -664,8 +674,24 @@ def test_core_layers_on_a_made_up_graph():
     ]
 
 
+def test_the_drop_in_facade_is_a_top_layer_on_a_made_up_graph():
+    graph = {
+        FACADE: {"strategies.cwfedavg": 1, "fedapps.server.dropin": 2, "fedapps_tools.cli": 3},
+        "fedapps.server.dropin": {FACADE: 4, "strategies.cwfedavg": 5},
+        "strategies.cwfedavg": {},
+        "fedapps_tools.cli": {},
+    }
+    files = {m: ROOT / (m.replace(".", "/") + ".py") for m in graph}
+    found = [v.split(": ", 1)[1] for v in layer_violations(graph, files)]
+    assert found == [
+        f"{FACADE} imports fedapps_tools.cli ({FACADE} below the apps and tools)",
+        f"fedapps.server.dropin imports {FACADE} ({FACADE} is a top layer: nothing in the project imports it)",
+        "fedapps.server.dropin imports strategies.cwfedavg (fedapps below the strategies, apps and tools)",
+    ]
+
+
 def test_every_core_module_has_a_layer():
-    unplaced = [m for m in module_files() if _in(m, ("fedapps",)) and core_level(m) is None]
+    unplaced = [m for m in module_files() if _in(m, ("fedapps",)) and m != FACADE and core_level(m) is None]
     assert not unplaced, f"core modules with no layer in CORE_LEVELS: {unplaced}"
 
 

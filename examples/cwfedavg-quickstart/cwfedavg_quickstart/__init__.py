@@ -1,0 +1,1 @@
+"""cwfedavg-quickstart: Flower's quickstart-pytorch with a personalised strategy."""

@@ -1,0 +1,23 @@
+"""Personalised strategies for any Flower app (docs/flower-apps.md): drop-in ``flwr.serverapp.strategy.Strategy``
+objects for a ClientApp that follows Flower's plain message convention, and the client-side terms a user adds to
+their own training loop. The maths is the code the app's strategies run (``strategies/<name>.py``).
+
+The top layer of ``fedapps``, beside the tools: the one module of the package that imports ``strategies``.
+"""
+
+from fedapps.server.dropin import PersonalisedFlowerStrategy
+from strategies.cfl import FlowerCFL as CFL
+from strategies.cwfedavg import CLASS_COUNTS, wdr_penalty
+from strategies.cwfedavg import FlowerCwFedAvg as CwFedAvg
+from strategies.fedper import FlowerFedPer as FedPer
+from strategies.local import FlowerLocal as Local
+
+__all__ = [
+    "CFL",
+    "CLASS_COUNTS",
+    "CwFedAvg",
+    "FedPer",
+    "Local",
+    "PersonalisedFlowerStrategy",
+    "wdr_penalty",
+]

@@ -1,0 +1,1 @@
+"""A quickstart-style Flower app for the drop-in strategies' tests."""

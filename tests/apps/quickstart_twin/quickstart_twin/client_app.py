@@ -1,0 +1,47 @@
+"""The ClientApp, as Flower's quickstart-pytorch writes it."""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from quickstart_twin.task import Net, load_data
+from quickstart_twin.task import test as test_fn
+from quickstart_twin.task import train as train_fn
+
+app = ClientApp()
+torch.set_num_threads(1)
+
+
+@app.train()
+def train(msg: Message, context: Context):
+    model = Net()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    partition_id = context.node_config["partition-id"]
+    num_partitions = context.node_config["num-partitions"]
+    server_round = msg.content["config"]["server-round"]
+    trainloader, _, counts = load_data(partition_id, num_partitions, context.run_config, server_round)
+    train_loss = train_fn(model, trainloader, context.run_config["local-epochs"], context.run_config["lr"], "cpu")
+    metrics = {"train_loss": train_loss, "num-examples": len(trainloader.dataset)}
+    if context.run_config["send-class-counts"]:
+        metrics["class-counts"] = [int(c) for c in counts]
+    content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord(metrics)})
+    return Message(content=content, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context):
+    model = Net()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    partition_id = context.node_config["partition-id"]
+    _, testloader, _ = load_data(partition_id, context.node_config["num-partitions"], context.run_config)
+    eval_loss, eval_acc = test_fn(model, testloader, "cpu")
+    dump = context.run_config["dump-dir"]
+    if dump:  # the test's window on what each client was sent
+        server_round = msg.content["config"]["server-round"]
+        arrays = {k: v.numpy() for k, v in msg.content["arrays"].items()}
+        np.savez(Path(dump) / f"client{partition_id}-round{server_round}.npz", acc=eval_acc, **arrays)
+    metrics = {"eval_loss": eval_loss, "eval_acc": eval_acc, "num-examples": len(testloader.dataset)}
+    return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
