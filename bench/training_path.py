@@ -9,9 +9,12 @@ the last round, so that no round but the last evaluates anything:
   (b) a bare sequential loop in this process, 1 torch thread, the same clients' training splits preloaded as
       tensors, the same model, batch, epochs and optimiser: per client load the global state, train, keep the state;
       then the sample-weighted mean (bench/bareloop.py without its evaluations).
-Both run ``--rounds`` rounds; (a) is timed from the end of round 1 (data loading, model building and torch's first-use
-costs land there) to the end of round R − 1 (round R carries the closing evaluation), (b) after one warm-up round for
-R − 2 rounds. Last line: ``ratio=<engine/bare> engine_s_per_round=<s> bare_s_per_round=<s>`` (goal: ratio <= 1.1).
+Both run ``--rounds`` rounds; (a) is timed per round from the end of round 1 (data loading, model building and
+torch's first-use costs land there) to the end of round R − 1 (round R carries the closing evaluation), (b) per round
+after one warm-up round, once before (a) and once after it, so that a change in the machine's load during the run
+touches both. The figure is the ratio of the medians of the per-round seconds (``ratio``; the ratio of the fastest
+rounds beside it, ``ratio_min``: on a busy machine the least disturbed rounds). Last line: ``ratio=<engine/bare>
+ratio_min=<...> engine_s_per_round=<median s> bare_s_per_round=<median s>`` (goal: ratio <= 1.1).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -44,9 +48,9 @@ def overrides(rounds: int) -> str:
     return f"strategy.name=fedavg rounds={rounds} evaluate_every={rounds + 1} client.device=cpu"
 
 
-def engine_seconds(rounds: int) -> float:
-    """Seconds per round of the in-process engine, one client at a time, over rounds 2 .. R − 1 (from the end of
-    round 1 to the end of round R − 1: every step of a round, the results and checkpoint written included)."""
+def engine_rounds(rounds: int) -> list[float]:
+    """Seconds of each of rounds 2 .. R − 1 of the in-process engine, one client at a time (from the end of the round
+    before to the end of the round: every step of a round, the results and checkpoint written included)."""
     import server_app
     from fedapps.flower.inprocess import InProcessGrid
 
@@ -60,12 +64,13 @@ def engine_seconds(rounds: int) -> float:
             tmp,
             after_round=lambda _rnd: ends.append(time.perf_counter()),
         )
-    torch.set_num_threads(1)  # the run sets the server's threads (1): as the bare loop below
-    return (ends[rounds - 2] - ends[0]) / (rounds - 2)
+    torch.set_num_threads(1)  # the run set the server's threads (1): as the bare loop
+    return [b - a for a, b in zip(ends[: rounds - 2], ends[1 : rounds - 1])]
 
 
-def bare_seconds(rounds: int) -> float:
-    """Seconds per round of the same training as a bare sequential loop (1 thread), after one warm-up round."""
+def bare_rounds(rounds: int) -> list[float]:
+    """Seconds of each of R − 2 rounds of the same training as a bare sequential loop (1 thread), after a warm-up
+    round."""
     cfg = load_config(CONFIG, overrides(rounds))
     fed = get_federation(dataclasses.asdict(cfg.data))
     model = build_model(cfg.model.name, fed.num_classes, fed.input_shape, seed=cfg.seed)
@@ -80,10 +85,12 @@ def bare_seconds(rounds: int) -> float:
         return average([weighted_sum(updates)])
 
     state = one_round(0, state)
-    t0 = time.perf_counter()
+    seconds = []
     for rnd in range(1, rounds - 1):
+        t0 = time.perf_counter()
         state = one_round(rnd, state)
-    return (time.perf_counter() - t0) / (rounds - 2)
+        seconds.append(time.perf_counter() - t0)
+    return seconds
 
 
 def main() -> None:
@@ -94,18 +101,22 @@ def main() -> None:
         parser.error("--rounds must be >= 3 (round 1 is the warm-up, round R carries the closing evaluation)")
     os.environ["FEDAPPS_CLIENT_THREADS"] = "1"
     torch.set_num_threads(1)
-    engine = engine_seconds(args.rounds)
-    bare = bare_seconds(args.rounds)
-    print(f"engine: {engine:.3f} s per round (in-process, 1 client at a time, 1 thread; {args.rounds - 2} rounds)")
-    print(f"bare:   {bare:.3f} s per round (sequential PyTorch loop, 1 thread, preloaded tensors)")
-    print(f"ratio={engine / bare:.3f} engine_s_per_round={engine:.3f} bare_s_per_round={bare:.3f}")
+    bare_before = bare_rounds(args.rounds)
+    engine_all = engine_rounds(args.rounds)
+    bare_all = bare_before + bare_rounds(args.rounds)
+    engine, bare = statistics.median(engine_all), statistics.median(bare_all)
+    ratio, ratio_min = engine / bare, min(engine_all) / min(bare_all)
+    print(f"engine: {' '.join(f'{x:.2f}' for x in engine_all)} s per round (in-process, 1 client at a time, 1 thread)")
+    print(f"bare:   {' '.join(f'{x:.2f}' for x in bare_all)} s per round (sequential loop, 1 thread, before and after)")
+    print(f"ratio={ratio:.3f} ratio_min={ratio_min:.3f} engine_s_per_round={engine:.3f} bare_s_per_round={bare:.3f}")
     record(
         "training_path",
         {
-            "ratio": round(engine / bare, 3),
+            "ratio": round(ratio, 3),
+            "ratio_min": round(ratio_min, 3),
             "engine_s_per_round": round(engine, 3),
             "bare_s_per_round": round(bare, 3),
-            "rounds_timed": args.rounds - 2,
+            "rounds_timed": len(engine_all),
         },
     )
 
