@@ -49,11 +49,13 @@ def evaluate(model: torch.nn.Module, c) -> None:
 
 
 def client_update(
-    model: torch.nn.Module, global_state: State, c, seed: int, settings: OptimSettings
+    model: torch.nn.Module, global_state: State, c, seed: int, settings: OptimSettings, evaluations: bool = True
 ) -> tuple[State, int]:
-    """One client's round (see the module docstring): the trained state and the client's sample count."""
+    """One client's round (see the module docstring): the trained state and the client's sample count;
+    ``evaluations`` False: the training alone (no evaluation before or after)."""
     model.load_state_dict(global_state)
-    evaluate(model, c)
+    if evaluations:
+        evaluate(model, c)
     opt = make_optimizer(model.parameters(), settings)
     g = torch.Generator().manual_seed(seed)
     n, batch = len(c.train_x), settings.batch_size
@@ -65,7 +67,8 @@ def client_update(
             opt.zero_grad()
             F.cross_entropy(model(c.train_x[idx]), c.train_y[idx]).backward()
             opt.step()
-    evaluate(model, c)
+    if evaluations:
+        evaluate(model, c)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, n
 
 
