@@ -8,6 +8,7 @@ from .zoo import (
     check_model_names,
     classifier_name,
     count_parameters,
+    seeded,
     state_part,
     top_level_children,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "check_model_names",
     "classifier_name",
     "count_parameters",
+    "seeded",
     "state_part",
     "top_level_children",
 ]

@@ -48,8 +48,9 @@ _CLASSIFIER_ATTR = "_fedapps_classifier"
 
 
 @contextlib.contextmanager
-def _seeded(seed: int | None) -> Iterator[None]:
-    """Seed the CPU RNG for the block and restore it after, so the caller's global RNG is untouched. Either way
+def seeded(seed: int | None) -> Iterator[None]:
+    """Seed the CPU RNG for the block (a model built in it, by the zoo or by a user's own factory, is initialised the
+    same every time) and restore it after, so the caller's global RNG is untouched. Either way
     the block holds :data:`GLOBAL_RNG_LOCK`: an initialisation draws from the global RNG, which another thread
     must not re-seed or draw from meanwhile."""
     with GLOBAL_RNG_LOCK:
@@ -97,7 +98,7 @@ def build_model(name: str, num_classes: int, input_shape: tuple[int, int, int], 
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise ModelError(f"num_classes must be a positive int, got {num_classes!r}")
     shape = _check_shape(name, input_shape, spec.min_size)
-    with _seeded(seed):
+    with seeded(seed):
         model = spec.builder(num_classes, shape)
         if spec.kaiming:
             vision.kaiming_init(model)

@@ -1,0 +1,69 @@
+"""Our strategies for any Flower app: subclasses of Flower's ``flwr.serverapp.strategy.Strategy``, driven by Flower's
+own ``strategy.start(grid=..., initial_arrays=..., num_rounds=...)``, and the client helpers a user's ClientApp
+calls (docs/flower-apps.md).
+
+A top layer, like the tools: the one module of ``fedapps`` that imports ``strategies`` (where each algorithm's drop-in
+form lives beside the strategy our app runs, on the same maths).
+
+- :class:`Cosmos` — clustered server models, pseudo-labels only (its client side: :func:`cosmos_train` and
+  :func:`cosmos_evaluate` in two handlers of the user's ClientApp; :func:`count_classes` for its label-free weights).
+- :func:`load_partition` — one client's data (and U) as our app splits a data set, for a ClientApp that wants our
+  partitions through a loader (the examples, the equivalence tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fedapps.config import config_from_dict
+from fedapps.data import get_federation
+from strategies.cosmos import CosmosDropIn as Cosmos
+from strategies.cosmos import cosmos_evaluate, cosmos_train
+from strategies.pseudolabel_dropin import EVALUATE_TYPE, TRAIN_TYPE, count_classes
+
+__all__ = [
+    "Cosmos",
+    "cosmos_train",
+    "cosmos_evaluate",
+    "count_classes",
+    "TRAIN_TYPE",
+    "EVALUATE_TYPE",
+    "Partition",
+    "load_partition",
+]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One client's data as tensors (images N×C×H×W float32, labels int64): its train and test splits, drawn from
+    its own distribution, and the public set U (None unless ``public_fraction`` > 0), the same on every client."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    public_x: torch.Tensor | None
+    num_classes: int
+    input_shape: tuple[int, int, int]
+
+
+def load_partition(partition_id: int, num_partitions: int, **data: Any) -> Partition:
+    """Client ``partition_id`` of ``num_partitions``, split as our app splits the data set ``data`` describes: the
+    keys of the config's ``data`` section (``source``, ``partition``, ``alpha``, ``public_fraction``, ``seed``, ...;
+    unknown keys and bad values are ConfigErrors naming the key). Loaded and partitioned once per process."""
+    cfg = config_from_dict({"data": {**data, "num_clients": int(num_partitions)}})
+    fed = get_federation(dataclasses.asdict(cfg.data))
+    client = fed.client(int(partition_id))
+    return Partition(
+        client.train_x,
+        client.train_y,
+        client.test_x,
+        client.test_y,
+        fed.public_x,
+        int(fed.num_classes),
+        tuple(int(d) for d in fed.input_shape),  # type: ignore[arg-type]
+    )
