@@ -8,7 +8,8 @@ form lives beside the strategy our app runs, on the same maths).
 - :class:`Cosmos` — clustered server models, pseudo-labels only (its client side: :func:`cosmos_train` and
   :func:`cosmos_evaluate` in two handlers of the user's ClientApp; :func:`count_classes` for its label-free weights).
 - :func:`load_partition` — one client's data (and U) as our app splits a data set, for a ClientApp that wants our
-  partitions through a loader (the examples, the equivalence tests).
+  partitions through a loader (the examples, the equivalence tests); :func:`load_public` — U alone, for the
+  ServerApp.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fedapps.config import config_from_dict
+from fedapps.config import ConfigError, config_from_dict
 from fedapps.data import get_federation
 from strategies.cosmos import CosmosDropIn as Cosmos
 from strategies.cosmos import cosmos_evaluate, cosmos_train
@@ -34,6 +35,7 @@ __all__ = [
     "EVALUATE_TYPE",
     "Partition",
     "load_partition",
+    "load_public",
 ]
 
 
@@ -67,3 +69,14 @@ def load_partition(partition_id: int, num_partitions: int, **data: Any) -> Parti
         int(fed.num_classes),
         tuple(int(d) for d in fed.input_shape),  # type: ignore[arg-type]
     )
+
+
+def load_public(**data: Any) -> torch.Tensor:
+    """The public set U of the data set ``data`` describes (the keys of :func:`load_partition`): the held-out,
+    class-stratified ``public_fraction`` of it, the same whatever the number of clients, in a fixed order."""
+    cfg = config_from_dict({"data": data})
+    if cfg.data.public_fraction <= 0:
+        raise ConfigError("load_public: set public_fraction in (0, 1), e.g. 0.2 (the share of the data held out as U)")
+    public_x = get_federation(dataclasses.asdict(cfg.data)).public_x
+    assert public_x is not None  # public_fraction > 0
+    return public_x

@@ -193,7 +193,7 @@ def pseudolabel_train(
     content = RecordDict(
         {
             protocol.METRICS: MetricRecord(metrics),
-            protocol.PREDICTIONS: ArrayRecord({protocol.PREDICTION_ARRAY: predictions}),
+            protocol.PREDICTIONS: protocol.arrays_record({protocol.PREDICTION_ARRAY: predictions}),
         }
     )
     return Message(content=content, reply_to=msg)
