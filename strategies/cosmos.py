@@ -720,12 +720,16 @@ class CosmosDropIn(PseudoLabelDropIn):
         self.distance_clients: list[int] = []
 
     def round_request(self, server_round: int) -> protocol.Request:
+        """Our app's round settings (:func:`round_sections`), the clients' epochs in every round, and the
+        distillation keeping U's last partial batch (in our app: ``client.drop_last``, false in its COSMOS configs)."""
         p = self.params
+        sections = round_sections(p, server_round, self.local_epochs)
+        sections[protocol.DISTILL] = dataclasses.replace(sections[protocol.DISTILL], drop_last=False)
         return protocol.Request(
             ops=ROUND_OPS,
             round=server_round,
             setup=protocol.Setup(model=protocol.ModelSpec(None, self.seed)),
-            training=protocol.Training(sections=round_sections(p, server_round, self.local_epochs)),
+            training=protocol.Training(sections=sections),
             public=protocol.PublicSet(self.fingerprint, "probs", p.uplink_encoding),
         )
 

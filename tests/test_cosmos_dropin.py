@@ -399,7 +399,7 @@ def test_the_client_refuses_another_u_and_reports_it() -> None:
 def test_the_helper_distils_as_our_client_does(tmp_path: Path) -> None:
     """Objective (2) in the helper is our client's: with the label-free weights and r_B the distillation moves the
     model differently than without them (the settings are read), and float16 targets on the wire are decoded."""
-    grid = AppGrid(user_app, 1)
+    grid = AppGrid(user_app, 2)
     public = load_public(**DATA)
     losses = {}
     for weighting, rb in (("label-free", 5.0), ("none", 0.0)):
@@ -407,29 +407,78 @@ def test_the_helper_distils_as_our_client_does(tmp_path: Path) -> None:
             server_model_fn=Net,
             public_x=public,
             num_classes=10,
-            min_train_nodes=1,
-            min_available_nodes=1,
             weighting=weighting,
             rb_lambda=rb,
             downlink_encoding="float16",
             pretrain_epochs=1,
             distill_epochs=1,
         )
-        node = grid.get_node_ids()[0]
-        grid.contexts[node].state = RecordDict()
+        for context in grid.contexts.values():
+            context.state = RecordDict()  # a fresh own model
         for rnd in (1, 2):
-            [reply] = grid.send_and_receive(dropin.configure_train(rnd, ArrayRecord(), ConfigRecord(), grid))
-            assert not reply.has_error(), reply.error.reason
-            dropin.aggregate_train(rnd, [reply])
-        metrics = reply.content[protocol.METRICS]
-        losses[weighting] = metrics[protocol.metric_name(protocol.DISTILL, "loss")]
-        assert metrics[protocol.CLIENT_ID] == 0 and metrics[protocol.NUM_EXAMPLES] == len(load_data_of(0)[0])
+            replies = grid.send_and_receive(dropin.configure_train(rnd, ArrayRecord(), ConfigRecord(), grid))
+            assert not any(r.has_error() for r in replies), [r.error.reason for r in replies if r.has_error()]
+            dropin.aggregate_train(rnd, replies)
+        metrics = {r.content[protocol.METRICS][protocol.CLIENT_ID]: r.content[protocol.METRICS] for r in replies}
+        losses[weighting] = metrics[0][protocol.metric_name(protocol.DISTILL, "loss")]
+        assert metrics[1][protocol.NUM_EXAMPLES] == len(load_partition(1, 2, **DATA).train_y)
+        sent = [m for m in grid.sent if m.metadata.group_id == "2"][-2:]
+        assert all(m.content[protocol.TARGETS][protocol.TARGET_ARRAY].numpy().dtype == np.float16 for m in sent)
     assert losses["label-free"] != losses["none"]
 
 
-def load_data_of(pid: int):
-    part = load_partition(pid, 1, **DATA)
-    return part.train_y, part.test_y
+def test_the_helpers_distillation_and_predictions_are_our_clients_to_the_bit(tmp_path: Path) -> None:
+    """Given the same targets, a client of our app (the generic worker, the zoo's mlp) and the helper (the user's Net,
+    built under the run's seed) distil to the same model: their predictions on U are equal to the bit. Only the local
+    training loop is the user's own."""
+    from fedapps.client.worker import handle
+
+    path = write_config(tmp_path, weighting="label-free", rb_lambda=5.0)
+    app, dropin = AppCosmos(load_config(path)), dropin_for(path)
+    fed = app.fed
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.ones(10), size=len(fed.public_x)).astype(np.float32)
+    targets = protocol.Targets(probs).encode()
+
+    def context() -> Context:
+        return Context(
+            run_id=1, node_id=5, node_config={"partition-id": 1, "num-partitions": N}, state=RecordDict(), run_config={}
+        )
+
+    request = dataclasses.replace(app.round_request(2), ops=("distill", "predict"))
+    ours = handle(protocol.build_message(5, request, targets=targets), context())
+    msg = Message(
+        RecordDict({protocol.CONFIG: dropin.round_request(2).encode(), protocol.TARGETS: targets}),
+        dst_node_id=5,
+        message_type=TRAIN_TYPE,
+        group_id="2",
+    )
+    trained: list[int] = []
+    theirs = cosmos_train(
+        msg,
+        context(),
+        model_fn=Net,
+        public_x=fed.public_x,
+        train_fn=lambda net, epochs: trained.append(epochs),  # the user's loop: left out here
+        class_counts=fed.train_counts[1],
+    )
+    assert trained == [CLIENT["epochs"]]
+    want = ours.content[protocol.PREDICTIONS][protocol.PREDICTION_ARRAY].numpy()
+    got = theirs.content[protocol.PREDICTIONS][protocol.PREDICTION_ARRAY].numpy()
+    np.testing.assert_array_equal(got, want)
+    loss = protocol.metric_name(protocol.DISTILL, "loss")
+    assert theirs.content[protocol.METRICS][loss] == ours.content[protocol.METRICS][loss]
+    assert not np.array_equal(got, predictions_without_distillation(fed, request))  # the distillation did something
+
+
+def predictions_without_distillation(fed, request: protocol.Request) -> np.ndarray:
+    from fedapps.client.worker import handle
+
+    ctx = Context(
+        run_id=1, node_id=5, node_config={"partition-id": 1, "num-partitions": N}, state=RecordDict(), run_config={}
+    )
+    reply = handle(protocol.build_message(5, dataclasses.replace(request, ops=("predict",))), ctx)
+    return reply.content[protocol.PREDICTIONS][protocol.PREDICTION_ARRAY].numpy()
 
 
 # --------------------------------------------------------------------------- end to end, Flower's start()
@@ -447,11 +496,14 @@ def test_flowers_start_drives_the_drop_in_with_a_quickstart_clientapp_as_our_app
     summary = server_app.run_experiment(InProcessGrid(N), str(path), "", str(tmp_path / "results"))
     run = tmp_path / "results" / load_config(path).resolved_run_name()
     ours = json.loads((run / "clusters.json").read_text())
-    assert dropin.clustering.clusters == ours["clusters"] == [[0, 2], [1, 3]]
+    groups = AppCosmos(load_config(path)).fed.groups  # the partition's true client groups
+    truth = [[c for c in range(N) if groups[c] == g] for g in sorted(set(groups.tolist()))]
+    assert dropin.clustering.clusters == ours["clusters"] == truth
     mine = {c: m[DEPLOYED_ACC] for c, m in dropin.client_metrics[2].items()}
     app_acc = per_client_accuracy(run, 2)
     assert sorted(mine) == sorted(app_acc) == list(range(N))
     gaps = [abs(mine[c] - app_acc[c]) for c in range(N)]
+    print("per-client accuracy after round 2, drop-in with start():", mine, "our app:", app_acc)
     assert max(gaps) <= 0.1, (mine, app_acc)
     assert abs(np.mean(list(mine.values())) - summary["cluster_model_accuracy"]) <= 0.05
     assert result.evaluate_metrics_clientapp[2][f"{DEPLOYED_ACC}-mean"] == pytest.approx(np.mean(list(mine.values())))
