@@ -383,10 +383,16 @@ class PseudoLabelDropIn(Strategy):
             else:
                 wire = record[protocol.PREDICTION_ARRAY].numpy()
                 problem = prediction_problem(wire, self.spec_for_replies())
-        if problem is not None:
+        if problem is None:
+            count = metrics.get(protocol.NUM_EXAMPLES)
+            if not isinstance(count, (int, float)) or isinstance(count, bool) or count < 0:
+                problem = f"'{protocol.NUM_EXAMPLES}' is not a count: {count!r}"
+        cid = reported_id(metrics, node) if problem is None else None
+        if problem is None and cid is None:
+            problem = f"'{protocol.CLIENT_ID}' is not an integer: {metrics.get(protocol.CLIENT_ID)!r}"
+        if problem is not None or cid is None:
             log.warning("%s: the reply of node %d is dropped: %s", type(self).__name__, node, problem)
             return None
-        cid = int(metrics.get(protocol.CLIENT_ID, node))
         self.node_client[node] = cid
         return cid, pseudolabels.soft_labels(wire, self.num_classes), metrics
 
@@ -428,31 +434,43 @@ class PseudoLabelDropIn(Strategy):
                 log.warning("%s: the evaluation of node %d is dropped: %s", type(self).__name__, node, reason)
                 continue
             metrics = reply.content.metric_records[protocol.METRICS]
-            if not all(isinstance(metrics.get(k), (int, float)) for k in (DEPLOYED_ACC, protocol.NUM_EXAMPLES)):
+            if not all(
+                isinstance(metrics.get(k), (int, float)) and not isinstance(metrics.get(k), bool)
+                for k in (DEPLOYED_ACC, protocol.NUM_EXAMPLES)
+            ):
                 log.warning("%s: the evaluation of node %d lacks %s", type(self).__name__, node, DEPLOYED_ACC)
                 continue
-            cid = int(metrics.get(protocol.CLIENT_ID, self.node_client.get(node, node)))
+            cid = reported_id(metrics, self.node_client.get(node, node))
+            if cid is None:
+                log.warning("%s: the evaluation of node %d has a bad %s", type(self).__name__, node, protocol.CLIENT_ID)
+                continue
             per_client[cid] = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
             kept.append(metrics)
         if not per_client:
             return None
         self.client_metrics[server_round] = dict(sorted(per_client.items()))
         out = weighted_means(kept)
-        for key in (DEPLOYED_ACC, OWN_ACC):
+        for key in (DEPLOYED_ACC, OWN_ACC):  # the mean over clients, the headline as our app reports it
             values = [m[key] for m in per_client.values() if key in m]
             if values:
                 out[f"{key}-mean"] = float(np.mean(values))
         return MetricRecord(out)
 
 
-def weighted_means(records: list[MetricRecord]) -> dict[str, float]:
+def reported_id(metrics: MetricRecord, fallback: int) -> int | None:
+    """The ``client-id`` a reply reports (``fallback``, the node id, when it reports none); None: not an integer."""
+    value = metrics.get(protocol.CLIENT_ID, fallback)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def weighted_means(records: list[MetricRecord]) -> dict[str, Any]:
     """Every numeric metric the records share (client ids aside), averaged with ``num-examples`` as weights."""
     if not records:
         return {}
-    weights = np.array([float(r.get(protocol.NUM_EXAMPLES, 0)) for r in records])
+    weights = np.array([r[protocol.NUM_EXAMPLES] for r in records], dtype=np.float64)  # checked: a count in each
     total = weights.sum()
     shared = set.intersection(*(set(r.keys()) for r in records)) - {protocol.NUM_EXAMPLES, protocol.CLIENT_ID}
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     for key in sorted(shared):
         values = [r[key] for r in records]
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):

@@ -345,7 +345,7 @@ def test_bad_replies_are_dropped_and_bad_settings_refused(tmp_path: Path, caplog
     path = write_config(tmp_path)
     dropin = dropin_for(path, nodes=3)
     n = len(dropin.public_x)
-    [msg, other, third] = dropin.configure_train(1, ArrayRecord(), ConfigRecord(), Nodes([7, 8, 9]))
+    [msg, other, third, fourth] = dropin.configure_train(1, ArrayRecord(), ConfigRecord(), Nodes([7, 8, 9, 10]))
     good = np.full((n, 10), 0.1, np.float32)
     replies = [
         Message(Error(code=0, reason="boom"), reply_to=msg),
@@ -369,11 +369,20 @@ def test_bad_replies_are_dropped_and_bad_settings_refused(tmp_path: Path, caplog
             ),
             reply_to=third,
         ),
+        Message(
+            RecordDict(
+                {
+                    protocol.METRICS: MetricRecord({protocol.NUM_EXAMPLES: 3, protocol.CLIENT_ID: 1.5}),
+                    protocol.PREDICTIONS: protocol.arrays_record({protocol.PREDICTION_ARRAY: good}),
+                }
+            ),
+            reply_to=fourth,
+        ),
     ]
     assert dropin.aggregate_train(1, replies) == (None, None)
     assert dropin.clustering is None
     text = caplog.text
-    assert "boom" in text and f"expected ({n}, 10)" in text and "probability" in text
+    assert "boom" in text and f"expected ({n}, 10)" in text and "probability" in text and "not an integer" in text
     with pytest.raises(ConfigError, match="CosmosDropIn.max_clusters"):
         Cosmos(server_model_fn=Net, public_x=dropin.public_x, num_classes=10, max_clusters=0)
     with pytest.raises(ConfigError, match="server_model_fn"):
