@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -552,6 +553,7 @@ def flwr_run_app(app_dir: Path, run_config: str, supernodes: int) -> list[str]:
         return lines
     finally:
         link.stop()
+        shutil.rmtree(link.home, ignore_errors=True)
 
 
 @pytest.mark.heavy
