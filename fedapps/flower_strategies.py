@@ -1,6 +1,6 @@
 """Our strategies for any Flower app: subclasses of Flower's ``flwr.serverapp.strategy.Strategy``, driven by Flower's
 own ``strategy.start(grid=..., initial_arrays=..., num_rounds=...)``, and the client helpers a user's ClientApp
-calls (docs/flower-apps.md).
+calls (docs/flower-apps-cosmos.md).
 
 A top layer, like the tools: the one module of ``fedapps`` that imports ``strategies`` (where each algorithm's drop-in
 form lives beside the strategy our app runs, on the same maths).

@@ -2,8 +2,8 @@
 from two handlers, and :class:`PseudoLabelDropIn`, the base of the drop-in server strategies (subclasses of Flower's
 ``flwr.serverapp.strategy.Strategy``, driven by Flower's own ``start()``).
 
-The convention (docs/flower-apps.md, "COSMOS and the pseudo-label methods"). One round is the two phases of Flower's
-``start()`` loop:
+The convention (docs/flower-apps-cosmos.md, "COSMOS and the pseudo-label methods"). One round is the two phases of
+Flower's ``start()`` loop:
 
 - ``train.pseudolabels`` (:data:`TRAIN_TYPE`): the server's settings in ``config`` (the same schema as our app's
   messages, :class:`fedapps.wire.protocol.Request`: the round, the seed, U's fingerprint, the ``distill.*`` and

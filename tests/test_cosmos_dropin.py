@@ -531,6 +531,39 @@ def per_client_accuracy(run: Path, rnd: int) -> dict[int, float]:
     return {int(k[len(prefix) :]): float(v) for k, v in row.items() if k.startswith(prefix) and v != ""}
 
 
+def test_what_composes_with_flowers_evaluate_fn_and_dp_wrappers() -> None:
+    """``evaluate_fn`` runs but only ever sees the empty global arrays (COSMOS has no global model: evaluate on the
+    clients); Flower's server-side DP wrapper does not compose: it clips each reply's arrays as a model update against
+    the global model, and a COSMOS reply carries predictions, not an update (our app's ``privacy.mode: client`` is the
+    pseudo-label exchange's DP)."""
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
+
+    def cosmos() -> Cosmos:
+        return Cosmos(
+            server_model_fn=Net,
+            public_x=load_public(**DATA),
+            num_classes=10,
+            pretrain_epochs=1,
+            server_epochs=1,
+            distill_epochs=1,
+        )
+
+    seen: list[int] = []
+    strategy = cosmos()
+    result = strategy.start(
+        grid=AppGrid(user_app, 2),
+        initial_arrays=ArrayRecord(),
+        num_rounds=1,
+        evaluate_fn=lambda rnd, arrays: seen.append(len(arrays)),
+    )
+    assert seen == [0, 0] and result.evaluate_metrics_serverapp == {} and strategy.clustering is not None
+    wrapped = DifferentialPrivacyServerSideFixedClipping(
+        cosmos(), noise_multiplier=1.0, clipping_norm=1.0, num_sampled_clients=2
+    )
+    with pytest.raises(ValueError, match="zip"):
+        wrapped.start(grid=AppGrid(user_app, 2), initial_arrays=ArrayRecord(), num_rounds=1)
+
+
 # --------------------------------------------------------------------------- the example, through `flwr run`
 
 
@@ -585,3 +618,25 @@ def test_the_example_runs_through_flwr_run_as_our_app_runs_cosmos(tmp_path: Path
     print("per-client accuracy, drop-in via flwr run:", theirs, "our app:", app_acc)
     assert sorted(theirs) == sorted(app_acc) == list(range(N))
     assert max(abs(theirs[c] - app_acc[c]) for c in range(N)) <= 0.1, (theirs, app_acc)
+
+
+def test_the_example_is_a_small_complete_flower_app() -> None:
+    """What `flwr run examples/cosmos-quickstart` bundles: its own pyproject with the components, a ServerApp of at
+    most 40 lines, and a FAB far under Flower's 10 MB cap (no data, no results inside the app folder)."""
+    import io
+    import tomllib
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+
+    config = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())
+    components = config["tool"]["flwr"]["app"]["components"]
+    assert components == {
+        "serverapp": "cosmos_quickstart.server_app:app",
+        "clientapp": "cosmos_quickstart.client_app:app",
+    }
+    assert len((EXAMPLE / "cosmos_quickstart" / "server_app.py").read_text().splitlines()) <= 40
+    fab = build_fab_from_disk(EXAMPLE)
+    assert len(fab) < 100_000  # Flower refuses a FAB over 10 MB
+    names = set(zipfile.ZipFile(io.BytesIO(fab)).namelist())
+    assert {"pyproject.toml", "cosmos_quickstart/client_app.py", "cosmos_quickstart/task.py"} <= names
