@@ -22,7 +22,7 @@ import torch
 
 from fedapps.config import ConfigError, config_from_dict
 from fedapps.data import get_federation
-from strategies.cosmos import CosmosDropIn as Cosmos
+from strategies.cosmos import FlowerCosmos as Cosmos
 from strategies.cosmos import cosmos_evaluate, cosmos_train
 from strategies.pseudolabel_dropin import EVALUATE_TYPE, TRAIN_TYPE, count_classes
 

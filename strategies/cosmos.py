@@ -54,7 +54,13 @@ from fedapps.server import client_privacy, clustering
 from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
-from strategies.pseudolabel_dropin import PseudoLabelDropIn, TestFn, TrainFn, pseudolabel_evaluate, pseudolabel_train
+from strategies.pseudolabel_dropin import (
+    FlowerPseudoLabelStrategy,
+    TestFn,
+    TrainFn,
+    pseudolabel_evaluate,
+    pseudolabel_train,
+)
 
 log = logging.getLogger("fedapps")
 
@@ -525,7 +531,7 @@ def server_target(stack: np.ndarray, aggregation: str, temperature: float) -> np
 
 
 # --------------------------------------------------------------------------- the maths both forms run
-# (the app's Cosmos above and the drop-in CosmosDropIn below call these, and only these)
+# (the app's Cosmos above and the drop-in FlowerCosmos below call these, and only these)
 
 
 def round_sections(p: CosmosParams, server_round: int, local_epochs: int | None = None) -> dict[str, protocol.Section]:
@@ -659,7 +665,7 @@ def log_server_model(
 # --------------------------------------------------------------------------- the drop-in form, for any Flower app
 
 
-class CosmosDropIn(PseudoLabelDropIn):
+class FlowerCosmos(FlowerPseudoLabelStrategy):
     """COSMOS as a Flower ``Strategy`` for a user's own ClientApp (exported as ``fedapps.flower_strategies.Cosmos``):
     driven by Flower's ``start()``, it clusters the clients on their round-1 predictions on U and trains one cluster
     model per cluster, built by ``server_model_fn`` (the user's own architecture), with the functions our app's
@@ -700,14 +706,14 @@ class CosmosDropIn(PseudoLabelDropIn):
             min_available_nodes=min_available_nodes,
         )
         if "server_model" in params:
-            raise ConfigError("CosmosDropIn(server_model=...): give the architecture as server_model_fn, a factory")
+            raise ConfigError("Cosmos(server_model=...): give the architecture as server_model_fn, a factory")
         if not callable(server_model_fn):
             raise ConfigError(
-                f"CosmosDropIn: server_model_fn must be callable (returning an nn.Module), got {server_model_fn!r}"
+                f"Cosmos: server_model_fn must be callable (returning an nn.Module), got {server_model_fn!r}"
             )
         if int(local_epochs) < 1:
-            raise ConfigError(f"CosmosDropIn(local_epochs={local_epochs}): must be at least 1")
-        self.params: CosmosParams = parse_params(CosmosParams, params, "CosmosDropIn")
+            raise ConfigError(f"Cosmos(local_epochs={local_epochs}): must be at least 1")
+        self.params: CosmosParams = parse_params(CosmosParams, params, "Cosmos")
         self.server_model_fn = server_model_fn
         self.local_epochs = int(local_epochs)
         self.device = ops.resolve_device(self.params.server_device)

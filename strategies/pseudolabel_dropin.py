@@ -1,6 +1,6 @@
 """The pseudo-label exchange in any Flower app: its message convention, the client helpers a user's ClientApp calls
-from two handlers, and :class:`PseudoLabelDropIn`, the base of the drop-in server strategies (subclasses of Flower's
-``flwr.serverapp.strategy.Strategy``, driven by Flower's own ``start()``).
+from two handlers, and :class:`FlowerPseudoLabelStrategy`, the base of the drop-in server strategies (subclasses of
+Flower's ``flwr.serverapp.strategy.Strategy``, driven by Flower's own ``start()``).
 
 The convention (docs/flower-apps-cosmos.md, "COSMOS and the pseudo-label methods"). One round is the two phases of
 Flower's ``start()`` loop:
@@ -246,7 +246,7 @@ def pseudolabel_evaluate(
 # --------------------------------------------------------------------------- server side
 
 
-class PseudoLabelDropIn(Strategy):
+class FlowerPseudoLabelStrategy(Strategy):
     """What the drop-in pseudo-label strategies share: Flower's sampling (``fraction_*``, ``min_*_nodes``, as
     Flower's FedAvg), the messages of the convention, the reply checks, the per-client evaluation record.
 

@@ -1,4 +1,4 @@
-"""COSMOS as a drop-in Flower strategy (:class:`strategies.cosmos.CosmosDropIn`, exported as
+"""COSMOS as a drop-in Flower strategy (:class:`strategies.cosmos.FlowerCosmos`, exported as
 ``fedapps.flower_strategies.Cosmos``) and its client helpers, against our app's COSMOS.
 
 - The server: fed the same predictions, the drop-in forms the same clusters, the same targets (to the bit) and the
@@ -384,11 +384,11 @@ def test_bad_replies_are_dropped_and_bad_settings_refused(tmp_path: Path, caplog
     assert dropin.clustering is None
     text = caplog.text
     assert "boom" in text and f"expected ({n}, 10)" in text and "probability" in text and "not an integer" in text
-    with pytest.raises(ConfigError, match="CosmosDropIn.max_clusters"):
+    with pytest.raises(ConfigError, match="Cosmos.max_clusters"):
         Cosmos(server_model_fn=Net, public_x=dropin.public_x, num_classes=10, max_clusters=0)
     with pytest.raises(ConfigError, match="server_model_fn"):
         Cosmos(server_model_fn=Net, public_x=dropin.public_x, num_classes=10, server_model="mlp")
-    with pytest.raises(ConfigError, match="unknown key 'CosmosDropIn.nonsense'"):
+    with pytest.raises(ConfigError, match="unknown key 'Cosmos.nonsense'"):
         Cosmos(server_model_fn=Net, public_x=dropin.public_x, num_classes=10, nonsense=1)
 
 
