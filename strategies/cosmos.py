@@ -32,28 +32,35 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.app import Array, ArrayRecord, Message
+from flwr.app import Array, ArrayRecord, Context, Message
 from torch import Tensor, nn
 
 from fedapps.client import ops
 from fedapps.client.clientops import ProtocolError, distill_term, distill_weighting
 from fedapps.config import DEVICES, OPTIMIZERS, ConfigError, ExperimentConfig
 from fedapps.data import Federation, get_federation
-from fedapps.models import MODEL_NAMES, build_model
-from fedapps.params import param
+from fedapps.models import MODEL_NAMES, build_model, seeded
+from fedapps.params import param, parse_params
 from fedapps.reporting.results import Artifact
 from fedapps.seeds import derive_seed
 from fedapps.server import client_privacy, clustering
 from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
+from strategies.pseudolabel_dropin import (
+    FlowerPseudoLabelStrategy,
+    TestFn,
+    TrainFn,
+    pseudolabel_evaluate,
+    pseudolabel_train,
+)
 
 log = logging.getLogger("fedapps")
 
@@ -73,11 +80,16 @@ def frequency_weights(class_counts: np.ndarray, labels: np.ndarray) -> torch.Ten
     return torch.as_tensor(freq[np.clip(labels, 0, len(freq) - 1)], dtype=torch.float32)
 
 
-@distill_weighting("label-free")
-def label_free_weights(w, targets: np.ndarray, rows) -> torch.Tensor:
+def label_free(class_counts: np.ndarray, targets: np.ndarray) -> torch.Tensor:
     """w_i(x) from the server's label: the client's local frequency of the target's argmax."""
     labels = targets if targets.ndim == 1 else targets.argmax(axis=-1)
-    return frequency_weights(w.fed.train_counts[w.client_id], labels)
+    return frequency_weights(class_counts, labels)
+
+
+@distill_weighting("label-free")
+def label_free_weights(w, targets: np.ndarray, rows) -> torch.Tensor:
+    """w_i(x) from the server's label, on the generic client: :func:`label_free` of its training counts."""
+    return label_free(w.fed.train_counts[w.client_id], targets)
 
 
 @distill_weighting("oracle")
@@ -129,10 +141,31 @@ def rb_term(lam: float, sigma: float, generator: torch.Generator | None = None) 
     )
 
 
+def section_rb_term(section: protocol.Section, generator: torch.Generator | None) -> ops.DistillTerm | None:
+    """r_B as the message's ``distill.rb_lambda`` / ``distill.rb_sigma`` ask (None when λ = 0)."""
+    return rb_term(float(section.extra.get(RB_LAMBDA, 0.0)), float(section.extra.get(RB_SIGMA, 0.05)), generator)
+
+
 @distill_term("rb")
 def rb_client_term(w, section: protocol.Section) -> ops.DistillTerm | None:
-    """r_B on the client, as the message's ``distill.rb_lambda`` / ``distill.rb_sigma`` ask (None when λ = 0)."""
-    return rb_term(float(section.extra.get(RB_LAMBDA, 0.0)), float(section.extra.get(RB_SIGMA, 0.05)), w.generator)
+    """r_B on the generic client (:func:`section_rb_term`, noise from the client's generator)."""
+    return section_rb_term(section, w.generator)
+
+
+def distill_extras(
+    section: protocol.Section, class_counts: np.ndarray, generator: torch.Generator
+) -> tuple[Callable[[np.ndarray], torch.Tensor | None], ops.DistillTerm | None]:
+    """Objective (2)'s weights and term in the drop-in client helper, as the generic client makes them:
+    ``distill.weighting`` none or label-free (:func:`label_free` of the client's counts; the oracle variant needs
+    U's true labels, which a user's client does not have), r_B from ``distill.rb_*``."""
+    weighting = section.weighting or "none"
+    if weighting not in ("none", "label-free"):
+        raise ProtocolError(
+            f"distill.weighting '{weighting}' is not offered to a user's ClientApp; allowed: none, label-free"
+        )
+    if weighting == "none":
+        return (lambda targets: None), section_rb_term(section, generator)
+    return (lambda targets: label_free(class_counts, targets)), section_rb_term(section, generator)
 
 
 # --------------------------------------------------------------------------- server side
@@ -201,13 +234,7 @@ class CosmosParams:
     downlink_encoding: str = param("float32", choices=pseudolabels.ENCODINGS, help="server → client pseudo-labels")
 
 
-def soft_predictions(pred: np.ndarray, num_classes: int) -> np.ndarray:
-    """A client's predictions on U (already checked by the reply validator) as float32 soft labels (n×M): hard
-    labels one-hot, probabilities clipped at 0 (the validator lets entries down to -1e-3 through)."""
-    decoded = pseudolabels.decode(pred, num_classes)
-    if np.issubdtype(pred.dtype, np.integer):
-        return pseudolabels.one_hot(decoded, num_classes)
-    return np.clip(decoded, 0.0, None)
+soft_predictions = pseudolabels.soft_labels  # a client's checked predictions on U as soft labels (n×M)
 
 
 class Cosmos(PersonalisedStrategy):
@@ -307,24 +334,10 @@ class Cosmos(PersonalisedStrategy):
     def round_request(self, server_round: int) -> protocol.Request:
         """The round message's request: data/model/client spec, U's fingerprint, distil/train/predict settings."""
         p: CosmosParams = self.params
-        sections = {
-            protocol.DISTILL: protocol.Section(
-                epochs=p.distill_epochs,
-                batch_size=p.distill_batch_size,
-                lr=p.distill_lr,
-                optimizer=p.distill_optimizer,
-                clip_norm=p.distill_clip_norm,
-                loss="kl",
-                weighting=p.weighting,
-                extra={RB_LAMBDA: p.rb_lambda, RB_SIGMA: p.rb_sigma},
-            )
-        }
-        if server_round == 1:
-            sections[protocol.TRAIN] = protocol.Section(epochs=p.pretrain_epochs)  # E0 pre-training
         return self.request(
             server_round,
             ROUND_OPS,
-            training=protocol.Training(sections=sections),
+            training=protocol.Training(sections=round_sections(p, server_round)),
             public=protocol.PublicSet(self.fed.fingerprint, "probs", p.uplink_encoding),
         )
 
@@ -400,37 +413,22 @@ class Cosmos(PersonalisedStrategy):
 
     def cluster_round_one(self, preds: dict[int, np.ndarray]) -> None:
         """Phase 1 clustering on the first round's predictions (clusters then stay fixed)."""
-        p: CosmosParams = self.params
-        ids = sorted(preds)
         t0 = time.perf_counter()
-        self.distances = clustering.pairwise_distances(np.stack([preds[c] for c in ids]), p.distance)
-        self.distance_clients = ids
-        result = clustering.cluster_clients(
-            self.distances, p.b0_mode, p.b0, p.max_clusters, p.b0_start, p.b0_step, p.distance
-        )
-        result.clusters = [[ids[i] for i in members] for members in result.clusters]
-        self.clustering = result
-        for k, members in enumerate(result.clusters):
-            for cid in members:
-                self.cluster_of[cid] = k
+        self.clustering, self.distances, self.distance_clients = cluster_on(preds, self.params)
+        self.cluster_of = cluster_index(self.clustering)
         log.info(
             "cosmos: distances and clustering of %d clients in %.3f s; clusters %s",
-            len(ids),
+            len(self.distance_clients),
             time.perf_counter() - t0,
-            result.clusters,
+            self.clustering.clusters,
         )
 
     def assign_newcomer(self, cid: int, pred: np.ndarray) -> None:
         """A client first seen after round 1 joins the cluster whose current target is nearest to its predictions."""
-        ks = sorted(self.server_targets)
-        if not ks:
-            return
-        d = clustering.distance_to_centres(pred, np.stack([self.server_targets[k] for k in ks]), self.params.distance)
-        k = ks[int(np.argmin(d))]
-        self.cluster_of[cid] = k
-        assert self.clustering is not None  # server targets exist only once round one has clustered
-        self.clustering.clusters[k].append(cid)
-        log.info("cosmos: client %d (not seen in round 1) joins cluster %d (distance %.3f)", cid, k, float(d.min()))
+        assert self.clustering is not None or not self.server_targets  # server targets exist once round one clustered
+        nearest = join_nearest(cid, pred, self.server_targets, self.clustering, self.params.distance)
+        if nearest is not None:
+            self.cluster_of[cid] = nearest
 
     def server_model(self, k: int) -> torch.nn.Module:
         """h_k, built on first use (seeded by the experiment seed and k), then kept and fine-tuned forever."""
@@ -439,22 +437,13 @@ class Cosmos(PersonalisedStrategy):
                 self.params.server_model,
                 self.num_classes,
                 self.fed.input_shape,
-                seed=derive_seed(self.cfg.seed, "cosmos-server-init", k),
+                seed=server_init_seed(self.cfg.seed, k),
             ).to(self.device)
         return self.models[k]
 
     def train_cluster_models(self, server_round: int, preds: dict[int, np.ndarray]) -> dict[int, float]:
         """Objective (1) per cluster on this round's members' predictions; refresh h_k(U) for the next round."""
         p: CosmosParams = self.params
-        optim = ops.OptimSettings(
-            epochs=p.server_epochs,
-            batch_size=p.server_batch_size,
-            lr=p.server_lr,
-            optimizer=p.server_optimizer,
-            clip_norm=p.server_clip_norm,
-            drop_last=False,
-        )
-        dist = ops.DistillSettings(loss="kl")
         losses: dict[int, float] = {}
         public_x = self.fed.public_x
         assert self.clustering is not None and public_x is not None  # aggregate clusters first; __init__ checks U
@@ -467,45 +456,15 @@ class Cosmos(PersonalisedStrategy):
             if self.client_dp is not None:
                 target = self.private_target(server_round, k, [preds[c] for c in present], sampled)
             else:
-                member_preds = np.stack([preds[c] for c in present])
-                if p.member_clip > 0:
-                    centre = self.server_targets.get(k)
-                    if centre is None:
-                        centre = pseudolabels.aggregate(member_preds, "median")
-                    member_preds = pseudolabels.clip_to_centre(member_preds, centre, p.member_clip)
-                target = server_target(member_preds, p.aggregation, p.temperature)
-            model = self.server_model(k)
-            gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, "cosmos-server-distill", server_round, k))
-            with torch.random.fork_rng(devices=[]):  # dropout in h_k draws from a seeded global stream, restored after
-                torch.manual_seed(derive_seed(self.cfg.seed, "cosmos-server-global", server_round, k))
-                result = ops.distill(
-                    model,
-                    public_x,
-                    torch.as_tensor(target),
-                    optim,
-                    dist,
-                    generator=gen,
-                    term=rb_term(p.rb_lambda, p.rb_sigma, gen),
-                )
-            probs = ops.predict(model, public_x).numpy()
-            self.server_targets[k] = probs
-            wire = pseudolabels.encode(probs, p.downlink_encoding, self.num_classes)
-            self.wire_targets[k] = protocol.Targets(wire).encode()
-            agree = float((probs.argmax(1) == target.argmax(1)).mean())
-            losses[k] = result["loss"]
-            log.info(
-                "cosmos round %d: server model %d (%s) distilled on %d members' %s targets, %d epochs: loss %.4f, "
-                "agreement with targets %.3f, %.1f s",
-                server_round,
-                k,
-                p.server_model,
-                len(present),
-                p.aggregation,
-                p.server_epochs,
-                result["loss"],
-                agree,
-                time.perf_counter() - t0,
+                target = member_target(np.stack([preds[c] for c in present]), self.server_targets.get(k), p)
+            probs, losses[k] = distill_server_model(
+                self.server_model(k), public_x, target, p, self.cfg.seed, server_round, k
             )
+            self.server_targets[k] = probs
+            self.wire_targets[k] = protocol.Targets(
+                pseudolabels.encode(probs, p.downlink_encoding, self.num_classes)
+            ).encode()
+            log_server_model(server_round, k, p, len(present), losses[k], probs, target, time.perf_counter() - t0)
         return losses
 
     def sampled_members(self, members: list[int], present: list[int]) -> int:
@@ -578,6 +537,313 @@ def server_target(stack: np.ndarray, aggregation: str, temperature: float) -> np
     """A cluster's distillation target: members' predictions (members×n×M) aggregated, then tempered."""
     agg = pseudolabels.aggregate(stack.astype(np.float32), aggregation)
     return pseudolabels.apply_temperature(agg, temperature).astype(np.float32)
+
+
+# --------------------------------------------------------------------------- the maths both forms run
+# (the app's Cosmos above and the drop-in FlowerCosmos below call these, and only these)
+
+
+def round_sections(p: CosmosParams, server_round: int, local_epochs: int | None = None) -> dict[str, protocol.Section]:
+    """The settings of a round message's operations: ``distill`` (objective (2): optimiser, KL, w_i(x), r_B) and, in
+    round 1, ``train`` with E0 epochs; ``local_epochs``: the ``train`` epochs of the later rounds (None: not sent, the
+    client's own setting)."""
+    sections = {
+        protocol.DISTILL: protocol.Section(
+            epochs=p.distill_epochs,
+            batch_size=p.distill_batch_size,
+            lr=p.distill_lr,
+            optimizer=p.distill_optimizer,
+            clip_norm=p.distill_clip_norm,
+            loss="kl",
+            weighting=p.weighting,
+            extra={RB_LAMBDA: p.rb_lambda, RB_SIGMA: p.rb_sigma},
+        )
+    }
+    if server_round == 1:
+        sections[protocol.TRAIN] = protocol.Section(epochs=p.pretrain_epochs)  # E0 pre-training
+    elif local_epochs is not None:
+        sections[protocol.TRAIN] = protocol.Section(epochs=int(local_epochs))
+    return sections
+
+
+def cluster_on(
+    preds: Mapping[int, np.ndarray], p: CosmosParams
+) -> tuple[clustering.ClusteringResult, np.ndarray, list[int]]:
+    """Phase 1: the clients' distances (between their predictions on U, per sample) and the greedy threshold
+    clustering on them, its clusters as lists of client ids (ascending ids: ties go to the lowest); with the
+    distance matrix and the ids in its order."""
+    ids = sorted(preds)
+    distances = clustering.pairwise_distances(np.stack([preds[c] for c in ids]), p.distance)
+    result = clustering.cluster_clients(distances, p.b0_mode, p.b0, p.max_clusters, p.b0_start, p.b0_step, p.distance)
+    result.clusters = [[ids[i] for i in members] for members in result.clusters]
+    return result, distances, ids
+
+
+def cluster_index(result: clustering.ClusteringResult) -> dict[int, int]:
+    """Client id -> its cluster."""
+    return {cid: k for k, members in enumerate(result.clusters) for cid in members}
+
+
+def join_nearest(
+    cid: int,
+    pred: np.ndarray,
+    server_targets: Mapping[int, np.ndarray],
+    result: clustering.ClusteringResult | None,
+    distance: str,
+) -> int | None:
+    """A client first seen after round 1 joins the cluster whose current targets h_k(U) are nearest to its
+    predictions (added to ``result``'s members); None while there are no targets yet."""
+    ks = sorted(server_targets)
+    if not ks or result is None:
+        return None
+    d = clustering.distance_to_centres(pred, np.stack([server_targets[k] for k in ks]), distance)
+    k = ks[int(np.argmin(d))]
+    result.clusters[k].append(cid)
+    log.info("cosmos: client %d (not seen in round 1) joins cluster %d (distance %.3f)", cid, k, float(d.min()))
+    return k
+
+
+def member_target(member_preds: np.ndarray, centre: np.ndarray | None, p: CosmosParams) -> np.ndarray:
+    """A cluster's target from its present members' predictions (members×n×M): with ``member_clip``, each member
+    first moved towards ``centre`` (the cluster's last h_k(U); None: the members' median), then
+    :func:`server_target`."""
+    if p.member_clip > 0:
+        if centre is None:
+            centre = pseudolabels.aggregate(member_preds, "median")
+        member_preds = pseudolabels.clip_to_centre(member_preds, centre, p.member_clip)
+    return server_target(member_preds, p.aggregation, p.temperature)
+
+
+def server_init_seed(seed: int, k: int) -> int:
+    """The seed under which cluster model h_k is initialised."""
+    return derive_seed(seed, "cosmos-server-init", k)
+
+
+def distill_server_model(
+    model: nn.Module, public_x: Tensor, target: np.ndarray, p: CosmosParams, seed: int, server_round: int, k: int
+) -> tuple[np.ndarray, float]:
+    """Objective (1): fine-tune h_k on U towards ``target`` (KL + λ·r_B, its batches and dropout seeded by the run's
+    seed, the round and k); returns h_k(U) (probabilities, n×M) and the mean loss."""
+    optim = ops.OptimSettings(
+        epochs=p.server_epochs,
+        batch_size=p.server_batch_size,
+        lr=p.server_lr,
+        optimizer=p.server_optimizer,
+        clip_norm=p.server_clip_norm,
+        drop_last=False,
+    )
+    gen = torch.Generator().manual_seed(derive_seed(seed, "cosmos-server-distill", server_round, k))
+    with torch.random.fork_rng(devices=[]):  # dropout in h_k draws from a seeded global stream, restored after
+        torch.manual_seed(derive_seed(seed, "cosmos-server-global", server_round, k))
+        result = ops.distill(
+            model,
+            public_x,
+            torch.as_tensor(target),
+            optim,
+            ops.DistillSettings(loss="kl"),
+            generator=gen,
+            term=rb_term(p.rb_lambda, p.rb_sigma, gen),
+        )
+    return ops.predict(model, public_x).numpy(), float(result["loss"])
+
+
+def log_server_model(
+    server_round: int,
+    k: int,
+    p: CosmosParams,
+    members: int,
+    loss: float,
+    probs: np.ndarray,
+    target: np.ndarray,
+    s: float,
+) -> None:
+    log.info(
+        "cosmos round %d: server model %d distilled on %d members' %s targets, %d epochs: loss %.4f, "
+        "agreement with targets %.3f, %.1f s",
+        server_round,
+        k,
+        members,
+        p.aggregation,
+        p.server_epochs,
+        loss,
+        float((probs.argmax(1) == target.argmax(1)).mean()),
+        s,
+    )
+
+
+# --------------------------------------------------------------------------- the drop-in form, for any Flower app
+
+
+class FlowerCosmos(FlowerPseudoLabelStrategy):
+    """COSMOS as a Flower ``Strategy`` for a user's own ClientApp (exported as ``fedapps.flower_strategies.Cosmos``):
+    driven by Flower's ``start()``, it clusters the clients on their round-1 predictions on U and trains one cluster
+    model per cluster, built by ``server_model_fn`` (the user's own architecture), with the functions our app's
+    :class:`Cosmos` runs (:func:`cluster_on`, :func:`join_nearest`, :func:`member_target`,
+    :func:`distill_server_model`).
+    The clients serve :data:`strategies.pseudolabel_dropin.TRAIN_TYPE` / ``EVALUATE_TYPE`` messages with
+    :func:`cosmos_train` / :func:`cosmos_evaluate`.
+
+    ``params``: the fields of :class:`CosmosParams` (the same names, defaults and ranges as ``strategy.params.cosmos``
+    of our app) but ``server_model`` (``server_model_fn`` instead); ``local_epochs``: the clients' training epochs in
+    rounds 2+ (round 1: ``pretrain_epochs``). Clients are known by ``client-id`` where their node config has one
+    (``partition-id`` in simulation): then a run's clusters are keyed as our app keys them. Client-level privacy
+    (``privacy.mode: client`` of our app) is not offered here."""
+
+    def __init__(
+        self,
+        server_model_fn: Callable[[], nn.Module],
+        public_x: Tensor,
+        num_classes: int,
+        *,
+        seed: int = 0,
+        local_epochs: int = 1,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        **params: Any,
+    ) -> None:
+        super().__init__(
+            public_x,
+            num_classes,
+            seed=seed,
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=min_train_nodes,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+        )
+        if "server_model" in params:
+            raise ConfigError("Cosmos(server_model=...): give the architecture as server_model_fn, a factory")
+        if not callable(server_model_fn):
+            raise ConfigError(
+                f"Cosmos: server_model_fn must be callable (returning an nn.Module), got {server_model_fn!r}"
+            )
+        if int(local_epochs) < 1:
+            raise ConfigError(f"Cosmos(local_epochs={local_epochs}): must be at least 1")
+        self.params: CosmosParams = parse_params(CosmosParams, params, "Cosmos")
+        self.server_model_fn = server_model_fn
+        self.local_epochs = int(local_epochs)
+        self.device = ops.resolve_device(self.params.server_device)
+        self.clustering: clustering.ClusteringResult | None = None
+        self.cluster_of: dict[int, int] = {}  # client id -> cluster
+        self.models: dict[int, nn.Module] = {}  # cluster -> h_k
+        self.server_targets: dict[int, np.ndarray] = {}  # cluster -> h_k(U) (n×M), as sent
+        self.wire_targets: dict[int, ArrayRecord | None] = {}
+        self.distances: np.ndarray | None = None
+        self.distance_clients: list[int] = []
+
+    def round_request(self, server_round: int) -> protocol.Request:
+        """Our app's round settings (:func:`round_sections`), the clients' epochs in every round, and the
+        distillation keeping U's last partial batch (in our app: ``client.drop_last``, false in its COSMOS configs)."""
+        p = self.params
+        sections = round_sections(p, server_round, self.local_epochs)
+        sections[protocol.DISTILL] = dataclasses.replace(sections[protocol.DISTILL], drop_last=False)
+        return protocol.Request(
+            ops=ROUND_OPS,
+            round=server_round,
+            setup=protocol.Setup(model=protocol.ModelSpec(None, self.seed)),
+            training=protocol.Training(sections=sections),
+            public=protocol.PublicSet(self.fingerprint, "probs", p.uplink_encoding),
+        )
+
+    def targets_for(self, client_id: int | None) -> ArrayRecord | None:
+        k = self.cluster_of.get(client_id) if client_id is not None else None
+        return self.wire_targets.get(k) if k is not None else None
+
+    def server_model(self, k: int) -> nn.Module:
+        """h_k: ``server_model_fn()`` built under the seed our app builds its h_k under, then kept and fine-tuned."""
+        if k not in self.models:
+            with seeded(server_init_seed(self.seed, k)):
+                self.models[k] = self.server_model_fn().to(self.device)
+        return self.models[k]
+
+    def learn(self, server_round: int, predictions: dict[int, np.ndarray]) -> dict[str, float]:
+        """Round 1: cluster; a client first seen later joins the nearest cluster; then objective (1) per cluster."""
+        p = self.params
+        if self.clustering is None:
+            self.clustering, self.distances, self.distance_clients = cluster_on(predictions, p)
+            self.cluster_of = cluster_index(self.clustering)
+            log.info("cosmos (drop-in): clusters %s", self.clustering.clusters)
+        for cid in sorted(set(predictions) - set(self.cluster_of)):
+            k = join_nearest(cid, predictions[cid], self.server_targets, self.clustering, p.distance)
+            if k is not None:
+                self.cluster_of[cid] = k
+        losses = []
+        for k, members in enumerate(self.clustering.clusters):
+            present = [c for c in members if c in predictions]
+            if not present:
+                continue
+            t0 = time.perf_counter()
+            target = member_target(np.stack([predictions[c] for c in present]), self.server_targets.get(k), p)
+            probs, loss = distill_server_model(
+                self.server_model(k), self.public_x, target, p, self.seed, server_round, k
+            )
+            self.server_targets[k] = probs
+            self.wire_targets[k] = protocol.Targets(
+                pseudolabels.encode(probs, p.downlink_encoding, self.num_classes)
+            ).encode()
+            log_server_model(server_round, k, p, len(present), loss, probs, target, time.perf_counter() - t0)
+            losses.append(loss)
+        return {"clusters": float(self.clustering.k), "server-distill-loss": float(np.mean(losses)) if losses else 0.0}
+
+    def deployed_arrays(self, client_id: int | None) -> ArrayRecord | None:
+        """h_π(i) after the round's server training (the paper's deployed model); None before i has a cluster."""
+        k = self.cluster_of.get(client_id) if client_id is not None else None
+        if k is None or k not in self.models:
+            return None
+        return ArrayRecord({n: t.detach().cpu() for n, t in self.models[k].state_dict().items()})
+
+
+def cosmos_train(
+    msg: Message,
+    context: Context,
+    *,
+    model_fn: Callable[[], nn.Module],
+    public_x: Tensor,
+    train_fn: TrainFn,
+    class_counts: Any,
+    optimizer: ops.OptimizerFactory | None = None,
+    device: str = "cpu",
+) -> Message:
+    """A ClientApp's ``@app.train("pseudolabels")`` for COSMOS: distil the own model on the cluster's targets
+    (objective (2): KL, label-free w_i(x) from ``class_counts``, λ·r_B), the user's ``train_fn(model, epochs)``,
+    then the predictions on U back (:func:`strategies.pseudolabel_dropin.pseudolabel_train`)."""
+    return pseudolabel_train(
+        msg,
+        context,
+        model_fn=model_fn,
+        public_x=public_x,
+        train_fn=train_fn,
+        class_counts=class_counts,
+        optimizer=optimizer,
+        device=device,
+        extras=distill_extras,
+    )
+
+
+def cosmos_evaluate(
+    msg: Message,
+    context: Context,
+    *,
+    model_fn: Callable[[], nn.Module],
+    server_model_fn: Callable[[], nn.Module],
+    test_fn: TestFn,
+    num_examples: int,
+    device: str = "cpu",
+) -> Message:
+    """A ClientApp's ``@app.evaluate("pseudolabels")`` for COSMOS: the cluster model h_π(i) the message carries (built
+    by ``server_model_fn``) and the own model, through the user's ``test_fn(model) -> (loss, accuracy)``."""
+    return pseudolabel_evaluate(
+        msg,
+        context,
+        model_fn=model_fn,
+        test_fn=test_fn,
+        num_examples=num_examples,
+        server_model_fn=server_model_fn,
+        device=device,
+    )
 
 
 def adjusted_rand(groups: np.ndarray, cluster_of: Mapping[int, int]) -> float:

@@ -25,6 +25,7 @@ from fedapps.client.resident import on_device
 from fedapps.config import OptimSettings
 
 Regulariser = Callable[[nn.Module], Tensor]
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]  # a caller's own optimiser, made per loop
 DistillTerm = Callable[[nn.Module, Tensor, Tensor, Tensor | None], Tensor]  # (model, x, logits, weights) -> loss
 BatchLoss = Callable[[nn.Module, Tensor, Tensor, Tensor | None], Tensor]
 PER_SAMPLE = "fedapps_per_sample"  # the attribute per_sample() sets on a BatchLoss
@@ -144,11 +145,13 @@ def run_epochs(
     generator: torch.Generator | None = None,
     regulariser: Regulariser | None = None,
     public: bool = False,
+    optimizer: OptimizerFactory | None = None,
 ) -> dict[str, float]:
     """The one training loop: shuffled minibatches of (x, y[, weights]) through ``loss_fn`` (+ ``regulariser``, a
     term on the model alone); returns mean loss. Under :func:`privately`, a loop on data that is not ``public`` (the
     client's own) is the private loop's (DP-SGD). The minibatches are taken from the data's copy on the model's device
-    (:mod:`fedapps.client.resident`)."""
+    (:mod:`fedapps.client.resident`). ``optimizer``: builds the loop's optimiser from the trainable parameters
+    (a user's own, in the drop-in client helpers); None: :func:`make_optimizer` from ``settings``."""
     loop = None if public else private_loop()
     if loop is not None:
         return loop.run(model, x, y, loss_fn, settings, weights, regulariser, generator)
@@ -156,7 +159,8 @@ def run_epochs(
     x, y = on_device(x, device), on_device(y, device)
     weights = on_device(weights, device) if weights is not None else None
     model.train()
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], settings)  # frozen parts stay as they are
+    trainable = [p for p in model.parameters() if p.requires_grad]  # frozen parts stay as they are
+    opt = optimizer(trainable) if optimizer is not None else make_optimizer(trainable, settings)
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())  # noqa: SLF001 - no public base class
     total, steps = torch.zeros((), device=device), 0  # summed on the device: no host sync per step
     use_bf16 = settings.mixed_precision and device.type == "cuda"
@@ -249,10 +253,11 @@ def distill(
     sample_weights: Tensor | None = None,
     generator: torch.Generator | None = None,
     term: DistillTerm | None = None,
+    optimizer: OptimizerFactory | None = None,
 ) -> dict[str, float]:
     """Fit the model on U towards targets (probabilities, logits or hard labels) with optional weights; ``term``
     (an algorithm's own loss term on the minibatch and its logits) is added to every minibatch's loss. U is public:
-    the loop runs as usual under :func:`privately`."""
+    the loop runs as usual under :func:`privately`. ``optimizer``: see :func:`run_epochs`."""
     if settings.loss not in ("kl", "mae", "ce"):
         raise ValueError(f"unknown distillation loss '{settings.loss}'; allowed: kl, mae, ce")
 
@@ -268,7 +273,9 @@ def distill(
             loss = loss + term(m, xb, logits, wb)
         return loss
 
-    return run_epochs(model, x, targets, loss_fn, optim, weights=sample_weights, generator=generator, public=True)
+    return run_epochs(
+        model, x, targets, loss_fn, optim, weights=sample_weights, generator=generator, public=True, optimizer=optimizer
+    )
 
 
 @torch.no_grad()

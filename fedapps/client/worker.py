@@ -24,7 +24,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -853,34 +853,61 @@ def distill(w: Worker, tag: str) -> None:
     if w.fed.public_x is None:
         raise ProtocolError("distill needs a public set U: set data.public_fraction > 0")
     section = w.request.training.section(protocol.DISTILL)
-    settings = optim_settings(section, w.request.setup.client)
-    targets = pseudolabels.decode(w.targets.values, w.fed.num_classes)
     rows = public_rows(w.targets.distill_rows)
-    x = w.fed.public_x if rows is None else w.fed.public_x[rows]
+    result = distill_towards(
+        w.model,
+        w.fed.public_x if rows is None else w.fed.public_x[rows],
+        w.targets.values,
+        w.fed.num_classes,
+        optim_settings(section, w.request.setup.client),
+        section.loss or "kl",
+        lambda targets: distill_weights(w, section.weighting or "none", targets, rows),
+        w.generator,
+        w.distill_terms(section),
+    )
+    w.metrics[protocol.metric_name(tag, "loss")] = result["loss"]
+
+
+def distill_towards(
+    model: nn.Module,
+    x: torch.Tensor,
+    wire_targets: np.ndarray,
+    num_classes: int,
+    settings: ops.OptimSettings,
+    loss: str,
+    weights_of: Callable[[np.ndarray], torch.Tensor | None],
+    generator: torch.Generator | None,
+    term: ops.DistillTerm | None,
+    optimizer: ops.OptimizerFactory | None = None,
+) -> dict[str, float]:
+    """``distill``'s fit of the model on U's rows ``x`` towards the server's targets as they came on the wire
+    (:mod:`fedapps.wire.pseudolabels`): hard labels one-hot unless the loss is ``ce``, the abstain marker weighted 0;
+    ``weights_of(decoded targets)``: the per-sample weights (None: none). The generic client's operation and the
+    drop-in client helpers (:mod:`strategies.pseudolabel_dropin`) both fit through here."""
+    targets = pseudolabels.decode(wire_targets, num_classes)
     if len(targets) != len(x):
         raise ProtocolError(f"targets cover {len(targets)} samples but U (subset) has {len(x)}")
-    loss = section.loss or "kl"
     hard = targets.ndim == 1
     if hard and loss != "ce":
-        targets, hard = pseudolabels.one_hot(targets, w.fed.num_classes), False
-    weights = distill_weights(w, section.weighting or "none", targets, rows)
+        targets, hard = pseudolabels.one_hot(targets, num_classes), False
+    weights = weights_of(targets)
     if hard:
-        abstain = targets >= w.fed.num_classes
+        abstain = targets >= num_classes
         if abstain.any():
             keep = torch.as_tensor(~abstain)
             weights = keep.float() if weights is None else weights * keep.float()
             targets = np.where(abstain, 0, targets)
-    result = ops.distill(
-        w.model,
+    return ops.distill(
+        model,
         x,
         torch.as_tensor(targets),
         settings,
         ops.DistillSettings(loss=loss),
         sample_weights=weights,
-        generator=w.generator,
-        term=w.distill_terms(section),
+        generator=generator,
+        term=term,
+        optimizer=optimizer,
     )
-    w.metrics[protocol.metric_name(tag, "loss")] = result["loss"]
 
 
 def public_rows(rows: np.ndarray | None) -> torch.Tensor | None:

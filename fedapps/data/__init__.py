@@ -12,6 +12,7 @@ from .federation import (
     get_federation,
     node_federation,
     nodes_server_federation,
+    public_fingerprint,
     spec_key,
     unused_data_keys,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "build_federation",
     "check_spec",
     "get_federation",
+    "public_fingerprint",
     "spec_key",
     "clear_federation_cache",
     "data_warnings_silenced",

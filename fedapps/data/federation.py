@@ -334,7 +334,8 @@ def _check_nodes_keys(s: dict[str, Any]) -> None:
             )
 
 
-def _fingerprint(x: torch.Tensor) -> str:
+def public_fingerprint(x: torch.Tensor) -> str:
+    """U's identity: a short sha256 of its shape, dtype and bytes (the same U in the same order, the same string)."""
     h = hashlib.sha256()
     h.update(repr(tuple(x.shape)).encode())
     h.update(str(x.dtype).encode())
@@ -560,7 +561,7 @@ def build_federation(spec: dict[str, Any]) -> Federation:
     fingerprint = ""
     if public_idx is not None:
         public_x, public_y = x[ends[-2] :], y[ends[-2] :]
-        fingerprint = _fingerprint(public_x)
+        fingerprint = public_fingerprint(public_x)
     log.info(
         "data: %s / %s, %d clients, train %d, %s %d, public %d (%.2fs)",
         s["source"],
@@ -715,7 +716,7 @@ def nodes_server_federation(s: dict[str, Any]) -> Federation:
                 f"data.public_path={s['public_path']!r}: U's label {int(public_y.max())} does not fit the "
                 f"nodes' {k} classes"
             )
-        fingerprint = _fingerprint(public_x)
+        fingerprint = public_fingerprint(public_x)
     counts = described_counts(spec_key(s)) if k else None
     train_counts = np.zeros((m, k), dtype=np.int64) if counts is None else counts[0]
     eval_counts = np.zeros((m, k), dtype=np.int64) if counts is None else counts[1]
@@ -790,7 +791,7 @@ def node_federation(
         train_counts=train_counts,
         test_counts=eval_counts,
         groups=None,
-        fingerprint=_fingerprint(public_x) if public_x is not None else "",
+        fingerprint=public_fingerprint(public_x) if public_x is not None else "",
         spec=s,
         train_indices=[train if i == client_id else np.zeros(0, np.int64) for i in range(m)],
         test_indices=[held if i == client_id else np.zeros(0, np.int64) for i in range(m)],

@@ -10,6 +10,7 @@ from .zoo import (
     check_user_model,
     classifier_name,
     count_parameters,
+    seeded,
     state_part,
     top_level_children,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "check_user_model",
     "classifier_name",
     "count_parameters",
+    "seeded",
     "state_part",
     "top_level_children",
 ]

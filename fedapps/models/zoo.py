@@ -52,8 +52,9 @@ _NO_CLASSIFIER_ATTR = "_fedapps_no_classifier"  # a user's model without one: wh
 
 
 @contextlib.contextmanager
-def _seeded(seed: int | None) -> Iterator[None]:
-    """Seed the CPU RNG for the block and restore it after, so the caller's global RNG is untouched. Either way
+def seeded(seed: int | None) -> Iterator[None]:
+    """Seed the CPU RNG for the block (a model built in it, by the zoo or by a user's own factory, is initialised the
+    same every time) and restore it after, so the caller's global RNG is untouched. Either way
     the block holds :data:`GLOBAL_RNG_LOCK`: an initialisation draws from the global RNG, which another thread
     must not re-seed or draw from meanwhile."""
     with GLOBAL_RNG_LOCK:
@@ -103,7 +104,7 @@ def build_model(name: str, num_classes: int, input_shape: tuple[int, int, int], 
         return build_user_model(name, num_classes, input_shape, seed, head_kind)
     _check_classes(num_classes)
     shape = _check_shape(name, input_shape, spec.min_size)
-    with _seeded(seed):
+    with seeded(seed):
         model = spec.builder(num_classes, shape)
         if spec.kaiming:
             vision.kaiming_init(model)
@@ -176,7 +177,7 @@ def build_user_model(
     factory = user_factory(name, key)
     _check_classes(num_classes)
     shape = _check_shape(name, input_shape, 1)
-    with _seeded(seed):
+    with seeded(seed):
         try:
             model = factory(num_classes, shape)
         except Exception as exc:

@@ -48,6 +48,15 @@ def one_hot(labels: np.ndarray, num_classes: int) -> np.ndarray:
     return out[:, :num_classes]
 
 
+def soft_labels(wire: np.ndarray, num_classes: int) -> np.ndarray:
+    """A client's predictions on U (already checked by the reply validator) as float32 soft labels (n×M): hard
+    labels one-hot, probabilities clipped at 0 (the validator lets entries down to -1e-3 through)."""
+    decoded = decode(wire, num_classes)
+    if np.issubdtype(wire.dtype, np.integer):
+        return one_hot(decoded, num_classes)
+    return np.clip(decoded, 0.0, None)
+
+
 def apply_temperature(probs: np.ndarray, temperature: float) -> np.ndarray:
     """p^(1/T) renormalised; T = 0 -> one-hot of the argmax; T = 1 leaves p unchanged."""
     if temperature < 0:

@@ -1,0 +1,1 @@
+"""cosmos-quickstart: COSMOS in a Flower app of your own."""
