@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -567,33 +566,13 @@ def test_what_composes_with_flowers_evaluate_fn_and_dp_wrappers() -> None:
 # --------------------------------------------------------------------------- the example, through `flwr run`
 
 
-def flwr_run_app(app_dir: Path, run_config: str, supernodes: int) -> list[str]:
-    """`flwr run APP` (Ray simulation, ``supernodes`` nodes of one CPU each) on a SuperLink of its own (free port, own
-    FLWR_HOME; stopped after); asserts the run's FINAL status is completed (`--stream` exits 0 on a failed run) and
-    returns its log lines."""
-    from fedapps_tools.cli import CONNECTION, new_superlink, write_connection
-    from fedapps_tools.flwrcli import flwr_json, follow_run
-
-    link = new_superlink(None)
-    try:
-        write_connection(link.home, link.start())
-        cmd = ["flwr", "run", str(app_dir), CONNECTION, "--format", "json", "--run-config", run_config]
-        fed = f"num-supernodes={supernodes} client-resources-num-cpus=1"
-        doc = flwr_json([*cmd, "--federation-config", fed], link.env)
-        assert doc.get("success") and doc.get("run-id"), doc
-        status, lines = follow_run(str(doc["run-id"]), link.env, True, link)
-        assert status == "finished:completed", "\n".join(lines[-60:])
-        return lines
-    finally:
-        link.stop()
-        shutil.rmtree(link.home, ignore_errors=True)
-
-
 @pytest.mark.heavy
 def test_the_example_runs_through_flwr_run_as_our_app_runs_cosmos(tmp_path: Path) -> None:
     """`flwr run examples/cosmos-quickstart` (2 rounds, 4 nodes, mnist5k) against our app's COSMOS on the same
     partition, seed and initial weights (the example's Net has the zoo's ``cnn`` layers): the same clusters, close
     per-client accuracies of the deployed cluster models."""
+    from fedapps_tools.appruns import run_app
+
     result = tmp_path / "result.json"
     overrides = {
         "num-server-rounds": 2,
@@ -603,8 +582,9 @@ def test_the_example_runs_through_flwr_run_as_our_app_runs_cosmos(tmp_path: Path
         "distill-epochs": 1,
         "max-clusters": 2,
     }
-    run_config = " ".join(f"{k}={v}" for k, v in overrides.items()) + f' result-file="{result}"'
-    flwr_run_app(EXAMPLE, run_config, N)
+    run_config = " ".join(f"{k}={v}" for k, v in overrides.items()) + f' results="{result}"'
+    run = run_app(EXAMPLE, run_config, num_supernodes=N)
+    assert run.completed, run.log[-4000:]
     doc = json.loads(result.read_text())
     assert doc["round"] == 2
     mnist = {"source": "mnist5k", "partition": "cosmos-groups", "groups": 2, "alpha": 5.0, "public_fraction": 0.2}

@@ -167,6 +167,28 @@ def test_the_drop_in_strategies_import_from_the_wheel(venv):
     assert Path(proc.stdout.strip()).is_relative_to(venv.site), proc.stdout
 
 
+@pytest.mark.heavy
+@pytest.mark.parametrize("example", ["cwfedavg-quickstart", "cosmos-quickstart"])
+def test_the_examples_run_against_the_wheel_outside_the_checkout(venv, example):
+    """A user's copy of an example, outside the checkout, run with `flwr run` in the wheel's environment for one round:
+    its ServerApp drives the drop-in strategy through Flower's own start() to the end of the run, its ClientApp uses
+    the installed helpers and data loader."""
+    import shutil
+
+    app = venv.outside / example
+    shutil.copytree(ROOT / "examples" / example, app, ignore=shutil.ignore_patterns("__pycache__"))
+    results = venv.outside / f"{example}.json"
+    code = (
+        "import sys; from pathlib import Path; from fedapps_tools.appruns import run_app; "
+        f"run = run_app(Path({str(app)!r}), 'num-server-rounds=1 results=\"{results}\"', num_supernodes=2); "
+        "print(run.status); print(run.log[-3000:]); sys.exit(0 if run.completed else 1)"
+    )
+    proc = venv.run([str(venv.python), "-c", code], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "Starting Flower" in proc.stdout, proc.stdout[-3000:]  # the drop-in's start() ran in the ServerApp
+    assert results.is_file() and json.loads(results.read_text()), results
+
+
 def test_the_installed_app_declares_what_pyproject_declares(tmp_path):
     """The [tool.flwr.app] of the app folder written for an installed package is the checkout's, and Flower's own
     check of an app's pyproject.toml accepts it (its components resolve to the modules on the Python path)."""

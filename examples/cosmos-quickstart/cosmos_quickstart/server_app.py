@@ -31,8 +31,8 @@ def main(grid: Grid, context: Context) -> None:
     last = max(result.evaluate_metrics_clientapp)
     print(f"Clusters: {strategy.clustering.clusters}")
     print(f"Round {last}: mean accuracy of the deployed cluster models {result.evaluate_metrics_clientapp[last]}")
-    if cfg["result-file"]:
+    if cfg["results"]:
         clients = {str(c): m for c, m in strategy.client_metrics[last].items()}
         doc = {"clusters": strategy.clustering.clusters, "round": last, "clients": clients}
-        with open(cfg["result-file"], "w", encoding="utf-8") as out:
+        with open(cfg["results"], "w", encoding="utf-8") as out:
             json.dump(doc, out, indent=1)
