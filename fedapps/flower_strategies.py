@@ -11,6 +11,8 @@ from strategies.cwfedavg import CLASS_COUNTS, wdr_penalty
 from strategies.cwfedavg import FlowerCwFedAvg as CwFedAvg
 from strategies.fedper import FlowerFedPer as FedPer
 from strategies.local import FlowerLocal as Local
+from strategies.pfedhn import PARTITION_ID
+from strategies.pfedhn import FlowerPFedHN as PFedHN
 
 __all__ = [
     "CFL",
@@ -18,6 +20,8 @@ __all__ = [
     "CwFedAvg",
     "FedPer",
     "Local",
+    "PARTITION_ID",
+    "PFedHN",
     "PersonalisedFlowerStrategy",
     "wdr_penalty",
 ]

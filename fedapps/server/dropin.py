@@ -223,6 +223,22 @@ def output_layer(classifier: str | None, model: nn.Module | None, arrays: Mappin
     return head
 
 
+def parameter_keys(model: nn.Module | None, arrays: Mapping[str, np.ndarray]) -> list[str]:
+    """The arrays a drop-in strategy treats as the model's parameters, in the arrays' order: the names of ``model``'s
+    parameters when it is given (buffers such as BatchNorm's running statistics left out), else every floating-point
+    array. Each must be among the arrays."""
+    if model is None:
+        return [k for k, v in arrays.items() if np.issubdtype(np.asarray(v).dtype, np.floating)]
+    names = {name for name, _ in model.named_parameters()}
+    missing = sorted(names - set(arrays))
+    if missing:
+        raise ValueError(
+            f"the model's parameters {', '.join(missing)} are not among the arrays ({', '.join(arrays)}); "
+            "pass initial arrays from the same model (ArrayRecord(model.state_dict()))"
+        )
+    return [k for k in arrays if k in names]
+
+
 def numpy_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
     """An ArrayRecord's arrays as numpy, in its order."""
     return {k: v.numpy() for k, v in record.items()}

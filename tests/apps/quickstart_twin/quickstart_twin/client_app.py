@@ -27,6 +27,8 @@ def train(msg: Message, context: Context):
     metrics = {"train_loss": train_loss, "num-examples": len(trainloader.dataset)}
     if context.run_config["send-class-counts"]:
         metrics["class-counts"] = [int(c) for c in counts]
+    if context.run_config["send-partition-id"]:
+        metrics["partition-id"] = partition_id
     content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord(metrics)})
     return Message(content=content, reply_to=msg)
 
