@@ -28,7 +28,7 @@ import strategies.cwfedavg as cw
 from fedapps import flower_strategies
 from fedapps.flower.faults import ReplyDropped
 from fedapps.flower.inprocess import InProcessGrid
-from fedapps.flower_strategies import CFL, PARTITION_ID, CwFedAvg, FedPer, Local, PFedHN
+from fedapps.flower_strategies import CFL, PARTITION_ID, PROXIMAL_MU, CwFedAvg, FedAMP, FedPer, Local, PFedHN
 from fedapps.models import build_model, classifier_name
 from fedapps.server.dropin import classifier_from_arrays, only_arrays, only_metrics, parameter_keys, reply_problem
 from fedapps.wire import protocol
@@ -51,6 +51,7 @@ RUN_CONFIG = {  # the twin's [tool.flwr.app.config], as the tests run it in-proc
     "local-epochs": 1,
     "send-class-counts": False,
     "send-partition-id": False,
+    "keep-model": False,
     "dump-dir": "",
 }
 
@@ -549,3 +550,140 @@ def test_pfedhn_generates_the_parameters_and_leaves_each_nodes_buffers_its_own()
         parameter_keys(net, {"0.weight": arrays["0.weight"]})
     with pytest.raises(ValueError, match="max_hn_params"):
         PFedHN(num_nodes=4, max_hn_params=1000).start(grid=twin_grid(2), initial_arrays=initial_arrays(), num_rounds=1)
+
+
+# --------------------------------------------------------------------------- FedAMP
+
+
+def test_fedamp_sends_each_node_its_anchor_with_proximal_mu_and_evaluates_its_own_model():
+    """Round 2's training messages against FedAMP written out over the round-1 uploads w_j (relative attention,
+    kappa 1, share 0.5): σ = median of the non-zero ‖w_i − w_j‖², ξ_ij = (0.5/3)·exp(−‖w_i − w_j‖²/σ) for j ≠ i,
+    ξ_ii = 1 − Σ_{j≠i} ξ_ij, u_i = Σ_j ξ_ij w_j; μ = λ/α_K under Flower's FedProx key; each evaluation message is the
+    node's own upload; no global model."""
+    grid = twin_grid(**{"keep-model": True})
+    result = FedAMP(lam=0.1, kappa=1.0).start(grid=grid, initial_arrays=initial_arrays(), num_rounds=2)
+    replies = sorted(grid.replies[:4], key=lambda r: r.metadata.src_node_id)
+    w = [values(only_arrays(r)) for r in replies]
+    flat = np.stack([np.concatenate([a[k].ravel() for k in a]).astype(np.float64) for a in w])
+    d2 = ((flat[:, None, :] - flat[None, :, :]) ** 2).sum(-1)
+    sigma = np.median(d2[np.triu_indices(4, 1)])
+    xi = 0.5 / 3 * np.exp(-d2 / sigma)
+    np.fill_diagonal(xi, 0.0)
+    np.fill_diagonal(xi, 1.0 - xi.sum(1))
+    train_two = {m.metadata.dst_node_id: m for m in grid.sent[8:12]}
+    for i, r in enumerate(replies):
+        msg = train_two[r.metadata.src_node_id]
+        assert msg.content["config"][PROXIMAL_MU] == pytest.approx(0.1 / 0.01)
+        for key, got in values(msg.content[protocol.ARRAYS]).items():
+            expected = sum(xi[i, j] * w[j][key] for j in range(4))  # the app's distances: a float32 Gram matrix
+            np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-5, err_msg=key)
+    assert not np.allclose(values(grid.sent[8].content[protocol.ARRAYS])["fc.weight"], w[0]["fc.weight"])
+    uploads = {r.metadata.src_node_id: values(only_arrays(r)) for r in grid.replies[8:12]}
+    for msg in grid.sent[12:16]:  # round 2's evaluation: the node's own model, as it uploaded it
+        for key, got in values(msg.content[protocol.ARRAYS]).items():
+            np.testing.assert_array_equal(got, uploads[msg.metadata.dst_node_id][key])
+    assert len(result.arrays) == 0
+
+
+def test_fedamp_pool_counts_new_nodes_at_the_initial_model_and_a_bad_upload_keeps_the_previous(caplog):
+    """Two of four nodes a round: a node sampled for the first time is in the pool at the initial arrays, as the app
+    counts a client not heard from; a node whose upload does not match the model keeps its previous one."""
+    random.seed(2)  # Flower's sample_nodes draws with `random`: nodes 0 and 3, then 0 and 1, then 1 and 2 (offsets)
+    bad_node = 2**63 + 12
+
+    def corrupt(msg, ctx, call_next):
+        reply = call_next(msg, ctx)
+        if msg.metadata.dst_node_id == bad_node and msg.metadata.message_type == "train":
+            only_arrays(reply)["fc.weight"] = Array(np.zeros((3, 3), np.float32))
+        return reply
+
+    grid = twin_grid(mods=[corrupt], **{"keep-model": True})
+    strategy = FedAMP(lam=0.1, kappa=1.0, fraction_train=0.5, fraction_evaluate=0.0)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        strategy.start(grid=grid, initial_arrays=initial_arrays(), num_rounds=3)
+    heard = {r.metadata.src_node_id for r in grid.replies if r.metadata.src_node_id != bad_node}
+    assert set(strategy.vectors) == heard
+    assert [m.metadata.dst_node_id - 2**63 - 11 for m in grid.sent] == [0, 3, 0, 1, 1, 2]
+    assert sum(f"node {bad_node} sent arrays that do not match" in r.getMessage() for r in caplog.records) == 2
+    # the last round's anchors, recomputed over the pool the app would use: known nodes ∪ this round's, new ones initial
+    from strategies.fedamp import flatten, personalised_anchors
+
+    last = [m.metadata.dst_node_id for m in grid.sent[-2:]]
+    before = {
+        r.metadata.src_node_id: values(only_arrays(r)) for r in grid.replies[:-2] if r.metadata.src_node_id in heard
+    }
+    keys = list(values(initial_arrays()))
+    pool = sorted(set(before) | set(last))
+    vectors = np.stack(
+        [flatten(before[n], keys) if n in before else flatten(values(initial_arrays()), keys) for n in pool]
+    )
+    u, _ = personalised_anchors(vectors, [pool.index(n) for n in last], 0.01, 0.2, 1.0, 0.5)
+    for msg, anchor in zip(grid.sent[-2:], u, strict=True):
+        got = np.concatenate([values(msg.content[protocol.ARRAYS])[k].ravel() for k in keys])
+        np.testing.assert_allclose(got, anchor, rtol=1e-5, atol=1e-7)
+
+
+def test_the_proximal_term_and_its_key_are_the_apps_and_flowers():
+    """proximal_penalty is the function the app's FedAMP/FedProx/Ditto clients call; PROXIMAL_MU is the config key
+    Flower's own FedProx sends μ under."""
+    import torch
+    from flwr.app import ConfigRecord
+    from flwr.serverapp.strategy import FedProx
+
+    import strategies.fedprox as fp
+
+    assert flower_strategies.proximal_penalty is fp.proximal_penalty
+    (msg, *_) = FedProx(proximal_mu=0.3).configure_train(1, initial_arrays(), ConfigRecord(), twin_grid(2))
+    assert msg.content["config"][PROXIMAL_MU] == 0.3
+    net = build_model("mlp", 10, (1, 8, 8), seed=0)
+    anchor = {k: v.detach() + 1.0 for k, v in net.named_parameters()}  # every parameter 1 away from its anchor
+    expected = 0.5 * 4.0 * sum(p.numel() for p in net.parameters())
+    assert float(flower_strategies.proximal_penalty(net, anchor, 4.0)) == pytest.approx(expected)
+    flower_strategies.proximal_penalty(net, anchor, 4.0).backward()
+    assert all(torch.allclose(p.grad, torch.full_like(p, -4.0)) for p in net.parameters())  # μ(w − anchor)
+
+
+@pytest.mark.heavy
+def test_through_flwr_run_fedamp_with_a_client_that_keeps_its_model_gives_the_apps_models(tmp_path, tiny_config):
+    """The quickstart twin keeping its model in context.state and adding proximal_penalty(net, anchor, mu) (the
+    documented pattern) with the drop-in FedAMP under `flwr run` (4 SuperNodes, 3 rounds), against the app's FedAMP
+    (λ 0.1, κ 1) on the same partition, seed and initial model: every round, each client's anchor u_i and its trained
+    model are the same to float tolerance, and so is its accuracy."""
+    from fedapps_tools.appruns import run_app
+
+    rounds = 3
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    settings = f'num-server-rounds={rounds} strategy="fedamp" keep-model=true dump-dir="{dump}"'
+    run = run_app(TWIN, f"{settings} fedamp-lam=0.1 fedamp-kappa=1.0", num_supernodes=4)
+    assert run.completed, run.log[-4000:]
+
+    cfg = tiny_config(
+        rounds=rounds,
+        strategy={"name": "fedamp", "params": {"fedamp": {"lam": 0.1, "kappa": 1.0}}},
+        data={"source": "digits", "partition": "pathological", "num_clients": 4, "classes_per_client": 2},
+    )
+    grid = InProcessGrid(4, record=True)
+    _, run_dir = run_in_process(cfg, tmp_path / "app", grid)
+    anchors, trained = {}, {}
+    for msg in grid.sent:
+        if msg.metadata.message_type == "train" and protocol.ARRAYS in msg.content.array_records:
+            key = (partition(grid, msg.metadata.dst_node_id), protocol.request_of(msg).round)
+            anchors[key] = protocol.record_values(msg.content[protocol.ARRAYS])
+    for reply in grid.replies:
+        if reply.content.array_records:
+            key = (partition(grid, reply.metadata.src_node_id), int(reply.metadata.group_id))
+            trained[key] = values(next(iter(reply.content.array_records.values())))
+    with open(run_dir / "rounds.csv") as f:
+        app_rounds = list(csv.DictReader(f))
+    compared = 0
+    for client in range(4):
+        for rnd in range(1, rounds + 1):
+            sent = np.load(dump / f"client{client}-train{rnd}.npz")  # the anchor the twin was sent
+            own = np.load(dump / f"client{client}-round{rnd}.npz")  # its own model, sent back to it for evaluation
+            for app, twin in ((anchors[(client, rnd)], sent), (trained[(client, rnd)], own)):
+                for key, value in app.items():
+                    np.testing.assert_allclose(twin[key], value, rtol=1e-4, atol=1e-6, err_msg=f"{client} {rnd} {key}")
+                    compared += 1
+            assert float(own["acc"]) == pytest.approx(float(app_rounds[rnd - 1][f"acc_client_{client}"]), abs=1e-9)
+    assert compared == 4 * 3 * 2 * 6

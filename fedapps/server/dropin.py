@@ -32,6 +32,7 @@ from fedapps.wire.protocol import ARRAYS, CONFIG, NUM_EXAMPLES
 log = logging.getLogger("flwr")  # Flower's logger: the drop-in strategies log where Flower's own do
 
 SERVER_ROUND = "server-round"  # the config entry Flower's strategies add to every message (FedAvg's name for it)
+PROXIMAL_MU = "proximal-mu"  # the train-config entry Flower's FedProx sends its proximal weight μ in
 MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
 
 
@@ -77,6 +78,10 @@ class PersonalisedFlowerStrategy(Strategy, ABC):
     def aggregate_arrays(self, server_round: int, replies: list[Message]) -> ArrayRecord | None:
         """Update the per-node state from this round's usable training replies; the round's global aggregate (or
         None when no reply could be used)."""
+
+    def round_nodes(self, node_ids: list[int], arrays: ArrayRecord, for_training: bool) -> None:
+        """Called with a round's sampled nodes before :meth:`node_arrays` is asked for each of them; nothing by default
+        (a strategy whose arrays depend on the whole cohort, as FedAMP's anchors do, computes them here)."""
 
     def settings(self) -> list[tuple[str, object]]:
         """The strategy's own settings, logged by :meth:`summary`."""
@@ -145,6 +150,7 @@ class PersonalisedFlowerStrategy(Strategy, ABC):
         log.info("configure_%s: Sampled %s nodes (out of %s)", message_type, len(node_ids), len(all_nodes))
         config[SERVER_ROUND] = server_round
         training = message_type == MessageType.TRAIN
+        self.round_nodes(node_ids, arrays, training)
         return [
             Message(
                 content=RecordDict(

@@ -4,7 +4,7 @@ from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from fedapps.flower_strategies import CFL, CwFedAvg, FedPer, Local, PFedHN
+from fedapps.flower_strategies import CFL, CwFedAvg, FedAMP, FedPer, Local, PFedHN
 from fedapps.models import build_model
 
 app = ServerApp()
@@ -23,6 +23,8 @@ def main(grid: Grid, context: Context) -> None:
         strategy = Local()
     elif cfg["strategy"] == "pfedhn":  # h initialised as the app's for this seed and number of clients
         strategy = PFedHN(num_nodes=cfg["pfedhn-num-nodes"] or None, seed=cfg["seed"])
+    elif cfg["strategy"] == "fedamp":
+        strategy = FedAMP(lam=cfg["fedamp-lam"], kappa=cfg["fedamp-kappa"])
     elif cfg["strategy"] == "cfl":
         strategy = CFL(eps1=cfg["cfl-eps1"], eps2=cfg["cfl-eps2"], warmup_rounds=cfg["cfl-warmup-rounds"])
     else:
