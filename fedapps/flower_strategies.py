@@ -7,7 +7,9 @@ algorithm's drop-in form lives beside the strategy our app runs).
 The top layer of ``fedapps``, beside the tools: the one module of the package that imports ``strategies``.
 
 - Plain Flower convention (the user's ClientApp unchanged): :class:`CwFedAvg` (and :func:`wdr_penalty`,
-  :data:`CLASS_COUNTS` for a client that adds them), :class:`FedPer`, :class:`CFL`, :class:`Local`.
+  :data:`CLASS_COUNTS` for a client that adds them), :class:`FedPer`, :class:`CFL`, :class:`Local`, :class:`PFedHN`
+  (:data:`PARTITION_ID` for a client that names its embedding), :class:`FedAMP` (its pull as :data:`PROXIMAL_MU`,
+  Flower's FedProx key; :func:`proximal_penalty` for the client's loss).
 - :class:`Cosmos` — clustered server models, pseudo-labels only (its client side: :func:`cosmos_train` and
   :func:`cosmos_evaluate` in two handlers of the user's ClientApp; :func:`count_classes` for its label-free weights).
 - :func:`load_partition` — one client's data (and U) as our app splits a data set, for a ClientApp that wants our
@@ -25,14 +27,18 @@ import torch
 
 from fedapps.config import ConfigError, config_from_dict
 from fedapps.data import get_federation
-from fedapps.server.dropin import PersonalisedFlowerStrategy
+from fedapps.server.dropin import PROXIMAL_MU, PersonalisedFlowerStrategy
 from strategies.cfl import FlowerCFL as CFL
 from strategies.cosmos import FlowerCosmos as Cosmos
 from strategies.cosmos import cosmos_evaluate, cosmos_train
 from strategies.cwfedavg import CLASS_COUNTS, wdr_penalty
 from strategies.cwfedavg import FlowerCwFedAvg as CwFedAvg
+from strategies.fedamp import FlowerFedAMP as FedAMP
 from strategies.fedper import FlowerFedPer as FedPer
+from strategies.fedprox import proximal_penalty
 from strategies.local import FlowerLocal as Local
+from strategies.pfedhn import PARTITION_ID
+from strategies.pfedhn import FlowerPFedHN as PFedHN
 from strategies.pseudolabel_dropin import EVALUATE_TYPE, TRAIN_TYPE, count_classes
 
 __all__ = [
@@ -42,8 +48,12 @@ __all__ = [
     "TRAIN_TYPE",
     "Cosmos",
     "CwFedAvg",
+    "FedAMP",
     "FedPer",
     "Local",
+    "PARTITION_ID",
+    "PFedHN",
+    "PROXIMAL_MU",
     "Partition",
     "PersonalisedFlowerStrategy",
     "cosmos_evaluate",
@@ -51,6 +61,7 @@ __all__ = [
     "count_classes",
     "load_partition",
     "load_public",
+    "proximal_penalty",
     "wdr_penalty",
 ]
 

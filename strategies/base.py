@@ -388,6 +388,13 @@ class PersonalisedStrategy:
             current = getattr(self, k, None)
             if isinstance(current, np.random.Generator) and isinstance(v, dict) and GENERATOR_STATE in v:
                 current.bit_generator.state = v[GENERATOR_STATE]  # the same kind of generator: built from the config
+            elif isinstance(v, dict) and DATACLASS_STATE in v:
+                if not (dataclasses.is_dataclass(current) and not isinstance(current, type)):
+                    raise ValueError(
+                        f"{type(self).__name__}.{k}: the checkpoint holds the fields of a {v.get('class')}, but this "
+                        f"config built {type(current).__name__}: resume with the run's own config"
+                    )
+                setattr(self, k, dataclasses.replace(current, **v[DATACLASS_STATE]))  # the config's own class
             else:
                 setattr(self, k, v)
 
@@ -408,6 +415,7 @@ def message_privacy(p: PrivacyConfig) -> protocol.Privacy | None:
 
 
 GENERATOR_STATE = "numpy-generator-state"  # a numpy Generator attribute in a checkpoint: its bit generator's state
+DATACLASS_STATE = "dataclass-fields"  # a dataclass attribute (e.g. the client-level DP ledger) in a checkpoint: its fields
 
 
 def _state_value(value: Any, where: str) -> Any:
@@ -418,6 +426,13 @@ def _state_value(value: Any, where: str) -> Any:
         return value.detach().cpu()
     if isinstance(value, np.random.Generator):  # its state as data (a checkpoint holds no objects: fedapps.checkpoint)
         return {GENERATOR_STATE: value.bit_generator.state}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # its fields as data; restored into the object the config builds (load_state_dict), never a class the file names
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
+        nested = [n for n, f in fields.items() if dataclasses.is_dataclass(f)]
+        if nested:
+            raise TypeError(f"{where} holds dataclasses ({', '.join(nested)}): override state_dict/load_state_dict")
+        return {DATACLASS_STATE: _state_value(fields, where), "class": type(value).__name__}
     if isinstance(value, dict):
         out = copy.copy(value)  # keeps the mapping's type (a defaultdict keeps its factory)
         out.clear()

@@ -16,16 +16,27 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Message
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.serverapp import Grid
+from torch import nn
 
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
 from fedapps.server.clustering import l2_distance_matrix
+from fedapps.server.dropin import (
+    PROXIMAL_MU,
+    PersonalisedFlowerStrategy,
+    array_record,
+    numpy_arrays,
+    only_arrays,
+    parameter_keys,
+)
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
@@ -33,6 +44,7 @@ from strategies.fedavg import initial_model_arrays
 from strategies.fedprox import PROX_MU
 
 log = logging.getLogger("fedapps")
+flower_log = logging.getLogger("flwr")  # the drop-in strategy logs where Flower's own strategies do
 
 
 # --------------------------------------------------------------------------- the maths (pure functions)
@@ -70,6 +82,28 @@ def relative_attention_weights(d2: np.ndarray, kappa: float, share: float) -> tu
     np.fill_diagonal(xi, 0.0)
     np.fill_diagonal(xi, 1.0 - xi.sum(axis=1))
     return xi, sigma
+
+
+def personalised_anchors(
+    vectors: np.ndarray, chosen: Sequence[int], alpha_k: float, sigma: float, kappa: float, share: float
+) -> tuple[np.ndarray, dict[str, float]]:
+    """u_i = Σ_j ξ_ij·w_j for the rows ``chosen`` of the pool ``vectors`` (one client's parameter vector a row): ξ
+    from the pool's squared distances, fixed (:func:`attention_weights`, ``kappa`` = 0) or relative
+    (:func:`relative_attention_weights`). Returns the anchors (one row per chosen client) and the diagnostics: the
+    chosen clients' mean self-weight ξ_ii, the median non-zero squared distance and the σ used."""
+    d2 = squared_distances(vectors)
+    if kappa > 0:
+        xi, sigma_used = relative_attention_weights(d2, kappa, share)
+    else:
+        xi, sigma_used = attention_weights(d2, alpha_k, sigma), sigma
+    rows = np.asarray(chosen, dtype=np.int64)
+    u = torch.from_numpy(xi[rows].astype(np.float32)) @ torch.from_numpy(np.ascontiguousarray(vectors))
+    diagnostics = {
+        "self_weight": float(np.diagonal(xi)[rows].mean()),
+        "median_d2": median_nonzero(d2),
+        "sigma": float(sigma_used),
+    }
+    return u.numpy(), diagnostics
 
 
 def proximal_mu(lam: float, alpha_k: float) -> float:
@@ -192,17 +226,15 @@ class FedAMP(PersonalisedStrategy):
         """u_i for the given clients over every client known (and the given ones, at their current models)."""
         pool = sorted(set(self.models) | set(clients))
         vectors = np.stack([self.models.get(c, self.initial) for c in pool])
-        d2 = squared_distances(vectors)
-        if self.params.kappa > 0:
-            xi, self._last_sigma = relative_attention_weights(d2, self.params.kappa, self.params.share)
-        else:
-            xi, self._last_sigma = attention_weights(d2, self.params.alpha_k, self.params.sigma), self.params.sigma
         row = {c: i for i, c in enumerate(pool)}
-        chosen = np.array([row[c] for c in clients])
-        self._last_self_weight = float(np.diagonal(xi)[chosen].mean())
-        self._last_median_d2 = median_nonzero(d2)
-        u = torch.from_numpy(xi[chosen].astype(np.float32)) @ torch.from_numpy(vectors)
-        return {c: u[i].numpy() for i, c in enumerate(clients)}
+        p = self.params
+        u, seen = personalised_anchors(vectors, [row[c] for c in clients], p.alpha_k, p.sigma, p.kappa, p.share)
+        self._last_self_weight, self._last_median_d2, self._last_sigma = (
+            seen["self_weight"],
+            seen["median_d2"],
+            seen["sigma"],
+        )
+        return {c: u[i] for i, c in enumerate(clients)}
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
         mu = proximal_mu(self.params.lam, self.params.alpha_k)
@@ -234,3 +266,86 @@ class FedAMP(PersonalisedStrategy):
             "model_distance_sq_median": self._last_median_d2,
             "attention_sigma": self._last_sigma,
         }
+
+
+class FlowerFedAMP(PersonalisedFlowerStrategy):
+    """FedAMP as a drop-in Flower strategy (``fedapps.flower_strategies.FedAMP``): each round a sampled node is sent
+    its anchor u_i (:func:`personalised_anchors` over the latest upload of every node heard from and, at the initial
+    arrays, this round's new nodes: the app's pool) as its ``"arrays"``, and μ = λ/α_K as ``"proximal-mu"`` in the
+    train config, the key Flower's FedProx uses. The paper's client trains ITS OWN model, kept between rounds, with
+    CE + (μ/2)‖w − u_i‖² (:func:`strategies.fedprox.proximal_penalty`) and sends it back; that upload is the node's
+    model, kept by the server and sent to it for evaluation. A client that does not keep its model but starts from
+    the arrays it receives, as a FedProx client does, starts from u_i instead (docs/flower-apps.md says what that
+    changes). There is no global model: ``Result.arrays`` stays empty. The anchors are built over the model's
+    parameters (``model`` given) or every floating-point array; ``alpha_k``, ``sigma``, ``lam``, ``kappa`` and
+    ``share`` mean what they mean in the app (defaults: the app's); every other argument is Flower's FedAvg's."""
+
+    def __init__(
+        self,
+        *,
+        alpha_k: float = FedAMPParams.alpha_k,
+        sigma: float = FedAMPParams.sigma,
+        lam: float = FedAMPParams.lam,
+        kappa: float = FedAMPParams.kappa,
+        share: float = FedAMPParams.share,
+        model: nn.Module | None = None,
+        **flower_args: Any,
+    ) -> None:
+        super().__init__(**flower_args)
+        if alpha_k <= 0 or sigma <= 0 or lam < 0 or kappa < 0 or not 0 < share <= 1:
+            raise ValueError("FedAMP: alpha_k and sigma must be > 0, lam and kappa >= 0, share in (0, 1]")
+        self.alpha_k, self.sigma, self.lam, self.kappa, self.share = alpha_k, sigma, lam, kappa, share
+        self.mu = proximal_mu(lam, alpha_k)
+        self.model = model
+        self.initial: dict[str, np.ndarray] = {}
+        self.uploads: dict[int, dict[str, np.ndarray]] = {}  # node id -> its latest upload (its own model)
+        self.vectors: dict[int, np.ndarray] = {}  # node id -> that upload's parameters, flattened
+        self.anchors: dict[int, np.ndarray] = {}  # node id -> its anchor this round
+        self.diagnostics: dict[str, float] = {}
+
+    def settings(self) -> list[tuple[str, object]]:
+        return [("alpha_k, sigma, lam", (self.alpha_k, self.sigma, self.lam)), ("proximal-mu (λ/α_K)", self.mu),
+                ("kappa, share", (self.kappa, self.share))]  # fmt: skip
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """The anchors, with μ under ``"proximal-mu"`` in the config."""
+        config[PROXIMAL_MU] = self.mu
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def round_nodes(self, node_ids: list[int], arrays: ArrayRecord, for_training: bool) -> None:
+        if not self.initial:
+            self.initial = numpy_arrays(arrays)
+            self.keys = list(self.initial)
+            self.param_keys = parameter_keys(self.model, self.initial)
+            self.initial_vector = flatten(self.initial, self.param_keys)
+        if for_training:
+            pool = sorted(set(self.vectors) | set(node_ids))
+            row = {n: i for i, n in enumerate(pool)}
+            vectors = np.stack([self.vectors.get(n, self.initial_vector) for n in pool])
+            u, self.diagnostics = personalised_anchors(
+                vectors, [row[n] for n in node_ids], self.alpha_k, self.sigma, self.kappa, self.share
+            )
+            self.anchors = {n: u[i] for i, n in enumerate(node_ids)}
+
+    def node_arrays(self, node_id: int, arrays: ArrayRecord, for_training: bool) -> ArrayRecord:
+        """Training: u_i on the parameters (the node's own other arrays beside it); evaluation: the node's latest
+        upload (the initial arrays before its first)."""
+        own = self.uploads.get(node_id, self.initial)
+        if not for_training:
+            return array_record(own, self.keys)
+        anchor = unflatten(self.anchors[node_id], self.initial, self.param_keys)
+        return array_record({**own, **anchor}, self.keys)
+
+    def aggregate_arrays(self, server_round: int, replies: list[Message]) -> ArrayRecord | None:
+        """Each matching upload is its node's model from now on; no global model (None)."""
+        for msg in replies:
+            node, upload = msg.metadata.src_node_id, numpy_arrays(only_arrays(msg))
+            if list(upload) != self.keys or any(upload[k].shape != self.initial[k].shape for k in self.keys):
+                flower_log.warning("FedAMP round %d: node %d sent arrays that do not match the model; its previous "
+                                   "model kept", server_round, node)  # fmt: skip
+                continue
+            self.uploads[node] = upload
+            self.vectors[node] = flatten(upload, self.param_keys)
+        return None

@@ -54,15 +54,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Message
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.serverapp import Grid
 from torch import Tensor, nn
 
 from fedapps.client import ops
@@ -71,12 +73,21 @@ from fedapps.data import DataError, spec_info
 from fedapps.models import build_model
 from fedapps.params import param
 from fedapps.seeds import derive_seed
+from fedapps.server.dropin import (
+    PersonalisedFlowerStrategy,
+    array_record,
+    numpy_arrays,
+    only_arrays,
+    only_metrics,
+    parameter_keys,
+)
 from fedapps.server.robust import median_bound
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, _state_value
 
 BYTES_PER_PARAMETER = 4  # float32
+log = logging.getLogger("flwr")  # the drop-in strategy logs where Flower's own strategies do
 REPLY_CHUNK = 16  # replies back-propagated together (memory: a few × REPLY_CHUNK × the target model)
 PEAK_COPIES = (
     4  # h's parameters and momentum; while a round is aggregated also its gradient and SGD's weight-decay copy
@@ -208,6 +219,65 @@ def hypernetwork_step(hn: HyperNetwork, optimizer: torch.optim.Optimizer, clip_n
     return norm
 
 
+def build_hypernetwork(
+    seed: int,
+    num_clients: int,
+    shapes: Mapping[str, tuple[int, ...]],
+    embed_dim: int,
+    hidden_dim: int,
+    hidden_layers: int,
+) -> HyperNetwork:
+    """h as the app initialises it for config seed ``seed`` (drawn under ``derive_seed(seed, "pfedhn-init")``; the
+    caller's RNG is left as it was): the same M, shapes and widths give the same h."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(seed, "pfedhn-init"))
+        return HyperNetwork(num_clients, shapes, embed_dim, hidden_dim, hidden_layers)
+
+
+def generated_arrays(hn: HyperNetwork, client: int | None) -> dict[str, np.ndarray]:
+    """h(v_client; φ) as float32 numpy arrays (the mean embedding's model for None)."""
+    with torch.no_grad():
+        return {k: v.detach().cpu().numpy() for k, v in hn.generate(client).items()}
+
+
+def trained_tensors(arrays: Mapping[str, Any], names: Sequence[str], device: torch.device | str) -> dict[str, Tensor]:
+    """θ̃ of a reply (its arrays named ``names``) as float32 tensors on ``device``."""
+    return {k: torch.as_tensor(np.asarray(arrays[k], dtype=np.float32), device=device) for k in names}
+
+
+def hypernetwork_update(
+    hn: HyperNetwork,
+    optimizer: torch.optim.Optimizer,
+    sources: Sequence[int | None],
+    trained: Sequence[Mapping[str, Tensor]],
+    clip_norm: float,
+    median_clip: float = 0.0,
+) -> dict[str, Any]:
+    """One round of the server: Σ_i s_i·(∂θ_i/∂φ)ᵀ(θ_i − θ̃_i) over the replies at the φ that generated θ_i
+    (``sources[i]``: the embedding that generated reply i's model, None for the mean one; ``trained[i]``: θ̃_i),
+    back-propagated ``REPLY_CHUNK`` replies at a time, s_i = 1 or, with ``median_clip`` > 0, each client's share
+    bounded by :func:`median_clip_scales`; then one clipped optimiser step. Returns the round's diagnostics."""
+    optimizer.zero_grad(set_to_none=True)
+    extra: dict[str, Any] = {}
+    scales = [1.0] * len(sources)
+    if median_clip > 0:
+        norms = client_gradient_norms(hn, sources, trained)
+        scales = median_clip_scales(norms, median_clip)
+        extra = {"clip_bound": median_bound(norms, median_clip), "clipped": sum(1 for v in scales if v < 1.0)}
+    # θ_i is generated again at the same φ (in a batch: equal to what was sent up to float rounding)
+    deltas: list[float] = []
+    for start in range(0, len(sources), REPLY_CHUNK):
+        end = start + REPLY_CHUNK
+        deltas += accumulate_delta_gradient(hn, sources[start:end], trained[start:end], scales[start:end])
+    grad_norm = hypernetwork_step(hn, optimizer, clip_norm)
+    return {
+        "hn_delta_norm_mean": float(np.mean(deltas)),
+        "hn_grad_norm": grad_norm,
+        "hn_from_mean_embedding": sum(1 for s in sources if s is None),
+        **extra,
+    }
+
+
 def make_optimizer(
     hn: HyperNetwork, lr: float, embed_lr: float, momentum: float, weight_decay: float
 ) -> torch.optim.SGD:
@@ -298,9 +368,9 @@ class PFedHN(PersonalisedStrategy):
         shapes = check_size(cfg, p, num_classes, shape)
         self.device = ops.resolve_device(p.server_device)
         self.embed_dim = embedding_size(cfg.data.num_clients, p.embed_dim)
-        with torch.random.fork_rng(devices=[]):  # h's initialisation is seeded; the caller's RNG is left as it was
-            torch.manual_seed(derive_seed(cfg.seed, "pfedhn-init"))
-            self.hn = HyperNetwork(cfg.data.num_clients, shapes, self.embed_dim, p.hidden_dim, p.hidden_layers)
+        self.hn = build_hypernetwork(
+            cfg.seed, cfg.data.num_clients, shapes, self.embed_dim, p.hidden_dim, p.hidden_layers
+        )
         self.hn.to(self.device)
         self.optimizer = make_optimizer(self.hn, p.lr, p.embed_lr, p.momentum, p.weight_decay)
         self.sent_from: dict[
@@ -329,8 +399,7 @@ class PFedHN(PersonalisedStrategy):
 
     def generated(self, client: int | None) -> dict[str, np.ndarray]:
         """h(v_client; φ) as float32 arrays (the mean embedding's model for None)."""
-        with torch.no_grad():
-            return {k: v.detach().cpu().numpy() for k, v in self.hn.generate(client).items()}
+        return generated_arrays(self.hn, client)
 
     def hypernetwork_parameters(self) -> int:
         return sum(p.numel() for p in self.hn.parameters())
@@ -362,42 +431,15 @@ class PFedHN(PersonalisedStrategy):
             usable.append(r)
         if not usable:
             return {}
-        self.optimizer.zero_grad(set_to_none=True)
-        deltas: list[float] = []
         sources = [self.sent_from[int(r.node_id)] for r in usable]
-        extra: dict[str, Any] = {}
-        scales = [1.0] * len(usable)
-        if self.params.median_clip > 0:
-            norms = client_gradient_norms(self.hn, sources, [self.trained(r) for r in usable])
-            scales = median_clip_scales(norms, float(self.params.median_clip))
-            extra = {
-                "clip_bound": median_bound(norms, float(self.params.median_clip)),
-                "clipped": sum(1 for v in scales if v < 1.0),
-            }
-        # θ_i is generated again at the same φ (in a batch: equal to what was sent up to float rounding)
-        for start in range(0, len(usable), REPLY_CHUNK):
-            chunk = usable[start : start + REPLY_CHUNK]
-            deltas += accumulate_delta_gradient(
-                self.hn,
-                sources[start : start + REPLY_CHUNK],
-                [self.trained(r) for r in chunk],
-                scales[start : start + REPLY_CHUNK],
-            )
-        from_mean = sum(1 for s in sources if s is None)
-        grad_norm = hypernetwork_step(self.hn, self.optimizer, float(self.params.clip_norm))
-        return {
-            "hn_delta_norm_mean": float(np.mean(deltas)),
-            "hn_grad_norm": grad_norm,
-            "hn_from_mean_embedding": from_mean,
-            **extra,
-        }
+        trained = [self.trained(r) for r in usable]
+        return hypernetwork_update(
+            self.hn, self.optimizer, sources, trained, float(self.params.clip_norm), float(self.params.median_clip)
+        )
 
     def trained(self, r: ClientReply) -> dict[str, Tensor]:
         """θ̃_i of a reply as float32 tensors on the server's device."""
-        return {
-            k: torch.as_tensor(np.asarray(r.required_arrays[k], dtype=np.float32), device=self.device)
-            for k in self.hn.names
-        }
+        return trained_tensors(r.required_arrays, self.hn.names, self.device)
 
     def final_summary(self) -> dict[str, Any]:
         n = self.hypernetwork_parameters()
@@ -406,3 +448,166 @@ class PFedHN(PersonalisedStrategy):
             "hypernetwork_embed_dim": self.embed_dim,
             "hypernetwork_peak_bytes": n * BYTES_PER_PARAMETER * PEAK_COPIES,
         }
+
+
+# --------------------------------------------------------------------------- the drop-in Flower strategy
+
+# the train-reply metric a client may send to name its embedding (Flower's node_config key of a simulated node's data)
+PARTITION_ID = "partition-id"
+
+
+class FlowerPFedHN(PersonalisedFlowerStrategy):
+    """pFedHN as a drop-in Flower strategy (``fedapps.flower_strategies.PFedHN``): the server's hypernetwork generates
+    each node's model from that node's embedding; the node trains what it receives and sends it back; the replies train
+    the hypernetwork by the chain rule (:func:`hypernetwork_update`, the app's round). h is initialised as the app
+    initialises it for config seed ``seed`` (:func:`build_hypernetwork`); every other pFedHN argument means what it
+    means in the app (defaults: the app's), the rest are Flower's FedAvg's.
+
+    Which embedding a node gets. The table has ``num_nodes`` rows (None: as many as nodes are connected when round 1
+    is sampled). A node is bound to a row at its first usable training reply: the row its ``id_metric`` metric names
+    (``"partition-id"``: one line in the ClientApp) when it sends one, else the lowest row no node holds yet (the
+    round's new nodes in node-id order). Until then, in its first round, it is sent the model generated from the mean
+    of all embeddings, taken as a constant (the app's rule for a node it cannot identify); its reply trains the trunk
+    and the heads. A node for which no row is left keeps getting that model. Bindings are per node id, for the run.
+
+    What is generated: the model's parameters (``model`` given) or every floating-point array; the other arrays (e.g.
+    BatchNorm statistics) are each node's own, from its last upload (the initial ones before it)."""
+
+    def __init__(
+        self,
+        *,
+        num_nodes: int | None = None,
+        id_metric: str | None = PARTITION_ID,
+        seed: int = 0,
+        model: nn.Module | None = None,
+        embed_dim: int = PFedHNParams.embed_dim,
+        hidden_dim: int = PFedHNParams.hidden_dim,
+        hidden_layers: int = PFedHNParams.hidden_layers,
+        lr: float = PFedHNParams.lr,
+        embed_lr: float = PFedHNParams.embed_lr,
+        momentum: float = PFedHNParams.momentum,
+        weight_decay: float = PFedHNParams.weight_decay,
+        clip_norm: float = PFedHNParams.clip_norm,
+        median_clip: float = PFedHNParams.median_clip,
+        max_hn_params: int = PFedHNParams.max_hn_params,
+        server_device: str = "cpu",
+        **flower_args: Any,
+    ) -> None:
+        super().__init__(**flower_args)
+        if num_nodes is not None and num_nodes < 1:
+            raise ValueError(f"PFedHN: num_nodes is {num_nodes}; give the number of clients (>= 1) or None")
+        self.num_nodes, self.id_metric, self.seed, self.model = num_nodes, id_metric, seed, model
+        self.hn_args = dict(embed_dim=embed_dim, hidden_dim=hidden_dim, hidden_layers=hidden_layers)
+        self.opt_args = dict(lr=lr, embed_lr=embed_lr, momentum=momentum, weight_decay=weight_decay)
+        self.clip_norm, self.median_clip, self.max_hn_params = clip_norm, median_clip, max_hn_params
+        self.device = ops.resolve_device(server_device)
+        self.hn: HyperNetwork | None = None
+        self.grid: Grid | None = None
+        self.embedding_of: dict[int, int] = {}  # node id -> its row of the embedding table
+        self.sent_from: dict[int, int | None] = {}  # node -> the row that generated this round's model (None: mean)
+        self.own_arrays: dict[int, dict[str, np.ndarray]] = {}  # node -> its arrays that are not generated
+        self.unplaced: set[int] = set()  # nodes told once that no row is left for them
+
+    def settings(self) -> list[tuple[str, object]]:
+        return [("Embeddings", self.num_nodes or "one per node connected at round 1"),
+                ("Embedding from metric", self.id_metric or "no (first-seen order)"), ("seed", self.seed)]  # fmt: skip
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self.grid, self.sent_from = grid, {}
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def build(self, arrays: ArrayRecord) -> HyperNetwork:
+        """h, its optimiser and the arrays it generates, from the initial arrays (once)."""
+        if self.hn is not None:
+            return self.hn
+        initial = numpy_arrays(arrays)
+        self.keys = list(initial)
+        names = parameter_keys(self.model, initial)
+        self.initial_rest = {k: v for k, v in initial.items() if k not in names}
+        shapes = {k: tuple(initial[k].shape) for k in names}
+        m = self.num_nodes or max(len(list(self.grid.get_node_ids())) if self.grid is not None else 0, 1)
+        self.num_nodes = m
+        d = embedding_size(m, int(self.hn_args["embed_dim"]))
+        size = hypernetwork_size(m, shapes, d, int(self.hn_args["hidden_dim"]), int(self.hn_args["hidden_layers"]))
+        if size > self.max_hn_params:
+            raise ValueError(
+                f"PFedHN: the hypernetwork for this model ({sum(math.prod(s) for s in shapes.values()):,} generated "
+                f"values) would hold {size:,} parameters, above max_hn_params={self.max_hn_params:,}; lower hidden_dim "
+                "or raise max_hn_params where the server has the memory"
+            )
+        hn = build_hypernetwork(self.seed, m, shapes, d, int(self.hn_args["hidden_dim"]),
+                                int(self.hn_args["hidden_layers"])).to(self.device)  # fmt: skip
+        self.optimizer = make_optimizer(hn, **{k: float(v) for k, v in self.opt_args.items()})
+        self.hn = hn
+        return hn
+
+    def node_arrays(self, node_id: int, arrays: ArrayRecord, for_training: bool) -> ArrayRecord:
+        """h(v_row) for the node's row (the mean embedding's model before it is bound), its own other arrays."""
+        hn = self.build(arrays)
+        row = self.embedding_of.get(node_id)
+        if for_training:
+            self.sent_from[node_id] = row
+        own = self.own_arrays.get(node_id, self.initial_rest)
+        return array_record({**own, **generated_arrays(hn, row)}, self.keys)
+
+    def aggregate_arrays(self, server_round: int, replies: list[Message]) -> ArrayRecord | None:
+        """New nodes bound to their rows; one step of h on the matching replies (at the rows that generated their
+        models). Returns the model of the mean embedding (what an unbound node is sent) with the initial other
+        arrays."""
+        hn = self.hn
+        usable: list[tuple[int, dict[str, np.ndarray]]] = []
+        for msg in replies:
+            node, arrays = msg.metadata.src_node_id, numpy_arrays(only_arrays(msg))
+            if (
+                node not in self.sent_from
+                or list(arrays) != self.keys
+                or hn is None
+                or any(arrays[k].shape != hn.shapes[k] for k in hn.names)
+            ):
+                log.warning("PFedHN round %d: node %d sent arrays that answer no model it was sent this round; "
+                            "left out", server_round, node)  # fmt: skip
+                continue
+            usable.append((node, arrays))
+            self.own_arrays[node] = {k: v for k, v in arrays.items() if k in self.initial_rest}
+        if hn is None or not usable:
+            return None
+        self.bind([node for node, _ in usable], {m.metadata.src_node_id: only_metrics(m) for m in replies})
+        usable.sort(key=lambda item: (self.embedding_of.get(item[0], math.inf), item[0]))
+        hypernetwork_update(
+            hn,
+            self.optimizer,
+            [self.sent_from[node] for node, _ in usable],
+            [trained_tensors(arrays, hn.names, self.device) for _, arrays in usable],
+            float(self.clip_norm),
+            float(self.median_clip),
+        )
+        return array_record({**self.initial_rest, **generated_arrays(hn, None)}, self.keys)
+
+    def bind(self, nodes: list[int], metrics: Mapping[int, Any]) -> None:
+        """Bind the nodes not bound yet: to the row their ``id_metric`` names, else to the lowest free rows (in
+        node-id order); a node left without a row keeps the mean embedding's model."""
+        m = int(self.num_nodes or 0)
+        first_seen = []
+        for node in sorted(n for n in nodes if n not in self.embedding_of):
+            claimed = metrics[node].get(self.id_metric) if self.id_metric else None
+            if claimed is None:
+                first_seen.append(node)
+            elif isinstance(claimed, int) and not isinstance(claimed, bool) and 0 <= claimed < m:
+                if claimed in self.embedding_of.values():
+                    log.warning("PFedHN: node %d names embedding %d, which another node holds; they share it",
+                                node, claimed)  # fmt: skip
+                self.embedding_of[node] = claimed
+            else:
+                log.warning("PFedHN: node %d sent %s=%r, not a row of the %d-row table (num_nodes must exceed "
+                            "every id); placed in first-seen order", node, self.id_metric, claimed, m)  # fmt: skip
+                first_seen.append(node)
+        for node in first_seen:
+            free = sorted(set(range(m)) - set(self.embedding_of.values()))
+            if free:
+                self.embedding_of[node] = free[0]
+            elif node not in self.unplaced:
+                self.unplaced.add(node)
+                log.warning("PFedHN: no embedding left for node %d (num_nodes=%d): it is sent the mean embedding's "
+                            "model", node, m)  # fmt: skip

@@ -26,10 +26,11 @@ from flwr.serverapp.strategy import (
 
 import strategies.cwfedavg as cw
 from fedapps import flower_strategies
+from fedapps.flower.faults import ReplyDropped
 from fedapps.flower.inprocess import InProcessGrid
-from fedapps.flower_strategies import CFL, CwFedAvg, FedPer, Local
+from fedapps.flower_strategies import CFL, PARTITION_ID, PROXIMAL_MU, CwFedAvg, FedAMP, FedPer, Local, PFedHN
 from fedapps.models import build_model, classifier_name
-from fedapps.server.dropin import classifier_from_arrays, only_arrays, only_metrics, reply_problem
+from fedapps.server.dropin import classifier_from_arrays, only_arrays, only_metrics, parameter_keys, reply_problem
 from fedapps.wire import protocol
 
 TWIN = Path(__file__).parent / "apps" / "quickstart_twin"
@@ -49,6 +50,8 @@ RUN_CONFIG = {  # the twin's [tool.flwr.app.config], as the tests run it in-proc
     "lr": 0.05,
     "local-epochs": 1,
     "send-class-counts": False,
+    "send-partition-id": False,
+    "keep-model": False,
     "dump-dir": "",
 }
 
@@ -304,8 +307,23 @@ APP_TWINS = {  # drop-in name -> the app's strategy section it is compared with
     "local": {"name": "local"},
     # a split in round 1 on any update (eps1 large, eps2 tiny), of the 4 clients only: clusters of 2 split no further
     "cfl": {"name": "cfl", "params": {"cfl": {"eps1": 100.0, "eps2": 1e-6, "warmup_rounds": 1}}},
+    "pfedhn": {"name": "pfedhn"},
 }
-TWIN_SETTINGS = {"cfl": "cfl-eps1=100.0 cfl-eps2=1e-6 cfl-warmup-rounds=1"}
+TWIN_SETTINGS = {
+    "cfl": "cfl-eps1=100.0 cfl-eps2=1e-6 cfl-warmup-rounds=1",
+    "pfedhn": "send-partition-id=true pfedhn-num-nodes=4",
+}
+
+
+def withhold_identify(msg, ctx, call_next):
+    """A client mod under which a node does not answer the app's identify message: the app then treats it as the
+    drop-in treats every node before its first reply (pFedHN: the mean embedding's model in round 1)."""
+    if msg.metadata.message_type == protocol.QUERY_MESSAGE_TYPE:
+        raise ReplyDropped("identify withheld")
+    return call_next(msg, ctx)
+
+
+APP_MODS = {"pfedhn": [withhold_identify]}
 
 
 @pytest.mark.heavy
@@ -315,8 +333,11 @@ def test_through_flwr_run_the_drop_in_gives_the_apps_personalised_models(name, t
     strategy (cwFedAvg: wdr_lambda 0, estimator norm) on the same partition, seed and initial model, 3 rounds. Every
     round, each client's personalised model is the same to float tolerance where the app sends it (cwFedAvg: the whole
     model; FedPer: the body — its head never leaves the app's client), and each client's accuracy is the same (for
-    Local, whose models never leave the app's clients, that is the comparison). The twin's DataLoader draws the app's
-    minibatch order; what remains is float rounding (collation, the order replies arrive in)."""
+    Local, whose models never leave the app's clients, that is the comparison). pFedHN: the twin sends its partition id
+    (the drop-in's embedding of the node) and the app's nodes withhold their identify reply, so that both send every
+    node the mean embedding's model in round 1 (a plain Flower client cannot be identified before its first reply).
+    The twin's DataLoader draws the app's minibatch order; what remains is float rounding (collation, the order
+    replies arrive in)."""
     from fedapps_tools.appruns import run_app
 
     rounds = 3
@@ -331,7 +352,7 @@ def test_through_flwr_run_the_drop_in_gives_the_apps_personalised_models(name, t
         strategy=APP_TWINS[name],
         data={"source": "digits", "partition": "pathological", "num_clients": 4, "classes_per_client": 2},
     )
-    grid = InProcessGrid(4, record=True)
+    grid = InProcessGrid(4, record=True, mods=APP_MODS.get(name))
     _, run_dir = run_in_process(cfg, tmp_path / "app", grid)
     # the app's model after round r is what its round-(r+1) message carries (after the last round: an evaluation)
     app_models: dict[tuple[int, int], dict[str, np.ndarray]] = {}
@@ -352,7 +373,8 @@ def test_through_flwr_run_the_drop_in_gives_the_apps_personalised_models(name, t
                 compared += 1
             app_acc = float(app_rounds[rnd - 1][f"acc_client_{client}"])  # its deployed model after round rnd
             assert float(twin["acc"]) == pytest.approx(app_acc, abs=1e-9), (client, rnd)
-    assert compared == {"cwfedavg": 4 * 3 * 6, "fedper": 4 * 3 * 4, "local": 0, "cfl": 4 * 3 * 6}[name]
+    per_round = {"cwfedavg": 6, "fedper": 4, "local": 0, "cfl": 6, "pfedhn": 6}[name]  # arrays the app sends
+    assert compared == 4 * 3 * per_round
     if name == "cfl":  # the split happened in round 1: two clusters, two models
         assert len({np.load(dump / f"client{c}-round2.npz")["fc.weight"].tobytes() for c in range(4)}) == 2
 
@@ -430,3 +452,238 @@ def test_cfl_splits_a_cluster_and_each_node_gets_its_clusters_model():
     unsplit = CFL()
     unsplit.start(grid=twin_grid(), initial_arrays=initial_arrays(), num_rounds=2)
     assert len(unsplit.models) == 1
+
+
+# --------------------------------------------------------------------------- pFedHN
+
+
+def test_pfedhn_binds_each_node_to_its_partition_id_and_sends_it_its_generated_model():
+    """Round 1: every node is sent the mean embedding's model (no node is bound yet); each reply's "partition-id" binds
+    its node to that row; from then on node i is sent h(v_i) — the rows are the partition ids even though the node ids
+    are in another order."""
+    from strategies.pfedhn import generated_arrays
+
+    ids = [2**63 + 40, 2**63 + 10, 2**63 + 30, 2**63 + 20]  # partition i is served by ids[i]: not in id order
+    grid = InProcessGrid(4, record=True, node_ids=ids, mods=[lambda msg, ctx, call_next: twin_client(msg, ctx)])
+    for ctx in grid.contexts.values():
+        ctx.run_config = {**RUN_CONFIG, "send-partition-id": True}
+    strategy = PFedHN(num_nodes=4)
+    strategy.start(grid=grid, initial_arrays=initial_arrays(), num_rounds=2)
+    assert strategy.embedding_of == {node: partition(grid, node) for node in ids}
+    first = [values(m.content[protocol.ARRAYS]) for m in grid.sent[:4]]
+    assert all(np.array_equal(a["fc.weight"], first[0]["fc.weight"]) for a in first)
+    for msg in grid.sent[12:16]:  # round 2's evaluation: h(v_i) after round 2's step
+        node = msg.metadata.dst_node_id
+        expected = generated_arrays(strategy.hn, partition(grid, node))
+        for key, value in expected.items():
+            np.testing.assert_array_equal(values(msg.content[protocol.ARRAYS])[key], value)
+    sent = [values(m.content[protocol.ARRAYS])["fc.weight"] for m in grid.sent[12:16]]
+    assert not np.allclose(sent[0], sent[1])  # personalised
+
+
+def test_pfedhn_without_ids_binds_nodes_in_first_seen_order_and_a_full_table_leaves_the_rest_the_mean(caplog):
+    grid = twin_grid()
+    strategy = PFedHN(num_nodes=2)  # two rows for four nodes: the two lowest node ids get them
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        strategy.start(grid=grid, initial_arrays=initial_arrays(), num_rounds=2)
+    nodes = sorted(grid.contexts)
+    assert strategy.embedding_of == {nodes[0]: 0, nodes[1]: 1}
+    assert sum("no embedding left" in r.getMessage() for r in caplog.records) == 2  # once per node
+    round_two = {m.metadata.dst_node_id: values(m.content[protocol.ARRAYS]) for m in grid.sent[8:12]}
+    assert np.array_equal(round_two[nodes[2]]["fc.weight"], round_two[nodes[3]]["fc.weight"])  # both: the mean's
+    assert not np.array_equal(round_two[nodes[0]]["fc.weight"], round_two[nodes[2]]["fc.weight"])
+    bad = PFedHN(num_nodes=2)  # a partition id outside the table: placed in first-seen order, with the reason
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        bad.start(grid=twin_grid(2, **{"send-partition-id": True}), initial_arrays=initial_arrays(), num_rounds=1)
+    assert sorted(bad.embedding_of.values()) == [0, 1]
+    grid4 = twin_grid(**{"send-partition-id": True})
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        PFedHN(num_nodes=3).start(grid=grid4, initial_arrays=initial_arrays(), num_rounds=1)
+    assert any(f"sent {PARTITION_ID}=3, not a row of the 3-row table" in r.getMessage() for r in caplog.records)
+
+
+def test_pfedhn_round_one_is_the_papers_step_written_out():
+    """h after round 1, by hand: every node was sent θ = h(v̄) (v̄ the mean embedding, a constant); the gradient is
+    Σ_i (∂θ/∂φ)ᵀ(θ − θ̃_i), i.e. that of Σ_i ½‖h(v̄) − θ̃_i‖²; clipped to norm 50; one SGD step with momentum 0.9 and
+    weight decay 1e-3 at lr 1e-2 (its first: p ← p − lr·(g + wd·p)). The generated model moves towards the uploads
+    (not necessarily closer: at the app's default lr one step may overshoot them)."""
+    import copy
+
+    import torch
+
+    from strategies.pfedhn import build_hypernetwork, generated_arrays
+
+    grid = twin_grid()
+    strategy = PFedHN(num_nodes=4, seed=7)
+    strategy.start(grid=grid, initial_arrays=initial_arrays(), num_rounds=1)
+    shapes = {k: v.shape for k, v in values(initial_arrays()).items()}
+    before = build_hypernetwork(7, 4, shapes, 2, 100, 3)  # d = 1 + 4 // 4
+    reference = copy.deepcopy(before)
+    trained = [values(only_arrays(r)) for r in grid.replies[:4]]
+    generated = reference.generate(None)
+    loss = sum(0.5 * sum(((generated[k] - torch.from_numpy(t[k])) ** 2).sum() for k in generated) for t in trained)
+    grads = torch.autograd.grad(loss, list(reference.parameters()), allow_unused=True)
+    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(reference.parameters(), grads, strict=True)]
+    norm = torch.sqrt(sum((g**2).sum() for g in grads))
+    scale = min(1.0, 50.0 / (float(norm) + 1e-6))
+    with torch.no_grad():
+        for p, g in zip(reference.parameters(), grads, strict=True):
+            p -= 1e-2 * (g * scale + 1e-3 * p)
+    for (name, got), expected in zip(strategy.hn.named_parameters(), reference.parameters(), strict=True):
+        if name == "embeddings.weight":  # no gradient reaches the embeddings through the constant mean
+            np.testing.assert_array_equal(got.detach().numpy(), before.embeddings.weight.detach().numpy())
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6, msg=name)
+    # the sign: the generated model moved towards the mean upload (a positive inner product with the way there)
+    old, new = generated_arrays(before, None), generated_arrays(strategy.hn, None)
+    towards = sum(float(((new[k] - old[k]) * (np.mean([t[k] for t in trained], axis=0) - old[k])).sum()) for k in old)
+    assert towards > 0
+
+
+def test_pfedhn_generates_the_parameters_and_leaves_each_nodes_buffers_its_own():
+    from torch import nn
+
+    net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    arrays = {k: v.numpy() for k, v in net.state_dict().items()}
+    assert parameter_keys(net, arrays) == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
+    assert parameter_keys(None, arrays) == [k for k in arrays if k != "1.num_batches_tracked"]  # every float array
+    with pytest.raises(ValueError, match="pass initial arrays from the same model"):
+        parameter_keys(net, {"0.weight": arrays["0.weight"]})
+    with pytest.raises(ValueError, match="max_hn_params"):
+        PFedHN(num_nodes=4, max_hn_params=1000).start(grid=twin_grid(2), initial_arrays=initial_arrays(), num_rounds=1)
+
+
+# --------------------------------------------------------------------------- FedAMP
+
+
+def test_fedamp_sends_each_node_its_anchor_with_proximal_mu_and_evaluates_its_own_model():
+    """Round 2's training messages against FedAMP written out over the round-1 uploads w_j (relative attention,
+    kappa 1, share 0.5): σ = median of the non-zero ‖w_i − w_j‖², ξ_ij = (0.5/3)·exp(−‖w_i − w_j‖²/σ) for j ≠ i,
+    ξ_ii = 1 − Σ_{j≠i} ξ_ij, u_i = Σ_j ξ_ij w_j; μ = λ/α_K under Flower's FedProx key; each evaluation message is the
+    node's own upload; no global model."""
+    grid = twin_grid(**{"keep-model": True})
+    result = FedAMP(lam=0.1, kappa=1.0).start(grid=grid, initial_arrays=initial_arrays(), num_rounds=2)
+    replies = sorted(grid.replies[:4], key=lambda r: r.metadata.src_node_id)
+    w = [values(only_arrays(r)) for r in replies]
+    flat = np.stack([np.concatenate([a[k].ravel() for k in a]).astype(np.float64) for a in w])
+    d2 = ((flat[:, None, :] - flat[None, :, :]) ** 2).sum(-1)
+    sigma = np.median(d2[np.triu_indices(4, 1)])
+    xi = 0.5 / 3 * np.exp(-d2 / sigma)
+    np.fill_diagonal(xi, 0.0)
+    np.fill_diagonal(xi, 1.0 - xi.sum(1))
+    train_two = {m.metadata.dst_node_id: m for m in grid.sent[8:12]}
+    for i, r in enumerate(replies):
+        msg = train_two[r.metadata.src_node_id]
+        assert msg.content["config"][PROXIMAL_MU] == pytest.approx(0.1 / 0.01)
+        for key, got in values(msg.content[protocol.ARRAYS]).items():
+            expected = sum(xi[i, j] * w[j][key] for j in range(4))  # the app's distances: a float32 Gram matrix
+            np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-5, err_msg=key)
+    assert not np.allclose(values(grid.sent[8].content[protocol.ARRAYS])["fc.weight"], w[0]["fc.weight"])
+    uploads = {r.metadata.src_node_id: values(only_arrays(r)) for r in grid.replies[8:12]}
+    for msg in grid.sent[12:16]:  # round 2's evaluation: the node's own model, as it uploaded it
+        for key, got in values(msg.content[protocol.ARRAYS]).items():
+            np.testing.assert_array_equal(got, uploads[msg.metadata.dst_node_id][key])
+    assert len(result.arrays) == 0
+
+
+def test_fedamp_pool_counts_new_nodes_at_the_initial_model_and_a_bad_upload_keeps_the_previous(caplog):
+    """Two of four nodes a round: a node sampled for the first time is in the pool at the initial arrays, as the app
+    counts a client not heard from; a node whose upload does not match the model keeps its previous one."""
+    random.seed(2)  # Flower's sample_nodes draws with `random`: nodes 0 and 3, then 0 and 1, then 1 and 2 (offsets)
+    bad_node = 2**63 + 12
+
+    def corrupt(msg, ctx, call_next):
+        reply = call_next(msg, ctx)
+        if msg.metadata.dst_node_id == bad_node and msg.metadata.message_type == "train":
+            only_arrays(reply)["fc.weight"] = Array(np.zeros((3, 3), np.float32))
+        return reply
+
+    grid = twin_grid(mods=[corrupt], **{"keep-model": True})
+    strategy = FedAMP(lam=0.1, kappa=1.0, fraction_train=0.5, fraction_evaluate=0.0)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        strategy.start(grid=grid, initial_arrays=initial_arrays(), num_rounds=3)
+    heard = {r.metadata.src_node_id for r in grid.replies if r.metadata.src_node_id != bad_node}
+    assert set(strategy.vectors) == heard
+    assert [m.metadata.dst_node_id - 2**63 - 11 for m in grid.sent] == [0, 3, 0, 1, 1, 2]
+    assert sum(f"node {bad_node} sent arrays that do not match" in r.getMessage() for r in caplog.records) == 2
+    # the last round's anchors, recomputed over the pool the app would use: known nodes ∪ this round's, new ones initial
+    from strategies.fedamp import flatten, personalised_anchors
+
+    last = [m.metadata.dst_node_id for m in grid.sent[-2:]]
+    before = {
+        r.metadata.src_node_id: values(only_arrays(r)) for r in grid.replies[:-2] if r.metadata.src_node_id in heard
+    }
+    keys = list(values(initial_arrays()))
+    pool = sorted(set(before) | set(last))
+    vectors = np.stack(
+        [flatten(before[n], keys) if n in before else flatten(values(initial_arrays()), keys) for n in pool]
+    )
+    u, _ = personalised_anchors(vectors, [pool.index(n) for n in last], 0.01, 0.2, 1.0, 0.5)
+    for msg, anchor in zip(grid.sent[-2:], u, strict=True):
+        got = np.concatenate([values(msg.content[protocol.ARRAYS])[k].ravel() for k in keys])
+        np.testing.assert_allclose(got, anchor, rtol=1e-5, atol=1e-7)
+
+
+def test_the_proximal_term_and_its_key_are_the_apps_and_flowers():
+    """proximal_penalty is the function the app's FedAMP/FedProx/Ditto clients call; PROXIMAL_MU is the config key
+    Flower's own FedProx sends μ under."""
+    import torch
+    from flwr.app import ConfigRecord
+    from flwr.serverapp.strategy import FedProx
+
+    import strategies.fedprox as fp
+
+    assert flower_strategies.proximal_penalty is fp.proximal_penalty
+    (msg, *_) = FedProx(proximal_mu=0.3).configure_train(1, initial_arrays(), ConfigRecord(), twin_grid(2))
+    assert msg.content["config"][PROXIMAL_MU] == 0.3
+    net = build_model("mlp", 10, (1, 8, 8), seed=0)
+    anchor = {k: v.detach() + 1.0 for k, v in net.named_parameters()}  # every parameter 1 away from its anchor
+    expected = 0.5 * 4.0 * sum(p.numel() for p in net.parameters())
+    assert float(flower_strategies.proximal_penalty(net, anchor, 4.0)) == pytest.approx(expected)
+    flower_strategies.proximal_penalty(net, anchor, 4.0).backward()
+    assert all(torch.allclose(p.grad, torch.full_like(p, -4.0)) for p in net.parameters())  # μ(w − anchor)
+
+
+@pytest.mark.heavy
+def test_through_flwr_run_fedamp_with_a_client_that_keeps_its_model_gives_the_apps_models(tmp_path, tiny_config):
+    """The quickstart twin keeping its model in context.state and adding proximal_penalty(net, anchor, mu) (the
+    documented pattern) with the drop-in FedAMP under `flwr run` (4 SuperNodes, 3 rounds), against the app's FedAMP
+    (λ 0.1, κ 1) on the same partition, seed and initial model: every round, each client's anchor u_i and its trained
+    model are the same to float tolerance, and so is its accuracy."""
+    from fedapps_tools.appruns import run_app
+
+    rounds = 3
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    settings = f'num-server-rounds={rounds} strategy="fedamp" keep-model=true dump-dir="{dump}"'
+    run = run_app(TWIN, f"{settings} fedamp-lam=0.1 fedamp-kappa=1.0", num_supernodes=4)
+    assert run.completed, run.log[-4000:]
+
+    cfg = tiny_config(
+        rounds=rounds,
+        strategy={"name": "fedamp", "params": {"fedamp": {"lam": 0.1, "kappa": 1.0}}},
+        data={"source": "digits", "partition": "pathological", "num_clients": 4, "classes_per_client": 2},
+    )
+    grid = InProcessGrid(4, record=True)
+    _, run_dir = run_in_process(cfg, tmp_path / "app", grid)
+    anchors, trained = {}, {}
+    for msg in grid.sent:
+        if msg.metadata.message_type == "train" and protocol.ARRAYS in msg.content.array_records:
+            key = (partition(grid, msg.metadata.dst_node_id), protocol.request_of(msg).round)
+            anchors[key] = protocol.record_values(msg.content[protocol.ARRAYS])
+    for reply in grid.replies:
+        if reply.content.array_records:
+            key = (partition(grid, reply.metadata.src_node_id), int(reply.metadata.group_id))
+            trained[key] = values(next(iter(reply.content.array_records.values())))
+    with open(run_dir / "rounds.csv") as f:
+        app_rounds = list(csv.DictReader(f))
+    compared = 0
+    for client in range(4):
+        for rnd in range(1, rounds + 1):
+            sent = np.load(dump / f"client{client}-train{rnd}.npz")  # the anchor the twin was sent
+            own = np.load(dump / f"client{client}-round{rnd}.npz")  # its own model, sent back to it for evaluation
+            for app, twin in ((anchors[(client, rnd)], sent), (trained[(client, rnd)], own)):
+                for key, value in app.items():
+                    np.testing.assert_allclose(twin[key], value, rtol=1e-4, atol=1e-6, err_msg=f"{client} {rnd} {key}")
+                    compared += 1
+            assert float(own["acc"]) == pytest.approx(float(app_rounds[rnd - 1][f"acc_client_{client}"]), abs=1e-9)
+    assert compared == 4 * 3 * 2 * 6

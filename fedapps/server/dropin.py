@@ -32,6 +32,7 @@ from fedapps.wire.protocol import ARRAYS, CONFIG, NUM_EXAMPLES
 log = logging.getLogger("flwr")  # Flower's logger: the drop-in strategies log where Flower's own do
 
 SERVER_ROUND = "server-round"  # the config entry Flower's strategies add to every message (FedAvg's name for it)
+PROXIMAL_MU = "proximal-mu"  # the train-config entry Flower's FedProx sends its proximal weight μ in
 MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
 
 
@@ -77,6 +78,10 @@ class PersonalisedFlowerStrategy(Strategy, ABC):
     def aggregate_arrays(self, server_round: int, replies: list[Message]) -> ArrayRecord | None:
         """Update the per-node state from this round's usable training replies; the round's global aggregate (or
         None when no reply could be used)."""
+
+    def round_nodes(self, node_ids: list[int], arrays: ArrayRecord, for_training: bool) -> None:
+        """Called with a round's sampled nodes before :meth:`node_arrays` is asked for each of them; nothing by default
+        (a strategy whose arrays depend on the whole cohort, as FedAMP's anchors do, computes them here)."""
 
     def settings(self) -> list[tuple[str, object]]:
         """The strategy's own settings, logged by :meth:`summary`."""
@@ -145,6 +150,7 @@ class PersonalisedFlowerStrategy(Strategy, ABC):
         log.info("configure_%s: Sampled %s nodes (out of %s)", message_type, len(node_ids), len(all_nodes))
         config[SERVER_ROUND] = server_round
         training = message_type == MessageType.TRAIN
+        self.round_nodes(node_ids, arrays, training)
         return [
             Message(
                 content=RecordDict(
@@ -221,6 +227,22 @@ def output_layer(classifier: str | None, model: nn.Module | None, arrays: Mappin
             "name another with classifier=..."
         )
     return head
+
+
+def parameter_keys(model: nn.Module | None, arrays: Mapping[str, np.ndarray]) -> list[str]:
+    """The arrays a drop-in strategy treats as the model's parameters, in the arrays' order: the names of ``model``'s
+    parameters when it is given (buffers such as BatchNorm's running statistics left out), else every floating-point
+    array. Each must be among the arrays."""
+    if model is None:
+        return [k for k, v in arrays.items() if np.issubdtype(np.asarray(v).dtype, np.floating)]
+    names = {name for name, _ in model.named_parameters()}
+    missing = sorted(names - set(arrays))
+    if missing:
+        raise ValueError(
+            f"the model's parameters {', '.join(missing)} are not among the arrays ({', '.join(arrays)}); "
+            "pass initial arrays from the same model (ArrayRecord(model.state_dict()))"
+        )
+    return [k for k in arrays if k in names]
 
 
 def numpy_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:

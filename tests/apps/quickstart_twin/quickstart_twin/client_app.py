@@ -18,15 +18,29 @@ torch.set_num_threads(1)
 @app.train()
 def train(msg: Message, context: Context):
     model = Net()
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    received = msg.content["arrays"]
+    keep = context.run_config["keep-model"]  # FedAMP: the client trains its own model, kept between rounds
+    model.load_state_dict(
+        (context.state["model"] if keep and "model" in context.state else received).to_torch_state_dict()
+    )
+    mu = msg.content["config"].get("proximal-mu", 0.0)  # FedAMP's pull towards the anchor it is sent
     partition_id = context.node_config["partition-id"]
     num_partitions = context.node_config["num-partitions"]
     server_round = msg.content["config"]["server-round"]
     trainloader, _, counts = load_data(partition_id, num_partitions, context.run_config, server_round)
-    train_loss = train_fn(model, trainloader, context.run_config["local-epochs"], context.run_config["lr"], "cpu")
+    epochs, lr = context.run_config["local-epochs"], context.run_config["lr"]
+    train_loss = train_fn(model, trainloader, epochs, lr, "cpu", anchor=received.to_torch_state_dict(), mu=mu)
+    if keep:
+        context.state["model"] = ArrayRecord(model.state_dict())
+    dump = context.run_config["dump-dir"]
+    if dump:  # the test's window on what each client was sent to train
+        arrays = {k: v.numpy() for k, v in received.items()}
+        np.savez(Path(dump) / f"client{partition_id}-train{server_round}.npz", **arrays)
     metrics = {"train_loss": train_loss, "num-examples": len(trainloader.dataset)}
     if context.run_config["send-class-counts"]:
         metrics["class-counts"] = [int(c) for c in counts]
+    if context.run_config["send-partition-id"]:
+        metrics["partition-id"] = partition_id
     content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord(metrics)})
     return Message(content=content, reply_to=msg)
 

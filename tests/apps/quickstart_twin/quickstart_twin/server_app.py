@@ -1,10 +1,10 @@
-"""The ServerApp: the drop-in CwFedAvg (or Flower's FedAvg), started from the app's initial model."""
+"""The ServerApp: a drop-in strategy (or Flower's FedAvg), started from the app's initial model."""
 
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from fedapps.flower_strategies import CFL, CwFedAvg, FedPer, Local
+from fedapps.flower_strategies import CFL, CwFedAvg, FedAMP, FedPer, Local, PFedHN
 from fedapps.models import build_model
 
 app = ServerApp()
@@ -21,6 +21,10 @@ def main(grid: Grid, context: Context) -> None:
         strategy = FedPer()
     elif cfg["strategy"] == "local":
         strategy = Local()
+    elif cfg["strategy"] == "pfedhn":  # h initialised as the app's for this seed and number of clients
+        strategy = PFedHN(num_nodes=cfg["pfedhn-num-nodes"] or None, seed=cfg["seed"])
+    elif cfg["strategy"] == "fedamp":
+        strategy = FedAMP(lam=cfg["fedamp-lam"], kappa=cfg["fedamp-kappa"])
     elif cfg["strategy"] == "cfl":
         strategy = CFL(eps1=cfg["cfl-eps1"], eps2=cfg["cfl-eps2"], warmup_rounds=cfg["cfl-warmup-rounds"])
     else:

@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from fedapps.config import DataConfig
 from fedapps.data import get_federation
+from fedapps.flower_strategies import proximal_penalty
 from fedapps.seeds import derive_seed
 
 
@@ -53,7 +54,8 @@ def load_data(partition_id, num_partitions, run_config, server_round=0):
     return trainloader, testloader, fed.train_counts[partition_id]
 
 
-def train(net, trainloader, epochs, lr, device):
+def train(net, trainloader, epochs, lr, device, anchor=None, mu=0.0):
+    """Quickstart's loop; with ``mu`` > 0 the proximal pull (μ/2)‖w − anchor‖² is added to the loss (FedAMP)."""
     net.to(device)
     criterion = nn.CrossEntropyLoss().to(device)
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)
@@ -63,6 +65,8 @@ def train(net, trainloader, epochs, lr, device):
         for images, labels in trainloader:
             optimizer.zero_grad()
             loss = criterion(net(images.to(device)), labels.to(device))
+            if mu > 0:
+                loss = loss + proximal_penalty(net, anchor, mu)
             loss.backward()
             optimizer.step()
             running_loss += loss.item()
