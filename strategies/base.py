@@ -415,7 +415,7 @@ def message_privacy(p: PrivacyConfig) -> protocol.Privacy | None:
 
 
 GENERATOR_STATE = "numpy-generator-state"  # a numpy Generator attribute in a checkpoint: its bit generator's state
-DATACLASS_STATE = "dataclass-fields"  # a dataclass attribute (e.g. the client-level DP ledger) in a checkpoint: its fields
+DATACLASS_STATE = "dataclass-fields"  # a dataclass attribute (the client-level DP ledger) in a checkpoint: its fields
 
 
 def _state_value(value: Any, where: str) -> Any:

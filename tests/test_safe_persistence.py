@@ -215,3 +215,33 @@ def test_the_allowed_rebuilders_make_plain_arrays_only():
         with pytest.raises((ValueError, TypeError)):
             checkpoint.ndarray_from_bytes(raw, dtype, (1,))
     assert checkpoint.ndarray_from_bytes(raw, "<u8", (1,)).tolist() == [0]
+
+
+def test_the_client_level_dp_ledger_resumes_as_data(tmp_path):
+    """A dataclass attribute (COSMOS's client-level DP ledger under privacy.mode client) is checkpointed as its fields
+    and restored into the object the resumed run's config builds: the resumed run ends with the uninterrupted run's
+    ledger (every client's count of releases) and accuracies."""
+    import server_app
+    from fedapps.flower.inprocess import InProcessGrid
+
+    sections = dict(
+        strategy={"name": "fedmd", "params": {"fedmd": {"consensus": "probs", "pretrain_epochs": 1}}},
+        data={"public_fraction": 0.2},
+        privacy={"mode": "client", "noise_multiplier": 1.0, "reproducible_noise": True},
+    )
+    reference = write_config(tmp_path / "ref.yaml", rounds=3, **sections)
+    full = server_app.run_experiment(InProcessGrid(4), str(reference), "", str(tmp_path / "full"))
+    config, run_dir = interrupted_run(tmp_path, **sections)
+    ledger = checkpoint.load_checkpoint(run_dir)["state"]["strategy"]["client_dp"]
+    assert ledger["class"] == "ClientLevelDP" and ledger["dataclass-fields"]["releases"] == {c: 1 for c in range(4)}
+    resumed = resume(config, run_dir)
+    assert resumed["exit_status"] == 0
+    assert resumed["accuracy_mean"] == full["accuracy_mean"]
+    import csv
+
+    def epsilons(folder: Path) -> list[dict[str, str]]:
+        with next(folder.rglob("rounds.csv")).open() as fh:
+            return [{k: v for k, v in r.items() if k.startswith("epsilon")} for r in csv.DictReader(fh)]
+
+    got, want = epsilons(run_dir.parent), epsilons(tmp_path / "full")
+    assert got == want and float(got[-1]["epsilon_max"]) > float(got[0]["epsilon_max"]) > 0
