@@ -233,7 +233,7 @@ def test_the_client_level_dp_ledger_resumes_as_data(tmp_path):
     full = server_app.run_experiment(InProcessGrid(4), str(reference), "", str(tmp_path / "full"))
     config, run_dir = interrupted_run(tmp_path, **sections)
     ledger = checkpoint.load_checkpoint(run_dir)["state"]["strategy"]["client_dp"]
-    assert ledger["class"] == "ClientLevelDP" and ledger["dataclass-fields"]["releases"] == {c: 1 for c in range(4)}
+    assert ledger["class"] == "ClientLevelDP" and ledger["dataclass-fields"]["releases"] == dict.fromkeys(range(4), 1)
     resumed = resume(config, run_dir)
     assert resumed["exit_status"] == 0
     assert resumed["accuracy_mean"] == full["accuracy_mean"]
