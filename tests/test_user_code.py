@@ -220,7 +220,7 @@ def test_a_users_model_under_every_strategy(name, model, tmp_path):
         "strategy": {"name": name, "params": params},
         "data": {**DATA, "num_clients": 3, "public_fraction": 0.2 if cls.needs_public_set else 0.0},
         "model": {"name": model},
-        "client": {"epochs": 1, "batch_size": 16, "lr": 0.01},  # FedAMP's default λ/α_K bounds lr below 0.02
+        "client": {"epochs": 1, "batch_size": 16, "lr": 0.005},  # FedAMP's default λ/α_K (100): lr·λ/α_K < 1
     }
     cfg = config_from_dict(raw)
     if model == "user_code:headless_net" and cls.needs_classifier:

@@ -103,10 +103,15 @@ def venv(tmp_path_factory) -> Venv:
     parent = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
     (site / "zz-dependencies-of-the-test-environment.pth").write_text("\n".join(parent) + "\n")
     install = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
+        # --ignore-installed: the parent environment (seen through the .pth) holds this checkout's editable install of
+        # the same version, which pip would otherwise take as already satisfied and install nothing
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+         "--ignore-installed", str(wheel)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+    missing = [m for m in PROJECT_MODULES if not any((site / f"{m}{ext}").exists() for ext in ("", ".py"))]
+    assert not missing, f"the wheel's install left out {missing}: {install.stdout[-3000:]}"
     assert "flower-superlink" in write_console_scripts("flwr", python, home / "bin")
     outside = tmp / "elsewhere"
     outside.mkdir()
