@@ -114,7 +114,7 @@ class ArrayPickler(pickle.Pickler):
                     return ndarray_from_tensor, (torch.from_numpy(dense),)
                 except (TypeError, ValueError):  # a dtype this torch does not know
                     pass
-            raw = torch.frombuffer(bytearray(dense.tobytes()), dtype=torch.uint8)
+            raw = torch.from_numpy(np.frombuffer(dense.tobytes(), dtype=np.uint8).copy())  # (frombuffer: not if empty)
             return ndarray_from_bytes, (raw, obj.dtype.str, tuple(obj.shape))
         if isinstance(obj, np.generic):
             return numpy_scalar, (np.asarray(obj),)

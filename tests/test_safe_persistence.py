@@ -93,6 +93,8 @@ def test_what_we_write_round_trips_and_objects_are_refused_when_saved(tmp_path):
         "u64": np.array([2**63 + 5], np.uint64),
         "big-endian": np.arange(4, dtype=">i4"),
         "zero-d": np.array(3.0),
+        "empty-u64": np.array([], dtype=np.uint64),
+        "empty-text": np.zeros((0, 2), dtype="<U3"),
         "scalars": [np.float64(2.5), np.int64(-3), np.bool_(True), np.uint64(2**64 - 1)],
         "tensor": torch.arange(3.0),
         "plain": {"set": {1, 2}, "tuple": (1, None, "a"), "bytes": b"\x00", "od": OrderedDict(a=1), "c": Counter("ab")},
@@ -101,7 +103,7 @@ def test_what_we_write_round_trips_and_objects_are_refused_when_saved(tmp_path):
     path = tmp_path / "s.pt"
     checkpoint.atomic_save(state, path)
     back = checkpoint.load(path)
-    for key in ("f32", "transposed", "f16", "bool", "text", "u64", "big-endian", "zero-d"):
+    for key in ("f32", "transposed", "f16", "bool", "text", "u64", "big-endian", "zero-d", "empty-u64", "empty-text"):
         want, got = state[key], back[key]
         assert type(got) is np.ndarray and got.dtype == want.dtype and got.shape == want.shape, key
         assert np.array_equal(got, want), key
