@@ -333,16 +333,29 @@ class FlowerPseudoLabelStrategy(Strategy):
         if len(config):
             log.warning("%s ignores start()'s train_config; its settings are its parameters", type(self).__name__)
         settings = self.round_request(server_round).encode()
-        messages = []
-        for node in self.sample(grid, self.fraction_train, self.min_train_nodes):
+        nodes = self.sample(grid, self.fraction_train, self.min_train_nodes)
+        return self.messages(server_round, nodes, settings, TRAIN_TYPE, protocol.TARGETS, self.targets_for)
+
+    def messages(
+        self,
+        server_round: int,
+        nodes: Iterable[int],
+        settings: ConfigRecord,
+        message_type: str,
+        key: str,
+        record_of: Callable[[int | None], Any],
+    ) -> list[Message]:
+        """One message of ``message_type`` per node: ``settings`` as its config, and under ``key`` the record
+        ``record_of(client)`` gives for the node's client, where it gives one."""
+        out = []
+        for node in nodes:
             content = RecordDict({protocol.CONFIG: settings})
-            targets = self.targets_for(self.node_client.get(node))
-            if targets is not None:
-                content[protocol.TARGETS] = targets
-            messages.append(
-                Message(content=content, dst_node_id=node, message_type=TRAIN_TYPE, group_id=str(server_round))
-            )
-        return messages
+            record = record_of(self.node_client.get(node))
+            if record is not None:
+                content[key] = record
+            message = Message(content=content, dst_node_id=node, message_type=message_type, group_id=str(server_round))
+            out.append(message)
+        return out
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -411,16 +424,8 @@ class FlowerPseudoLabelStrategy(Strategy):
         settings = protocol.Request(
             ops=EVALUATE_OPS, round=server_round, setup=protocol.Setup(model=protocol.ModelSpec(None, self.seed))
         ).encode()
-        messages = []
-        for node in self.sample(grid, self.fraction_evaluate, self.min_evaluate_nodes):
-            content = RecordDict({protocol.CONFIG: settings})
-            deployed = self.deployed_arrays(self.node_client.get(node))
-            if deployed is not None:
-                content[protocol.ARRAYS] = deployed
-            messages.append(
-                Message(content=content, dst_node_id=node, message_type=EVALUATE_TYPE, group_id=str(server_round))
-            )
-        return messages
+        nodes = self.sample(grid, self.fraction_evaluate, self.min_evaluate_nodes)
+        return self.messages(server_round, nodes, settings, EVALUATE_TYPE, protocol.ARRAYS, self.deployed_arrays)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Each client's evaluation (kept in :attr:`client_metrics`); the means over clients (``-mean``, the headline
