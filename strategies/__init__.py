@@ -22,13 +22,13 @@ from fedapps.config import ConfigError, ExperimentConfig, split_overrides, unuse
 from fedapps.data import DataError, check_spec, spec_info, unused_data_keys
 from fedapps.importpath import is_import_path
 from fedapps.models import check_model_names, check_user_model
-from strategies.base import PersonalisedStrategy, RunContext
+from fedapps.server.strategy import PersonalisedStrategy, RunContext
 
 
 def _discover() -> dict[str, type[PersonalisedStrategy]]:
     found: dict[str, type[PersonalisedStrategy]] = {}
     for info in pkgutil.iter_modules(__path__):
-        if info.name.startswith("_") or info.name == "base":
+        if info.name.startswith("_"):
             continue
         module = importlib.import_module(f"{__name__}.{info.name}")
         for obj in vars(module).values():

@@ -38,9 +38,9 @@ from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
 from fedapps.seeds import derive_rng
 from fedapps.server import client_privacy, clustering
+from fedapps.server.strategy import RunContext
 from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
-from strategies.base import RunContext
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions
 
 log = logging.getLogger("fedapps")

@@ -51,9 +51,9 @@ from fedapps.params import param, parse_params
 from fedapps.reporting.results import Artifact
 from fedapps.seeds import derive_seed
 from fedapps.server import client_privacy, clustering
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.pseudolabel_dropin import (
     FlowerPseudoLabelStrategy,
     TestFn,

@@ -76,6 +76,7 @@ from fedapps.data import get_federation, spec_info
 from fedapps.models import build_model, classifier_name, top_level_children
 from fedapps.params import lower, param
 from fedapps.reporting.results import Artifact
+from fedapps.server.aggregation import clip_replies_to_median
 from fedapps.server.dropin import (
     PersonalisedFlowerStrategy,
     array_record,
@@ -84,10 +85,9 @@ from fedapps.server.dropin import (
     only_metrics,
     output_layer,
 )
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.aggregation import clip_replies_to_median
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 
 log = logging.getLogger("fedapps")
 

@@ -37,9 +37,9 @@ from fedapps.server.dropin import (
     only_arrays,
     parameter_keys,
 )
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
 from strategies.fedprox import PROX_MU
 

@@ -17,8 +17,8 @@ from fedapps.client import ops
 from fedapps.client.clientops import client_op
 from fedapps.client.worker import part_names
 from fedapps.params import param
+from fedapps.server.strategy import DeployedModel
 from fedapps.wire import protocol
-from strategies.base import DeployedModel
 from strategies.fedper import FedPer
 
 EVALUATE_FINETUNED = "evaluate-finetuned"  # the operation below (FedNH's deployed model uses it too)

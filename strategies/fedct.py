@@ -28,9 +28,9 @@ from flwr.app import Message
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
 from fedapps.server import client_privacy
+from fedapps.server.strategy import RunContext
 from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
-from strategies.base import RunContext
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions
 
 log = logging.getLogger("fedapps")

@@ -40,11 +40,11 @@ from fedapps.data import spec_info
 from fedapps.models import build_model, classifier_name
 from fedapps.params import param
 from fedapps.seeds import derive_seed
+from fedapps.server.aggregation import weighted_average
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from fedapps.wire.validation import ReplyValidator
-from strategies.aggregation import weighted_average
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedbabu import EVALUATE_FINETUNED, FINETUNE
 
 HEAD = "cosine"  # the classifier head of FedNH's model (fedapps.models.heads)

@@ -39,10 +39,10 @@ from fedapps.client import ops
 from fedapps.client.clientops import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from fedapps.wire.validation import ArraySpec, ReplyValidator
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
 
 log = logging.getLogger("fedapps")

@@ -28,11 +28,11 @@ from fedapps.client import ops
 from fedapps.client.clientops import client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
+from fedapps.server.aggregation import average_matching, clip_replies_to_median
 from fedapps.server.robust import AggregationRule
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.aggregation import average_matching, clip_replies_to_median
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
 
 log = logging.getLogger("fedapps")

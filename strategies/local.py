@@ -15,9 +15,9 @@ from flwr.app import ArrayRecord, Message
 
 from fedapps.params import param
 from fedapps.server.dropin import PersonalisedFlowerStrategy, only_arrays
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy
 
 
 @dataclass

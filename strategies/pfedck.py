@@ -34,10 +34,10 @@ from fedapps.client.clientops import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.seeds import derive_rng
+from fedapps.server.aggregation import average_matching
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.aggregation import average_matching
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.cfl import update_vector
 from strategies.comet import kmeans, kmeans_plus_plus
 from strategies.fedavg import initial_model_arrays

@@ -82,9 +82,9 @@ from fedapps.server.dropin import (
     parameter_keys,
 )
 from fedapps.server.robust import median_bound
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext, _state_value
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, _state_value
 
 BYTES_PER_PARAMETER = 4  # float32
 log = logging.getLogger("flwr")  # the drop-in strategy logs where Flower's own strategies do

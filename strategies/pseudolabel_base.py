@@ -14,9 +14,9 @@ import numpy as np
 from fedapps.config import OPTIMIZERS, ConfigError, ExperimentConfig
 from fedapps.data import get_federation
 from fedapps.params import param
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 
 
 @dataclass

@@ -29,7 +29,7 @@ inside functions. Rules:
     on purpose; :data:`ALSO_A_NAME`, a key that is also an ordinary name elsewhere (``round`` is a column of
     rounds.csv too), in the places where it means that;
 (g) a strategy is given its run context at construction, never wired afterwards: no module of the project and no test
-    assigns an attribute named after a field of ``strategies.base.RunContext`` (``x.client_state = ...``);
+    assigns an attribute named after a field of ``fedapps.server.strategy.RunContext`` (``x.client_state = ...``);
 (h) no dead hooks or adapters: every method a class in ``strategies/`` defines is named somewhere in the project's
     modules (called, referenced or looked up by a string; tests do not count), torch's ``forward`` aside.
 (i) the core's sub-packages show its layers (:data:`CORE_LEVELS`), and a core module imports only core modules of a
@@ -135,7 +135,7 @@ ALSO_A_NAME = {
     "privacy.delta": {"tests/test_privacy.py": "the config key"},
     "privacy.epsilon_budget": {"tests/test_privacy.py": "the config key the budget refusal names"},
 }
-RUN_CONTEXT = ("strategies/base.py", "RunContext")  # rule (g): the class whose fields are construction inputs
+RUN_CONTEXT = ("fedapps/server/strategy.py", "RunContext")  # rule (g): the class whose fields are construction inputs
 CALLED_BY_TORCH = frozenset({"forward"})  # rule (h): methods torch calls for us (nn.Module.__call__)
 # rule (h): the methods Flower's Strategy.start() calls on a drop-in strategy, a class whose bases name Flower's
 # ``Strategy`` (flwr.serverapp.strategy.Strategy)
@@ -627,7 +627,7 @@ def test_the_graph_sees_the_project():
         "fedapps.config",
         "fedapps.client.worker",
         "strategies",
-        "strategies.base",
+        "fedapps.server.strategy",
         "server_app",
         "client_app",
     } <= set(graph)
@@ -856,7 +856,9 @@ def test_the_construction_checks_see_a_violation(tmp_path):
     fields = class_fields(tmp_path / "strategies" / "base.py", "RunContext")
     assert fields == ["on_round", "excluded_nodes"]
     assert attribute_writes(fields, tmp_path) == ["tests/test_x.py:2: .excluded_nodes"]
-    assert unreferenced_methods(tmp_path) == ["strategies/base.py:12: Base.configure_train"]  # a test's call: no
+    assert unreferenced_methods(tmp_path) == [
+        "fedapps/server/strategy.py:12: Base.configure_train"
+    ]  # a test's call: no
 
 
 def main() -> int:

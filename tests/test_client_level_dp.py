@@ -22,10 +22,10 @@ from conftest import flwr_run, run_in_process
 from fedapps.config import ConfigError, ExperimentConfig, config_hash, load_config, without_later_defaults
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.server import client_privacy as cp
+from fedapps.server.strategy import message_privacy
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply, MessageError
 from strategies import ignored_settings, resolve
-from strategies.base import message_privacy
 from strategies.fedct import vote_counts
 
 torch.set_num_threads(1)

@@ -18,10 +18,10 @@ from torch import nn
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
+from fedapps.server.aggregation import weighted_average
+from fedapps.server.strategy import RunContext
 from fedapps.wire.protocol import CLIENT_ID, NUM_EXAMPLES, ClientReply
 from strategies import resolve
-from strategies.aggregation import weighted_average
-from strategies.base import RunContext
 from strategies.cwfedavg import (
     CLASS_COUNTS,
     CwFedAvg,

@@ -8,10 +8,10 @@ import pytest
 
 import server_app
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.aggregation import weighted_average
 from fedapps.server.driver import RoundDriver
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ARRAYS
-from strategies.aggregation import weighted_average
 
 
 def test_weighted_average_matches_hand_computation():

@@ -40,13 +40,13 @@ from fedapps.reporting.results import (
 )
 from fedapps.seeds import derive_seed
 from fedapps.server.driver import RoundDriver
-from fedapps.server.evaluation import EvaluationProtocol, measured_round, with_evaluations
-from fedapps.server.rounds import Measurement, RoundLog
+from fedapps.server.evaluation import EvaluationProtocol, with_evaluations
+from fedapps.server.rounds import Measurement, RoundLog, measured_round
 from fedapps.server.sampling import sample_ids
+from fedapps.server.strategy import DeployedModel
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from strategies import STRATEGIES, RunContext, resolve
-from strategies.base import DeployedModel
 from strategies.fedbabu import FINETUNE
 
 CLIENTS = 2

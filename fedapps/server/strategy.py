@@ -11,7 +11,7 @@ is), ``replies`` (:class:`fedapps.server.replies.ReplyChecks`: reply validation 
 measurement, for the summary). The strategy is run by :class:`fedapps.server.driver.RoundDriver` (the round loop,
 ``RoundDriver(strategy).start(grid)``, and the checkpoint of the loop's state), which adds the evaluation protocol
 (:class:`fedapps.server.evaluation.EvaluationProtocol`, docs/evaluation.md). Helpers several algorithms aggregate with
-are in :mod:`strategies.aggregation`.
+are in :mod:`fedapps.server.aggregation`.
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ from fedapps.models import ModelError, check_user_model
 from fedapps.params import parse_params
 from fedapps.reporting.results import Artifact
 from fedapps.server.client_privacy import CLIENT_MODE, ClientLevelDP, gaussian_epsilon
-from fedapps.server.evaluation import measured_round
 from fedapps.server.replies import ReplyChecks
 from fedapps.server.robust import AggregationRule
-from fedapps.server.rounds import RoundHistory, RoundLog
+from fedapps.server.rounds import RoundHistory, RoundLog, measured_round
 from fedapps.server.sampling import NodeSampler
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
