@@ -128,8 +128,8 @@ class COMET(PseudoLabelStrategy):
     Params = COMETParams
 
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: COMETParams) -> None:
-        super().check(cfg, params)
+    def check_config(cls, cfg: ExperimentConfig, params: COMETParams) -> None:
+        super().check_config(cfg, params)
         cls.require_at_most_clients(cfg, "clusters", params.clusters)
         if cfg.privacy.mode == client_privacy.CLIENT_MODE and params.outlier_factor > 0:
             raise ConfigError(

@@ -271,10 +271,10 @@ class Cosmos(PersonalisedStrategy):
         self.pseudo_bytes_down = 0
 
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: CosmosParams) -> None:
+    def check_config(cls, cfg: ExperimentConfig, params: CosmosParams) -> None:
         """Under sample-level privacy, the clients' distillation weights must not read their class frequencies; under
         client-level privacy, a cluster's target is its members' mean, each member clipped to privacy.clip_norm."""
-        super().check(cfg, params)
+        super().check_config(cfg, params)
         if cfg.privacy.mode == "sample" and params.weighting == "label-free":
             raise ConfigError(
                 "'privacy.mode: sample' cannot cover cosmos with weighting 'label-free': w_i(x) reads "

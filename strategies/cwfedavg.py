@@ -421,9 +421,9 @@ class CwFedAvg(PersonalisedStrategy):
 
     # ------------------------------------------------------------------ config
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: CwFedAvgParams) -> None:
+    def check_config(cls, cfg: ExperimentConfig, params: CwFedAvgParams) -> None:
         """The layer spec must parse and fit the model, and the `bias` estimator needs a classifier bias."""
-        super().check(cfg, params)
+        super().check_config(cfg, params)
         parse_layers(params.layers)
         if cfg.privacy.mode == "sample" and (params.estimator == "true" or params.wdr_lambda > 0):
             raise ConfigError(

@@ -91,8 +91,8 @@ class FedCT(PseudoLabelStrategy):
     Params = FedCTParams
 
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: FedCTParams) -> None:
-        super().check(cfg, params)
+    def check_config(cls, cfg: ExperimentConfig, params: FedCTParams) -> None:
+        super().check_config(cfg, params)
         if cfg.privacy.mode == client_privacy.CLIENT_MODE and cfg.privacy.clip_norm > 0:
             raise ConfigError(
                 "'privacy.clip_norm' does not apply to fedct under privacy.mode client: a client casts one vote "

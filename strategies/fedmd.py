@@ -144,8 +144,8 @@ class FedMD(PseudoLabelStrategy):
     Params = FedMDParams
 
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: FedMDParams) -> None:
-        super().check(cfg, params)
+    def check_config(cls, cfg: ExperimentConfig, params: FedMDParams) -> None:
+        super().check_config(cfg, params)
         if params.digest_loss == "mae" and params.scores != "logits":
             raise ConfigError(
                 "'strategy.params.fedmd.digest_loss: mae' regresses logits onto logits; "

@@ -234,8 +234,8 @@ class FedNH(PersonalisedStrategy):
     )
 
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: Any) -> None:
-        super().check(cfg, params)
+    def check_config(cls, cfg: ExperimentConfig, params: Any) -> None:
+        super().check_config(cfg, params)
         if params.init == "orthogonal":
             k, d = feature_dim(cfg)
             if k > d:

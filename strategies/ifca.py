@@ -109,8 +109,8 @@ class IFCA(PersonalisedStrategy):
     )
 
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: IFCAParams) -> None:
-        super().check(cfg, params)
+    def check_config(cls, cfg: ExperimentConfig, params: IFCAParams) -> None:
+        super().check_config(cfg, params)
         cls.require_at_most_clients(cfg, "clusters", params.clusters)
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:

@@ -158,8 +158,8 @@ class PFedCK(PersonalisedStrategy):
     )
 
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: PFedCKParams) -> None:
-        super().check(cfg, params)
+    def check_config(cls, cfg: ExperimentConfig, params: PFedCKParams) -> None:
+        super().check_config(cfg, params)
         cls.require_at_most_clients(cfg, "clusters", params.clusters)
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:

@@ -82,7 +82,8 @@ from fedapps.server.dropin import (
     parameter_keys,
 )
 from fedapps.server.robust import median_bound
-from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext, _state_value
+from fedapps.server.state import state_value
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 
@@ -353,8 +354,8 @@ class PFedHN(PersonalisedStrategy):
     checkpoint_exclude = frozenset({"hn", "optimizer", "device", "sent_from"})  # hn and optimizer: state_dict below
 
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: Any) -> None:
-        super().check(cfg, params)
+    def check_config(cls, cfg: ExperimentConfig, params: Any) -> None:
+        super().check_config(cfg, params)
         try:
             num_classes, shape = spec_info(dataclasses.asdict(cfg.data))
         except DataError:
@@ -382,7 +383,7 @@ class PFedHN(PersonalisedStrategy):
         """The generic state, plus h's parameters and the optimiser's momentum as CPU tensors."""
         state = super().state_dict()
         state["hn"] = {k: v.detach().cpu().clone() for k, v in self.hn.state_dict().items()}
-        state["optimizer"] = _state_value(self.optimizer.state_dict(), "PFedHN.optimizer")
+        state["optimizer"] = state_value(self.optimizer.state_dict(), "PFedHN.optimizer")
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
