@@ -26,6 +26,7 @@ from fedapps.flower.describe import NodeReport, agree
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.reporting.results import UnusableRun
 from fedapps.server.evaluation import EvaluationProtocol
+from fedapps.server.experiment import nodes_as_checkpointed
 from fedapps.wire import protocol
 from strategies import STRATEGIES, RunContext, resolve
 
@@ -442,9 +443,9 @@ def test_readme_restart_table_matches_what_each_strategy_sends(tmp_path):
 def test_a_resumed_nodes_run_pins_what_its_nodes_described():
     cfg = load_config(None, ["data.source=nodes", "data.num_clients=2"])
     saved = "data:\n  source: nodes\n  num_classes: 10\n  input_shape: [1, 8, 8]\n"
-    pinned = server_app.nodes_as_checkpointed(cfg, saved)
+    pinned = nodes_as_checkpointed(cfg, saved)
     assert (pinned.data.num_classes, pinned.data.input_shape) == (10, [1, 8, 8])
-    assert server_app.nodes_as_checkpointed(load_config(None, ["data.source=digits"]), saved).data.num_classes == 0
+    assert nodes_as_checkpointed(load_config(None, ["data.source=digits"]), saved).data.num_classes == 0
 
 
 def test_error_replies_read_as_the_clients_own_exception():
