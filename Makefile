@@ -1,5 +1,5 @@
 # make run   - install into .venv (first time) and run the default experiment through `flwr run`
-# make lint  - ruff check, ruff format --check, mypy (settings in pyproject.toml)
+# make lint  - ruff check, ruff format --check, mypy, lint-imports (the import contracts; settings in pyproject.toml)
 # make test  - install into .venv (first time), lint, then the test suite on TEST_WORKERS pytest-xdist workers
 #              (ARGS="-n 0" runs it in one process; ARGS="tests/test_x.py" runs one file)
 # make test-fast - the edit loop: lint, then the suite less the tests marked heavy, raycluster or netns (<= 3 min)
@@ -30,6 +30,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1 $(ARGS)
