@@ -249,6 +249,7 @@ class Cosmos(PersonalisedStrategy):
         "the cluster model h_π(i) after round r's server training", source="server", evaluate="evaluate-received"
     )
     checkpoint_exclude = frozenset({"fed", "device", "num_classes", "n_public"})  # rebuilt from the config
+    reply_kind = "predictions"
     client_privacy_refused = ""  # the cluster targets are released through ClientLevelDP under privacy.mode client
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:

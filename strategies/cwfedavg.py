@@ -662,9 +662,7 @@ class CwFedAvg(PersonalisedStrategy):
         return self.stack_files
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a checkpoint (the stack from its files, see :meth:`state_dict`). A checkpoint from before the
-        stack kept its per-client keys apart (every key stacked; earlier still, whole models and no running sum)
-        is converted: the keys this configuration keeps per client taken over, the sum rebuilt (`latest`)."""
+        """Restore a checkpoint (the stack from its files, see :meth:`state_dict`)."""
         saved = state.get("stack")
         if isinstance(saved, dict):  # a SavedStack's fields (state_dict)
             if self.context.server_state_dir is None:
@@ -674,22 +672,6 @@ class CwFedAvg(PersonalisedStrategy):
                 )
             state = {**state, "stack": ModelStack.from_saved(SavedStack(**saved), self._stack_files())}
         super().load_state_dict(state)
-        if hasattr(self.stack, "loose"):
-            return
-        old = self.stack
-        keep = self.classwise + (self.shared_float if self.params.mix == "latest" else [])
-        self.stack = ModelStack.filled(
-            {k: old.template[k] for k in keep},
-            old.capacity,
-            self.classwise,
-            old.row_of,
-            lambda c: {k: old.arrays[k][old.row_of[c]] for k in keep},
-        )
-        if "sums" not in state and self.params.mix == "latest" and self.estimated.any():
-            self.sums = {k: np.zeros(self.initial[k].shape, np.float64) for k in self.shared_float}
-            for client, row in self.stack.row_of.items():
-                if self.estimated[row]:
-                    add_weighted(self.sums, {k: self.stack.get(client, k) for k in self.sums}, float(self.n[row]))
 
     def _ensure_rows(self, rows: int) -> None:
         self.n = _grow(self.n, rows)

@@ -32,6 +32,7 @@ class Local(PersonalisedStrategy):
     Params = LocalParams
     model_agnostic = True
     deployed = DeployedModel("client i's own model after its local training in round r")
+    reply_kind = "metrics"
     client_privacy_refused = "each client trains alone and sends the server nothing to aggregate"
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:

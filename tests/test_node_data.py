@@ -18,7 +18,7 @@ import torch
 from flwr.app import Context, RecordDict
 
 import server_app
-from fedapps.client.worker import NODE_CLIENT_ID, STATE_DIR_KEY, STATE_MODEL, handle, lost_on_restart
+from fedapps.client.worker import NODE_CLIENT_ID, STATE_DIR_KEY, STATE_MODEL, handle
 from fedapps.config import load_config
 from fedapps.data import DataError, load_source, node_path, read_labelled
 from fedapps.flower import faults
@@ -402,6 +402,19 @@ def readme_restart_table() -> dict[str, str]:
     text = (ROOT / "docs" / "deployment.md").read_text()
     section = text.split("#### What a restarted SuperNode loses without `state-dir`", 1)[1].split("\n#", 1)[0]
     return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\| `([a-z0-9_-]+)` \| ([^|]+) \|", section, re.M)}
+
+
+def lost_on_restart(request: protocol.Request) -> str:
+    """What of a client's private model a message with these settings leaves to the client's own keeping, i.e. what
+    a restarted SuperNode without ``state-dir`` loses (the table of docs/deployment.md): ``nothing`` (the model is
+    not kept, or the whole state is loaded from the message), ``buffers`` (parameters loaded, buffers kept), ``head``
+    (the body loaded, the classifier head kept) or ``model`` (nothing loaded: the whole private model is the
+    client's)."""
+    if not request.keep.persists:
+        return "nothing"
+    if request.load.into_model and not request.load.multi:
+        return {"state": "nothing", "params": "buffers", "body": "head"}[request.returns.which]
+    return "model"
 
 
 def test_readme_restart_table_matches_what_each_strategy_sends(tmp_path):

@@ -478,22 +478,6 @@ def save_private_state(
         )
 
 
-RESTART_LOSSES = ("nothing", "buffers", "head", "model")
-
-
-def lost_on_restart(request: protocol.Request) -> str:
-    """What of a client's private model a message with these settings leaves to the client's own keeping, i.e. what
-    a restarted SuperNode without ``state-dir`` loses (the table of docs/deployment.md): ``nothing`` (the model is
-    not kept, or the whole state is loaded from the message), ``buffers`` (parameters loaded, buffers kept), ``head``
-    (the body loaded, the classifier head kept) or ``model`` (nothing loaded: the whole private model is the
-    client's)."""
-    if not request.keep.persists:
-        return "nothing"
-    if request.load.into_model and not request.load.multi:
-        return {"state": "nothing", "params": "buffers", "body": "head"}[request.returns.which]
-    return "model"
-
-
 def model_arrays(model: nn.Module, which: str, transport: str = "float32") -> ArrayRecord:
     """The model as an ArrayRecord: 'state', 'params' or 'body' (see :func:`fedapps.models.state_part`), its
     floating arrays encoded for ``transport`` (float32: as the model holds them; see :func:`protocol.encode_arrays`)."""

@@ -44,6 +44,7 @@ class NoParams:
 
 
 DEPLOYED_SOURCES = ("client", "message", "server")
+REPLY_KINDS = ("arrays", "predictions", "metrics")
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,9 @@ class PersonalisedStrategy:
     # with a message pointing at the new key)
     moved_params: ClassVar[dict[str, str]] = {}
     deployed: ClassVar[DeployedModel]  # what client i's deployed model after round r is (every strategy says)
+    # what its clients' round replies carry besides metrics (REPLY_KINDS): model ``arrays`` (the default),
+    # ``predictions`` on the public set U (the pseudo-label strategies) or ``metrics`` only (nothing to aggregate)
+    reply_kind: ClassVar[str] = "arrays"
     robust_aggregation: ClassVar[bool] = False  # averages with average_matching: strategy.aggregation applies
     # why DP-SGD on the clients' training (privacy.mode: sample) cannot bound what this algorithm's clients send:
     # something they compute from their data outside the noisy steps; '' when it can (docs/privacy.md)
