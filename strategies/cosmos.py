@@ -43,7 +43,7 @@ from flwr.app import Array, ArrayRecord, Context, Message
 from torch import Tensor, nn
 
 from fedapps.client import ops
-from fedapps.client.clientops import ProtocolError, distill_term, distill_weighting
+from fedapps.client.registry import ProtocolError, distill_term, distill_weighting
 from fedapps.config import DEVICES, OPTIMIZERS, ConfigError, ExperimentConfig
 from fedapps.data import Federation, get_federation
 from fedapps.models import MODEL_NAMES, build_model, seeded

@@ -70,7 +70,7 @@ from flwr.app import ArrayRecord, Message
 from torch import Tensor, nn
 
 from fedapps import checkpoint
-from fedapps.client.clientops import client_op, training_term
+from fedapps.client.registry import client_op, training_term
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.data import get_federation, spec_info
 from fedapps.models import build_model, classifier_name, top_level_children

@@ -15,7 +15,7 @@ from typing import Any
 from flwr.app import Message
 
 from fedapps.client import ops
-from fedapps.client.clientops import ProtocolError, client_op
+from fedapps.client.registry import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.server.aggregation import average_matching

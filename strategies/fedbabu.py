@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedapps.client import ops
-from fedapps.client.clientops import client_op
+from fedapps.client.registry import client_op
 from fedapps.client.worker import part_names
 from fedapps.params import param
 from fedapps.server.strategy import DeployedModel

@@ -21,7 +21,7 @@ from flwr.app import Message
 from torch import Tensor
 
 from fedapps.client import ops
-from fedapps.client.clientops import ProtocolError, client_op
+from fedapps.client.registry import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext

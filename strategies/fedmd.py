@@ -35,7 +35,7 @@ import numpy as np
 from flwr.app import Message
 
 from fedapps.client import ops
-from fedapps.client.clientops import ProtocolError, client_op
+from fedapps.client.registry import ProtocolError, client_op
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
 from fedapps.seeds import derive_rng

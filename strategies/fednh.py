@@ -34,7 +34,7 @@ from flwr.app import Message
 from torch import Tensor, nn
 
 from fedapps.client import ops, worker
-from fedapps.client.clientops import client_op
+from fedapps.client.registry import client_op
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.data import spec_info
 from fedapps.models import build_model, classifier_name

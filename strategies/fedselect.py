@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fedapps.client import ops
-from fedapps.client.clientops import ProtocolError, client_op
+from fedapps.client.registry import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext

@@ -25,7 +25,7 @@ import numpy as np
 from flwr.app import Message
 
 from fedapps.client import ops
-from fedapps.client.clientops import client_op
+from fedapps.client.registry import client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.server.aggregation import average_matching, clip_replies_to_median

@@ -30,7 +30,7 @@ from flwr.app import Message
 from torch import Tensor, nn
 
 from fedapps.client import ops
-from fedapps.client.clientops import ProtocolError, client_op
+from fedapps.client.registry import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.seeds import derive_rng

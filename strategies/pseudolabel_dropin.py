@@ -41,7 +41,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from torch import nn
 
 from fedapps.client import ops
-from fedapps.client.clientops import ProtocolError
+from fedapps.client.registry import ProtocolError
 from fedapps.client.worker import distill_towards, optim_settings
 from fedapps.data import public_fingerprint
 from fedapps.models import seeded

@@ -80,7 +80,7 @@ def test_partial_participation_and_dropped_client(tiny_config, tmp_path):
 
 
 def test_client_error_is_dropped_not_fatal(tiny_config, tmp_path):
-    from fedapps.client.clientops import OPERATIONS, ClientOp
+    from fedapps.client.registry import OPERATIONS, ClientOp
 
     grid = InProcessGrid(4)
     original = OPERATIONS["train"]

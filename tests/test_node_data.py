@@ -378,7 +378,7 @@ def test_state_dir_survives_a_supernode_restart(tmp_path, monkeypatch, digits):
 
 
 def test_threads_node_config_is_checked():
-    from fedapps.client.clientops import ProtocolError
+    from fedapps.client.registry import ProtocolError
     from fedapps.client.worker import node_threads
 
     ctx = Context(run_id=1, node_id=1, node_config={"threads": 3}, state=RecordDict(), run_config={})
@@ -467,11 +467,11 @@ def test_error_replies_read_as_the_clients_own_exception():
     from fedapps.wire.validation import error_reason
 
     msg = "node config 'data-path'='/x/site.npz': /x/site.npz does not exist on this node; fix the path"
-    supernode = f"<class 'fedapps.client.clientops.ProtocolError'>:<'{msg}'>"
+    supernode = f"<class 'fedapps.client.registry.ProtocolError'>:<'{msg}'>"
     ray = (
         "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()\x1b[39m "
         '(pid=1, ip=127.0.0.1)\n  File "/w/fedapps/client/worker.py", line 110, in client_federation\n'
-        f"    raise ProtocolError(...)\nfedapps.clientops.ProtocolError: {msg}\n\nThe above exception was the "
+        f"    raise ProtocolError(...)\nfedapps.client.registry.ProtocolError: {msg}\n\nThe above exception was the "
         'direct cause of the following exception:\n\n  File "/f/ray_actor.py", line 65, in run\n    raise '
         "ClientAppException(str(ex)) from ex\nflwr.clientapp.client_app.ClientAppException: \nException "
         f"ClientAppException occurred. Message: {msg}'>"

@@ -2,7 +2,7 @@
 
 No algorithm logic lives here: the server says which operations to run, in which order, with which settings
 (a :class:`fedapps.wire.protocol.Request`, decoded once per message); each name is looked up in
-:mod:`fedapps.client.clientops`, where this module registers the common operations (evaluate, evaluate-received,
+:mod:`fedapps.client.registry`, where this module registers the common operations (evaluate, evaluate-received,
 train, distill, predict) and every algorithm module registers its own. The private model persists in
 ``Context.state`` between rounds; where a state directory is named (node config ``state-dir``, else the message's
 ``state-dir``), also on disk, so that it survives the process (a run resumed from its checkpoint):
@@ -36,7 +36,8 @@ from torch import nn
 
 from fedapps import checkpoint
 from fedapps.client import ops, privacy
-from fedapps.client.clientops import (
+from fedapps.client.phases import PhaseClock, measuring
+from fedapps.client.registry import (
     DISTILL_TERMS,
     DISTILL_WEIGHTINGS,
     TRAINING_TERMS,
@@ -44,7 +45,6 @@ from fedapps.client.clientops import (
     client_op,
     parse_op,
 )
-from fedapps.client.phases import PhaseClock, measuring
 from fedapps.data import (
     DATA_PATH,
     NODES,
@@ -69,7 +69,7 @@ log = logging.getLogger("fedapps")
 
 STATE_MODEL = "private-model"
 STATE_ARCH = "private-model-arch"
-__all__ = ["ProtocolError", "Worker", "handle"]  # ProtocolError is defined in fedapps.client.clientops
+__all__ = ["ProtocolError", "Worker", "handle"]  # ProtocolError is defined in fedapps.client.registry
 
 THREADS_KEY = "threads"  # node config: torch threads of this node's ClientApp
 THREADS_ENV = "FEDAPPS_CLIENT_THREADS"  # environment: the same, where no node config gives it
@@ -831,7 +831,7 @@ def train(w: Worker, tag: str) -> None:
 def distill(w: Worker, tag: str) -> None:
     """Fit the private model on U (or the rows in ``distill-indices``) towards the message's targets.
     Settings ``distill.*``: optimiser, ``loss`` (kl | mae | ce), ``weighting`` (none or a registered one), and
-    those of the registered distillation terms (:func:`fedapps.client.clientops.distill_term`)."""
+    those of the registered distillation terms (:func:`fedapps.client.registry.distill_term`)."""
     if w.targets.values is None:
         return  # nothing to distil on yet (e.g. the first round)
     if w.fed.public_x is None:
@@ -900,7 +900,7 @@ def public_rows(rows: np.ndarray | None) -> torch.Tensor | None:
 
 
 def distill_weights(w: Worker, weighting: str, targets: np.ndarray, rows: torch.Tensor | None) -> torch.Tensor | None:
-    """Per-sample weights on U: 'none' (None), or a weighting registered with :func:`clientops.distill_weighting`."""
+    """Per-sample weights on U: 'none' (None), or a weighting registered with :func:`registry.distill_weighting`."""
     if weighting == "none":
         return None
     if weighting not in DISTILL_WEIGHTINGS:

@@ -557,7 +557,7 @@ def test_final_evaluation_reaches_every_client_in_batches_of_a_cohort():
 def test_evaluation_ops_file_their_tags_where_the_validator_reads_them():
     """The validator reads an evaluation op's default tag from protocol.EVALUATION_TAGS (the wire, below the client),
     which registering the op fills: the worker's own ops, an algorithm's, and one registered here."""
-    from fedapps.client.clientops import client_op
+    from fedapps.client.registry import client_op
     from fedapps.wire import protocol
     from fedapps.wire.validation import eval_tags_of
 
@@ -572,7 +572,7 @@ def test_evaluation_ops_file_their_tags_where_the_validator_reads_them():
             "deployed",
         )
     finally:
-        from fedapps.client.clientops import OPERATIONS
+        from fedapps.client.registry import OPERATIONS
 
         OPERATIONS.pop("evaluate-made-up-here")
         protocol.EVALUATION_TAGS.pop("evaluate-made-up-here")
