@@ -1,9 +1,9 @@
 """Flower ServerApp: run the configured experiment (:class:`fedapps.server.experiment.Experiment`), write its results.
 
-When it loads, this module imports Flower and the light part of the core only (no torch, ~0.1 s); the experiment, the
-data, checkpoints, trackers and the strategies (~4 s) are imported when a run starts. Flower's simulation loads the
+When it loads, this module imports Flower and the light part of the core only (no torch); the experiment, the data,
+checkpoints, trackers and the strategies (torch) are imported when a run starts. Flower's simulation loads the
 ServerApp (on its thread) and the ClientApp (on its main thread, which then starts Ray) under one import lock: a light
-module lets Ray's processes boot while the run's imports happen (docs/performance.md, the start-up benchmark).
+module lets Ray's processes boot while the run's imports happen (docs/performance.md, start-up).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ The reply carries θ̃_i rather than Δθ_i (the same bytes; the server knows θ
 Robust option ``median_clip`` (off by default): every client's Δθ_i reaches the shared trunk and heads, so one
 scaled model steers the model the hypernetwork generates for everybody (``clip_norm`` bounds the round's summed
 gradient, not one client's share of it; and clipping Δθ_i itself is not enough: a Δθ_i along θ_i — "scale the
-model up" — is the direction h amplifies most, measured 8× an honest update's gradient at twice its norm). With
+model up" — is the direction h amplifies most: docs/algorithms/pfedhn.md#findings). With
 ``median_clip`` = c > 0 each client's own gradient g_i = (∂θ_i/∂φ)ᵀ Δθ_i is measured first (one backward per reply)
 and its Δθ_i scaled by s_i = min(1, c·m/‖g_i‖), m the round's median ‖g_i‖ (:func:`fedapps.server.robust.median_bound`);
 g is linear in Δθ, so the round's gradient is Σ_i s_i·g_i: no client pulls h further than c times the cohort's

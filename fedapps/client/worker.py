@@ -274,8 +274,8 @@ def private_model(
 
 
 def on_device(model: nn.Module, device: torch.device) -> nn.Module:
-    """The model on ``device``; ``Module.to`` walks every tensor even when nothing moves (~1 ms per message for the
-    CNN), so it is called only when some parameter or buffer is elsewhere."""
+    """The model on ``device``; ``Module.to`` walks every tensor even when nothing moves (a cost per message:
+    docs/performance.md), so it is called only when some parameter or buffer is elsewhere."""
     if any(t.device != device for t in itertools.chain(model.parameters(), model.buffers())):
         model = model.to(device)
     return model
@@ -600,7 +600,7 @@ class Worker:
         seeded here, at the start of the message. Where the private model has dropout, the whole message holds
         :data:`GLOBAL_RNG_LOCK`, so that clients served on other threads of this process (the in-process engine)
         neither re-seed nor draw from the stream meanwhile. On the CPU only its generator is seeded
-        (torch.manual_seed also queues every accelerator's: ~0.4 ms per message)."""
+        (torch.manual_seed also queues every accelerator's: a cost per message, docs/performance.md)."""
         builds = any(str(op).partition(":")[0] != DESCRIBE_OP for op in self.request.ops)  # a model
         draws = builds and SKELETONS.draws_global_rng(skeleton_key(self.arch, self.fed, self.request))
         with GLOBAL_RNG_LOCK if draws else contextlib.nullcontext():
