@@ -68,10 +68,9 @@ def vote_of_counts(counts: np.ndarray, num_classes: int) -> tuple[np.ndarray, np
     return labels.astype(np.int64), agreement
 
 
-def qualified_vote(votes: np.ndarray, num_classes: int, threshold: float) -> np.ndarray:
-    """Majority vote, but samples whose agreement is below ``threshold`` abstain (label M)."""
-    labels, agreement = majority_vote(votes, num_classes)
-    return np.where(agreement >= threshold, labels, num_classes).astype(np.int64)
+def qualified(labels: np.ndarray, agreement: np.ndarray, num_classes: int, threshold: float) -> np.ndarray:
+    """The vote's labels, but samples whose agreement is below ``threshold`` abstain (label M = ``num_classes``)."""
+    return np.where(agreement >= threshold, labels, num_classes)
 
 
 @dataclass
@@ -122,7 +121,7 @@ class FedCT(PseudoLabelStrategy):
         else:  # GNMax: the vote counts released with Gaussian noise, the vote taken from them
             labels, agreement = vote_of_counts(self.noisy_counts(server_round, votes), self.num_classes)
         if self.params.qualified_threshold > 0:
-            labels = np.where(agreement >= self.params.qualified_threshold, labels, self.num_classes)
+            labels = qualified(labels, agreement, self.num_classes, self.params.qualified_threshold)
         self.consensus = labels
         abstain = float(np.mean(labels == self.num_classes))
         log.info(

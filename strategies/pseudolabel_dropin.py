@@ -281,7 +281,6 @@ class FlowerPseudoLabelStrategy(Strategy):
         self.min_available_nodes = min_available_nodes
         self.fingerprint = public_fingerprint(x)
         self.node_client: dict[int, int] = {}  # node id -> client id (from its replies)
-        self.prediction_spec = PredictionSpec(len(x), num_classes)
         # round -> client id -> its evaluation (deployed-acc, deployed-loss, after-acc, after-loss, num-examples)
         self.client_metrics: dict[int, dict[int, dict[str, float]]] = {}
 

@@ -108,13 +108,7 @@ class RunContext:
 class PersonalisedStrategy:
     """Base class of the algorithms: a subclass says what its deployed model is, builds the round's messages and
     aggregates the replies; its services (built here) and the round driver do the rest (see the module docstring).
-
-    It does not subclass Flower's ``flwr.serverapp.strategy.Strategy``: that contract is a loop of
-    ``configure_train`` / ``aggregate_train`` / ``configure_evaluate`` / ``aggregate_evaluate`` around one global
-    model, driven by ``Strategy.start(grid, initial_arrays, ...)``. Ours sends a personalised message per client,
-    measures the previous round's deployed models on the next round's messages and resumes from a checkpoint
-    (``RoundDriver(strategy).start(grid, num_rounds, timeout, first_round)``), so the four adapters would only be code
-    nothing calls. What it keeps of Flower: the Grid, the Message API and the ``Result`` that the driver returns."""
+    It is not Flower's ``Strategy`` (one global model in a configure/aggregate loop): docs/development.md says why."""
 
     name: ClassVar[str] = ""
     Params: ClassVar[type] = NoParams  # a dataclass of fedapps.params.param fields: strategy.params.<name>.*
@@ -147,6 +141,11 @@ class PersonalisedStrategy:
     checkpoint_exclude: ClassVar[frozenset[str]] = frozenset(
         {"cfg", "params", "context", "rng", "rule", "replies", "nodes", "history"}
     )
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.reply_kind not in REPLY_KINDS:
+            raise TypeError(f"{cls.__name__}.reply_kind '{cls.reply_kind}'; allowed: {', '.join(REPLY_KINDS)}")
 
     # ------------------------------------------------------------------ config
     @classmethod
