@@ -1,5 +1,6 @@
 # make run   - install into .venv (first time) and run the default experiment through `flwr run`
-# make lint  - ruff check, ruff format --check, mypy (settings in pyproject.toml)
+# make lint  - ruff check, ruff format --check, mypy, lint-imports (the import contracts; settings in pyproject.toml)
+# make deadcode - dead code found by vulture (scripts/dead_code.py: the registries and framework-called names whitelisted)
 # make test  - install into .venv (first time), lint, then the test suite on TEST_WORKERS pytest-xdist workers
 #              (ARGS="-n 0" runs it in one process; ARGS="tests/test_x.py" runs one file)
 # make test-fast - the edit loop: lint, then the suite less the tests marked heavy, raycluster or netns (<= 3 min)
@@ -15,7 +16,7 @@ TEST_WORKERS ?= 2
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.fedapps-installed
 
-.PHONY: run lint test test-fast bench mutate docs docs-reference docs-serve clean-results
+.PHONY: run lint deadcode test test-fast bench mutate docs docs-reference docs-serve clean-results
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +31,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+deadcode: $(STAMP)
+	$(PY) scripts/dead_code.py
 
 test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1 $(ARGS)

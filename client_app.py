@@ -1,7 +1,7 @@
 """Flower ClientApp: a generic worker (fedapps.client.worker) that runs the operations each message asks for.
 
 Importing ``strategies`` registers every algorithm's own client operations, training terms and weightings
-(:mod:`fedapps.client.clientops`); the worker knows none of them by name. Both are imported on the first message, not
+(:mod:`fedapps.client.registry`); the worker knows none of them by name. Both are imported on the first message, not
 when
 this module loads: Flower's simulation loads the ClientApp in its main thread BEFORE it starts Ray, so a module that
 imports only Flower lets Ray's processes boot while the ServerApp thread imports torch (docs/performance.md).
@@ -23,7 +23,7 @@ def serve(msg: Message, context: Context) -> Message:
     from fedapps.importpath import check_own_modules
 
     check_own_modules()  # a user's module named like ours (strategies) is said so, before it is imported instead
-    import strategies  # registers the algorithms' client behaviour (fedapps.client.clientops)
+    import strategies  # registers the algorithms' client behaviour (fedapps.client.registry)
     from fedapps.client.worker import handle
 
     del strategies  # imported for its registrations only

@@ -116,7 +116,6 @@ def flower_seconds(workdir: Path) -> dict:
     }
 
 
-Clients = list  # the ClientData of the clients a process serves
 State = dict  # parameter/buffer name -> tensor
 
 

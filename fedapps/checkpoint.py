@@ -291,11 +291,6 @@ def check_same_config(saved_yaml: str, given_yaml: str, run_dir: str | Path) -> 
         )
 
 
-def client_state_path(state_dir: str | Path, client_id: int) -> Path:
-    """Where a client keeps its private model between messages (and across a resumption)."""
-    return Path(state_dir) / f"{int(client_id)}.pt"
-
-
 def check_fresh(run_dir: str | Path) -> None:
     """A new run writes into a folder of its own: ConfigError when ``run_dir`` already holds anything (an earlier
     run's results would mix with this one's: e.g. another strategy's figures beside this run's tables), naming

@@ -171,11 +171,6 @@ def clear_for_rerun(result_dir: Path) -> None:
         shutil.rmtree(result_dir)
 
 
-def is_complete(result_dir: Path, rounds: int, expected_hash: str) -> bool:
-    """A run counts as done when :func:`resume_decision` says it may be skipped."""
-    return resume_decision(result_dir, rounds, expected_hash)[0]
-
-
 # summary.json entries averaged over seeds into comparison.csv (each with its ``_sem``), in column order
 SUMMARISED = (
     "accuracy_mean",

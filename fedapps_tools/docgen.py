@@ -32,7 +32,7 @@ from fedapps.params import constraint
 from fedapps_tools import benchrecord
 
 if TYPE_CHECKING:
-    from strategies.base import PersonalisedStrategy
+    from fedapps.server.strategy import PersonalisedStrategy
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = Path("docs") / "reference"

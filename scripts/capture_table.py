@@ -27,13 +27,6 @@ from fedapps.reporting.results import write_csv  # noqa: E402
 from fedapps_tools import capture  # noqa: E402
 from fedapps_tools.tables import provenance  # noqa: E402
 
-ARM_LABEL = {
-    "default": "default",
-    "robust": "robust",
-    capture.REFERENCE: "attacker dropped",
-    capture.REFERENCE_ROBUST: "attacker dropped, robust",
-}
-
 
 def measure(cases: list[capture.Case], seeds: list[int]) -> list[dict[str, Any]]:
     """One CSV row per case × arm × seed (the reference arms are their own reference)."""

@@ -22,11 +22,11 @@ from flwr.app import ArrayRecord, Message
 
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
+from fedapps.server.aggregation import average_matching, weighted_average
 from fedapps.server.dropin import PersonalisedFlowerStrategy, array_record, numpy_arrays, only_arrays, only_metrics
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.aggregation import average_matching, weighted_average
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
 
 log = logging.getLogger("fedapps")
@@ -177,7 +177,7 @@ class CFL(PersonalisedStrategy):
 
 class FlowerCFL(PersonalisedFlowerStrategy):
     """CFL as a drop-in Flower strategy (``fedapps.flower_strategies.CFL``): each node is sent its cluster's model
-    and trains it; the server averages each cluster's uploads (:func:`strategies.aggregation.weighted_average`, the
+    and trains it; the server averages each cluster's uploads (:func:`fedapps.server.aggregation.weighted_average`, the
     app's mean) and splits a cluster by the app's criterion and bipartition (:func:`should_split`,
     :func:`cosine_similarities`, :func:`bipartition`) on the updates of its floating arrays. A node never heard from
     is in cluster 0, whose model ``aggregate_train`` returns. ``eps1``, ``eps2``, ``min_split_size`` and

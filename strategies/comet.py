@@ -38,9 +38,9 @@ from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
 from fedapps.seeds import derive_rng
 from fedapps.server import client_privacy, clustering
+from fedapps.server.strategy import RunContext
 from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
-from strategies.base import RunContext
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions
 
 log = logging.getLogger("fedapps")
@@ -128,8 +128,8 @@ class COMET(PseudoLabelStrategy):
     Params = COMETParams
 
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: COMETParams) -> None:
-        super().check(cfg, params)
+    def check_config(cls, cfg: ExperimentConfig, params: COMETParams) -> None:
+        super().check_config(cfg, params)
         cls.require_at_most_clients(cfg, "clusters", params.clusters)
         if cfg.privacy.mode == client_privacy.CLIENT_MODE and params.outlier_factor > 0:
             raise ConfigError(

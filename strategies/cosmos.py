@@ -43,7 +43,7 @@ from flwr.app import Array, ArrayRecord, Context, Message
 from torch import Tensor, nn
 
 from fedapps.client import ops
-from fedapps.client.clientops import ProtocolError, distill_term, distill_weighting
+from fedapps.client.registry import ProtocolError, distill_term, distill_weighting
 from fedapps.config import DEVICES, OPTIMIZERS, ConfigError, ExperimentConfig
 from fedapps.data import Federation, get_federation
 from fedapps.models import MODEL_NAMES, build_model, seeded
@@ -51,9 +51,9 @@ from fedapps.params import param, parse_params
 from fedapps.reporting.results import Artifact
 from fedapps.seeds import derive_seed
 from fedapps.server import client_privacy, clustering
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.pseudolabel_dropin import (
     FlowerPseudoLabelStrategy,
     TestFn,
@@ -249,6 +249,7 @@ class Cosmos(PersonalisedStrategy):
         "the cluster model h_π(i) after round r's server training", source="server", evaluate="evaluate-received"
     )
     checkpoint_exclude = frozenset({"fed", "device", "num_classes", "n_public"})  # rebuilt from the config
+    reply_kind = "predictions"
     client_privacy_refused = ""  # the cluster targets are released through ClientLevelDP under privacy.mode client
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
@@ -271,10 +272,10 @@ class Cosmos(PersonalisedStrategy):
         self.pseudo_bytes_down = 0
 
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: CosmosParams) -> None:
+    def check_config(cls, cfg: ExperimentConfig, params: CosmosParams) -> None:
         """Under sample-level privacy, the clients' distillation weights must not read their class frequencies; under
         client-level privacy, a cluster's target is its members' mean, each member clipped to privacy.clip_norm."""
-        super().check(cfg, params)
+        super().check_config(cfg, params)
         if cfg.privacy.mode == "sample" and params.weighting == "label-free":
             raise ConfigError(
                 "'privacy.mode: sample' cannot cover cosmos with weighting 'label-free': w_i(x) reads "

@@ -70,12 +70,13 @@ from flwr.app import ArrayRecord, Message
 from torch import Tensor, nn
 
 from fedapps import checkpoint
-from fedapps.client.clientops import client_op, training_term
+from fedapps.client.registry import client_op, training_term
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.data import get_federation, spec_info
 from fedapps.models import build_model, classifier_name, top_level_children
 from fedapps.params import lower, param
 from fedapps.reporting.results import Artifact
+from fedapps.server.aggregation import clip_replies_to_median
 from fedapps.server.dropin import (
     PersonalisedFlowerStrategy,
     array_record,
@@ -84,10 +85,9 @@ from fedapps.server.dropin import (
     only_metrics,
     output_layer,
 )
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.aggregation import clip_replies_to_median
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 
 log = logging.getLogger("fedapps")
 
@@ -421,9 +421,9 @@ class CwFedAvg(PersonalisedStrategy):
 
     # ------------------------------------------------------------------ config
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: CwFedAvgParams) -> None:
+    def check_config(cls, cfg: ExperimentConfig, params: CwFedAvgParams) -> None:
         """The layer spec must parse and fit the model, and the `bias` estimator needs a classifier bias."""
-        super().check(cfg, params)
+        super().check_config(cfg, params)
         parse_layers(params.layers)
         if cfg.privacy.mode == "sample" and (params.estimator == "true" or params.wdr_lambda > 0):
             raise ConfigError(
@@ -662,9 +662,7 @@ class CwFedAvg(PersonalisedStrategy):
         return self.stack_files
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a checkpoint (the stack from its files, see :meth:`state_dict`). A checkpoint from before the
-        stack kept its per-client keys apart (every key stacked; earlier still, whole models and no running sum)
-        is converted: the keys this configuration keeps per client taken over, the sum rebuilt (`latest`)."""
+        """Restore a checkpoint (the stack from its files, see :meth:`state_dict`)."""
         saved = state.get("stack")
         if isinstance(saved, dict):  # a SavedStack's fields (state_dict)
             if self.context.server_state_dir is None:
@@ -674,22 +672,6 @@ class CwFedAvg(PersonalisedStrategy):
                 )
             state = {**state, "stack": ModelStack.from_saved(SavedStack(**saved), self._stack_files())}
         super().load_state_dict(state)
-        if hasattr(self.stack, "loose"):
-            return
-        old = self.stack
-        keep = self.classwise + (self.shared_float if self.params.mix == "latest" else [])
-        self.stack = ModelStack.filled(
-            {k: old.template[k] for k in keep},
-            old.capacity,
-            self.classwise,
-            old.row_of,
-            lambda c: {k: old.arrays[k][old.row_of[c]] for k in keep},
-        )
-        if "sums" not in state and self.params.mix == "latest" and self.estimated.any():
-            self.sums = {k: np.zeros(self.initial[k].shape, np.float64) for k in self.shared_float}
-            for client, row in self.stack.row_of.items():
-                if self.estimated[row]:
-                    add_weighted(self.sums, {k: self.stack.get(client, k) for k in self.sums}, float(self.n[row]))
 
     def _ensure_rows(self, rows: int) -> None:
         self.n = _grow(self.n, rows)

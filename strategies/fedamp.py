@@ -37,9 +37,9 @@ from fedapps.server.dropin import (
     only_arrays,
     parameter_keys,
 )
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
 from strategies.fedprox import PROX_MU
 
@@ -181,8 +181,8 @@ class FedAMP(PersonalisedStrategy):
     deployed = DeployedModel("client i's own model after its local training in round r")
 
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: FedAMPParams) -> None:
-        super().check(cfg, params)
+    def check_config(cls, cfg: ExperimentConfig, params: FedAMPParams) -> None:
+        super().check_config(cfg, params)
         p = params
         worst = (cfg.data.num_clients - 1) * p.alpha_k / p.sigma
         if p.kappa == 0 and worst > 1:

@@ -16,10 +16,10 @@ from flwr.app import Message
 from fedapps.config import ExperimentConfig
 from fedapps.data import spec_info
 from fedapps.models import build_model, state_part
+from fedapps.server.aggregation import average_matching
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.aggregation import average_matching
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 
 
 def initial_model_arrays(cfg, part: str = "state", seed: int | None = None) -> dict[str, np.ndarray]:

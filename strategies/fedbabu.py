@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedapps.client import ops
-from fedapps.client.clientops import client_op
+from fedapps.client.registry import client_op
 from fedapps.client.worker import part_names
 from fedapps.params import param
+from fedapps.server.strategy import DeployedModel
 from fedapps.wire import protocol
-from strategies.base import DeployedModel
 from strategies.fedper import FedPer
 
 EVALUATE_FINETUNED = "evaluate-finetuned"  # the operation below (FedNH's deployed model uses it too)

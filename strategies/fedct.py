@@ -28,9 +28,9 @@ from flwr.app import Message
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
 from fedapps.server import client_privacy
+from fedapps.server.strategy import RunContext
 from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
-from strategies.base import RunContext
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions
 
 log = logging.getLogger("fedapps")
@@ -68,10 +68,9 @@ def vote_of_counts(counts: np.ndarray, num_classes: int) -> tuple[np.ndarray, np
     return labels.astype(np.int64), agreement
 
 
-def qualified_vote(votes: np.ndarray, num_classes: int, threshold: float) -> np.ndarray:
-    """Majority vote, but samples whose agreement is below ``threshold`` abstain (label M)."""
-    labels, agreement = majority_vote(votes, num_classes)
-    return np.where(agreement >= threshold, labels, num_classes).astype(np.int64)
+def qualified(labels: np.ndarray, agreement: np.ndarray, num_classes: int, threshold: float) -> np.ndarray:
+    """The vote's labels, but samples whose agreement is below ``threshold`` abstain (label M = ``num_classes``)."""
+    return np.where(agreement >= threshold, labels, num_classes)
 
 
 @dataclass
@@ -91,8 +90,8 @@ class FedCT(PseudoLabelStrategy):
     Params = FedCTParams
 
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: FedCTParams) -> None:
-        super().check(cfg, params)
+    def check_config(cls, cfg: ExperimentConfig, params: FedCTParams) -> None:
+        super().check_config(cfg, params)
         if cfg.privacy.mode == client_privacy.CLIENT_MODE and cfg.privacy.clip_norm > 0:
             raise ConfigError(
                 "'privacy.clip_norm' does not apply to fedct under privacy.mode client: a client casts one vote "
@@ -122,7 +121,7 @@ class FedCT(PseudoLabelStrategy):
         else:  # GNMax: the vote counts released with Gaussian noise, the vote taken from them
             labels, agreement = vote_of_counts(self.noisy_counts(server_round, votes), self.num_classes)
         if self.params.qualified_threshold > 0:
-            labels = np.where(agreement >= self.params.qualified_threshold, labels, self.num_classes)
+            labels = qualified(labels, agreement, self.num_classes, self.params.qualified_threshold)
         self.consensus = labels
         abstain = float(np.mean(labels == self.num_classes))
         log.info(

@@ -35,14 +35,14 @@ import numpy as np
 from flwr.app import Message
 
 from fedapps.client import ops
-from fedapps.client.clientops import ProtocolError, client_op
+from fedapps.client.registry import ProtocolError, client_op
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
 from fedapps.seeds import derive_rng
 from fedapps.server import client_privacy
+from fedapps.server.strategy import RunContext
 from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
-from strategies.base import RunContext
 from strategies.pseudolabel_base import DistillParams, PseudoLabelStrategy, collect_predictions, index_array
 
 # --------------------------------------------------------------------------- FedMD maths
@@ -144,8 +144,8 @@ class FedMD(PseudoLabelStrategy):
     Params = FedMDParams
 
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: FedMDParams) -> None:
-        super().check(cfg, params)
+    def check_config(cls, cfg: ExperimentConfig, params: FedMDParams) -> None:
+        super().check_config(cfg, params)
         if params.digest_loss == "mae" and params.scores != "logits":
             raise ConfigError(
                 "'strategy.params.fedmd.digest_loss: mae' regresses logits onto logits; "

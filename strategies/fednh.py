@@ -34,17 +34,17 @@ from flwr.app import Message
 from torch import Tensor, nn
 
 from fedapps.client import ops, worker
-from fedapps.client.clientops import client_op
+from fedapps.client.registry import client_op
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.data import spec_info
 from fedapps.models import build_model, classifier_name
 from fedapps.params import param
 from fedapps.seeds import derive_seed
+from fedapps.server.aggregation import weighted_average
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from fedapps.wire.validation import ReplyValidator
-from strategies.aggregation import weighted_average
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedbabu import EVALUATE_FINETUNED, FINETUNE
 
 HEAD = "cosine"  # the classifier head of FedNH's model (fedapps.models.heads)
@@ -234,8 +234,8 @@ class FedNH(PersonalisedStrategy):
     )
 
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: Any) -> None:
-        super().check(cfg, params)
+    def check_config(cls, cfg: ExperimentConfig, params: Any) -> None:
+        super().check_config(cfg, params)
         if params.init == "orthogonal":
             k, d = feature_dim(cfg)
             if k > d:

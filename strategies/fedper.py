@@ -17,6 +17,7 @@ from flwr.app import ArrayRecord, Message
 from torch import nn
 
 from fedapps.config import ExperimentConfig
+from fedapps.server.aggregation import average_matching, weighted_average
 from fedapps.server.dropin import (
     PersonalisedFlowerStrategy,
     array_record,
@@ -25,10 +26,9 @@ from fedapps.server.dropin import (
     only_metrics,
     output_layer,
 )
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.aggregation import average_matching, weighted_average
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
 
 log = logging.getLogger("flwr")
@@ -73,8 +73,8 @@ class FedPer(PersonalisedStrategy):
 class FlowerFedPer(PersonalisedFlowerStrategy):
     """FedPer as a drop-in Flower strategy (``fedapps.flower_strategies.FedPer``): the server keeps each node's head
     (its last upload's output layer) and sends the node the averaged body under that head; the body is the
-    sample-weighted mean of this round's uploads (:func:`strategies.aggregation.weighted_average`, the app's mean). A
-    node never heard from gets the body under the initial head. The output layer: ``classifier``, else found in
+    sample-weighted mean of this round's uploads (:func:`fedapps.server.aggregation.weighted_average`, the app's
+    mean). A node never heard from gets the body under the initial head. The output layer: ``classifier``, else found in
     ``model`` or in the arrays as the app finds it. Every other argument is Flower's FedAvg's."""
 
     def __init__(self, *, classifier: str | None = None, model: nn.Module | None = None, **flower_args: Any) -> None:

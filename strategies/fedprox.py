@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedapps.client.clientops import ProtocolError, training_term
+from fedapps.client.registry import ProtocolError, training_term
 from fedapps.params import param
 from fedapps.wire import protocol
 from strategies.fedavg import FedAvg

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from fedapps.client import ops
-from fedapps.client.clientops import client_op
+from fedapps.client.registry import client_op
 from fedapps.models import classifier_name
 from fedapps.params import param
 from fedapps.wire import protocol

@@ -25,14 +25,14 @@ import numpy as np
 from flwr.app import Message
 
 from fedapps.client import ops
-from fedapps.client.clientops import client_op
+from fedapps.client.registry import client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
+from fedapps.server.aggregation import average_matching, clip_replies_to_median
 from fedapps.server.robust import AggregationRule
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.aggregation import average_matching, clip_replies_to_median
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.fedavg import initial_model_arrays
 
 log = logging.getLogger("fedapps")
@@ -109,8 +109,8 @@ class IFCA(PersonalisedStrategy):
     )
 
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: IFCAParams) -> None:
-        super().check(cfg, params)
+    def check_config(cls, cfg: ExperimentConfig, params: IFCAParams) -> None:
+        super().check_config(cfg, params)
         cls.require_at_most_clients(cfg, "clusters", params.clusters)
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:

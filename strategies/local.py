@@ -15,9 +15,9 @@ from flwr.app import ArrayRecord, Message
 
 from fedapps.params import param
 from fedapps.server.dropin import PersonalisedFlowerStrategy, only_arrays
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Local(PersonalisedStrategy):
     Params = LocalParams
     model_agnostic = True
     deployed = DeployedModel("client i's own model after its local training in round r")
+    reply_kind = "metrics"
     client_privacy_refused = "each client trains alone and sends the server nothing to aggregate"
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:

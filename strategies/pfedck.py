@@ -30,14 +30,14 @@ from flwr.app import Message
 from torch import Tensor, nn
 
 from fedapps.client import ops
-from fedapps.client.clientops import ProtocolError, client_op
+from fedapps.client.registry import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
 from fedapps.params import param
 from fedapps.seeds import derive_rng
+from fedapps.server.aggregation import average_matching
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.aggregation import average_matching
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 from strategies.cfl import update_vector
 from strategies.comet import kmeans, kmeans_plus_plus
 from strategies.fedavg import initial_model_arrays
@@ -158,8 +158,8 @@ class PFedCK(PersonalisedStrategy):
     )
 
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: PFedCKParams) -> None:
-        super().check(cfg, params)
+    def check_config(cls, cfg: ExperimentConfig, params: PFedCKParams) -> None:
+        super().check_config(cfg, params)
         cls.require_at_most_clients(cfg, "clusters", params.clusters)
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:

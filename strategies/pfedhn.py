@@ -41,7 +41,7 @@ The reply carries θ̃_i rather than Δθ_i (the same bytes; the server knows θ
 Robust option ``median_clip`` (off by default): every client's Δθ_i reaches the shared trunk and heads, so one
 scaled model steers the model the hypernetwork generates for everybody (``clip_norm`` bounds the round's summed
 gradient, not one client's share of it; and clipping Δθ_i itself is not enough: a Δθ_i along θ_i — "scale the
-model up" — is the direction h amplifies most, measured 8× an honest update's gradient at twice its norm). With
+model up" — is the direction h amplifies most: docs/algorithms/pfedhn.md#findings). With
 ``median_clip`` = c > 0 each client's own gradient g_i = (∂θ_i/∂φ)ᵀ Δθ_i is measured first (one backward per reply)
 and its Δθ_i scaled by s_i = min(1, c·m/‖g_i‖), m the round's median ‖g_i‖ (:func:`fedapps.server.robust.median_bound`);
 g is linear in Δθ, so the round's gradient is Σ_i s_i·g_i: no client pulls h further than c times the cohort's
@@ -82,9 +82,10 @@ from fedapps.server.dropin import (
     parameter_keys,
 )
 from fedapps.server.robust import median_bound
+from fedapps.server.state import state_value
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext, _state_value
 
 BYTES_PER_PARAMETER = 4  # float32
 log = logging.getLogger("flwr")  # the drop-in strategy logs where Flower's own strategies do
@@ -353,8 +354,8 @@ class PFedHN(PersonalisedStrategy):
     checkpoint_exclude = frozenset({"hn", "optimizer", "device", "sent_from"})  # hn and optimizer: state_dict below
 
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: Any) -> None:
-        super().check(cfg, params)
+    def check_config(cls, cfg: ExperimentConfig, params: Any) -> None:
+        super().check_config(cfg, params)
         try:
             num_classes, shape = spec_info(dataclasses.asdict(cfg.data))
         except DataError:
@@ -382,7 +383,7 @@ class PFedHN(PersonalisedStrategy):
         """The generic state, plus h's parameters and the optimiser's momentum as CPU tensors."""
         state = super().state_dict()
         state["hn"] = {k: v.detach().cpu().clone() for k, v in self.hn.state_dict().items()}
-        state["optimizer"] = _state_value(self.optimizer.state_dict(), "PFedHN.optimizer")
+        state["optimizer"] = state_value(self.optimizer.state_dict(), "PFedHN.optimizer")
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -14,9 +14,9 @@ import numpy as np
 from fedapps.config import OPTIMIZERS, ConfigError, ExperimentConfig
 from fedapps.data import get_federation
 from fedapps.params import param
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy, RunContext
 from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
-from strategies.base import DeployedModel, PersonalisedStrategy, RunContext
 
 
 @dataclass
@@ -66,6 +66,7 @@ class PseudoLabelStrategy(PersonalisedStrategy):
     needs_public_set = True
     model_agnostic = True
     deployed = DeployedModel("client i's own model after its digest and local training in round r")
+    reply_kind = "predictions"
     client_privacy_refused = ""  # each releases its consensus through ClientLevelDP under privacy.mode client
 
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:

@@ -41,7 +41,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from torch import nn
 
 from fedapps.client import ops
-from fedapps.client.clientops import ProtocolError
+from fedapps.client.registry import ProtocolError
 from fedapps.client.worker import distill_towards, optim_settings
 from fedapps.data import public_fingerprint
 from fedapps.models import seeded
@@ -281,7 +281,6 @@ class FlowerPseudoLabelStrategy(Strategy):
         self.min_available_nodes = min_available_nodes
         self.fingerprint = public_fingerprint(x)
         self.node_client: dict[int, int] = {}  # node id -> client id (from its replies)
-        self.prediction_spec = PredictionSpec(len(x), num_classes)
         # round -> client id -> its evaluation (deployed-acc, deployed-loss, after-acc, after-loss, num-examples)
         self.client_metrics: dict[int, dict[int, dict[str, float]]] = {}
 

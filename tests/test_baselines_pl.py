@@ -18,7 +18,7 @@ from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
 from strategies import resolve
 from strategies.comet import COMET, cluster_means, kmeans, kmeans_plus_plus
-from strategies.fedct import FedCT, majority_vote, qualified_vote, vote_counts
+from strategies.fedct import FedCT, majority_vote, qualified, vote_counts
 from strategies.fedmd import TRAIN_PUBLIC, FedMD, alignment_subset, fedmd_consensus
 from strategies.pseudolabel_base import collect_predictions
 
@@ -56,9 +56,10 @@ def test_majority_vote_ignores_abstentions_and_all_abstain_abstains():
 def test_qualified_vote_abstains_below_threshold():
     votes = np.array([[0, 1, 2, 2], [0, 1, 0, 2], [0, 2, 1, 2], [1, 2, 1, 2]])
     # agreements: 3/4, 2/4 (tie 1 vs 2 -> 1), 2/4 (1 wins over 0, 2), 4/4
-    assert qualified_vote(votes, 3, 0.0).tolist() == [0, 1, 1, 2]
-    assert qualified_vote(votes, 3, 0.75).tolist() == [0, 3, 3, 2]
-    assert qualified_vote(votes, 3, 1.0).tolist() == [3, 3, 3, 2]
+    vote = majority_vote(votes, 3)
+    assert qualified(*vote, 3, 0.0).tolist() == [0, 1, 1, 2]
+    assert qualified(*vote, 3, 0.75).tolist() == [0, 3, 3, 2]
+    assert qualified(*vote, 3, 1.0).tolist() == [3, 3, 3, 2]
 
 
 def test_vote_rejects_out_of_range_labels():

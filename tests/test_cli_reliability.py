@@ -167,7 +167,7 @@ def test_compare_duplicate_labels_exit_2(tiny_config, tmp_path, capsys):
 
 def failing_train(monkeypatch, fails):
     """Make the client 'train' operation raise for clients where fails(client_id) is true."""
-    from fedapps.client.clientops import OPERATIONS, ClientOp
+    from fedapps.client.registry import OPERATIONS, ClientOp
 
     original = OPERATIONS["train"]
 

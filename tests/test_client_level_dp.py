@@ -22,10 +22,10 @@ from conftest import flwr_run, run_in_process
 from fedapps.config import ConfigError, ExperimentConfig, config_hash, load_config, without_later_defaults
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.server import client_privacy as cp
+from fedapps.server.strategy import message_privacy
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply, MessageError
-from strategies import ignored_settings, resolve
-from strategies.base import message_privacy
+from strategies import STRATEGIES, ignored_settings, resolve
 from strategies.fedct import vote_counts
 
 torch.set_num_threads(1)
@@ -363,9 +363,7 @@ def test_a_budget_below_one_release_is_refused():
 # --------------------------------------------------------------------------- config and messages
 
 
-@pytest.mark.parametrize(
-    "name", ["fedavg", "cwfedavg", "ifca", "fedfomo", "ditto", "fedper", "fedrep", "fednh", "pfedck", "local"]
-)
+@pytest.mark.parametrize("name", sorted(n for n, c in STRATEGIES.items() if c.client_privacy_refused))
 def test_the_other_strategies_refuse_the_mode_naming_the_key_and_why(name):
     with pytest.raises(ConfigError, match=rf"'privacy.mode: client' cannot cover strategy '{name}': \w+"):
         resolve(load_config(None, f"data.source=digits privacy.mode=client strategy.name={name}"))

@@ -64,14 +64,10 @@ def test_the_noise_has_standard_deviation_sigma_times_c():
         cp.noisy_mean(zeros, 2.0, 1.5, np.random.default_rng(0), denominator=0)
 
 
-def test_gnmax_counts_votes_and_releases_the_noisy_argmax():
+def test_gnmax_counts_votes_with_sensitivity_sqrt_n():
     labels = np.array([[0, 1, 2, 2], [0, 1, 2, 1], [0, 2, 2, 1]])  # 3 clients, 4 rows of U, 3 classes
     counts = cp.vote_counts(labels, 3)
     np.testing.assert_array_equal(counts, [[3, 0, 0], [0, 2, 1], [0, 0, 3], [0, 2, 1]])
-    np.testing.assert_array_equal(cp.gnmax_labels(labels, 3, 0.0, np.random.default_rng(0)), [0, 1, 2, 1])
-    rng = np.random.default_rng(0)  # with much noise the winner is often another class: the noise is there
-    noisy = np.stack([cp.gnmax_labels(labels, 3, 50.0, rng) for _ in range(200)])
-    assert (noisy != np.array([0, 1, 2, 1])).mean() > 0.5
     # one client more or less moves the n×K counts by sqrt(n) in L2: one vote per row
     fewer = cp.vote_counts(labels[:2], 3)
     assert np.linalg.norm(counts - fewer) == pytest.approx(cp.gnmax_sensitivity(4))

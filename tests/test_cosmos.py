@@ -340,7 +340,7 @@ def test_rb_is_the_clients_registered_distillation_term() -> None:
     not the core): λ = 0 or no setting gives no term; otherwise λ·r_B with the worker's generator."""
     from types import SimpleNamespace
 
-    from fedapps.client.clientops import DISTILL_TERMS
+    from fedapps.client.registry import DISTILL_TERMS
 
     build = DISTILL_TERMS["rb"]
     assert build.__module__ == Cosmos.__module__  # registered by strategies/cosmos.py, not by the core

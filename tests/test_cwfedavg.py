@@ -18,10 +18,10 @@ from torch import nn
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
+from fedapps.server.aggregation import weighted_average
+from fedapps.server.strategy import RunContext
 from fedapps.wire.protocol import CLIENT_ID, NUM_EXAMPLES, ClientReply
 from strategies import resolve
-from strategies.aggregation import weighted_average
-from strategies.base import RunContext
 from strategies.cwfedavg import (
     CLASS_COUNTS,
     CwFedAvg,
@@ -511,11 +511,8 @@ def test_server_memory_follows_the_clients_heard_from_not_the_federation():
     assert s.personalised(31).keys() == s.initial.keys() and s.personalised(39).keys() == s.initial.keys()
 
 
-def test_checkpoint_round_trip_and_a_checkpoint_of_whole_models(monkeypatch):
-    """A restored state continues exactly; a checkpoint written when the stack held whole models (no running
-    sum) is converted on load: the sum rebuilt, the extra keys dropped, the next round as without the restart."""
-    from strategies.cwfedavg import ModelStack
-
+def test_checkpoint_round_trip(monkeypatch):
+    """A restored state continues exactly: the next round as without the restart."""
     over = "strategy.params.cwfedavg.mix=latest strategy.params.cwfedavg.buffers=fedavg"
     models = {(r, c): None for r in (1, 2) for c in range(5)}
     s = tiny_strategy(monkeypatch, over, clients=5)
@@ -530,22 +527,11 @@ def test_checkpoint_round_trip_and_a_checkpoint_of_whole_models(monkeypatch):
     s.aggregate(1, replies(1))
     restored = tiny_strategy(monkeypatch, over, clients=5)
     restored.load_state_dict(copy.deepcopy(s.state_dict()))  # as a checkpoint file would: no shared arrays
-    old = tiny_strategy(monkeypatch, over, clients=5)
-    state = copy.deepcopy(s.state_dict())
-    whole = ModelStack(s.initial, 5)  # the former layout: every key of every client, rows in reply order
-    for c in rounds[1]:
-        whole.put(c, models[1, c])
-    del whole.loose, whole.changed  # what a stack pickled by the former class lacks
-    state["stack"] = whole
-    del state["sums"]
-    old.load_state_dict(state)
-    assert sorted(old.stack.arrays) == sorted(s.classwise) and sorted(old.stack.loose[3]) == sorted(s.shared_float)
-    assert old.stack.changed == set(rounds[1])  # the next save writes every converted row
-    for strategy in (s, restored, old):
+    for strategy in (s, restored):
         strategy.aggregate(2, replies(2))
     for c in range(6):
         ref = s.personalised(c)
-        for other in (restored, old):
+        for other in (restored,):
             for key, value in other.personalised(c).items():
                 np.testing.assert_allclose(value, ref[key], rtol=1e-6, atol=1e-6, err_msg=f"{c} {key}")
 

@@ -346,7 +346,7 @@ def _check_federation(fed, n_total: int) -> None:
     for i in range(fed.num_clients):
         cd = fed.client(i)
         assert cd.train_x.shape[1:] == fed.input_shape and cd.train_x.dtype == torch.float32
-        assert cd.train_y.dtype == torch.int64 and cd.num_train >= 1
+        assert cd.train_y.dtype == torch.int64 and cd.train_y.shape[0] >= 1
         assert float(cd.train_x.min()) >= -1.0 and float(cd.train_x.max()) <= 1.0
         assert np.bincount(cd.train_y.numpy(), minlength=fed.num_classes).tolist() == fed.train_counts[i].tolist()
         assert np.bincount(cd.test_y.numpy(), minlength=fed.num_classes).tolist() == fed.test_counts[i].tolist()

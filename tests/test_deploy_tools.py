@@ -120,11 +120,11 @@ def test_results_folder_and_failure_reason_read_off_the_log():
         "Traceback (most recent call last):\n",
         '  File "x.py", line 1, in f\n',
         "    raise FederationIncomplete(\n",
-        "strategies.base.FederationIncomplete: only 1 of the 2 expected client nodes connected\n",
+        "fedapps.server.strategy.FederationIncomplete: only 1 of the 2 expected client nodes connected\n",
         "ERROR : Exit Code: 201\n",
     ]
     assert exception_lines(log) == [
-        "strategies.base.FederationIncomplete: only 1 of the 2 expected client nodes connected"
+        "fedapps.server.strategy.FederationIncomplete: only 1 of the 2 expected client nodes connected"
     ]
 
 

@@ -67,8 +67,8 @@ def test_dropout_is_seeded_per_message(tiny_config):
 
     from fedapps.client.worker import STATE_MODEL, handle
     from fedapps.flower.inprocess import InProcessGrid
+    from fedapps.server.strategy import PersonalisedStrategy, RunContext
     from fedapps.wire import protocol
-    from strategies.base import PersonalisedStrategy, RunContext
 
     InProcessGrid(1)  # sets a task identity so that Message() works outside Flower
     cfg_path = tiny_config(

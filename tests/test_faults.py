@@ -25,6 +25,7 @@ from fedapps.config import load_config
 from fedapps.flower import faults
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.server.driver import RoundDriver
+from fedapps.server.strategy import REPLY_KINDS
 from strategies import STRATEGIES, RunContext, resolve
 
 CLIENTS, ROUNDS = 2, 2
@@ -43,27 +44,10 @@ SHRINK = {
     "cfl": ["warmup_rounds=0"],
     "fedamp": ["lam=0.01"],  # λ/α_K = 1: lr·λ/α_K = 0.05 at this file's lr 0.05 (FedAMP.check refuses >= 1)
 }
-# which reply kind each strategy's round messages ask for (a new strategy must be added here)
-ARRAYS = (
-    "fedavg",
-    "fedprox",
-    "feduv",
-    "ditto",
-    "fedper",
-    "fedrep",
-    "fedbabu",
-    "ifca",
-    "cfl",
-    "fedamp",
-    "fedfomo",
-    "cwfedavg",
-    "fednh",
-    "pfedhn",
-    "fedselect",
-    "pfedck",
+# which reply kind each strategy's round messages ask for: what its class declares (reply_kind)
+ARRAYS, PREDICTIONS, METRICS_ONLY = (
+    tuple(n for n, c in sorted(STRATEGIES.items()) if c.reply_kind == k) for k in REPLY_KINDS
 )
-PREDICTIONS = ("fedmd", "fedct", "comet", "cosmos")
-METRICS_ONLY = ("local",)
 
 REASON = {
     "shape": "has shape",
@@ -226,8 +210,11 @@ def cases() -> list[tuple[str, str, int]]:
     return sorted(set(out))
 
 
-def test_every_strategy_is_classified_by_reply_kind():
+def test_every_strategy_declares_a_known_reply_kind():
     assert sorted(ARRAYS + PREDICTIONS + METRICS_ONLY) == sorted(STRATEGIES)
+    assert (
+        {"fedavg", "cwfedavg"} <= set(ARRAYS) and {"cosmos", "fedmd"} <= set(PREDICTIONS) and METRICS_ONLY == ("local",)
+    )
 
 
 @pytest.mark.parametrize("strategy,kind,rnd", cases())

@@ -8,10 +8,10 @@ import pytest
 
 import server_app
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.aggregation import weighted_average
 from fedapps.server.driver import RoundDriver
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ARRAYS
-from strategies.aggregation import weighted_average
 
 
 def test_weighted_average_matches_hand_computation():
@@ -80,7 +80,7 @@ def test_partial_participation_and_dropped_client(tiny_config, tmp_path):
 
 
 def test_client_error_is_dropped_not_fatal(tiny_config, tmp_path):
-    from fedapps.client.clientops import OPERATIONS, ClientOp
+    from fedapps.client.registry import OPERATIONS, ClientOp
 
     grid = InProcessGrid(4)
     original = OPERATIONS["train"]

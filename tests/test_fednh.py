@@ -22,10 +22,10 @@ from fedapps.reporting.results import measured_columns, read_csv, round_row
 from fedapps.server.driver import RoundDriver
 from fedapps.server.evaluation import with_evaluations
 from fedapps.server.rounds import RoundLog
+from fedapps.server.strategy import DeployedModel
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ARRAYS, ClientReply
 from strategies import RunContext, resolve
-from strategies.base import DeployedModel
 from strategies.fednh import (
     COUNTS,
     TRAIN_OP,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedapps.client.clientops import TRAINING_TERMS
+from fedapps.client.registry import TRAINING_TERMS
 from fedapps.config import load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.server.driver import RoundDriver

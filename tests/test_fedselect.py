@@ -12,7 +12,7 @@ from flwr.app import Array
 from torch import nn
 
 from fedapps.client import ops
-from fedapps.client.clientops import ProtocolError
+from fedapps.client.registry import ProtocolError
 from fedapps.client.worker import STATE_MODEL, Worker
 from fedapps.config import ConfigError, OptimSettings, load_config
 from fedapps.flower.inprocess import InProcessGrid

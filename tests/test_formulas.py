@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedapps.client import ops
-from fedapps.client.clientops import TRAINING_TERMS
+from fedapps.client.registry import TRAINING_TERMS
 from fedapps.config import ConfigError, OptimSettings, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.wire import protocol

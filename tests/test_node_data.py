@@ -18,7 +18,7 @@ import torch
 from flwr.app import Context, RecordDict
 
 import server_app
-from fedapps.client.worker import NODE_CLIENT_ID, STATE_DIR_KEY, STATE_MODEL, handle, lost_on_restart
+from fedapps.client.worker import NODE_CLIENT_ID, STATE_DIR_KEY, STATE_MODEL, handle
 from fedapps.config import load_config
 from fedapps.data import DataError, load_source, node_path, read_labelled
 from fedapps.flower import faults
@@ -26,6 +26,7 @@ from fedapps.flower.describe import NodeReport, agree
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.reporting.results import UnusableRun
 from fedapps.server.evaluation import EvaluationProtocol
+from fedapps.server.experiment import nodes_as_checkpointed
 from fedapps.wire import protocol
 from strategies import STRATEGIES, RunContext, resolve
 
@@ -377,7 +378,7 @@ def test_state_dir_survives_a_supernode_restart(tmp_path, monkeypatch, digits):
 
 
 def test_threads_node_config_is_checked():
-    from fedapps.client.clientops import ProtocolError
+    from fedapps.client.registry import ProtocolError
     from fedapps.client.worker import node_threads
 
     ctx = Context(run_id=1, node_id=1, node_config={"threads": 3}, state=RecordDict(), run_config={})
@@ -401,6 +402,19 @@ def readme_restart_table() -> dict[str, str]:
     text = (ROOT / "docs" / "deployment.md").read_text()
     section = text.split("#### What a restarted SuperNode loses without `state-dir`", 1)[1].split("\n#", 1)[0]
     return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\| `([a-z0-9_-]+)` \| ([^|]+) \|", section, re.M)}
+
+
+def lost_on_restart(request: protocol.Request) -> str:
+    """What of a client's private model a message with these settings leaves to the client's own keeping, i.e. what
+    a restarted SuperNode without ``state-dir`` loses (the table of docs/deployment.md): ``nothing`` (the model is
+    not kept, or the whole state is loaded from the message), ``buffers`` (parameters loaded, buffers kept), ``head``
+    (the body loaded, the classifier head kept) or ``model`` (nothing loaded: the whole private model is the
+    client's)."""
+    if not request.keep.persists:
+        return "nothing"
+    if request.load.into_model and not request.load.multi:
+        return {"state": "nothing", "params": "buffers", "body": "head"}[request.returns.which]
+    return "model"
 
 
 def test_readme_restart_table_matches_what_each_strategy_sends(tmp_path):
@@ -442,9 +456,9 @@ def test_readme_restart_table_matches_what_each_strategy_sends(tmp_path):
 def test_a_resumed_nodes_run_pins_what_its_nodes_described():
     cfg = load_config(None, ["data.source=nodes", "data.num_clients=2"])
     saved = "data:\n  source: nodes\n  num_classes: 10\n  input_shape: [1, 8, 8]\n"
-    pinned = server_app.nodes_as_checkpointed(cfg, saved)
+    pinned = nodes_as_checkpointed(cfg, saved)
     assert (pinned.data.num_classes, pinned.data.input_shape) == (10, [1, 8, 8])
-    assert server_app.nodes_as_checkpointed(load_config(None, ["data.source=digits"]), saved).data.num_classes == 0
+    assert nodes_as_checkpointed(load_config(None, ["data.source=digits"]), saved).data.num_classes == 0
 
 
 def test_error_replies_read_as_the_clients_own_exception():
@@ -453,11 +467,11 @@ def test_error_replies_read_as_the_clients_own_exception():
     from fedapps.wire.validation import error_reason
 
     msg = "node config 'data-path'='/x/site.npz': /x/site.npz does not exist on this node; fix the path"
-    supernode = f"<class 'fedapps.client.clientops.ProtocolError'>:<'{msg}'>"
+    supernode = f"<class 'fedapps.client.registry.ProtocolError'>:<'{msg}'>"
     ray = (
         "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()\x1b[39m "
         '(pid=1, ip=127.0.0.1)\n  File "/w/fedapps/client/worker.py", line 110, in client_federation\n'
-        f"    raise ProtocolError(...)\nfedapps.clientops.ProtocolError: {msg}\n\nThe above exception was the "
+        f"    raise ProtocolError(...)\nfedapps.client.registry.ProtocolError: {msg}\n\nThe above exception was the "
         'direct cause of the following exception:\n\n  File "/f/ray_actor.py", line 65, in run\n    raise '
         "ClientAppException(str(ex)) from ex\nflwr.clientapp.client_app.ClientAppException: \nException "
         f"ClientAppException occurred. Message: {msg}'>"

@@ -54,7 +54,7 @@ def settings(**kw) -> protocol.Privacy:
 
 def message_settings(**kw) -> protocol.Privacy:
     """The privacy settings of a message, as the server's request() builds them from the config."""
-    from strategies.base import message_privacy
+    from fedapps.server.strategy import message_privacy
 
     settings = message_privacy(dataclasses.replace(ExperimentConfig().privacy, mode="sample", **kw))
     assert settings is not None

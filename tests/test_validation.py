@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from fedapps.config import ConfigError, load_config, smallest_trim, trimmed_per_side
 from fedapps.flower.inprocess import InProcessGrid
+from fedapps.server.aggregation import average_matching
 from fedapps.server.robust import (
     AggregationRule,
     cap_weights,
@@ -28,7 +29,6 @@ from fedapps.wire import protocol, validation
 from fedapps.wire.protocol import ClientReply
 from fedapps.wire.validation import LOGIT_BOUND, ArraySpec, Expectation, PredictionSpec, ReplyValidator
 from strategies import resolve
-from strategies.aggregation import average_matching
 
 InProcessGrid(1)  # Message() needs a task identity outside Flower's runtime
 

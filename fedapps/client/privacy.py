@@ -38,7 +38,7 @@ from flwr.app import ConfigRecord, Context
 from torch import Tensor, nn
 
 from fedapps.client import ops
-from fedapps.client.clientops import DATA_FREE_TERMS, ProtocolError
+from fedapps.client.registry import DATA_FREE_TERMS, ProtocolError
 from fedapps.config import OptimSettings
 from fedapps.wire import protocol
 

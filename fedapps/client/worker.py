@@ -2,7 +2,7 @@
 
 No algorithm logic lives here: the server says which operations to run, in which order, with which settings
 (a :class:`fedapps.wire.protocol.Request`, decoded once per message); each name is looked up in
-:mod:`fedapps.client.clientops`, where this module registers the common operations (evaluate, evaluate-received,
+:mod:`fedapps.client.registry`, where this module registers the common operations (evaluate, evaluate-received,
 train, distill, predict) and every algorithm module registers its own. The private model persists in
 ``Context.state`` between rounds; where a state directory is named (node config ``state-dir``, else the message's
 ``state-dir``), also on disk, so that it survives the process (a run resumed from its checkpoint):
@@ -36,7 +36,8 @@ from torch import nn
 
 from fedapps import checkpoint
 from fedapps.client import ops, privacy
-from fedapps.client.clientops import (
+from fedapps.client.phases import PhaseClock, measuring
+from fedapps.client.registry import (
     DISTILL_TERMS,
     DISTILL_WEIGHTINGS,
     TRAINING_TERMS,
@@ -44,7 +45,6 @@ from fedapps.client.clientops import (
     client_op,
     parse_op,
 )
-from fedapps.client.phases import PhaseClock, measuring
 from fedapps.data import (
     DATA_PATH,
     NODES,
@@ -69,7 +69,7 @@ log = logging.getLogger("fedapps")
 
 STATE_MODEL = "private-model"
 STATE_ARCH = "private-model-arch"
-__all__ = ["ProtocolError", "Worker", "handle"]  # ProtocolError is defined in fedapps.client.clientops
+__all__ = ["ProtocolError", "Worker", "handle"]  # ProtocolError is defined in fedapps.client.registry
 
 THREADS_KEY = "threads"  # node config: torch threads of this node's ClientApp
 THREADS_ENV = "FEDAPPS_CLIENT_THREADS"  # environment: the same, where no node config gives it
@@ -274,8 +274,8 @@ def private_model(
 
 
 def on_device(model: nn.Module, device: torch.device) -> nn.Module:
-    """The model on ``device``; ``Module.to`` walks every tensor even when nothing moves (~1 ms per message for the
-    CNN), so it is called only when some parameter or buffer is elsewhere."""
+    """The model on ``device``; ``Module.to`` walks every tensor even when nothing moves (a cost per message:
+    docs/performance.md), so it is called only when some parameter or buffer is elsewhere."""
     if any(t.device != device for t in itertools.chain(model.parameters(), model.buffers())):
         model = model.to(device)
     return model
@@ -478,22 +478,6 @@ def save_private_state(
         )
 
 
-RESTART_LOSSES = ("nothing", "buffers", "head", "model")
-
-
-def lost_on_restart(request: protocol.Request) -> str:
-    """What of a client's private model a message with these settings leaves to the client's own keeping, i.e. what
-    a restarted SuperNode without ``state-dir`` loses (the table of docs/deployment.md): ``nothing`` (the model is
-    not kept, or the whole state is loaded from the message), ``buffers`` (parameters loaded, buffers kept), ``head``
-    (the body loaded, the classifier head kept) or ``model`` (nothing loaded: the whole private model is the
-    client's)."""
-    if not request.keep.persists:
-        return "nothing"
-    if request.load.into_model and not request.load.multi:
-        return {"state": "nothing", "params": "buffers", "body": "head"}[request.returns.which]
-    return "model"
-
-
 def model_arrays(model: nn.Module, which: str, transport: str = "float32") -> ArrayRecord:
     """The model as an ArrayRecord: 'state', 'params' or 'body' (see :func:`fedapps.models.state_part`), its
     floating arrays encoded for ``transport`` (float32: as the model holds them; see :func:`protocol.encode_arrays`)."""
@@ -616,7 +600,7 @@ class Worker:
         seeded here, at the start of the message. Where the private model has dropout, the whole message holds
         :data:`GLOBAL_RNG_LOCK`, so that clients served on other threads of this process (the in-process engine)
         neither re-seed nor draw from the stream meanwhile. On the CPU only its generator is seeded
-        (torch.manual_seed also queues every accelerator's: ~0.4 ms per message)."""
+        (torch.manual_seed also queues every accelerator's: a cost per message, docs/performance.md)."""
         builds = any(str(op).partition(":")[0] != DESCRIBE_OP for op in self.request.ops)  # a model
         draws = builds and SKELETONS.draws_global_rng(skeleton_key(self.arch, self.fed, self.request))
         with GLOBAL_RNG_LOCK if draws else contextlib.nullcontext():
@@ -847,7 +831,7 @@ def train(w: Worker, tag: str) -> None:
 def distill(w: Worker, tag: str) -> None:
     """Fit the private model on U (or the rows in ``distill-indices``) towards the message's targets.
     Settings ``distill.*``: optimiser, ``loss`` (kl | mae | ce), ``weighting`` (none or a registered one), and
-    those of the registered distillation terms (:func:`fedapps.client.clientops.distill_term`)."""
+    those of the registered distillation terms (:func:`fedapps.client.registry.distill_term`)."""
     if w.targets.values is None:
         return  # nothing to distil on yet (e.g. the first round)
     if w.fed.public_x is None:
@@ -916,7 +900,7 @@ def public_rows(rows: np.ndarray | None) -> torch.Tensor | None:
 
 
 def distill_weights(w: Worker, weighting: str, targets: np.ndarray, rows: torch.Tensor | None) -> torch.Tensor | None:
-    """Per-sample weights on U: 'none' (None), or a weighting registered with :func:`clientops.distill_weighting`."""
+    """Per-sample weights on U: 'none' (None), or a weighting registered with :func:`registry.distill_weighting`."""
     if weighting == "none":
         return None
     if weighting not in DISTILL_WEIGHTINGS:

@@ -125,11 +125,6 @@ class ClientData:
     test_x: torch.Tensor
     test_y: torch.Tensor
 
-    @property
-    def num_train(self) -> int:
-        """Number of training samples."""
-        return int(self.train_y.shape[0])
-
 
 @dataclass
 class Federation:

@@ -77,7 +77,7 @@ def alexnet(num_classes: int, input_shape: Shape) -> nn.Module:
 
 def resnet18(num_classes: int, input_shape: Shape) -> nn.Module:
     """torchvision ResNet-18 with a 3×3 stride-1 stem and no initial max-pool (the CIFAR ResNet-18)."""
-    import torchvision.models as tvm  # here, not at import: torchvision costs ~1.3 s per ClientApp process
+    import torchvision.models as tvm  # here, not at import: its cost per ClientApp process (docs/performance.md)
 
     model = tvm.resnet18(weights=None, num_classes=num_classes)
     model.conv1 = stem_conv(input_shape[0], 64)
@@ -100,7 +100,7 @@ MOBILENETV2_SETTING = [
 
 def mobilenetv2(num_classes: int, input_shape: Shape) -> nn.Module:
     """torchvision MobileNetV2 with a stride-1 first conv and a stride-1 second stage (as CIFAR ports do)."""
-    import torchvision.models as tvm  # here, not at import: torchvision costs ~1.3 s per ClientApp process
+    import torchvision.models as tvm  # here, not at import: its cost per ClientApp process (docs/performance.md)
 
     model = tvm.mobilenet_v2(weights=None, num_classes=num_classes, inverted_residual_setting=MOBILENETV2_SETTING)
     model.features[0][0] = stem_conv(input_shape[0], 32)
@@ -110,7 +110,7 @@ def mobilenetv2(num_classes: int, input_shape: Shape) -> nn.Module:
 def squeezenet(num_classes: int, input_shape: Shape) -> nn.Module:
     """torchvision SqueezeNet 1.1 with a 3×3 stride-1 stem (its three ceil-mode pools remain: 32 → 4) and a
     global-pool + Linear head instead of the 1×1-conv classifier, so the classifier is an nn.Linear."""
-    import torchvision.models as tvm  # here, not at import: torchvision costs ~1.3 s per ClientApp process
+    import torchvision.models as tvm  # here, not at import: its cost per ClientApp process (docs/performance.md)
 
     model = tvm.squeezenet1_1(weights=None, num_classes=num_classes)
     model.features[0] = stem_conv(input_shape[0], 64, bias=True)

@@ -4,7 +4,8 @@ spread of accuracy across clients, clients × classes heatmaps, cluster assignme
 
 Pure drawing from data a strategy or the round loop returned. The one thing here that names algorithms is the
 style table (:data:`METHOD_ORDER`): every method has a fixed (colour, line style) pair, the same in every plot,
-and no two of the project's methods share both (a test checks that every registered strategy has its entry).
+and no two of the project's methods share both (a test checks it for every registered strategy: one the table does
+not list takes a free slot from its name).
 Round axes carry integer ticks only. Every ``*_figure`` function returns the matplotlib Figure (tests inspect
 it); ``plot_*`` draws it into a file.
 """
@@ -37,7 +38,8 @@ COLOURS: tuple[str, ...] = (
 LINESTYLES: tuple[str, ...] = ("-", "--", ":", "-.")
 STYLE_SLOTS = len(COLOURS) * len(LINESTYLES)  # 40 distinct (colour, line style) pairs
 # The fixed style of each of the project's methods: its position here is its slot; slot i is colour i mod 10 and
-# line style i div 10, so the first ten differ by colour alone. Append a new strategy at the end (a test asks).
+# line style i div 10, so the first ten differ by colour alone. A new strategy may be appended at the end (a test
+# asks where its name's free slot meets another's).
 METHOD_ORDER: tuple[str, ...] = (
     "fedavg",
     "local",

@@ -10,8 +10,8 @@ predictions and adds the noise (central DP); docs/privacy.md derives the sensiti
   mean divides by a public count (the cohort the server sampled, not the number that answered: that count is itself
   private) (:func:`noisy_mean`).
 - Hard labels (FedCT, PATE's GNMax): per row of U the clients' votes are counted, Gaussian noise N(0, σ²) is added to
-  each count and the noisy arg-max is released (:func:`gnmax_labels`). One client casts one vote per row, so adding
-  or removing it moves the n×K count matrix by sqrt(n) in L2 (:func:`gnmax_sensitivity`).
+  each count and the noisy arg-max is released (FedCT's vote on its noisy counts). One client casts one vote per row,
+  so adding or removing it moves the n×K count matrix by sqrt(n) in L2 (:func:`gnmax_sensitivity`).
 - Accounting (:func:`gaussian_epsilon`): the Gaussian mechanism with noise multiplier σ (noise std / sensitivity),
   composed over the rounds, optionally amplified by sampling a fraction of the clients per round, through
   dp-accounting's RDP accountant.
@@ -108,13 +108,6 @@ def vote_counts(labels: np.ndarray, num_classes: int) -> np.ndarray:
     rows = np.broadcast_to(np.arange(labels.shape[1]), labels.shape)
     np.add.at(counts, (rows.ravel(), labels.ravel()), 1.0)
     return counts
-
-
-def gnmax_labels(labels: np.ndarray, num_classes: int, noise_std: float, rng: np.random.Generator) -> np.ndarray:
-    """GNMax (Papernot et al. 2018): per row of U, the arg-max of the clients' vote counts plus N(0, noise_std²) on
-    every count. Adding or removing one client moves the count matrix by :func:`gnmax_sensitivity` in L2."""
-    counts = vote_counts(labels, num_classes)
-    return np.argmax(counts + gaussian_noise(counts.shape, noise_std, rng), axis=1)
 
 
 def gnmax_sensitivity(queries: int) -> float:

@@ -58,7 +58,7 @@ def pairwise_distances(
         raise ValueError(f"unknown distance '{metric}'; allowed: {', '.join(DISTANCES)}")
     x, n_samples = _as_matrix(predictions)
     if metric == "l1":
-        # imported here: numba (~0.5 s to import) then loads only in processes that compute an l1 matrix
+        # imported here: numba (its import cost: docs/performance.md) loads only in processes that compute an l1 matrix
         from fedapps.server.pairwise_l1 import l1_distance_matrix
 
         return l1_distance_matrix(x, threads or torch.get_num_threads()) / n_samples

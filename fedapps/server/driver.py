@@ -7,59 +7,26 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Any
 
-import numpy as np
 from flwr.serverapp.strategy import Result
 
 from fedapps.flower import MessageGrid
 from fedapps.flower.connect import wait_for_clients
 from fedapps.reporting.results import accuracy_stats
-from fedapps.server.evaluation import EvaluatedStrategy, EvaluationProtocol
+from fedapps.server.evaluation import EvaluationProtocol
 from fedapps.server.rounds import (
     Measurement,
-    RoundHistory,
     RoundLog,
     StepClock,
     measurement_metrics,
     round_metrics,
 )
+from fedapps.server.strategy import PersonalisedStrategy
 from fedapps.wire import protocol
-from fedapps.wire.protocol import ClientReply
 
 log = logging.getLogger("fedapps")
-
-
-class RoundRecorder(Protocol):
-    """Where a round's record goes (``strategies.base.RunContext``)."""
-
-    @property
-    def on_round(self) -> Callable[[RoundLog], None] | None: ...
-
-
-class DrivenStrategy(EvaluatedStrategy, Protocol):
-    """What the loop asks of a strategy (``strategies.base.PersonalisedStrategy``) beyond what the evaluation
-    protocol does: its params (logged), run context (where rounds are recorded), history and the algorithm's steps."""
-
-    @property
-    def params(self) -> Any: ...
-
-    @property
-    def context(self) -> RoundRecorder: ...
-
-    @property
-    def history(self) -> RoundHistory: ...
-
-    def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]: ...
-
-    def stop_reason(self, server_round: int) -> str: ...
-
-    def final_arrays(self) -> Mapping[str, np.ndarray] | None: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 class RoundDriver:
@@ -68,7 +35,7 @@ class RoundDriver:
     adds the evaluations; every round's record goes to the strategy's ``context.on_round`` (the result sinks and the
     checkpoint). The driver holds the strategy, never the other way round: a strategy nothing else holds is freed."""
 
-    def __init__(self, strategy: DrivenStrategy) -> None:
+    def __init__(self, strategy: PersonalisedStrategy) -> None:
         self.strategy = strategy
         self.nodes = strategy.nodes
         self.replies = strategy.replies

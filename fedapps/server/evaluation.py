@@ -4,73 +4,22 @@ on its evaluation split at the start of round r+1's message, before any training
 by one evaluation-only message to every connected client; the measurement is attributed to round r. Every
 round message also evaluates the client's model right after its local training ("after training", the second
 column). Neither the strategies nor the clients choose when; a strategy only says what its deployed model is
-(``strategies.base.DeployedModel``). Which rounds are measured is the top-level ``evaluate_every`` k
-(:func:`measured_round`: rounds k, 2k, ... and the last); in an unmeasured round neither evaluation runs, and the
-results leave that round's accuracy cells empty."""
+(``fedapps.server.strategy.DeployedModel``). Which rounds are measured is the top-level ``evaluate_every`` k
+(:func:`fedapps.server.rounds.measured_round`: rounds k, 2k, ... and the last); in an unmeasured round neither
+evaluation runs, and the results leave that round's accuracy cells empty."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
-from typing import Any, Protocol
 
 from flwr.app import ArrayRecord, Message
 
-from fedapps.config import ExperimentConfig
 from fedapps.flower import MessageGrid
-from fedapps.server.replies import ReplyChecks
 from fedapps.server.rounds import Measurement, RoundLog
-from fedapps.server.sampling import NodeSampler
+from fedapps.server.strategy import DeployedModel, PersonalisedStrategy
 from fedapps.server.transport import with_transport
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-
-
-def measured_round(server_round: int, every: int, last_round: int) -> bool:
-    """Whether round ``server_round``'s models are measured under ``evaluate_every`` = ``every``: rounds every,
-    2·every, ... and always ``last_round``."""
-    return server_round % every == 0 or server_round == last_round
-
-
-class DeployedSpec(Protocol):
-    """What the protocol reads of a strategy's deployed model (``strategies.base.DeployedModel``)."""
-
-    @property
-    def source(self) -> str: ...
-
-    @property
-    def prepare(self) -> tuple[str, ...]: ...
-
-    @property
-    def ops(self) -> list[str]: ...
-
-
-class EvaluatedStrategy(Protocol):
-    """What the protocol asks of a strategy (``strategies.base.PersonalisedStrategy``): its config, its nodes and
-    reply checks, and the algorithm's hooks."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def cfg(self) -> ExperimentConfig: ...
-
-    @property
-    def nodes(self) -> NodeSampler: ...
-
-    @property
-    def replies(self) -> ReplyChecks: ...
-
-    @property
-    def deployed(self) -> DeployedSpec: ...
-
-    def request(self, server_round: int, ops: Iterable[str], **parts: Any) -> protocol.Request: ...
-
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]: ...
-
-    def evaluation_models(self, client_ids: list[int | None]) -> list[tuple[str, ArrayRecord] | None]: ...
-
-    def measures_round(self, server_round: int) -> bool: ...
 
 
 class EvaluationProtocol:
@@ -78,7 +27,7 @@ class EvaluationProtocol:
     evaluation-only messages after the last round (validated by the strategy's reply checks); its nodes say which
     client each node is, ``strategy.transport`` how arrays travel."""
 
-    def __init__(self, strategy: EvaluatedStrategy) -> None:
+    def __init__(self, strategy: PersonalisedStrategy) -> None:
         self.strategy = strategy
         self.nodes = strategy.nodes
         self.replies = strategy.replies
@@ -184,7 +133,7 @@ class EvaluationProtocol:
 
 
 def with_evaluations(
-    ops: list[str], deployed: DeployedSpec, measure: bool, strategy: str = "", after: bool = True
+    ops: list[str], deployed: DeployedModel, measure: bool, strategy: str = "", after: bool = True
 ) -> list[str]:
     """A round message's operations with the protocol's evaluations: ``deployed.prepare``, then (``measure``)
     the deployed model's evaluation (and its companions'), then the strategy's other operations, then (``after``:

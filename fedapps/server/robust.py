@@ -3,7 +3,7 @@ update-norm clipping.
 
 Chosen by ``strategy.aggregation`` (mean | median | trimmed-mean), ``strategy.trim_fraction``,
 ``strategy.max_weight_share`` and ``strategy.clip_update_norm`` for the strategies that average parameters with
-:func:`strategies.aggregation.average_matching` (FedAvg, FedProx, Ditto, FedPer, FedRep, FedBABU, IFCA, CFL).
+:func:`fedapps.server.aggregation.average_matching` (FedAvg, FedProx, Ditto, FedPer, FedRep, FedBABU, IFCA, CFL).
 
 - ``mean``: the sample-weighted mean; weights are the clients' ``num-examples``, normalised, then capped by
   :func:`cap_weights` when ``max_weight_share`` < 1. Under ``data.source: nodes`` without an operator's node registry

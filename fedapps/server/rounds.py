@@ -19,6 +19,12 @@ from fedapps.wire.protocol import ClientReply
 from fedapps.wire.validation import Rejection
 
 
+def measured_round(server_round: int, every: int, last_round: int) -> bool:
+    """Whether round ``server_round``'s models are measured under ``evaluate_every`` = ``every``: rounds every,
+    2·every, ... and always ``last_round``."""
+    return server_round % every == 0 or server_round == last_round
+
+
 @dataclass
 class Measurement:
     """The deployed-model evaluation of round ``round``: the replies carrying ``deployed-*`` metrics, taken on

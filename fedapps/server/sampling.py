@@ -16,7 +16,7 @@ from fedapps.server.replies import ReplyChecks
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 
-# the strategy's request builder: request(server_round, ops, **parts) -> protocol.Request (strategies.base)
+# the strategy's request builder: request(server_round, ops, **parts) -> protocol.Request (fedapps.server.strategy)
 RequestBuilder = Callable[..., protocol.Request]
 
 log = logging.getLogger("fedapps")

@@ -11,33 +11,28 @@ is), ``replies`` (:class:`fedapps.server.replies.ReplyChecks`: reply validation 
 measurement, for the summary). The strategy is run by :class:`fedapps.server.driver.RoundDriver` (the round loop,
 ``RoundDriver(strategy).start(grid)``, and the checkpoint of the loop's state), which adds the evaluation protocol
 (:class:`fedapps.server.evaluation.EvaluationProtocol`, docs/evaluation.md). Helpers several algorithms aggregate with
-are in :mod:`strategies.aggregation`.
+are in :mod:`fedapps.server.aggregation`.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, Message
 
-from fedapps.config import CLIENT_SIDE_PRIVACY_MODES, ConfigError, ExperimentConfig, PrivacyConfig, exceeds_clients
-from fedapps.data import NODES, DataError, spec_info
-from fedapps.importpath import is_import_path
-from fedapps.models import ModelError, check_user_model
-from fedapps.params import parse_params
+from fedapps.config import CLIENT_SIDE_PRIVACY_MODES, ExperimentConfig, PrivacyConfig
 from fedapps.reporting.results import Artifact
-from fedapps.server.client_privacy import CLIENT_MODE, ClientLevelDP, gaussian_epsilon
-from fedapps.server.evaluation import measured_round
+from fedapps.server import strategy_checks as checks
+from fedapps.server.client_privacy import ClientLevelDP
 from fedapps.server.replies import ReplyChecks
 from fedapps.server.robust import AggregationRule
-from fedapps.server.rounds import RoundHistory, RoundLog
+from fedapps.server.rounds import RoundHistory, RoundLog, measured_round
 from fedapps.server.sampling import NodeSampler
+from fedapps.server.state import restore_state, state_of
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from fedapps.wire.validation import ReplyValidator
@@ -49,6 +44,7 @@ class NoParams:
 
 
 DEPLOYED_SOURCES = ("client", "message", "server")
+REPLY_KINDS = ("arrays", "predictions", "metrics")
 
 
 @dataclass(frozen=True)
@@ -109,37 +105,10 @@ class RunContext:
     excluded_nodes: frozenset[int] = frozenset()
 
 
-def check_classifier(strategy: str, needs: str, cfg: ExperimentConfig) -> None:
-    """A user's model (``model.name: package.module:factory``) for a strategy that ``needs`` its classifier head:
-    refused (ModelError naming the key and the reason) when it has none. The zoo's models all have one; under
-    data.source 'nodes' the check waits for the nodes' classes and shape (the strategy's construction then refuses
-    it)."""
-    name = cfg.model.name
-    if not is_import_path(name):
-        return
-    try:
-        num_classes, shape = spec_info(dataclasses.asdict(cfg.data))
-    except DataError:
-        return
-    why = check_user_model(name, num_classes, shape)
-    if why:
-        raise ModelError(
-            f"strategy '{strategy}' {needs}, but the model of 'model.name' ({name}) {why}. Make a final "
-            "nn.Linear(features, num_classes) its last registered nn.Linear, or choose a strategy that exchanges "
-            "whole models (e.g. fedavg, fedprox, local, ditto, ifca, cfl)"
-        )
-
-
 class PersonalisedStrategy:
     """Base class of the algorithms: a subclass says what its deployed model is, builds the round's messages and
     aggregates the replies; its services (built here) and the round driver do the rest (see the module docstring).
-
-    It does not subclass Flower's ``flwr.serverapp.strategy.Strategy``: that contract is a loop of
-    ``configure_train`` / ``aggregate_train`` / ``configure_evaluate`` / ``aggregate_evaluate`` around one global
-    model, driven by ``Strategy.start(grid, initial_arrays, ...)``. Ours sends a personalised message per client,
-    measures the previous round's deployed models on the next round's messages and resumes from a checkpoint
-    (``RoundDriver(strategy).start(grid, num_rounds, timeout, first_round)``), so the four adapters would only be code
-    nothing calls. What it keeps of Flower: the Grid, the Message API and the ``Result`` that the driver returns."""
+    It is not Flower's ``Strategy`` (one global model in a configure/aggregate loop): docs/development.md says why."""
 
     name: ClassVar[str] = ""
     Params: ClassVar[type] = NoParams  # a dataclass of fedapps.params.param fields: strategy.params.<name>.*
@@ -152,6 +121,9 @@ class PersonalisedStrategy:
     # with a message pointing at the new key)
     moved_params: ClassVar[dict[str, str]] = {}
     deployed: ClassVar[DeployedModel]  # what client i's deployed model after round r is (every strategy says)
+    # what its clients' round replies carry besides metrics (REPLY_KINDS): model ``arrays`` (the default),
+    # ``predictions`` on the public set U (the pseudo-label strategies) or ``metrics`` only (nothing to aggregate)
+    reply_kind: ClassVar[str] = "arrays"
     robust_aggregation: ClassVar[bool] = False  # averages with average_matching: strategy.aggregation applies
     # why DP-SGD on the clients' training (privacy.mode: sample) cannot bound what this algorithm's clients send:
     # something they compute from their data outside the noisy steps; '' when it can (docs/privacy.md)
@@ -170,108 +142,35 @@ class PersonalisedStrategy:
         {"cfg", "params", "context", "rng", "rule", "replies", "nodes", "history"}
     )
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.reply_kind not in REPLY_KINDS:
+            raise TypeError(f"{cls.__name__}.reply_kind '{cls.reply_kind}'; allowed: {', '.join(REPLY_KINDS)}")
+
     # ------------------------------------------------------------------ config
     @classmethod
     def read_params(cls, cfg: ExperimentConfig) -> Any:
         """Typed params from ``strategy.params.<name>`` (no section: all defaults), each declared rule checked."""
-        key = f"strategy.params.{cls.name}"
-        section = cfg.strategy.params.get(cls.name)
-        for old, new in cls.moved_params.items():
-            if isinstance(section, Mapping) and old in section:
-                raise ConfigError(
-                    f"'{key}.{old}' is now the top-level key '{new}' (one setting for every strategy): remove "
-                    f"'{key}.{old}' and write '{new}: {section[old]}' at the top of the config "
-                    f"(or --set {new}={section[old]})"
-                )
-        if section and not dataclasses.fields(cls.Params):
-            raise ConfigError(
-                f"strategy '{cls.name}' has no parameters; remove '{key}' "
-                f"(it sets {', '.join(map(str, section)) if isinstance(section, Mapping) else section!r})"
-            )
-        return parse_params(cls.Params, section, key)
+        return checks.read_params(cls, cfg)
 
     @classmethod
     def params_from(cls, cfg: ExperimentConfig) -> Any:
-        """``read_params`` then ``check``: this strategy's params for ``cfg``, ready to run."""
+        """``read_params`` then ``check_config``: this strategy's params for ``cfg``, ready to run."""
         params = cls.read_params(cfg)
-        cls.check(cfg, params)
+        cls.check_config(cfg, params)
         return params
 
     @classmethod
-    def check(cls, cfg: ExperimentConfig, params: Any) -> None:
+    def check_config(cls, cfg: ExperimentConfig, params: Any) -> None:
         """What no single parameter's declaration can say: checks against the rest of the config (or between
-        parameters). Subclasses extend it and call ``super().check(cfg, params)`` first."""
-        if cfg.model.per_client and not cls.model_agnostic:
-            raise ConfigError(
-                f"'model.per_client' is set but strategy '{cls.name}' exchanges model parameters, "
-                "so every client must run the same 'model.name'; remove model.per_client"
-            )
-        if cls.needs_classifier:
-            check_classifier(cls.name, cls.needs_classifier, cfg)
-        if cls.needs_public_set and cfg.data.source == NODES and not cfg.data.public_path:
-            raise ConfigError(
-                f"strategy '{cls.name}' needs a public set U, and with data.source 'nodes' U is a file: set "
-                "'data.public_path' to the server's copy of U (an .npz with 'x'); every node names its "
-                "own copy in node config public-path"
-            )
-        if cls.needs_public_set and cfg.data.source != NODES and cfg.data.public_fraction <= 0:
-            raise ConfigError(
-                f"strategy '{cls.name}' needs a public set U: set 'data.public_fraction' in (0, 1), e.g. 0.2"
-            )
-        if cfg.privacy.mode == "sample" and cls.sample_privacy_refused:
-            raise ConfigError(
-                f"'privacy.mode: sample' cannot cover strategy '{cls.name}': "
-                f"{cls.sample_privacy_refused}, so ε would not bound what its clients send "
-                "(docs/privacy.md); run it with privacy.mode off, or choose another strategy"
-            )
-        if cfg.privacy.mode == CLIENT_MODE:
-            cls.check_client_privacy(cfg)
-        s = cfg.strategy
-        robust = s.aggregation != "mean" or s.max_weight_share < 1.0 or s.clip_update_norm > 0
-        if not cls.robust_aggregation and robust:
-            raise ConfigError(
-                f"'strategy.aggregation: {s.aggregation}' / 'strategy.max_weight_share: {s.max_weight_share}' "
-                f"/ 'strategy.clip_update_norm: {s.clip_update_norm}' apply to the parameter-averaging "
-                f"strategies only (fedavg, fedprox, ditto, fedper, fedrep, fedbabu, ifca, cfl), not to "
-                f"'{cls.name}'; remove them (defaults: mean, 1.0, 0)"
-            )
-        if s.transport != "float32" and cls.model_agnostic:
-            raise ConfigError(
-                f"'strategy.transport: {s.transport}' applies to the strategies that exchange model "
-                f"parameters; '{cls.name}' sends none (its clients may run different architectures). "
-                "Remove it (default float32); the pseudo-label strategies set their own wire encoding "
-                "in strategy.params.<name> (e.g. encoding, uplink_encoding)"
-            )
-
-    @classmethod
-    def check_client_privacy(cls, cfg: ExperimentConfig) -> None:
-        """``privacy.mode: client``: this strategy supports it, and a budget allows at least one round's release."""
-        if cls.client_privacy_refused:
-            raise ConfigError(
-                f"'privacy.mode: client' cannot cover strategy '{cls.name}': {cls.client_privacy_refused} "
-                "(docs/privacy.md); run it with privacy.mode off or sample, or choose one of those strategies"
-            )
-        p = cfg.privacy
-        first = gaussian_epsilon(p.noise_multiplier, 1, p.delta)
-        if p.epsilon_budget > 0 and first > p.epsilon_budget:
-            raise ConfigError(
-                f"'privacy.epsilon_budget: {p.epsilon_budget:g}' does not allow a single round: one release with "
-                f"privacy.noise_multiplier {p.noise_multiplier:g} costs ε = {first:.4g} at δ = {p.delta:g}; raise "
-                "the budget or the noise multiplier"
-            )
+        parameters). Subclasses extend it and call ``super().check_config(cfg, params)`` first; the base checks what
+        the class declares (:func:`fedapps.server.strategy_checks.check_declared`)."""
+        checks.check_declared(cls, cfg)
 
     @classmethod
     def require_at_most_clients(cls, cfg: ExperimentConfig, key: str, value: int) -> None:
         """A count parameter (e.g. K cluster models) must not exceed ``data.num_clients``."""
-        if value > cfg.data.num_clients:
-            raise ConfigError(
-                exceeds_clients(
-                    f"strategy.params.{cls.name}.{key}",
-                    value,
-                    cfg.data.num_clients,
-                    "there are not that many clients to share out",
-                )
-            )
+        checks.at_most_clients(f"strategy.params.{cls.name}.{key}", value, cfg)
 
     # ------------------------------------------------------------------ construction
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
@@ -373,37 +272,17 @@ class PersonalisedStrategy:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The algorithm's state as data: every instance attribute not named in a ``checkpoint_exclude``
-        (tensors moved to the CPU). A torch module cannot be restored generically (its architecture is not
-        data): a strategy that keeps modules overrides this and :meth:`load_state_dict` (see COSMOS)."""
-        excluded = self._checkpoint_excluded()
-        return {k: _state_value(v, f"{type(self).__name__}.{k}") for k, v in vars(self).items() if k not in excluded}
+        """The algorithm's state as data: every instance attribute not named in a ``checkpoint_exclude`` (of any class
+        in the MRO). A strategy that keeps torch modules overrides this and :meth:`load_state_dict` (see COSMOS)."""
+        return state_of(self, self._checkpoint_excluded())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (onto a strategy built from the same config)."""
-        excluded = self._checkpoint_excluded()
-        for k, v in state.items():
-            if k in excluded:
-                continue
-            current = getattr(self, k, None)
-            if isinstance(current, np.random.Generator) and isinstance(v, dict) and GENERATOR_STATE in v:
-                current.bit_generator.state = v[GENERATOR_STATE]  # the same kind of generator: built from the config
-            elif isinstance(v, dict) and DATACLASS_STATE in v:
-                if not (dataclasses.is_dataclass(current) and not isinstance(current, type)):
-                    raise ValueError(
-                        f"{type(self).__name__}.{k}: the checkpoint holds the fields of a {v.get('class')}, but this "
-                        f"config built {type(current).__name__}: resume with the run's own config"
-                    )
-                setattr(self, k, dataclasses.replace(current, **v[DATACLASS_STATE]))  # the config's own class
-            else:
-                setattr(self, k, v)
+        restore_state(self, state, self._checkpoint_excluded())
 
     @classmethod
     def _checkpoint_excluded(cls) -> frozenset[str]:
-        out: set[str] = set()
-        for klass in cls.__mro__:
-            out |= set(vars(klass).get("checkpoint_exclude", ()))
-        return frozenset(out)
+        return frozenset(n for klass in cls.__mro__ for n in vars(klass).get("checkpoint_exclude", ()))
 
 
 def message_privacy(p: PrivacyConfig) -> protocol.Privacy | None:
@@ -412,32 +291,3 @@ def message_privacy(p: PrivacyConfig) -> protocol.Privacy | None:
     if p.mode not in CLIENT_SIDE_PRIVACY_MODES:
         return None
     return protocol.Privacy(**{f.name: getattr(p, f.name) for f in dataclasses.fields(protocol.Privacy)})
-
-
-GENERATOR_STATE = "numpy-generator-state"  # a numpy Generator attribute in a checkpoint: its bit generator's state
-DATACLASS_STATE = "dataclass-fields"  # a dataclass attribute (the client-level DP ledger) in a checkpoint: its fields
-
-
-def _state_value(value: Any, where: str) -> Any:
-    """A checkpointable copy of an attribute's value: tensors on the CPU; torch modules refused (see state_dict)."""
-    if isinstance(value, torch.nn.Module):
-        raise TypeError(f"{where} is a torch module: override state_dict/load_state_dict to save its state_dict")
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, np.random.Generator):  # its state as data (a checkpoint holds no objects: fedapps.checkpoint)
-        return {GENERATOR_STATE: value.bit_generator.state}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        # its fields as data; restored into the object the config builds (load_state_dict), never a class the file names
-        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
-        nested = [n for n, f in fields.items() if dataclasses.is_dataclass(f)]
-        if nested:
-            raise TypeError(f"{where} holds dataclasses ({', '.join(nested)}): override state_dict/load_state_dict")
-        return {DATACLASS_STATE: _state_value(fields, where), "class": type(value).__name__}
-    if isinstance(value, dict):
-        out = copy.copy(value)  # keeps the mapping's type (a defaultdict keeps its factory)
-        out.clear()
-        out.update((k, _state_value(v, f"{where}[{k!r}]")) for k, v in value.items())
-        return out
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_state_value(v, f"{where}[{i}]") for i, v in enumerate(value))
-    return value
