@@ -22,7 +22,7 @@ from scipy import stats
 from fedapps.config import ConfigError, ExperimentConfig, config_hash, load_config
 from fedapps.reporting import plots
 from fedapps.reporting.results import read_csv, write_csv
-from fedapps_tools.options import parse_seeds, resolve_root
+from fedapps_tools.options import add_run_options, add_seeds_option, parse_seeds, resolve_root
 from fedapps_tools.progressbar import RunProgress
 
 log = logging.getLogger("fedapps")
@@ -367,3 +367,32 @@ def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
     plot_curves(lines, folder / "comparison.png")
     print("\n" + table + f"\nwritten: {folder}/comparison.csv, comparison.md, comparison.png")
     return folder
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "compare",
+        help="run configs × seeds, then tabulate mean ± SEM",
+        description="Run every config at every seed (runs already complete with the same config are "
+        "skipped), then write comparison.csv, comparison.md and comparison.png.",
+    )
+    p.add_argument(
+        "configs",
+        nargs="+",
+        metavar="CONFIG",
+        help="YAML files, one row of the table each (e.g. configs/fedavg.yaml configs/local.yaml)",
+    )
+    add_seeds_option(p, [0, 1, 2], "the seeds every config runs at")
+    p.add_argument(
+        "--name", default="comparison", help="the comparison's folder under --output-dir (default: comparison)"
+    )
+    add_run_options(p, "DIR/<name>/: the table, the plot and the runs (runs/)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from fedapps_tools import launch
+
+    launch.start_logging(args)
+    compare(args, launch.execute)
+    return 0

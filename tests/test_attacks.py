@@ -15,7 +15,7 @@ from fedapps.flower.inprocess import InProcessGrid
 from fedapps.server.driver import RoundDriver
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from fedapps_tools import attacks
+from fedapps_tools import attacks, cli
 from strategies import RunContext, resolve
 
 
@@ -220,7 +220,7 @@ def test_the_table_reads_round_one_and_the_last_round_and_says_why_a_cell_is_emp
     refused = attacks.Measured(attacks.Arm("comet", "client"), refused="'privacy.mode' is 'client', which is not known")
     rows = [r for m in (got, pl, refused) for r in attacks.rows_of(m, stamp)]
     from fedapps.reporting.results import write_csv
-    from fedapps_tools.tables import read_rows
+    from fedapps_tools.tables_spec import read_rows
 
     write_csv(tmp_path / "a.csv", rows)
     for table in (attacks.table_lines(rows), attacks.table_lines(read_rows(tmp_path / "a.csv"))):
@@ -248,13 +248,13 @@ def test_update_keeps_the_rows_of_the_arms_not_run_and_orders_them_as_the_arms(t
         return attacks.Measured(arm, labels={(attacks.HISTOGRAM, 1): {0: 0.1 * len(runs)}})
 
     monkeypatch.setattr(attacks, "measure", measure)
-    out = tmp_path / "a.csv"
-    assert attacks.main(["--strategies", "fedct", "--modes", "client", "off", "--out", str(out)]) == 0
+    out = tmp_path / "tables"
+    assert cli.main(["attacks", "--strategies", "fedct", "--modes", "client", "off", "--out", str(out)]) == 0
     assert runs == [("fedct", "", "off"), ("fedct", "", "client")]
-    assert attacks.main(["--strategies", "fedct", "--modes", "client", "--out", str(out), "--update"]) == 0
-    from fedapps_tools.tables import read_rows
+    assert cli.main(["attacks", "--strategies", "fedct", "--modes", "client", "--out", str(out), "--update"]) == 0
+    from fedapps_tools.tables_spec import read_rows
 
-    rows = read_rows(out)
+    rows = read_rows(out / attacks.DEFAULT_CSV)
     assert [(attacks.arm_key(r), r["attack"], r["value"]) for r in rows] == [
         (("fedct", "", "off"), "label L1", "0.1"),
         (("fedct", "", "off"), attacks.MEMBERSHIP, ""),

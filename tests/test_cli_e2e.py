@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedapps_tools import cli
+from fedapps_tools import cli, launch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ def test_flwr_run_end_to_end(flower_run_of_tiny_config):
     assert 0.0 < summary["accuracy_mean"] <= 1.0
     assert "accuracy_mean" in proc.stdout and str(out) in proc.stdout
     pid = int(re.search(r"^SuperLink 127\.0\.0\.1:\d+ \(pid (\d+)", proc.stdout, re.M).group(1))
-    assert cli._proc_stat(pid) is None, "the SuperLink started by the run must be stopped"
+    assert launch._proc_stat(pid) is None, "the SuperLink started by the run must be stopped"
 
 
 @pytest.mark.heavy

@@ -32,7 +32,7 @@ from fedapps.reporting.results import (
     rejection_problems,
     run_problems,
 )
-from fedapps_tools import cli, flwrcli
+from fedapps_tools import cli, flwrcli, launch
 from fedapps_tools.compare import resume_decision
 
 
@@ -99,10 +99,10 @@ def test_data_error_exits_2_and_submits_no_run(tiny_config, capsys, monkeypatch)
     The flower engine's SuperLink, launched to boot while the data are checked, is stopped again (its process gone,
     its FLWR_HOME removed) and no run is submitted."""
     cfg = tiny_config(data={"partition": "dirichlet", "min_samples": 1000})
-    monkeypatch.setattr(cli, "run_with_flower", lambda *a, **k: pytest.fail("flwr must not start on a data error"))
+    monkeypatch.setattr(launch, "run_with_flower", lambda *a, **k: pytest.fail("flwr must not start on a data error"))
     launched = []
-    real_new_superlink = cli.new_superlink
-    monkeypatch.setattr(cli, "new_superlink", lambda *a: launched.append(real_new_superlink(*a)) or launched[-1])
+    real_new_superlink = launch.new_superlink
+    monkeypatch.setattr(launch, "new_superlink", lambda *a: launched.append(real_new_superlink(*a)) or launched[-1])
     for engine in ("inprocess", "flower"):
         assert run_cli("run", str(cfg), "--engine", engine) == 2
         err = capsys.readouterr().err
@@ -144,7 +144,7 @@ def test_the_command_exits_with_mains_code_and_its_output_flushed(tmp_path):
 def test_unwritable_output_dir_exits_2_before_flower(tiny_config, tmp_path, capsys, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    monkeypatch.setattr(cli, "run_with_flower", lambda *a, **k: pytest.fail("flwr must not start"))
+    monkeypatch.setattr(launch, "run_with_flower", lambda *a, **k: pytest.fail("flwr must not start"))
     assert run_cli("run", str(tiny_config()), "--output-dir", str(blocker / "sub")) == 2
     err = capsys.readouterr().err
     assert "not writable" in err and "--output-dir" in err
@@ -402,7 +402,7 @@ def test_compare_starts_over_when_the_checkpoint_is_of_another_config(tiny_confi
 def test_free_port_is_bindable():
     import socket
 
-    port = cli.free_port()
+    port = launch.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
 
@@ -412,7 +412,7 @@ def test_descendants_and_signal_only_the_noted_process():
     root = subprocess.Popen(["bash", "-c", "sleep 60 & sleep 60 & wait"], start_new_session=True)
     try:
         for _ in range(50):
-            kids = cli.descendants(root.pid)
+            kids = launch.descendants(root.pid)
             if len(kids) >= 2:
                 break
             time.sleep(0.1)
@@ -420,13 +420,13 @@ def test_descendants_and_signal_only_the_noted_process():
         pid, started = next(iter(kids.items()))
         flwrcli._signal(pid, started + 1, signal.SIGTERM)  # a different start time: another process, untouched
         time.sleep(0.2)
-        assert cli._proc_stat(pid) is not None
+        assert launch._proc_stat(pid) is not None
         flwrcli._signal(pid, started, signal.SIGTERM)
         for _ in range(50):
-            if cli._proc_stat(pid) is None:
+            if launch._proc_stat(pid) is None:
                 break
             time.sleep(0.1)
-        assert cli._proc_stat(pid) is None
+        assert launch._proc_stat(pid) is None
     finally:
         os.killpg(root.pid, signal.SIGTERM)
         root.wait(timeout=10)
@@ -435,10 +435,10 @@ def test_descendants_and_signal_only_the_noted_process():
 def test_write_connection(tmp_path):
     import tomllib
 
-    cli.write_connection(tmp_path, "127.0.0.1:4567")
+    launch.write_connection(tmp_path, "127.0.0.1:4567")
     doc = tomllib.loads((tmp_path / "config.toml").read_text())
-    assert doc["superlink"]["default"] == cli.CONNECTION
-    assert doc["superlink"][cli.CONNECTION] == {"address": "127.0.0.1:4567", "insecure": True}
+    assert doc["superlink"]["default"] == launch.CONNECTION
+    assert doc["superlink"][launch.CONNECTION] == {"address": "127.0.0.1:4567", "insecure": True}
 
 
 def test_resume_judges_an_earlier_run_by_its_config_under_todays_rules(tiny_config, tmp_path):
@@ -605,15 +605,15 @@ def test_the_exit_code_table_row_by_row(tiny_config, tmp_path, monkeypatch, caps
         return run_cli("run", str(tiny_config()), "--engine", engine, "--output-dir", str(tmp_path / "o"), *extra)
 
     def crashed() -> int:  # under flwr run: a status other than completed, and no summary.json verdict
-        monkeypatch.setattr(cli, "start_run", lambda *a, **k: "7")
-        monkeypatch.setattr(cli, "follow_run", lambda *a, **k: ("finished:failed", ["ERROR: boom"]))
+        monkeypatch.setattr(launch, "start_run", lambda *a, **k: "7")
+        monkeypatch.setattr(launch, "follow_run", lambda *a, **k: ("finished:failed", ["ERROR: boom"]))
         return cli_run("flower", "--superlink", "127.0.0.1:1")
 
     def interrupted() -> int:
         def stop(*a, **k):
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(cli, "run_in_process", stop)
+        monkeypatch.setattr(launch, "run_in_process", stop)
         return cli_run()
 
     last_round_few = [

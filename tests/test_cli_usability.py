@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 
 from fedapps.config import ConfigError, load_config
-from fedapps_tools import attacks, cli, deploy
+from fedapps_tools import cli
+from fedapps_tools import run as run_command
 from fedapps_tools.logfilter import FLOWER_NOISE, LogFilter, is_flower_noise, parse_line
 from fedapps_tools.options import (
     RST_MARKUP,
@@ -37,14 +38,8 @@ SUB_COMMANDS = {"run", "compare", "tune", "report", "tables", "attacks", "privac
 
 
 def all_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
-    """Every parser a user can reach: fedapps and its sub-commands, fedapps deploy and its steps, fedapps attacks,
-    and fedapps tables' when its module builds it in a function."""
-    from fedapps_tools import tables
-
-    roots = [cli.build_parser(), deploy.build_parser(), attacks.build_parser()]
-    if hasattr(tables, "build_parser"):
-        roots.append(tables.build_parser())
-    return [pair for root in roots for pair in parsers_of(root)]
+    """Every parser a user can reach: fedapps and every sub-command under it (deploy's steps included)."""
+    return list(parsers_of(cli.build_parser()))
 
 
 def sub_commands(parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -117,11 +112,7 @@ def test_every_positional_and_seeds_option_has_help():
 
 
 def test_help_is_plain_text():
-    texts = [
-        (where, text)
-        for _, root in [("", cli.build_parser()), ("", deploy.build_parser()), ("", attacks.build_parser())]
-        for where, text in help_texts(root)
-    ]
+    texts = list(help_texts(cli.build_parser()))
     assert len(texts) > 60  # every parser's texts were reached
     for where, text in texts:
         assert not RST_MARKUP.search(text), f"{where}: reStructuredText markup in help: {text!r}"
@@ -133,7 +124,6 @@ def test_help_is_plain_text():
 def test_building_the_parsers_starts_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli.build_parser()
-    deploy.build_parser()
     assert list(tmp_path.iterdir()) == []
 
 
@@ -179,7 +169,7 @@ def test_one_seed_option_everywhere():
 
 def test_run_takes_one_seed_and_points_to_compare_for_more(tiny_config, capsys):
     args = cli.build_parser().parse_args(["run", "cfg.yaml", "--seeds", "3", "--set", "rounds=1"])
-    assert cli.run_overrides(args) == ["rounds=1", "seed=3"]
+    assert run_command.run_overrides(args) == ["rounds=1", "seed=3"]
     assert cli.main(["run", str(tiny_config()), "--seeds", "0,1", "--engine", "inprocess"]) == 2
     err = capsys.readouterr().err
     assert "fedapps compare" in err and "--seeds 0,1" in err
