@@ -49,7 +49,6 @@ from fedapps.flower import MessageGrid
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
 from fedapps_tools.options import add_out_option, add_seeds_option, add_set_option
-from strategies.cwfedavg import l1_error, normalise_rows, row_norm_distribution
 
 log = logging.getLogger("fedapps")
 
@@ -95,6 +94,8 @@ def bias_update_distribution(
     (η/B)·E·N·(p_j − s̄_j), s̄ the model's softmax averaged over those steps (``mean_softmax``; None: uniform, what an
     uninformed model predicts). The label-count identity of gradient-based label recovery (iDLG for one sample;
     RLU, Chen & Vikalo 2024, for local updates, which models s̄ instead of assuming it)."""
+    from strategies.cwfedavg import normalise_rows  # local: the strategies load only when attacked
+
     delta = np.asarray(bias_returned, np.float64) - np.asarray(bias_sent, np.float64)
     k = delta.shape[-1]
     prior = np.full(k, 1.0 / k) if mean_softmax is None else np.asarray(mean_softmax, np.float64)
@@ -128,6 +129,8 @@ def dummy_mean_softmax(
 def prediction_histogram(predictions: np.ndarray, num_classes: int) -> np.ndarray:
     """The share of U's rows a client's predictions assign to each class: the argmax of soft predictions (probabilities
     or logits), or hard labels as sent (the abstain marker, ``num_classes``, counts for no class)."""
+    from strategies.cwfedavg import normalise_rows  # local: the strategies load only when attacked
+
     values = np.asarray(predictions)
     labels = values.astype(np.int64) if np.issubdtype(values.dtype, np.integer) else values.argmax(axis=-1)
     labels = labels[(labels >= 0) & (labels < num_classes)]
@@ -255,6 +258,8 @@ def label_estimates(
     """Every label-distribution estimate one reply allows: from its classifier (``head``: the module name) when it
     returned model arrays, from its predictions on U when it sent those. ``mean_softmax(sent, returned)`` gives the
     bias-update estimate its s̄ (e.g. :func:`dummy_mean_softmax`); None: uniform."""
+    from strategies.cwfedavg import row_norm_distribution  # local: the strategies load only when attacked
+
     out: dict[str, np.ndarray] = {}
     arrays, sent = reply.arrays or {}, sent_arrays(msg)
     weight, bias = f"{head}.weight", f"{head}.bias"
@@ -276,6 +281,8 @@ def label_inference(
 ) -> dict[tuple[str, int], dict[int, float]]:
     """(estimator, round) -> {client: L1(p̂, p)} over every usable round reply (``mean_softmax``: see
     :func:`label_estimates`); ``UNIFORM_GUESS`` too (the same clients, p̂ uniform)."""
+    from strategies.cwfedavg import l1_error  # local: the strategies load only when attacked
+
     out: dict[tuple[str, int], dict[int, float]] = {}
     k = true_p.shape[1]
     for rnd, msg, reply in capture.received():
@@ -449,6 +456,7 @@ def measure(arm: Arm, rounds: int, seed: int, work: Path, extra: Sequence[str] =
     """Run one arm and attack what its clients sent."""
     from fedapps.data import get_federation
     from fedapps.models import build_model, classifier_name
+    from strategies.cwfedavg import normalise_rows  # local: the strategies load only when attacked
 
     setting = SETTING_OF[arm.strategy]
     config = ROOT / setting

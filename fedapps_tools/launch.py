@@ -24,7 +24,7 @@ from pathlib import Path
 from fedapps.config import ConfigError, ExperimentConfig, load_config
 from fedapps.importpath import shadowed_modules
 from fedapps.reporting.results import EXIT_FAILED, summary_exit_status
-from fedapps_tools import raycluster
+from fedapps_tools import raycluster, runnames
 from fedapps_tools.flwrcli import (
     CONNECTION,
     RunFailed,
@@ -415,6 +415,28 @@ def resolved_config(cfg: ExperimentConfig) -> ExperimentConfig:
     return resolve(cfg).config(cfg)
 
 
+def new_run_folder(
+    cfg: ExperimentConfig, config_path: Path, overrides: list[str], out: Path, overwrite: bool
+) -> tuple[ExperimentConfig, list[str]]:
+    """A new run's folder: the config's ``run_name``, else one derived from the resolved config (see
+    :mod:`fedapps_tools.runnames`), handed to the run as ``run_name=...`` so that both engines write there. The
+    folder must be unused; ``overwrite`` removes an earlier run's folder first. Returns the config and overrides
+    the run starts with."""
+    from fedapps import checkpoint
+
+    if not cfg.run_name:
+        overrides = [*overrides, f"run_name={runnames.derived_name(resolved_config(cfg))}"]
+        cfg = load_config(config_path, overrides)
+    folder = out / cfg.resolved_run_name()
+    if overwrite and runnames.replace_run(folder):
+        print(f"--overwrite: removed the earlier run in {folder}", flush=True)
+    try:
+        checkpoint.check_fresh(folder)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}; or replace it on purpose: add --overwrite") from None
+    return cfg, overrides
+
+
 def execute(config: str, overrides: list[str], output_dir: str | None, args: argparse.Namespace) -> Path:
     """Validate, run (flwr or in-process) and return the results folder.
 
@@ -447,10 +469,8 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
 
                 saved = checkpoint.load_checkpoint(args.resume)  # refuse here, before flwr run starts
                 checkpoint.check_same_config(saved["config"], dump_yaml(resolved_config(cfg)), args.resume)
-            else:  # a new run: its folder must not hold an earlier run's files
-                from fedapps import checkpoint
-
-                checkpoint.check_fresh(out / resolved_config(cfg).resolved_run_name())
+            else:  # a new run: a folder of its own, which must not hold an earlier run's files
+                cfg, overrides = new_run_folder(cfg, config_path, overrides, out, getattr(args, "overwrite", False))
             if not ray_address:
                 check_gpu_request(args)
         except BaseException:

@@ -40,7 +40,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--resume",
         default=None,
         metavar="RUN_DIR",
-        help="continue the run in RUN_DIR (<output-dir>/<run-name>) after its last checkpointed round",
+        help="continue the run in RUN_DIR (<output-dir>/<run folder>, printed when it started) after its last "
+        "checkpointed round",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run folder of the same config if an earlier run left one (default: refuse, naming it)",
     )
     add_seeds_option(
         p,
@@ -68,6 +74,8 @@ def run_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.overwrite and args.resume:
+        raise ConfigError("--overwrite starts a run afresh and --resume continues one; pass one of the two")
     launch.start_logging(args)
     print_summary(launch.execute(args.config, run_overrides(args), args.output_dir, args))
     return 0

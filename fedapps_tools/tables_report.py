@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fedapps.reporting.results import read_csv
+from fedapps_tools.compare import SETTING_COLUMNS
 from fedapps_tools.tables_run import REPO, Tables, config_changed, read_provenance
 from fedapps_tools.tables_spec import (
     MAX_GRID_POINTS,
@@ -209,7 +210,11 @@ def setting_section(
             f"{float(r['bytes_down_per_client_round']) / MIB:.3f} | "
             f"{number(r['wall_seconds'], 0)} | {', '.join(f'{k}={v}' for k, v in chosen.items()) or '(no grid)'} |"
         )
-        measured = {k: v for k, v in r.items() if k not in ("setting", "method") and not k.startswith("chosen:")}
+        measured = {  # the setting columns of comparison.csv aside: a table's setting is its section
+            k: v
+            for k, v in r.items()
+            if k not in ("setting", "method", *SETTING_COLUMNS) and not k.startswith("chosen:")
+        }
         csv_rows.append(
             {
                 "setting": setting,

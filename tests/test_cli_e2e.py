@@ -98,5 +98,6 @@ def test_summary_shows_fedavg_beside_personalised_run(tiny_config, tmp_path, cap
         == 0
     )
     capsys.readouterr()
-    assert cli.main(["report", f"{out}/cwfedavg-digits-pathological-s0"]) == 0
-    assert "FedAvg on the same setting (fedavg-digits-pathological-s0)" in capsys.readouterr().out
+    (run,) = [d for d in Path(out).iterdir() if d.name.startswith("cwfedavg-digits-pathological-s0-")]
+    assert cli.main(["report", str(run)]) == 0
+    assert "FedAvg on the same setting (fedavg-digits-pathological-s0-" in capsys.readouterr().out
