@@ -230,3 +230,20 @@ def test_compare_refuses_mixed_settings_unless_allowed_and_shows_each_rows_setti
     with open(tmp_path / "comparison" / "comparison.csv") as f:
         header = f.readline().strip().split(",")
     assert header[:7] == ["config", "strategy", "data_source", "partition", "clients", "rounds", "model"]
+
+
+def test_the_cli_reference_is_generated_from_the_parsers_themselves(monkeypatch):
+    """docgen reads the parser tree the command parses with: an option a command adds is on the page at once."""
+    from fedapps_tools import docgen
+
+    real = report.add_parser
+
+    def with_one_more(subparsers):
+        parser = real(subparsers)
+        parser.add_argument("--shiny", action="store_true", help="an option added a moment ago")
+        return parser
+
+    monkeypatch.setattr(report, "add_parser", with_one_more)
+    page = docgen.cli_page()
+    assert "| `--shiny` |" in page and "an option added a moment ago" in page
+    assert "usage: fedapps report [-h] [--html] [--out DIR] [--shiny] RESULT_DIR" in page

@@ -151,7 +151,7 @@ def tuned(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(federation, "load_source", guarded_source)
-        mp.setattr(cli, "execute", counting_execute)
+        mp.setattr(launch, "execute", counting_execute)
         clear_federation_cache()
         # the guard bites: building the test split now fails
         with pytest.raises(AssertionError, match="test-split samples were read"):
