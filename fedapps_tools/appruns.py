@@ -1,7 +1,7 @@
 """Run any Flower app folder through `flwr run` (Ray simulation) on a SuperLink of its own, offline, to its final
 status: the drop-in strategies' examples and tests (examples/, tests/apps/) and scripts/dropin_pathological.py.
 
-The SuperLink is :class:`fedapps_tools.cli.OwnSuperLink` (free port, its own FLWR_HOME, every process it starts
+The SuperLink is :class:`fedapps_tools.launch.OwnSuperLink` (free port, its own FLWR_HOME, every process it starts
 stopped with it); the environment is this process's, with the offline settings (:func:`fedapps_tools.flwrcli.
 flower_env`), so a ``PYTHONPATH`` set here reaches the ServerApp and the ClientApps.
 """
@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedapps_tools.cli import OwnSuperLink, write_connection
+from fedapps_tools.launch import OwnSuperLink, write_connection
 from fedapps_tools.flwrcli import CONNECTION, RunFailed, flower_env, flwr_json, run_status
 
 

@@ -48,7 +48,7 @@ from fedapps.config import ConfigError, ExperimentConfig, load_config
 from fedapps.flower import MessageGrid
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from strategies.cwfedavg import l1_error, normalise_rows, row_norm_distribution
+from fedapps_tools.options import add_out_option, add_seeds_option, add_set_option
 
 log = logging.getLogger("fedapps")
 
@@ -94,6 +94,8 @@ def bias_update_distribution(
     (η/B)·E·N·(p_j − s̄_j), s̄ the model's softmax averaged over those steps (``mean_softmax``; None: uniform, what an
     uninformed model predicts). The label-count identity of gradient-based label recovery (iDLG for one sample;
     RLU, Chen & Vikalo 2024, for local updates, which models s̄ instead of assuming it)."""
+    from strategies.cwfedavg import normalise_rows  # local: the strategies load only when attacked
+
     delta = np.asarray(bias_returned, np.float64) - np.asarray(bias_sent, np.float64)
     k = delta.shape[-1]
     prior = np.full(k, 1.0 / k) if mean_softmax is None else np.asarray(mean_softmax, np.float64)
@@ -127,6 +129,8 @@ def dummy_mean_softmax(
 def prediction_histogram(predictions: np.ndarray, num_classes: int) -> np.ndarray:
     """The share of U's rows a client's predictions assign to each class: the argmax of soft predictions (probabilities
     or logits), or hard labels as sent (the abstain marker, ``num_classes``, counts for no class)."""
+    from strategies.cwfedavg import normalise_rows  # local: the strategies load only when attacked
+
     values = np.asarray(predictions)
     labels = values.astype(np.int64) if np.issubdtype(values.dtype, np.integer) else values.argmax(axis=-1)
     labels = labels[(labels >= 0) & (labels < num_classes)]
@@ -254,6 +258,8 @@ def label_estimates(
     """Every label-distribution estimate one reply allows: from its classifier (``head``: the module name) when it
     returned model arrays, from its predictions on U when it sent those. ``mean_softmax(sent, returned)`` gives the
     bias-update estimate its s̄ (e.g. :func:`dummy_mean_softmax`); None: uniform."""
+    from strategies.cwfedavg import row_norm_distribution  # local: the strategies load only when attacked
+
     out: dict[str, np.ndarray] = {}
     arrays, sent = reply.arrays or {}, sent_arrays(msg)
     weight, bias = f"{head}.weight", f"{head}.bias"
@@ -275,6 +281,8 @@ def label_inference(
 ) -> dict[tuple[str, int], dict[int, float]]:
     """(estimator, round) -> {client: L1(p̂, p)} over every usable round reply (``mean_softmax``: see
     :func:`label_estimates`); ``UNIFORM_GUESS`` too (the same clients, p̂ uniform)."""
+    from strategies.cwfedavg import l1_error  # local: the strategies load only when attacked
+
     out: dict[tuple[str, int], dict[int, float]] = {}
     k = true_p.shape[1]
     for rnd, msg, reply in capture.received():
@@ -448,6 +456,7 @@ def measure(arm: Arm, rounds: int, seed: int, work: Path, extra: Sequence[str] =
     """Run one arm and attack what its clients sent."""
     from fedapps.data import get_federation
     from fedapps.models import build_model, classifier_name
+    from strategies.cwfedavg import normalise_rows  # local: the strategies load only when attacked
 
     setting = SETTING_OF[arm.strategy]
     config = ROOT / setting
@@ -580,10 +589,26 @@ def table_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """`fedapps attacks`'s options (builds the parser only)."""
-    p = argparse.ArgumentParser(
-        prog="fedapps attacks",
+BEGIN, END = "<!-- begin: fedapps attacks -->", "<!-- end: fedapps attacks -->"
+DEFAULT_CSV = "privacy-attacks.csv"  # the rows' file in --out DIR
+
+
+class DeprecatedSeed(argparse.Action):
+    """``--seed N`` (before --seeds): still read, with a deprecation message."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None):
+        print(
+            "attacks: --seed is deprecated; write --seeds N (the same option as in every other command)",
+            file=sys.stderr,
+        )
+        namespace.seeds = [int(values)]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "attacks",
+        help="what the server can infer: run strategies × privacy modes in-process on mnist5k, capture what leaves "
+        "each client, measure label-distribution and membership inference",
         description="What the server can infer: run strategies × privacy modes in-process on mnist5k, capture what "
         "leaves each client, and measure label-distribution inference (L1) and membership inference (AUC).",
     )
@@ -596,21 +621,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help=f"strategies to attack (default: all: {', '.join(names)})",
     )
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="privacy modes (default: all)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of every run (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="the runs' seed (default 0)")
     p.add_argument(
-        "--set",
-        dest="extra",
+        "--modes",
         nargs="+",
-        action="extend",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config overrides for every run (e.g. privacy.noise_multiplier=2)",
+        default=list(MODES),
+        choices=MODES,
+        help=f"privacy modes (default: all: {' '.join(MODES)})",
     )
-    p.add_argument("--work", default=None, help="where the runs' folders go (default: a temporary folder)")
+    p.add_argument("--rounds", type=int, default=3, metavar="N", help="rounds of every run (default 3)")
+    add_seeds_option(p, [0], "the runs' seed (one: each arm is measured on one run)")
+    p.add_argument("--seed", type=int, action=DeprecatedSeed, help=argparse.SUPPRESS)
+    add_set_option(p, "every run's config (e.g. privacy.noise_multiplier=2)")
     p.add_argument(
-        "--out", default=None, metavar="CSV", help="write the rows here (e.g. docs/results/privacy-attacks.csv)"
+        "--work", default=None, metavar="DIR", help="where the runs' folders go (default: a temporary folder)"
+    )
+    add_out_option(
+        p,
+        f"the rows are written into, as {DEFAULT_CSV} (e.g. docs/results; default: the table is printed only)",
     )
     p.add_argument(
         "--update",
@@ -621,7 +648,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--doc",
         default=None,
         metavar="PAGE",
-        help=f"write the table into PAGE between the lines '{BEGIN}' and '{END}' (e.g. docs/privacy.md)",
+        help=f"write the table into PAGE between the lines '{BEGIN}' and '{END}' (e.g. docs/privacy.md; "
+        "default: the table is printed only)",
     )
     p.add_argument(
         "--from-csv",
@@ -632,7 +660,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-BEGIN, END = "<!-- begin: fedapps attacks -->", "<!-- end: fedapps attacks -->"
+def csv_path(out: str | None) -> Path | None:
+    """``--out DIR`` -> DIR/privacy-attacks.csv. A name ending in .csv (the option named the file before) is still
+    taken as the file, with a deprecation message."""
+    if not out:
+        return None
+    if out.endswith(".csv"):
+        print(
+            f"attacks: --out {out}: --out names a folder now ({DEFAULT_CSV} is written into it); a file name is "
+            "deprecated and still honoured this time",
+            file=sys.stderr,
+        )
+        return Path(out)
+    return Path(out) / DEFAULT_CSV
 
 
 def provenance_line(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -651,35 +691,58 @@ def write_between_markers(page: Path, lines: Sequence[str]) -> None:
     page.write_text(head + BEGIN + "\n" + "\n".join(lines) + "\n" + END + tail)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from fedapps.reporting.results import write_csv
-    from fedapps_tools.tables import provenance, read_rows
+def command_line(args: argparse.Namespace) -> str:
+    """The command that makes the rows (recorded in each): every option not at its default."""
+    parts = ["fedapps attacks"]
+    names = sorted({a.strategy for a in ARMS})
+    if args.strategies != names:
+        parts += ["--strategies", *args.strategies]
+    if args.modes != list(MODES):
+        parts += ["--modes", *args.modes]
+    if args.rounds != 3:
+        parts += ["--rounds", str(args.rounds)]
+    if args.seeds != [0]:
+        parts += ["--seeds", ",".join(map(str, args.seeds))]
+    if args.overrides:
+        parts += ["--set", *args.overrides]
+    for flag, value in (("--out", args.out), ("--doc", args.doc)):
+        if value:
+            parts += [flag, value]
+    if args.update:
+        parts.append("--update")
+    return shlex.join(parts[:1]) + (" " + shlex.join(parts[1:]) if parts[1:] else "")
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+
+def run(args: argparse.Namespace) -> int:
+    from fedapps.reporting.results import write_csv
+    from fedapps_tools.tables_run import provenance
+    from fedapps_tools.tables_spec import read_rows
+
     rows: list[dict[str, Any]] = []
     if args.from_csv:
         rows = [dict(r) for r in read_rows(Path(args.from_csv))]
     else:
-        stamp = {"command": "fedapps attacks " + shlex.join(argv), **provenance()}
+        if len(args.seeds) != 1:
+            raise ConfigError(
+                f"attacks measures each arm on one run, but --seeds names {len(args.seeds)} seeds; pass one "
+                f"(--seeds {args.seeds[0]})"
+            )
+        stamp = {"command": command_line(args), **provenance()}
         arms = [a for a in ARMS if a.strategy in args.strategies and a.mode in args.modes]
-        out = Path(args.out) if args.out else None
+        out = csv_path(args.out)
         if args.update and out is not None and out.is_file():  # the rows of the arms not run now stay
             rows = [dict(r) for r in read_rows(out) if arm_key(r) not in {a.key for a in arms}]
         with tempfile.TemporaryDirectory(prefix="fedapps-attacks-") as tmp:
             work = Path(args.work or tmp)
             for arm in arms:
-                got = measure(arm, args.rounds, args.seed, work, args.extra)
+                got = measure(arm, args.rounds, args.seeds[0], work, args.overrides)
                 log.info("attacks: %s, privacy %s: %s", arm.name, arm.mode, got.refused or f"{got.seconds:.0f} s")
                 rows = in_arm_order([*rows, *rows_of(got, stamp)])
                 if out is not None:  # written as it goes: a long table survives an interruption
+                    out.parent.mkdir(parents=True, exist_ok=True)
                     write_csv(out, rows)
     lines = [*table_lines(rows), "", provenance_line(rows)]
     print("\n".join(lines))
     if args.doc:
         write_between_markers(Path(args.doc), lines)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 from fedapps.config import ConfigError, ExperimentConfig, config_hash, load_config
 from fedapps.reporting import plots
 from fedapps.reporting.results import read_csv, write_csv
-from fedapps_tools.options import parse_seeds, resolve_root
+from fedapps_tools.options import add_run_options, add_seeds_option, parse_seeds, resolve_root
 from fedapps_tools.progressbar import RunProgress
 
 log = logging.getLogger("fedapps")
@@ -36,6 +35,8 @@ def mean_sem(values: Sequence[float]) -> tuple[float, float]:
     m = float(vals.mean())
     if vals.size < 2:
         return m, 0.0
+    from scipy import stats  # local: scipy.stats takes seconds to import, and only a table needs it
+
     return m, float(stats.sem(vals))
 
 
@@ -56,6 +57,67 @@ def setting_label(cfg: ExperimentConfig) -> str:
         "label-swap": f" {d.groups} groups",
     }.get(d.partition, "")
     return f"{d.source} {d.partition}{detail}, {d.num_clients} clients"
+
+
+SETTING_COLUMNS = ("data_source", "partition", "clients", "rounds", "model")  # comparison.csv: each row's setting
+
+
+def setting_columns(cfg: ExperimentConfig) -> dict[str, Any]:
+    """A row's setting as comparison.csv records it: data source, partition (with its parameter), clients,
+    rounds, model."""
+    d, m = cfg.data, cfg.model
+    return {
+        "data_source": d.source,
+        "partition": setting_label(cfg).removeprefix(f"{d.source} ").rsplit(",", 1)[0],
+        "clients": d.num_clients,
+        "rounds": cfg.rounds,
+        "model": "+".join(m.per_client) if m.per_client else m.name,
+    }
+
+
+def setting_text(row: dict[str, Any]) -> str:
+    """The setting columns of a row in a few words (comparison.md), '' for a row made before they were recorded."""
+    if "data_source" not in row:
+        return ""
+    return f"{row['data_source']} {row['partition']}, {row['clients']} clients, {row['rounds']} rounds, {row['model']}"
+
+
+def setting_differences(configs: Sequence[ExperimentConfig], labels: Sequence[str]) -> list[str]:
+    """The keys outside the strategy and its parameters (client training aside: a method's tuned
+    hyper-parameters) in which the configs differ: data (where the files are aside), model, rounds, privacy; each
+    as "key (label value, ...)"."""
+
+    def flat(cfg: ExperimentConfig) -> dict[str, Any]:
+        out: dict[str, Any] = {"rounds": cfg.rounds}
+        for section in ("data", "model", "privacy"):
+            for key, value in dataclasses.asdict(getattr(cfg, section)).items():
+                if (section, key) != ("data", "root"):
+                    out[f"{section}.{key}"] = value
+        return out
+
+    flats = [flat(c) for c in configs]
+    return [
+        f"{key} ({', '.join(f'{label} {f[key]!r}' for label, f in zip(labels, flats))})"
+        for key in flats[0]
+        if any(f[key] != flats[0][key] for f in flats[1:])
+    ]
+
+
+def check_same_setting(configs: Sequence[ExperimentConfig], labels: Sequence[str], allow_mixed: bool) -> None:
+    """ConfigError, before any run, when the configs differ in their setting: such a table compares settings as
+    much as strategies. ``allow_mixed``: tabulate them anyway (each row's setting is in the table)."""
+    differences = setting_differences(configs, labels)
+    if not differences or allow_mixed:
+        if differences:
+            log.warning("compare: the rows differ in their setting (--allow-mixed): %s", "; ".join(differences))
+        return
+    first = differences[0].split(" ", 1)[0]
+    raise ConfigError(
+        "compare: the configs differ in more than the strategy and its parameters: "
+        + "; ".join(differences)
+        + f"; a table of mixed settings compares settings, not strategies. Give every config the same setting "
+        f"(e.g. --set {first}=VALUE), or pass --allow-mixed to tabulate them anyway (each row's setting is shown)"
+    )
 
 
 def stored_hash(result_dir: Path) -> str | None:
@@ -186,11 +248,14 @@ SUMMARISED = (
 )
 
 
-def summarise_runs(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
+def summarise_runs(
+    label: str, summaries: list[dict[str, Any]], setting: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One table row: mean ± SEM over seeds of the final accuracies (mean over clients, sample-weighted, worst
     10 % of clients, std over clients; deployed and after local training), bytes and wall time. A value no run
     recorded (a run made before the fairness columns existed) is NaN."""
-    row: dict[str, Any] = {"config": label, "strategy": summaries[0]["strategy"], "seeds": len(summaries)}
+    row: dict[str, Any] = {"config": label, "strategy": summaries[0]["strategy"], **(setting or {})}
+    row["seeds"] = len(summaries)
     for key in SUMMARISED:
         vals = [s[key] for s in summaries if isinstance(s.get(key), (int, float))]
         m, e = mean_sem(vals)
@@ -219,16 +284,16 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         ),
         "",
         (
-            "| config | strategy | seeds | accuracy (mean over clients) | accuracy (sample-weighted) | "
+            "| config | strategy | setting | seeds | accuracy (mean over clients) | accuracy (sample-weighted) | "
             "worst 10 % of clients | std over clients | "
             "after local training (mean) | up MiB/client/round | down MiB/client/round | wall s |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     mib = 1024 * 1024
     for r in rows:
         lines.append(
-            f"| {r['config']} | {r['strategy']} | {r['seeds']} | "
+            f"| {r['config']} | {r['strategy']} | {setting_text(r)} | {r['seeds']} | "
             f"{r['accuracy_mean']:.4f} ± {r['accuracy_mean_sem']:.4f} | "
             f"{r['accuracy_weighted']:.4f} ± {r['accuracy_weighted_sem']:.4f} | "
             f"{_pm(r, 'accuracy_worst10')} | {_pm(r, 'accuracy_std')} | "
@@ -333,6 +398,7 @@ def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
         report_ignored(checked, list(args.overrides))
         get_federation(dataclasses.asdict(checked.data))  # a DataError (a ConfigError) here: exit 2
         checked_configs.append(checked)
+    check_same_setting(checked_configs, labels, getattr(args, "allow_mixed", False))
     folder = comparison_root(args.output_dir, checked_configs, args.name) / args.name
     runs_dir = folder / "runs"
     rows, lines = [], []
@@ -350,7 +416,7 @@ def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
             progress.finish(worked=not skip)
             summaries.append(json.loads((result_dir / "summary.json").read_text()))
             label_curves.append(read_csv(result_dir / "rounds.csv"))
-        rows.append(summarise_runs(label, summaries))
+        rows.append(summarise_runs(label, summaries, setting_columns(cfg)))
         lines.append(
             Line(str(summaries[0].get("strategy", cfg.strategy.name)), setting_label(cfg), label, label_curves)
         )
@@ -362,3 +428,38 @@ def compare(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
     plot_curves(lines, folder / "comparison.png")
     print("\n" + table + f"\nwritten: {folder}/comparison.csv, comparison.md, comparison.png")
     return folder
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "compare",
+        help="run configs × seeds, then tabulate mean ± SEM",
+        description="Run every config at every seed (runs already complete with the same config are "
+        "skipped), then write comparison.csv, comparison.md and comparison.png.",
+    )
+    p.add_argument(
+        "configs",
+        nargs="+",
+        metavar="CONFIG",
+        help="YAML files, one row of the table each (e.g. configs/fedavg.yaml configs/local.yaml)",
+    )
+    add_seeds_option(p, [0, 1, 2], "the seeds every config runs at")
+    p.add_argument(
+        "--name", default="comparison", help="the comparison's folder under --output-dir (default: comparison)"
+    )
+    p.add_argument(
+        "--allow-mixed",
+        action="store_true",
+        help="tabulate configs that differ in more than the strategy and its parameters (data, model, rounds, "
+        "privacy); default: refuse before any run, naming the keys",
+    )
+    add_run_options(p, "DIR/<name>/: the table, the plot and the runs (runs/)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from fedapps_tools import launch
+
+    launch.start_logging(args)
+    compare(args, launch.execute)
+    return 0

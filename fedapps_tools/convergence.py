@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--csv", default="", help="append one row per run to this CSV (with the command and commit)")
     ap.add_argument("--figure", default="", help="draw the runs' curves (and flattening rounds) into this PNG")
     args = ap.parse_args(argv)
-    from fedapps_tools.tables import provenance  # local: git is only asked when a CSV is written
+    from fedapps_tools.tables_run import provenance  # local: git is only asked when a CSV is written
 
     rows = []
     for run in args.runs:

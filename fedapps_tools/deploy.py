@@ -44,6 +44,7 @@ from fedapps_tools.flwrcli import (
     submit_run,
     toml_str,
 )
+from fedapps_tools.options import add_set_option
 
 CA_CERT, CA_KEY = "ca.crt", "ca.key"
 SERVER_CERT, SERVER_KEY = "server.pem", "server.key"
@@ -472,9 +473,11 @@ def run_on_link(
 # ----------------------------------------------------------------------------------- command line
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="fedapps deploy",
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "deploy",
+        help="across machines: certificates, node keys, SuperLink/SuperNodes with "
+        "TLS and authentication, runs on a named SuperLink, stop",
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n", 2)[2],
@@ -489,7 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
         "are written to (ca.crt, server.pem, server.key)",
     )
     c.add_argument("--host", action="append", default=[], required=True, help="an address SuperNodes and the CLI dial")
-    c.add_argument("--days", type=int, default=365, help="how long the certificates are valid (default 365)")
+    c.add_argument(
+        "--days", type=int, default=365, metavar="N", help="how long the certificates are valid (default 365)"
+    )
     k = sub.add_parser("node-key", help="a SuperNode key pair (OpenSSH ECDSA P-384)")
     k.add_argument("dir", type=Path, metavar="DIR", help="the folder the key pair is written to")
     k.add_argument("name", metavar="NAME", help="the key's file name: DIR/NAME (private) and DIR/NAME.pub")
@@ -501,50 +506,70 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("superlink", help="start a SuperLink in the background")
     s.add_argument("--state", type=Path, required=True, help="its folder: database, logs, pid files, relative results")
     s.add_argument("--host", required=True, help="the address to serve on (in the certificate's SAN)")
-    s.add_argument("--port", type=int, default=9092)
-    s.add_argument("--certs", type=Path, default=None, help="folder with ca.crt, server.pem, server.key")
+    s.add_argument("--port", type=int, default=9092, help="the Fleet API port SuperNodes dial (default 9092)")
+    s.add_argument(
+        "--certs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="folder with ca.crt, server.pem, server.key (of `certs`)",
+    )
     s.add_argument("--auth", action="store_true", help="SuperNode authentication (register node keys first)")
     s.add_argument("--insecure", action="store_true", help="plain text; loopback addresses only")
     n = sub.add_parser("supernode", help="start a SuperNode in the background")
-    n.add_argument("--state", type=Path, required=True)
+    n.add_argument("--state", type=Path, required=True, help="its folder: logs and pid files")
     n.add_argument("--name", required=True, help="a name for its log and pid file, e.g. node-3")
-    n.add_argument("--superlink", required=True, metavar="HOST:PORT")
+    n.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's Fleet API address")
     n.add_argument(
         "--node-config", default="", help="e.g. \"client-id=3 data-path='/data/site3.npz' state-dir='/var/fedapps'\""
     )
-    n.add_argument("--port", type=int, default=9094, help="its local Runtime API port (one per node on a machine)")
-    n.add_argument("--ca", type=Path, default=None)
+    n.add_argument(
+        "--port", type=int, default=9094, help="its local Runtime API port, one per node on a machine (default 9094)"
+    )
+    n.add_argument("--ca", type=Path, default=None, help="the CA certificate (ca.crt of `certs`); TLS needs it")
     n.add_argument("--key", type=Path, default=None, help="its private key (KEY.pub beside it) when --auth is on")
     n.add_argument("--insecure", action="store_true", help="plain text; a loopback SuperLink only")
     n.add_argument(
         "--check-seconds",
         type=float,
         default=20.0,
-        help="watch it until the SuperLink accepts it, at most this long (a refusal exits with status 2)",
+        help="watch it until the SuperLink accepts it, at most this long (a refusal exits with status 2; default 20)",
     )
     cn = sub.add_parser("connect", help="write the CLI's connection NAME into $FLWR_HOME/config.toml")
     cn.add_argument("name", metavar="NAME", help="the connection's name, used later as `run --link NAME`")
-    cn.add_argument("--address", required=True, metavar="HOST:PORT")
-    cn.add_argument("--ca", type=Path, default=None)
-    cn.add_argument("--insecure", action="store_true")
+    cn.add_argument("--address", required=True, metavar="HOST:PORT", help="the SuperLink's Control API address")
+    cn.add_argument("--ca", type=Path, default=None, help="the CA certificate (ca.crt of `certs`); TLS needs it")
+    cn.add_argument("--insecure", action="store_true", help="plain text; a loopback SuperLink only")
     r = sub.add_parser("register", help="register a SuperNode's public key (flwr supernode register)")
     r.add_argument("link", metavar="NAME", help="the connection (see `connect`) of the SuperLink to register with")
     r.add_argument("public_key", type=Path, metavar="KEY.pub", help="the SuperNode's public key (see `node-key`)")
     ru = sub.add_parser("run", help="run a config on a named SuperLink and fetch the results")
-    ru.add_argument("config", help="a YAML file inside the app folder (e.g. configs/cwfedavg.yaml)")
-    ru.add_argument("--link", required=True, help="connection name (see `connect`)")
-    ru.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
+    ru.add_argument("config", metavar="CONFIG", help="a YAML file inside the app folder (e.g. configs/cwfedavg.yaml)")
+    ru.add_argument("--link", required=True, metavar="NAME", help="connection name (see `connect`)")
+    add_set_option(ru, "the config's keys")
     ru.add_argument(
         "--remote-output-dir",
         default="results",
-        help="results root on the SuperLink's machine (relative: to the SuperLink's --state folder)",
+        metavar="DIR",
+        help="results root on the SuperLink's machine (relative: to the SuperLink's --state folder; default: results)",
     )
-    ru.add_argument("--fetch-to", type=Path, default=Path("results"), help="local folder the results are copied to")
-    ru.add_argument("--fetch-from", default=None, metavar="USER@LINKHOST", help="scp the results from this host")
-    ru.add_argument("--quiet", action="store_true")
+    ru.add_argument(
+        "--fetch-to",
+        type=Path,
+        default=Path("results"),
+        metavar="DIR",
+        help="local folder the results are copied to (default: results)",
+    )
+    ru.add_argument(
+        "--fetch-from",
+        default=None,
+        metavar="USER@LINKHOST",
+        help="scp the results from this host (default: the results folder is local: a shared or the same machine)",
+    )
+    ru.add_argument("--quiet", action="store_true", help="do not stream the run's log")
     st = sub.add_parser("stop", help="stop the processes started from a state folder")
-    st.add_argument("--state", type=Path, required=True)
-    st.add_argument("--only", default=None, help="one name (superlink, node-3, ...)")
+    st.add_argument("--state", type=Path, required=True, help="the --state folder they were started with")
+    st.add_argument("--only", default=None, metavar="NAME", help="one name (superlink, node-3, ...; default: all)")
     return p
 
 
@@ -582,8 +607,7 @@ def record_cap(directory: Path, client_id: int | None, max_num_examples: int | N
     return path
 
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     try:
         return dispatch(args)
     except (DeployError, ConfigError) as exc:

@@ -23,7 +23,7 @@ import importlib
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -217,12 +217,6 @@ def undocumented_params(strategies: dict[str, type[PersonalisedStrategy]]) -> li
 # --------------------------------------------------------------------------- command line
 
 
-class _Captured(Exception):
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        super().__init__(parser.prog)
-        self.parser = parser
-
-
 @contextlib.contextmanager
 def _plain_help() -> Iterator[None]:
     """argparse wraps at the terminal's width (and newer Pythons colour help where asked to): a fixed width and no
@@ -238,23 +232,6 @@ def _plain_help() -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def parser_of(entry: Callable[[list[str]], Any], argv: list[str]) -> argparse.ArgumentParser:
-    """The parser that ``entry(argv)`` parses its arguments with, caught as it starts parsing (nothing runs)."""
-    original = argparse.ArgumentParser.parse_known_args
-
-    def catch(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
-        raise _Captured(self)
-
-    argparse.ArgumentParser.parse_known_args = catch  # type: ignore[method-assign]
-    try:
-        entry(argv)
-    except _Captured as caught:
-        return caught.parser
-    finally:
-        argparse.ArgumentParser.parse_known_args = original  # type: ignore[method-assign]
-    raise RuntimeError(f"{entry.__module__}.{entry.__name__}({argv}) returned without parsing its arguments")
 
 
 def subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, str, argparse.ArgumentParser]]:
@@ -324,16 +301,12 @@ def command_section(parser: argparse.ArgumentParser, level: int) -> str:
 
 
 def cli_parsers() -> tuple[argparse.ArgumentParser, list[argparse.ArgumentParser]]:
-    """`fedapps`'s parser and each sub-command's: where a sub-command hands its arguments to a tool of its own
-    (``fedapps tables``, ``fedapps deploy``), that tool's parser, caught as `fedapps NAME --help` would build it."""
+    """`fedapps`'s parser and each sub-command's, read from the parser tree the command itself parses with (every
+    sub-command adds its own parser there: fedapps_tools/cli.py)."""
     from fedapps_tools import cli
 
     top = cli.build_parser()
-    out = []
-    for name, _, sub in subcommands(top):
-        caught = parser_of(cli.main, [name, "--help"])
-        out.append(sub if caught.prog == top.prog else caught)
-    return top, out
+    return top, [sub for _, _, sub in subcommands(top)]
 
 
 def cli_page() -> str:

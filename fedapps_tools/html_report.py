@@ -481,6 +481,6 @@ def write_report(folder: str | Path, out: str | Path | None = None) -> Path:
         path.write_text(page, encoding="utf-8")
     except OSError as exc:
         raise ReportError(
-            f"cannot write the report to '{path}' ({exc.strerror or exc}); pass --out FILE in a folder you can write"
+            f"cannot write the report to '{path}' ({exc.strerror or exc}); pass --out DIR, a folder you can write"
         ) from exc
     return path

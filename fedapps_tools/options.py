@@ -78,6 +78,27 @@ def add_seeds_option(
     )
 
 
+def add_set_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--set KEY=VALUE ...``: dotted config overrides (repeatable), the same option wherever a config is run;
+    ``what``: whose keys they override. The namespace gets ``overrides``, a list of strings."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"dotted overrides of {what}, e.g. --set rounds=5 client.lr=0.01 (repeatable; default: none)",
+    )
+
+
+def add_out_option(parser: argparse.ArgumentParser, what: str, default: str | None = None) -> None:
+    """``--out DIR``: the folder a command writes its product into, the same meaning in every command; ``what``:
+    what it writes there and, without ``default``, where it writes without the option."""
+    shown = f" (default: {default})" if default else ""
+    parser.add_argument("--out", default=default, metavar="DIR", help=f"the folder {what}{shown}")
+
+
 def output_dir_help(what: str) -> str:
     """The help of ``--output-dir`` in run, compare and tune: the same results root everywhere, and what the
     sub-command writes under it."""
@@ -142,3 +163,63 @@ def help_texts(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str]]:
                     yield f"{path} {choice.dest}", choice.help or ""
             elif action.help and action.help != argparse.SUPPRESS:
                 yield f"{path} {'/'.join(action.option_strings) or action.dest}", action.help
+
+
+def add_run_options(p: argparse.ArgumentParser, writes: str) -> None:
+    """Options shared by run, compare and tune; ``writes``: what the sub-command writes under --output-dir."""
+    add_set_option(p, "the config's keys")
+    p.add_argument("--output-dir", default=None, metavar="DIR", help=output_dir_help(writes))
+    p.add_argument(
+        "--engine",
+        choices=("flower", "inprocess"),
+        default="flower",
+        help="flower: `flwr run` on the Ray simulation engine (default); inprocess: same code, no Ray",
+    )
+    p.add_argument(
+        "--supernodes", type=int, default=0, metavar="N", help="simulated SuperNodes (default: data.num_clients)"
+    )
+    p.add_argument(
+        "--cpus-per-client",
+        type=float,
+        default=1,
+        metavar="CPUS",
+        help="CPUs Ray reserves per client, Flower's client-resources-num-cpus (default 1)",
+    )
+    p.add_argument(
+        "--gpus-per-client",
+        type=float,
+        default=0,
+        metavar="GPUS",
+        help="GPUs (or a share of one, e.g. 0.25) Ray reserves per client, Flower's "
+        "client-resources-num-gpus (default 0)",
+    )
+    p.add_argument(
+        "--federation-config",
+        default="",
+        metavar="TEXT",
+        help="the raw --federation-config of flwr run (replaces the three options above)",
+    )
+    p.add_argument(
+        "--superlink",
+        default="",
+        metavar="ADDRESS",
+        help="join this running SuperLink (host:port, insecure) instead of starting one; nothing is stopped",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="run the simulation on this running Ray cluster (the head's GCS address; default: an exported "
+        "RAY_ADDRESS, else a Ray instance of the run's own; 'local' ignores RAY_ADDRESS). Run it on a "
+        "node of the cluster; --cpus/--gpus-per-client are per client actor on any node",
+    )
+    p.add_argument(
+        "--keep-superlink", action="store_true", help="leave the SuperLink this run started running afterwards"
+    )
+    p.add_argument(
+        "--keep-state",
+        action="store_true",
+        help="keep a finished run's resume state (checkpoint.pt, client-state/, server-state/); by default "
+        "a run that ends successfully removes it (an interrupted or failed run keeps it for --resume)",
+    )
+    p.add_argument("--quiet", action="store_true", help="do not stream the run's log")

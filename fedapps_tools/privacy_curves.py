@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import statistics
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,17 +35,11 @@ from typing import Any
 
 from fedapps.config import ConfigError
 from fedapps_tools.compare import mean_sem
-from fedapps_tools.tables import (
-    fedapps,
-    provenance,
-    read_provenance,
-    read_spec_mapping,
-    record_provenance,
-    with_overrides,
-    write_yaml,
-    yaml_scalar,
-)
+from fedapps_tools.options import add_out_option, add_seeds_option, add_set_option
+from fedapps_tools.tables_run import fedapps, provenance, read_provenance, record_provenance
+from fedapps_tools.tables_spec import read_spec_mapping, with_overrides, write_yaml, yaml_scalar
 
+DEFAULT_ROOT = "results/privacy-curves"  # --work and --out
 OFF = "off"  # the point label of a method's non-private run
 SUMMARY_KEYS = ("accuracy_mean", "accuracy_weighted", "accuracy_worst10")
 
@@ -67,6 +61,7 @@ class CurveSpec:
     noise_multipliers: list[float]
     methods: list[CurveMethod]
     notes: str
+    extra: tuple[str, ...] = ()  # the command line's --set: after each method's own keys, before the point's privacy
 
 
 def load_curve_spec(path: str | Path) -> CurveSpec:
@@ -131,9 +126,9 @@ def point_label(sigma: float | None) -> str:
 def point_overrides(spec: CurveSpec, m: CurveMethod, sigma: float | None) -> list[str]:
     """The dotted overrides of one point: the method's, then privacy off or the spec's privacy keys and σ."""
     if sigma is None:
-        return [*m.overrides, f"privacy.mode={yaml_scalar(OFF)}"]  # quoted: YAML reads a bare off as false
+        return [*m.overrides, *spec.extra, f"privacy.mode={yaml_scalar(OFF)}"]  # quoted: YAML reads a bare off as false
     keys = {**spec.privacy, "noise_multiplier": sigma}
-    return [*m.overrides, *(f"privacy.{k}={yaml_scalar(v)}" for k, v in keys.items())]
+    return [*m.overrides, *spec.extra, *(f"privacy.{k}={yaml_scalar(v)}" for k, v in keys.items())]
 
 
 def points(spec: CurveSpec) -> list[tuple[CurveMethod, float | None]]:
@@ -263,47 +258,78 @@ def report(spec: CurveSpec, work: Path, out: Path, command: str) -> Path | None:
     return out / f"{spec.name}.csv"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="fedapps privacy-curves",
-        description="accuracy against ε per method: runs every method without privacy and at each noise "
-        "multiplier of the spec, then writes <out>/<name>.csv and .png",
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "privacy-curves",
+        help="accuracy against ε from a spec (experiments/privacy-*.yaml): every method without privacy and at "
+        "each noise multiplier, over the seeds",
+        description="Accuracy against ε per method: runs every method without privacy and at each noise "
+        "multiplier of the spec, then writes <out>/<name>.csv and .png.",
     )
-    ap.add_argument("spec", help="the curves spec, e.g. experiments/privacy-sample.yaml")
-    ap.add_argument("--work", default="results/privacy-curves", help="where the runs go (resumable)")
-    ap.add_argument("--out", default="results/privacy-curves", help="where the CSV and the figure go")
-    ap.add_argument("--stages", default="run,report", help="any of run, report (comma-separated)")
-    ap.add_argument(
-        "--methods", default="", help="comma-separated subset of the spec's methods to run (the report covers them all)"
+    p.add_argument("spec", metavar="SPEC", help="the curves spec, e.g. experiments/privacy-sample.yaml")
+    p.add_argument(
+        "--work",
+        default=DEFAULT_ROOT,
+        metavar="DIR",
+        help="where the runs go, in DIR/<spec name>/ (resumable; default: results/privacy-curves)",
     )
-    ap.add_argument("--jobs", type=int, default=1, help="fedapps sub-processes at a time (one thread each)")
-    args = ap.parse_args(argv)
-    try:
-        spec = load_curve_spec(args.spec)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    add_out_option(p, "the CSV and the figure (<name>.csv, <name>.png) are written into", DEFAULT_ROOT)
+    p.add_argument(
+        "--stages",
+        default="run,report",
+        metavar="A,B",
+        help="comma-separated, any of run, report (default: run,report)",
+    )
+    p.add_argument(
+        "--methods",
+        default="",
+        metavar="A,B",
+        help="comma-separated subset of the spec's methods to run (default: all; the report covers them all)",
+    )
+    add_seeds_option(p, None, "the seeds of every point", default_text="the spec's seeds")
+    add_set_option(p, "every run's config (after the method's own keys; the point's privacy keys stay)")
+    p.add_argument(
+        "--jobs", type=int, default=1, metavar="N", help="fedapps sub-processes at a time, one thread each (default 1)"
+    )
+    return p
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that makes this report (recorded in the CSV): the spec and every option not at its default."""
+    parts = ["fedapps privacy-curves", args.spec]
+    for flag, value, default in (
+        ("--work", args.work, DEFAULT_ROOT),
+        ("--out", args.out, DEFAULT_ROOT),
+        ("--stages", args.stages, "run,report"),
+        ("--methods", args.methods, ""),
+    ):
+        if value != default:
+            parts += [flag, value]
+    if args.seeds:
+        parts += ["--seeds", ",".join(map(str, args.seeds))]
+    if args.overrides:
+        parts += ["--set", *args.overrides]
+    return " ".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = load_curve_spec(args.spec)
+    if args.seeds:
+        spec = dataclasses.replace(spec, seeds=list(args.seeds))
+    if args.overrides:
+        spec = dataclasses.replace(spec, extra=tuple(args.overrides))
     stages = {s.strip() for s in args.stages.split(",") if s.strip()}
     if not stages or stages - {"run", "report"}:
-        print(f"error: --stages {args.stages!r}: use run, report or both", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--stages {args.stages!r}: use run, report or both")
     chosen = [s for s in args.methods.split(",") if s]
     unknown = sorted(set(chosen) - {m.name for m in spec.methods})
     if unknown:
-        print(
-            f"error: --methods {unknown} not in the spec ({', '.join(m.name for m in spec.methods)})", file=sys.stderr
-        )
-        return 2
+        raise ConfigError(f"--methods {unknown} not in the spec ({', '.join(m.name for m in spec.methods)})")
     work = Path(args.work) / spec.name
     if "run" in stages:  # --methods narrows what runs; the report always covers the whole spec
         todo = [(m, s) for m, s in points(spec) if not chosen or m.name in chosen]
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             list(pool.map(lambda ms: run_point(spec, work, ms[0], ms[1], args.jobs), todo))
     if "report" in stages:
-        command = "fedapps privacy-curves " + " ".join(argv if argv is not None else sys.argv[1:])
-        report(spec, work, Path(args.out), command)
+        report(spec, work, Path(args.out), command_line(args))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

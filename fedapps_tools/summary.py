@@ -16,6 +16,7 @@ from typing import Any
 
 from fedapps.config import ConfigError, ExperimentConfig, load_config
 from fedapps.reporting.results import format_duration
+from fedapps_tools import runnames
 
 RULE = "-" * 78
 MARK = ">>"  # the headline's lines start with it
@@ -108,10 +109,22 @@ def summary_lines(s: dict[str, Any], result_dir: Path) -> list[str]:
     if isinstance(s.get("wall_seconds"), (int, float)):
         rows.append(("wall time", human_duration(s["wall_seconds"])))
     rows.append(("results", str(result_dir)))
+    rows += config_digest_row(result_dir)
     lines += [f"   {label:<13} {text}" for label, text in rows]
     lines += [f"   {'attention':<13} {text}" for text in attention(s)]
     lines.append(RULE)
     return lines
+
+
+def config_digest_row(result_dir: Path) -> list[tuple[str, str]]:
+    """The digest of the run's config, as its folder name carries it (`fedapps run` derives the name from it)."""
+    try:
+        cfg = load_config(result_dir / "config.yaml")
+    except (ConfigError, OSError):
+        return []
+    if not runnames.has_derived_name(cfg):
+        return []
+    return [("config", f"digest {runnames.digest(cfg)} (the folder's suffix: a run of another config gets another)")]
 
 
 def privacy_line(p: dict[str, Any]) -> str:
@@ -162,22 +175,30 @@ def print_summary(result_dir: Path) -> None:
 
 
 def fedavg_overrides(cfg: ExperimentConfig) -> list[str]:
-    """The overrides that turn ``cfg`` into FedAvg on the same setting (data, client training, rounds, seed) and
-    whose run lands beside it under the name :func:`fedavg_twin_name` looks for. Model-agnostic configs run one
-    architecture for every client (``model.name``): FedAvg averages one model."""
+    """The overrides that turn ``cfg`` (a run's resolved config) into FedAvg on the same setting (data, client
+    training, rounds, seed) and whose run lands beside it under the name :func:`fedavg_twin_name` looks for.
+    Model-agnostic configs run one architecture for every client (``model.name``): FedAvg averages one model. A run
+    named by the user gets a FedAvg twin named like it would be derived; a derived name is derived again."""
     items = ["strategy.name=fedavg"]
     if cfg.model.per_client:
         items.append("model.per_client=[]")
-    if cfg.run_name:
+    if cfg.run_name and not runnames.has_derived_name(cfg):
         items.append(f"run_name={fedavg_twin_name(cfg)}")
     return items
 
 
 def fedavg_twin_name(cfg: ExperimentConfig) -> str:
-    """The run name of FedAvg on ``cfg``'s setting (the name derived from strategy, data and seed)."""
-    return dataclasses.replace(
-        cfg, run_name="", strategy=dataclasses.replace(cfg.strategy, name="fedavg")
-    ).resolved_run_name()
+    """The run folder of FedAvg on ``cfg``'s setting: the name `fedapps run` derives for the FedAvg config that
+    :func:`fedavg_overrides` describes (strategy, data, seed and the digest of that resolved config)."""
+    from strategies import resolve  # local: the tools reach the strategies only when needed
+
+    target = dataclasses.replace(
+        cfg,
+        run_name="",
+        strategy=dataclasses.replace(cfg.strategy, name="fedavg"),
+        model=dataclasses.replace(cfg.model, per_client=[]) if cfg.model.per_client else cfg.model,
+    )
+    return runnames.derived_name(resolve(target).config(target))
 
 
 def fedavg_config(config_path: Path, overrides: list[str]) -> ExperimentConfig:
@@ -203,9 +224,9 @@ def fedavg_reference(result_dir: Path, summary: dict[str, Any]) -> str:
         cfg = load_config(config_path)
         hint = fedavg_overrides(cfg)
         target = fedavg_config(config_path, hint)
+        twin = result_dir.parent / fedavg_twin_name(cfg)
     except ConfigError as exc:
         return f"FedAvg's number on the same setting: no valid FedAvg config follows from this run's ({exc})"
-    twin = result_dir.parent / fedavg_twin_name(cfg)
     if (twin / "config.yaml").is_file() and (twin / "summary.json").is_file():
         try:
             other = load_config(twin / "config.yaml")
@@ -218,12 +239,13 @@ def fedavg_reference(result_dir: Path, summary: dict[str, Any]) -> str:
                 f"vs {summary.get('strategy')} {_acc(summary.get('accuracy_mean'))}"
             )
     args = " ".join(shlex.quote(item) for item in hint)
+    again = "--overwrite " if twin.exists() else ""  # an unfinished FedAvg run of this config is in the way
     why = (
         f" (FedAvg averages one model: every client then runs model.name '{cfg.model.name}')"
         if cfg.model.per_client
         else ""
     )
     return (
-        f"FedAvg's number on the same setting: add  --set {args}  to the command{why} "
-        f'(make run: ARGS="--set {" ".join(hint)}"); it is then shown here.'
+        f"FedAvg's number on the same setting: add  {again}--set {args}  to the command{why} "
+        f'(make run: ARGS="{again}--set {" ".join(hint)}"); it is then shown here.'
     )

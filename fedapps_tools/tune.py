@@ -40,7 +40,7 @@ from fedapps.config import (
 )
 from fedapps.reporting.results import write_csv
 from fedapps_tools.compare import make_run, mean_sem, plan_run
-from fedapps_tools.options import parse_seeds, resolve_root
+from fedapps_tools.options import add_run_options, add_seeds_option, parse_seeds, resolve_root
 from fedapps_tools.progressbar import RunProgress
 
 # docs/evaluation.md#equal-tuning-budget: the same number of grid points (at most 4) for every method
@@ -381,3 +381,50 @@ def tune(args: argparse.Namespace, execute: Callable[..., Path]) -> Path:
     (folder / "chosen.yaml").write_text(chosen_config_text(config_path, base, points[chosen], header))
     print("\n" + table + f"\nwritten: {folder}/tuning.csv, tuning.md, chosen.yaml")
     return folder
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "tune",
+        help="run a grid on the validation split and choose by validation accuracy",
+        description="Run every point of a grid on the validation split, choose the point with the "
+        "best validation accuracy and write it as chosen.yaml (for the final runs).",
+    )
+    p.add_argument(
+        "config", metavar="CONFIG", help="the YAML file whose keys the grid varies, e.g. configs/fedavg.yaml"
+    )
+    p.add_argument(
+        "--grid",
+        nargs="+",
+        action="extend",
+        default=[],
+        required=True,
+        metavar="KEY=V1,V2,...",
+        help="a key and its values (YAML scalars, comma-separated); repeat for more keys: the cartesian "
+        "grid runs, e.g. --grid client.lr=0.01,0.05 --grid client.epochs=1,2",
+    )
+    add_seeds_option(p, [0], "the seeds every grid point runs at (one seed is the tuning rule of the published tables)")
+    p.add_argument(
+        "--max-points",
+        type=int,
+        default=4,
+        metavar="N",
+        help="refuse a grid with more points (default 4: every method gets the same budget of grid "
+        "points in a comparison)",
+    )
+    p.add_argument(
+        "--name", default=None, help="the tuning's folder under --output-dir (default: tune-<config file name>)"
+    )
+    p.add_argument(
+        "--out", default=None, metavar="DIR", help="the tuning's folder itself, instead of --output-dir and --name"
+    )
+    add_run_options(p, "DIR/<name>/: tuning.csv, tuning.md, chosen.yaml and the runs (runs/)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from fedapps_tools import launch
+
+    launch.start_logging(args)
+    tune(args, launch.execute)
+    return 0

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from fedapps.reporting.results import write_csv  # noqa: E402
 from fedapps_tools import capture  # noqa: E402
-from fedapps_tools.tables import provenance  # noqa: E402
+from fedapps_tools.tables_run import provenance  # noqa: E402
 
 
 def measure(cases: list[capture.Case], seeds: list[int]) -> list[dict[str, Any]]:

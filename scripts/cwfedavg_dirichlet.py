@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fedapps.reporting.results import read_csv  # noqa: E402
-from fedapps_tools.tables import PROVENANCE, provenance  # noqa: E402
+from fedapps_tools.tables_run import PROVENANCE, provenance  # noqa: E402
 
 SETTING = ROOT / "configs" / "settings" / "param-dirichlet.yaml"
 METHODS = {  # name -> (label, overrides): the table's validation choices for the dirichlet setting

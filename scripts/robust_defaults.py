@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from fedapps.reporting.results import write_csv  # noqa: E402
-from fedapps_tools.tables import provenance  # noqa: E402
+from fedapps_tools.tables_run import provenance  # noqa: E402
 
 FEDMD = {
     "cosmos-groups": (

@@ -53,6 +53,24 @@ def write_config(path: Path, **sections) -> Path:
     return path
 
 
+def run_folder(out: Path) -> Path:
+    """The one run folder `fedapps run` wrote under ``out`` (its name ends with the digest of the run's config)."""
+    found = [d for d in sorted(out.iterdir()) if (d / "config.yaml").is_file()] if out.is_dir() else []
+    assert len(found) == 1, f"expected one run folder under {out}, found {[d.name for d in found]}"
+    return found[0]
+
+
+def derived_run_dir(out: Path, config: Path, overrides: list[str] | tuple[str, ...] = ()) -> Path:
+    """Where `fedapps run CONFIG --set OVERRIDES --output-dir OUT` writes its run (the name derived from the resolved
+    config, see fedapps_tools/runnames.py), known before the run starts."""
+    from fedapps.config import load_config
+    from fedapps_tools.runnames import derived_name
+    from strategies import resolve
+
+    cfg = load_config(config, list(overrides))
+    return out / derived_name(resolve(cfg).config(cfg))
+
+
 def flwr_run(folder: Path, **sections) -> Path:
     """A real `fedapps run` -> `flwr run` (own SuperLink, Ray simulation, one SuperNode per client) of
     :func:`write_config`'s config updated by ``sections``; asserts it exits 0 and returns the run's folder (~35 s)."""
@@ -104,7 +122,7 @@ def _tiny_flower_run(folder: Path):
         timeout=400,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    return cfg, proc, folder / "fl" / "fedavg-digits-iid-s0"
+    return cfg, proc, derived_run_dir(folder / "fl", cfg)
 
 
 @pytest.fixture(scope="session")
@@ -137,4 +155,4 @@ def flower_run_of_tiny_config(tmp_path_factory):
             return cfg, proc, out
     done = json.loads(record.read_text())
     proc = subprocess.CompletedProcess(done["args"], done["returncode"], done["stdout"], done["stderr"])
-    return folder / "cfg.yaml", proc, folder / "fl" / "fedavg-digits-iid-s0"
+    return folder / "cfg.yaml", proc, derived_run_dir(folder / "fl", folder / "cfg.yaml")

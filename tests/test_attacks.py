@@ -15,8 +15,9 @@ from fedapps.flower.inprocess import InProcessGrid
 from fedapps.server.driver import RoundDriver
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply
-from fedapps_tools import attacks
+from fedapps_tools import attacks, cli
 from strategies import RunContext, resolve
+from strategies.cwfedavg import l1_error
 
 
 @pytest.fixture(autouse=True)
@@ -66,8 +67,8 @@ def test_bias_update_estimate_is_the_client_class_distribution():
     found = attacks.label_estimates(msg, reply, "fc", len(COUNTS))
     truth = COUNTS / COUNTS.sum()
     np.testing.assert_allclose(found[attacks.BIAS_UPDATE], truth, atol=1e-6)
-    assert attacks.l1_error(found[attacks.BIAS_UPDATE], truth) < 1e-5
-    assert attacks.l1_error(found[attacks.BIAS_UPDATE], np.full(4, 0.25)) == pytest.approx(0.8, abs=1e-5)
+    assert l1_error(found[attacks.BIAS_UPDATE], truth) < 1e-5
+    assert l1_error(found[attacks.BIAS_UPDATE], np.full(4, 0.25)) == pytest.approx(0.8, abs=1e-5)
     np.testing.assert_allclose(found[attacks.ROW_NORMS], np.full(4, 0.25))  # equal rows: no class information
     assert attacks.HISTOGRAM not in found
 
@@ -80,7 +81,7 @@ def test_bias_update_estimate_uses_the_mean_softmax_it_is_given():
     n = int(COUNTS.sum())
     exact = attacks.bias_update_distribution(before, after, LR, n, 1, n, mean_softmax=s)
     np.testing.assert_allclose(exact, COUNTS / n, atol=1e-6)
-    assert attacks.l1_error(attacks.bias_update_distribution(before, after, LR, n, 1, n), COUNTS / n) > 0.1
+    assert l1_error(attacks.bias_update_distribution(before, after, LR, n, 1, n), COUNTS / n) > 0.1
 
 
 def test_the_reply_estimate_takes_its_mean_softmax_from_the_models_sent_and_returned():
@@ -220,7 +221,7 @@ def test_the_table_reads_round_one_and_the_last_round_and_says_why_a_cell_is_emp
     refused = attacks.Measured(attacks.Arm("comet", "client"), refused="'privacy.mode' is 'client', which is not known")
     rows = [r for m in (got, pl, refused) for r in attacks.rows_of(m, stamp)]
     from fedapps.reporting.results import write_csv
-    from fedapps_tools.tables import read_rows
+    from fedapps_tools.tables_spec import read_rows
 
     write_csv(tmp_path / "a.csv", rows)
     for table in (attacks.table_lines(rows), attacks.table_lines(read_rows(tmp_path / "a.csv"))):
@@ -248,13 +249,13 @@ def test_update_keeps_the_rows_of_the_arms_not_run_and_orders_them_as_the_arms(t
         return attacks.Measured(arm, labels={(attacks.HISTOGRAM, 1): {0: 0.1 * len(runs)}})
 
     monkeypatch.setattr(attacks, "measure", measure)
-    out = tmp_path / "a.csv"
-    assert attacks.main(["--strategies", "fedct", "--modes", "client", "off", "--out", str(out)]) == 0
+    out = tmp_path / "tables"
+    assert cli.main(["attacks", "--strategies", "fedct", "--modes", "client", "off", "--out", str(out)]) == 0
     assert runs == [("fedct", "", "off"), ("fedct", "", "client")]
-    assert attacks.main(["--strategies", "fedct", "--modes", "client", "--out", str(out), "--update"]) == 0
-    from fedapps_tools.tables import read_rows
+    assert cli.main(["attacks", "--strategies", "fedct", "--modes", "client", "--out", str(out), "--update"]) == 0
+    from fedapps_tools.tables_spec import read_rows
 
-    rows = read_rows(out)
+    rows = read_rows(out / attacks.DEFAULT_CSV)
     assert [(attacks.arm_key(r), r["attack"], r["value"]) for r in rows] == [
         (("fedct", "", "off"), "label L1", "0.1"),
         (("fedct", "", "off"), attacks.MEMBERSHIP, ""),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedapps_tools import cli
+from fedapps_tools import cli, launch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ def test_flwr_run_end_to_end(flower_run_of_tiny_config):
     assert 0.0 < summary["accuracy_mean"] <= 1.0
     assert "accuracy_mean" in proc.stdout and str(out) in proc.stdout
     pid = int(re.search(r"^SuperLink 127\.0\.0\.1:\d+ \(pid (\d+)", proc.stdout, re.M).group(1))
-    assert cli._proc_stat(pid) is None, "the SuperLink started by the run must be stopped"
+    assert launch._proc_stat(pid) is None, "the SuperLink started by the run must be stopped"
 
 
 @pytest.mark.heavy
@@ -98,5 +98,6 @@ def test_summary_shows_fedavg_beside_personalised_run(tiny_config, tmp_path, cap
         == 0
     )
     capsys.readouterr()
-    assert cli.main(["report", f"{out}/cwfedavg-digits-pathological-s0"]) == 0
-    assert "FedAvg on the same setting (fedavg-digits-pathological-s0)" in capsys.readouterr().out
+    (run,) = [d for d in Path(out).iterdir() if d.name.startswith("cwfedavg-digits-pathological-s0-")]
+    assert cli.main(["report", str(run)]) == 0
+    assert "FedAvg on the same setting (fedavg-digits-pathological-s0-" in capsys.readouterr().out

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fedapps.reporting.results import read_csv
-from fedapps_tools import cli
+from fedapps_tools import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 FLWR = Path(sys.executable).parent / "flwr"
@@ -67,7 +67,7 @@ def test_two_concurrent_runs_each_own_their_superlink(tiny_config, tmp_path):
         links = [superlink_of(o) for o in outputs]
         assert links[0][0] != links[1][0] and links[0][1] != links[1][1], links  # one SuperLink each
         for _, pid in links:
-            assert cli._proc_stat(pid) is None, f"SuperLink pid {pid} is still running after its run ended"
+            assert launch._proc_stat(pid) is None, f"SuperLink pid {pid} is still running after its run ended"
         for i in range(2):
             rows = read_csv(tmp_path / "res" / f"conc{i}" / "rounds.csv")
             assert [r["clients"] for r in rows] == [2]
@@ -97,7 +97,7 @@ def test_partial_participation_40_clients_through_flwr_run(tiny_config, tmp_path
     # round 1's deployed models measured on round 2's 10 sampled clients; round 2's on all 40 (evaluation-only)
     assert [r["measured_clients"] for r in rows] == [10, 40], out[-3000:]
     _, pid = superlink_of(out)
-    assert cli._proc_stat(pid) is None
+    assert launch._proc_stat(pid) is None
 
 
 @pytest.mark.heavy
@@ -129,12 +129,12 @@ def test_interrupt_stops_what_the_run_started(tiny_config, tmp_path):
             break
     _, pid = superlink_of("".join(lines))
     time.sleep(3)
-    children = cli.descendants(pid)
+    children = launch.descendants(pid)
     proc.send_signal(signal.SIGTERM)
     rest, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, "".join(lines) + rest
-    assert cli._proc_stat(pid) is None
+    assert launch._proc_stat(pid) is None
     for child, started in children.items():
-        st = cli._proc_stat(child)
+        st = launch._proc_stat(child)
         assert st is None or st[1] != started, f"process {child} started by the run is still alive"
     assert shutil.which("flwr") or FLWR.exists()

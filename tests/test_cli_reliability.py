@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import run_folder
 from fedapps.config import ConfigError, check_run_name, config_hash, load_config, parse_yaml
 from fedapps.flower import faults
 from fedapps.reporting.results import (
@@ -32,7 +33,7 @@ from fedapps.reporting.results import (
     rejection_problems,
     run_problems,
 )
-from fedapps_tools import cli, flwrcli
+from fedapps_tools import cli, flwrcli, launch
 from fedapps_tools.compare import resume_decision
 
 
@@ -99,10 +100,10 @@ def test_data_error_exits_2_and_submits_no_run(tiny_config, capsys, monkeypatch)
     The flower engine's SuperLink, launched to boot while the data are checked, is stopped again (its process gone,
     its FLWR_HOME removed) and no run is submitted."""
     cfg = tiny_config(data={"partition": "dirichlet", "min_samples": 1000})
-    monkeypatch.setattr(cli, "run_with_flower", lambda *a, **k: pytest.fail("flwr must not start on a data error"))
+    monkeypatch.setattr(launch, "run_with_flower", lambda *a, **k: pytest.fail("flwr must not start on a data error"))
     launched = []
-    real_new_superlink = cli.new_superlink
-    monkeypatch.setattr(cli, "new_superlink", lambda *a: launched.append(real_new_superlink(*a)) or launched[-1])
+    real_new_superlink = launch.new_superlink
+    monkeypatch.setattr(launch, "new_superlink", lambda *a: launched.append(real_new_superlink(*a)) or launched[-1])
     for engine in ("inprocess", "flower"):
         assert run_cli("run", str(cfg), "--engine", engine) == 2
         err = capsys.readouterr().err
@@ -144,7 +145,7 @@ def test_the_command_exits_with_mains_code_and_its_output_flushed(tmp_path):
 def test_unwritable_output_dir_exits_2_before_flower(tiny_config, tmp_path, capsys, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    monkeypatch.setattr(cli, "run_with_flower", lambda *a, **k: pytest.fail("flwr must not start"))
+    monkeypatch.setattr(launch, "run_with_flower", lambda *a, **k: pytest.fail("flwr must not start"))
     assert run_cli("run", str(tiny_config()), "--output-dir", str(blocker / "sub")) == 2
     err = capsys.readouterr().err
     assert "not writable" in err and "--output-dir" in err
@@ -185,7 +186,7 @@ def test_every_client_failing_fails_the_run(tiny_config, tmp_path, capsys, monke
     assert run_cli("run", str(tiny_config()), "--engine", "inprocess", "--output-dir", str(out)) == 1
     err = capsys.readouterr().err
     assert "no usable client reply" in err and "disk on fire" in err
-    summary = json.loads((out / "fedavg-digits-iid-s0" / "summary.json").read_text())
+    summary = json.loads((run_folder(out) / "summary.json").read_text())
     # nothing was trained: what the evaluation-only message measured is the untrained initial model, and the run
     # is marked failed (problems, exit 1)
     assert summary["final_round"] == 2 and summary["usable_replies"] == 0
@@ -212,7 +213,7 @@ def test_most_messages_never_delivered_fails_the_run(tiny_config, tmp_path, caps
     assert run_cli("run", str(tiny_config()), "--engine", "inprocess", "--output-dir", str(out)) == 1
     err = capsys.readouterr().err
     assert "only 2 of 8 sampled messages reached a client" in err
-    summary = json.loads((out / "fedavg-digits-iid-s0" / "summary.json").read_text())
+    summary = json.loads((run_folder(out) / "summary.json").read_text())
     assert summary["usable_replies"] == 2 and summary["accuracy_mean"] is not None  # results kept, run failed
 
 
@@ -310,7 +311,7 @@ def test_run_writes_config_hash(tiny_config, tmp_path):
 
     path = tiny_config(rounds=1)
     assert run_cli("run", str(path), "--engine", "inprocess", "--output-dir", str(tmp_path)) == 0
-    out = tmp_path / "fedavg-digits-iid-s0"
+    out = run_folder(tmp_path)
     cfg = load_config(path)
     expected = config_hash(resolve(cfg).config(cfg))
     assert (out / "config.sha256").read_text().strip() == expected
@@ -402,7 +403,7 @@ def test_compare_starts_over_when_the_checkpoint_is_of_another_config(tiny_confi
 def test_free_port_is_bindable():
     import socket
 
-    port = cli.free_port()
+    port = launch.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
 
@@ -412,7 +413,7 @@ def test_descendants_and_signal_only_the_noted_process():
     root = subprocess.Popen(["bash", "-c", "sleep 60 & sleep 60 & wait"], start_new_session=True)
     try:
         for _ in range(50):
-            kids = cli.descendants(root.pid)
+            kids = launch.descendants(root.pid)
             if len(kids) >= 2:
                 break
             time.sleep(0.1)
@@ -420,13 +421,13 @@ def test_descendants_and_signal_only_the_noted_process():
         pid, started = next(iter(kids.items()))
         flwrcli._signal(pid, started + 1, signal.SIGTERM)  # a different start time: another process, untouched
         time.sleep(0.2)
-        assert cli._proc_stat(pid) is not None
+        assert launch._proc_stat(pid) is not None
         flwrcli._signal(pid, started, signal.SIGTERM)
         for _ in range(50):
-            if cli._proc_stat(pid) is None:
+            if launch._proc_stat(pid) is None:
                 break
             time.sleep(0.1)
-        assert cli._proc_stat(pid) is None
+        assert launch._proc_stat(pid) is None
     finally:
         os.killpg(root.pid, signal.SIGTERM)
         root.wait(timeout=10)
@@ -435,10 +436,10 @@ def test_descendants_and_signal_only_the_noted_process():
 def test_write_connection(tmp_path):
     import tomllib
 
-    cli.write_connection(tmp_path, "127.0.0.1:4567")
+    launch.write_connection(tmp_path, "127.0.0.1:4567")
     doc = tomllib.loads((tmp_path / "config.toml").read_text())
-    assert doc["superlink"]["default"] == cli.CONNECTION
-    assert doc["superlink"][cli.CONNECTION] == {"address": "127.0.0.1:4567", "insecure": True}
+    assert doc["superlink"]["default"] == launch.CONNECTION
+    assert doc["superlink"][launch.CONNECTION] == {"address": "127.0.0.1:4567", "insecure": True}
 
 
 def test_resume_judges_an_earlier_run_by_its_config_under_todays_rules(tiny_config, tmp_path):
@@ -605,15 +606,15 @@ def test_the_exit_code_table_row_by_row(tiny_config, tmp_path, monkeypatch, caps
         return run_cli("run", str(tiny_config()), "--engine", engine, "--output-dir", str(tmp_path / "o"), *extra)
 
     def crashed() -> int:  # under flwr run: a status other than completed, and no summary.json verdict
-        monkeypatch.setattr(cli, "start_run", lambda *a, **k: "7")
-        monkeypatch.setattr(cli, "follow_run", lambda *a, **k: ("finished:failed", ["ERROR: boom"]))
+        monkeypatch.setattr(launch, "start_run", lambda *a, **k: "7")
+        monkeypatch.setattr(launch, "follow_run", lambda *a, **k: ("finished:failed", ["ERROR: boom"]))
         return cli_run("flower", "--superlink", "127.0.0.1:1")
 
     def interrupted() -> int:
         def stop(*a, **k):
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(cli, "run_in_process", stop)
+        monkeypatch.setattr(launch, "run_in_process", stop)
         return cli_run()
 
     last_round_few = [
@@ -676,7 +677,7 @@ def test_a_headline_measured_on_too_few_clients_exits_3(tiny_config, tmp_path, c
         run_cli("run", str(tiny_config(min_measured_share=share)), "--engine", "inprocess", "--output-dir", str(out))
         == code
     )
-    summary = json.loads((out / "fedavg-digits-iid-s0" / "summary.json").read_text())
+    summary = json.loads((run_folder(out) / "summary.json").read_text())
     assert summary["final_round_measured_clients"] == 1 and summary["exit_status"] == code
     if code:
         assert summary["problems"] == [
@@ -694,7 +695,7 @@ def test_a_run_whose_headline_was_never_measured_exits_3(tiny_config, tmp_path, 
     grid_with(monkeypatch, drop=lambda rnd, pid: rnd == 2)  # 1 round: its evaluation-only message (group 2) is lost
     out = tmp_path / "res"
     assert run_cli("run", str(tiny_config(rounds=1)), "--engine", "inprocess", "--output-dir", str(out)) == 3
-    summary = json.loads((out / "fedavg-digits-iid-s0" / "summary.json").read_text())
+    summary = json.loads((run_folder(out) / "summary.json").read_text())
     assert summary["accuracy_mean"] is None and summary["exit_status"] == 3
     assert summary["problems"] == [
         (
@@ -708,7 +709,7 @@ def test_a_round_that_lost_most_replies_to_rejection_exits_4(tiny_config, tmp_pa
     grid_with(monkeypatch, node_configs={i: {"faults": "f64-huge@1,2,3/1"} for i in range(4)}, mods=[faults.faults_mod])
     out = tmp_path / "res"
     assert run_cli("run", str(tiny_config()), "--engine", "inprocess", "--output-dir", str(out)) == EXIT_REJECTED
-    run_dir = out / "fedavg-digits-iid-s0"
+    run_dir = run_folder(out)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_status"] == EXIT_REJECTED and len(summary["problems"]) == 1
     assert (
@@ -744,7 +745,7 @@ def test_a_partition_leaving_clients_without_a_test_split_is_refused(tiny_config
     err = capsys.readouterr().err
     assert "data.source=digits data.num_clients=1000" in err and "without a test split" in err
     assert "at most data.num_clients=599 gives every client training data and a test split" in err
-    assert not (tmp_path / "res" / "fedavg-digits-iid-s0").exists()  # refused before anything ran
+    assert not (tmp_path / "res").exists() or not any((tmp_path / "res").iterdir())  # refused before anything ran
     # the count it names works (and one more does not)
     from fedapps.data import get_federation
 

@@ -16,8 +16,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import run_folder
 from fedapps.config import ConfigError, load_config
-from fedapps_tools import attacks, cli, deploy
+from fedapps_tools import cli
+from fedapps_tools import run as run_command
 from fedapps_tools.logfilter import FLOWER_NOISE, LogFilter, is_flower_noise, parse_line
 from fedapps_tools.options import (
     RST_MARKUP,
@@ -37,14 +39,8 @@ SUB_COMMANDS = {"run", "compare", "tune", "report", "tables", "attacks", "privac
 
 
 def all_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
-    """Every parser a user can reach: fedapps and its sub-commands, fedapps deploy and its steps, fedapps attacks,
-    and fedapps tables' when its module builds it in a function."""
-    from fedapps_tools import tables
-
-    roots = [cli.build_parser(), deploy.build_parser(), attacks.build_parser()]
-    if hasattr(tables, "build_parser"):
-        roots.append(tables.build_parser())
-    return [pair for root in roots for pair in parsers_of(root)]
+    """Every parser a user can reach: fedapps and every sub-command under it (deploy's steps included)."""
+    return list(parsers_of(cli.build_parser()))
 
 
 def sub_commands(parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -117,11 +113,7 @@ def test_every_positional_and_seeds_option_has_help():
 
 
 def test_help_is_plain_text():
-    texts = [
-        (where, text)
-        for _, root in [("", cli.build_parser()), ("", deploy.build_parser()), ("", attacks.build_parser())]
-        for where, text in help_texts(root)
-    ]
+    texts = list(help_texts(cli.build_parser()))
     assert len(texts) > 60  # every parser's texts were reached
     for where, text in texts:
         assert not RST_MARKUP.search(text), f"{where}: reStructuredText markup in help: {text!r}"
@@ -133,7 +125,6 @@ def test_help_is_plain_text():
 def test_building_the_parsers_starts_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli.build_parser()
-    deploy.build_parser()
     assert list(tmp_path.iterdir()) == []
 
 
@@ -179,7 +170,7 @@ def test_one_seed_option_everywhere():
 
 def test_run_takes_one_seed_and_points_to_compare_for_more(tiny_config, capsys):
     args = cli.build_parser().parse_args(["run", "cfg.yaml", "--seeds", "3", "--set", "rounds=1"])
-    assert cli.run_overrides(args) == ["rounds=1", "seed=3"]
+    assert run_command.run_overrides(args) == ["rounds=1", "seed=3"]
     assert cli.main(["run", str(tiny_config()), "--seeds", "0,1", "--engine", "inprocess"]) == 2
     err = capsys.readouterr().err
     assert "fedapps compare" in err and "--seeds 0,1" in err
@@ -221,7 +212,7 @@ def test_output_dir_defaults_to_the_configs_output_dir_in_every_command(tiny_con
     root = tmp_path / "root"
     cfg = tiny_config(rounds=1, output_dir=str(root))
     assert cli.main(["run", str(cfg), "--engine", "inprocess"]) == 0
-    assert (root / "fedavg-digits-iid-s0" / "summary.json").is_file()
+    assert (run_folder(root) / "summary.json").is_file()
     assert cli.main(["compare", str(cfg), "--seeds", "0", "--engine", "inprocess", "--quiet"]) == 0
     assert (root / "comparison" / "comparison.csv").is_file()
     args = cli.build_parser().parse_args(["tune", str(cfg), "--grid", "client.lr=0.1"])
@@ -323,7 +314,7 @@ def test_summary_marks_the_headline_and_prints_human_units(tmp_path):
 def test_run_prints_the_headline_and_leaves_summary_json_alone(tiny_config, tmp_path, capsys):
     assert cli.main(["run", str(tiny_config(rounds=1)), "--engine", "inprocess", "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    run = tmp_path / "fedavg-digits-iid-s0"
+    run = run_folder(tmp_path)
     s = json.loads((run / "summary.json").read_text())
     assert isinstance(s["bytes_up_per_client_round"], float) and isinstance(s["wall_seconds"], float)
     assert f"{MARK}   {s['accuracy_mean']:.4f}  mean over clients" in out
@@ -359,11 +350,13 @@ def test_the_end_of_run_hint_works_when_followed(tiny_config, tmp_path, capsys):
     out = capsys.readouterr().out
     (hint,) = [ln for ln in out.splitlines() if ln.startswith("FedAvg's number")]
     (items,) = set_items(hint.split("to the command")[0])
-    assert {"strategy.name=fedavg", "model.per_client=[]", "run_name=fedavg-digits-iid-s0"} == set(items)
+    (twin,) = [i.removeprefix("run_name=") for i in items if i.startswith("run_name=")]
+    assert re.fullmatch(r"fedavg-digits-iid-s0-[0-9a-f]{8}", twin)  # a name the user chose: the twin's is derived
+    assert {"strategy.name=fedavg", "model.per_client=[]", f"run_name={twin}"} == set(items)
     assert cli.main(base + ["--set", *items]) == 0
     capsys.readouterr()
     assert cli.main(["report", str(tmp_path / "mine")]) == 0
-    assert "FedAvg on the same setting (fedavg-digits-iid-s0): accuracy_mean" in capsys.readouterr().out
+    assert f"FedAvg on the same setting ({twin}): accuracy_mean" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -559,4 +552,4 @@ def test_fedamp_step_that_erases_the_client_exits_2_naming_the_largest_lambda_th
     assert found, err
     assert not list(tmp_path.iterdir())  # refused before anything ran
     assert cli.main([*base, "--set", *fedamp, f"strategy.params.fedamp.lam={found.group(1)}"]) == 0
-    assert (tmp_path / "fedamp-mnist5k-pathological-s0" / "summary.json").is_file()
+    assert (run_folder(tmp_path) / "summary.json").is_file()

@@ -7,7 +7,7 @@ import csv
 
 import numpy as np
 
-from fedapps_tools import convergence, tables
+from fedapps_tools import convergence, tables_run, tables_spec
 
 
 def test_trailing_mean_by_hand():
@@ -41,7 +41,7 @@ def test_the_command_reads_run_folders_and_appends_its_rows_with_the_commit(tmp_
     run = tmp_path / "cwfedavg-x-s0"
     run.mkdir()
     acc = list(np.linspace(0.2, 0.8, 50)) + [0.8] * 60
-    tables.write_csv(
+    tables_spec.write_csv(
         run / "rounds.csv", ["round", "acc_mean"], [{"round": r + 1, "acc_mean": a} for r, a in enumerate(acc)]
     )
     (run / "summary.json").write_text(
@@ -53,7 +53,7 @@ def test_the_command_reads_run_folders_and_appends_its_rows_with_the_commit(tmp_
     assert convergence.main([str(run), "--window", "1", "--after", "50", "--csv", str(out)]) == 0
     rows = list(csv.DictReader(open(out)))
     assert len(rows) == 2 and rows[0]["flattening_round"] == "50" and rows[0]["strategy"] == "cwfedavg"
-    assert rows[0]["commit"] == tables.provenance()["commit"] and "--window 1" in rows[0]["command"]
+    assert rows[0]["commit"] == tables_run.provenance()["commit"] and "--window 1" in rows[0]["command"]
     assert convergence.main([str(tmp_path / "nothing")]) == 2
 
 
@@ -62,7 +62,7 @@ def test_the_figure_is_drawn_for_finished_and_running_runs(tmp_path):
     for name, strategy, finished in (("a", "fedavg", True), ("b", "cwfedavg", False)):
         run = tmp_path / name
         run.mkdir()
-        tables.write_csv(
+        tables_spec.write_csv(
             run / "rounds.csv",
             ["round", "acc_mean"],
             [{"round": r + 1, "acc_mean": min(0.9, 0.1 * r)} for r in range(40)],

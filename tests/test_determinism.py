@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import run_folder
 from tests.conftest import write_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,6 +158,6 @@ def test_flower_engine_and_inprocess_engine_give_identical_rounds(flower_run_of_
     # output folders of equal path length ("fl"/"ip"): the state-dir path counts in bytes_down
     tmp_path = flower_dir.parent.parent
     assert cli.main(["run", str(cfg), "--engine", "inprocess", "--output-dir", str(tmp_path / "ip"), "--quiet"]) == 0
-    flower, inprocess = (rounds(tmp_path / d / "fedavg-digits-iid-s0") for d in ("fl", "ip"))
+    flower, inprocess = (rounds(run_folder(tmp_path / d)) for d in ("fl", "ip"))
     assert [r["acc_mean"] for r in flower] == [r["acc_mean"] for r in inprocess]
     assert flower == inprocess

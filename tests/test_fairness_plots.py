@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from conftest import run_folder
 from fedapps.reporting import plots
 from fedapps.reporting.results import (
     accuracy_stats,
@@ -271,7 +272,7 @@ def test_short_run_writes_fairness_into_summary_and_rounds(tiny_config, tmp_path
     out = tmp_path / "res"
     assert cli.main(["run", str(cfg), "--engine", "inprocess", "--output-dir", str(out)]) == 0
     capsys.readouterr()
-    run = out / "fedavg-digits-iid-s0"
+    run = run_folder(out)
     summary = json.loads((run / "summary.json").read_text())
     with (run / "rounds.csv").open() as fh:
         rows = list(csv.DictReader(fh))

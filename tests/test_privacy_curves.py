@@ -13,6 +13,7 @@ import yaml
 
 from fedapps.config import ConfigError, load_config
 from fedapps.reporting import plots
+from fedapps_tools import cli
 from fedapps_tools import privacy_curves as pc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,10 +175,10 @@ def test_epsilon_ticks_are_the_1_2_5_values_in_range(lo, hi, ticks):
 
 def test_the_command_line_refuses_unknown_methods_and_stages(tmp_path, capsys):
     spec = write_spec(tmp_path)
-    assert pc.main([str(spec), "--methods", "fedprox"]) == 2
+    assert cli.main(["privacy-curves", str(spec), "--methods", "fedprox"]) == 2
     assert "--methods ['fedprox'] not in the spec" in capsys.readouterr().err
-    assert pc.main([str(spec), "--stages", "tune"]) == 2
-    assert pc.main([str(tmp_path / "none.yaml")]) == 2
+    assert cli.main(["privacy-curves", str(spec), "--stages", "tune"]) == 2
+    assert cli.main(["privacy-curves", str(tmp_path / "none.yaml")]) == 2
 
 
 def test_an_interrupted_point_records_the_provenance_of_the_runs_it_finished(tmp_path, monkeypatch):
@@ -208,7 +209,7 @@ def test_a_tiny_sweep_runs_for_real_and_epsilon_falls_as_sigma_grows(tmp_path):
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
     spec = write_spec(tmp_path, setting="base.yaml", seeds=[0], methods={"fedavg": {"set": ["client.lr=0.05"]}})
     argv = [str(spec), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "docs")]
-    assert pc.main(argv) == 0
+    assert cli.main(["privacy-curves", *argv]) == 0
     with open(tmp_path / "docs" / "curves.csv") as f:
         rows = {r["point"]: r for r in csv.DictReader(f)}
     assert sorted(rows) == ["off", "sigma0.5", "sigma2"]
@@ -216,7 +217,7 @@ def test_a_tiny_sweep_runs_for_real_and_epsilon_falls_as_sigma_grows(tmp_path):
     assert math.isinf(float(rows["off"]["epsilon_mean"]))
     assert 0 < float(rows["sigma2"]["epsilon_mean"]) < float(rows["sigma0.5"]["epsilon_mean"]) < math.inf
     log = tmp_path / "work" / "curves" / "logs" / "fedavg--sigma2.log"
-    assert pc.main(argv) == 0
+    assert cli.main(["privacy-curves", *argv]) == 0
     assert ": running" not in log.read_text().rsplit("$ fedapps", 1)[1]
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from fedapps.reporting.results import read_csv
-from fedapps_tools import cli, flwrcli, raycluster
+from fedapps_tools import cli, flwrcli, launch, raycluster
 from fedapps_tools.raycluster import RayClusterError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +115,7 @@ def test_runs_per_node_from_actor_table_and_timeline():
 @pytest.fixture
 def no_flower(monkeypatch):
     """Fail the test if a run would start Flower."""
-    monkeypatch.setattr(cli, "run_with_flower", lambda *a, **k: pytest.fail("flwr must not start"))
+    monkeypatch.setattr(launch, "run_with_flower", lambda *a, **k: pytest.fail("flwr must not start"))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
 
 
@@ -127,7 +127,7 @@ def _cli(capsys, *argv) -> tuple[int, str, float]:
 
 def test_closed_port_is_a_clear_error_naming_the_option(tiny_config, capsys, no_flower, monkeypatch):
     cfg = str(tiny_config())
-    port = cli.free_port()
+    port = launch.free_port()
     rc, err, took = _cli(capsys, "run", cfg, "--ray-address", f"127.0.0.1:{port}")
     assert rc == 2 and f"--ray-address=127.0.0.1:{port}" in err and "ray start --head" in err, err
     assert took < 30
@@ -175,19 +175,19 @@ def test_the_superlink_gets_the_cluster_address_in_its_environment(tiny_config, 
     there is no cluster)."""
     seen: list[dict] = []
 
-    class Recorder(cli.OwnSuperLink):
+    class Recorder(launch.OwnSuperLink):
         def start(self, timeout: float = 60.0, attempts: int = 3) -> str:
             seen.append(dict(self.env))
-            raise cli.RunFailed("recorded")
+            raise launch.RunFailed("recorded")
 
-    monkeypatch.setattr(cli, "OwnSuperLink", Recorder)
+    monkeypatch.setattr(launch, "OwnSuperLink", Recorder)
     monkeypatch.setenv("RAY_ADDRESS", "10.9.9.9:1")
     cfg_path = tiny_config()
-    cfg = cli.load_config(cfg_path)
+    cfg = launch.load_config(cfg_path)
     args = cli.build_parser().parse_args(["run", str(cfg_path)])
     for address in ("127.0.0.1:6379", None):
-        with pytest.raises(cli.RunFailed, match="recorded"):
-            cli.run_with_flower(cfg, cfg_path, [], tmp_path, args, ray_address=address)
+        with pytest.raises(launch.RunFailed, match="recorded"):
+            launch.run_with_flower(cfg, cfg_path, [], tmp_path, args, ray_address=address)
     assert seen[0]["RAY_ADDRESS"] == "127.0.0.1:6379" and seen[0]["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1"
     assert "RAY_ADDRESS" not in seen[1]
 
@@ -224,10 +224,10 @@ class RayNode:
 
     def note(self) -> None:
         if self.proc.poll() is None:
-            self.owned.update(cli.descendants(self.proc.pid))
+            self.owned.update(launch.descendants(self.proc.pid))
 
     def alive(self) -> set[int]:
-        out = {pid for pid, started in self.owned.items() if (cli._proc_stat(pid) or (0, -1))[1] == started}
+        out = {pid for pid, started in self.owned.items() if (launch._proc_stat(pid) or (0, -1))[1] == started}
         if self.proc.poll() is None:
             out.add(self.proc.pid)
         return out
@@ -246,7 +246,7 @@ class RayNode:
 
 
 def _ports(*names: str) -> list[str]:
-    return [arg for name in names for arg in (f"--{name}", str(cli.free_port()))]
+    return [arg for name in names for arg in (f"--{name}", str(launch.free_port()))]
 
 
 @pytest.fixture
@@ -280,7 +280,7 @@ def two_node_cluster():
             ),
         ]
 
-    port = cli.free_port()
+    port = launch.free_port()
     address = f"127.0.0.1:{port}"
     nodes: list[RayNode] = []
     started = False  # False: a node failed to come up (its temp dir and log are kept for a look)
@@ -356,7 +356,7 @@ def test_simulation_runs_on_both_nodes_of_a_two_node_ray_cluster(two_node_cluste
     rows = read_csv(tmp_path / "res" / "raycluster" / "rounds.csv")
     assert [r["clients"] for r in rows] == [4, 4]
     pid = int(re.search(r"^SuperLink 127\.0\.0\.1:\d+ \(pid (\d+)", proc.stdout, re.M).group(1))
-    assert cli._proc_stat(pid) is None, "the SuperLink started by the run must be stopped"
+    assert launch._proc_stat(pid) is None, "the SuperLink started by the run must be stopped"
 
     # Ray's own record (GCS actor table + task timeline): which node ran each ClientApp message
     doc = raycluster.probe(address, env, runs=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import derived_run_dir
 from tests.conftest import write_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -304,7 +305,7 @@ def test_an_interrupted_flwr_run_resumes_to_the_uninterrupted_rounds(how, flower
     # every client holds its round-3 reply back (it sleeps before computing: no state moves), so the stop lands
     # after round 2 however fast rounds 3-6 would be; the resumed run has no faults
     run = FlowerRun(config, "--output-dir", str(out), env={"FEDAPPS_FAULTS": "late=300@*/3"})
-    run_dir = out / "cwfedavg-digits-pathological-s0"
+    run_dir = derived_run_dir(out, config)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and run.proc.poll() is None:
         if (run_dir / "rounds.csv").is_file() and len(rows(run_dir)) >= 2:

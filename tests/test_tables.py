@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from fedapps.config import ConfigError, load_config
-from fedapps_tools import compare, tables
+from fedapps_tools import cli, compare, tables_report, tables_run, tables_spec
 
 BASE = Path(__file__).resolve().parent.parent / "configs" / "fedavg.yaml"
 
@@ -51,25 +51,27 @@ COMPARISON_COLUMNS = [
 
 def write_comparison(folder: Path, values: list) -> None:
     """``folder/comparison.csv`` with one row: ``values`` in the order of COMPARISON_COLUMNS."""
-    tables.write_csv(folder / "comparison.csv", COMPARISON_COLUMNS, [dict(zip(COMPARISON_COLUMNS, values))])
+    tables_spec.write_csv(folder / "comparison.csv", COMPARISON_COLUMNS, [dict(zip(COMPARISON_COLUMNS, values))])
 
 
 def write_run(folder: Path, keys: list[str], rows: list[tuple], summary: str = "{}") -> None:
     """A finished run folder: rounds.csv from ``rows`` (values in the order of ``keys``) and a summary.json."""
     folder.mkdir(parents=True)
-    tables.write_csv(folder / "rounds.csv", keys, [dict(zip(keys, r)) for r in rows])
+    tables_spec.write_csv(folder / "rounds.csv", keys, [dict(zip(keys, r)) for r in rows])
     (folder / "summary.json").write_text(summary)
 
 
 def test_grid_over_the_equal_budget_is_refused(tmp_path):
     p = write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1, 0.2], "client.epochs": [1, 2]}}})
     with pytest.raises(ConfigError, match="at most 4"):
-        tables.load_spec(p)
-    assert tables.grid_points({"a": [1, 2], "b": [1, 2]}) == 4
+        tables_spec.load_spec(p)
+    assert tables_spec.grid_points({"a": [1, 2], "b": [1, 2]}) == 4
     assert all(
-        yaml.safe_load(tables.yaml_scalar(v)) == v for v in (1e-9, 0.1, 5, True, "norm")
+        yaml.safe_load(tables_spec.yaml_scalar(v)) == v for v in (1e-9, 0.1, 5, True, "norm")
     )  # exactly the budget is allowed
-    tables.load_spec(write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [1, 2], "client.epochs": [1, 2]}}}))
+    tables_spec.load_spec(
+        write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [1, 2], "client.epochs": [1, 2]}}})
+    )
 
 
 @pytest.mark.parametrize(
@@ -84,12 +86,12 @@ def test_grid_over_the_equal_budget_is_refused(tmp_path):
 )
 def test_bad_specs_name_the_key(tmp_path, bad):
     with pytest.raises(ConfigError, match="tables spec"):
-        tables.load_spec(write_spec(tmp_path, **bad))
+        tables_spec.load_spec(write_spec(tmp_path, **bad))
 
 
 def test_final_config_takes_the_tuned_values_and_tune_on_reuses_another_setting(tmp_path):
-    spec = tables.load_spec(write_spec(tmp_path, tune_on={"b": "a"}))
-    t = tables.Tables(spec, tmp_path / "work", "inprocess", 1)
+    spec = tables_spec.load_spec(write_spec(tmp_path, tune_on={"b": "a"}))
+    t = tables_run.Tables(spec, tmp_path / "work", "inprocess", 1)
     fedprox = spec.methods[1]
     assert t.tune_dir("b", fedprox) == t.tune_dir("a", fedprox)
     chosen = yaml.safe_load(t.method_config("a", fedprox).read_text())
@@ -104,16 +106,16 @@ def test_final_config_takes_the_tuned_values_and_tune_on_reuses_another_setting(
 
 
 def test_the_specs_common_overrides_reach_every_method_before_its_own(tmp_path):
-    spec = tables.load_spec(write_spec(tmp_path, set=["client.epochs=3", "strategy.params.fedprox.mu=0.1"]))
-    t = tables.Tables(spec, tmp_path / "work", "inprocess", 1)
+    spec = tables_spec.load_spec(write_spec(tmp_path, set=["client.epochs=3", "strategy.params.fedprox.mu=0.1"]))
+    t = tables_run.Tables(spec, tmp_path / "work", "inprocess", 1)
     fedavg, fedprox = (load_config(t.method_config("a", m)) for m in spec.methods[:2])
     assert fedavg.client.epochs == 3 and fedprox.client.epochs == 3
     assert fedprox.strategy.params["fedprox"]["mu"] == 0.5  # the method's own set wins over the spec's
     assert (
         load_config(
-            tables.Tables(tables.load_spec(write_spec(tmp_path)), tmp_path / "w2", "inprocess", 1).method_config(
-                "a", spec.methods[0]
-            )
+            tables_run.Tables(
+                tables_spec.load_spec(write_spec(tmp_path)), tmp_path / "w2", "inprocess", 1
+            ).method_config("a", spec.methods[0])
         ).client.epochs
         != 3
     )
@@ -126,7 +128,7 @@ def test_each_method_is_tuned_then_run_before_the_next_and_a_shared_tuning_runs_
     import threading
     import time
 
-    spec = tables.load_spec(write_spec(tmp_path, tune_on={"b": "a"}))
+    spec = tables_spec.load_spec(write_spec(tmp_path, tune_on={"b": "a"}))
     calls = []
     lock = threading.Lock()
 
@@ -138,9 +140,9 @@ def test_each_method_is_tuned_then_run_before_the_next_and_a_shared_tuning_runs_
 
         return step
 
-    monkeypatch.setattr(tables.Tables, "tune", record("tune", 0.0))
-    monkeypatch.setattr(tables.Tables, "compare", record("compare", 0.0))
-    t = tables.Tables(spec, tmp_path / "work", "inprocess", 1)
+    monkeypatch.setattr(tables_run.Tables, "tune", record("tune", 0.0))
+    monkeypatch.setattr(tables_run.Tables, "compare", record("compare", 0.0))
+    t = tables_run.Tables(spec, tmp_path / "work", "inprocess", 1)
     t.run(["a", "b"], spec.methods[:2], {"tune", "final"})
     assert calls == [
         ("tune", "a", "fedavg"),
@@ -151,8 +153,8 @@ def test_each_method_is_tuned_then_run_before_the_next_and_a_shared_tuning_runs_
         ("compare", "b", "fedprox"),
     ]
     calls.clear()
-    monkeypatch.setattr(tables.Tables, "tune", record("tune", 0.3))
-    tables.Tables(spec, tmp_path / "work", "inprocess", 2).run(["b", "a"], spec.methods[:1], {"tune", "final"})
+    monkeypatch.setattr(tables_run.Tables, "tune", record("tune", 0.3))
+    tables_run.Tables(spec, tmp_path / "work", "inprocess", 2).run(["b", "a"], spec.methods[:1], {"tune", "final"})
     assert calls.count(("tune", "a", "fedavg")) == 1
     assert calls.index(("tune", "a", "fedavg")) < calls.index(("compare", "b", "fedavg"))
     calls.clear()
@@ -161,11 +163,11 @@ def test_each_method_is_tuned_then_run_before_the_next_and_a_shared_tuning_runs_
 
 
 def test_report_lists_each_setting_the_chosen_values_and_the_validation_scores(tmp_path):
-    spec = tables.load_spec(
+    spec = tables_spec.load_spec(
         write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1]}}}, settings={"a": str(BASE)})
     )
     work = tmp_path / "work"
-    t = tables.Tables(spec, work, "inprocess", 1)
+    t = tables_run.Tables(spec, work, "inprocess", 1)
     m = spec.methods[0]
     tune = t.tune_dir("a", m)
     tune.mkdir(parents=True)
@@ -233,7 +235,7 @@ def test_report_lists_each_setting_the_chosen_values_and_the_validation_scores(t
         w.writerow(
             dict(zip(keys, ["fedavg", "fedavg", 2, 0.8766, 0.0123, 0.87, 0.01, 0.5, 0.25, 1048576, 2097152, 42]))
         )
-    md = tables.report(spec, work, tmp_path / "docs").read_text()
+    md = tables_report.report(spec, work, tmp_path / "docs").read_text()
     assert (
         "| fedavg | 0.877 ± 0.012 | 0.870 ± 0.010 | — | — | 0.500 ± 0.250 | 1.000 | 2.000 | 42 | client.lr=0.1 |" in md
     )
@@ -258,7 +260,7 @@ def test_tables_end_to_end_tunes_runs_and_reports(tmp_path):
     }
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
     argv = [str(tmp_path / "spec.yaml"), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "docs")]
-    assert tables.main(argv) == 0
+    assert cli.main(["tables", *argv]) == 0
     md = (tmp_path / "docs" / "tiny.md").read_text()
     assert "| fedavg |" in md and "client.lr=0.1 |" in md  # the learning point was chosen, on validation
     tuned = tmp_path / "work" / "tiny" / "iid" / "tune" / "fedavg" / "runs"
@@ -272,14 +274,14 @@ def test_tables_end_to_end_tunes_runs_and_reports(tmp_path):
     logs = sorted((tmp_path / "work" / "tiny" / "logs").glob("*.log"))
     assert [p.name for p in logs] == ["compare-iid-fedavg.log", "compare-iid-local.log", "tune-iid-fedavg.log"]
     assert "![iid: accuracy of the deployed models per round" in md and (tmp_path / "docs" / "tiny-iid.png").is_file()
-    spec_ = tables.load_spec(tmp_path / "spec.yaml")
-    lines = tables.setting_lines(tables.Tables(spec_, tmp_path / "work" / "tiny", "inprocess", 1), "iid")
-    final = {r["method"]: float(r["accuracy_mean"]) for r in tables.read_rows(tmp_path / "docs" / "tiny.csv")}
-    assert all(len(r["config_hash"]) == 64 for r in tables.read_rows(tmp_path / "docs" / "tiny.csv"))  # the record
+    spec_ = tables_spec.load_spec(tmp_path / "spec.yaml")
+    lines = tables_report.setting_lines(tables_run.Tables(spec_, tmp_path / "work" / "tiny", "inprocess", 1), "iid")
+    final = {r["method"]: float(r["accuracy_mean"]) for r in tables_spec.read_rows(tmp_path / "docs" / "tiny.csv")}
+    assert all(len(r["config_hash"]) == 64 for r in tables_spec.read_rows(tmp_path / "docs" / "tiny.csv"))  # the record
     curves = compare.comparison_curves(lines)
     assert [c.label for c in curves] == ["fedavg", "local"]  # one line per method, named by its label
     assert {c.label: c.mean[-1] for c in curves} == pytest.approx(final)  # the figure's last point is the table's
-    assert tables.main(argv) == 0  # resumes: nothing is trained again
+    assert cli.main(["tables", *argv]) == 0  # resumes: nothing is trained again
     for p in logs:
         second = p.read_text().rsplit("$ fedapps", 1)[1]
         assert "seed 0: " in second and ": running" not in second and ": rerunning" not in second
@@ -288,7 +290,9 @@ def test_tables_end_to_end_tunes_runs_and_reports(tmp_path):
 def test_report_keeps_published_rows_of_settings_whose_work_folder_is_gone(tmp_path):
     """A fresh work folder regenerates the report for what ran; the other settings keep their published rows
     (the CSVs are the durable record), and the report names them."""
-    spec = tables.load_spec(write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1]}}, "local": {}}))
+    spec = tables_spec.load_spec(
+        write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1]}}, "local": {}})
+    )
     docs = tmp_path / "docs"
     docs.mkdir()
     keys = [
@@ -306,7 +310,7 @@ def test_report_keeps_published_rows_of_settings_whose_work_folder_is_gone(tmp_p
         "wall_seconds",
         "chosen:client.lr",
     ]
-    tables.write_csv(
+    tables_spec.write_csv(
         docs / "demo.csv",
         keys,
         [
@@ -314,30 +318,30 @@ def test_report_keeps_published_rows_of_settings_whose_work_folder_is_gone(tmp_p
             dict(zip(keys, ["b", "local", "local", "local", 3, 0.55, 0.03, 0.5, 0.01, 0, 0, 4, ""])),
         ],
     )
-    tables.write_csv(
+    tables_spec.write_csv(
         docs / "demo-tuning.csv",
         ["setting", "method", "grid", "validation_scores"],
         [
             {
                 "setting": "b",
                 "method": "fedavg",
-                "grid": tables.grid_text(spec.methods[0]),
+                "grid": tables_spec.grid_text(spec.methods[0]),
                 "validation_scores": "client.lr=0.01: 0.3",
             }
         ],
     )
-    md = tables.report(spec, tmp_path / "empty-work", docs).read_text()
+    md = tables_report.report(spec, tmp_path / "empty-work", docs).read_text()
     assert "| fedavg | 0.610 ± 0.020 | 0.600 ± 0.010 | — | — | — | 1.000 | 1.000 | 9 | client.lr=0.1 |" in md
     assert "| local | 0.550 ± 0.030 |" in md and "(no grid) |" in md
     assert "## a\n\nnot run yet" in md  # nothing invented for the setting that has no record
     assert "Carried over" in md and "b (all methods)" in md
     assert "| fedavg | b | client.lr ∈ {0.01, 0.1} | client.lr=0.01: 0.3 |" in md
-    again = tables.read_rows(docs / "demo.csv")  # the record survives its own regeneration unchanged
+    again = tables_spec.read_rows(docs / "demo.csv")  # the record survives its own regeneration unchanged
     assert [(r["setting"], r["method"], r["accuracy_mean"], r["chosen:client.lr"]) for r in again] == [
         ("b", "fedavg", "0.61", "0.1"),
         ("b", "local", "0.55", ""),
     ]
-    assert tables.read_rows(docs / "demo-tuning.csv")[0]["validation_scores"] == "client.lr=0.01: 0.3"
+    assert tables_spec.read_rows(docs / "demo-tuning.csv")[0]["validation_scores"] == "client.lr=0.01: 0.3"
 
 
 def test_published_rows_that_no_longer_match_the_spec_are_withdrawn_not_carried(tmp_path):
@@ -350,11 +354,11 @@ def test_published_rows_that_no_longer_match_the_spec_are_withdrawn_not_carried(
         "fedprox": {"set": ["strategy.params.fedprox.mu=0.5"]},
         "cw": {"set": ["strategy.name=fedavg", "rounds=7"], "withdrawn_rows": "it ran 2 rounds\n before"},
     }
-    spec = tables.load_spec(write_spec(tmp_path, methods=methods, settings={"a": str(BASE)}))
+    spec = tables_spec.load_spec(write_spec(tmp_path, methods=methods, settings={"a": str(BASE)}))
     by_name = {m.name: m for m in spec.methods}
     docs = tmp_path / "docs"
     docs.mkdir()
-    probe = tables.Tables(spec, tmp_path / "probe", "inprocess", 1)
+    probe = tables_run.Tables(spec, tmp_path / "probe", "inprocess", 1)
     local_hash = probe.final_hash("a", by_name["local"])
     keys = [
         "setting",
@@ -375,12 +379,12 @@ def test_published_rows_that_no_longer_match_the_spec_are_withdrawn_not_carried(
     ]
     rows = [["fedavg", "0.1", "2"], ["local", "", ""], ["fedprox", "", ""], ["cw", "", ""]]
     hashes = {"fedavg": "", "local": local_hash, "fedprox": "0" * 64, "cw": ""}
-    tables.write_csv(
+    tables_spec.write_csv(
         docs / "demo.csv",
         keys,
         [dict(zip(keys, ["a", n, n, n, 3, 0.6, 0.01, 0.6, 0.01, 0, 0, 1, hashes[n], lr, ep])) for n, lr, ep in rows],
     )
-    tables.write_csv(
+    tables_spec.write_csv(
         docs / "demo-tuning.csv",
         ["setting", "method", "grid", "validation_scores"],
         [
@@ -392,7 +396,7 @@ def test_published_rows_that_no_longer_match_the_spec_are_withdrawn_not_carried(
             }
         ],
     )
-    md = tables.report(spec, tmp_path / "work", docs).read_text()
+    md = tables_report.report(spec, tmp_path / "work", docs).read_text()
     assert (
         "| fedavg | not run yet; the published row was withdrawn (fedavg is now tuned over client.lr ∈ {0.01, 0.1})"
         in md
@@ -400,40 +404,42 @@ def test_published_rows_that_no_longer_match_the_spec_are_withdrawn_not_carried(
     assert "| local | 0.600 ± 0.010 |" in md  # same hash: carried
     assert "| fedprox † | 0.600 ± 0.010 |" in md and "refreshes them: fedprox." in md
     assert "| cw | not run yet; the published row was withdrawn (it ran 2 rounds before) |" in md
-    assert sorted(r["method"] for r in tables.read_rows(docs / "demo.csv")) == ["fedprox", "local"]
+    assert sorted(r["method"] for r in tables_spec.read_rows(docs / "demo.csv")) == ["fedprox", "local"]
     assert "Carried over" in md and "a (fedprox, local)" in md
 
 
 def test_a_published_choice_stands_in_for_a_lost_tuning_only_over_the_same_grid(tmp_path, monkeypatch):
     """`tune_on: {b: a}` with a's tuning known only from the published record: b's final config takes a's
     published values (typed, not strings) and a is not tuned again; a record tuned over another grid is not used."""
-    spec = tables.load_spec(
+    spec = tables_spec.load_spec(
         write_spec(tmp_path, tune_on={"b": "a"}, methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1]}}})
     )
     m = spec.methods[0]
     docs = tmp_path / "docs"
     docs.mkdir()
     keys = ["setting", "method", "config", "accuracy_mean", "chosen:client.lr"]
-    tables.write_csv(docs / "demo.csv", keys, [dict(zip(keys, ["a", "fedavg", "fedavg", 0.7, "0.1"]))])
+    tables_spec.write_csv(docs / "demo.csv", keys, [dict(zip(keys, ["a", "fedavg", "fedavg", 0.7, "0.1"]))])
     tuning = docs / "demo-tuning.csv"
-    tables.write_csv(
+    tables_spec.write_csv(
         tuning,
         ["setting", "method", "grid", "validation_scores"],
-        [{"setting": "a", "method": "fedavg", "grid": tables.grid_text(m), "validation_scores": "x"}],
+        [{"setting": "a", "method": "fedavg", "grid": tables_spec.grid_text(m), "validation_scores": "x"}],
     )
     calls = []
-    monkeypatch.setattr(tables, "fedapps", lambda args, log, jobs=1: calls.append(args))
-    t = tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs)
+    monkeypatch.setattr(tables_run, "fedapps", lambda args, log, jobs=1: calls.append(args))
+    t = tables_run.Tables(spec, tmp_path / "work", "inprocess", 1, docs)
     t.run(["b"], spec.methods, {"tune"})
     assert calls == []  # a's published choice stands; nothing is tuned
     assert load_config(t.final_config("b", m)).client.lr == 0.1
-    assert tables.Tables(spec, tmp_path / "work", "inprocess", 1).recorded_choice("a", m) is None  # no --out: no record
-    tables.write_csv(
+    assert (
+        tables_run.Tables(spec, tmp_path / "work", "inprocess", 1).recorded_choice("a", m) is None
+    )  # no --out: no record
+    tables_spec.write_csv(
         tuning,
         ["setting", "method", "grid", "validation_scores"],
         [{"setting": "a", "method": "fedavg", "grid": "client.lr ∈ {0.5}", "validation_scores": "x"}],
     )
-    t = tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs)
+    t = tables_run.Tables(spec, tmp_path / "work", "inprocess", 1, docs)
     with pytest.raises(RuntimeError, match="run the tuning stage first"):
         t.final_config("b", m)
     t.run(["b"], spec.methods, {"tune"})
@@ -443,21 +449,23 @@ def test_a_published_choice_stands_in_for_a_lost_tuning_only_over_the_same_grid(
 def test_a_published_row_of_the_same_final_config_is_not_run_again(tmp_path, monkeypatch):
     """The final stage skips a setting × method whose published row carries the hash of today's final config (a run
     made in an earlier clone), and runs it when the config changed since, or when asked to rerun published rows."""
-    spec = tables.load_spec(write_spec(tmp_path, methods={"local": {}}, settings={"a": str(BASE)}))
+    spec = tables_spec.load_spec(write_spec(tmp_path, methods={"local": {}}, settings={"a": str(BASE)}))
     m = spec.methods[0]
     docs = tmp_path / "docs"
     docs.mkdir()
-    t = tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs)
+    t = tables_run.Tables(spec, tmp_path / "work", "inprocess", 1, docs)
     keys = ["setting", "method", "config", "accuracy_mean", "config_hash"]
     calls = []
-    monkeypatch.setattr(tables, "fedapps", lambda args, log, jobs=1: calls.append(args))
+    monkeypatch.setattr(tables_run, "fedapps", lambda args, log, jobs=1: calls.append(args))
     for recorded, runs in ((t.final_hash("a", m), 0), ("0" * 64, 1)):
-        tables.write_csv(docs / "demo.csv", keys, [dict(zip(keys, ["a", "local", "local", 0.5, recorded]))])
-        tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs).run(["a"], spec.methods, {"final"})
+        tables_spec.write_csv(docs / "demo.csv", keys, [dict(zip(keys, ["a", "local", "local", 0.5, recorded]))])
+        tables_run.Tables(spec, tmp_path / "work", "inprocess", 1, docs).run(["a"], spec.methods, {"final"})
         assert len(calls) == runs
     assert calls[0][0] == "compare"
-    tables.write_csv(docs / "demo.csv", keys, [dict(zip(keys, ["a", "local", "local", 0.5, t.final_hash("a", m)]))])
-    rerun = tables.Tables(spec, tmp_path / "work", "inprocess", 1, docs, rerun_published=True)
+    tables_spec.write_csv(
+        docs / "demo.csv", keys, [dict(zip(keys, ["a", "local", "local", 0.5, t.final_hash("a", m)]))]
+    )
+    rerun = tables_run.Tables(spec, tmp_path / "work", "inprocess", 1, docs, rerun_published=True)
     rerun.run(["a"], spec.methods, {"final"})
     assert len(calls) == 2 and calls[1][0] == "compare"  # --rerun-published: reproduced, not skipped
 
@@ -470,14 +478,14 @@ def test_fairness_columns_are_recomputed_from_the_runs_per_client_accuracies(tmp
         d = tmp_path / f"m-s{seed}"
         d.mkdir()
         keys = ["round", "acc_mean"] + [f"acc_client_{i}" for i in range(4)]
-        tables.write_csv(
+        tables_spec.write_csv(
             d / "rounds.csv",
             keys,
             [dict(zip(keys, [1, 0.1, 0.0, 0.0, 0.0, 0.0])), dict(zip(keys, [2, sum(last) / 4, *last])), {"round": 3}],
         )  # a row with no measurement comes last
         (d / "summary.json").write_text("{}")
         folders.append(d)
-    got = tables.fairness_from_runs(folders)
+    got = tables_report.fairness_from_runs(folders)
     assert got["accuracy_worst10"] == pytest.approx(0.3) and got["accuracy_worst10_sem"] == pytest.approx(0.1)
     std0, std1 = np.std([0.2, 0.9, 0.8, 0.7]), np.std([0.4, 0.9, 0.9, 0.9])  # population std
     assert got["accuracy_std"] == pytest.approx((std0 + std1) / 2)
@@ -486,8 +494,10 @@ def test_fairness_columns_are_recomputed_from_the_runs_per_client_accuracies(tmp
 def test_runs_that_lost_replies_are_flagged_in_the_report(tmp_path):
     """A table row whose runs missed replies or skipped a round (a round that timed out) is marked, and the
     report names each such run; complete runs are not."""
-    spec = tables.load_spec(write_spec(tmp_path, methods={"fedavg": {}}, settings={"a": str(BASE)}, seeds=[0, 1, 2]))
-    t = tables.Tables(spec, tmp_path / "work", "inprocess", 1)
+    spec = tables_spec.load_spec(
+        write_spec(tmp_path, methods={"fedavg": {}}, settings={"a": str(BASE)}, seeds=[0, 1, 2])
+    )
+    t = tables_run.Tables(spec, tmp_path / "work", "inprocess", 1)
     m = spec.methods[0]
     runs = t.compare_dir("a", m) / "runs"
     keys = ["round", "acc_mean", "replies_missing", "skipped"]
@@ -498,25 +508,25 @@ def test_runs_that_lost_replies_are_flagged_in_the_report(tmp_path):
     }
     for seed, rows in lost.items():
         write_run(runs / f"fedavg-s{seed}", keys, rows)
-    assert tables.delivery_shortfalls(sorted(runs.iterdir())) == [
+    assert tables_report.delivery_shortfalls(sorted(runs.iterdir())) == [
         "seed 1: 3 replies missing",
         "seed 2: 4 replies missing, rounds skipped [2]",
     ]
     write_comparison(t.compare_dir("a", m), ["fedavg", "fedavg", 3, 0.6, 0.01, 0.6, 0.01, 1048576, 1048576, 9])
-    md = tables.report(spec, tmp_path / "work", tmp_path / "docs").read_text()
+    md = tables_report.report(spec, tmp_path / "work", tmp_path / "docs").read_text()
     assert "| fedavg ⚠ | 0.600 ± 0.010 |" in md
     assert "fedavg: seed 1: 3 replies missing, seed 2: 4 replies missing, rounds skipped [2]." in md
     for seed in (1, 2):  # rerun complete
-        tables.write_csv(runs / f"fedavg-s{seed}" / "rounds.csv", keys, [dict(zip(keys, r)) for r in lost[0]])
-    md = tables.report(spec, tmp_path / "work", tmp_path / "docs").read_text()
+        tables_spec.write_csv(runs / f"fedavg-s{seed}" / "rounds.csv", keys, [dict(zip(keys, r)) for r in lost[0]])
+    md = tables_report.report(spec, tmp_path / "work", tmp_path / "docs").read_text()
     assert "| fedavg | 0.600 ± 0.010 |" in md and "lost replies" not in md
 
 
 def test_figures_keep_the_published_one_for_carried_settings_and_name_the_curves_they_lack(tmp_path):
     """Setting a: fedavg ran here, local is carried over → a figure of fedavg that says local is not drawn.
     Setting b: every row carried over → the published figure is linked and left as it was, not redrawn."""
-    spec = tables.load_spec(write_spec(tmp_path, methods={"fedavg": {}, "local": {}}))
-    t = tables.Tables(spec, tmp_path / "work", "inprocess", 1)
+    spec = tables_spec.load_spec(write_spec(tmp_path, methods={"fedavg": {}, "local": {}}))
+    t = tables_run.Tables(spec, tmp_path / "work", "inprocess", 1)
     fedavg = spec.methods[0]
     for seed in (0, 1):
         write_run(
@@ -529,7 +539,7 @@ def test_figures_keep_the_published_one_for_carried_settings_and_name_the_curves
     docs = tmp_path / "docs"
     docs.mkdir()
     rec = ["setting", "method", "config", *COMPARISON_COLUMNS[3:]]
-    tables.write_csv(
+    tables_spec.write_csv(
         docs / "demo.csv",
         rec,
         [
@@ -538,7 +548,7 @@ def test_figures_keep_the_published_one_for_carried_settings_and_name_the_curves
         ],
     )
     (docs / "demo-b.png").write_bytes(b"published figure")
-    md = tables.report(spec, tmp_path / "work", docs).read_text()
+    md = tables_report.report(spec, tmp_path / "work", docs).read_text()
     assert "(not drawn: local, carried over without their runs)](demo-a.png)" in md and (
         docs / "demo-a.png"
     ).read_bytes().startswith(b"\x89PNG")
@@ -548,10 +558,10 @@ def test_figures_keep_the_published_one_for_carried_settings_and_name_the_curves
     (docs / "demo.md").write_text(
         md.replace("(published with the carried-over rows)](demo-b.png)", "(lacks x)](demo-b.png)")
     )
-    md = tables.report(spec, tmp_path / "work", docs).read_text()
+    md = tables_report.report(spec, tmp_path / "work", docs).read_text()
     assert "mean ± SEM over seeds (lacks x)](demo-b.png)" in md and "published with" not in md
     (docs / "demo-b.png").unlink()  # no published figure: no link to a file that is not there
-    assert "demo-b.png" not in tables.report(spec, tmp_path / "work", docs).read_text()
+    assert "demo-b.png" not in tables_report.report(spec, tmp_path / "work", docs).read_text()
 
 
 def test_a_method_runs_only_in_its_settings_and_the_report_says_which_column_its_paper_reports(tmp_path, monkeypatch):
@@ -566,11 +576,11 @@ def test_a_method_runs_only_in_its_settings_and_the_report_says_which_column_its
             "fednh": {"settings": ["a"], "paper_metric": "after-training", "paper_note": "the released code's metric"},
         },
     )
-    spec = tables.load_spec(p)
+    spec = tables_spec.load_spec(p)
     work = tmp_path / "work"
-    t = tables.Tables(spec, work, "inprocess", 1)
+    t = tables_run.Tables(spec, work, "inprocess", 1)
     ran = []
-    monkeypatch.setattr(tables.Tables, "compare", lambda self, s, m: ran.append((s, m.name)))
+    monkeypatch.setattr(tables_run.Tables, "compare", lambda self, s, m: ran.append((s, m.name)))
     t.run(["a", "b"], spec.methods, {"final"})
     assert sorted(ran) == [("a", "fedavg"), ("a", "fednh"), ("b", "fedavg")]
     for setting, name, generic in (("a", "fedavg", ""), ("a", "fednh", 0.91), ("b", "fedavg", "")):
@@ -578,7 +588,7 @@ def test_a_method_runs_only_in_its_settings_and_the_report_says_which_column_its
         folder = t.compare_dir(setting, m)
         folder.mkdir(parents=True)
         keys = COMPARISON_COLUMNS + ["final_generic_acc_mean", "final_generic_acc_mean_sem"]
-        tables.write_csv(
+        tables_spec.write_csv(
             folder / "comparison.csv",
             keys,
             [
@@ -591,8 +601,10 @@ def test_a_method_runs_only_in_its_settings_and_the_report_says_which_column_its
             ],
         )
         if setting == "a":
-            (folder / tables.PROVENANCE).write_text(json.dumps({"commit": "abc123", "machine": "2 CPU cores, no GPU"}))
-    md = tables.report(spec, work, tmp_path / "docs" / "results").read_text()
+            (folder / tables_run.PROVENANCE).write_text(
+                json.dumps({"commit": "abc123", "machine": "2 CPU cores, no GPU"})
+            )
+    md = tables_report.report(spec, work, tmp_path / "docs" / "results").read_text()
     section_a, section_b = md.split("## a (")[1].split("## b (")
     assert "global model |" in section_a and "global model |" not in section_b  # only where a row has it
     assert "| fednh | 0.800 ± 0.010 |" in section_a and "0.910 ± 0.020 |" in section_a
@@ -604,26 +616,26 @@ def test_a_method_runs_only_in_its_settings_and_the_report_says_which_column_its
     assert "Measured with commit `abc123` on 2 CPU cores, no GPU (fedavg, fednh)." in section_a
     assert "Measured with a commit not recorded (fedavg)." in section_b
     link = md.split("[evaluation protocol](")[1].split(")")[0]  # relative to the page: it resolves wherever it is
-    assert (tmp_path / "docs" / "results" / link).resolve() == tables.REPO / "docs" / "evaluation.md"
-    rows = tables.read_rows(tmp_path / "docs" / "results" / "demo.csv")
+    assert (tmp_path / "docs" / "results" / link).resolve() == tables_run.REPO / "docs" / "evaluation.md"
+    rows = tables_spec.read_rows(tmp_path / "docs" / "results" / "demo.csv")
     assert [(r["setting"], r["method"], r["commit"]) for r in rows] == [
         ("a", "fedavg", "abc123"),
         ("a", "fednh", "abc123"),
         ("b", "fedavg", ""),
     ]
     with pytest.raises(ConfigError, match="methods.fednh.settings"):
-        tables.load_spec(write_spec(tmp_path, methods={"fednh": {"settings": ["zz"]}}))
+        tables_spec.load_spec(write_spec(tmp_path, methods={"fednh": {"settings": ["zz"]}}))
     with pytest.raises(ConfigError, match="paper_metric 'best'"):
-        tables.load_spec(write_spec(tmp_path, methods={"fednh": {"paper_metric": "best"}}))
+        tables_spec.load_spec(write_spec(tmp_path, methods={"fednh": {"paper_metric": "best"}}))
 
 
 def test_provenance_names_the_checkout_commit_and_the_machine():
-    got = tables.provenance()
-    head = tables.subprocess.run(
-        ["git", "rev-parse", "--short=10", "HEAD"], cwd=tables.REPO, capture_output=True, text=True
+    got = tables_run.provenance()
+    head = tables_run.subprocess.run(
+        ["git", "rev-parse", "--short=10", "HEAD"], cwd=tables_run.REPO, capture_output=True, text=True
     ).stdout.strip()
     assert got["commit"].split("+")[0] == (head or "unknown")
-    assert got["machine"].startswith(f"{tables.os.cpu_count()} CPU cores")
+    assert got["machine"].startswith(f"{tables_run.os.cpu_count()} CPU cores")
 
 
 def test_published_rows_without_a_commit_name_the_commit_that_published_them(tmp_path):
@@ -631,7 +643,7 @@ def test_published_rows_without_a_commit_name_the_commit_that_published_them(tmp
     wrote each row (stamped as ``published_in``, so it survives the report rewriting the file)."""
     import subprocess
 
-    spec = tables.load_spec(write_spec(tmp_path, methods={"fedavg": {}, "local": {}}, settings={"a": str(BASE)}))
+    spec = tables_spec.load_spec(write_spec(tmp_path, methods={"fedavg": {}, "local": {}}, settings={"a": str(BASE)}))
     docs = tmp_path / "docs"
     docs.mkdir()
     keys = [
@@ -649,7 +661,7 @@ def test_published_rows_without_a_commit_name_the_commit_that_published_them(tmp
         "wall_seconds",
     ]
     row = ["a", "fedavg", "fedavg", "fedavg", 3, 0.61, 0.02, 0.6, 0.01, 1, 1, 9]
-    tables.write_csv(docs / "demo.csv", keys, [dict(zip(keys, row))])
+    tables_spec.write_csv(docs / "demo.csv", keys, [dict(zip(keys, row))])
 
     def git(*args):
         return subprocess.run(
@@ -664,7 +676,7 @@ def test_published_rows_without_a_commit_name_the_commit_that_published_them(tmp
     git("add", "demo.csv")
     git("commit", "-qm", "first row")
     first = git("rev-parse", "--short=10", "HEAD")
-    tables.write_csv(
+    tables_spec.write_csv(
         docs / "demo.csv",
         keys,
         [dict(zip(keys, row)), dict(zip(keys, ["a", "local", "local", "local", 3, 0.5, 0.1, 0.5, 0.1, 0, 0, 4]))],
@@ -672,10 +684,10 @@ def test_published_rows_without_a_commit_name_the_commit_that_published_them(tmp
     git("commit", "-qam", "second row")
     second = git("rev-parse", "--short=10", "HEAD")
     assert first != second
-    md = tables.report(spec, tmp_path / "empty-work", docs).read_text()
+    md = tables_report.report(spec, tmp_path / "empty-work", docs).read_text()
     assert f"runs published in commit `{first}` (their own commit was not recorded) (fedavg)" in md
     assert f"runs published in commit `{second}` (their own commit was not recorded) (local)" in md
-    assert [r["published_in"] for r in tables.read_rows(docs / "demo.csv")] == [first, second]
+    assert [r["published_in"] for r in tables_spec.read_rows(docs / "demo.csv")] == [first, second]
 
 
 def test_parallel_jobs_share_the_cores_between_their_in_process_engines(tmp_path, monkeypatch):
@@ -684,14 +696,14 @@ def test_parallel_jobs_share_the_cores_between_their_in_process_engines(tmp_path
     class Done:
         returncode = 0
 
-    monkeypatch.setattr(tables.subprocess, "run", lambda cmd, **kw: seen.append(kw["env"]) or Done())
+    monkeypatch.setattr(tables_run.subprocess, "run", lambda cmd, **kw: seen.append(kw["env"]) or Done())
     monkeypatch.delenv("FEDAPPS_INPROCESS_WORKERS", raising=False)
-    monkeypatch.setattr(tables.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(tables_run.os, "cpu_count", lambda: 8)
     for jobs, workers in ((1, "8"), (2, "4"), (3, "2"), (16, "1")):
-        tables.fedapps(["run"], tmp_path / "log.txt", jobs)
+        tables_run.fedapps(["run"], tmp_path / "log.txt", jobs)
         assert seen[-1]["FEDAPPS_INPROCESS_WORKERS"] == workers and seen[-1]["OMP_NUM_THREADS"] == "1"
     monkeypatch.setenv("FEDAPPS_INPROCESS_WORKERS", "3")  # the user's own choice stands
-    tables.fedapps(["run"], tmp_path / "log.txt", 2)
+    tables_run.fedapps(["run"], tmp_path / "log.txt", 2)
     assert seen[-1]["FEDAPPS_INPROCESS_WORKERS"] == "3"
 
 
@@ -710,17 +722,17 @@ def test_provenance_is_recorded_when_runs_finish_and_names_every_commit_of_a_res
     for d in runs:
         os.utime(d / "summary.json", (old_time, old_time))
     a = {"commit": "aaa", "machine": "m", "date": "d"}
-    tables.record_provenance(folder, a, since=time.time())  # nothing finished since
-    assert tables.read_provenance(folder) == {}
-    tables.record_provenance(folder, a, since=old_time - 1)  # both runs finished under a
-    assert tables.read_provenance(folder)["commit"] == "aaa"
+    tables_run.record_provenance(folder, a, since=time.time())  # nothing finished since
+    assert tables_run.read_provenance(folder) == {}
+    tables_run.record_provenance(folder, a, since=old_time - 1)  # both runs finished under a
+    assert tables_run.read_provenance(folder)["commit"] == "aaa"
     since = time.time() - 1
     (runs[1] / "summary.json").write_text("{}")  # seed 1 resumed and finished under b
-    tables.record_provenance(folder, {**a, "commit": "bbb"}, since=since)
-    assert tables.read_provenance(folder)["commit"] == "aaa, bbb"
-    tables.record_provenance(folder, {**a, "commit": "bbb"}, since=since)
-    assert tables.read_provenance(folder)["commit"] == "aaa, bbb"
+    tables_run.record_provenance(folder, {**a, "commit": "bbb"}, since=since)
+    assert tables_run.read_provenance(folder)["commit"] == "aaa, bbb"
+    tables_run.record_provenance(folder, {**a, "commit": "bbb"}, since=since)
+    assert tables_run.read_provenance(folder)["commit"] == "aaa, bbb"
     for d in runs:  # every run made again under c: c alone
         (d / "summary.json").write_text("{}")
-    tables.record_provenance(folder, {**a, "commit": "ccc"}, since=since)
-    assert tables.read_provenance(folder)["commit"] == "ccc"
+    tables_run.record_provenance(folder, {**a, "commit": "ccc"}, since=since)
+    assert tables_run.read_provenance(folder)["commit"] == "ccc"

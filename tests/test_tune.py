@@ -20,7 +20,7 @@ from fedapps.config import ConfigError, DataConfig, config_hash, load_config
 from fedapps.data import DataError, build_federation, check_spec, clear_federation_cache, load_source
 from fedapps.data.federation import validation_split
 from fedapps.seeds import derive_rng
-from fedapps_tools import cli
+from fedapps_tools import cli, launch
 from fedapps_tools.tune import choose_point, grid_points, parse_grid, parse_value
 
 torch.set_num_threads(1)
@@ -139,7 +139,7 @@ def tuned(tmp_path_factory):
     test_samples = {int(v) for t in build_federation(data).test_indices for v in t}
     real = federation.load_source
     calls = {"execute": 0}
-    real_execute = cli.execute
+    real_execute = launch.execute
 
     def guarded_source(*a, **kw):
         ds = real(*a, **kw)
@@ -151,7 +151,7 @@ def tuned(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(federation, "load_source", guarded_source)
-        mp.setattr(cli, "execute", counting_execute)
+        mp.setattr(launch, "execute", counting_execute)
         clear_federation_cache()
         # the guard bites: building the test split now fails
         with pytest.raises(AssertionError, match="test-split samples were read"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, run_in_process, write_config
+from conftest import ROOT, run_folder, run_in_process, write_config
 from fedapps.config import config_from_dict, load_config
 from fedapps.data import DataError, build_federation
 from fedapps.flower.inprocess import InProcessGrid
@@ -195,7 +196,7 @@ def test_fedapps_run_with_the_inprocess_engine(tmp_path, capsys):
     out = tmp_path / "out"
     assert cli.main(["run", str(cfg), "--engine", "inprocess", "--output-dir", str(out), "--quiet"]) == 0
     (run,) = [d for d in out.iterdir() if (d / "summary.json").is_file()]
-    assert run.name == "fedper-user_code-digits_dataset-iid-s0"
+    assert re.fullmatch(r"fedper-user_code-digits_dataset-iid-s0-[0-9a-f]{8}", run.name), run.name
     summary = json.loads((run / "summary.json").read_text())
     assert isinstance(summary["accuracy_mean"], float) and not summary["problems"], summary
     recorded = load_config(run / "config.yaml")
@@ -262,7 +263,7 @@ def test_flwr_run_imports_the_users_model_and_data_through_pythonpath(tmp_path):
         env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((out / "fedper-user_code-digits_dataset-iid-s0" / "summary.json").read_text())
+    summary = json.loads((run_folder(out) / "summary.json").read_text())
     assert isinstance(summary["accuracy_mean"], float) and not summary["problems"], summary
-    rows = read_csv(out / "fedper-user_code-digits_dataset-iid-s0" / "rounds.csv")
+    rows = read_csv(run_folder(out) / "rounds.csv")
     assert [r["clients"] for r in rows] == [3, 3]
