@@ -32,7 +32,8 @@ from pathlib import Path
 from fedapps.config import ConfigError, ExperimentConfig, load_config
 from fedapps.importpath import shadowed_modules
 from fedapps.reporting.results import EXIT_FAILED, EXIT_STATUSES, UnusableRun, summary_exit_status
-from fedapps_tools import raycluster
+from fedapps_tools import interrupted, raycluster
+from fedapps_tools.devicecheck import check_devices
 from fedapps_tools.flwrcli import (
     CONNECTION,
     RunFailed,
@@ -466,6 +467,15 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
                 from fedapps import checkpoint
 
                 checkpoint.check_fresh(out / resolved_config(cfg).resolved_run_name())
+            check_devices(
+                resolved_config(cfg),
+                args.engine,
+                raycluster.client_resources(
+                    getattr(args, "federation_config", "") or "", args.cpus_per_client, args.gpus_per_client
+                )[1],
+                superlink=bool(args.superlink),
+                ray_cluster=bool(ray_address),
+            )
             if not ray_address:
                 check_gpu_request(args)
         except BaseException:
@@ -644,7 +654,10 @@ def build_parser() -> argparse.ArgumentParser:
         "with --html write one self-contained HTML report of it",
     )
     rep.add_argument(
-        "result_dir", metavar="RESULT_DIR", help="a run folder (<output-dir>/<run-name>) or a `fedapps compare` folder"
+        "result_dir",
+        metavar="RESULT_DIR",
+        help="a run folder (<output-dir>/<run-name>), a `fedapps compare` or `fedapps tune` folder, or a folder "
+        "holding any of them (e.g. results: with --html an index page of them all, sortable, linking each report)",
     )
     rep.add_argument(
         "--html",
@@ -700,28 +713,48 @@ def run_overrides(args: argparse.Namespace) -> list[str]:
 def report(args: argparse.Namespace) -> int:
     """`fedapps report DIR [--html [--out FILE]]`: the HTML page, or the summary table (a run folder) or
     comparison.md (a comparison folder) on stdout."""
-    from fedapps_tools.html_report import ReportError, write_report
+    from fedapps_tools import results_index
+    from fedapps_tools.html_report import ReportError, folder_kind, write_report
 
     folder = Path(args.result_dir).expanduser()
     try:
+        kind = folder_kind(folder)
+        if args.html and kind is None:  # a folder of results: the index of every run, comparison and tuning in it
+            page, folders, problems = results_index.write_index(folder, args.out)
+            for problem in problems:
+                print(f"report: not indexed: {problem}", file=sys.stderr)
+            print(f"report: {page} (index of {folders} result folders, each linked to its report)")
+            return 0
         if args.html:
             print(f"report: {write_report(folder, args.out)}")
             return 0
         if args.out:
             raise ReportError("--out names the HTML file: add --html")
-        if (folder / "summary.json").is_file():
+        if kind == "run":
             print_summary(folder)
-        elif (folder / "comparison.md").is_file():
+        elif kind == "comparison" and (folder / "comparison.md").is_file():
             print((folder / "comparison.md").read_text(), end="")
+        elif kind == "tune" and (folder / "tuning.md").is_file():
+            print((folder / "tuning.md").read_text(), end="")
         else:
-            raise ReportError(
-                f"'{folder}' is neither a run folder (summary.json) nor a `fedapps compare` folder "
-                "(comparison.md); pass one of those"
-            )
+            print(results_index.index_text(folder), end="")
     except ReportError as exc:
         print(f"report: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def interrupted_run_dir(args: argparse.Namespace) -> Path | None:
+    """The folder of the `fedapps run` that was interrupted (None for other commands, or when it cannot be told)."""
+    if args.command != "run":
+        return None
+    if getattr(args, "resume", None):
+        return Path(args.resume).expanduser().resolve()
+    try:
+        cfg = load_config(Path(args.config).expanduser(), run_overrides(args))
+        return resolve_root(args.output_dir, cfg.output_dir) / resolved_config(cfg).resolved_run_name()
+    except Exception:  # noqa: BLE001 - only a hint: an error here must not hide the interruption
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -766,6 +799,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(getattr(exc, "exit_status", EXIT_FAILED))
     except KeyboardInterrupt:
         print("interrupted; the processes this run started were stopped", file=sys.stderr)
+        print(interrupted.message(argv, interrupted_run_dir(args)), file=sys.stderr)
         return 130
     return 0
 

@@ -18,7 +18,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fedapps.config import ConfigError, ExperimentConfig, split_overrides, unused_settings, with_strategy_params
+from fedapps.config import (
+    ConfigError,
+    ExperimentConfig,
+    did_you_mean,
+    split_overrides,
+    unused_settings,
+    with_strategy_params,
+)
 from fedapps.data import DataError, check_spec, spec_info, unused_data_keys
 from fedapps.importpath import is_import_path
 from fedapps.models import check_model_names, check_user_model
@@ -80,7 +87,10 @@ def resolve(cfg: ExperimentConfig) -> ResolvedStrategy:
     check_user_models(cfg)
     name = cfg.strategy.name
     if name not in STRATEGIES:
-        raise ConfigError(f"'strategy.name' is '{name}', which is not known; allowed: {', '.join(sorted(STRATEGIES))}")
+        raise ConfigError(
+            f"'strategy.name' is '{name}', which is not known{did_you_mean(name, STRATEGIES)}; allowed: "
+            f"{', '.join(sorted(STRATEGIES))}"
+        )
     sections = cfg.strategy.params
     for key, section in sections.items():
         if key in STRATEGIES:
