@@ -732,7 +732,7 @@ def report(args: argparse.Namespace) -> int:
             raise ReportError("--out names the HTML file: add --html")
         if kind == "run":
             print_summary(folder)
-        elif kind == "comparison" and (folder / "comparison.md").is_file():
+        elif kind in ("comparison", None) and (folder / "comparison.md").is_file():
             print((folder / "comparison.md").read_text(), end="")
         elif kind == "tune" and (folder / "tuning.md").is_file():
             print((folder / "tuning.md").read_text(), end="")
