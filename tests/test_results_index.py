@@ -158,3 +158,57 @@ def test_the_index_sorts_in_a_browser(results, tmp_path, capsys):
     # text columns sort by their text
     dom = IndexPage(run_browser(exe, tmp_path, "--dump-dom", index.as_uri() + "#sort=kind:desc"))
     assert [r["kind"] for r in body_rows(dom)] == ["tune", "tune", "run", "comparison", "comparison"]
+
+
+NODE_SHIM = r"""
+const fs = require('fs');
+function el(attrs, cls) {
+  return { attrs: Object.assign({}, attrs), getAttribute(k) { return k in this.attrs ? this.attrs[k] : null; },
+    setAttribute(k, v) { this.attrs[k] = String(v); }, removeAttribute(k) { delete this.attrs[k]; },
+    classList: { contains: (c) => c === cls }, addEventListener(e, f) { this.click = f; } };
+}
+const head = [el({'data-column': 'kind'}, 'txt'), el({'data-column': 'accuracy'}, 'num')];
+const data = [['run', '0.5'], ['tune', ''], ['comparison', '0.9'], ['comparison', '0.1']];
+const rows = data.map(r => ({ cells: r.map(v => el({'data-sort': v})), label: r.join('/') }));
+const body = { rows: rows.slice(), appendChild(r) { this.rows.splice(this.rows.indexOf(r), 1); this.rows.push(r); } };
+global.document = { getElementById: () => ({ tHead: { rows: [{ cells: head }] }, tBodies: [body] }) };
+global.window = { location: { hash: process.argv[3] } };
+eval(fs.readFileSync(process.argv[2], 'utf8'));
+const order = () => body.rows.map(r => r.label).join(' ');
+const out = [order()];
+head[0].click(); out.push(order());
+head[0].click(); out.push(order());
+console.log(JSON.stringify(out));
+"""
+
+
+def test_the_sort_script_where_node_is_installed(tmp_path):
+    """The page's script on a stand-in for the DOM (where there is no Chromium, Node.js still runs it): #sort= sorts
+    numbers by value with empty cells last, a header click sorts by text and a second click the other way."""
+    import shutil
+    import subprocess
+
+    from fedapps_tools.results_index import SCRIPT
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("no node on PATH: the browser test above checks the script where Chromium is installed")
+    (tmp_path / "script.js").write_text(SCRIPT)
+    (tmp_path / "shim.js").write_text(NODE_SHIM)
+
+    def orders(hash_: str) -> list[str]:
+        proc = subprocess.run(
+            [node, str(tmp_path / "shim.js"), str(tmp_path / "script.js"), hash_],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    assert orders("#sort=accuracy:desc")[0] == "comparison/0.9 run/0.5 comparison/0.1 tune/"
+    assert orders("#sort=accuracy")[0] == "comparison/0.1 run/0.5 comparison/0.9 tune/"
+    unsorted, by_kind, by_kind_desc = orders("")
+    assert unsorted == "run/0.5 tune/ comparison/0.9 comparison/0.1"
+    assert by_kind == "comparison/0.9 comparison/0.1 run/0.5 tune/"  # stable: ties keep their order
+    assert by_kind_desc == "tune/ run/0.5 comparison/0.9 comparison/0.1"
