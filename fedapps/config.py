@@ -17,7 +17,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -141,10 +141,11 @@ class DataConfig:
     source: str = setting(
         "mnist5k",
         "the data set: a built-in source, nodes (each node brings its own data: "
+        "docs/data.md), folder:<path> (your own images, one folder per class, optionally in train/ and test/: "
         "docs/data.md), hf:<Hub id or folder> (Flower Datasets, optional extra hf), or your own "
         "loader as package.module:loader, returning (images, labels) or a torch Dataset (docs/data.md)",
         "fedapps.data.sources.SOURCES",
-        ("nodes", "hf:<name>", "package.module:loader"),
+        ("nodes", "folder:<path>", "hf:<name>", "package.module:loader"),
     )
     root: str = setting(
         "~/.cache/fedapps/data",
@@ -524,7 +525,9 @@ def _build_dataclass(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
     for key, value in raw.items():
         name = str(key).replace("-", "_")
         if name not in known:
-            raise ConfigError(f"unknown key '{prefix}{key}'; allowed keys here: {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"unknown key '{prefix}{key}'{did_you_mean(key, known)}; allowed keys here: {', '.join(sorted(known))}"
+            )
         f = known[name]
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(default):
@@ -591,11 +594,22 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def did_you_mean(value: object, allowed: Iterable[object]) -> str:
+    """`` (did you mean 'x'?)`` naming the allowed value(s) closest to a misspelt one; "" when none is close."""
+    import difflib
+
+    names = [str(a) for a in allowed]
+    close = difflib.get_close_matches(str(value), names, n=2, cutoff=0.75)
+    if not close:
+        close = [n for n in names if str(value).lower() == n.lower()]
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
 def _one_of(key: str, value: str, allowed: tuple[str, ...] | list[str]) -> None:
     hint = (
         " (YAML reads an unquoted on/off/yes/no/true/false as a boolean: quote the value)"
         if value in ("True", "False")
-        else ""
+        else did_you_mean(value, allowed)
     )
     _check(value in allowed, f"'{key}' is '{value}', which is not known; allowed: {', '.join(allowed)}{hint}")
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from fedapps.config import ConfigError, _build_dataclass
+from fedapps.config import ConfigError, _build_dataclass, did_you_mean
 
 META_KEY = "fedapps.param"
 
@@ -114,7 +114,10 @@ def check_value(key: str, value: Any, c: Constraint) -> None:
     note = f" ({c.help})" if c.help else ""
     allowed = c.allowed_choices()
     if allowed is not None and value not in allowed:
-        raise ConfigError(f"'{key}' is '{value}', which is not known; allowed: {', '.join(map(str, allowed))}{note}")
+        raise ConfigError(
+            f"'{key}' is '{value}', which is not known{did_you_mean(value, allowed)}; allowed: "
+            f"{', '.join(map(str, allowed))}{note}"
+        )
     if not c.in_range(value):
         raise ConfigError(f"'{key}' must be {c.range_text()}{note}, got {value}")
 

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedapps_tools.launch import OwnSuperLink, write_connection
 from fedapps_tools.flwrcli import CONNECTION, RunFailed, flower_env, flwr_json, run_status
+from fedapps_tools.launch import OwnSuperLink, write_connection
 
 
 @dataclass

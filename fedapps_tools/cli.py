@@ -14,6 +14,7 @@ import importlib
 import logging
 import os
 import sys
+from pathlib import Path
 from types import ModuleType
 
 from fedapps.config import ConfigError
@@ -54,8 +55,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def interrupted_run_dir(args: argparse.Namespace) -> Path | None:
+    """The folder of the `fedapps run` that was interrupted (None for other commands, or when it cannot be told)."""
+    if args.command != "run":
+        return None
+    if getattr(args, "resume", None):
+        return Path(args.resume).expanduser().resolve()
+    try:
+        from fedapps.config import load_config
+        from fedapps_tools import launch, runnames
+        from fedapps_tools.options import resolve_root
+        from fedapps_tools.run import run_overrides
+
+        cfg = load_config(Path(args.config).expanduser(), run_overrides(args))
+        name = cfg.run_name or runnames.derived_name(launch.resolved_config(cfg))
+        return resolve_root(args.output_dir, cfg.output_dir) / name
+    except Exception:  # noqa: BLE001 - only a hint: an error here must not hide the interruption
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
     try:
         return int(command_module(args.command).run(args))
     except ConfigError as exc:  # includes fedapps.data.DataError and fedapps.models' ModelError
@@ -65,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run failed: {exc}", file=sys.stderr)
         return int(getattr(exc, "exit_status", EXIT_FAILED))
     except KeyboardInterrupt:
+        from fedapps_tools import interrupted
+
         print("interrupted; the processes this run started were stopped", file=sys.stderr)
+        print(interrupted.message(argv, interrupted_run_dir(args)), file=sys.stderr)
         return 130
 
 

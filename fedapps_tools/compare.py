@@ -279,8 +279,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         (
             "Protocol: deployed model after the last round (docs/evaluation.md), on each client's own evaluation "
-            "split; mean ± SEM over seeds. Worst 10 %: the mean accuracy of the worst ceil(10 % of n) of the n "
-            "clients; std: the population standard deviation over clients."
+            "split; mean ± SEM over seeds (a row of 1 seed: its value alone). Worst 10 %: the mean accuracy of the "
+            "worst ceil(10 % of n) of the n clients; std: the population standard deviation over clients."
         ),
         "",
         (
@@ -294,8 +294,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         lines.append(
             f"| {r['config']} | {r['strategy']} | {setting_text(r)} | {r['seeds']} | "
-            f"{r['accuracy_mean']:.4f} ± {r['accuracy_mean_sem']:.4f} | "
-            f"{r['accuracy_weighted']:.4f} ± {r['accuracy_weighted_sem']:.4f} | "
+            f"{_pm(r, 'accuracy_mean')} | {_pm(r, 'accuracy_weighted')} | "
             f"{_pm(r, 'accuracy_worst10')} | {_pm(r, 'accuracy_std')} | "
             f"{_pm(r, 'accuracy_after_training_mean')} | "
             f"{r['bytes_up_per_client_round'] / mib:.3f} | {r['bytes_down_per_client_round'] / mib:.3f} | "
@@ -305,9 +304,12 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _pm(row: dict[str, Any], key: str) -> str:
-    """'mean ± sem' of a table cell, or '-' where no run had the value."""
+    """'mean ± sem' of a table cell, the mean alone for a row of one seed (its seeds column says 1: no spread to
+    show), or '-' where no run had the value."""
     m = row.get(key)
-    return "-" if not isinstance(m, float) or math.isnan(m) else f"{m:.4f} ± {row[key + '_sem']:.4f}"
+    if not isinstance(m, float) or math.isnan(m):
+        return "-"
+    return f"{m:.4f}" if row.get("seeds", 2) == 1 else f"{m:.4f} ± {row[key + '_sem']:.4f}"
 
 
 @dataclasses.dataclass

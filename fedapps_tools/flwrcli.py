@@ -19,7 +19,7 @@ from typing import Any
 from fedapps.config import APP_DIR
 from fedapps.flower.control import control_client, gitignore_matcher, log_chunks
 from fedapps.flower.control import run_status as control_run_status
-from fedapps_tools.logfilter import LogFilter
+from fedapps_tools.logfilter import LogFilter, for_output
 
 OFFLINE_ENV = {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
@@ -308,7 +308,7 @@ class LogStream:
     def _emit(self, line: str) -> None:
         self.lines.append(line)
         if not self._quiet and (self._filter is None or self._filter.show(line)):
-            sys.stdout.write(line)
+            sys.stdout.write(for_output(line, sys.stdout.isatty()))
             sys.stdout.flush()
 
     def _pump(self, run_id: str) -> None:

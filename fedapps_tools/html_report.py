@@ -1,4 +1,5 @@
-"""`fedapps report DIR --html`: one self-contained static HTML page for a run folder or a `fedapps compare` folder.
+"""`fedapps report DIR --html`: one self-contained static HTML page for a run folder, a `fedapps compare` folder
+or a `fedapps tune` folder (one row per grid point, on the validation split).
 
 The page holds the results table (mean ± SEM over seeds, fairness across clients, traffic, wall time, the
 protocol), accuracy against rounds and against cumulative traffic, the spread of the clients' accuracies per
@@ -146,8 +147,52 @@ def read_comparison(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+TUNE_COLUMNS = ("point", "seed", "reused", "run_dir", "wall_seconds")  # tuning.csv's columns besides the grid's
+
+
+def load_tune_groups(folder: Path) -> list[Group]:
+    """A `fedapps tune` folder: one group per grid point (label ``p<n>: key=value, ...``), its runs
+    ``runs/p<n>-s<seed>`` summarised as a comparison's row (their accuracies are on the validation split, as their
+    summaries say)."""
+    with (folder / "tuning.csv").open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        keys = [k for k in reader.fieldnames or [] if k not in TUNE_COLUMNS and not k.startswith("val_")]
+        rows = list(reader)
+    groups = []
+    for point in dict.fromkeys(r["point"] for r in rows):
+        first = next(r for r in rows if r["point"] == point)
+        label = f"p{point}: " + ", ".join(f"{k}={first[k]}" for k in keys)
+        runs = seed_runs(folder / "runs", f"p{point}")
+        if not runs:
+            groups.append(
+                Group(
+                    label, "", "", {"config": label, "seeds": 0}, [], [f"no finished run folder runs/p{point}-s<seed>/"]
+                )
+            )
+            continue
+        row = summarise_runs(label, [r.summary for r in runs])
+        groups.append(Group(label, str(row.get("strategy", "")), run_setting(runs[0]), row, runs))
+    if not groups:
+        raise ReportError(f"{folder}/tuning.csv has no rows; rerun `fedapps tune`")
+    return groups
+
+
+def folder_kind(folder: Path) -> str | None:
+    """What `fedapps` wrote ``folder`` as: "comparison", "tune", "run", or None (none of those)."""
+    if (folder / "comparison.csv").is_file():
+        return "comparison"
+    if (folder / "tuning.csv").is_file():
+        return "tune"
+    if (folder / "summary.json").is_file():
+        return "run"
+    return None
+
+
 def load_groups(folder: Path) -> tuple[str, list[Group]]:
-    """("comparison", one group per comparison.csv row) or ("run", one group of the folder's run)."""
+    """("comparison", one group per comparison.csv row), ("tune", one group per grid point of tuning.csv) or
+    ("run", one group of the folder's run)."""
+    if folder_kind(folder) == "tune":
+        return "tune", load_tune_groups(folder)
     if (folder / "comparison.csv").is_file():
         groups = []
         for row in read_comparison(folder / "comparison.csv"):
@@ -173,8 +218,8 @@ def load_groups(folder: Path) -> tuple[str, list[Group]]:
         row = summarise_runs(label, [run.summary])
         return "run", [Group(label, str(run.summary.get("strategy", "")), run_setting(run), row, [run])]
     raise ReportError(
-        f"'{folder}' is neither a run folder (summary.json) nor a `fedapps compare` folder "
-        "(comparison.csv); pass one of those (e.g. results/comparison or results/<run-name>)"
+        f"'{folder}' is neither a run folder (summary.json), a `fedapps compare` folder (comparison.csv) nor a "
+        "`fedapps tune` folder (tuning.csv); pass one of those (e.g. results/comparison or results/<run-name>)"
     )
 
 
@@ -346,10 +391,17 @@ def heading(folder: Path, groups: list[Group], single: bool) -> list[str]:
     else:
         seeds = ", ".join(map(str, sorted({run.seed for g in groups for run in g.runs}))) or "-"
         settings = "; ".join(sorted({g.setting for g in groups if g.setting})) or "-"
-        out.append(
-            f'<p class="meta">Comparison folder {_esc(folder)} (<code>fedapps compare</code>): '
-            f"{len(groups)} configs, seeds {_esc(seeds)}; settings: {_esc(settings)}.</p>"
-        )
+        if (folder / "tuning.csv").is_file():
+            out.append(
+                f'<p class="meta">Tuning folder {_esc(folder)} (<code>fedapps tune</code>): {len(groups)} grid '
+                f"points, seeds {_esc(seeds)}; settings: {_esc(settings)}. The accuracies are on the validation "
+                "split, the one the choice (chosen.yaml) is made on.</p>"
+            )
+        else:
+            out.append(
+                f'<p class="meta">Comparison folder {_esc(folder)} (<code>fedapps compare</code>): '
+                f"{len(groups)} configs, seeds {_esc(seeds)}; settings: {_esc(settings)}.</p>"
+            )
     return out
 
 

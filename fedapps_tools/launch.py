@@ -25,6 +25,7 @@ from fedapps.config import ConfigError, ExperimentConfig, load_config
 from fedapps.importpath import shadowed_modules
 from fedapps.reporting.results import EXIT_FAILED, summary_exit_status
 from fedapps_tools import raycluster, runnames
+from fedapps_tools.devicecheck import check_devices
 from fedapps_tools.flwrcli import (
     CONNECTION,
     RunFailed,
@@ -471,6 +472,15 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
                 checkpoint.check_same_config(saved["config"], dump_yaml(resolved_config(cfg)), args.resume)
             else:  # a new run: a folder of its own, which must not hold an earlier run's files
                 cfg, overrides = new_run_folder(cfg, config_path, overrides, out, getattr(args, "overwrite", False))
+            check_devices(
+                resolved_config(cfg),
+                args.engine,
+                raycluster.client_resources(
+                    getattr(args, "federation_config", "") or "", args.cpus_per_client, args.gpus_per_client
+                )[1],
+                superlink=bool(args.superlink),
+                ray_cluster=bool(ray_address),
+            )
             if not ray_address:
                 check_gpu_request(args)
         except BaseException:

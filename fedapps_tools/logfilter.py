@@ -35,6 +35,12 @@ FLOWER_NOISE: tuple[tuple[str, re.Pattern[str]], ...] = (
 ONCE_LOGGERS = ("fedapps.config", "fedapps.data")  # warnings about the config and the data: printed once
 
 
+def for_output(line: str, terminal: bool) -> str:
+    """A streamed log line as written to the command's output: Flower's ANSI colour codes kept on a terminal only
+    (a log file or a pipe gets plain text)."""
+    return line if terminal else ANSI.sub("", line)
+
+
 def parse_line(line: str) -> tuple[str, str]:
     """``(level, message)`` of one log line, without colour codes, a Ray process prefix or the level prefix
     (level '' for a line that has none)."""

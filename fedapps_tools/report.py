@@ -14,13 +14,17 @@ from fedapps_tools.summary import print_summary
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "report",
-        help="print the summary of a run folder (a comparison folder: its table), or "
-        "with --html write one self-contained HTML report of it",
-        description="Print the summary of a run folder (a comparison folder: its table), or with --html write one "
-        "self-contained HTML report of it.",
+        help="print the summary of a run folder (a comparison or tune folder: its table; a folder of results: "
+        "an index), or with --html write one self-contained HTML report of it (a folder of results: index.html)",
+        description="Print the summary of a run folder (a comparison or tune folder: its table; a folder of results: "
+        "an index of them), or with --html write one self-contained HTML report of it (a folder of results: one "
+        "sortable index.html linking every run, comparison and tuning under it to its report).",
     )
     p.add_argument(
-        "result_dir", metavar="RESULT_DIR", help="a run folder (<output-dir>/<run-name>) or a `fedapps compare` folder"
+        "result_dir",
+        metavar="RESULT_DIR",
+        help="a run folder (<output-dir>/<run-name>), a `fedapps compare` or `fedapps tune` folder, or a folder "
+        "holding any of them (e.g. results: with --html an index page of them all, sortable, linking each report)",
     )
     p.add_argument(
         "--html",
@@ -36,25 +40,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """The HTML page, or the summary table (a run folder) or comparison.md (a comparison folder) on stdout."""
-    from fedapps_tools.html_report import ReportError, write_report
+    from fedapps_tools import results_index
+    from fedapps_tools.html_report import ReportError, folder_kind, write_report
 
     launch.start_logging(args)
     folder = Path(args.result_dir).expanduser()
     try:
+        kind = folder_kind(folder)
+        if args.html and kind is None:  # a folder of results: the index of every run, comparison and tuning in it
+            out = str(Path(args.out) / results_index.INDEX_NAME) if args.out else None
+            page, folders, problems = results_index.write_index(folder, out)
+            for problem in problems:
+                print(f"report: not indexed: {problem}", file=sys.stderr)
+            print(f"report: {page} (index of {folders} result folders, each linked to its report)")
+            return 0
         if args.html:
             print(f"report: {write_report(folder, html_file(args.out))}")
             return 0
         if args.out:
             raise ReportError("--out names the folder of the HTML page: add --html")
-        if (folder / "summary.json").is_file():
+        if kind == "run":
             print_summary(folder)
-        elif (folder / "comparison.md").is_file():
+        elif kind in ("comparison", None) and (folder / "comparison.md").is_file():
             print((folder / "comparison.md").read_text(), end="")
+        elif kind == "tune" and (folder / "tuning.md").is_file():
+            print((folder / "tuning.md").read_text(), end="")
         else:
-            raise ReportError(
-                f"'{folder}' is neither a run folder (summary.json) nor a `fedapps compare` folder "
-                "(comparison.md); pass one of those"
-            )
+            print(results_index.index_text(folder), end="")
     except ReportError as exc:
         print(f"report: {exc}", file=sys.stderr)
         return 2

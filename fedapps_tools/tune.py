@@ -246,14 +246,16 @@ def markdown(
         "",
         "| point | "
         + " | ".join(f"`{k}`" for k in keys)
-        + " | seeds | validation accuracy, mean over clients (± SEM over seeds) | sample-weighted | wall s | |",
+        + " | seeds | validation accuracy, mean over clients (± SEM over seeds; 1 seed: none) | sample-weighted "
+        "| wall s | |",
         "|---|" + "---|" * len(keys) + "---|---|---|---|---|",
     ]
     for n, (point, agg) in enumerate(zip(points, per_point), 1):
+        spread = f" ± {agg['sem']:.4f}" if agg["seeds"] > 1 else ""  # one seed: no spread to show
         lines.append(
             f"| {n} | "
             + " | ".join(_yaml_text(point[k]) for k in keys)
-            + f" | {agg['seeds']} | {agg['mean']:.4f} ± {agg['sem']:.4f} | {agg['weighted']:.4f} | "
+            + f" | {agg['seeds']} | {agg['mean']:.4f}{spread} | {agg['weighted']:.4f} | "
             f"{agg['wall']:.0f} | {'**chosen**' if n - 1 == chosen else ''} |"
         )
     grid_text = "; ".join(f"`{k}` ∈ {{{', '.join(_yaml_text(v) for v in values)}}}" for k, values in grid)

@@ -186,12 +186,17 @@ def test_every_client_failing_fails_the_run(tiny_config, tmp_path, capsys, monke
     assert run_cli("run", str(tiny_config()), "--engine", "inprocess", "--output-dir", str(out)) == 1
     err = capsys.readouterr().err
     assert "no usable client reply" in err and "disk on fire" in err
+    # the message counts what happened: 4 clients x 2 rounds of training messages, and nothing contradicts it (no
+    # "minority of the replies" when none was usable, no "accuracy is from round None")
+    assert "(8 training messages sent, 8 answered)" in err
+    assert "minority" not in err and "round None" not in err
     summary = json.loads((run_folder(out) / "summary.json").read_text())
     # nothing was trained: what the evaluation-only message measured is the untrained initial model, and the run
     # is marked failed (problems, exit 1)
     assert summary["final_round"] == 2 and summary["usable_replies"] == 0
     assert summary["messages_sent"] == 8 and summary["messages_answered"] == 8  # they reached clients, all errors
     assert summary["problems"] and "no usable client reply" in summary["problems"][0]
+    assert len(summary["problems"]) == 1  # the rest (rejected rounds, nothing measured) follows from it
 
 
 def test_server_app_raises_so_flower_marks_the_run_failed(tiny_config, tmp_path, monkeypatch):
@@ -480,6 +485,9 @@ def test_run_problems_by_hand():
     rows = [{"round": 1, "replies_ok": 2, "replies_rejected": 2}, {"round": 2, "replies_ok": 1, "replies_rejected": 2}]
     [p] = rejection_problems(rows)  # 2 of 4 is no majority; 2 of 3 is
     assert p.code == EXIT_REJECTED and "round 2: 2 of 3" in p.text and "round 1" not in p.text
+    assert "aggregated a minority of their replies" in p.text
+    [p] = rejection_problems([{"round": 1, "replies_ok": 0, "replies_rejected": 4}])
+    assert "round 1: 4 of 4" in p.text and "nothing was aggregated" in p.text and "minority" not in p.text
     assert exit_status([]) == 0
     assert exit_status([Problem(EXIT_REJECTED, "a"), Problem(EXIT_UNMEASURED, "b")]) == EXIT_REJECTED
     found = run_problems({**summary, "final_round_measured_clients": 1}, rows, 0.5)
@@ -649,14 +657,20 @@ def test_the_exit_code_table_row_by_row(tiny_config, tmp_path, monkeypatch, caps
             found = finished_problems(**finished[case])
             assert [p.case for p in found] == ([case] if code else []), (case, found)
             assert exit_status(found) == code, case
+
     # a finished run's conditions are checked in the table's order, top to bottom
-    everything = finished_problems(  # all of them but never-measured (the headline cannot be both)
-        rows=[{**last_round_few[0], "measured_clients": 0}, {**last_round_few[1], "train_replies_ok": 0}],
-        delivery=delivered(8, 3, 0, (UNREADABLE_STATE,)),
-        final_round_measured_clients=1,
-    )
-    order = [case for _, case in table if case in finished and case not in ("ok", "never-measured")]
-    assert [p.case for p in everything] == order and exit_status(everything) == EXIT_FAILED
+    def everything(usable: int) -> list[Problem]:  # all of them but never-measured (the headline cannot be both)
+        return finished_problems(
+            rows=[{**last_round_few[0], "measured_clients": 0}, {**last_round_few[1], "train_replies_ok": 0}],
+            delivery=delivered(8, 3, usable, (UNREADABLE_STATE,)),
+            final_round_measured_clients=1,
+        )
+
+    order = [case for _, case in table if case in finished and case not in ("ok", "never-measured", "no-usable-reply")]
+    assert [p.case for p in everything(1)] == order and exit_status(everything(1)) == EXIT_FAILED
+    # no usable reply at all: the delivery rows alone (rejected rounds and too few measured follow from it)
+    delivery_cases = ["no-usable-reply", "undelivered", "private-state-unreadable"]
+    assert [p.case for p in everything(0)] == delivery_cases
     assert {code for code, _ in table} == set(EXIT_STATUSES)  # `fedapps run --help` lists the same codes
 
 

@@ -340,6 +340,24 @@ def test_runnable_blocks_are_found_and_commands_joined():
         runnable_blocks("<!-- runnable -->\ntext\n", "page.md")
 
 
+def test_the_readme_tour_is_getting_starteds_and_bench_tour_reads_it():
+    """One tour: README.md's bash block under "A five-minute tour" is getting-started's, command for command, and it
+    is the block bench/tour.py times (its figure: docs/performance.md#tour)."""
+    spec = importlib.util.spec_from_file_location("bench_tour", ROOT / "bench" / "tour.py")
+    assert spec is not None and spec.loader is not None
+    tour = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tour)
+    readme = tour.tour_block((ROOT / "README.md").read_text())
+    guide = tour.tour_block((ROOT / "docs" / "getting-started.md").read_text())
+    assert readme == guide and len(readme) >= 5
+    # the runs are short (in-process, or few rounds where the point is `flwr run`)
+    for command in readme:
+        argv = shlex.split(command)
+        if argv[1] in TINY_COMMANDS:
+            assert "rounds=2" in argv, command
+    (block,) = [b for b in BLOCKS if b.path == "docs/getting-started.md" and b.commands == tuple(guide)]
+
+
 def test_tiny_settings_are_appended_to_runs_only(tmp_path):
     workspace(tmp_path)
     run = shlex.split(prepared("fedapps run configs/cosmos.yaml --set client.lr=0.01", tmp_path))

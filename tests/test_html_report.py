@@ -235,7 +235,7 @@ def test_report_without_html_prints_the_table_and_bad_folders_are_refused(compar
     assert cli.main(["report", str(comparison)]) == 0
     assert (comparison / "comparison.md").read_text() in capsys.readouterr().out
     assert cli.main(["report", str(tmp_path), "--html"]) == 2
-    assert "neither a run folder (summary.json) nor a `fedapps compare` folder" in capsys.readouterr().err
+    assert "no run, comparison or tune folder found" in capsys.readouterr().err
     assert cli.main(["report", str(comparison), "--out", str(tmp_path / "x.html")]) == 2
     assert "add --html" in capsys.readouterr().err
 

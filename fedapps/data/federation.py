@@ -47,8 +47,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedapps.config import did_you_mean
+
 from ..seeds import derive_rng
 from .errors import DataError
+from .folder import is_folder_source
 from .hf import is_hf_source
 from .nodes import NODE_SPLIT_PURPOSE, NODES, Labelled, described_counts, read_public, server_public_path
 from .partition import (
@@ -218,12 +221,21 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise DataError(f"data spec has unknown keys: {', '.join(unknown)} (allowed: {', '.join(SPEC_KEYS)})")
     s = dict(spec)
-    if s["source"] not in (*SOURCES, NODES) and not is_hf_source(s["source"]) and not is_user_source(s["source"]):
+    if (
+        s["source"] not in (*SOURCES, NODES)
+        and not is_hf_source(s["source"])
+        and not is_user_source(s["source"])
+        and not is_folder_source(s["source"])
+    ):
         raise DataError(
-            f"data.source={s['source']!r} is unknown; allowed: {', '.join((*SOURCES, NODES))}, {UNKNOWN_SOURCE_HINT}"
+            f"data.source={s['source']!r} is unknown{did_you_mean(s['source'], (*SOURCES, NODES))}; allowed: "
+            f"{', '.join((*SOURCES, NODES))}, {UNKNOWN_SOURCE_HINT}"
         )
     if s["partition"] not in PARTITIONS:
-        raise DataError(f"data.partition={s['partition']!r} is unknown; allowed: {', '.join(PARTITIONS)}")
+        raise DataError(
+            f"data.partition={s['partition']!r} is unknown{did_you_mean(s['partition'], PARTITIONS)}; allowed: "
+            f"{', '.join(PARTITIONS)}"
+        )
     if not isinstance(s["root"], (str, os.PathLike)) or not str(s["root"]):
         raise DataError(f"data.root={s['root']!r} must be a non-empty path string")
     s["root"] = str(s["root"])
@@ -348,6 +360,34 @@ def client_split(
     return idx[train_loc], idx[test_loc]
 
 
+def allocate_test(
+    test: np.ndarray, labels: np.ndarray, trains: list[np.ndarray], rng: np.random.Generator
+) -> list[np.ndarray]:
+    """A source's own test split (indices ``test``) shared among the clients: each class's test samples, shuffled,
+    go to the clients holding that class in proportion to their training samples of it (largest remainder), so
+    that every client is measured on its own class distribution; a class no client trains on is left out. Each
+    client's share is returned sorted."""
+    k = int(labels.max()) + 1 if labels.size else 0
+    counts = np.stack([np.bincount(labels[tr], minlength=k) for tr in trains]) if trains else np.zeros((0, k), int)
+    shares: list[list[np.ndarray]] = [[] for _ in trains]
+    for c in range(k):
+        pool = test[labels[test] == c]
+        weight = counts[:, c] if counts.size else np.zeros(0, int)
+        if not pool.size or not weight.sum():
+            continue
+        pool = rng.permutation(pool)
+        exact = pool.size * weight / weight.sum()
+        n = np.floor(exact).astype(np.int64)
+        left = pool.size - int(n.sum())
+        if left:
+            n[np.argsort(-(exact - n), kind="stable")[:left]] += 1
+        ends = np.cumsum(n)
+        for i, (a, b) in enumerate(zip(ends - n, ends)):
+            if b > a:
+                shares[i].append(pool[a:b])
+    return [np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64) for parts in shares]
+
+
 def validation_split(
     train: np.ndarray, labels: np.ndarray, fraction: float, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -360,11 +400,13 @@ def validation_split(
 
 
 def split_clients(
-    s: dict[str, Any], labels: np.ndarray, k: int, pool: np.ndarray, m: int
+    s: dict[str, Any], labels: np.ndarray, k: int, pool: np.ndarray, m: int, own_test: np.ndarray | None = None
 ) -> tuple[np.ndarray | None, list[np.ndarray], list[np.ndarray]]:
     """The pool (source indices left after U) partitioned among ``m`` clients as spec ``s`` says, each client's part
     split into train and evaluation indices (test, or the validation share of train): (groups, train, eval).
-    Deterministic for the spec's seed (the partition and split streams of :func:`build_federation`)."""
+    ``own_test``: the source's own test split (indices outside the pool); then a client's whole part is its training
+    data and its test split is its share of ``own_test`` (:func:`allocate_test`). Deterministic for the spec's seed
+    (the partition and split streams of :func:`build_federation`)."""
     _, rng_partition, rng_split = (np.random.default_rng(c) for c in np.random.SeedSequence(s["seed"]).spawn(3))
     pool_labels = labels[pool]
     part = s["partition"]
@@ -388,13 +430,19 @@ def split_clients(
         local, groups = partition_groups_iid(pool_labels, m, s["groups"], rng_partition)
     validating = s["evaluate_on"] == "validation"
     train_indices, eval_indices = [], []
+    own_shares = None
+    if own_test is not None and not validating:
+        own_shares = allocate_test(own_test, labels, [pool[loc] for loc in local], rng_split)
     for i, loc in enumerate(local):
         if loc.size == 0:
             raise DataError(
                 f"client {i} received no samples with partition {part!r} "
                 f"(num_clients={m}, alpha={s['alpha']}); use fewer clients or another partition"
             )
-        tr, te = client_split(pool[loc], labels, s["test_fraction"], rng_split)
+        if own_test is not None:  # the source's test split is the test split: the client's part is all training
+            tr, te = pool[loc], (own_shares[i] if own_shares is not None else np.zeros(0, np.int64))
+        else:
+            tr, te = client_split(pool[loc], labels, s["test_fraction"], rng_split)
         if validating:  # the test indices `te` are dropped here: only train's split into fit / validation stays
             tr, te = validation_split(
                 tr, labels, s["validation_fraction"], derive_rng(s["seed"], VALIDATION_SEED_PURPOSE, i)
@@ -404,10 +452,12 @@ def split_clients(
     return groups, train_indices, eval_indices
 
 
-def _clients_have_data(s: dict[str, Any], labels: np.ndarray, k: int, pool: np.ndarray, m: int) -> bool:
+def _clients_have_data(
+    s: dict[str, Any], labels: np.ndarray, k: int, pool: np.ndarray, m: int, own_test: np.ndarray | None = None
+) -> bool:
     """Whether ``m`` clients (the rest of spec ``s`` as it is) would each get training data and an evaluation split."""
     try:
-        _, train, evaluation = split_clients(s, labels, k, pool, m)
+        _, train, evaluation = split_clients(s, labels, k, pool, m, own_test)
     except DataError:
         return False
     return all(tr.size and ev.size for tr, ev in zip(train, evaluation))
@@ -479,18 +529,26 @@ def build_federation(spec: dict[str, Any]) -> Federation:
     labels = ds.y.numpy()
     k = ds.num_classes
     rng_public = np.random.default_rng(np.random.SeedSequence(s["seed"]).spawn(3)[0])
+    # a source's own test split (folder:<path> with test/): kept out of U and of the clients' training data
+    own_test = None if ds.test_mask is None else np.flatnonzero(ds.test_mask).astype(np.int64)
+    usable = (
+        np.arange(labels.size, dtype=np.int64)
+        if ds.test_mask is None
+        else np.flatnonzero(~ds.test_mask).astype(np.int64)
+    )
 
     public_idx: np.ndarray | None = None
     if s["public_fraction"] > 0:
-        public_idx, pool = stratified_split(labels, s["public_fraction"], rng_public)
+        public_loc, pool_loc = stratified_split(labels[usable], s["public_fraction"], rng_public)
+        public_idx, pool = usable[public_loc], usable[pool_loc]
     else:
-        pool = np.arange(labels.size, dtype=np.int64)
+        pool = usable
 
     m, part = s["num_clients"], s["partition"]
     try:
-        groups, train_indices, eval_indices = split_clients(s, labels, k, pool, m)
+        groups, train_indices, eval_indices = split_clients(s, labels, k, pool, m, own_test)
     except DataError as exc:  # e.g. a client without any sample: name a client count that works, where one does
-        best = largest_working(m, lambda n: _clients_have_data(s, labels, k, pool, n))
+        best = largest_working(m, lambda n: _clients_have_data(s, labels, k, pool, n, own_test))
         if not best:
             raise
         raise DataError(
@@ -512,7 +570,10 @@ def build_federation(spec: dict[str, Any]) -> Federation:
         train_counts[i] = np.bincount(relabel[labels[tr]], minlength=k)
         eval_counts[i] = np.bincount(relabel[labels[te]], minlength=k)
     check_every_client_has_data(
-        s, train_counts.sum(axis=1), eval_counts.sum(axis=1), lambda n: _clients_have_data(s, labels, k, pool, n)
+        s,
+        train_counts.sum(axis=1),
+        eval_counts.sum(axis=1),
+        lambda n: _clients_have_data(s, labels, k, pool, n, own_test),
     )
 
     # One gather from the source into the stored order; every split below is a slice (a view) of it.

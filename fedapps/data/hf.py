@@ -79,6 +79,22 @@ def _hub_offline(offline: bool) -> Iterator[None]:
             datasets.config.HF_HUB_OFFLINE = before
 
 
+@contextlib.contextmanager
+def _quiet_if_local(local: bool) -> Iterator[None]:
+    """A local folder is read, not downloaded: datasets' progress bars ("Downloading data", "Generating ... split")
+    are turned off while it is (they stay for a download from the Hub)."""
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_disabled = are_progress_bars_disabled()
+    if local:
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        if local and not was_disabled:
+            enable_progress_bars()
+
+
 def _dataset_path(name: str) -> str:
     """A local folder as an absolute path (datasets reads it without the Hub), a Hub id as it is."""
     p = Path(name).expanduser()
@@ -163,7 +179,7 @@ def _open(source: str, root: str | Path, download: bool) -> tuple[Any, str, str]
         cache_dir=str(cache),
     )
     try:
-        with _hub_offline(not download):
+        with _hub_offline(not download), _quiet_if_local(Path(_dataset_path(name)).is_dir()):
             ds = fds.load_split(ALL_SPLITS)
     except DataError:
         raise

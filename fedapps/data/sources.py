@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .errors import DataError
+from .folder import folder_info, is_folder_source, load_folder
 from .hf import hf_info, is_hf_source, load_hf
 from .user import is_user_source, load_user, user_info
 
@@ -78,6 +79,9 @@ class Dataset:
     y: torch.Tensor  # int64, N
     num_classes: int
     input_shape: tuple[int, int, int]
+    # True for the samples of the source's own test split, kept as the test split (folder:<path> with a test/
+    # folder); None: every sample is the clients' to split
+    test_mask: np.ndarray | None = None
 
     def __len__(self) -> int:
         """Number of samples."""
@@ -85,12 +89,18 @@ class Dataset:
 
 
 UNKNOWN_SOURCE_HINT = (
-    "hf:<name> (a Hugging Face dataset, optional extra 'hf'), or your own loader as package.module:loader"
+    "folder:<path> (your own images, one folder per class), hf:<name> (a Hugging Face dataset, optional extra 'hf'), "
+    "or your own loader as package.module:loader"
 )
 
 
 def _check_source(source: str) -> None:
-    if source not in SOURCES and not is_hf_source(source) and not is_user_source(source):
+    if (
+        source not in SOURCES
+        and not is_hf_source(source)
+        and not is_user_source(source)
+        and not is_folder_source(source)
+    ):
         raise DataError(f"data.source={source!r} is unknown; allowed: {', '.join(SOURCES)}, {UNKNOWN_SOURCE_HINT}")
 
 
@@ -124,6 +134,8 @@ def source_info(
     _check_source(source)
     if is_user_source(source):
         return user_info(source, Path(root if root is not None else "data").expanduser())
+    if is_folder_source(source):
+        return folder_info(source, Path(root if root is not None else "data").expanduser())
     if is_hf_source(source):
         if root is None:
             raise DataError(
@@ -327,12 +339,20 @@ def load_source(
     synthetic_samples: int = 2000,
     seed: int = 0,
 ) -> Dataset:
-    """Load a whole source (train and test merged, as PFLlib does) as normalised in-memory tensors."""
+    """Load a whole source (train and test merged, as PFLlib does) as normalised in-memory tensors; a ``folder:``
+    source with a test/ folder marks its test images (``test_mask``), which stay the test split."""
     _check_source(source)
     root_path = Path(root).expanduser()
     if is_user_source(source):
         x, y, num_classes = load_user(source, root_path)
         return _checked(source, x, y, num_classes, (int(x.shape[1]), int(x.shape[2]), int(x.shape[3])))
+    if is_folder_source(source):
+        images, labels, test_mask, names = load_folder(source, root_path)
+        x, y = _images_to_tensor(images, channels_last=images.ndim == 4), _labels(labels)
+        shape = (int(x.shape[1]), int(x.shape[2]), int(x.shape[3]))
+        ds = _checked(source, x, y, len(names), shape)
+        ds.test_mask = test_mask
+        return ds
     if is_hf_source(source):
         images, labels, num_classes = load_hf(source, root_path, bool(download))
         x, y = _images_to_tensor(images, channels_last=images.ndim == 4), _labels(labels)

@@ -28,6 +28,7 @@ import torch
 from fedapps.importpath import is_import_path, load_callable
 
 from .errors import DataError
+from .folder import is_folder_source
 from .hf import is_hf_source
 
 KEY = "data.source"
@@ -43,8 +44,9 @@ _LOADED: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, int]] = {}
 
 
 def is_user_source(source: object) -> bool:
-    """True for a ``data.source`` written as an import path (``hf:<name>`` is Flower Datasets', not one)."""
-    return is_import_path(source) and not is_hf_source(source)
+    """True for a ``data.source`` written as an import path (``hf:<name>`` is Flower Datasets', ``folder:<path>`` a
+    folder of images: neither is one)."""
+    return is_import_path(source) and not is_hf_source(source) and not is_folder_source(source)
 
 
 def user_loader(source: str) -> Callable[..., Any]:

@@ -110,6 +110,8 @@ class Problem:
     case: str = ""
 
 
+MIB = 1024 * 1024  # bytes in the unit every traffic figure is printed in
+
 TRAIN_PHASE, EVAL_PHASE = protocol.MESSAGE_TYPE, protocol.EVAL_MESSAGE_TYPE
 PHASES = (TRAIN_PHASE, EVAL_PHASE)  # the phases of a round whose reply counts rounds.csv keeps apart
 
@@ -142,20 +144,25 @@ def rejection_problems(rows: Sequence[Mapping[str, Any]]) -> list[Problem]:
     their own, so that the final evaluation's accepted replies in the last round cannot hide a training phase whose
     replies were not (the final evaluation is judged by what it measured: :func:`measured_problems`). A round's
     missing replies are not counted (they are the delivery check's)."""
-    lost = []
+    lost, kept = [], 0
     for r in rows:
         ok, rejected = phase_counts(r).get(TRAIN_PHASE, (0, 0))
         if 2 * rejected > ok + rejected:
             lost.append(f"round {r.get('round')}: {rejected} of {ok + rejected}")
+            kept += ok
     if not lost:
         return []
+    built = (
+        "those rounds aggregated a minority of their replies"
+        if kept
+        else "no reply of those rounds was usable: nothing was aggregated in them"
+    )
     return [
         Problem(
             EXIT_REJECTED,
             case="training-rejected",
             text=f"{len(lost)} round(s) lost a majority of their training replies to rejection ("
-            f"{'; '.join(lost[:5])}{' ...' if len(lost) > 5 else ''}): the model is built on a "
-            "minority of the replies; see rejections.csv for the reasons",
+            f"{'; '.join(lost[:5])}{' ...' if len(lost) > 5 else ''}): {built}; see rejections.csv for the reasons",
         )
     ]
 
@@ -228,6 +235,8 @@ def run_problems(
     (:class:`DeliveryCheck`), phases of rounds lost to rejection, a headline measured on too few clients, a last round
     whose training replies measured too few (docs/reliability.md's exit-code table, row by row)."""
     out = [Problem(EXIT_FAILED, text, case) for case, text in (delivery.cases() if delivery is not None else [])]
+    if delivery is not None and delivery.usable == 0:  # nothing usable: the rest follows and would only restate it
+        return out
     return out + rejection_problems(rows) + measured_problems(summary, min_share) + last_round_problems(rows, min_share)
 
 
@@ -286,7 +295,8 @@ class DeliveryCheck:
         errors = f"; client errors: {' | '.join(self.errors)}" if self.errors else ""
         if self.usable == 0:
             text = (
-                f"no usable client reply in the whole run ({self.sent} messages sent, {self.answered} answered)"
+                f"no usable client reply in the whole run ({self.sent} training messages sent, {self.answered} "
+                "answered)"
                 f": nothing was trained{errors}"
             )
             out.append(("no-usable-reply", text))
@@ -641,13 +651,13 @@ class FileSink:
         append_rejections(self.dir / REJECTIONS, [*getattr(entry, "rejections", []), *getattr(entry, "skips", [])])
         self.progress.step()
         log.info(
-            "round %d/%d  clients %d  after training: acc_mean %s  up %.2f MB  down %.2f MB  %.1f s  (%s)%s",
+            "round %d/%d  clients %d  after training: acc_mean %s  up %.2f MiB  down %.2f MiB  %.1f s  (%s)%s",
             entry.round,
             self.cfg.rounds,
             row["clients"],
             _fmt(row.get("acc_after_training_mean")),
-            entry.bytes_up / 1e6,
-            entry.bytes_down / 1e6,
+            entry.bytes_up / MIB,  # the whole round's, in the unit of the summary's per-client figures
+            entry.bytes_down / MIB,
             entry.wall_seconds,
             self.progress.line(),
             "".join(f"  |  {text}" for text in measured),

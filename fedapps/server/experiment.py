@@ -209,17 +209,21 @@ class Experiment:
             sink.on_finish(summary, artifacts)
         log.info("RESULTS %s", files.dir)
         if summary.get("final_round_had_no_replies"):
-            log.warning(
-                "the last round got no usable reply: the reported accuracy is from round %s", summary.get("final_round")
-            )
+            if summary.get("final_round") is None:
+                log.warning("the last round got no usable reply, and no round measured an accuracy")
+            else:
+                log.warning(
+                    "the last round got no usable reply: the reported accuracy is from round %s",
+                    summary.get("final_round"),
+                )
         if problems:  # results are on disk for inspection; the run itself fails (Flower: finished:failed)
             raise UnusableRun("; ".join(problems) + f" (results: {files.dir})", exit_status(found))
         if not keep_state:
             freed = checkpoint.remove_resume_state(files.dir)
             log.info(
-                "run finished: its resume state (checkpoint, client-state/, server-state/; %.1f MB) removed "
+                "run finished: its resume state (checkpoint, client-state/, server-state/; %.1f MiB) removed "
                 "(keep it with --keep-state)",
-                freed / 1e6,
+                freed / (1024 * 1024),
             )
         return summary
 

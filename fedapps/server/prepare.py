@@ -15,6 +15,7 @@ from typing import Any
 from fedapps.config import (
     ConfigError,
     ExperimentConfig,
+    did_you_mean,
     load_config,
     split_overrides,
     unused_settings,
@@ -78,7 +79,10 @@ def resolve(cfg: ExperimentConfig, registry: Registry) -> ResolvedStrategy:
     check_user_models(cfg)
     name = cfg.strategy.name
     if name not in registry:
-        raise ConfigError(f"'strategy.name' is '{name}', which is not known; allowed: {', '.join(sorted(registry))}")
+        raise ConfigError(
+            f"'strategy.name' is '{name}', which is not known{did_you_mean(name, registry)}; allowed: "
+            f"{', '.join(sorted(registry))}"
+        )
     sections = cfg.strategy.params
     for key, section in sections.items():
         if key in registry:
