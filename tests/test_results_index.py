@@ -43,7 +43,7 @@ def results(tmp_path_factory) -> Path:
     fedavg = write_config(root / "fedavg.yaml", **DIGITS)
     local = write_config(root / "local.yaml", strategy={"name": "local"}, **DIGITS)
     common = ["--engine", "inprocess", "--output-dir", str(out), "--quiet"]
-    assert cli.main(["run", str(fedavg), *common]) == 0
+    assert cli.main(["run", str(fedavg), "--set", "run_name=fedavg-digits-iid-s0", *common]) == 0  # a fixed name
     assert cli.main(["compare", str(fedavg), str(local), "--seeds", "0", "1", "--name", "cmp", *common]) == 0
     assert cli.main(["tune", str(fedavg), "--grid", "client.lr=0.01,0.1", "--name", "tune-fedavg", *common]) == 0
     broken = out / "nested" / "broken"

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import write_config
+from conftest import run_folder, write_config
 from fedapps.config import ConfigError, did_you_mean, load_config
 from fedapps_tools import cli, interrupted
 from fedapps_tools.compare import _pm, markdown_table
@@ -33,7 +33,7 @@ def test_an_interrupted_run_prints_a_resume_command_that_runs_as_printed(tmp_pat
     argv = ["run", str(config), "--engine", "inprocess", "--output-dir", str(out), "--set", "client.lr=0.05"]
     assert cli.main(argv) == 130
     err = capsys.readouterr().err
-    run_dir = out / "fedavg-digits-iid-s0"
+    run_dir = run_folder(out)
     assert f"its checkpoint is in {run_dir}" in err
     command = re.search(r"resume the run from its last finished round with:\n  (.+)\n", err).group(1)
     assert command == shlex.join(["fedapps", *argv, "--resume", str(run_dir)])
