@@ -310,17 +310,17 @@ class FedAMP(PersonalisedStrategy):
 
 
 class FlowerFedAMP(PersonalisedFlowerStrategy):
-    """FedAMP as a drop-in Flower strategy (``fedapps.flower_strategies.FedAMP``): each round a sampled node is sent
-    its anchor u_i (:func:`personalised_anchors` over the latest upload of every node heard from and, at the initial
-    arrays, this round's new nodes: the app's pool) as its ``"arrays"``, and μ = λ/α as ``"proximal-mu"`` in the
-    train config, the key Flower's FedProx uses (α = α_K, or with ``kappa`` > 0 the round's α_r, μ = 0 while every
-    model is alike; the strategy does not know the clients' learning rate, so it caps nothing). The paper's client trains ITS OWN model, kept between rounds, with
-    CE + (μ/2)‖w − u_i‖² (:func:`strategies.fedprox.proximal_penalty`) and sends it back; that upload is the node's
-    model, kept by the server and sent to it for evaluation. A client that does not keep its model but starts from
-    the arrays it receives, as a FedProx client does, starts from u_i instead (docs/flower-apps.md says what that
-    changes). There is no global model: ``Result.arrays`` stays empty. The anchors are built over the model's
-    parameters (``model`` given) or every floating-point array; ``alpha_k``, ``sigma``, ``lam``, ``kappa`` and
-    ``share`` mean what they mean in the app (defaults: the app's); every other argument is Flower's FedAvg's."""
+    """FedAMP as a drop-in Flower strategy (``fedapps.flower_strategies.FedAMP``): each round a sampled node is sent its
+    anchor u_i (:func:`personalised_anchors` over the latest upload of every node heard from and, at the initial arrays,
+    this round's new nodes: the app's pool) as its ``"arrays"``, and μ = λ/α as ``"proximal-mu"`` in the train config,
+    the key Flower's FedProx uses (α = α_K, or with ``kappa`` > 0 the round's α_r, μ = 0 while every model is alike; the
+    strategy does not know the clients' learning rate, so it caps nothing). The paper's client trains ITS OWN model,
+    kept between rounds, with CE + (μ/2)‖w − u_i‖² (:func:`strategies.fedprox.proximal_penalty`) and sends it back; that
+    upload is the node's model, kept by the server and sent to it for evaluation. A client that does not keep its model
+    but starts from the arrays it receives, as a FedProx client does, starts from u_i instead (docs/flower-apps.md says
+    what that changes). There is no global model: ``Result.arrays`` stays empty. The anchors are built over the model's
+    parameters (``model`` given) or every floating-point array; ``alpha_k``, ``sigma``, ``lam``, ``kappa`` and ``share``
+    mean what they mean in the app (defaults: the app's); every other argument is Flower's FedAvg's."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""pFedCK (Zhang & Shi, Electronics 2024, 13(5), 857): clustered interactive models, personalised by mutual distillation.
+"""pFedCK (Zhang & Shi, Electronics 13(5), 857, 2024): clustered interactive models, personalised by distillation.
 
 Every client keeps two models: a personalised model (its private model, never sent) and an interactive model,
 which it receives each round from the server — the model of its cluster — and sends back after training. On
@@ -10,13 +10,13 @@ the middle-layer features (h: what the model's classifier receives):
 
 each KL summed over the classes and averaged over the batch (``batchmean``), each MSE averaged over the batch and
 the feature entries; one optimiser steps on L_personal + L_interactive, whose gradient with respect to each model
-is that model's own loss (:func:`mutual_losses`, :func:`feature_losses`). The server clusters the round's replying clients by the change of their interactive
-model, Δ_i = θ_i(trained) − θ_i(received) over the parameters, each Δ_i scaled to unit length: K-means with K =
-``clusters`` (capped at the number of replies; k-means++ seeding from the experiment seed, later rounds
-warm-started from the previous centroids, as COMET's). Each cluster's new interactive model is the sample-weighted
-mean of its members' trained interactive models; every member receives it next round. Clients not heard from keep
-the model they had (at first the common initial model). The deployed model is client i's personalised model after
-its local training.
+is that model's own loss (:func:`mutual_losses`, :func:`feature_losses`). The server clusters the round's replying
+clients by the change of their interactive model, Δ_i = θ_i(trained) − θ_i(received) over the parameters, each Δ_i
+scaled to unit length: K-means with K = ``clusters`` (capped at the number of replies; k-means++ seeding from the
+experiment seed, later rounds warm-started from the previous centroids, as COMET's). Each cluster's new interactive
+model is the sample-weighted mean of its members' trained interactive models; every member receives it next round.
+Clients not heard from keep the model they had (at first the common initial model). The deployed model is client i's
+personalised model after its local training.
 """
 
 from __future__ import annotations

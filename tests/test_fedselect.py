@@ -151,7 +151,9 @@ def fedselect(tiny_config, **own):
 
 def reply_of(s, cid: int, values: dict, n: int = 10) -> ClientReply:
     """Client ``cid``'s reply holding ``values`` at its shared entries (what its client would send)."""
-    return ClientReply(100 + cid, cid, n, {}, {k: shared_values(v, s.masks.get(cid, {}).get(k)) for k, v in values.items()})
+    return ClientReply(
+        100 + cid, cid, n, {}, {k: shared_values(v, s.masks.get(cid, {}).get(k)) for k, v in values.items()}
+    )
 
 
 def test_uniform_weighting_gives_each_sharing_client_the_same_weight(tiny_config):
@@ -217,7 +219,10 @@ def test_span_reference_is_plain_data_and_survives_a_checkpoint(tiny_config, tmp
     for interrupted in (False, True):
         s = fedselect(tiny_config, grow_every=1)
         rng = np.random.default_rng(0)
-        step = lambda: {k: v + rng.standard_normal(v.shape).astype(np.float32) for k, v in s.global_params.items()}  # noqa: E731
+
+        def step(s=s, rng=rng):
+            return {k: v + rng.standard_normal(v.shape).astype(np.float32) for k, v in s.global_params.items()}
+
         s.aggregate(1, [reply_of(s, 0, step())])
         if interrupted:
             state = s.state_dict()
@@ -225,7 +230,7 @@ def test_span_reference_is_plain_data_and_survives_a_checkpoint(tiny_config, tmp
             save_checkpoint(tmp_path, {"strategy": state})
             s = fedselect(tiny_config, grow_every=1)
             s.load_state_dict(load_checkpoint(tmp_path)["strategy"])
-        s.aggregate(2, [reply_of(s, 0, step())])
+        s.aggregate(2, [reply_of(s, 0, step(s))])
         runs.append(s.masks[0][w])
     np.testing.assert_array_equal(runs[0], runs[1])
 
