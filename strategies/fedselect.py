@@ -417,18 +417,14 @@ class FedSelect(PersonalisedStrategy):
                 if not selectable(name):
                     continue
                 personal = masks.get(name, np.zeros(v.shape, dtype=bool))
-                new[name] = grow_mask(personal, moved_entries(values[name], since[name], personal), *self.growth)
+                moved = moved_entries(values[name], since[name], personal)
+                new[name] = grow_mask(personal, moved, self.params.rate, self.params.limit)
             self.masks[r.client_id] = new
             if self.params.delta == "span":
                 self.reference[r.client_id] = {k: values[k].copy() for k in self.initial_params}
             grown += 1
         fractions = [self.personal_fraction(c) for c in sorted(self.trainings)]
         return {"masks_grown": grown, "personal_fraction_mean": float(np.mean(fractions)) if fractions else 0.0}
-
-    @property
-    def growth(self) -> tuple[float, float]:
-        """(rate, limit) of :func:`grow_mask`."""
-        return self.params.rate, self.params.limit
 
     def personal_fraction(self, client_id: int) -> float:
         """The share of client's selectable entries (all weight tensors together) that are personal."""
