@@ -55,6 +55,7 @@ SCOPE: dict[str, list[str]] = {
         "median_nonzero",
         "relative_attention_weights",
         "proximal_mu",
+        "coupled_mu",
         "step_product",
         "largest_passing_lam",
         "flatten",

@@ -2,14 +2,20 @@
 
 The server keeps every client's latest model w_j and builds, for each sampled client i, a personalised
 anchor u_i = Σ_j ξ_ij·w_j with
-    ξ_ij = α_K·exp(−‖w_i − w_j‖²/σ)/σ   (j ≠ i),      ξ_ii = 1 − Σ_{j≠i} ξ_ij,
+    ξ_ij = α·exp(−‖w_i − w_j‖²/σ)/σ   (j ≠ i),      ξ_ii = 1 − Σ_{j≠i} ξ_ij,
 so clients with similar models pull on each other. The client keeps its own model, trains it from where it
-left off with cross-entropy + (λ/(2α_K))‖w − u_i‖² — the paper's coefficient (its u-step is a gradient step of
-size α_K, so the proximal weight is λ/α_K; PFLlib uses the same) — carrying gradient into w (the PFLlib
+left off with cross-entropy + (λ/(2α))‖w − u_i‖² — the paper's coefficient (its u-step is a gradient step of
+size α, so the proximal weight is λ/α; PFLlib uses the same) — carrying gradient into w (the PFLlib
 version computes the term on detached tensors, which makes FedAMP plain local training; not reproduced here),
 sends its parameters back; that trained model is the client's deployed model. Clients not heard from yet count
 with the initial model. The term is FedProx's ``proximal`` training term, (μ/2)‖w − anchor‖², sent with
-μ = λ/α_K (:func:`proximal_mu`); Ditto uses the same term with μ = λ.
+μ = λ/α (:func:`proximal_mu`); Ditto uses the same term with μ = λ.
+
+The paper's form (``kappa`` = 0): α = α_K and σ fixed. The data-relative form (``kappa`` > 0): each round
+σ_r = κ × the median non-zero squared distance between the pool's models and α_r = share·σ_r/(n − 1), and the
+message's μ is λ/α_r, the same round's step (the paper indexes its step by iteration and ties the client's weight
+to it); a round whose models are all alike (round 1) has no σ_r and no pull (μ = 0). With SGD a μ_r at which
+lr·μ_r would reach 1 is capped at the largest λ that passes (:func:`coupled_mu`), logged and counted in rounds.csv.
 """
 
 from __future__ import annotations
@@ -70,10 +76,10 @@ def median_nonzero(d2: np.ndarray) -> float:
     return float(np.median(pairs)) if pairs.size else 0.0
 
 
-def relative_attention_weights(d2: np.ndarray, kappa: float, share: float) -> tuple[np.ndarray, float]:
+def relative_attention_weights(d2: np.ndarray, kappa: float, share: float) -> tuple[np.ndarray, float, float]:
     """ξ with σ_r = κ·(median non-zero d²) and α_r = share·σ_r/(n − 1): (share/(n − 1))·exp(−d²/σ_r) off the
-    diagonal, 1 − (row sum) on it; and σ_r. With no non-zero distance (every model alike) each other model gets
-    share/(n − 1)."""
+    diagonal, 1 − (row sum) on it — the paper's formula at (α_r, σ_r); and σ_r, α_r. With no non-zero distance
+    (every model alike) each other model gets share/(n − 1), and σ_r = α_r = 0 (no step: see :func:`coupled_mu`)."""
     n = len(d2)
     sigma = kappa * median_nonzero(d2)
     d2 = np.asarray(d2, dtype=np.float64)
@@ -81,7 +87,7 @@ def relative_attention_weights(d2: np.ndarray, kappa: float, share: float) -> tu
     xi = share / max(n - 1, 1) * kernel
     np.fill_diagonal(xi, 0.0)
     np.fill_diagonal(xi, 1.0 - xi.sum(axis=1))
-    return xi, sigma
+    return xi, sigma, share * sigma / max(n - 1, 1)
 
 
 def personalised_anchors(
@@ -90,18 +96,23 @@ def personalised_anchors(
     """u_i = Σ_j ξ_ij·w_j for the rows ``chosen`` of the pool ``vectors`` (one client's parameter vector a row): ξ
     from the pool's squared distances, fixed (:func:`attention_weights`, ``kappa`` = 0) or relative
     (:func:`relative_attention_weights`). Returns the anchors (one row per chosen client) and the diagnostics: the
-    chosen clients' mean self-weight ξ_ii, the median non-zero squared distance and the σ used."""
+    chosen clients' self-weights ξ_ii (mean, min, max), the median non-zero squared distance, the σ and the step α
+    used (α_K, or α_r: 0 in a round with no non-zero distance)."""
     d2 = squared_distances(vectors)
     if kappa > 0:
-        xi, sigma_used = relative_attention_weights(d2, kappa, share)
+        xi, sigma_used, alpha_used = relative_attention_weights(d2, kappa, share)
     else:
-        xi, sigma_used = attention_weights(d2, alpha_k, sigma), sigma
+        xi, sigma_used, alpha_used = attention_weights(d2, alpha_k, sigma), sigma, alpha_k
     rows = np.asarray(chosen, dtype=np.int64)
     u = torch.from_numpy(xi[rows].astype(np.float32)) @ torch.from_numpy(np.ascontiguousarray(vectors))
+    own = np.diagonal(xi)[rows]
     diagnostics = {
-        "self_weight": float(np.diagonal(xi)[rows].mean()),
+        "self_weight": float(own.mean()),
+        "self_weight_min": float(own.min()),
+        "self_weight_max": float(own.max()),
         "median_d2": median_nonzero(d2),
         "sigma": float(sigma_used),
+        "alpha": float(alpha_used),
     }
     return u.numpy(), diagnostics
 
@@ -125,6 +136,18 @@ def largest_passing_lam(lr: float, alpha_k: float) -> float:
     while step_product(lr, lam, alpha_k) >= 1.0:  # float rounding at the boundary: one unit lower
         lam = float(f"{lam - step:.3g}")
     return lam
+
+
+def coupled_mu(lam: float, alpha: float, lr: float | None) -> tuple[float, bool]:
+    """(μ, capped): the client's proximal weight λ/α for the round's attention step α; 0 when α = 0 (a round with no
+    step: every model alike). ``lr`` (plain SGD; None: no cap): where lr·λ/α >= 1 — each step would set the model to
+    its anchor, or past it — μ is capped at λ'/α with λ' = :func:`largest_passing_lam` (the largest λ of three
+    significant digits that keeps the product below 1), and ``capped`` is True."""
+    if alpha <= 0:
+        return 0.0, False
+    if lr is not None and step_product(lr, lam, alpha) >= 1.0:
+        return proximal_mu(largest_passing_lam(lr, alpha), alpha), True
+    return proximal_mu(lam, alpha), False
 
 
 def flatten(arrays: dict[str, np.ndarray], keys: list[str]) -> np.ndarray:
@@ -161,14 +184,15 @@ class FedAMPParams:
     lam: float = param(
         1.0,
         ge=0,
-        help="λ: the client's proximal term is (λ/(2α_K))‖w − u_i‖² (μ = λ/α_K on the wire); with SGD "
-        "client.lr·λ/α_K must stay < 1",
+        help="λ: the client's proximal term is (λ/(2α))‖w − u_i‖² (μ = λ/α on the wire; α = alpha_k, or the round's "
+        "α_r when kappa > 0); with SGD client.lr·λ/α_K must stay < 1 (kappa = 0: refused; kappa > 0: each round's "
+        "μ is capped there and rounds.csv counts it)",
     )
     kappa: float = param(
         0.0,
         ge=0,
-        help="0: σ fixed at sigma; > 0: σ = kappa × the round's median non-zero squared "
-        "distance between client models, and the attention step relative (share)",
+        help="0: σ fixed at sigma (the paper's form); > 0: σ_r = kappa × the round's median non-zero squared "
+        "distance between client models, the step α_r = share·σ_r/(n − 1) and the client's μ = λ/α_r, every round",
     )
     share: float = param(0.5, gt=0, le=1, help="kappa > 0: the most weight all other clients together get")
 
@@ -193,7 +217,7 @@ class FedAMP(PersonalisedStrategy):
                 "or raise 'strategy.params.fedamp.sigma'"
             )
         product = step_product(cfg.client.lr, p.lam, p.alpha_k)
-        if cfg.client.optimizer == "sgd" and product >= 1.0:
+        if p.kappa == 0 and cfg.client.optimizer == "sgd" and product >= 1.0:
             raise ConfigError(
                 f"'strategy.params.fedamp.lam' = {p.lam:g} with client.lr = {cfg.client.lr:g} and "
                 f"alpha_k = {p.alpha_k:g} gives lr·λ/α_K = {product:.3g} >= 1: each SGD step moves the client's model "
@@ -208,19 +232,25 @@ class FedAMP(PersonalisedStrategy):
         self.keys = list(self.like)
         self.initial = flatten(self.like, self.keys)
         self.models: dict[int, np.ndarray] = {}  # client id -> its latest parameter vector
-        self._last_self_weight: float | None = None  # diagnostics of the last anchors: mean ξ_ii of the sampled
-        self._last_median_d2: float | None = None  # clients, median non-zero ‖w_i − w_j‖² (what σ is compared with)
-        self._last_sigma: float | None = None  # and the σ used
+        self.seen: dict[str, float] = {}  # diagnostics of the last anchors (personalised_anchors) and their μ
         p = self.params
-        log.info(
-            "FedAMP: proximal weight λ/α_K = %g, lr·λ/α_K = %.3g per SGD step (refused at >= 1)%s",
-            proximal_mu(p.lam, p.alpha_k),
-            step_product(cfg.client.lr, p.lam, p.alpha_k),
-            "; with kappa > 0 the attention step follows σ each round, the proximal weight keeps the configured "
-            "alpha_k, so this product is every round's"
-            if p.kappa > 0
-            else "",
-        )
+        if p.kappa > 0:
+            log.info(
+                "FedAMP (data-relative σ): each round σ_r = %g × the median squared distance, α_r = %g·σ_r/(n − 1), "
+                "μ = λ/α_r with λ = %g%s",
+                p.kappa,
+                p.share,
+                p.lam,
+                f"; with SGD at lr {cfg.client.lr:g} a μ with lr·μ >= 1 is capped (rounds.csv: prox_mu_capped)"
+                if cfg.client.optimizer == "sgd"
+                else "",
+            )
+        else:
+            log.info(
+                "FedAMP: proximal weight λ/α_K = %g, lr·λ/α_K = %.3g per SGD step (refused at >= 1)",
+                proximal_mu(p.lam, p.alpha_k),
+                step_product(cfg.client.lr, p.lam, p.alpha_k),
+            )
 
     def anchors(self, clients: list[int]) -> dict[int, np.ndarray]:
         """u_i for the given clients over every client known (and the given ones, at their current models)."""
@@ -229,25 +259,30 @@ class FedAMP(PersonalisedStrategy):
         row = {c: i for i, c in enumerate(pool)}
         p = self.params
         u, seen = personalised_anchors(vectors, [row[c] for c in clients], p.alpha_k, p.sigma, p.kappa, p.share)
-        self._last_self_weight, self._last_median_d2, self._last_sigma = (
-            seen["self_weight"],
-            seen["median_d2"],
-            seen["sigma"],
-        )
+        sgd_lr = self.cfg.client.lr if self.cfg.client.optimizer == "sgd" else None
+        mu, capped = coupled_mu(p.lam, seen["alpha"], sgd_lr if p.kappa > 0 else None)
+        if capped:
+            log.warning(
+                "FedAMP: λ/α_r = %g with lr %g would move the model to its anchor in one step (lr·μ >= 1); μ capped "
+                "at %g this round",
+                proximal_mu(p.lam, seen["alpha"]),
+                self.cfg.client.lr,
+                mu,
+            )
+        self.seen = {**seen, "mu": mu, "capped": float(capped)}
         return {c: u[i] for i, c in enumerate(clients)}
 
     def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        mu = proximal_mu(self.params.lam, self.params.alpha_k)
+        # a node not heard from yet is a client whose model is still the initial one: any id outside the pool does
+        clients = [self.nodes.node_to_client.get(n, -1 - i) for i, n in enumerate(node_ids)]
+        anchors = self.anchors(clients)
         request = self.request(
             server_round,
             ["train"],
             load=protocol.Load(into_model=False),
-            training=protocol.Training(sections={protocol.TRAIN: protocol.Section(extra={PROX_MU: mu})}),
+            training=protocol.Training(sections={protocol.TRAIN: protocol.Section(extra={PROX_MU: self.seen["mu"]})}),
             returns=protocol.Return(arrays=True, part="params"),
         )
-        # a node not heard from yet is a client whose model is still the initial one: any id outside the pool does
-        clients = [self.nodes.node_to_client.get(n, -1 - i) for i, n in enumerate(node_ids)]
-        anchors = self.anchors(clients)
         return [
             protocol.build_message(
                 n, request, arrays=protocol.arrays_record(unflatten(anchors[c], self.like, self.keys))
@@ -261,24 +296,31 @@ class FedAMP(PersonalisedStrategy):
                 self.models[r.client_id] = flatten(r.arrays, self.keys)
             else:
                 self.replies.skip_reply(server_round, r, "arrays that do not match the model; its previous model kept")
+        seen = self.seen
         return {
-            "attention_self_mean": self._last_self_weight,
-            "model_distance_sq_median": self._last_median_d2,
-            "attention_sigma": self._last_sigma,
+            "attention_self_mean": seen.get("self_weight"),
+            "attention_self_min": seen.get("self_weight_min"),
+            "attention_self_max": seen.get("self_weight_max"),
+            "model_distance_sq_median": seen.get("median_d2"),
+            "attention_sigma": seen.get("sigma"),
+            "attention_alpha": seen.get("alpha"),
+            "prox_mu": seen.get("mu"),
+            "prox_mu_capped": seen.get("capped"),
         }
 
 
 class FlowerFedAMP(PersonalisedFlowerStrategy):
-    """FedAMP as a drop-in Flower strategy (``fedapps.flower_strategies.FedAMP``): each round a sampled node is sent
-    its anchor u_i (:func:`personalised_anchors` over the latest upload of every node heard from and, at the initial
-    arrays, this round's new nodes: the app's pool) as its ``"arrays"``, and μ = λ/α_K as ``"proximal-mu"`` in the
-    train config, the key Flower's FedProx uses. The paper's client trains ITS OWN model, kept between rounds, with
-    CE + (μ/2)‖w − u_i‖² (:func:`strategies.fedprox.proximal_penalty`) and sends it back; that upload is the node's
-    model, kept by the server and sent to it for evaluation. A client that does not keep its model but starts from
-    the arrays it receives, as a FedProx client does, starts from u_i instead (docs/flower-apps.md says what that
-    changes). There is no global model: ``Result.arrays`` stays empty. The anchors are built over the model's
-    parameters (``model`` given) or every floating-point array; ``alpha_k``, ``sigma``, ``lam``, ``kappa`` and
-    ``share`` mean what they mean in the app (defaults: the app's); every other argument is Flower's FedAvg's."""
+    """FedAMP as a drop-in Flower strategy (``fedapps.flower_strategies.FedAMP``): each round a sampled node is sent its
+    anchor u_i (:func:`personalised_anchors` over the latest upload of every node heard from and, at the initial arrays,
+    this round's new nodes: the app's pool) as its ``"arrays"``, and μ = λ/α as ``"proximal-mu"`` in the train config,
+    the key Flower's FedProx uses (α = α_K, or with ``kappa`` > 0 the round's α_r, μ = 0 while every model is alike; the
+    strategy does not know the clients' learning rate, so it caps nothing). The paper's client trains ITS OWN model,
+    kept between rounds, with CE + (μ/2)‖w − u_i‖² (:func:`strategies.fedprox.proximal_penalty`) and sends it back; that
+    upload is the node's model, kept by the server and sent to it for evaluation. A client that does not keep its model
+    but starts from the arrays it receives, as a FedProx client does, starts from u_i instead (docs/flower-apps.md says
+    what that changes). There is no global model: ``Result.arrays`` stays empty. The anchors are built over the model's
+    parameters (``model`` given) or every floating-point array; ``alpha_k``, ``sigma``, ``lam``, ``kappa`` and ``share``
+    mean what they mean in the app (defaults: the app's); every other argument is Flower's FedAvg's."""
 
     def __init__(
         self,
@@ -295,24 +337,26 @@ class FlowerFedAMP(PersonalisedFlowerStrategy):
         if alpha_k <= 0 or sigma <= 0 or lam < 0 or kappa < 0 or not 0 < share <= 1:
             raise ValueError("FedAMP: alpha_k and sigma must be > 0, lam and kappa >= 0, share in (0, 1]")
         self.alpha_k, self.sigma, self.lam, self.kappa, self.share = alpha_k, sigma, lam, kappa, share
-        self.mu = proximal_mu(lam, alpha_k)
+        self.mu = proximal_mu(lam, alpha_k)  # the round's μ (with kappa > 0: set with the anchors each round)
         self.model = model
         self.initial: dict[str, np.ndarray] = {}
         self.uploads: dict[int, dict[str, np.ndarray]] = {}  # node id -> its latest upload (its own model)
         self.vectors: dict[int, np.ndarray] = {}  # node id -> that upload's parameters, flattened
         self.anchors: dict[int, np.ndarray] = {}  # node id -> its anchor this round
         self.diagnostics: dict[str, float] = {}
+        self.train_config = ConfigRecord()  # the round's train config: its μ is set with the anchors
 
     def settings(self) -> list[tuple[str, object]]:
-        return [("alpha_k, sigma, lam", (self.alpha_k, self.sigma, self.lam)), ("proximal-mu (λ/α_K)", self.mu),
+        mu = "λ/α_r, per round" if self.kappa > 0 else self.mu
+        return [("alpha_k, sigma, lam", (self.alpha_k, self.sigma, self.lam)), ("proximal-mu (λ/α)", mu),
                 ("kappa, share", (self.kappa, self.share))]  # fmt: skip
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """The anchors, with μ under ``"proximal-mu"`` in the config."""
-        config[PROXIMAL_MU] = self.mu
-        return super().configure_train(server_round, arrays, config, grid)
+        """The anchors, with the round's μ under ``"proximal-mu"`` in the config (set with the anchors)."""
+        self.train_config = ConfigRecord(dict(config))  # this round's own: its μ is this round's
+        return super().configure_train(server_round, arrays, self.train_config, grid)
 
     def round_nodes(self, node_ids: list[int], arrays: ArrayRecord, for_training: bool) -> None:
         if not self.initial:
@@ -328,6 +372,8 @@ class FlowerFedAMP(PersonalisedFlowerStrategy):
                 vectors, [row[n] for n in node_ids], self.alpha_k, self.sigma, self.kappa, self.share
             )
             self.anchors = {n: u[i] for i, n in enumerate(node_ids)}
+            self.mu = coupled_mu(self.lam, self.diagnostics["alpha"], None)[0]
+            self.train_config[PROXIMAL_MU] = self.mu
 
     def node_arrays(self, node_id: int, arrays: ArrayRecord, for_training: bool) -> ArrayRecord:
         """Training: u_i on the parameters (the node's own other arrays beside it); evaluation: the node's latest

@@ -6,14 +6,19 @@ start at 0 (everything shared). Each round a sampled client receives, for every 
 values at ITS shared entries and its mask (packed bits), writes those values into its own model, keeping its
 personal entries (and its buffers) as they are, and trains by LocalAlt: ``client.epochs`` times one epoch on the
 personal entries (shared ones frozen), then one epoch on the shared ones (personal ones frozen). It sends back
-its shared entries only. The server averages each entry over the replying clients that share it, by sample
-count (:func:`masked_average`); an entry nobody shares keeps its value. Then, after every ``grow_every``-th
-training of a client, its mask grows (:func:`grow_mask`), per tensor: of the entries still shared, the fraction
-``rate`` that moved most in that local training (|returned − sent|, lottery-ticket style) become personal, never
-beyond ``limit`` of the tensor; personal entries never go back, are never averaged and keep their trained values.
+its shared entries only. The server averages each entry over the replying clients that share it, with equal
+client weights (``weighting: uniform``, the authors' code) or by sample count (``samples``)
+(:func:`masked_average`); an entry nobody shares keeps its value. Then, after every ``grow_every``-th training of
+a client, its mask grows (:func:`grow_mask`), per tensor: of the entries still shared, the fraction ``rate`` that
+moved most (lottery-ticket style) become personal, never beyond ``limit`` of the tensor; personal entries never go
+back, are never averaged and keep their trained values. "Moved" (``delta``): ``span`` (the authors' code) —
+|returned now − returned at the client's previous growth step| (the initial model before its first), a span of
+``grow_every`` trainings with the server's averaging in between; ``last`` — |returned − sent| of this training
+alone.
 
-The mask lives on the server (it can compute every |Δ| it needs: what it sent and what came back), so nothing
-about it travels up and a restarted client gets it back with the next message. The deployed model after round r
+The mask lives on the server (it can compute every |Δ| it needs: what it sent and what came back, and for
+``span`` the client's returned values at its last growth step, kept per client as arrays), so nothing about it
+travels up and a restarted client gets it back with the next message. The deployed model after round r
 is round r's shared values under client i's personal entries and buffers (loaded by ``fedselect-load``, the
 deployed model's preparation, at the start of round r+1's message).
 """
@@ -75,6 +80,14 @@ def grow_mask(personal: np.ndarray, moved: np.ndarray, rate: float, limit: float
     out = flat.copy()
     out[shared[order]] = True
     return out.reshape(personal.shape)
+
+
+def moved_entries(values: np.ndarray, since: np.ndarray, personal: np.ndarray) -> np.ndarray:
+    """|values − since| at the shared entries, 0 at the personal ones (never candidates): what :func:`grow_mask`
+    ranks. ``since`` is what the span of "moved" starts from (the values sent, or those returned at the client's
+    previous growth step)."""
+    diff = np.abs(np.asarray(values, dtype=np.float64) - np.asarray(since, dtype=np.float64))
+    return np.where(np.asarray(personal, dtype=bool), 0.0, diff)
 
 
 def masked_average(
@@ -303,6 +316,19 @@ class FedSelectParams:
     )
     limit: float = param(0.8, ge=0, le=1, help="α: at most this fraction of each weight tensor becomes personal")
     grow_every: int = param(3, ge=1, help="a client's mask grows after every this-many of its local trainings")
+    delta: str = param(
+        "span",
+        choices=("span", "last"),
+        help="what 'moved' measures at a growth step: span = returned values minus those returned at the client's "
+        "previous growth step (the initial model before its first; the authors' code), last = returned minus sent "
+        "in this training alone",
+    )
+    weighting: str = param(
+        "uniform",
+        choices=("uniform", "samples"),
+        help="each shared entry's average over the clients sharing it: uniform = equal client weights (the authors' "
+        "code), samples = weighted by the clients' sample counts",
+    )
 
 
 class FedSelect(PersonalisedStrategy):
@@ -310,6 +336,7 @@ class FedSelect(PersonalisedStrategy):
 
     name = "fedselect"
     Params = FedSelectParams
+    checkpoint_exclude = frozenset({"initial_params"})  # rebuilt from the config
     deployed = DeployedModel(
         "round r's shared values (each entry averaged over the clients sharing it) under "
         "client i's personal entries and buffers",
@@ -320,8 +347,12 @@ class FedSelect(PersonalisedStrategy):
     def __init__(self, cfg: ExperimentConfig, params: Any = None, context: RunContext | None = None) -> None:
         super().__init__(cfg, params, context)
         self.global_params = initial_model_arrays(cfg, "params")
+        self.initial_params = {k: v.copy() for k, v in self.global_params.items() if selectable(k)}
         self.masks: dict[int, dict[str, np.ndarray]] = {}  # client id -> parameter -> personal entries (bool)
         self.trainings: dict[int, int] = {}  # client id -> accepted local trainings so far
+        # delta span: client id -> weight tensor -> the values it returned at its last growth step (its entries
+        # personal then hold 0: they are never candidates again); a client absent: the initial model
+        self.reference: dict[int, dict[str, np.ndarray]] = {}
 
     def reply_validator(self) -> ReplyValidator:
         """A training reply carries a client's shared entries only (:class:`SharedEntriesValidator`)."""
@@ -371,20 +402,26 @@ class FedSelect(PersonalisedStrategy):
                 continue
             values = {name: scatter_shared(r.arrays[name], masks.get(name), v.shape) for name, v in sent.items()}
             usable.append((r, masks, values))
-        self.global_params = masked_average(sent, [(v, m, float(r.num_examples)) for r, m, v in usable])
+        uniform = self.params.weighting == "uniform"
+        self.global_params = masked_average(
+            sent, [(v, m, 1.0 if uniform else float(r.num_examples)) for r, m, v in usable]
+        )
         grown = 0
         for r, masks, values in usable:
             self.trainings[r.client_id] = self.trainings.get(r.client_id, 0) + 1
             if self.trainings[r.client_id] % self.params.grow_every:
                 continue
+            since = sent if self.params.delta == "last" else self.reference.get(r.client_id, self.initial_params)
             new = dict(masks)
             for name, v in sent.items():
                 if not selectable(name):
                     continue
                 personal = masks.get(name, np.zeros(v.shape, dtype=bool))
-                moved = np.where(personal, 0.0, np.abs(values[name].astype(np.float64) - v))
+                moved = moved_entries(values[name], since[name], personal)
                 new[name] = grow_mask(personal, moved, self.params.rate, self.params.limit)
             self.masks[r.client_id] = new
+            if self.params.delta == "span":
+                self.reference[r.client_id] = {k: values[k].copy() for k in self.initial_params}
             grown += 1
         fractions = [self.personal_fraction(c) for c in sorted(self.trainings)]
         return {"masks_grown": grown, "personal_fraction_mean": float(np.mean(fractions)) if fractions else 0.0}

@@ -29,6 +29,7 @@ from strategies.fedselect import (
     grow_mask,
     local_alt,
     masked_average,
+    moved_entries,
     pack_mask,
     scatter_shared,
     selectable,
@@ -116,9 +117,8 @@ def test_masked_average_by_hand_a_personal_entry_gets_nothing_from_its_owner():
 
 
 def test_server_averages_over_sharers_and_grows_masks_from_what_it_sent_and_got(tiny_config):
-    cfg = load_config(
-        tiny_config(strategy={"name": "fedselect", "params": {"fedselect": {"grow_every": 1, "rate": 0.5}}})
-    )
+    own = {"grow_every": 1, "rate": 0.5, "weighting": "samples"}
+    cfg = load_config(tiny_config(strategy={"name": "fedselect", "params": {"fedselect": own}}))
     s = resolve(cfg).build(cfg)
     sent = {k: v.copy() for k, v in s.global_params.items()}
     w = "fc.weight"
@@ -142,6 +142,97 @@ def test_server_averages_over_sharers_and_grows_masks_from_what_it_sent_and_got(
     m0 = s.masks[0][w]
     assert m0[0, :3].all() and m0.sum() == 3 + int(np.floor(0.5 * (m0.size - 3) + 0.5))
     assert "fc.bias" not in s.masks[1] and extra["masks_grown"] == 2
+
+
+def fedselect(tiny_config, **own):
+    cfg = load_config(tiny_config(strategy={"name": "fedselect", "params": {"fedselect": own}}))
+    return resolve(cfg).build(cfg)
+
+
+def reply_of(s, cid: int, values: dict, n: int = 10) -> ClientReply:
+    """Client ``cid``'s reply holding ``values`` at its shared entries (what its client would send)."""
+    return ClientReply(
+        100 + cid, cid, n, {}, {k: shared_values(v, s.masks.get(cid, {}).get(k)) for k, v in values.items()}
+    )
+
+
+def test_uniform_weighting_gives_each_sharing_client_the_same_weight(tiny_config):
+    """weighting uniform (the default, the authors' code): each shared entry the plain mean over its sharers,
+    whatever their sample counts (10 and 30 here: (1 + 3)/2 = 2 added, not (10·1 + 30·3)/40 = 2.5)."""
+    s = fedselect(tiny_config, grow_every=5)
+    assert s.params.weighting == "uniform"
+    sent = {k: v.copy() for k, v in s.global_params.items()}
+    s.aggregate(1, [reply_of(s, 0, {k: v + 1.0 for k, v in sent.items()}, 10),
+                    reply_of(s, 1, {k: v + 3.0 for k, v in sent.items()}, 30)])  # fmt: skip
+    for k, v in sent.items():
+        np.testing.assert_allclose(s.global_params[k], v + 2.0, rtol=1e-6, atol=1e-6, err_msg=k)
+
+
+def test_span_delta_measures_from_the_previous_growth_step_not_from_what_was_sent(tiny_config):
+    """grow_every 2, one client: round 1 it returns w0 + a, which becomes the global model w1 (it alone shares every
+    entry); round 2 it returns w1 + b. At that growth step span ranks |a + b| (moved since the initial model, across
+    the server's average) and last ranks |b| (this training alone). a = 1 on fc.weight's first k entries, b = 0.1 on
+    the next k (k = round(0.25 × size)): span makes the first k personal, last the next k. Then the span restarts
+    from the values returned at that step: a third and fourth round returning c = 0.05 on the k entries after those
+    make personal only entries of c (with the reference not reset, |a + b + c| would take b's 0.1 entries first)."""
+    w = "fc.weight"
+    masks = {}
+    for delta in ("span", "last"):
+        s = fedselect(tiny_config, grow_every=2, delta=delta)
+        w0 = {k: v.copy() for k, v in s.global_params.items()}
+        size = w0[w].size
+        k = int(np.floor(0.25 * size + 0.5))
+        a, b = np.zeros(size, np.float32), np.zeros(size, np.float32)
+        a[:k], b[k : 2 * k] = 1.0, 0.1
+        s.aggregate(1, [reply_of(s, 0, {**w0, w: w0[w] + a.reshape(w0[w].shape)})])
+        w1 = {key: v.copy() for key, v in s.global_params.items()}
+        np.testing.assert_allclose(w1[w], w0[w] + a.reshape(w0[w].shape), rtol=1e-6)
+        assert s.aggregate(2, [reply_of(s, 0, {**w1, w: w1[w] + b.reshape(w1[w].shape)})])["masks_grown"] == 1
+        masks[delta] = s.masks[0][w].reshape(-1).copy()
+        if delta == "span":
+            got = s.reference[0][w].reshape(-1)
+            np.testing.assert_allclose(got, (w1[w].reshape(-1) + b), rtol=1e-6)  # returned at the growth step
+            c = np.zeros(size, np.float32)
+            c[2 * k : 3 * k] = 0.05
+            w2 = {key: v.copy() for key, v in s.global_params.items()}
+            s.aggregate(3, [reply_of(s, 0, w2)])
+            w3 = {key: v.copy() for key, v in s.global_params.items()}
+            s.aggregate(4, [reply_of(s, 0, {**w3, w: w3[w] + c.reshape(w3[w].shape)})])
+            second = np.flatnonzero(s.masks[0][w].reshape(-1) & ~masks["span"])
+            assert len(second) == int(np.floor(0.25 * (size - k) + 0.5)) and set(second) <= set(range(2 * k, 3 * k))
+    assert np.flatnonzero(masks["span"]).tolist() == list(range(k))
+    assert np.flatnonzero(masks["last"]).tolist() == list(range(k, 2 * k))
+
+
+def test_moved_entries_by_hand():
+    got = moved_entries(np.array([1.0, -2.0, 5.0]), np.array([0.5, 1.0, 0.0]), np.array([False, False, True]))
+    np.testing.assert_allclose(got, [0.5, 3.0, 0.0])  # |Δ|, a personal entry 0
+
+
+def test_span_reference_is_plain_data_and_survives_a_checkpoint(tiny_config, tmp_path):
+    """The per-client reference is arrays in dicts (what a checkpoint may hold); saved and loaded into a fresh
+    strategy, the next growth step is the same as without the interruption."""
+    from fedapps.checkpoint import load_checkpoint, save_checkpoint
+
+    w = "fc.weight"
+    runs = []
+    for interrupted in (False, True):
+        s = fedselect(tiny_config, grow_every=1)
+        rng = np.random.default_rng(0)
+
+        def step(s=s, rng=rng):
+            return {k: v + rng.standard_normal(v.shape).astype(np.float32) for k, v in s.global_params.items()}
+
+        s.aggregate(1, [reply_of(s, 0, step())])
+        if interrupted:
+            state = s.state_dict()
+            assert isinstance(state["reference"][0][w], np.ndarray) and "initial_params" not in state
+            save_checkpoint(tmp_path, {"strategy": state})
+            s = fedselect(tiny_config, grow_every=1)
+            s.load_state_dict(load_checkpoint(tmp_path)["strategy"])
+        s.aggregate(2, [reply_of(s, 0, step(s))])
+        runs.append(s.masks[0][w])
+    np.testing.assert_array_equal(runs[0], runs[1])
 
 
 # --------------------------------------------------------------------------- the client side
@@ -261,7 +352,8 @@ def test_client_refuses_a_message_whose_values_do_not_fit_its_mask():
 def test_params_are_declared_and_checked(tiny_config):
     params = resolve(load_config(tiny_config(strategy={"name": "fedselect"}))).params
     assert (params.rate, params.limit, params.grow_every) == (0.25, 0.8, 3)  # the authors' code
-    for bad in ({"rate": 0.0}, {"limit": 1.5}, {"grow_every": 0}):
+    assert (params.delta, params.weighting) == ("span", "uniform")  # the authors' code too
+    for bad in ({"rate": 0.0}, {"limit": 1.5}, {"grow_every": 0}, {"delta": "round"}, {"weighting": "data"}):
         with pytest.raises(ConfigError, match=f"strategy.params.fedselect.{next(iter(bad))}"):
             resolve(load_config(tiny_config(strategy={"name": "fedselect", "params": {"fedselect": bad}})))
 
@@ -311,8 +403,8 @@ def test_short_run_sends_only_shared_entries_and_personalises(tiny_config):
 
 def test_with_nothing_personal_it_is_fedavg(tiny_config):
     """A mask that never grows: the same values sent, the same training, the same average as FedAvg (up to the
-    rounding of the two ways of dividing by the weights)."""
-    s, _, selected, _, _ = run_inprocess(tiny_config, 2, grow_every=1000)
+    rounding of the two ways of dividing by the weights), with the average weighted by samples as FedAvg's."""
+    s, _, selected, _, _ = run_inprocess(tiny_config, 2, grow_every=1000, weighting="samples")
     cfg = load_config(tiny_config(rounds=2, data=PATHOLOGICAL, strategy={"name": "fedavg"}))
     plain = RoundDriver(resolve(cfg).build(cfg)).start(InProcessGrid(4))
     for k, v in s.global_params.items():

@@ -558,8 +558,8 @@ def test_pfedhn_generates_the_parameters_and_leaves_each_nodes_buffers_its_own()
 def test_fedamp_sends_each_node_its_anchor_with_proximal_mu_and_evaluates_its_own_model():
     """Round 2's training messages against FedAMP written out over the round-1 uploads w_j (relative attention,
     kappa 1, share 0.5): σ = median of the non-zero ‖w_i − w_j‖², ξ_ij = (0.5/3)·exp(−‖w_i − w_j‖²/σ) for j ≠ i,
-    ξ_ii = 1 − Σ_{j≠i} ξ_ij, u_i = Σ_j ξ_ij w_j; μ = λ/α_K under Flower's FedProx key; each evaluation message is the
-    node's own upload; no global model."""
+    ξ_ii = 1 − Σ_{j≠i} ξ_ij, u_i = Σ_j ξ_ij w_j; μ = λ/α_r with the round's step α_r = 0.5·σ/3 under Flower's FedProx
+    key (round 1, every model alike: μ = 0); each evaluation message is the node's own upload; no global model."""
     grid = twin_grid(**{"keep-model": True})
     result = FedAMP(lam=0.1, kappa=1.0).start(grid=grid, initial_arrays=initial_arrays(), num_rounds=2)
     replies = sorted(grid.replies[:4], key=lambda r: r.metadata.src_node_id)
@@ -571,9 +571,10 @@ def test_fedamp_sends_each_node_its_anchor_with_proximal_mu_and_evaluates_its_ow
     np.fill_diagonal(xi, 0.0)
     np.fill_diagonal(xi, 1.0 - xi.sum(1))
     train_two = {m.metadata.dst_node_id: m for m in grid.sent[8:12]}
+    assert all(m.content["config"][PROXIMAL_MU] == 0.0 for m in grid.sent[:4])
     for i, r in enumerate(replies):
         msg = train_two[r.metadata.src_node_id]
-        assert msg.content["config"][PROXIMAL_MU] == pytest.approx(0.1 / 0.01)
+        assert msg.content["config"][PROXIMAL_MU] == pytest.approx(0.1 / (0.5 * sigma / 3), rel=1e-4)
         for key, got in values(msg.content[protocol.ARRAYS]).items():
             expected = sum(xi[i, j] * w[j][key] for j in range(4))  # the app's distances: a float32 Gram matrix
             np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-5, err_msg=key)

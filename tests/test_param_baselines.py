@@ -16,6 +16,7 @@ from fedapps.wire.protocol import ARRAYS, METRICS, ClientReply, pack_models
 from strategies import resolve
 from strategies.fedamp import (
     attention_weights,
+    coupled_mu,
     flatten,
     median_nonzero,
     relative_attention_weights,
@@ -62,8 +63,8 @@ def test_attention_weights_by_hand() -> None:
 def test_relative_attention_weights_by_hand() -> None:
     # three models: squared distances 1, 4, 9; their median 4, so κ = 0.5 gives σ_r = 2; share 0.6 over n − 1 = 2
     d2 = np.array([[0.0, 1.0, 4.0], [1.0, 0.0, 9.0], [4.0, 9.0, 0.0]])
-    xi, sigma = relative_attention_weights(d2, kappa=0.5, share=0.6)
-    assert sigma == pytest.approx(2.0)
+    xi, sigma, alpha = relative_attention_weights(d2, kappa=0.5, share=0.6)
+    assert sigma == pytest.approx(2.0) and alpha == pytest.approx(0.6 * 2.0 / 2)
     off = lambda d: 0.3 * np.exp(-d / 2.0)  # noqa: E731
     assert xi[0, 1] == pytest.approx(off(1.0)) and xi[1, 2] == pytest.approx(off(9.0))
     assert xi[0, 0] == pytest.approx(1 - off(1.0) - off(4.0))
@@ -77,8 +78,8 @@ def test_relative_attention_weights_by_hand() -> None:
     # zero distances do not count in the median; with none non-zero every other model gets share/(n − 1)
     d2z = np.array([[0.0, 0.0, 4.0], [0.0, 0.0, 4.0], [4.0, 4.0, 0.0]])
     assert median_nonzero(d2z) == 4.0 and relative_attention_weights(d2z, 1.0, 0.6)[1] == 4.0
-    xi0, sigma0 = relative_attention_weights(np.zeros((3, 3)), 1.0, 0.6)
-    assert sigma0 == 0.0
+    xi0, sigma0, alpha0 = relative_attention_weights(np.zeros((3, 3)), 1.0, 0.6)
+    assert sigma0 == 0.0 and alpha0 == 0.0
     np.testing.assert_allclose(xi0[0], [0.4, 0.3, 0.3])
 
 
@@ -101,7 +102,7 @@ def test_fedamp_relative_sigma_logs_what_it_used(tiny_config) -> None:
     u = strategy.anchors([0, 1, 2])
     pool = np.stack([strategy.models[c] for c in (0, 1, 2)])
     d2 = squared_distances(pool)
-    xi, sigma = relative_attention_weights(d2, 2.0, 0.8)
+    xi, sigma, alpha = relative_attention_weights(d2, 2.0, 0.8)
     np.testing.assert_allclose(u[1], xi[1] @ pool, atol=1e-7)
     out = strategy.aggregate(1, [])
     assert out["attention_sigma"] == pytest.approx(sigma) and sigma == pytest.approx(
@@ -109,6 +110,51 @@ def test_fedamp_relative_sigma_logs_what_it_used(tiny_config) -> None:
     )
     assert out["model_distance_sq_median"] == pytest.approx(median_nonzero(d2))
     assert out["attention_self_mean"] == pytest.approx(np.diagonal(xi).mean())
+    assert out["attention_self_min"] == pytest.approx(np.diagonal(xi).min())
+    assert out["attention_self_max"] == pytest.approx(np.diagonal(xi).max())
+    assert out["attention_alpha"] == pytest.approx(alpha) and out["prox_mu"] == pytest.approx(0.01 / alpha)
+
+
+def test_coupled_mu_is_lambda_over_the_rounds_step_capped_below_one_sgd_step() -> None:
+    """μ = λ/α for the round's α (here 0.5 → μ = 0.2 at λ 0.1); 0 with no step (α = 0: every model alike); with SGD
+    at lr 0.05, λ 1 and α 0.02 the product lr·λ/α = 2.5 is capped at the largest passing λ (0.399: 0.9975)."""
+    assert coupled_mu(0.1, 0.5, 0.05) == (pytest.approx(0.2), False)
+    assert coupled_mu(0.1, 0.0, 0.05) == (0.0, False)
+    mu, capped = coupled_mu(1.0, 0.02, 0.05)
+    assert capped and mu == pytest.approx(0.399 / 0.02) and 0.05 * mu < 1.0
+    assert coupled_mu(1.0, 0.02, None) == (pytest.approx(50.0), False)  # no lr given (Adam, the drop-in): no cap
+
+
+def test_fedamp_data_relative_sends_lambda_over_the_rounds_alpha_each_round(tiny_config) -> None:
+    """κ > 0: round 1 (every model the initial one) has no step and sends μ = 0; a round whose pool has squared
+    distances 1, 4 and 9 sends μ = λ/α_r with α_r = share·κ·median(d²)/(n − 1) = 0.6·0.5·4/2 = 0.6, so μ = 0.02/0.6.
+    Fails if the proximal weight stays λ/α_K (= 2), is inverted (α_r/λ) or uses another round's step."""
+    from strategies.fedamp import FedAMP
+
+    lam, kappa, share = 0.02, 0.5, 0.6
+    cfg = load_config(
+        tiny_config(
+            data={"num_clients": 3},
+            strategy={"name": "fedamp", "params": {"fedamp": {"lam": lam, "kappa": kappa, "share": share}}},
+        ),
+        "",
+    )
+    InProcessGrid(cfg.data.num_clients)  # gives Message() the run identity it needs outside Flower's runtime
+    strategy = FedAMP(cfg)
+    strategy.nodes.node_to_client.update({10: 0, 11: 1, 12: 2})
+    mu_of = lambda msg: protocol.request_of(msg).training.section(protocol.TRAIN).extra[PROX_MU]  # noqa: E731
+    assert [mu_of(m) for m in strategy.round_messages(1, [10, 11, 12])] == [0.0, 0.0, 0.0]
+    n = len(strategy.initial)
+    # every entry 0, 1/√n and 3/√n: squared distances 1 (0–1), 9 (0–2) and 4 (1–2), median 4, σ_r = 2, α_r = 0.6
+    strategy.models = {
+        0: np.zeros(n, np.float32),
+        1: np.full(n, 1 / np.sqrt(n), np.float32),
+        2: np.full(n, 3 / np.sqrt(n), np.float32),
+    }
+    mus = [mu_of(m) for m in strategy.round_messages(2, [10, 11, 12])]
+    alpha_r = share * kappa * 4.0 / 2
+    np.testing.assert_allclose(mus, [lam / alpha_r] * 3, rtol=1e-4)
+    assert strategy.aggregate(2, [])["prox_mu_capped"] == 0.0
 
 
 def test_squared_distances_and_flattening() -> None:

@@ -25,12 +25,16 @@ from strategies.comet import kmeans, kmeans_plus_plus
 from strategies.pfedck import (
     ALPHA,
     BETA,
+    FEATURE_MSE,
+    FEATURE_WEIGHT,
     KL_INTERACTIVE,
     KL_PERSONAL,
     SECTION,
     TEMPERATURE,
     TRAIN_OP,
+    ModelPair,
     cluster_updates,
+    feature_losses,
     mutual_losses,
     unit_rows,
 )
@@ -103,6 +107,37 @@ def test_total_gradient_is_each_models_own_loss():
     p, q = softmax(np.array(Z_P) / 2.0), softmax(np.array(Z_I) / 2.0)
     np.testing.assert_allclose(gp.numpy(), (softmax(np.array(Z_P)) - onehot) / 2 + 0.5 * 2.0 * (p - q) / 2, rtol=1e-5)
     np.testing.assert_allclose(gi.numpy(), (softmax(np.array(Z_I)) - onehot) / 2 + 3.0 * 2.0 * (q - p) / 2, rtol=1e-5)
+
+
+H_P = [[1.0, -2.0, 0.5], [0.0, 3.0, 1.0]]
+H_I = [[0.0, 1.0, 0.5], [2.0, -1.0, 0.0]]
+
+
+def test_feature_terms_by_hand_each_trains_only_its_own_model():
+    """MSE(h_own, h_other) = mean over the batch and the entries of (h_own − h_other)²: here (1 + 9 + 0 + 4 + 16 +
+    1)/6 = 31/6 for both directions. d(MSE_p)/dh_p = 2(h_p − h_i)/6 and d(MSE_p)/dh_i = 0 (the other model
+    detached), the roles swapped for MSE_i: the total's gradient on h_p is 2(h_p − h_i)/6 once, not twice (which
+    it would be with nothing detached) and not 0 (detached on the wrong side); a step on it brings h_p towards h_i."""
+    hp = torch.tensor(H_P, requires_grad=True)
+    hi = torch.tensor(H_I, requires_grad=True)
+    mse_p, mse_i = feature_losses(hp, hi)
+    assert mse_p.item() == pytest.approx(31 / 6) and mse_i.item() == pytest.approx(31 / 6)
+    gp_p, gi_p = torch.autograd.grad(mse_p, [hp, hi], allow_unused=True, retain_graph=True)
+    gp_i, gi_i = torch.autograd.grad(mse_i, [hp, hi], allow_unused=True, retain_graph=True)
+    diff = np.array(H_P) - np.array(H_I)
+    np.testing.assert_allclose(gp_p.numpy(), 2 * diff / 6, rtol=1e-6)
+    np.testing.assert_allclose(gi_i.numpy(), -2 * diff / 6, rtol=1e-6)
+    assert gi_p is None or not gi_p.any()
+    assert gp_i is None or not gp_i.any()
+    g_total = torch.autograd.grad(mse_p + mse_i, hp)[0]
+    np.testing.assert_allclose(g_total.numpy(), 2 * diff / 6, rtol=1e-6)
+    with torch.no_grad():
+        assert feature_losses(hp - 0.5 * gp_p, hi)[0].item() < mse_p.item()
+
+
+def test_feature_terms_refuse_features_of_different_sizes():
+    with pytest.raises(ConfigError, match="strategy.params.pfedck.feature_weight"):
+        feature_losses(torch.zeros(2, 3), torch.zeros(2, 4))
 
 
 # --------------------------------------------------------------------------- the clustering
@@ -197,13 +232,72 @@ def test_client_trains_both_models_and_sends_the_interactive_one():
     assert not torch.allclose(distilled["fc.weight"], personal["fc.weight"])
 
 
+def test_client_feature_term_trains_each_model_towards_the_others_features():
+    """α = β = 0, γ = 0.7: each model's trained state equals training on CE + γ·mean((h_own − h_other)²) with h the
+    MLP's fc2 output (what its classifier reads), the other model's features constant — computed here by its
+    layers, not through the strategy's hook. Removing the term, flipping its sign or detaching the wrong side
+    gives other weights."""
+    gamma = 0.7
+    grid, msg = worker_message([])
+    ctx = grid.contexts[100]
+    Worker(msg, ctx).run()
+    start = {k: v.clone() for k, v in ctx.state[STATE_MODEL].to_torch_state_dict().items()}
+    rng = np.random.default_rng(2)
+    interactive = {k: (v.numpy() + 0.05 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in start.items()}
+    own = {ALPHA: 0.0, BETA: 0.0, TEMPERATURE: 1.0, FEATURE_WEIGHT: gamma}
+    _, msg = worker_message(
+        [TRAIN_OP],
+        arrays=protocol.arrays_record(interactive),
+        returns=protocol.Return(arrays=True),
+        training=protocol.Training(sections={SECTION: protocol.Section(extra=own)}),
+    )
+    reply = Worker(msg, ctx).run()
+    got = {"p": ctx.state[STATE_MODEL].to_torch_state_dict(), "i": reply.content[protocol.ARRAYS]}
+    assert reply.content[protocol.METRICS][FEATURE_MSE] > 0
+
+    def features_and_logits(m, xb):
+        h = m.fc2(m.fc1(xb.flatten(1)))
+        return h, m.fc(h)
+
+    def reference_loss(pair, xb, yb, _w):
+        hp, zp = features_and_logits(pair.personal, xb)
+        hi, zi = features_and_logits(pair.interactive, xb)
+        own_p = F.cross_entropy(zp, yb) + gamma * ((hp - hi.detach()) ** 2).mean()
+        own_i = F.cross_entropy(zi, yb) + gamma * ((hi - hp.detach()) ** 2).mean()
+        return own_p + own_i
+
+    fed = get_federation(data_spec(protocol.request_of(msg)))
+    data = fed.client(0)
+    pair = ModelPair(build_model("mlp", 10, (1, 8, 8)), build_model("mlp", 10, (1, 8, 8)))
+    pair.personal.load_state_dict(start)
+    pair.interactive.load_state_dict({k: torch.from_numpy(v) for k, v in interactive.items()})
+    gen = torch.Generator().manual_seed(derive_seed(0, "client-batches", 1, 0))
+    settings = OptimSettings(epochs=1, batch_size=16, lr=0.05)
+    ops.run_epochs(pair, data.train_x, data.train_y, reference_loss, settings, generator=gen)
+    for key, model in (("p", pair.personal), ("i", pair.interactive)):
+        for k, v in model.state_dict().items():
+            np.testing.assert_allclose(np.asarray(got[key][k].numpy()), v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+    # and the term matters: without it the personalised model ends elsewhere
+    plain = build_model("mlp", 10, (1, 8, 8))
+    plain.load_state_dict(start)
+    gen = torch.Generator().manual_seed(derive_seed(0, "client-batches", 1, 0))
+    ops.train(plain, data.train_x, data.train_y, settings, None, gen)
+    assert not torch.allclose(plain.state_dict()["fc1.0.weight"], got["p"]["fc1.0.weight"], atol=1e-6)
+
+
 # --------------------------------------------------------------------------- the strategy
 
 
 def test_params_are_declared_and_checked(tiny_config):
     params = resolve(load_config(tiny_config(strategy={"name": "pfedck"}))).params
-    assert (params.clusters, params.alpha, params.beta, params.temperature) == (2, 1.0, 1.0, 1.0)
-    for bad in ({"clusters": 0}, {"alpha": -1.0}, {"temperature": 0.0}):
+    assert (params.clusters, params.alpha, params.beta, params.temperature, params.feature_weight) == (
+        2,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+    )
+    for bad in ({"clusters": 0}, {"alpha": -1.0}, {"temperature": 0.0}, {"feature_weight": -1.0}):
         with pytest.raises(ConfigError, match=f"strategy.params.pfedck.{next(iter(bad))}"):
             resolve(load_config(tiny_config(strategy={"name": "pfedck", "params": {"pfedck": bad}})))
     with pytest.raises(ConfigError, match="data.num_clients"):
@@ -251,3 +345,4 @@ def test_flwr_run_end_to_end(tmp_path):
     rows = read_csv(out / "rounds.csv")
     assert [r["clients"] for r in rows] == [3, 3] and [r["replies_rejected"] for r in rows] == [0, 0]
     assert [r["clusters"] for r in rows] == [2, 2] and rows[1]["pfedck_kl_personal"] > 0
+    assert rows[1]["pfedck_feature_mse"] > 0
