@@ -69,7 +69,7 @@ WEIGHTINGS = ("label-free", "oracle", "none")
 RB_LAMBDA = "rb_lambda"  # the distill-section settings of r_B on the client (λ > 0 switches it on): distill.rb_*
 RB_SIGMA = "rb_sigma"
 ROUND_OPS = ("distill", "train", "predict")  # the client operations of a round message
-CENTRINGS = ("none", "architecture")  # what the clustering's distances compare (CosmosParams.centring)
+ARCHITECTURE_RULES = ("ignore", "centre", "cluster-within")  # how clients' architectures enter the clustering
 
 
 # --------------------------------------------------------------------------- client side
@@ -239,11 +239,13 @@ class CosmosParams:
         "predictions in rounds 1+k, 1+2k, ...; a new cluster continues the model of the old cluster "
         "most of its members were in",
     )
-    centring: str = param(
-        "none",
-        choices=CENTRINGS,
-        help="ours, none = off (the paper): architecture subtracts from every client's predictions the "
-        "mean prediction of the clients of its architecture (model.per_client) before the distances",
+    architectures: str = param(
+        "ignore",
+        choices=ARCHITECTURE_RULES,
+        help="ours, ignore = off (the paper): centre subtracts from every client's predictions the mean "
+        "prediction of the clients of its architecture (model.per_client) before the distances; "
+        "cluster-within clusters each architecture's clients apart, then joins every cluster to the "
+        "nearest cluster (centred mean prediction) of the architecture with the most clusters",
     )
     # wire
     uplink_encoding: str = param("float32", choices=pseudolabels.ENCODINGS, help="client → server predictions")
@@ -303,11 +305,11 @@ class Cosmos(PersonalisedStrategy):
                 "calibrated to a sum, in which one member moves the result by at most privacy.clip_norm; set "
                 "aggregation to mean"
             )
-        if params.centring == "architecture" and len(set(cfg.model.per_client)) < 2:
+        if params.architectures != "ignore" and len(set(cfg.model.per_client)) < 2:
             raise ConfigError(
-                "'strategy.params.cosmos.centring: architecture' needs clients of at least two architectures "
-                "(model.per_client, e.g. [mlp, cnn]): with one architecture every client loses the same mean and "
-                "the distances do not change; set centring to none"
+                f"'strategy.params.cosmos.architectures: {params.architectures}' needs clients of at least two "
+                "architectures (model.per_client, e.g. [mlp, cnn]): with one architecture it clusters as ignore "
+                "does; set architectures to ignore"
             )
         if cfg.privacy.mode == client_privacy.CLIENT_MODE and params.member_clip > 0:
             raise ConfigError(
@@ -454,8 +456,9 @@ class Cosmos(PersonalisedStrategy):
         )
 
     def architectures(self) -> Callable[[int], str] | None:
-        """Client id -> its architecture (``model.per_client`` cycled by id) where ``centring`` needs it; else None."""
-        if self.params.centring == "none":
+        """Client id -> its architecture (``model.per_client`` cycled by id) where ``architectures`` needs it; else
+        None."""
+        if self.params.architectures == "ignore":
             return None
         return lambda cid: client_architecture(self.cfg.model.name, list(self.cfg.model.per_client), cid)
 
@@ -627,17 +630,27 @@ def cluster_on(
 ) -> tuple[clustering.ClusteringResult, np.ndarray, list[int]]:
     """Phase 1: the clients' distances (between their predictions on U, per sample) and the greedy threshold
     clustering on them, its clusters as lists of client ids (ascending ids: ties go to the lowest); with the
-    distance matrix and the ids in its order. With ``p.centring`` architecture the distances are between the
-    predictions less their architecture's mean (:func:`centre_by_architecture`; ``architecture``: client id -> its
-    architecture)."""
+    distance matrix and the ids in its order. ``p.architectures`` (``architecture``: client id -> its architecture):
+    centre, the distances are between the predictions less their architecture's mean (:func:`centre_by_architecture`);
+    cluster-within, :func:`cluster_within_architectures`."""
     ids = sorted(preds)
     stack = np.stack([preds[c] for c in ids])
-    if p.centring == "architecture":
+    archs: list[str] = []
+    if p.architectures != "ignore":
         if architecture is None:
-            raise ConfigError("cosmos centring 'architecture' needs each client's architecture; set centring to none")
-        stack = centre_by_architecture(stack, [architecture(c) for c in ids])
+            raise ConfigError(
+                f"cosmos architectures '{p.architectures}' needs each client's architecture; set it to ignore"
+            )
+        archs = [architecture(c) for c in ids]
+    if p.architectures == "centre":
+        stack = centre_by_architecture(stack, archs)
     distances = clustering.pairwise_distances(stack, p.distance)
-    result = clustering.cluster_clients(distances, p.b0_mode, p.b0, p.max_clusters, p.b0_start, p.b0_step, p.distance)
+    if p.architectures == "cluster-within":
+        result = cluster_within_architectures(stack, distances, archs, p)
+    else:
+        result = clustering.cluster_clients(
+            distances, p.b0_mode, p.b0, p.max_clusters, p.b0_start, p.b0_step, p.distance
+        )
     result.clusters = [[ids[i] for i in members] for members in result.clusters]
     return result, distances, ids
 
@@ -661,6 +674,37 @@ def centre_by_architecture(stack: np.ndarray, archs: list[str]) -> np.ndarray:
         rows = names == arch
         out[rows] = stack[rows] - stack[rows].mean(axis=0, keepdims=True)
     return out.astype(np.float32)
+
+
+def cluster_within_architectures(
+    stack: np.ndarray, distances: np.ndarray, archs: list[str], p: CosmosParams
+) -> clustering.ClusteringResult:
+    """Clusters (client positions) found within each architecture first: each architecture's clients clustered apart
+    (``distances`` restricted to them; the B0 rule of ``p`` each, so ``max_clusters`` bounds each architecture's
+    count); the architecture with the most clusters (ties: the first name in sorted order) anchors, and every cluster
+    of another architecture joins the anchor cluster whose mean prediction is nearest, both means taken on the
+    predictions less their architecture's mean (:func:`centre_by_architecture`: what an architecture adds to all its
+    clients' predictions must not decide the match). K is the anchor's; B0 and the steps tried are the anchor's."""
+    names = sorted(set(archs))
+    found: dict[str, tuple[clustering.ClusteringResult, list[list[int]]]] = {}
+    for a in names:
+        idx = [i for i, x in enumerate(archs) if x == a]
+        r = clustering.cluster_clients(
+            distances[np.ix_(idx, idx)], p.b0_mode, p.b0, p.max_clusters, p.b0_start, p.b0_step, p.distance
+        )
+        found[a] = (r, [[idx[i] for i in members] for members in r.clusters])
+    anchor = max(names, key=lambda a: (found[a][0].k, -names.index(a)))
+    centred = centre_by_architecture(stack, archs)
+    clusters = [list(members) for members in found[anchor][1]]
+    centres = np.stack([centred[members].mean(axis=0) for members in clusters])
+    for a in names:
+        if a == anchor:
+            continue
+        for members in found[a][1]:
+            d = clustering.distance_to_centres(centred[members].mean(axis=0), centres, p.distance)
+            clusters[int(np.argmin(d))].extend(members)  # argmin keeps the first minimum: the earlier anchor cluster
+    r = found[anchor][0]
+    return clustering.ClusteringResult([sorted(c) for c in clusters], r.b0, r.mode, r.metric, r.tried)
 
 
 def client_architecture(name: str, per_client: list[str], cid: int) -> str:
@@ -827,10 +871,10 @@ class FlowerCosmos(FlowerPseudoLabelStrategy):
         if int(local_epochs) < 1:
             raise ConfigError(f"Cosmos(local_epochs={local_epochs}): must be at least 1")
         self.params: CosmosParams = parse_params(CosmosParams, params, "Cosmos")
-        if self.params.recluster_every or self.params.centring != "none":
+        if self.params.recluster_every or self.params.architectures != "ignore":
             raise ConfigError(
-                "Cosmos(recluster_every=..., centring=...): the re-clustering and centring options run in our app's "
-                "cosmos strategy only (strategy.params.cosmos); leave them at 0 / none here"
+                "Cosmos(recluster_every=..., architectures=...): the re-clustering and architecture options run in "
+                "our app's cosmos strategy only (strategy.params.cosmos); leave them at 0 / ignore here"
             )
         self.server_model_fn = server_model_fn
         self.local_epochs = int(local_epochs)

@@ -701,7 +701,7 @@ def test_privacy_through_flower_simulation(tmp_path: Path) -> None:
     assert summaries[0]["clusters"] >= 1
 
 
-# --------------------------------------------------------------------------- our options: re-clustering, centring
+# --------------------------------------------------------------------------- our options: re-clustering, architectures
 
 
 def test_recluster_due_every_k_rounds_after_round_one_and_never_when_off() -> None:
@@ -751,12 +751,34 @@ def test_centring_lets_the_clustering_group_clients_by_data_across_architectures
     raw, d_raw, _ = cluster_on(preds, plain)
     assert raw.clusters == [[0, 2], [1, 3]]  # raw distances (a-a 0.2, a-b ≥ 1.0): clusters by architecture
     assert d_raw[0, 2] == pytest.approx(0.2) and d_raw[0, 1] == pytest.approx(1.2)
-    centred, d, _ = cluster_on(preds, dataclasses.replace(plain, centring="architecture", b0=0.1), arch)
+    centred, d, _ = cluster_on(preds, dataclasses.replace(plain, architectures="centre", b0=0.1), arch)
     # residuals ±[0.05, -0.05]: same data -> distance 0, other data -> 0.2 per sample
     assert d[0, 1] == pytest.approx(0.0, abs=1e-6) and d[0, 2] == pytest.approx(0.2, abs=1e-6)
     assert centred.clusters == [[0, 1], [2, 3]]
     with pytest.raises(ConfigError, match="needs each client's architecture"):
-        cluster_on(preds, dataclasses.replace(plain, centring="architecture"))
+        cluster_on(preds, dataclasses.replace(plain, architectures="centre"))
+
+
+def test_clustering_within_architectures_first_then_matching_on_centred_means() -> None:
+    # as above: architecture a near class 0, b near class 1; data group X +0.05 on class 0, Y -0.05
+    preds = {
+        0: np.full((2, 2), [0.95, 0.05]),  # a, X
+        1: np.full((2, 2), [0.35, 0.65]),  # b, X
+        2: np.full((2, 2), [0.85, 0.15]),  # a, Y
+        3: np.full((2, 2), [0.25, 0.75]),  # b, Y
+    }
+    arch = {0: "a", 1: "b", 2: "a", 3: "b"}.__getitem__
+    p = CosmosParams(server_model="mlp", b0_mode="fixed", b0=0.1, architectures="cluster-within")
+    # within a: d(0, 2) = 0.2 > B0 -> {0}, {2}; within b: {1}, {3}; a anchors (2 clusters each, first name).
+    # Matching on raw means would send b's {1} (0.35) to a's {2} (0.85: 1.0 away, {0} 1.2): the architecture's
+    # offset. On centred means ({0}: +0.05, {2}: -0.05, {1}: +0.05, {3}: -0.05) {1} joins {0} and {3} joins {2}.
+    result, d, ids = cluster_on(preds, p, arch)
+    assert result.clusters == [[0, 1], [2, 3]]
+    assert ids == [0, 1, 2, 3] and d[0, 1] == pytest.approx(1.2)  # the recorded distances are the raw ones
+    # a's two clients alike (one cluster), b's two apart: b anchors; a's cluster (centred mean 0) is as near to both
+    # b clusters (0.1 each) and joins the first formed, {1}
+    preds[2] = preds[0].copy()
+    assert cluster_on(preds, p, arch)[0].clusters == [[0, 1, 2], [3]]
 
 
 def test_client_architecture_cycles_per_client_by_id() -> None:
@@ -771,16 +793,16 @@ def test_a_new_cluster_continues_the_old_cluster_most_of_its_members_were_in() -
     assert inherited_clusters(old, [[2, 3, 4]]) == [1]
 
 
-def test_centring_needs_two_architectures(tmp_path: Path) -> None:
-    path = write_config(tmp_path, centring="architecture")
+def test_the_architecture_options_need_two_architectures(tmp_path: Path) -> None:
+    path = write_config(tmp_path, architectures="cluster-within")
     cfg = load_config(path, "model.per_client=[]")
-    with pytest.raises(ConfigError, match="centring: architecture' needs clients of at least two"):
+    with pytest.raises(ConfigError, match="architectures: cluster-within' needs clients of at least two"):
         resolve(cfg)
     resolve(load_config(path))  # mlp and cnn clients: accepted
 
 
 def test_reclustering_runs_in_the_rounds_due_and_records_the_ari_every_round(tmp_path: Path) -> None:
-    path = write_config(tmp_path, rounds=3, recluster_every=2, centring="architecture")
+    path = write_config(tmp_path, rounds=3, recluster_every=2, architectures="cluster-within")
     summary, run_dir = run_in_process(Path(path), tmp_path / "results", InProcessGrid(N_CLIENTS))
     rows = list(csv.DictReader((run_dir / "rounds.csv").open()))
     assert [int(r["reclustered"]) for r in rows] == [0, 0, 1]  # round 1 clusters; 1 + 2 = 3 clusters again
@@ -796,6 +818,6 @@ def test_the_drop_in_refuses_our_options_it_does_not_run() -> None:
     from strategies.cosmos import FlowerCosmos
 
     public_x = torch.zeros(4, 1, 8, 8)
-    for option in ({"recluster_every": 2}, {"centring": "architecture"}):
+    for option in ({"recluster_every": 2}, {"architectures": "centre"}):
         with pytest.raises(ConfigError, match="run in our app's cosmos strategy only"):
             FlowerCosmos(lambda: torch.nn.Linear(64, 3), public_x, 3, **option)
