@@ -178,7 +178,9 @@ def setting_section(
         return [f"## {setting}", "", "not run yet", "", *notes, *([""] if withdrawn else [])], []
     with_global = any(finite(r.get("final_generic_acc_mean")) for r, _ in got.rows.values())
     lines = [
-        f"## {setting} (`{tables.spec.settings[setting]}`)",
+        f"## {setting} (`{tables.spec.settings[setting]}`"
+        + "".join(f", `{o}`" for o in tables.spec.setting_overrides.get(setting, []))
+        + ")",
         "",
         "| method | accuracy, deployed model | sample-weighted | worst 10 % of clients | std over clients | "
         "after local training | "

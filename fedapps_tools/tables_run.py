@@ -132,7 +132,13 @@ class Tables:
     def method_config(self, setting: str, m: Method) -> Path:
         raw = with_overrides(
             config_path(self.spec, setting),
-            [f"strategy.name={m.name}", *self.spec.common, *m.overrides, *self.spec.extra],
+            [
+                f"strategy.name={m.name}",
+                *self.spec.common,
+                *self.spec.setting_overrides.get(setting, []),
+                *m.overrides,
+                *self.spec.extra,
+            ],
         )
         return write_yaml(self.work / setting / "methods" / f"{m.name}.yaml", raw)
 

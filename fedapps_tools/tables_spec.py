@@ -53,6 +53,7 @@ class Spec:
     notes: str = ""
     path: Path = Path(".")
     common: list[str] = field(default_factory=list)  # overrides every setting gets, before each method's own
+    setting_overrides: dict[str, list[str]] = field(default_factory=dict)  # setting -> its own overrides (after common)
     extra: list[str] = field(default_factory=list)  # the command line's --set: after each method's own
 
 
@@ -88,7 +89,7 @@ def load_spec(path: str | os.PathLike) -> Spec:
     p = Path(path)
     known = {"name", "title", "settings", "methods", "seeds", "tune_seeds", "tune_on", "notes", "set"}
     raw = read_spec_mapping(p, "tables spec", known, ("name", "settings", "methods"))
-    settings = {str(k): str(v) for k, v in raw["settings"].items()}
+    settings, setting_overrides = read_settings(raw["settings"], path)
     methods = []
     allowed = ("set", "grid", "label", "settings", "paper_metric", "paper_note", "withdrawn_rows")
     for name, body in raw["methods"].items():
@@ -146,7 +147,36 @@ def load_spec(path: str | os.PathLike) -> Spec:
         str(raw.get("notes") or ""),
         p,
         [str(o) for o in raw.get("set") or []],
+        setting_overrides,
     )
+
+
+def read_settings(raw: Any, path: str | os.PathLike) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """A spec's ``settings``: each a base config path, or ``{config: PATH, set: [KEY=VALUE, ...]}`` (the base
+    config with overrides of its own: one base file, several points of a study). Returns (setting -> path,
+    setting -> its overrides)."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"tables spec '{path}': 'settings' must map a name to a config path (or {{config, set}})")
+    paths: dict[str, str] = {}
+    overrides: dict[str, list[str]] = {}
+    for name, value in raw.items():
+        if isinstance(value, Mapping):
+            bad = sorted(set(value) - {"config", "set"})
+            if bad or not value.get("config"):
+                raise ConfigError(
+                    f"tables spec '{path}': settings.{name} must be a config path or a mapping with 'config' (a "
+                    f"path) and optionally 'set' (a list of KEY=VALUE overrides)"
+                    + (f"; unknown key(s) {bad}" if bad else "; 'config' is missing")
+                )
+            sets = value.get("set") or []
+            if not isinstance(sets, list) or not all(isinstance(o, str) and "=" in o for o in sets):
+                raise ConfigError(
+                    f"tables spec '{path}': settings.{name}.set must be a list of KEY=VALUE overrides, got {sets!r}"
+                )
+            paths[str(name)], overrides[str(name)] = str(value["config"]), [str(o) for o in sets]
+        else:
+            paths[str(name)] = str(value)
+    return paths, overrides
 
 
 def config_path(spec: Spec, setting: str) -> Path:

@@ -29,6 +29,7 @@ from the raw predictions: the guarantee holds for the targets GIVEN the assignme
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -68,6 +69,7 @@ WEIGHTINGS = ("label-free", "oracle", "none")
 RB_LAMBDA = "rb_lambda"  # the distill-section settings of r_B on the client (λ > 0 switches it on): distill.rb_*
 RB_SIGMA = "rb_sigma"
 ROUND_OPS = ("distill", "train", "predict")  # the client operations of a round message
+ARCHITECTURE_RULES = ("ignore", "centre", "cluster-within")  # how clients' architectures enter the clustering
 
 
 # --------------------------------------------------------------------------- client side
@@ -229,6 +231,22 @@ class CosmosParams:
         choices=WEIGHTINGS,
         help="w_i(x): label-free | none | oracle (true labels of U: reproduction only)",
     )
+    # our options for mixed architectures (not the paper's; off by default): docs/algorithms/cosmos.md
+    recluster_every: int = param(
+        0,
+        ge=0,
+        help="ours, 0 = off (the paper: clusters fixed after round 1): cluster again on the round's "
+        "predictions in rounds 1+k, 1+2k, ...; a new cluster continues the model of the old cluster "
+        "most of its members were in",
+    )
+    architectures: str = param(
+        "ignore",
+        choices=ARCHITECTURE_RULES,
+        help="ours, ignore = off (the paper): centre subtracts from every client's predictions the mean "
+        "prediction of the clients of its architecture (model.per_client) before the distances; "
+        "cluster-within clusters each architecture's clients apart, then joins every cluster to the "
+        "nearest cluster (centred mean prediction) of the architecture with the most clusters",
+    )
     # wire
     uplink_encoding: str = param("float32", choices=pseudolabels.ENCODINGS, help="client → server predictions")
     downlink_encoding: str = param("float32", choices=pseudolabels.ENCODINGS, help="server → client pseudo-labels")
@@ -287,6 +305,12 @@ class Cosmos(PersonalisedStrategy):
                 f"'strategy.params.cosmos.aggregation: {params.aggregation}' under privacy.mode client: the noise is "
                 "calibrated to a sum, in which one member moves the result by at most privacy.clip_norm; set "
                 "aggregation to mean"
+            )
+        if params.architectures != "ignore" and len(set(cfg.model.per_client)) < 2:
+            raise ConfigError(
+                f"'strategy.params.cosmos.architectures: {params.architectures}' needs clients of at least two "
+                "architectures (model.per_client, e.g. [mlp, cnn]): with one architecture it clusters as ignore "
+                "does; set architectures to ignore"
             )
         if cfg.privacy.mode == client_privacy.CLIENT_MODE and params.member_clip > 0:
             raise ConfigError(
@@ -396,13 +420,20 @@ class Cosmos(PersonalisedStrategy):
         if not preds:
             self.replies.skip_round(server_round, "no usable predictions; server models unchanged")
             return {}
+        reclustered = False
         if self.clustering is None:
             self.cluster_round_one(preds)
+        elif recluster_due(server_round, self.params.recluster_every):
+            self.recluster(server_round, preds)
+            reclustered = True
         for cid in sorted(set(preds) - set(self.cluster_of)):
             self.assign_newcomer(cid, preds[cid])
         losses = self.train_cluster_models(server_round, preds)
         extra: dict[str, Any] = {
             "clusters": self.clustering.k if self.clustering else 0,
+            # the clusters against the partition's true groups, every round ("" where the partition has none)
+            "cluster_group_ari": adjusted_rand(self.fed.groups, self.cluster_of) if self.fed.groups is not None else "",
+            "reclustered": int(reclustered),
             "server_distill_loss": float(np.mean(list(losses.values()))) if losses else "",
             "server_seconds": round(time.perf_counter() - t0, 3),
             "pseudo_bytes_up": int(sum(r.required_predictions[protocol.PREDICTION_ARRAY].nbytes for r in replies)),
@@ -413,15 +444,43 @@ class Cosmos(PersonalisedStrategy):
         return extra
 
     def cluster_round_one(self, preds: dict[int, np.ndarray]) -> None:
-        """Phase 1 clustering on the first round's predictions (clusters then stay fixed)."""
+        """Phase 1 clustering on the first round's predictions (clusters then stay fixed, unless
+        ``recluster_every``)."""
         t0 = time.perf_counter()
-        self.clustering, self.distances, self.distance_clients = cluster_on(preds, self.params)
+        self.clustering, self.distances, self.distance_clients = cluster_on(preds, self.params, self.architectures())
         self.cluster_of = cluster_index(self.clustering)
         log.info(
             "cosmos: distances and clustering of %d clients in %.3f s; clusters %s",
             len(self.distance_clients),
             time.perf_counter() - t0,
             self.clustering.clusters,
+        )
+
+    def architectures(self) -> Callable[[int], str] | None:
+        """Client id -> its architecture (``model.per_client`` cycled by id) where ``architectures`` needs it; else
+        None."""
+        if self.params.architectures == "ignore":
+            return None
+        return lambda cid: client_architecture(self.cfg.model.name, list(self.cfg.model.per_client), cid)
+
+    def recluster(self, server_round: int, preds: dict[int, np.ndarray]) -> None:
+        """``recluster_every``: the clustering again, on this round's predictions of the clients present; each new
+        cluster continues (a copy of) the model and targets of the old cluster most of its members were in
+        (:func:`inherited_clusters`); one that inherits none starts a fresh model. Absent clients leave their
+        cluster and join the nearest one when next seen."""
+        old_models, old_server, old_wire = self.models, self.server_targets, self.wire_targets
+        result, self.distances, self.distance_clients = cluster_on(preds, self.params, self.architectures())
+        sources = inherited_clusters(self.cluster_of, result.clusters)
+        self.clustering, self.cluster_of = result, cluster_index(result)
+        self.models, self.server_targets, self.wire_targets = {}, {}, {}
+        for k, old in enumerate(sources):
+            if old is not None and old in old_models:
+                self.models[k] = copy.deepcopy(old_models[old])
+            if old is not None and old in old_server:
+                self.server_targets[k] = old_server[old]
+                self.wire_targets[k] = old_wire.get(old)
+        log.info(
+            "cosmos round %d: clustered again: %s (continuing old clusters %s)", server_round, result.clusters, sources
         )
 
     def assign_newcomer(self, cid: int, pred: np.ndarray) -> None:
@@ -568,16 +627,105 @@ def round_sections(p: CosmosParams, server_round: int, local_epochs: int | None 
 
 
 def cluster_on(
-    preds: Mapping[int, np.ndarray], p: CosmosParams
+    preds: Mapping[int, np.ndarray], p: CosmosParams, architecture: Callable[[int], str] | None = None
 ) -> tuple[clustering.ClusteringResult, np.ndarray, list[int]]:
     """Phase 1: the clients' distances (between their predictions on U, per sample) and the greedy threshold
     clustering on them, its clusters as lists of client ids (ascending ids: ties go to the lowest); with the
-    distance matrix and the ids in its order."""
+    distance matrix and the ids in its order. ``p.architectures`` (``architecture``: client id -> its architecture):
+    centre, the distances are between the predictions less their architecture's mean (:func:`centre_by_architecture`);
+    cluster-within, :func:`cluster_within_architectures`."""
     ids = sorted(preds)
-    distances = clustering.pairwise_distances(np.stack([preds[c] for c in ids]), p.distance)
-    result = clustering.cluster_clients(distances, p.b0_mode, p.b0, p.max_clusters, p.b0_start, p.b0_step, p.distance)
+    stack = np.stack([preds[c] for c in ids])
+    archs: list[str] = []
+    if p.architectures != "ignore":
+        if architecture is None:
+            raise ConfigError(
+                f"cosmos architectures '{p.architectures}' needs each client's architecture; set it to ignore"
+            )
+        archs = [architecture(c) for c in ids]
+    if p.architectures == "centre":
+        stack = centre_by_architecture(stack, archs)
+    distances = clustering.pairwise_distances(stack, p.distance)
+    if p.architectures == "cluster-within":
+        result = cluster_within_architectures(stack, distances, archs, p)
+    else:
+        result = clustering.cluster_clients(
+            distances, p.b0_mode, p.b0, p.max_clusters, p.b0_start, p.b0_step, p.distance
+        )
     result.clusters = [[ids[i] for i in members] for members in result.clusters]
     return result, distances, ids
+
+
+def recluster_due(server_round: int, every: int) -> bool:
+    """Whether round ``server_round`` clusters again (``recluster_every`` = ``every``): in rounds 1+k, 1+2k, ...
+    (round 1 always clusters, as the paper); never with ``every`` 0."""
+    return every > 0 and server_round > 1 and (server_round - 1) % every == 0
+
+
+def centre_by_architecture(stack: np.ndarray, archs: list[str]) -> np.ndarray:
+    """Clients' predictions (clients×n×M, float) less the mean prediction of the clients of the same architecture
+    (``archs[i]``: client i's), per sample and class: what is left is how a client departs from its architecture's
+    typical prediction, so two clients of different architectures are compared on their data, not their model."""
+    stack = np.asarray(stack, dtype=np.float64)
+    if len(archs) != len(stack):
+        raise ValueError(f"{len(archs)} architectures for {len(stack)} clients")
+    out = np.empty_like(stack)
+    names = np.asarray(archs)
+    for arch in sorted(set(archs)):
+        rows = names == arch
+        out[rows] = stack[rows] - stack[rows].mean(axis=0, keepdims=True)
+    return out.astype(np.float32)
+
+
+def cluster_within_architectures(
+    stack: np.ndarray, distances: np.ndarray, archs: list[str], p: CosmosParams
+) -> clustering.ClusteringResult:
+    """Clusters (client positions) found within each architecture first: each architecture's clients clustered apart
+    (``distances`` restricted to them; the B0 rule of ``p`` each, so ``max_clusters`` bounds each architecture's
+    count); the architecture with the most clusters (ties: the first name in sorted order) anchors, and every cluster
+    of another architecture joins the anchor cluster whose mean prediction is nearest, both means taken on the
+    predictions less their architecture's mean (:func:`centre_by_architecture`: what an architecture adds to all its
+    clients' predictions must not decide the match). K is the anchor's; B0 and the steps tried are the anchor's."""
+    names = sorted(set(archs))
+    found: dict[str, tuple[clustering.ClusteringResult, list[list[int]]]] = {}
+    for a in names:
+        idx = [i for i, x in enumerate(archs) if x == a]
+        r = clustering.cluster_clients(
+            distances[np.ix_(idx, idx)], p.b0_mode, p.b0, p.max_clusters, p.b0_start, p.b0_step, p.distance
+        )
+        found[a] = (r, [[idx[i] for i in members] for members in r.clusters])
+    anchor = max(names, key=lambda a: (found[a][0].k, -names.index(a)))
+    centred = centre_by_architecture(stack, archs)
+    clusters = [list(members) for members in found[anchor][1]]
+    centres = np.stack([centred[members].mean(axis=0) for members in clusters])
+    for a in names:
+        if a == anchor:
+            continue
+        for members in found[a][1]:
+            d = clustering.distance_to_centres(centred[members].mean(axis=0), centres, p.distance)
+            clusters[int(np.argmin(d))].extend(members)  # argmin keeps the first minimum: the earlier anchor cluster
+    r = found[anchor][0]
+    return clustering.ClusteringResult([sorted(c) for c in clusters], r.b0, r.mode, r.metric, r.tried)
+
+
+def client_architecture(name: str, per_client: list[str], cid: int) -> str:
+    """The architecture the config gives client ``cid``: ``model.per_client`` cycled by id, else ``model.name``
+    (as the clients pick theirs, unless a node config names its own)."""
+    return str(per_client[cid % len(per_client)]) if per_client else str(name)
+
+
+def inherited_clusters(old_cluster_of: Mapping[int, int], new_clusters: list[list[int]]) -> list[int | None]:
+    """For each new cluster, the old cluster that held most of its members (ties: the lowest old index; None when
+    none of its members had one): whose model and targets it continues after a re-clustering."""
+    out: list[int | None] = []
+    for members in new_clusters:
+        olds = [old_cluster_of[c] for c in members if c in old_cluster_of]
+        if not olds:
+            out.append(None)
+            continue
+        counts = np.bincount(olds)
+        out.append(int(np.argmax(counts)))  # argmax keeps the first maximum: the lowest old index
+    return out
 
 
 def cluster_index(result: clustering.ClusteringResult) -> dict[int, int]:
@@ -724,6 +872,11 @@ class FlowerCosmos(FlowerPseudoLabelStrategy):
         if int(local_epochs) < 1:
             raise ConfigError(f"Cosmos(local_epochs={local_epochs}): must be at least 1")
         self.params: CosmosParams = parse_params(CosmosParams, params, "Cosmos")
+        if self.params.recluster_every or self.params.architectures != "ignore":
+            raise ConfigError(
+                "Cosmos(recluster_every=..., architectures=...): the re-clustering and architecture options run in "
+                "our app's cosmos strategy only (strategy.params.cosmos); leave them at 0 / ignore here"
+            )
         self.server_model_fn = server_model_fn
         self.local_epochs = int(local_epochs)
         self.device = ops.resolve_device(self.params.server_device)

@@ -29,8 +29,15 @@ from strategies.cosmos import (
     RB_LAMBDA,
     RB_SIGMA,
     Cosmos,
+    CosmosParams,
+    adjusted_rand,
+    centre_by_architecture,
+    client_architecture,
+    cluster_on,
     frequency_weights,
+    inherited_clusters,
     rb_term,
+    recluster_due,
     robustness_penalty,
     server_target,
     soft_predictions,
@@ -692,3 +699,125 @@ def test_privacy_through_flower_simulation(tmp_path: Path) -> None:
     assert assert_pseudo_labels_and_metrics_only(recorded, int(fed.public_x.shape[0]), fed.num_classes) == 2 * N_CLIENTS
     assert len(recorded) == 4 * N_CLIENTS  # identify, 2 rounds' replies, the evaluation-only replies after the last
     assert summaries[0]["clusters"] >= 1
+
+
+# --------------------------------------------------------------------------- our options: re-clustering, architectures
+
+
+def test_recluster_due_every_k_rounds_after_round_one_and_never_when_off() -> None:
+    rounds = range(1, 11)
+    assert [r for r in rounds if recluster_due(r, 0)] == []  # off: the paper's fixed clusters
+    assert [r for r in rounds if recluster_due(r, 1)] == list(range(2, 11))  # every round after round 1
+    assert [r for r in rounds if recluster_due(r, 3)] == [4, 7, 10]  # rounds 1+k, 1+2k, ...
+
+
+def test_centring_removes_each_architectures_mean_over_its_clients() -> None:
+    # 4 clients × 2 public samples × 2 classes; architectures a, b, a, b
+    stack = np.array(
+        [
+            [[0.9, 0.1], [0.8, 0.2]],  # a
+            [[0.7, 0.3], [0.6, 0.4]],  # b
+            [[0.7, 0.3], [0.4, 0.6]],  # a
+            [[0.5, 0.5], [0.2, 0.8]],  # b
+        ]
+    )
+    # by hand: mean of a = [[0.8, 0.2], [0.6, 0.4]], mean of b = [[0.6, 0.4], [0.4, 0.6]]
+    expected = np.array(
+        [
+            [[0.1, -0.1], [0.2, -0.2]],
+            [[0.1, -0.1], [0.2, -0.2]],
+            [[-0.1, 0.1], [-0.2, 0.2]],
+            [[-0.1, 0.1], [-0.2, 0.2]],
+        ]
+    )
+    out = centre_by_architecture(stack, ["a", "b", "a", "b"])
+    np.testing.assert_allclose(out, expected, atol=1e-6)
+    # one architecture for all: the overall mean (the distances between clients then do not change)
+    np.testing.assert_allclose(centre_by_architecture(stack, ["a"] * 4), stack - stack.mean(axis=0), atol=1e-6)
+    with pytest.raises(ValueError, match="3 architectures for 4 clients"):
+        centre_by_architecture(stack, ["a", "b", "a"])
+
+
+def test_centring_lets_the_clustering_group_clients_by_data_across_architectures() -> None:
+    # architecture a predicts class 0 at 0.9, b at 0.3; data group X adds +0.05 to class 0, group Y -0.05
+    preds = {
+        0: np.full((2, 2), [0.95, 0.05]),  # a, X
+        1: np.full((2, 2), [0.35, 0.65]),  # b, X
+        2: np.full((2, 2), [0.85, 0.15]),  # a, Y
+        3: np.full((2, 2), [0.25, 0.75]),  # b, Y
+    }
+    arch = {0: "a", 1: "b", 2: "a", 3: "b"}.__getitem__
+    plain = CosmosParams(server_model="mlp", b0_mode="fixed", b0=0.3)
+    raw, d_raw, _ = cluster_on(preds, plain)
+    assert raw.clusters == [[0, 2], [1, 3]]  # raw distances (a-a 0.2, a-b ≥ 1.0): clusters by architecture
+    assert d_raw[0, 2] == pytest.approx(0.2) and d_raw[0, 1] == pytest.approx(1.2)
+    centred, d, _ = cluster_on(preds, dataclasses.replace(plain, architectures="centre", b0=0.1), arch)
+    # residuals ±[0.05, -0.05]: same data -> distance 0, other data -> 0.2 per sample
+    assert d[0, 1] == pytest.approx(0.0, abs=1e-6) and d[0, 2] == pytest.approx(0.2, abs=1e-6)
+    assert centred.clusters == [[0, 1], [2, 3]]
+    with pytest.raises(ConfigError, match="needs each client's architecture"):
+        cluster_on(preds, dataclasses.replace(plain, architectures="centre"))
+
+
+def test_clustering_within_architectures_first_then_matching_on_centred_means() -> None:
+    # as above: architecture a near class 0, b near class 1; data group X +0.05 on class 0, Y -0.05
+    preds = {
+        0: np.full((2, 2), [0.95, 0.05]),  # a, X
+        1: np.full((2, 2), [0.35, 0.65]),  # b, X
+        2: np.full((2, 2), [0.85, 0.15]),  # a, Y
+        3: np.full((2, 2), [0.25, 0.75]),  # b, Y
+    }
+    arch = {0: "a", 1: "b", 2: "a", 3: "b"}.__getitem__
+    p = CosmosParams(server_model="mlp", b0_mode="fixed", b0=0.1, architectures="cluster-within")
+    # within a: d(0, 2) = 0.2 > B0 -> {0}, {2}; within b: {1}, {3}; a anchors (2 clusters each, first name).
+    # Matching on raw means would send b's {1} (0.35) to a's {2} (0.85: 1.0 away, {0} 1.2): the architecture's
+    # offset. On centred means ({0}: +0.05, {2}: -0.05, {1}: +0.05, {3}: -0.05) {1} joins {0} and {3} joins {2}.
+    result, d, ids = cluster_on(preds, p, arch)
+    assert result.clusters == [[0, 1], [2, 3]]
+    assert ids == [0, 1, 2, 3] and d[0, 1] == pytest.approx(1.2)  # the recorded distances are the raw ones
+    # a's two clients alike (one cluster), b's two apart: b anchors; a's cluster (centred mean 0) is as near to both
+    # b clusters (0.1 each) and joins the first formed, {1}
+    preds[2] = preds[0].copy()
+    assert cluster_on(preds, p, arch)[0].clusters == [[0, 1, 2], [3]]
+
+
+def test_client_architecture_cycles_per_client_by_id() -> None:
+    assert [client_architecture("cnn", ["mlp", "cnn"], c) for c in range(4)] == ["mlp", "cnn", "mlp", "cnn"]
+    assert client_architecture("cnn", [], 7) == "cnn"
+
+
+def test_a_new_cluster_continues_the_old_cluster_most_of_its_members_were_in() -> None:
+    old = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2}
+    # [0, 1, 2]: two from 0, one from 1 -> 0; [3, 4]: one each from 1 and 2 -> the lower, 1; [5]: nobody known
+    assert inherited_clusters(old, [[0, 1, 2], [3, 4], [5]]) == [0, 1, None]
+    assert inherited_clusters(old, [[2, 3, 4]]) == [1]
+
+
+def test_the_architecture_options_need_two_architectures(tmp_path: Path) -> None:
+    path = write_config(tmp_path, architectures="cluster-within")
+    cfg = load_config(path, "model.per_client=[]")
+    with pytest.raises(ConfigError, match="architectures: cluster-within' needs clients of at least two"):
+        resolve(cfg)
+    resolve(load_config(path))  # mlp and cnn clients: accepted
+
+
+def test_reclustering_runs_in_the_rounds_due_and_records_the_ari_every_round(tmp_path: Path) -> None:
+    path = write_config(tmp_path, rounds=3, recluster_every=2, architectures="cluster-within")
+    summary, run_dir = run_in_process(Path(path), tmp_path / "results", InProcessGrid(N_CLIENTS))
+    rows = list(csv.DictReader((run_dir / "rounds.csv").open()))
+    assert [int(r["reclustered"]) for r in rows] == [0, 0, 1]  # round 1 clusters; 1 + 2 = 3 clusters again
+    cfg = load_config(path)
+    groups, members = Cosmos(cfg).fed.groups, summary["cluster_members"]
+    cluster_of = {c: k for k, m in enumerate(members) for c in m}
+    assert float(rows[-1]["cluster_group_ari"]) == pytest.approx(adjusted_rand(groups, cluster_of))
+    assert all(-1.0 <= float(r["cluster_group_ari"]) <= 1.0 for r in rows)
+    assert sum(len(m) for m in members) == N_CLIENTS
+
+
+def test_the_drop_in_refuses_our_options_it_does_not_run() -> None:
+    from strategies.cosmos import FlowerCosmos
+
+    public_x = torch.zeros(4, 1, 8, 8)
+    for option in ({"recluster_every": 2}, {"architectures": "centre"}):
+        with pytest.raises(ConfigError, match="run in our app's cosmos strategy only"):
+            FlowerCosmos(lambda: torch.nn.Linear(64, 3), public_x, 3, **option)

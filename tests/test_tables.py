@@ -736,3 +736,40 @@ def test_provenance_is_recorded_when_runs_finish_and_names_every_commit_of_a_res
         (d / "summary.json").write_text("{}")
     tables_run.record_provenance(folder, {**a, "commit": "ccc"}, since=since)
     assert tables_run.read_provenance(folder)["commit"] == "ccc"
+
+
+def test_a_setting_can_be_a_base_config_with_overrides_of_its_own(tmp_path):
+    """``settings: {name: {config, set}}``: one base file, several points of a study; the setting's overrides come
+    after the spec's common ones and before the method's, and its tune_on reuse still applies; bad forms are refused
+    naming the key."""
+    settings = {
+        "base": str(BASE),
+        "ten": {"config": str(BASE), "set": ["data.num_clients=10", "rounds=3"]},
+    }
+    spec = tables_spec.load_spec(
+        write_spec(
+            tmp_path,
+            settings=settings,
+            set=["rounds=2"],
+            tune_on={"ten": "base"},
+            methods={"fedprox": {"set": ["rounds=4"]}, "local": {}},
+        )
+    )
+    assert spec.settings == {"base": str(BASE), "ten": str(BASE)}
+    assert spec.setting_overrides == {"ten": ["data.num_clients=10", "rounds=3"]}
+    t = tables_run.Tables(spec, tmp_path / "work", "inprocess", 1)
+    local, fedprox = {m.name: m for m in spec.methods}["local"], {m.name: m for m in spec.methods}["fedprox"]
+    base_cfg = load_config(t.method_config("base", local))
+    ten_cfg = load_config(t.method_config("ten", local))
+    assert (base_cfg.data.num_clients, base_cfg.rounds) == (load_config(BASE).data.num_clients, 2)
+    assert (ten_cfg.data.num_clients, ten_cfg.rounds) == (10, 3)  # the setting's own after the common override
+    assert load_config(t.method_config("ten", fedprox)).rounds == 4  # the method's after the setting's
+    assert t.tune_dir("ten", fedprox) == t.tune_dir("base", fedprox)
+    for bad, match in [
+        ({"x": {"set": ["rounds=2"]}}, "'config' is missing"),
+        ({"x": {"config": str(BASE), "sett": []}}, r"unknown key\(s\) \['sett'\]"),
+        ({"x": {"config": str(BASE), "set": ["rounds"]}}, "settings.x.set must be a list of KEY=VALUE"),
+        ({"x": {"config": "no-such.yaml"}}, "settings.x -> 'no-such.yaml' is not a file"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            tables_spec.load_spec(write_spec(tmp_path, settings=bad))
