@@ -26,6 +26,49 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-csv",
+        default=os.environ.get("FEDAPPS_TEST_CPU_CSV"),
+        help="write each test's CPU seconds (this process + its reaped child processes) and wall seconds to this CSV "
+        "(one file per xdist worker: NAME.gwN.csv); also switched on by FEDAPPS_TEST_CPU_CSV (docs/development.md)",
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``--cpu-csv PATH``: one CSV row per test, its setup + call + teardown (a session fixture's cost lands on
+    the first test that needs it). ``cpu_children`` counts the processes the test started and waited for (a
+    `fedapps run` -> `flwr run` tree); daemons that outlive the test or are killed unreaped (a Ray head, a SuperLink
+    left to a later teardown) are not in it: ``wall`` bounds what they cost."""
+    path = item.config.getoption("--cpu-csv")
+    if not path:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu(who):
+        usage = resource.getrusage(who)
+        return usage.ru_utime + usage.ru_stime
+
+    self0, child0, wall0 = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN), time.perf_counter()
+    yield
+    own, children = cpu(resource.RUSAGE_SELF) - self0, cpu(resource.RUSAGE_CHILDREN) - child0
+    wall = time.perf_counter() - wall0
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        stem, dot, ext = str(path).rpartition(".")
+        path = f"{stem}.{worker}.{ext}" if dot else f"{path}.{worker}"
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    new = not Path(path).is_file()
+    marks = "+".join(m for m in ("heavy", "raycluster", "netns") if item.get_closest_marker(m))
+    with open(path, "a") as out:  # a row as each test ends: a cut-short run keeps what it measured
+        if new:
+            out.write("nodeid,cpu_total,cpu_self,cpu_children,wall,marks\n")
+        out.write(f'"{item.nodeid}",{own + children:.2f},{own:.2f},{children:.2f},{wall:.2f},{marks}\n')
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``heavy`` (a second or more each: real `flwr run`s and other process trees, the model zoo)
     run first, in their collection order. `make test` runs the suite on two pytest-xdist workers, which take tests
