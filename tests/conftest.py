@@ -46,6 +46,7 @@ def pytest_runtest_protocol(item, nextitem):
     if not path:
         yield
         return
+    import csv
     import resource
     import time
 
@@ -64,10 +65,11 @@ def pytest_runtest_protocol(item, nextitem):
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     new = not Path(path).is_file()
     marks = "+".join(m for m in ("heavy", "raycluster", "netns") if item.get_closest_marker(m))
-    with open(path, "a") as out:  # a row as each test ends: a cut-short run keeps what it measured
+    with open(path, "a", newline="") as out:  # a row as each test ends: a cut-short run keeps what it measured
+        rows = csv.writer(out)
         if new:
-            out.write("nodeid,cpu_total,cpu_self,cpu_children,wall,marks\n")
-        out.write(f'"{item.nodeid}",{own + children:.2f},{own:.2f},{children:.2f},{wall:.2f},{marks}\n')
+            rows.writerow(["nodeid", "cpu_total", "cpu_self", "cpu_children", "wall", "marks"])
+        rows.writerow([item.nodeid, f"{own + children:.2f}", f"{own:.2f}", f"{children:.2f}", f"{wall:.2f}", marks])
 
 
 def shared_fixtures(item) -> list[str]:

@@ -124,6 +124,7 @@ def test_with_the_robust_option_the_damage_is_bounded(name):
 
 
 @by_case("comet/outlier")
+@pytest.mark.heavy  # the arms of a case: 4 to 18 CPU-s (shared with its heavy tests above)
 def test_comet_outlier_guard_restores_the_clusters_without_the_attacker():
     robust, ref = arm("comet/outlier", "robust"), arm("comet/outlier", capture.REFERENCE)
     assert ATTACKER not in robust.strategy.assignment
@@ -131,6 +132,7 @@ def test_comet_outlier_guard_restores_the_clusters_without_the_attacker():
 
 
 @by_case("fedmd/logits-1e4")
+@pytest.mark.heavy  # the arms of a case: 4 to 18 CPU-s (shared with its heavy tests above)
 def test_fedmd_robust_consensus_keeps_the_honest_classes():
     robust, ref = arm("fedmd/logits-1e4", "robust"), arm("fedmd/logits-1e4", capture.REFERENCE)
     assert not (robust.strategy.consensus.argmax(axis=1) == 0).all()
@@ -138,6 +140,7 @@ def test_fedmd_robust_consensus_keeps_the_honest_classes():
 
 
 @by_case("cosmos/copy-then-flip")
+@pytest.mark.heavy  # the arms of a case: 4 to 18 CPU-s (shared with its heavy tests above)
 def test_cosmos_copier_joins_the_victims_cluster_and_the_clip_holds_its_model():
     default = arm("cosmos/copy-then-flip", "default")
     cluster_of = default.strategy.cluster_of
