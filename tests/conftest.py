@@ -139,6 +139,7 @@ def pytest_configure(config):
     config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown to pytest without it (-p no:xdist)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` with the groups the workers wrote (see :data:`GROUPS_ENV`)."""
     from xdist.scheduler import LoadGroupScheduling
