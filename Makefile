@@ -36,13 +36,17 @@ lint: $(STAMP)
 deadcode: $(STAMP)
 	$(PY) scripts/dead_code.py
 
+# tests dealt to the workers a few at a time in collection order (heavy first), except that the tests sharing a module- or
+# session-scoped fixture go to one worker together (tests/conftest.py marks them xdist_group): it is built once
+DIST    := --dist loadgroup --no-loadscope-reorder
+
 test: lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1 $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) $(DIST) $(ARGS)
 
 FAST    := not heavy and not raycluster and not netns
 
 test-fast: lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m "$(FAST)" $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) $(DIST) -m "$(FAST)" $(ARGS)
 
 docs-reference: $(STAMP)
 	$(PY) -m fedapps_tools.docgen

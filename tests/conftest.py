@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -26,12 +27,136 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-csv",
+        default=os.environ.get("FEDAPPS_TEST_CPU_CSV"),
+        help="write each test's CPU seconds (this process + its reaped child processes) and wall seconds to this CSV "
+        "(one file per xdist worker: NAME.gwN.csv); also switched on by FEDAPPS_TEST_CPU_CSV (docs/development.md)",
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``--cpu-csv PATH``: one CSV row per test, its setup + call + teardown (a session fixture's cost lands on
+    the first test that needs it). ``cpu_children`` counts the processes the test started and waited for (a
+    `fedapps run` -> `flwr run` tree); daemons that outlive the test or are killed unreaped (a Ray head, a SuperLink
+    left to a later teardown) are not in it: ``wall`` bounds what they cost."""
+    path = item.config.getoption("--cpu-csv")
+    if not path:
+        yield
+        return
+    import csv
+    import resource
+    import time
+
+    def cpu(who):
+        usage = resource.getrusage(who)
+        return usage.ru_utime + usage.ru_stime
+
+    self0, child0, wall0 = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN), time.perf_counter()
+    yield
+    own, children = cpu(resource.RUSAGE_SELF) - self0, cpu(resource.RUSAGE_CHILDREN) - child0
+    wall = time.perf_counter() - wall0
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        stem, dot, ext = str(path).rpartition(".")
+        path = f"{stem}.{worker}.{ext}" if dot else f"{path}.{worker}"
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    new = not Path(path).is_file()
+    marks = "+".join(m for m in ("heavy", "raycluster", "netns") if item.get_closest_marker(m))
+    with open(path, "a", newline="") as out:  # a row as each test ends: a cut-short run keeps what it measured
+        rows = csv.writer(out)
+        if new:
+            rows.writerow(["nodeid", "cpu_total", "cpu_self", "cpu_children", "wall", "marks"])
+        rows.writerow([item.nodeid, f"{own + children:.2f}", f"{own:.2f}", f"{children:.2f}", f"{wall:.2f}", marks])
+
+
+def shared_fixtures(item) -> list[str]:
+    """The module- and session-scoped fixtures of this suite (defined under tests/) that ``item`` uses, as group names:
+    ``module.fixture`` for a module's, the fixture's name for a session's."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:  # not a python test function
+        return []
+    names = []
+    for name in item.fixturenames:
+        defs = info.name2fixturedefs.get(name)
+        if not defs or defs[-1].scope not in ("module", "session"):
+            continue
+        source = getattr(defs[-1].func, "__module__", "") or ""
+        module = sys.modules.get(source)
+        if module is None or not str(getattr(module, "__file__", "")).startswith(str(ROOT / "tests")):
+            continue  # pytest's own (tmp_path_factory, ...)
+        names.append(name if defs[-1].scope == "session" else f"{source}.{name}")
+    return names
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``heavy`` (a second or more each: real `flwr run`s and other process trees, the model zoo)
     run first, in their collection order. `make test` runs the suite on two pytest-xdist workers, which take tests
     in this order: the heavy ones are shared out while plenty of short tests remain to even out the end, instead of
-    a late 60-s test leaving one worker alone at the finish. Serially the order changes nothing."""
+    a late 60-s test leaving one worker alone at the finish. Serially the order changes nothing.
+
+    The tests that share a module- or session-scoped fixture of this suite (a `flwr run` made once, the wheel's venv,
+    a `fedapps compare` folder) are put in one ``xdist_group``: under ``--dist loadgroup`` (`make test`) one worker
+    runs them all and builds the fixture once, where ``--dist load`` would let both workers build it."""
+    for item in items:
+        for group in shared_fixtures(item):
+            item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: item.get_closest_marker("heavy") is None)  # stable: the rest keep their order
+    record = os.environ.get(GROUPS_ENV)
+    if record and "PYTEST_XDIST_WORKER" in os.environ:  # for the controller's scheduler (pytest_xdist_make_scheduler)
+        groups = {}
+        for item in items:
+            names = sorted(
+                {
+                    str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                    for m in item.iter_markers("xdist_group")
+                }
+            )
+            if names:
+                groups[item.nodeid] = "_".join(names)
+        tmp = Path(f"{record}.{os.environ['PYTEST_XDIST_WORKER']}")
+        tmp.write_text(json.dumps(groups))
+        tmp.replace(record)  # whole: every worker collects the same tests
+
+
+# pytest-xdist 3.8's --dist loadgroup finds a test's group in a suffix it appends to the test's id on the worker, which
+# pytest 9.2 (ids kept elsewhere) no longer takes: every test would be its own group. The workers write the groups to
+# a file instead (above), and the controller's scheduler reads them from it.
+GROUPS_ENV = "FEDAPPS_XDIST_GROUPS"
+
+
+def pytest_configure(config):
+    if "PYTEST_XDIST_WORKER" in os.environ or config.getoption("dist", "no") != "loadgroup":
+        return
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="fedapps-xdist-groups-")
+    os.environ[GROUPS_ENV] = str(Path(folder) / "groups.json")  # the workers, started later, inherit it
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown to pytest without it (-p no:xdist)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with the groups the workers wrote (see :data:`GROUPS_ENV`)."""
+    from xdist.scheduler import LoadGroupScheduling
+
+    if config.getoption("dist", "no") != "loadgroup" or not os.environ.get(GROUPS_ENV):
+        return None
+    record = Path(os.environ[GROUPS_ENV])
+
+    class RecordedGroups(LoadGroupScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # read when the schedule is made: after every worker has collected
+                self.groups = json.loads(record.read_text()) if record.is_file() else {}
+            return self.groups.get(nodeid) or super()._split_scope(nodeid)
+
+    return RecordedGroups(config, log)
 
 
 def write_config(path: Path, **sections) -> Path:

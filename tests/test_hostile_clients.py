@@ -97,14 +97,23 @@ def test_every_case_says_what_its_attack_does():
     assert sorted(CAPTURED) == sorted(c.name for c in CASES)
 
 
-@pytest.mark.parametrize("name", [c.name for c in CASES])
+def by_case(name: str):
+    """The xdist group of a case's tests: under `make test` (--dist loadgroup) one worker runs them and computes each
+    of the case's arms once (``arm`` is cached per process)."""
+    return pytest.mark.xdist_group("hostile-" + name.replace("/", "-"))
+
+
+CASE_PARAMS = [pytest.param(c.name, marks=by_case(c.name)) for c in CASES]
+
+
+@pytest.mark.parametrize("name", CASE_PARAMS)
 @pytest.mark.heavy
 def test_without_the_robust_option_the_attack_does_what_the_issue_measured(name):
     c = capture.case(name)
     CAPTURED[name](c, arm(name, "default"), arm(name, capture.REFERENCE))
 
 
-@pytest.mark.parametrize("name", [c.name for c in CASES])
+@pytest.mark.parametrize("name", CASE_PARAMS)
 @pytest.mark.heavy
 def test_with_the_robust_option_the_damage_is_bounded(name):
     c = capture.case(name)
@@ -114,18 +123,24 @@ def test_with_the_robust_option_the_damage_is_bounded(name):
     assert robust.rejected == 0, robust.rejected  # no honest reply lost to the attack
 
 
+@by_case("comet/outlier")
+@pytest.mark.heavy  # the arms of a case: 4 to 18 CPU-s (shared with its heavy tests above)
 def test_comet_outlier_guard_restores_the_clusters_without_the_attacker():
     robust, ref = arm("comet/outlier", "robust"), arm("comet/outlier", capture.REFERENCE)
     assert ATTACKER not in robust.strategy.assignment
     assert honest_partition(robust.strategy.assignment) == honest_partition(ref.strategy.assignment)
 
 
+@by_case("fedmd/logits-1e4")
+@pytest.mark.heavy  # the arms of a case: 4 to 18 CPU-s (shared with its heavy tests above)
 def test_fedmd_robust_consensus_keeps_the_honest_classes():
     robust, ref = arm("fedmd/logits-1e4", "robust"), arm("fedmd/logits-1e4", capture.REFERENCE)
     assert not (robust.strategy.consensus.argmax(axis=1) == 0).all()
     assert robust.diagnostic >= ref.diagnostic - 0.2, (robust.diagnostic, ref.diagnostic)
 
 
+@by_case("cosmos/copy-then-flip")
+@pytest.mark.heavy  # the arms of a case: 4 to 18 CPU-s (shared with its heavy tests above)
 def test_cosmos_copier_joins_the_victims_cluster_and_the_clip_holds_its_model():
     default = arm("cosmos/copy-then-flip", "default")
     cluster_of = default.strategy.cluster_of

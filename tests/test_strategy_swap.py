@@ -10,11 +10,19 @@ shrunk through their own ``strategy.params.<s>.*`` sections). The resolver decid
   to keep the whole file within a few minutes on two cores;
 - it refuses the pair (e.g. a pseudo-label strategy on a config without a public set, a parameter-exchanging
   strategy on a config with ``model.per_client``): the ConfigError must name a key of the config to set.
+
+Under the overrides many pairs are the same experiment: ``configs/fedprox.yaml`` and ``configs/fedavg.yaml`` differ
+only in their own strategy's section, which a third strategy never reads. Of the pairs of one strategy whose resolved
+configs are equal (every field, that strategy's parameters included; the other strategies' sections aside), the
+first config in sorted order runs the round; each other pair asserts that its resolved config equals that one's,
+whose own test runs it (:func:`stand_in`: about 90 runs instead of about 320, the same claims).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import re
 from pathlib import Path
 
@@ -90,6 +98,30 @@ def refusal(cfg: ExperimentConfig) -> str | None:
     return None
 
 
+def experiment(cfg: ExperimentConfig, strategy: str) -> str:
+    """The resolved config as a canonical string, less the sections of strategies other than ``strategy`` (read by
+    no one in this run): two pairs with the same string run the same experiment."""
+    d = dataclasses.asdict(cfg)
+    d["strategy"]["params"] = {k: v for k, v in d["strategy"]["params"].items() if k == strategy}
+    return json.dumps(d, sort_keys=True, default=str)
+
+
+@functools.cache
+def stand_in(config: str, strategy: str) -> str:
+    """The first config (sorted) whose pair with ``strategy`` runs the same experiment as ``config``'s."""
+    mine = experiment(load_config(config, overrides_for(config, strategy)), strategy)
+    return next(c for c in CONFIGS if experiment(load_config(c, overrides_for(c, strategy)), strategy) == mine)
+
+
+def test_stand_in_tells_different_experiments_apart():
+    """The dedup of the grid below cannot merge pairs that differ: a partition, a model list or the strategy's own
+    parameters make two configs different experiments, another strategy's section does not."""
+    assert stand_in("configs/fedprox.yaml", "fedavg") == stand_in("configs/cwfedavg.yaml", "fedavg") == CONFIGS[0]
+    assert stand_in("configs/fedprox.yaml", "fedprox") == "configs/fedprox.yaml"  # its own mu is read
+    assert stand_in("configs/cwfedavg.yaml", "fedprox") == CONFIGS[0]
+    assert stand_in("configs/fedavg.yaml", "fedprox") == "configs/fedavg.yaml"  # iid, the others pathological
+
+
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.heavy
@@ -101,6 +133,11 @@ def test_every_config_runs_or_refuses_every_strategy(config, strategy, tmp_path)
         assert names_a_config_key(message, cfg), f"{config} + {strategy}: the error names no key: {message}"
         with pytest.raises(ConfigError):  # the run refuses it too, before any round
             server_app.run_experiment(InProcessGrid(CLIENTS), config, " ".join(overrides), str(tmp_path))
+        return
+    twin = stand_in(config, strategy)
+    if twin != config:  # the same experiment as (twin, strategy), whose test runs it
+        assert experiment(load_config(twin, overrides_for(twin, strategy)), strategy) == experiment(cfg, strategy)
+        assert refusal(load_config(twin, overrides_for(twin, strategy))) is None
         return
     summary = server_app.run_experiment(InProcessGrid(CLIENTS), config, " ".join(overrides), str(tmp_path))
     assert summary["strategy"] == strategy and summary["rounds"] == 1
