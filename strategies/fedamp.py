@@ -236,7 +236,7 @@ class FedAMP(PersonalisedStrategy):
         )
         return {c: u[i] for i, c in enumerate(clients)}
 
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
         mu = proximal_mu(self.params.lam, self.params.alpha_k)
         request = self.request(
             server_round,
@@ -249,9 +249,7 @@ class FedAMP(PersonalisedStrategy):
         clients = [self.nodes.node_to_client.get(n, -1 - i) for i, n in enumerate(node_ids)]
         anchors = self.anchors(clients)
         return [
-            protocol.build_message(
-                n, request, arrays=protocol.arrays_record(unflatten(anchors[c], self.like, self.keys))
-            )
+            protocol.Draft(n, request, arrays=unflatten(anchors[c], self.like, self.keys))
             for n, c in zip(node_ids, clients)
         ]
 

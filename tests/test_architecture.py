@@ -22,7 +22,7 @@ inside functions. Rules:
 (e) each reply is checked once, with one prediction check: ``prediction_problem`` is defined in
     ``fedapps/wire/validation.py`` and in no other module of ``fedapps/`` or ``strategies/``;
 (f) every wire key (the names of records, settings, arrays, metrics and info entries that the schema module
-    ``fedapps/wire/protocol.py`` defines and lists in its ``KEYS``, :func:`schema_keys`) is spelled there only: no other
+    modules :data:`SCHEMA` declare, :func:`schema_keys`) is spelled there only: no other
     module of the project and no test (this one aside) holds a string literal equal to one (docstrings, comments and
     longer strings that contain one do not count). Narrow exemptions, each with its reason and each still needed
     (:func:`stale_exemptions`): :data:`WIRE_FORGING_TESTS`, test modules that build or take apart raw wire records
@@ -96,7 +96,8 @@ MOVED_OUT_OF_CORE = {
     "rb_sigma": "strategies/cosmos.py",
 }
 PREDICTION_CHECK = ("prediction_problem", "fedapps/wire/validation.py")  # rule (e): the one prediction check, where
-PROTOCOL = "fedapps/wire/protocol.py"  # rule (f): the schema module, where every wire key is spelled
+# rule (f): the schema modules, where every wire key is declared (by ``key(...)`` or a field's ``wire(...)``)
+SCHEMA = ("fedapps/wire/keys.py", "fedapps/wire/request.py", "fedapps/wire/reply.py")
 RULES = "tests/test_architecture.py"  # this module (it names the keys it checks)
 # rule (f)'s exemptions. Test modules that spell wire keys to forge or take apart raw records on purpose:
 WIRE_FORGING_TESTS = {
@@ -459,18 +460,24 @@ def definers(function: str, root: Path = ROOT) -> list[str]:
 
 
 def schema_keys(root: Path = ROOT) -> dict[str, str]:
-    """The wire keys of the schema module: constant name -> key, for every name its ``KEYS`` tuple lists (each a
-    module-level ``NAME = "key"`` there)."""
-    constants: dict[str, str] = {}
-    listed: list[str] = []
-    for node in ast.parse((root / PROTOCOL).read_text(encoding="utf-8")).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            name, value = node.targets[0].id, node.value
-            if isinstance(value, ast.Constant) and isinstance(value.value, str):
-                constants[name] = value.value
-            elif name == "KEYS" and isinstance(value, (ast.Tuple, ast.List)):
-                listed = [e.id for e in value.elts if isinstance(e, ast.Name)]
-    return {name: constants[name] for name in listed}
+    """The wire keys the schema modules declare: key -> key, for every ``key("...")`` / ``wire("...", ...)`` call
+    there (the first argument, a string)."""
+    out: dict[str, str] = {}
+    for rel in SCHEMA:
+        path = root / rel
+        if not path.exists():
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("key", "wire", "_seconds")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
+                out[node.args[0].value] = node.args[0].value
+    return out
 
 
 def docstrings(tree: ast.AST) -> set[int]:
@@ -498,7 +505,7 @@ def wire_literal_sites(keys: Iterable[str], root: Path = ROOT) -> list[tuple[str
     out = []
     for path in sorted(set(paths)):
         rel = path.relative_to(root).as_posix()
-        if rel in (PROTOCOL, RULES):  # the schema spells the keys; this module names those it checks
+        if rel in (*SCHEMA, RULES):  # the schema spells the keys; this module names those it checks
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"))
         skip = docstrings(tree)
@@ -751,24 +758,11 @@ def test_one_prediction_check():
 def test_wire_keys_are_spelled_in_the_schema_module_only():
     keys = schema_keys()
     # the check has teeth: the schema lists the keys of every part of a message and a reply
-    assert {
-        "RETURN_ARRAYS",
-        "ARRAYS_KEYS",
-        "LOAD_ARRAYS",
-        "PUBLIC_FINGERPRINT",
-        "PREDICT_OUTPUT",
-        "TARGET_ARRAY",
-        "STATE_DIR",
-        "OPS",
-        "ROUND",
-        "CLIENT_ID",
-        "INFO_FINGERPRINT",
-        "CONFIG",
-    } <= set(keys)
-    assert {"return-arrays", "arrays.keys", "state-dir", "predictions", "client-id"} <= set(keys.values())
+    assert {"return-arrays", "arrays.keys", "state-dir", "predictions", "client-id", "ops", "round"} <= set(keys)
+    assert {"config", "load-arrays", "public.fingerprint", "predict.output", "targets", "fingerprint"} <= set(keys)
     found = key_literals(keys.values())
     assert not found, (
-        "wire keys spelled outside fedapps/wire/protocol.py (use its constants, or its dataclasses):\n"
+        "wire keys spelled outside the schema modules (use fedapps.wire.protocol's constants, or its dataclasses):\n"
         + "\n".join(found)
     )
 
@@ -800,10 +794,10 @@ def test_the_wire_key_check_sees_a_violation(tmp_path):
     reported once nothing needs it)."""
     for sub in ("fedapps/wire", "strategies", "tests", "fedapps_tools"):
         (tmp_path / sub).mkdir(parents=True)
-    (tmp_path / "fedapps" / "wire" / "protocol.py").write_text(
-        'OUTPUT = "predict.output"\nROUND = "round"\nOTHER = "not-listed"\nKEYS = (OUTPUT, ROUND)\n'
+    (tmp_path / "fedapps" / "wire" / "keys.py").write_text(
+        'OUTPUT = key("predict.output")\nROUND = key("round")\nOTHER = "not-listed"\n'
     )
-    assert schema_keys(tmp_path) == {"OUTPUT": "predict.output", "ROUND": "round"}
+    assert schema_keys(tmp_path) == {"predict.output": "predict.output", "round": "round"}
     (tmp_path / "strategies" / "pl.py").write_text(
         '"""Reads predict.output."""\nconfig = {"predict.output": 1, "x": "not-listed"}\n\n\n'
         'def f():\n    """predict.output"""\n    return "predict.output is a key"\n'
@@ -873,7 +867,7 @@ def main() -> int:
             "other definitions of the prediction check",
             [d for d in definers(PREDICTION_CHECK[0]) if d != PREDICTION_CHECK[1]],
         ),
-        ("wire keys outside fedapps/wire/protocol.py", key_literals(schema_keys().values())),
+        ("wire keys outside the schema modules", key_literals(schema_keys().values())),
         ("run context set after construction", attribute_writes(class_fields(ROOT / RUN_CONTEXT[0], RUN_CONTEXT[1]))),
         ("methods of strategies/ nothing names", unreferenced_methods()),
     ):

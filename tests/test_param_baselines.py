@@ -306,7 +306,7 @@ def test_cfl_splits_a_converged_cluster_with_disagreeing_clients(tiny_config) ->
     assert extra["clusters"] == 2 and strategy.cluster_of == {0: 0, 1: 1, 2: 0, 3: 1}
     # the mean of the opposite updates is zero: both halves start from the unchanged cluster model
     assert all(np.allclose(strategy.models[1][k], sent[k], atol=1e-6) for k in sent)
-    messages = strategy.round_messages(2, [10, 11])  # unknown nodes go to cluster 0
+    messages = protocol.build_messages(strategy.round_messages(2, [10, 11]))  # unknown nodes go to cluster 0
     assert len(messages) == 2 and strategy.splits == [(1, 0, 1)]
 
 
