@@ -159,8 +159,8 @@ class EvaluationProtocol:
     def final_batches(self, grid: MessageGrid, rnd: int) -> Iterator[list[Draft]]:
         """The deployed models after the last round ``rnd``: evaluation-only drafts for EVERY connected client
         (sampled this round or not), in batches of a training round's cohort, so that the server holds no more
-        messages at once than in a round (a personalised model per client: cwFedAvg's 1,000 clients held ~17 GB
-        when sent at once, docs/performance.md). A batch with no deployed model to evaluate is left out."""
+        messages at once than in a round (a personalised model per client, docs/performance.md). A batch with no
+        deployed model to evaluate is left out."""
         nodes = sorted(int(n) for n in grid.get_node_ids() if int(n) not in self.nodes.excluded)
         batch = max(1, self.nodes.cohort_size(len(nodes)))
         for start in range(0, len(nodes), batch):

@@ -97,7 +97,7 @@ def build_messages(drafts: Iterable[Draft]) -> list[Message]:
     """One Flower message per draft, in order: the request's config record (:meth:`Request.encode`), the arrays
     encoded for the request's transport (:func:`fedapps.wire.arrays.arrays_record`), the targets and the model sent
     for evaluation only. A request or an arrays mapping shared by several drafts (the same object) is encoded once
-    and its record shared (Flower checks each entry of a new record, ~0.3 ms a message); nothing modifies a built
+    and its record shared (Flower checks each entry of a new record, docs/performance.md); nothing modifies a built
     message's records."""
     configs: dict[int, tuple[Request, ConfigRecord]] = {}
     records: dict[tuple[int, str], tuple[Mapping[str, np.ndarray], ArrayRecord]] = {}

@@ -1,9 +1,9 @@
 """Validation of untrusted client replies against what the server asked, in one place, before any strategy
 sees them.
 
-When the server builds a round's messages, :meth:`ReplyValidator.expect` records per node an
-:class:`Expectation` read off the request each message carries (:class:`fedapps.wire.protocol.Request`, decoded from
-the message itself): the model arrays asked for (``Request.returns``: ``return-arrays`` with ``arrays.keys`` state |
+Before the server builds a round's messages, :meth:`ReplyValidator.expect` records per node an
+:class:`Expectation` read off the draft of each message (:class:`fedapps.wire.protocol.Draft`, its request and
+targets): the model arrays asked for (``Request.returns``: ``return-arrays`` with ``arrays.keys`` state |
 params | body → names, shapes and dtypes of the server's own model), the predictions on U asked for (a ``predict``
 op → rows, classes, ``Request.public``'s ``predict.output`` and ``predict.encoding``), U's fingerprint
 (``public.fingerprint``) and the evaluations the ops produce (every ``evaluate*`` op → ``<tag>-acc``,
@@ -33,7 +33,7 @@ op → rows, classes, ``Request.public``'s ``predict.output`` and ``predict.enco
   client never described, the first size it reported, and must not exceed what the split rules give for its bound
   ``num-examples`` (:func:`max_eval_count`; with a node registry, hence for the registry's cap): every evaluation
   of a client reads the same split, so one client's weight in a sample-weighted headline is its bound share;
-- arrays (strict wire types, :func:`wire_array`): exactly the expected names; each labelled (Flower's ``Array``
+- arrays (strict wire types, :func:`wire_label`): exactly the expected names; each labelled (Flower's ``Array``
   ``dtype`` / ``shape`` / ``stype``) with exactly the dtype the message asked for — the model's own, byte order
   included (float32, or the integer type of an integer buffer), or float16 where ``arrays.transport: float16``
   (an array beyond float16's range may come in the model's dtype, as :func:`fedapps.wire.protocol.encode_arrays`
@@ -512,13 +512,6 @@ def wire_label(
     return WireArray(bytes(data), dtype, labelled, offset)
 
 
-def wire_array(
-    value: Any, name: str, what: str, shape: tuple[int | None, ...], dtypes: Iterable[np.dtype]
-) -> np.ndarray:
-    """One received array checked as it travels (:func:`wire_label`), then decoded."""
-    return wire_label(value, name, what, shape, dtypes).decode()
-
-
 def array_dtypes(spec: ArraySpec, transport: str) -> list[np.dtype]:
     """The wire dtypes a model array may come in: the model's own; under ``float16`` transport a floating array
     wider than float16 comes as float16 (or, beyond float16's range, in the model's own dtype)."""
@@ -577,12 +570,6 @@ def decode_arrays(labelled: Mapping[str, tuple[WireArray, ArraySpec]]) -> dict[s
     return out
 
 
-def read_arrays(record: Any, expected: Mapping[str, ArraySpec], transport: str = "float32") -> dict[str, np.ndarray]:
-    """The model arrays of a reply: names, then each array's wire type (:func:`wire_label`), then the values cast
-    to the model's dtype (float16 up) and checked finite in it."""
-    return decode_arrays(label_arrays(record, expected, transport))
-
-
 def label_predictions(record: Any, spec: PredictionSpec) -> WireArray:
     """The predictions of a reply checked as they travel, no value read: the one array 'predictions', its wire
     type."""
@@ -599,11 +586,6 @@ def decode_predictions(wire: WireArray, spec: PredictionSpec) -> np.ndarray:
     if problem:
         raise ReplyError(f"predictions unusable: {problem}")
     return values
-
-
-def read_predictions(record: Any, spec: PredictionSpec) -> np.ndarray:
-    """The predictions of a reply: the one array 'predictions', its wire type, then its values."""
-    return decode_predictions(label_predictions(record, spec), spec)
 
 
 def check_info(info: Mapping[str, Any]) -> None:
