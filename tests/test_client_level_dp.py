@@ -415,7 +415,7 @@ def test_messages_carry_no_privacy_settings_and_a_client_refuses_the_server_mode
     assert message_privacy(s.cfg.privacy) is None
     sample = message_privacy(dataclasses.replace(ExperimentConfig().privacy, mode="sample"))
     assert sample is not None
-    forged = dict(sample.encode(), **{protocol.PRIVACY_MODE: "client"})
+    forged = dict(protocol.Request(ops=(), round=1, privacy=sample).encode(), **{protocol.PRIVACY_MODE: "client"})
     with pytest.raises(MessageError, match="must be one of sample"):
         protocol.Privacy.decode(forged)
 
