@@ -51,7 +51,7 @@ def model_state(name: str, classes: int, shape: tuple[int, int, int]) -> dict[st
     return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
 
 
-def the_request(public: int) -> Message:
+def the_request(public: int) -> protocol.Draft:
     """A round message asking for the model's state, predictions on U (probabilities, float32) and an evaluation."""
     settings = {
         "ops": ["train", "evaluate", "predict"],
@@ -61,7 +61,7 @@ def the_request(public: int) -> Message:
         "predict.encoding": "float32",
         "public.fingerprint": FINGERPRINT,
     }
-    return protocol.build_message(100, protocol.Request.decode(settings))
+    return protocol.Draft(100, protocol.Request.decode(settings))
 
 
 def base_metrics() -> dict:
@@ -96,7 +96,9 @@ def flood_reply(to: Message) -> Message:
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=to)
 
 
-def timed(v: validation.ReplyValidator, to: Message, reply: Message, repeat: int) -> tuple[float, validation.Outcome]:
+def timed(
+    v: validation.ReplyValidator, to: protocol.Draft, reply: Message, repeat: int
+) -> tuple[float, validation.Outcome]:
     seconds, out = [], validation.Outcome()
     for _ in range(repeat):
         v.expect([to])
@@ -129,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
         num_classes=args.classes,
     )
     to = the_request(args.public)
-    worst = worst_reply(to, state, args.public, args.classes, v.max_list)
+    sent = to.message()
+    worst = worst_reply(sent, state, args.public, args.classes, v.max_list)
     worst_s, out = timed(v, to, worst, args.repeat)
     if not out.accepted:
         raise SystemExit(f"the worst reply the budget allows was rejected: {out.rejections[0].reason}")
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         f"worst accepted reply: {args.model} state ({params:,} values), predictions {args.public}×{args.classes}, "
         f"{values:,} metric values, info at its limits: {worst_s:.3f} s (median of {args.repeat})"
     )
-    flood = flood_reply(to)
+    flood = flood_reply(sent)
     refused_s, out = timed(v, to, flood, args.repeat)
     if out.accepted:
         raise SystemExit("the flood was accepted")

@@ -46,7 +46,7 @@ import numpy as np
 
 from fedapps.config import ConfigError, ExperimentConfig, load_config
 from fedapps.flower import MessageGrid
-from fedapps.wire import protocol
+from fedapps.wire import protocol, validation
 from fedapps.wire.protocol import ClientReply
 from fedapps_tools.options import add_out_option, add_seeds_option, add_set_option
 
@@ -214,7 +214,7 @@ class CaptureGrid:
                 continue
             for msg, reply in phase.exchanges():
                 try:
-                    out.append((phase.round, msg, protocol.parse_reply(reply)))
+                    out.append((phase.round, msg, validation.parse_reply(reply)))
                 except protocol.ReplyError:
                     continue
         return out
@@ -315,7 +315,7 @@ def models_of_clients(
             if protocol.EVAL_ARRAYS not in msg.content:
                 continue
             try:
-                client = protocol.parse_reply(reply).client_id
+                client = validation.parse_reply(reply).client_id
             except protocol.ReplyError:
                 continue
             arch = protocol.request_of(msg).evaluation.received_model or model_name

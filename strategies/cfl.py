@@ -104,7 +104,7 @@ class CFL(PersonalisedStrategy):
         self.cluster_of: dict[int, int] = {}  # client id -> cluster (unknown clients: cluster 0)
         self.splits: list[tuple[int, int, int]] = []  # (round, parent cluster, new cluster)
 
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
         request = self.request(
             server_round,
             ["train"],
@@ -117,8 +117,8 @@ class CFL(PersonalisedStrategy):
         for n in node_ids:
             k = self.cluster_of.get(self.nodes.node_to_client.get(n, -1), 0)
             if k not in records:
-                records[k] = protocol.arrays_record(self.models[k])
-            messages.append(protocol.build_message(n, request, arrays=records[k]))
+                records[k] = self.models[k]
+            messages.append(protocol.Draft(n, request, arrays=records[k]))
         return messages
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:

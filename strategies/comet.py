@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flwr.app import Message
 from threadpoolctl import threadpool_limits
 
 from fedapps.config import ConfigError, ExperimentConfig
@@ -144,7 +143,7 @@ class COMET(PseudoLabelStrategy):
         self.assignment: dict[int, int] = {}  # client id -> cluster of the last clustering
         self.cluster_targets: dict[int, np.ndarray] = {}  # cluster -> encoded mean prediction
 
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
         records = {k: protocol.Targets(t).encode() for k, t in self.cluster_targets.items()}
         requests = {
             with_targets: self.round_request(
@@ -156,7 +155,7 @@ class COMET(PseudoLabelStrategy):
         for n in node_ids:
             cluster = self.assignment.get(self.nodes.node_to_client.get(n, -1))
             targets = records.get(cluster) if cluster is not None else None
-            messages.append(protocol.build_message(n, requests[targets is not None], targets=targets))
+            messages.append(protocol.Draft(n, requests[targets is not None], targets=targets))
         return messages
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:

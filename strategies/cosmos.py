@@ -366,38 +366,34 @@ class Cosmos(PersonalisedStrategy):
             public=protocol.PublicSet(self.fed.fingerprint, "probs", p.uplink_encoding),
         )
 
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
         self.note_cohort(node_ids)
         request = self.round_request(server_round)
         messages = []
         for node in node_ids:
             cluster = self.cluster_of.get(self.nodes.node_to_client.get(node, -1))
             targets = self.wire_targets.get(cluster) if cluster is not None else None
-            messages.append(protocol.build_message(node, request, targets=targets))
-        with_targets = sum(1 for m in messages if protocol.TARGETS in m.content)
+            messages.append(protocol.Draft(node, request, targets=targets))
+        with_targets = sum(1 for m in messages if m.targets is not None)
         self.pseudo_bytes_down = sum(
-            m.content.array_records[protocol.TARGETS][protocol.TARGET_ARRAY].numpy().nbytes
-            for m in messages
-            if protocol.TARGETS in m.content
+            m.targets[protocol.TARGET_ARRAY].numpy().nbytes for m in messages if m.targets is not None
         )
         log.info(
             "cosmos round %d: %d messages (%d with cluster pseudo-labels)", server_round, len(messages), with_targets
         )
         return messages
 
-    def evaluation_models(self, client_ids: list[int | None]) -> list[tuple[str, ArrayRecord] | None]:
+    def evaluation_models(self, client_ids: list[int | None]) -> list[tuple[str, Mapping[str, np.ndarray]] | None]:
         """h_π(i) for each client (one record per cluster, shared); None for a client in no cluster yet."""
-        records: dict[int, ArrayRecord] = {}
-        out: list[tuple[str, ArrayRecord] | None] = []
+        records: dict[int, dict[str, np.ndarray]] = {}
+        out: list[tuple[str, Mapping[str, np.ndarray]] | None] = []
         for cid in client_ids:
             k = self.cluster_of.get(cid) if cid is not None else None
             if k is None or k not in self.models:
                 out.append(None)
                 continue
             if k not in records:
-                records[k] = protocol.arrays_record(
-                    {n: t.detach().cpu().numpy() for n, t in self.models[k].state_dict().items()}
-                )
+                records[k] = {n: t.detach().cpu().numpy() for n, t in self.models[k].state_dict().items()}
             out.append((self.params.server_model, records[k]))
         return out
 

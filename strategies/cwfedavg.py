@@ -521,7 +521,7 @@ class CwFedAvg(PersonalisedStrategy):
             out[k] = mix(weights, self.stack.arrays[k])
         return {k: out[k] for k in self.keys}
 
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
         p: CwFedAvgParams = self.params
         client_ops = ["train"] + (["report-class-counts"] if p.estimator == "true" else [])
         part = "state" if p.buffers == "fedavg" else "params"
@@ -542,7 +542,7 @@ class CwFedAvg(PersonalisedStrategy):
                 self.sent_bias[node] = np.array(arrays[self.head_b], dtype=np.float64)
             if p.median_clip > 0:
                 self.sent_models[node] = arrays
-            messages.append(protocol.build_message(node, request, arrays=protocol.arrays_record(arrays)))
+            messages.append(protocol.Draft(node, request, arrays=arrays))
         return messages
 
     # ------------------------------------------------------------------ aggregation

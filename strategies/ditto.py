@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import Message
-
 from fedapps.client import ops
 from fedapps.client.registry import ProtocolError, client_op
 from fedapps.config import ExperimentConfig
@@ -60,7 +58,7 @@ class Ditto(PersonalisedStrategy):
     def final_arrays(self) -> dict[str, Any]:
         return self.global_arrays
 
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
         request = self.request(
             server_round,
             ["train-received", "train"],
@@ -70,8 +68,8 @@ class Ditto(PersonalisedStrategy):
             ),
             returns=protocol.Return(arrays=True, part="state"),
         )
-        arrays = protocol.arrays_record(self.global_arrays)
-        return [protocol.build_message(n, request, arrays=arrays) for n in node_ids]
+        arrays = self.global_arrays
+        return [protocol.Draft(n, request, arrays=arrays) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         self.global_arrays = average_matching(replies, self.global_arrays, self.rule)

@@ -272,7 +272,7 @@ class FedAMP(PersonalisedStrategy):
         self.seen = {**seen, "mu": mu, "capped": float(capped)}
         return {c: u[i] for i, c in enumerate(clients)}
 
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
         # a node not heard from yet is a client whose model is still the initial one: any id outside the pool does
         clients = [self.nodes.node_to_client.get(n, -1 - i) for i, n in enumerate(node_ids)]
         anchors = self.anchors(clients)
@@ -284,9 +284,7 @@ class FedAMP(PersonalisedStrategy):
             returns=protocol.Return(arrays=True, part="params"),
         )
         return [
-            protocol.build_message(
-                n, request, arrays=protocol.arrays_record(unflatten(anchors[c], self.like, self.keys))
-            )
+            protocol.Draft(n, request, arrays=unflatten(anchors[c], self.like, self.keys))
             for n, c in zip(node_ids, clients)
         ]
 

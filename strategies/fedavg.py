@@ -11,7 +11,6 @@ import dataclasses
 from typing import Any, ClassVar
 
 import numpy as np
-from flwr.app import Message
 
 from fedapps.config import ExperimentConfig
 from fedapps.data import spec_info
@@ -49,7 +48,7 @@ class FedAvg(PersonalisedStrategy):
         """Operation settings beyond FedAvg's own, by section (FedProx adds its proximal term to ``train``)."""
         return {}
 
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
         request = self.request(
             server_round,
             [self.train_op],
@@ -58,8 +57,8 @@ class FedAvg(PersonalisedStrategy):
             keep=protocol.Keep(persist=False),  # the whole model arrives every round: none kept
             training=protocol.Training(sections=self.client_settings()),
         )
-        arrays = protocol.arrays_record(self.global_arrays)
-        return [protocol.build_message(n, request, arrays=arrays) for n in node_ids]
+        arrays = self.global_arrays
+        return [protocol.Draft(n, request, arrays=arrays) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         self.global_arrays = average_matching(replies, self.global_arrays, self.rule)

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flwr.app import Message
 
 from fedapps.config import ConfigError, ExperimentConfig
 from fedapps.params import param
@@ -103,13 +102,13 @@ class FedCT(PseudoLabelStrategy):
         super().__init__(cfg, params, context)
         self.consensus: np.ndarray | None = None  # hard labels on U (M = abstain)
 
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
         wire = None  # no consensus yet, or all abstain: skip U
         if self.consensus is not None and np.any(self.consensus < self.num_classes):
             wire = pseudolabels.encode(self.consensus, "hard", self.num_classes)
         targets = protocol.Targets(wire).encode()
         request = self.round_request(server_round, self.round_ops(wire is not None), "ce", "probs", "hard")
-        return [protocol.build_message(n, request, targets=targets) for n in node_ids]
+        return [protocol.Draft(n, request, targets=targets) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         used, votes = collect_predictions(replies, self.public_size, self.num_classes, "hard")

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flwr.app import Message
 from torch import Tensor
 
 from fedapps.client import ops
@@ -133,7 +132,7 @@ class FedFomo(PersonalisedStrategy):
         self.affinity: dict[int, dict[int, float]] = {}  # P_ij (client -> candidate -> summed weight)
         self.sent_candidates: dict[int, list[int]] = {}  # node -> candidate client ids of this round
 
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
         request = self.request(
             server_round,
             ["fomo-mix", "train"],
@@ -150,10 +149,10 @@ class FedFomo(PersonalisedStrategy):
             chosen = choose_candidates(self.affinity.get(client, {}), others, self.params.candidates, epsilon, self.rng)
             self.sent_candidates[n] = chosen
             if chosen:
-                arrays = protocol.arrays_record(protocol.pack_models([self.models[c] for c in chosen]))
-                messages.append(protocol.build_message(n, request, arrays=arrays))
+                arrays = protocol.pack_models([self.models[c] for c in chosen])
+                messages.append(protocol.Draft(n, request, arrays=arrays))
             else:  # nobody to learn from yet (round 1)
-                messages.append(protocol.build_message(n, dataclasses.replace(request, ops=("train",))))
+                messages.append(protocol.Draft(n, dataclasses.replace(request, ops=("train",))))
         return messages
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:

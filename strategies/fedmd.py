@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flwr.app import Message
 
 from fedapps.client import ops
 from fedapps.client.registry import ProtocolError, client_op
@@ -180,7 +179,7 @@ class FedMD(PseudoLabelStrategy):
         self.consensus_rows: np.ndarray | None = None  # None = all of U
         self.pending_rows: np.ndarray | None = None  # the subset clients predict on this round
 
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
         p: FedMDParams = self.params
         self.note_cohort(node_ids)
         self.pending_rows = alignment_subset(self.subset_rng, self.public_size, p.alignment_size)
@@ -209,7 +208,7 @@ class FedMD(PseudoLabelStrategy):
             p.encoding,
             sections=sections,
         )
-        return [protocol.build_message(n, request, targets=targets) for n in node_ids]
+        return [protocol.Draft(n, request, targets=targets) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         rows = self.public_size if self.pending_rows is None else len(self.pending_rows)

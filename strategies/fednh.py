@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.app import Message
 from torch import Tensor, nn
 
 from fedapps.client import ops, worker
@@ -272,7 +271,7 @@ class FedNH(PersonalisedStrategy):
         setup = super().setup()
         return dataclasses.replace(setup, model=dataclasses.replace(setup.model, name=self.arch))
 
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
         request = self.request(
             server_round,
             [TRAIN_OP],
@@ -281,8 +280,8 @@ class FedNH(PersonalisedStrategy):
             keep=protocol.Keep(persist=False),  # the whole model arrives every round: none kept
             training=protocol.Training(sections={FINETUNE: protocol.Section(epochs=int(self.params.finetune_epochs))}),
         )
-        arrays = protocol.arrays_record(self.global_arrays)
-        return [protocol.build_message(n, request, arrays=arrays) for n in node_ids]
+        arrays = self.global_arrays
+        return [protocol.Draft(n, request, arrays=arrays) for n in node_ids]
 
     def class_counts(self, reply: ClientReply, server_round: int = 0) -> np.ndarray | None:
         """The reply's ``fednh-counts`` if they are K whole non-negative numbers summing to at most its

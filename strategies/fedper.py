@@ -54,7 +54,7 @@ class FedPer(PersonalisedStrategy):
         """Settings those operations need beyond the shared ones, by section."""
         return {}
 
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
         request = self.request(
             server_round,
             self.client_ops(),
@@ -62,8 +62,8 @@ class FedPer(PersonalisedStrategy):
             returns=protocol.Return(arrays=True, part="body"),
             training=protocol.Training(sections=self.client_settings()),
         )
-        arrays = protocol.arrays_record(self.body)
-        return [protocol.build_message(n, request, arrays=arrays) for n in node_ids]
+        arrays = self.body
+        return [protocol.Draft(n, request, arrays=arrays) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         self.body = average_matching(replies, self.body, self.rule)

@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Message
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -289,16 +288,16 @@ class SharedEntriesValidator(ReplyValidator):
     """The reply validator of FedSelect's rounds: a training reply must carry, for every parameter, exactly as many
     values as the message sent it (its shared entries), in a floating dtype; the generic checks do the rest."""
 
-    def expect(self, messages: Any) -> None:
-        messages = list(messages)
-        super().expect(messages)
-        for msg in messages:
-            if TRAIN_OP not in [str(op).partition(":")[0] for op in protocol.request_of(msg).ops]:
+    def expect(self, drafts: Any) -> None:
+        drafts = list(drafts)
+        super().expect(drafts)
+        for draft in drafts:
+            if TRAIN_OP not in [str(op).partition(":")[0] for op in draft.request.ops]:
                 continue
-            exp = self.expected[str(msg.metadata.message_type)][int(msg.metadata.dst_node_id)]
+            exp = self.expected[draft.message_type][draft.node]
             exp.arrays = {
                 k: ArraySpec(tuple(a.shape), np.dtype(np.float32))
-                for k, a in msg.content[protocol.ARRAYS].items()
+                for k, a in draft.arrays.items()
                 if not k.startswith(MASK_PREFIX)
             }
 
@@ -369,7 +368,7 @@ class FedSelect(PersonalisedStrategy):
         out.update({MASK_PREFIX + name: pack_mask(m) for name, m in masks.items() if m.any()})
         return out
 
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
         request = self.request(
             server_round,
             [LOAD_OP, TRAIN_OP],
@@ -382,11 +381,11 @@ class FedSelect(PersonalisedStrategy):
             masks = self.client_masks(self.nodes.node_to_client.get(n))
             if not any(m.any() for m in masks.values()):
                 if everything_shared is None:  # one record for every client without personal entries
-                    everything_shared = protocol.arrays_record(self.client_arrays({}))
+                    everything_shared = self.client_arrays({})
                 arrays = everything_shared
             else:
-                arrays = protocol.arrays_record(self.client_arrays(masks))
-            messages.append(protocol.build_message(n, request, arrays=arrays))
+                arrays = self.client_arrays(masks)
+            messages.append(protocol.Draft(n, request, arrays=arrays))
         return messages
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flwr.app import Message
 
 from fedapps.client import ops
 from fedapps.client.registry import client_op
@@ -118,7 +117,7 @@ class IFCA(PersonalisedStrategy):
         self.models = [initial_model_arrays(cfg, seed=cfg.seed + k) for k in range(self.params.clusters)]
         self.assignment: dict[int, int] = {}  # client id -> cluster chosen last
 
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
         request = self.request(
             server_round,
             ["select-model", "train"],
@@ -126,8 +125,8 @@ class IFCA(PersonalisedStrategy):
             keep=protocol.Keep(persist=False),
             returns=protocol.Return(arrays=True, part="state"),
         )
-        arrays = protocol.arrays_record(protocol.pack_models(self.models))
-        return [protocol.build_message(n, request, arrays=arrays) for n in node_ids]
+        arrays = protocol.pack_models(self.models)
+        return [protocol.Draft(n, request, arrays=arrays) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         keys = set(self.models[0])

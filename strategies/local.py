@@ -35,11 +35,11 @@ class Local(PersonalisedStrategy):
     reply_kind = "metrics"
     client_privacy_refused = "each client trains alone and sends the server nothing to aggregate"
 
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
         first = int(self.params.pretrain_epochs)
         sections = {protocol.TRAIN: protocol.Section(epochs=first)} if server_round == 1 and first > 0 else {}
         request = self.request(server_round, ["train"], training=protocol.Training(sections=sections))
-        return [protocol.build_message(n, request) for n in node_ids]
+        return [protocol.Draft(n, request) for n in node_ids]
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         return {}

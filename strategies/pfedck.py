@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import torch.nn.functional as F
-from flwr.app import Message
 from torch import Tensor, nn
 
 from fedapps.client import ops
@@ -238,7 +237,7 @@ class PFedCK(PersonalisedStrategy):
         mid = self.model_of.get(client_id) if client_id is not None else None
         return self.initial if mid is None else self.models[mid]
 
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
         own = protocol.Section(
             extra={
                 ALPHA: float(self.params.alpha),
@@ -259,8 +258,8 @@ class PFedCK(PersonalisedStrategy):
         for n in node_ids:
             model = self.interactive_of(self.nodes.node_to_client.get(n))
             if id(model) not in records:
-                records[id(model)] = protocol.arrays_record(model)
-            messages.append(protocol.build_message(n, request, arrays=records[id(model)]))
+                records[id(model)] = model
+            messages.append(protocol.Draft(n, request, arrays=records[id(model)]))
         return messages
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:

@@ -406,7 +406,7 @@ class PFedHN(PersonalisedStrategy):
         return sum(p.numel() for p in self.hn.parameters())
 
     # ------------------------------------------------------------------ the round
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
         request = self.request(
             server_round,
             ["train"],
@@ -418,8 +418,8 @@ class PFedHN(PersonalisedStrategy):
         for n in node_ids:
             client = self.client_of(n)
             self.sent_from[int(n)] = client
-            arrays = protocol.arrays_record(self.generated(client))
-            messages.append(protocol.build_message(n, request, arrays=arrays))
+            arrays = self.generated(client)
+            messages.append(protocol.Draft(n, request, arrays=arrays))
         return messages
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:

@@ -56,7 +56,7 @@ def hand_built_exchange(bias_before: np.ndarray, bias_after: np.ndarray, drop_la
     )
     weight = np.zeros((len(COUNTS), 3), np.float32)
     sent = {"fc.weight": weight, "fc.bias": bias_before.astype(np.float32)}
-    msg = protocol.build_message(7, request, arrays=protocol.arrays_record(sent))
+    msg = protocol.Draft(7, request, arrays=sent).message()
     returned = {"fc.weight": weight + np.float32(0.5), "fc.bias": bias_after.astype(np.float32)}
     return msg, ClientReply(node_id=7, client_id=0, num_examples=n, metrics={}, arrays=returned)
 

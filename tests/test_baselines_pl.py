@@ -16,6 +16,7 @@ from fedapps.flower.inprocess import InProcessGrid
 from fedapps.server.evaluation import EvaluationProtocol
 from fedapps.wire import protocol, pseudolabels
 from fedapps.wire.protocol import ClientReply
+from fedapps.wire.validation import parse_reply
 from strategies import resolve
 from strategies.comet import COMET, cluster_means, kmeans, kmeans_plus_plus
 from strategies.fedct import FedCT, majority_vote, qualified, vote_counts
@@ -128,7 +129,7 @@ def test_fedct_broadcasts_one_uint8_vote_and_skips_u_when_all_abstain():
     base = np.arange(n) % m
     votes = [base, base, base, (base + 1) % m]  # agreement 3/4 everywhere
     s.aggregate(1, [_reply(i, v.astype(np.uint8)) for i, v in enumerate(votes)])
-    msgs = s.round_messages(2, [100, 101, 102, 103])
+    msgs = protocol.build_messages(s.round_messages(2, [100, 101, 102, 103]))
     for msg in msgs:
         wire = targets_of(msg).values
         assert wire.dtype == np.uint8 and np.array_equal(wire, base)
@@ -138,7 +139,7 @@ def test_fedct_broadcasts_one_uint8_vote_and_skips_u_when_all_abstain():
     split = [base, base, (base + 1) % m, (base + 2) % m]  # agreement 1/2 < 3/4: every sample abstains
     s.aggregate(2, [_reply(i, v.astype(np.uint8)) for i, v in enumerate(split)])
     assert np.all(s.consensus == m)
-    msgs = s.round_messages(3, [100])
+    msgs = protocol.build_messages(s.round_messages(3, [100]))
     assert "distill" not in protocol.request_of(msgs[0]).ops and protocol.TARGETS not in msgs[0].content
 
 
@@ -168,17 +169,17 @@ def test_fedmd_messages_carry_the_same_consensus_and_the_subset_indices():
     s = FedMD(cfg)
     m = s.num_classes
     nodes = [100, 101, 102, 103]
-    msgs = s.round_messages(1, nodes)
+    msgs = protocol.build_messages(s.round_messages(1, nodes))
     assert protocol.request_of(msgs[0]).ops == ("train", "predict")  # nothing to digest yet
     rows1 = targets_of(msgs[0]).predict_rows
     assert len(rows1) == 30 and targets_of(msgs[0]).values is None
     rng = np.random.default_rng(0)
     logits = [rng.normal(size=(30, m)).astype(np.float32) for _ in nodes]
     s.aggregate(1, [_reply(i, x) for i, x in enumerate(logits)])
-    msgs = s.round_messages(2, nodes)
+    msgs = protocol.build_messages(s.round_messages(2, nodes))
     assert protocol.request_of(msgs[0]).ops == ("distill", "train", "predict")
     # the base class adds the protocol's evaluations: the own (deployed) model before the digest, after training
-    assert protocol.request_of(EvaluationProtocol(s).messages_for_round(2, nodes)[0]).ops == (
+    assert protocol.request_of(protocol.build_messages(EvaluationProtocol(s).round_drafts(2, nodes))[0]).ops == (
         "evaluate:deployed",
         "distill",
         "train",
@@ -203,7 +204,7 @@ def test_fedmd_kl_option_sends_float16_softmax_of_the_mean_logits():
     n, m = s.public_size, s.num_classes
     logits = np.random.default_rng(1).normal(size=(2, n, m)).astype(np.float32)
     s.aggregate(1, [_reply(0, logits[0]), _reply(1, logits[1])])
-    msg = s.round_messages(2, [100])[0]
+    msg = protocol.build_messages(s.round_messages(2, [100]))[0]
     wire = targets_of(msg).values
     assert wire.dtype == np.float16 and targets_of(msg).distill_rows is None
     mean = logits.mean(axis=0)
@@ -313,7 +314,7 @@ def test_comet_sends_each_client_its_cluster_mean():
         s.nodes.node_to_client[r.node_id] = r.client_id
     s.aggregate(1, replies)
     assert s.assignment[0] == s.assignment[1] != s.assignment[2] == s.assignment[3]
-    msgs = s.round_messages(2, [100, 101, 102, 103])
+    msgs = protocol.build_messages(s.round_messages(2, [100, 101, 102, 103]))
     np.testing.assert_allclose(targets_of(msgs[0]).values, a, atol=1e-6)
     np.testing.assert_allclose(targets_of(msgs[3]).values, b, atol=1e-6)
     assert protocol.request_of(msgs[0]).training.section(protocol.DISTILL).loss == "kl"
@@ -338,9 +339,9 @@ def test_end_to_end_in_process(tmp_path, name, extra):
     summary = server_app.run_experiment(grid, None, overrides, str(tmp_path))
     assert isinstance(summary["accuracy_mean"], float) and 0.0 <= summary["accuracy_mean"] <= 1.0
     assert summary["rounds"] == 2
-    replies = [protocol.parse_reply(r) for r in grid.replies if r.metadata.message_type == protocol.MESSAGE_TYPE]
+    replies = [parse_reply(r) for r in grid.replies if r.metadata.message_type == protocol.MESSAGE_TYPE]
     assert len(replies) == 2 * cfg.data.num_clients
-    final = [protocol.parse_reply(r) for r in grid.replies if r.metadata.message_type == protocol.EVAL_MESSAGE_TYPE]
+    final = [parse_reply(r) for r in grid.replies if r.metadata.message_type == protocol.EVAL_MESSAGE_TYPE]
     assert len(final) == cfg.data.num_clients and all(r.arrays is None and r.predictions is None for r in final)
     for r in replies:
         assert r.arrays is None  # no model parameters ever travel
@@ -363,7 +364,7 @@ def test_fedmd_labelled_pretraining_runs_train_public_in_round_one(tmp_path):
     first = next(m for m in grid.sent if m.metadata.message_type == protocol.MESSAGE_TYPE)  # after the identify ones
     assert protocol.request_of(first).ops[0] == TRAIN_PUBLIC
     assert all(
-        "train-public-loss" in protocol.parse_reply(r).metrics
+        "train-public-loss" in parse_reply(r).metrics
         for r in grid.replies
         if r.metadata.message_type == protocol.MESSAGE_TYPE
     )

@@ -408,12 +408,12 @@ def test_options_outside_the_guarantee_are_refused(overrides, words):
 def test_messages_carry_no_privacy_settings_and_a_client_refuses_the_server_mode():
     """The server adds the noise: its messages are those of privacy off; a message claiming mode client is refused."""
     s = build("strategy.name=fedct")
-    request = protocol.request_of(s.round_messages(1, NODES)[0])
+    request = s.round_messages(1, NODES)[0].request
     assert request.privacy is None and not [k for k in request.encode() if k.startswith("privacy.")]
     assert message_privacy(s.cfg.privacy) is None
     sample = message_privacy(dataclasses.replace(ExperimentConfig().privacy, mode="sample"))
     assert sample is not None
-    forged = dict(sample.encode(), **{protocol.PRIVACY_MODE: "client"})
+    forged = dict(protocol.Request(ops=(), round=1, privacy=sample).encode(), **{protocol.PRIVACY_MODE: "client"})
     with pytest.raises(MessageError, match="must be one of sample"):
         protocol.Privacy.decode(forged)
 

@@ -24,6 +24,7 @@ from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.server import clustering
 from fedapps.wire import protocol, pseudolabels
+from fedapps.wire.validation import parse_reply
 from strategies import resolve
 from strategies.cosmos import (
     RB_LAMBDA,
@@ -247,7 +248,7 @@ def test_distill_weighting_on_the_client(tmp_path: Path) -> None:
     cfg = load_config(cfg_path)
     strategy = Cosmos(cfg)
     InProcessGrid(1)  # sets the task identity Message() needs outside Flower
-    msg = protocol.build_message(100, dataclasses.replace(strategy.round_request(2), ops=("distill",)))
+    msg = protocol.Draft(100, dataclasses.replace(strategy.round_request(2), ops=("distill",))).message()
     ctx = Context(run_id=1, node_id=100, node_config={"partition-id": 1}, state=RecordDict(), run_config={})
     worker = Worker(msg, ctx)
     fed = worker.fed
@@ -386,7 +387,7 @@ def test_the_client_distils_with_r_b_when_the_message_asks(tmp_path: Path) -> No
             training=protocol.Training(sections=sections),
             setup=dataclasses.replace(base.setup, model=dataclasses.replace(base.setup.model, seed=0)),
         )
-        msg = protocol.build_message(100, request, targets=targets)
+        msg = protocol.Draft(100, request, targets=targets).message()
         ctx = Context(run_id=1, node_id=100, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
         reply = Worker(msg, ctx).run()
         assert not reply.has_error(), reply.error.reason
@@ -599,9 +600,10 @@ def test_public_set_mismatch_is_refused_on_both_ends(tmp_path: Path) -> None:
     request = dataclasses.replace(
         base, ops=("train", "predict"), public=dataclasses.replace(base.public, fingerprint="0123456789abcdef")
     )
-    [reply] = grid.send_and_receive([protocol.build_message(100, request)])
+    [reply] = grid.send_and_receive([protocol.Draft(100, request).message()])
     assert reply.has_error() and "public set mismatch" in reply.error.reason
-    assert protocol.parse_replies([reply], 1, expect_predictions=True) == []
+    with pytest.raises(protocol.ReplyError, match="public set mismatch"):
+        parse_reply(reply, expect_predictions=True)
     # server end: predictions computed on another U are rejected by the reply validator (the one check of a reply)
     n, m = int(strategy.fed.public_x.shape[0]), strategy.fed.num_classes
     [a, b] = strategy.round_messages(1, [100, 101])
@@ -616,6 +618,7 @@ def test_public_set_mismatch_is_refused_on_both_ends(tmp_path: Path) -> None:
         ).encode()
         return Message(content, reply_to=to)
 
+    a, b = protocol.build_messages([a, b])
     out = strategy.replies.validator.check(1, [reply(a, 0, strategy.fed.fingerprint), reply(b, 1, "ffffffffffffffff")])
     assert [r.client_id for r in out.accepted] == [0]
     assert [r.node_id for r in out.rejections] == [101] and "public set mismatch" in out.rejections[0].reason

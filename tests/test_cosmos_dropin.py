@@ -244,8 +244,9 @@ def group_predictions(rng: np.random.Generator, n: int, sharp: float) -> dict[in
 def app_round(app: AppCosmos, rnd: int, preds: dict[int, np.ndarray]) -> list[Message]:
     """One round of our app's COSMOS on made-up predictions: its messages, then its aggregation of the replies."""
     nodes = [100 + cid for cid in preds]
-    messages = app.round_messages(rnd, nodes)
-    app.replies.validator.expect(messages)
+    drafts = app.round_messages(rnd, nodes)
+    app.replies.validator.expect(drafts)
+    messages = protocol.build_messages(drafts)
     tags = app.replies.validator.expected[protocol.MESSAGE_TYPE][nodes[0]].eval_tags
     metrics = {f"{t}-{f}": v for t in tags for f, v in (("acc", 0.5), ("loss", 1.0), ("n", 2), ("correct", 1))}
     replies = [
@@ -455,7 +456,7 @@ def test_the_helpers_distillation_and_predictions_are_our_clients_to_the_bit(tmp
         )
 
     request = dataclasses.replace(app.round_request(2), ops=("distill", "predict"))
-    ours = handle(protocol.build_message(5, request, targets=targets), context())
+    ours = handle(protocol.Draft(5, request, targets=targets).message(), context())
     msg = Message(
         RecordDict({protocol.CONFIG: dropin.round_request(2).encode(), protocol.TARGETS: targets}),
         dst_node_id=5,
@@ -486,7 +487,7 @@ def predictions_without_distillation(fed, request: protocol.Request) -> np.ndarr
     ctx = Context(
         run_id=1, node_id=5, node_config={"partition-id": 1, "num-partitions": N}, state=RecordDict(), run_config={}
     )
-    reply = handle(protocol.build_message(5, dataclasses.replace(request, ops=("predict",))), ctx)
+    reply = handle(protocol.Draft(5, dataclasses.replace(request, ops=("predict",))).message(), ctx)
     return reply.content[protocol.PREDICTIONS][protocol.PREDICTION_ARRAY].numpy()
 
 

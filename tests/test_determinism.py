@@ -89,7 +89,7 @@ def test_dropout_is_seeded_per_message(tiny_config):
     for junk in (1, 2):
         torch.manual_seed(junk)
         ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
-        handle(protocol.build_message(1, request), ctx)
+        handle(protocol.Draft(1, request).message(), ctx)
         states.append(ctx.state[STATE_MODEL].to_torch_state_dict())
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k

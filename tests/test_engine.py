@@ -91,7 +91,7 @@ def test_a_node_busy_with_an_abandoned_message_serves_the_next_one_after_it(tmp_
 
     grid = InProcessGrid(1, mods=[mod], workers=4)
     request = protocol.Request(ops=(), round=0, setup=protocol.Setup(data={"source": "digits", "num_clients": 1}))
-    msg = lambda: protocol.build_message(100, request, message_type=protocol.QUERY_MESSAGE_TYPE)  # noqa: E731
+    msg = lambda: protocol.Draft(100, request, message_type=protocol.QUERY_MESSAGE_TYPE).message()  # noqa: E731
     assert grid.send_and_receive([msg()], timeout=0.2) == []  # abandoned at 0.2 s, runs on
     (reply,) = grid.send_and_receive([msg()], timeout=5.0)  # waits for the node, then served
     assert not reply.has_error() and overlaps == [1, 1]

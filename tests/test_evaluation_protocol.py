@@ -373,7 +373,7 @@ def test_cosmos_headline_is_its_cluster_models_on_hand_built_replies(tmp_path):
 
     InProcessGrid(1)  # Flower's task identity, so that messages can be built outside its runtime
     entry = RoundLog(1, [_reply(c, _metrics(c, "after", 1, 10)) for c in range(4)], 0, 0)
-    EvaluationProtocol(s).final_evaluation(Grid(), 1, 5.0, entry)
+    RoundDriver(s).final_evaluation(Grid(), 1, 5.0, entry)
     assert [m.round for m in entry.measurements] == [1]
     assert sorted(r.client_id for r in entry.measurements[0].replies) == [0, 1, 2]
     sink = FileSink(cfg, tmp_path)
@@ -480,9 +480,9 @@ def worker_message(ops_list, training, client=None):
         model=protocol.ModelSpec("mlp", 0),
         client={**dataclasses.asdict(cfg.client), **(client or {})},
     )
-    return grid, protocol.build_message(
+    return grid, protocol.Draft(
         100, protocol.Request(ops=tuple(ops_list), round=1, setup=setup, training=training)
-    )
+    ).message()
 
 
 @pytest.mark.parametrize("op", ["evaluate", "evaluate-finetuned", "evaluate-received"])
@@ -547,7 +547,7 @@ def test_final_evaluation_reaches_every_client_in_batches_of_a_cohort():
         batches.append(len(list(messages))) or send(messages, timeout=timeout)
     )
     entry = RoundLog(1, [], 0, 0)
-    EvaluationProtocol(s).final_evaluation(grid, 1, 60.0, entry)
+    RoundDriver(s).final_evaluation(grid, 1, 60.0, entry)
     assert batches == [2, 2, 2, 2]
     (m,) = entry.measurements
     assert m.final and sorted(r.client_id for r in m.replies) == list(range(8))
@@ -588,7 +588,7 @@ def test_a_strategy_is_freed_when_dropped_after_its_run():
     cfg = load_config(None, "data.source=digits data.num_clients=2 model.name=mlp client.device=cpu rounds=1")
     s = STRATEGIES["fedavg"](cfg)
     RoundDriver(s).start(InProcessGrid(2))
-    EvaluationProtocol(s).deployed_messages(2, [100])
+    EvaluationProtocol(s).deployed_drafts(2, [100])
     ref = weakref.ref(s)
     gc.disable()
     try:

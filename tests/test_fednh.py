@@ -223,7 +223,7 @@ def fednh_message(strategy: FedNH, ops: list[str]):
         returns=protocol.Return(arrays=True),
         keep=protocol.Keep(persist=False),
         client={"momentum": 0.9, "weight_decay": 0.01},
-        arrays=protocol.arrays_record(strategy.global_arrays),
+        arrays=strategy.global_arrays,
     )
     return grid, msg
 

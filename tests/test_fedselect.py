@@ -301,13 +301,13 @@ def test_client_loads_the_shared_values_keeps_its_personal_ones_and_sends_only_t
     glob = {k: (0.1 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in params.items()}
     arrays = {k: shared_values(v, personal if k == w else None) for k, v in glob.items()}
     arrays[MASK_PREFIX + w] = pack_mask(personal)
-    _, msg = worker_message([LOAD_OP, "evaluate:loaded"], arrays=protocol.arrays_record(arrays))
+    _, msg = worker_message([LOAD_OP, "evaluate:loaded"], arrays=arrays)
     Worker(msg, ctx).run()
     loaded = ctx.state[STATE_MODEL].to_torch_state_dict()
     assert torch.equal(loaded[w][torch.from_numpy(personal)], own[w][torch.from_numpy(personal)])
     np.testing.assert_array_equal(loaded[w][~torch.from_numpy(personal)].numpy(), shared_values(glob[w], personal))
     assert all(torch.equal(loaded[k], torch.from_numpy(v)) for k, v in glob.items() if k != w)
-    _, msg = worker_message([LOAD_OP, TRAIN_OP], arrays=protocol.arrays_record(arrays))
+    _, msg = worker_message([LOAD_OP, TRAIN_OP], arrays=arrays)
     reply = Worker(msg, ctx).run()
     sent_back = {k: v.numpy() for k, v in reply.content[protocol.ARRAYS].items()}
     assert set(sent_back) == set(params)  # no mask goes up
@@ -341,7 +341,7 @@ def test_client_refuses_a_message_whose_values_do_not_fit_its_mask():
     personal[0, 0] = True
     arrays = {k: v.reshape(-1) for k, v in params.items()}  # every value, but a mask that says one is personal
     arrays[MASK_PREFIX + "fc.weight"] = pack_mask(personal)
-    _, msg = worker_message([LOAD_OP], arrays=protocol.arrays_record(arrays))
+    _, msg = worker_message([LOAD_OP], arrays=arrays)
     with pytest.raises(ProtocolError, match="shared values for"):  # the app turns it into an error reply
         Worker(msg, ctx).run()
 

@@ -324,9 +324,7 @@ def feduv_message(mu_v: float, mu_u: float, ops_list=(TRAIN_OP,), form: str | No
         returns=protocol.Return(arrays=True),
         client=client,
         training=train_settings(extra=own),
-        arrays=protocol.arrays_record(
-            {k: v.numpy() for k, v in build_model("mlp", 10, (1, 8, 8), seed=0).state_dict().items()}
-        ),
+        arrays={k: v.numpy() for k, v in build_model("mlp", 10, (1, 8, 8), seed=0).state_dict().items()},
     )
 
 

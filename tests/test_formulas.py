@@ -159,7 +159,7 @@ def test_fedamp_client_term_is_lambda_over_two_alpha_k_with_gradient(tiny_config
         "",
     )
     InProcessGrid(cfg.data.num_clients)  # gives Message() the run identity it needs outside Flower's runtime
-    message = FedAMP(cfg).round_messages(1, [11])[0]
+    message = protocol.build_messages(FedAMP(cfg).round_messages(1, [11]))[0]
     anchor = message.content[protocol.ARRAYS].to_torch_state_dict()  # u_i (here the initial model)
     section = protocol.request_of(message).training.section(protocol.TRAIN)
     model = build_model("mlp", 10, (1, 8, 8), seed=5)  # a model away from the anchor

@@ -19,7 +19,7 @@ from fedapps.reporting.results import profile_columns, round_row
 from fedapps.server.rounds import RoundLog, StepClock
 from fedapps.wire import protocol
 from fedapps.wire.protocol import ClientReply, MessageProfile, ReplyError
-from fedapps.wire.validation import ReplyValidator
+from fedapps.wire.validation import ReplyValidator, parse_reply
 from test_ops_worker import worker_message
 
 
@@ -77,7 +77,7 @@ def test_a_reply_carries_non_negative_phases_that_sum_to_at_most_its_wall():
     before = time.perf_counter()
     reply = Worker(msg, grid.contexts[100]).run()
     outside = time.perf_counter() - before
-    profile = protocol.parse_reply(reply).profile
+    profile = parse_reply(reply).profile
     assert profile is not None
     spent = profile.phases()
     assert all(v >= 0 for v in spent.values())
@@ -101,9 +101,9 @@ def test_a_profile_survives_encode_and_decode_and_a_malformed_one_is_refused():
     assert MessageProfile.decode(sent.encode()) == sent
     assert MessageProfile.decode(MetricRecord({})) == MessageProfile()  # phases not reported: none spent
     for record, named in (
-        ({protocol.PROFILE_TRAIN: -1.0}, protocol.PROFILE_TRAIN),
+        ({protocol.PROFILE_FIELDS["train"]: -1.0}, protocol.PROFILE_FIELDS["train"]),
         ({"sleep-seconds": 1.0}, "unknown entry"),
-        ({protocol.PROFILE_WALL: [1.0, 2.0]}, protocol.PROFILE_WALL),
+        ({protocol.PROFILE_FIELDS["wall"]: [1.0, 2.0]}, protocol.PROFILE_FIELDS["wall"]),
     ):
         with pytest.raises(protocol.MessageError, match=named):
             MessageProfile.decode(MetricRecord(record))
@@ -118,16 +118,16 @@ def reply_with_profile(msg: Message, profile: MetricRecord | None) -> Message:
 
 def test_the_validator_accepts_a_profile_and_rejects_a_malformed_one():
     validator = ReplyValidator(2, (50, 60), (10, 12), model_part=lambda part: {}, public_size=4, num_classes=3)
-    msg = protocol.build_message(100, protocol.Request(ops=("train",), round=1))
+    msg = protocol.Draft(100, protocol.Request(ops=("train",), round=1))
     good = MessageProfile(train=0.5, wall=0.75)
     for profile, accepted in (
         (good.encode(), good),
         (None, None),
-        (MetricRecord({protocol.PROFILE_TRAIN: 1e9}), "outside"),
-        (MetricRecord({protocol.PROFILE_TRAIN: -0.5}), "must be a finite number of seconds"),
+        (MetricRecord({protocol.PROFILE_FIELDS["train"]: 1e9}), "outside"),
+        (MetricRecord({protocol.PROFILE_FIELDS["train"]: -0.5}), "must be a finite number of seconds"),
     ):
         validator.expect([msg])
-        out = validator.check(1, [reply_with_profile(msg, profile)])
+        out = validator.check(1, [reply_with_profile(msg.message(), profile)])
         if isinstance(accepted, str):
             assert not out.accepted and accepted in out.rejections[0].reason, out.rejections
         else:
@@ -212,17 +212,20 @@ def test_the_servers_steps_of_a_round_are_timed_one_after_another_into_rounds_cs
 # --------------------------------------------------------------------------- a round's shared settings
 
 
-def test_a_requests_record_is_built_once_and_a_rounds_messages_share_their_decoding():
+def test_a_batchs_shared_request_and_arrays_are_encoded_once():
+    """build_messages: drafts sharing a request (or arrays) share one encoded record; equal settings in another
+    object are encoded apart; a built message is never rewritten."""
     request = protocol.Request(ops=("train",), round=3)
-    first, second = protocol.build_message(100, request), protocol.build_message(101, request)
+    arrays = {"w": np.ones(3, np.float32)}
+    other = protocol.Request(ops=("train",), round=3)  # equal settings, another object
+    first, second, third = protocol.build_messages(
+        [
+            protocol.Draft(100, request, arrays=arrays),
+            protocol.Draft(101, request, arrays=arrays),
+            protocol.Draft(102, other),
+        ]
+    )
     assert first.content[protocol.CONFIG] is second.content[protocol.CONFIG]  # one record for the round's messages
-    memo = protocol.RequestMemo()
-    decoded = memo.of(first)
-    assert decoded == request and memo.of(second) is decoded  # decoded once
-    changed = memo.replaced(decoded, ops=("evaluate", "train"))
-    assert changed.ops == ("evaluate", "train") and memo.replaced(decoded, ops=("evaluate", "train")) is changed
-    assert memo.replaced(decoded, ops=("train", "evaluate")) is not changed
-    protocol.with_request(first, changed)  # one message rewritten: the other keeps its settings
-    assert protocol.request_of(first).ops == ("evaluate", "train") and protocol.request_of(second).ops == ("train",)
-    other = protocol.build_message(102, protocol.Request(ops=("train",), round=3))  # equal settings, another record
-    assert memo.of(other) is not decoded and memo.of(other) == decoded
+    assert first.content[protocol.ARRAYS] is second.content[protocol.ARRAYS]
+    assert third.content[protocol.CONFIG] is not first.content[protocol.CONFIG]
+    assert protocol.request_of(third) == protocol.request_of(first) == request

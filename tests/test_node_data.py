@@ -261,16 +261,16 @@ def test_a_node_whose_data_do_not_fit_refuses_a_later_message(tmp_path, digits):
             1: {"data-path": str(wrong), NODE_CLIENT_ID: 1},
         },
     )
-    (msg,) = EvaluationProtocol(s).messages_for_round(1, [101])
+    (msg,) = protocol.build_messages(EvaluationProtocol(s).round_drafts(1, [101]))
     reply = grid.send_and_receive([msg])[0]
     assert reply.has_error()
     assert "declares 12 classes, the federation has 10" in reply.error.reason and str(wrong) in reply.error.reason
-    (ok,) = grid.send_and_receive(EvaluationProtocol(s).messages_for_round(1, [100]))
+    (ok,) = grid.send_and_receive(protocol.build_messages(EvaluationProtocol(s).round_drafts(1, [100])))
     assert not ok.has_error()
     shifted = tmp_path / "shifted.npz"  # no declared count, labels 5..14
     np.savez(shifted, x=x[:60], y=y[:60] + 5)
     grid = InProcessGrid(2, node_configs={1: {"data-path": str(shifted), NODE_CLIENT_ID: 1}})
-    reply = grid.send_and_receive(EvaluationProtocol(s).messages_for_round(1, [101]))[0]
+    reply = grid.send_and_receive(protocol.build_messages(EvaluationProtocol(s).round_drafts(1, [101])))[0]
     assert reply.has_error() and "label 14 is outside the federation's 10 classes" in reply.error.reason
 
 
@@ -329,7 +329,7 @@ def test_agree_takes_the_majority_and_refuses_the_rest():
 def message(cfg, strategy, rnd: int, ops: list[str], token: str):
     # no run-folder state-dir in the message: only the node's own counts
     s = resolve(cfg).build(cfg, RunContext(client_state=protocol.Bookkeeping(state_run=token)))
-    return protocol.build_message(100, s.request(rnd, ops, keep=protocol.Keep(persist=True)))
+    return protocol.Draft(100, s.request(rnd, ops, keep=protocol.Keep(persist=True))).message()
 
 
 def test_state_dir_survives_a_supernode_restart(tmp_path, monkeypatch, digits):
@@ -441,7 +441,7 @@ def test_readme_restart_table_matches_what_each_strategy_sends(tmp_path):
         s = resolve(cfg).build(cfg)
         kinds = set()
         for rnd in (1, 2):
-            for msg in EvaluationProtocol(s).messages_for_round(rnd, [100, 101]):
+            for msg in protocol.build_messages(EvaluationProtocol(s).round_drafts(rnd, [100, 101])):
                 request = protocol.request_of(msg)
                 kinds.add(lost_on_restart(request))
                 if request.load.into_model and protocol.ARRAYS in msg.content:  # arrays.keys says what is loaded

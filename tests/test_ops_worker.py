@@ -11,6 +11,7 @@ from fedapps.client.worker import STATE_MODEL, Worker
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model, classifier_name
 from fedapps.wire import protocol, pseudolabels
+from fedapps.wire.validation import parse_reply
 from strategies.cwfedavg import wdr_penalty
 from strategies.fedprox import proximal_penalty
 
@@ -144,13 +145,13 @@ def train_settings(**settings):
 def worker_message(ops_list, arrays=None, client=None, model=None, **parts):
     """A fresh two-node grid and a round-1 message of ``ops_list`` to its node 100 (client 0): :data:`SETUP` with
     ``client`` over its client settings and ``model`` for its architecture, ``parts`` the other fields of the
-    request (load, returns, training, public ...), ``arrays`` its arrays record."""
+    request (load, returns, training, public ...), ``arrays`` its model arrays."""
     grid = InProcessGrid(2)  # sets Flower's task identity so messages can be built
     setup = dataclasses.replace(
         SETUP, client={**SETUP.client, **(client or {})}, model=protocol.ModelSpec(model, 0) if model else SETUP.model
     )
     request = protocol.Request(ops=tuple(ops_list), round=1, setup=setup, **parts)
-    return grid, protocol.build_message(100, request, arrays=arrays)
+    return grid, protocol.Draft(100, request, arrays=arrays).message()
 
 
 def test_worker_runs_ops_in_order_and_persists_model():
@@ -160,7 +161,7 @@ def test_worker_runs_ops_in_order_and_persists_model():
         returns=protocol.Return(arrays=True),
     )
     ctx = grid.contexts[100]
-    reply = protocol.parse_reply(Worker(msg, ctx).run())
+    reply = parse_reply(Worker(msg, ctx).run())
     m = reply.metrics
     assert reply.client_id == 0 and reply.num_examples > 0
     for key in ("eval-acc", "after-acc", "train-loss", "t-train", protocol.TOTAL_TIME):
@@ -183,8 +184,8 @@ def test_arrays_for_part_of_the_state_leave_the_rest_as_the_client_starts_it():
     )
 
     def returned(arrays):
-        grid, msg = worker_message(["evaluate"], arrays=protocol.arrays_record(arrays), **settings)
-        return protocol.parse_reply(Worker(msg, grid.contexts[100]).run()).arrays
+        grid, msg = worker_message(["evaluate"], arrays=arrays, **settings)
+        return parse_reply(Worker(msg, grid.contexts[100]).run()).arrays
 
     whole = {k: rng.normal(size=tuple(v.shape)).astype(np.float32) for k, v in initial.items()}
     got = returned(whole)  # the shared model now holds these random values
@@ -200,7 +201,7 @@ def test_arrays_for_part_of_the_state_leave_the_rest_as_the_client_starts_it():
 
 def test_worker_hard_labels_smallest_type_and_distill():
     grid, msg = worker_message(["predict"], public=protocol.PublicSet(encoding="hard"))
-    reply = protocol.parse_reply(Worker(msg, grid.contexts[100]).run())
+    reply = parse_reply(Worker(msg, grid.contexts[100]).run())
     labels = reply.predictions[protocol.PREDICTION_ARRAY]
     assert labels.dtype == np.uint8
     targets = protocol.Targets(pseudolabels.encode(labels.astype(np.int64), "hard", 10)).encode()
@@ -208,7 +209,7 @@ def test_worker_hard_labels_smallest_type_and_distill():
         ["distill"], training=protocol.Training(sections={protocol.DISTILL: protocol.Section(loss="ce")})
     )
     msg2.content[protocol.TARGETS] = targets
-    reply2 = protocol.parse_reply(Worker(msg2, grid2.contexts[100]).run())
+    reply2 = parse_reply(Worker(msg2, grid2.contexts[100]).run())
     assert "distill-loss" in reply2.metrics
 
 

@@ -202,7 +202,7 @@ def test_anchor_arrays_are_not_loaded_and_pull_the_model(tmp_path) -> None:
             load=protocol.Load(into_model=False),
             training=train_settings(extra={PROX_MU: mu}),
             returns=protocol.Return(arrays=True, part="params"),
-            arrays=protocol.arrays_record(anchor),
+            arrays=anchor,
         )
         reply = Worker(msg, grid.contexts[100]).run()
         sent = {k: v.numpy() for k, v in reply.content[ARRAYS].items()}
@@ -230,7 +230,7 @@ def test_train_received_sends_back_the_trained_copy_and_keeps_the_personal_model
         load=protocol.Load(into_model=False),
         training=train_settings(extra={PROX_MU: 0.1}),
         returns=RETURN,
-        arrays=protocol.arrays_record(global_state),
+        arrays=global_state,
     )
     ctx = grid.contexts[100]
     reply = Worker(msg, ctx).run()
@@ -270,7 +270,7 @@ def test_select_model_picks_the_lowest_training_loss() -> None:
         grid, msg = worker_message(
             ["select-model"],
             load=protocol.Load(into_model=False, multi=True),
-            arrays=protocol.arrays_record(pack_models(order)),
+            arrays=pack_models(order),
         )
         metrics = Worker(msg, grid.contexts[100]).run().content[METRICS]
         assert metrics[CHOICE] == expected
@@ -352,7 +352,7 @@ def test_cfl_splits_a_converged_cluster_with_disagreeing_clients(tiny_config) ->
     assert extra["clusters"] == 2 and strategy.cluster_of == {0: 0, 1: 1, 2: 0, 3: 1}
     # the mean of the opposite updates is zero: both halves start from the unchanged cluster model
     assert all(np.allclose(strategy.models[1][k], sent[k], atol=1e-6) for k in sent)
-    messages = strategy.round_messages(2, [10, 11])  # unknown nodes go to cluster 0
+    messages = protocol.build_messages(strategy.round_messages(2, [10, 11]))  # unknown nodes go to cluster 0
     assert len(messages) == 2 and strategy.splits == [(1, 0, 1)]
 
 
@@ -408,7 +408,7 @@ def test_fomo_mix_moves_towards_a_better_model_and_reports_weights() -> None:
         ["fomo-mix", "evaluate"],
         load=protocol.Load(multi=True),
         training=protocol.Training(holdout_fraction=0.2),
-        arrays=protocol.arrays_record(pack_models([mlp_state(7), trained])),
+        arrays=pack_models([mlp_state(7), trained]),
     )
     metrics = Worker(msg, grid.contexts[100]).run().content[METRICS]
     weights = metrics[WEIGHTS]

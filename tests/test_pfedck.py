@@ -207,7 +207,7 @@ def test_client_trains_both_models_and_sends_the_interactive_one():
             training=protocol.Training(sections={SECTION: protocol.Section(extra=own)}),
         )
 
-    _, msg = worker_message([TRAIN_OP], arrays=protocol.arrays_record(interactive), **settings())
+    _, msg = worker_message([TRAIN_OP], arrays=interactive, **settings())
     reply = Worker(msg, ctx).run()
     personal = ctx.state[STATE_MODEL].to_torch_state_dict()
     sent_back = {k: v.numpy() for k, v in reply.content[protocol.ARRAYS].items()}
@@ -226,7 +226,7 @@ def test_client_trains_both_models_and_sends_the_interactive_one():
     # with distillation on, the personalised model ends elsewhere
     ctx2 = worker_message([])[0].contexts[100]
     Worker(worker_message([])[1], ctx2).run()
-    _, msg = worker_message([TRAIN_OP], arrays=protocol.arrays_record(interactive), **settings(**{ALPHA: 1.0}))
+    _, msg = worker_message([TRAIN_OP], arrays=interactive, **settings(**{ALPHA: 1.0}))
     Worker(msg, ctx2).run()
     distilled = ctx2.state[STATE_MODEL].to_torch_state_dict()
     assert not torch.allclose(distilled["fc.weight"], personal["fc.weight"])

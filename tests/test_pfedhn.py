@@ -206,7 +206,7 @@ def test_messages_carry_each_clients_generated_parameters_and_the_update_is_the_
         return f, {k: (W[k] @ f + b[k]) for k in names}
 
     s.nodes.node_to_client = {100: 0, 101: 1}  # node 102 has not replied yet
-    messages = s.round_messages(1, [100, 101, 102])
+    messages = protocol.build_messages(s.round_messages(1, [100, 101, 102]))
     sent = {
         int(m.metadata.dst_node_id): {k: v.numpy() for k, v in m.content[protocol.ARRAYS].items()} for m in messages
     }
@@ -257,7 +257,7 @@ def test_messages_carry_each_clients_generated_parameters_and_the_update_is_the_
     assert extra["hn_delta_norm_mean"] == pytest.approx(np.mean(want_norms), rel=1e-4)
     assert extra["hn_from_mean_embedding"] == 1
     # the next message to client 0 is generated from its updated embedding (its deployed model)
-    [msg] = s.round_messages(2, [100])
+    [msg] = protocol.build_messages(s.round_messages(2, [100]))
     np.testing.assert_array_equal(msg.content[protocol.ARRAYS]["fc.bias"].numpy(), s.generated(0)["fc.bias"])
 
 

@@ -343,9 +343,7 @@ def test_a_training_term_that_reads_the_data_is_refused_and_a_proximal_one_is_no
     assert reply.has_error() and "['wdr']" in reply.error.reason and "read the client's data" in reply.error.reason
     from fedapps.models import build_model
 
-    arrays = protocol.arrays_record(
-        {k: v.numpy() for k, v in build_model("mlp", 10, (1, 8, 8), seed=0).state_dict().items()}
-    )
+    arrays = {k: v.numpy() for k, v in build_model("mlp", 10, (1, 8, 8), seed=0).state_dict().items()}
     grid, msg = worker_message(
         ["train"],
         arrays,

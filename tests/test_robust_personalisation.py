@@ -289,7 +289,7 @@ def test_fedmd_robust_consensus_is_what_the_next_messages_carry():
     want = (softmax(logits[0]) + softmax(logits[1]) + softmax(hostile)) / 3
     np.testing.assert_allclose(s.consensus, want, rtol=1e-5)
     assert (s.consensus.argmax(1) != 0).any()
-    msg = s.round_messages(2, [100])[0]  # digest mae (the default): the log of the consensus
+    msg = protocol.build_messages(s.round_messages(2, [100]))[0]  # digest mae (the default): the log of the consensus
     np.testing.assert_allclose(
         protocol.Targets.decode(msg.content[protocol.TARGETS]).values, consensus_logits(want), rtol=1e-5
     )
@@ -319,7 +319,9 @@ def test_comet_sets_an_outlier_aside_and_records_it():
     )
     assert extra["set_aside"] == 1 and sorted(s.assignment) == [0, 1, 2]
     assert [x.client_id for x in s.replies.tally.skips] == [3] and "outlier_factor" in s.replies.tally.skips[0].reason
-    assert s.round_messages(2, [103])[0].content.get(protocol.TARGETS) is None  # no targets for it next round
+    assert (
+        protocol.build_messages(s.round_messages(2, [103]))[0].content.get(protocol.TARGETS) is None
+    )  # no targets for it next round
 
 
 # --------------------------------------------------------------------------- the capture fault kinds
@@ -351,7 +353,7 @@ def test_votes_in_every_wire_type():
 
 def _message(targets: np.ndarray | None = None) -> Message:
     request = protocol.Request(ops=("predict",), round=2, public=protocol.PublicSet(output="probs"))
-    return protocol.build_message(100, request, targets=protocol.Targets(targets).encode())
+    return protocol.Draft(100, request, targets=protocol.Targets(targets).encode()).message()
 
 
 def _reply_to(msg: Message, predictions: np.ndarray) -> Message:
@@ -427,11 +429,11 @@ def test_registry_rows_are_recorded_and_replaced(tmp_path: Path):
 def test_registry_caps_are_enforced_by_the_validator():
     reg = NodeRegistry("nodes.csv", {0: 100})
     v = ReplyValidator(2, registry=reg)
-    msgs = [protocol.build_message(100 + i, protocol.Request(ops=(), round=1)) for i in range(2)]
+    msgs = [protocol.Draft(100 + i, protocol.Request(ops=(), round=1)) for i in range(2)]
     v.expect(msgs)
 
-    def answer(msg: Message, cid: int, n: int) -> Message:
-        return Message(protocol.Reply(cid, n).encode(), reply_to=msg)
+    def answer(draft: protocol.Draft, cid: int, n: int) -> Message:
+        return Message(protocol.Reply(cid, n).encode(), reply_to=draft.message())
 
     out = v.check(1, [answer(msgs[0], 0, 10**15), answer(msgs[1], 1, 5)])
     assert not out.accepted and len(out.rejections) == 2

@@ -35,6 +35,7 @@ from fedapps.wire.protocol import (
     Targets,
     Training,
 )
+from fedapps.wire.validation import parse_reply
 
 # a request with every part set (and an algorithm's own section), and the config record it must be on the wire
 FULL = Request(
@@ -254,17 +255,38 @@ def test_defaults_of_what_is_not_sent():
 
 
 def test_the_message_carries_the_request_and_its_records():
-    arrays = protocol.arrays_record({"w": np.ones(2, np.float32)})
+    arrays = {"w": np.ones(2, np.float32)}
     targets = Targets(np.zeros((2, 3), np.float32)).encode()
-    msg = protocol.build_message(
-        42, FULL, message_type=protocol.EVAL_MESSAGE_TYPE, arrays=arrays, targets=targets, eval_arrays=arrays
-    )
+    draft = protocol.Draft(42, FULL, arrays=arrays, targets=targets, eval_arrays=arrays, message_type="evaluate")
+    msg = draft.message()
     assert protocol.request_of(msg) == FULL and msg.metadata.group_id == "3" and msg.metadata.dst_node_id == 42
     assert msg.metadata.message_type == protocol.EVAL_MESSAGE_TYPE
-    assert {protocol.ARRAYS, protocol.TARGETS, protocol.EVAL_ARRAYS} <= set(msg.content.keys())
-    changed = dataclasses.replace(FULL, ops=("train",), transport=None)
-    assert protocol.request_of(protocol.with_request(msg, changed)) == changed
-    assert msg.content[protocol.ARRAYS] is arrays  # the other records as they were
+    assert list(msg.content.keys()) == ["config", "arrays", "targets", "eval-arrays"]
+    assert msg.content[protocol.TARGETS] is targets  # the targets record as the strategy encoded it
+    # the arrays encoded as FULL's transport (float16) says, once for both records
+    assert msg.content[protocol.ARRAYS] is msg.content[protocol.EVAL_ARRAYS]
+    assert msg.content[protocol.ARRAYS]["w"].dtype == "float16"
+
+
+def test_every_key_of_the_wire_is_declared_once_and_pinned():
+    """The keys the schema declares (records, arrays, metrics, info and profile entries, the fixed settings): a new
+    key is its declaration and its line here."""
+    assert protocol.KEYS == [
+        *("config", "arrays", "targets", "metrics", "predictions", "info", "eval-arrays", "profile"),
+        *("distill-indices", "predict-indices", "client-id", "num-examples", "t-total", "privacy-epsilon"),
+        *("model.name", "model.seed", "model.per_client", "load-arrays", "arrays.multi", "persist-model"),
+        *("save-model", "return-arrays", "arrays.keys", "received.model", "holdout-fraction", "public.fingerprint"),
+        *("predict.output", "predict.encoding", "state-dir", "state-run", "privacy.mode", "privacy.noise_multiplier"),
+        *("privacy.max_grad_norm", "privacy.delta", "privacy.epsilon_budget", "privacy.reproducible_noise"),
+        *("ops", "round", "arrays.transport", "arch", "fingerprint"),
+        *("decoding-seconds", "data-seconds", "model-seconds", "train-seconds", "evaluate-seconds"),
+        *("predict-seconds", "other-seconds", "keep-seconds", "encoding-seconds", "wall-seconds"),
+    ]
+    # the fixed settings of a message, derived from the fields: every key of FULL_WIRE but the sections'
+    assert set(protocol.SETTINGS) == {k for k in FULL_WIRE if k.partition(".")[0] not in {"data", "client"}} - {
+        k for k in FULL_WIRE if k.startswith(("train", "distill", "pfedck"))
+    }
+    assert protocol.RESERVED_PREFIXES == {"model", "arrays", "public", "received", "predict", "privacy"}
 
 
 def test_targets_survive_encode_and_decode():
@@ -288,10 +310,10 @@ def test_a_reply_is_parsed_back_into_what_the_client_sent():
         info=ReplyInfo("cnn", "ffee"),
         profile=MessageProfile(train=0.1, wall=0.2),
     )
-    msg = protocol.build_message(100, Request(ops=("train",), round=1))
+    msg = protocol.Draft(100, Request(ops=("train",), round=1)).message()
     from flwr.app import Message
 
-    got = protocol.parse_reply(Message(sent.encode(), reply_to=msg), expect_arrays=True, expect_predictions=True)
+    got = parse_reply(Message(sent.encode(), reply_to=msg), expect_arrays=True, expect_predictions=True)
     assert (got.client_id, got.num_examples) == (7, 30)
     assert got.metrics == {protocol.CLIENT_ID: 7, protocol.NUM_EXAMPLES: 30, "train-loss": 1.5, "t-train": 0.1}
     np.testing.assert_array_equal(got.arrays["w"], np.full((2, 2), 0.5, np.float32))
@@ -379,7 +401,7 @@ def test_decode_refuses_a_malformed_request_naming_the_key(config, named):
 
 
 def test_decode_refuses_a_message_without_settings_or_with_a_bad_record():
-    msg = protocol.build_message(1, Request(ops=(), round=1))
+    msg = protocol.Draft(1, Request(ops=(), round=1)).message()
     del msg.content[protocol.CONFIG]
     with pytest.raises(MessageError, match="no 'config' record"):
         protocol.request_of(msg)

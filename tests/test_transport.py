@@ -86,7 +86,6 @@ def test_float32_transport_is_the_arrays_as_they_are():
     plain, f32 = protocol.arrays_record(arrays), protocol.arrays_record(arrays, "float32")
     assert [v.data for v in plain.values()] == [v.data for v in f32.values()]
     assert {k: v.dtype for k, v in wire_of(f32).items()} == {k: v.dtype for k, v in arrays.items()}
-    assert protocol.transport_record(plain, "float32") is plain
     model = build_model("mlp", 10, (1, 8, 8), seed=0)
     assert [v.data for v in model_arrays(model, "state").values()] == [
         v.data for v in model_arrays(model, "state", "float32").values()
@@ -153,7 +152,7 @@ F16_TRAIN = protocol.Request(ops=("train",), round=1, returns=protocol.Return(ar
 def test_validator_casts_a_float16_reply_back_to_the_models_dtype():
     model = {"w": np.zeros((3, 2), np.float32), "count": np.zeros((), np.int64)}
     v = ReplyValidator(1, [50], [10], model_part=lambda part: model)
-    msg = protocol.build_message(100, F16_TRAIN)
+    msg = protocol.Draft(100, F16_TRAIN)
     v.expect([msg])
     w = np.array([[0.1, 0.2], [1 / 3, -2.5], [1000.7, 1e-3]], np.float32)
     content = protocol.Reply(
@@ -161,7 +160,7 @@ def test_validator_casts_a_float16_reply_back_to_the_models_dtype():
     ).encode()
     from flwr.app import Message
 
-    out = v.check(1, [Message(content, reply_to=msg)])
+    out = v.check(1, [Message(content, reply_to=msg.message())])
     assert not out.rejections
     got = out.accepted[0].arrays
     assert got["w"].dtype == np.float32 and got["count"].dtype == np.int64 and int(got["count"]) == 3
@@ -183,12 +182,12 @@ def test_a_batchnorm_model_round_trips_through_client_and_validator():
     assert own["1.num_batches_tracked"].dtype == np.int64 and int(own["1.num_batches_tracked"]) == 1
     record = model_arrays(model, "state", "float16")  # the client's reply
     v = ReplyValidator(1, [50], [10], model_part=lambda part: own)
-    msg = protocol.build_message(100, F16_TRAIN)
+    msg = protocol.Draft(100, F16_TRAIN)
     v.expect([msg])
     from flwr.app import Message
 
     content = protocol.Reply(0, 50, arrays=record).encode()
-    out = v.check(1, [Message(content, reply_to=msg)])
+    out = v.check(1, [Message(content, reply_to=msg.message())])
     assert not out.rejections, out.rejections
     got = out.accepted[0].arrays
     for k, a in own.items():
@@ -221,7 +220,7 @@ def fedavg(transport: str, **extra):
 
 def test_messages_carry_float16_arrays_encoded_once_and_ask_for_float16_back():
     s = fedavg("float16")
-    messages = EvaluationProtocol(s).messages_for_round(1, [100, 101, 102])
+    messages = protocol.build_messages(EvaluationProtocol(s).round_drafts(1, [100, 101, 102]))
     records = {id(m.content[protocol.ARRAYS]) for m in messages}
     assert len(records) == 1  # the one global model, encoded once for all
     for m in messages:
@@ -229,15 +228,13 @@ def test_messages_carry_float16_arrays_encoded_once_and_ask_for_float16_back():
         assert {str(a.dtype) for a in wire_of(m.content[protocol.ARRAYS]).values()} == {"float16"}
     assert all(a.dtype == np.float32 for a in s.global_arrays.values())  # the server's state is untouched
     # a model sent for evaluation only travels the same way; a message without arrays gets no key
-    eval_msg = protocol.build_message(
-        100, protocol.Request(ops=("evaluate-received",), round=2), eval_arrays=protocol.arrays_record(s.global_arrays)
-    )
-    bare = protocol.build_message(101, protocol.Request(ops=("evaluate",), round=2))
-    with_transport([eval_msg, bare], s.cfg.strategy.transport)
+    eval_draft = protocol.Draft(100, protocol.Request(ops=("evaluate-received",), round=2), eval_arrays=s.global_arrays)
+    bare_draft = protocol.Draft(101, protocol.Request(ops=("evaluate",), round=2))
+    eval_msg, bare = protocol.build_messages(with_transport([eval_draft, bare_draft], s.cfg.strategy.transport))
     assert {str(a.dtype) for a in wire_of(eval_msg.content[protocol.EVAL_ARRAYS]).values()} == {"float16"}
     assert protocol.TRANSPORT_KEY not in bare.content[protocol.CONFIG]
 
-    plain = EvaluationProtocol(fedavg("float32")).messages_for_round(1, [100])[0]
+    plain = protocol.build_messages(EvaluationProtocol(fedavg("float32")).round_drafts(1, [100]))[0]
     assert protocol.TRANSPORT_KEY not in plain.content[protocol.CONFIG]
     assert {str(a.dtype) for a in wire_of(plain.content[protocol.ARRAYS]).values()} == {"float32"}
 
@@ -370,3 +367,75 @@ def test_batchnorm_model_exchanges_parameters(strategy, tiny_config, tmp_path):
     assert [r["clients"] for r in logged] == [2, 2]
     assert all(not m.has_error() for m in grid.replies)
     assert isinstance(summary["accuracy_mean"], float)
+
+
+@pytest.mark.parametrize("transport", ["float32", "float16"])
+@pytest.mark.parametrize("name", ["fedavg", "cwfedavg"])
+def test_every_message_of_a_round_is_built_once(monkeypatch, name, transport):
+    """A round's messages (the training ones, which also measure the previous round's deployed models, and the
+    evaluation-only ones after the last round) are each built once, from their draft, right before they are sent:
+    one Flower Message per message sent, one config record per distinct request, one arrays record per distinct
+    model (the global model once for all; float16 encoded straight from the server's arrays), and no settings
+    decoded on the server (each message's request is decoded once, by its client)."""
+    from fedapps.wire import message as wire_message
+
+    built: list[object] = []
+    encodes: list[int] = []
+    arrays_encodes: list[str] = []
+    decodes: list[int] = []
+    real_message, real_encode, real_record = wire_message.Message, protocol.Request.encode, wire_message.arrays_record
+    real_decode = protocol.Request.decode.__func__
+
+    def message(*args, **kwargs):
+        msg = real_message(*args, **kwargs)
+        built.append(msg)
+        return msg
+
+    def encode(self):
+        encodes.append(id(self))
+        return real_encode(self)
+
+    def arrays_record(arrays, transport="float32"):
+        arrays_encodes.append(transport)
+        return real_record(arrays, transport)
+
+    def decode(cls, config):
+        decodes.append(1)
+        return real_decode(cls, config)
+
+    monkeypatch.setattr(wire_message, "Message", message)
+    monkeypatch.setattr(wire_message, "arrays_record", arrays_record)
+    monkeypatch.setattr(protocol.Request, "encode", encode)
+    monkeypatch.setattr(protocol.Request, "decode", classmethod(decode))
+    cfg = load_config(
+        None,
+        [
+            "data.source=digits",
+            "data.num_clients=3",
+            "model.name=mlp",
+            "rounds=2",
+            f"strategy.name={name}",
+            f"strategy.transport={transport}",
+        ],
+    )
+    resolved = resolve(cfg)
+    strategy = resolved.cls(cfg, resolved.params)
+    grid = InProcessGrid(3, record=True)
+    RoundDriver(strategy).start(grid)
+    sent = [m for m in grid.sent if m.metadata.message_type != protocol.QUERY_MESSAGE_TYPE]
+    queries = len(grid.sent) - len(sent)
+    assert len(sent) == 3 + 3 + 3  # two rounds of three, then the evaluation-only message to each client
+    # every message sent was built once (the identify queries before round 1 included), none rebuilt or rewritten
+    assert len(built) == len(grid.sent) and {id(m) for m in built} == {id(m) for m in grid.sent}
+    configs = {id(m.content[protocol.CONFIG]) for m in grid.sent}
+    assert len(encodes) == len(configs) == len(set(encodes))  # one encode per distinct request, its record shared
+    records = {id(m.content[n]) for m in sent for n in (protocol.ARRAYS, protocol.EVAL_ARRAYS) if n in m.content}
+    assert len(arrays_encodes) == len(records) and set(arrays_encodes) == {transport}
+    if name == "fedavg":  # the global model: one record per phase (rounds 1, 2, the final evaluation) for three
+        assert len(records) == 3
+    else:  # a personalised model per client in round 2 and in the final evaluation (round 1: the initial one)
+        assert len(records) >= 3 * 2
+    for m in sent:
+        if protocol.ARRAYS in m.content:
+            assert {str(a.dtype) for a in m.content[protocol.ARRAYS].values()} == {transport}
+    assert len(decodes) == len(sent) + queries  # each message's settings decoded once, by its client

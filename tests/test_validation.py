@@ -66,7 +66,7 @@ def test_capped_mean_by_hand():
 
 
 def _reply_message(node: int, arrays: dict[str, np.ndarray], n: int) -> Message:
-    msg = protocol.build_message(node, protocol.Request(ops=("train",), round=1))
+    msg = protocol.Draft(node, protocol.Request(ops=("train",), round=1)).message()
     content = RecordDict({"arrays": protocol.arrays_record(arrays), "metrics": MetricRecord({"num-examples": n})})
     return Message(content, reply_to=msg)
 
@@ -164,19 +164,19 @@ def validator(train=(50, 60), test=(10, 12)) -> ReplyValidator:
     return ReplyValidator(2, train, test, model_part=lambda part: MODEL, public_size=4, num_classes=3)
 
 
-def request(node: int, ops=("train", "evaluate"), **config) -> Message:
-    """A round-1 message to ``node`` whose settings are ``config``, spelled as the wire spells them (decoded into
-    the request the server would have built)."""
-    return protocol.build_message(node, protocol.Request.decode({"ops": list(ops), "round": 1, **config}))
+def request(node: int, ops=("train", "evaluate"), **config) -> protocol.Draft:
+    """A round-1 message (its draft) to ``node`` whose settings are ``config``, spelled as the wire spells them
+    (decoded into the request the server would have built)."""
+    return protocol.Draft(node, protocol.Request.decode({"ops": list(ops), "round": 1, **config}))
 
 
-def answer(to: Message, cid: int, n: int = 50, metrics: dict | None = None, **records) -> Message:
+def answer(to: protocol.Draft, cid: int, n: int = 50, metrics: dict | None = None, **records) -> Message:
     m = {"client-id": cid, "num-examples": n, "eval-acc": 0.5, "eval-loss": 1.0, "eval-n": 10, "eval-correct": 5}
     m.update(metrics or {})
     content = RecordDict({"metrics": MetricRecord({k: v for k, v in m.items() if v is not None})})
     for k, v in records.items():
         content[k] = v
-    return Message(content, reply_to=to)
+    return Message(content, reply_to=to.message())
 
 
 def test_identity_is_bound_to_the_node():
@@ -496,7 +496,7 @@ def test_validator_never_raises_and_accepted_replies_respect_every_bound(reply, 
     content = RecordDict({} if record is None else {"metrics": record})
     for k, r in records.items():
         content[k] = r
-    out = v.check(1, [Message(content, reply_to=msg)])  # must not raise
+    out = v.check(1, [Message(content, reply_to=msg.message())])  # must not raise
     assert len(out.accepted) + len(out.rejections) == 1
     for r in out.accepted:
         m = r.metrics
@@ -535,7 +535,7 @@ def test_the_unmutated_reply_of_the_property_test_is_accepted(output, want_array
     v.expect([msg])
     metrics, records = valid_reply(1, output, want_arrays)
     content = RecordDict({"metrics": MetricRecord(metrics), **records})
-    out = v.check(1, [Message(content, reply_to=msg)])
+    out = v.check(1, [Message(content, reply_to=msg.message())])
     assert len(out.accepted) == 1, out.rejections
 
 
@@ -636,7 +636,7 @@ def test_integer_buffers_and_predictions_must_have_their_exact_type():
         v.expect([msg])
         metrics, records = valid_reply(0, "hard" if preds.dtype.kind == "u" else "probs", False)
         records["predictions"] = protocol.arrays_record({"predictions": preds})
-        out = v.check(1, [Message(RecordDict({"metrics": MetricRecord(metrics), **records}), reply_to=msg)])
+        out = v.check(1, [Message(RecordDict({"metrics": MetricRecord(metrics), **records}), reply_to=msg.message())])
         assert not out.accepted and reason in out.rejections[0].reason, out.rejections
 
 

@@ -190,15 +190,15 @@ def fits(r: NodeReport, k: int) -> bool:
     return r.declared == k if r.declared else r.max_label < k
 
 
-def describe_messages(
+def describe_drafts(
     node_ids: Iterable[int], setup: protocol.Setup, public: protocol.PublicSet = protocol.PublicSet()
-) -> list:
-    """One describe message per node: the data spec and model (and U's fingerprint, when the run has U), nothing to
-    keep."""
+) -> list[protocol.Draft]:
+    """One describe message (its draft) per node: the data spec and model (and U's fingerprint, when the run has U),
+    nothing to keep."""
     request = protocol.Request(
         ops=(DESCRIBE_OP,), round=0, setup=setup, public=public, keep=protocol.Keep(persist=False, save=False)
     )
-    return [protocol.build_message(int(n), request, message_type=protocol.QUERY_MESSAGE_TYPE) for n in node_ids]
+    return [protocol.Draft(int(n), request, message_type=protocol.QUERY_MESSAGE_TYPE) for n in node_ids]
 
 
 def describe_nodes(
@@ -222,9 +222,9 @@ def describe_nodes(
     nodes = wait_for_clients(grid, wanted, wait_seconds)
     if not nodes:
         raise RuntimeError("data.source 'nodes': no node is connected to describe its data")
-    messages = describe_messages(nodes, setup, public)
-    validator.expect(messages)
-    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    drafts = describe_drafts(nodes, setup, public)
+    validator.expect(drafts)
+    replies = list(grid.send_and_receive(protocol.build_messages(drafts), timeout=timeout))
     outcome = validator.check(0, replies, protocol.QUERY_MESSAGE_TYPE)
     rejections = [Rejection(0, PHASE, r.node_id, r.client_id, r.reason) for r in outcome.rejections]
     reports: list[NodeReport] = []

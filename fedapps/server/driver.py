@@ -1,7 +1,7 @@
-"""The round loop of a strategy on Flower's Grid (:class:`RoundDriver`): messages out, replies in and validated,
-the strategy's aggregation, the deployed models measured (:mod:`fedapps.server.evaluation`), every round's record
-handed to the result sinks, and the state the loop needs to continue after a checkpointed round. ``start`` returns
-Flower's ``Result``."""
+"""The round loop of a strategy on Flower's Grid (:class:`RoundDriver`): the round's drafts built into messages, each
+once, right before they go out, replies in and validated, the strategy's aggregation, the deployed models measured
+(:mod:`fedapps.server.evaluation`), every round's record handed to the result sinks, and the state the loop needs to
+continue after a checkpointed round. ``start`` returns Flower's ``Result``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from flwr.app import Message
 from flwr.serverapp.strategy import Result
 
 from fedapps.flower import MessageGrid
@@ -25,6 +26,7 @@ from fedapps.server.rounds import (
 )
 from fedapps.server.strategy import PersonalisedStrategy
 from fedapps.wire import protocol
+from fedapps.wire.protocol import ClientReply, Draft
 
 log = logging.getLogger("fedapps")
 
@@ -87,8 +89,8 @@ class RoundDriver:
         t0 = time.time()
         clock = StepClock()
         self.replies.begin(rnd)
-        messages = self.evaluation.messages_for_round(rnd, self.nodes.sample_nodes(grid, self.strategy.request))
-        self.replies.validator.expect(messages)
+        drafts = self.evaluation.round_drafts(rnd, self.nodes.sample_nodes(grid, self.strategy.request))
+        messages = self.build(drafts)
         eval_down = sum(protocol.eval_nbytes(m.content) for m in messages)  # a model sent for evaluation only
         down = sum(protocol.record_nbytes(m.content) for m in messages) - eval_down
         clock.done("messages")
@@ -135,7 +137,7 @@ class RoundDriver:
         if rnd > 1 and self.strategy.measures_round(rnd - 1):
             entry.measurements.append(Measurement(rnd - 1, [r for r in parsed if deployed in r.metrics]))
         if last:
-            self.evaluation.final_evaluation(grid, rnd, timeout, entry)
+            self.final_evaluation(grid, rnd, timeout, entry)
         for m in entry.measurements:
             stats = accuracy_stats([r.metrics for r in m.replies], protocol.DEPLOYED_TAG)
             if stats:
@@ -150,6 +152,34 @@ class RoundDriver:
             )
         entry.wall_seconds = time.time() - t0
         return entry
+
+    def build(self, drafts: list[Draft]) -> list[Message]:
+        """The messages of a batch of drafts, each built once (:func:`fedapps.wire.message.build_messages`), right
+        before they are sent; the reply validator first records what each must be answered with."""
+        self.replies.validator.expect(drafts)
+        return protocol.build_messages(drafts)
+
+    def final_evaluation(self, grid: MessageGrid, rnd: int, timeout: float, entry: RoundLog) -> None:
+        """The deployed models after the last round ``rnd``: one evaluation-only message to EVERY connected
+        client, in the evaluation protocol's batches (:meth:`EvaluationProtocol.final_batches`) sent one after
+        another, each given ``timeout``; filed as round ``rnd``'s measurement, its bytes evaluation traffic."""
+        parsed: list[ClientReply] = []
+        sent = 0
+        for drafts in self.evaluation.final_batches(grid, rnd):
+            messages = self.build(drafts)
+            sent += len(messages)
+            entry.eval_bytes_down += sum(protocol.record_nbytes(m.content) for m in messages)
+            replies = list(grid.send_and_receive(messages, timeout=timeout))
+            accepted = self.replies.validate(rnd, replies, phase=protocol.EVAL_MESSAGE_TYPE)
+            self.nodes.bind(accepted)
+            entry.eval_bytes_up += sum(r.nbytes for r in accepted)
+            parsed += accepted
+            del drafts, messages, replies
+        if not sent:
+            self.replies.skip_round(rnd, "no client has a deployed model to evaluate after the last round")
+            return
+        parsed.sort(key=lambda r: r.client_id)
+        entry.measurements.append(Measurement(rnd, parsed, final=True))
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_state(self) -> dict[str, Any]:

@@ -91,8 +91,9 @@ class NodeSampler:
             return
         self.identify_asked.update(ask)
         query = request(0, [], returns=protocol.Return(arrays=False), keep=protocol.Keep(persist=False, save=False))
-        messages = [protocol.build_message(n, query, message_type=protocol.QUERY_MESSAGE_TYPE) for n in ask]
-        validator.expect(messages)
+        drafts = [protocol.Draft(n, query, message_type=protocol.QUERY_MESSAGE_TYPE) for n in ask]
+        validator.expect(drafts)
+        messages = protocol.build_messages(drafts)
         t0 = time.time()
         replies = grid.send_and_receive(messages, timeout=self.config.timeout)
         outcome = validator.check(0, replies, protocol.QUERY_MESSAGE_TYPE)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
-from flwr.app import ArrayRecord, Message
 
 from fedapps.config import CLIENT_SIDE_PRIVACY_MODES, ExperimentConfig, PrivacyConfig
 from fedapps.reporting.results import Artifact
@@ -218,16 +217,17 @@ class PersonalisedStrategy:
         )
 
     # ------------------------------------------------------------------ to implement
-    def round_messages(self, server_round: int, node_ids: list[int]) -> list[Message]:
-        """The round's messages, one per sampled node, with the algorithm's own operations only (the deployed
-        model's and the after-training evaluations are added by ``EvaluationProtocol.messages_for_round``)."""
+    def round_messages(self, server_round: int, node_ids: list[int]) -> list[protocol.Draft]:
+        """The round's messages as drafts (:class:`fedapps.wire.protocol.Draft`: node, request, arrays or targets), one
+        per sampled node, with the algorithm's own operations only (the deployed model's and the after-training
+        evaluations are added by ``EvaluationProtocol.round_drafts``; the driver builds the messages)."""
         raise NotImplementedError
 
     def aggregate(self, server_round: int, replies: list[ClientReply]) -> dict[str, Any]:
         """Update server state from this round's validated replies; return extra round metrics."""
         raise NotImplementedError
 
-    def evaluation_models(self, client_ids: list[int | None]) -> list[tuple[str, ArrayRecord] | None]:
+    def evaluation_models(self, client_ids: list[int | None]) -> list[tuple[str, Mapping[str, np.ndarray]] | None]:
         """``deployed.source == 'server'``: per client (None: not heard from yet) the architecture and arrays of
         its deployed model, or None where it has none yet (then it is not measured)."""
         raise NotImplementedError(

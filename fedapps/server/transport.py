@@ -1,30 +1,30 @@
-"""``strategy.transport``: the model arrays of the messages a strategy built, re-encoded for the wire
-(:func:`fedapps.wire.protocol.transport_record`), and the clients told to reply in kind."""
+"""``strategy.transport``: the drafts of a round told how their model arrays travel (their request's
+``arrays.transport``; the arrays are encoded that way when the message is built, :func:`fedapps.wire.message.
+build_messages`), and so the clients told to reply in kind."""
 
 from __future__ import annotations
 
-from flwr.app import ArrayRecord, Message
+import dataclasses
 
 from fedapps.wire import protocol
+from fedapps.wire.protocol import Draft
 
 
-def with_transport(messages: list[Message], transport: str) -> list[Message]:
-    """``transport`` applied to messages as the strategy built them: their model arrays (``arrays``,
-    ``eval-arrays``) re-encoded (:func:`protocol.encode_arrays`) and, where arrays go out or are asked back,
-    ``arrays.transport`` set so that the client replies in kind. float32: the messages untouched. A record
-    shared by several messages is encoded once."""
+def with_transport(drafts: list[Draft], transport: str) -> list[Draft]:
+    """``transport`` applied to drafts as the strategy made them: where arrays go out (``arrays``, ``eval_arrays``)
+    or are asked back, the request says ``arrays.transport`` (the arrays are then encoded for it, once, when the
+    message is built; the client replies in kind). float32: the drafts untouched. Drafts that shared a request share
+    the changed one."""
+    protocol.check_transport(transport)
     if transport == "float32":
-        return messages
-    encoded: dict[int, ArrayRecord] = {}
-    requests = protocol.RequestMemo()
-    for msg in messages:
-        request = requests.of(msg)
-        names = [n for n in (protocol.ARRAYS, protocol.EVAL_ARRAYS) if n in msg.content]
-        for name in names:
-            record = msg.content.array_records[name]
-            if id(record) not in encoded:
-                encoded[id(record)] = protocol.transport_record(record, transport)
-            msg.content[name] = encoded[id(record)]
-        if names or request.returns.arrays:
-            protocol.with_request(msg, requests.replaced(request, transport=transport))
-    return messages
+        return drafts
+    changed: dict[int, tuple[protocol.Request, protocol.Request]] = {}
+    for draft in drafts:
+        request = draft.request
+        if draft.arrays is None and draft.eval_arrays is None and not request.returns.arrays:
+            continue
+        found = changed.get(id(request))
+        if found is None or found[0] is not request:
+            found = changed[id(request)] = (request, dataclasses.replace(request, transport=transport))
+        draft.request = found[1]
+    return drafts

@@ -1,9 +1,9 @@
 """Validation of untrusted client replies against what the server asked, in one place, before any strategy
 sees them.
 
-When the server builds a round's messages, :meth:`ReplyValidator.expect` records per node an
-:class:`Expectation` read off the request each message carries (:class:`fedapps.wire.protocol.Request`, decoded from
-the message itself): the model arrays asked for (``Request.returns``: ``return-arrays`` with ``arrays.keys`` state |
+Before the server builds a round's messages, :meth:`ReplyValidator.expect` records per node an
+:class:`Expectation` read off the draft of each message (:class:`fedapps.wire.protocol.Draft`, its request and
+targets): the model arrays asked for (``Request.returns``: ``return-arrays`` with ``arrays.keys`` state |
 params | body → names, shapes and dtypes of the server's own model), the predictions on U asked for (a ``predict``
 op → rows, classes, ``Request.public``'s ``predict.output`` and ``predict.encoding``), U's fingerprint
 (``public.fingerprint``) and the evaluations the ops produce (every ``evaluate*`` op → ``<tag>-acc``,
@@ -33,7 +33,7 @@ op → rows, classes, ``Request.public``'s ``predict.output`` and ``predict.enco
   client never described, the first size it reported, and must not exceed what the split rules give for its bound
   ``num-examples`` (:func:`max_eval_count`; with a node registry, hence for the registry's cap): every evaluation
   of a client reads the same split, so one client's weight in a sample-weighted headline is its bound share;
-- arrays (strict wire types, :func:`wire_array`): exactly the expected names; each labelled (Flower's ``Array``
+- arrays (strict wire types, :func:`wire_label`): exactly the expected names; each labelled (Flower's ``Array``
   ``dtype`` / ``shape`` / ``stype``) with exactly the dtype the message asked for — the model's own, byte order
   included (float32, or the integer type of an integer buffer), or float16 where ``arrays.transport: float16``
   (an array beyond float16's range may come in the model's dtype, as :func:`fedapps.wire.protocol.encode_arrays`
@@ -77,7 +77,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 
 from fedapps.wire import protocol, pseudolabels
-from fedapps.wire.protocol import ClientReply, ReplyError
+from fedapps.wire.protocol import ClientReply, Draft, ReplyError, short
 
 log = logging.getLogger("fedapps")
 
@@ -202,19 +202,17 @@ def eval_tags_of(ops: Iterable[str]) -> tuple[str, ...]:
 
 
 def expectation_for(
-    msg: Message,
+    draft: Draft,
     model_part: Callable[[str], Mapping[str, np.ndarray]] | None,
     public_size: int | None,
     num_classes: int | None,
-    requests: protocol.RequestMemo | None = None,
 ) -> Expectation:
-    """What ``msg`` asks its node for (see the module docstring); ``requests``: where the settings of a batch of
-    messages are decoded once per distinct record."""
-    request = (requests or protocol.RequestMemo()).of(msg)
+    """What the message of ``draft`` asks its node for (see the module docstring)."""
+    request = draft.request
     ops = list(request.ops)
     exp = Expectation(
-        node_id=int(msg.metadata.dst_node_id),
-        phase=str(msg.metadata.message_type),
+        node_id=int(draft.node),
+        phase=draft.message_type,
         fingerprint=request.public.fingerprint,
         eval_tags=eval_tags_of(ops),
         transport=request.array_transport,
@@ -227,9 +225,9 @@ def expectation_for(
             }
     if any(o.partition(":")[0] == "predict" for o in ops):
         rows = public_size
-        targets = msg.content.array_records.get(protocol.TARGETS)
+        targets = draft.targets
         if targets is not None and protocol.PREDICT_INDICES in targets:
-            rows = int(targets[protocol.PREDICT_INDICES].numpy().shape[0])
+            rows = int(targets[protocol.PREDICT_INDICES].shape[0])
         exp.predictions = PredictionSpec(
             rows=rows,
             classes=int(num_classes or 0),
@@ -335,16 +333,6 @@ def _integral(key: str, v: Any) -> int:
     return int(float(v))
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    """A value for a message (a printable string as it is, else its repr; a long list by its length), cut to
-    ``limit`` characters: a hostile value may be huge."""
-    if isinstance(value, str) and value.isprintable():
-        text = value
-    else:
-        text = repr(value) if not isinstance(value, list) or len(value) <= 8 else f"[{len(value)} values]"
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def metric_bound(key: str) -> tuple[float, float]:
     """The range a metric's values must lie in: timings [0, MAX_SECONDS], losses ±LOSS_BOUND, else ±METRIC_BOUND."""
     if key.startswith(protocol.TIMING_PREFIX):
@@ -371,9 +359,9 @@ def check_metrics(metrics: Mapping[str, Any], max_list: int = LIST_UNKNOWN) -> N
             if not _is_number(v):
                 raise ReplyError(f"metric '{key}' must be a number or a list of numbers, got {type(v).__name__}")
             if not math.isfinite(float(v)):
-                raise ReplyError(f"metric '{key}' is not finite: {_short(value)}")
+                raise ReplyError(f"metric '{key}' is not finite: {short(value)}")
             if ranged and not low <= float(v) <= high:
-                raise ReplyError(f"metric '{key}' = {_short(value)} is outside [{low:g}, {high:g}]")
+                raise ReplyError(f"metric '{key}' = {short(value)} is outside [{low:g}, {high:g}]")
 
 
 def max_eval_count(train: int, share: float) -> int:
@@ -493,16 +481,16 @@ def wire_label(
     if not isinstance(value, Array):
         raise ReplyError(f"{what} '{name}' is not an Array ({type(value).__name__})")
     if value.stype != "numpy.ndarray":
-        raise ReplyError(f"{what} '{name}' has serialisation {_short(value.stype)}, expected numpy.ndarray")
+        raise ReplyError(f"{what} '{name}' has serialisation {short(value.stype)}, expected numpy.ndarray")
     label = str(value.dtype)
     dtype = next((d for d in allowed if str(d) == label), None)
     if dtype is None:
         raise ReplyError(
-            f"{what} '{name}' has dtype {_short(label, 40)}, expected {' or '.join(str(d) for d in allowed)}"
+            f"{what} '{name}' has dtype {short(label, 40)}, expected {' or '.join(str(d) for d in allowed)}"
         )
     labelled = _label_shape(value.shape)
     if labelled is None or not _shape_fits(labelled, shape):
-        raise ReplyError(f"{what} '{name}' has shape {_short(value.shape, 60)}, expected {_shape_text(shape)}")
+        raise ReplyError(f"{what} '{name}' has shape {short(value.shape, 60)}, expected {_shape_text(shape)}")
     data = value.data
     body = math.prod(labelled) * dtype.itemsize
     if not isinstance(data, (bytes, bytearray)) or not body < len(data) <= body + NPY_MAX_HEADER:
@@ -514,21 +502,14 @@ def wire_label(
     try:
         head_shape, fortran, head_dtype, offset = protocol.npy_header(data)
     except Exception as exc:
-        raise ReplyError(f"{what} '{name}' cannot be decoded: {type(exc).__name__}: {_short(str(exc))}") from exc
+        raise ReplyError(f"{what} '{name}' cannot be decoded: {type(exc).__name__}: {short(str(exc))}") from exc
     if head_dtype != dtype or tuple(head_shape) != labelled or fortran or offset + body != len(data):
         raise ReplyError(
-            f"{what} '{name}' cannot be decoded: its bytes hold a {_short(str(head_dtype), 40)} array of "
-            f"shape {_short(head_shape, 60)}{' (Fortran order)' if fortran else ''} in {len(data)} bytes, "
+            f"{what} '{name}' cannot be decoded: its bytes hold a {short(str(head_dtype), 40)} array of "
+            f"shape {short(head_shape, 60)}{' (Fortran order)' if fortran else ''} in {len(data)} bytes, "
             f"labelled {dtype} {labelled}"
         )
     return WireArray(bytes(data), dtype, labelled, offset)
-
-
-def wire_array(
-    value: Any, name: str, what: str, shape: tuple[int | None, ...], dtypes: Iterable[np.dtype]
-) -> np.ndarray:
-    """One received array checked as it travels (:func:`wire_label`), then decoded."""
-    return wire_label(value, name, what, shape, dtypes).decode()
 
 
 def array_dtypes(spec: ArraySpec, transport: str) -> list[np.dtype]:
@@ -557,7 +538,7 @@ def _record_names(record: Any, what: str, expected: Iterable[str]) -> list[str]:
         missing, unknown = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
         raise ReplyError(
             f"{what} do not match the request ({len(names)} given, {len(expected)} expected): missing "
-            f"{missing[:3]}, unknown {[_short(u, 40) for u in unknown[:3]]}"
+            f"{missing[:3]}, unknown {[short(u, 40) for u in unknown[:3]]}"
         )
     return expected
 
@@ -589,12 +570,6 @@ def decode_arrays(labelled: Mapping[str, tuple[WireArray, ArraySpec]]) -> dict[s
     return out
 
 
-def read_arrays(record: Any, expected: Mapping[str, ArraySpec], transport: str = "float32") -> dict[str, np.ndarray]:
-    """The model arrays of a reply: names, then each array's wire type (:func:`wire_label`), then the values cast
-    to the model's dtype (float16 up) and checked finite in it."""
-    return decode_arrays(label_arrays(record, expected, transport))
-
-
 def label_predictions(record: Any, spec: PredictionSpec) -> WireArray:
     """The predictions of a reply checked as they travel, no value read: the one array 'predictions', its wire
     type."""
@@ -613,11 +588,6 @@ def decode_predictions(wire: WireArray, spec: PredictionSpec) -> np.ndarray:
     return values
 
 
-def read_predictions(record: Any, spec: PredictionSpec) -> np.ndarray:
-    """The predictions of a reply: the one array 'predictions', its wire type, then its values."""
-    return decode_predictions(label_predictions(record, spec), spec)
-
-
 def check_info(info: Mapping[str, Any]) -> None:
     """A reply's info record is small: at most INFO_MAX_KEYS entries of at most INFO_MAX_SIZE characters/items."""
     if len(info) > INFO_MAX_KEYS:
@@ -625,7 +595,7 @@ def check_info(info: Mapping[str, Any]) -> None:
     for k, v in info.items():
         if isinstance(v, (str, bytes, list)) and len(v) > INFO_MAX_SIZE:
             raise ReplyError(
-                f"'info' entry '{_short(k, 40)}' holds {len(v)} characters or items; at most "
+                f"'info' entry '{short(k, 40)}' holds {len(v)} characters or items; at most "
                 f"{INFO_MAX_SIZE} are expected"
             )
 
@@ -777,17 +747,16 @@ class ReplyValidator:
                 del self.client_node[client]
 
     # ------------------------------------------------------------------ expectations
-    def expect(self, messages: Iterable[Message]) -> None:
-        """Record what each message asks its node for (replaces the previous expectations of that phase)."""
+    def expect(self, drafts: Iterable[Draft]) -> None:
+        """Record what each message (its draft) asks its node for (replaces the previous expectations of that
+        phase)."""
         by_phase: dict[str, dict[int, Expectation]] = {}
-        requests = protocol.RequestMemo()
-        for msg in messages:
+        for draft in drafts:
             exp = expectation_for(
-                msg,
+                draft,
                 self.model_part if self._model_part is not None else None,
                 self.public_size,
                 self.num_classes,
-                requests,
             )
             by_phase.setdefault(exp.phase, {})[exp.node_id] = exp
         for phase, table in by_phase.items():
@@ -795,42 +764,12 @@ class ReplyValidator:
 
     # ------------------------------------------------------------------ one reply
     def parse(self, msg: Message, exp: Expectation) -> ClientReply:
-        """The reply unpacked if it answers ``exp`` (identity is checked per batch); ReplyError otherwise."""
-        if msg.has_error():
-            raise ReplyError(f"client error {msg.error.code}: {error_reason(str(msg.error.reason))}")
-        content = msg.content
-        unknown = [k for k in content.keys() if k not in RECORDS]
-        if unknown:
-            raise ReplyError(f"unexpected record(s) {unknown}")
-        if protocol.METRICS not in content or not isinstance(content[protocol.METRICS], MetricRecord):
-            raise ReplyError("reply without a 'metrics' record")
-        # the cost first, on counts, lengths and labels alone: nothing is read or decoded before it passes
-        budget = reply_budget(exp, self.max_list)
-        check_cost(content, budget, self.max_list)
-        arrays_in = None
-        if protocol.ARRAYS in content:
-            if exp.arrays is None:
-                raise ReplyError("reply carries model arrays that were not asked for")
-            arrays_in = label_arrays(content[protocol.ARRAYS], exp.arrays, exp.transport)
-        elif exp.arrays is not None:
-            raise ReplyError("reply lacks the model arrays it was asked for")
-        predictions_in = None
-        if protocol.PREDICTIONS in content:
-            if exp.predictions is None:
-                raise ReplyError("reply carries predictions that were not asked for")
-            predictions_in = label_predictions(content[protocol.PREDICTIONS], exp.predictions)
-        elif exp.predictions is not None:
-            raise ReplyError("reply lacks the predictions it was asked for")
-        check_bytes(content, budget)
-        # then the values
-        metrics: dict[str, Any] = dict(content.metric_records[protocol.METRICS])
-        for key in (protocol.CLIENT_ID, protocol.NUM_EXAMPLES):
-            if key not in metrics:
-                raise ReplyError(f"reply metrics lack '{key}'")
-            if not _is_int(metrics[key]):
-                raise ReplyError(f"metric '{key}' must be an integer, got {metrics[key]!r}")
-        check_metrics(metrics, self.max_list)
-        cid, n = int(metrics[protocol.CLIENT_ID]), int(metrics[protocol.NUM_EXAMPLES])
+        """The reply unpacked if it answers ``exp`` (identity is checked per batch); ReplyError otherwise
+        (:func:`parse_reply`, strict)."""
+        return parse_reply(msg, exp=exp, validator=self)
+
+    def check_values(self, metrics: Mapping[str, Any], exp: Expectation, cid: int, n: int) -> None:
+        """A reply's client id, size and evaluations against the federation (strict mode of :func:`parse_reply`)."""
         if not 0 <= cid < self.num_clients:
             raise ReplyError(f"client-id {cid} is outside the federation [0, {self.num_clients})")
         if n <= 0:
@@ -849,32 +788,6 @@ class ReplyValidator:
             check_evaluations(metrics, exp.eval_tags, self.test_sizes[cid])
         else:
             self.check_deployed_evaluations(metrics, exp.eval_tags, cid, n)
-        info: dict[str, Any] = {}
-        if protocol.INFO in content:
-            if not isinstance(content[protocol.INFO], ConfigRecord):
-                raise ReplyError("'info' must be a ConfigRecord")
-            info = dict(content.config_records[protocol.INFO])
-            check_info(info)
-        fingerprint = info.get(protocol.INFO_FINGERPRINT)
-        if exp.fingerprint is not None and fingerprint != exp.fingerprint:
-            raise ReplyError(
-                f"public set mismatch: the reply's U has fingerprint {fingerprint!r}, the server's {exp.fingerprint!r}"
-            )
-        arrays = None if arrays_in is None else decode_arrays(arrays_in)
-        predictions = None
-        if predictions_in is not None and exp.predictions is not None:
-            predictions = {protocol.PREDICTION_ARRAY: decode_predictions(predictions_in, exp.predictions)}
-        return ClientReply(
-            node_id=int(msg.metadata.src_node_id),
-            client_id=cid,
-            num_examples=n,
-            metrics=metrics,
-            arrays=arrays,
-            predictions=predictions,
-            info=info,
-            nbytes=protocol.record_nbytes(content),
-            profile=read_profile(content),
-        )
 
     def check_deployed_evaluations(self, metrics: Mapping[str, Any], tags: Iterable[str], cid: int, n: int) -> None:
         """Deployment (no test sizes known): the evaluations of ``tags`` plausible, each ``<tag>-n`` equal to client
@@ -889,7 +802,7 @@ class ReplyValidator:
         sizes = {protocol.metric_name(t, "n"): int(float(metrics[protocol.metric_name(t, "n")])) for t in tags}
         if len(set(sizes.values())) > 1:
             raise ReplyError(
-                f"evaluations of one reply count different samples ({_short(sizes, 120)}): every evaluation reads "
+                f"evaluations of one reply count different samples ({short(sizes, 120)}): every evaluation reads "
                 "the same split"
             )
 
@@ -962,3 +875,110 @@ class ReplyValidator:
             asked = self.expected.get(ph, {})
             out.missing += sum(1 for n in asked if n not in seen)
         return out
+
+
+# --------------------------------------------------------------------------- the reply parser
+
+
+def parse_reply(
+    msg: Message,
+    expect_arrays: bool = False,
+    expect_predictions: bool = False,
+    exp: Expectation | None = None,
+    validator: ReplyValidator | None = None,
+) -> ClientReply:
+    """The one reply parser: ``msg`` unpacked into a :class:`ClientReply`, or ReplyError saying why it cannot be used.
+
+    Strict (``exp`` and ``validator`` given, the round loop's :meth:`ReplyValidator.parse`): every check of the module
+    docstring but identity, which is checked per batch — no record beyond the known ones, the cost within what the
+    message asked for before any value is read, arrays and predictions exactly as asked, the values in range, the
+    client's size and evaluations plausible, U's fingerprint the server's.
+
+    Lenient (tools and tests reading replies of their own runs): what any reply must be — no error, a ``metrics``
+    record with integer ``client-id`` and ``num-examples`` >= 0, metrics in range, arrays finite as float32 (float16
+    cast up) and, where ``expect_arrays`` / ``expect_predictions``, present; arrays and predictions of any name and
+    shape."""
+    if msg.has_error():
+        raise ReplyError(f"client error {msg.error.code}: {error_reason(str(msg.error.reason))}")
+    strict = exp is not None and validator is not None
+    max_list = validator.max_list if validator is not None else LIST_UNKNOWN
+    content = msg.content
+    if strict:
+        unknown = [k for k in content.keys() if k not in RECORDS]
+        if unknown:
+            raise ReplyError(f"unexpected record(s) {unknown}")
+    if protocol.METRICS not in content or not isinstance(content[protocol.METRICS], MetricRecord):
+        raise ReplyError("reply without a 'metrics' record")
+    arrays_in = predictions_in = None
+    if exp is not None and validator is not None:
+        # the cost first, on counts, lengths and labels alone: nothing is read or decoded before it passes
+        budget = reply_budget(exp, max_list)
+        check_cost(content, budget, max_list)
+        if protocol.ARRAYS in content:
+            if exp.arrays is None:
+                raise ReplyError("reply carries model arrays that were not asked for")
+            arrays_in = label_arrays(content[protocol.ARRAYS], exp.arrays, exp.transport)
+        elif exp.arrays is not None:
+            raise ReplyError("reply lacks the model arrays it was asked for")
+        if protocol.PREDICTIONS in content:
+            if exp.predictions is None:
+                raise ReplyError("reply carries predictions that were not asked for")
+            predictions_in = label_predictions(content[protocol.PREDICTIONS], exp.predictions)
+        elif exp.predictions is not None:
+            raise ReplyError("reply lacks the predictions it was asked for")
+        check_bytes(content, budget)
+    elif protocol.ARRAYS not in content and expect_arrays:
+        raise ReplyError("reply lacks the model arrays it was asked for")
+    elif protocol.PREDICTIONS not in content and expect_predictions:
+        raise ReplyError("reply lacks the predictions it was asked for")
+    # then the values
+    metrics: dict[str, Any] = dict(content.metric_records[protocol.METRICS])
+    for key in (protocol.CLIENT_ID, protocol.NUM_EXAMPLES):
+        if key not in metrics:
+            raise ReplyError(f"reply metrics lack '{key}'")
+        if not _is_int(metrics[key]):
+            raise ReplyError(f"metric '{key}' must be an integer, got {metrics[key]!r}")
+    check_metrics(metrics, max_list)
+    cid, n = int(metrics[protocol.CLIENT_ID]), int(metrics[protocol.NUM_EXAMPLES])
+    if exp is not None and validator is not None:
+        validator.check_values(metrics, exp, cid, n)
+    elif n < 0:
+        raise ReplyError(f"negative num-examples {n}")
+    info: dict[str, Any] = {}
+    if protocol.INFO in content:
+        if not isinstance(content[protocol.INFO], ConfigRecord):
+            raise ReplyError("'info' must be a ConfigRecord")
+        info = dict(content.config_records[protocol.INFO])
+        check_info(info)
+    fingerprint = info.get(protocol.INFO_FINGERPRINT)
+    if exp is not None and exp.fingerprint is not None and fingerprint != exp.fingerprint:
+        raise ReplyError(
+            f"public set mismatch: the reply's U has fingerprint {fingerprint!r}, the server's {exp.fingerprint!r}"
+        )
+    if arrays_in is not None:
+        arrays = decode_arrays(arrays_in)
+    elif not strict and protocol.ARRAYS in content:
+        arrays = {}
+        for k, v in protocol.record_values(content.array_records[protocol.ARRAYS]).items():
+            arrays[k] = a = protocol.from_wire(v, np.float32)
+            # finite as float32, the models' dtype (1e300 is finite only in float64)
+            if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a.astype(np.float32))):
+                raise ReplyError(f"array '{k}' has non-finite values (as float32)")
+    else:
+        arrays = None
+    predictions = None
+    if predictions_in is not None and exp is not None and exp.predictions is not None:
+        predictions = {protocol.PREDICTION_ARRAY: decode_predictions(predictions_in, exp.predictions)}
+    elif not strict and protocol.PREDICTIONS in content:
+        predictions = protocol.record_values(content.array_records[protocol.PREDICTIONS])
+    return ClientReply(
+        node_id=int(msg.metadata.src_node_id),
+        client_id=cid,
+        num_examples=n,
+        metrics=metrics,
+        arrays=arrays,
+        predictions=predictions,
+        info=info,
+        nbytes=protocol.record_nbytes(content),
+        profile=read_profile(content),
+    )
