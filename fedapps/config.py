@@ -866,6 +866,14 @@ LATER_KEYS: dict[tuple[str, str], Any] = {
 }
 
 
+# a strategy's parameters added after results were recorded, whose default is what the strategy did before they
+# existed: (strategy, parameter) -> default, left out like LATER_KEYS while at it
+LATER_PARAMS: dict[tuple[str, str], Any] = {
+    ("cosmos", "recluster_every"): 0,
+    ("cosmos", "architectures"): "ignore",
+}
+
+
 # top-level keys added after results were recorded: left out like LATER_KEYS while at these defaults
 LATER_TOP_KEYS: dict[str, Any] = {"evaluate_every": 1}
 # keys that moved to another place after results were recorded: (old dotted path, new top-level key). A dump made
@@ -914,6 +922,10 @@ def without_later_defaults(data: dict[str, Any]) -> dict[str, Any]:
     for (section, key), default in LATER_KEYS.items():
         if isinstance(out.get(section), dict) and key in out[section] and out[section][key] == default:
             del out[section][key]
+    for (name, key), default in LATER_PARAMS.items():
+        params = _section(out, ("strategy", "params", name))
+        if params is not None and key in params and params[key] == default:
+            del params[key]
     return out
 
 

@@ -470,6 +470,9 @@ def execute(config: str, overrides: list[str], output_dir: str | None, args: arg
 
                 saved = checkpoint.load_checkpoint(args.resume)  # refuse here, before flwr run starts
                 checkpoint.check_same_config(saved["config"], dump_yaml(resolved_config(cfg)), args.resume)
+                if not cfg.run_name:  # the run keeps its name (derived when it started: see new_run_folder)
+                    overrides = [*overrides, f"run_name={Path(args.resume).name}"]
+                    cfg = load_config(config_path, overrides)
             else:  # a new run: a folder of its own, which must not hold an earlier run's files
                 cfg, overrides = new_run_folder(cfg, config_path, overrides, out, getattr(args, "overwrite", False))
             check_devices(

@@ -211,6 +211,7 @@ class PFedCK(PersonalisedStrategy):
 
     name = "pfedck"
     Params = PFedCKParams
+    needs_classifier = "distils the features its classifier head (the final nn.Linear) reads between its two models"
     robust_aggregation = True
     deployed = DeployedModel(
         "client i's personalised model after its local training in round r (mutual "

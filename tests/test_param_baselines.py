@@ -142,7 +142,7 @@ def test_fedamp_data_relative_sends_lambda_over_the_rounds_alpha_each_round(tiny
     InProcessGrid(cfg.data.num_clients)  # gives Message() the run identity it needs outside Flower's runtime
     strategy = FedAMP(cfg)
     strategy.nodes.node_to_client.update({10: 0, 11: 1, 12: 2})
-    mu_of = lambda msg: protocol.request_of(msg).training.section(protocol.TRAIN).extra[PROX_MU]  # noqa: E731
+    mu_of = lambda draft: draft.request.training.section(protocol.TRAIN).extra[PROX_MU]  # noqa: E731
     assert [mu_of(m) for m in strategy.round_messages(1, [10, 11, 12])] == [0.0, 0.0, 0.0]
     n = len(strategy.initial)
     # every entry 0, 1/√n and 3/√n: squared distances 1 (0–1), 9 (0–2) and 4 (1–2), median 4, σ_r = 2, α_r = 0.6

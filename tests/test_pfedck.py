@@ -247,7 +247,7 @@ def test_client_feature_term_trains_each_model_towards_the_others_features():
     own = {ALPHA: 0.0, BETA: 0.0, TEMPERATURE: 1.0, FEATURE_WEIGHT: gamma}
     _, msg = worker_message(
         [TRAIN_OP],
-        arrays=protocol.arrays_record(interactive),
+        arrays=interactive,
         returns=protocol.Return(arrays=True),
         training=protocol.Training(sections={SECTION: protocol.Section(extra=own)}),
     )
