@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import math
+import shlex
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -111,13 +112,25 @@ def check_same_setting(configs: Sequence[ExperimentConfig], labels: Sequence[str
         if differences:
             log.warning("compare: the rows differ in their setting (--allow-mixed): %s", "; ".join(differences))
         return
-    first = differences[0].split(" ", 1)[0]
     raise ConfigError(
         "compare: the configs differ in more than the strategy and its parameters: "
         + "; ".join(differences)
-        + f"; a table of mixed settings compares settings, not strategies. Give every config the same setting "
-        f"(e.g. --set {first}=VALUE), or pass --allow-mixed to tabulate them anyway (each row's setting is shown)"
+        + "; a table of mixed settings compares settings, not strategies. Give every config the same setting "
+        f"(e.g. add {same_setting_hint(configs[0], differences)} to compare them all on {labels[0]}'s), or pass "
+        "--allow-mixed to tabulate them anyway (each row's setting is shown)"
     )
+
+
+def same_setting_hint(first: ExperimentConfig, differences: Sequence[str]) -> str:
+    """``--set KEY=VALUE ...`` giving every config ``first``'s value of each differing key (as the override parser
+    reads it back), to paste after the command."""
+    sets = []
+    for difference in differences:
+        key = difference.split(" ", 1)[0]
+        value: Any = first.rounds if key == "rounds" else getattr(getattr(first, key.split(".")[0]), key.split(".")[1])
+        text = json.dumps(value) if isinstance(value, (list, dict, bool)) or value is None else str(value)
+        sets.append(shlex.quote(f"{key}={text}"))
+    return "--set " + " ".join(sets)
 
 
 def stored_hash(result_dir: Path) -> str | None:

@@ -223,6 +223,10 @@ def test_compare_refuses_mixed_settings_unless_allowed_and_shows_each_rows_setti
     err = capsys.readouterr().err
     assert "data.partition" in err and "'iid'" in err and "'pathological'" in err and "--allow-mixed" in err
     assert not (tmp_path / "comparison").exists()
+    hint = re.search(r"add (--set .+?) to compare them all", err).group(1)  # the way out, followed as printed
+    assert hint == "--set data.partition=iid"
+    assert cli.main([*argv, "--quiet", "--name", "same", *shlex.split(hint)]) == 0
+    assert "digits iid, 4 clients" in (tmp_path / "same" / "comparison.md").read_text()
     assert cli.main([*argv, "--quiet", "--allow-mixed"]) == 0
     md = (tmp_path / "comparison" / "comparison.md").read_text()
     assert "| setting |" in md
