@@ -1,5 +1,5 @@
 # make run   - install into .venv (first time) and run the default experiment through `flwr run`
-# make lint  - ruff check, ruff format --check, mypy, lint-imports (the import contracts; settings in pyproject.toml)
+# make lint  - ruff check, ruff format --check, mypy, lint-imports (the import contracts; settings in pyproject.toml), dead code
 # make deadcode - dead code found by vulture (scripts/dead_code.py: the registries and framework-called names whitelisted)
 # make test  - install into .venv (first time), lint, then the test suite on TEST_WORKERS pytest-xdist workers
 #              (ARGS="-n 0" runs it in one process; ARGS="tests/test_x.py" runs one file)
@@ -32,6 +32,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+	$(PY) scripts/dead_code.py
 
 deadcode: $(STAMP)
 	$(PY) scripts/dead_code.py

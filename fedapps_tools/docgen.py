@@ -204,16 +204,6 @@ def params_page(name: str, cls: type[PersonalisedStrategy]) -> str:
     return NOTE.format(source=source) + "\n\n" + params_table(name, cls)
 
 
-def undocumented_params(strategies: dict[str, type[PersonalisedStrategy]]) -> list[str]:
-    """``strategy.params.<name>.<key>`` of every declared parameter without help text."""
-    return [
-        f"strategy.params.{name}.{f.name}"
-        for name, cls in sorted(strategies.items())
-        for f in dataclasses.fields(cls.Params)
-        if not getattr(constraint(f), "help", "")
-    ]
-
-
 # --------------------------------------------------------------------------- command line
 
 

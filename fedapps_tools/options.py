@@ -137,10 +137,6 @@ def pyproject_version(path: Path) -> str:
     return str(tomllib.loads(text).get("project", {}).get("version", "unknown"))
 
 
-# help texts are shown on a terminal and copied into the CLI reference: plain text, no reStructuredText
-RST_MARKUP = re.compile(r"``|:(?:func|meth|class|mod|attr|data|obj|ref|doc):`")
-
-
 def parsers_of(parser: argparse.ArgumentParser, path: str = "") -> Iterator[tuple[str, argparse.ArgumentParser]]:
     """``(command path, parser)`` for a parser and every sub-command parser under it, depth first."""
     yield path or parser.prog, parser
@@ -148,21 +144,6 @@ def parsers_of(parser: argparse.ArgumentParser, path: str = "") -> Iterator[tupl
         if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
             for name, sub in action.choices.items():
                 yield from parsers_of(sub, f"{path or parser.prog} {name}")
-
-
-def help_texts(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str]]:
-    """``(where, text)`` for every text a parser shows: its description and epilog, each sub-command's one-line
-    help and each argument's help."""
-    for path, p in parsers_of(parser):
-        for where, text in (("description", p.description), ("epilog", p.epilog)):
-            if text:
-                yield f"{path} {where}", text
-        for action in p._actions:  # noqa: SLF001
-            if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
-                for choice in action._choices_actions:  # noqa: SLF001
-                    yield f"{path} {choice.dest}", choice.help or ""
-            elif action.help and action.help != argparse.SUPPRESS:
-                yield f"{path} {'/'.join(action.option_strings) or action.dest}", action.help
 
 
 def add_run_options(p: argparse.ArgumentParser, writes: str) -> None:

@@ -37,6 +37,7 @@ CALLED_ELSEWHERE = {
     "public_indices": "a field of a client's data",
     "option_string": "argparse.Action.__call__'s signature",
     "frame": "a signal handler's signature",
+    "decoding": "a field of the reply's profile record (fedapps/wire/reply.MessageProfile), written by the worker",
 }
 
 

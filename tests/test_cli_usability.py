@@ -11,6 +11,7 @@ import json
 import re
 import shlex
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,9 +23,7 @@ from fedapps_tools import cli
 from fedapps_tools import run as run_command
 from fedapps_tools.logfilter import FLOWER_NOISE, LogFilter, is_flower_noise, parse_line
 from fedapps_tools.options import (
-    RST_MARKUP,
     SeedsAction,
-    help_texts,
     package_version,
     parse_seeds,
     parsers_of,
@@ -32,6 +31,25 @@ from fedapps_tools.options import (
 )
 from fedapps_tools.summary import MARK, human_bytes, human_duration, summary_lines
 from strategies import ignored_settings, resolve
+
+# help texts are shown on a terminal and copied into the CLI reference: plain text, no reStructuredText
+RST_MARKUP = re.compile(r"``|:(?:func|meth|class|mod|attr|data|obj|ref|doc):`")
+
+
+def help_texts(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str]]:
+    """``(where, text)`` for every text a parser shows: its description and epilog, each sub-command's one-line
+    help and each argument's help."""
+    for path, p in parsers_of(parser):
+        for where, text in (("description", p.description), ("epilog", p.epilog)):
+            if text:
+                yield f"{path} {where}", text
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for choice in action._choices_actions:
+                    yield f"{path} {choice.dest}", choice.help or ""
+            elif action.help and action.help != argparse.SUPPRESS:
+                yield f"{path} {'/'.join(action.option_strings) or action.dest}", action.help
+
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "configs" / "paper").glob("*.yaml"))

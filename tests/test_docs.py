@@ -123,6 +123,16 @@ def test_a_changed_default_makes_its_page_stale(tmp_path, monkeypatch):
     assert str(page) in docgen.stale()  # the file on disk still says 0.01
 
 
+def undocumented_params(docgen, strategies) -> list[str]:
+    """``strategy.params.<name>.<key>`` of every declared parameter without help text."""
+    return [
+        f"strategy.params.{name}.{f.name}"
+        for name, cls in sorted(strategies.items())
+        for f in dataclasses.fields(cls.Params)
+        if not getattr(docgen.constraint(f), "help", "")
+    ]
+
+
 def test_every_config_key_and_strategy_parameter_has_help():
     """The generated reference is only as good as the help text in the code (docgen refuses a config key without
     one; strategy parameters are listed here)."""
@@ -130,7 +140,7 @@ def test_every_config_key_and_strategy_parameter_has_help():
     from strategies import STRATEGIES
 
     docgen.configuration_page(STRATEGIES)  # raises naming a config key without help
-    missing = sorted(docgen.undocumented_params(STRATEGIES))
+    missing = sorted(undocumented_params(docgen, STRATEGIES))
     assert not missing, f"parameters without help= in their param(...): {missing}"
 
 
