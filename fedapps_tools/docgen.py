@@ -8,6 +8,8 @@
                                           its page docs/algorithms/<strategy>.md includes
     docs/reference/benchmarks/<bench>.md  the latest figures of bench/<bench>.py with their command, commit and
                                           machine (from bench/results/<bench>.csv), included by docs/performance.md
+    docs/reference/node-state.md          what a restarted SuperNode without ``state-dir`` loses, per strategy, read
+                                          off each strategy's own round messages; included by docs/deployment.md
 
 The help text lives in the code, once: ``setting(default, help, choices)`` in fedapps/config.py and
 ``param(default, help=...)`` in each strategy's ``Params``. ``--check`` regenerates in memory and lists the pages
@@ -371,6 +373,68 @@ def benchmark_page(bench: str, csv_path: Path) -> str:
     return note + table(["Date (UTC)", "Commit", "Machine", "Command", *[code(k) for k in figures]], body)
 
 
+# --------------------------------------------------------------------------- what a restarted node loses
+
+RESTART_LOSS = {
+    "nothing": "nothing: the whole model comes with every message",
+    "buffers": "its buffers (BatchNorm statistics) where the model has any; the parameters come with every message",
+    "head": "its classifier head, from initialisation; the body comes with every message",
+    "model": "its whole private model, from initialisation",
+}
+# the toy run each strategy's messages are read from: rounds 1 and 2 to two nodes (any data source would do; digits
+# is embedded and small)
+RESTART_PROBE = [
+    "data.source=digits",
+    "data.num_clients=10",
+    "model.name=mlp",
+    "data.public_fraction=0.2",
+    "client.lr=0.005",
+]
+
+
+def lost_on_restart(request: Any) -> str:
+    """What of a client's private model a message with these settings (a :class:`fedapps.wire.request.Request`)
+    leaves to the client's own keeping, i.e. what a restarted SuperNode without ``state-dir`` loses: ``nothing`` (the
+    model is not kept, or the whole state is loaded from the message), ``buffers`` (parameters loaded, buffers
+    kept), ``head`` (the body loaded, the classifier head kept) or ``model`` (nothing loaded: the whole private model
+    is the client's)."""
+    if not request.keep.persists:
+        return "nothing"
+    if request.load.into_model and not request.load.multi:
+        return {"state": "nothing", "params": "buffers", "body": "head"}[request.returns.which]
+    return "model"
+
+
+def restart_drafts(name: str) -> list[Any]:
+    """Strategy ``name``'s drafts of rounds 1 and 2 to two nodes on the toy run (RESTART_PROBE), the evaluation
+    protocol's operations added: what its nodes are sent."""
+    from fedapps.config import load_config
+    from fedapps.server.evaluation import EvaluationProtocol
+    from strategies import resolve
+
+    cfg = load_config(None, [*RESTART_PROBE, f"strategy.name={name}"])
+    protocol = EvaluationProtocol(resolve(cfg).build(cfg))
+    return [draft for rnd in (1, 2) for draft in protocol.round_drafts(rnd, [100, 101])]
+
+
+def restart_losses(strategies: dict[str, type[PersonalisedStrategy]]) -> dict[str, str]:
+    """Strategy name -> the key of RESTART_LOSS its messages give (:func:`lost_on_restart`); a strategy whose
+    messages disagree (one round loads the model, another does not) is an error: the page could not say one thing."""
+    out = {}
+    for name in sorted(strategies):
+        kinds = {lost_on_restart(draft.request) for draft in restart_drafts(name)}
+        if len(kinds) != 1:
+            raise ValueError(f"{name}: its round messages leave different parts to the node: {sorted(kinds)}")
+        out[name] = kinds.pop()
+    return out
+
+
+def node_state_page(strategies: dict[str, type[PersonalisedStrategy]]) -> str:
+    note = NOTE.format(source="each strategy's round messages (lost_on_restart in fedapps_tools/docgen.py)")
+    rows = [[code(name), RESTART_LOSS[kind]] for name, kind in restart_losses(strategies).items()]
+    return note + "\n\n" + table(["strategy", "a restarted node without `state-dir` loses"], rows)
+
+
 # --------------------------------------------------------------------------- all pages
 
 
@@ -378,7 +442,11 @@ def pages(root: Path = ROOT) -> dict[Path, str]:
     """Every generated page: path relative to the repository root -> its text."""
     from strategies import STRATEGIES
 
-    out = {REFERENCE / "configuration.md": configuration_page(STRATEGIES), REFERENCE / "cli.md": cli_page()}
+    out = {
+        REFERENCE / "configuration.md": configuration_page(STRATEGIES),
+        REFERENCE / "cli.md": cli_page(),
+        REFERENCE / "node-state.md": node_state_page(STRATEGIES),
+    }
     for name, cls in sorted(STRATEGIES.items()):
         out[REFERENCE / "params" / f"{name}.md"] = params_page(name, cls)
     folder = benchrecord.results_dir()

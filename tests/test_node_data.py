@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -328,6 +327,7 @@ def test_agree_takes_the_majority_and_refuses_the_rest():
 
 def message(cfg, strategy, rnd: int, ops: list[str], token: str):
     # no run-folder state-dir in the message: only the node's own counts
+    InProcessGrid(1)  # building a Message outside Flower's runtime needs a task identity; the grid sets one
     s = resolve(cfg).build(cfg, RunContext(client_state=protocol.Bookkeeping(state_run=token)))
     return protocol.Draft(100, s.request(rnd, ops, keep=protocol.Keep(persist=True))).message()
 
@@ -388,69 +388,53 @@ def test_threads_node_config_is_checked():
         node_threads(ctx)
 
 
-# ------------------------------------------------------------------ docs/deployment.md's table of what a restart loses
-
-LOSS_WORDS = {
-    "nothing": "nothing: the whole model comes with every message",
-    "buffers": "its buffers (BatchNorm statistics) where the model has any; the parameters come with every message",
-    "head": "its classifier head, from initialisation; the body comes with every message",
-    "model": "its whole private model, from initialisation",
-}
+# ------------------------------------------------------------------ what a restart loses (docs/reference/node-state.md)
 
 
-def readme_restart_table() -> dict[str, str]:
-    text = (ROOT / "docs" / "deployment.md").read_text()
-    section = text.split("#### What a restarted SuperNode loses without `state-dir`", 1)[1].split("\n#", 1)[0]
-    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\| `([a-z0-9_-]+)` \| ([^|]+) \|", section, re.M)}
+def test_what_a_restart_loses_is_read_off_the_request():
+    """fedapps_tools.docgen.lost_on_restart on hand-made requests: nothing kept, the whole state / the parameters /
+    the body loaded, or nothing loaded (several packed models are not the client's model)."""
+    from fedapps_tools.docgen import lost_on_restart
 
-
-def lost_on_restart(request: protocol.Request) -> str:
-    """What of a client's private model a message with these settings leaves to the client's own keeping, i.e. what
-    a restarted SuperNode without ``state-dir`` loses (the table of docs/deployment.md): ``nothing`` (the model is
-    not kept, or the whole state is loaded from the message), ``buffers`` (parameters loaded, buffers kept), ``head``
-    (the body loaded, the classifier head kept) or ``model`` (nothing loaded: the whole private model is the
-    client's)."""
-    if not request.keep.persists:
-        return "nothing"
-    if request.load.into_model and not request.load.multi:
-        return {"state": "nothing", "params": "buffers", "body": "head"}[request.returns.which]
-    return "model"
-
-
-def test_readme_restart_table_matches_what_each_strategy_sends(tmp_path):
-    """Derived from the strategies' own round messages (persist-model, load-arrays, arrays.keys), checked against
-    docs/deployment.md's table: a strategy whose messages change, or a new one, fails here until the table says so."""
-    from fedapps.flower.inprocess import InProcessGrid
-    from fedapps.models import build_model, state_part
-
-    InProcessGrid(1)  # building Messages outside Flower's runtime needs a task identity; the grid sets one
-    table = readme_restart_table()
-    derived = {}
-    for name in sorted(STRATEGIES):
-        cfg = load_config(
-            None,
-            [
-                "data.source=digits",
-                "data.num_clients=10",
-                "model.name=mlp",
-                "data.public_fraction=0.2",
-                "client.lr=0.005",
-                f"strategy.name={name}",
-            ],
+    def request(persist, into_model=None, multi=None, which="state"):
+        return protocol.Request(
+            ops=("train",),
+            round=1,
+            keep=protocol.Keep(persist=persist),
+            load=protocol.Load(into_model=into_model, multi=multi),
+            returns=protocol.Return(part=which),
         )
-        s = resolve(cfg).build(cfg)
-        kinds = set()
-        for rnd in (1, 2):
-            for msg in protocol.build_messages(EvaluationProtocol(s).round_drafts(rnd, [100, 101])):
-                request = protocol.request_of(msg)
-                kinds.add(lost_on_restart(request))
-                if request.load.into_model and protocol.ARRAYS in msg.content:  # arrays.keys says what is loaded
-                    model = build_model(str(request.setup.model.name), 10, (1, 8, 8))  # FedNH's: mlp+cosine
-                    part = request.returns.which
-                    assert set(msg.content[protocol.ARRAYS].keys()) == set(state_part(model, part)), name
-        assert len(kinds) == 1, (name, kinds)
-        derived[name] = LOSS_WORDS[kinds.pop()]
-    assert table == derived
+
+    assert lost_on_restart(request(False, True)) == "nothing"
+    assert lost_on_restart(request(True, True, which="state")) == "nothing"
+    assert lost_on_restart(request(True, True, which="params")) == "buffers"
+    assert lost_on_restart(request(True, True, which="body")) == "head"
+    assert lost_on_restart(request(True, None)) == "model"
+    assert lost_on_restart(request(True, True, multi=True)) == "model"
+
+
+def test_each_strategys_restart_loss_matches_what_its_messages_load():
+    """The generated page's rows (docgen.restart_losses, read off every strategy's messages of rounds 1 and 2) agree
+    with the arrays those messages carry: where a message loads arrays into the model, they are exactly the part
+    its reply names. A few rows pinned from the algorithms: FedAvg keeps nothing, FedPer its head, cwFedAvg its
+    buffers, COSMOS its whole model."""
+    from fedapps.models import build_model, state_part
+    from fedapps_tools.docgen import restart_drafts, restart_losses
+
+    losses = restart_losses(STRATEGIES)
+    assert set(losses) == set(STRATEGIES)
+    assert (losses["fedavg"], losses["fedper"], losses["cwfedavg"], losses["cosmos"]) == (
+        "nothing",
+        "head",
+        "buffers",
+        "model",
+    )
+    for name in sorted(STRATEGIES):
+        for draft in restart_drafts(name):
+            request = draft.request
+            if request.load.into_model and draft.arrays is not None:  # arrays.keys says what is loaded
+                model = build_model(str(request.setup.model.name), 10, (1, 8, 8))  # FedNH's: mlp+cosine
+                assert set(draft.arrays) == set(state_part(model, request.returns.which)), name
 
 
 def test_a_resumed_nodes_run_pins_what_its_nodes_described():
