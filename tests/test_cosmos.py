@@ -19,6 +19,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 
 import server_app
 from conftest import run_in_process
+from deployed_toy import evaluate
 from fedapps.client import ops
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
@@ -824,3 +825,14 @@ def test_the_drop_in_refuses_our_options_it_does_not_run() -> None:
     for option in ({"recluster_every": 2}, {"architectures": "centre"}):
         with pytest.raises(ConfigError, match="run in our app's cosmos strategy only"):
             FlowerCosmos(lambda: torch.nn.Linear(64, 3), public_x, 3, **option)
+
+
+# ------------------------------------------------------------------ the deployed model by hand (tests/deployed_toy.py)
+
+
+def deployed_by_hand(s, grid, cid, data, rnd):
+    """COSMOS's deployed model after round rnd: the client's cluster model after that round's server training."""
+    return evaluate(s.models[s.cluster_of[cid]].state_dict(), data)
+
+
+DEPLOYED_BY_HAND = {"cosmos": deployed_by_hand}

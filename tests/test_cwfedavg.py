@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from deployed_toy import evaluate, private, tensors
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.models import build_model
@@ -577,3 +578,15 @@ def test_checkpoint_writes_the_changed_rows_of_the_stack_only(monkeypatch, tmp_p
         ref = s.personalised(c)
         for key, value in back2.personalised(c).items():
             np.testing.assert_allclose(value, ref[key], rtol=1e-6, atol=1e-6, err_msg=f"{c} {key}")
+
+
+# ------------------------------------------------------------------ the deployed model by hand (tests/deployed_toy.py)
+
+
+def deployed_by_hand(s, grid, cid, data, rnd):
+    """cwFedAvg's deployed model after round rnd: the personalised parameters formed from that round's uploads
+    under the client's own buffers."""
+    return evaluate({**private(grid, cid), **tensors(s.personalised(cid))}, data)
+
+
+DEPLOYED_BY_HAND = {"cwfedavg": deployed_by_hand}

@@ -14,8 +14,11 @@ strategy.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
-from types import SimpleNamespace
+import re
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,8 +26,8 @@ import torch
 from flwr.app import Message
 
 from conftest import run_in_process
-from fedapps.client import ops
-from fedapps.client.worker import STATE_MODEL, Worker, optim_settings, part_names
+from deployed_toy import CLASSES, SHAPE, evaluate, private
+from fedapps.client.worker import Worker
 from fedapps.config import load_config
 from fedapps.data import get_federation
 from fedapps.flower.inprocess import InProcessGrid
@@ -38,7 +41,6 @@ from fedapps.reporting.results import (
     round_row,
     summarise,
 )
-from fedapps.seeds import derive_seed
 from fedapps.server.driver import RoundDriver
 from fedapps.server.evaluation import EvaluationProtocol, with_evaluations
 from fedapps.server.rounds import Measurement, RoundLog, measured_round
@@ -50,7 +52,6 @@ from strategies import STRATEGIES, RunContext, resolve
 from strategies.fedbabu import FINETUNE
 
 CLIENTS = 2
-SHAPE, CLASSES = (1, 8, 8), 10
 SMALL = {
     "cosmos": ["server_model=mlp", "pretrain_epochs=1", "server_epochs=1", "distill_epochs=1"],
     "fedmd": ["pretrain_epochs=1", "distill_epochs=1"],
@@ -76,79 +77,28 @@ def test_every_strategy_declares_its_deployed_model():
 # --------------------------------------------------------------------------- every definition on a 2-client toy
 
 
-def _tensors(arrays):
-    return {k: torch.as_tensor(np.asarray(v)) for k, v in arrays.items()}
+def deployed_by_hand() -> dict[str, Callable]:
+    """Every ``DEPLOYED_BY_HAND`` table of the suite's test files (tests/deployed_toy.py): strategy name -> its
+    deployed model by hand. A strategy's hand computation lives in its own test file."""
+    found: dict[str, Callable] = {}
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        if not re.search(r"^DEPLOYED_BY_HAND = ", path.read_text(), re.M):
+            continue
+        for name, fn in importlib.import_module(path.stem).DEPLOYED_BY_HAND.items():
+            assert name not in found, f"{name}: two DEPLOYED_BY_HAND entries ({path.name} and another test file)"
+            found[name] = fn
+    return found
 
 
-def _private(grid, cid):
-    return grid.contexts[100 + cid].state[STATE_MODEL].to_torch_state_dict()
+def own_model(s, grid, cid, data, rnd):
+    """deployed.source 'client': the client's own model as it stands after round rnd (nothing sent for it)."""
+    return evaluate(private(grid, cid), data)
 
 
-def _evaluate(state, data, arch="mlp"):
-    model = build_model(arch, CLASSES, SHAPE)
-    model.load_state_dict(state, strict=True)
-    return ops.evaluate(model, data.test_x, data.test_y)
-
-
-def _fedbabu(s, grid, cid, data, rnd, arch="mlp", state=None):
-    """Round rnd's body under the client's frozen head, fine-tuned on its train split as the client does in round
-    rnd+1's message (same settings, same seeded batch order), evaluated: FedBABU's whole model (finetune_part: full,
-    its own SGD lr and momentum) or its head alone (head). FedNH: round rnd's global model (cosine head: prototypes
-    and scale fine-tuned, body frozen, the client's optimiser)."""
-    model = build_model(arch, CLASSES, SHAPE)
-    model.load_state_dict(state if state is not None else {**_private(grid, cid), **_tensors(s.body)})
-    p = s.params
-    if s.name == "fedbabu":
-        section = protocol.Section(
-            epochs=p.finetune_epochs, lr=p.finetune_lr, momentum=p.finetune_momentum, optimizer="sgd"
-        )
-        keep = "none" if p.finetune_part == "full" else "body"
-    else:
-        section, keep = protocol.Section(epochs=p.finetune_epochs), "body"
-    settings = optim_settings(section, dataclasses.asdict(s.cfg.client))
-    gen = torch.Generator().manual_seed(derive_seed(s.cfg.seed, "client-batches", rnd + 1, cid))
-    with ops.frozen(model, part_names(model, keep)):
-        ops.train(model, data.train_x, data.train_y, settings, None, gen)
-    return ops.evaluate(model, data.test_x, data.test_y)
-
-
-def _ifca(s, grid, cid, data, rnd):
-    """Of the K cluster models, the one of lowest loss on the client's training split (ties: lower k)."""
-    losses = [
-        _evaluate(_tensors(m), SimpleNamespace(test_x=data.train_x, test_y=data.train_y))["loss"] for m in s.models
-    ]
-    return _evaluate(_tensors(s.models[int(np.argmin(losses))]), data)
-
-
-def _fedselect(s, grid, cid, data, rnd):
-    """Round rnd's shared values under the client's personal entries (its mask after round rnd's growth)."""
-    state = {}
-    for k, own in _private(grid, cid).items():
-        personal = s.client_masks(cid).get(k)
-        shared = torch.as_tensor(s.global_params[k]) if k in s.global_params else own
-        state[k] = shared if personal is None else torch.where(torch.as_tensor(personal), own, shared)
-    return _evaluate(state, data)
-
-
-# strategy -> (strategy, grid, client id, its data, round) -> its deployed model evaluated after that round, where the
-# message or the server holds it (deployed.source 'message' / 'server'); a 'client' source is OWN_MODEL
-HAND = {
-    "fedavg": lambda s, g, c, d, r: _evaluate(_tensors(s.global_arrays), d),
-    "fedprox": lambda s, g, c, d, r: _evaluate(_tensors(s.global_arrays), d),
-    "feduv": lambda s, g, c, d, r: _evaluate(_tensors(s.global_arrays), d),
-    "cfl": lambda s, g, c, d, r: _evaluate(_tensors(s.models[s.cluster_of.get(c, 0)]), d),
-    "ifca": _ifca,
-    "cwfedavg": lambda s, g, c, d, r: _evaluate({**_private(g, c), **_tensors(s.personalised(c))}, d),
-    "fedper": lambda s, g, c, d, r: _evaluate({**_private(g, c), **_tensors(s.body)}, d),
-    "fedrep": lambda s, g, c, d, r: _evaluate({**_private(g, c), **_tensors(s.body)}, d),
-    "fedbabu": _fedbabu,
-    "fednh": lambda s, g, c, d, r: _fedbabu(s, g, c, d, r, "mlp+cosine", _tensors(s.global_arrays)),
-    "cosmos": lambda s, g, c, d, r: _evaluate(s.models[s.cluster_of[c]].state_dict(), d),
-    "pfedhn": lambda s, g, c, d, r: _evaluate(_tensors(s.generated(c)), d),  # the MLP has no buffers
-    "fedselect": _fedselect,
-}
-# deployed.source 'client': the client's own model as it stands after round r (nothing sent for it)
-OWN_MODEL = lambda s, g, c, d, r: _evaluate(_private(g, c), d)  # noqa: E731
+def test_the_hand_computations_are_found_in_the_strategies_test_files():
+    hand = deployed_by_hand()
+    assert {"fedavg", "cwfedavg", "cosmos", "fedbabu", "fedselect"} <= set(hand)
+    assert set(hand) <= set(STRATEGIES), f"DEPLOYED_BY_HAND names no strategy: {sorted(set(hand) - set(STRATEGIES))}"
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
@@ -157,8 +107,12 @@ def test_deployed_model_of_every_strategy_on_a_two_client_toy(name):
     message) is the evaluation of the model the table defines, computed by hand from the state right after round
     r; a number taken at another point (after training, before the server step, after the next digest) differs."""
     source = STRATEGIES[name].deployed.source
-    assert (name in HAND) == (source != "client"), f"{name}: deployed.source {source}; HAND holds the others"
-    by_hand = HAND.get(name, OWN_MODEL)
+    hand = deployed_by_hand()
+    assert (name in hand) == (source != "client"), (
+        f"{name}: deployed.source {source}: a 'message' or 'server' model needs its hand computation, "
+        f"DEPLOYED_BY_HAND = {{{name!r}: fn}} in its test file (tests/deployed_toy.py); a 'client' one none"
+    )
+    by_hand = hand.get(name, own_model)
     cfg = load_config(
         None,
         " ".join(

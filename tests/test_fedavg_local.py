@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import server_app
+from deployed_toy import evaluate, tensors
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.server.aggregation import weighted_average
 from fedapps.server.driver import RoundDriver
@@ -152,3 +153,14 @@ def test_local_pretrain_epochs_lengthen_round_one_only(tiny_config, tmp_path):
         if m.metadata.message_type == protocol.MESSAGE_TYPE
     }
     assert epochs == {"1": 3, "2": None}  # the worker's train op reads train.* over client.* (test_ops_worker)
+
+
+# ------------------------------------------------------------------ the deployed model by hand (tests/deployed_toy.py)
+
+
+def deployed_by_hand(s, grid, cid, data, rnd):
+    """FedAvg's deployed model after round rnd: the global model aggregated in that round."""
+    return evaluate(tensors(s.global_arrays), data)
+
+
+DEPLOYED_BY_HAND = {"fedavg": deployed_by_hand}

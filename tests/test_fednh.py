@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import server_app
+from deployed_toy import finetuned, tensors
 from fedapps.client.worker import Worker
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
@@ -366,3 +367,16 @@ def test_flwr_run_end_to_end(tmp_path) -> None:
     assert summary["strategy"] == "fednh" and summary["rounds"] == 2 and 0.0 < summary["accuracy_mean"] <= 1.0
     rows = read_csv(out / "rounds.csv")
     assert [isinstance(r["generic_acc_mean"], float) for r in rows] == [True, True]
+
+
+# ------------------------------------------------------------------ the deployed model by hand (tests/deployed_toy.py)
+
+
+def deployed_by_hand(s, grid, cid, data, rnd):
+    """FedNH's deployed model after round rnd: that round's global model (cosine head) with its prototypes and
+    scale fine-tuned on the client's train split, body frozen, with the client's optimiser."""
+    section = protocol.Section(epochs=s.params.finetune_epochs)
+    return finetuned(s, tensors(s.global_arrays), data, rnd, cid, section, "body", arch="mlp+cosine")
+
+
+DEPLOYED_BY_HAND = {"fednh": deployed_by_hand}

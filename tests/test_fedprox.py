@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from deployed_toy import evaluate, tensors
 from fedapps.client.registry import TRAINING_TERMS
 from fedapps.config import load_config
 from fedapps.flower.inprocess import InProcessGrid
@@ -75,3 +76,14 @@ def test_fedprox_sends_mu_and_a_large_mu_keeps_clients_near_the_global_model(tin
     start = initial_model_arrays(free.cfg)
     moved = lambda s: sum(float(((s.global_arrays[k] - start[k]) ** 2).sum()) for k in start)  # noqa: E731
     assert 0 < moved(tied) < 0.5 * moved(free)
+
+
+# ------------------------------------------------------------------ the deployed model by hand (tests/deployed_toy.py)
+
+
+def deployed_by_hand(s, grid, cid, data, rnd):
+    """FedProx's deployed model after round rnd: the global model aggregated in that round (FedAvg's server)."""
+    return evaluate(tensors(s.global_arrays), data)
+
+
+DEPLOYED_BY_HAND = {"fedprox": deployed_by_hand}

@@ -11,6 +11,7 @@ import torch
 from flwr.app import Array
 from torch import nn
 
+from deployed_toy import evaluate, private
 from fedapps.client import ops
 from fedapps.client.registry import ProtocolError
 from fedapps.client.worker import STATE_MODEL, Worker
@@ -450,3 +451,20 @@ def test_flwr_run_end_to_end(tmp_path):
     assert [r["clients"] for r in rows] == [3, 3] and [r["replies_rejected"] for r in rows] == [0, 0]
     assert rows[1]["bytes_up"] < rows[0]["bytes_up"]  # after round 1's growth a quarter of the weights stay home
     assert rows[0]["personal_fraction_mean"] == pytest.approx(0.25, abs=0.01)
+
+
+# ------------------------------------------------------------------ the deployed model by hand (tests/deployed_toy.py)
+
+
+def deployed_by_hand(s, grid, cid, data, rnd):
+    """FedSelect's deployed model after round rnd: that round's shared values under the client's personal entries
+    (its mask after that round's growth)."""
+    state = {}
+    for k, own in private(grid, cid).items():
+        personal = s.client_masks(cid).get(k)
+        shared = torch.as_tensor(s.global_params[k]) if k in s.global_params else own
+        state[k] = shared if personal is None else torch.where(torch.as_tensor(personal), own, shared)
+    return evaluate(state, data)
+
+
+DEPLOYED_BY_HAND = {"fedselect": deployed_by_hand}

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from deployed_toy import evaluate, tensors
 from fedapps.client.worker import Worker
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
@@ -492,3 +493,14 @@ def test_flwr_run_end_to_end(tmp_path):
     rows = read_csv(out / "rounds.csv")
     assert [r["clients"] for r in rows] == [3, 3]
     assert all(isinstance(r["feduv_variance"], float) and isinstance(r["feduv_uniformity"], float) for r in rows)
+
+
+# ------------------------------------------------------------------ the deployed model by hand (tests/deployed_toy.py)
+
+
+def deployed_by_hand(s, grid, cid, data, rnd):
+    """FedUV's deployed model after round rnd: the global model aggregated in that round."""
+    return evaluate(tensors(s.global_arrays), data)
+
+
+DEPLOYED_BY_HAND = {"feduv": deployed_by_hand}

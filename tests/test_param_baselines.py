@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 import server_app
+from deployed_toy import evaluate, finetuned, private, tensors
 from fedapps.client.worker import STATE_MODEL, ProtocolError, Worker, model_arrays, split_models
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
@@ -531,3 +534,43 @@ def test_short_runs_learn_and_send_what_they_should(tiny_config, tmp_path, name,
         a, b = (m.content[ARRAYS] for m in sent[:2])
         key = next(iter(a))
         assert not np.allclose(a[key].numpy(), b[key].numpy())
+
+
+# ------------------------------------------------------------------ the deployed model by hand (tests/deployed_toy.py)
+
+
+def ifca_by_hand(s, grid, cid, data, rnd):
+    """IFCA: of the K cluster models, the one of lowest loss on the client's training split (ties: lower k)."""
+    train = SimpleNamespace(test_x=data.train_x, test_y=data.train_y)
+    losses = [evaluate(tensors(m), train)["loss"] for m in s.models]
+    return evaluate(tensors(s.models[int(np.argmin(losses))]), data)
+
+
+def cfl_by_hand(s, grid, cid, data, rnd):
+    """CFL: the model of the client's cluster after that round's splits."""
+    return evaluate(tensors(s.models[s.cluster_of.get(cid, 0)]), data)
+
+
+def body_by_hand(s, grid, cid, data, rnd):
+    """FedPer, FedRep: that round's aggregated body under the client's own head."""
+    return evaluate({**private(grid, cid), **tensors(s.body)}, data)
+
+
+def fedbabu_by_hand(s, grid, cid, data, rnd):
+    """FedBABU: that round's body under the client's frozen head, fine-tuned on its train split as round rnd+1's
+    message does it: the whole model (finetune_part full, its own SGD lr and momentum) or the head alone (head)."""
+    p = s.params
+    section = protocol.Section(
+        epochs=p.finetune_epochs, lr=p.finetune_lr, momentum=p.finetune_momentum, optimizer="sgd"
+    )
+    keep = "none" if p.finetune_part == "full" else "body"
+    return finetuned(s, {**private(grid, cid), **tensors(s.body)}, data, rnd, cid, section, keep)
+
+
+DEPLOYED_BY_HAND = {
+    "ifca": ifca_by_hand,
+    "cfl": cfl_by_hand,
+    "fedper": body_by_hand,
+    "fedrep": body_by_hand,
+    "fedbabu": fedbabu_by_hand,
+}

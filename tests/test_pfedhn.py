@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from deployed_toy import evaluate, tensors
 from fedapps.client.worker import STATE_MODEL
 from fedapps.config import ConfigError, load_config
 from fedapps.flower.inprocess import InProcessGrid
@@ -396,3 +397,15 @@ def test_flwr_run_end_to_end(tmp_path):
     rows = read_csv(out / "rounds.csv")
     assert [r["clients"] for r in rows] == [3, 3] and [r["hn_from_mean_embedding"] for r in rows] == [0, 0]
     assert all(isinstance(r["hn_delta_norm_mean"], float) and r["hn_delta_norm_mean"] > 0 for r in rows)
+
+
+# ------------------------------------------------------------------ the deployed model by hand (tests/deployed_toy.py)
+
+
+def deployed_by_hand(s, grid, cid, data, rnd):
+    """pFedHN's deployed model after round rnd: what the hypernetwork generates from the client's embedding (the
+    MLP has no buffers)."""
+    return evaluate(tensors(s.generated(cid)), data)
+
+
+DEPLOYED_BY_HAND = {"pfedhn": deployed_by_hand}
