@@ -223,6 +223,13 @@ class Tables:
             print(
                 f"{m.name} on {setting}: the published row of the same config stands (no work folder here)", flush=True
             )
+            if m.withdrawn_rows:  # the hash cannot show a change of the algorithm's code under the same config
+                print(
+                    f"  note: the spec withdraws {m.name}'s earlier rows ({m.withdrawn_rows}); a config hash cannot "
+                    "show a change of the code under the same config: if this row was measured before that change, "
+                    "measure it again with --rerun-published",
+                    flush=True,
+                )
             return
         args = [
             "compare",

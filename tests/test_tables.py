@@ -470,6 +470,29 @@ def test_a_published_row_of_the_same_final_config_is_not_run_again(tmp_path, mon
     assert len(calls) == 2 and calls[1][0] == "compare"  # --rerun-published: reproduced, not skipped
 
 
+def test_a_standing_row_of_a_method_whose_rows_were_withdrawn_says_how_to_measure_it_again(
+    tmp_path, monkeypatch, capsys
+):
+    """A change of an algorithm's code keeps its config hash: where the spec withdraws a method's earlier rows and a
+    published row of today's hash stands, the final stage says so and names --rerun-published; without a
+    withdrawal it says nothing more."""
+    for withdrawn, noted in (("its coupling changed", True), (None, False)):
+        body = {"withdrawn_rows": withdrawn} if withdrawn else {}
+        spec = tables_spec.load_spec(write_spec(tmp_path, methods={"local": body}, settings={"a": str(BASE)}))
+        docs = tmp_path / "docs"
+        docs.mkdir(exist_ok=True)
+        t = tables_run.Tables(spec, tmp_path / "work", "inprocess", 1, docs)
+        keys = ["setting", "method", "config", "accuracy_mean", "config_hash"]
+        row = dict(zip(keys, ["a", "local", "local", 0.5, t.final_hash("a", spec.methods[0])]))
+        tables_spec.write_csv(docs / "demo.csv", keys, [row])
+        monkeypatch.setattr(tables_run, "fedapps", lambda args, log, jobs=1: pytest.fail("nothing should run"))
+        capsys.readouterr()
+        tables_run.Tables(spec, tmp_path / "work", "inprocess", 1, docs).run(["a"], spec.methods, {"final"})
+        out = capsys.readouterr().out
+        assert "the published row of the same config stands" in out
+        assert ("--rerun-published" in out and "its coupling changed" in out) == noted, out
+
+
 def test_fairness_columns_are_recomputed_from_the_runs_per_client_accuracies(tmp_path):
     """Runs whose summary.json predates the fairness columns: the worst 10 % and std over clients come from the
     last measured round's acc_client_<i> (not an earlier round, not the best clients), mean ± SEM over runs."""
