@@ -363,8 +363,8 @@ def test_state_dir_survives_a_supernode_restart(tmp_path, monkeypatch, digits):
     handle(message(cfg, "local", 2, ["evaluate"], "run-a"), restarted)
     restored = restarted.state[STATE_MODEL].to_torch_state_dict()
     assert all(torch.equal(trained[k], restored[k]) for k in trained)
-    # without the node's state-dir the restarted node starts from the initial model (what docs/reference/node-state.md's table
-    # says)
+    # without the node's state-dir the restarted node starts from the initial model (what the table of
+    # docs/reference/node-state.md says)
     node.pop(STATE_DIR_KEY)
     bare = fresh()
     handle(message(cfg, "local", 2, ["evaluate"], "run-a"), bare)
