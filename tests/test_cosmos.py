@@ -620,7 +620,9 @@ def test_public_set_mismatch_is_refused_on_both_ends(tmp_path: Path) -> None:
         return Message(content, reply_to=to)
 
     a, b = protocol.build_messages([a, b])
-    out = strategy.replies.validator.check(1, [reply(a, 0, strategy.fed.fingerprint), reply(b, 1, "ffffffffffffffff")])
+    out = strategy.replies.validator.validate_batch(
+        1, [reply(a, 0, strategy.fed.fingerprint), reply(b, 1, "ffffffffffffffff")]
+    )
     assert [r.client_id for r in out.accepted] == [0]
     assert [r.node_id for r in out.rejections] == [101] and "public set mismatch" in out.rejections[0].reason
     assert list(strategy.accept(out.accepted)) == [0]

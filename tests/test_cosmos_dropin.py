@@ -258,7 +258,7 @@ def app_round(app: AppCosmos, rnd: int, preds: dict[int, np.ndarray]) -> list[Me
         )
         for cid, msg in zip(preds, messages)
     ]
-    accepted = app.replies.validator.check(rnd, replies).accepted
+    accepted = app.replies.validator.validate_batch(rnd, replies).accepted
     app.nodes.bind(accepted)  # as the round driver does: which client each node is
     app.aggregate(rnd, accepted)
     return messages

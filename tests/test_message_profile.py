@@ -127,7 +127,7 @@ def test_the_validator_accepts_a_profile_and_rejects_a_malformed_one():
         (MetricRecord({protocol.PROFILE_FIELDS["train"]: -0.5}), "must be a finite number of seconds"),
     ):
         validator.expect([msg])
-        out = validator.check(1, [reply_with_profile(msg.message(), profile)])
+        out = validator.validate_batch(1, [reply_with_profile(msg.message(), profile)])
         if isinstance(accepted, str):
             assert not out.accepted and accepted in out.rejections[0].reason, out.rejections
         else:

@@ -435,12 +435,12 @@ def test_registry_caps_are_enforced_by_the_validator():
     def answer(draft: protocol.Draft, cid: int, n: int) -> Message:
         return Message(protocol.Reply(cid, n).encode(), reply_to=draft.message())
 
-    out = v.check(1, [answer(msgs[0], 0, 10**15), answer(msgs[1], 1, 5)])
+    out = v.validate_batch(1, [answer(msgs[0], 0, 10**15), answer(msgs[1], 1, 5)])
     assert not out.accepted and len(out.rejections) == 2
     assert "exceeds the 100" in out.rejections[0].reason and "not in the node registry" in out.rejections[1].reason
     assert v.bound_examples == {}  # nothing bound from a rejected claim
     v.expect(msgs)
-    assert [r.client_id for r in v.check(2, [answer(msgs[0], 0, 100)]).accepted] == [0]
+    assert [r.client_id for r in v.validate_batch(2, [answer(msgs[0], 0, 100)]).accepted] == [0]
 
 
 def test_registry_is_read_for_data_source_nodes_only(tmp_path: Path):

@@ -160,7 +160,7 @@ def test_validator_casts_a_float16_reply_back_to_the_models_dtype():
     ).encode()
     from flwr.app import Message
 
-    out = v.check(1, [Message(content, reply_to=msg.message())])
+    out = v.validate_batch(1, [Message(content, reply_to=msg.message())])
     assert not out.rejections
     got = out.accepted[0].arrays
     assert got["w"].dtype == np.float32 and got["count"].dtype == np.int64 and int(got["count"]) == 3
@@ -187,7 +187,7 @@ def test_a_batchnorm_model_round_trips_through_client_and_validator():
     from flwr.app import Message
 
     content = protocol.Reply(0, 50, arrays=record).encode()
-    out = v.check(1, [Message(content, reply_to=msg.message())])
+    out = v.validate_batch(1, [Message(content, reply_to=msg.message())])
     assert not out.rejections, out.rejections
     got = out.accepted[0].arrays
     for k, a in own.items():

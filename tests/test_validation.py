@@ -183,10 +183,10 @@ def test_identity_is_bound_to_the_node():
     v = validator()
     a, b = request(100), request(101)
     v.expect([a, b])
-    out = v.check(1, [answer(a, 0), answer(b, 1, n=60)])
+    out = v.validate_batch(1, [answer(a, 0), answer(b, 1, n=60)])
     assert [r.client_id for r in out.accepted] == [0, 1] and not out.rejections
     v.expect([a, b])
-    out = v.check(1, [answer(a, 1, n=60), answer(b, 1, n=60)])  # node 100 claims node 101's client
+    out = v.validate_batch(1, [answer(a, 1, n=60), answer(b, 1, n=60)])  # node 100 claims node 101's client
     assert [r.node_id for r in out.accepted] == [101]
     assert "bound to client 0" in out.rejections[0].reason and out.rejections[0].client_id == 0
 
@@ -196,7 +196,7 @@ def test_duplicates_unsolicited_and_missing_replies():
     a, b = request(100), request(101)
     v.expect([a, b])
     reply = answer(a, 0)
-    out = v.check(1, [reply, reply, answer(request(102), 1)])
+    out = v.validate_batch(1, [reply, reply, answer(request(102), 1)])
     assert len(out.accepted) == 1 and out.missing == 1
     assert ["duplicate" in r.reason for r in out.rejections] == [True, False]
     assert "no 'train' message was sent to node 102" in out.rejections[1].reason
@@ -206,9 +206,9 @@ def test_num_examples_is_bound_on_first_report_when_sizes_are_unknown():
     v = validator(train=None, test=None)
     a = request(100)
     v.expect([a])
-    assert v.check(1, [answer(a, 0, n=10**6)]).accepted  # deployment: no bound known, the first value binds
+    assert v.validate_batch(1, [answer(a, 0, n=10**6)]).accepted  # deployment: no bound known, the first value binds
     v.expect([a])
-    out = v.check(2, [answer(a, 0, n=10**6 + 1)])
+    out = v.validate_batch(2, [answer(a, 0, n=10**6 + 1)])
     assert not out.accepted and "differs from the 1000000" in out.rejections[0].reason
 
 
@@ -225,7 +225,7 @@ def test_deployment_evaluation_sizes_must_equal_the_described_split():
     a = request(100)
     for n, correct, ok in [(16, 8, True), (10**12, 10**12, False), (15, 15, False), (17, 9, False)]:
         v.expect([a])
-        out = v.check(1, [answer(a, 0, metrics=eval_metrics(n, correct))])
+        out = v.validate_batch(1, [answer(a, 0, metrics=eval_metrics(n, correct))])
         assert bool(out.accepted) == ok, (n, out.rejections)
         if not ok:
             assert f"metric 'eval-n' = {n} differs from the 16 evaluation samples client 0 is bound to" in (
@@ -233,7 +233,7 @@ def test_deployment_evaluation_sizes_must_equal_the_described_split():
             )
     both = request(101, ops=("evaluate:deployed", "train", "evaluate:after"))  # a second tag must agree too
     v.expect([both])
-    out = v.check(1, [answer(both, 1, 60, two_evaluations(20, 21))])
+    out = v.validate_batch(1, [answer(both, 1, 60, two_evaluations(20, 21))])
     assert not out.accepted and "'after-n' = 21 differs from the 20" in out.rejections[0].reason
 
 
@@ -254,22 +254,22 @@ def test_an_undescribed_clients_evaluation_size_is_capped_by_the_split_then_boun
     cap = validation.max_eval_count(30, 0.25)
     assert cap == 10  # (0.25 · 30 + 0.5) / 0.75
     v.expect([a])
-    out = v.check(1, [answer(a, 0, n=30, metrics=eval_metrics(cap + 1, 0))])
+    out = v.validate_batch(1, [answer(a, 0, n=30, metrics=eval_metrics(cap + 1, 0))])
     assert not out.accepted and "'eval-n' = 11 exceeds the 10 evaluation samples the data split allows client 0" in (
         out.rejections[0].reason
     )
     v.expect([a])
-    assert v.check(1, [answer(a, 0, n=30, metrics=eval_metrics(9, 3))]).accepted
+    assert v.validate_batch(1, [answer(a, 0, n=30, metrics=eval_metrics(9, 3))]).accepted
     assert v.bound_tests == {0: 9} and v.bound_examples == {0: 30}
     v.expect([a])
-    out = v.check(2, [answer(a, 0, n=30, metrics=eval_metrics(10, 3))])
+    out = v.validate_batch(2, [answer(a, 0, n=30, metrics=eval_metrics(10, 3))])
     assert not out.accepted and "differs from the 9 evaluation samples" in out.rejections[0].reason
     both = request(101, ops=("evaluate:deployed", "train", "evaluate:after"))  # unbound: its evaluations must agree
     v.expect([both])
-    out = v.check(1, [answer(both, 1, 30, two_evaluations(8, 9))])
+    out = v.validate_batch(1, [answer(both, 1, 30, two_evaluations(8, 9))])
     assert not out.accepted and "evaluations of one reply count different samples" in out.rejections[0].reason
     v.expect([both])
-    assert v.check(1, [answer(both, 1, 30, two_evaluations(8, 8))]).accepted and v.bound_tests[1] == 8
+    assert v.validate_batch(1, [answer(both, 1, 30, two_evaluations(8, 8))]).accepted and v.bound_tests[1] == 8
 
 
 @pytest.mark.parametrize("share", [0.0, 0.1, 0.25, 0.5, 0.9])
@@ -330,7 +330,7 @@ def test_arrays_and_predictions_are_checked_against_the_request():
     arrays = protocol.arrays_record(MODEL)
     preds = protocol.arrays_record({"predictions": np.zeros((4, 3), np.float32)})
     info = ConfigRecord({"fingerprint": "abc"})
-    assert v.check(1, [answer(a, 0, arrays=arrays, predictions=preds, info=info)]).accepted
+    assert v.validate_batch(1, [answer(a, 0, arrays=arrays, predictions=preds, info=info)]).accepted
     bad = [
         (
             dict(
@@ -362,7 +362,7 @@ def test_arrays_and_predictions_are_checked_against_the_request():
     ]
     for records, reason in bad:
         v.expect([a])
-        out = v.check(1, [answer(a, 0, **records)])
+        out = v.validate_batch(1, [answer(a, 0, **records)])
         assert not out.accepted and reason in out.rejections[0].reason, (reason, out.rejections)
 
 
@@ -373,7 +373,7 @@ def test_undecodable_array_is_a_rejection_not_a_crash():
     garbage = ArrayRecord(
         {"w": Array(dtype="float32", shape=(3, 2), stype="numpy.ndarray", data=b"xx"), "count": Array(MODEL["count"])}
     )
-    out = v.check(1, [answer(a, 0, arrays=garbage)])
+    out = v.validate_batch(1, [answer(a, 0, arrays=garbage)])
     assert not out.accepted and "cannot be decoded" in out.rejections[0].reason
 
 
@@ -496,7 +496,7 @@ def test_validator_never_raises_and_accepted_replies_respect_every_bound(reply, 
     content = RecordDict({} if record is None else {"metrics": record})
     for k, r in records.items():
         content[k] = r
-    out = v.check(1, [Message(content, reply_to=msg.message())])  # must not raise
+    out = v.validate_batch(1, [Message(content, reply_to=msg.message())])  # must not raise
     assert len(out.accepted) + len(out.rejections) == 1
     for r in out.accepted:
         m = r.metrics
@@ -535,7 +535,7 @@ def test_the_unmutated_reply_of_the_property_test_is_accepted(output, want_array
     v.expect([msg])
     metrics, records = valid_reply(1, output, want_arrays)
     content = RecordDict({"metrics": MetricRecord(metrics), **records})
-    out = v.check(1, [Message(content, reply_to=msg.message())])
+    out = v.validate_batch(1, [Message(content, reply_to=msg.message())])
     assert len(out.accepted) == 1, out.rejections
 
 
@@ -578,7 +578,7 @@ W = np.arange(6, dtype=np.float32).reshape(3, 2)
 )
 def test_an_array_of_another_dtype_is_rejected_before_decoding(w, reason):
     v, reply = arrays_reply({"w": _wire(w), "count": _wire(MODEL["count"])})
-    out = v.check(1, [reply])
+    out = v.validate_batch(1, [reply])
     assert not out.accepted and reason in out.rejections[0].reason, out.rejections
 
 
@@ -596,7 +596,7 @@ def test_the_label_and_the_bytes_must_agree():
     ]
     for w, reason in cases:
         v, reply = arrays_reply({"w": w, "count": count})
-        out = v.check(1, [reply])
+        out = v.validate_batch(1, [reply])
         assert not out.accepted and reason in out.rejections[0].reason, (reason, out.rejections)
 
 
@@ -605,26 +605,26 @@ def test_names_and_count_are_checked_before_any_array_is_decoded(monkeypatch):
     original = validation.WireArray.decode
     monkeypatch.setattr(validation.WireArray, "decode", lambda self: decoded.append(self.shape) or original(self))
     v, reply = arrays_reply({"w": _wire(W), "count": _wire(MODEL["count"]), "extra": _wire(W)})
-    out = v.check(1, [reply])
+    out = v.validate_batch(1, [reply])
     assert not out.accepted and "do not match the request (3 given, 2 expected)" in out.rejections[0].reason
     assert decoded == []
     v, reply = arrays_reply({"w": _wire(W), "count": _wire(MODEL["count"])})  # the same decoding counted
-    assert v.check(1, [reply]).accepted and sorted(decoded) == [(), (3, 2)]
+    assert v.validate_batch(1, [reply]).accepted and sorted(decoded) == [(), (3, 2)]
 
 
 def test_float16_transport_accepts_float16_and_the_models_dtype_only():
     count = _wire(MODEL["count"])
     for w in (W.astype(np.float16), W):  # float16, or float32 for an array beyond float16's range
         v, reply = arrays_reply({"w": _wire(w), "count": count}, transport="float16")
-        [r] = v.check(1, [reply]).accepted
+        [r] = v.validate_batch(1, [reply]).accepted
         assert r.arrays["w"].dtype == np.float32 and np.array_equal(r.arrays["w"], W)
     v, reply = arrays_reply({"w": _wire(W.astype(np.float64)), "count": count}, transport="float16")
-    assert "expected float16 or float32" in v.check(1, [reply]).rejections[0].reason
+    assert "expected float16 or float32" in v.validate_batch(1, [reply]).rejections[0].reason
 
 
 def test_integer_buffers_and_predictions_must_have_their_exact_type():
     v, reply = arrays_reply({"w": _wire(W), "count": _wire(np.array(3, np.int32))})
-    assert "array 'count' has dtype int32, expected int64" in v.check(1, [reply]).rejections[0].reason
+    assert "array 'count' has dtype int32, expected int64" in v.validate_batch(1, [reply]).rejections[0].reason
     msg = property_request("hard", False)
     for preds, reason in [
         (np.array([0, 2, 1, 1], np.uint16), "has dtype uint16, expected uint8"),
@@ -636,13 +636,15 @@ def test_integer_buffers_and_predictions_must_have_their_exact_type():
         v.expect([msg])
         metrics, records = valid_reply(0, "hard" if preds.dtype.kind == "u" else "probs", False)
         records["predictions"] = protocol.arrays_record({"predictions": preds})
-        out = v.check(1, [Message(RecordDict({"metrics": MetricRecord(metrics), **records}), reply_to=msg.message())])
+        out = v.validate_batch(
+            1, [Message(RecordDict({"metrics": MetricRecord(metrics), **records}), reply_to=msg.message())]
+        )
         assert not out.accepted and reason in out.rejections[0].reason, out.rejections
 
 
 def test_accepted_arrays_are_writable_copies_in_the_models_dtype():
     v, reply = arrays_reply({"w": _wire(W), "count": _wire(MODEL["count"])})
-    [r] = v.check(1, [reply]).accepted
+    [r] = v.validate_batch(1, [reply]).accepted
     assert r.arrays["w"].flags.writeable and r.arrays["w"].dtype == np.float32 and r.arrays["count"].shape == ()
     r.arrays["w"] += 1  # a strategy may update them in place
 
@@ -665,11 +667,11 @@ def test_losses_timings_and_lists_are_range_checked(key, value, reason):
     v = validator()
     a = request(100)
     v.expect([a])
-    out = v.check(1, [answer(a, 0, metrics={key: value})])
+    out = v.validate_batch(1, [answer(a, 0, metrics={key: value})])
     assert not out.accepted and reason in out.rejections[0].reason, out.rejections
     v.expect([a])
     ok = {"train-loss": 0.7, "t-total": 1.5, "t-train": 0.2, "junk": [0.5] * 10}[key]
-    assert v.check(1, [answer(a, 0, metrics={key: ok})]).accepted
+    assert v.validate_batch(1, [answer(a, 0, metrics={key: ok})]).accepted
 
 
 def test_a_huge_list_is_refused_by_its_length_before_its_values_are_read():
@@ -700,7 +702,7 @@ def test_a_metric_flood_is_refused_before_any_value_is_read(monkeypatch):
         monkeypatch.setattr(validation, name, lambda *args, name=name, **kw: called.append(name))
     monkeypatch.setattr(validation.WireArray, "decode", lambda self: called.append("decode"))
     v.expect([a])
-    out = v.check(1, [answer(a, 0, metrics=flood(1018, 4096))])
+    out = v.validate_batch(1, [answer(a, 0, metrics=flood(1018, 4096))])
     assert not out.accepted and called == []
     budget = validation.MAX_METRICS + validation.METRIC_LISTS * 4096
     assert (
@@ -708,7 +710,7 @@ def test_a_metric_flood_is_refused_before_any_value_is_read(monkeypatch):
         in out.rejections[0].reason
     )
     v.expect([a])  # within the budget: the values are read (and, here, the stubs are called)
-    assert v.check(1, [answer(a, 0, metrics=flood(validation.METRIC_LISTS, 4096))]).accepted
+    assert v.validate_batch(1, [answer(a, 0, metrics=flood(validation.METRIC_LISTS, 4096))]).accepted
     assert called == ["check_metrics", "check_evaluations"]
 
 
@@ -741,7 +743,7 @@ def test_a_large_info_record_is_rejected():
     v = validator()
     a = request(100)
     v.expect([a])
-    out = v.check(1, [answer(a, 0, info=ConfigRecord({"arch": "x" * 5000}))])
+    out = v.validate_batch(1, [answer(a, 0, info=ConfigRecord({"arch": "x" * 5000}))])
     assert not out.accepted and "'info' entry 'arch' holds 5000" in out.rejections[0].reason
 
 

@@ -225,7 +225,7 @@ def describe_nodes(
     drafts = describe_drafts(nodes, setup, public)
     validator.expect(drafts)
     replies = list(grid.send_and_receive(protocol.build_messages(drafts), timeout=timeout))
-    outcome = validator.check(0, replies, protocol.QUERY_MESSAGE_TYPE)
+    outcome = validator.validate_batch(0, replies, protocol.QUERY_MESSAGE_TYPE)
     rejections = [Rejection(0, PHASE, r.node_id, r.client_id, r.reason) for r in outcome.rejections]
     reports: list[NodeReport] = []
     for r in outcome.accepted:

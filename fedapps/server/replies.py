@@ -50,7 +50,7 @@ class ReplyChecks:
         ``validator.expect`` when the messages were built: what each reply must carry is read off its message);
         never raises. The accepted replies are returned; the counts and rejections go into the round's tally."""
         replies = list(replies)
-        outcome = self.validator.check(server_round, replies, phase)
+        outcome = self.validator.validate_batch(server_round, replies, phase)
         received = sum(reply_nbytes(m) for m in replies)
         self.tally.bytes_up_rejected += max(0, received - sum(r.nbytes for r in outcome.accepted))
         self.tally.replies_ok += len(outcome.accepted)

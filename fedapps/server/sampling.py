@@ -96,7 +96,7 @@ class NodeSampler:
         messages = protocol.build_messages(drafts)
         t0 = time.time()
         replies = grid.send_and_receive(messages, timeout=self.config.timeout)
-        outcome = validator.check(0, replies, protocol.QUERY_MESSAGE_TYPE)
+        outcome = validator.validate_batch(0, replies, protocol.QUERY_MESSAGE_TYPE)
         self.bind(outcome.accepted)
         self.replies.record_rejections(outcome.rejections, IDENTIFY_PHASE)
         log.info(

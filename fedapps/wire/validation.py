@@ -807,7 +807,7 @@ class ReplyValidator:
             )
 
     # ------------------------------------------------------------------ a batch
-    def check(self, server_round: int, replies: Iterable[Message], phase: str | None = None) -> Outcome:
+    def validate_batch(self, server_round: int, replies: Iterable[Message], phase: str | None = None) -> Outcome:
         """Validate one phase's replies; never raises. ``phase`` defaults to each reply's message type."""
         out = Outcome()
         seen: set[int] = set()
