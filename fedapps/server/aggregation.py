@@ -30,8 +30,10 @@ def weighted_average(arrays: Sequence[Mapping[str, np.ndarray]], weights: Sequen
     for key, first in arrays[0].items():
         if np.issubdtype(first.dtype, np.floating):
             acc = np.zeros(first.shape, dtype=np.float64)
+            term = np.empty_like(acc)  # w_i·a_i, written in place: one buffer per key, not one per client
             for wi, a in zip(w, arrays):
-                acc += wi * a[key]
+                np.multiply(a[key], wi, out=term)  # the same products as wi * a[key]: float64 for float32 arrays
+                acc += term
             out[key] = acc.astype(first.dtype)
         else:
             out[key] = first.copy()
