@@ -157,8 +157,9 @@ def stored_hash(result_dir: Path) -> str | None:
 
 
 def resume_decision(result_dir: Path, rounds: int, expected_hash: str) -> tuple[bool, str]:
-    """(skip?, why): a run is skipped only when summary.json exists, covers every round, records no problem,
-    and was made from the config about to run (same ``config_hash``); otherwise it is (re)run."""
+    """(skip?, why): a run is skipped only when summary.json exists, covers every round, records no problem, lost
+    no reply (:func:`lost_replies`) and was made from the config about to run (same ``config_hash``); otherwise it
+    is (re)run."""
     f = result_dir / "summary.json"
     if not f.is_file():
         return False, "running"
@@ -184,7 +185,22 @@ def resume_decision(result_dir: Path, rounds: int, expected_hash: str) -> tuple[
         done = 0
     if done < rounds:
         return False, f"rerunning (the earlier run stopped after {done} of {rounds} rounds)"
+    lost = lost_replies(result_dir)
+    if lost:
+        return False, f"rerunning (the earlier run lost replies: {lost}; it trained less than its config asks)"
     return True, "already complete with the same config, skipped"
+
+
+def lost_replies(result_dir: Path) -> str:
+    """The rounds of a run whose replies went missing (a round that timed out: the machine was paused or too busy,
+    a client failed), as "N in round r, ..."; "" when none did or the run has no rounds.csv. Nothing in a config
+    drops replies on purpose, so such a run trained less than its config asks and is not a seed to compare."""
+    try:
+        rows = read_csv(result_dir / "rounds.csv")
+    except (OSError, ValueError):
+        return ""
+    lost = [(r.get("round"), int(r.get("replies_missing") or 0)) for r in rows]
+    return ", ".join(f"{n} in round {rnd}" for rnd, n in lost if n)
 
 
 def checkpointed_round(result_dir: Path, resolved: ExperimentConfig) -> int | None:

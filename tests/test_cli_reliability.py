@@ -309,6 +309,13 @@ def test_resume_decision(tmp_path):
     assert not resume_decision(d, 2, "abc")[0]
     (d / "summary.json").write_text("{broken")
     assert not resume_decision(d, 2, "abc")[0]
+    # a complete run that lost replies to a round's timeout trained less than the config asks: run again
+    (d / "summary.json").write_text(json.dumps({"rounds": 2, "config_hash": "abc", "problems": []}))
+    (d / "rounds.csv").write_text("round,clients,replies_missing\n1,4,0\n2,2,2\n")
+    skip, why = resume_decision(d, 2, "abc")
+    assert not skip and "lost replies: 2 in round 2" in why
+    (d / "rounds.csv").write_text("round,clients,replies_missing\n1,4,0\n2,4,0\n")
+    assert resume_decision(d, 2, "abc")[0] is True
 
 
 def test_run_writes_config_hash(tiny_config, tmp_path):
