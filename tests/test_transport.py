@@ -380,7 +380,7 @@ def test_every_message_of_a_round_is_built_once(monkeypatch, name, transport):
     from fedapps.wire import message as wire_message
 
     built: list[object] = []
-    encodes: list[int] = []
+    encodes: list[object] = []  # the requests themselves: kept alive, their ids cannot be reused by later objects
     arrays_encodes: list[str] = []
     decodes: list[int] = []
     real_message, real_encode, real_record = wire_message.Message, protocol.Request.encode, wire_message.arrays_record
@@ -392,7 +392,7 @@ def test_every_message_of_a_round_is_built_once(monkeypatch, name, transport):
         return msg
 
     def encode(self):
-        encodes.append(id(self))
+        encodes.append(self)
         return real_encode(self)
 
     def arrays_record(arrays, transport="float32"):
@@ -428,7 +428,7 @@ def test_every_message_of_a_round_is_built_once(monkeypatch, name, transport):
     # every message sent was built once (the identify queries before round 1 included), none rebuilt or rewritten
     assert len(built) == len(grid.sent) and {id(m) for m in built} == {id(m) for m in grid.sent}
     configs = {id(m.content[protocol.CONFIG]) for m in grid.sent}
-    assert len(encodes) == len(configs) == len(set(encodes))  # one encode per distinct request, its record shared
+    assert len(encodes) == len(configs) == len({id(r) for r in encodes})  # one encode per request, its record shared
     records = {id(m.content[n]) for m in sent for n in (protocol.ARRAYS, protocol.EVAL_ARRAYS) if n in m.content}
     assert len(arrays_encodes) == len(records) and set(arrays_encodes) == {transport}
     if name == "fedavg":  # the global model: one record per phase (rounds 1, 2, the final evaluation) for three
