@@ -744,15 +744,18 @@ def test_centring_removes_each_architectures_mean_over_its_clients() -> None:
         centre_by_architecture(stack, ["a", "b", "a"])
 
 
+# architecture a predicts class 0 at 0.9, b at 0.3; data group X adds +0.05 to class 0, group Y -0.05
+ARCH_DATA_PREDS = {
+    0: np.full((2, 2), [0.95, 0.05]),  # a, X
+    1: np.full((2, 2), [0.35, 0.65]),  # b, X
+    2: np.full((2, 2), [0.85, 0.15]),  # a, Y
+    3: np.full((2, 2), [0.25, 0.75]),  # b, Y
+}
+ARCH_OF = {0: "a", 1: "b", 2: "a", 3: "b"}
+
+
 def test_centring_lets_the_clustering_group_clients_by_data_across_architectures() -> None:
-    # architecture a predicts class 0 at 0.9, b at 0.3; data group X adds +0.05 to class 0, group Y -0.05
-    preds = {
-        0: np.full((2, 2), [0.95, 0.05]),  # a, X
-        1: np.full((2, 2), [0.35, 0.65]),  # b, X
-        2: np.full((2, 2), [0.85, 0.15]),  # a, Y
-        3: np.full((2, 2), [0.25, 0.75]),  # b, Y
-    }
-    arch = {0: "a", 1: "b", 2: "a", 3: "b"}.__getitem__
+    preds, arch = ARCH_DATA_PREDS, ARCH_OF.__getitem__
     plain = CosmosParams(server_model="mlp", b0_mode="fixed", b0=0.3)
     raw, d_raw, _ = cluster_on(preds, plain)
     assert raw.clusters == [[0, 2], [1, 3]]  # raw distances (a-a 0.2, a-b ≥ 1.0): clusters by architecture
@@ -766,14 +769,7 @@ def test_centring_lets_the_clustering_group_clients_by_data_across_architectures
 
 
 def test_clustering_within_architectures_first_then_matching_on_centred_means() -> None:
-    # as above: architecture a near class 0, b near class 1; data group X +0.05 on class 0, Y -0.05
-    preds = {
-        0: np.full((2, 2), [0.95, 0.05]),  # a, X
-        1: np.full((2, 2), [0.35, 0.65]),  # b, X
-        2: np.full((2, 2), [0.85, 0.15]),  # a, Y
-        3: np.full((2, 2), [0.25, 0.75]),  # b, Y
-    }
-    arch = {0: "a", 1: "b", 2: "a", 3: "b"}.__getitem__
+    preds, arch = ARCH_DATA_PREDS, ARCH_OF.__getitem__  # a near class 0, b near class 1; X +0.05, Y -0.05
     p = CosmosParams(server_model="mlp", b0_mode="fixed", b0=0.1, architectures="cluster-within")
     # within a: d(0, 2) = 0.2 > B0 -> {0}, {2}; within b: {1}, {3}; a anchors (2 clusters each, first name).
     # Matching on raw means would send b's {1} (0.35) to a's {2} (0.85: 1.0 away, {0} 1.2): the architecture's
@@ -783,8 +779,8 @@ def test_clustering_within_architectures_first_then_matching_on_centred_means() 
     assert ids == [0, 1, 2, 3] and d[0, 1] == pytest.approx(1.2)  # the recorded distances are the raw ones
     # a's two clients alike (one cluster), b's two apart: b anchors; a's cluster (centred mean 0) is as near to both
     # b clusters (0.1 each) and joins the first formed, {1}
-    preds[2] = preds[0].copy()
-    assert cluster_on(preds, p, arch)[0].clusters == [[0, 1, 2], [3]]
+    alike = {**preds, 2: preds[0].copy()}  # a copy: the module's predictions stay as they are for other tests
+    assert cluster_on(alike, p, arch)[0].clusters == [[0, 1, 2], [3]]
 
 
 def test_client_architecture_cycles_per_client_by_id() -> None:

@@ -14,6 +14,7 @@ strategy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 import re
@@ -77,6 +78,7 @@ def test_every_strategy_declares_its_deployed_model():
 # --------------------------------------------------------------------------- every definition on a 2-client toy
 
 
+@functools.cache  # the suite's test files, read once per session
 def deployed_by_hand() -> dict[str, Callable]:
     """Every ``DEPLOYED_BY_HAND`` table of the suite's test files (tests/deployed_toy.py): strategy name -> its
     deployed model by hand. A strategy's hand computation lives in its own test file."""
