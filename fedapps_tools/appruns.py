@@ -9,13 +9,11 @@ flower_env`), so a ``PYTHONPATH`` set here reaches the ServerApp and the ClientA
 from __future__ import annotations
 
 import shutil
-import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedapps_tools.flwrcli import CONNECTION, RunFailed, flower_env, flwr_json, run_status
+from fedapps_tools.flwrcli import CONNECTION, RunFailed, flower_env, flwr_json, follow_run
 from fedapps_tools.launch import OwnSuperLink, write_connection
 
 
@@ -32,38 +30,36 @@ class AppRun:
         return self.status == "finished:completed"
 
 
-def run_app(app_dir: Path, run_config: str = "", num_supernodes: int = 2, timeout: float = 900.0) -> AppRun:
-    """`flwr run APP_DIR` with ``--run-config RUN_CONFIG`` on ``num_supernodes`` simulated SuperNodes (one CPU
-    each), waited for up to ``timeout`` seconds (RunFailed past it); the run's status and log."""
+def run_app(
+    app_dir: Path,
+    run_config: str = "",
+    num_supernodes: int = 2,
+    timeout: float = 900.0,
+    cpus_per_client: float = 1,
+) -> AppRun:
+    """`flwr run APP_DIR` with ``--run-config RUN_CONFIG`` on ``num_supernodes`` simulated SuperNodes of
+    ``cpus_per_client`` CPUs each (Ray runs one client actor per that many of the machine's CPUs: 2 on a 2-core
+    machine serves every SuperNode with one actor, which imports torch and the app once), waited for up to
+    ``timeout`` seconds (RunFailed past it); the run's status and log, both read from the SuperLink in this process
+    (:func:`fedapps_tools.flwrcli.follow_run`)."""
     home = Path(tempfile.mkdtemp(prefix="fedapps-app-"))
     link = OwnSuperLink(home, flower_env())
     try:
         write_connection(home, link.start())
+        cpus = int(cpus_per_client) if float(cpus_per_client).is_integer() else cpus_per_client
         cmd = ["flwr", "run", str(Path(app_dir).resolve()), CONNECTION, "--format", "json"]
-        cmd += ["--federation-config", f"num-supernodes={num_supernodes} client-resources-num-cpus=1"]
+        cmd += ["--federation-config", f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus}"]
         if run_config:
             cmd += ["--run-config", run_config]
         doc = flwr_json(cmd, link.env)
         if not doc.get("success") or not doc.get("run-id"):
             raise RunFailed(f"`flwr run {app_dir}` did not start: {doc}")
         run_id = str(doc["run-id"])
-        deadline = time.monotonic() + timeout
-        status = run_status(run_id, link.env)
-        while not status.startswith("finished"):
-            if time.monotonic() > deadline:
-                raise RunFailed(f"`flwr run {app_dir}` still {status} after {timeout:.0f} s")
-            link.note_children()
-            time.sleep(3.0)
-            status = run_status(run_id, link.env)
-        log = subprocess.run(
-            ["flwr", "log", run_id, CONNECTION, "--show"],
-            env=link.env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            stdin=subprocess.DEVNULL,
-        )
-        return AppRun(run_id, status, log.stdout + log.stderr)
+        try:
+            status, lines = follow_run(run_id, link.env, quiet=True, link=link, timeout=timeout)
+        except RunFailed as exc:
+            raise RunFailed(f"`flwr run {app_dir}`: {exc}") from None
+        return AppRun(run_id, status, "".join(lines))
     finally:
         link.stop()
         shutil.rmtree(home, ignore_errors=True)

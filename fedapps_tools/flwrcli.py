@@ -357,11 +357,13 @@ def follow_run(
     connection: str = CONNECTION,
     backstop: float = STATUS_BACKSTOP,
     log_filter: LogFilter | None = None,
+    timeout: float | None = None,
 ) -> tuple[str, list[str]]:
     """Stream the run's log until the run finishes; return (final status, log). ``link``: a SuperLink process this
     run owns (its children are noted, its exit ends the wait; its log and status are read in this process, see
     :func:`control_client`), or None (`flwr log` / `flwr ls` on the connection). ``log_filter``: which streamed
-    lines are shown (see :class:`LogStream`).
+    lines are shown (see :class:`LogStream`). ``timeout``: RunFailed when the run has not finished after that many
+    seconds (None: wait as long as it runs).
 
     The SuperLink ends the log stream once the run has finished, so the status is asked when the stream has ended —
     then every ``poll`` seconds until it reads finished — and, while the stream is open, only every ``backstop``
@@ -373,8 +375,11 @@ def follow_run(
     tick = 0.5 if link is not None else poll  # how often the SuperLink's children are noted
     stream_open = True
     next_check = time.monotonic() + backstop
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while True:
+            if deadline is not None and time.monotonic() > deadline:
+                raise RunFailed(f"run {run_id} still {status} after {timeout:.0f} s")
             if link is not None:
                 link.note_children()
                 if link.proc is not None and link.proc.poll() is not None:

@@ -20,6 +20,10 @@ from fedapps_tools.flwrcli import OFFLINE_ENV  # noqa: E402
 for _key, _value in OFFLINE_ENV.items():  # Ray on loopback, no telemetry, no run-time installs
     os.environ.setdefault(_key, _value)
 torch.set_num_threads(1)
+# `--cpus-per-client` (`run_app`'s cpus_per_client) for a test's `flwr run`: all of the machine's CPUs per client, so
+# that Ray starts ONE client actor and it serves every SuperNode in turn. Each actor imports torch and the app (~5
+# CPU-seconds): on the suite's 2 cores, already busy with the other worker, a second actor costs more than it overlaps.
+ACTOR_CPUS = str(os.cpu_count() or 1)
 # A suite started in the background of a non-interactive shell (`make test &`) inherits SIGINT ignored, and so would
 # every process a test starts: the tests that press Ctrl-C on a run (SIGINT) need it delivered. A Python handler here
 # becomes the default action in the processes the tests exec.
@@ -204,7 +208,18 @@ def flwr_run(folder: Path, **sections) -> Path:
     cfg = write_config(folder / "cfg.yaml", **sections)
     out = folder / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--output-dir", str(out), "--quiet"],
+        [
+            sys.executable,
+            "-m",
+            "fedapps_tools.cli",
+            "run",
+            str(cfg),
+            "--output-dir",
+            str(out),
+            "--quiet",
+            "--cpus-per-client",
+            ACTOR_CPUS,
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -213,6 +228,19 @@ def flwr_run(folder: Path, **sections) -> Path:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run,) = [d for d in out.iterdir() if (d / "summary.json").is_file()]
+    return run
+
+
+def wire_run(folder: Path, **sections) -> Path:
+    """:func:`write_config`'s config updated by ``sections`` run in process on an :class:`InProcessGrid` that sends
+    every message, reply and node Context through Flower's protobuf encoding (``wire=True``, as `flwr run` does), its
+    node ids as large as Flower's (≥ 2⁶³); returns the run's folder (a second or two, where a real `flwr run` costs
+    ~25 CPU-seconds: :func:`flwr_run`)."""
+    from fedapps.flower.inprocess import InProcessGrid
+
+    cfg = write_config(folder / "cfg.yaml", **sections)
+    clients = int(yaml.safe_load(cfg.read_text())["data"]["num_clients"])
+    _, run = run_in_process(cfg, folder / "out", InProcessGrid(clients, wire=True, first_node_id=2**63 + 7))
     return run
 
 
@@ -240,7 +268,18 @@ def _tiny_flower_run(folder: Path):
     cfg = write_config(folder / "cfg.yaml", data={"source": "digits", "partition": "iid", "num_clients": 3})
     # the results root "fl" has the same path length as the in-process twin's "ip" (bytes_down counts the state-dir)
     proc = subprocess.run(
-        [sys.executable, "-m", "fedapps_tools.cli", "run", str(cfg), "--output-dir", str(folder / "fl"), "--quiet"],
+        [
+            sys.executable,
+            "-m",
+            "fedapps_tools.cli",
+            "run",
+            str(cfg),
+            "--output-dir",
+            str(folder / "fl"),
+            "--quiet",
+            "--cpus-per-client",
+            ACTOR_CPUS,
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -572,6 +572,7 @@ def test_the_example_runs_through_flwr_run_as_our_app_runs_cosmos(tmp_path: Path
     """`flwr run examples/cosmos-quickstart` (2 rounds, 4 nodes, mnist5k) against our app's COSMOS on the same
     partition, seed and initial weights (the example's Net has the zoo's ``cnn`` layers): the same clusters, close
     per-client accuracies of the deployed cluster models."""
+    from conftest import ACTOR_CPUS
     from fedapps_tools.appruns import run_app
 
     result = tmp_path / "result.json"
@@ -584,7 +585,7 @@ def test_the_example_runs_through_flwr_run_as_our_app_runs_cosmos(tmp_path: Path
         "max-clusters": 2,
     }
     run_config = " ".join(f"{k}={v}" for k, v in overrides.items()) + f' results="{result}"'
-    run = run_app(EXAMPLE, run_config, num_supernodes=N)
+    run = run_app(EXAMPLE, run_config, num_supernodes=N, cpus_per_client=int(ACTOR_CPUS))
     assert run.completed, run.log[-4000:]
     doc = json.loads(result.read_text())
     assert doc["round"] == 2

@@ -97,6 +97,41 @@ def test_a_node_busy_with_an_abandoned_message_serves_the_next_one_after_it(tmp_
     assert not reply.has_error() and overlaps == [1, 1]
 
 
+def test_through_the_wire_a_node_keeps_its_records_and_loses_what_is_not_in_them():
+    """``wire=True``: each message is served on a Context decoded from Flower's encoding of the node's Context (a new
+    object every time), whose ``state`` records come back to the node and whose other attributes do not; replies are
+    decoded copies. Without it, the node's own Context object."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    from fedapps.wire import protocol
+
+    def run_twice(wire):
+        seen = []
+
+        def mod(msg, ctx, call_next):  # a client counting its messages in its state, and in an attribute
+            count = int(ctx.state["n"]["n"]) + 1 if "n" in ctx.state else 1
+            ctx.state["n"] = ConfigRecord({"n": count})
+            seen.append((ctx, count, getattr(ctx, "scratch", None)))
+            ctx.scratch = count
+            return Message(RecordDict({"n": ConfigRecord({"n": count})}), reply_to=msg)
+
+        grid = InProcessGrid(1, mods=[mod], wire=wire)
+        request = protocol.Request(ops=(), round=0, setup=protocol.Setup(data={"source": "digits", "num_clients": 1}))
+        replies = []
+        for _ in range(2):
+            msg = protocol.Draft(100, request, message_type=protocol.QUERY_MESSAGE_TYPE).message()
+            (reply,) = grid.send_and_receive([msg])
+            replies.append(int(reply.content["n"]["n"]))
+        return seen, replies
+
+    seen, replies = run_twice(wire=True)
+    assert [c for _, c, _ in seen] == [1, 2] == replies and [s for _, _, s in seen] == [None, None]
+    assert seen[0][0] is not seen[1][0]
+    seen, replies = run_twice(wire=False)
+    assert [c for _, c, _ in seen] == [1, 2] == replies and [s for _, _, s in seen] == [None, 1]
+    assert seen[0][0] is seen[1][0]
+
+
 # --------------------------------------------------------------------------- results independent of concurrency
 
 
@@ -122,9 +157,12 @@ SHRINK = {
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
-def test_every_strategy_gives_the_same_rounds_whatever_the_number_of_workers(strategy, tmp_path):
+def test_every_strategy_gives_the_same_rounds_whatever_the_workers_and_through_flowers_wire_format(strategy, tmp_path):
     """A client operation that shares process-wide state (a module, torch's RNG, a global hook) gives other numbers,
-    or errors, when clients are served at once; 1 and 4 workers must agree exactly."""
+    or errors, when clients are served at once; 1 and 4 workers must agree exactly. The 4-worker run also sends every
+    message, reply and node Context through Flower's protobuf encoding and back (``wire=True``, as `flwr run` does):
+    a value Flower's records cannot carry, or client state kept outside ``context.state``'s records, fails or changes
+    the numbers (a difference here is either cause: rerun without ``wire`` to tell)."""
     cfg = tmp_path / "empty.yaml"
     cfg.write_text("{}")
     overrides = " ".join(
@@ -143,7 +181,7 @@ def test_every_strategy_gives_the_same_rounds_whatever_the_number_of_workers(str
         ]
     )
     one = rows(run(InProcessGrid(4, workers=1), cfg, tmp_path / "w1", overrides))
-    four = rows(run(InProcessGrid(4, workers=4), cfg, tmp_path / "w4", overrides))
+    four = rows(run(InProcessGrid(4, workers=4, wire=True), cfg, tmp_path / "w4", overrides))
     assert one == four and [r["replies_rejected"] for r in one] == ["0", "0"]
 
 

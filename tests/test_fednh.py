@@ -354,11 +354,12 @@ def test_short_run_in_process(tiny_config, tmp_path) -> None:
 
 
 @pytest.mark.heavy
-def test_flwr_run_end_to_end(tmp_path) -> None:
-    """`fedapps run` -> `flwr run` (own SuperLink, Ray simulation, 3 SuperNodes, 2 rounds of FedNH on digits)."""
-    from conftest import flwr_run
+def test_end_to_end_through_flowers_wire_format(tmp_path) -> None:
+    """2 rounds of FedNH on digits, 3 clients, every message, reply and node Context through Flower's protobuf
+    encoding (:func:`conftest.wire_run`; the Ray path itself: test_cli_e2e.py)."""
+    from conftest import wire_run
 
-    out = flwr_run(
+    out = wire_run(
         tmp_path,
         strategy={"name": "fednh", "params": {"fednh": {"finetune_epochs": 1}}},
         data={"source": "digits", "partition": "iid", "num_clients": 3},

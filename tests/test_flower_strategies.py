@@ -39,7 +39,7 @@ if str(TWIN) not in sys.path:
 from quickstart_twin.client_app import app as twin_client  # noqa: E402
 from quickstart_twin.task import load_data  # noqa: E402
 
-from conftest import run_in_process  # noqa: E402
+from conftest import ACTOR_CPUS, run_in_process  # noqa: E402
 
 RUN_CONFIG = {  # the twin's [tool.flwr.app.config], as the tests run it in-process
     "seed": 0,
@@ -344,7 +344,7 @@ def test_through_flwr_run_the_drop_in_gives_the_apps_personalised_models(name, t
     dump = tmp_path / "dump"
     dump.mkdir()
     settings = f'num-server-rounds={rounds} strategy="{name}" dump-dir="{dump}" {TWIN_SETTINGS.get(name, "")}'
-    run = run_app(TWIN, settings, num_supernodes=4)
+    run = run_app(TWIN, settings, num_supernodes=4, cpus_per_client=int(ACTOR_CPUS))
     assert run.completed, run.log[-4000:]
 
     cfg = tiny_config(
@@ -387,7 +387,9 @@ def test_the_cwfedavg_quickstart_example_runs_through_flwr_run(tmp_path):
 
     results = tmp_path / "results.json"
     example = Path(__file__).parents[1] / "examples" / "cwfedavg-quickstart"
-    run = run_app(example, f'num-server-rounds=2 results="{results}"', num_supernodes=3)
+    run = run_app(
+        example, f'num-server-rounds=2 results="{results}"', num_supernodes=3, cpus_per_client=int(ACTOR_CPUS)
+    )
     assert run.completed, run.log[-4000:]
     assert "Starting FlowerCwFedAvg strategy" in run.log
     evaluate = json.loads(results.read_text())["evaluate"]
@@ -656,7 +658,9 @@ def test_through_flwr_run_fedamp_with_a_client_that_keeps_its_model_gives_the_ap
     dump = tmp_path / "dump"
     dump.mkdir()
     settings = f'num-server-rounds={rounds} strategy="fedamp" keep-model=true dump-dir="{dump}"'
-    run = run_app(TWIN, f"{settings} fedamp-lam=0.1 fedamp-kappa=1.0", num_supernodes=4)
+    run = run_app(
+        TWIN, f"{settings} fedamp-lam=0.1 fedamp-kappa=1.0", num_supernodes=4, cpus_per_client=int(ACTOR_CPUS)
+    )
     assert run.completed, run.log[-4000:]
 
     cfg = tiny_config(

@@ -330,11 +330,12 @@ def test_short_run_sends_one_model_each_way_and_personalises(tiny_config, tmp_pa
 
 
 @pytest.mark.heavy
-def test_flwr_run_end_to_end(tmp_path):
-    """`fedapps run` -> `flwr run` (own SuperLink, Ray simulation, 3 SuperNodes, 2 rounds of pFedCK on digits)."""
-    from conftest import flwr_run
+def test_end_to_end_through_flowers_wire_format(tmp_path):
+    """2 rounds of pFedCK on digits, 3 clients, every message, reply and node Context through Flower's protobuf
+    encoding (:func:`conftest.wire_run`; the Ray path itself: test_cli_e2e.py)."""
+    from conftest import wire_run
 
-    out = flwr_run(
+    out = wire_run(
         tmp_path,
         strategy={"name": "pfedck"},
         data={"source": "digits", "partition": "pathological", "num_clients": 3, "classes_per_client": 4},

@@ -380,13 +380,14 @@ def test_a_resumed_run_continues_the_hypernetwork_and_its_momentum(tiny_config):
 
 
 @pytest.mark.heavy
-def test_flwr_run_end_to_end(tmp_path):
-    """`fedapps run` -> `flwr run` (own SuperLink, Ray simulation, 3 SuperNodes, 2 rounds of pFedHN on digits).
+def test_end_to_end_through_flowers_wire_format(tmp_path):
+    """2 rounds of pFedHN on digits, 3 clients, every message, reply and node Context through Flower's protobuf
+    encoding (:func:`conftest.wire_run`; the Ray path itself: test_cli_e2e.py).
 
     The SuperNodes are identified before round 1, so no client is sent the mean embedding's model in any round."""
-    from conftest import flwr_run
+    from conftest import wire_run
 
-    out = flwr_run(
+    out = wire_run(
         tmp_path,
         strategy={"name": "pfedhn"},
         data={"source": "digits", "partition": "pathological", "num_clients": 3, "classes_per_client": 4},

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import ACTOR_CPUS
 from fedapps_tools.flwrcli import FLOWER_APP, installed_app, staged_app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,7 +186,8 @@ def test_the_examples_run_against_the_wheel_outside_the_checkout(venv, example):
     results = venv.outside / f"{example}.json"
     code = (
         "import sys; from pathlib import Path; from fedapps_tools.appruns import run_app; "
-        f"run = run_app(Path({str(app)!r}), 'num-server-rounds=1 results=\"{results}\"', num_supernodes=2); "
+        f"run = run_app(Path({str(app)!r}), 'num-server-rounds=1 results=\"{results}\"', num_supernodes=2, "
+        f"cpus_per_client={ACTOR_CPUS}); "
         "print(run.status); print(run.log[-3000:]); sys.exit(0 if run.completed else 1)"
     )
     proc = venv.run([str(venv.python), "-c", code], timeout=600)

@@ -75,6 +75,11 @@ class InProcessGrid:
     :class:`fedapps.flower.faults.ReplyDropped` means no reply; a reply :func:`fedapps.flower.faults.take_duplicate`
     marks is delivered twice.
 
+    ``wire=True`` sends every message, reply and node Context through Flower's own protobuf encoding
+    (``flwr.common.serde``) and back, as they cross the wire and the Ray backend under `flwr run`: what does not
+    survive the trip (a value of a type Flower's records cannot carry, state kept outside ``context.state``'s records)
+    fails here as it would there, without starting Ray.
+
     ``send_and_receive`` serves up to ``workers`` messages at once (default :func:`default_workers`), each on a
     thread of its own, and returns the replies in the order of the messages, whatever order they finished in.
     ``timeout`` is each client's own deadline, counted from when its message starts being served: a client still
@@ -94,6 +99,7 @@ class InProcessGrid:
         mods: list[Callable] | None = None,
         node_ids: list[int] | None = None,
         workers: int | None = None,
+        wire: bool = False,
     ) -> None:
         # Flower's node ids are unsigned 64-bit and usually large: tests pass first_node_id >= 2**63 to mimic them;
         # ``node_ids[i]`` (instead of first_node_id + i) serves partition i, in any order, as Flower's random ids do
@@ -124,6 +130,7 @@ class InProcessGrid:
         self.record = record
         self.mods = [faults.faults_mod] if mods is None else list(mods)  # as client_app.py: a no-op unless asked
         self.workers = default_workers() if workers is None else max(1, int(workers))
+        self.wire = wire
         self.sent: list[Message] = []  # stays empty unless record=True
         self.replies: list[Message] = []
 
@@ -134,7 +141,12 @@ class InProcessGrid:
         call: Callable[[Message, Context], Message] = handle
         for mod in reversed(self.mods):
             call = functools.partial(_apply_mod, mod, call)
-        return call(msg, ctx)
+        if not self.wire:
+            return call(msg, ctx)
+        served = _through_wire_context(ctx)
+        reply = call(_through_wire(msg), served)
+        ctx.state = _through_wire_context(served).state  # what the node keeps must survive the trip too
+        return _through_wire(reply)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         jobs: list[_Job] = []
@@ -223,3 +235,17 @@ class InProcessGrid:
 
 def _apply_mod(mod: Callable, call_next: Callable[[Message, Context], Message], msg: Message, ctx: Context) -> Message:
     return mod(msg, ctx, call_next)
+
+
+def _through_wire(msg: Message) -> Message:
+    """``msg`` encoded as Flower sends it (protobuf) and decoded again."""
+    from flwr.common.serde import message_from_proto, message_to_proto
+
+    return message_from_proto(message_to_proto(msg))
+
+
+def _through_wire_context(ctx: Context) -> Context:
+    """``ctx`` encoded as Flower stores a node's Context (protobuf) and decoded again."""
+    from flwr.common.serde import context_from_proto, context_to_proto
+
+    return context_from_proto(context_to_proto(ctx))
