@@ -91,29 +91,6 @@ def test_two_concurrent_runs_each_own_their_superlink(tiny_config, tmp_path):
 
 
 @pytest.mark.heavy
-def test_partial_participation_40_clients_through_flwr_run(tiny_config, tmp_path):
-    """40 SuperNodes (node ids are uint64, many >= 2**63), fraction 0.25: every sampled client replies."""
-    require_flower()
-    cfg = tiny_config(
-        rounds=2,
-        run_name="pp40",
-        strategy={"name": "fedavg", "fraction": 0.25},
-        data={"num_clients": 40},
-        client={"epochs": 1, "batch_size": 32, "lr": 0.05},
-    )
-    proc = fedapps_run(cfg, tmp_path / "res")
-    out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 0, out[-4000:]
-    rows = read_csv(tmp_path / "res" / "pp40" / "rounds.csv")
-    assert [r["clients"] for r in rows] == [10, 10], out[-3000:]
-    assert [r["skipped"] for r in rows] == [0, 0]
-    # round 1's deployed models measured on round 2's 10 sampled clients; round 2's on all 40 (evaluation-only)
-    assert [r["measured_clients"] for r in rows] == [10, 40], out[-3000:]
-    _, pid = superlink_of(out)
-    assert launch._proc_stat(pid) is None
-
-
-@pytest.mark.heavy
 def test_a_headline_on_too_few_clients_exits_3_through_flwr_run(tiny_config, tmp_path):
     """Under `flwr run` the ServerApp's verdict (summary.json exit_status) becomes the exit status: clients 1 and 2
     fail the evaluation-only message (fault injection through FEDAPPS_FAULTS), so the headline covers 1 of 3."""

@@ -18,7 +18,7 @@ dp_accounting = pytest.importorskip("dp_accounting", reason="the accountant come
 # the project imports below come after the skip on purpose: without the extra this module is skipped, not broken
 # ruff: noqa: E402
 
-from conftest import flwr_run, run_in_process
+from conftest import run_in_process, wire_run
 from fedapps.config import ConfigError, ExperimentConfig, config_hash, load_config, without_later_defaults
 from fedapps.flower.inprocess import InProcessGrid
 from fedapps.server import client_privacy as cp
@@ -499,11 +499,11 @@ def test_each_strategy_runs_in_process_under_the_mode(tmp_path, overrides):
 
 
 @pytest.mark.heavy
-def test_cosmos_under_the_mode_through_flwr_run(tmp_path):
-    """A real `flwr run` (Ray simulation, a SuperNode per client) of COSMOS in client mode: ε per round is the
-    accountant's, the clusters formed, and the clients never saw the mode (no reply reported an ε of its own, which a
-    client does exactly when its message carries privacy settings)."""
-    run = flwr_run(
+def test_cosmos_under_the_mode_through_flowers_wire_format(tmp_path):
+    """COSMOS in client mode with every message, reply and node Context through Flower's protobuf encoding
+    (:func:`conftest.wire_run`): ε per round is the accountant's, the clusters formed, and the clients never saw the
+    mode (no reply reported an ε of its own, which a client does exactly when its message carries privacy settings)."""
+    run = wire_run(
         tmp_path,
         rounds=2,
         strategy={

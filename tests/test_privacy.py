@@ -588,12 +588,13 @@ def test_strategies_run_in_process_with_a_growing_epsilon(tmp_path, overrides):
 
 
 @pytest.mark.heavy
-def test_the_ledger_persists_between_messages_under_flwr_run(tmp_path):
-    """Under `flwr run` (Ray simulation, a SuperNode per client), round 2's ε of each client is that of two rounds of
-    its own steps: the ledger outlived the message."""
-    from conftest import flwr_run
+def test_the_ledger_persists_between_messages_through_flowers_wire_format(tmp_path):
+    """With each node's Context encoded as Flower keeps it between messages and decoded again for the next one
+    (:func:`conftest.wire_run`), round 2's ε of each client is that of two rounds of its own steps: the ledger
+    outlived the message in the node's records, as it must under `flwr run`."""
+    from conftest import wire_run
 
-    run = flwr_run(tmp_path, privacy={"mode": "sample", "noise_multiplier": 1.0})
+    run = wire_run(tmp_path, privacy={"mode": "sample", "noise_multiplier": 1.0})
     cfg = load_config(run / "config.yaml")
     fed = get_federation(dataclasses.asdict(cfg.data))
     for cid, values in last_epsilon(run).items():

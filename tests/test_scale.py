@@ -34,6 +34,7 @@ def test_200_clients_two_rounds_sampled_cohort(tmp_path):
     rows = read_csv(out / "rounds.csv")
     summary = json.loads((out / "summary.json").read_text())
     assert [r["clients"] for r in rows] == [SAMPLED, SAMPLED]  # the cohort, not the federation
+    assert [r["skipped"] for r in rows] == [0, 0]  # every sampled SuperNode (uint64 ids, many >= 2**63) replied
     assert [r["replies_ok"] for r in rows] == [SAMPLED, SAMPLED + CLIENTS]  # round 2 also carries the final evaluation
     # round 1's deployed models are measured by round 2's cohort; the final evaluation reaches every client
     assert [r["measured_clients"] for r in rows] == [SAMPLED, CLIENTS]
