@@ -12,7 +12,7 @@ VENV    ?= .venv
 PYTHON  ?= python3
 CONFIG  ?= configs/default.yaml
 ARGS    ?=
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.fedapps-installed
 

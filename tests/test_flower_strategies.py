@@ -326,26 +326,41 @@ def withhold_identify(msg, ctx, call_next):
 APP_MODS = {"pfedhn": [withhold_identify]}
 
 
-@pytest.mark.heavy
-@pytest.mark.parametrize("name", sorted(APP_TWINS))
-def test_through_flwr_run_the_drop_in_gives_the_apps_personalised_models(name, tmp_path, tiny_config):
-    """The quickstart twin with the drop-in strategy under `flwr run` (Ray simulation, 4 SuperNodes) and the app's own
-    strategy (cwFedAvg: wdr_lambda 0, estimator norm) on the same partition, seed and initial model, 3 rounds. Every
-    round, each client's personalised model is the same to float tolerance where the app sends it (cwFedAvg: the whole
-    model; FedPer: the body — its head never leaves the app's client), and each client's accuracy is the same (for
-    Local, whose models never leave the app's clients, that is the comparison). pFedHN: the twin sends its partition id
-    (the drop-in's embedding of the node) and the app's nodes withhold their identify reply, so that both send every
-    node the mean embedding's model in round 1 (a plain Flower client cannot be identified before its first reply).
-    The twin's DataLoader draws the app's minibatch order; what remains is float rounding (collation, the order
-    replies arrive in)."""
+TWIN_ROUNDS = 3
+
+
+@pytest.fixture(scope="module")
+def twin_run(tmp_path_factory):
+    """ONE `flwr run` of the quickstart twin (Ray simulation, 4 SuperNodes, 3 rounds) running every drop-in of
+    APP_TWINS, one after another from the same initial model (each strategy's dumps in a folder of its name; each
+    SuperNode sends its partition id, which only pFedHN reads): (the run, the dump folder). One run instead of one per
+    strategy: a `flwr run` costs ~15 CPU-seconds before its first round."""
     from fedapps_tools.appruns import run_app
 
-    rounds = 3
-    dump = tmp_path / "dump"
-    dump.mkdir()
-    settings = f'num-server-rounds={rounds} strategy="{name}" dump-dir="{dump}" {TWIN_SETTINGS.get(name, "")}'
-    run = run_app(TWIN, settings, num_supernodes=4, cpus_per_client=int(ACTOR_CPUS))
+    dump = tmp_path_factory.mktemp("twin-dump")
+    settings = " ".join(TWIN_SETTINGS.values())
+    run_config = (
+        f'num-server-rounds={TWIN_ROUNDS} strategy="{",".join(sorted(APP_TWINS))}" dump-dir="{dump}" {settings}'
+    )
+    return run_app(TWIN, run_config, num_supernodes=4, cpus_per_client=int(ACTOR_CPUS)), dump
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", sorted(APP_TWINS))
+def test_through_flwr_run_the_drop_in_gives_the_apps_personalised_models(name, twin_run, tmp_path, tiny_config):
+    """The quickstart twin with the drop-in strategy under `flwr run` (Ray simulation, 4 SuperNodes; :func:`twin_run`)
+    and the app's own strategy (cwFedAvg: wdr_lambda 0, estimator norm) on the same partition, seed and initial
+    model, 3 rounds. Every round, each client's personalised model is the same to float tolerance where the app sends
+    it (cwFedAvg: the whole model; FedPer: the body — its head never leaves the app's client), and each client's
+    accuracy is the same (for Local, whose models never leave the app's clients, that is the comparison). pFedHN: the
+    twin sends its partition id (the drop-in's embedding of the node) and the app's nodes withhold their identify
+    reply, so that both send every node the mean embedding's model in round 1 (a plain Flower client cannot be
+    identified before its first reply). The twin's DataLoader draws the app's minibatch order; what remains is float
+    rounding (collation, the order replies arrive in)."""
+    run, dumps = twin_run
     assert run.completed, run.log[-4000:]
+    rounds = TWIN_ROUNDS
+    dump = dumps / name
 
     cfg = tiny_config(
         rounds=rounds,

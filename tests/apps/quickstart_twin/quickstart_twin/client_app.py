@@ -15,6 +15,16 @@ app = ClientApp()
 torch.set_num_threads(1)
 
 
+def dump_dir(msg: Message, context: Context) -> Path | None:
+    """Where the test reads what this client was sent: dump-dir, or its folder for the strategy now running (the
+    server's ``phase`` entry, when it runs several); None when not asked."""
+    if not context.run_config["dump-dir"]:
+        return None
+    folder = Path(context.run_config["dump-dir"], msg.content["config"].get("phase", ""))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 @app.train()
 def train(msg: Message, context: Context):
     model = Net()
@@ -32,10 +42,10 @@ def train(msg: Message, context: Context):
     train_loss = train_fn(model, trainloader, epochs, lr, "cpu", anchor=received.to_torch_state_dict(), mu=mu)
     if keep:
         context.state["model"] = ArrayRecord(model.state_dict())
-    dump = context.run_config["dump-dir"]
+    dump = dump_dir(msg, context)
     if dump:  # the test's window on what each client was sent to train
         arrays = {k: v.numpy() for k, v in received.items()}
-        np.savez(Path(dump) / f"client{partition_id}-train{server_round}.npz", **arrays)
+        np.savez(dump / f"client{partition_id}-train{server_round}.npz", **arrays)
     metrics = {"train_loss": train_loss, "num-examples": len(trainloader.dataset)}
     if context.run_config["send-class-counts"]:
         metrics["class-counts"] = [int(c) for c in counts]
@@ -52,10 +62,10 @@ def evaluate(msg: Message, context: Context):
     partition_id = context.node_config["partition-id"]
     _, testloader, _ = load_data(partition_id, context.node_config["num-partitions"], context.run_config)
     eval_loss, eval_acc = test_fn(model, testloader, "cpu")
-    dump = context.run_config["dump-dir"]
+    dump = dump_dir(msg, context)
     if dump:  # the test's window on what each client was sent
         server_round = msg.content["config"]["server-round"]
         arrays = {k: v.numpy() for k, v in msg.content["arrays"].items()}
-        np.savez(Path(dump) / f"client{partition_id}-round{server_round}.npz", acc=eval_acc, **arrays)
+        np.savez(dump / f"client{partition_id}-round{server_round}.npz", acc=eval_acc, **arrays)
     metrics = {"eval_loss": eval_loss, "eval_acc": eval_acc, "num-examples": len(testloader.dataset)}
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
