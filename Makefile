@@ -18,12 +18,13 @@ STAMP   := $(VENV)/.fedapps-installed
 
 .PHONY: run lint deadcode test test-fast bench mutate docs docs-reference docs-serve clean-results
 
-# --no-compile: no .pyc for all of torch's files up front (~35 of ~90 s on 2 cores); each module compiles its own on
-# first import
+# pip compiles every installed module (~35 of the ~90 s): keep it. Where PYTHONDONTWRITEBYTECODE is set (as on these
+# machines) nothing writes a .pyc later, so every process of the suite (each Ray actor, each `flwr run` process) would
+# compile torch from source again; `make test` compiles the project's own modules for the same reason.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile -e ".[test]"
+	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -43,12 +44,16 @@ deadcode: $(STAMP)
 # session-scoped fixture go to one worker together (tests/conftest.py marks them xdist_group): it is built once
 DIST    := --dist loadgroup --no-loadscope-reorder
 
+COMPILE := $(PY) -m compileall -q fedapps strategies fedapps_tools server_app.py client_app.py
+
 test: lint
+	$(COMPILE)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) $(DIST) $(ARGS)
 
 FAST    := not heavy and not raycluster and not netns
 
 test-fast: lint
+	$(COMPILE)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) $(DIST) -m "$(FAST)" $(ARGS)
 
 docs-reference: $(STAMP)

@@ -24,6 +24,23 @@ torch.set_num_threads(1)
 # that Ray starts ONE client actor and it serves every SuperNode in turn. Each actor imports torch and the app (~5
 # CPU-seconds): on the suite's 2 cores, already busy with the other worker, a second actor costs more than it overlaps.
 ACTOR_CPUS = str(os.cpu_count() or 1)
+
+
+def fedapps_run_argv(config: Path, *args: str) -> list[str]:
+    """``fedapps run CONFIG --quiet ARGS`` through `flwr run` as a test starts it: this interpreter, one Ray actor."""
+    return [
+        sys.executable,
+        "-m",
+        "fedapps_tools.cli",
+        "run",
+        str(config),
+        "--quiet",
+        "--cpus-per-client",
+        ACTOR_CPUS,
+        *args,
+    ]
+
+
 # A suite started in the background of a non-interactive shell (`make test &`) inherits SIGINT ignored, and so would
 # every process a test starts: the tests that press Ctrl-C on a run (SIGINT) need it delivered. A Python handler here
 # becomes the default action in the processes the tests exec.
@@ -208,18 +225,7 @@ def flwr_run(folder: Path, **sections) -> Path:
     cfg = write_config(folder / "cfg.yaml", **sections)
     out = folder / "out"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fedapps_tools.cli",
-            "run",
-            str(cfg),
-            "--output-dir",
-            str(out),
-            "--quiet",
-            "--cpus-per-client",
-            ACTOR_CPUS,
-        ],
+        fedapps_run_argv(cfg, "--output-dir", str(out)),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -268,18 +274,7 @@ def _tiny_flower_run(folder: Path):
     cfg = write_config(folder / "cfg.yaml", data={"source": "digits", "partition": "iid", "num_clients": 3})
     # the results root "fl" has the same path length as the in-process twin's "ip" (bytes_down counts the state-dir)
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fedapps_tools.cli",
-            "run",
-            str(cfg),
-            "--output-dir",
-            str(folder / "fl"),
-            "--quiet",
-            "--cpus-per-client",
-            ACTOR_CPUS,
-        ],
+        fedapps_run_argv(cfg, "--output-dir", str(folder / "fl")),
         cwd=ROOT,
         capture_output=True,
         text=True,

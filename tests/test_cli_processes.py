@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ACTOR_CPUS
+from conftest import fedapps_run_argv
 from fedapps.reporting.results import read_csv
 from fedapps_tools import launch
 
@@ -36,19 +36,7 @@ def require_flower() -> None:
 def fedapps_run(cfg: Path, out: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "fedapps_tools.cli",
-            "run",
-            str(cfg),
-            "--output-dir",
-            str(out),
-            "--quiet",
-            "--cpus-per-client",
-            ACTOR_CPUS,
-            *extra,
-        ],
+        fedapps_run_argv(cfg, "--output-dir", str(out), *extra),
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ACTOR_CPUS, derived_run_dir
+from conftest import derived_run_dir, fedapps_run_argv
 from tests.conftest import write_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -246,17 +246,7 @@ class FlowerRun:
 
         env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "fedapps_tools.cli",
-                "run",
-                str(config),
-                "--quiet",
-                "--cpus-per-client",
-                ACTOR_CPUS,
-                *args,
-            ],
+            fedapps_run_argv(config, *args),
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,

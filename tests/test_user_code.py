@@ -16,14 +16,13 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import ACTOR_CPUS, ROOT, run_folder, run_in_process, write_config
+from conftest import ROOT, fedapps_run_argv, run_folder, run_in_process, write_config
 from fedapps.config import config_from_dict, load_config
 from fedapps.data import DataError, build_federation
 from fedapps.flower.inprocess import InProcessGrid
@@ -255,18 +254,7 @@ def test_flwr_run_imports_the_users_model_and_data_through_pythonpath(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fedapps_tools.cli",
-            "run",
-            str(cfg),
-            "--output-dir",
-            str(out),
-            "--quiet",
-            "--cpus-per-client",
-            ACTOR_CPUS,
-        ],
+        fedapps_run_argv(cfg, "--output-dir", str(out)),
         cwd=tmp_path,
         capture_output=True,
         text=True,
