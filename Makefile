@@ -1,7 +1,8 @@
 # make run   - install into .venv (first time) and run the default experiment through `flwr run`
 # make lint  - ruff check, ruff format --check, mypy, lint-imports (the import contracts; settings in pyproject.toml), dead code
 # make deadcode - dead code found by vulture (scripts/dead_code.py: the registries and framework-called names whitelisted)
-# make test  - install into .venv (first time), lint, then the test suite on TEST_WORKERS pytest-xdist workers
+# make test  - install into .venv (first time), then the test suite on TEST_WORKERS pytest-xdist workers with the lint
+#              beside it
 #              (ARGS="-n 0" runs it in one process; ARGS="tests/test_x.py" runs one file)
 # make test-fast - the edit loop: lint, then the suite less the tests marked heavy, raycluster or netns (<= 3 min)
 # make mutate - mutation testing: the named mutations of #10, then mutmut over the maths (docs/development.md)
@@ -46,9 +47,17 @@ DIST    := --dist loadgroup --no-loadscope-reorder
 
 COMPILE := $(PY) -m compileall -q fedapps strategies fedapps_tools server_app.py client_app.py
 
-test: lint
+# the lint runs beside the suite (its ~40 s, most of it mypy on one core, fill what the suite's waits leave of the
+# cores); its output follows the tests', and either failing fails `make test`
+LINT_LOG := $(VENV)/lint.log
+
+test: $(STAMP)
 	$(COMPILE)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) $(DIST) $(ARGS)
+	@$(MAKE) --no-print-directory lint > $(LINT_LOG) 2>&1 & lint=$$!; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) $(DIST) $(ARGS); tests=$$?; \
+	if wait $$lint; then echo "make lint: passed (its output: $(LINT_LOG))"; \
+	else cat $(LINT_LOG); echo "make lint: FAILED (its output above)"; exit 1; fi; \
+	exit $$tests
 
 FAST    := not heavy and not raycluster and not netns
 
