@@ -156,15 +156,26 @@ class Tables:
         return {k: yaml.safe_load(v) for k, v in values.items()}
 
     def tune(self, setting: str, m: Method) -> None:
+        """The method's grid on the setting's validation split (``fedapps tune``), unless a tuning is there or the
+        published record stands in for it: a choice over the same grid whose row was measured with the config that
+        choice makes today (same hash; a row without a hash is taken at its word). A choice made for another config
+        of the method (an option or default changed since: another method, in effect) is tuned again."""
         if not m.grid:
             return
+        row = self.record_rows.get((setting, m.name))
         if not any(self.tune_dir(setting, m).glob("chosen*.yaml")) and self.recorded_choice(setting, m) is not None:
+            if row is None or not config_changed(self, setting, m, row):
+                print(
+                    f"{m.name} on {setting}: the published choice is reused (tuned over the same grid; no work "
+                    "folder here)",
+                    flush=True,
+                )
+                return
             print(
-                f"{m.name} on {setting}: the published choice is reused (tuned over the same grid; no work folder "
-                f"here)",
+                f"{m.name} on {setting}: the published choice was made for another config of the method (its row's "
+                "hash differs from today's): tuned again",
                 flush=True,
             )
-            return
         args = [
             "tune",
             str(self.method_config(setting, m)),

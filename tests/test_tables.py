@@ -446,6 +446,35 @@ def test_a_published_choice_stands_in_for_a_lost_tuning_only_over_the_same_grid(
     assert len(calls) == 1 and calls[0][0] == "tune"  # another grid: tuned afresh
 
 
+def test_a_published_choice_made_for_another_config_of_the_method_is_tuned_again(tmp_path, monkeypatch):
+    """The published row of (a, fedavg) was measured with a config whose hash differs from what its choice makes today
+    (an option of the method changed since): its choice does not stand in for a tuning; with today's hash it does."""
+    spec = tables_spec.load_spec(write_spec(tmp_path, methods={"fedavg": {"grid": {"client.lr": [0.01, 0.1]}}}))
+    m = spec.methods[0]
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    keys = ["setting", "method", "config", "accuracy_mean", "chosen:client.lr", "config_hash"]
+    tables_spec.write_csv(
+        docs / "demo-tuning.csv",
+        ["setting", "method", "grid", "validation_scores"],
+        [{"setting": "a", "method": "fedavg", "grid": tables_spec.grid_text(m), "validation_scores": "x"}],
+    )
+    calls = []
+    monkeypatch.setattr(tables_run, "fedapps", lambda args, log, jobs=1: calls.append(args))
+
+    def tune_with_published_hash(value: str) -> tables_run.Tables:
+        row = dict(zip(keys, ["a", "fedavg", "fedavg", 0.7, "0.1", value]))
+        tables_spec.write_csv(docs / "demo.csv", keys, [row])
+        t = tables_run.Tables(spec, tmp_path / "work", "inprocess", 1, docs)
+        t.run(["a"], spec.methods, {"tune"})
+        return t
+
+    today = tune_with_published_hash("0" * 64).final_hash("a", m)  # the published choice applied to today's config
+    assert len(calls) == 1
+    tune_with_published_hash(today)
+    assert len(calls) == 1 and calls[0][0] == "tune"  # the stale hash: tuned; today's hash: the choice stands
+
+
 def test_a_published_row_of_the_same_final_config_is_not_run_again(tmp_path, monkeypatch):
     """The final stage skips a setting × method whose published row carries the hash of today's final config (a run
     made in an earlier clone), and runs it when the config changed since, or when asked to rerun published rows."""
