@@ -161,8 +161,9 @@ def test_every_strategy_gives_the_same_rounds_whatever_the_workers_and_through_f
     """A client operation that shares process-wide state (a module, torch's RNG, a global hook) gives other numbers,
     or errors, when clients are served at once; 1 and 4 workers must agree exactly. The 4-worker run also sends every
     message, reply and node Context through Flower's protobuf encoding and back (``wire=True``, as `flwr run` does):
-    a value Flower's records cannot carry, or client state kept outside ``context.state``'s records, fails or changes
-    the numbers (a difference here is either cause: rerun without ``wire`` to tell)."""
+    client state kept outside ``context.state``'s records, or anything relying on a message or Context being the same
+    object from one call to the next, fails or changes the numbers (a difference here is either cause: rerun without
+    ``wire`` to tell)."""
     cfg = tmp_path / "empty.yaml"
     cfg.write_text("{}")
     overrides = " ".join(

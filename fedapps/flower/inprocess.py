@@ -77,8 +77,9 @@ class InProcessGrid:
 
     ``wire=True`` sends every message, reply and node Context through Flower's own protobuf encoding
     (``flwr.common.serde``) and back, as they cross the wire and the Ray backend under `flwr run`: what does not
-    survive the trip (a value of a type Flower's records cannot carry, state kept outside ``context.state``'s records)
-    fails here as it would there, without starting Ray.
+    survive the trip (state kept on the Context outside ``context.state``'s records, anything that relies on a
+    message or Context being the same object from one call to the next) fails or changes the numbers here as it
+    would there, without starting Ray.
 
     ``send_and_receive`` serves up to ``workers`` messages at once (default :func:`default_workers`), each on a
     thread of its own, and returns the replies in the order of the messages, whatever order they finished in.
