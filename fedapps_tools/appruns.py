@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedapps_tools.flwrcli import CONNECTION, RunFailed, flower_env, flwr_json, follow_run
-from fedapps_tools.launch import OwnSuperLink, write_connection
+from fedapps_tools.launch import OwnSuperLink, flower_number, write_connection
 
 
 @dataclass
@@ -46,7 +46,7 @@ def run_app(
     link = OwnSuperLink(home, flower_env())
     try:
         write_connection(home, link.start())
-        cpus = int(cpus_per_client) if float(cpus_per_client).is_integer() else cpus_per_client
+        cpus = flower_number(cpus_per_client)
         cmd = ["flwr", "run", str(Path(app_dir).resolve()), CONNECTION, "--format", "json"]
         cmd += ["--federation-config", f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus}"]
         if run_config:

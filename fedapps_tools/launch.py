@@ -190,18 +190,19 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+def flower_number(v: float) -> str:
+    """A resource amount as `--federation-config` takes it: "1", not "1.0", for whole numbers."""
+    return str(int(v)) if float(v).is_integer() else str(v)
+
+
 def federation_config(cfg: ExperimentConfig, args: argparse.Namespace) -> str:
     """--federation-config: one SuperNode per client, CPUs/GPUs per client."""
     if args.federation_config:
         return args.federation_config
-
-    def number(v: float) -> str:  # flwr wants "1", not "1.0", for whole numbers
-        return str(int(v)) if float(v).is_integer() else str(v)
-
     return (
         f"num-supernodes={args.supernodes or cfg.data.num_clients} "
-        f"client-resources-num-cpus={number(args.cpus_per_client)} "
-        f"client-resources-num-gpus={number(args.gpus_per_client)}"
+        f"client-resources-num-cpus={flower_number(args.cpus_per_client)} "
+        f"client-resources-num-gpus={flower_number(args.gpus_per_client)}"
     )
 
 
