@@ -1,5 +1,5 @@
 """COSMOS: clustering, aggregation/temperature, client weights, r_B, encodings, U's fingerprint, and the privacy
-property end to end (in-process and through Flower's Ray simulation engine): clients send pseudo-labels and
+property end to end (in-process and through Flower's wire format): clients send pseudo-labels and
 metrics only, never model parameters."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
-import os
 import warnings
 from pathlib import Path
 
@@ -656,55 +655,21 @@ def test_cosmos_vgg16_cluster_model_is_evaluated(tiny_config, tmp_path):
     assert isinstance(summary["accuracy_mean"], float)
 
 
-# --------------------------------------------------------------------------- through Flower's simulation engine
+# --------------------------------------------------------------------------- through Flower's wire format
 
 
-@pytest.mark.heavy
-def test_privacy_through_flower_simulation(tmp_path: Path) -> None:
-    """The same property with Flower's Ray engine: a ServerApp whose grid records every reply."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    root = str(Path(server_app.__file__).resolve().parent)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
-
-    import client_app
-
+def test_privacy_through_flowers_wire_format(tmp_path: Path) -> None:
+    """The same property for what reaches the server through Flower's protobuf encoding, as under `flwr run`: every
+    message, reply and node Context makes the trip (``InProcessGrid(wire=True)``, Flower-sized node ids), and what
+    the replies hold after it is checked. (A reply's content is the ClientApp's alone: the engine moves it.)"""
     path = write_config(tmp_path, rounds=2)
-    recorded: list[Message] = []
-    summaries: list[dict] = []
-
-    class RecordingGrid:
-        """Delegates to Flower's grid and keeps every reply."""
-
-        def __init__(self, grid) -> None:
-            self.grid = grid
-
-        def get_node_ids(self):
-            return self.grid.get_node_ids()
-
-        def send_and_receive(self, messages, timeout=None):
-            replies = list(self.grid.send_and_receive(messages, timeout=timeout))
-            recorded.extend(replies)
-            return replies
-
-    app = ServerApp()
-
-    @app.main()
-    def main(grid, context) -> None:
-        summaries.append(server_app.run_experiment(RecordingGrid(grid), path, "", str(tmp_path / "results")))
-
-    run_simulation(
-        server_app=app,
-        client_app=client_app.app,
-        num_supernodes=N_CLIENTS,
-        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 2}},
-    )
-    assert summaries, "the ServerApp did not finish"
+    grid = InProcessGrid(N_CLIENTS, record=True, wire=True, first_node_id=2**63 + 7)
+    summary = server_app.run_experiment(grid, path, "", str(tmp_path / "results"))
     fed = Cosmos(load_config(path)).fed
-    assert assert_pseudo_labels_and_metrics_only(recorded, int(fed.public_x.shape[0]), fed.num_classes) == 2 * N_CLIENTS
-    assert len(recorded) == 4 * N_CLIENTS  # identify, 2 rounds' replies, the evaluation-only replies after the last
-    assert summaries[0]["clusters"] >= 1
+    n, m = int(fed.public_x.shape[0]), fed.num_classes
+    assert assert_pseudo_labels_and_metrics_only(grid.replies, n, m) == 2 * N_CLIENTS
+    assert len(grid.replies) == 4 * N_CLIENTS  # identify, 2 rounds' replies, the evaluation-only replies after the last
+    assert summary["clusters"] >= 1
 
 
 # --------------------------------------------------------------------------- our options: re-clustering, architectures

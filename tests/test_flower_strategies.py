@@ -7,7 +7,6 @@ own cwFedAvg."""
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import random
 import sys
@@ -52,6 +51,7 @@ RUN_CONFIG = {  # the twin's [tool.flwr.app.config], as the tests run it in-proc
     "send-class-counts": False,
     "send-partition-id": False,
     "keep-model": False,
+    "keep-model-phases": "",
     "dump-dir": "",
 }
 
@@ -312,7 +312,10 @@ APP_TWINS = {  # drop-in name -> the app's strategy section it is compared with
 TWIN_SETTINGS = {
     "cfl": "cfl-eps1=100.0 cfl-eps2=1e-6 cfl-warmup-rounds=1",
     "pfedhn": "send-partition-id=true pfedhn-num-nodes=4",
+    # FedAMP's clients keep their models (the documented pattern): its own test below reads this run too
+    "fedamp": 'keep-model=true keep-model-phases="fedamp" fedamp-lam=0.1 fedamp-kappa=1.0',
 }
+TWIN_STRATEGIES = sorted([*APP_TWINS, "fedamp"])
 
 
 def withhold_identify(msg, ctx, call_next):
@@ -332,16 +335,15 @@ TWIN_ROUNDS = 3
 @pytest.fixture(scope="module")
 def twin_run(tmp_path_factory):
     """ONE `flwr run` of the quickstart twin (Ray simulation, 4 SuperNodes, 3 rounds) running every drop-in of
-    APP_TWINS, one after another from the same initial model (each strategy's dumps in a folder of its name; each
-    SuperNode sends its partition id, which only pFedHN reads): (the run, the dump folder). One run instead of one per
-    strategy: a `flwr run` costs ~15 CPU-seconds before its first round."""
+    APP_TWINS and FedAMP (TWIN_STRATEGIES), one after another from the same initial model (each strategy's dumps in a
+    folder of its name; each SuperNode sends its partition id, which only pFedHN reads; only under FedAMP do the
+    clients keep their models): (the run, the dump folder). One run instead of one per strategy: a `flwr run` costs
+    ~15 CPU-seconds before its first round."""
     from fedapps_tools.appruns import run_app
 
     dump = tmp_path_factory.mktemp("twin-dump")
     settings = " ".join(TWIN_SETTINGS.values())
-    run_config = (
-        f'num-server-rounds={TWIN_ROUNDS} strategy="{",".join(sorted(APP_TWINS))}" dump-dir="{dump}" {settings}'
-    )
+    run_config = f'num-server-rounds={TWIN_ROUNDS} strategy="{",".join(TWIN_STRATEGIES)}" dump-dir="{dump}" {settings}'
     return run_app(TWIN, run_config, num_supernodes=4, cpus_per_client=int(ACTOR_CPUS)), dump
 
 
@@ -392,23 +394,6 @@ def test_through_flwr_run_the_drop_in_gives_the_apps_personalised_models(name, t
     assert compared == 4 * 3 * per_round
     if name == "cfl":  # the split happened in round 1: two clusters, two models
         assert len({np.load(dump / f"client{c}-round2.npz")["fc.weight"].tobytes() for c in range(4)}) == 2
-
-
-@pytest.mark.heavy
-def test_the_cwfedavg_quickstart_example_runs_through_flwr_run(tmp_path):
-    """examples/cwfedavg-quickstart, as a user runs it (`flwr run examples/cwfedavg-quickstart`), for 2 rounds on
-    3 SuperNodes: it completes and its clients evaluate the personalised models they were sent."""
-    from fedapps_tools.appruns import run_app
-
-    results = tmp_path / "results.json"
-    example = Path(__file__).parents[1] / "examples" / "cwfedavg-quickstart"
-    run = run_app(
-        example, f'num-server-rounds=2 results="{results}"', num_supernodes=3, cpus_per_client=int(ACTOR_CPUS)
-    )
-    assert run.completed, run.log[-4000:]
-    assert "Starting FlowerCwFedAvg strategy" in run.log
-    evaluate = json.loads(results.read_text())["evaluate"]
-    assert sorted(evaluate) == ["1", "2"] and all(0.0 <= evaluate[r]["eval_acc"] <= 1.0 for r in evaluate)
 
 
 # --------------------------------------------------------------------------- FedPer and Local
@@ -662,21 +647,17 @@ def test_the_proximal_term_and_its_key_are_the_apps_and_flowers():
 
 
 @pytest.mark.heavy
-def test_through_flwr_run_fedamp_with_a_client_that_keeps_its_model_gives_the_apps_models(tmp_path, tiny_config):
+def test_through_flwr_run_fedamp_with_a_client_that_keeps_its_model_gives_the_apps_models(
+    twin_run, tmp_path, tiny_config
+):
     """The quickstart twin keeping its model in context.state and adding proximal_penalty(net, anchor, mu) (the
-    documented pattern) with the drop-in FedAMP under `flwr run` (4 SuperNodes, 3 rounds), against the app's FedAMP
-    (λ 0.1, κ 1) on the same partition, seed and initial model: every round, each client's anchor u_i and its trained
-    model are the same to float tolerance, and so is its accuracy."""
-    from fedapps_tools.appruns import run_app
-
-    rounds = 3
-    dump = tmp_path / "dump"
-    dump.mkdir()
-    settings = f'num-server-rounds={rounds} strategy="fedamp" keep-model=true dump-dir="{dump}"'
-    run = run_app(
-        TWIN, f"{settings} fedamp-lam=0.1 fedamp-kappa=1.0", num_supernodes=4, cpus_per_client=int(ACTOR_CPUS)
-    )
+    documented pattern) with the drop-in FedAMP under `flwr run` (4 SuperNodes, 3 rounds; :func:`twin_run`), against
+    the app's FedAMP (λ 0.1, κ 1) on the same partition, seed and initial model: every round, each client's anchor u_i
+    and its trained model are the same to float tolerance, and so is its accuracy."""
+    run, dumps = twin_run
     assert run.completed, run.log[-4000:]
+    rounds = TWIN_ROUNDS
+    dump = dumps / "fedamp"
 
     cfg = tiny_config(
         rounds=rounds,

@@ -173,12 +173,18 @@ def test_the_drop_in_strategies_import_from_the_wheel(venv):
     assert Path(proc.stdout.strip()).is_relative_to(venv.site), proc.stdout
 
 
+# what the user could set on the command line to keep the run short (COSMOS's example: 5 local epochs before round 1)
+EXAMPLE_SETTINGS = {"cwfedavg-quickstart": "", "cosmos-quickstart": "pretrain-epochs=1 local-epochs=1 server-epochs=1 "}
+
+
 @pytest.mark.heavy
-@pytest.mark.parametrize("example", ["cwfedavg-quickstart", "cosmos-quickstart"])
+@pytest.mark.parametrize("example", sorted(EXAMPLE_SETTINGS))
 def test_the_examples_run_against_the_wheel_outside_the_checkout(venv, example):
-    """A user's copy of an example, outside the checkout, run with `flwr run` in the wheel's environment for one round:
+    """A user's copy of an example, outside the checkout, run with `flwr run` in the wheel's environment for two rounds:
     its ServerApp drives the drop-in strategy through Flower's own start() to the end of the run, its ClientApp uses
-    the installed helpers and data loader."""
+    the installed helpers and data loader, and its clients evaluate the personalised models they were sent in both
+    rounds (cwFedAvg: each client's evaluation per round; COSMOS: the deployed cluster models after round 2). How
+    COSMOS's example compares with our app's COSMOS: test_cosmos_dropin.py."""
     import shutil
 
     app = venv.outside / example
@@ -186,14 +192,23 @@ def test_the_examples_run_against_the_wheel_outside_the_checkout(venv, example):
     results = venv.outside / f"{example}.json"
     code = (
         "import sys; from pathlib import Path; from fedapps_tools.appruns import run_app; "
-        f"run = run_app(Path({str(app)!r}), 'num-server-rounds=1 results=\"{results}\"', num_supernodes=2, "
+        f"run = run_app(Path({str(app)!r}), 'num-server-rounds=2 {EXAMPLE_SETTINGS[example]}results=\"{results}\"', "
+        "num_supernodes=2, "
         f"cpus_per_client={ACTOR_CPUS}); "
-        "print(run.status); print(run.log[-3000:]); sys.exit(0 if run.completed else 1)"
+        "print(run.status); print(run.log); sys.exit(0 if run.completed else 1)"
     )
     proc = venv.run([str(venv.python), "-c", code], timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "Starting Flower" in proc.stdout, proc.stdout[-3000:]  # the drop-in's start() ran in the ServerApp
-    assert results.is_file() and json.loads(results.read_text()), results
+    # the drop-in's start() ran in the ServerApp
+    strategy = {"cwfedavg-quickstart": "FlowerCwFedAvg", "cosmos-quickstart": "FlowerCosmos"}[example]
+    assert f"Starting {strategy}" in proc.stdout, proc.stdout[-3000:]
+    doc = json.loads(results.read_text())
+    if example == "cwfedavg-quickstart":
+        evaluate = doc["evaluate"]
+        assert sorted(evaluate) == ["1", "2"] and all(0.0 <= evaluate[r]["eval_acc"] <= 1.0 for r in evaluate), doc
+    else:
+        assert doc["round"] == 2 and sorted(doc["clients"]) == ["0", "1"], doc
+        assert all(0.0 <= float(v) <= 1.0 for m in doc["clients"].values() for k, v in m.items() if "acc" in k), doc
 
 
 def test_the_installed_app_declares_what_pyproject_declares(tmp_path):

@@ -29,10 +29,12 @@ def dump_dir(msg: Message, context: Context) -> Path | None:
 def train(msg: Message, context: Context):
     model = Net()
     received = msg.content["arrays"]
-    keep = context.run_config["keep-model"]  # FedAMP: the client trains its own model, kept between rounds
-    model.load_state_dict(
-        (context.state["model"] if keep and "model" in context.state else received).to_torch_state_dict()
-    )
+    # FedAMP: the client trains its own model, kept between rounds (one per strategy when the server runs several)
+    phase = msg.content["config"].get("phase", "")
+    phases = [p for p in str(context.run_config["keep-model-phases"]).split(",") if p]
+    keep = context.run_config["keep-model"] and (not phases or phase in phases)
+    kept = f"model-{phase}" if phase else "model"
+    model.load_state_dict((context.state[kept] if keep and kept in context.state else received).to_torch_state_dict())
     mu = msg.content["config"].get("proximal-mu", 0.0)  # FedAMP's pull towards the anchor it is sent
     partition_id = context.node_config["partition-id"]
     num_partitions = context.node_config["num-partitions"]
@@ -41,7 +43,7 @@ def train(msg: Message, context: Context):
     epochs, lr = context.run_config["local-epochs"], context.run_config["lr"]
     train_loss = train_fn(model, trainloader, epochs, lr, "cpu", anchor=received.to_torch_state_dict(), mu=mu)
     if keep:
-        context.state["model"] = ArrayRecord(model.state_dict())
+        context.state[kept] = ArrayRecord(model.state_dict())
     dump = dump_dir(msg, context)
     if dump:  # the test's window on what each client was sent to train
         arrays = {k: v.numpy() for k, v in received.items()}
