@@ -88,7 +88,8 @@ def dropin_accuracies(case: str, seed: int, rounds: int, clients: int, twin: dic
     grid = InProcessGrid(clients, mods=[serve], first_node_id=2**63 + 7)
     run_config = {"seed": seed, "source": "digits", "partition": "pathological", "classes-per-client": 2,
                   "batch-size": BATCH, "lr": LR, "local-epochs": 1, "send-class-counts": False,
-                  "send-partition-id": False, "keep-model": False, "keep-model-phases": "", "dump-dir": "", **twin}  # fmt: skip
+                  "send-partition-id": False, "keep-model": False, "keep-model-phases": "", "dump-dir": "",
+                  **twin}  # fmt: skip
     for ctx in grid.contexts.values():
         ctx.run_config = run_config
     every = {"min_available_nodes": clients, "min_train_nodes": clients, "min_evaluate_nodes": clients}
