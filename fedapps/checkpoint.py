@@ -38,9 +38,6 @@ SERVER_STATE = "server-state"
 FORMAT = 1
 IGNORED_KEYS = HASH_EXCLUDED  # where a run is written (and tracked) may differ between the run and its resumption
 RESUME_STATE = (CHECKPOINT, CLIENT_STATE, SERVER_STATE)  # what a resumption needs; removed at a successful end
-# in the reason of a client's refusal when its saved private model would not load: the server's delivery check reads it
-# (fedapps.reporting.results.DeliveryCheck) and the run exits 1 saying so
-PRIVATE_STATE_UNREADABLE = "saved private model unreadable"
 RESUME_FIX = (
     "restore the run folder whole from a copy you trust, or start the run again in a new folder "
     "(the rounds it finished are in its rounds.csv)"

@@ -33,6 +33,7 @@ class ConfigError(ValueError):
 
 OPTIMIZERS = ("sgd", "adam")
 AGGREGATION_RULES = ("mean", "median", "trimmed-mean")
+REGISTRY_FILE = "nodes.csv"  # the node registry (data.node_registry) fedapps deploy node-key writes beside the keys
 TRANSPORTS = ("float32", "float16")  # strategy.transport (the encodings live in fedapps.wire.protocol)
 DEVICES = ("auto", "cpu", "cuda")
 # tracking name -> the module its sink needs (fedapps.reporting.tracking writes; both come with

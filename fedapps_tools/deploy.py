@@ -30,8 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedapps.config import APP_DIR, ConfigError, load_config
-from fedapps.data.nodes import REGISTRY_FILE, record_node
+from fedapps.config import APP_DIR, REGISTRY_FILE, ConfigError, load_config
 from fedapps_tools.flwrcli import (
     RunFailed,
     _alive,
@@ -602,6 +601,8 @@ def record_cap(directory: Path, client_id: int | None, max_num_examples: int | N
         raise DeployError(
             f"--client-id must be >= 0 and --max-num-examples > 0, got {client_id} and {max_num_examples}"
         )
+    from fedapps.data.nodes import record_node  # the data package imports torch: only the commands that need it
+
     path = directory / REGISTRY_FILE
     record_node(path, client_id, max_num_examples, node)
     return path

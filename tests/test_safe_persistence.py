@@ -14,6 +14,7 @@ import torch
 
 from fedapps import checkpoint
 from fedapps.config import ConfigError
+from fedapps.wire import protocol
 from tests.conftest import write_config
 
 
@@ -194,12 +195,12 @@ def test_a_tampered_client_state_file_fails_its_client_and_the_run_says_so(tmp_p
         resume(config, run_dir)
     assert info.value.exit_status == EXIT_FAILED and not marker.exists()
     text = str(info.value)
-    assert checkpoint.PRIVATE_STATE_UNREADABLE in text and victim.name in text and "delete that file" in text
+    assert protocol.PRIVATE_STATE_UNREADABLE in text and victim.name in text and "delete that file" in text
     import json
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_status"] == EXIT_FAILED
-    assert any(checkpoint.PRIVATE_STATE_UNREADABLE in p for p in summary["problems"])
+    assert any(protocol.PRIVATE_STATE_UNREADABLE in p for p in summary["problems"])
     assert summary["final_round_measured_clients"] == 3  # the other clients went on
 
 

@@ -396,7 +396,7 @@ class SavedModel:
 class PrivateStateError(ProtocolError):
     """A client's saved private model cannot be loaded safely (damaged, foreign, or a pickle asking to run code): the
     message is refused with this reason, and the server makes the run's exit status say so
-    (:data:`fedapps.checkpoint.PRIVATE_STATE_UNREADABLE` in the reason)."""
+    (:data:`fedapps.wire.reply.PRIVATE_STATE_UNREADABLE` in the reason)."""
 
 
 def read_saved_model(path: Path, client_id: int) -> SavedModel:
@@ -406,7 +406,7 @@ def read_saved_model(path: Path, client_id: int) -> SavedModel:
         "delete that file to restart this client from the model the server sends (its private progress is lost), "
         "or restore it from a copy you trust"
     )
-    what = f"client {client_id}: {checkpoint.PRIVATE_STATE_UNREADABLE}:"
+    what = f"client {client_id}: {protocol.PRIVATE_STATE_UNREADABLE}:"
     try:
         data = checkpoint.load(path, what, fix)
         saved = SavedModel(**data)

@@ -23,9 +23,10 @@ read once per process (cached on path, size and modification time).
 The node registry (``data.node_registry``, on the server): the operator's cap on the ``num-examples`` each client
 may claim, a CSV ``client_id,max_num_examples[,node]`` (a row ``*`` caps every client not listed; without one an
 unlisted client is refused). ``fedapps deploy node-key DIR NAME --client-id C --max-num-examples N`` writes the row
-into DIR/:data:`REGISTRY_FILE`, next to the node's keys. The server cannot check a node's claimed size (the data never
-leave the node) and the node cannot be trusted to cap itself (a hostile node runs its own code): the cap is the
-operator's knowledge of each site, enforced by the reply validation (:class:`fedapps.wire.validation.ReplyValidator`).
+into DIR/:data:`fedapps.config.REGISTRY_FILE`, next to the node's keys. The server cannot check a node's claimed size
+(the data never leave the node) and the node cannot be trusted to cap itself (a hostile node runs its own code): the
+cap is the operator's knowledge of each site, enforced by the reply validation
+(:class:`fedapps.wire.validation.ReplyValidator`).
 """
 
 from __future__ import annotations
@@ -277,7 +278,6 @@ def server_public_path(value: str) -> Path:
     return _server_file(value, "data.public_path", "the server's copy of U, an .npz with 'x'")
 
 
-REGISTRY_FILE = "nodes.csv"  # the node registry fedapps deploy node-key writes next to the node keys
 REGISTRY_COLUMNS = ("client_id", "max_num_examples", "node")  # node: the key's name, for the operator only
 ANY_CLIENT = "*"  # a registry row for every client not listed
 

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from fedapps.checkpoint import PRIVATE_STATE_UNREADABLE
 from fedapps.config import ExperimentConfig, config_hash, dump_yaml
 from fedapps.reporting import plots
 from fedapps.wire import protocol, validation
@@ -276,7 +275,7 @@ class DeliveryCheck:
         for reason in getattr(entry, "errors", ()):
             if reason not in self.errors and len(self.errors) < 5:
                 self.errors.append(reason)
-            if PRIVATE_STATE_UNREADABLE in reason and reason not in self.unreadable_state:
+            if protocol.PRIVATE_STATE_UNREADABLE in reason and reason not in self.unreadable_state:
                 self.unreadable_state.append(reason)
 
     def on_finish(self, summary: Mapping[str, Any], artifacts: list[Artifact]) -> None:

@@ -72,6 +72,7 @@ from fedapps.wire.message import (
 from fedapps.wire.reply import (
     INFO_ARCH,
     INFO_FINGERPRINT,
+    PRIVATE_STATE_UNREADABLE,
     PROFILE_FIELDS,
     ClientReply,
     MessageProfile,
@@ -162,6 +163,7 @@ __all__ = [
     "PRIVACY_MODE",
     "PRIVACY_REFUSED",
     "PROFILE",
+    "PRIVATE_STATE_UNREADABLE",
     "PROFILE_FIELDS",
     "Privacy",
     "PublicSet",

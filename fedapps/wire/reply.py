@@ -66,6 +66,9 @@ class ReplyInfo:
 _INFO = dataclasses.fields(ReplyInfo)
 INFO_ARCH = key_of(ReplyInfo, "arch")  # the architecture of the client's model
 INFO_FINGERPRINT = key_of(ReplyInfo, "fingerprint")  # the fingerprint of the client's U
+# in the reason of a client's refusal when its saved private model would not load: the server's delivery check reads it
+# (fedapps.reporting.results.DeliveryCheck) and the run exits 1 saying so
+PRIVATE_STATE_UNREADABLE = "saved private model unreadable"
 
 
 def _seconds(name: str) -> Any:
