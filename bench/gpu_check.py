@@ -12,6 +12,7 @@ first and the last) / the bare loop's (target <= 1.5). The last line: ``gpu_rati
 
     bash bench/gpu_check.sh [--out DIR] [--cases cwfedavg,cosmos,cwfedavg-bf16,fedavg-resnet18,fedavg-cnn]
     bash bench/gpu_check.sh --device cpu --cases fedavg-cnn --clients 2 --rounds 3   # the same end to end on the CPU
+    bash bench/gpu_check.sh --device cpu --cases fedavg-cnn --clients 2 --rounds 3 --set data.source=digits  # smaller
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bareloop import round_seconds  # noqa: E402
 from fedapps.config import load_config  # noqa: E402
 from fedapps_tools.benchrecord import record  # noqa: E402
+from fedapps_tools.options import add_set_option  # noqa: E402
 
 TARGET_RATIO = 1.5
 
@@ -199,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=0, help="data.num_clients of every case (default: each case's)")
     ap.add_argument("--rounds", type=int, default=0, help="rounds of every case (default: each case's)")
     ap.add_argument("--samples", type=int, default=0, help="data.synthetic_samples of the synthetic-data cases")
+    add_set_option(ap, "every case's config, after the case's own (the run and the bare loop alike)")
     args = ap.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="fedapps-gpu-check-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -215,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [f"data.num_clients={args.clients}", "strategy.min_clients=1"] if args.clients else []
     sizes += [f"rounds={args.rounds}"] if args.rounds else []
     sizes += [f"data.synthetic_samples={args.samples}"] if args.samples else []
+    sizes += args.overrides
     name, line = device_line(device)
     print(line + f"{os.cpu_count()} CPU cores; results in {out}", flush=True)
     results = []

@@ -98,12 +98,14 @@ def test_the_bare_loop_times_a_round_of_the_configs_clients():
 
 @pytest.mark.heavy
 def test_gpu_check_prints_gpu_ratio_end_to_end_on_the_cpu(tmp_path):
-    """bench/gpu_check.sh on the CPU, 2 clients, 3 rounds: a real `flwr run` and the bare loop, then gpu_ratio."""
+    """bench/gpu_check.sh on the CPU, 2 clients, 3 rounds on digits (the case's CNN, a quarter of mnist5k's images at
+    8×8): a real `flwr run` and the bare loop, then gpu_ratio."""
     import os
     import subprocess
 
     env = {**os.environ, "FEDAPPS_BENCH_RESULTS": str(tmp_path)}
     cmd = ["bash", "bench/gpu_check.sh", "--device", "cpu", "--cases", "fedavg-cnn", "--clients", "2", "--rounds", "3"]
+    cmd += ["--set", "data.source=digits"]
     proc = subprocess.run(cmd + ["--out", str(tmp_path)], cwd=BENCH.parent, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
