@@ -39,6 +39,7 @@ CLIENTS = 2
 # kept), the paths whose cost grows with the model.
 LARGE_MODELS = ("alexnet", "vgg16")
 LARGE_MODEL_STRATEGIES = ("fedavg", "fedper")
+LARGE_GROUP = pytest.mark.xdist_group("large-models")  # the large models' tests, on one worker one after another
 # COSMOS on Tiny ImageNet runs ONE round: its three models at 64×64 (MobileNetV2 and SqueezeNet clients, the VGG16
 # server) cost ~60 CPU-seconds for two, and round 1 already trains, predicts with and evaluates each of them at that
 # shape; round 2 adds the clients' distillation on U, which the CIFAR and EMNIST COSMOS configs run with the same
@@ -83,7 +84,7 @@ def released(request):
     to the system (gc for their reference cycles, malloc_trim for the allocator's free lists), so that the next test
     on this worker starts as small. Not after the others: a full gc costs ~0.2 s with torch loaded, 140 times over."""
     yield
-    if not any(m.args == ("large-models",) for m in request.node.iter_markers("xdist_group")):
+    if not any(m.args == LARGE_GROUP.args for m in request.node.iter_markers("xdist_group")):
         return
     import ctypes
     import gc
@@ -99,7 +100,7 @@ def config_param(path: Path):
     """A shipped config as a test case; one that mentions a large model (COSMOS's VGG16 server) runs on the large
     models' worker (LARGE_MODELS)."""
     large = any(name in path.read_text() for name in LARGE_MODELS)
-    marks = [pytest.mark.xdist_group("large-models")] if large else []
+    marks = [LARGE_GROUP] if large else []
     return pytest.param(path, id=str(path.relative_to(ROOT / "configs")), marks=marks)
 
 
@@ -129,7 +130,7 @@ def zoo_pairs():
                 continue
             # the large models on one pytest-xdist worker, one after another: two at their peak at once would
             # crowd a 2-core, 24-GiB machine's memory
-            marks = [pytest.mark.xdist_group("large-models")] if model in LARGE_MODELS else []
+            marks = [LARGE_GROUP] if model in LARGE_MODELS else []
             yield pytest.param(model, name, id=f"{model}-{name}", marks=marks)
 
 

@@ -173,12 +173,16 @@ def test_the_drop_in_strategies_import_from_the_wheel(venv):
     assert Path(proc.stdout.strip()).is_relative_to(venv.site), proc.stdout
 
 
-# what the user could set on the command line to keep the run short (COSMOS's example: 5 local epochs before round 1)
-EXAMPLE_SETTINGS = {"cwfedavg-quickstart": "", "cosmos-quickstart": "pretrain-epochs=1 local-epochs=1 server-epochs=1 "}
+# example -> (its drop-in strategy's class, what the user could set on the command line to keep the run short: COSMOS's
+# example trains 5 local epochs before round 1)
+EXAMPLES = {
+    "cwfedavg-quickstart": ("FlowerCwFedAvg", ""),
+    "cosmos-quickstart": ("FlowerCosmos", "pretrain-epochs=1 local-epochs=1 server-epochs=1 "),
+}
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("example", sorted(EXAMPLE_SETTINGS))
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
 def test_the_examples_run_against_the_wheel_outside_the_checkout(venv, example):
     """A user's copy of an example, outside the checkout, run with `flwr run` in the wheel's environment for two rounds:
     its ServerApp drives the drop-in strategy through Flower's own start() to the end of the run, its ClientApp uses
@@ -187,12 +191,13 @@ def test_the_examples_run_against_the_wheel_outside_the_checkout(venv, example):
     COSMOS's example compares with our app's COSMOS: test_cosmos_dropin.py."""
     import shutil
 
+    strategy, settings = EXAMPLES[example]
     app = venv.outside / example
     shutil.copytree(ROOT / "examples" / example, app, ignore=shutil.ignore_patterns("__pycache__"))
     results = venv.outside / f"{example}.json"
     code = (
         "import sys; from pathlib import Path; from fedapps_tools.appruns import run_app; "
-        f"run = run_app(Path({str(app)!r}), 'num-server-rounds=2 {EXAMPLE_SETTINGS[example]}results=\"{results}\"', "
+        f"run = run_app(Path({str(app)!r}), 'num-server-rounds=2 {settings}results=\"{results}\"', "
         "num_supernodes=2, "
         f"cpus_per_client={ACTOR_CPUS}); "
         "print(run.status); print(run.log); sys.exit(0 if run.completed else 1)"
@@ -200,7 +205,6 @@ def test_the_examples_run_against_the_wheel_outside_the_checkout(venv, example):
     proc = venv.run([str(venv.python), "-c", code], timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     # the drop-in's start() ran in the ServerApp
-    strategy = {"cwfedavg-quickstart": "FlowerCwFedAvg", "cosmos-quickstart": "FlowerCosmos"}[example]
     assert f"Starting {strategy}" in proc.stdout, proc.stdout[-3000:]
     doc = json.loads(results.read_text())
     if example == "cwfedavg-quickstart":
