@@ -1,22 +1,24 @@
-"""`fedapps run` through real `flwr run` processes (Ray simulation): two concurrent runs each own a SuperLink
-and neither stops the other's (nor a bystander named like one); partial participation with 40 clients
-delivers every sampled message (uint64 node ids); a run whose headline covers too few clients exits 3."""
+"""`fedapps run` through real `flwr run` processes (Ray simulation), two of them at once (each `flwr run` costs ~25
+CPU-seconds across its processes, so one pair answers three questions): each owns a SuperLink and neither stops the
+other's (nor a bystander named like one); one of them imports the user's model and data through PYTHONPATH into the
+ServerApp and every Ray worker; the other's headline covers too few clients, so it exits 3. What a stopped run leaves
+(Ctrl-C, SIGKILL) and how it resumes: tests/test_resume.py."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from conftest import fedapps_run_argv
+from conftest import fedapps_run_argv, run_folder, write_config
 from fedapps.reporting.results import read_csv
 from fedapps_tools import launch
 
@@ -51,68 +53,89 @@ def superlink_of(output: str) -> tuple[str, int]:
     return m.group(1), int(m.group(2))
 
 
-@pytest.mark.heavy
-def test_two_concurrent_runs_each_own_their_superlink(tiny_config, tmp_path):
+@dataclass(frozen=True)
+class Finished:
+    rc: int
+    output: str
+    out: Path  # the results root it was given
+
+
+@dataclass(frozen=True)
+class Pair:
+    user_code: Finished  # fedper on the user's model and data (tests/user_code.py), PYTHONPATH set
+    few: Finished  # 3 clients, 2 of them failing the evaluation-only message
+    bystander_alive: bool  # after both ended
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory) -> Pair:
+    """Two `fedapps run`s started together, a bystander beside them that the old clean-up (pgrep -f
+    flower-superlink) would have killed."""
     require_flower()
-    # a bystander that the old clean-up (pgrep -f flower-superlink) would have killed
+    tmp = tmp_path_factory.mktemp("two-runs")
+    user_cfg = write_config(
+        tmp / "user.yaml",
+        rounds=2,
+        strategy={"name": "fedper"},
+        data={"source": "user_code:digits_dataset", "num_clients": 3},
+        model={"name": "user_code:tiny_net"},
+    )
+    few_cfg = write_config(tmp / "few.yaml", rounds=1, run_name="few", data={"num_clients": 3})
     bystander = subprocess.Popen(["bash", "-c", "exec -a flower-superlink-bystander sleep 600"], start_new_session=True)
     try:
-        cfgs = [tiny_config(rounds=1, run_name=f"conc{i}", data={"num_clients": 2}) for i in range(2)]
-        procs = [fedapps_run(c, tmp_path / "res") for c in cfgs]
-        outputs = []
-        for p in procs:
-            out, _ = p.communicate(timeout=300)
-            outputs.append(out)
-        for p, out in zip(procs, outputs):
-            assert p.returncode == 0, out[-4000:]
-        links = [superlink_of(o) for o in outputs]
-        assert links[0][0] != links[1][0] and links[0][1] != links[1][1], links  # one SuperLink each
-        for _, pid in links:
-            assert launch._proc_stat(pid) is None, f"SuperLink pid {pid} is still running after its run ended"
-        for i in range(2):
-            rows = read_csv(tmp_path / "res" / f"conc{i}" / "rounds.csv")
-            assert [r["clients"] for r in rows] == [2]
-        assert bystander.poll() is None, "a process this run did not start was stopped"
+        user_env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+        procs = {
+            "user_code": (fedapps_run(user_cfg, tmp / "user", env=user_env), tmp / "user"),
+            # clients 1 and 2 fail the evaluation-only message (fault injection through FEDAPPS_FAULTS)
+            "few": (fedapps_run(few_cfg, tmp / "few", env={"FEDAPPS_FAULTS": "raise@1,2/*/evaluate"}), tmp / "few"),
+        }
+        done = {}
+        for name, (proc, out) in procs.items():
+            output, _ = proc.communicate(timeout=400)
+            done[name] = Finished(proc.returncode, output, out)
+        return Pair(**done, bystander_alive=bystander.poll() is None)
     finally:
         bystander.send_signal(signal.SIGTERM)
         bystander.wait(timeout=10)
 
 
 @pytest.mark.heavy
-def test_a_headline_on_too_few_clients_exits_3_through_flwr_run(tiny_config, tmp_path):
-    """Under `flwr run` the ServerApp's verdict (summary.json exit_status) becomes the exit status: clients 1 and 2
-    fail the evaluation-only message (fault injection through FEDAPPS_FAULTS), so the headline covers 1 of 3."""
-    require_flower()
-    cfg = tiny_config(rounds=1, run_name="few", data={"num_clients": 3})
-    proc = fedapps_run(cfg, tmp_path / "res", env={"FEDAPPS_FAULTS": "raise@1,2/*/evaluate"})
-    out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 3, out[-4000:]
-    assert "the headline was measured on 1 of 3 clients" in out, out[-4000:]
-    summary = json.loads((tmp_path / "res" / "few" / "summary.json").read_text())
-    assert summary["exit_status"] == 3 and summary["final_round_measured_clients"] == 1
+def test_two_concurrent_runs_each_own_their_superlink(two_runs):
+    links = [superlink_of(run.output) for run in (two_runs.user_code, two_runs.few)]
+    assert links[0][0] != links[1][0] and links[0][1] != links[1][1], links  # one SuperLink each
+    for _, pid in links:
+        assert launch._proc_stat(pid) is None, f"SuperLink pid {pid} is still running after its run ended"
+    assert two_runs.bystander_alive, "a process these runs did not start was stopped"
 
 
 @pytest.mark.heavy
-def test_interrupt_stops_what_the_run_started(tiny_config, tmp_path):
-    """SIGTERM to `fedapps run` mid-run: exit 130, its SuperLink and everything it started are gone."""
-    require_flower()
-    cfg = tiny_config(rounds=50, run_name="intr", data={"num_clients": 2})
-    proc = fedapps_run(cfg, tmp_path / "res")
-    lines = []
-    deadline = time.time() + 120
-    assert proc.stdout is not None
-    for line in proc.stdout:  # wait until the run has been submitted
-        lines.append(line)
-        if line.startswith("run ") and "started on" in line or time.time() > deadline:
-            break
-    _, pid = superlink_of("".join(lines))
-    time.sleep(3)
-    children = launch.descendants(pid)
-    proc.send_signal(signal.SIGTERM)
-    rest, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130, "".join(lines) + rest
-    assert launch._proc_stat(pid) is None
-    for child, started in children.items():
-        st = launch._proc_stat(child)
-        assert st is None or st[1] != started, f"process {child} started by the run is still alive"
-    assert shutil.which("flwr") or FLWR.exists()
+def test_flwr_run_imports_the_users_model_and_data_through_pythonpath(two_runs):
+    """The user's folder on PYTHONPATH reaches the ServerApp and every client worker (the run alone would fail at
+    its first import)."""
+    run = two_runs.user_code
+    assert run.rc == 0, run.output[-4000:]
+    summary = json.loads((run_folder(run.out) / "summary.json").read_text())
+    assert isinstance(summary["accuracy_mean"], float) and not summary["problems"], summary
+    assert [r["clients"] for r in read_csv(run_folder(run.out) / "rounds.csv")] == [3, 3]
+
+
+@pytest.mark.heavy
+def test_a_headline_on_too_few_clients_exits_3_through_flwr_run(two_runs):
+    """Under `flwr run` the ServerApp's verdict (summary.json exit_status) becomes the exit status: the headline
+    covers 1 of 3 clients."""
+    run = two_runs.few
+    assert run.rc == 3, run.output[-4000:]
+    assert "the headline was measured on 1 of 3 clients" in run.output, run.output[-4000:]
+    summary = json.loads((run.out / "few" / "summary.json").read_text())
+    assert summary["exit_status"] == 3 and summary["final_round_measured_clients"] == 1
+
+
+def test_sigterm_inside_a_run_is_a_keyboard_interrupt():
+    """`fedapps run` stops on SIGTERM (`kill`, a batch scheduler) as on Ctrl-C: what Ctrl-C stops and leaves is
+    checked through `flwr run` by tests/test_resume.py; outside the context SIGTERM is what it was before."""
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt, match="signal 15"):
+        with launch.sigterm_as_interrupt():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs at the next bytecode; the sleep is cut short
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -6,23 +6,21 @@ package.module:loader`` (the models and loaders are in tests/user_code.py, writt
   give the same run, round for round, as ``digits`` and ``mlp``;
 - a user's model runs under every strategy, or is refused with the reason by the strategies that need a classifier
   head it does not have (and runs under every strategy that does not);
-- it runs through `fedapps run` with the in-process engine and with `flwr run` (Ray workers import it through
-  PYTHONPATH)."""
+- it runs through `fedapps run` with the in-process engine, and with `flwr run` (Ray workers import it through
+  PYTHONPATH: tests/test_cli_processes.py, whose two concurrent `flwr run`s include it)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, fedapps_run_argv, run_folder, run_in_process, write_config
+from conftest import run_in_process, write_config
 from fedapps.config import config_from_dict, load_config
 from fedapps.data import DataError, build_federation
 from fedapps.flower.inprocess import InProcessGrid
@@ -239,30 +237,3 @@ def test_a_users_model_under_every_strategy(name, model, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ flwr run
-
-
-@pytest.mark.heavy
-def test_flwr_run_imports_the_users_model_and_data_through_pythonpath(tmp_path):
-    """`fedapps run` with its default engine (`flwr run`, Ray workers): the user's folder on PYTHONPATH reaches the
-    ServerApp and every client worker."""
-    cfg = write_config(
-        tmp_path / "cfg.yaml",
-        strategy={"name": "fedper"},
-        data={"source": "user_code:digits_dataset", "num_clients": 3},
-        model={"name": "user_code:tiny_net"},
-    )
-    out = tmp_path / "out"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
-    proc = subprocess.run(
-        fedapps_run_argv(cfg, "--output-dir", str(out)),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((run_folder(out) / "summary.json").read_text())
-    assert isinstance(summary["accuracy_mean"], float) and not summary["problems"], summary
-    rows = read_csv(run_folder(out) / "rounds.csv")
-    assert [r["clients"] for r in rows] == [3, 3]
