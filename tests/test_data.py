@@ -95,6 +95,23 @@ def test_load_mnist5k_and_digits():
     assert float(dg.x.min()) == -1.0 and float(dg.x.max()) == 1.0
 
 
+def test_digits_are_scikit_learns_read_without_importing_it():
+    """The digits read from scikit-learn's CSV are its ``load_digits`` exactly (images and labels), and a process that
+    loads them has not imported scikit-learn."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    dg = load_source("digits", "unused")
+    assert torch.equal(dg.x, torch.as_tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 8.0 - 1.0)
+    assert dg.y.tolist() == bunch.target.tolist()
+    code = "import sys; from fedapps.data import load_source as f; f('digits', 'x'); print('sklearn' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["False"], proc.stdout + proc.stderr
+
+
 def test_parsed_csv_is_kept_once_and_read_back_exactly(tmp_path, monkeypatch):
     """A CSV source is parsed once: the copy kept in the cache folder reads back equal (uint8 where the values are
     whole bytes, float32 otherwise), a damaged copy is parsed again and replaced, 'off' keeps nothing."""
