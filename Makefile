@@ -4,7 +4,8 @@
 # make test  - install into .venv (first time), then the test suite on TEST_WORKERS pytest-xdist workers with the lint
 #              beside it
 #              (ARGS="-n 0" runs it in one process; ARGS="tests/test_x.py" runs one file)
-# make test-fast - the edit loop: lint, then the suite less the tests marked heavy, raycluster or netns (<= 3 min)
+# make test-fast - the edit loop: the suite less the tests marked heavy, raycluster or netns, the lint beside it
+#              (<= 3 min)
 # make mutate - mutation testing: the named mutations of #10, then mutmut over the maths (docs/development.md)
 # make docs  - regenerate the reference pages, then build the site into site/ (offline; open site/index.html)
 # make docs-reference - regenerate docs/reference/ from the code (config, CLI, strategy params, bench figures)
@@ -51,19 +52,23 @@ COMPILE := $(PY) -m compileall -q fedapps strategies fedapps_tools server_app.py
 # cores); its output follows the tests', and either failing fails `make test`
 LINT_LOG := $(VENV)/lint.log
 
-test: $(STAMP)
+# the suite on TEST_WORKERS workers, `make lint` beside it; either failing fails the target
+define TESTS_WITH_LINT
 	$(COMPILE)
 	@$(MAKE) --no-print-directory lint > $(LINT_LOG) 2>&1 & lint=$$!; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) $(DIST) $(ARGS); tests=$$?; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) $(DIST) $(1) $(ARGS); tests=$$?; \
 	if wait $$lint; then echo "make lint: passed (its output: $(LINT_LOG))"; \
 	else cat $(LINT_LOG); echo "make lint: FAILED (its output above)"; exit 1; fi; \
 	exit $$tests
+endef
+
+test: $(STAMP)
+	$(call TESTS_WITH_LINT,)
 
 FAST    := not heavy and not raycluster and not netns
 
-test-fast: lint
-	$(COMPILE)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) $(DIST) -m "$(FAST)" $(ARGS)
+test-fast: $(STAMP)
+	$(call TESTS_WITH_LINT,-m "$(FAST)")
 
 docs-reference: $(STAMP)
 	$(PY) -m fedapps_tools.docgen
