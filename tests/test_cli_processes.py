@@ -1,4 +1,4 @@
-"""`fedapps run` through real `flwr run` processes (Ray simulation), two of them at once (each `flwr run` costs ~25
+"""`fedapps run` through real `flwr run` processes (Ray simulation), two of them at once (each `flwr run` costs ~20
 CPU-seconds across its processes, so one pair answers three questions): each owns a SuperLink and neither stops the
 other's (nor a bystander named like one); one of them imports the user's model and data through PYTHONPATH into the
 ServerApp and every Ray worker; the other's headline covers too few clients, so it exits 3. What a stopped run leaves
@@ -82,19 +82,25 @@ def two_runs(tmp_path_factory) -> Pair:
     )
     few_cfg = write_config(tmp / "few.yaml", rounds=1, run_name="few", data={"num_clients": 3})
     bystander = subprocess.Popen(["bash", "-c", "exec -a flower-superlink-bystander sleep 600"], start_new_session=True)
+    procs: dict[str, tuple[subprocess.Popen, Path]] = {}
     try:
         user_env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-        procs = {
-            "user_code": (fedapps_run(user_cfg, tmp / "user", env=user_env), tmp / "user"),
-            # clients 1 and 2 fail the evaluation-only message (fault injection through FEDAPPS_FAULTS)
-            "few": (fedapps_run(few_cfg, tmp / "few", env={"FEDAPPS_FAULTS": "raise@1,2/*/evaluate"}), tmp / "few"),
-        }
+        procs["user_code"] = (fedapps_run(user_cfg, tmp / "user", env=user_env), tmp / "user")
+        # clients 1 and 2 fail the evaluation-only message (fault injection through FEDAPPS_FAULTS)
+        procs["few"] = (fedapps_run(few_cfg, tmp / "few", env={"FEDAPPS_FAULTS": "raise@1,2/*/evaluate"}), tmp / "few")
         done = {}
         for name, (proc, out) in procs.items():
             output, _ = proc.communicate(timeout=400)
             done[name] = Finished(proc.returncode, output, out)
         return Pair(**done, bystander_alive=bystander.poll() is None)
     finally:
+        for proc, _ in procs.values():  # only after a failure: a run still going is stopped as Ctrl-C stops it
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
         bystander.send_signal(signal.SIGTERM)
         bystander.wait(timeout=10)
 
