@@ -48,11 +48,10 @@ DIST    := --dist loadgroup --no-loadscope-reorder
 
 COMPILE := $(PY) -m compileall -q fedapps strategies fedapps_tools server_app.py client_app.py
 
-# the lint runs beside the suite (its ~40 s, most of it mypy on one core, fill what the suite's waits leave of the
-# cores); its output follows the tests', and either failing fails `make test`
+# the suite on TEST_WORKERS workers with `make lint` beside it (its ~40 s, most of it mypy on one core, fill what the
+# suite's waits leave of the cores); its output follows the tests', and either failing fails the target
 LINT_LOG := $(VENV)/lint.log
 
-# the suite on TEST_WORKERS workers, `make lint` beside it; either failing fails the target
 define TESTS_WITH_LINT
 	$(COMPILE)
 	@$(MAKE) --no-print-directory lint > $(LINT_LOG) 2>&1 & lint=$$!; \
