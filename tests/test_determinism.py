@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_folder
-from tests.conftest import write_config
+from conftest import run_folder, run_in_process, write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "run_driver.py"
@@ -39,7 +38,6 @@ def rounds(run_dir: Path) -> list[dict[str, str]]:
 def test_same_config_and_seed_give_identical_rounds_in_two_processes(tmp_path):
     """A fresh process and this one (which has run other tests before: other seeds drawn, other models built) give
     the same rows."""
-    import server_app
     from fedapps.flower.inprocess import InProcessGrid
 
     config = write_config(tmp_path / "cfg.yaml", **COSMOS)
@@ -53,10 +51,10 @@ def test_same_config_and_seed_give_identical_rounds_in_two_processes(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    server_app.run_experiment(InProcessGrid(4), str(config), "", str(tmp_path / "b"))  # meanwhile
+    _, here = run_in_process(config, tmp_path / "b", InProcessGrid(4))  # meanwhile
     _, err = fresh.communicate(timeout=300)
     assert fresh.returncode == 0, err[-3000:]
-    a, b = (rounds(next((tmp_path / n).iterdir())) for n in ("a", "b"))
+    a, b = rounds(next((tmp_path / "a").iterdir())), rounds(here)
     assert len(a) == 2 and "acc_mean" in a[0] and "acc_client_3" in a[0]
     assert a == b  # acc_mean, acc_weighted, every acc_client_i, losses, clusters, bytes: exactly
 

@@ -178,8 +178,7 @@ def user_copy(venv: Venv, example: str) -> Path:
     import shutil
 
     app = venv.outside / example
-    if not app.exists():
-        shutil.copytree(ROOT / "examples" / example, app, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "examples" / example, app, ignore=shutil.ignore_patterns("__pycache__"))
     return app
 
 

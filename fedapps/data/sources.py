@@ -229,22 +229,23 @@ def _load_mnist5k() -> tuple[torch.Tensor, torch.Tensor]:
     return _images_to_tensor(images.reshape(-1, 28, 28), channels_last=False), _labels(labels)
 
 
-def sklearn_digits_file() -> str | None:
+def _sklearn_digits_file() -> str | None:
     """scikit-learn's digits CSV (1,797 rows: 64 pixel values 0..16, then the label), found without importing
     scikit-learn: its import costs ~1.3 CPU-seconds in every process that loads digits (each Ray worker, each run of
     a sweep), the file's parse a few milliseconds. None where the installed scikit-learn keeps it elsewhere."""
     import importlib.util
 
     spec = importlib.util.find_spec("sklearn")
-    folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    path = Path(folders[0]) / "datasets" / "data" / "digits.csv.gz" if folders else None
-    return str(path) if path is not None and path.is_file() else None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / "digits.csv.gz"
+    return str(path) if path.is_file() else None
 
 
 def _load_digits() -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's 8×8 digits (1,797 images, values 0..16 scaled to [-1, 1]): its CSV read as scikit-learn's
     ``load_digits`` reads it (see parsed_csv), or that function where the file is not found."""
-    path = sklearn_digits_file()
+    path = _sklearn_digits_file()
     if path is not None:
         flat, labels = parsed_csv(path)
         images = flat.reshape(-1, 8, 8)
