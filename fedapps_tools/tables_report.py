@@ -281,6 +281,7 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
     tables = Tables(spec, work, "inprocess", 1, out)
     lines = intro_lines(spec, out)
     csv_rows: list[dict[str, Any]] = []
+    round_rows: list[dict[str, Any]] = []
     carried = []
     for setting in spec.settings:
         methods = [m for m in spec.methods if m.runs_in(setting)]
@@ -291,6 +292,11 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
         section, rows = setting_section(tables, setting, methods, got, out)
         lines += section
         csv_rows += rows
+        measured = [m for m in methods if m.name in got.rows and m.name not in got.carried]  # not runs under way
+        for column, meaning in spec.per_round.items():
+            section, rows = per_round_section(tables, setting, measured, column, meaning)
+            lines += section
+            round_rows += rows
     if carried:
         lines += [
             f"**Carried over** from the published `{spec.name}.csv` (their work folder was not present when this "
@@ -309,7 +315,62 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
         write_csv(out / f"{spec.name}.csv", keys, csv_rows)
     if score_rows:
         write_csv(out / f"{spec.name}-tuning.csv", ["setting", "method", "grid", "validation_scores"], score_rows)
+    if round_rows:
+        write_csv(out / f"{spec.name}-per-round.csv", list(round_rows[0]), round_rows)
     return md
+
+
+def per_round_values(folders: list[Path], column: str) -> dict[int, list[float]]:
+    """round -> the finite values of a rounds.csv ``column`` over the runs in ``folders`` (one per seed)."""
+    got: dict[int, list[float]] = defaultdict(list)
+    for d in folders:
+        for r in read_csv(d / "rounds.csv"):
+            if isinstance(r.get("round"), int) and finite(r.get(column)):
+                got[r["round"]].append(float(r[column]))
+    return dict(sorted(got.items()))
+
+
+def per_round_section(
+    tables: Tables, setting: str, methods: list[Method], column: str, meaning: str
+) -> tuple[list[str], list[dict[str, Any]]]:
+    """A setting's table of one rounds.csv ``column`` (a spec's ``per_round``) per round and method, mean ± SEM over
+    the seeds' runs in the work folder, and its rows of ``<name>-per-round.csv``; empty where no run recorded it."""
+    from fedapps_tools.compare import mean_sem
+
+    found = [(m, per_round_values(run_folders(tables, setting, m), column)) for m in methods]
+    found = [(m, values) for m, values in found if values]
+    if not found:
+        return [], []
+    rounds = sorted({r for _, values in found for r in values})
+    lines = [
+        f"**{meaning}** (`{column}`), {setting}, per round: mean ± SEM over the seeds' runs",
+        "",
+        "| method | " + " | ".join(f"round {r}" for r in rounds) + " |",
+        "|---|" + "---|" * len(rounds),
+    ]
+    rows = []
+    for m, values in found:
+        cells = []
+        for r in rounds:
+            if r not in values:
+                cells.append("—")
+                continue
+            mean, sem = mean_sem(values[r])
+            cells.append(f"{mean:.3f} ± {sem:.3f}")
+            rows.append(
+                {
+                    "setting": setting,
+                    "method": m.name,
+                    "column": column,
+                    "round": r,
+                    "mean": mean,
+                    "sem": sem,
+                    "runs": len(values[r]),
+                    "values": ";".join(f"{v:.6g}" for v in values[r]),
+                }
+            )
+        lines.append(f"| {m.label} | " + " | ".join(cells) + " |")
+    return [*lines, ""], rows
 
 
 def figure_lines(tables: Tables, setting: str, out: Path, carried: list[str]) -> list[str]:

@@ -55,6 +55,7 @@ class Spec:
     common: list[str] = field(default_factory=list)  # overrides every setting gets, before each method's own
     setting_overrides: dict[str, list[str]] = field(default_factory=dict)  # setting -> its own overrides (after common)
     extra: list[str] = field(default_factory=list)  # the command line's --set: after each method's own
+    per_round: dict[str, str] = field(default_factory=dict)  # rounds.csv column -> what it is (a table per round)
 
 
 def grid_points(grid: Mapping[str, list[Any]]) -> int:
@@ -87,7 +88,7 @@ def read_spec_mapping(
 def load_spec(path: str | os.PathLike) -> Spec:
     """Read and check a tables spec; every problem is a ConfigError naming the key."""
     p = Path(path)
-    known = {"name", "title", "settings", "methods", "seeds", "tune_seeds", "tune_on", "notes", "set"}
+    known = {"name", "title", "settings", "methods", "seeds", "tune_seeds", "tune_on", "notes", "set", "per_round"}
     raw = read_spec_mapping(p, "tables spec", known, ("name", "settings", "methods"))
     settings, setting_overrides = read_settings(raw["settings"], path)
     methods = []
@@ -136,6 +137,12 @@ def load_spec(path: str | os.PathLike) -> Spec:
     for s, t in tune_on.items():
         if s not in settings or t not in settings or t in tune_on:
             raise ConfigError(f"tables spec '{path}': tune_on.{s}: {t} must map a setting to another, tuned, setting")
+    per_round = raw.get("per_round") or {}
+    if not isinstance(per_round, Mapping) or not all(isinstance(v, str) and v.strip() for v in per_round.values()):
+        raise ConfigError(
+            f"tables spec '{path}': 'per_round' must map a rounds.csv column to what it is, "
+            "e.g. {cluster_group_ari: adjusted Rand index of the clusters against the true groups}"
+        )
     return Spec(
         str(raw["name"]),
         str(raw.get("title") or raw["name"]),
@@ -148,6 +155,7 @@ def load_spec(path: str | os.PathLike) -> Spec:
         p,
         [str(o) for o in raw.get("set") or []],
         setting_overrides,
+        per_round={str(k): " ".join(v.split()) for k, v in per_round.items()},
     )
 
 

@@ -82,6 +82,8 @@ def test_grid_over_the_equal_budget_is_refused(tmp_path):
         {"colour": 1},
         {"methods": {"fedavg": {"grids": {}}}},
         {"settings": {"a": "no-such.yaml"}},
+        {"per_round": ["cluster_group_ari"]},
+        {"per_round": {"cluster_group_ari": ""}},
     ],
 )
 def test_bad_specs_name_the_key(tmp_path, bad):
@@ -572,6 +574,40 @@ def test_runs_that_lost_replies_are_flagged_in_the_report(tmp_path):
         tables_spec.write_csv(runs / f"fedavg-s{seed}" / "rounds.csv", keys, [dict(zip(keys, r)) for r in lost[0]])
     md = tables_report.report(spec, tmp_path / "work", tmp_path / "docs").read_text()
     assert "| fedavg | 0.600 ± 0.010 |" in md and "lost replies" not in md
+
+
+def test_a_per_round_column_is_tabled_per_method_and_round_over_the_seeds(tmp_path):
+    """A spec's ``per_round`` column: one table per setting, a cell per (method, round) holding the mean ± SEM over
+    the seeds' runs of that round's value (not another round's, not the last), rounds a run lacks left out of its
+    mean; a method whose runs never recorded the column has no row, nor one whose comparison has not finished; every
+    cell is a row of <name>-per-round.csv."""
+    spec = tables_spec.load_spec(
+        write_spec(
+            tmp_path,
+            methods={"fedavg": {}, "local": {}, "fedprox": {}},
+            settings={"a": str(BASE)},
+            seeds=[0, 1],
+            per_round={"cluster_group_ari": "clusters against the groups (ARI)"},
+        )
+    )
+    t = tables_run.Tables(spec, tmp_path / "work", "inprocess", 1)
+    fedavg, local, _ = spec.methods
+    keys = ["round", "acc_mean", "cluster_group_ari"]
+    write_run(t.compare_dir("a", fedavg) / "runs" / "fedavg-s0", keys, [(1, 0.5, 0.2), (2, 0.6, 0.6), (3, 0.7, 1.0)])
+    write_run(t.compare_dir("a", fedavg) / "runs" / "fedavg-s1", keys, [(1, 0.5, 0.4), (2, 0.6, ""), (3, 0.7, 0.8)])
+    write_run(t.compare_dir("a", local) / "runs" / "local-s0", ["round", "acc_mean"], [(1, 0.5), (2, 0.6)])
+    unfinished = t.compare_dir("a", spec.methods[2]) / "runs" / "fedprox-s0"  # its comparison is still running
+    write_run(unfinished, keys, [(1, 0.5, 0.7)])
+    for m in (fedavg, local):
+        write_comparison(t.compare_dir("a", m), [m.name, m.name, 2, 0.6, 0.01, 0.6, 0.01, 1048576, 1048576, 9])
+    md = tables_report.report(spec, tmp_path / "work", tmp_path / "docs").read_text()
+    assert "**clusters against the groups (ARI)** (`cluster_group_ari`), a, per round" in md
+    assert "| method | round 1 | round 2 | round 3 |" in md
+    assert "| fedavg | 0.300 ± 0.100 | 0.600 ± 0.000 | 0.900 ± 0.100 |" in md  # sample std / sqrt(2)
+    assert "| local | 0.5" not in md.split("per round")[1] and "| fedprox | 0.7" not in md
+    with (tmp_path / "docs" / "demo-per-round.csv").open() as fh:
+        got = [(r["method"], int(r["round"]), float(r["mean"]), int(r["runs"])) for r in csv.DictReader(fh)]
+    assert got == [("fedavg", 1, pytest.approx(0.3), 2), ("fedavg", 2, 0.6, 1), ("fedavg", 3, pytest.approx(0.9), 2)]
 
 
 def test_figures_keep_the_published_one_for_carried_settings_and_name_the_curves_they_lack(tmp_path):
