@@ -320,25 +320,20 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
     return md
 
 
-def per_round_values(folders: list[Path], column: str) -> dict[int, list[float]]:
-    """round -> the finite values of a rounds.csv ``column`` over the runs in ``folders`` (one per seed)."""
-    got: dict[int, list[float]] = defaultdict(list)
-    for d in folders:
-        for r in read_csv(d / "rounds.csv"):
-            if isinstance(r.get("round"), int) and finite(r.get(column)):
-                got[r["round"]].append(float(r[column]))
-    return dict(sorted(got.items()))
-
-
 def per_round_section(
     tables: Tables, setting: str, methods: list[Method], column: str, meaning: str
 ) -> tuple[list[str], list[dict[str, Any]]]:
     """A setting's table of one rounds.csv ``column`` (a spec's ``per_round``) per round and method, mean ± SEM over
     the seeds' runs in the work folder, and its rows of ``<name>-per-round.csv``; empty where no run recorded it."""
-    from fedapps_tools.compare import mean_sem
+    from fedapps_tools.compare import per_round_mean_sem
 
-    found = [(m, per_round_values(run_folders(tables, setting, m), column)) for m in methods]
-    found = [(m, values) for m, values in found if values]
+    found = []  # (method, {round: (mean, SEM)})
+    for m in methods:
+        rounds, means, sems = per_round_mean_sem(
+            [read_csv(d / "rounds.csv") for d in run_folders(tables, setting, m)], column
+        )
+        if rounds:
+            found.append((m, dict(zip(rounds, zip(means, sems)))))
     if not found:
         return [], []
     rounds = sorted({r for _, values in found for r in values})
@@ -348,27 +343,13 @@ def per_round_section(
         "| method | " + " | ".join(f"round {r}" for r in rounds) + " |",
         "|---|" + "---|" * len(rounds),
     ]
-    rows = []
+    rows = [
+        {"setting": setting, "method": m.name, "column": column, "round": r, "mean": mean, "sem": sem}
+        for m, values in found
+        for r, (mean, sem) in values.items()
+    ]
     for m, values in found:
-        cells = []
-        for r in rounds:
-            if r not in values:
-                cells.append("—")
-                continue
-            mean, sem = mean_sem(values[r])
-            cells.append(f"{mean:.3f} ± {sem:.3f}")
-            rows.append(
-                {
-                    "setting": setting,
-                    "method": m.name,
-                    "column": column,
-                    "round": r,
-                    "mean": mean,
-                    "sem": sem,
-                    "runs": len(values[r]),
-                    "values": ";".join(f"{v:.6g}" for v in values[r]),
-                }
-            )
+        cells = [f"{values[r][0]:.3f} ± {values[r][1]:.3f}" if r in values else "—" for r in rounds]
         lines.append(f"| {m.label} | " + " | ".join(cells) + " |")
     return [*lines, ""], rows
 

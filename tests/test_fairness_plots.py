@@ -193,6 +193,8 @@ def test_legend_labels_name_strategies_and_settings_only_where_needed():
     assert plots.legend_labels(tables_like) == ["cwfedavg", "cwfedavg (paper's setting)"]
     variant_alone = [("fedavg", "", "fedavg (paper's setting, 300 rounds)"), ("local", "", "local")]
     assert plots.legend_labels(variant_alone) == ["fedavg (paper's setting, 300 rounds)", "local"]
+    comma = [("cosmos", "", "cosmos (the paper's)"), ("cosmos", "", "cosmos, centred (ours)"), ("local", "", "local")]
+    assert plots.legend_labels(comma) == ["cosmos (the paper's)", "cosmos, centred (ours)", "local"]
 
 
 def test_setting_label_names_the_partition_and_its_parameter():

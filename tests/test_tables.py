@@ -606,8 +606,12 @@ def test_a_per_round_column_is_tabled_per_method_and_round_over_the_seeds(tmp_pa
     assert "| fedavg | 0.300 ± 0.100 | 0.600 ± 0.000 | 0.900 ± 0.100 |" in md  # sample std / sqrt(2)
     assert "| local | 0.5" not in md.split("per round")[1] and "| fedprox | 0.7" not in md
     with (tmp_path / "docs" / "demo-per-round.csv").open() as fh:
-        got = [(r["method"], int(r["round"]), float(r["mean"]), int(r["runs"])) for r in csv.DictReader(fh)]
-    assert got == [("fedavg", 1, pytest.approx(0.3), 2), ("fedavg", 2, 0.6, 1), ("fedavg", 3, pytest.approx(0.9), 2)]
+        got = [(r["method"], int(r["round"]), float(r["mean"]), float(r["sem"])) for r in csv.DictReader(fh)]
+    assert got == [
+        ("fedavg", 1, pytest.approx(0.3), pytest.approx(0.1)),
+        ("fedavg", 2, 0.6, 0.0),
+        ("fedavg", 3, pytest.approx(0.9), pytest.approx(0.1)),
+    ]
 
 
 def test_figures_keep_the_published_one_for_carried_settings_and_name_the_curves_they_lack(tmp_path):

@@ -123,18 +123,19 @@ def legend_labels(lines: Sequence[tuple[str, str, str]]) -> list[str]:
     the method's name; ``method (setting)`` on every line when the plot mixes settings; the fallback id added
     where two lines would still read the same (alone where it already names the method: ``cwfedavg`` and
     ``cwfedavg (paper's setting)``, not ``cwfedavg (cwfedavg)``). A fallback that reads as a variant of its method
-    (``fedavg (cwFedAvg paper's setting, 300 rounds)``: a tables label) is the label even on a line of its own, so
-    that a variant is never shown under its bare method's name."""
+    (``fedavg (cwFedAvg paper's setting, 300 rounds)``, ``cosmos, centred by architecture``: tables labels) is the
+    label even on a line of its own, so that a variant is never shown under its bare method's name."""
     mixed = len({setting for _, setting, _ in lines}) > 1
     labels = [f"{m} ({setting})" if mixed else m for m, setting, _ in lines]
     out = []
     for label, (m, setting, fallback) in zip(labels, lines):
-        if not mixed and fallback.startswith(f"{m} ("):
+        variant = fallback.startswith((f"{m} (", f"{m}, "))  # "cosmos (…)", "cosmos, centred …": a label of the method
+        if not mixed and variant:
             label = fallback
         elif labels.count(label) > 1:
             if mixed:
                 label = f"{m} ({setting}; {fallback})"
-            elif fallback == m or fallback.startswith(f"{m} ("):  # the id already reads as a label of the method
+            elif fallback == m or variant:
                 label = fallback
             else:
                 label = f"{m} ({fallback})"
