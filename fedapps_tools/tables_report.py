@@ -282,6 +282,7 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
     lines = intro_lines(spec, out)
     csv_rows: list[dict[str, Any]] = []
     round_rows: list[dict[str, Any]] = []
+    published_rounds = published_per_round(out / f"{spec.name}-per-round.csv")
     carried = []
     for setting in spec.settings:
         methods = [m for m in spec.methods if m.runs_in(setting)]
@@ -292,9 +293,8 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
         section, rows = setting_section(tables, setting, methods, got, out)
         lines += section
         csv_rows += rows
-        measured = [m for m in methods if m.name in got.rows and m.name not in got.carried]  # not runs under way
         for column, meaning in spec.per_round.items():
-            section, rows = per_round_section(tables, setting, measured, column, meaning)
+            section, rows = per_round_section(tables, setting, methods, got, column, meaning, published_rounds)
             lines += section
             round_rows += rows
     if carried:
@@ -320,20 +320,43 @@ def report(spec: Spec, work: Path, out: Path) -> Path:
     return md
 
 
+PerRound = dict[int, tuple[float, float]]  # round -> (mean, SEM) over the seeds
+
+
+def published_per_round(path: Path) -> dict[tuple[str, str, str], PerRound]:
+    """A published ``<name>-per-round.csv`` as (setting, method, column) -> its rounds' (mean, SEM); empty if none."""
+    got: dict[tuple[str, str, str], PerRound] = defaultdict(dict)
+    for r in read_rows(path) if path.is_file() else []:
+        got[(r["setting"], r["method"], r["column"])][int(r["round"])] = (float(r["mean"]), float(r["sem"]))
+    return dict(got)
+
+
 def per_round_section(
-    tables: Tables, setting: str, methods: list[Method], column: str, meaning: str
+    tables: Tables,
+    setting: str,
+    methods: list[Method],
+    got: SettingRows,
+    column: str,
+    meaning: str,
+    published: dict[tuple[str, str, str], PerRound],
 ) -> tuple[list[str], list[dict[str, Any]]]:
-    """A setting's table of one rounds.csv ``column`` (a spec's ``per_round``) per round and method, mean ± SEM over
-    the seeds' runs in the work folder, and its rows of ``<name>-per-round.csv``; empty where no run recorded it."""
+    """A setting's table of one rounds.csv ``column`` (a spec's ``per_round``) per round and method with a row in the
+    setting's table: mean ± SEM over the seeds' runs in the work folder, or the published values where the row is
+    carried over; and its rows of ``<name>-per-round.csv``. Empty where no method has values."""
     from fedapps_tools.compare import per_round_mean_sem
 
-    found = []  # (method, {round: (mean, SEM)})
+    found: list[tuple[Method, PerRound]] = []
     for m in methods:
-        rounds, means, sems = per_round_mean_sem(
-            [read_csv(d / "rounds.csv") for d in run_folders(tables, setting, m)], column
-        )
-        if rounds:
-            found.append((m, dict(zip(rounds, zip(means, sems)))))
+        if m.name not in got.rows:  # not run yet, or its comparison is still running
+            continue
+        if m.name in got.carried:
+            values = published.get((setting, m.name, column), {})
+        else:
+            runs = [read_csv(d / "rounds.csv") for d in run_folders(tables, setting, m)]
+            rounds, means, sems = per_round_mean_sem(runs, column)
+            values = dict(zip(rounds, zip(means, sems)))
+        if values:
+            found.append((m, values))
     if not found:
         return [], []
     rounds = sorted({r for _, values in found for r in values})
@@ -343,14 +366,17 @@ def per_round_section(
         "| method | " + " | ".join(f"round {r}" for r in rounds) + " |",
         "|---|" + "---|" * len(rounds),
     ]
+    for m, values in found:
+        cells = [f"{values[r][0]:.3f} ± {values[r][1]:.3f}" if r in values else "—" for r in rounds]
+        lines.append(f"| {m.label} | " + " | ".join(cells) + " |")
+    carried = [m.label for m, _ in found if m.name in got.carried]
+    if carried:
+        lines += ["", f"Carried over from the published `{tables.spec.name}-per-round.csv`: {', '.join(carried)}."]
     rows = [
         {"setting": setting, "method": m.name, "column": column, "round": r, "mean": mean, "sem": sem}
         for m, values in found
         for r, (mean, sem) in values.items()
     ]
-    for m, values in found:
-        cells = [f"{values[r][0]:.3f} ± {values[r][1]:.3f}" if r in values else "—" for r in rounds]
-        lines.append(f"| {m.label} | " + " | ".join(cells) + " |")
     return [*lines, ""], rows
 
 

@@ -580,7 +580,7 @@ def test_a_per_round_column_is_tabled_per_method_and_round_over_the_seeds(tmp_pa
     """A spec's ``per_round`` column: one table per setting, a cell per (method, round) holding the mean ± SEM over
     the seeds' runs of that round's value (not another round's, not the last), rounds a run lacks left out of its
     mean; a method whose runs never recorded the column has no row, nor one whose comparison has not finished; every
-    cell is a row of <name>-per-round.csv."""
+    cell is a row of <name>-per-round.csv, which stands in for the runs of rows carried over."""
     spec = tables_spec.load_spec(
         write_spec(
             tmp_path,
@@ -612,6 +612,11 @@ def test_a_per_round_column_is_tabled_per_method_and_round_over_the_seeds(tmp_pa
         ("fedavg", 2, 0.6, 0.0),
         ("fedavg", 3, pytest.approx(0.9), pytest.approx(0.1)),
     ]
+    published = (tmp_path / "docs" / "demo-per-round.csv").read_text()
+    md = tables_report.report(spec, tmp_path / "gone", tmp_path / "docs").read_text()  # the runs' folder is gone
+    assert "| fedavg | 0.300 ± 0.100 | 0.600 ± 0.000 | 0.900 ± 0.100 |" in md
+    assert "Carried over from the published `demo-per-round.csv`: fedavg." in md
+    assert (tmp_path / "docs" / "demo-per-round.csv").read_text() == published
 
 
 def test_figures_keep_the_published_one_for_carried_settings_and_name_the_curves_they_lack(tmp_path):
